@@ -1,0 +1,48 @@
+# The two commands of the quick start: `make up` and `make test`. Everything installs into .venv,
+# pinned by constraints.txt, so a fresh machine needs only python3 (3.11) and this repo.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q -c constraints.txt
+PROTOS := $(shell find protos/opml -name '*.proto')
+PACKAGES := protos/python libs/common services/bundle-store
+STAMP := $(VENV)/.installed
+
+.PHONY: install protos check-protos up down test unit integration bench clean
+
+install: $(STAMP) protos
+
+$(STAMP): constraints.txt $(foreach p,$(PACKAGES),$(p)/pyproject.toml)
+	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) --upgrade pip==23.2.1 setuptools==80.9.0 wheel==0.45.1
+	$(PIP) grpcio-tools==1.81.1
+	$(MAKE) protos
+	$(PIP) -e protos/python -e 'libs/common[devinfra,test]' -e 'services/bundle-store[test]'
+	touch $(STAMP)
+
+# Python stubs are generated from protos/ (never edited by hand; git ignores them).
+protos: protos/python/.generated
+protos/python/.generated: $(PROTOS)
+	$(PY) scripts/gen_protos.py protos protos/python
+	touch $@
+
+# Fails when the generated stubs differ from what protos/ produce now.
+check-protos: install
+	$(PY) scripts/gen_protos.py protos protos/python --check
+
+up: install
+	$(PY) -m opml_common.stack up --main-job scripts/main_job.py
+
+down:
+	$(PY) -m opml_common.stack down
+
+test: install
+	$(PY) -m pytest
+
+bench: install
+	$(PY) bench/bundle_store_transfer.py
+
+clean:
+	rm -rf $(VENV) protos/python/opml protos/python/.generated .opml

@@ -1,0 +1,63 @@
+"""Pytest fixtures for the real infrastructure (registered as the ``opml_infra`` plugin).
+
+One broker, S3 server and Redis per test session: Docker images through testcontainers where a
+Docker engine answers, else the embedded binaries of :mod:`opml_common.devinfra` on free ports.
+Every session gets a unique topic, bucket and Redis-key prefix, so runs never see each other's
+data (the machine's Redis is shared, and ``make up`` may be running beside the tests).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from opml_common.config import PlatformSettings
+from opml_common.devinfra import DevInfra, Endpoints
+from opml_common.testing.containers import docker_available, start_containers
+
+
+@pytest.fixture(scope="session")
+def infra(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Endpoints]:
+    """Endpoints of a real Kafka-compatible broker, S3 server and Redis for this test session."""
+    if docker_available():
+        with start_containers() as endpoints:
+            yield endpoints
+        return
+    with DevInfra(workdir=Path(tmp_path_factory.mktemp("infra"))) as endpoints:
+        yield endpoints
+
+
+@pytest.fixture(scope="session")
+def run_id() -> str:
+    """A short id unique to this test session, used in every name the session creates."""
+    return uuid.uuid4().hex[:10]
+
+
+@pytest.fixture
+def unique_prefix(run_id: str) -> str:
+    """A prefix unique to one test: ``t<run>-<test>-``, valid in topic, bucket and key names."""
+    return f"t{run_id}-{uuid.uuid4().hex[:6]}-"
+
+
+@pytest.fixture
+def settings_env(infra: Endpoints, unique_prefix: str) -> dict[str, str]:
+    """OPML_* variables pointing a service or client at the test infrastructure, names isolated."""
+    return {
+        **infra.env(),
+        "OPML_TOPIC_PREFIX": unique_prefix,
+        "OPML_REDIS_PREFIX": f"opml-test:{unique_prefix}",
+        "OPML_KAFKA_SESSION_TIMEOUT_MS": "2000",
+        "OPML_KAFKA_HEARTBEAT_INTERVAL_MS": "500",
+        "OPML_LOG_FORMAT": "text",
+    }
+
+
+@pytest.fixture
+def platform_settings(settings_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> PlatformSettings:
+    """PlatformSettings for the test infrastructure with this test's unique prefixes."""
+    for key, value in settings_env.items():
+        monkeypatch.setenv(key, value)
+    return PlatformSettings()
