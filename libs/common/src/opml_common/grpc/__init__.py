@@ -1,0 +1,1 @@
+"""gRPC runtime of every service: server bootstrap, interceptors, and client helpers."""

@@ -1,0 +1,222 @@
+"""Server interceptors: who is calling (auth), and what became of each call (status, metrics, logs).
+
+Both wrap the method handler instead of adding flags to servicers. ``ObservabilityInterceptor`` is
+the one place where domain errors become status codes (as KServe does): ``OpmlError`` subclasses
+map to their code with their message; anything else is INTERNAL with a generic message and the
+traceback logged, so internals never leak to callers.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import grpc
+from grpc.aio import AbortError
+
+from opml_common.errors import OpmlError
+from opml_common.metrics import ServiceMetrics
+
+log = logging.getLogger(__name__)
+
+ROLE_RANK = {"reader": 0, "writer": 1, "admin": 2}
+
+
+@dataclass(frozen=True)
+class Principal:
+    """The authenticated caller of the current RPC."""
+
+    name: str
+    roles: frozenset[str]
+
+    def has(self, role: str) -> bool:
+        return any(ROLE_RANK[r] >= ROLE_RANK[role] for r in self.roles)
+
+
+ANONYMOUS_ADMIN = Principal("anonymous", frozenset({"admin"}))
+_principal: contextvars.ContextVar[Principal] = contextvars.ContextVar("opml_principal", default=ANONYMOUS_ADMIN)
+
+
+def current_principal() -> Principal:
+    """The caller of the RPC being handled (for lineage's creator, audit logs)."""
+    return _principal.get()
+
+
+Behavior = Callable[..., object]
+
+
+def _wrap(handler: grpc.RpcMethodHandler, around: Callable[[Behavior, bool], Behavior]) -> grpc.RpcMethodHandler:
+    """Return ``handler`` with its behavior replaced by ``around(behavior, streaming_response)``."""
+    for kind, factory in (
+        ("unary_unary", grpc.unary_unary_rpc_method_handler),
+        ("unary_stream", grpc.unary_stream_rpc_method_handler),
+        ("stream_unary", grpc.stream_unary_rpc_method_handler),
+        ("stream_stream", grpc.stream_stream_rpc_method_handler),
+    ):
+        behavior = getattr(handler, kind)
+        if behavior is not None:
+            return factory(
+                around(behavior, kind.endswith("_stream")),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+    return handler
+
+
+def _method_name(full_method: str) -> str:
+    return full_method.rsplit("/", 1)[-1]
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Bearer-token auth with roles (reader < writer < admin).
+
+    ``method_roles`` maps a method name (``DeleteBundle``) to the role it needs; methods not
+    listed need ``default_role``. With no tokens configured (dev), every caller is an anonymous
+    admin. Health and reflection are always open so probes and tools work.
+    """
+
+    OPEN_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+
+    def __init__(self, tokens: Mapping[str, frozenset[str]], *, method_roles: Mapping[str, str],
+                 default_role: str = "writer") -> None:
+        unknown = {r for r in (*method_roles.values(), default_role) if r not in ROLE_RANK}
+        if unknown:
+            raise ValueError(f"method_roles must use roles {sorted(ROLE_RANK)}, but got {sorted(unknown)}")
+        self._tokens = dict(tokens)
+        self._method_roles = dict(method_roles)
+        self._default_role = default_role
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or not self._tokens or handler_call_details.method.startswith(self.OPEN_PREFIXES):
+            return handler
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        scheme, _, token = str(metadata.get("authorization", "")).partition(" ")
+        roles = self._tokens.get(token) if scheme.lower() == "bearer" else None
+        method = _method_name(handler_call_details.method)
+        needed = self._method_roles.get(method, self._default_role)
+        if roles is None:
+            return _wrap(handler, _reject(grpc.StatusCode.UNAUTHENTICATED,
+                                          "missing or unknown bearer token (send 'authorization: Bearer <token>')"))
+        principal = Principal(f"token:{token[:4]}…", roles)
+        if not principal.has(needed):
+            return _wrap(handler, _reject(grpc.StatusCode.PERMISSION_DENIED,
+                                          f"{method} needs the {needed} role; the caller has {sorted(roles)}"))
+        return _wrap(handler, _with_principal(principal))
+
+
+def _reject(code: grpc.StatusCode, message: str) -> Callable[[Behavior, bool], Behavior]:
+    def around(_behavior: Behavior, streaming: bool) -> Behavior:
+        if streaming:
+            async def reject_stream(_request, context):
+                await context.abort(code, message)
+                yield  # pragma: no cover - makes this an async generator
+            return reject_stream
+
+        async def reject(_request, context):
+            await context.abort(code, message)
+        return reject
+    return around
+
+
+def _with_principal(principal: Principal) -> Callable[[Behavior, bool], Behavior]:
+    def around(behavior: Behavior, streaming: bool) -> Behavior:
+        if streaming:
+            async def stream(request, context):
+                token = _principal.set(principal)
+                try:
+                    async for response in behavior(request, context):
+                        yield response
+                finally:
+                    _principal.reset(token)
+            return stream
+
+        async def unary(request, context):
+            token = _principal.set(principal)
+            try:
+                return await behavior(request, context)
+            finally:
+                _principal.reset(token)
+        return unary
+    return around
+
+
+class ObservabilityInterceptor(grpc.aio.ServerInterceptor):
+    """RED metrics and a log line per RPC, and the mapping of domain errors to status codes."""
+
+    def __init__(self, metrics: ServiceMetrics) -> None:
+        self._requests = metrics.counter("grpc_requests_total", "RPCs handled, by method and status code.",
+                                         ("method", "code"))
+        self._duration = metrics.histogram("grpc_request_duration_seconds", "RPC duration.", ("method",))
+        self._in_flight = metrics.gauge("grpc_requests_in_flight", "RPCs being handled.", ("method",))
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        return _wrap(handler, self._observe(_method_name(handler_call_details.method)))
+
+    def _observe(self, method: str) -> Callable[[Behavior, bool], Behavior]:
+        def around(behavior: Behavior, streaming: bool) -> Behavior:
+            if streaming:
+                async def stream(request, context):
+                    with _CallRecord(self, method, context) as record:
+                        try:
+                            async for response in behavior(request, context):
+                                yield response
+                        except Exception as exc:  # noqa: BLE001 - mapped, never leaked
+                            await record.fail(exc)
+                return stream
+
+            async def unary(request, context):
+                with _CallRecord(self, method, context) as record:
+                    try:
+                        return await behavior(request, context)
+                    except Exception as exc:  # noqa: BLE001 - mapped, never leaked
+                        await record.fail(exc)
+            return unary
+        return around
+
+
+class _CallRecord:
+    """Times one RPC, decides its final code, and records metrics and a log line on exit."""
+
+    def __init__(self, owner: ObservabilityInterceptor, method: str, context: grpc.aio.ServicerContext) -> None:
+        self.owner, self.method, self.context = owner, method, context
+        self.code = "OK"
+
+    def __enter__(self) -> "_CallRecord":
+        self.start = time.perf_counter()
+        self.owner._in_flight.labels(self.method).inc()
+        return self
+
+    async def fail(self, exc: Exception) -> None:
+        if isinstance(exc, AbortError):  # the servicer or another interceptor already set the status
+            self.code = _code_name(self.context.code())
+            raise exc
+        if isinstance(exc, OpmlError):
+            self.code = exc.code
+            await self.context.abort(grpc.StatusCode[exc.code], exc.message)
+        incident = uuid.uuid4().hex[:12]
+        self.code = "INTERNAL"
+        log.exception("unhandled error in %s (incident %s)", self.method, incident)
+        await self.context.abort(grpc.StatusCode.INTERNAL, f"internal error (incident {incident}); see service logs")
+
+    def __exit__(self, exc_type, exc, _tb) -> None:
+        elapsed = time.perf_counter() - self.start
+        if exc_type is not None and issubclass(exc_type, BaseException) and self.code == "OK":
+            self.code = "CANCELLED" if exc_type.__name__ == "CancelledError" else _code_name(self.context.code())
+        self.owner._in_flight.labels(self.method).dec()
+        self.owner._requests.labels(self.method, self.code).inc()
+        self.owner._duration.labels(self.method).observe(elapsed)
+        log.log(logging.DEBUG if self.code == "OK" else logging.INFO, "rpc", extra={"method": self.method, "code": self.code, "duration_ms": round(elapsed * 1000, 3),
+                               "principal": current_principal().name})
+
+
+def _code_name(code: grpc.StatusCode | None) -> str:
+    return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+

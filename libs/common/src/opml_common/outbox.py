@@ -1,0 +1,94 @@
+"""A durable outbox: events are written to disk before they are published, deleted after the ack.
+
+A service whose state change is already durable (a committed bundle) must not lose the event
+that announces it when the broker is down. It records the event here first; ``flush()``
+publishes what is pending, oldest first, and a background task keeps retrying. After a crash,
+the next start publishes what was left, so delivery is at least once; consumers deduplicate by
+event id, which stays the same across retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from pathlib import Path
+
+from opml_common.bus import CloudEvent, EventPublisher
+from opml_common.metrics import ServiceMetrics
+from opml_common.topics import ALL_TOPICS, Topic
+
+log = logging.getLogger(__name__)
+
+
+class Outbox:
+    """Events waiting for the broker's ack, one file each under ``directory``.
+
+    ``start()`` begins a background flush loop; ``stop()`` ends it after one last flush attempt.
+    """
+
+    def __init__(self, directory: Path, publisher: EventPublisher, metrics: ServiceMetrics,
+                 *, retry_interval_s: float = 2.0) -> None:
+        self._dir = directory
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self._publisher = publisher
+        self._retry_interval_s = retry_interval_s
+        self._lock = asyncio.Lock()
+        self._task: asyncio.Task | None = None
+        self._pending = metrics.gauge("outbox_pending_events", "Events recorded but not yet acked by the broker.")
+        self._topics = {t.name: t for t in ALL_TOPICS}
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._pending.set(len(self._files()))
+            self._task = asyncio.create_task(self._flush_loop(), name="outbox-flush")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+            await self.flush()
+
+    async def publish(self, topic: Topic, event: CloudEvent) -> bool:
+        """Record ``event`` durably, then try to publish it now. False: it stays pending for the loop."""
+        self._write(topic, event)
+        return await self.flush()
+
+    async def flush(self) -> bool:
+        """Publish pending events oldest first; True when none is left."""
+        async with self._lock:
+            for path in self._files():
+                record = json.loads(path.read_text())
+                event = CloudEvent.from_kafka(
+                    [(k, v.encode("latin-1")) for k, v in record["headers"]], bytes.fromhex(record["data"]))
+                try:
+                    await self._publisher.publish(self._topics[record["topic"]], event)
+                except Exception as exc:  # noqa: BLE001 - the broker is down or slow: keep it for later
+                    log.warning("outbox: publish failed, will retry", extra={"error": str(exc), "event": event.id})
+                    return False
+                path.unlink()
+                self._pending.set(len(self._files()))
+            return True
+
+    def _write(self, topic: Topic, event: CloudEvent) -> None:
+        record = {"topic": topic.name, "data": event.data.hex(),
+                  "headers": [(k, v.decode("latin-1")) for k, v in event.kafka_headers()]}
+        final = self._dir / f"{event.time.timestamp():020.6f}-{event.id}.json"
+        tmp = final.with_suffix(".tmp")
+        with open(tmp, "w") as handle:
+            json.dump(record, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, final)
+        self._pending.set(len(self._files()))
+
+    def _files(self) -> list[Path]:
+        return sorted(self._dir.glob("*.json"))
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._retry_interval_s)
+            if self._files():
+                await self.flush()

@@ -1,0 +1,100 @@
+"""Run a service as a child process and know when it is ready (used by the dev stack and tests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def wait_until_serving(target: str, *, timeout_s: float, process: subprocess.Popen | None = None,
+                       log_path: Path | None = None) -> None:
+    """Block until the gRPC health service at ``target`` answers SERVING."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if process is not None and process.poll() is not None:
+                tail = log_path.read_text()[-3000:] if log_path and log_path.exists() else ""
+                raise RuntimeError(f"service exited with {process.returncode} before serving:\n{tail}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise TimeoutError(f"{target} did not report SERVING within {timeout_s}s")
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """How to run one service: published by each service under the ``opml.services`` entry points."""
+
+    name: str
+    module: str
+    settings: type  # the service's ServiceSettings subclass (gives its ports)
+
+
+@dataclass
+class ServiceProcess:
+    """``python -m <module>`` with extra environment; ``start()`` returns once gRPC health is SERVING.
+
+    ``stop()`` sends SIGTERM (graceful shutdown), then SIGKILL after ``stop_timeout_s``; ``kill()``
+    is the crash a test injects. Output goes to ``log_path``.
+    """
+
+    module: str
+    grpc_port: int
+    env: dict[str, str]
+    log_path: Path
+    startup_timeout_s: float = 60.0
+    stop_timeout_s: float = 10.0
+    process: subprocess.Popen | None = field(default=None, init=False)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def start(self) -> "ServiceProcess":
+        if self.process is not None and self.process.poll() is None:
+            return self
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log_file:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", self.module], env={**os.environ, **self.env},
+                stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            wait_until_serving(self.target, timeout_s=self.startup_timeout_s, process=self.process,
+                               log_path=self.log_path)
+        except BaseException:
+            self.kill()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(self.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def __enter__(self) -> "ServiceProcess":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,49 @@
+import pytest
+from pydantic import ValidationError
+
+from opml_common.config import PlatformSettings, parse_tokens
+
+
+def test_zero_config_points_at_the_embedded_infrastructure(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("OPML_KAFKA_BOOTSTRAP", "OPML_S3_ENDPOINT", "OPML_REDIS_URL", "OPML_AUTH_TOKENS", "OPML_ENV"):
+        monkeypatch.delenv(key, raising=False)
+    settings = PlatformSettings()
+    assert settings.kafka_bootstrap == "127.0.0.1:9092"
+    assert settings.s3_endpoint == "http://127.0.0.1:8333"
+    assert settings.kafka_idempotence is False and settings.tokens() == {}
+
+
+@pytest.mark.parametrize("env, field", [
+    ({"OPML_KAFKA_BOOTSTRAP": "localhost"}, "kafka_bootstrap"),
+    ({"OPML_S3_ENDPOINT": "127.0.0.1:8333"}, "s3_endpoint"),
+    ({"OPML_KAFKA_SESSION_TIMEOUT_MS": "10"}, "kafka_session_timeout_ms"),
+    ({"OPML_ENV": "staging"}, "env"),
+])
+def test_bad_values_fail_at_start_up_naming_the_variable(monkeypatch, env, field) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValidationError, match=field):
+        PlatformSettings()
+
+
+def test_prod_refuses_to_trust_callers_without_tokens(monkeypatch) -> None:
+    monkeypatch.setenv("OPML_ENV", "prod")
+    monkeypatch.delenv("OPML_AUTH_TOKENS", raising=False)
+    with pytest.raises(ValidationError, match="OPML_AUTH_TOKENS must be set"):
+        PlatformSettings()
+
+
+def test_secrets_are_not_printed(monkeypatch) -> None:
+    monkeypatch.setenv("OPML_S3_SECRET_KEY", "hunter2")
+    monkeypatch.setenv("OPML_AUTH_TOKENS", "s3cr3t=admin")
+    text = repr(PlatformSettings())
+    assert "hunter2" not in text and "s3cr3t" not in text
+
+
+def test_token_roles() -> None:
+    assert parse_tokens("a=admin, b=reader+writer") == {"a": frozenset({"admin"}),
+                                                         "b": frozenset({"reader", "writer"})}
+    with pytest.raises(ValueError, match="roles must be among"):
+        parse_tokens("a=root")
+    with pytest.raises(ValueError, match="token=role"):
+        parse_tokens("justatoken")

@@ -1,0 +1,190 @@
+"""Python client of the bundle-store API, used by the CLI and by other services.
+
+Failed calls raise the platform's domain errors (``NotFound``, ``InvalidArgument``...), never a
+bare ``grpc.RpcError``. Files are streamed in chunks, with their sha256 sent ahead so the
+server rejects a bundle whose bytes were damaged on the way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mimetypes
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from opml.bundles.v1 import bundles_pb2 as pb
+from opml.bundles.v1 import bundles_pb2_grpc
+
+from opml_bundle_store.convert import value_to_proto
+from opml_bundle_store.core.model import Value
+from opml_common.grpc.client import open_channel, raising_domain_errors, stream_raising_domain_errors
+
+CHUNK_BYTES = 1024 * 1024
+mimetypes.add_type("application/onnx", ".onnx")
+
+FileSource = Path | bytes
+
+
+def media_type_of(path: str) -> str:
+    return mimetypes.guess_type(path)[0] or "application/octet-stream"
+
+
+def files_from_paths(paths: list[Path]) -> dict[str, Path]:
+    """Bundle paths for local files and directory trees: a file keeps its name, a tree its layout."""
+    files: dict[str, Path] = {}
+    for path in paths:
+        if path.is_dir():
+            for child in sorted(p for p in path.rglob("*") if p.is_file()):
+                files[f"{path.name}/{child.relative_to(path).as_posix()}"] = child
+        else:
+            files[path.name] = path
+    return files
+
+
+class BundleStoreClient:
+    def __init__(self, target: str, *, token: str | None = None) -> None:
+        self._channel = open_channel(target, token=token)
+        self._stub = bundles_pb2_grpc.BundleStoreStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "BundleStoreClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- contexts -----------------------------------------------------------------------------
+
+    @raising_domain_errors
+    def create_context(self, context_id: str, remote_url: str = "") -> pb.Context:
+        return self._stub.CreateContext(pb.CreateContextRequest(context_id=context_id, remote_url=remote_url))
+
+    @raising_domain_errors
+    def list_contexts(self) -> list[pb.Context]:
+        contexts, token = [], ""
+        while True:
+            reply = self._stub.ListContexts(pb.ListContextsRequest(page_token=token))
+            contexts.extend(reply.contexts)
+            if not (token := reply.next_page_token):
+                return contexts
+
+    @raising_domain_errors
+    def get_context(self, context_id: str) -> pb.Context:
+        return self._stub.GetContext(pb.GetContextRequest(name=f"contexts/{context_id}"))
+
+    @raising_domain_errors
+    def set_remote(self, context_id: str, remote_url: str) -> pb.Context:
+        return self._stub.UpdateContextRemote(
+            pb.UpdateContextRemoteRequest(name=f"contexts/{context_id}", remote_url=remote_url))
+
+    # -- bundles ------------------------------------------------------------------------------
+
+    @raising_domain_errors
+    def add(self, context_id: str, bundle_name: str, files: Mapping[str, FileSource], *,
+            values: Mapping[str, Value] | None = None, tags: Mapping[str, str] | None = None,
+            lineage: pb.Lineage | None = None, commit: bool = False,
+            media_types: Mapping[str, str] | None = None) -> pb.Bundle:
+        """Add a bundle of ``files`` (bundle path -> local file or bytes) and typed ``values``."""
+        specs = [pb.BundleFile(path=path, sha256=_sha256(source), size_bytes=_size(source),
+                               media_type=(media_types or {}).get(path) or media_type_of(path))
+                 for path, source in files.items()]
+        header = pb.AddBundleHeader(
+            parent=f"contexts/{context_id}", bundle_name=bundle_name, tags=dict(tags or {}),
+            values={k: value_to_proto(v) for k, v in (values or {}).items()}, lineage=lineage,
+            files=specs, commit=commit)
+
+        def requests() -> Iterator[pb.AddBundleRequest]:
+            yield pb.AddBundleRequest(header=header)
+            for index, source in enumerate(files.values()):
+                for chunk in _chunks(source):
+                    yield pb.AddBundleRequest(chunk=pb.FileChunk(file_index=index, data=chunk))
+
+        return self._stub.AddBundle(requests())
+
+    @raising_domain_errors
+    def list_bundles(self, context_id: str, *, bundle_name: str = "", tags: Mapping[str, str] | None = None,
+                     committed_only: bool = False, latest_only: bool = False) -> list[pb.Bundle]:
+        bundles, token = [], ""
+        while True:
+            reply = self._stub.ListBundles(pb.ListBundlesRequest(
+                parent=f"contexts/{context_id}", bundle_name=bundle_name, tags=dict(tags or {}),
+                committed_only=committed_only, latest_only=latest_only, page_token=token))
+            bundles.extend(reply.bundles)
+            if not (token := reply.next_page_token):
+                return bundles
+
+    @raising_domain_errors
+    def get_bundle(self, context_id: str, ref: str) -> pb.Bundle:
+        return self._stub.GetBundle(pb.GetBundleRequest(name=f"contexts/{context_id}/bundles/{ref}"))
+
+    def read_file(self, context_id: str, ref: str, path: str) -> Iterator[bytes]:
+        stream = self._stub.ReadBundleFile(
+            pb.ReadBundleFileRequest(name=f"contexts/{context_id}/bundles/{ref}", path=path))
+        for chunk in stream_raising_domain_errors(stream):
+            yield chunk.data
+
+    def download(self, context_id: str, ref: str, destination: Path) -> list[Path]:
+        """Write every file of the bundle under ``destination``, keeping the bundle's layout."""
+        written = []
+        for entry in self.get_bundle(context_id, ref).files:
+            target = destination / entry.path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(target, "wb") as handle:
+                for chunk in self.read_file(context_id, ref, entry.path):
+                    handle.write(chunk)
+            written.append(target)
+        return written
+
+    @raising_domain_errors
+    def commit(self, context_id: str, ref: str) -> pb.Bundle:
+        return self._stub.CommitBundle(pb.CommitBundleRequest(name=f"contexts/{context_id}/bundles/{ref}"))
+
+    def push(self, context_id: str, ref: str = "") -> Iterator[pb.TransferProgress]:
+        """Progress messages of the push; the last one has ``done`` set and the pushed bundles."""
+        return stream_raising_domain_errors(
+            self._stub.PushBundles(pb.PushBundlesRequest(parent=f"contexts/{context_id}", bundle=ref)))
+
+    def pull(self, context_id: str, bundle_name: str = "", *, localize: bool = False) -> Iterator[pb.TransferProgress]:
+        return stream_raising_domain_errors(self._stub.PullBundles(pb.PullBundlesRequest(
+            parent=f"contexts/{context_id}", bundle_name=bundle_name, localize=localize)))
+
+    @raising_domain_errors
+    def delete(self, context_id: str, ref: str, *, remote: bool = False) -> list[str]:
+        reply = self._stub.DeleteBundle(
+            pb.DeleteBundleRequest(name=f"contexts/{context_id}/bundles/{ref}", remote=remote))
+        return list(reply.deleted_uuids)
+
+    @raising_domain_errors
+    def gc(self, context_id: str, *, remote: bool = False, grace_seconds: int = 0,
+           dry_run: bool = False) -> pb.GarbageCollectResponse:
+        return self._stub.GarbageCollect(pb.GarbageCollectRequest(
+            parent=f"contexts/{context_id}", remote=remote, grace_seconds=grace_seconds, dry_run=dry_run))
+
+    @raising_domain_errors
+    def lineage(self, context_id: str, ref: str, *, direction: int = pb.GetLineageRequest.BOTH,
+                max_depth: int = 0) -> pb.LineageGraph:
+        return self._stub.GetLineage(pb.GetLineageRequest(
+            name=f"contexts/{context_id}/bundles/{ref}", direction=direction, max_depth=max_depth))
+
+
+def _chunks(source: FileSource) -> Iterator[bytes]:
+    if isinstance(source, bytes):
+        for start in range(0, len(source), CHUNK_BYTES):
+            yield source[start:start + CHUNK_BYTES]
+        return
+    with open(source, "rb") as handle:
+        while chunk := handle.read(CHUNK_BYTES):
+            yield chunk
+
+
+def _sha256(source: FileSource) -> str:
+    digest = hashlib.sha256()
+    for chunk in _chunks(source):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _size(source: FileSource) -> int:
+    return len(source) if isinstance(source, bytes) else source.stat().st_size

@@ -1,0 +1,79 @@
+"""Conversions between the core's dataclasses and the opml.bundles.v1 messages (no logic here)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from google.protobuf.timestamp_pb2 import Timestamp
+from opml.bundles.v1 import bundles_pb2 as pb
+
+from opml_bundle_store.core.model import Bundle, ContextInfo, FileEntry, Lineage, Value
+
+_VALUE_FIELDS = (("bool_value", bool), ("int_value", int), ("float_value", float),
+                 ("string_value", str), ("bytes_value", bytes))
+
+
+def value_to_proto(value: Value) -> pb.Value:
+    for field, kind in _VALUE_FIELDS:  # bool before int: True is an int in Python
+        if isinstance(value, kind):
+            return pb.Value(**{field: value})
+    raise TypeError(f"unsupported value type {type(value).__name__}")
+
+
+def value_from_proto(message: pb.Value) -> Value | None:
+    kind = message.WhichOneof("kind")
+    return getattr(message, kind) if kind else None
+
+
+def _timestamp(moment: datetime | None) -> Timestamp | None:
+    if moment is None:
+        return None
+    stamp = Timestamp()
+    stamp.FromDatetime(moment.astimezone(timezone.utc))
+    return stamp
+
+
+def _datetime(stamp: Timestamp, present: bool) -> datetime | None:
+    return stamp.ToDatetime(tzinfo=timezone.utc) if present else None
+
+
+def lineage_to_proto(lineage: Lineage) -> pb.Lineage:
+    return pb.Lineage(input_uuids=list(lineage.input_uuids), code_version=lineage.code_version,
+                      parameters=dict(lineage.parameters), creator=lineage.creator,
+                      start_time=_timestamp(lineage.start_time), stop_time=_timestamp(lineage.stop_time))
+
+
+def lineage_from_proto(message: pb.Lineage) -> Lineage:
+    return Lineage(
+        input_uuids=tuple(message.input_uuids), code_version=message.code_version,
+        parameters=dict(message.parameters), creator=message.creator,
+        start_time=_datetime(message.start_time, message.HasField("start_time")),
+        stop_time=_datetime(message.stop_time, message.HasField("stop_time")),
+    )
+
+
+def file_to_proto(entry: FileEntry) -> pb.BundleFile:
+    return pb.BundleFile(path=entry.path, sha256=entry.sha256, size_bytes=entry.size, media_type=entry.media_type)
+
+
+def bundle_to_proto(bundle: Bundle) -> pb.Bundle:
+    return pb.Bundle(
+        name=f"contexts/{bundle.context}/bundles/{bundle.uuid}",
+        context=bundle.context,
+        bundle_name=bundle.name,
+        uuid=bundle.uuid,
+        tags=dict(bundle.tags),
+        files=[file_to_proto(f) for f in bundle.files],
+        values={k: value_to_proto(v) for k, v in bundle.values.items()},
+        lineage=lineage_to_proto(bundle.lineage),
+        content_hash=bundle.content_hash,
+        committed=bundle.committed,
+        create_time=_timestamp(bundle.create_time),
+        commit_time=_timestamp(bundle.commit_time),
+        remote_url=bundle.remote_url or "",
+        localized=bundle.localized,
+    )
+
+
+def context_to_proto(info: ContextInfo) -> pb.Context:
+    return pb.Context(name=f"contexts/{info.name}", remote_url=info.remote_url or "", bundle_count=info.bundle_count)

@@ -1,0 +1,289 @@
+"""The BundleStore gRPC servicer: parses requests, runs the core off the event loop, publishes events.
+
+It holds no bundle logic: that is in :mod:`opml_bundle_store.core`, which imports no grpc. Domain
+errors raised by the core become status codes in the shared ObservabilityInterceptor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+from collections.abc import AsyncIterator, Callable
+
+from opml.bundles.v1 import bundles_pb2 as pb
+from opml.bundles.v1 import bundles_pb2_grpc
+from opml.bundles.v1 import events_pb2
+
+from opml_bundle_store.convert import bundle_to_proto, context_to_proto, lineage_from_proto, value_from_proto
+from opml_bundle_store.core.model import Bundle, TransferProgress
+from opml_bundle_store.core.store import BundleStore
+from opml_common.bus import CloudEvent
+from opml_common.errors import InvalidArgument
+from opml_common.grpc.interceptors import current_principal
+from opml_common.outbox import Outbox
+from opml_common.pagination import paginate
+from opml_common.topics import BUNDLES
+
+EVENT_SOURCE = "opml/bundle-store"
+_CONTEXT_NAME = re.compile(r"^contexts/([^/]+)$")
+_BUNDLE_NAME = re.compile(r"^contexts/([^/]+)/bundles/([^/]+)$")
+_PROGRESS_INTERVAL_S = 0.2
+
+# Roles per method; every other method needs the writer role.
+METHOD_ROLES = {
+    "ListContexts": "reader", "GetContext": "reader", "ListBundles": "reader", "GetBundle": "reader",
+    "ReadBundleFile": "reader", "GetLineage": "reader",
+    "DeleteBundle": "admin", "GarbageCollect": "admin",
+}
+
+
+def parse_context_name(field: str, name: str) -> str:
+    match = _CONTEXT_NAME.match(name)
+    if not match:
+        raise InvalidArgument(field, f"must look like contexts/{{context}}, but got {name!r}")
+    return match.group(1)
+
+
+def parse_bundle_name(field: str, name: str) -> tuple[str, str]:
+    match = _BUNDLE_NAME.match(name)
+    if not match:
+        raise InvalidArgument(field, f"must look like contexts/{{context}}/bundles/{{uuid or name}}, but got {name!r}")
+    return match.group(1), match.group(2)
+
+
+class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
+    def __init__(self, store: BundleStore, outbox: Outbox) -> None:
+        self._store = store
+        self._outbox = outbox
+
+    # -- contexts ---------------------------------------------------------------------------
+
+    async def CreateContext(self, request: pb.CreateContextRequest, context) -> pb.Context:
+        info = await asyncio.to_thread(self._store.create_context, request.context_id, request.remote_url or None)
+        return context_to_proto(info)
+
+    async def ListContexts(self, request: pb.ListContextsRequest, context) -> pb.ListContextsResponse:
+        infos = await asyncio.to_thread(self._store.list_contexts)
+        page, token = paginate(infos, request.page_size, request.page_token)
+        return pb.ListContextsResponse(contexts=[context_to_proto(i) for i in page], next_page_token=token)
+
+    async def GetContext(self, request: pb.GetContextRequest, context) -> pb.Context:
+        context_id = parse_context_name("name", request.name)
+        return context_to_proto(await asyncio.to_thread(self._store.get_context, context_id))
+
+    async def UpdateContextRemote(self, request: pb.UpdateContextRemoteRequest, context) -> pb.Context:
+        context_id = parse_context_name("name", request.name)
+        info = await asyncio.to_thread(self._store.set_remote, context_id, request.remote_url or None)
+        return context_to_proto(info)
+
+    # -- bundles ----------------------------------------------------------------------------
+
+    async def AddBundle(self, request_iterator: AsyncIterator[pb.AddBundleRequest], context) -> pb.Bundle:
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("part") != "header":
+            raise InvalidArgument("header", "the first AddBundleRequest must carry the header")
+        header = first.header
+        context_id = parse_context_name("header.parent", header.parent)
+        lineage = lineage_from_proto(header.lineage)
+        if not lineage.creator:
+            lineage = dataclasses.replace(lineage, creator=current_principal().name)
+        values = {key: value_from_proto(value) for key, value in header.values.items()}
+        for key, value in values.items():
+            if value is None:
+                raise InvalidArgument(f"header.values[{key!r}]", "has no value set")
+        upload = _ChunkBridge(asyncio.get_running_loop(), len(header.files))
+
+        def write() -> Bundle:
+            with self._store.new_bundle(context_id, header.bundle_name, tags=dict(header.tags), values=values,
+                                        lineage=lineage) as writer:
+                for index, spec in enumerate(header.files):
+                    writer.add_file(spec.path, upload.chunks_of(index), media_type=spec.media_type or None,
+                                    expected_sha256=spec.sha256 or None, expected_size=spec.size_bytes)
+                upload.expect_end()
+                return writer.finish(commit=header.commit)
+
+        writer_task = asyncio.ensure_future(asyncio.to_thread(write))
+        try:
+            async for message in request_iterator:
+                if message.WhichOneof("part") != "chunk":
+                    raise InvalidArgument("chunk", "only the first AddBundleRequest may carry a header")
+                if not await upload.feed(message.chunk, writer_task):
+                    break
+            await upload.feed(None, writer_task)
+            bundle = await writer_task
+        except BaseException:
+            upload.abort()
+            await asyncio.gather(writer_task, return_exceptions=True)
+            raise
+        if bundle.committed:
+            await self._announce_commit(bundle)
+        return bundle_to_proto(bundle)
+
+    async def ListBundles(self, request: pb.ListBundlesRequest, context) -> pb.ListBundlesResponse:
+        context_id = parse_context_name("parent", request.parent)
+        bundles = await asyncio.to_thread(
+            self._store.list_bundles, context_id, bundle_name=request.bundle_name or None,
+            tags=dict(request.tags) or None, committed_only=request.committed_only, latest_only=request.latest_only)
+        query = repr((request.parent, request.bundle_name, sorted(request.tags.items()),
+                      request.committed_only, request.latest_only))
+        page, token = paginate(bundles, request.page_size, request.page_token, query=query)
+        return pb.ListBundlesResponse(bundles=[bundle_to_proto(b) for b in page], next_page_token=token)
+
+    async def GetBundle(self, request: pb.GetBundleRequest, context) -> pb.Bundle:
+        context_id, ref = parse_bundle_name("name", request.name)
+        return bundle_to_proto(await asyncio.to_thread(self._store.get_bundle, context_id, ref))
+
+    async def ReadBundleFile(self, request: pb.ReadBundleFileRequest, context) -> AsyncIterator[pb.FileChunk]:
+        context_id, ref = parse_bundle_name("name", request.name)
+        if not request.path:
+            raise InvalidArgument("path", "must name a file of the bundle, but is empty")
+        chunks = await asyncio.to_thread(self._store.open_file, context_id, ref, request.path)
+        done = object()
+        while (chunk := await asyncio.to_thread(next, chunks, done)) is not done:
+            yield pb.FileChunk(data=chunk)
+
+    async def CommitBundle(self, request: pb.CommitBundleRequest, context) -> pb.Bundle:
+        context_id, ref = parse_bundle_name("name", request.name)
+        bundle = await asyncio.to_thread(self._store.commit, context_id, ref)
+        await self._announce_commit(bundle)
+        return bundle_to_proto(bundle)
+
+    async def PushBundles(self, request: pb.PushBundlesRequest, context) -> AsyncIterator[pb.TransferProgress]:
+        context_id = parse_context_name("parent", request.parent)
+        async for message in _with_progress(
+                lambda progress: self._store.push(context_id, request.bundle or None, progress=progress)):
+            if message.done:
+                for bundle in message.bundles:
+                    await self._outbox.publish(BUNDLES, CloudEvent.from_proto(
+                        events_pb2.BundlePushed(bundle=bundle, remote_url=bundle.remote_url),
+                        source=EVENT_SOURCE, subject=bundle.bundle_name))
+            yield message
+
+    async def PullBundles(self, request: pb.PullBundlesRequest, context) -> AsyncIterator[pb.TransferProgress]:
+        context_id = parse_context_name("parent", request.parent)
+        async for message in _with_progress(lambda progress: self._store.pull(
+                context_id, request.bundle_name or None, localize=request.localize, progress=progress)):
+            yield message
+
+    async def DeleteBundle(self, request: pb.DeleteBundleRequest, context) -> pb.DeleteBundleResponse:
+        context_id, ref = parse_bundle_name("name", request.name)
+        known = {b.uuid: b for b in await asyncio.to_thread(self._store.list_bundles, context_id)}
+        deleted = await asyncio.to_thread(self._store.delete_bundle, context_id, ref, remote=request.remote)
+        for uuid in deleted:
+            bundle = known.get(uuid)
+            await self._outbox.publish(BUNDLES, CloudEvent.from_proto(events_pb2.BundleDeleted(
+                context=context_id, uuid=uuid, bundle_name=bundle.name if bundle else "",
+                tags=dict(bundle.tags) if bundle else {}, remote=request.remote),
+                source=EVENT_SOURCE, subject=bundle.name if bundle else uuid))
+        return pb.DeleteBundleResponse(deleted_uuids=deleted)
+
+    async def GarbageCollect(self, request: pb.GarbageCollectRequest, context) -> pb.GarbageCollectResponse:
+        context_id = parse_context_name("parent", request.parent)
+        if request.grace_seconds < 0:
+            raise InvalidArgument("grace_seconds", f"must be >= 0, but got {request.grace_seconds}")
+        report = await asyncio.to_thread(self._store.gc, context_id, remote=request.remote,
+                                         grace_s=request.grace_seconds or 3600, dry_run=request.dry_run)
+        return pb.GarbageCollectResponse(blobs_removed=report.blobs_removed, bytes_freed=report.bytes_freed,
+                                         blobs_kept=report.blobs_kept)
+
+    async def GetLineage(self, request: pb.GetLineageRequest, context) -> pb.LineageGraph:
+        context_id, ref = parse_bundle_name("name", request.name)
+        if request.max_depth < 0:
+            raise InvalidArgument("max_depth", f"must be >= 0, but got {request.max_depth}")
+        direction = request.direction or pb.GetLineageRequest.BOTH
+        graph = await asyncio.to_thread(
+            self._store.lineage, context_id, ref, max_depth=request.max_depth or 10,
+            upstream=direction in (pb.GetLineageRequest.UPSTREAM, pb.GetLineageRequest.BOTH),
+            downstream=direction in (pb.GetLineageRequest.DOWNSTREAM, pb.GetLineageRequest.BOTH))
+        return pb.LineageGraph(bundles=[bundle_to_proto(b) for b in graph.bundles],
+                               edges=[pb.LineageEdge(input_uuid=i, output_uuid=o) for i, o in graph.edges])
+
+    async def _announce_commit(self, bundle: Bundle) -> None:
+        await self._outbox.publish(BUNDLES, CloudEvent.from_proto(
+            events_pb2.BundleCommitted(bundle=bundle_to_proto(bundle)), source=EVENT_SOURCE, subject=bundle.name))
+
+
+class _ChunkBridge:
+    """Hands an AddBundle stream's chunks from the event loop to the writer thread, in order.
+
+    The loop side ``feed``s chunks (backpressure: a bounded queue); the thread side iterates
+    ``chunks_of(i)`` for file i. ``abort()`` unblocks the thread when the stream breaks, so the
+    writer aborts and leaves nothing behind.
+    """
+
+    _END = object()
+    _ABORT = object()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, file_count: int) -> None:
+        self._loop = loop
+        self._file_count = file_count
+        self._queue: asyncio.Queue = asyncio.Queue(maxsize=16)
+        self._last_index = 0
+        self._current: object | None = None
+
+    async def feed(self, chunk: pb.FileChunk | None, writer: asyncio.Future) -> bool:
+        """Queue a chunk (None: the stream ended). False when the writer has already finished."""
+        if chunk is not None:
+            if not 0 <= chunk.file_index < self._file_count:
+                raise InvalidArgument("chunk.file_index", f"must be in [0, {self._file_count}), "
+                                                          f"but got {chunk.file_index}")
+            if chunk.file_index < self._last_index:
+                raise InvalidArgument("chunk.file_index", f"files must be sent in order, but got "
+                                                          f"{chunk.file_index} after {self._last_index}")
+            self._last_index = chunk.file_index
+        put = asyncio.ensure_future(self._queue.put(self._END if chunk is None else chunk))
+        await asyncio.wait({put, writer}, return_when=asyncio.FIRST_COMPLETED)
+        if not put.done():
+            put.cancel()
+            return False
+        return True
+
+    def abort(self) -> None:
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self._queue.put_nowait(self._ABORT)
+
+    def _next(self) -> object:
+        if self._current is None:
+            self._current = asyncio.run_coroutine_threadsafe(self._queue.get(), self._loop).result()
+            if self._current is self._ABORT:
+                raise ConnectionAbortedError("the AddBundle stream was interrupted")
+        return self._current
+
+    def chunks_of(self, index: int):
+        while (item := self._next()) is not self._END and item.file_index == index:
+            self._current = None
+            yield item.data
+
+    def expect_end(self) -> None:
+        if self._next() is not self._END:
+            raise InvalidArgument("chunk.file_index", "a chunk arrived after the last declared file")
+
+
+async def _with_progress(run: Callable[[Callable[[TransferProgress], None]], list[Bundle]]
+                         ) -> AsyncIterator[pb.TransferProgress]:
+    """Run a transfer in a thread, yielding its progress (throttled) and then a final message."""
+    latest: list[TransferProgress] = []
+    task = asyncio.ensure_future(asyncio.to_thread(run, lambda progress: latest.__setitem__(slice(None), [progress])))
+    sent: TransferProgress | None = None
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=_PROGRESS_INTERVAL_S)
+            if latest and latest[0] is not sent and not task.done():
+                sent = latest[0]
+                yield _progress_message(sent)
+        bundles = await task
+    finally:
+        # A client that goes away does not stop the transfer: it finishes (each bundle atomically).
+        if not task.done():
+            await asyncio.gather(task, return_exceptions=True)
+    final = _progress_message(latest[0]) if latest else pb.TransferProgress()
+    final.bundles.extend(bundle_to_proto(b) for b in bundles)
+    final.done = True
+    yield final
+
+
+def _progress_message(progress: TransferProgress) -> pb.TransferProgress:
+    return pb.TransferProgress(files_done=progress.files_done, files_total=progress.files_total,
+                               bytes_done=progress.bytes_done, bytes_total=progress.bytes_total)

@@ -1,0 +1,184 @@
+"""The bundle-store service end to end: a real process, real tansu, SeaweedFS and Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from aiokafka import AIOKafkaConsumer
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from opml.bundles.v1 import bundles_pb2 as pb
+from opml.bundles.v1 import bundles_pb2_grpc, events_pb2
+
+from opml_bundle_store.client import BundleStoreClient
+from opml_common.bus import CloudEvent
+from opml_common.errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated
+from opml_common.topics import BUNDLES
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+async def _read_events(bootstrap: str, topic: str, count: int, timeout_s: float = 30) -> list[CloudEvent]:
+    """Read ``count`` events from the start of ``topic`` with a plain aiokafka consumer."""
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
+                                enable_auto_commit=False, group_id=None)
+    await consumer.start()
+    events: list[CloudEvent] = []
+    try:
+        async with asyncio.timeout(timeout_s):
+            while len(events) < count:
+                for records in (await consumer.getmany(timeout_ms=500)).values():
+                    events.extend(CloudEvent.from_kafka(r.headers, r.value) for r in records)
+    finally:
+        await consumer.stop()
+    return sorted(events, key=lambda e: e.time)
+
+
+def test_round_trip_across_two_contexts_with_events(admin: BundleStoreClient, remote_url: str,
+                                                    settings_env: dict[str, str], tmp_path: Path) -> None:
+    files = {"model/weights.bin": bytes(range(256)) * 4096, "metrics.json": b'{"accuracy": 0.97}',
+             "empty.txt": b""}
+    admin.create_context("plant-a", remote_url)
+    admin.create_context("plant-b", remote_url)
+    added = admin.add("plant-a", "classifier", files, values={"accuracy": 0.97, "epochs": 3, "ok": True},
+                      tags={"stage": "candidate"}, commit=True)
+    assert added.committed and {f.path: f.sha256 for f in added.files} == {p: _sha(d) for p, d in files.items()}
+    assert added.lineage.creator.startswith("token:")
+
+    progress = list(admin.push("plant-a", added.uuid))
+    assert progress[-1].done and [b.uuid for b in progress[-1].bundles] == [added.uuid]
+    assert progress[-1].bytes_done == progress[-1].bytes_total == sum(map(len, files.values()))
+
+    pulled = list(admin.pull("plant-b", "classifier", localize=True))[-1]
+    assert [b.uuid for b in pulled.bundles] == [added.uuid]
+    copy = admin.get_bundle("plant-b", "classifier")
+    assert copy.uuid == added.uuid and copy.content_hash == added.content_hash and copy.localized
+    assert copy.values["accuracy"].float_value == 0.97 and copy.values["ok"].bool_value
+    written = admin.download("plant-b", added.uuid, tmp_path / "out")
+    assert {p.relative_to(tmp_path / "out").as_posix(): p.read_bytes() for p in written} == files
+
+    assert admin.delete("plant-a", added.uuid) == [added.uuid]
+    events = asyncio.run(_read_events(settings_env["OPML_KAFKA_BOOTSTRAP"],
+                                      BUNDLES.full_name(settings_env["OPML_TOPIC_PREFIX"]), 3))
+    assert [e.type for e in events] == ["opml.bundles.v1.BundleCommitted", "opml.bundles.v1.BundlePushed",
+                                        "opml.bundles.v1.BundleDeleted"]
+    assert all(e.subject == "classifier" and e.source == "opml/bundle-store" for e in events)
+    committed = events[0].parse(events_pb2.BundleCommitted)
+    assert committed.bundle.uuid == added.uuid and committed.bundle.tags["stage"] == "candidate"
+    pushed = events[1].parse(events_pb2.BundlePushed)
+    assert pushed.remote_url == remote_url and {f.media_type for f in pushed.bundle.files} >= {"application/json"}
+    assert events[2].parse(events_pb2.BundleDeleted).uuid == added.uuid
+
+
+def test_ls_filters_latest_and_lineage(writer: BundleStoreClient) -> None:
+    writer.create_context("lab")
+    data = writer.add("lab", "dataset", {"rows.csv": b"a,b\n1,2\n"}, commit=True)
+    first = writer.add("lab", "model", {"w": b"1"}, tags={"algo": "cnn"},
+                       lineage=pb.Lineage(input_uuids=[data.uuid]), commit=True)
+    second = writer.add("lab", "model", {"w": b"2"}, tags={"algo": "cnn"},
+                        lineage=pb.Lineage(input_uuids=[data.uuid]))
+    assert [b.uuid for b in writer.list_bundles("lab", bundle_name="model")] == [second.uuid, first.uuid]
+    assert [b.uuid for b in writer.list_bundles("lab", bundle_name="model", committed_only=True)] == [first.uuid]
+    assert writer.get_bundle("lab", "model").uuid == first.uuid  # latest committed wins
+    assert {b.bundle_name for b in writer.list_bundles("lab", latest_only=True)} == {"dataset", "model"}
+    assert len(writer.list_bundles("lab", tags={"algo": "cnn"})) == 2
+    graph = writer.lineage("lab", data.uuid, direction=pb.GetLineageRequest.DOWNSTREAM)
+    assert {(e.input_uuid, e.output_uuid) for e in graph.edges} == {(data.uuid, first.uuid), (data.uuid, second.uuid)}
+    up = writer.lineage("lab", first.uuid, direction=pb.GetLineageRequest.UPSTREAM)
+    assert {(e.input_uuid, e.output_uuid) for e in up.edges} == {(data.uuid, first.uuid)}
+
+
+@pytest.mark.parametrize("call, field", [
+    (lambda c: c.create_context("Bad Name!"), "context_id"),
+    (lambda c: c._stub.GetContext(pb.GetContextRequest(name="ctx/x")), "name"),
+    (lambda c: c._stub.ListBundles(pb.ListBundlesRequest(parent="contexts/lab", page_size=-5)), "page_size"),
+    (lambda c: c._stub.ListBundles(pb.ListBundlesRequest(parent="contexts/lab", page_token="garbage")), "page_token"),
+    (lambda c: c.add("lab", "bad name", {"a": b"1"}), "bundle_name"),
+    (lambda c: c.add("lab", "ok", {"../escape": b"1"}), "path"),
+    (lambda c: c._stub.GarbageCollect(pb.GarbageCollectRequest(parent="contexts/lab", grace_seconds=-1)),
+     "grace_seconds"),
+])
+def test_bad_arguments_are_invalid_argument_naming_the_field(admin: BundleStoreClient, call, field: str) -> None:
+    admin.create_context("lab")
+    with pytest.raises((InvalidArgument, grpc.RpcError)) as caught:
+        call(admin)
+    error = caught.value
+    if isinstance(error, grpc.RpcError):
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in error.details()
+    else:
+        assert field in error.field, error.message
+
+
+def test_damaged_upload_is_rejected_and_leaves_nothing(admin: BundleStoreClient) -> None:
+    admin.create_context("lab")
+    header = pb.AddBundleHeader(parent="contexts/lab", bundle_name="model", files=[
+        pb.BundleFile(path="w.bin", size_bytes=4, sha256=_sha(b"good"))])
+    requests = [pb.AddBundleRequest(header=header),
+                pb.AddBundleRequest(chunk=pb.FileChunk(file_index=0, data=b"evil"))]
+    with pytest.raises(grpc.RpcError) as caught:
+        admin._stub.AddBundle(iter(requests))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "w.bin" in caught.value.details()
+    assert admin.list_bundles("lab") == []
+
+
+def test_interrupted_upload_leaves_no_bundle(admin: BundleStoreClient, bundle_store, tokens) -> None:
+    admin.create_context("lab")
+    header = pb.AddBundleHeader(parent="contexts/lab", bundle_name="model", files=[
+        pb.BundleFile(path="big.bin", size_bytes=8 * 1024 * 1024)])
+
+    def requests():
+        yield pb.AddBundleRequest(header=header)
+        yield pb.AddBundleRequest(chunk=pb.FileChunk(file_index=0, data=b"x" * 1024 * 1024))
+        raise RuntimeError("client crashed mid-upload")
+
+    with grpc.insecure_channel(bundle_store.target) as channel:
+        stub = bundles_pb2_grpc.BundleStoreStub(channel)
+        with pytest.raises(grpc.RpcError):
+            stub.AddBundle(requests(), metadata=[("authorization", f"Bearer {tokens['admin']}")])
+    assert admin.list_bundles("lab") == []
+    # The service is still healthy and accepts the next upload.
+    assert admin.add("lab", "model", {"big.bin": b"y" * 10}).bundle_name == "model"
+
+
+def test_roles_are_enforced(bundle_store, admin: BundleStoreClient, tokens) -> None:
+    admin.create_context("lab")
+    added = admin.add("lab", "model", {"w": b"1"}, commit=True)
+    with BundleStoreClient(bundle_store.target, token=tokens["writer"]) as writer:
+        with pytest.raises(PermissionDenied, match="DeleteBundle needs the admin role"):
+            writer.delete("lab", added.uuid)
+        with pytest.raises(PermissionDenied):
+            writer.gc("lab")
+    with BundleStoreClient(bundle_store.target, token=tokens["reader"]) as reader:
+        assert reader.get_bundle("lab", added.uuid).uuid == added.uuid
+        with pytest.raises(PermissionDenied):
+            reader.add("lab", "model", {"w": b"2"})
+    with BundleStoreClient(bundle_store.target) as anonymous:
+        with pytest.raises(Unauthenticated):
+            anonymous.list_contexts()
+    assert admin.get_bundle("lab", added.uuid).uuid == added.uuid  # nothing was deleted
+    with pytest.raises(NotFound, match="no-such"):
+        admin.get_bundle("lab", "no-such")
+
+
+def test_health_reflection_and_metrics(bundle_store, admin: BundleStoreClient, settings_env) -> None:
+    admin.list_contexts()
+    with grpc.insecure_channel(bundle_store.target) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="opml.bundles.v1.BundleStore"))
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        replies = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        services = {s.name for s in next(replies).list_services_response.service}
+        assert "opml.bundles.v1.BundleStore" in services
+    port = bundle_store.env["OPML_BUNDLE_STORE_METRICS_PORT"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert 'opml_bundle_store_grpc_requests_total{code="OK",method="ListContexts"}' in text
+    assert "opml_bundle_store_grpc_request_duration_seconds_bucket" in text
