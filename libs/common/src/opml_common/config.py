@@ -28,6 +28,9 @@ class PlatformSettings(BaseSettings):
     kafka_idempotence: bool = Field(
         False, description="Idempotent producer (InitProducerId). On for Apache Kafka; tansu rejects it."
     )
+    kafka_replication_factor: int = Field(
+        1, ge=1, description="Replicas of each topic the platform creates (1 on tansu, 3 on a production cluster)."
+    )
     kafka_session_timeout_ms: int = Field(6000, ge=1000, description="Consumer group session timeout.")
     kafka_heartbeat_interval_ms: int = Field(1000, ge=100, description="Consumer group heartbeat interval.")
     topic_prefix: str = Field("", description="Prepended to every topic name (tests use a unique one per run).")

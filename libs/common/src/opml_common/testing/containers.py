@@ -6,6 +6,7 @@ so there the embedded binaries are used instead (see :mod:`opml_common.devinfra`
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -14,6 +15,9 @@ from opml_common.devinfra import Endpoints
 
 def docker_available() -> bool:
     """True when a Docker engine answers a ping (a client binary alone is not enough)."""
+    host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
+    if host.startswith("unix://") and not os.path.exists(host.removeprefix("unix://")):
+        return False
     try:
         import docker
 

@@ -1,0 +1,26 @@
+"""The platform's event bus: CloudEvents over Kafka, at least once, with dedup and dead letters.
+
+* :class:`CloudEvent` — CloudEvents 1.0, Kafka binding, binary mode; data is a protobuf message.
+* :func:`ensure_topics` — create topics and their dead-letter topics at start-up.
+* :class:`EventPublisher` — publish with acks=all and wait for the ack.
+* :class:`EventConsumer` — consumer group loop: dedup, handler, retries, dead-letter topic, commit.
+* :class:`RedisDeduplicator` — handled event ids in Redis (``mark_in`` for exactly-once effects).
+"""
+
+from opml_common.bus.admin import ensure_topics
+from opml_common.bus.cloudevents import CloudEvent, MalformedEvent
+from opml_common.bus.consumer import EventConsumer, Handler, is_retriable
+from opml_common.bus.dedup import RedisDeduplicator
+from opml_common.bus.producer import EventPublisher, PublishFailed
+
+__all__ = [
+    "CloudEvent",
+    "EventConsumer",
+    "EventPublisher",
+    "Handler",
+    "MalformedEvent",
+    "PublishFailed",
+    "RedisDeduplicator",
+    "ensure_topics",
+    "is_retriable",
+]

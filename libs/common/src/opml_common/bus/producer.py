@@ -1,0 +1,167 @@
+"""Publishing CloudEvents to Kafka topics with acks=all."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, Self
+
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+from google.protobuf.message import Message
+
+from opml_common.bus.cloudevents import CloudEvent
+from opml_common.config import PlatformSettings
+from opml_common.errors import FailedPrecondition, OpmlError, Unavailable
+from opml_common.metrics import ServiceMetrics
+from opml_common.topics import Topic
+
+log = logging.getLogger(__name__)
+
+
+class PublishFailed(OpmlError):
+    """The broker did not acknowledge a record. ``retriable`` tells whether trying again may succeed
+    (a broker or network problem) or not (the record is too large, the topic is not authorized...)."""
+
+    code = "UNAVAILABLE"
+
+    def __init__(self, message: str, *, retriable: bool) -> None:
+        super().__init__(message)
+        self.retriable = retriable
+        if not retriable:
+            self.code = "INTERNAL"
+
+
+class EventPublisher:
+    """Publishes CloudEvents (binary mode, ``ce_*`` headers) and waits for the broker's ack.
+
+    The producer uses ``acks=all`` and ``enable_idempotence=settings.kafka_idempotence`` (on for
+    Apache Kafka; tansu rejects the idempotent producer). Topics get ``settings.topic_prefix``.
+
+    Side effects:
+        ``start()``: connects to the brokers and fetches metadata. Idempotent; after ``stop()``
+        it starts a fresh producer.
+        ``stop()``: waits for every record in flight to be acknowledged (flush), then closes the
+        connections. Idempotent.
+        ``publish()``: one record; counts ``opml_<service>_events_published_total{topic,type}`` or
+        ``opml_<service>_event_publish_failures_total{topic}``.
+
+    Use as ``async with EventPublisher(...) as publisher:``.
+    """
+
+    def __init__(self, settings: PlatformSettings, *, source: str, metrics: ServiceMetrics) -> None:
+        if not source:
+            raise ValueError("EventPublisher `source` must be non-empty (a URI-reference naming the service)")
+        self.settings = settings
+        self.source = source
+        self._producer: AIOKafkaProducer | None = None
+        self._lock = asyncio.Lock()
+        self._published = metrics.counter(
+            "events_published_total", "Events the broker acknowledged, by topic and event type.", ("topic", "type")
+        )
+        self._failures = metrics.counter(
+            "event_publish_failures_total", "Records the broker did not acknowledge, by topic.", ("topic",)
+        )
+
+    @property
+    def started(self) -> bool:
+        return self._producer is not None
+
+    async def start(self) -> None:
+        """Connect the producer (no-op when started).
+
+        Raises:
+            Unavailable: no broker in ``settings.kafka_bootstrap`` answered.
+        """
+        async with self._lock:
+            if self._producer is not None:
+                return
+            producer = AIOKafkaProducer(
+                bootstrap_servers=self.settings.kafka_bootstrap,
+                acks="all",
+                enable_idempotence=self.settings.kafka_idempotence,
+                client_id=f"opml-publisher-{self.source}",
+            )
+            try:
+                await producer.start()
+            except Exception as exc:
+                await producer.stop()
+                raise Unavailable(f"cannot reach the Kafka broker at {self.settings.kafka_bootstrap}: {exc}") from exc
+            self._producer = producer
+
+    async def stop(self) -> None:
+        """Flush what is in flight and close (no-op when stopped)."""
+        async with self._lock:
+            producer, self._producer = self._producer, None
+            if producer is not None:
+                await producer.stop()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def publish(self, topic: Topic, event: CloudEvent, *, key: str | None = None) -> None:
+        """Publish ``event`` to ``topic`` and wait until the broker acknowledged it (acks=all).
+
+        ``key`` (default ``event.subject``) picks the partition, so events about one subject stay
+        in order. With neither, the partition is chosen at random.
+
+        Raises:
+            FailedPrecondition: the publisher is not started.
+            PublishFailed: the broker did not acknowledge the record (``retriable`` says whether to retry).
+        """
+        name = topic.full_name(self.settings.topic_prefix)
+        key = key if key is not None else event.subject
+        await self._send(name, event.data, key=key.encode("utf-8") if key is not None else None,
+                         headers=event.kafka_headers(), what=f"event {event.id} ({event.type})")
+        self._published.labels(topic=topic.name, type=event.type).inc()
+
+    async def publish_proto(
+        self,
+        topic: Topic,
+        message: Message,
+        *,
+        subject: str,
+        extensions: Mapping[str, str] | None = None,
+    ) -> CloudEvent:
+        """Wrap ``message`` in a new CloudEvent from this publisher's source, publish it keyed by
+        ``subject``, and return the event. Raises what :meth:`publish` raises."""
+        event = CloudEvent.from_proto(message, source=self.source, subject=subject, extensions=extensions)
+        await self.publish(topic, event, key=subject)
+        return event
+
+    async def send_raw(
+        self,
+        topic_name: str,
+        value: bytes | None,
+        *,
+        key: bytes | None = None,
+        headers: Sequence[tuple[str, bytes]] = (),
+    ) -> None:
+        """Publish one record as it is, to a topic named in full (prefix included), and wait for
+        the ack. The consumer uses it to copy a record to a dead-letter topic unchanged.
+
+        Raises:
+            FailedPrecondition: the publisher is not started.
+            PublishFailed: the broker did not acknowledge the record.
+        """
+        await self._send(topic_name, value, key=key, headers=list(headers), what="record")
+
+    async def _send(self, topic_name: str, value: bytes | None, *, key: bytes | None,
+                    headers: list[tuple[str, bytes]], what: str) -> Any:
+        producer = self._producer
+        if producer is None:
+            raise FailedPrecondition("EventPublisher is not started: call `await publisher.start()` or use `async with`")
+        try:
+            return await producer.send_and_wait(topic_name, value=value, key=key, headers=headers)
+        except KafkaError as exc:
+            self._failures.labels(topic=self._metric_topic(topic_name)).inc()
+            raise PublishFailed(f"publishing {what} to {topic_name} failed: {exc}", retriable=exc.retriable) from exc
+
+    def _metric_topic(self, topic_name: str) -> str:
+        prefix = self.settings.topic_prefix
+        return topic_name[len(prefix):] if prefix and topic_name.startswith(prefix) else topic_name
