@@ -33,6 +33,16 @@ def test_prod_refuses_to_trust_callers_without_tokens(monkeypatch) -> None:
         PlatformSettings()
 
 
+def test_prod_refuses_the_public_dev_s3_secret(monkeypatch) -> None:
+    monkeypatch.setenv("OPML_ENV", "prod")
+    monkeypatch.setenv("OPML_AUTH_TOKENS", "t=admin")
+    monkeypatch.delenv("OPML_S3_SECRET_KEY", raising=False)
+    with pytest.raises(ValidationError, match="OPML_S3_SECRET_KEY must be set"):
+        PlatformSettings()
+    monkeypatch.setenv("OPML_S3_SECRET_KEY", "a-real-secret")
+    assert PlatformSettings().env == "prod"
+
+
 def test_secrets_are_not_printed(monkeypatch) -> None:
     monkeypatch.setenv("OPML_S3_SECRET_KEY", "hunter2")
     monkeypatch.setenv("OPML_AUTH_TOKENS", "s3cr3t=admin")

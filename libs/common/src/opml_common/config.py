@@ -14,6 +14,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ROLES = ("reader", "writer", "admin")
+DEV_S3_SECRET = "opml-secret"  # the embedded SeaweedFS's secret; public, so refused in prod
 
 
 class PlatformSettings(BaseSettings):
@@ -36,7 +37,7 @@ class PlatformSettings(BaseSettings):
     topic_prefix: str = Field("", description="Prepended to every topic name (tests use a unique one per run).")
     s3_endpoint: str = Field("http://127.0.0.1:8333", description="S3 endpoint URL (http:// or https://).")
     s3_access_key: SecretStr = Field(SecretStr("opml"), description="S3 access key.")
-    s3_secret_key: SecretStr = Field(SecretStr("opml-secret"), description="S3 secret key.")
+    s3_secret_key: SecretStr = Field(SecretStr(DEV_S3_SECRET), description="S3 secret key.")
     s3_region: str = Field("us-east-1", description="S3 region.")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL for hot state and dedup keys.")
     redis_prefix: str = Field("opml:", description="Prepended to every Redis key (tests use a unique one).")
@@ -68,6 +69,8 @@ class PlatformSettings(BaseSettings):
     def _prod_needs_secrets(self) -> "PlatformSettings":
         if self.env == "prod" and not self.auth_tokens.get_secret_value():
             raise ValueError("OPML_AUTH_TOKENS must be set when OPML_ENV=prod (callers are never trusted)")
+        if self.env == "prod" and self.s3_secret_key.get_secret_value() == DEV_S3_SECRET:
+            raise ValueError("OPML_S3_SECRET_KEY must be set when OPML_ENV=prod (the dev default is public)")
         parse_tokens(self.auth_tokens.get_secret_value())  # validates the syntax at start-up
         return self
 

