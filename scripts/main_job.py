@@ -24,7 +24,7 @@ from opml_common.errors import AlreadyExists
 from opml_common.topics import BUNDLES
 
 TARGET = os.environ.get("OPML_BUNDLE_STORE_TARGET", "127.0.0.1:50051")
-REMOTE = "s3://opml-bundles/vision-inspection"
+REMOTE = os.environ.get("OPML_MAIN_JOB_REMOTE", "s3://opml-bundles/vision-inspection")
 
 
 def ensure_context(client: BundleStoreClient, name: str) -> None:
