@@ -1,0 +1,42 @@
+"""Transport-free core of the bundle store (after Intuit's Disdat): no grpc imported here.
+
+The gRPC servicer converts messages to and from these dataclasses and calls :class:`BundleStore`
+(sync, thread-safe; run it with ``asyncio.to_thread``).
+"""
+
+from opml_bundle_store.core.model import (
+    Bundle,
+    ContextInfo,
+    FileEntry,
+    GcReport,
+    Lineage,
+    LineageGraph,
+    TransferProgress,
+    Value,
+    compute_content_hash,
+    format_remote_url,
+    parse_remote_url,
+    validate_bundle_name,
+    validate_bundle_path,
+    validate_context_id,
+)
+from opml_bundle_store.core.store import BundleStore, BundleWriter
+
+__all__ = [
+    "Bundle",
+    "BundleStore",
+    "BundleWriter",
+    "ContextInfo",
+    "FileEntry",
+    "GcReport",
+    "Lineage",
+    "LineageGraph",
+    "TransferProgress",
+    "Value",
+    "compute_content_hash",
+    "format_remote_url",
+    "parse_remote_url",
+    "validate_bundle_name",
+    "validate_bundle_path",
+    "validate_context_id",
+]

@@ -1,0 +1,386 @@
+"""Integration tests of push, pull, delete and gc against the session's real S3 (SeaweedFS).
+
+Data stays small (a few MiB, 5 MiB parts: the S3 minimum) so the whole module runs in seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from minio import Minio
+from opml_bundle_store.core import BundleStore, TransferProgress
+from opml_bundle_store.core import remote as remote_module
+from opml_bundle_store.core.layout import ContextDir
+from opml_bundle_store.core.remote import S3Remote
+from opml_common.config import PlatformSettings
+from opml_common.errors import DataLoss, FailedPrecondition, NotFound, Unavailable
+from opml_common.storage import s3_client
+
+HERE = Path(__file__).parent
+MIB = 1024 * 1024
+SMALL_STORE = {"part_size": 5 * MIB, "multipart_threshold": 5 * MIB, "range_size": 4 * MIB, "transfer_workers": 8}
+
+
+@pytest.fixture
+def s3(platform_settings: PlatformSettings) -> Minio:
+    return s3_client(platform_settings)
+
+
+@pytest.fixture
+def remote_url(unique_prefix: str) -> str:
+    return f"s3://{unique_prefix}bundles".rstrip("-") + "/team/contexts"
+
+
+@pytest.fixture
+def stores(tmp_path: Path, s3: Minio, remote_url: str) -> Iterator[tuple[BundleStore, BundleStore]]:
+    """Two stores (two homes) bound to the same remote, as two machines would be."""
+    with BundleStore(tmp_path / "a", s3, **SMALL_STORE) as a, BundleStore(tmp_path / "b", s3, **SMALL_STORE) as b:
+        a.create_context("ctx", remote_url)
+        b.create_context("ctx", remote_url)
+        yield a, b
+
+
+def add(store: BundleStore, name: str, files: dict[str, bytes], *, commit: bool = True, **kwargs):
+    with store.new_bundle("ctx", name, **kwargs) as writer:
+        for path, data in files.items():
+            writer.add_file(path, [data])
+        return writer.finish(commit=commit)
+
+
+def read(store: BundleStore, ref: str, path: str) -> bytes:
+    return b"".join(store.open_file("ctx", ref, path))
+
+
+def remote_keys(s3: Minio, url: str, part: str) -> list[str]:
+    remote = S3Remote(s3, url)
+    prefix = remote.objects_prefix if part == "objects" else remote.bundles_prefix
+    return sorted(obj.key for obj in remote.list_objects(prefix))
+
+
+class Counter:
+    """Counts (thread-safely) the calls of a patched S3Remote method."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self._lock = threading.Lock()
+
+    def add(self, *item) -> int:
+        with self._lock:
+            self.calls.append(item)
+            return len(self.calls)
+
+
+def count_blob_puts(monkeypatch) -> Counter:
+    counter = Counter()
+    original = S3Remote.put_bytes
+
+    def put_bytes(self, key, data, **kwargs):
+        if "/objects/" in f"/{key}":
+            counter.add(key)
+        return original(self, key, data, **kwargs)
+
+    monkeypatch.setattr(S3Remote, "put_bytes", put_bytes)
+    return counter
+
+
+# -- round trip ---------------------------------------------------------------------------------------------
+
+
+def test_push_pull_round_trip_across_two_stores(stores, s3: Minio, remote_url: str, monkeypatch) -> None:
+    a, b = stores
+    big = os.urandom(12 * MIB + 123)  # multipart up (3 parts), ranged down
+    files = {"model.onnx": big, "cfg/params.json": b'{"lr": 0.1}', "empty": b"",
+             **{f"shards/{i:03d}.bin": os.urandom(1000 + i) for i in range(40)}}
+    v1 = add(a, "model", files, tags={"stage": "prod"}, values={"acc": 0.93, "raw": b"\x00"})
+    v2 = add(a, "model", {"model.onnx": big, "notes.txt": b"v2"})  # shares the big blob
+    add(a, "draft", {"x": b"uncommitted"}, commit=False)
+    progress: list[TransferProgress] = []
+
+    pushed = a.push("ctx", progress=progress.append)
+    assert [p.uuid for p in pushed] == [v1.uuid, v2.uuid]
+    assert all(p.remote_url == remote_url for p in pushed)
+    assert progress[-1] == TransferProgress(44, 44, sum(map(len, files.values())) + 2,
+                                            sum(map(len, files.values())) + 2)
+    assert len(remote_keys(s3, remote_url, "objects")) == 44  # deduplicated across bundles
+    assert len(remote_keys(s3, remote_url, "bundles")) == 2  # the uncommitted draft stays local
+    assert a.push("ctx") == []  # nothing left to push
+
+    counter = count_blob_puts(monkeypatch)
+    assert [p.uuid for p in a.push("ctx", "model")] == [v2.uuid]  # explicit re-push: blobs skipped
+    assert counter.calls == []
+
+    pulled_progress: list[TransferProgress] = []
+    pulled = b.pull("ctx", localize=True, progress=pulled_progress.append)
+    assert {p.uuid for p in pulled} == {v1.uuid, v2.uuid}
+    assert pulled_progress[-1].files_done == pulled_progress[-1].files_total == 44
+    got = b.get_bundle("ctx", v1.uuid)
+    assert got.localized and got.committed and got.context == "ctx" and got.remote_url == remote_url
+    assert (got.files, dict(got.values), dict(got.tags), got.content_hash, got.create_time) == (
+        v1.files, dict(v1.values), dict(v1.tags), v1.content_hash, v1.create_time)
+    for path, data in files.items():
+        assert read(b, v1.uuid, path) == data
+    assert read(b, "model", "notes.txt") == b"v2"
+    home_b = ContextDir(b.home / "contexts" / "ctx")
+    for entry in got.files:  # the stored blobs themselves are byte-identical
+        assert hashlib.sha256(home_b.blob_path(entry.sha256).read_bytes()).hexdigest() == entry.sha256
+    assert list(home_b.tmp.iterdir()) == []
+    assert b.pull("ctx", localize=True) == []  # idempotent
+
+
+def test_metadata_only_pull_then_localize(stores) -> None:
+    a, b = stores
+    data = os.urandom(7 * MIB)
+    first = add(a, "data", {"big.bin": data, "small.txt": b"hello"})
+    second = add(a, "other", {"o.txt": b"other"})
+    a.push("ctx")
+
+    pulled = b.pull("ctx", "data")
+    assert [p.uuid for p in pulled] == [first.uuid] and not pulled[0].localized
+    with pytest.raises(FailedPrecondition, match="not localized"):
+        b.open_file("ctx", "data", "small.txt")
+    assert b.get_bundle("ctx", "data").files == first.files
+    with pytest.raises(NotFound):
+        b.get_bundle("ctx", second.uuid)  # only that name was pulled
+
+    localized = b.pull("ctx", "data", localize=True)
+    assert [(p.uuid, p.localized) for p in localized] == [(first.uuid, True)]
+    assert read(b, "data", "big.bin") == data
+    assert b.pull("ctx", localize=True)[0].uuid == second.uuid
+
+
+def test_pull_into_the_store_that_pushed_needs_no_download(stores, monkeypatch) -> None:
+    a, _ = stores
+    add(a, "m", {"f": b"x"})
+    a.push("ctx")
+    a.set_remote("ctx", a.get_context("ctx").remote_url)  # same remote: already there
+    assert a.pull("ctx", localize=True) == []
+
+
+# -- corruption ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["small", "ranged"])
+def test_corrupted_remote_blob_is_detected_on_pull(stores, s3: Minio, remote_url: str, which: str) -> None:
+    a, b = stores
+    small, ranged = b"precious bytes", os.urandom(6 * MIB)
+    bundle = add(a, "model", {"weights.bin": small, "big/weights.bin": ranged})
+    a.push("ctx")
+    target = bundle.file("weights.bin" if which == "small" else "big/weights.bin")
+    evil = b"evil bytes!!!!" if which == "small" else os.urandom(6 * MIB)  # same size: only the hash tells
+    remote = S3Remote(s3, remote_url)
+    s3.put_object(remote.bucket, remote.blob_key(target.sha256), io.BytesIO(evil), len(evil))
+
+    with pytest.raises(DataLoss) as caught:
+        b.pull("ctx", localize=True)
+    message = str(caught.value)
+    assert "'model'" in message and bundle.uuid in message and repr(target.path) in message
+    assert target.sha256 in message and hashlib.sha256(evil).hexdigest() in message
+    assert b.list_bundles("ctx") == []  # nothing became visible
+    home_b = ContextDir(b.home / "contexts" / "ctx")
+    assert not home_b.blob_path(target.sha256).exists()
+    assert list(home_b.tmp.iterdir()) == []
+
+
+def test_corrupted_or_missing_remote_manifest_and_blob(stores, s3: Minio, remote_url: str) -> None:
+    a, b = stores
+    bundle = add(a, "model", {"f": b"content"})
+    a.push("ctx")
+    remote = S3Remote(s3, remote_url)
+    key = remote.manifest_key("model", bundle.uuid)
+    tampered = bundle.to_json(local_state=False).replace(b'"content_hash": "', b'"content_hash": "0')
+    s3.put_object(remote.bucket, key, io.BytesIO(tampered), len(tampered))
+    with pytest.raises(DataLoss, match="content_hash"):
+        b.pull("ctx")
+    data = bundle.to_json(local_state=False)
+    s3.put_object(remote.bucket, key, io.BytesIO(data), len(data))
+    s3.remove_object(remote.bucket, remote.blob_key(bundle.files[0].sha256))
+    with pytest.raises(DataLoss, match="has no object"):
+        b.pull("ctx", localize=True)
+
+
+# -- interrupted pushes ---------------------------------------------------------------------------------------
+
+
+def test_killed_push_leaves_no_remote_bundle_and_the_next_push_completes_it(
+    tmp_path: Path, s3: Minio, remote_url: str, settings_env: dict[str, str], monkeypatch,
+) -> None:
+    home = tmp_path / "home"
+    files = {f"f/{i:03d}": os.urandom(2048) + bytes([i]) for i in range(60)}
+    with BundleStore(home, s3, **SMALL_STORE) as store:
+        store.create_context("ctx", remote_url)
+        bundle = add(store, "data", files)
+    child = subprocess.run(
+        [sys.executable, str(HERE / "core_child.py"), "push", str(home), "ctx", "20"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, **settings_env},
+    )
+    assert child.returncode == -9, child.stdout + child.stderr  # SIGKILLed mid-push
+    uploaded = len(remote_keys(s3, remote_url, "objects"))
+    assert 20 <= uploaded < 60
+    assert remote_keys(s3, remote_url, "bundles") == []  # the manifest goes last: nothing visible
+
+    with BundleStore(tmp_path / "reader", s3, **SMALL_STORE) as reader:
+        reader.create_context("ctx", remote_url)
+        assert reader.pull("ctx", localize=True) == []
+
+        counter = count_blob_puts(monkeypatch)
+        with BundleStore(home, s3, **SMALL_STORE) as store:
+            assert store.get_bundle("ctx", "data").remote_url is None  # not marked pushed
+            assert [p.uuid for p in store.push("ctx")] == [bundle.uuid]
+        assert len(counter.calls) == 60 - uploaded  # blobs already up were not sent again
+        assert len(remote_keys(s3, remote_url, "objects")) == 60
+        pulled = reader.pull("ctx", localize=True)
+        assert [p.uuid for p in pulled] == [bundle.uuid]
+        assert all(read(reader, "data", path) == data for path, data in files.items())
+
+
+def test_multipart_upload_resumes_without_resending_parts(stores, s3: Minio, remote_url: str, monkeypatch) -> None:
+    a, b = stores
+    data = os.urandom(21 * MIB)  # five parts of 5 MiB (the last 1 MiB)
+    bundle = add(a, "big", {"model.bin": data})
+    sha = bundle.files[0].sha256
+    parts = Counter()
+    original = S3Remote.upload_part
+
+    def failing_upload_part(self, key, upload_id, number, chunk):
+        if parts.add(number) > 2:
+            raise Unavailable("injected: the network went away")
+        return original(self, key, upload_id, number, chunk)
+
+    monkeypatch.setattr(S3Remote, "upload_part", failing_upload_part)
+    with pytest.raises(Unavailable, match="injected"):
+        a.push("ctx")
+    state = ContextDir(a.home / "contexts" / "ctx").upload_state_path(sha)
+    assert state.exists()  # the upload id is remembered locally
+    remote = S3Remote(s3, remote_url)
+    import json
+
+    upload_id = json.loads(state.read_bytes())["upload_id"]
+    already = remote.list_parts(remote.blob_key(sha), upload_id)
+    assert len(already) == 2
+    assert remote.stat(remote.blob_key(sha)) is None and remote_keys(s3, remote_url, "bundles") == []
+
+    resent = Counter()
+
+    def counting_upload_part(self, key, upload_id, number, chunk):
+        resent.add(number)
+        return original(self, key, upload_id, number, chunk)
+
+    monkeypatch.setattr(S3Remote, "upload_part", counting_upload_part)
+    progress: list[TransferProgress] = []
+    a.push("ctx", progress=progress.append)
+    assert sorted(number for (number,) in resent.calls) == sorted(set(range(1, 6)) - set(already))
+    assert not state.exists()
+    assert remote.stat(remote.blob_key(sha)).size == len(data)
+    assert progress[-1].bytes_done == progress[-1].bytes_total == len(data)
+    b.pull("ctx", localize=True)
+    assert read(b, "big", "model.bin") == data
+
+
+def test_stale_upload_state_falls_back_to_a_new_upload(stores, s3: Minio, remote_url: str) -> None:
+    a, b = stores
+    data = os.urandom(6 * MIB)
+    bundle = add(a, "big", {"m.bin": data})
+    state = ContextDir(a.home / "contexts" / "ctx").upload_state_path(bundle.files[0].sha256)
+    remote = S3Remote(s3, remote_url)
+    state.write_text(f'{{"bucket": "{remote.bucket}", "key": "{remote.blob_key(bundle.files[0].sha256)}", '
+                     f'"upload_id": "no-such-upload", "part_size": {5 * MIB}, "size": {len(data)}}}')
+    a.push("ctx")
+    b.pull("ctx", localize=True)
+    assert read(b, "big", "m.bin") == data
+
+
+def test_push_preconditions(stores) -> None:
+    a, _ = stores
+    draft = add(a, "draft", {"f": b"x"}, commit=False)
+    with pytest.raises(FailedPrecondition, match="not committed"):
+        a.push("ctx", draft.uuid)
+    a.set_remote("ctx", None)
+    with pytest.raises(FailedPrecondition, match="no remote"):
+        a.push("ctx")
+
+
+# -- delete and gc on the remote -------------------------------------------------------------------------------
+
+
+def test_remote_delete_and_gc(stores, s3: Minio, remote_url: str) -> None:
+    a, b = stores
+    keep = add(a, "keep", {"shared": b"shared", "own": b"keep"})
+    drop = add(a, "drop", {"shared": b"shared", "gone": b"only in drop"})
+    a.push("ctx")
+    remote = S3Remote(s3, remote_url)
+    stale_upload = remote.create_multipart(remote.blob_key("f" * 64))  # an abandoned upload
+
+    assert a.delete_bundle("ctx", "drop", remote=True) == [drop.uuid]
+    assert remote_keys(s3, remote_url, "bundles") == [remote.manifest_key("keep", keep.uuid)]
+    with pytest.raises(NotFound):
+        a.get_bundle("ctx", drop.uuid)
+
+    young = a.gc("ctx", remote=True)  # default grace of an hour: the fresh blob stays
+    assert (young.blobs_removed, young.blobs_kept) == (0, 3)
+    dry = a.gc("ctx", remote=True, grace_s=0, dry_run=True)
+    assert (dry.blobs_removed, dry.bytes_freed, dry.blobs_kept) == (1, len(b"only in drop"), 2)
+    assert len(remote_keys(s3, remote_url, "objects")) == 3
+    done = a.gc("ctx", remote=True, grace_s=0)
+    assert (done.blobs_removed, done.bytes_freed, done.blobs_kept) == (1, len(b"only in drop"), 2)
+    assert len(remote_keys(s3, remote_url, "objects")) == 2
+    assert all(upload.upload_id != stale_upload for upload in remote.list_uploads(remote.objects_prefix))
+
+    pulled = b.pull("ctx", localize=True)
+    assert [p.uuid for p in pulled] == [keep.uuid] and read(b, "keep", "own") == b"keep"
+
+    # a uuid that exists only on the remote can be deleted there
+    assert b.delete_bundle("ctx", keep.uuid) == [keep.uuid]
+    assert a.delete_bundle("ctx", keep.uuid, remote=True) == [keep.uuid]
+    assert remote_keys(s3, remote_url, "bundles") == []
+    with pytest.raises(NotFound):
+        b.delete_bundle("ctx", keep.uuid, remote=True)
+
+
+def test_concurrent_pushes_and_pulls(stores, s3: Minio) -> None:
+    a, b = stores
+    bundles = [add(a, f"m{i}", {"f": os.urandom(3000), "shared": b"s"}) for i in range(6)]
+    errors: list[BaseException] = []
+
+    def run(fn) -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(lambda i=i: a.push("ctx", f"m{i}"),)) for i in range(6)]
+    threads += [threading.Thread(target=run, args=(lambda: b.pull("ctx", localize=True),)) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    b.pull("ctx", localize=True)
+    assert {x.uuid for x in b.list_bundles("ctx")} == {x.uuid for x in bundles}
+    assert all(x.localized for x in b.list_bundles("ctx"))
+
+
+def test_unreachable_s3_is_unavailable(tmp_path: Path) -> None:
+    from opml_common.devinfra import free_port
+
+    settings = PlatformSettings(s3_endpoint=f"http://127.0.0.1:{free_port()}")
+    client = s3_client(settings)
+    client._http.connection_pool_kw["retries"] = 0
+    with BundleStore(tmp_path / "home", client) as store:
+        with pytest.raises(Unavailable):
+            store.create_context("ctx", "s3://some-bucket/x")
+        assert store.list_contexts() == []
+
+
+def test_remote_module_imports_no_grpc() -> None:
+    assert "grpc" not in remote_module.__dict__
+    code = "import sys, opml_bundle_store.core; print('grpc' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
