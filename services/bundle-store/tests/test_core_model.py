@@ -28,20 +28,20 @@ SHA_B = "b" * 64
 
 
 def sample_bundle(**changes) -> Bundle:
-    fields = dict(
-        context="ctx", name="model", uuid="0b9e6f3c-5a4d-4c1e-9f7a-2d8b1c3e4f5a",
-        tags={"stage": "prod"},
-        files=(FileEntry("b.onnx", SHA_B, 20, "application/onnx"), FileEntry("a/x.txt", SHA_A, 10)),
-        values={"acc": 0.93, "epochs": 12, "ok": True, "note": "héllo", "blob": b"\x00\xff", "nan": float("nan")},
-        lineage=Lineage(input_uuids=("11111111-2222-3333-4444-555555555555",), code_version="abc123",
-                        parameters={"lr": "0.1"}, creator="alice",
-                        start_time=datetime(2024, 1, 2, 3, 4, 5, tzinfo=UTC),
-                        stop_time=datetime(2024, 1, 2, 4, 4, 5, tzinfo=UTC)),
-        content_hash="", committed=True,
-        create_time=datetime(2024, 1, 2, 5, 0, 0, 123456, tzinfo=UTC),
-        commit_time=datetime(2024, 1, 2, 5, 0, 1, tzinfo=UTC),
-        remote_url="s3://bucket/prefix", localized=False,
-    )
+    fields = {
+        "context": "ctx", "name": "model", "uuid": "0b9e6f3c-5a4d-4c1e-9f7a-2d8b1c3e4f5a",
+        "tags": {"stage": "prod"},
+        "files": (FileEntry("b.onnx", SHA_B, 20, "application/onnx"), FileEntry("a/x.txt", SHA_A, 10)),
+        "values": {"acc": 0.93, "epochs": 12, "ok": True, "note": "héllo", "blob": b"\x00\xff", "nan": float("nan")},
+        "lineage": Lineage(input_uuids=("11111111-2222-3333-4444-555555555555",), code_version="abc123",
+                           parameters={"lr": "0.1"}, creator="alice",
+                           start_time=datetime(2024, 1, 2, 3, 4, 5, tzinfo=UTC),
+                           stop_time=datetime(2024, 1, 2, 4, 4, 5, tzinfo=UTC)),
+        "content_hash": "", "committed": True,
+        "create_time": datetime(2024, 1, 2, 5, 0, 0, 123456, tzinfo=UTC),
+        "commit_time": datetime(2024, 1, 2, 5, 0, 1, tzinfo=UTC),
+        "remote_url": "s3://bucket/prefix", "localized": False,
+    }
     fields.update(changes)
     if not fields["content_hash"]:
         fields["content_hash"] = compute_content_hash(fields["files"], fields["values"])

@@ -192,7 +192,7 @@ class BundleStore:
         self.close()
 
     def _acquire_home(self) -> Any:
-        handle = open(self.home / ".lock", "a+b")
+        handle = open(self.home / ".lock", "a+b")  # noqa: SIM115 - held for the store's lifetime
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -427,7 +427,7 @@ class BundleStore:
                 f"pull it with localize=True before reading {path!r}"
             )
         try:
-            handle = open(ctx.dir.blob_path(entry.sha256), "rb")
+            handle = open(ctx.dir.blob_path(entry.sha256), "rb")  # noqa: SIM115 - closed by the generator
         except FileNotFoundError:
             raise DataLoss(
                 f"bundle {_label(bundle)}: the blob {entry.sha256} of file {path!r} is missing from the local store"

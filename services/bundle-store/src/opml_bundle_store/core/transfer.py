@@ -112,7 +112,7 @@ class TaskRunner:
                 if task.on_done is not None:
                     try:
                         task.on_done(future.result())
-                    except BaseException as callback_error:
+                    except BaseException as callback_error:  # noqa: BLE001 - raised below
                         error = callback_error
         self._light.clear()
         self._heavy.clear()
@@ -237,12 +237,14 @@ class Uploader:
         self.progress = progress
         self.stats = TransferStats()
         self._stats_lock = threading.Lock()
+        self._recorded_uploads: set[str] = set()
 
     def upload(self, blobs: list[BlobRef]) -> TransferStats:
         """Make every blob present on the remote; raise on the first failure."""
         self.stats.blobs_total = len(blobs)
         self.progress.plan(len(blobs), sum(blob.size for blob in blobs))
         self.progress.emit(force=True)
+        self._recorded_uploads = {path.stem for path in self.local.uploads.glob("*.json")}
         existing = self.remote.list_blobs() if len(blobs) >= LIST_THRESHOLD else None
         runner = TaskRunner(self.pool, max_in_flight=self.settings.max_in_flight,
                             max_heavy=self.settings.upload_streams)
@@ -263,7 +265,8 @@ class Uploader:
         return self.stats
 
     def _skipped(self, blob: BlobRef) -> None:
-        self.local.upload_state_path(blob.sha256).unlink(missing_ok=True)  # stale: remote gc aborts it
+        if blob.sha256 in self._recorded_uploads:  # a stale upload: the remote's gc aborts it
+            self.local.upload_state_path(blob.sha256).unlink(missing_ok=True)
         self.stats.blobs_skipped += 1
         self.progress.add(1, blob.size)
 
