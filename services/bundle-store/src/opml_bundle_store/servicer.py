@@ -264,21 +264,26 @@ class _ChunkBridge:
 async def _with_progress(run: Callable[[Callable[[TransferProgress], None]], list[Bundle]]
                          ) -> AsyncIterator[pb.TransferProgress]:
     """Run a transfer in a thread, yielding its progress (throttled) and then a final message."""
-    latest: list[TransferProgress] = []
-    task = asyncio.ensure_future(asyncio.to_thread(run, lambda progress: latest.__setitem__(slice(None), [progress])))
+    latest: TransferProgress | None = None
+
+    def report(progress: TransferProgress) -> None:  # called from the transfer's threads
+        nonlocal latest
+        latest = progress
+
+    task = asyncio.ensure_future(asyncio.to_thread(run, report))
     sent: TransferProgress | None = None
     try:
         while not task.done():
             await asyncio.wait({task}, timeout=_PROGRESS_INTERVAL_S)
-            if latest and latest[0] is not sent and not task.done():
-                sent = latest[0]
+            if latest is not None and latest is not sent and not task.done():
+                sent = latest
                 yield _progress_message(sent)
         bundles = await task
     finally:
         # A client that goes away does not stop the transfer: it finishes (each bundle atomically).
         if not task.done():
             await asyncio.gather(task, return_exceptions=True)
-    final = _progress_message(latest[0]) if latest else pb.TransferProgress()
+    final = _progress_message(latest) if latest is not None else pb.TransferProgress()
     final.bundles.extend(bundle_to_proto(b) for b in bundles)
     final.done = True
     yield final

@@ -8,6 +8,7 @@ traceback logged, so internals never leak to callers.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import logging
 import time
@@ -208,8 +209,8 @@ class _CallRecord:
 
     def __exit__(self, exc_type, exc, _tb) -> None:
         elapsed = time.perf_counter() - self.start
-        if exc_type is not None and issubclass(exc_type, BaseException) and self.code == "OK":
-            self.code = "CANCELLED" if exc_type.__name__ == "CancelledError" else _code_name(self.context.code())
+        if exc_type is not None and self.code == "OK":  # cancelled, or aborted by the servicer itself
+            self.code = "CANCELLED" if issubclass(exc_type, asyncio.CancelledError) else _code_name(self.context.code())
         self.owner._in_flight.labels(self.method).dec()
         self.owner._requests.labels(self.method, self.code).inc()
         self.owner._duration.labels(self.method).observe(elapsed)
