@@ -6,10 +6,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q -c constraints.txt
 PROTOS := $(shell find protos/opml -name '*.proto')
-PACKAGES := protos/python libs/common services/bundle-store
+SERVICES := $(sort $(dir $(wildcard services/*/pyproject.toml)))
+PACKAGES := protos/python libs/common $(SERVICES)
 STAMP := $(VENV)/.installed
 
-.PHONY: install protos check-protos up down test unit integration bench clean
+.PHONY: install protos check-protos up down test bench clean
 
 install: $(STAMP) protos
 
@@ -19,7 +20,7 @@ $(STAMP): constraints.txt $(foreach p,$(PACKAGES),$(p)/pyproject.toml)
 	$(PIP) --upgrade pip==23.2.1 setuptools==80.9.0 wheel==0.45.1
 	$(PIP) grpcio-tools==1.81.1
 	$(MAKE) protos
-	$(PIP) -e protos/python -e 'libs/common[devinfra,test]' -e 'services/bundle-store[test]'
+	$(PIP) -e protos/python -e 'libs/common[devinfra,test]' $(foreach s,$(SERVICES),-e '$(s:/=)[test]')
 	touch $(STAMP)
 
 # Python stubs are generated from protos/ (never edited by hand; git ignores them).
@@ -42,7 +43,7 @@ test: install
 	$(PY) -m pytest
 
 bench: install
-	$(PY) bench/bundle_store_transfer.py
+	for b in bench/*.py; do $(PY) $$b || exit 1; done
 
 clean:
 	rm -rf $(VENV) protos/python/opml protos/python/.generated .opml

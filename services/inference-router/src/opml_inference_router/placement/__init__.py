@@ -1,0 +1,91 @@
+"""Transport-free placement core (the DLIS "model master"): no grpc, Kafka or onnxruntime here.
+
+The deploy API reads a bundle's :class:`ModelConfig`, the profiler stores a :class:`Profile` per
+allowed pool kind, the :class:`Planner` turns demands into a :class:`Plan` with a
+:class:`PlacementPolicy`, and the :class:`Replanner` turns serving measurements into a new plan
+and the capacity-safe actions (:func:`plan_moves`) an executor carries out on the workers.
+"""
+
+from opml_inference_router.placement.config import (
+    DynamicBatching,
+    FleetConfig,
+    LatencySlo,
+    ModelConfig,
+    ModelVersion,
+    PoolConfig,
+    PoolKind,
+    TensorSpec,
+    VersionPolicy,
+    load_fleet_config,
+    load_model_config,
+)
+from opml_inference_router.placement.fleet import Fleet, Occupancy, Worker, WorkerRoom
+from opml_inference_router.placement.latency import (
+    BatchQueueModel,
+    Batching,
+    LatencyModel,
+    ServiceCurve,
+    batch_caps,
+    calibration_factor,
+)
+from opml_inference_router.placement.moves import (
+    Action,
+    AddReplica,
+    RemoveReplica,
+    Replica,
+    WaitReady,
+    check_moves,
+    plan_moves,
+    replicas_of,
+)
+from opml_inference_router.placement.plan import KindUsage, ModelDemand, Option, Plan, ReplicaSet, demands_for
+from opml_inference_router.placement.planner import Observation, Planner, Replan, Replanner
+from opml_inference_router.placement.policy import CostAwareSloPolicy, GreedyFirstFitPolicy, PlacementPolicy
+from opml_inference_router.placement.profile import Profile, ProfileBook
+
+__all__ = [
+    "Action",
+    "AddReplica",
+    "BatchQueueModel",
+    "Batching",
+    "CostAwareSloPolicy",
+    "DynamicBatching",
+    "Fleet",
+    "FleetConfig",
+    "GreedyFirstFitPolicy",
+    "KindUsage",
+    "LatencyModel",
+    "LatencySlo",
+    "ModelConfig",
+    "ModelDemand",
+    "ModelVersion",
+    "Observation",
+    "Occupancy",
+    "Option",
+    "PlacementPolicy",
+    "Plan",
+    "Planner",
+    "PoolConfig",
+    "PoolKind",
+    "Profile",
+    "ProfileBook",
+    "RemoveReplica",
+    "Replan",
+    "Replanner",
+    "Replica",
+    "ReplicaSet",
+    "ServiceCurve",
+    "TensorSpec",
+    "VersionPolicy",
+    "WaitReady",
+    "Worker",
+    "WorkerRoom",
+    "batch_caps",
+    "calibration_factor",
+    "check_moves",
+    "demands_for",
+    "load_fleet_config",
+    "load_model_config",
+    "plan_moves",
+    "replicas_of",
+]

@@ -1,0 +1,431 @@
+"""Declarative configuration: what a model needs (``ModelConfig``) and what a fleet offers
+(``FleetConfig``: pool kinds and pools), in the spirit of Triton's ``model_config.proto``.
+
+A model bundle carries its ONNX file and a ``ModelConfig`` (YAML or JSON). Pool kinds are declared
+by their capabilities (precisions, memory, model slots, cost, ONNX Runtime execution provider,
+fixed batch shapes), so a new kind of worker is configuration, not code. A proto version of these
+schemas will mirror the field names and defaults documented here.
+
+Every loader raises :class:`~opml_common.errors.InvalidArgument` whose field is the path of the
+offending value (``inputs[0].dims[1]``, ``pool_kinds[2].slots``) and whose message states the
+rule and shows the value; unknown fields and unknown enum values are refused, never ignored.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, Self, TypeVar, get_args
+
+import yaml
+from opml_common.errors import InvalidArgument, NotFound
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+Precision = Literal["fp32", "fp16", "bf16", "int8"]
+"""Numeric precision a model may be served in and a pool kind can run."""
+
+DataType = Literal[
+    "bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
+    "fp16", "bf16", "fp32", "fp64", "string",
+]
+"""Tensor element type (Triton's ``DataType`` names without the ``TYPE_`` prefix, lower case)."""
+
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+
+_MODEL_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+_TENSOR_NAME = r"^[A-Za-z_][A-Za-z0-9_./:-]{0,127}$"
+_KIND_NAME = r"^[a-z][a-z0-9-]{0,31}$"
+_EXECUTION_PROVIDER = r"^[A-Z][A-Za-z0-9]*ExecutionProvider$"
+
+KindName = Annotated[StrictStr, Field(pattern=_KIND_NAME)]
+PositiveInt = Annotated[StrictInt, Field(ge=1)]
+
+
+class _RuleError(ValueError):
+    """A rule broken by a value below the one being validated; ``subpath`` extends the error's path."""
+
+    def __init__(self, subpath: Sequence[str | int], message: str) -> None:
+        super().__init__(message)
+        self.subpath = tuple(subpath)
+        self.message = message
+
+
+class _Schema(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+_S = TypeVar("_S", bound=_Schema)
+
+
+def _unique(values: Sequence[Any], what: str) -> None:
+    seen: set[Any] = set()
+    for index, value in enumerate(values):
+        if value in seen:
+            raise _RuleError([index], f"{what} must be unique, but {value!r} appears twice")
+        seen.add(value)
+
+
+# ----------------------------------------------------------------------------------------------
+# Model configuration
+
+
+class TensorSpec(_Schema):
+    """One input or output tensor. ``dims`` excludes the batch dimension when the model batches."""
+
+    name: Annotated[StrictStr, Field(pattern=_TENSOR_NAME)]
+    data_type: DataType
+    dims: tuple[StrictInt, ...] = Field(
+        (), description="Each dim is >= 1, or -1 for a dynamic size. Default: () (a scalar)."
+    )
+
+    @field_validator("dims")
+    @classmethod
+    def _dims_positive_or_dynamic(cls, dims: tuple[int, ...]) -> tuple[int, ...]:
+        for index, dim in enumerate(dims):
+            if dim != -1 and dim < 1:
+                raise _RuleError([index], f"must be >= 1, or -1 for a dynamic size, but got {dim}")
+        return dims
+
+
+class DynamicBatching(_Schema):
+    """Server-side batching: a batch is dispatched when it is full or its oldest request has waited
+    ``max_queue_delay_us``. Absent from a config: requests are served one by one."""
+
+    max_queue_delay_us: StrictInt = Field(0, ge=0, description="Longest wait to fill a batch. Default 0.")
+
+    @property
+    def max_queue_delay_ms(self) -> float:
+        return self.max_queue_delay_us / 1000.0
+
+
+class LatencySlo(_Schema):
+    """The latency a model's callers are promised, measured at the server."""
+
+    p99_ms: StrictFloat = Field(gt=0, description="99th percentile latency bound in milliseconds. Required.")
+
+
+class LatestVersions(_Schema):
+    num_versions: PositiveInt = 1
+
+
+class AllVersions(_Schema):
+    pass
+
+
+class SpecificVersions(_Schema):
+    versions: tuple[PositiveInt, ...] = Field(min_length=1)
+
+    @field_validator("versions")
+    @classmethod
+    def _versions_unique(cls, versions: tuple[int, ...]) -> tuple[int, ...]:
+        _unique(versions, "versions")
+        return versions
+
+
+class VersionPolicy(_Schema):
+    """Which versions of the model are served: exactly one of ``latest``, ``all``, ``specific``
+    (Triton's ``version_policy`` oneof). Default: the latest version."""
+
+    latest: LatestVersions | None = None
+    all: AllVersions | None = None
+    specific: SpecificVersions | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> Self:
+        chosen = [name for name in ("latest", "all", "specific") if getattr(self, name) is not None]
+        if len(chosen) != 1:
+            raise ValueError(f"set exactly one of latest, all, specific, but got {chosen or 'none'}")
+        return self
+
+    def select(self, available: Sequence[int]) -> tuple[int, ...]:
+        """The versions to serve out of ``available``, ascending.
+
+        Raises:
+            NotFound: ``specific`` names a version that is not available, or none is available.
+        """
+        versions = sorted(set(available))
+        if not versions:
+            raise NotFound("no version of the model is available")
+        if self.latest is not None:
+            return tuple(versions[-self.latest.num_versions:])
+        if self.specific is not None:
+            missing = sorted(set(self.specific.versions) - set(versions))
+            if missing:
+                raise NotFound(
+                    f"version_policy.specific names versions {missing} that do not exist; available: {versions}"
+                )
+            return tuple(sorted(self.specific.versions))
+        return tuple(versions)
+
+
+class ModelConfig(_Schema):
+    """What a model needs to be served; the bundle holds it beside the ONNX file."""
+
+    name: Annotated[StrictStr, Field(pattern=_MODEL_NAME)]
+    max_batch_size: StrictInt = Field(
+        ge=0, description="Largest batch the model accepts; 0: the model has no batch dimension. Required."
+    )
+    inputs: tuple[TensorSpec, ...] = Field(min_length=1)
+    outputs: tuple[TensorSpec, ...] = Field(min_length=1)
+    dynamic_batching: DynamicBatching | None = Field(None, description="Default: none (one request per batch).")
+    slo: LatencySlo
+    expected_rate_rps: StrictFloat = Field(
+        ge=0, description="Requests per second each served version is expected to receive. Required."
+    )
+    pool_kinds: tuple[KindName, ...] = Field(
+        min_length=1, description="Pool kinds the model may run on, most preferred first. Required."
+    )
+    precisions: tuple[Precision, ...] = Field(
+        ("fp32",), min_length=1, description="Precisions whose accuracy is acceptable (int8: quantized). Default: fp32."
+    )
+    version_policy: VersionPolicy = Field(default_factory=lambda: VersionPolicy(latest=LatestVersions()))
+
+    @field_validator("inputs", "outputs")
+    @classmethod
+    def _tensor_names_unique(cls, tensors: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
+        for index, tensor in enumerate(tensors):
+            if any(other.name == tensor.name for other in tensors[:index]):
+                raise _RuleError([index, "name"], f"tensor names must be unique, but {tensor.name!r} appears twice")
+        return tensors
+
+    @field_validator("pool_kinds")
+    @classmethod
+    def _kinds_unique(cls, kinds: tuple[str, ...]) -> tuple[str, ...]:
+        _unique(kinds, "pool kinds")
+        return kinds
+
+    @field_validator("precisions")
+    @classmethod
+    def _precisions_unique(cls, precisions: tuple[str, ...]) -> tuple[str, ...]:
+        _unique(precisions, "precisions")
+        return precisions
+
+    @model_validator(mode="after")
+    def _batching_needs_a_batch_dimension(self) -> Self:
+        if self.dynamic_batching is not None and self.max_batch_size < 1:
+            raise _RuleError(
+                ["dynamic_batching"], "needs max_batch_size >= 1, but max_batch_size is 0 (no batch dimension)"
+            )
+        return self
+
+    @property
+    def batch_limit(self) -> int:
+        """Largest batch a replica may form: 1 without dynamic batching."""
+        return max(1, self.max_batch_size) if self.dynamic_batching is not None else 1
+
+    @property
+    def queue_delay_ms(self) -> float:
+        return self.dynamic_batching.max_queue_delay_ms if self.dynamic_batching is not None else 0.0
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ModelConfig:
+        """Raises: InvalidArgument naming the path of the first bad field."""
+        return _validate(cls, data)
+
+
+# ----------------------------------------------------------------------------------------------
+# Fleet configuration
+
+
+class PoolKind(_Schema):
+    """A kind of worker, declared by what it can do. Every worker of a kind is alike."""
+
+    name: KindName
+    precisions: tuple[Precision, ...] = Field(min_length=1, description="Precisions the hardware runs. Required.")
+    memory_mib: PositiveInt = Field(description="Memory of one worker for model replicas. Required.")
+    slots: PositiveInt = Field(
+        description="Model replicas one worker can host, each on its own isolated share "
+        "(cores, a GPU partition, an accelerator context). Required."
+    )
+    cost_per_hour: StrictFloat = Field(gt=0, description="Cost of one worker per hour. Required.")
+    execution_provider: Annotated[StrictStr, Field(pattern=_EXECUTION_PROVIDER)] = Field(
+        description="ONNX Runtime execution provider, e.g. CPUExecutionProvider. Required."
+    )
+    batch_sizes: tuple[PositiveInt, ...] = Field(
+        (), description="Fixed batch shapes the hardware runs (a batch is padded up to one); () : any size. Default ()."
+    )
+
+    @field_validator("precisions")
+    @classmethod
+    def _precisions_unique(cls, precisions: tuple[str, ...]) -> tuple[str, ...]:
+        _unique(precisions, "precisions")
+        return precisions
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _batch_sizes_ascending(cls, sizes: tuple[int, ...]) -> tuple[int, ...]:
+        for index in range(1, len(sizes)):
+            if sizes[index] <= sizes[index - 1]:
+                raise _RuleError([index], f"must be strictly ascending, but {sizes[index]} follows {sizes[index - 1]}")
+        return sizes
+
+    @property
+    def slot_cost_per_hour(self) -> float:
+        """What one replica costs: its share of the worker."""
+        return self.cost_per_hour / self.slots
+
+    def padded_batch(self, size: int) -> int:
+        """The batch shape a batch of ``size`` runs as (itself when the kind has no fixed shapes).
+
+        Raises:
+            InvalidArgument: ``size`` exceeds the kind's largest fixed shape.
+        """
+        if not self.batch_sizes:
+            return size
+        for shape in self.batch_sizes:
+            if shape >= size:
+                return shape
+        raise InvalidArgument(
+            "batch_size", f"{self.name} runs batches of at most {self.batch_sizes[-1]}, but got {size}"
+        )
+
+
+class PoolConfig(_Schema):
+    """A group of identical workers of one kind. A ``gpu`` pool exists only where GPUs do."""
+
+    name: KindName
+    kind: KindName
+    workers: StrictInt = Field(ge=0, description="Number of workers. Required.")
+
+
+class FleetConfig(_Schema):
+    """The pool kinds a deployment knows and the pools of workers it has."""
+
+    pool_kinds: tuple[PoolKind, ...] = Field(min_length=1)
+    pools: tuple[PoolConfig, ...] = Field(min_length=1)
+
+    @field_validator("pool_kinds")
+    @classmethod
+    def _kind_names_unique(cls, kinds: tuple[PoolKind, ...]) -> tuple[PoolKind, ...]:
+        for index, kind in enumerate(kinds):
+            if any(other.name == kind.name for other in kinds[:index]):
+                raise _RuleError([index, "name"], f"pool kind names must be unique, but {kind.name!r} appears twice")
+        return kinds
+
+    @model_validator(mode="after")
+    def _pools_valid(self) -> Self:
+        known = [kind.name for kind in self.pool_kinds]
+        for index, pool in enumerate(self.pools):
+            if pool.kind not in known:
+                raise _RuleError(["pools", index, "kind"], f"must be a declared pool kind ({', '.join(known)}), "
+                                                           f"but got {pool.kind!r}")
+            if any(other.name == pool.name for other in self.pools[:index]):
+                raise _RuleError(["pools", index, "name"],
+                                 f"pool names must be unique, but {pool.name!r} appears twice")
+        return self
+
+    @classmethod
+    def from_dict(cls, data: Any) -> FleetConfig:
+        """Raises: InvalidArgument naming the path of the first bad field."""
+        return _validate(cls, data)
+
+
+# ----------------------------------------------------------------------------------------------
+# Identity of what is placed
+
+
+@dataclass(frozen=True, order=True)
+class ModelVersion:
+    """One served version of a model: the unit placement sizes and places."""
+
+    name: str
+    version: int
+
+    def __str__(self) -> str:
+        return f"models/{self.name}/versions/{self.version}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_model_config(path: str | Path) -> ModelConfig:
+    """Reads a model config from a YAML or JSON file.
+
+    Raises:
+        NotFound: the file does not exist.
+        InvalidArgument: the file is not YAML/JSON, or a field breaks a rule (field = its path).
+    """
+    return ModelConfig.from_dict(_read_document(Path(path)))
+
+
+def load_fleet_config(path: str | Path) -> FleetConfig:
+    """Reads pool kinds and pools from a YAML or JSON file.
+
+    Raises:
+        NotFound: the file does not exist.
+        InvalidArgument: the file is not YAML/JSON, or a field breaks a rule (field = its path).
+    """
+    return FleetConfig.from_dict(_read_document(Path(path)))
+
+
+def _read_document(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise NotFound(f"config file {path} does not exist") from None
+    except yaml.YAMLError as error:
+        raise InvalidArgument(str(path), f"is not valid YAML or JSON: {error}") from None
+
+
+def _validate(schema: type[_S], data: Any) -> _S:
+    if not isinstance(data, Mapping):
+        raise InvalidArgument(schema.__name__, f"must be a mapping of fields, but got {type(data).__name__}")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as error:
+        details = error.errors()
+        # A bad item also makes its container look too short; report only the most specific errors.
+        specific = [d for d in details if not any(_is_prefix(d["loc"], other["loc"]) for other in details)]
+        problems = [_describe(detail) for detail in specific]
+        field, message = problems[0]
+        if len(problems) > 1:
+            message += f" (and {len(problems) - 1} more: {', '.join(path for path, _ in problems[1:])})"
+        raise InvalidArgument(field, message) from None
+
+
+def _is_prefix(prefix: tuple[Any, ...], location: tuple[Any, ...]) -> bool:
+    return len(prefix) < len(location) and location[: len(prefix)] == prefix
+
+
+def _describe(detail: Mapping[str, Any]) -> tuple[str, str]:
+    """The path and a person-readable rule of one pydantic error."""
+    location = list(detail["loc"])
+    cause = detail.get("ctx", {}).get("error")
+    if isinstance(cause, _RuleError):
+        return _path(location + list(cause.subpath)), cause.message
+    kind = detail["type"]
+    if kind == "missing":
+        return _path(location), "is required"
+    if kind == "extra_forbidden":
+        return _path(location), "is not a field of this schema"
+    if kind == "value_error":
+        return _path(location), str(cause) if cause is not None else detail["msg"]
+    message = re.sub(r"^Input should be", "must be", detail["msg"])
+    message = re.sub(r"^String should", "must", message)
+    message = re.sub(r"^Tuple should", "must", message)
+    return _path(location), f"{message}, but got {_show(detail.get('input'))}"
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _path(location: Sequence[str | int]) -> str:
+    path = ""
+    for part in location:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path or "config"

@@ -1,0 +1,270 @@
+"""The planner (DLIS's "model master"): places model versions on the fleet with a policy, and
+re-places those whose measured load or latency departs from the plan, with capacity-safe moves.
+
+Transport-free: the deploy API, the profiler and the serving metrics feed it dataclasses, and
+the executor that loads replicas on workers consumes its actions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from opml_common.errors import InvalidArgument, OpmlError
+
+from opml_inference_router.placement.config import ModelVersion
+from opml_inference_router.placement.fleet import Fleet, Occupancy
+from opml_inference_router.placement.latency import (
+    BatchQueueModel,
+    Batching,
+    LatencyModel,
+    ServiceCurve,
+    calibration_factor,
+)
+from opml_inference_router.placement.moves import Action, plan_moves
+from opml_inference_router.placement.plan import ModelDemand, Option, Plan, ReplicaSet
+from opml_inference_router.placement.policy import PlacementPolicy
+from opml_inference_router.placement.profile import Profile, ProfileBook
+
+
+class Planner:
+    """Runs a placement policy over a fleet and enforces what no policy may break: a model only on
+    kinds it allows and that can host it, replicas within each worker's slots and memory, and the
+    replicas of one model version spread over as many workers as possible (distinct workers
+    while there are enough, so losing a worker loses at most one replica of each model)."""
+
+    def __init__(self, *, fleet: Fleet, policy: PlacementPolicy) -> None:
+        self.fleet = fleet
+        self.policy = policy
+
+    def plan(self, demands: Sequence[ModelDemand], profiles: ProfileBook, *,
+             current: Plan | None = None, keep: Collection[ModelVersion] = ()) -> Plan:
+        """Places every demand; those that cannot be placed are in ``Plan.unplaced`` with the reason.
+
+        ``keep`` names model versions whose replica set in ``current`` stays exactly as it is (it
+        claims its workers first). The others are placed afresh; the policy is told where they run
+        in ``current`` so it can leave them there.
+
+        Raises:
+            InvalidArgument: a model version is demanded twice; a model allows a pool kind the
+                fleet does not declare; ``keep`` names a model version ``current`` does not place
+                or no demand asks for.
+        """
+        by_model = self._index(demands)
+        occupancy = Occupancy(self.fleet)
+        placements: dict[ModelVersion, ReplicaSet] = {}
+        for model in keep:
+            if current is None or model not in current.placements:
+                raise InvalidArgument("keep", f"{model} is not placed in the current plan, so it cannot be kept")
+            if model not in by_model:
+                raise InvalidArgument("keep", f"{model} is not among the demands, so it cannot be kept")
+            replica_set = current.placements[model]
+            for worker_id in replica_set.workers:
+                occupancy.add(worker_id, model, replica_set.option.memory_mib)
+            placements[model] = replica_set
+
+        usable: dict[ModelVersion, dict[str, Profile]] = {}
+        rejected: dict[ModelVersion, dict[str, str]] = {}
+        options = {}
+        for model, demand in by_model.items():
+            if model in placements:
+                continue
+            usable[model], rejected[model] = self._screen(demand, profiles)
+            options[model] = self.policy.options(demand, usable[model], self.fleet)
+        order = self.policy.order(options)
+        if sorted(order) != sorted(options):
+            raise OpmlError(f"{type(self.policy).__name__}.order must return every model version to place exactly once")
+
+        unplaced: dict[ModelVersion, str] = {}
+        for model in order:
+            demand = by_model[model]
+            if not options[model]:
+                unplaced[model] = self._why_no_option(demand, usable[model], rejected[model])
+                continue
+            now = current.placements.get(model) if current is not None else None
+            for option in options[model]:
+                same_kind = now is not None and now.option.pool_kind == option.pool_kind
+                workers = self._claim(occupancy, model, option, frozenset(now.workers) if same_kind else frozenset())
+                if workers is not None:
+                    placements[model] = ReplicaSet(model, option, workers, demand.rate_rps)
+                    break
+            else:
+                needs = "; ".join(f"{o.replicas} x {o.memory_mib:.0f} MiB on {o.pool_kind}" for o in options[model])
+                unplaced[model] = f"no room for any option the policy offered ({needs})"
+        return Plan(placements, unplaced)
+
+    def _claim(self, occupancy: Occupancy, model: ModelVersion, option: Option,
+               current: frozenset[str]) -> tuple[str, ...] | None:
+        """Takes workers for the option's replicas in ``occupancy`` (nothing when they do not all fit).
+
+        Replicas of a model spread over as many workers as possible: at most one per worker while
+        the kind has enough workers, else at most ``ceil(replicas / workers)`` on each.
+        """
+        per_worker = math.ceil(option.replicas / len(self.fleet.workers_of(option.pool_kind)))
+        chosen: list[str] = []
+        while len(chosen) < option.replicas:
+            rooms = occupancy.rooms(option.pool_kind, option.memory_mib, model, per_worker=per_worker)
+            if not rooms:
+                break
+            ranked = self.policy.rank_workers(option, rooms, current)
+            if sorted(room.worker.id for room in ranked) != sorted(room.worker.id for room in rooms):
+                raise OpmlError(
+                    f"{type(self.policy).__name__}.rank_workers must return the rooms it was given, each once"
+                )
+            for room in ranked[: option.replicas - len(chosen)]:
+                occupancy.add(room.worker.id, model, option.memory_mib)
+                chosen.append(room.worker.id)
+        if len(chosen) < option.replicas:
+            for worker_id in chosen:
+                occupancy.remove(worker_id, model, option.memory_mib)
+            return None
+        return tuple(chosen)
+
+    def _index(self, demands: Sequence[ModelDemand]) -> dict[ModelVersion, ModelDemand]:
+        by_model: dict[ModelVersion, ModelDemand] = {}
+        for index, demand in enumerate(demands):
+            if demand.model in by_model:
+                raise InvalidArgument(f"demands[{index}]", f"{demand.model} is demanded twice")
+            for position, kind in enumerate(demand.config.pool_kinds):
+                if kind not in self.fleet.kinds:
+                    raise InvalidArgument(
+                        f"demands[{index}].config.pool_kinds[{position}]",
+                        f"must be a pool kind the fleet declares ({', '.join(self.fleet.kinds)}), but got {kind!r}",
+                    )
+            by_model[demand.model] = demand
+        return by_model
+
+    def _screen(self, demand: ModelDemand, profiles: ProfileBook) -> tuple[dict[str, Profile], dict[str, str]]:
+        """The kinds that can host the model (with their profiles), and why each other allowed kind cannot."""
+        usable, rejected = {}, {}
+        for name in demand.config.pool_kinds:
+            kind, profile = self.fleet.kinds[name], profiles.get(demand.model, name)
+            if not self.fleet.workers_of(name):
+                rejected[name] = "the fleet has no workers of this kind"
+            elif profile is None:
+                rejected[name] = "not profiled"
+            elif profile.precision not in kind.precisions:
+                rejected[name] = (f"profiled in {profile.precision}, which the kind does not run "
+                                  f"({', '.join(kind.precisions)})")
+            elif profile.precision not in demand.config.precisions:
+                rejected[name] = (f"runs {profile.precision}, which the model does not allow "
+                                  f"({', '.join(demand.config.precisions)})")
+            elif profile.memory_mib > kind.memory_mib:
+                rejected[name] = f"a replica needs {profile.memory_mib:.0f} MiB, a worker has {kind.memory_mib} MiB"
+            else:
+                usable[name] = profile
+        return usable, rejected
+
+    @staticmethod
+    def _why_no_option(demand: ModelDemand, usable: Mapping[str, Profile], rejected: Mapping[str, str]) -> str:
+        reasons = [f"{name}: {reason}" for name, reason in rejected.items()]
+        reasons += [f"{name}: no replica set meets p99 <= {demand.config.slo.p99_ms} ms at {demand.rate_rps:g} rps"
+                    for name in usable]
+        return "no pool kind can serve it (" + "; ".join(reasons) + ")"
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What serving measured for one model version over the last window."""
+
+    rate_rps: float
+    p99_ms: float
+
+
+@dataclass(frozen=True)
+class Replan:
+    """A re-placement: the new plan, the moves that reach it, why each model version was re-placed,
+    and the profiles with the calibrations learnt from measurements (to be stored)."""
+
+    plan: Plan
+    moves: tuple[Action, ...]
+    reasons: Mapping[ModelVersion, str]
+    profiles: ProfileBook
+
+
+class Replanner:
+    """Re-places the model versions whose measured load or latency departs from the plan.
+
+    A model version is re-placed when its measured rate is off the planned rate by more than
+    ``rate_tolerance`` (down only if it runs more than one replica) or its measured p99 is above
+    its SLO. Whenever the measured p99 is above the SLO or above what the latency model predicts
+    at the measured rate by more than ``latency_tolerance``, its profile is scaled until the model
+    predicts the measurement, so later sizing uses what serving showed; a slower-than-profiled
+    model still within its SLO keeps its replicas (no churn for a harmless error). New demands are
+    placed, dropped ones removed, unplaced ones retried; everything else stays. A model version
+    that no longer fits anywhere keeps its current replicas.
+    """
+
+    def __init__(self, *, planner: Planner, latency_model: LatencyModel | None = None,
+                 rate_tolerance: float = 0.25, latency_tolerance: float = 0.25) -> None:
+        """Raises: InvalidArgument when a tolerance is not in (0, 1]."""
+        for name, value in (("rate_tolerance", rate_tolerance), ("latency_tolerance", latency_tolerance)):
+            if not 0 < value <= 1:
+                raise InvalidArgument(name, f"must be in (0, 1], but got {value}")
+        self.planner = planner
+        self.latency_model = latency_model or BatchQueueModel()
+        self.rate_tolerance = rate_tolerance
+        self.latency_tolerance = latency_tolerance
+
+    def replan(self, plan: Plan, demands: Sequence[ModelDemand], profiles: ProfileBook,
+               observations: Mapping[ModelVersion, Observation]) -> Replan:
+        """Raises: InvalidArgument as :meth:`Planner.plan`; FailedPrecondition as
+        :func:`~opml_inference_router.placement.moves.plan_moves`."""
+        calibrated = ProfileBook(profiles)
+        reasons: dict[ModelVersion, str] = {}
+        updated: list[ModelDemand] = []
+        for demand in demands:
+            model = demand.model
+            placed, seen = plan.placements.get(model), observations.get(model)
+            if placed is None:
+                reasons[model] = "was not placed" if model in plan.unplaced else "new"
+                updated.append(demand)
+                continue
+            if seen is None:
+                updated.append(demand)
+                continue
+            reason = self._drift(demand, placed, seen, calibrated)
+            if reason:
+                reasons[model] = reason
+                updated.append(ModelDemand(demand.config, demand.version, seen.rate_rps))
+            else:
+                updated.append(demand)
+        demanded = {demand.model for demand in demands}
+        for model in plan.placements:
+            if model not in demanded:
+                reasons[model] = "no longer demanded"
+        keep = {model for model in plan.placements if model in demanded and model not in reasons}
+        target = self.planner.plan(updated, calibrated, current=plan, keep=keep)
+        while stuck := {model for model in target.unplaced if model in plan.placements}:
+            # Serving something beats serving nothing: it keeps its replicas, and the rest is re-planned around them.
+            for model in stuck:
+                reasons[model] += f"; kept where it is: {target.unplaced[model]}"
+            keep |= stuck
+            target = self.planner.plan(updated, calibrated, current=plan, keep=keep)
+        return Replan(target, plan_moves(plan, target, self.planner.fleet), reasons, calibrated)
+
+    def _drift(self, demand: ModelDemand, placed: ReplicaSet, seen: Observation, profiles: ProfileBook) -> str:
+        """Why ``placed`` must be re-placed ('' when it need not); scales its profile in ``profiles``
+        when its measured latency departs from the prediction."""
+        reasons = []
+        planned, option = placed.rate_rps, placed.option
+        if seen.rate_rps > planned * (1 + self.rate_tolerance):
+            reasons.append(f"rate {seen.rate_rps:g} rps is above the planned {planned:g} rps")
+        elif seen.rate_rps < planned * (1 - self.rate_tolerance) and option.replicas > 1:
+            reasons.append(f"rate {seen.rate_rps:g} rps is below the planned {planned:g} rps")
+        profile = profiles.get(placed.model, option.pool_kind)
+        if profile is None:
+            return "; ".join(reasons)
+        service = ServiceCurve(profile, self.planner.fleet.kinds[option.pool_kind])
+        batching = Batching(option.max_batch, option.queue_delay_ms)
+        per_replica = seen.rate_rps / len(placed.workers)
+        predicted = self.latency_model.p99_ms(service, batching, per_replica)
+        slo = demand.config.slo.p99_ms
+        if seen.p99_ms > slo or seen.p99_ms > predicted * (1 + self.latency_tolerance):
+            factor = calibration_factor(self.latency_model, service, batching, per_replica, seen.p99_ms)
+            profiles.add(profile.scaled(factor), replace=True)
+            if seen.p99_ms > slo:
+                reasons.append(f"p99 {seen.p99_ms:.1f} ms is above the SLO {slo:g} ms ({predicted:.1f} ms "
+                               f"predicted); profile scaled by {factor:.2f}")
+        return "; ".join(reasons)
