@@ -1,0 +1,6 @@
+"""Job orchestrator (after LinkedIn's TonY and Preferred Networks' TE/BE scheduling).
+
+Built so far: the transport-free scheduler core (:mod:`opml_job_orchestrator.scheduler`) and a
+discrete-event simulator that drives that same core in virtual time
+(:mod:`opml_job_orchestrator.simulator`).
+"""
