@@ -1,0 +1,251 @@
+"""The executor interface: it carries out the scheduler's decisions on real machines.
+
+An executor runs each replica of each role of a job as one *task* (a local process, or a
+Kubernetes pod), and reports what happens to the tasks as events. It decides nothing about
+order, preemption or retries: the orchestrator loop asks the
+:class:`~opml_job_orchestrator.scheduler.scheduler.Scheduler` what to do, calls :meth:`Executor.launch`
+for a ``StartJob`` and :meth:`Executor.terminate` for a ``PreemptJob`` or a cancel, and feeds the
+events from :meth:`Executor.poll` back (a ``JobEvent`` ends a run: ``finish``, or a retry decided
+by :class:`~opml_job_orchestrator.executor.retry.RetryPolicy`).
+
+A run ends like one of LinkedIn's TonY: it succeeds when the chief exits 0 (or, with no chief,
+when every worker has), without waiting for parameter servers, which never exit on their own; it
+fails as soon as any task fails, cannot start, or is lost. Either way the executor then stops
+the tasks still running and only then reports the ``JobEvent``, so resources are free when the
+orchestrator hears of it.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType, TracebackType
+from typing import Any
+
+from opml_common.errors import InvalidArgument
+
+from opml_job_orchestrator.scheduler.model import ROLE_NAMES, JobSpec
+
+
+class TaskState(enum.Enum):
+    """Where one task (one replica of one role) of a run stands."""
+
+    RUNNING = "running"
+    """It started."""
+    SUCCEEDED = "succeeded"
+    """It exited with code 0."""
+    FAILED = "failed"
+    """It exited with another code, was killed by a signal it was not sent by the executor, or
+    could not start (the event's message says why: ``No such file or directory: 'nosuchcmd'``)."""
+    LOST = "lost"
+    """It stopped answering: its heartbeat went stale, or it vanished without an exit code."""
+    STOPPED = "stopped"
+    """The executor stopped it: the run was terminated, or ended while the task still ran."""
+
+
+class JobOutcome(enum.Enum):
+    """How one run of a job ended."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+    """:meth:`Executor.terminate` (a preemption, a cancel, or the executor's own stop) ended it."""
+
+
+@dataclass(frozen=True, slots=True)
+class TaskEvent:
+    """Task ``role``/``index`` of run ``attempt`` of ``job_id`` reached ``state``.
+
+    ``exit_code`` is the process's code once it exited (negative: killed by that signal), else
+    None; ``message`` says what happened, for people.
+    """
+
+    job_id: str
+    attempt: int
+    role: str
+    index: int
+    state: TaskState
+    exit_code: int | None = None
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class JobEvent:
+    """Run ``attempt`` of ``job_id`` ended with ``outcome``; none of its tasks runs any more.
+
+    ``retriable`` says whether running it again may help (a crash or a lost task: yes; a command
+    that does not exist: no); retry loops test the flag, not the message.
+    """
+
+    job_id: str
+    attempt: int
+    outcome: JobOutcome
+    message: str = ""
+    retriable: bool = False
+
+
+ExecutorEvent = TaskEvent | JobEvent
+
+
+@dataclass(frozen=True)
+class JobProgram:
+    """What each task of a job runs, beside the scheduler's :class:`JobSpec`.
+
+    ``commands`` maps each role of the spec to its argv (any program: TF_CONFIG is an environment
+    variable, no TensorFlow is needed). ``env`` is added to every task's environment.
+    ``checkpoint_dir``, when set, is passed as ``OPML_CHECKPOINT_DIR`` so a resumed run finds its
+    checkpoint. ``heartbeat_timeout_s``, when set, makes the executor declare a task LOST once
+    it has not touched the file named by ``OPML_HEARTBEAT_FILE`` for that long (None: no
+    heartbeat is watched).
+    """
+
+    commands: Mapping[str, Sequence[str]]
+    env: Mapping[str, str] = field(default_factory=dict)
+    checkpoint_dir: str | None = None
+    heartbeat_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.commands, Mapping) or not self.commands:
+            raise InvalidArgument("commands", f"`commands` must map roles to argv lists, but got {self.commands!r}.")
+        commands: dict[str, tuple[str, ...]] = {}
+        for role, argv in self.commands.items():
+            if role not in ROLE_NAMES:
+                raise InvalidArgument(f"commands.{role}", f"role {role!r} is not one of {list(ROLE_NAMES)}.")
+            if (isinstance(argv, str) or not isinstance(argv, Sequence) or not argv
+                    or not all(isinstance(arg, str) for arg in argv)):
+                raise InvalidArgument(f"commands.{role}", f"`commands.{role}` must be a non-empty list of "
+                                                          f"strings (an argv), but got {argv!r}.")
+            commands[role] = tuple(argv)
+        object.__setattr__(self, "commands", MappingProxyType(commands))
+        if not isinstance(self.env, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()):
+            raise InvalidArgument("env", f"`env` must map strings to strings, but got {self.env!r}.")
+        object.__setattr__(self, "env", MappingProxyType(dict(self.env)))
+        if self.checkpoint_dir is not None and (not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir):
+            raise InvalidArgument("checkpoint_dir", "`checkpoint_dir` must be a non-empty path or None, "
+                                                    f"but got {self.checkpoint_dir!r}.")
+        if self.heartbeat_timeout_s is not None:
+            check_seconds(self.heartbeat_timeout_s, "heartbeat_timeout_s", positive=True,
+                          hint=", or None for no heartbeat")
+
+    def check_covers(self, spec: JobSpec) -> None:
+        """Raise InvalidArgument unless there is a command for every role of ``spec``."""
+        for role in spec.roles:
+            if role not in self.commands:
+                raise InvalidArgument(f"commands.{role}", f"job {spec.job_id!r} has role {role!r} but `commands` "
+                                                          f"has no entry for it; it has {sorted(self.commands)}.")
+
+
+def check_placement(spec: JobSpec, placement: Mapping[str, Sequence[str]]) -> None:
+    """Raise InvalidArgument unless ``placement`` names a node for every replica of every role of ``spec``."""
+    if not isinstance(placement, Mapping) or set(placement) != set(spec.roles):
+        got = sorted(placement) if isinstance(placement, Mapping) else placement
+        raise InvalidArgument("placement", f"`placement` must have exactly the roles of job {spec.job_id!r}, "
+                                           f"{list(spec.roles)}, but got {got!r}.")
+    for role, role_spec in spec.roles.items():
+        nodes = placement[role]
+        if isinstance(nodes, str) or not isinstance(nodes, Sequence) or len(nodes) != role_spec.replicas:
+            raise InvalidArgument(f"placement.{role}", f"`placement.{role}` must list one node per replica "
+                                                       f"({role_spec.replicas}), but got {nodes!r}.")
+
+
+class Executor(abc.ABC):
+    """Runs the tasks of jobs and reports what happens to them.
+
+    A long-lived component: ``async with executor:`` or :meth:`start` / :meth:`stop`, both
+    idempotent. All methods are called from one asyncio event loop.
+    """
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Get ready to launch: called once by the orchestrator before its first :meth:`launch`.
+
+        Idempotent. Side effects are the implementation's (the local executor creates its work
+        directory and starts its heartbeat watcher).
+        """
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Terminate every run still going and release everything: called at orchestrator shutdown.
+
+        Idempotent. Each run still going ends with a ``JobEvent`` of outcome STOPPED, still
+        readable with :meth:`poll`.
+        """
+
+    @abc.abstractmethod
+    async def launch(self, spec: JobSpec, program: JobProgram, placement: Mapping[str, Sequence[str]], *,
+                     attempt: int) -> None:
+        """Start run ``attempt`` of a job: called for each ``StartJob`` decision, and for a retry.
+
+        Starts one task per replica of every role, on the nodes of ``placement`` (the
+        ``StartJob.placement``), each with TF_CONFIG for its role and index and with
+        ``OPML_JOB_ATTEMPT`` = ``attempt`` (0 for the first run, n for the n-th retry or resume).
+        Returns once every task was started or failed to start; what happens to the tasks
+        afterwards (failing to start included) arrives through :meth:`poll`.
+
+        Raises:
+            InvalidArgument: ``attempt`` is not an integer >= 0, ``program`` has no command for a
+                role of ``spec``, or ``placement`` does not name one node per replica.
+            FailedPrecondition: the executor is not started, or a run of this job still goes.
+        """
+
+    @abc.abstractmethod
+    async def terminate(self, job_id: str, grace_s: float) -> None:
+        """Stop the current run of ``job_id``: called for a ``PreemptJob`` decision or a cancel.
+
+        Sends every task SIGTERM (so a preempted BE job can write a checkpoint), waits up to
+        ``grace_s`` seconds, then kills what still runs, children included. Returns once no task
+        runs; the run then ends with a ``JobEvent`` of outcome STOPPED, unless it had already
+        ended, in which case this does nothing.
+
+        Raises:
+            InvalidArgument: ``grace_s`` is not a finite number >= 0.
+            NotFound: ``job_id`` was never launched.
+        """
+
+    @abc.abstractmethod
+    async def poll(self, timeout_s: float) -> list[ExecutorEvent]:
+        """Return the events since the last call, oldest first: called by the orchestrator loop.
+
+        Waits up to ``timeout_s`` seconds for a first event (the loop passes the time until the
+        scheduler's ``next_deadline()``), then returns all that are ready; an empty list means
+        nothing happened. A run's task events come before its ``JobEvent``.
+
+        Raises:
+            InvalidArgument: ``timeout_s`` is not a finite number >= 0.
+        """
+
+    @abc.abstractmethod
+    async def logs(self, job_id: str, role: str, index: int, *, attempt: int | None = None) -> str:
+        """Return what task ``role``/``index`` of a run wrote to stdout and stderr so far.
+
+        Called for users (a CLI, the API) at any time, during or after the run. ``attempt``
+        None means the latest run.
+
+        Raises:
+            NotFound: the job, that run of it, or that task does not exist.
+        """
+
+    async def __aenter__(self) -> Executor:
+        await self.start()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.stop()
+
+
+def check_seconds(value: Any, field: str, *, positive: bool, hint: str = "") -> float:
+    """Return ``value`` if it is a finite number of seconds (> 0 with ``positive``, else >= 0).
+
+    Raises:
+        InvalidArgument: it is not; the message names ``field``, shows the value and the rule.
+    """
+    bound = "> 0" if positive else ">= 0"
+    if (not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value)
+            or value < 0 or (positive and value == 0)):
+        raise InvalidArgument(field, f"`{field}` must be a finite number of seconds {bound}{hint}, but got {value!r}.")
+    return float(value)

@@ -1,0 +1,340 @@
+"""The local executor with real processes: TF_CONFIG, env, logs, stop with grace, TonY-style
+completion, start failures, heartbeats; and the retry policy.
+
+Tasks are small ``python -c`` scripts. The ``executor`` fixture stops the executor at the end of
+every test, which kills every task still running, failed test or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+
+import pytest
+from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound
+from opml_job_orchestrator.executor import (
+    ExecutorEvent,
+    JobEvent,
+    JobOutcome,
+    JobProgram,
+    LocalExecutor,
+    RetryPolicy,
+    TaskEvent,
+    TaskState,
+)
+from opml_job_orchestrator.scheduler import JobClass, JobSpec, Resources, RoleSpec
+
+CPU = Resources(cpu_millis=100)
+SLEEP = "import time; time.sleep(30)"
+
+
+def py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def spec(job_id: str = "job", **replicas: int) -> JobSpec:
+    return JobSpec(job_id=job_id, job_class=JobClass.BE,
+                   roles={role: RoleSpec(n, CPU) for role, n in (replicas or {"worker": 1}).items()})
+
+
+def placement(job: JobSpec) -> Mapping[str, tuple[str, ...]]:
+    return {role: ("local",) * role_spec.replicas for role, role_spec in job.roles.items()}
+
+
+@pytest.fixture
+async def executor(tmp_path: Path) -> AsyncIterator[LocalExecutor]:
+    async with LocalExecutor(work_dir=tmp_path / "work", heartbeat_check_interval_s=0.1,
+                             cleanup_grace_s=1.0, shutdown_grace_s=0.5) as ex:
+        yield ex
+
+
+async def until_job_event(ex: LocalExecutor, job_id: str, timeout_s: float = 10.0) -> list[ExecutorEvent]:
+    """Every event up to and including ``job_id``'s JobEvent."""
+    seen: list[ExecutorEvent] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        seen += await ex.poll(0.1)
+        if any(isinstance(e, JobEvent) and e.job_id == job_id for e in seen):
+            return seen
+    raise AssertionError(f"no JobEvent for {job_id!r} in {timeout_s} s; saw {seen}")
+
+
+def job_event(events: list[ExecutorEvent]) -> JobEvent:
+    (event,) = [e for e in events if isinstance(e, JobEvent)]
+    return event
+
+
+def task_states(events: list[ExecutorEvent]) -> dict[tuple[str, int], list[TaskState]]:
+    states: dict[tuple[str, int], list[TaskState]] = {}
+    for e in events:
+        if isinstance(e, TaskEvent):
+            states.setdefault((e.role, e.index), []).append(e.state)
+    return states
+
+
+async def test_tf_config_and_env_for_chief_workers_ps_evaluator(executor: LocalExecutor, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    dump = ("import json, os, pathlib; t = json.loads(os.environ['TF_CONFIG'])['task']; "
+            f"pathlib.Path({str(out)!r}, f\"{{t['type']}}-{{t['index']}}.json\").write_text(json.dumps("
+            "{k: os.environ.get(k) for k in ('TF_CONFIG', 'OPML_JOB_ATTEMPT', 'OPML_CHECKPOINT_DIR', 'OPML_JOB_ID', "
+            "'EXTRA')}))")
+    # the chief ends the run, which stops the others: it waits until every task wrote its file
+    chief = dump + f"\nimport time\nwhile len(list(pathlib.Path({str(out)!r}).glob('*.json'))) < 5: time.sleep(0.02)"
+    job = spec("tf", chief=1, worker=2, ps=1, evaluator=1)
+    program = JobProgram(commands={**dict.fromkeys(("worker", "ps", "evaluator"), py(dump)), "chief": py(chief)},
+                         env={"EXTRA": "x"}, checkpoint_dir=str(tmp_path / "ckpt"))
+    await executor.launch(job, program, placement(job), attempt=2)
+    event = job_event(await until_job_event(executor, "tf"))
+    assert event.outcome is JobOutcome.SUCCEEDED
+
+    seen = {}
+    for role, index in [("chief", 0), ("worker", 0), ("worker", 1), ("ps", 0), ("evaluator", 0)]:
+        env = json.loads((out / f"{role}-{index}.json").read_text())
+        assert env["OPML_JOB_ATTEMPT"] == "2"
+        assert env["OPML_CHECKPOINT_DIR"] == str(tmp_path / "ckpt")
+        assert env["OPML_JOB_ID"] == "tf" and env["EXTRA"] == "x"
+        tf_config = json.loads(env["TF_CONFIG"])
+        assert tf_config["task"] == {"type": role, "index": index}
+        seen[(role, index)] = tf_config["cluster"]
+    cluster = seen[("chief", 0)]
+    assert all(c == cluster for c in seen.values())
+    assert sorted(cluster) == ["chief", "ps", "worker"]  # no evaluator, as TensorFlow requires
+    assert [len(cluster[r]) for r in ("chief", "worker", "ps")] == [1, 2, 1]
+    addresses = [a for role in cluster.values() for a in role]
+    assert len(set(addresses)) == 4 and all(a.startswith("127.0.0.1:") for a in addresses)
+
+
+async def test_logs_are_captured_per_task(executor: LocalExecutor) -> None:
+    job = spec("logs", worker=2)
+    code = ("import os, sys; i = os.environ['OPML_TASK_INDEX']; print('out', i, flush=True); "
+            "print('err', i, file=sys.stderr)")
+    await executor.launch(job, JobProgram(commands={"worker": py(code)}), placement(job), attempt=0)
+    assert job_event(await until_job_event(executor, "logs")).outcome is JobOutcome.SUCCEEDED
+    for i in (0, 1):
+        text = await executor.logs("logs", "worker", i)
+        assert f"out {i}" in text and f"err {i}" in text
+    with pytest.raises(NotFound, match="no task 'worker' 2"):
+        await executor.logs("logs", "worker", 2)
+    with pytest.raises(NotFound, match="no attempt 1"):
+        await executor.logs("logs", "worker", 0, attempt=1)
+    with pytest.raises(NotFound, match="never launched"):
+        await executor.logs("nope", "worker", 0)
+
+
+async def test_terminate_sends_sigterm_so_a_task_can_checkpoint(executor: LocalExecutor, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    code = ("import os, pathlib, signal, sys, time\n"
+            "def save(*_):\n"
+            "    pathlib.Path(os.environ['OPML_CHECKPOINT_DIR'], 'model.ckpt').write_text('step 7')\n"
+            "    sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, save)\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(30)\n")
+    job = spec("be")
+    await executor.launch(job, JobProgram(commands={"worker": py(code)}, checkpoint_dir=str(ckpt)),
+                          placement(job), attempt=0)
+    ckpt.mkdir()
+    while "ready" not in await executor.logs("be", "worker", 0):
+        await asyncio.sleep(0.02)
+    started = time.monotonic()
+    await executor.terminate("be", grace_s=5.0)
+    assert time.monotonic() - started < 2.0
+    assert (ckpt / "model.ckpt").read_text() == "step 7"
+    events = await until_job_event(executor, "be")
+    assert task_states(events)[("worker", 0)] == [TaskState.RUNNING, TaskState.STOPPED]
+    assert [e.exit_code for e in events if isinstance(e, TaskEvent) and e.state is TaskState.STOPPED] == [0]
+    assert job_event(events).outcome is JobOutcome.STOPPED
+    await executor.terminate("be", grace_s=0)  # already ended: nothing to do
+
+
+async def test_terminate_kills_a_task_that_ignores_sigterm_and_its_children(
+        executor: LocalExecutor, tmp_path: Path) -> None:
+    child_pid = tmp_path / "child.pid"
+    code = ("import signal, subprocess, sys, time, pathlib\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            f"child = subprocess.Popen([sys.executable, '-c', {SLEEP!r}])\n"
+            f"pathlib.Path({str(child_pid)!r}).write_text(str(child.pid))\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(30)\n")
+    job = spec("stubborn")
+    await executor.launch(job, JobProgram(commands={"worker": py(code)}), placement(job), attempt=0)
+    while "ready" not in await executor.logs("stubborn", "worker", 0):
+        await asyncio.sleep(0.02)
+    started = time.monotonic()
+    await executor.terminate("stubborn", grace_s=0.5)
+    assert 0.5 <= time.monotonic() - started < 3.0
+    events = await until_job_event(executor, "stubborn")
+    (stopped,) = [e for e in events if isinstance(e, TaskEvent) and e.state is TaskState.STOPPED]
+    assert stopped.exit_code == -9 and "SIGKILL" in stopped.message
+    pid = int(child_pid.read_text())
+    for _ in range(50):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().split(")")[-1].split()[0] == "Z":  # a zombie awaiting its reaper is dead
+                    break
+        except FileNotFoundError:
+            break
+        await asyncio.sleep(0.02)
+    else:
+        raise AssertionError(f"child {pid} of the killed task still runs")
+
+
+async def test_job_succeeds_when_chief_exits_without_awaiting_ps(executor: LocalExecutor) -> None:
+    job = spec("tony", chief=1, worker=1, ps=2)
+    program = JobProgram(commands={"chief": py("import time; time.sleep(0.2)"), "worker": py(SLEEP),
+                                   "ps": py(SLEEP)})
+    started = time.monotonic()
+    await executor.launch(job, program, placement(job), attempt=0)
+    events = await until_job_event(executor, "tony", timeout_s=5.0)
+    assert time.monotonic() - started < 4.0
+    assert job_event(events).outcome is JobOutcome.SUCCEEDED
+    states = task_states(events)
+    assert states[("chief", 0)] == [TaskState.RUNNING, TaskState.SUCCEEDED]
+    for key in [("worker", 0), ("ps", 0), ("ps", 1)]:
+        assert states[key] == [TaskState.RUNNING, TaskState.STOPPED]
+    assert isinstance(events[-1], JobEvent)  # task events come first
+
+
+async def test_without_chief_job_succeeds_when_every_worker_has(executor: LocalExecutor) -> None:
+    job = spec("workers", worker=2, ps=1)
+    code = "import os, time; time.sleep(0.1 + 0.4 * int(os.environ['OPML_TASK_INDEX']))"
+    await executor.launch(job, JobProgram(commands={"worker": py(code), "ps": py(SLEEP)}), placement(job), attempt=0)
+    events = await until_job_event(executor, "workers")
+    assert job_event(events).outcome is JobOutcome.SUCCEEDED
+    states = task_states(events)
+    assert states[("worker", 1)][-1] is TaskState.SUCCEEDED and states[("ps", 0)][-1] is TaskState.STOPPED
+
+
+async def test_a_failing_task_fails_the_run_and_stops_the_others(executor: LocalExecutor) -> None:
+    job = spec("crash", worker=2)
+    code = "import os, sys, time; i = int(os.environ['OPML_TASK_INDEX']); time.sleep(30 * (1 - i)); sys.exit(3)"
+    await executor.launch(job, JobProgram(commands={"worker": py(code)}), placement(job), attempt=0)
+    events = await until_job_event(executor, "crash")
+    event = job_event(events)
+    assert event.outcome is JobOutcome.FAILED and event.retriable
+    assert event.message == "worker 1 exited with code 3"
+    assert task_states(events)[("worker", 0)] == [TaskState.RUNNING, TaskState.STOPPED]
+
+
+async def test_nonexistent_command_fails_with_the_os_error(executor: LocalExecutor) -> None:
+    job = spec("typo", chief=1, worker=1, ps=1)
+    program = JobProgram(commands={"chief": py(SLEEP), "worker": ["nosuchcmd", "--x"], "ps": py(SLEEP)})
+    await executor.launch(job, program,
+                          placement(job), attempt=0)
+    events = await until_job_event(executor, "typo")
+    (failed,) = [e for e in events if isinstance(e, TaskEvent) and e.state is TaskState.FAILED]
+    assert failed.role == "worker" and "No such file or directory: 'nosuchcmd'" in failed.message
+    event = job_event(events)
+    assert event.outcome is JobOutcome.FAILED and not event.retriable
+    assert "No such file or directory: 'nosuchcmd'" in event.message
+    states = task_states(events)
+    assert states[("chief", 0)] == [TaskState.RUNNING, TaskState.STOPPED]  # started before the worker failed
+    assert ("ps", 0) not in states  # never started
+
+
+async def test_stale_heartbeat_makes_the_task_lost(executor: LocalExecutor) -> None:
+    job = spec("hb", worker=2)
+    beat = ("import os, pathlib, time\n"
+            "i = int(os.environ['OPML_TASK_INDEX'])\n"
+            "for _ in range(300):\n"
+            "    if i == 0: pathlib.Path(os.environ['OPML_HEARTBEAT_FILE']).touch()\n"
+            "    time.sleep(0.1)\n")
+    await executor.launch(job, JobProgram(commands={"worker": py(beat)}, heartbeat_timeout_s=0.5),
+                          placement(job), attempt=1)
+    events = await until_job_event(executor, "hb")
+    states = task_states(events)
+    assert states[("worker", 1)] == [TaskState.RUNNING, TaskState.LOST]
+    assert states[("worker", 0)] == [TaskState.RUNNING, TaskState.STOPPED]
+    event = job_event(events)
+    assert event.outcome is JobOutcome.FAILED and event.retriable and event.attempt == 1
+    assert "worker 1 sent no heartbeat" in event.message
+
+
+async def test_relaunch_after_a_run_ends_with_the_next_attempt(executor: LocalExecutor) -> None:
+    job = spec("again")
+    program = JobProgram(commands={"worker": py("import os; print('attempt', os.environ['OPML_JOB_ATTEMPT'])")})
+    await executor.launch(job, program, placement(job), attempt=0)
+    await until_job_event(executor, "again")
+    await executor.launch(job, program, placement(job), attempt=1)
+    assert job_event(await until_job_event(executor, "again")).attempt == 1
+    assert "attempt 1" in await executor.logs("again", "worker", 0)
+    assert "attempt 0" in await executor.logs("again", "worker", 0, attempt=0)
+
+
+async def test_launch_and_terminate_errors(executor: LocalExecutor, tmp_path: Path) -> None:
+    job = spec("bad", chief=1, worker=2)
+    program = JobProgram(commands={"chief": py(SLEEP), "worker": py(SLEEP)})
+    with pytest.raises(InvalidArgument, match=r"^commands.worker: .*has no entry"):
+        await executor.launch(job, JobProgram(commands={"chief": py(SLEEP)}), placement(job), attempt=0)
+    with pytest.raises(InvalidArgument, match=r"^placement.worker: .*one node per replica \(2\), but got \('a',\)"):
+        await executor.launch(job, program, {"chief": ("a",), "worker": ("a",)}, attempt=0)
+    with pytest.raises(InvalidArgument, match=r"^placement: "):
+        await executor.launch(job, program, {"chief": ("a",)}, attempt=0)
+    with pytest.raises(InvalidArgument, match=r"^attempt: .* but got -1"):
+        await executor.launch(job, program, placement(job), attempt=-1)
+    await executor.launch(job, program, placement(job), attempt=0)
+    with pytest.raises(FailedPrecondition, match="still runs attempt 0"):
+        await executor.launch(job, program, placement(job), attempt=1)
+    with pytest.raises(InvalidArgument, match=r"^grace_s: .* but got -1"):
+        await executor.terminate("bad", grace_s=-1)
+    with pytest.raises(NotFound, match="'other' was never launched"):
+        await executor.terminate("other", grace_s=1)
+    with pytest.raises(InvalidArgument, match=r"^timeout_s: "):
+        await executor.poll(float("nan"))
+    not_started = LocalExecutor(work_dir=tmp_path / "w2")
+    with pytest.raises(FailedPrecondition, match="not started"):
+        await not_started.launch(job, program, placement(job), attempt=0)
+
+
+async def test_stop_terminates_running_jobs_and_is_idempotent(tmp_path: Path) -> None:
+    ex = LocalExecutor(work_dir=tmp_path / "work", shutdown_grace_s=0.5)
+    await ex.start()
+    await ex.start()
+    job = spec("long")
+    await ex.launch(job, JobProgram(commands={"worker": py(SLEEP)}), placement(job), attempt=0)
+    await ex.stop()
+    await ex.stop()
+    events = await ex.poll(0)
+    assert job_event(events).outcome is JobOutcome.STOPPED
+    assert task_states(events)[("worker", 0)] == [TaskState.RUNNING, TaskState.STOPPED]
+
+
+def test_program_and_settings_are_checked() -> None:
+    with pytest.raises(InvalidArgument, match=r"^commands.trainer: role 'trainer' is not one of"):
+        JobProgram(commands={"trainer": ["x"]})
+    with pytest.raises(InvalidArgument, match=r"^commands.worker: .*non-empty list of strings.*but got 'python x.py'"):
+        JobProgram(commands={"worker": "python x.py"})
+    with pytest.raises(InvalidArgument, match=r"^heartbeat_timeout_s: .*> 0, or None for no heartbeat, but got 0"):
+        JobProgram(commands={"worker": ["x"]}, heartbeat_timeout_s=0)
+    with pytest.raises(InvalidArgument, match=r"^env: "):
+        JobProgram(commands={"worker": ["x"]}, env={"A": 1})
+    with pytest.raises(InvalidArgument, match=r"^cleanup_grace_s: .*>= 0, but got -1"):
+        LocalExecutor(work_dir="w", cleanup_grace_s=-1)
+    with pytest.raises(InvalidArgument, match=r"^heartbeat_check_interval_s: .*> 0, but got 0"):
+        LocalExecutor(work_dir="w", heartbeat_check_interval_s=0)
+
+
+def test_retry_policy_backs_off_exponentially_up_to_the_cap_and_the_limit() -> None:
+    policy = RetryPolicy(max_retries=5, base_delay_s=1.0, max_delay_s=10.0)
+    assert [policy.next_delay(n) for n in range(7)] == [1.0, 2.0, 4.0, 8.0, 10.0, None, None]
+    assert policy.next_delay(0, retriable=False) is None
+    assert RetryPolicy(max_retries=0, base_delay_s=1, max_delay_s=1).next_delay(0) is None
+    assert RetryPolicy(max_retries=3, base_delay_s=0, max_delay_s=0).next_delay(2) == 0.0
+    assert RetryPolicy(max_retries=10**6, base_delay_s=1, max_delay_s=60).next_delay(10**5) == 60.0
+    assert RetryPolicy(max_retries=3, base_delay_s=2, max_delay_s=100, multiplier=3).next_delay(2) == 18.0
+
+
+def test_retry_policy_checks_its_settings() -> None:
+    with pytest.raises(InvalidArgument, match=r"^max_retries: .* but got -1"):
+        RetryPolicy(max_retries=-1, base_delay_s=1, max_delay_s=1)
+    with pytest.raises(InvalidArgument, match=r"^max_delay_s: .*>= `base_delay_s` \(5\), but got 1"):
+        RetryPolicy(max_retries=1, base_delay_s=5, max_delay_s=1)
+    with pytest.raises(InvalidArgument, match=r"^multiplier: "):
+        RetryPolicy(max_retries=1, base_delay_s=1, max_delay_s=1, multiplier=0.5)
+    with pytest.raises(InvalidArgument, match=r"^retries_done: "):
+        RetryPolicy(max_retries=1, base_delay_s=1, max_delay_s=1).next_delay(-1)
