@@ -1,0 +1,210 @@
+"""The orchestrator loop with the real scheduler and real processes (LocalExecutor): success,
+retries, a command that does not exist, TE/BE preemption with a checkpoint and resume, admin
+preemption, cancel, and request errors.
+
+The cluster holds one job at a time. Tasks are small ``python -c`` scripts; the ``orch`` fixture
+stops the orchestrator (and so the executor, which kills every task still running) after each test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from opml_common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from opml_job_orchestrator.executor import JobProgram, LocalExecutor, RetryPolicy
+from opml_job_orchestrator.orchestrator import EventKind, JobState, JobStatus, LifecycleEvent, Orchestrator
+from opml_job_orchestrator.scheduler import (
+    Cluster,
+    JobClass,
+    JobSpec,
+    NodeSpec,
+    Resources,
+    RoleSpec,
+    Scheduler,
+    te_be_policy,
+)
+
+SLOT = Resources(cpu_millis=1000)
+
+
+def py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def spec(job_id: str, *, te: bool = False, cpu_millis: int = 1000) -> JobSpec:
+    return JobSpec(job_id=job_id, job_class=JobClass.TE if te else JobClass.BE,
+                   roles={"worker": RoleSpec(1, Resources(cpu_millis=cpu_millis))},
+                   checkpoint_interval_s=None if te else 1.0)
+
+
+def program(code: str, **kwargs: str) -> JobProgram:
+    return JobProgram(commands={"worker": py(code)}, **kwargs)
+
+
+@pytest.fixture
+def events() -> list[LifecycleEvent]:
+    return []
+
+
+@pytest.fixture
+async def orch(tmp_path: Path, events: list[LifecycleEvent]) -> AsyncIterator[Orchestrator]:
+    scheduler = Scheduler(Cluster([NodeSpec("n0", SLOT)]), te_be_policy())
+    executor = LocalExecutor(work_dir=tmp_path / "work", cleanup_grace_s=1.0, shutdown_grace_s=0.5)
+    async with Orchestrator(scheduler=scheduler, executor=executor,
+                            retry_policy=RetryPolicy(max_retries=2, base_delay_s=0.05, max_delay_s=0.1),
+                            listeners=[events.append], terminate_grace_s=2.0, max_wait_s=0.2) as o:
+        yield o
+
+
+async def until(orch: Orchestrator, job_id: str, *states: JobState, timeout_s: float = 10.0) -> JobStatus:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = orch.get(job_id)
+        if status.state in states:
+            return status
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"job {job_id!r} not {[s.name for s in states]} in {timeout_s} s: {orch.get(job_id)}")
+
+
+async def until_file(path: Path, timeout_s: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text():
+            return path.read_text()
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{path} was not written in {timeout_s} s")
+
+
+def kinds(events: list[LifecycleEvent], job_id: str) -> list[EventKind]:
+    return [e.kind for e in events if e.job_id == job_id]
+
+
+async def test_job_runs_to_success_with_events_in_order(orch: Orchestrator, events: list[LifecycleEvent]) -> None:
+    assert orch.submit(spec("ok"), program("print('hello')")) == "ok"
+    status = await until(orch, "ok", JobState.SUCCEEDED)
+    assert kinds(events, "ok") == [EventKind.SUBMITTED, EventKind.STARTED, EventKind.SUCCEEDED]
+    assert (status.attempt, status.retries, status.preemptions, status.cause) == (0, 0, 0, None)
+    assert status.submitted_at <= status.started_at <= status.ended_at
+    assert [s.job_id for s in orch.list()] == ["ok"]
+
+
+async def test_crash_is_retried_with_the_attempt_visible_then_fails(orch: Orchestrator, events: list[LifecycleEvent],
+                                                                   tmp_path: Path) -> None:
+    seen = tmp_path / "attempts"
+    orch.submit(spec("crash"), program(
+        f"import os, sys; open({str(seen)!r}, 'a').write(os.environ['OPML_JOB_ATTEMPT'] + '\\n'); sys.exit(3)"))
+    status = await until(orch, "crash", JobState.FAILED)
+    assert seen.read_text().split() == ["0", "1", "2"]
+    assert (status.attempt, status.retries) == (2, 2)
+    assert "exited with code 3" in status.cause
+    assert kinds(events, "crash") == [EventKind.SUBMITTED, EventKind.STARTED, EventKind.RETRYING, EventKind.STARTED,
+                                      EventKind.RETRYING, EventKind.STARTED, EventKind.FAILED]
+    assert [e.attempt for e in events if e.kind is EventKind.STARTED] == [0, 1, 2]
+
+
+async def test_missing_command_fails_without_retries(orch: Orchestrator, events: list[LifecycleEvent]) -> None:
+    orch.submit(spec("missing"), JobProgram(commands={"worker": ["opml-no-such-command"]}))
+    status = await until(orch, "missing", JobState.FAILED)
+    assert "No such file or directory" in status.cause
+    assert (status.attempt, status.retries) == (0, 0)
+    assert kinds(events, "missing") == [EventKind.SUBMITTED, EventKind.STARTED, EventKind.FAILED]
+
+
+BE_TRAINER = """
+import os, signal, sys, time
+ckpt = os.path.join(os.environ["OPML_CHECKPOINT_DIR"], "step")
+step = int(open(ckpt).read()) if os.path.exists(ckpt) else 0
+first = step
+def checkpoint(*_):
+    open(ckpt, "w").write(str(step))
+    sys.exit(0)
+signal.signal(signal.SIGTERM, checkpoint)
+open(os.path.join(os.environ["OPML_CHECKPOINT_DIR"], "started"), "a").write(os.environ["OPML_JOB_ATTEMPT"] + " ")
+while step < 30:
+    step += 1
+    time.sleep(0.03)
+open(os.path.join(os.environ["OPML_CHECKPOINT_DIR"], "result"), "w").write(
+    f"{os.environ['OPML_JOB_ATTEMPT']} {first} {step}")
+"""
+
+
+async def test_be_job_is_preempted_for_a_te_job_and_resumes_from_its_checkpoint(
+        orch: Orchestrator, events: list[LifecycleEvent], tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    orch.submit(spec("be"), program(BE_TRAINER, checkpoint_dir=str(ckpt)))
+    await until_file(ckpt / "started")
+    await asyncio.sleep(0.3)  # let it make progress
+    orch.submit(spec("te", te=True), program("import time; time.sleep(0.2)"))
+
+    te = await until(orch, "te", JobState.SUCCEEDED)
+    be = await until(orch, "be", JobState.SUCCEEDED)
+    attempt, first, last = map(int, (ckpt / "result").read_text().split())
+    assert attempt == 1 and 0 < first < 30 and last == 30  # resumed from the step it saved
+    assert (ckpt / "step").read_text() == str(first)
+    assert (be.attempt, be.preemptions, te.attempt) == (1, 1, 0)
+    assert kinds(events, "be") == [EventKind.SUBMITTED, EventKind.STARTED, EventKind.PREEMPTED, EventKind.RESUMED,
+                                   EventKind.SUCCEEDED]
+    order = [(e.job_id, e.kind) for e in events if e.kind is not EventKind.SUBMITTED]
+    assert order.index(("be", EventKind.PREEMPTED)) < order.index(("te", EventKind.STARTED))
+    assert order.index(("te", EventKind.SUCCEEDED)) < order.index(("be", EventKind.RESUMED))
+    assert "preempted for job 'te'" in next(e.message for e in events if e.kind is EventKind.PREEMPTED)
+
+
+async def test_admin_preempt_requeues_the_job_to_resume(orch: Orchestrator, events: list[LifecycleEvent]) -> None:
+    orch.submit(spec("long"), program("import os, time; os.environ['OPML_JOB_ATTEMPT'] == '0' and time.sleep(30)"))
+    await until(orch, "long", JobState.RUNNING)
+    assert (await orch.preempt("long")).state is JobState.PREEMPTED
+    status = await until(orch, "long", JobState.SUCCEEDED)
+    assert (status.attempt, status.preemptions, status.retries) == (1, 1, 0)
+    assert kinds(events, "long") == [EventKind.SUBMITTED, EventKind.STARTED, EventKind.PREEMPTED, EventKind.RESUMED,
+                                     EventKind.SUCCEEDED]
+    with pytest.raises(FailedPrecondition, match="not running"):
+        await orch.preempt("long")
+
+
+async def test_cancel_stops_a_running_job(orch: Orchestrator, events: list[LifecycleEvent], tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    orch.submit(spec("sleepy"), program(f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
+                                        "time.sleep(30)"))
+    pid = int(await until_file(pid_file))
+    status = await orch.cancel("sleepy")
+    assert (status.state, status.cause) == (JobState.CANCELLED, "cancelled")
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    orch.submit(spec("next"), program("pass"))  # its room is free again
+    await until(orch, "next", JobState.SUCCEEDED)
+    assert orch.get("sleepy").state is JobState.CANCELLED  # the run's STOPPED event changed nothing
+    assert kinds(events, "sleepy") == [EventKind.SUBMITTED, EventKind.STARTED, EventKind.CANCELLED]
+    with pytest.raises(FailedPrecondition, match="already cancelled"):
+        await orch.cancel("sleepy")
+
+
+async def test_cancel_a_waiting_job(orch: Orchestrator, events: list[LifecycleEvent]) -> None:
+    orch.submit(spec("first"), program("import time; time.sleep(30)"))
+    orch.submit(spec("second"), program("pass"))
+    await until(orch, "first", JobState.RUNNING)
+    assert (await orch.cancel("second")).state is JobState.CANCELLED
+    await orch.cancel("first")
+    assert kinds(events, "second") == [EventKind.SUBMITTED, EventKind.CANCELLED]
+
+
+async def test_request_errors(orch: Orchestrator) -> None:
+    with pytest.raises(InvalidArgument, match=r"roles\.worker"):
+        orch.submit(spec("huge", cpu_millis=2000), program("pass"))
+    with pytest.raises(InvalidArgument, match=r"commands\.worker"):
+        orch.submit(spec("nocmd"), JobProgram(commands={"chief": py("pass")}))
+    orch.submit(spec("once"), program("pass"))
+    with pytest.raises(AlreadyExists, match="once"):
+        orch.submit(spec("once"), program("pass"))
+    with pytest.raises(NotFound, match="ghost"):
+        orch.get("ghost")
+    with pytest.raises(NotFound, match="ghost"):
+        await orch.cancel("ghost")
+    assert [s.job_id for s in orch.list()] == ["once"]
