@@ -206,6 +206,71 @@ def test_a_be_job_is_not_preempted_more_than_max_preemptions_times() -> None:
     assert s.job("be").preemptions == 2 and s.job("te-2").state is JobState.PENDING
 
 
+def test_preempt_frees_the_job_counts_its_lost_work_and_requeues_it_to_resume() -> None:
+    s = scheduler(te_be_policy())
+    s.submit(job("be", 8), now=0)
+    s.schedule(now=0)
+    s.record_checkpoint("be", now=200)
+    record = s.preempt("be", now=250)
+    assert record is s.job("be")
+    assert (record.state, record.preemptions, record.lost_work_s) == (JobState.PENDING, 1, 50.0)
+    assert "be" not in s.running and record.nodes == frozenset() and s.pending_count == 1
+    s.submit(job("other", 8), now=260)  # the room is free again, but "be" keeps its earlier place
+    assert s.schedule(now=260) == [StartJob("be", {"chief": ("n0",)}, resume=True)]
+    assert s.job("other").state is JobState.PENDING
+
+
+def test_preempt_keeps_the_queue_position_of_the_internal_path() -> None:
+    outcomes = {}
+    for admin in (False, True):
+        s = scheduler(te_be_policy())
+        s.submit(job("be", 8), now=0)
+        s.schedule(now=0)
+        s.submit(job("later", 8), now=10)
+        if admin:
+            s.preempt("be", now=20)
+            s.submit(job("te", 8, te=True), now=20)
+            assert started(s.schedule(now=20)) == ["te"]
+        else:
+            s.submit(job("te", 8, te=True), now=20)
+            assert preempted(s.schedule(now=20)) == ["be"]
+        s.finish("te", now=30)
+        outcomes[admin] = s.schedule(now=30)
+    assert outcomes[True] == outcomes[False] == [StartJob("be", {"chief": ("n0",)}, resume=True)]
+
+
+def test_preempt_counts_toward_the_max_preemptions_cap() -> None:
+    s = scheduler(te_be_policy(max_preemptions=2))
+    s.submit(job("be", 8), now=0)
+    s.schedule(now=0)
+    s.preempt("be", now=10)
+    assert started(s.schedule(now=10)) == ["be"]
+    s.submit(job("te-0", 8, te=True), now=20)
+    assert preempted(s.schedule(now=20)) == ["be"]
+    s.finish("te-0", now=30)
+    assert started(s.schedule(now=30)) == ["be"]
+    assert s.job("be").preemptions == 2
+    s.submit(job("te-1", 8, te=True), now=40)
+    assert s.schedule(now=40) == []  # the cap counts the administrator's preemption
+    assert s.job("be").state is JobState.RUNNING
+
+
+def test_preempt_of_an_unknown_or_waiting_job_fails_clearly() -> None:
+    s = scheduler(fifo_policy())
+    s.submit(job("a", 8), now=0)
+    s.submit(job("b", 8), now=0)
+    s.schedule(now=0)
+    with pytest.raises(NotFound, match="'nope'"):
+        s.preempt("nope", now=1)
+    with pytest.raises(FailedPrecondition, match="'b'.*pending"):
+        s.preempt("b", now=1)
+    s.preempt("a", now=1)
+    with pytest.raises(FailedPrecondition, match="pending, not running"):
+        s.preempt("a", now=2)
+    with pytest.raises(InvalidArgument):
+        s.preempt("a", now=0.5)
+
+
 def test_policy_that_returns_victims_without_room_is_a_bug_reported_as_internal() -> None:
     class UselessVictims(LowestResumeCostPreemption):
         def select_victims(self, job: JobRecord, candidates: Sequence[JobRecord], fits, now: float):

@@ -262,9 +262,8 @@ class Orchestrator:
         """An administrator's preemption: stop the running job (SIGTERM, so it can checkpoint, then
         a kill after ``terminate_grace_s``) and queue it to resume; return its status, PREEMPTED.
 
-        The scheduler has no call to preempt a chosen job, so the job is cancelled there and
-        submitted again: it queues behind the jobs of its class already waiting, and the
-        scheduler's own count of its preemptions starts again.
+        The scheduler preempts it as it would for a waiting job (``Scheduler.preempt``): it keeps
+        its place in the queue, and the stop counts toward the scheduler's ``max_preemptions`` cap.
 
         Raises:
             NotFound: no job has this id.
@@ -274,7 +273,8 @@ class Orchestrator:
             job = self._job(job_id)
             if job.state is not JobState.RUNNING:
                 raise FailedPrecondition(f"cannot preempt job {job_id!r}: it is {job.state.value}, not running.")
-            self._requeue(job, "preempted by an administrator")
+            self._scheduler.preempt(job_id, now=time.monotonic())
+            self._preempted(job, "preempted by an administrator")
             await self._executor.terminate(job_id, self._grace_s)
         self._wake.set()
         return job.status()

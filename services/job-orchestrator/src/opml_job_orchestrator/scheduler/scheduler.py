@@ -266,6 +266,25 @@ class Scheduler:
         record.ended_at = now
         return record
 
+    def preempt(self, job_id: str, *, now: float) -> JobRecord:
+        """Stop a running job the scheduler did not choose (an administrator's preemption) and
+        queue it to resume, exactly as a preemption ``schedule`` decides: its room is freed, the
+        work since its last checkpoint is added to ``lost_work_s``, its ``preemptions`` count
+        (which ``max_preemptions`` caps) goes up by one, and it re-enters the queue with the rank
+        the queue policy gives it (its original submit time, so ahead of later submissions of its
+        class). The caller stops its processes. The policy is not asked whether the job may be
+        preempted.
+
+        Raises:
+            NotFound: the job is not pending or running.
+            FailedPrecondition: the job is not running (the message says its state).
+            InvalidArgument: ``now`` is earlier than a time already reported.
+        """
+        self._advance(now)
+        record = self._running_record(job_id, "preempt")
+        self._stop_and_requeue(record, now)
+        return record
+
     # -- decisions -----------------------------------------------------------------------------
 
     def schedule(self, *, now: float) -> list[Decision]:
@@ -423,18 +442,23 @@ class Scheduler:
         return StartJob(job.job_id, job.placement, resume=job.run_resumed)
 
     def _preempt(self, victim: JobRecord, for_job: JobRecord, now: float) -> PreemptJob:
-        lost = victim.lost_work_if_stopped(now)
-        self._cluster.release(victim.job_id)
-        del self._running[victim.job_id]
-        victim.state = JobState.PENDING
-        victim.preemptions += 1
-        victim.lost_work_s += lost
-        victim.run_started_at = None
-        victim.last_checkpoint_at = None
-        victim.placement = None
-        victim.nodes = frozenset()
-        self._enqueue(victim, now)
-        return PreemptJob(victim.job_id, for_job.job_id, lost)
+        return PreemptJob(victim.job_id, for_job.job_id, self._stop_and_requeue(victim, now))
+
+    def _stop_and_requeue(self, job: JobRecord, now: float) -> float:
+        """Preempt running ``job``: free its room, count the stop, queue it to resume; return the
+        work the stop throws away."""
+        lost = job.lost_work_if_stopped(now)
+        self._cluster.release(job.job_id)
+        del self._running[job.job_id]
+        job.state = JobState.PENDING
+        job.preemptions += 1
+        job.lost_work_s += lost
+        job.run_started_at = None
+        job.last_checkpoint_at = None
+        job.placement = None
+        job.nodes = frozenset()
+        self._enqueue(job, now)
+        return lost
 
     def _enqueue(self, job: JobRecord, now: float) -> None:
         job.enqueued_at = now
