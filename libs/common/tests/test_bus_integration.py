@@ -17,7 +17,7 @@ from opml_common.bus import (
     RedisDeduplicator,
     ensure_topics,
 )
-from opml_common.bus.testing import fresh_metrics, headers_of, read_records, running, sample, wait_until
+from opml_common.testing.bus import fresh_metrics, headers_of, read_records, running, sample, wait_until
 from opml_common.config import PlatformSettings
 from opml_common.errors import FailedPrecondition, Unavailable
 from opml_common.storage import redis_client

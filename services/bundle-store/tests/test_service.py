@@ -9,7 +9,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from aiokafka import AIOKafkaConsumer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from opml.bundles.v1 import bundles_pb2 as pb
@@ -18,6 +17,7 @@ from opml.bundles.v1 import bundles_pb2_grpc, events_pb2
 from opml_bundle_store.client import BundleStoreClient
 from opml_common.bus import CloudEvent
 from opml_common.errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated
+from opml_common.testing.bus import read_records
 from opml_common.topics import BUNDLES
 
 
@@ -25,24 +25,8 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-async def _read_events(bootstrap: str, topic: str, count: int, timeout_s: float = 30) -> list[CloudEvent]:
-    """Read ``count`` events from the start of ``topic`` with a plain aiokafka consumer."""
-    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
-                                enable_auto_commit=False, group_id=None)
-    await consumer.start()
-    events: list[CloudEvent] = []
-    try:
-        async with asyncio.timeout(timeout_s):
-            while len(events) < count:
-                for records in (await consumer.getmany(timeout_ms=500)).values():
-                    events.extend(CloudEvent.from_kafka(r.headers, r.value) for r in records)
-    finally:
-        await consumer.stop()
-    return sorted(events, key=lambda e: e.time)
-
-
 def test_round_trip_across_two_contexts_with_events(admin: BundleStoreClient, remote_url: str,
-                                                    settings_env: dict[str, str], tmp_path: Path) -> None:
+                                                    platform_settings, tmp_path: Path) -> None:
     files = {"model/weights.bin": bytes(range(256)) * 4096, "metrics.json": b'{"accuracy": 0.97}',
              "empty.txt": b""}
     admin.create_context("plant-a", remote_url)
@@ -65,8 +49,8 @@ def test_round_trip_across_two_contexts_with_events(admin: BundleStoreClient, re
     assert {p.relative_to(tmp_path / "out").as_posix(): p.read_bytes() for p in written} == files
 
     assert admin.delete("plant-a", added.uuid) == [added.uuid]
-    events = asyncio.run(_read_events(settings_env["OPML_KAFKA_BOOTSTRAP"],
-                                      BUNDLES.full_name(settings_env["OPML_TOPIC_PREFIX"]), 3))
+    records = asyncio.run(read_records(platform_settings, BUNDLES.full_name(platform_settings.topic_prefix), 3))
+    events = sorted((CloudEvent.from_kafka(r.headers, r.value) for r in records), key=lambda e: e.time)
     assert [e.type for e in events] == ["opml.bundles.v1.BundleCommitted", "opml.bundles.v1.BundlePushed",
                                         "opml.bundles.v1.BundleDeleted"]
     assert all(e.subject == "classifier" and e.source == "opml/bundle-store" for e in events)

@@ -58,7 +58,7 @@ def file_to_proto(entry: FileEntry) -> pb.BundleFile:
 
 def bundle_to_proto(bundle: Bundle) -> pb.Bundle:
     return pb.Bundle(
-        name=f"contexts/{bundle.context}/bundles/{bundle.uuid}",
+        name=bundle.resource_name,
         context=bundle.context,
         bundle_name=bundle.name,
         uuid=bundle.uuid,

@@ -19,6 +19,7 @@ from opml_common.bus.producer import EventPublisher
 from opml_common.config import PlatformSettings
 from opml_common.errors import FailedPrecondition, Unavailable
 from opml_common.metrics import ServiceMetrics
+from opml_common.retry import Backoff
 from opml_common.topics import Topic
 
 log = logging.getLogger(__name__)
@@ -114,8 +115,9 @@ class EventConsumer:
             raise ValueError("EventConsumer `topics` must name at least one Topic, but got none")
         if max_attempts < 1:
             raise ValueError(f"EventConsumer `max_attempts` must be >= 1, but got {max_attempts}")
-        if backoff_s < 0 or max_backoff_s < 0:
-            raise ValueError(f"EventConsumer backoffs must be >= 0, but got {backoff_s} and {max_backoff_s}")
+        if not 0 <= backoff_s <= max_backoff_s:
+            raise ValueError(f"EventConsumer backoffs must satisfy 0 <= backoff_s <= max_backoff_s, but got "
+                             f"{backoff_s} and {max_backoff_s}")
         if max_poll_records < 1:
             raise ValueError(f"EventConsumer `max_poll_records` must be >= 1, but got {max_poll_records}")
         self.settings = settings
@@ -124,8 +126,9 @@ class EventConsumer:
         self.handler = handler
         self.dedup = dedup
         self.max_attempts = max_attempts
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
+        self.backoff = Backoff(base_s=backoff_s, max_s=max_backoff_s)
+        # Dead-letter publishing and polling retry until they succeed, so they never spin at a zero delay.
+        self._persistent_backoff = Backoff(base_s=backoff_s or 0.1, max_s=max(max_backoff_s, backoff_s or 0.1))
         self.max_poll_records = max_poll_records
         self._own_publisher = publisher is None
         self._publisher = publisher or EventPublisher(
@@ -258,7 +261,7 @@ class EventConsumer:
                     if not exc.retriable:
                         raise
                     log.warning("consumer group %s: poll failed, retrying: %s", self.group_id, exc)
-                    await self._sleep_unless_stopping(self.backoff_s or 0.1)
+                    await self._sleep_unless_stopping(self._persistent_backoff.base_s)
                     continue
                 generation = self._generation
                 for tp, records in batch.items():
@@ -319,7 +322,7 @@ class EventConsumer:
             except Exception as exc:
                 if is_retriable(exc) and attempt < self.max_attempts:
                     self._handled.labels(topic=topic, type=event_type, outcome=_Outcome.RETRIED).inc()
-                    delay = min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s)
+                    delay = self.backoff.delay(attempt - 1)
                     log.warning("%s@%d/%d: attempt %d of %d failed (%s: %s); retrying in %.2fs",
                                 record.topic, record.partition, record.offset, attempt, self.max_attempts,
                                 type(exc).__name__, exc, delay)
@@ -350,7 +353,7 @@ class EventConsumer:
                     log.error("event %s: handled, but the dedup mark failed (%s: %s); committing anyway",
                               event_id, type(exc).__name__, exc)
                     return
-                await asyncio.sleep(min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s))
+                await asyncio.sleep(self.backoff.delay(attempt - 1))
 
     async def _dead_letter(self, record: ConsumerRecord, exc: Exception, attempts: int) -> bool:
         """Copy ``record`` to its dead-letter topic with the error; retry until acked or stopping."""
@@ -363,18 +366,19 @@ class EventConsumer:
                    ("opml_source_offset", str(record.offset).encode()),
                    ("opml_consumer_group", self.group_id.encode()),
                    ("opml_attempts", str(attempts).encode())]
-        delay = self.backoff_s or 0.1
+        retry = 0
         while True:
             try:
                 await self._publisher.send_raw(topic.dead_letter(self.settings.topic_prefix), record.value,
                                                key=record.key, headers=headers)
                 return True
             except Exception as publish_error:  # noqa: BLE001 - keep trying: the record must not be lost
+                delay = self._persistent_backoff.delay(retry)
+                retry += 1
                 log.error("%s@%d/%d: dead-letter publish failed (%s); retrying in %.2fs",
                           record.topic, record.partition, record.offset, publish_error, delay)
                 if await self._sleep_unless_stopping(delay):
                     return False
-                delay = min(delay * 2, self.max_backoff_s or delay)
 
     async def _sleep_unless_stopping(self, delay: float) -> bool:
         """Sleep ``delay`` seconds; True (at once) if stop() is called meanwhile."""

@@ -565,7 +565,7 @@ class BundleStore:
                 ]
             reporter = ProgressReporter(progress)
             needed = self._blobs_to_fetch(ctx, to_localize)
-            Downloader(remote, ctx.dir, self._pool, self._settings, reporter).download(needed)
+            stats = Downloader(remote, ctx.dir, self._pool, self._settings, reporter).download(needed)
             changed: list[Bundle] = []
             with ctx.lock:
                 for bundle in fresh:
@@ -581,7 +581,7 @@ class BundleStore:
                             self._write_record(ctx, record)
                             changed.append(record)
             reporter.emit(force=True)
-        log.info("pulled %d bundles into %s from %s", len(changed), ctx.id, remote.url)
+        log.info("pulled %d bundles into %s from %s: %s", len(changed), ctx.id, remote.url, stats)
         return sorted(changed, key=_age, reverse=True)
 
     def _fetch_manifests(self, ctx: _Context, remote: S3Remote, listed: list[Any]) -> list[Bundle]:

@@ -174,7 +174,7 @@ class BlobRef:
 
 @dataclass
 class TransferStats:
-    """What a transfer really moved (logged; tests read it to check skipping and resuming)."""
+    """What a transfer really moved (logged after each push and pull)."""
 
     blobs_total: int = 0
     blobs_skipped: int = 0
@@ -223,8 +223,9 @@ class _Multipart:
         return start, min(self.part_size, self.blob.size - start)
 
 
-class Uploader:
-    """Pushes blobs of one local context to its remote."""
+class _Transfer:
+    """What an upload and a download share: the remote, the local context, the thread pool, the
+    settings, where progress goes, and the stats of what really moved."""
 
     def __init__(
         self, remote: S3Remote, local: ContextDir, pool: Executor, settings: TransferSettings,
@@ -236,6 +237,13 @@ class Uploader:
         self.settings = settings
         self.progress = progress
         self.stats = TransferStats()
+
+
+class Uploader(_Transfer):
+    """Pushes blobs of one local context to its remote."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self._stats_lock = threading.Lock()
         self._recorded_uploads: set[str] = set()
 
@@ -512,7 +520,7 @@ class _RangedBlob:
             self.fd = -1
 
 
-class Downloader:
+class Downloader(_Transfer):
     """Pulls blobs of one context from its remote into ``objects/``, verified.
 
     Blobs download into ``tmp/``; once verified they are made durable together (one syncfs for
@@ -521,16 +529,8 @@ class Downloader:
     still stored, so the next pull skips them.
     """
 
-    def __init__(
-        self, remote: S3Remote, local: ContextDir, pool: Executor, settings: TransferSettings,
-        progress: ProgressReporter,
-    ) -> None:
-        self.remote = remote
-        self.local = local
-        self.pool = pool
-        self.settings = settings
-        self.progress = progress
-        self.stats = TransferStats()
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self._tmp_files: set[Path] = set()
         self._verified: list[tuple[Path, BlobRef]] = []
         self._lock = threading.Lock()

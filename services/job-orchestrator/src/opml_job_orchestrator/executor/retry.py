@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from opml_common.errors import InvalidArgument
+from opml_common.retry import Backoff
 
 from opml_job_orchestrator.executor.base import check_seconds
 
@@ -17,14 +18,12 @@ from opml_job_orchestrator.executor.base import check_seconds
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
     """Up to ``max_retries`` retries, the n-th (from 0) after ``base_delay_s * multiplier**n``, capped at
-    ``max_delay_s``. Keyword-only, checked when built; deterministic (no jitter), so tests and
-    replays agree.
+    ``max_delay_s`` (the platform's shared :class:`~opml_common.retry.Backoff`). Keyword-only, checked
+    when built; deterministic (no jitter), so tests and replays agree.
     """
 
     max_retries: int
-    base_delay_s: float
-    max_delay_s: float
-    multiplier: float = 2.0
+    backoff: Backoff
 
     def __init__(self, *, max_retries: int, base_delay_s: float, max_delay_s: float, multiplier: float = 2.0) -> None:
         if not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0:
@@ -34,12 +33,8 @@ class RetryPolicy:
         if cap < base:
             raise InvalidArgument("max_delay_s", f"`max_delay_s` must be >= `base_delay_s` ({base_delay_s!r}), "
                                                  f"but got {max_delay_s!r}.")
-        if not isinstance(multiplier, int | float) or isinstance(multiplier, bool) or not 1 <= multiplier < 1e6:
-            raise InvalidArgument("multiplier", f"`multiplier` must be a number in [1, 1e6), but got {multiplier!r}.")
         object.__setattr__(self, "max_retries", max_retries)
-        object.__setattr__(self, "base_delay_s", base)
-        object.__setattr__(self, "max_delay_s", cap)
-        object.__setattr__(self, "multiplier", float(multiplier))
+        object.__setattr__(self, "backoff", Backoff(base_s=base, max_s=cap, multiplier=multiplier))
 
     def next_delay(self, retries_done: int, *, retriable: bool = True) -> float | None:
         """Seconds to wait before the next run, after ``retries_done`` retries already failed; None: give up.
@@ -54,11 +49,4 @@ class RetryPolicy:
             raise InvalidArgument("retries_done", f"`retries_done` must be an integer >= 0, but got {retries_done!r}.")
         if not retriable or retries_done >= self.max_retries:
             return None
-        if self.base_delay_s == 0:
-            return 0.0
-        delay = self.base_delay_s
-        for _ in range(retries_done):
-            delay *= self.multiplier
-            if delay >= self.max_delay_s:
-                return self.max_delay_s
-        return min(delay, self.max_delay_s)
+        return self.backoff.delay(retries_done)
