@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from opml_common.config import DEV_S3_SECRET
+from opml_common.process import terminate
 
 log = logging.getLogger(__name__)
 
@@ -104,13 +104,7 @@ class _Proc:
     log_path: Path
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        terminate(self.process, timeout_s=timeout_s)
 
 
 @dataclass

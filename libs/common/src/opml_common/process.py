@@ -14,6 +14,18 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
+def terminate(process: subprocess.Popen, *, timeout_s: float) -> None:
+    """SIGTERM (a graceful stop), then SIGKILL if the process is still there after ``timeout_s``."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def wait_until_serving(target: str, *, timeout_s: float, process: subprocess.Popen | None = None,
                        log_path: Path | None = None) -> None:
     """Block until the gRPC health service at ``target`` answers SERVING."""
@@ -80,13 +92,8 @@ class ServiceProcess:
         return self
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(self.stop_timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        if self.process is not None:
+            terminate(self.process, timeout_s=self.stop_timeout_s)
 
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
