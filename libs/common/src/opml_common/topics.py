@@ -24,5 +24,13 @@ class Topic:
 
 
 BUNDLES = Topic("opml.bundles.v1", 4, "bundle committed / pushed / deleted (bundle-store)")
+JOBS = Topic("opml.jobs.v1", 4, "job lifecycle: submitted, scheduled, started, preempted, resumed, retrying, "
+             "succeeded, failed, cancelled (job-orchestrator)")
+TRACES = Topic("opml.traces.v1", 4, "batches of always-on step metrics and capture announcements from traced "
+               "jobs (trace-collector's injection)")
+PREDICTIONS = Topic("opml.predictions.v1", 4, "every prediction served: inputs, outputs, model, version, "
+                    "latency, request id (inference-router)")
+DEPLOYMENTS = Topic("opml.deployments.v1", 4, "model deployed / failed / promoted / rolled back / placement "
+                    "changed (inference-router)")
 
-ALL_TOPICS: tuple[Topic, ...] = (BUNDLES,)
+ALL_TOPICS: tuple[Topic, ...] = (BUNDLES, JOBS, TRACES, PREDICTIONS, DEPLOYMENTS)

@@ -1,0 +1,1 @@
+"""Trace collector: zero-change tracing of TensorFlow jobs (after tensorflow-tracing, OpML '19)."""
