@@ -5,6 +5,7 @@ runs tasks as local processes; :class:`RetryPolicy` decides when a failed run ru
 """
 
 from opml_job_orchestrator.executor.base import (
+    CheckpointEvent,
     Executor,
     ExecutorEvent,
     JobEvent,
@@ -17,6 +18,7 @@ from opml_job_orchestrator.executor.local import LocalExecutor
 from opml_job_orchestrator.executor.retry import RetryPolicy
 
 __all__ = [
+    "CheckpointEvent",
     "Executor",
     "ExecutorEvent",
     "JobEvent",

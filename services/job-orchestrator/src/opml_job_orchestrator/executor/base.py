@@ -87,7 +87,22 @@ class JobEvent:
     retriable: bool = False
 
 
-ExecutorEvent = TaskEvent | JobEvent
+@dataclass(frozen=True, slots=True)
+class CheckpointEvent:
+    """Run ``attempt`` of ``job_id`` saved a checkpoint of ``step`` at ``at`` (epoch seconds).
+
+    A task reports it by writing ``{"checkpoint_step": N}`` (JSON) to the file named by
+    ``OPML_HEARTBEAT_FILE``; the orchestrator feeds it to ``Scheduler.record_checkpoint`` so the
+    preemption policy knows how little work stopping the job now would lose.
+    """
+
+    job_id: str
+    attempt: int
+    step: int
+    at: float
+
+
+ExecutorEvent = TaskEvent | JobEvent | CheckpointEvent
 
 
 @dataclass(frozen=True)
