@@ -1,5 +1,6 @@
 """The local executor with real processes: TF_CONFIG, env, logs, stop with grace, TonY-style
-completion, start failures, heartbeats; and the retry policy.
+completion, start failures, heartbeats and checkpoint reports, recovery after a crash, tracing;
+and the retry policy.
 
 Tasks are small ``python -c`` scripts. The ``executor`` fixture stops the executor at the end of
 every test, which kills every task still running, failed test or not.
@@ -8,7 +9,10 @@ every test, which kills every task still running, failed test or not.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -17,6 +21,7 @@ from pathlib import Path
 import pytest
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound
 from opml_job_orchestrator.executor import (
+    CheckpointEvent,
     ExecutorEvent,
     JobEvent,
     JobOutcome,
@@ -25,6 +30,7 @@ from opml_job_orchestrator.executor import (
     RetryPolicy,
     TaskEvent,
     TaskState,
+    tony,
 )
 from opml_job_orchestrator.scheduler import JobClass, JobSpec, Resources, RoleSpec
 
@@ -338,3 +344,178 @@ def test_retry_policy_checks_its_settings() -> None:
         RetryPolicy(max_retries=1, base_delay_s=1, max_delay_s=1, multiplier=0.5)
     with pytest.raises(InvalidArgument, match=r"^retries_done: "):
         RetryPolicy(max_retries=1, base_delay_s=1, max_delay_s=1).next_delay(-1)
+
+
+async def test_checkpoint_reports_become_events_once_per_step_and_count_as_heartbeats(
+        executor: LocalExecutor) -> None:
+    # both workers report steps 5 and 10 (10 right before exiting), with touches and non-JSON between
+    code = ("import json, os, pathlib, time\n"
+            "beat = pathlib.Path(os.environ['OPML_HEARTBEAT_FILE'])\n"
+            "def report(step):\n"
+            "    beat.with_suffix('.tmp').write_text(json.dumps({'checkpoint_step': step}))\n"
+            "    os.replace(beat.with_suffix('.tmp'), beat)\n"
+            "report(5); time.sleep(0.3)\n"
+            "beat.touch(); time.sleep(0.3)\n"
+            "report(5); time.sleep(0.3)\n"
+            "beat.write_text('alive'); time.sleep(0.3)\n"
+            "report(10)\n")
+    job = spec("ckpt", worker=2)
+    await executor.launch(job, JobProgram(commands={"worker": py(code)}, heartbeat_timeout_s=0.8),
+                          placement(job), attempt=3)
+    events = await until_job_event(executor, "ckpt")
+    assert job_event(events).outcome is JobOutcome.SUCCEEDED  # JSON writes and touches kept it alive
+    checkpoints = [e for e in events if isinstance(e, CheckpointEvent)]
+    assert [(e.job_id, e.attempt, e.step) for e in checkpoints] == [("ckpt", 3, 5), ("ckpt", 3, 10)]
+    assert all(abs(e.at - time.time()) < 10 for e in checkpoints)
+    assert events.index(checkpoints[-1]) < events.index(job_event(events))
+
+
+async def test_every_task_gets_a_heartbeat_file_even_without_a_timeout(executor: LocalExecutor) -> None:
+    job = spec("plain")
+    code = "import json, os; open(os.environ['OPML_HEARTBEAT_FILE'], 'w').write(json.dumps({'checkpoint_step': 1}))"
+    await executor.launch(job, JobProgram(commands={"worker": py(code)}), placement(job), attempt=0)
+    events = await until_job_event(executor, "plain")
+    assert [e.step for e in events if isinstance(e, CheckpointEvent)] == [1]
+
+
+ORPHANING_LAUNCHER = """
+import asyncio, os, sys
+from opml_job_orchestrator.executor import JobProgram, LocalExecutor
+from opml_job_orchestrator.scheduler import JobClass, JobSpec, Resources, RoleSpec
+
+work, out = sys.argv[1], sys.argv[2]
+task = '''
+import os, pathlib, signal, subprocess, sys, time
+out = pathlib.Path(sys.argv[1]); i = os.environ['OPML_TASK_INDEX']
+def on_term(*_):
+    (out / f'term-{i}').write_text('checkpointed')
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])
+(out / f'pids-{i}').write_text(f'{os.getpid()} {child.pid}')
+print('ready', i, flush=True)
+time.sleep(60)
+'''
+
+async def main():
+    ex = LocalExecutor(work_dir=work)
+    await ex.start()
+    job = JobSpec(job_id="orphan", job_class=JobClass.BE,
+                  roles={"worker": RoleSpec(2, Resources(cpu_millis=100))})
+    await ex.launch(job, JobProgram(commands={"worker": [sys.executable, "-c", task, out]}),
+                    {"worker": ("local", "local")}, attempt=0)
+    while len(list(os.scandir(out))) < 2:
+        await asyncio.sleep(0.02)
+    os._exit(0)  # the orchestrator crashes: its tasks are left running
+
+asyncio.run(main())
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie awaiting its reaper is dead
+    except FileNotFoundError:
+        return False
+
+
+async def test_recover_stops_what_a_crashed_executor_left_running(tmp_path: Path) -> None:
+    work, out = tmp_path / "work", tmp_path / "out"
+    out.mkdir()
+    crashed = await asyncio.create_subprocess_exec(sys.executable, "-c", ORPHANING_LAUNCHER, str(work), str(out))
+    assert await asyncio.wait_for(crashed.wait(), 30) == 0
+    pids = [int(p) for i in (0, 1) for p in (out / f"pids-{i}").read_text().split()]
+    try:
+        assert all(map(alive, pids))
+        async with LocalExecutor(work_dir=work, shutdown_grace_s=2.0) as ex:
+            assert "ready 1" in await ex.logs("orphan", "worker", 1)  # logs of the previous executor
+            await ex.recover("orphan", 0)
+            assert not any(map(alive, pids))  # tasks and their children
+            assert [(out / f"term-{i}").read_text() for i in (0, 1)] == ["checkpointed"] * 2  # SIGTERM came first
+            events = await ex.poll(0)
+            assert task_states(events) == {("worker", 0): [TaskState.STOPPED], ("worker", 1): [TaskState.STOPPED]}
+            event = job_event(events)
+            assert (event.outcome, event.attempt, event.retriable) == (JobOutcome.STOPPED, 0, True)
+            assert "2 task(s) left running were stopped" in event.message
+            await ex.recover("orphan", 0)  # already recovered: nothing to do
+            assert await ex.poll(0) == []
+            await ex.terminate("orphan", 0)  # already ended
+            job = spec("orphan")
+            await ex.launch(job, JobProgram(commands={"worker": py("print('again')")}), placement(job), attempt=1)
+            assert job_event(await until_job_event(ex, "orphan")).outcome is JobOutcome.SUCCEEDED
+            assert "again" in await ex.logs("orphan", "worker", 0)
+            assert "ready 0" in await ex.logs("orphan", "worker", 0, attempt=0)
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+async def test_recover_never_signals_a_reused_pid(executor: LocalExecutor, tmp_path: Path) -> None:
+    stranger = await asyncio.create_subprocess_exec(sys.executable, "-c", SLEEP, start_new_session=True)
+    try:
+        run_dir = tmp_path / "work" / "reused" / "attempt-2"
+        run_dir.mkdir(parents=True)
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        start_ticks = int(Path(f"/proc/{stranger.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        (run_dir / "run.json").write_text(json.dumps({"boot_id": boot_id, "tasks": [
+            {"role": "worker", "index": 0, "pid": stranger.pid, "start_ticks": start_ticks - 1,
+             "log": str(run_dir / "worker-0.log")}]}))
+        await executor.recover("reused", 2)
+        assert alive(stranger.pid)
+        event = job_event(await executor.poll(0))
+        assert event.retriable and "no task of the run was left running" in event.message
+        await executor.recover("never-ran", 0)  # no manifest at all: nothing left either
+        assert job_event(await executor.poll(0)).outcome is JobOutcome.STOPPED
+        with pytest.raises(InvalidArgument, match=r"^attempt: "):
+            await executor.recover("reused", -1)
+    finally:
+        stranger.kill()
+        await stranger.wait()
+
+
+def test_trace_wraps_each_task_in_the_trace_launcher() -> None:
+    program = JobProgram(commands={"worker": ["python", "train.py", "--epochs", "2"]}, trace=True)
+    assert tony.task_argv(program, job_id="j1", role="worker", index=1, python="/venv/bin/python") == [
+        "/venv/bin/python", "-m", "opml_trace_collector.inject.run", "--job", "j1", "--worker", "worker-1", "--",
+        "python", "train.py", "--epochs", "2"]
+    untraced = JobProgram(commands={"worker": ["python", "train.py"]})
+    assert tony.task_argv(untraced, job_id="j1", role="worker", index=0, python="py") == ["python", "train.py"]
+    with pytest.raises(InvalidArgument, match=r"^trace: "):
+        JobProgram(commands={"worker": ["x"]}, trace="yes")
+
+
+async def test_traced_job_fails_without_retry_when_the_launcher_is_missing(
+        executor: LocalExecutor, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tony, "TRACE_LAUNCHER", "opml_no_such_package.inject.run")
+    job = spec("traced", worker=2)
+    await executor.launch(job, JobProgram(commands={"worker": py("pass")}, trace=True), placement(job), attempt=0)
+    events = await until_job_event(executor, "traced")
+    event = job_event(events)
+    assert event.outcome is JobOutcome.FAILED and not event.retriable
+    assert "'opml_no_such_package.inject.run' is not installed" in event.message
+    assert task_states(events) == {("worker", 0): [TaskState.FAILED]}
+
+
+async def test_traced_job_runs_under_the_launcher_unchanged(
+        executor: LocalExecutor, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A stand-in launcher module (same command line as the trace-collector's) records how it was
+    called and runs the job's argv; the job sees its usual environment."""
+    package = tmp_path / "lib" / "fake_tracer"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "run.py").write_text(
+        "import os, sys\n"
+        "split = sys.argv.index('--')\n"
+        "print('launcher', sys.argv[1:split], flush=True)\n"
+        "os.execvp(sys.argv[split + 1], sys.argv[split + 1:])\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "lib"))
+    monkeypatch.setattr(tony, "TRACE_LAUNCHER", "fake_tracer.run")
+    job = spec("traced", worker=1)
+    program = JobProgram(commands={"worker": py("import os; print('job sees', os.environ['OPML_TASK_TYPE'])")},
+                         env={"PYTHONPATH": str(tmp_path / "lib")}, trace=True)
+    await executor.launch(job, program, placement(job), attempt=0)
+    assert job_event(await until_job_event(executor, "traced")).outcome is JobOutcome.SUCCEEDED
+    log = await executor.logs("traced", "worker", 0)
+    assert "launcher ['--job', 'traced', '--worker', 'worker-0']" in log and "job sees worker" in log

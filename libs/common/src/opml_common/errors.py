@@ -66,6 +66,13 @@ class Unavailable(OpmlError):
     retriable = True
 
 
+class DeadlineExceeded(OpmlError):
+    """The call's deadline passed (or cannot be met) before it finished; a retry may meet a new one."""
+
+    code = "DEADLINE_EXCEEDED"
+    retriable = True
+
+
 class DataLoss(OpmlError):
     """Stored data is corrupt: a blob's content does not match its hash."""
 
@@ -75,7 +82,7 @@ class DataLoss(OpmlError):
 ERRORS_BY_CODE: dict[str, type[OpmlError]] = {
     cls.code: cls
     for cls in (OpmlError, NotFound, AlreadyExists, FailedPrecondition, PermissionDenied,
-                Unauthenticated, ResourceExhausted, Unavailable, DataLoss)
+                Unauthenticated, ResourceExhausted, Unavailable, DeadlineExceeded, DataLoss)
 }
 
 

@@ -1,7 +1,9 @@
 """Executors carry out the scheduler's decisions: they run each role replica of a job as a task.
 
-:class:`Executor` is the interface (a Kubernetes executor is to come); :class:`LocalExecutor`
-runs tasks as local processes; :class:`RetryPolicy` decides when a failed run runs again.
+:class:`Executor` is the interface; :class:`LocalExecutor` runs tasks as local processes (the
+embedded default) and ``KubernetesExecutor`` (in ``executor.kubernetes``, imported on demand so
+the local path never loads the Kubernetes client) as pods; both follow TonY's rules from
+``executor.tony``. :class:`RetryPolicy` decides when a failed run runs again.
 """
 
 from opml_job_orchestrator.executor.base import (

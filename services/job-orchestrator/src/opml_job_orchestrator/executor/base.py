@@ -20,8 +20,10 @@ from __future__ import annotations
 import abc
 import enum
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Any
 
@@ -114,13 +116,16 @@ class JobProgram:
     ``checkpoint_dir``, when set, is passed as ``OPML_CHECKPOINT_DIR`` so a resumed run finds its
     checkpoint. ``heartbeat_timeout_s``, when set, makes the executor declare a task LOST once
     it has not touched the file named by ``OPML_HEARTBEAT_FILE`` for that long (None: no
-    heartbeat is watched).
+    heartbeat is watched). ``trace`` runs every task under the trace-collector's launcher
+    (``python -m opml_trace_collector.inject.run --job J --worker ROLE-INDEX -- ARGV``), which
+    traces its TensorFlow with no change to the job's code.
     """
 
     commands: Mapping[str, Sequence[str]]
     env: Mapping[str, str] = field(default_factory=dict)
     checkpoint_dir: str | None = None
     heartbeat_timeout_s: float | None = None
+    trace: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.commands, Mapping) or not self.commands:
@@ -145,6 +150,8 @@ class JobProgram:
         if self.heartbeat_timeout_s is not None:
             check_seconds(self.heartbeat_timeout_s, "heartbeat_timeout_s", positive=True,
                           hint=", or None for no heartbeat")
+        if not isinstance(self.trace, bool):
+            raise InvalidArgument("trace", f"`trace` must be true or false, but got {self.trace!r}.")
 
     def check_covers(self, spec: JobSpec) -> None:
         """Raise InvalidArgument unless there is a command for every role of ``spec``."""
@@ -222,12 +229,32 @@ class Executor(abc.ABC):
         """
 
     @abc.abstractmethod
+    async def recover(self, job_id: str, attempt: int) -> None:
+        """Take over run ``attempt`` of ``job_id`` from an executor that ran before a restart.
+
+        Called by a restarted orchestrator for each run its durable state says was going, before
+        it launches anything, so that a retry never runs beside a leftover of the same job. Once
+        it returns, this executor owns the run: :meth:`terminate` and :meth:`logs` know it, and
+        :meth:`poll` reports how it ends with one ``JobEvent``. An executor whose tasks outlive it
+        (Kubernetes pods) re-adopts them and the run goes on; one that cannot watch tasks it did
+        not start (local processes) stops them (SIGTERM, a grace, then a kill) and reports the
+        run STOPPED with ``retriable`` true, so the orchestrator runs it again from its
+        checkpoint. A run of which nothing is left is reported the same way. Calling it for the
+        run this executor already tracks does nothing.
+
+        Raises:
+            InvalidArgument: ``attempt`` is not an integer >= 0.
+            FailedPrecondition: the executor is not started, or another run of the job still goes.
+        """
+
+    @abc.abstractmethod
     async def poll(self, timeout_s: float) -> list[ExecutorEvent]:
         """Return the events since the last call, oldest first: called by the orchestrator loop.
 
         Waits up to ``timeout_s`` seconds for a first event (the loop passes the time until the
         scheduler's ``next_deadline()``), then returns all that are ready; an empty list means
-        nothing happened. A run's task events come before its ``JobEvent``.
+        nothing happened. A run's task events and checkpoint events come before its
+        ``JobEvent``; a ``CheckpointEvent`` comes once per new step a run reports.
 
         Raises:
             InvalidArgument: ``timeout_s`` is not a finite number >= 0.
@@ -264,3 +291,24 @@ def check_seconds(value: Any, field: str, *, positive: bool, hint: str = "") -> 
             or value < 0 or (positive and value == 0)):
         raise InvalidArgument(field, f"`{field}` must be a finite number of seconds {bound}{hint}, but got {value!r}.")
     return float(value)
+
+
+def check_attempt(attempt: Any) -> int:
+    """Return ``attempt`` if it is an integer >= 0.
+
+    Raises:
+        InvalidArgument: it is not.
+    """
+    if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
+        raise InvalidArgument("attempt", f"`attempt` must be an integer >= 0, but got {attempt!r}.")
+    return attempt
+
+
+_ATTEMPT_DIR = re.compile(r"attempt-(\d+)")
+
+
+def attempts_logged(job_dir: Path) -> list[int]:
+    """The attempts that have an ``attempt-{n}`` folder of logs in ``job_dir``, in order."""
+    if not job_dir.is_dir():
+        return []
+    return sorted(int(m[1]) for p in job_dir.iterdir() if (m := _ATTEMPT_DIR.fullmatch(p.name)))

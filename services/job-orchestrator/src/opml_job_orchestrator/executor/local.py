@@ -1,9 +1,14 @@
-"""Runs every task of a job as an OS process on this machine: for development and tests.
+"""Runs every task of a job as an OS process on this machine: the embedded default, for development and tests.
 
 Each task gets a free port on ``host`` and a TF_CONFIG naming every other task's address, as
 TensorFlow expects; node names in the placement are ignored (every node is this machine). A task
 runs in its own process group (its own session), so stopping it stops its children too, with its
 stdout and stderr going to ``{work_dir}/{job_id}/attempt-{n}/{role}-{index}.log``.
+
+Each task also gets a heartbeat file (``OPML_HEARTBEAT_FILE``): touching it is a heartbeat, and
+writing ``{"checkpoint_step": N}`` to it reports a checkpoint. Each run leaves a manifest,
+``run.json`` beside its logs (every task's process group, start time, address and log), so a
+restarted orchestrator's new executor can stop what the old one left running (:meth:`recover`).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,53 +29,72 @@ from typing import Any
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound
 
 from opml_job_orchestrator.executor.base import (
+    CheckpointEvent,
     Executor,
     ExecutorEvent,
     JobEvent,
     JobOutcome,
     JobProgram,
-    TaskEvent,
-    TaskState,
+    attempts_logged,
+    check_attempt,
     check_placement,
     check_seconds,
 )
+from opml_job_orchestrator.executor.tony import (
+    CLUSTER_ROLES,
+    RunTracker,
+    TaskKey,
+    Verdict,
+    awaited_tasks,
+    task_argv,
+    task_env,
+    trace_launcher_missing,
+)
 from opml_job_orchestrator.scheduler.model import JobSpec
 
-CLUSTER_ROLES = ("chief", "worker", "ps")
-"""Roles listed in TF_CONFIG's ``cluster``: TensorFlow wants the evaluator left out of it."""
+MANIFEST = "run.json"
 
 
 @dataclass(eq=False)
 class _Task:
-    role: str
-    index: int
+    key: TaskKey
     log_path: Path
-    heartbeat_path: Path | None
+    heartbeat_path: Path
     process: asyncio.subprocess.Process | None = None
-    state: TaskState = TaskState.RUNNING
     exited: asyncio.Event = field(default_factory=asyncio.Event)
+    beat: tuple[int, int] | None = None
+    """``(st_mtime_ns, st_size)`` of the heartbeat file when last read: a change means a new write."""
+    beat_at: float = 0.0
+    """When the task last touched its heartbeat file (epoch seconds)."""
 
 
 @dataclass(eq=False)
 class _Run:
-    job_id: str
-    attempt: int
-    program: JobProgram
-    tasks: dict[tuple[str, int], _Task]
-    awaited: frozenset[tuple[str, int]]
-    """The tasks whose exit 0 makes the run succeed: the chief, or every worker if no chief."""
-    outcome: JobOutcome | None = None
+    tracker: RunTracker
+    tasks: dict[TaskKey, _Task]
+    heartbeat_timeout_s: float | None
+    checkpoints: set[int] = field(default_factory=set)
+    """The steps already reported as CheckpointEvents: each once per run, whichever task reports it."""
     done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def job_id(self) -> str:
+        return self.tracker.job_id
+
+    @property
+    def attempt(self) -> int:
+        return self.tracker.attempt
 
 
 class LocalExecutor(Executor):
     """Runs each replica of each role as a local process; see :class:`Executor` for the contract.
 
-    Keyword-only settings, checked here: ``work_dir`` holds logs and heartbeat files;
-    ``host`` is the address tasks listen on; ``heartbeat_check_interval_s`` is how often
-    heartbeat files are checked (for programs with a ``heartbeat_timeout_s``); ``cleanup_grace_s``
-    is the grace given, between SIGTERM and SIGKILL, to the tasks still running when a run ends
-    on its own (parameter servers, for one); ``shutdown_grace_s`` is the grace :meth:`stop` gives.
+    Keyword-only settings, checked here: ``work_dir`` holds logs, heartbeat files and run
+    manifests; ``host`` is the address tasks listen on; ``heartbeat_check_interval_s`` is how
+    often heartbeat files are read (for checkpoint reports, and for programs with a
+    ``heartbeat_timeout_s``); ``cleanup_grace_s`` is the grace given, between SIGTERM and SIGKILL,
+    to the tasks still running when a run ends on its own (parameter servers, for one);
+    ``shutdown_grace_s`` is the grace :meth:`stop` and :meth:`recover` give.
 
     :meth:`launch` starts the tasks one by one, in the order of ``spec.replicas``; if one cannot
     start, the tasks after it are never started (and have no events) and the run fails.
@@ -90,7 +115,6 @@ class LocalExecutor(Executor):
         self._cleanup_grace_s = check_seconds(cleanup_grace_s, "cleanup_grace_s", positive=False)
         self._shutdown_grace_s = check_seconds(shutdown_grace_s, "shutdown_grace_s", positive=False)
         self._runs: dict[str, _Run] = {}
-        self._attempts: dict[str, set[int]] = {}
         self._events: asyncio.Queue[ExecutorEvent] = asyncio.Queue()
         self._background: set[asyncio.Task[None]] = set()
         self._watcher: asyncio.Task[None] | None = None
@@ -112,7 +136,7 @@ class LocalExecutor(Executor):
         if not self._started:
             return
         self._started = False
-        await asyncio.gather(*(self._end(run, JobOutcome.STOPPED, "the executor stopped", retriable=False,
+        await asyncio.gather(*(self._end(run, Verdict(JobOutcome.STOPPED, "the executor stopped", False),
                                          grace_s=self._shutdown_grace_s) for run in list(self._runs.values())))
         if self._watcher is not None:
             self._watcher.cancel()
@@ -123,46 +147,75 @@ class LocalExecutor(Executor):
 
     async def launch(self, spec: JobSpec, program: JobProgram, placement: Mapping[str, Sequence[str]], *,
                      attempt: int) -> None:
-        if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
-            raise InvalidArgument("attempt", f"`attempt` must be an integer >= 0, but got {attempt!r}.")
+        check_attempt(attempt)
         program.check_covers(spec)
         check_placement(spec, placement)
-        if not self._started:
-            raise FailedPrecondition("the executor is not started; call start() or use `async with` first.")
-        previous = self._runs.get(spec.job_id)
-        if previous is not None and previous.outcome is None:
-            raise FailedPrecondition(f"job {spec.job_id!r} still runs attempt {previous.attempt}; terminate it "
-                                     "before launching it again.")
-        run_dir = self._work_dir / spec.job_id / f"attempt-{attempt}"
+        self._check_free(spec.job_id, attempt)
+        run_dir = self._run_dir(spec.job_id, attempt)
         run_dir.mkdir(parents=True, exist_ok=True)
-        tasks = {(r.role, r.index): _Task(r.role, r.index, run_dir / f"{r.role}-{r.index}.log",
-                                          run_dir / f"{r.role}-{r.index}.heartbeat"
-                                          if program.heartbeat_timeout_s is not None else None)
+        tasks = {(r.role, r.index): _Task((r.role, r.index), run_dir / f"{r.role}-{r.index}.log",
+                                          run_dir / f"{r.role}-{r.index}.heartbeat")
                  for r in spec.replicas}
-        awaited_role = "chief" if "chief" in spec.roles else "worker"
-        run = _Run(spec.job_id, attempt, program, tasks,
-                   frozenset(key for key in tasks if key[0] == awaited_role))
+        run = _Run(RunTracker(spec.job_id, attempt, tasks, awaited_tasks(tasks)), tasks, program.heartbeat_timeout_s)
         self._runs[spec.job_id] = run
-        self._attempts.setdefault(spec.job_id, set()).add(attempt)
         cluster = self._cluster(spec)
+        manifest: dict[str, Any] = {"job_id": spec.job_id, "attempt": attempt, "boot_id": _boot_id(),
+                                    "cluster": cluster, "tasks": []}
+        launcher_missing = trace_launcher_missing() if program.trace else None
         for task in tasks.values():
-            failure = await self._spawn(run, task, cluster)
-            if failure is not None:
-                for unstarted in tasks.values():
-                    if unstarted.process is None and unstarted is not task:
-                        unstarted.state = TaskState.STOPPED
-                        unstarted.exited.set()
-                self._in_background(self._end(run, JobOutcome.FAILED, failure, retriable=False,
-                                              grace_s=self._cleanup_grace_s))
-                return
+            failure = launcher_missing or await self._spawn(run, task, program, cluster)
+            if failure is None:
+                manifest["tasks"].append(_manifest_entry(task))
+                _write_json(run_dir / MANIFEST, manifest)
+                continue
+            event, verdict = run.tracker.could_not_start(task.key, failure)
+            task.exited.set()
+            self._events.put_nowait(event)
+            for unstarted in tasks.values():
+                if unstarted.process is None:
+                    unstarted.exited.set()
+            self._in_background(self._end(run, verdict, grace_s=self._cleanup_grace_s))
+            return
+
+    async def recover(self, job_id: str, attempt: int) -> None:
+        """Stop what run ``attempt`` of ``job_id`` left running (read from its manifest), then
+        report the run STOPPED (retriable), as :meth:`Executor.recover` says.
+
+        A process of the manifest is stopped only if it is still the same process: same boot,
+        same start time (``/proc/<pid>/stat``), so a reused pid is never signalled. Its whole
+        process group goes, children included, with SIGTERM first so a task can checkpoint, then
+        SIGKILL after ``shutdown_grace_s``.
+        """
+        check_attempt(attempt)
+        current = self._runs.get(job_id)
+        if current is not None and current.attempt == attempt:
+            return
+        self._check_free(job_id, attempt)
+        run_dir = self._run_dir(job_id, attempt)
+        boot_id, entries = _read_manifest(run_dir / MANIFEST)
+        tasks = {key: _Task(key, Path(log), run_dir / f"{key[0]}-{key[1]}.heartbeat")
+                 for key, (_, _, log) in entries.items()}
+        run = _Run(RunTracker(job_id, attempt, tasks, ()), tasks, None)
+        run.tracker.decide(Verdict(JobOutcome.STOPPED, "recovered after a restart", True))  # terminate() now waits
+        for task in tasks.values():
+            task.exited.set()
+        self._runs[job_id] = run
+        groups = {key: (pid, ticks) for key, (pid, ticks, _) in entries.items()} if boot_id == _boot_id() else {}
+        left = await _stop_groups(groups, grace_s=self._shutdown_grace_s)
+        for key in sorted(left):
+            self._events.put_nowait(run.tracker.stopped(key, "left running by a previous executor; stopped"))
+        message = (f"recovered after a restart: {len(left)} task(s) left running were stopped" if left
+                   else "recovered after a restart: no task of the run was left running")
+        self._events.put_nowait(JobEvent(job_id, attempt, JobOutcome.STOPPED, message, True))
+        run.done.set()
 
     async def terminate(self, job_id: str, grace_s: float) -> None:
         grace_s = check_seconds(grace_s, "grace_s", positive=False)
         run = self._runs.get(job_id)
         if run is None:
             raise NotFound(f"job {job_id!r} was never launched on this executor.")
-        await self._end(run, JobOutcome.STOPPED, f"terminated with a grace period of {grace_s:g} s",
-                        retriable=False, grace_s=grace_s)
+        await self._end(run, Verdict(JobOutcome.STOPPED, f"terminated with a grace period of {grace_s:g} s", False),
+                        grace_s=grace_s)
 
     async def poll(self, timeout_s: float) -> list[ExecutorEvent]:
         timeout_s = check_seconds(timeout_s, "timeout_s", positive=False)
@@ -175,18 +228,30 @@ class LocalExecutor(Executor):
         return events
 
     async def logs(self, job_id: str, role: str, index: int, *, attempt: int | None = None) -> str:
-        attempts = self._attempts.get(job_id)
+        """Read the task's log from ``work_dir``: runs of earlier executors on it included."""
+        attempts = attempts_logged(self._work_dir / job_id)
         if not attempts:
             raise NotFound(f"job {job_id!r} was never launched on this executor.")
         if attempt is None:
-            attempt = self._runs[job_id].attempt
+            attempt = attempts[-1]  # every run launched has its folder, whichever executor launched it
         if attempt not in attempts:
-            raise NotFound(f"job {job_id!r} has no attempt {attempt!r}; it has {sorted(attempts)}.")
-        path = self._work_dir / job_id / f"attempt-{attempt}" / f"{role}-{index}.log"
+            raise NotFound(f"job {job_id!r} has no attempt {attempt!r}; it has {attempts}.")
+        path = self._run_dir(job_id, attempt) / f"{role}-{index}.log"
         try:
             return await asyncio.to_thread(path.read_text, encoding="utf-8", errors="replace")
         except FileNotFoundError:
             raise NotFound(f"job {job_id!r} attempt {attempt} has no task {role!r} {index!r}.") from None
+
+    def _check_free(self, job_id: str, attempt: int) -> None:
+        if not self._started:
+            raise FailedPrecondition("the executor is not started; call start() or use `async with` first.")
+        previous = self._runs.get(job_id)
+        if previous is not None and previous.tracker.outcome is None:
+            raise FailedPrecondition(f"job {job_id!r} still runs attempt {previous.attempt}; terminate it "
+                                     f"before running attempt {attempt}.")
+
+    def _run_dir(self, job_id: str, attempt: int) -> Path:
+        return self._work_dir / job_id / f"attempt-{attempt}"
 
     def _cluster(self, spec: JobSpec) -> dict[str, list[str]]:
         """TF_CONFIG's ``cluster``: a distinct free port on ``host`` per chief, worker and ps task."""
@@ -202,23 +267,16 @@ class LocalExecutor(Executor):
                     addresses.append(f"{self._host}:{sock.getsockname()[1]}")
             return cluster
 
-    async def _spawn(self, run: _Run, task: _Task, cluster: dict[str, list[str]]) -> str | None:
+    async def _spawn(self, run: _Run, task: _Task, program: JobProgram, cluster: dict[str, list[str]]) -> str | None:
         """Start one task; return why it could not start, or None."""
+        role, index = task.key
         env = dict(os.environ)
-        env.update(run.program.env)
-        env.update({
-            "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": task.role, "index": task.index}}),
-            "OPML_JOB_ID": run.job_id,
-            "OPML_JOB_ATTEMPT": str(run.attempt),
-            "OPML_TASK_TYPE": task.role,
-            "OPML_TASK_INDEX": str(task.index),
-        })
-        if run.program.checkpoint_dir is not None:
-            env["OPML_CHECKPOINT_DIR"] = run.program.checkpoint_dir
-        if task.heartbeat_path is not None:
-            task.heartbeat_path.touch()
-            env["OPML_HEARTBEAT_FILE"] = str(task.heartbeat_path)
-        argv = run.program.commands[task.role]
+        env.update(task_env(program, job_id=run.job_id, attempt=run.attempt, role=role, index=index,
+                            cluster=cluster))
+        task.heartbeat_path.write_bytes(b"")
+        self._read_heartbeat(run, task)
+        env["OPML_HEARTBEAT_FILE"] = str(task.heartbeat_path)
+        argv = task_argv(program, job_id=run.job_id, role=role, index=index, python=sys.executable)
         with task.log_path.open("wb") as log:
             try:
                 task.process = await asyncio.create_subprocess_exec(
@@ -226,47 +284,29 @@ class LocalExecutor(Executor):
                     env=env, start_new_session=True)
             except OSError as exc:
                 reason = f"{exc.strerror}: {exc.filename!r}" if exc.filename else str(exc)
-                message = f"{task.role} {task.index} could not start: {reason}"
-                task.state = TaskState.FAILED
-                task.exited.set()
-                self._emit(run, task, TaskState.FAILED, message=message)
-                return message
-        self._emit(run, task, TaskState.RUNNING, message=f"pid {task.process.pid}")
+                return f"{role} {index} could not start: {reason}"
+        self._events.put_nowait(run.tracker.started(task.key, f"pid {task.process.pid}"))
         self._in_background(self._wait(run, task))
         return None
 
     async def _wait(self, run: _Run, task: _Task) -> None:
-        """Report the task's exit, and end the run if that decides it."""
+        """Report the task's exit (after its last heartbeat write), and end the run if that decides it."""
         assert task.process is not None
         code = await task.process.wait()
         _kill_group(task.process.pid, signal.SIGKILL)
-        if task.state is TaskState.LOST:
-            task.exited.set()
-            return
-        if run.outcome is not None:
-            task.state = TaskState.STOPPED
-            message = f"stopped, {_describe(code)}"
-        elif code == 0:
-            task.state = TaskState.SUCCEEDED
-            message = "exited with code 0"
-        else:
-            task.state = TaskState.FAILED
-            message = f"{task.role} {task.index} {_describe(code)}"
-        self._emit(run, task, task.state, exit_code=code, message=message)
+        self._read_heartbeat(run, task)
+        event, verdict = run.tracker.exited(task.key, code, how=_describe(code))
+        if event is not None:
+            self._events.put_nowait(event)
         task.exited.set()
-        if task.state is TaskState.FAILED:
-            await self._end(run, JobOutcome.FAILED, message, retriable=True, grace_s=self._cleanup_grace_s)
-        elif task.state is TaskState.SUCCEEDED and all(
-                run.tasks[key].state is TaskState.SUCCEEDED for key in run.awaited):
-            await self._end(run, JobOutcome.SUCCEEDED, f"{', '.join(f'{r} {i}' for r, i in sorted(run.awaited))} "
-                            "exited with code 0", retriable=False, grace_s=self._cleanup_grace_s)
+        if verdict is not None:
+            await self._end(run, verdict, grace_s=self._cleanup_grace_s)
 
-    async def _end(self, run: _Run, outcome: JobOutcome, message: str, *, retriable: bool, grace_s: float) -> None:
+    async def _end(self, run: _Run, verdict: Verdict, *, grace_s: float) -> None:
         """End the run once: SIGTERM what still runs, SIGKILL after ``grace_s``, then report the JobEvent."""
-        if run.outcome is not None:
+        if not run.tracker.decide(verdict):
             await run.done.wait()
             return
-        run.outcome = outcome
         running = [t for t in run.tasks.values() if not t.exited.is_set() and t.process is not None]
         for task in running:
             _kill_group(task.process.pid, signal.SIGTERM)
@@ -277,47 +317,159 @@ class LocalExecutor(Executor):
                 if not task.exited.is_set():
                     _kill_group(task.process.pid, signal.SIGKILL)
             await asyncio.gather(*pending)
-        self._events.put_nowait(JobEvent(run.job_id, run.attempt, outcome, message, retriable))
+        self._events.put_nowait(JobEvent(run.job_id, run.attempt, verdict.outcome, verdict.message,
+                                         verdict.retriable))
         run.done.set()
 
     async def _watch_heartbeats(self) -> None:
-        """Every ``heartbeat_check_interval_s``, declare LOST the tasks whose heartbeat file went stale."""
+        """Every ``heartbeat_check_interval_s``: read new heartbeat writes (checkpoint reports) and
+        declare LOST the tasks whose heartbeat went stale."""
         while True:
             await asyncio.sleep(self._check_interval_s)
             now = time.time()
             for run in list(self._runs.values()):
-                timeout_s = run.program.heartbeat_timeout_s
-                if run.outcome is not None or timeout_s is None:
+                if run.tracker.outcome is not None:
                     continue
-                for task in run.tasks.values():
-                    if task.state is not TaskState.RUNNING or task.heartbeat_path is None or task.process is None:
-                        continue
-                    try:
-                        silent_s = now - task.heartbeat_path.stat().st_mtime
-                    except FileNotFoundError:
-                        silent_s = float("inf")
-                    if silent_s > timeout_s:
-                        self._lose(run, task, f"{task.role} {task.index} sent no heartbeat for {silent_s:.1f} s "
+                for key in run.tracker.running():
+                    task = run.tasks[key]
+                    self._read_heartbeat(run, task)
+                    timeout_s = run.heartbeat_timeout_s
+                    if timeout_s is not None and (silent_s := now - task.beat_at) > timeout_s:
+                        self._lose(run, task, f"{key[0]} {key[1]} sent no heartbeat for {silent_s:.1f} s "
                                               f"(heartbeat_timeout_s is {timeout_s:g}) to {task.heartbeat_path}")
                         break
+
+    def _read_heartbeat(self, run: _Run, task: _Task) -> None:
+        """Note the time of the task's last heartbeat; if it wrote a new checkpoint step, report it."""
+        try:
+            stat = task.heartbeat_path.stat()
+            signature = (stat.st_mtime_ns, stat.st_size)
+            if signature == task.beat:
+                return
+            text = task.heartbeat_path.read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            return
+        task.beat, task.beat_at = signature, stat.st_mtime
+        try:
+            step = json.loads(text)["checkpoint_step"]
+        except (ValueError, TypeError, KeyError):
+            return  # a plain touch, or not a report: a heartbeat all the same
+        if isinstance(step, int) and not isinstance(step, bool) and step >= 0 and step not in run.checkpoints:
+            run.checkpoints.add(step)
+            self._events.put_nowait(CheckpointEvent(run.job_id, run.attempt, step, stat.st_mtime))
 
     def _lose(self, run: _Run, task: _Task, message: str) -> None:
         """Report ``task`` LOST, kill it, and fail the run."""
         assert task.process is not None
-        task.state = TaskState.LOST
-        self._emit(run, task, TaskState.LOST, message=message)
+        event, verdict = run.tracker.lost(task.key, message)
+        self._events.put_nowait(event)
         _kill_group(task.process.pid, signal.SIGKILL)
-        self._in_background(self._end(run, JobOutcome.FAILED, message, retriable=True,
-                                      grace_s=self._cleanup_grace_s))
-
-    def _emit(self, run: _Run, task: _Task, state: TaskState, *, exit_code: int | None = None,
-              message: str = "") -> None:
-        self._events.put_nowait(TaskEvent(run.job_id, run.attempt, task.role, task.index, state, exit_code, message))
+        self._in_background(self._end(run, verdict, grace_s=self._cleanup_grace_s))
 
     def _in_background(self, coro: Coroutine[Any, Any, None]) -> None:
         job = asyncio.create_task(coro)
         self._background.add(job)
         job.add_done_callback(self._background.discard)
+
+
+def _manifest_entry(task: _Task) -> dict[str, Any]:
+    assert task.process is not None
+    pid = task.process.pid
+    return {"role": task.key[0], "index": task.key[1], "pid": pid, "start_ticks": _start_ticks(pid),
+            "log": str(task.log_path)}
+
+
+def _read_manifest(path: Path) -> tuple[str | None, dict[TaskKey, tuple[int, int | None, str]]]:
+    """A run manifest's boot id and, per task, ``(pid, start ticks, log path)``; nothing if it is
+    missing or unreadable (the run never started a task, or died while writing it)."""
+    try:
+        manifest = json.loads(path.read_text())
+        return manifest["boot_id"], {(t["role"], int(t["index"])): (int(t["pid"]), t["start_ticks"], str(t["log"]))
+                                     for t in manifest["tasks"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, {}
+
+
+def _write_json(path: Path, value: Any) -> None:
+    """Replace ``path`` atomically, so a crash never leaves half a manifest."""
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(value, indent=1))
+    os.replace(partial, path)
+
+
+def _boot_id() -> str | None:
+    """This boot's id: start times are counted from boot, so they only compare within one."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """``(state, process group, start time in clock ticks since boot)`` of ``pid``, or None if gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) "; comm may hold spaces
+    return fields[0], int(fields[2]), int(fields[19])
+
+
+def _start_ticks(pid: int) -> int | None:
+    stat = _proc_stat(pid)
+    return stat[2] if stat else None
+
+
+def _group_members(pgid: int, not_before_ticks: int) -> list[int]:
+    """Live (non-zombie) processes of group ``pgid`` that started no earlier than its leader did.
+
+    The start-time bound keeps a reused group id from matching: a process of a new group with the
+    same id would have to start later, and then its leader (pid ``pgid``) is not the recorded one,
+    which the caller checks whenever that leader still exists.
+    """
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (stat := _proc_stat(int(entry.name))) is not None:
+            state, group, ticks = stat
+            if group == pgid and state != "Z" and ticks >= not_before_ticks:
+                members.append(int(entry.name))
+    return members
+
+
+def _leftovers(groups: Mapping[TaskKey, tuple[int, int | None]]) -> dict[TaskKey, list[int]]:
+    """The processes still alive in each task's process group (that is still the task's)."""
+    left = {}
+    for key, (pgid, ticks) in groups.items():
+        if ticks is None:
+            continue
+        leader = _proc_stat(pgid)
+        if leader is not None and leader[2] != ticks:
+            continue  # the pid was reused: not ours
+        if members := _group_members(pgid, ticks):
+            left[key] = members
+    return left
+
+
+async def _stop_groups(groups: Mapping[TaskKey, tuple[int, int | None]], *, grace_s: float) -> set[TaskKey]:
+    """SIGTERM every process left in ``groups``, SIGKILL those alive after ``grace_s``; return the
+    tasks that had any left."""
+    left = await asyncio.to_thread(_leftovers, groups)
+    for pids in left.values():
+        _signal_all(pids, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    remaining = left
+    while remaining and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        remaining = await asyncio.to_thread(_leftovers, {k: groups[k] for k in remaining})
+    for pids in remaining.values():
+        _signal_all(pids, signal.SIGKILL)
+    return set(left)
+
+
+def _signal_all(pids: Sequence[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
 
 
 def _kill_group(pid: int, sig: signal.Signals) -> None:

@@ -1,0 +1,28 @@
+"""Errors of the routing core, as platform errors so the server interceptor maps them to codes.
+
+A deadline that passes before any replica answers is the shared
+:class:`opml_common.errors.DeadlineExceeded`, re-exported here for the routing core's callers.
+"""
+
+from __future__ import annotations
+
+from opml_common.errors import DeadlineExceeded, OpmlError
+
+__all__ = ["DeadlineExceeded", "ReplicaFailed"]
+
+
+class ReplicaFailed(OpmlError):
+    """A replica answered a call with an error, or could not be reached.
+
+    ``code`` is the replica's status code name, passed on to the caller when no other replica
+    can answer instead. ``retriable``: another replica may succeed (the replica is down, busy, or
+    lacks the model). ``eject``: the replica itself looks broken, so it is taken out of rotation
+    for a while.
+    """
+
+    def __init__(self, code: str, message: str, *, retriable: bool, eject: bool, replica: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.retriable = retriable
+        self.eject = eject
+        self.replica = replica  # kept out of the message: callers need not know the worker's address

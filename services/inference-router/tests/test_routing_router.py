@@ -1,0 +1,290 @@
+"""Unit tests of the Router with fake replicas: load-aware choice, backup requests and loser
+cancellation, retries and ejection, deadlines, shedding, canary, control plane."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from opml_common.testing.bus import fresh_metrics, sample
+from prometheus_client import CollectorRegistry
+
+from opml_inference_router.placement.config import ModelConfig
+from opml_inference_router.routing import DeadlineExceeded, ModelPolicy, Replica, ReplicaFailed, Router, wire
+from opml_inference_router.testing import mlp_config
+
+REQUEST = wire.encode_field(wire.MODEL_NAME, "m")
+
+
+class FakeReplica(Replica):
+    """A replica whose behaviour per call is ``behave(call_number) -> (delay_s, error or None)``."""
+
+    def __init__(self, name: str, behave: Callable[[int], tuple[float, ReplicaFailed | None]]) -> None:
+        self.name = name
+        self.behave = behave
+        self.calls = 0
+        self.cancelled = 0
+        self.completed = 0
+        self.requests: list[bytes] = []
+        self.closed = False
+
+    async def call(self, method: str, request: bytes, *, timeout_s: float) -> bytes:
+        self.calls += 1
+        self.requests.append(request)
+        delay, error = self.behave(self.calls)
+        try:
+            if delay > timeout_s:
+                await asyncio.sleep(timeout_s)
+                raise ReplicaFailed("DEADLINE_EXCEEDED", "deadline", retriable=False, eject=False)
+            await asyncio.sleep(delay)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        if error is not None:
+            raise error
+        self.completed += 1
+        return wire.encode_field(wire.MODEL_NAME, "m") + self.name.encode().join([b"", b""])
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def steady(delay: float) -> Callable[[int], tuple[float, None]]:
+    return lambda _n: (delay, None)
+
+
+def unavailable(_n: int) -> tuple[float, ReplicaFailed]:
+    return 0.0, ReplicaFailed("UNAVAILABLE", "connection reset", retriable=True, eject=True)
+
+
+def make_router(replicas: dict[str, FakeReplica], policy: ModelPolicy, *,
+                version: str = "1") -> tuple[Router, CollectorRegistry]:
+    metrics, registry = fresh_metrics("inference-router")
+    router = Router(connect=lambda address: replicas[address], metrics=metrics, rng=random.Random(3))
+    router.set_model("m", policy)
+    for address in replicas:
+        router.add_replica("m", version, address)
+    return router, registry
+
+
+def metric(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    return sample(registry, f"opml_inference_router_{name}", **labels)
+
+
+async def test_load_aware_choice_sends_less_to_a_slow_replica() -> None:
+    replicas = {"slow": FakeReplica("slow", steady(0.04)), "fast": FakeReplica("fast", steady(0.002))}
+    router, registry = make_router(replicas, ModelPolicy(hedge=False, max_concurrency=8))
+    results = await asyncio.gather(*(router.infer("m", "", REQUEST) for _ in range(200)))
+    served = Counter(r.replica for r in results)
+    assert served["fast"] > 4 * served["slow"] > 0
+    assert metric(registry, "requests_total", model="m", version="1", code="OK") == 200
+
+
+async def test_backup_request_wins_and_the_loser_is_cancelled() -> None:
+    stalled = FakeReplica("stalled", steady(1.0))
+    fast = FakeReplica("fast", steady(0.001))
+    router, registry = make_router({"stalled": stalled, "fast": fast},
+                                   ModelPolicy(slo_p99_ms=20, hedge_slo_fraction=0.25, default_timeout_ms=2000))
+    router._rng.seed(0)
+    routed = [await router.infer("m", "", REQUEST) for _ in range(6)]
+    assert all(r.replica == "fast" for r in routed)
+    hedged = [r for r in routed if r.backup_won]
+    assert hedged and stalled.calls == len(hedged) and all(r.attempts == 2 for r in hedged)
+    await asyncio.sleep(0)  # let the cancellations land
+    assert stalled.cancelled == stalled.calls and stalled.completed == 0
+    assert metric(registry, "backup_requests_total", model="m", version="1") == len(hedged)
+    assert metric(registry, "backup_wins_total", model="m", version="1") == len(hedged)
+    assert all(state.outstanding == 0 for state in router._models["m"].versions["1"].replicas)
+
+
+async def test_backups_wait_for_the_observed_p95() -> None:
+    a, b = FakeReplica("a", steady(0.005)), FakeReplica("b", steady(0.005))
+    router, registry = make_router({"a": a, "b": b}, ModelPolicy(slo_p99_ms=4, hedge_slo_fraction=0.25,
+                                                                 hedge_budget=1.0))
+    for _ in range(8):  # too few samples: the backup goes after 0.25 x SLO = 1 ms, before the 5 ms answer
+        await router.infer("m", "", REQUEST)
+    assert metric(registry, "backup_requests_total", model="m", version="1") == 8
+    for _ in range(100):  # then after the replica's p95 (~5 ms): only the slowest few get a backup
+        await router.infer("m", "", REQUEST)
+    assert metric(registry, "backup_requests_total", model="m", version="1") - 8 <= 30
+
+
+async def test_backups_are_capped_by_the_budget() -> None:
+    # stalled is 500x slower than fast, so every backup wins even when a busy machine delays the loop
+    stalled, fast = FakeReplica("stalled", steady(0.5)), FakeReplica("fast", steady(0.001))
+    router, registry = make_router({"stalled": stalled, "fast": fast},
+                                   ModelPolicy(slo_p99_ms=4, hedge_budget=0.05, selection="least",
+                                               default_timeout_ms=2000))
+    for state in router._models["m"].versions["1"].replicas:
+        if state.name == "fast":
+            state.outstanding = 1_000  # make "least" pick the stalled replica first every time
+    results = await asyncio.gather(*(router.infer("m", "", REQUEST) for _ in range(100)))
+    backups = metric(registry, "backup_requests_total", model="m", version="1")
+    assert 10 <= backups <= 10 + 100 * 0.05 + 1  # the bucket starts full (10), then 0.05 per request
+    assert sum(r.backup_won for r in results) == backups
+
+
+async def test_a_failed_replica_is_retried_elsewhere_and_ejected() -> None:
+    dead, alive = FakeReplica("dead", unavailable), FakeReplica("alive", steady(0.001))
+    router, registry = make_router({"dead": dead, "alive": alive}, ModelPolicy(hedge=False, eject_s=5))
+    results = [await router.infer("m", "", REQUEST) for _ in range(20)]
+    assert {r.replica for r in results} == {"alive"}
+    assert dead.calls == 1  # ejected after its first failure
+    assert metric(registry, "retries_total", model="m", version="1") == 1
+    assert metric(registry, "replica_ejections_total", model="m", version="1", replica="dead") == 1
+    assert {r["replica"]: r["ejected"] for r in router.describe("m")["versions"]["1"]} == {"dead": True, "alive": False}
+
+
+async def test_errors_that_another_replica_cannot_fix_are_passed_on() -> None:
+    bad_input = ReplicaFailed("INVALID_ARGUMENT", "inputs[0].shape: wrong", retriable=False, eject=False)
+    a = FakeReplica("a", lambda _n: (0.0, bad_input))
+    b = FakeReplica("b", lambda _n: (0.0, bad_input))
+    router, registry = make_router({"a": a, "b": b}, ModelPolicy(hedge=False))
+    with pytest.raises(ReplicaFailed) as error:
+        await router.infer("m", "", REQUEST)
+    assert error.value.code == "INVALID_ARGUMENT" and a.calls + b.calls == 1
+    assert metric(registry, "requests_total", model="m", version="1", code="INVALID_ARGUMENT") == 1
+
+
+async def test_every_replica_failing_ends_with_their_error_after_max_attempts() -> None:
+    replicas = {name: FakeReplica(name, unavailable) for name in ("a", "b", "c", "d")}
+    router, _ = make_router(replicas, ModelPolicy(hedge=False, max_attempts=3))
+    with pytest.raises(ReplicaFailed) as error:
+        await router.infer("m", "", REQUEST)
+    assert error.value.code == "UNAVAILABLE"
+    assert sum(r.calls for r in replicas.values()) == 3
+
+
+async def test_deadline_bounds_the_request() -> None:
+    a, b = FakeReplica("a", steady(1.0)), FakeReplica("b", steady(1.0))
+    router, registry = make_router({"a": a, "b": b}, ModelPolicy(slo_p99_ms=10))
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    with pytest.raises((DeadlineExceeded, ReplicaFailed)) as error:
+        await router.infer("m", "", REQUEST, timeout_s=0.05)
+    assert error.value.code == "DEADLINE_EXCEEDED"
+    assert loop.time() - start < 0.2
+    await asyncio.sleep(0)
+    assert a.completed == b.completed == 0
+
+
+async def test_burst_over_capacity_is_shed_with_resource_exhausted() -> None:
+    replica = FakeReplica("a", steady(0.05))
+    router, registry = make_router({"a": replica}, ModelPolicy(hedge=False, max_concurrency=2, max_queue=3))
+    results = await asyncio.gather(*(router.infer("m", "", REQUEST, timeout_s=5) for _ in range(20)),
+                                   return_exceptions=True)
+    shed = [r for r in results if isinstance(r, ResourceExhausted)]
+    assert len(shed) == 15 and sum(1 for r in results if not isinstance(r, Exception)) == 5
+    assert metric(registry, "shed_total", model="m", reason="queue_full") == 15
+    assert metric(registry, "requests_total", model="m", version="1", code="RESOURCE_EXHAUSTED") == 15
+    assert router._models["m"].limiter.in_flight == 0
+
+
+async def test_requests_that_cannot_make_their_deadline_in_the_queue_are_shed() -> None:
+    replica = FakeReplica("a", steady(0.03))
+    router, registry = make_router({"a": replica}, ModelPolicy(hedge=False, max_concurrency=1, max_queue=100))
+    for _ in range(10):  # learn the service time
+        await router.infer("m", "", REQUEST)
+    results = await asyncio.gather(*(router.infer("m", "", REQUEST, timeout_s=0.1) for _ in range(10)),
+                                   return_exceptions=True)
+    assert sum(1 for r in results if isinstance(r, ResourceExhausted)) >= 6
+    assert metric(registry, "shed_total", model="m", reason="deadline") >= 6
+
+
+async def test_canary_split_promote_and_rollback() -> None:
+    replicas = {"v1": FakeReplica("v1", steady(0)), "v2": FakeReplica("v2", steady(0))}
+    metrics, _ = fresh_metrics("inference-router")
+    router = Router(connect=lambda address: replicas[address], metrics=metrics, rng=random.Random(5))
+    router.set_model("m", ModelPolicy(hedge=False))
+    router.add_replica("m", "1", "v1")
+    router.add_replica("m", "2", "v2")
+    assert {(await router.infer("m", "", REQUEST)).version for _ in range(50)} == {"1"}  # new versions get nothing
+    router.start_canary("m", "2", 25)
+    counts = Counter([(await router.infer("m", "", REQUEST)).version for _ in range(2000)])
+    assert counts["2"] / 2000 == pytest.approx(0.25, abs=0.03)
+    assert wire.read_header(replicas["v2"].requests[-1]).model_version == "2"  # the chosen version is forwarded
+    assert (await router.infer("m", "1", REQUEST)).replica == "v1"  # an explicit version bypasses the split
+    assert router.rollback("m") == "1"
+    assert {(await router.infer("m", "", REQUEST)).version for _ in range(50)} == {"1"}
+    assert router.promote("m", "2") == "2"
+    assert {(await router.infer("m", "", REQUEST)).version for _ in range(50)} == {"2"}
+    assert router.rollback("m") == "2"  # promoted is the new stable
+    with pytest.raises(FailedPrecondition):
+        router.start_canary("m", "2", 10)
+    with pytest.raises(NotFound):
+        await router.infer("m", "9", REQUEST)
+    with pytest.raises(NotFound):
+        await router.infer("other", "", REQUEST)
+
+
+async def test_control_plane_adds_and_removes_replicas_and_shares_connections() -> None:
+    made: list[str] = []
+    fakes: dict[str, FakeReplica] = {}
+
+    def connect(address: str) -> FakeReplica:
+        made.append(address)
+        fakes[address] = FakeReplica(address, steady(0))
+        return fakes[address]
+
+    metrics, registry = fresh_metrics("inference-router")
+    router = Router(connect=connect, metrics=metrics)
+    router.set_model("a", ModelPolicy())
+    router.set_model("b", ModelPolicy())
+    router.add_replica("a", "1", "w1:1")
+    router.add_replica("b", "1", "w1:1")  # one worker, two models: one connection
+    router.add_replica("a", "1", "w2:1")
+    router.add_replica("a", "1", "w2:1")  # idempotent
+    assert made == ["w1:1", "w2:1"] and router.is_ready("a") and router.is_ready("b", "1")
+    assert metric(registry, "replica_outstanding_requests", model="a", version="1", replica="w1:1") == 0
+    await router.remove_replica("a", "1", "w1:1")
+    assert not fakes["w1:1"].closed  # model b still uses it
+    assert {(await router.infer("a", "", REQUEST)).replica for _ in range(10)} == {"w2:1"}
+    await router.remove_model("b")
+    assert fakes["w1:1"].closed and not router.is_ready("b")
+    with pytest.raises(NotFound):
+        await router.remove_replica("a", "1", "w1:1")
+    await router.remove_replica("a", "1", "w2:1")
+    assert not router.is_ready("a")
+    with pytest.raises(Exception) as error:
+        await router.infer("a", "", REQUEST)
+    assert error.value.code == "UNAVAILABLE"
+    await router.close()
+
+
+async def test_a_model_without_versions_is_unavailable_and_policies_derive_from_the_config() -> None:
+    metrics, _ = fresh_metrics("inference-router")
+    router = Router(connect=lambda address: FakeReplica(address, steady(0)), metrics=metrics)
+    router.set_model("m", ModelPolicy())
+    with pytest.raises(Exception) as error:
+        await router.infer("m", "", REQUEST)
+    assert error.value.code == "UNAVAILABLE" and not router.is_ready("m")
+    policy = ModelPolicy.for_model(ModelConfig.from_dict(mlp_config("m", p99_ms=30, max_batch_size=16)), replicas=2,
+                                   hedge=False)
+    assert (policy.slo_p99_ms, policy.max_concurrency, policy.max_queue, policy.hedge) == (30.0, 64, 256, False)
+    assert policy.default_timeout_s == pytest.approx(0.12)
+    with pytest.raises(InvalidArgument) as error:
+        ModelPolicy(max_concurrency=0)
+    assert error.value.field == "max_concurrency"
+
+
+async def test_a_saturated_model_does_not_slow_down_another() -> None:
+    replicas = {"hot": FakeReplica("hot", steady(0.2)), "calm": FakeReplica("calm", steady(0.001))}
+    metrics, _ = fresh_metrics("inference-router")
+    router = Router(connect=lambda address: replicas[address], metrics=metrics)
+    router.set_model("hot", ModelPolicy(hedge=False, max_concurrency=2, max_queue=2))
+    router.set_model("calm", ModelPolicy(hedge=False, max_concurrency=2, max_queue=2))
+    router.add_replica("hot", "1", "hot")
+    router.add_replica("calm", "1", "calm")
+    burst = [asyncio.create_task(router.infer("hot", "", REQUEST, timeout_s=5)) for _ in range(50)]
+    await asyncio.sleep(0.01)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    for _ in range(10):
+        assert (await router.infer("calm", "", REQUEST)).replica == "calm"
+    assert loop.time() - start < 0.15  # ten calm requests finish while the hot model's first batch still runs
+    results = await asyncio.gather(*burst, return_exceptions=True)
+    assert sum(isinstance(r, ResourceExhausted) for r in results) == 46
