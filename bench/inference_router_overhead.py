@@ -1,0 +1,253 @@
+"""Inference-router overhead: what the router adds over calling onnxruntime directly.
+
+The same ONNX model (the test MLP, ``--features`` x ``--width`` x ``--depth``) is called five ways,
+``--requests`` times each, one request at a time (latency, not throughput), after a warm-up; the
+gRPC paths take turns in ``--rounds`` rounds, so a change of the machine's load hits them alike:
+
+  (a) onnxruntime in this process (``InferenceSession.run``, batch 1);
+  (b) one worker process directly over gRPC (KServe v2 ModelInfer, grpc.aio, pre-serialized request);
+  (c) the router (its own process: the KServe v2 frontend, the Router, a GrpcReplica) to that worker;
+  (d) the router with the model in its own process (a LocalReplica over the worker's servicer and
+      ModelRepository, dynamic batching included): one gRPC hop instead of two;
+  (p) for reference, the floor of any Python gRPC hop: a bare grpc.aio server in its own process that
+      forwards the bytes to the worker (no routing, no interceptors, no metrics).
+
+It prints p50/p99/mean per path, what (b) adds over (a) and what (c) adds over (b), the router's
+overhead, and how much of it the bare hop (p) already costs. Then ``--concurrency`` clients in
+parallel for the throughput of each gRPC path. Workers run without dynamic batching here, so no
+batching delay hides in the numbers.
+
+    .venv/bin/python bench/inference_router_overhead.py
+    .venv/bin/python bench/inference_router_overhead.py --requests 5000 --width 512 --depth 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import onnxruntime as ort
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc
+
+from opml_inference_router.kserve import encode_request
+from opml_inference_router.testing import mlp_classifier, mlp_config, write_model_dir
+from opml_inference_router.worker.process import WorkerProcess
+
+FLEET = Path(__file__).resolve().parents[1] / "services" / "inference-router" / "examples" / "fleet.yaml"
+MODEL = "bench-mlp"
+INFER = f"/{pb.DESCRIPTOR.services_by_name['GRPCInferenceService'].full_name}/ModelInfer"
+
+
+async def serve_router(worker: str) -> None:
+    """The router as its own process: frontend + Router over one worker (``--serve-router ADDRESS``),
+    or over a LocalReplica hosting the bundle in this process (``--serve-router local:BUNDLE``)."""
+    from opml_common.config import PlatformSettings, ServiceSettings
+    from opml_common.grpc.server import GrpcServer, wait_for_signal
+    from opml_common.metrics import ServiceMetrics
+
+    from opml_inference_router.frontend import METHOD_ROLES, InferenceFrontend
+    from opml_inference_router.routing import ModelPolicy, Router
+    from opml_inference_router.placement.config import load_fleet_config
+    from opml_inference_router.routing.grpc_replica import GrpcReplica
+    from opml_inference_router.routing.local_replica import LocalReplica
+    from opml_inference_router.runtime import ModelRepository, WorkerMetrics
+    from opml_inference_router.worker.servicer import WorkerServicer
+
+    metrics = ServiceMetrics("inference-router")
+    repository = None
+    if worker.startswith("local:"):
+        cpu = next(kind for kind in load_fleet_config(FLEET).pool_kinds if kind.name == "cpu")
+        repository = ModelRepository(cpu, metrics=WorkerMetrics(metrics), threads=1)
+        await repository.load(MODEL, path=worker.removeprefix("local:"), version=1)
+        local = LocalReplica(WorkerServicer(repository, server_name="router", server_version="0"), name=worker)
+    router = Router(connect=lambda address: local if repository is not None else GrpcReplica(address),
+                    metrics=metrics)
+    router.set_model(MODEL, ModelPolicy(slo_p99_ms=50, max_concurrency=256, max_queue=1024))
+    router.add_replica(MODEL, "1", worker)
+    frontend = InferenceFrontend(router)
+    server = GrpcServer(settings=ServiceSettings(host="127.0.0.1", grpc_port=0, metrics_port=0),
+                        platform=PlatformSettings(auth_tokens="", log_level="WARNING"), metrics=metrics,
+                        registrations=[frontend.registration()], method_roles=METHOD_ROLES)
+    async with server:
+        print(json.dumps({"grpc_port": server.port}), flush=True)
+        await wait_for_signal()
+    await router.close()
+    if repository is not None:
+        await repository.close()
+
+
+async def serve_proxy(worker: str) -> None:
+    """A bare pass-through hop as its own process (``--serve-proxy``): the reference path (p)."""
+    from opml_common.grpc.server import wait_for_signal
+
+    async with grpc.aio.insecure_channel(worker) as channel:
+        call = channel.unary_unary(INFER)
+
+        async def infer(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            return await call(request, timeout=context.time_remaining())
+
+        server = grpc.aio.server()
+        service, method = INFER.strip("/").split("/")
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            service, {method: grpc.unary_unary_rpc_method_handler(infer)}),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        print(json.dumps({"grpc_port": port}), flush=True)
+        await wait_for_signal()
+        await server.stop(1)
+
+
+def percentiles(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    return {"p50": ordered[len(ordered) // 2] * 1000, "p99": ordered[int(0.99 * (len(ordered) - 1))] * 1000,
+            "mean": statistics.fmean(ordered) * 1000}
+
+
+def bench_in_process(model_path: Path, data: np.ndarray, requests: int, warmup: int) -> list[float]:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+    feeds = {"features": data}
+    for _ in range(warmup):
+        session.run(None, feeds)
+    samples = []
+    for _ in range(requests):
+        start = time.perf_counter()
+        session.run(None, feeds)
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+async def bench_grpc(target: str, request: bytes, requests: int, warmup: int,
+                     concurrency: int) -> tuple[list[float], float]:
+    """Latencies of ``requests`` calls from ``concurrency`` callers, and the throughput (requests/s)."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        call = channel.unary_unary(INFER)
+        for _ in range(warmup):
+            await call(request, timeout=10)
+        samples: list[float] = []
+        remaining = requests
+
+        async def caller() -> None:
+            nonlocal remaining
+            while remaining > 0:
+                remaining -= 1
+                start = time.perf_counter()
+                await call(request, timeout=10)
+                samples.append(time.perf_counter() - start)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(caller() for _ in range(concurrency)))
+        return samples, len(samples) / (time.perf_counter() - started)
+
+
+def start_hop(kind: str, worker: str, log_path: Path) -> tuple[subprocess.Popen, str]:
+    """Start this script as ``--serve-router`` or ``--serve-proxy``; returns the process and its address."""
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen([sys.executable, __file__, f"--serve-{kind}", worker], stdout=subprocess.PIPE,
+                                   stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    if not line:
+        process.wait()
+        raise RuntimeError(f"router exited with {process.returncode}:\n{log_path.read_text()[-2000:]}")
+    return process, f"127.0.0.1:{json.loads(line)['grpc_port']}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--warmup", type=int, default=300)
+    parser.add_argument("--features", type=int, default=64)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--depth", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--serve-router", metavar="WORKER", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-proxy", metavar="WORKER", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_router:
+        asyncio.run(serve_router(args.serve_router))
+        return
+    if args.serve_proxy:
+        asyncio.run(serve_proxy(args.serve_proxy))
+        return
+
+    random.seed(0)
+    with tempfile.TemporaryDirectory(prefix="opml-bench-") as tmp:
+        work = Path(tmp)
+        config = mlp_config(MODEL, features=args.features, max_queue_delay_us=None, max_batch_size=8)
+        model = mlp_classifier(features=args.features, width=args.width, depth=args.depth)
+        bundle = write_model_dir(work / MODEL, config, model, versions=(1,))
+        data = np.random.default_rng(0).standard_normal((1, args.features)).astype(np.float32)
+        request = encode_request(MODEL, {"features": data}, version="1").SerializeToString()
+
+        print(f"# inference-router overhead: MLP {args.features}x{args.width}x{args.depth}, batch 1, "
+              f"{args.requests} requests per path, Python {platform.python_version()}, {os.cpu_count()} CPUs")
+        results = {"(a) onnxruntime in-process": bench_in_process(bundle / "1" / "model.onnx", data, args.requests,
+                                                                  args.warmup)}
+        worker = WorkerProcess("cpu", FLEET, work / "worker.log", extra_args=("--threads-per-replica", "1")).start()
+        hops: list[subprocess.Popen] = []
+        try:
+            with grpc.insecure_channel(worker.target) as channel:
+                load = pb.RepositoryModelLoadRequest(model_name=MODEL)
+                load.parameters["path"].string_param = str(bundle)
+                service_pb2_grpc.GRPCInferenceServiceStub(channel).RepositoryModelLoad(load, timeout=60)
+            router_process, router = start_hop("router", worker.target, work / "router.log")
+            hops.append(router_process)
+            proxy_process, proxy = start_hop("proxy", worker.target, work / "proxy.log")
+            hops.append(proxy_process)
+            local_process, local = start_hop("router", f"local:{bundle}", work / "router-local.log")
+            hops.append(local_process)
+            paths = {"(b) worker over gRPC": worker.target, "(c) router -> worker": router,
+                     "(d) router, model in-process": local, "(p) bare grpc.aio hop -> worker": proxy}
+            throughput: dict[str, list[float]] = {name: [] for name in paths}
+            per_round = max(1, args.requests // args.rounds)
+            for name in paths:
+                results[name] = []
+            for _ in range(args.rounds):
+                for name, target in paths.items():
+                    samples, _ = asyncio.run(bench_grpc(target, request, per_round, args.warmup // args.rounds, 1))
+                    results[name] += samples
+                    _, rps = asyncio.run(bench_grpc(target, request, per_round, 0, args.concurrency))
+                    throughput[name].append(rps)
+        finally:
+            for hop in hops:
+                hop.terminate()
+                hop.wait(10)
+            worker.stop()
+
+    stats = {name: percentiles(samples) for name, samples in results.items()}
+    print("\n| path | p50 ms | p99 ms | mean ms |\n|---|---|---|---|")
+    for name, s in stats.items():
+        print(f"| {name} | {s['p50']:.3f} | {s['p99']:.3f} | {s['mean']:.3f} |")
+    a, b, c, d, p = stats.values()
+    print("\n| added by | p50 ms | p99 ms | ratio p50 |\n|---|---|---|---|")
+    print(f"| worker + gRPC, (b) - (a) | {b['p50'] - a['p50']:.3f} | {b['p99'] - a['p99']:.3f} | "
+          f"{b['p50'] / a['p50']:.1f}x |")
+    print(f"| router, (c) - (b) | {c['p50'] - b['p50']:.3f} | {c['p99'] - b['p99']:.3f} | {c['p50'] / b['p50']:.2f}x |")
+    print(f"| bare grpc.aio hop, (p) - (b) | {p['p50'] - b['p50']:.3f} | {p['p99'] - b['p99']:.3f} | "
+          f"{p['p50'] / b['p50']:.2f}x |")
+    print(f"| router, model in-process, (d) - (a) | {d['p50'] - a['p50']:.3f} | {d['p99'] - a['p99']:.3f} | "
+          f"{d['p50'] / a['p50']:.1f}x |")
+    print(f"| router + worker, (c) - (a) | {c['p50'] - a['p50']:.3f} | {c['p99'] - a['p99']:.3f} | "
+          f"{c['p50'] / a['p50']:.1f}x |")
+    print(f"\nthroughput with {args.concurrency} concurrent callers: "
+          + ", ".join(f"{name}: {statistics.median(rps):.0f} req/s" for name, rps in throughput.items()))
+
+
+if __name__ == "__main__":
+    main()

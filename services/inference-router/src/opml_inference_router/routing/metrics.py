@@ -1,0 +1,63 @@
+"""The router's Prometheus metrics; labelled children are resolved once per model version, not per request."""
+
+from __future__ import annotations
+
+from opml_common.metrics import ServiceMetrics
+
+from opml_inference_router.routing.replicas import ReplicaState
+
+SERVICE = "inference-router"
+
+
+class RouterMetrics:
+    """``opml_inference_router_*`` routing metrics of one process."""
+
+    def __init__(self, metrics: ServiceMetrics) -> None:
+        self.requests = metrics.counter("requests_total", "Inference requests, by model, version and status code.",
+                                        ("model", "version", "code"))
+        self.duration = metrics.histogram("request_duration_seconds",
+                                          "Inference latency at the router, admission to response.",
+                                          ("model", "version"))
+        self.backups = metrics.counter("backup_requests_total",
+                                       "Backup (hedged) requests sent to a second replica.", ("model", "version"))
+        self.backup_wins = metrics.counter("backup_wins_total", "Backup requests that answered first.",
+                                           ("model", "version"))
+        self.retries = metrics.counter("retries_total", "Requests retried on another replica after a failure.",
+                                       ("model", "version"))
+        self.shed = metrics.counter("shed_total", "Requests refused with RESOURCE_EXHAUSTED, by reason "
+                                    "(queue_full, deadline).", ("model", "reason"))
+        self.outstanding = metrics.gauge("replica_outstanding_requests", "Requests in flight per replica.",
+                                         ("model", "version", "replica"))
+        self.ejections = metrics.counter("replica_ejections_total", "Replicas taken out of rotation after a failure.",
+                                         ("model", "version", "replica"))
+
+    def version(self, model: str, version: str) -> VersionMetrics:
+        return VersionMetrics(self, model, version)
+
+
+class VersionMetrics:
+    """The children of one model version, looked up once."""
+
+    def __init__(self, owner: RouterMetrics, model: str, version: str) -> None:
+        self._owner, self.model, self.version = owner, model, version
+        self.ok = owner.requests.labels(model, version, "OK")
+        self.duration = owner.duration.labels(model, version)
+        self.backups = owner.backups.labels(model, version)
+        self.backup_wins = owner.backup_wins.labels(model, version)
+        self.retries = owner.retries.labels(model, version)
+
+    def failed(self, code: str) -> None:
+        self._owner.requests.labels(self.model, self.version, code).inc()
+
+    def ejected(self, replica: str) -> None:
+        self._owner.ejections.labels(self.model, self.version, replica).inc()
+
+    def track(self, state: ReplicaState) -> None:
+        """Export ``state.outstanding`` as a gauge read at scrape time (no cost per request)."""
+        self._owner.outstanding.labels(self.model, self.version, state.name).set_function(lambda: state.outstanding)
+
+    def untrack(self, state: ReplicaState) -> None:
+        try:
+            self._owner.outstanding.remove(self.model, self.version, state.name)
+        except KeyError:
+            pass

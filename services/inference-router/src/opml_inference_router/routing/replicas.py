@@ -1,0 +1,142 @@
+"""Replicas of one model version and the choice of the one to call (load-aware, with ejection).
+
+A :class:`Replica` is a connection to one worker that serves the model version; the same object
+may serve several model versions (a worker hosts many). A :class:`ReplicaSet` keeps, per replica,
+what the router needs to choose: requests outstanding, recent latencies, and whether the replica
+is ejected after failures. Choice is the power of two choices (two random eligible replicas, the
+one with fewer outstanding requests; Mitzenmacher) or least outstanding over all of them.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Collection, Iterator
+
+from opml_inference_router.routing.latency import LatencyWindow
+
+Clock = Callable[[], float]
+
+
+class Replica(ABC):
+    """One worker that serves models, as the router calls it.
+
+    Messages are KServe v2 protobuf messages in wire format: the router forwards the bytes it
+    received, so a replica never re-encodes tensors.
+    """
+
+    #: Stable identity of the worker (its address), used in metrics and prediction events.
+    name: str
+
+    @abstractmethod
+    async def call(self, method: str, request: bytes, *, timeout_s: float) -> bytes:
+        """Call a GRPCInferenceService ``method`` (``ModelInfer``, ``ModelMetadata``, ``ModelReady``).
+
+        Called once per attempt; the router cancels the coroutine when another replica answered
+        first (a backup request won) or the caller went away, and the call must then end at once.
+
+        Raises:
+            ReplicaFailed: the replica answered with an error or could not be reached.
+        """
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Release the connection; called when no model version uses the replica any more."""
+
+
+class ReplicaState:
+    """What the router tracks about one replica of one model version."""
+
+    __slots__ = ("replica", "outstanding", "latency", "ejected_until", "failures", "removed")
+
+    def __init__(self, replica: Replica) -> None:
+        self.replica = replica
+        self.outstanding = 0
+        self.latency = LatencyWindow()
+        self.ejected_until = 0.0
+        self.failures = 0  # consecutive ejecting failures
+        self.removed = False
+
+    @property
+    def name(self) -> str:
+        return self.replica.name
+
+
+class ReplicaSet:
+    """The replicas of one model version and how to pick one of them.
+
+    ``policy`` is ``"p2c"`` (power of two choices) or ``"least"`` (least outstanding of all).
+    Ejection: a replica that failed in a way that points at the replica (unreachable, killed) is
+    skipped for ``eject_s``, doubled per consecutive failure up to ``max_eject_s``; a success
+    resets it. When every replica is ejected the choice ignores ejection (a panic threshold as in
+    Envoy): a maybe-broken replica beats refusing every request.
+    """
+
+    def __init__(self, *, policy: str = "p2c", eject_s: float = 1.0, max_eject_s: float = 30.0,
+                 clock: Clock, rng: random.Random | None = None) -> None:
+        if policy not in ("p2c", "least"):
+            raise ValueError(f"policy must be 'p2c' or 'least', but got {policy!r}")
+        if eject_s <= 0 or max_eject_s < eject_s:
+            raise ValueError(f"need 0 < eject_s <= max_eject_s, but got eject_s={eject_s}, max_eject_s={max_eject_s}")
+        self.policy = policy
+        self.eject_s = eject_s
+        self.max_eject_s = max_eject_s
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._states: list[ReplicaState] = []
+        self.latency = LatencyWindow()  # the version's latency over all replicas
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __iter__(self) -> Iterator[ReplicaState]:
+        return iter(self._states)
+
+    def add(self, replica: Replica) -> ReplicaState:
+        """Put ``replica`` into rotation (no-op when it is in already); returns its state."""
+        for state in self._states:
+            if state.name == replica.name:
+                return state
+        state = ReplicaState(replica)
+        self._states = [*self._states, state]
+        return state
+
+    def remove(self, name: str) -> ReplicaState | None:
+        """Take a replica out of rotation; its in-flight calls finish. Returns its state, if any."""
+        for state in self._states:
+            if state.name == name:
+                state.removed = True
+                self._states = [s for s in self._states if s is not state]
+                return state
+        return None
+
+    def ready_count(self) -> int:
+        now = self._clock()
+        return sum(1 for state in self._states if state.ejected_until <= now)
+
+    def pick(self, exclude: Collection[ReplicaState] = ()) -> ReplicaState | None:
+        """The replica to call next, never one in ``exclude``; ``None`` when none is left."""
+        now = self._clock()
+        candidates = [s for s in self._states if s.ejected_until <= now and s not in exclude]
+        if not candidates:
+            candidates = [s for s in self._states if s not in exclude]  # panic: ignore ejection
+            if not candidates:
+                return None
+        if len(candidates) == 1:
+            return candidates[0]
+        if self.policy == "p2c":
+            first, second = self._rng.sample(candidates, 2)
+            return first if first.outstanding <= second.outstanding else second
+        return min(candidates, key=lambda s: s.outstanding)
+
+    def succeeded(self, state: ReplicaState, seconds: float) -> None:
+        state.latency.observe(seconds)
+        self.latency.observe(seconds)
+        if state.failures:
+            state.failures = 0
+            state.ejected_until = 0.0
+
+    def failed(self, state: ReplicaState, *, eject: bool) -> None:
+        if eject:
+            state.failures += 1
+            state.ejected_until = self._clock() + min(self.max_eject_s, self.eject_s * 2 ** (state.failures - 1))

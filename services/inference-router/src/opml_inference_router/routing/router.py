@@ -1,0 +1,449 @@
+"""The routing core: which replica of which version answers a request, within its deadline.
+
+Transport-free (no grpc import): replicas are :class:`~.replicas.Replica` objects made by a
+``connect(address)`` callable, so the same code runs over gRPC workers and over fakes in tests.
+
+Data plane, per request (:meth:`Router.infer`): model -> version (the caller's, or the traffic
+split's) -> admission (the model's concurrency limit and bounded queue, shedding what cannot meet
+its deadline) -> a replica by power of two choices -> a backup request to a second replica if
+the first has not answered after its observed p95 latency (first answer wins, the loser is
+cancelled) -> on a retriable failure (replica unreachable or killed, busy, model missing) another
+replica while the deadline allows, and the failed replica ejected for a while.
+
+Control plane (a deploy API or pool manager calls these at run time, on the router's loop):
+:meth:`set_model`, :meth:`remove_model`, :meth:`add_replica`, :meth:`remove_replica`,
+:meth:`set_traffic`, :meth:`start_canary`, :meth:`promote`, :meth:`rollback`, :meth:`describe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, OpmlError, Unavailable
+from opml_common.metrics import ServiceMetrics
+
+from opml_inference_router.routing import wire
+from opml_inference_router.routing.admission import ConcurrencyLimiter, Shed
+from opml_inference_router.routing.canary import TrafficSplit
+from opml_inference_router.routing.errors import DeadlineExceeded, ReplicaFailed
+from opml_inference_router.routing.metrics import RouterMetrics, VersionMetrics
+from opml_inference_router.routing.policy import ModelPolicy
+from opml_inference_router.routing.replicas import Clock, Replica, ReplicaSet, ReplicaState
+
+log = logging.getLogger(__name__)
+
+_MAX_HEDGE_TOKENS = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """A response and how it was obtained (for the caller, metrics and the prediction log)."""
+
+    response: bytes
+    version: str
+    replica: str
+    attempts: int
+    backup_won: bool
+
+
+class _Version:
+    __slots__ = ("model", "version", "replicas", "metrics")
+
+    def __init__(self, model: str, version: str, replicas: ReplicaSet, metrics: VersionMetrics) -> None:
+        self.model, self.version, self.replicas, self.metrics = model, version, replicas, metrics
+
+
+class _Model:
+    __slots__ = ("name", "policy", "limiter", "versions", "split", "stable", "hedge_tokens")
+
+    def __init__(self, name: str, policy: ModelPolicy) -> None:
+        self.name = name
+        self.policy = policy
+        self.limiter = ConcurrencyLimiter(limit=policy.max_concurrency, max_queue=policy.max_queue, name=name)
+        self.versions: dict[str, _Version] = {}
+        self.split: TrafficSplit | None = None
+        self.stable: str | None = None
+        self.hedge_tokens = _MAX_HEDGE_TOKENS
+
+
+class Router:
+    """Routes KServe v2 requests (wire-format bytes) to replicas of model versions.
+
+    Side effects: ``add_replica`` opens a connection per new address (``connect``); ``close()``
+    and removing the last user of an address close it. ``close()`` is idempotent.
+    """
+
+    def __init__(self, *, connect: Callable[[str], Replica], metrics: ServiceMetrics,
+                 clock: Clock = time.monotonic, rng: random.Random | None = None) -> None:
+        self._connect = connect
+        self._metrics = RouterMetrics(metrics)
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._models: dict[str, _Model] = {}
+        self._connections: dict[str, tuple[Replica, int]] = {}  # address -> (replica, users)
+
+    # ------------------------------------------------------------------------------------------
+    # Control plane
+
+    def set_model(self, name: str, policy: ModelPolicy) -> None:
+        """Serve model ``name`` with ``policy``, or apply a new policy to it (limits take effect at once)."""
+        if not name:
+            raise InvalidArgument("name", "must be a non-empty model name, but got ''")
+        model = self._models.get(name)
+        if model is None:
+            self._models[name] = _Model(name, policy)
+            return
+        model.policy = policy
+        model.limiter.resize(limit=policy.max_concurrency, max_queue=policy.max_queue)
+        for served in model.versions.values():
+            served.replicas.policy = policy.selection
+            served.replicas.eject_s = policy.eject_s
+            served.replicas.max_eject_s = max(served.replicas.max_eject_s, policy.eject_s)
+        if model.split is not None:
+            model.split = TrafficSplit(model.split.weights, sticky=policy.sticky_canary, rng=self._rng)
+
+    async def remove_model(self, name: str) -> None:
+        """Stop serving a model: new requests get NOT_FOUND, in-flight ones finish.
+
+        Raises: NotFound.
+        """
+        model = self._model(name)
+        del self._models[name]
+        for served in model.versions.values():
+            for state in list(served.replicas):
+                await self._drop(served, state.name)
+
+    def add_replica(self, model: str, version: str, address: str) -> None:
+        """Put the replica of ``model`` ``version`` at ``address`` into rotation (idempotent).
+
+        The first version of a model gets all its traffic; a later one gets none until
+        :meth:`start_canary`, :meth:`set_traffic` or :meth:`promote`.
+
+        Raises: NotFound (the model was not set), InvalidArgument (empty version or address).
+        """
+        route = self._model(model)
+        if not version:
+            raise InvalidArgument("version", "must be a non-empty version, but got ''")
+        if not address:
+            raise InvalidArgument("address", "must be a worker address host:port, but got ''")
+        served = route.versions.get(version)
+        if served is None:
+            replicas = ReplicaSet(policy=route.policy.selection, eject_s=route.policy.eject_s,
+                                  max_eject_s=max(30.0, route.policy.eject_s), clock=self._clock, rng=self._rng)
+            served = route.versions[version] = _Version(model, version, replicas,
+                                                        self._metrics.version(model, version))
+            if route.split is None:
+                route.split = TrafficSplit({version: 1.0}, sticky=route.policy.sticky_canary, rng=self._rng)
+                route.stable = version
+        if any(state.name == address for state in served.replicas):
+            return
+        replica, users = self._connections.get(address, (None, 0))
+        if replica is None:
+            replica = self._connect(address)
+        self._connections[address] = (replica, users + 1)
+        served.metrics.track(served.replicas.add(replica))
+
+    async def remove_replica(self, model: str, version: str, address: str) -> None:
+        """Take a replica out of rotation; its in-flight requests finish.
+
+        Raises: NotFound (model, version or replica unknown).
+        """
+        served = self._version(self._model(model), version)
+        if not any(state.name == address for state in served.replicas):
+            raise NotFound(f"model {model!r} version {version!r} has no replica at {address!r}")
+        await self._drop(served, address)
+
+    def set_traffic(self, model: str, weights: Mapping[str, float]) -> None:
+        """Split the model's traffic (requests without a version) across versions by weight.
+
+        Raises: NotFound (model or a weighted version unknown), InvalidArgument (bad weights).
+        """
+        route = self._model(model)
+        for version, weight in weights.items():
+            if weight > 0:
+                self._version(route, version)
+        route.split = TrafficSplit(weights, sticky=route.policy.sticky_canary, rng=self._rng)
+        if route.split.only is not None:
+            route.stable = route.split.only
+
+    def start_canary(self, model: str, version: str, percent: float) -> None:
+        """Send ``percent`` of the traffic to ``version``, the rest to the stable version.
+
+        Raises: NotFound, InvalidArgument (percent outside (0, 100]), FailedPrecondition (no stable version).
+        """
+        route = self._model(model)
+        if not 0 < percent <= 100:
+            raise InvalidArgument("percent", f"must be in (0, 100], but got {percent!r}")
+        self._version(route, version)
+        if route.stable is None or route.stable == version:
+            raise FailedPrecondition(f"model {model!r} has no other stable version to keep serving "
+                                     f"{100 - percent}% of its traffic; use promote instead")
+        route.split = TrafficSplit({route.stable: 100 - percent, version: percent},
+                                   sticky=route.policy.sticky_canary, rng=self._rng)
+
+    def promote(self, model: str, version: str | None = None) -> str:
+        """Give ``version`` (default: the canary) all traffic and make it the stable version.
+
+        Returns the promoted version. Raises: NotFound, FailedPrecondition (no canary to promote).
+        """
+        route = self._model(model)
+        if version is None:
+            canaries = [v for v in (route.split.weights if route.split else {}) if v != route.stable]
+            if len(canaries) != 1:
+                raise FailedPrecondition(f"model {model!r} has {len(canaries)} canary versions; "
+                                         "name the one to promote")
+            version = canaries[0]
+        self._version(route, version)
+        route.split = TrafficSplit({version: 1.0}, sticky=route.policy.sticky_canary, rng=self._rng)
+        route.stable = version
+        return version
+
+    def rollback(self, model: str) -> str:
+        """Send all traffic back to the stable version. Returns it. Raises: NotFound, FailedPrecondition."""
+        route = self._model(model)
+        if route.stable is None:
+            raise FailedPrecondition(f"model {model!r} has no stable version to roll back to")
+        route.split = TrafficSplit({route.stable: 1.0}, sticky=route.policy.sticky_canary, rng=self._rng)
+        return route.stable
+
+    def describe(self, model: str) -> dict[str, Any]:
+        """The model's routing state: policy, traffic split, replicas with load and ejection."""
+        route = self._model(model)
+        now = self._clock()
+        return {
+            "policy": route.policy,
+            "stable": route.stable,
+            "traffic": dict(route.split.weights) if route.split else {},
+            "in_flight": route.limiter.in_flight,
+            "waiting": route.limiter.waiting,
+            "versions": {
+                version: [{"replica": s.name, "outstanding": s.outstanding, "ejected": s.ejected_until > now,
+                           "p50_ms": s.latency.p50 and s.latency.p50 * 1000,
+                           "p95_ms": s.latency.p95 and s.latency.p95 * 1000} for s in served.replicas]
+                for version, served in route.versions.items()
+            },
+        }
+
+    def models(self) -> list[str]:
+        return sorted(self._models)
+
+    async def close(self) -> None:
+        """Close every replica connection (idempotent)."""
+        connections, self._connections = self._connections, {}
+        self._models.clear()
+        for replica, _users in connections.values():
+            await replica.close()
+
+    # ------------------------------------------------------------------------------------------
+    # Data plane
+
+    def is_ready(self, model: str, version: str = "") -> bool:
+        """Whether the version (default: any version with traffic) has a replica in rotation."""
+        route = self._models.get(model)
+        if route is None:
+            return False
+        if version:
+            served = route.versions.get(version)
+            return served is not None and served.replicas.ready_count() > 0
+        weights = route.split.weights if route.split else {}
+        return any(route.versions[v].replicas.ready_count() > 0 for v in weights)
+
+    async def infer(self, model: str, version: str, request: bytes, *, request_id: str = "",
+                    timeout_s: float | None = None) -> Routed:
+        """Answer a ModelInferRequest (wire bytes) from a replica of ``model``.
+
+        ``version`` empty: the traffic split chooses (by ``request_id`` when sticky), and the
+        forwarded request carries the chosen version. ``timeout_s``: the caller's deadline
+        (default: the model's ``default_timeout_s``).
+
+        Raises:
+            NotFound: the model or version is not served.
+            Shed (ResourceExhausted): admission refused the request.
+            Unavailable: the version has no replica.
+            DeadlineExceeded: no replica answered in time.
+            ReplicaFailed: the replicas' error when none succeeded (its code is passed on).
+        """
+        route = self._models.get(model)
+        if route is None:
+            raise NotFound(f"model {model!r} is not served by this router (served: {self.models()})")
+        if version:
+            served = self._version(route, version)
+        elif route.split is not None:
+            served = route.versions[route.split.choose(request_id)]
+            request = wire.with_field(request, wire.MODEL_VERSION, served.version)
+        else:
+            raise Unavailable(f"model {model!r} has no version deployed yet")
+        policy = route.policy
+        start = self._clock()
+        time_left = timeout_s if timeout_s is not None else policy.default_timeout_s
+        limiter = route.limiter
+        if not limiter.try_acquire():
+            try:
+                await limiter.acquire(time_left_s=time_left, expected_s=served.replicas.latency.p50 or 0.0)
+            except Shed as exc:
+                self._metrics.shed.labels(model, exc.reason).inc()
+                served.metrics.failed(exc.code)
+                raise
+        try:
+            routed = await self._dispatch(route, served, request, start + time_left)
+        except OpmlError as exc:
+            served.metrics.failed(exc.code)
+            raise
+        except asyncio.CancelledError:
+            served.metrics.failed("CANCELLED")
+            raise
+        finally:
+            limiter.release()
+        served.metrics.ok.inc()
+        served.metrics.duration.observe(self._clock() - start)
+        return routed
+
+    async def forward(self, method: str, model: str, version: str, request: bytes, *, timeout_s: float) -> bytes:
+        """Pass a per-model call (``ModelMetadata``, ``ModelReady``: name = field 1, version = field 2)
+        to one replica of the version; without one, of the stable version, named in the request.
+
+        Raises: NotFound, Unavailable, ReplicaFailed.
+        """
+        route = self._model(model)
+        served = self._version(route, version or route.stable or "")
+        if not version:
+            request = wire.with_field(request, wire.MODEL_VERSION, served.version)
+        state = served.replicas.pick()
+        if state is None:
+            raise Unavailable(f"model {model!r} version {served.version!r} has no replica in rotation")
+        return await state.replica.call(method, request, timeout_s=timeout_s)
+
+    async def _dispatch(self, route: _Model, served: _Version, request: bytes, deadline: float) -> Routed:
+        policy, replicas = route.policy, served.replicas
+        tried: list[ReplicaState] = []
+        route.hedge_tokens = min(_MAX_HEDGE_TOKENS, route.hedge_tokens + policy.hedge_budget)
+        last_error: OpmlError | None = None
+        for attempt in range(policy.max_attempts):
+            state = replicas.pick(exclude=tried)
+            if state is None:
+                break
+            if attempt:
+                served.metrics.retries.inc()
+            tried.append(state)
+            try:
+                if policy.hedge and len(replicas) > len(tried):
+                    return await self._hedged(route, served, state, request, deadline, tried)
+                response = await self._attempt(served, state, request, deadline)
+                return Routed(response, served.version, state.name, len(tried), False)
+            except ReplicaFailed as exc:
+                if not exc.retriable:
+                    raise
+                last_error = exc
+            if self._clock() >= deadline:
+                raise DeadlineExceeded(f"model {route.name!r} version {served.version!r}: the deadline passed "
+                                       f"after {len(tried)} replicas failed; last error: {last_error}")
+        if last_error is None:
+            raise Unavailable(f"model {route.name!r} version {served.version!r} has no replica in rotation")
+        raise last_error
+
+    async def _hedged(self, route: _Model, served: _Version, primary: ReplicaState, request: bytes,
+                      deadline: float, tried: list[ReplicaState]) -> Routed:
+        """Call ``primary``; after its p95 latency, also a second replica; the first success wins.
+
+        Raises the last ReplicaFailed when every launched call failed (retriable or not)."""
+        loop = asyncio.get_running_loop()
+        policy, replicas = route.policy, served.replicas
+        first = loop.create_task(self._attempt(served, primary, request, deadline))
+        pending: dict[asyncio.Future[bytes], ReplicaState] = {first: primary}
+        delay = primary.latency.p95
+        if delay is None:
+            delay = policy.slo_p99_ms / 1000.0 * policy.hedge_slo_fraction
+        hedge_at: float | None = self._clock() + max(delay, policy.hedge_min_delay_ms / 1000.0)
+        last_error: ReplicaFailed | None = None
+        try:
+            while pending:
+                wake = deadline if hedge_at is None else min(deadline, hedge_at)
+                done, _ = await asyncio.wait(pending, timeout=max(0.0, wake - self._clock()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                winner: tuple[bytes, ReplicaState] | None = None
+                for task in done:
+                    state = pending.pop(task)
+                    exc = task.exception()
+                    if exc is None:
+                        winner = winner or (task.result(), state)
+                    elif isinstance(exc, ReplicaFailed):
+                        last_error = exc
+                    else:
+                        raise exc
+                if winner is not None:
+                    backup_won = winner[1] is not primary
+                    if backup_won:
+                        served.metrics.backup_wins.inc()
+                    return Routed(winner[0], served.version, winner[1].name, len(tried), backup_won)
+                if last_error is not None and not last_error.retriable:
+                    raise last_error
+                if done:
+                    continue
+                if self._clock() >= deadline:
+                    raise DeadlineExceeded(f"model {route.name!r} version {served.version!r}: no replica "
+                                           f"answered within the deadline")
+                hedge_at = None  # the hedge delay passed with the first call still running
+                backup = replicas.pick(exclude=tried) if route.hedge_tokens >= 1 else None
+                if backup is not None:
+                    route.hedge_tokens -= 1
+                    tried.append(backup)
+                    served.metrics.backups.inc()
+                    pending[loop.create_task(self._attempt(served, backup, request, deadline))] = backup
+        finally:
+            for task in pending:
+                task.cancel()  # the loser: cancelling the gRPC call tells its worker to drop it
+        assert last_error is not None
+        raise last_error
+
+    async def _attempt(self, served: _Version, state: ReplicaState, request: bytes, deadline: float) -> bytes:
+        state.outstanding += 1
+        start = self._clock()
+        try:
+            response = await state.replica.call("ModelInfer", request, timeout_s=max(deadline - start, 0.001))
+        except ReplicaFailed as exc:
+            served.replicas.failed(state, eject=exc.eject)
+            if exc.eject:
+                served.metrics.ejected(state.name)
+                log.warning("replica ejected", extra={"model": served.model, "version": served.version,
+                                                      "replica": state.name, "code": exc.code, "error": exc.message,
+                                                      "for_s": round(state.ejected_until - self._clock(), 3)})
+            raise
+        finally:
+            state.outstanding -= 1
+        served.replicas.succeeded(state, self._clock() - start)
+        return response
+
+    # ------------------------------------------------------------------------------------------
+
+    def _model(self, name: str) -> _Model:
+        route = self._models.get(name)
+        if route is None:
+            raise NotFound(f"model {name!r} is not served by this router (served: {self.models()})")
+        return route
+
+    @staticmethod
+    def _version(route: _Model, version: str) -> _Version:
+        served = route.versions.get(version)
+        if served is None:
+            raise NotFound(f"model {route.name!r} has no version {version!r} (versions: {sorted(route.versions)})")
+        return served
+
+    async def _drop(self, served: _Version, address: str) -> None:
+        state = served.replicas.remove(address)
+        if state is None:
+            return
+        served.metrics.untrack(state)
+        replica, users = self._connections.get(address, (None, 0))
+        if replica is None:
+            return
+        if users <= 1:
+            del self._connections[address]
+            await replica.close()
+        else:
+            self._connections[address] = (replica, users - 1)

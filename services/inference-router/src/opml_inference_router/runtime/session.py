@@ -1,0 +1,188 @@
+"""ONNX Runtime sessions built from what a pool kind declares, in the precision the kind and model share.
+
+A kind names its execution provider; everything else follows from it: an isolated share of the
+worker per replica (intra-op threads = the worker's cores / its slots, one inter-op thread, no
+spinning, so replicas do not steal each other's cores: DeepCPU's lesson that small, pinned thread
+pools beat one big pool under concurrency), full graph optimizations, and the precision. ``int8``
+is ONNX Runtime's quantization done at load time (static QDQ with the bundle's calibration samples
+when it carries ``calibration.npz``, else dynamic), ``fp16`` its float16 conversion keeping fp32
+inputs and outputs, so clients send the same tensors whatever kind serves them.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from opml_common.errors import FailedPrecondition, InvalidArgument
+
+from opml_inference_router.kserve.datatypes import BY_ONNX
+from opml_inference_router.kserve.validation import expected_form, expected_shape
+from opml_inference_router.placement.config import ModelConfig, PoolKind
+
+CALIBRATION_FILE = "calibration.npz"
+PREFERENCE = ("int8", "fp16", "fp32")
+"""Precisions this worker can produce, cheapest first (bf16 needs a converter onnxruntime lacks)."""
+
+
+def require_provider(kind: PoolKind) -> None:
+    """Refuses to host a kind whose execution provider this onnxruntime build lacks (a gpu kind on a
+    machine without CUDA), so a misdeclared worker fails at start, not on its first load.
+
+    Raises:
+        FailedPrecondition: naming the provider and the ones available.
+    """
+    available = ort.get_available_providers()
+    if kind.execution_provider not in available:
+        raise FailedPrecondition(f"pool kind {kind.name} needs {kind.execution_provider}, which this onnxruntime "
+                                 f"build lacks (available: {', '.join(available)})")
+
+
+def choose_precision(config: ModelConfig, kind: PoolKind, requested: str | None = None) -> str:
+    """The cheapest precision the kind runs, the model allows and this worker can produce
+    (``requested`` instead when given and possible).
+
+    Raises:
+        FailedPrecondition: no common precision, or ``requested`` is not one of them.
+    """
+    common = [p for p in PREFERENCE if p in kind.precisions and p in config.precisions]
+    if requested is not None:
+        if requested not in common:
+            raise FailedPrecondition(f"precision {requested} is not one that pool kind {kind.name} runs "
+                                     f"({', '.join(kind.precisions)}), model {config.name} allows "
+                                     f"({', '.join(config.precisions)}) and this worker produces")
+        return requested
+    if not common:
+        raise FailedPrecondition(f"model {config.name} allows {', '.join(config.precisions)}, but pool kind "
+                                 f"{kind.name} runs {', '.join(kind.precisions)}")
+    return common[0]
+
+
+def thread_share(kind: PoolKind, cores: int | None = None) -> int:
+    """Intra-op threads of one replica: the worker's cores split evenly among the kind's slots."""
+    return max(1, (cores or os.cpu_count() or 1) // kind.slots)
+
+
+def session_options(kind: PoolKind, *, threads: int) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.log_severity_level = 3
+    return options
+
+
+@dataclass(frozen=True)
+class _Calibration:
+    """Feeds a bundle's calibration samples to static quantization in batches of 32 rows."""
+
+    samples: dict[str, np.ndarray]
+
+    def reader(self):
+        from onnxruntime.quantization import CalibrationDataReader
+
+        samples = self.samples
+
+        class Reader(CalibrationDataReader):
+            def __init__(self) -> None:
+                rows = len(next(iter(samples.values())))
+                self._batches: Iterator[dict[str, np.ndarray]] = iter(
+                    [{name: array[start:start + 32] for name, array in samples.items()}
+                     for start in range(0, rows, 32)])
+
+            def get_next(self):
+                return next(self._batches, None)
+
+        return Reader()
+
+
+def convert(path: Path, precision: str, config: ModelConfig, *, calibration: Path | None = None) -> bytes:
+    """The model at ``path`` as serialized ONNX in ``precision``; int8 is calibrated (static) on the
+    ``calibration`` samples (an .npz of arrays by input name) when that file exists, else dynamic.
+
+    Raises:
+        InvalidArgument: the file is not ONNX that the converter or quantizer can read (field = path).
+    """
+    if precision == "fp32":
+        return path.read_bytes()
+    try:
+        model = onnx.load(path)
+        if precision == "fp16":
+            from onnxruntime.transformers.float16 import convert_float_to_float16
+
+            return convert_float_to_float16(model, keep_io_types=True).SerializeToString()
+        return _quantize_int8(model, calibration, config)
+    except Exception as error:  # noqa: BLE001 - onnx and the quantizer raise many types; the reason is what matters
+        raise InvalidArgument(str(path), f"cannot be converted to {precision}: {error}") from None
+
+
+def _quantize_int8(model: onnx.ModelProto, calibration: Path | None, config: ModelConfig) -> bytes:
+    """ONNX Runtime's recommended path: ONNX shape inference and graph optimization first (quant_pre_process),
+    then static QDQ quantization on calibration samples, or dynamic quantization without them."""
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    with tempfile.TemporaryDirectory(prefix="opml-int8-") as scratch:
+        prepared, output = Path(scratch) / "model.prepared.onnx", Path(scratch) / "model.int8.onnx"
+        quant_pre_process(model, prepared, skip_symbolic_shape=True)  # symbolic inference needs sympy
+        if calibration is not None and calibration.is_file():
+            with np.load(calibration) as data:
+                samples = {spec.name: data[spec.name] for spec in config.inputs}
+            quantize_static(prepared, output, _Calibration(samples).reader(), quant_format=QuantFormat.QDQ,
+                            per_channel=True, activation_type=QuantType.QInt8, weight_type=QuantType.QInt8)
+        else:
+            quantize_dynamic(prepared, output, weight_type=QuantType.QInt8)
+        return output.read_bytes()
+
+
+def build_session(model: bytes, kind: PoolKind, *, threads: int, source: str) -> ort.InferenceSession:
+    """An InferenceSession on the kind's execution provider.
+
+    Raises:
+        InvalidArgument: onnxruntime refuses the model; field = ``source``, message = its reason.
+    """
+    try:
+        return ort.InferenceSession(model, sess_options=session_options(kind, threads=threads),
+                                    providers=[kind.execution_provider])
+    except Exception as error:  # noqa: BLE001 - onnxruntime raises its own pybind types; its reason is what matters
+        raise InvalidArgument(source, f"onnxruntime cannot load it: {error}") from None
+
+
+def check_signature(session: ort.InferenceSession, config: ModelConfig) -> None:
+    """Refuses a model whose graph does not match its config: the tensors' names, types and ranks,
+    and every dim both fix.
+
+    Raises:
+        InvalidArgument: field ``inputs[<name>]`` / ``outputs[<name>]``, saying what the graph has.
+    """
+    for role, declared, actual in (("inputs", config.inputs, session.get_inputs()),
+                                   ("outputs", config.outputs, session.get_outputs())):
+        graph = {node.name: node for node in actual}
+        names = {spec.name for spec in declared}
+        for spec in declared:
+            node = graph.get(spec.name)
+            if node is None:
+                raise InvalidArgument(f"{role}[{spec.name}]", f"is not in the ONNX graph, whose {role} are "
+                                                              f"{', '.join(graph) or 'none'}")
+            datatype = BY_ONNX.get(node.type)
+            want = expected_shape(spec, config)
+            dims = [d if isinstance(d, int) else -1 for d in node.shape]
+            fits = datatype is not None and datatype.config == spec.data_type and len(dims) == len(want) and all(
+                w == -1 or d == -1 or w == d for w, d in zip(want, dims))
+            if not fits:
+                kind = datatype.kserve if datatype else node.type
+                raise InvalidArgument(f"{role}[{spec.name}]", f"the config declares {expected_form(spec, config)}, "
+                                                              f"but the ONNX graph has {kind} {dims}")
+        if role == "inputs":
+            undeclared = [name for name in graph if name not in names]
+            if undeclared:
+                raise InvalidArgument(f"inputs[{undeclared[0]}]", "the ONNX graph needs this input, but the config "
+                                                                  "does not declare it")

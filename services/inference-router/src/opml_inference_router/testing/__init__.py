@@ -1,0 +1,5 @@
+"""Helpers for tests and benches of the router and its workers: models built in code, bundles on disk."""
+
+from opml_inference_router.testing.models import mlp_classifier, mlp_config, write_broken_onnx, write_model_dir
+
+__all__ = ["mlp_classifier", "mlp_config", "write_broken_onnx", "write_model_dir"]

@@ -1,0 +1,103 @@
+"""Run a worker: ``python -m opml_inference_router.worker --pool-kind cpu --fleet fleet.yaml --port 0``.
+
+Once serving, the worker writes one JSON line to stdout, ``{"grpc_port": .., "metrics_port": ..,
+"pool_kind": .., "pid": ..}``, so a parent that asked for port 0 learns the bound ports (logs go to
+stderr). SIGTERM or SIGINT: health turns NOT_SERVING, in-flight calls finish within the grace
+period, queued requests are run, then the replicas are released.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from opml_common.config import PlatformSettings
+from opml_common.errors import InvalidArgument, OpmlError
+from opml_common.grpc.server import GrpcServer, ServiceRegistration, wait_for_signal
+from opml_common.logging import configure_logging
+from opml_common.metrics import ServiceMetrics
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from opml_inference_router.placement.config import PoolKind, load_fleet_config
+from opml_inference_router.runtime import ModelRepository, WorkerMetrics, require_provider, thread_share
+from opml_inference_router.worker.servicer import METHOD_ROLES, WorkerServicer
+from opml_inference_router.worker.settings import WorkerSettings
+
+SERVICE = "inference-router"
+SERVER_NAME = "opml-inference-router-worker"
+
+
+def pool_kind(settings: WorkerSettings) -> PoolKind:
+    """The kind this worker is, from the fleet file.
+
+    Raises:
+        InvalidArgument: no fleet file given, or it does not declare the kind.
+        FailedPrecondition: this onnxruntime build lacks the kind's execution provider.
+    """
+    if settings.fleet is None:
+        raise InvalidArgument("--fleet", "is required: the fleet file declares the pool kinds")
+    kinds = {kind.name: kind for kind in load_fleet_config(settings.fleet).pool_kinds}
+    if settings.pool_kind not in kinds:
+        raise InvalidArgument("--pool-kind", f"must be a kind {settings.fleet} declares ({', '.join(kinds)}), "
+                                             f"but got {settings.pool_kind!r}")
+    kind = kinds[settings.pool_kind]
+    require_provider(kind)
+    return kind
+
+
+async def serve(settings: WorkerSettings, platform: PlatformSettings) -> None:
+    """Serve until SIGINT/SIGTERM."""
+    kind = pool_kind(settings)
+    metrics = ServiceMetrics(SERVICE)
+    repository = ModelRepository(kind, metrics=WorkerMetrics(metrics), models_dir=settings.models_dir,
+                                 threads=settings.threads_per_replica or thread_share(kind),
+                                 profile_repeats=settings.profile_repeats)
+    try:
+        package_version = version("opml-inference-router")
+    except PackageNotFoundError:
+        package_version = "0"
+    servicer = WorkerServicer(repository, server_name=SERVER_NAME, server_version=package_version)
+    registration = ServiceRegistration(service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
+                                       service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, servicer)
+    server = GrpcServer(settings=settings, platform=platform, metrics=metrics, registrations=[registration],
+                        method_roles=METHOD_ROLES)
+    try:
+        async with server:
+            print(json.dumps({"grpc_port": server.port, "metrics_port": server.metrics_port,
+                              "pool_kind": kind.name, "pid": os.getpid()}), flush=True)
+            await wait_for_signal()
+    finally:
+        await repository.close()
+
+
+def parse_settings(argv: list[str]) -> WorkerSettings:
+    """Flags override the environment's OPML_INFERENCE_ROUTER_WORKER_* settings."""
+    parser = argparse.ArgumentParser(prog="python -m opml_inference_router.worker", description=__doc__.split("\n")[0])
+    parser.add_argument("--pool-kind", help="pool kind this worker is (declared in --fleet)")
+    parser.add_argument("--fleet", type=Path, help="fleet file declaring the pool kinds")
+    parser.add_argument("--port", type=int, dest="grpc_port", help="gRPC port (0: pick a free one)")
+    parser.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0: pick a free one)")
+    parser.add_argument("--host", help="interface to bind")
+    parser.add_argument("--models-dir", type=Path, help="directory of model bundles loaded by name")
+    parser.add_argument("--threads-per-replica", type=int, help="intra-op threads per replica (0: auto)")
+    given = {key: value for key, value in vars(parser.parse_args(argv)).items() if value is not None}
+    return WorkerSettings(**given)
+
+
+def main() -> None:
+    settings = parse_settings(sys.argv[1:])
+    platform = PlatformSettings()
+    configure_logging(SERVICE, level=platform.log_level, fmt=platform.log_format)
+    try:
+        asyncio.run(serve(settings, platform))
+    except OpmlError as error:  # a misconfigured worker says why in one line instead of a traceback
+        sys.exit(f"{SERVER_NAME} cannot start: {error.message}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""Worker settings: ``OPML_INFERENCE_ROUTER_WORKER_*`` (command-line flags override them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from opml_common.config import ServiceSettings
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+
+class WorkerSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="OPML_INFERENCE_ROUTER_WORKER_", frozen=True, extra="ignore")
+
+    pool_kind: str = Field("cpu", description="The pool kind (declared in the fleet file) this worker is one of.")
+    fleet: Path | None = Field(None, description="Fleet file declaring the pool kinds. Required.")
+    models_dir: Path | None = Field(
+        None, description="Directory of model bundles (<name>/model.yaml ...) that RepositoryModelLoad finds by "
+        "name; without it, loads must name the bundle's path.")
+    threads_per_replica: int = Field(
+        0, ge=0, description="Intra-op threads of each replica; 0: the worker's cores divided by the kind's slots.")
+    profile_repeats: int = Field(20, ge=3, description="Timed runs per batch size when a load asks for a profile.")

@@ -1,0 +1,218 @@
+"""Unit tests of the routing building blocks: wire header, latency window, replica choice,
+admission, traffic split. Pure logic, no network."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+
+import pytest
+from opml_common.errors import InvalidArgument
+from tritonclient.grpc import service_pb2
+
+from opml_inference_router.routing import ConcurrencyLimiter, LatencyWindow, ReplicaSet, Shed, TrafficSplit
+from opml_inference_router.routing import wire
+from opml_inference_router.routing.replicas import Replica
+
+
+class _Named(Replica):
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    async def call(self, method: str, request: bytes, *, timeout_s: float) -> bytes:  # pragma: no cover
+        raise NotImplementedError
+
+    async def close(self) -> None:  # pragma: no cover
+        pass
+
+
+# -- wire ---------------------------------------------------------------------------------------
+
+def _request(**fields: str) -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(**fields)
+    tensor = request.inputs.add(name="x", datatype="FP32", shape=[2, 3])
+    tensor.parameters["p"].int64_param = 7
+    request.raw_input_contents.append(bytes(range(24)))
+    return request
+
+
+def test_read_header_finds_name_version_and_id_among_tensors() -> None:
+    data = _request(model_name="resnet", model_version="3", id="req-9").SerializeToString()
+    assert wire.read_header(data) == ("resnet", "3", "req-9")
+    assert wire.read_header(_request(model_name="m").SerializeToString()) == ("m", "", "")
+
+
+def test_with_field_overrides_the_version_without_touching_tensors() -> None:
+    original = _request(model_name="m", model_version="1")
+    amended = service_pb2.ModelInferRequest.FromString(
+        wire.with_field(original.SerializeToString(), wire.MODEL_VERSION, "2"))
+    assert amended.model_version == "2"
+    amended.model_version = "1"
+    assert amended == original
+
+
+@pytest.mark.parametrize(("response", "leads"), [
+    (service_pb2.ModelInferResponse(model_name="m", model_version="2", id="r"), True),
+    (service_pb2.ModelInferResponse(model_version="2"), True),
+    (service_pb2.ModelInferResponse(model_name="m", id="r"), False),
+    (service_pb2.ModelInferResponse(), False),
+])
+def test_version_leads_tells_whether_a_response_names_its_version(
+        response: service_pb2.ModelInferResponse, leads: bool) -> None:
+    data = response.SerializeToString()
+    assert wire.version_leads(data) is leads
+    if not leads:  # then the router appends it
+        assert service_pb2.ModelInferResponse.FromString(wire.with_field(data, wire.MODEL_VERSION, "5")).model_version == "5"
+
+
+@pytest.mark.parametrize("data", [b"\x0a\x05ab", b"\x0b", b"\x0a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01"])
+def test_read_header_refuses_malformed_bytes(data: bytes) -> None:
+    with pytest.raises(wire.MalformedMessage):
+        wire.read_header(data)
+
+
+# -- latency window ------------------------------------------------------------------------------
+
+def test_latency_window_quantiles_follow_recent_samples() -> None:
+    window = LatencyWindow(size=100, refresh=10, min_samples=10)
+    for value in range(9):
+        window.observe(value)
+    assert window.p95 is None
+    window.observe(9)
+    assert window.p50 == 4 and window.p95 == 9
+    for _ in range(100):
+        window.observe(0.5)  # the old samples roll out of the ring
+    assert window.p50 == window.p95 == 0.5
+
+
+# -- replica choice ------------------------------------------------------------------------------
+
+def _set(names: list[str], policy: str = "p2c", now: list[float] | None = None) -> ReplicaSet:
+    clock = now if now is not None else [0.0]
+    replicas = ReplicaSet(policy=policy, eject_s=1.0, max_eject_s=4.0, clock=lambda: clock[0], rng=random.Random(1))
+    for name in names:
+        replicas.add(_Named(name))
+    return replicas
+
+
+def test_power_of_two_choices_never_picks_the_most_loaded_and_favours_the_least() -> None:
+    replicas = _set(["a", "b", "c", "d"])
+    for load, state in enumerate(replicas):
+        state.outstanding = load * 10
+    picks = Counter(replicas.pick().name for _ in range(4000))
+    assert picks["d"] == 0
+    assert picks["a"] > picks["b"] > picks["c"] > 0
+    assert picks["a"] == pytest.approx(4000 * 3 / 6, rel=0.1)  # a wins every pair it is in: 3 of 6 pairs
+
+
+def test_least_outstanding_picks_the_minimum_and_respects_exclusion() -> None:
+    replicas = _set(["a", "b", "c"], policy="least")
+    a, b, c = list(replicas)
+    a.outstanding, b.outstanding, c.outstanding = 5, 1, 3
+    assert replicas.pick() is b
+    assert replicas.pick(exclude=[b]) is c
+    assert replicas.pick(exclude=[a, b, c]) is None
+
+
+def test_ejection_backs_off_and_ends_with_success_and_panics_when_all_are_out() -> None:
+    now = [0.0]
+    replicas = _set(["a", "b"], now=now)
+    a, b = list(replicas)
+    replicas.failed(a, eject=True)
+    assert {replicas.pick().name for _ in range(50)} == {"b"}
+    assert replicas.ready_count() == 1
+    now[0] = 1.01
+    assert replicas.ready_count() == 2
+    replicas.failed(a, eject=True)  # second failure in a row: 2 s
+    now[0] = 2.5
+    assert replicas.ready_count() == 1
+    replicas.failed(b, eject=True)
+    assert replicas.pick() is not None  # every replica ejected: choose anyway
+    replicas.succeeded(a, 0.01)
+    assert a.ejected_until == 0.0 and a.failures == 0
+    replicas.failed(b, eject=False)  # a busy replica is not ejected
+    assert b.failures == 1
+
+
+def test_removed_replica_leaves_rotation() -> None:
+    replicas = _set(["a", "b"])
+    assert replicas.remove("a").removed
+    assert replicas.remove("zzz") is None
+    assert {replicas.pick().name for _ in range(20)} == {"b"}
+
+
+# -- admission -----------------------------------------------------------------------------------
+
+async def test_limiter_queues_in_order_and_hands_slots_over() -> None:
+    limiter = ConcurrencyLimiter(limit=2, max_queue=2, name="m")
+    assert limiter.try_acquire() and limiter.try_acquire()
+    order: list[int] = []
+
+    async def wait(index: int) -> None:
+        await limiter.acquire(time_left_s=5, expected_s=0.001)
+        order.append(index)
+
+    waiters = [asyncio.create_task(wait(i)) for i in range(2)]
+    await asyncio.sleep(0.01)
+    assert limiter.waiting == 2
+    with pytest.raises(Shed) as shed:
+        await limiter.acquire(time_left_s=5, expected_s=0.001)
+    assert shed.value.reason == "queue_full" and shed.value.code == "RESOURCE_EXHAUSTED"
+    limiter.release()
+    limiter.release()
+    await asyncio.gather(*waiters)
+    assert order == [0, 1] and limiter.in_flight == 2
+    limiter.release()
+    limiter.release()
+    assert limiter.in_flight == 0
+
+
+async def test_limiter_sheds_what_cannot_meet_its_deadline() -> None:
+    limiter = ConcurrencyLimiter(limit=1, max_queue=10, name="m")
+    assert limiter.try_acquire()
+    with pytest.raises(Shed) as shed:  # expected wait 1 x 50 ms + 50 ms service > 60 ms left
+        await limiter.acquire(time_left_s=0.06, expected_s=0.05)
+    assert shed.value.reason == "deadline"
+    with pytest.raises(Shed) as shed:  # admitted to the queue, but no slot frees up in time
+        await limiter.acquire(time_left_s=0.05, expected_s=0.01)
+    assert shed.value.reason == "deadline" and limiter.waiting == 0
+
+
+async def test_limiter_does_not_leak_slots_when_waiters_are_cancelled() -> None:
+    limiter = ConcurrencyLimiter(limit=1, max_queue=4, name="m")
+    assert limiter.try_acquire()
+    waiter = asyncio.create_task(limiter.acquire(time_left_s=5, expected_s=0))
+    await asyncio.sleep(0.01)
+    limiter.release()  # handed to the waiter ...
+    waiter.cancel()    # ... which goes away before it runs
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert limiter.in_flight == 0 and limiter.waiting == 0
+    limiter.resize(limit=3, max_queue=0)
+    assert [limiter.try_acquire() for _ in range(4)] == [True, True, True, False]
+
+
+# -- traffic split -------------------------------------------------------------------------------
+
+def test_split_follows_the_weights() -> None:
+    split = TrafficSplit({"1": 90, "2": 10}, rng=random.Random(7))
+    counts = Counter(split.choose() for _ in range(20_000))
+    assert counts["2"] / 20_000 == pytest.approx(0.10, abs=0.01)
+    assert TrafficSplit({"1": 0, "2": 3}).only == "2"
+
+
+def test_sticky_split_is_a_function_of_the_request_id() -> None:
+    split = TrafficSplit({"1": 50, "2": 50}, sticky=True)
+    other = TrafficSplit({"1": 50, "2": 50}, sticky=True)
+    ids = [f"request-{i}" for i in range(4000)]
+    assert [split.choose(i) for i in ids] == [other.choose(i) for i in ids]
+    assert Counter(split.choose(i) for i in ids)["2"] / 4000 == pytest.approx(0.5, abs=0.03)
+
+
+@pytest.mark.parametrize(("weights", "field"), [({}, "weights"), ({"1": -1}, "weights['1']"),
+                                                 ({"1": 0}, "weights")])
+def test_split_refuses_bad_weights(weights: dict[str, float], field: str) -> None:
+    with pytest.raises(InvalidArgument) as error:
+        TrafficSplit(weights)
+    assert error.value.field == field

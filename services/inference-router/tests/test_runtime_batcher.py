@@ -1,0 +1,124 @@
+"""Dynamic batching and fixed batch shapes on real onnxruntime sessions (in process, no server)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import onnxruntime as ort
+from opml_common.metrics import ServiceMetrics
+from prometheus_client import CollectorRegistry
+
+from opml_inference_router.placement.config import ModelConfig, ModelVersion, PoolKind
+from opml_inference_router.runtime import DynamicBatcher, Replica, WorkerMetrics, build_session, to_profile
+from opml_inference_router.runtime.profiler import profile_replica
+from opml_inference_router.testing import mlp_classifier, mlp_config
+
+CPU = PoolKind(name="cpu", precisions=("fp32",), memory_mib=4096, slots=4, cost_per_hour=1.0,
+               execution_provider="CPUExecutionProvider")
+ACCEL = PoolKind(name="accel", precisions=("int8",), memory_mib=512, slots=2, cost_per_hour=0.5,
+                 execution_provider="CPUExecutionProvider", batch_sizes=(1, 4, 8))
+
+
+def replica(kind: PoolKind, *, delay_us: int | None, width: int = 64, depth: int = 2) -> tuple[Replica, bytes]:
+    model = mlp_classifier(width=width, depth=depth).SerializeToString()
+    config = ModelConfig.from_dict(mlp_config("mlp", max_queue_delay_us=delay_us))
+    session = build_session(model, kind, threads=1, source="mlp")
+    return Replica(ModelVersion("mlp", 1), config, kind, "fp32", session), model
+
+
+def batcher_for(served: Replica) -> DynamicBatcher:
+    metrics = WorkerMetrics(ServiceMetrics("test", CollectorRegistry()))
+    return DynamicBatcher(served, metrics.for_replica("mlp", 1))
+
+
+def rows(count: int, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((count, 16)).astype(np.float32)
+
+
+async def run_concurrently(batcher: DynamicBatcher, data: np.ndarray) -> np.ndarray:
+    await batcher.start()
+    try:
+        replies = await asyncio.gather(*[batcher.infer({"features": data[i:i + 1]}) for i in range(len(data))])
+    finally:
+        await batcher.stop()
+    return np.concatenate([reply["scores"] for reply in replies])
+
+
+def test_concurrent_requests_form_batches_with_each_callers_rows() -> None:
+    served, model = replica(CPU, delay_us=20_000)
+    batcher = batcher_for(served)
+    data = rows(24)
+    scores = asyncio.run(run_concurrently(batcher, data))
+    direct = ort.InferenceSession(model).run(None, {"features": data})[0]
+    np.testing.assert_allclose(scores, direct, rtol=1e-5, atol=1e-6)
+    counts = batcher.metrics
+    assert counts.inference_count == 24
+    assert counts.execution_count < 24
+    assert max(counts.batches) > 1, counts.batches
+
+
+def test_without_dynamic_batching_every_request_runs_alone() -> None:
+    served, _ = replica(CPU, delay_us=None)
+    batcher = batcher_for(served)
+    asyncio.run(run_concurrently(batcher, rows(12)))
+    assert batcher.metrics.execution_count == 12
+    assert set(batcher.metrics.batches) == {1}
+
+
+def test_batches_never_exceed_the_cap() -> None:
+    served, _ = replica(ACCEL, delay_us=50_000)
+    batcher = batcher_for(served)
+    asyncio.run(run_concurrently(batcher, rows(20)))
+    assert served.max_batch == 8
+    assert max(batcher.metrics.batches) <= 8
+    assert sum(size * stats.count for size, stats in batcher.metrics.batches.items()) == 20
+
+
+def test_fixed_shapes_pad_and_drop_the_padding() -> None:
+    served, model = replica(ACCEL, delay_us=None)
+    assert [served.padded(n) for n in (1, 2, 4, 5, 8)] == [1, 4, 4, 8, 8]
+    data = rows(5)
+    outputs = served.run({"features": data})["scores"]
+    assert outputs.shape == (5, 4)
+    np.testing.assert_allclose(outputs, ort.InferenceSession(model).run(None, {"features": data})[0],
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_cancelled_requests_are_dropped_before_they_run() -> None:
+    served, _ = replica(CPU, delay_us=200_000)
+    batcher = batcher_for(served)
+
+    async def scenario() -> None:
+        await batcher.start()
+        try:
+            doomed = asyncio.create_task(batcher.infer({"features": rows(1)}))
+            await asyncio.sleep(0.01)
+            doomed.cancel()
+            kept = await batcher.infer({"features": rows(2)})
+            assert kept["scores"].shape == (2, 4)
+        finally:
+            await batcher.stop()
+
+    asyncio.run(scenario())
+    assert batcher.metrics.inference_count == 2
+    assert batcher.metrics.queue_depth._value.get() == 0
+
+
+def test_profile_grows_with_batch_size_and_converts_to_placement_profile() -> None:
+    served, _ = replica(CPU, delay_us=1000, width=512, depth=3)
+    served.memory_mib = 3.5
+    report = profile_replica(served, repeats=15, budget_s=0.5)
+    assert [t.batch for t in report.timings] == [1, 2, 4, 8, 16, 32]
+    assert report.timings[-1].p50_ms > 1.5 * report.timings[0].p50_ms, report.timings
+    assert all(t.p99_ms >= t.p50_ms > 0 for t in report.timings)
+    profile = to_profile(report)
+    latencies = [profile.batch_latency_ms[size] for size in (1, 2, 4, 8, 16, 32)]
+    assert latencies == sorted(latencies)
+    assert (profile.pool_kind, profile.precision, profile.memory_mib) == ("cpu", "fp32", 3.5)
+
+
+def test_profile_on_a_fixed_shape_kind_measures_its_shapes() -> None:
+    served, _ = replica(ACCEL, delay_us=1000)
+    served.memory_mib = 1.0
+    assert [t.batch for t in profile_replica(served, repeats=3).timings] == [1, 4, 8]
