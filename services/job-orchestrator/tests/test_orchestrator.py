@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from opml_common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from opml_job_orchestrator.executor import JobProgram, LocalExecutor, RetryPolicy
-from opml_job_orchestrator.orchestrator import EventKind, JobState, JobStatus, LifecycleEvent, Orchestrator
+from opml_job_orchestrator.orchestrator import EventKind, JobState, JobStatus, LifecycleEvent, Orchestrator, SavedJob
 from opml_job_orchestrator.scheduler import (
     Cluster,
     JobClass,
@@ -31,6 +31,7 @@ from opml_job_orchestrator.scheduler import (
 )
 
 SLOT = Resources(cpu_millis=1000)
+RUN = (EventKind.SCHEDULED, EventKind.STARTED)
 
 
 def py(code: str) -> list[str]:
@@ -88,7 +89,7 @@ def kinds(events: list[LifecycleEvent], job_id: str) -> list[EventKind]:
 async def test_job_runs_to_success_with_events_in_order(orch: Orchestrator, events: list[LifecycleEvent]) -> None:
     assert orch.submit(spec("ok"), program("print('hello')")) == "ok"
     status = await until(orch, "ok", JobState.SUCCEEDED)
-    assert kinds(events, "ok") == [EventKind.SUBMITTED, EventKind.STARTED, EventKind.SUCCEEDED]
+    assert kinds(events, "ok") == [EventKind.SUBMITTED, EventKind.SCHEDULED, EventKind.STARTED, EventKind.SUCCEEDED]
     assert (status.attempt, status.retries, status.preemptions, status.cause) == (0, 0, 0, None)
     assert status.submitted_at <= status.started_at <= status.ended_at
     assert [s.job_id for s in orch.list()] == ["ok"]
@@ -103,8 +104,8 @@ async def test_crash_is_retried_with_the_attempt_visible_then_fails(orch: Orches
     assert seen.read_text().split() == ["0", "1", "2"]
     assert (status.attempt, status.retries) == (2, 2)
     assert "exited with code 3" in status.cause
-    assert kinds(events, "crash") == [EventKind.SUBMITTED, EventKind.STARTED, EventKind.RETRYING, EventKind.STARTED,
-                                      EventKind.RETRYING, EventKind.STARTED, EventKind.FAILED]
+    assert kinds(events, "crash") == [EventKind.SUBMITTED, *RUN, EventKind.RETRYING, *RUN, EventKind.RETRYING,
+                                      *RUN, EventKind.FAILED]
     assert [e.attempt for e in events if e.kind is EventKind.STARTED] == [0, 1, 2]
 
 
@@ -113,7 +114,7 @@ async def test_missing_command_fails_without_retries(orch: Orchestrator, events:
     status = await until(orch, "missing", JobState.FAILED)
     assert "No such file or directory" in status.cause
     assert (status.attempt, status.retries) == (0, 0)
-    assert kinds(events, "missing") == [EventKind.SUBMITTED, EventKind.STARTED, EventKind.FAILED]
+    assert kinds(events, "missing") == [EventKind.SUBMITTED, *RUN, EventKind.FAILED]
 
 
 BE_TRAINER = """
@@ -149,9 +150,9 @@ async def test_be_job_is_preempted_for_a_te_job_and_resumes_from_its_checkpoint(
     assert attempt == 1 and 0 < first < 30 and last == 30  # resumed from the step it saved
     assert (ckpt / "step").read_text() == str(first)
     assert (be.attempt, be.preemptions, te.attempt) == (1, 1, 0)
-    assert kinds(events, "be") == [EventKind.SUBMITTED, EventKind.STARTED, EventKind.PREEMPTED, EventKind.RESUMED,
-                                   EventKind.SUCCEEDED]
-    order = [(e.job_id, e.kind) for e in events if e.kind is not EventKind.SUBMITTED]
+    assert kinds(events, "be") == [EventKind.SUBMITTED, *RUN, EventKind.PREEMPTED, EventKind.SCHEDULED,
+                                   EventKind.RESUMED, EventKind.SUCCEEDED]
+    order = [(e.job_id, e.kind) for e in events if e.kind not in (EventKind.SUBMITTED, EventKind.SCHEDULED)]
     assert order.index(("be", EventKind.PREEMPTED)) < order.index(("te", EventKind.STARTED))
     assert order.index(("te", EventKind.SUCCEEDED)) < order.index(("be", EventKind.RESUMED))
     assert "preempted for job 'te'" in next(e.message for e in events if e.kind is EventKind.PREEMPTED)
@@ -163,8 +164,8 @@ async def test_admin_preempt_requeues_the_job_to_resume(orch: Orchestrator, even
     assert (await orch.preempt("long")).state is JobState.PREEMPTED
     status = await until(orch, "long", JobState.SUCCEEDED)
     assert (status.attempt, status.preemptions, status.retries) == (1, 1, 0)
-    assert kinds(events, "long") == [EventKind.SUBMITTED, EventKind.STARTED, EventKind.PREEMPTED, EventKind.RESUMED,
-                                     EventKind.SUCCEEDED]
+    assert kinds(events, "long") == [EventKind.SUBMITTED, *RUN, EventKind.PREEMPTED, EventKind.SCHEDULED,
+                                     EventKind.RESUMED, EventKind.SUCCEEDED]
     with pytest.raises(FailedPrecondition, match="not running"):
         await orch.preempt("long")
 
@@ -181,7 +182,7 @@ async def test_cancel_stops_a_running_job(orch: Orchestrator, events: list[Lifec
     orch.submit(spec("next"), program("pass"))  # its room is free again
     await until(orch, "next", JobState.SUCCEEDED)
     assert orch.get("sleepy").state is JobState.CANCELLED  # the run's STOPPED event changed nothing
-    assert kinds(events, "sleepy") == [EventKind.SUBMITTED, EventKind.STARTED, EventKind.CANCELLED]
+    assert kinds(events, "sleepy") == [EventKind.SUBMITTED, *RUN, EventKind.CANCELLED]
     with pytest.raises(FailedPrecondition, match="already cancelled"):
         await orch.cancel("sleepy")
 
@@ -208,3 +209,68 @@ async def test_request_errors(orch: Orchestrator) -> None:
     with pytest.raises(NotFound, match="ghost"):
         await orch.cancel("ghost")
     assert [s.job_id for s in orch.list()] == ["once"]
+
+
+async def test_checkpoint_reports_reach_the_status(tmp_path: Path, events: list[LifecycleEvent]) -> None:
+    scheduler = Scheduler(Cluster([NodeSpec("n0", SLOT)]), te_be_policy())
+    executor = LocalExecutor(work_dir=tmp_path / "work", heartbeat_check_interval_s=0.05, shutdown_grace_s=0.5)
+    code = ("import json, os, time; open(os.environ['OPML_HEARTBEAT_FILE'], 'w').write(json.dumps("
+            "{'checkpoint_step': 7})); time.sleep(30)")
+    async with Orchestrator(scheduler=scheduler, executor=executor, retry_policy=RETRIES,
+                            listeners=[events.append], max_wait_s=0.1) as orch:
+        orch.submit(spec("ckpt"), program(code))
+        deadline = time.monotonic() + 10
+        while orch.get("ckpt").checkpoint_step != 7:
+            assert time.monotonic() < deadline, orch.get("ckpt")
+            await asyncio.sleep(0.02)
+        assert scheduler.job("ckpt").last_checkpoint_at is not None  # the preemption policy sees it
+
+
+async def test_a_jobs_own_retry_budget(orch: Orchestrator) -> None:
+    orch.submit(spec("once"), program("import sys; sys.exit(1)"), max_retries=0)
+    assert (await until(orch, "once", JobState.FAILED)).retries == 0
+    orch.submit(spec("thrice"), program("import sys; sys.exit(1)"), max_retries=3)
+    assert (await until(orch, "thrice", JobState.FAILED)).retries == 3
+    with pytest.raises(InvalidArgument, match="max_retries"):
+        orch.submit(spec("bad"), program("pass"), max_retries=-1)
+
+
+RETRIES = RetryPolicy(max_retries=2, base_delay_s=0.05, max_delay_s=0.1)
+
+
+async def test_restore_after_a_crash(tmp_path: Path, events: list[LifecycleEvent]) -> None:
+    """A first orchestrator 'dies' (is dropped, its run left going); a second one restores its jobs."""
+    pid_file = tmp_path / "pid"
+    code = (f"import os, time; os.environ['OPML_JOB_ATTEMPT'] == '0' and (open({str(pid_file)!r}, 'w')"
+            ".write(str(os.getpid())), time.sleep(30))")
+    first = Orchestrator(scheduler=Scheduler(Cluster([NodeSpec("n0", SLOT)]), te_be_policy()),
+                         executor=LocalExecutor(work_dir=tmp_path / "work", shutdown_grace_s=0.5),
+                         retry_policy=RetryPolicy(max_retries=0, base_delay_s=0, max_delay_s=0), max_wait_s=0.1)
+    await first.start()  # it never retries: once "dead", it must not launch anything
+    first.submit(spec("done"), program("pass"))
+    await until(first, "done", JobState.SUCCEEDED)
+    first.submit(spec("running"), program(code))
+    first.submit(spec("waiting"), program("pass"))
+    pid = int(await until_file(pid_file))
+    saved = [SavedJob(first.definition(s.job_id), s) for s in first.list()]
+    assert [s.status.state for s in saved] == [JobState.SUCCEEDED, JobState.RUNNING, JobState.PENDING]
+
+    second = Orchestrator(scheduler=Scheduler(Cluster([NodeSpec("n0", SLOT)]), te_be_policy()),
+                          executor=LocalExecutor(work_dir=tmp_path / "work", shutdown_grace_s=0.5),
+                          retry_policy=RETRIES, listeners=[events.append], max_wait_s=0.1)
+    try:
+        await second.restore(saved)
+        with pytest.raises(ProcessLookupError):  # the leftover run is gone before anything launches
+            os.kill(pid, 0)
+        async with second:
+            running = await until(second, "running", JobState.SUCCEEDED)
+            assert (running.attempt, running.retries) == (1, 1)
+            assert (await until(second, "waiting", JobState.SUCCEEDED)).attempt == 0
+            assert second.get("done").state is JobState.SUCCEEDED
+        assert kinds(events, "running") == [EventKind.RETRYING, *RUN, EventKind.SUCCEEDED]
+        assert "the orchestrator restarted" in next(e.message for e in events if e.kind is EventKind.RETRYING)
+        assert kinds(events, "waiting") == [*RUN, EventKind.SUCCEEDED]
+        with pytest.raises(FailedPrecondition):
+            await second.restore(saved)
+    finally:
+        await first.stop()

@@ -1,14 +1,16 @@
 """The orchestrator loop: it joins the scheduler, which decides, and an executor, which runs jobs.
 
-:class:`Orchestrator` imports no transport. The gRPC servicer to come calls :meth:`Orchestrator.submit`,
+:class:`Orchestrator` imports no transport. The gRPC servicer calls :meth:`Orchestrator.submit`,
 :meth:`~Orchestrator.cancel`, :meth:`~Orchestrator.preempt`, :meth:`~Orchestrator.get` and
-:meth:`~Orchestrator.list`; a Kafka publisher to come is a :data:`LifecycleListener` that receives
-every :class:`LifecycleEvent`.
+:meth:`~Orchestrator.list`; the Kafka publisher, the Redis job store, the metrics and the watch
+streams are :data:`LifecycleListener` s that receive every :class:`LifecycleEvent`. After a
+restart, :meth:`~Orchestrator.restore` takes back the jobs the store kept.
 
 One loop task, in steps: resubmit the jobs whose retry delay is over, call ``Scheduler.schedule``
 and carry out its decisions in order (``Executor.terminate`` for a ``PreemptJob``, then
 ``Executor.launch`` for a ``StartJob``), then wait for ``Executor.poll`` until the scheduler's
-``next_deadline()`` or the next retry, or until a submit or cancel wakes it. A ``JobEvent`` ends a
+``next_deadline()`` or the next retry, or until a submit or cancel wakes it. A ``CheckpointEvent``
+goes to ``Scheduler.record_checkpoint`` (so a preemption knows how little it loses). A ``JobEvent`` ends a
 run: success finishes the job in the scheduler; a failure frees its room and, if the
 :class:`~opml_job_orchestrator.executor.retry.RetryPolicy` gives a delay (it tests the event's
 ``retriable``), queues it again after that delay, else fails it with the event's message as cause.
@@ -30,7 +32,15 @@ from types import TracebackType
 
 from opml_common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, OpmlError
 
-from opml_job_orchestrator.executor.base import Executor, ExecutorEvent, JobEvent, JobOutcome, JobProgram, check_seconds
+from opml_job_orchestrator.executor.base import (
+    CheckpointEvent,
+    Executor,
+    ExecutorEvent,
+    JobEvent,
+    JobOutcome,
+    JobProgram,
+    check_seconds,
+)
 from opml_job_orchestrator.executor.retry import RetryPolicy
 from opml_job_orchestrator.scheduler.model import JobSpec
 from opml_job_orchestrator.scheduler.scheduler import PreemptJob, Scheduler, StartJob
@@ -59,6 +69,8 @@ TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCE
 
 class EventKind(enum.Enum):
     SUBMITTED = "submitted"
+    SCHEDULED = "scheduled"
+    """The scheduler placed the job; its run is being launched (the message names the nodes)."""
     STARTED = "started"
     """A run started: the first one, or one after a failure (``attempt`` says which)."""
     PREEMPTED = "preempted"
@@ -76,7 +88,8 @@ class JobStatus:
 
     ``attempt`` is the current (or last) run's number, -1 before the first run; ``retries`` counts
     runs that failed and were retried; ``cause`` says why the job last stopped (a failure's message,
-    a preemption, a cancel), None while nothing stopped it.
+    a preemption, a cancel), None while nothing stopped it. ``checkpoint_step`` is the step of the
+    last checkpoint a run reported (a ``CheckpointEvent``), None until one did.
     """
 
     job_id: str
@@ -89,6 +102,25 @@ class JobStatus:
     started_at: float | None
     updated_at: float
     ended_at: float | None
+    checkpoint_step: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class JobDefinition:
+    """What was submitted: the scheduler's spec, the program each role runs, and the job's own
+    retry budget (None: the orchestrator's ``retry_policy.max_retries``)."""
+
+    spec: JobSpec
+    program: JobProgram
+    max_retries: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SavedJob:
+    """A job as a durable store kept it: handed to :meth:`Orchestrator.restore` after a restart."""
+
+    definition: JobDefinition
+    status: JobStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,12 +141,14 @@ queues the event and sends it from its own task. What it raises is logged and dr
 
 
 class _Job:
-    __slots__ = ("spec", "program", "state", "attempt", "retries", "preemptions", "cause", "submitted_at",
-                 "started_at", "updated_at", "ended_at", "retry_at")
+    __slots__ = ("definition", "spec", "program", "retry_policy", "state", "attempt", "retries", "preemptions",
+                 "cause", "submitted_at", "started_at", "updated_at", "ended_at", "retry_at", "checkpoint_step")
 
-    def __init__(self, spec: JobSpec, program: JobProgram, now: float) -> None:
-        self.spec = spec
-        self.program = program
+    def __init__(self, definition: JobDefinition, retry_policy: RetryPolicy, now: float) -> None:
+        self.definition = definition
+        self.spec = definition.spec
+        self.program = definition.program
+        self.retry_policy = retry_policy
         self.state = JobState.PENDING
         self.attempt = -1
         self.retries = 0
@@ -126,10 +160,16 @@ class _Job:
         self.ended_at: float | None = None
         self.retry_at: float | None = None
         """Monotonic time to queue a RETRYING job again; None once queued."""
+        self.checkpoint_step: int | None = None
 
     def status(self) -> JobStatus:
         return JobStatus(self.spec.job_id, self.state, self.attempt, self.retries, self.preemptions, self.cause,
-                         self.submitted_at, self.started_at, self.updated_at, self.ended_at)
+                         self.submitted_at, self.started_at, self.updated_at, self.ended_at, self.checkpoint_step)
+
+    def restore(self, status: JobStatus) -> None:
+        for name in ("state", "attempt", "retries", "preemptions", "cause", "submitted_at", "started_at",
+                     "updated_at", "ended_at", "checkpoint_step"):
+            setattr(self, name, getattr(status, name))
 
 
 class Orchestrator:
@@ -142,7 +182,7 @@ class Orchestrator:
     the longest the loop waits for executor events before it schedules again.
 
     Every method is called from the event loop the orchestrator was started in. State lives in
-    memory only: a restarted orchestrator knows no job.
+    memory; a listener may keep it durably and hand it back to :meth:`restore` after a restart.
     """
 
     def __init__(self, *, scheduler: Scheduler, executor: Executor, retry_policy: RetryPolicy,
@@ -211,13 +251,16 @@ class Orchestrator:
 
     # -- requests ------------------------------------------------------------------------------
 
-    def submit(self, spec: JobSpec, program: JobProgram) -> str:
+    def submit(self, spec: JobSpec, program: JobProgram, *, max_retries: int | None = None) -> str:
         """Queue ``spec`` to run ``program``; return its job id. It starts at the loop's next step.
+
+        ``max_retries`` is the job's own retry budget (None: ``retry_policy.max_retries``); the
+        delays are the orchestrator's ``retry_policy``'s.
 
         Raises:
             InvalidArgument: ``spec`` or ``program`` is of the wrong type, ``program`` has no command
-                for a role of ``spec``, or the scheduler rejects the spec (bigger than the cluster:
-                the field path names what).
+                for a role of ``spec``, ``max_retries`` is not an integer >= 0, or the scheduler
+                rejects the spec (bigger than the cluster: the field path names what).
             AlreadyExists: a job with this id was submitted before (ids are never reused: logs and
                 checkpoints are kept under them).
         """
@@ -229,8 +272,9 @@ class Orchestrator:
             raise AlreadyExists(f"job {spec.job_id!r} was already submitted (it is "
                                 f"{self._jobs[spec.job_id].state.value}); pick another job_id.")
         program.check_covers(spec)
+        retry_policy = self._job_retry_policy(max_retries)
         self._scheduler.submit(spec, now=time.monotonic())
-        job = self._jobs[spec.job_id] = _Job(spec, program, time.time())
+        job = self._jobs[spec.job_id] = _Job(JobDefinition(spec, program, max_retries), retry_policy, time.time())
         self._emit(job, EventKind.SUBMITTED, f"{spec.job_class.name} job, priority {spec.priority}")
         self._wake.set()
         return spec.job_id
@@ -291,6 +335,90 @@ class Orchestrator:
         """The status of every job submitted, in submission order."""
         return [job.status() for job in self._jobs.values()]
 
+    def definition(self, job_id: str) -> JobDefinition:
+        """What was submitted as ``job_id``.
+
+        Raises:
+            NotFound: no job has this id.
+        """
+        return self._job(job_id).definition
+
+    async def restore(self, saved: Sequence[SavedJob]) -> None:
+        """Take back the jobs a durable store kept, in their submission order, before :meth:`start`.
+
+        Starts the executor. Ended jobs are kept for :meth:`get` and :meth:`list`; waiting jobs
+        (pending, preempted, retrying) are queued again in their original order. A job is never
+        run twice at once: for each job that was running, ``Executor.recover`` takes over its run
+        (local processes are stopped and the run reported STOPPED, retriable; Kubernetes pods are
+        re-adopted and go on); for each waiting job, ``recover`` also takes over the next attempt,
+        in case it was launched after the store's last record. Runs recover ends at once count
+        as lost, a retriable failure: the job is retried from its checkpoint within its retry
+        budget, or fails with that cause. Runs that go on are placed again by the scheduler on
+        the empty cluster before any waiting job (and stopped and queued, PREEMPTED, if there is
+        no room for them). A job the cluster can no longer hold at all (it was reconfigured)
+        fails with that cause. Transitions go to the listeners like any other.
+
+        Raises:
+            FailedPrecondition: the orchestrator is started, or already knows one of the jobs.
+            InvalidArgument: a saved definition is invalid (nothing is restored then).
+        """
+        if self._loop_task is not None:
+            raise FailedPrecondition("restore() must be called before start().")
+        jobs: list[_Job] = []
+        for item in saved:
+            definition = item.definition
+            if definition.spec.job_id in self._jobs or any(j.spec.job_id == definition.spec.job_id for j in jobs):
+                raise FailedPrecondition(f"job {definition.spec.job_id!r} is already known; restore() once, first.")
+            definition.program.check_covers(definition.spec)
+            job = _Job(definition, self._job_retry_policy(definition.max_retries), item.status.submitted_at)
+            job.restore(item.status)
+            jobs.append(job)
+        await self._executor.start()
+        waiting = [j for j in jobs if j.state in (JobState.PENDING, JobState.PREEMPTED, JobState.RETRYING)]
+        async with self._lock:
+            for job in jobs:
+                self._jobs[job.spec.job_id] = job
+                if job.state is JobState.RUNNING:
+                    await self._executor.recover(job.spec.job_id, job.attempt)
+                elif job.state not in TERMINAL_STATES:
+                    await self._executor.recover(job.spec.job_id, job.attempt + 1)
+            ended = {(e.job_id, e.attempt) for e in await self._executor.poll(0) if isinstance(e, JobEvent)}
+            now = time.monotonic()
+            running = [j for j in jobs if j.state is JobState.RUNNING]
+            for job in running:
+                if (job.spec.job_id, job.attempt) in ended:
+                    self._retry_or_fail(job, f"run {job.attempt} was lost: the orchestrator restarted while it "
+                                             "ran", retriable=True)
+                elif not self._admit_restored(job, lambda spec: self._scheduler.submit(spec, now=now)):
+                    await self._executor.terminate(job.spec.job_id, self._grace_s)
+            going = {j.spec.job_id for j in running if j.state is JobState.RUNNING}
+            for decision in self._scheduler.schedule(now=now) if going else ():
+                job = self._jobs[decision.job_id]
+                if isinstance(decision, PreemptJob):
+                    self._preempted(job, f"preempted for job {decision.for_job_id!r} after a restart")
+                    await self._executor.terminate(job.spec.job_id, self._grace_s)
+                going.discard(decision.job_id)  # a StartJob: the run goes on where it is
+            for job_id in going:  # no room left for it: stop it and let it wait its turn
+                self._preempted(self._jobs[job_id], "no room for it on the cluster after a restart")
+                await self._executor.terminate(job_id, self._grace_s)
+            for job in waiting:
+                if job.state is not JobState.RETRYING:
+                    self._admit_restored(job, lambda spec: self._scheduler.submit(spec, now=now))
+                elif self._admit_restored(job, self._scheduler.cluster.check_admissible):
+                    job.retry_at = now
+        self._wake.set()
+
+    def _admit_restored(self, job: _Job, admit: Callable[[JobSpec], object]) -> bool:
+        """``admit(spec)`` a restored job; one the cluster can no longer hold (it was reconfigured) fails."""
+        try:
+            admit(job.spec)
+        except InvalidArgument as exc:
+            cause = f"the cluster can no longer hold it after a restart: {exc.message}"
+            self._end(job, JobState.FAILED, cause)
+            self._emit(job, EventKind.FAILED, cause)
+            return False
+        return True
+
     # -- the loop ------------------------------------------------------------------------------
 
     async def _loop(self) -> None:
@@ -312,6 +440,8 @@ class Orchestrator:
                         for event in events:
                             if isinstance(event, JobEvent):
                                 self._on_run_end(event)
+                            elif isinstance(event, CheckpointEvent):
+                                self._on_checkpoint(event)
         except Exception:
             logger.exception("the job orchestrator loop died")
             raise
@@ -337,7 +467,10 @@ class Orchestrator:
 
     async def _launch(self, job: _Job, decision: StartJob) -> None:
         kind = EventKind.RESUMED if job.state is JobState.PREEMPTED else EventKind.STARTED
+        nodes = ", ".join(f"{role}: {list(nodes)}" for role, nodes in decision.placement.items())
         job.attempt += 1
+        job.updated_at = time.time()
+        self._emit(job, EventKind.SCHEDULED, f"placed on {nodes}")
         try:
             await self._executor.launch(job.spec, job.program, decision.placement, attempt=job.attempt)
         except OpmlError as exc:
@@ -349,8 +482,15 @@ class Orchestrator:
         job.updated_at = time.time()
         if job.started_at is None:
             job.started_at = job.updated_at
-        nodes = ", ".join(f"{role}: {list(nodes)}" for role, nodes in decision.placement.items())
         self._emit(job, kind, f"on {nodes}")
+
+    def _on_checkpoint(self, event: CheckpointEvent) -> None:
+        """A run saved a checkpoint: stopping it now loses little. Older attempts' reports are ignored."""
+        job = self._jobs.get(event.job_id)
+        if job is None or job.state is not JobState.RUNNING or event.attempt != job.attempt:
+            return
+        self._scheduler.record_checkpoint(job.spec.job_id, now=time.monotonic())
+        job.checkpoint_step = event.step
 
     def _on_run_end(self, event: JobEvent) -> None:
         """A run ended. Runs the orchestrator stopped itself (preempted, cancelled) are already
@@ -363,18 +503,30 @@ class Orchestrator:
             self._end(job, JobState.SUCCEEDED, None)
             self._emit(job, EventKind.SUCCEEDED, event.message)
             return
-        delay_s = self._retry_policy.next_delay(job.retries, retriable=event.retriable)
+        self._retry_or_fail(job, event.message, retriable=event.retriable)
+
+    def _retry_or_fail(self, job: _Job, cause: str, *, retriable: bool) -> None:
+        """A run of ``job`` (no longer in the scheduler) failed: retry it after the policy's delay, or fail it."""
+        delay_s = job.retry_policy.next_delay(job.retries, retriable=retriable)
         if delay_s is None:
-            self._end(job, JobState.FAILED, event.message)
-            self._emit(job, EventKind.FAILED, event.message)
+            self._end(job, JobState.FAILED, cause)
+            self._emit(job, EventKind.FAILED, cause)
             return
         job.retries += 1
         job.state = JobState.RETRYING
-        job.cause = event.message
+        job.cause = cause
         job.retry_at = time.monotonic() + delay_s
         job.updated_at = time.time()
-        self._emit(job, EventKind.RETRYING, f"retry {job.retries} of {self._retry_policy.max_retries} "
-                                            f"in {delay_s:g} s after: {event.message}")
+        self._emit(job, EventKind.RETRYING, f"retry {job.retries} of {job.retry_policy.max_retries} "
+                                            f"in {delay_s:g} s after: {cause}")
+
+    def _job_retry_policy(self, max_retries: int | None) -> RetryPolicy:
+        """The orchestrator's retry policy with ``max_retries`` as the budget (None: its own)."""
+        if max_retries is None:
+            return self._retry_policy
+        backoff = self._retry_policy.backoff
+        return RetryPolicy(max_retries=max_retries, base_delay_s=backoff.base_s, max_delay_s=backoff.max_s,
+                           multiplier=backoff.multiplier)
 
     def _wait_s(self) -> float:
         """Seconds until the scheduler's next deadline or the next retry, at most ``max_wait_s``."""

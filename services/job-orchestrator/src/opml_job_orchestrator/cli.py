@@ -1,0 +1,146 @@
+"""``opml job``: submit, follow and control jobs on the job-orchestrator (after TonY's client)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+from google.protobuf.json_format import MessageToDict
+from opml.jobs.v1 import jobs_pb2 as pb
+from rich.console import Console
+from rich.table import Table
+
+from opml_job_orchestrator.client import JobClient
+from opml_job_orchestrator.spec import load_spec
+
+console = Console()
+_STATES = [name.removeprefix("JOB_STATE_").lower() for name in pb.JobState.keys()[1:]]
+
+
+def _state(value: int) -> str:
+    return pb.JobState.Name(value).removeprefix("JOB_STATE_").lower()
+
+
+def _time(status: pb.JobStatus, field: str) -> str:
+    return getattr(status, field).ToDatetime().strftime("%Y-%m-%d %H:%M:%S") if status.HasField(field) else "-"
+
+
+class _Session:
+    def __init__(self, target: str, token: str | None) -> None:
+        self.target, self.token = target, token
+
+    def client(self) -> JobClient:
+        return JobClient(self.target, token=self.token)
+
+
+pass_session = click.make_pass_decorator(_Session)
+
+
+@click.group()
+@click.option("--target", envvar="OPML_JOB_ORCHESTRATOR_TARGET", default="127.0.0.1:50052", show_default=True,
+              help="job-orchestrator gRPC address.")
+@click.option("--token", envvar="OPML_TOKEN", default=None, help="Bearer token (env OPML_TOKEN).")
+@click.pass_context
+def job(ctx: click.Context, target: str, token: str | None) -> None:
+    """Distributed TensorFlow jobs, TE before BE, with preemption and retries (after TonY)."""
+    ctx.obj = _Session(target, token)
+
+
+@job.command("submit")
+@click.option("-f", "--file", "path", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
+              help="The job spec (YAML); see services/job-orchestrator/examples/.")
+@click.option("--name", default=None, help="Job name instead of the spec's `name`.")
+@pass_session
+def submit(session: _Session, path: Path, name: str | None) -> None:
+    """Submit the job of a YAML spec."""
+    spec = load_spec(path.read_text())
+    if name:
+        spec.name = name
+    with session.client() as client:
+        submitted = client.submit(spec)
+    console.print(f"submitted {submitted.status.job_id} ({_state(submitted.status.state)})")
+
+
+@job.command("get")
+@click.argument("job_id")
+@pass_session
+def get(session: _Session, job_id: str) -> None:
+    """Show a job's spec and status (JSON)."""
+    with session.client() as client:
+        shown = client.get(job_id)
+    click.echo(json.dumps(MessageToDict(shown), indent=2))
+
+
+@job.command("ls")
+@click.option("--state", type=click.Choice(_STATES), default=None, help="Only jobs in this state.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@pass_session
+def ls(session: _Session, state: str | None, as_json: bool) -> None:
+    """List jobs in submission order."""
+    with session.client() as client:
+        jobs = client.list(state=pb.JobState.Value(f"JOB_STATE_{state.upper()}") if state else 0)
+    if as_json:
+        click.echo(json.dumps([MessageToDict(j) for j in jobs], indent=2))
+        return
+    table = Table("job", "class", "state", "attempt", "retries", "preemptions", "submitted", "cause")
+    for item in jobs:
+        status = item.status
+        table.add_row(status.job_id, pb.JobClass.Name(item.spec.job_class).removeprefix("JOB_CLASS_"),
+                      _state(status.state), str(status.attempt), str(status.retries), str(status.preemptions),
+                      _time(status, "submit_time"), status.cause or "-")
+    console.print(table)
+
+
+@job.command("logs")
+@click.argument("job_id")
+@click.option("--role", default="", help="chief, worker, ps or evaluator (default: the chief, else worker).")
+@click.option("--index", default=0, show_default=True, help="Replica index.")
+@click.option("--attempt", type=int, default=None, help="Run number (default: the latest).")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing until the job ends.")
+@pass_session
+def logs(session: _Session, job_id: str, role: str, index: int, attempt: int | None, follow: bool) -> None:
+    """Print what a task of a job wrote to stdout and stderr."""
+    with session.client() as client:
+        shown = None
+        for chunk in client.logs(job_id, role=role, index=index, attempt=attempt, follow=follow):
+            if follow and chunk.attempt != shown:
+                click.echo(f"--- attempt {chunk.attempt} ---", err=True)
+                shown = chunk.attempt
+            sys.stdout.write(chunk.data.decode("utf-8", errors="replace"))
+            sys.stdout.flush()
+
+
+@job.command("cancel")
+@click.argument("job_id")
+@pass_session
+def cancel(session: _Session, job_id: str) -> None:
+    """Cancel a job: drop it from the queue or stop its run."""
+    with session.client() as client:
+        done = client.cancel(job_id)
+    console.print(f"{done.status.job_id} {_state(done.status.state)}")
+
+
+@job.command("preempt")
+@click.argument("job_id")
+@pass_session
+def preempt(session: _Session, job_id: str) -> None:
+    """Stop a running job and queue it to resume from its checkpoint (admin role)."""
+    with session.client() as client:
+        done = client.preempt(job_id)
+    console.print(f"{done.status.job_id} {_state(done.status.state)}: {done.status.cause}")
+
+
+@job.command("watch")
+@click.argument("job_id", required=False, default="")
+@pass_session
+def watch(session: _Session, job_id: str) -> None:
+    """Print state changes as they happen: of one job until it ends, or of every job until Ctrl-C."""
+    with session.client() as client:
+        for change in client.watch(job_id):
+            status = change.status
+            kind = pb.ChangeKind.Name(change.kind).removeprefix("CHANGE_KIND_").lower()
+            kind = "now" if kind == "unspecified" else kind
+            click.echo(f"{_time(status, 'update_time')}  {status.job_id}  {kind:<10} {_state(status.state):<10} "
+                       f"attempt {status.attempt}  {change.message or status.cause}".rstrip())

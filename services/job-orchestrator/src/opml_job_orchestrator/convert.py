@@ -1,0 +1,80 @@
+"""Conversions between the orchestrator's dataclasses and the opml.jobs.v1 messages (no logic here).
+
+Specs are converted in :mod:`opml_job_orchestrator.spec`, which also validates them.
+"""
+
+from __future__ import annotations
+
+import math
+
+from google.protobuf.message import Message
+from google.protobuf.timestamp_pb2 import Timestamp
+from opml.jobs.v1 import events_pb2
+from opml.jobs.v1 import jobs_pb2 as pb
+
+from opml_job_orchestrator.orchestrator import EventKind, JobDefinition, JobState, JobStatus, LifecycleEvent, SavedJob
+from opml_job_orchestrator.spec import definition_from_proto, definition_to_proto
+
+STATES = {state: pb.JobState.Value(f"JOB_STATE_{state.name}") for state in JobState}
+STATES_FROM_PROTO = {value: state for state, value in STATES.items()}
+KINDS = {kind: pb.ChangeKind.Value(f"CHANGE_KIND_{kind.name}") for kind in EventKind}
+EVENT_MESSAGES: dict[EventKind, type[Message]] = {
+    kind: getattr(events_pb2, f"Job{kind.name.capitalize()}") for kind in EventKind}
+"""The CloudEvent data message of each lifecycle event (``opml.jobs.v1.JobSucceeded``...)."""
+
+
+def job_name(job_id: str) -> str:
+    return f"jobs/{job_id}"
+
+
+def _timestamp(seconds: float | None) -> Timestamp | None:
+    if seconds is None:
+        return None
+    whole = math.floor(seconds)
+    return Timestamp(seconds=whole, nanos=min(999_999_999, round((seconds - whole) * 1e9)))
+
+
+def _seconds(stamp: Timestamp, present: bool) -> float | None:
+    return stamp.seconds + stamp.nanos / 1e9 if present else None
+
+
+def status_to_proto(status: JobStatus) -> pb.JobStatus:
+    message = pb.JobStatus(
+        job_id=status.job_id, state=STATES[status.state], attempt=status.attempt, retries=status.retries,
+        preemptions=status.preemptions, cause=status.cause or "", submit_time=_timestamp(status.submitted_at),
+        start_time=_timestamp(status.started_at), update_time=_timestamp(status.updated_at),
+        end_time=_timestamp(status.ended_at))
+    if status.checkpoint_step is not None:
+        message.checkpoint_step = status.checkpoint_step
+    return message
+
+
+def status_from_proto(message: pb.JobStatus) -> JobStatus:
+    return JobStatus(
+        job_id=message.job_id, state=STATES_FROM_PROTO[message.state], attempt=message.attempt,
+        retries=message.retries, preemptions=message.preemptions, cause=message.cause or None,
+        submitted_at=_seconds(message.submit_time, True), started_at=_seconds(message.start_time,
+                                                                             message.HasField("start_time")),
+        updated_at=_seconds(message.update_time, True),
+        ended_at=_seconds(message.end_time, message.HasField("end_time")),
+        checkpoint_step=message.checkpoint_step if message.HasField("checkpoint_step") else None)
+
+
+def job_to_proto(definition: JobDefinition, status: JobStatus) -> pb.Job:
+    return pb.Job(name=job_name(status.job_id), spec=definition_to_proto(definition), status=status_to_proto(status))
+
+
+def saved_job_from_proto(message: pb.Job) -> SavedJob:
+    return SavedJob(definition_from_proto(message.spec), status_from_proto(message.status))
+
+
+def change_to_proto(event: LifecycleEvent, status: JobStatus) -> pb.JobChange:
+    return pb.JobChange(kind=KINDS[event.kind], status=status_to_proto(status), message=event.message)
+
+
+def event_to_proto(event: LifecycleEvent, status: JobStatus, definition: JobDefinition) -> Message:
+    """The CloudEvent data of one lifecycle event; ``JobSubmitted`` also carries the spec."""
+    message = EVENT_MESSAGES[event.kind](status=status_to_proto(status), message=event.message)
+    if event.kind is EventKind.SUBMITTED:
+        message.spec.CopyFrom(definition_to_proto(definition))
+    return message

@@ -1,0 +1,153 @@
+"""The JobService gRPC servicer: parses requests, calls the orchestrator, converts the answers.
+
+It holds no scheduling logic: that is the :class:`~opml_job_orchestrator.orchestrator.Orchestrator`'s,
+which imports no grpc. Domain errors become status codes in the shared ObservabilityInterceptor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from opml.jobs.v1 import jobs_pb2 as pb
+from opml.jobs.v1 import jobs_pb2_grpc
+
+from opml_common.errors import InvalidArgument, NotFound, Unavailable
+from opml_common.pagination import paginate
+from opml_job_orchestrator.convert import STATES_FROM_PROTO, job_to_proto, status_to_proto
+from opml_job_orchestrator.executor.base import Executor
+from opml_job_orchestrator.orchestrator import TERMINAL_STATES, JobStatus, Orchestrator
+from opml_job_orchestrator.spec import definition_from_proto
+from opml_job_orchestrator.watch import WatchHub
+
+# Roles per method; every other method (SubmitJob, CancelJob) needs the writer role.
+METHOD_ROLES = {"GetJob": "reader", "ListJobs": "reader", "ReadJobLogs": "reader", "WatchJobs": "reader",
+                "PreemptJob": "admin"}
+
+_JOB_NAME = re.compile(r"^jobs/([^/]+)$")
+_LOG_CHUNK_CHARS = 256 * 1024
+
+
+def parse_job_name(field: str, name: str) -> str:
+    match = _JOB_NAME.match(name)
+    if not match:
+        raise InvalidArgument(field, f"must look like jobs/{{job}}, but got {name!r}")
+    return match.group(1)
+
+
+class JobServicer(jobs_pb2_grpc.JobServiceServicer):
+    """``durable`` returns once every change so far is saved (``JobStore.flushed``): requests that
+    change a job await it, up to ``durable_timeout_s``, before they answer."""
+
+    def __init__(self, orchestrator: Orchestrator, executor: Executor, watch: WatchHub, *,
+                 durable: Callable[[], Awaitable[None]], durable_timeout_s: float = 10.0,
+                 log_poll_s: float = 0.2) -> None:
+        self._orchestrator = orchestrator
+        self._executor = executor
+        self._watch = watch
+        self._durable = durable
+        self._durable_timeout_s = durable_timeout_s
+        self._log_poll_s = log_poll_s
+
+    async def SubmitJob(self, request: pb.SubmitJobRequest, context) -> pb.Job:
+        if not request.HasField("spec"):
+            raise InvalidArgument("spec", "is required")
+        definition = definition_from_proto(request.spec)
+        job_id = self._orchestrator.submit(definition.spec, definition.program, max_retries=definition.max_retries)
+        status = self._orchestrator.get(job_id)  # the answer is the job as queued
+        await self._saved(job_id, "submitted")
+        return self._job(job_id, status)
+
+    async def GetJob(self, request: pb.GetJobRequest, context) -> pb.Job:
+        return self._job(parse_job_name("name", request.name))
+
+    async def ListJobs(self, request: pb.ListJobsRequest, context) -> pb.ListJobsResponse:
+        if request.state not in STATES_FROM_PROTO and request.state != pb.JOB_STATE_UNSPECIFIED:
+            raise InvalidArgument("state", f"must be a JobState, but got {request.state}")
+        statuses = self._orchestrator.list()
+        if request.state != pb.JOB_STATE_UNSPECIFIED:
+            statuses = [s for s in statuses if s.state is STATES_FROM_PROTO[request.state]]
+        page, token = paginate(statuses, request.page_size, request.page_token, query=str(request.state))
+        return pb.ListJobsResponse(jobs=[self._job(s.job_id, s) for s in page], next_page_token=token)
+
+    async def CancelJob(self, request: pb.CancelJobRequest, context) -> pb.Job:
+        status = await self._orchestrator.cancel(parse_job_name("name", request.name))
+        await self._saved(status.job_id, "cancelled")
+        return self._job(status.job_id, status)
+
+    async def PreemptJob(self, request: pb.PreemptJobRequest, context) -> pb.Job:
+        status = await self._orchestrator.preempt(parse_job_name("name", request.name))
+        await self._saved(status.job_id, "preempted")
+        return self._job(status.job_id, status)
+
+    async def ReadJobLogs(self, request: pb.ReadJobLogsRequest, context) -> AsyncIterator[pb.LogChunk]:
+        job_id = parse_job_name("name", request.name)
+        roles = self._orchestrator.definition(job_id).spec.roles
+        role = request.role or ("chief" if "chief" in roles else next(iter(roles)))
+        if role not in roles:
+            raise InvalidArgument("role", f"job {job_id!r} has roles {list(roles)}, not {role!r}")
+        if not 0 <= request.index < roles[role].replicas:
+            raise InvalidArgument("index", f"must be in [0, {roles[role].replicas}) for role {role!r}, "
+                                           f"but got {request.index}")
+        pinned = request.attempt if request.HasField("attempt") else None
+        if pinned is not None and pinned < 0:
+            raise InvalidArgument("attempt", f"must be >= 0, but got {pinned}")
+        attempt, sent = pinned, 0
+        while True:
+            status = self._orchestrator.get(job_id)
+            if attempt is None or (pinned is None and status.attempt > attempt):
+                if attempt is not None and attempt >= 0:  # a later run started: the rest of this one first
+                    async for chunk in self._log_tail(job_id, role, request.index, attempt, sent, missing_ok=True):
+                        yield chunk
+                attempt, sent = status.attempt, 0
+            ended = status.state in TERMINAL_STATES or (pinned is not None and status.attempt > pinned)
+            if attempt >= 0:
+                async for chunk in self._log_tail(job_id, role, request.index, attempt, sent,
+                                                  missing_ok=request.follow):
+                    sent += len(chunk.data.decode("utf-8"))
+                    yield chunk
+            if not request.follow or ended:
+                return
+            await asyncio.sleep(self._log_poll_s)
+
+    async def WatchJobs(self, request: pb.WatchJobsRequest, context) -> AsyncIterator[pb.JobChange]:
+        job_id = parse_job_name("name", request.name) if request.name else None
+        with self._watch.subscribe(job_id) as watcher:  # where things stand now, then each change
+            if job_id is not None:
+                status = self._orchestrator.get(job_id)
+                yield pb.JobChange(status=status_to_proto(status))
+                if status.state in TERMINAL_STATES:
+                    return
+            else:
+                for status in self._orchestrator.list():
+                    yield pb.JobChange(status=status_to_proto(status))
+            while True:
+                change = await watcher.next()
+                yield change
+                if job_id is not None and STATES_FROM_PROTO[change.status.state] in TERMINAL_STATES:
+                    return
+
+    async def _log_tail(self, job_id: str, role: str, index: int, attempt: int, offset: int, *,
+                        missing_ok: bool) -> AsyncIterator[pb.LogChunk]:
+        """What the task of run ``attempt`` wrote after the first ``offset`` characters; with
+        ``missing_ok``, nothing when the run has not started the task (yet)."""
+        try:
+            text = await self._executor.logs(job_id, role, index, attempt=attempt)
+        except NotFound:
+            if missing_ok:
+                return
+            raise
+        for start in range(offset, len(text), _LOG_CHUNK_CHARS):
+            yield pb.LogChunk(attempt=attempt, data=text[start:start + _LOG_CHUNK_CHARS].encode("utf-8"))
+
+    async def _saved(self, job_id: str, done: str) -> None:
+        try:
+            await asyncio.wait_for(self._durable(), self._durable_timeout_s)
+        except TimeoutError:
+            raise Unavailable(f"job {job_id!r} was {done}, but its state could not be saved to Redis within "
+                              f"{self._durable_timeout_s:g} s; it is saved once Redis answers (check with get)"
+                              ) from None
+
+    def _job(self, job_id: str, status: JobStatus | None = None) -> pb.Job:
+        return job_to_proto(self._orchestrator.definition(job_id), status or self._orchestrator.get(job_id))

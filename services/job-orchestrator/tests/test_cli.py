@@ -1,0 +1,64 @@
+"""`opml job` against a running service: TonY's client verbs as a user types them."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from opml_common.cli import main
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.fixture
+def opml(job_service, tokens, monkeypatch: pytest.MonkeyPatch):
+    """Runs `opml ...` in-process against the test service; fails the test on an unexpected exit code."""
+    monkeypatch.setenv("OPML_JOB_ORCHESTRATOR_TARGET", job_service.target)
+
+    def run(*args: str, token: str = "writer", expect_exit: int = 0) -> str:
+        result = CliRunner().invoke(main, list(args), env={"OPML_TOKEN": tokens[token], "COLUMNS": "200"},
+                                    catch_exceptions=False)
+        assert result.exit_code == expect_exit, result.output
+        return result.output
+    return run
+
+
+def test_job_workflow(opml, tmp_path: Path) -> None:
+    hello = (EXAMPLES / "hello.yaml").read_text().replace("python3", sys.executable)
+    (tmp_path / "hello.yaml").write_text(hello)
+    assert "submitted hello (pending)" in opml("job", "submit", "-f", str(tmp_path / "hello.yaml"))
+    watched = opml("job", "watch", "hello")  # until the job ends
+    assert "succeeded" in watched.splitlines()[-1]
+    assert opml("job", "logs", "hello") == "hello from worker 0\n"
+    shown = json.loads(opml("job", "get", "hello"))
+    assert shown["status"]["state"] == "JOB_STATE_SUCCEEDED" and shown["spec"]["jobClass"] == "JOB_CLASS_TE"
+    assert "hello" in opml("job", "ls", "--state", "succeeded")
+    assert json.loads(opml("job", "ls", "--state", "failed", "--json")) == []
+
+    sleeper = tmp_path / "sleeper.yaml"
+    sleeper.write_text(json.dumps({"name": "sleeper", "class": "BE", "command": [sys.executable, "-c",
+                                   "import time; print('up', flush=True); time.sleep(60)"],
+                                   "roles": {"worker": {"resources": {"cpu": 1}}}}))
+    opml("job", "submit", "-f", str(sleeper))
+    deadline = time.monotonic() + 20
+    while "up" not in opml("job", "logs", "sleeper") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    denied = opml("job", "preempt", "sleeper", expect_exit=1)
+    assert "PERMISSION_DENIED" in denied and "admin" in denied
+    assert "cancelled" in opml("job", "cancel", "sleeper")
+    assert "up\n" in opml("job", "logs", "sleeper", "--follow")  # it ended: the stream ends too
+    assert "NOT_FOUND" in opml("job", "get", "ghost", expect_exit=1)
+
+
+def test_bad_spec_is_reported_with_its_field_path(opml, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\nclass: TE\ncommand: [/bin/true]\nroles:\n  worker:\n    resources: {gpu: 4}\n")
+    out = opml("job", "submit", "-f", str(bad), expect_exit=1)
+    assert "INVALID_ARGUMENT: roles.worker.resources.gpu" in out and "largest node has 1" in out
+    bad.write_text("name: bad\nclass: TE\ncommand: [/bin/true]\nroles:\n  worker:\n    resources: {cpu: lots}\n")
+    assert "INVALID_ARGUMENT: roles.worker.resources.cpu" in opml("job", "submit", "-f", str(bad), expect_exit=1)
