@@ -43,7 +43,7 @@ test: install
 	$(PY) -m pytest
 
 bench: install
-	for b in bench/*.py; do $(PY) $$b || exit 1; done
+	for b in bench/[!_]*.py; do $(PY) $$b || exit 1; done
 
 clean:
 	rm -rf $(VENV) protos/python/opml protos/python/.generated .opml
