@@ -42,6 +42,9 @@ def render() -> str:
              "## Shared by every service", "", *_table(PlatformSettings)]
     for spec in installed_services():
         lines += ["", f"## {spec.name}", "", *_table(spec.settings)]
+        for other in spec.other_settings:
+            lines += ["", f"### {spec.name}: {other.__name__}", "", *(other.__doc__ or "").strip().splitlines()[:1],
+                      "", *_table(other)]
     return "\n".join(lines) + "\n"
 
 

@@ -53,6 +53,9 @@ class ServiceSpec:
     name: str
     module: str
     settings: type  # the service's ServiceSettings subclass (gives its ports)
+    # Settings of the service's other processes (a tracer inside user jobs, a worker), documented
+    # beside the service's own in docs/configuration.md.
+    other_settings: tuple[type, ...] = ()
 
 
 @dataclass

@@ -1,0 +1,270 @@
+"""Cost of the trace-collector's injected tracer on a real Keras training loop.
+
+1. Always-on overhead: the same Keras CNN training run untraced and traced (``python -m
+   opml_trace_collector.inject.run``, events published to a real broker), runs interleaved in
+   alternating order (ABBA...) so machine drift hits both arms; per-step time = median epoch time
+   / steps; overhead per pair = traced / untraced - 1, reported with its spread.
+   On a shared, loaded machine process-to-process noise swamps a 1% effect, so the same comparison
+   is also made inside one traced process: epochs alternate (ABBA) between the tracer's patches in
+   place and the original functions put back; overhead per adjacent epoch pair, with its spread
+   (the tracer's background thread runs in both arms there, so process A/B is the complete cost).
+2. The hot path alone: Recorder.begin/end per step in nanoseconds, as a share of the step time
+   (a noise-free lower bound of (1)).
+3. On-demand capture: a traced run where a capture of N steps is armed through Redis; the median
+   time of a captured step against the run's other steps (the tracer's own StepRecords), the extra
+   time of the epoch holding the capture (profiler start/stop included), the trace size, and the
+   time from the last captured step to the CaptureCompleted announcement (conversion + gzip + S3
+   upload, off the job's thread).
+
+Starts its own broker/S3/Redis (opml_common.devinfra). Usage:
+    .venv/bin/python bench/trace_collector_overhead.py [--pairs 3] [--steps 20] [--epochs 3]
+        [--interleave 60] [--interleave-steps 5] [--capture-steps 10] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+from aiokafka import AIOKafkaConsumer
+
+from opml.traces.v1 import events_pb2 as pb
+from opml_common.bus import CloudEvent, ensure_topics
+from opml_common.config import PlatformSettings
+from opml_common.devinfra import DevInfra
+from opml_common.topics import TRACES
+
+HERE = Path(__file__).resolve()
+
+
+def workload(steps: int, epochs: int, batch_size: int, pause_s: float, interleave: int = 0,
+             interleave_steps: int = 5) -> None:
+    """The measured job: a small CNN on synthetic 28x28 images; prints one JSON line of epoch times."""
+    import numpy as np
+    import tensorflow as tf
+
+    class EpochTimer(tf.keras.callbacks.Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.times: list[float] = []
+
+        def on_epoch_begin(self, epoch, logs=None):  # noqa: ANN001
+            self._t = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):  # noqa: ANN001
+            self.times.append(time.perf_counter() - self._t)
+
+    rng = np.random.default_rng(0)
+    x = rng.random((steps * batch_size, 28, 28, 1), dtype=np.float32)
+    y = rng.integers(0, 10, size=(steps * batch_size,))
+    model = tf.keras.Sequential([
+        tf.keras.Input((28, 28, 1)),
+        tf.keras.layers.Conv2D(16, 3, activation="relu"),
+        tf.keras.layers.MaxPooling2D(),
+        tf.keras.layers.Conv2D(32, 3, activation="relu"),
+        tf.keras.layers.MaxPooling2D(),
+        tf.keras.layers.Flatten(),
+        tf.keras.layers.Dense(64, activation="relu"),
+        tf.keras.layers.Dense(10),
+    ])
+    model.compile("adam", tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)  # warm-up: tracing, allocation
+    print("warm", flush=True)
+    if interleave:
+        n = interleave_steps * batch_size
+        print(json.dumps(interleaved_epochs(model, x[:n], y[:n], batch_size, interleave, EpochTimer)), flush=True)
+        return
+    time.sleep(pause_s)
+    timer = EpochTimer()
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, callbacks=[timer])
+    print(json.dumps({"epoch_s": timer.times}), flush=True)
+
+
+def interleaved_epochs(model, x, y, batch_size: int, pairs: int, timer_class) -> dict:  # noqa: ANN001
+    """In a traced process: epochs alternately with the tracer's patches in place and with the original
+    functions put back (ABBA order), so both arms see the same process and the same machine load."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    from tensorflow.python.eager.polymorphic_function.polymorphic_function import Function
+
+    from opml_trace_collector.inject import tracer
+    assert tracer._tracer is not None, "run the interleaved workload under the tracer"
+    swaps = [(Function, "__call__"), (TensorFlowTrainer, "fit"), (TensorFlowTrainer, "make_train_function")]
+    patched = {key: key[0].__dict__[key[1]] for key in swaps}
+    traced_fn = model.train_function
+    times: dict[str, list[float]] = {"traced": [], "untraced": []}
+    for index in range(2 * pairs):
+        on = index % 4 in (1, 2)  # ABBA: off, on, on, off, ...
+        for (cls, attr), wrapper in patched.items():
+            setattr(cls, attr, wrapper if on else wrapper.__wrapped__)
+        model.train_function = traced_fn if on else traced_fn.__wrapped__
+        timer = timer_class()
+        model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0, callbacks=[timer])
+        times["traced" if on else "untraced"].append(timer.times[0])
+    for (cls, attr), wrapper in patched.items():
+        setattr(cls, attr, wrapper)
+    model.train_function = traced_fn
+    return {"interleaved_epoch_s": times}
+
+
+def run_once(traced: bool, args: argparse.Namespace, env: dict[str, str], workdir: Path, *,
+             pause_s: float = 0.0, on_warm=None, interleave: int = 0, job: str = "bench") -> dict:  # noqa: ANN001
+    cmd = [sys.executable, str(HERE), "--workload", "--steps", str(args.steps), "--epochs", str(args.epochs),
+           "--batch-size", str(args.batch_size), "--pause", str(pause_s), "--interleave", str(interleave),
+           "--interleave-steps", str(args.interleave_steps)]
+    if traced:
+        cmd = [sys.executable, "-m", "opml_trace_collector.inject.run", "--job", job, "--", *cmd]
+    process = subprocess.Popen(cmd, env=env, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    result = None
+    for line in process.stdout:
+        if line.startswith("warm") and on_warm:
+            on_warm()
+        elif line.startswith("{"):
+            result = json.loads(line)
+    if process.wait() != 0 or result is None:
+        raise RuntimeError(f"workload failed ({process.returncode}): {' '.join(cmd)}")
+    return result
+
+
+def hot_path_ns(iterations: int = 200_000) -> float:
+    from opml_trace_collector.inject.recorder import TRAIN, Recorder
+    recorder = Recorder()
+    started = time.perf_counter()
+    for _ in range(iterations):
+        recorder.end(recorder.begin(), TRAIN, "keras.fit", 64)
+        if len(recorder.steps) > 10_000:
+            recorder.drain()
+    return (time.perf_counter() - started) / iterations * 1e9
+
+
+def spread(values: list[float]) -> dict:
+    quartiles = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    return {"mean": statistics.mean(values), "median": statistics.median(values), "p25": quartiles[0],
+            "p75": quartiles[2], "min": min(values), "max": max(values),
+            "stdev": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "mean_ci95": 1.96 * statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0}
+
+
+def bench(args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory(prefix="opml-bench-trace-") as tmp, DevInfra(Path(tmp) / "infra") as infra:
+        prefix = f"bench{os.getpid()}-"
+        env = {**os.environ, **infra.env(), "OPML_TOPIC_PREFIX": prefix, "OPML_REDIS_PREFIX": f"opml-bench:{prefix}",
+               "OPML_TRACE_SPOOL_DIR": f"{tmp}/spool", "OPML_TRACE_SESSION_DIR": f"{tmp}/sessions",
+               "OPML_TRACE_POLL_S": "0.2", "OPML_TRACE_BUCKET": f"{prefix}traces", "TF_CPP_MIN_LOG_LEVEL": "2"}
+        platform = PlatformSettings(**{k[5:].lower(): v for k, v in env.items()
+                                       if k in ("OPML_KAFKA_BOOTSTRAP", "OPML_TOPIC_PREFIX")})
+        asyncio.run(ensure_topics(platform, [TRACES]))
+        per_step: dict[str, list[float]] = {"untraced": [], "traced": []}
+        overheads = []
+        for pair in range(args.pairs):
+            order = (False, True) if pair % 2 == 0 else (True, False)
+            pair_result = {}
+            for traced in order:
+                epochs = run_once(traced, args, env, Path(tmp))["epoch_s"]
+                pair_result[traced] = statistics.median(epochs) / args.steps
+                per_step["traced" if traced else "untraced"].append(pair_result[traced])
+            overheads.append(100 * (pair_result[True] / pair_result[False] - 1))
+            print(f"pair {pair}: untraced {pair_result[False] * 1e3:.3f} ms/step, traced "
+                  f"{pair_result[True] * 1e3:.3f} ms/step, overhead {overheads[-1]:+.2f}%", flush=True)
+
+        inproc = run_once(True, args, env, Path(tmp), interleave=args.interleave)["interleaved_epoch_s"]
+        pair_pct = [100 * (t / u - 1) for t, u in zip(inproc["traced"], inproc["untraced"], strict=True)]
+        print(f"in-process interleaved: {len(pair_pct)} epoch pairs, overhead median {statistics.median(pair_pct):+.2f}%",
+              flush=True)
+
+        client = redis.Redis.from_url(env["OPML_REDIS_URL"])
+        key = f"{env['OPML_REDIS_PREFIX']}traces:capture:bench-capture"
+        arm = lambda: client.set(key, json.dumps({"capture_id": "bench", "steps": args.capture_steps}))  # noqa: E731
+        capture_epochs = run_once(True, args, env, Path(tmp), pause_s=1.0, on_warm=arm, job="bench-capture")["epoch_s"]
+        client.delete(key)
+        events = asyncio.run(job_events(platform, "bench-capture"))
+        completed = [(e, m) for e, m in events if isinstance(m, pb.CaptureCompleted)]
+        capture = {"steps": args.capture_steps, "epoch_s": capture_epochs}
+        if completed:
+            event, done = completed[0]
+            steps = {s.step: s for _, m in events if isinstance(m, pb.StepMetricsBatch) for s in m.steps
+                     if s.kind == pb.STEP_KIND_TRAIN}
+            last = steps[done.first_step + done.steps - 1]
+            last_end = last.start_time.ToNanoseconds() / 1e9 + last.duration_s
+            captured = range(done.first_step, done.first_step + done.steps)
+            inside = [s.duration_s for n, s in steps.items() if n in captured]
+            outside = [s.duration_s for n, s in steps.items() if n not in captured and n >= args.steps]
+            capture.update(captured_step_ms_median=1e3 * statistics.median(inside),
+                           other_step_ms_median=1e3 * statistics.median(outside))
+            capture.update(size_bytes=done.size_bytes, event_count=done.event_count,
+                           extra_epoch_ms=1e3 * (capture_epochs[0] - statistics.median(capture_epochs[1:])),
+                           announce_after_last_step_s=event.time.timestamp() - last_end)
+        else:
+            capture["error"] = [m.reason for _, m in events if isinstance(m, pb.CaptureFailed)]
+        untraced_step = statistics.median(per_step["untraced"])
+        hot = hot_path_ns()
+        return {
+            "workload": {"model": "CNN conv16-conv32-dense64 on 28x28x1", "batch_size": args.batch_size,
+                         "steps_per_epoch": args.steps, "timed_epochs": args.epochs, "pairs": args.pairs},
+            "per_step_s": {arm_name: spread(v) for arm_name, v in per_step.items()},
+            "process_ab": {"overhead_pct": spread(overheads), "overhead_pct_per_pair": overheads},
+            "in_process_interleaved": {
+                "epoch_pairs": len(pair_pct), "steps_per_epoch": args.interleave_steps,
+                "per_step_s": {k: spread([t / args.interleave_steps for t in v])
+                                                             for k, v in inproc.items()},
+                "overhead_pct": spread(pair_pct), "overhead_pct_per_pair": pair_pct},
+            "hot_path_ns_per_step": hot, "hot_path_pct_of_step": 100 * hot * 1e-9 / untraced_step,
+            "capture": capture,
+        }
+
+
+async def job_events(settings: PlatformSettings, job: str, timeout_s: float = 60) -> list[tuple]:
+    """(CloudEvent, message) of ``job`` from the traces topic, read until its TracerStopped."""
+    consumer = AIOKafkaConsumer(TRACES.full_name(settings.topic_prefix), bootstrap_servers=settings.kafka_bootstrap,
+                                group_id=None, auto_offset_reset="earliest", enable_auto_commit=False)
+    await consumer.start()
+    events: list[tuple] = []
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not any(isinstance(m, pb.TracerStopped) for _, m in events) and time.monotonic() < deadline:
+            for part in (await consumer.getmany(timeout_ms=300)).values():
+                for record in part:
+                    event = CloudEvent.from_kafka(record.headers, record.value)
+                    message = event.parse(getattr(pb, event.type.rsplit(".", 1)[1]))
+                    if message.job == job:
+                        events.append((event, message))
+    finally:
+        await consumer.stop()
+    return events
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=3, help="process pairs (untraced/traced runs)")
+    parser.add_argument("--steps", type=int, default=20, help="batches per epoch")
+    parser.add_argument("--epochs", type=int, default=3, help="timed epochs per run (after one warm-up epoch)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--capture-steps", type=int, default=10)
+    parser.add_argument("--interleave", type=int, default=60,
+                        help="epoch pairs of the in-process interleaved comparison")
+    parser.add_argument("--interleave-steps", type=int, default=5, help="steps per interleaved epoch")
+    parser.add_argument("--pause", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+    if args.workload:
+        workload(args.steps, args.epochs, args.batch_size, args.pause, args.interleave, args.interleave_steps)
+        return
+    results = bench(args)
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

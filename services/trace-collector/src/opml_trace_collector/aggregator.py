@@ -1,0 +1,106 @@
+"""The consumer of opml.traces.v1: each tracer event becomes Redis state and Prometheus metrics.
+
+Events come at least once, late and out of order. The EventConsumer skips event ids it has seen;
+beyond that every effect is idempotent by itself: batches count once per (session, sequence)
+(:meth:`TraceStore.apply_batch`), run facts are plain overwrites, capture answers are recorded
+once per worker. An event whose data does not parse, or that names no job, worker or session,
+raises :class:`MalformedEvent` and goes to the dead-letter topic.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from google.protobuf.message import Message
+from opml.traces.v1 import events_pb2
+
+from opml_common.bus import CloudEvent, MalformedEvent
+from opml_common.errors import InvalidArgument
+from opml_common.metrics import ServiceMetrics
+from opml_trace_collector.captures import CaptureManager
+from opml_trace_collector.store import TraceStore, check_name
+
+log = logging.getLogger(__name__)
+
+# Step-time buckets from 1 ms to 2 min: training steps, not RPC latencies.
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Aggregator:
+    """``handle`` is the EventConsumer handler.
+
+    Metrics: ``opml_trace_collector_step_seconds{job,worker}`` (histogram of step times),
+    ``opml_trace_collector_steps_total{job,worker}``, ``opml_trace_collector_examples_per_second{job,worker}``
+    (of each worker's newest batch; sum by job in Grafana), ``opml_trace_collector_tracer_events_total{type}``.
+    """
+
+    def __init__(self, store: TraceStore, captures: CaptureManager, metrics: ServiceMetrics) -> None:
+        self.store = store
+        self.captures = captures
+        self._step_seconds = metrics.histogram("step_seconds", "Step times of traced jobs, by job and worker.",
+                                               ("job", "worker"), buckets=STEP_BUCKETS)
+        self._steps = metrics.counter("steps_total", "Steps of traced jobs, by job and worker.", ("job", "worker"))
+        self._throughput = metrics.gauge("examples_per_second",
+                                         "Training throughput of each worker's newest batch, by job and worker.",
+                                         ("job", "worker"))
+        self._events = metrics.counter("tracer_events_total", "Tracer events applied, by type.", ("type",))
+        self._newest: dict[str, int] = {}  # session -> newest sequence seen by this process
+        self._handlers = {
+            events_pb2.TracerStarted.DESCRIPTOR.full_name: (events_pb2.TracerStarted, self._started),
+            events_pb2.StepMetricsBatch.DESCRIPTOR.full_name: (events_pb2.StepMetricsBatch, self._batch),
+            events_pb2.TracerStopped.DESCRIPTOR.full_name: (events_pb2.TracerStopped, self._stopped),
+            events_pb2.CaptureCompleted.DESCRIPTOR.full_name: (events_pb2.CaptureCompleted, self.captures.on_completed),
+            events_pb2.CaptureFailed.DESCRIPTOR.full_name: (events_pb2.CaptureFailed, self.captures.on_failed),
+        }
+
+    async def handle(self, event: CloudEvent) -> None:
+        entry = self._handlers.get(event.type)
+        if entry is None:
+            raise MalformedEvent(f"event {event.id}: type {event.type!r} is not an opml.traces.v1 event")
+        message_cls, handler = entry
+        message = event.parse(message_cls)
+        _check_identity(event, message)
+        if isinstance(message, (events_pb2.TracerStarted, events_pb2.TracerStopped)):
+            await handler(message, event.time.timestamp())
+        else:
+            await handler(message)
+        self._events.labels(type=message_cls.DESCRIPTOR.name).inc()
+
+    async def _started(self, message: events_pb2.TracerStarted, when: float) -> None:
+        await self.store.record_started(message, when)
+        log.info("run %s of %s/%s started (tf %s)", message.session_id, message.job, message.worker,
+                 message.tf_version)
+
+    async def _stopped(self, message: events_pb2.TracerStopped, when: float) -> None:
+        await self.store.record_stopped(message, when)
+        self._newest.pop(message.session_id, None)
+        self._throughput.labels(job=message.job, worker=message.worker).set(0)
+
+    async def _batch(self, batch: events_pb2.StepMetricsBatch) -> None:
+        effect = await self.store.apply_batch(batch)
+        if not effect.applied:
+            return
+        labels = {"job": batch.job, "worker": batch.worker}
+        histogram = self._step_seconds.labels(**labels)
+        for record in batch.steps:
+            histogram.observe(record.duration_s)
+        self._steps.labels(**labels).inc(effect.steps)
+        if batch.sequence >= self._newest.get(batch.session_id, -1):
+            self._newest[batch.session_id] = batch.sequence
+            seconds = sum(r.duration_s for r in batch.steps if r.examples)
+            if seconds > 0:
+                self._throughput.labels(**labels).set(sum(r.examples for r in batch.steps) / seconds)
+
+
+def _check_identity(event: CloudEvent, message: Message) -> None:
+    try:
+        check_name("job", message.job)
+        check_name("worker", message.worker)
+        session = getattr(message, "session_id", None)
+        if session is not None:
+            check_name("session_id", session)
+        capture = getattr(message, "capture_id", None)
+        if capture is not None:
+            check_name("capture_id", capture)
+    except InvalidArgument as exc:
+        raise MalformedEvent(f"event {event.id} ({event.type}): {exc.message}") from exc

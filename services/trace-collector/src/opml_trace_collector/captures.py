@@ -1,0 +1,322 @@
+"""On-demand captures: arming the tracers, following each worker's answer, expiring the silent.
+
+``arm`` writes the control key ``{redis_prefix}traces:capture:{job}`` = ``{"capture_id", "steps",
+"workers"}`` with a TTL of ``capture_timeout_s``; the tracers of the job poll it, trace the next
+``steps`` steps, upload ``s3://{bucket}/traces/{job}/{capture_id}/{worker}.trace.json.gz`` and only
+then publish CaptureCompleted (or CaptureFailed). The service keeps its own record of the capture:
+
+    PENDING --every targeted worker COMPLETED--> COMPLETED
+            --every worker answered, one FAILED--> FAILED
+            --capture_timeout_s passed, a worker silent--> EXPIRED
+
+A worker killed mid-capture never announces, so its capture expires: nothing half-written is ever
+reported as complete. One capture per job may be pending at a time. Records change in optimistic
+Redis transactions (WATCH), so the consumer, the expiry loop and the API never lose an update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+
+import redis.exceptions
+from opml.traces.v1 import events_pb2, traces_pb2 as pb
+
+from opml_common.bus import MalformedEvent
+from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound
+from opml_common.metrics import ServiceMetrics
+from opml_trace_collector.store import Keys, TraceStore, timestamp
+
+log = logging.getLogger(__name__)
+
+MAX_STEPS = 1000
+_WORKER_FIELD = "worker\t"
+_FINAL = (pb.CAPTURE_STATE_COMPLETED, pb.CAPTURE_STATE_FAILED, pb.CAPTURE_STATE_EXPIRED)
+_OUTCOME = {pb.CAPTURE_STATE_COMPLETED: "completed", pb.CAPTURE_STATE_FAILED: "failed",
+            pb.CAPTURE_STATE_EXPIRED: "expired"}
+
+
+def trace_prefix(bucket: str, job: str, capture_id: str) -> str:
+    """Where a capture's traces live: ``s3://{bucket}/traces/{job}/{capture_id}/``."""
+    return f"s3://{bucket}/traces/{job}/{capture_id}/"
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/key`` -> (bucket, key)."""
+    bucket, _, key = url.removeprefix("s3://").partition("/")
+    return bucket, key
+
+
+class _Record:
+    """A capture record as read from its Redis hash."""
+
+    def __init__(self, raw: dict[bytes, bytes]) -> None:
+        self.raw = raw
+        self.workers: dict[str, pb.WorkerCapture] = {
+            name.decode()[len(_WORKER_FIELD):]: pb.WorkerCapture.FromString(value)
+            for name, value in raw.items() if name.startswith(_WORKER_FIELD.encode())}
+
+    def __getitem__(self, name: str) -> str:
+        return self.raw[name.encode()].decode()
+
+    @property
+    def state(self) -> int:
+        return int(self["state"])
+
+    @property
+    def targets(self) -> list[str]:
+        return json.loads(self["targets"])
+
+    def to_proto(self) -> pb.Capture:
+        capture = pb.Capture(capture_id=self["capture_id"], job=self["job"], steps=int(self["steps"]),
+                             state=self.state, create_time=timestamp(float(self["created"])),
+                             expire_time=timestamp(float(self["expires"])), requested_by=self["requested_by"])
+        if b"ended" in self.raw:
+            capture.end_time.CopyFrom(timestamp(float(self["ended"])))
+        targets = self.targets
+        for worker in targets:
+            capture.workers.append(self.workers.get(worker) or pb.WorkerCapture(
+                worker=worker, state=pb.CAPTURE_STATE_EXPIRED if self.state == pb.CAPTURE_STATE_EXPIRED
+                else pb.CAPTURE_STATE_PENDING))
+        capture.workers.extend(self.workers[w] for w in sorted(self.workers) if w not in targets)
+        return capture
+
+
+class CaptureManager:
+    """Arms captures, records the tracers' answers and expires silent captures.
+
+    Metrics: ``opml_trace_collector_captures_total{outcome}`` (armed, completed, failed, expired).
+    """
+
+    def __init__(self, redis, keys: Keys, store: TraceStore, *, bucket: str, timeout_s: float,
+                 metrics: ServiceMetrics) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.store = store
+        self.bucket = bucket
+        self.timeout_s = timeout_s
+        self._captures = metrics.counter("captures_total", "Captures armed and how they ended, by outcome.",
+                                         ("outcome",))
+
+    # ---------------------------------------------------------------- the API side
+
+    async def arm(self, job: str, steps: int, workers: Sequence[str], requested_by: str) -> pb.Capture:
+        """Arm a capture of the next ``steps`` steps of ``job``'s running workers (or ``workers``).
+
+        Raises:
+            InvalidArgument: ``steps`` is not in [1, 1000].
+            NotFound: no tracer ever reported ``job``, or a named worker is not one of its workers.
+            FailedPrecondition: no targeted worker is running, or another capture of the job is pending.
+        """
+        if not 1 <= steps <= MAX_STEPS:
+            raise InvalidArgument("steps", f"must be in [1, {MAX_STEPS}], but got {steps}")
+        if not await self.store.job_exists(job):
+            raise NotFound(f"job {job!r} is unknown: no tracer has reported it")
+        runs = await self.store.runs(job)
+        running = {r.worker for r in runs if r.state == pb.RUN_STATE_RUNNING}
+        for worker in workers:
+            if worker not in {r.worker for r in runs}:
+                raise NotFound(f"worker {worker!r} of job {job!r} is unknown")
+            if worker not in running:
+                raise FailedPrecondition(f"worker {worker!r} of job {job!r} is not running: only a live job "
+                                         f"can be captured")
+        targets = sorted(set(workers) or running)
+        if not targets:
+            raise FailedPrecondition(f"job {job!r} has no running worker to capture")
+        capture_id = uuid.uuid4().hex[:16]
+        active_key = self.keys.job_active_capture(job)
+        while True:
+            active = await self.redis.get(active_key)
+            if active is not None:
+                current = await self._load(active.decode())
+                if current is not None and current.state == pb.CAPTURE_STATE_PENDING:
+                    if float(current["expires"]) > time.time():
+                        raise FailedPrecondition(
+                            f"capture {current['capture_id']} of job {job!r} is still pending; wait until it "
+                            f"completes or expires before requesting another")
+                    await self.expire(current["capture_id"])
+                    continue
+            now = time.time()
+            record = {"capture_id": capture_id, "job": job, "steps": steps, "state": pb.CAPTURE_STATE_PENDING,
+                      "created": repr(now), "expires": repr(now + self.timeout_s), "requested_by": requested_by,
+                      "targets": json.dumps(targets)}
+            control = json.dumps({"capture_id": capture_id, "steps": steps, "workers": sorted(set(workers))})
+            async with self.redis.pipeline(transaction=True) as pipe:
+                try:
+                    await pipe.watch(active_key)
+                    if await pipe.get(active_key) != active:
+                        continue
+                    pipe.multi()
+                    pipe.hset(self.keys.capture(capture_id), mapping=record)
+                    pipe.zadd(self.keys.job_captures(job), {capture_id: now})
+                    pipe.zadd(self.keys.pending_captures, {capture_id: now + self.timeout_s})
+                    pipe.set(active_key, capture_id)
+                    pipe.set(self.keys.capture_control(job), control, px=int(self.timeout_s * 1000))
+                    await pipe.execute()
+                except redis.exceptions.WatchError:
+                    continue
+            break
+        self._captures.labels(outcome="armed").inc()
+        log.info("capture %s of job %s armed: %d steps of %s", capture_id, job, steps, targets)
+        return await self.get(capture_id)
+
+    async def get(self, capture_id: str) -> pb.Capture:
+        """The capture (expired first when its time is up).
+
+        Raises:
+            NotFound: no such capture.
+        """
+        record = await self._load(capture_id)
+        if record is None:
+            raise NotFound(f"capture {capture_id!r} is unknown")
+        if record.state == pb.CAPTURE_STATE_PENDING and float(record["expires"]) <= time.time():
+            await self.expire(capture_id)
+            record = await self._load(capture_id)
+        return record.to_proto()
+
+    async def list(self, job: str) -> list[pb.Capture]:
+        """The job's captures, newest first."""
+        ids = [i.decode() for i in await self.redis.zrevrange(self.keys.job_captures(job), 0, -1)]
+        return [await self.get(capture_id) for capture_id in ids]
+
+    async def latest_with_traces(self, job: str) -> pb.Capture | None:
+        for capture in await self.list(job):
+            if any(w.state == pb.CAPTURE_STATE_COMPLETED for w in capture.workers):
+                return capture
+        return None
+
+    # ---------------------------------------------------------------- the tracers' answers
+
+    async def on_completed(self, event: events_pb2.CaptureCompleted) -> None:
+        """Record a worker's stored trace (idempotent).
+
+        Raises:
+            MalformedEvent: the trace URL is not under the capture's prefix in the service's bucket
+                (the service never serves objects from elsewhere).
+        """
+        prefix = trace_prefix(self.bucket, event.job, event.capture_id)
+        if not event.trace_url.startswith(prefix) or ".." in event.trace_url:
+            raise MalformedEvent(f"CaptureCompleted of capture {event.capture_id!r}: trace_url must be under "
+                                 f"{prefix}, but got {event.trace_url!r}")
+        await self._answer(event.job, event.capture_id, event.steps, pb.WorkerCapture(
+            worker=event.worker, state=pb.CAPTURE_STATE_COMPLETED, trace_url=event.trace_url,
+            first_step=event.first_step, steps=event.steps, size_bytes=event.size_bytes,
+            event_count=event.event_count))
+
+    async def on_failed(self, event: events_pb2.CaptureFailed) -> None:
+        await self._answer(event.job, event.capture_id, 0, pb.WorkerCapture(
+            worker=event.worker, state=pb.CAPTURE_STATE_FAILED, reason=event.reason))
+
+    async def _answer(self, job: str, capture_id: str, steps: int, answer: pb.WorkerCapture) -> None:
+        if not await self.redis.exists(self.keys.capture(capture_id)):
+            await self._adopt(job, capture_id, steps, answer.worker)
+
+        def mutate(record: _Record) -> tuple[dict, int | None] | None:
+            if record["job"] != job:
+                raise MalformedEvent(f"capture {capture_id!r} belongs to job {record['job']!r}, not {job!r}")
+            known = record.workers.get(answer.worker)
+            if known is not None and known.state in (pb.CAPTURE_STATE_COMPLETED, pb.CAPTURE_STATE_FAILED):
+                return None  # answered already: a repeat
+            workers = {**record.workers, answer.worker: answer}
+            resolved = None
+            if record.state == pb.CAPTURE_STATE_PENDING:
+                states = [workers[w].state if w in workers else pb.CAPTURE_STATE_PENDING for w in record.targets]
+                if pb.CAPTURE_STATE_PENDING not in states:
+                    resolved = (pb.CAPTURE_STATE_FAILED if pb.CAPTURE_STATE_FAILED in states
+                                else pb.CAPTURE_STATE_COMPLETED)
+            return {_WORKER_FIELD + answer.worker: answer.SerializeToString()}, resolved
+
+        await self._update(capture_id, mutate)
+
+    async def _adopt(self, job: str, capture_id: str, steps: int, worker: str) -> None:
+        """Record an answer for a capture this service has no record of (its Redis keys were lost)."""
+        log.warning("capture %s of job %s is unknown; recording %s's answer anyway", capture_id, job, worker)
+        now = time.time()
+        pipe = self.redis.pipeline(transaction=True)
+        key = self.keys.capture(capture_id)
+        for name, value in {"capture_id": capture_id, "job": job, "steps": steps, "state": pb.CAPTURE_STATE_PENDING,
+                            "created": repr(now), "expires": repr(now), "requested_by": "",
+                            "targets": json.dumps([worker])}.items():
+            pipe.hsetnx(key, name, value)
+        pipe.zadd(self.keys.job_captures(job), {capture_id: now}, nx=True)
+        await pipe.execute()
+
+    # ---------------------------------------------------------------- expiry
+
+    async def expire(self, capture_id: str) -> None:
+        """Expire a pending capture whose time is up (no-op otherwise)."""
+        def mutate(record: _Record) -> tuple[dict, int | None] | None:
+            if record.state != pb.CAPTURE_STATE_PENDING or float(record["expires"]) > time.time():
+                return None
+            return {}, pb.CAPTURE_STATE_EXPIRED
+
+        await self._update(capture_id, mutate)
+
+    async def expire_due(self) -> int:
+        """Expire every pending capture whose time is up; returns how many were looked at."""
+        due = await self.redis.zrangebyscore(self.keys.pending_captures, "-inf", time.time())
+        for capture_id in due:
+            await self.expire(capture_id.decode())
+        return len(due)
+
+    async def run_expiry(self, interval_s: float = 1.0) -> None:
+        """Expire due captures every ``interval_s`` until cancelled (Redis hiccups are logged, not fatal)."""
+        while True:
+            try:
+                await self.expire_due()
+            except redis.exceptions.RedisError as exc:
+                log.warning("capture expiry pass failed: %s", exc)
+            await asyncio.sleep(interval_s)
+
+    # ---------------------------------------------------------------- records
+
+    async def _load(self, capture_id: str) -> _Record | None:
+        raw = await self.redis.hgetall(self.keys.capture(capture_id))
+        return _Record(raw) if raw else None
+
+    async def _update(self, capture_id: str,
+                      mutate: Callable[[_Record], tuple[dict, int | None] | None]) -> None:
+        """Apply ``mutate``'s (fields, resolved state) to the record in a WATCH transaction; on a
+        resolution also release the job's active capture and control key if they still name it."""
+        key = self.keys.capture(capture_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(key)
+                    raw = await pipe.hgetall(key)
+                    if not raw:
+                        await pipe.unwatch()
+                        return
+                    record = _Record(raw)
+                    change = mutate(record)
+                    if change is None:
+                        await pipe.unwatch()
+                        return
+                    fields, resolved = change
+                    job = record["job"]
+                    control_key, active_key = self.keys.capture_control(job), self.keys.job_active_capture(job)
+                    if resolved is not None:
+                        await pipe.watch(control_key, active_key)
+                        control = await pipe.get(control_key)
+                        active = await pipe.get(active_key)
+                    pipe.multi()
+                    if resolved is not None:
+                        fields = {**fields, "state": resolved, "ended": repr(time.time())}
+                        pipe.zrem(self.keys.pending_captures, capture_id)
+                        if active == capture_id.encode():
+                            pipe.delete(active_key)
+                        if control is not None and json.loads(control).get("capture_id") == capture_id:
+                            pipe.delete(control_key)
+                    if fields:
+                        pipe.hset(key, mapping=fields)
+                    await pipe.execute()
+                    break
+                except redis.exceptions.WatchError:
+                    continue
+        if resolved is not None:
+            self._captures.labels(outcome=_OUTCOME[resolved]).inc()
+            log.info("capture %s of job %s %s", capture_id, job, _OUTCOME[resolved])

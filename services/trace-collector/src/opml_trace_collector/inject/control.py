@@ -1,0 +1,93 @@
+"""The service's control over a running tracer, through Redis, polled (no connection the job waits on).
+
+``{prefix}traces:enabled`` = "0" turns tracing off everywhere (absent or "1": on);
+``{prefix}traces:capture:{job}`` = ``{"capture_id", "steps", "workers"}`` arms a capture that each
+named worker (all when ``workers`` is empty) runs once per ``capture_id``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Callable
+
+import redis.asyncio as aioredis
+
+from opml_trace_collector.inject.capture import CaptureRequest
+
+
+def parse_capture(raw: bytes | str, worker: str) -> CaptureRequest | None:
+    """The request for ``worker`` in a capture key's value, None when it names other workers.
+
+    Raises:
+        ValueError: the value is not the JSON object the service writes (says which field).
+    """
+    try:
+        value = json.loads(raw)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"capture request is not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ValueError("capture request must be a JSON object")
+    capture_id, steps, workers = value.get("capture_id"), value.get("steps"), value.get("workers") or []
+    if not isinstance(capture_id, str) or not capture_id:
+        raise ValueError("capture request `capture_id` must be a non-empty string")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"capture request `steps` must be an integer >= 1, but got {steps!r}")
+    if not isinstance(workers, list):
+        raise ValueError("capture request `workers` must be a list of worker names")
+    if workers and worker not in workers:
+        return None
+    return CaptureRequest(capture_id, steps)
+
+
+class ControlPoller:
+    """Polls the two keys every ``poll_s``; calls back on a change. Redis down: keeps trying quietly."""
+
+    def __init__(self, redis_url: str, prefix: str, job: str, worker: str, poll_s: float, *,
+                 set_enabled: Callable[[bool], None], arm: Callable[[CaptureRequest], None],
+                 bad_request: Callable[[str | None, str], None], warn: Callable[[str, str], None]) -> None:
+        self._client = aioredis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+        self._keys = [f"{prefix}traces:enabled", f"{prefix}traces:capture:{job}"]
+        self._worker = worker
+        self._poll_s = poll_s
+        self._set_enabled, self._arm, self._bad, self._warn = set_enabled, arm, bad_request, warn
+        self._seen: set[str] = set()
+        self.first_poll = threading.Event()  # set once the first answer (or failure) is in
+
+    async def run(self) -> None:
+        while True:
+            try:
+                enabled, capture = await self._client.mget(self._keys)
+            except Exception as exc:  # noqa: BLE001 - Redis unreachable: no captures, training unaffected
+                self._warn("redis", f"Redis is unreachable ({exc}); captures and the global switch are unavailable")
+            else:
+                self._set_enabled(enabled != b"0")
+                if capture is not None:
+                    self._on_capture(capture)
+            self.first_poll.set()
+            await asyncio.sleep(self._poll_s)
+
+    def _on_capture(self, raw: bytes) -> None:
+        try:
+            request = parse_capture(raw, self._worker)
+        except ValueError as exc:
+            capture_id = _capture_id_of(raw)
+            if capture_id not in self._seen:
+                self._seen.add(capture_id)
+                self._bad(capture_id or None, str(exc))
+            return
+        if request is not None and request.capture_id not in self._seen:
+            self._seen.add(request.capture_id)
+            self._arm(request)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def _capture_id_of(raw: bytes) -> str:
+    try:
+        value = json.loads(raw)
+        return str(value.get("capture_id") or "") if isinstance(value, dict) else ""
+    except ValueError:
+        return ""

@@ -1,0 +1,145 @@
+"""The tracer's background thread: one asyncio loop that batches, publishes, spools and polls.
+
+Every event goes to this run's spool folder, then the spool is flushed to the broker; the steps
+also go to the session file (``<session_dir>/<job>/<worker>.<session_id>.jsonl``, one StepRecord
+per line: the format of ``opml_trace_collector.session`` that ``opml trace summary`` reads). With the broker down the events wait in the spool and the next batch
+retries; at exit a short final flush, and what is left stays for ``opml trace flush`` or the next
+traced run. Nothing here may raise into the job: failures are logged once per kind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Awaitable, Callable, Iterable
+
+from google.protobuf.message import Message
+from opml.traces.v1.events_pb2 import StepRecord
+from prometheus_client import CollectorRegistry
+
+from opml_common.bus import CloudEvent, EventPublisher
+from opml_common.config import PlatformSettings
+from opml_common.metrics import ServiceMetrics
+from opml_common.outbox import Outbox
+from opml_common.topics import TRACES
+from opml_trace_collector.inject import spool
+from opml_trace_collector.inject.settings import TracerSettings
+from opml_trace_collector.session import record_to_line
+
+_CONNECT_TIMEOUT_S = 5.0
+
+
+class Sender:
+    """Owns the loop thread; other threads hand it work with ``submit``."""
+
+    def __init__(self, settings: TracerSettings, platform: PlatformSettings, session_id: str,
+                 warn: Callable[[str, str], None]) -> None:
+        self.settings = settings
+        self.platform = platform
+        self.session_id = session_id
+        self._warn = warn
+        self._source = f"opml://trace-collector/tracer/{settings.job}/{settings.worker}"
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="opml-tracer", daemon=True)
+        self._ready = threading.Event()
+        safe = lambda text: text.replace("/", "_")  # noqa: E731
+        self.session_file = settings.session_dir / safe(settings.job) / f"{safe(settings.worker)}.{session_id}.jsonl"
+        self.spool_folder = settings.spool_dir / session_id
+        self._session = None
+        self._lock_fd: int | None = None
+        self._connected_once = False
+
+    # --- thread and loop ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+        self._ready.wait(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._setup())
+        except Exception as exc:  # noqa: BLE001
+            self._warn("setup", f"the tracer's sender cannot start ({exc!r})")
+        finally:
+            self._ready.set()
+        self._loop.run_forever()
+
+    async def _setup(self) -> None:
+        self._metrics = ServiceMetrics("trace_tracer", registry=CollectorRegistry())
+        self._publisher = EventPublisher(self.platform, source=self._source, metrics=self._metrics)
+        self._lock_fd = spool.lock_folder(self.spool_folder, wait=True)
+        self._outbox = Outbox(self.spool_folder, self._publisher, self._metrics)
+        try:
+            self.session_file.parent.mkdir(parents=True, exist_ok=True)
+            self._session = open(self.session_file, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+        except OSError as exc:
+            self._warn("session", f"cannot write the session file {self.session_file} ({exc})")
+
+    def submit(self, coro: Awaitable) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def spawn(self, coro: Awaitable, what: str) -> None:
+        """Run ``coro`` on the loop, logging (once) what it raises."""
+        async def guarded() -> None:
+            try:
+                await coro
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                self._warn(what, f"{what} failed ({exc!r})")
+        self.submit(guarded())
+
+    def close(self, timeout_s: float) -> None:
+        """Stop the loop after a last delivery attempt of at most ``timeout_s``."""
+        try:
+            self.submit(self._close(timeout_s)).result(timeout_s + 2)
+        except Exception:  # noqa: BLE001 - what was not sent stays in the spool
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(2)
+
+    async def _close(self, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self.deliver(), timeout_s)
+        except (asyncio.TimeoutError, Exception):  # noqa: BLE001
+            pass
+        for task in [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]:
+            task.cancel()
+        try:
+            await asyncio.wait_for(self._publisher.stop(), 1)
+        except (asyncio.TimeoutError, Exception):  # noqa: BLE001
+            pass
+        if self._session is not None:
+            self._session.close()
+        if self._lock_fd is not None:
+            spool.release_folder(self.spool_folder, self._lock_fd)
+            self._lock_fd = None
+
+    # --- events -------------------------------------------------------------------------------
+
+    def write_steps(self, records: Iterable[StepRecord]) -> None:
+        """Append steps to the session file (the loop's thread)."""
+        if self._session is not None:
+            self._session.writelines(record_to_line(record) + "\n" for record in records)
+
+    async def emit(self, message: Message) -> None:
+        """Record one event in the spool (durably) and try to deliver it now."""
+        event = CloudEvent.from_proto(message, source=self._source, subject=self.settings.subject)
+        await self._outbox.publish(TRACES, event)  # False: it waits in the spool for deliver()
+
+    async def deliver(self) -> bool:
+        """Connect if needed and publish everything spooled; True when nothing is left."""
+        if not self._publisher.started:
+            try:
+                await asyncio.wait_for(self._publisher.start(), _CONNECT_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - broker down: events wait in the spool
+                self._warn("broker", f"the broker is unreachable ({exc}); metrics spool to {self.spool_folder}")
+                return False
+        delivered = await self._outbox.flush()
+        if delivered and not self._connected_once:
+            self._connected_once = True  # now also deliver what earlier runs left behind
+            await spool.flush_folders(self.settings.spool_dir, self._publisher, self._metrics,
+                                      skip=self.spool_folder)
+        return delivered

@@ -1,0 +1,362 @@
+"""The Redis model of jobs, runs, step series and the tracers' control keys.
+
+Keys (``P`` = ``settings.redis_prefix + "traces:"``); each kind of key ends in its own suffix, so
+no job or session name can make two keys collide:
+
+* ``P enabled`` ("0"/"1") and ``P capture:{job}`` (JSON, with a TTL): the control keys the
+  tracers poll (see :mod:`opml_trace_collector.captures`).
+* ``P jobs``: sorted set job -> last heard (epoch s); ``P job:{job}:info``: hash of first/last
+  seen, step count and total step seconds; ``P job:{job}:runs``: sorted set session -> first heard.
+* ``P run:{session}:info``: hash of the run (identity, TracerStarted/Stopped facts, counters,
+  ``seq_low``/``seq_high``); ``P run:{session}:seqs``: batch sequences applied above ``seq_low``;
+  ``P run:{session}:sigs``: per-signature aggregates (``stat\\tkind\\tsignature`` fields);
+  ``P run:{session}:series``: sorted set of the last ``series_length`` StepRecords (protobuf bytes)
+  scored by start time in microseconds.
+
+A batch is applied by one Lua script: the (session, sequence) check and every effect happen
+atomically, so a batch delivered twice, late or out of order counts once, and a crash cannot
+leave it half applied. ``seq_low`` is the first sequence not yet seen; sequences above it that
+arrived early wait in ``:seqs`` until the gap closes, so the set stays as small as the gaps.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from google.protobuf.timestamp_pb2 import Timestamp
+from opml.traces.v1 import events_pb2, traces_pb2 as pb
+
+from opml_common.errors import InvalidArgument, NotFound
+
+_APPLY_BATCH = """
+local info, seqs, sigs, series, jobs, jobinfo, jobruns = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local seq = tonumber(ARGV[1])
+local low = tonumber(redis.call('HGET', info, 'seq_low') or '0')
+if seq < low or redis.call('SISMEMBER', seqs, ARGV[1]) == 1 then return 0 end
+redis.call('SADD', seqs, ARGV[1])
+while redis.call('SISMEMBER', seqs, tostring(low)) == 1 do
+  redis.call('SREM', seqs, tostring(low))
+  low = low + 1
+end
+local high = tonumber(redis.call('HGET', info, 'seq_high') or '-1')
+local newest = seq >= high
+if newest then high = seq end
+local now = ARGV[5]
+redis.call('HSET', info, 'seq_low', tostring(low), 'seq_high', tostring(high), 'job', ARGV[2], 'worker', ARGV[3],
+           'session_id', ARGV[4], 'last_seen', now)
+redis.call('HSETNX', info, 'first_seen', now)
+redis.call('HINCRBY', info, 'batches', 1)
+local i = 8
+local points = tonumber(ARGV[7])
+for k = 1, points do
+  redis.call('ZADD', series, ARGV[i], ARGV[i + 1])
+  i = i + 2
+end
+if points > 0 then redis.call('ZREMRANGEBYRANK', series, 0, -(tonumber(ARGV[6]) + 1)) end
+local signatures = tonumber(ARGV[i])
+i = i + 1
+for k = 1, signatures do
+  local f = ARGV[i]
+  redis.call('HINCRBY', sigs, 'count\\t' .. f, ARGV[i + 1])
+  redis.call('HINCRBYFLOAT', sigs, 'total\\t' .. f, ARGV[i + 2])
+  local low_s = redis.call('HGET', sigs, 'min\\t' .. f)
+  if not low_s or tonumber(ARGV[i + 3]) < tonumber(low_s) then redis.call('HSET', sigs, 'min\\t' .. f, ARGV[i + 3]) end
+  local high_s = redis.call('HGET', sigs, 'max\\t' .. f)
+  if not high_s or tonumber(ARGV[i + 4]) > tonumber(high_s) then redis.call('HSET', sigs, 'max\\t' .. f, ARGV[i + 4]) end
+  redis.call('HINCRBYFLOAT', sigs, 'input\\t' .. f, ARGV[i + 5])
+  redis.call('HINCRBY', sigs, 'examples\\t' .. f, ARGV[i + 6])
+  i = i + 7
+end
+local steps, total = ARGV[i], ARGV[i + 1]
+redis.call('HINCRBY', info, 'steps', steps)
+if newest then
+  if ARGV[i + 2] ~= '' then redis.call('HSET', info, 'eps', ARGV[i + 2]) end
+  if ARGV[i + 3] ~= '' then redis.call('HSET', info, 'cpu', ARGV[i + 3], 'rss', ARGV[i + 4]) end
+end
+redis.call('ZADD', jobs, now, ARGV[2])
+redis.call('HSETNX', jobinfo, 'first_seen', now)
+redis.call('HSET', jobinfo, 'last_seen', now)
+redis.call('HINCRBY', jobinfo, 'steps', steps)
+redis.call('HINCRBYFLOAT', jobinfo, 'total_s', total)
+redis.call('ZADD', jobruns, 'NX', now, ARGV[4])
+return 1
+"""
+
+
+class Keys:
+    """Every Redis key of the service (see the module docstring)."""
+
+    def __init__(self, redis_prefix: str) -> None:
+        self.base = redis_prefix + "traces:"
+        self.enabled = self.base + "enabled"
+        self.jobs = self.base + "jobs"
+        self.pending_captures = self.base + "captures:pending"
+
+    def capture_control(self, job: str) -> str:
+        return f"{self.base}capture:{job}"
+
+    def job_info(self, job: str) -> str:
+        return f"{self.base}job:{job}:info"
+
+    def job_runs(self, job: str) -> str:
+        return f"{self.base}job:{job}:runs"
+
+    def job_captures(self, job: str) -> str:
+        return f"{self.base}job:{job}:captures"
+
+    def job_active_capture(self, job: str) -> str:
+        return f"{self.base}job:{job}:active-capture"
+
+    def run_info(self, session: str) -> str:
+        return f"{self.base}run:{session}:info"
+
+    def run_seqs(self, session: str) -> str:
+        return f"{self.base}run:{session}:seqs"
+
+    def run_sigs(self, session: str) -> str:
+        return f"{self.base}run:{session}:sigs"
+
+    def run_series(self, session: str) -> str:
+        return f"{self.base}run:{session}:series"
+
+    def capture(self, capture_id: str) -> str:
+        return f"{self.base}capture-record:{capture_id}:info"
+
+    def analysis(self, capture_id: str, worker: str) -> str:
+        return f"{self.base}capture-record:{capture_id}:analysis:{worker}"
+
+
+def timestamp(seconds: float) -> Timestamp:
+    stamp = Timestamp()
+    stamp.FromNanoseconds(int(seconds * 1e9))
+    return stamp
+
+
+def _text(value: bytes | None, default: str = "") -> str:
+    return value.decode() if value is not None else default
+
+
+def _number(value: bytes | None, kind: type = float):
+    return kind(value.decode()) if value else kind(0)
+
+
+@dataclass(frozen=True)
+class BatchEffect:
+    """What applying one batch changed (for the metrics); ``applied`` False for a repeat."""
+
+    applied: bool
+    steps: int = 0
+
+
+class TraceStore:
+    """Jobs, runs and step series in Redis. Every write is idempotent (events come at least once)."""
+
+    def __init__(self, redis, keys: Keys, *, series_length: int, run_lost_after_s: float) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.series_length = series_length
+        self.run_lost_after_s = run_lost_after_s
+        self._apply_batch = redis.register_script(_APPLY_BATCH)
+
+    # ---------------------------------------------------------------- writes (the aggregator)
+
+    async def record_started(self, event: events_pb2.TracerStarted, when: float) -> None:
+        now = time.time()
+        info = self.keys.run_info(event.session_id)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(info, mapping={
+            "job": event.job, "worker": event.worker, "session_id": event.session_id, "tf_version": event.tf_version,
+            "patched": json.dumps(list(event.patched)), "pid": event.pid, "hostname": event.hostname,
+            "argv": json.dumps(list(event.argv)), "started": repr(when)})
+        pipe.hsetnx(info, "first_seen", repr(now))
+        pipe.hset(info, "last_seen", repr(now))
+        self._touch_job(pipe, event.job, event.session_id, now)
+        await pipe.execute()
+
+    async def record_stopped(self, event: events_pb2.TracerStopped, when: float) -> None:
+        now = time.time()
+        info = self.keys.run_info(event.session_id)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(info, mapping={"job": event.job, "worker": event.worker, "session_id": event.session_id,
+                                 "stopped": repr(when), "exit_code": event.exit_code,
+                                 "reported_steps": event.steps, "last_seen": repr(now)})
+        pipe.hsetnx(info, "first_seen", repr(now))
+        self._touch_job(pipe, event.job, event.session_id, now)
+        await pipe.execute()
+
+    def _touch_job(self, pipe, job: str, session: str, now: float) -> None:
+        pipe.zadd(self.keys.jobs, {job: now})
+        pipe.hsetnx(self.keys.job_info(job), "first_seen", repr(now))
+        pipe.hset(self.keys.job_info(job), "last_seen", repr(now))
+        pipe.zadd(self.keys.job_runs(job), {session: now}, nx=True)
+
+    async def apply_batch(self, batch: events_pb2.StepMetricsBatch) -> BatchEffect:
+        """Apply a StepMetricsBatch once per (session, sequence)."""
+        points: list[object] = []
+        signatures: dict[str, list[float]] = {}
+        total = 0.0
+        examples = 0
+        counted_s = 0.0  # time of the steps whose batch size is known, for the throughput
+        for record in batch.steps:
+            points += [record.start_time.ToMicroseconds(), record.SerializeToString(deterministic=True)]
+            stats = signatures.setdefault(f"{record.kind}\t{record.signature}",
+                                          [0, 0.0, record.duration_s, record.duration_s, 0.0, 0])
+            stats[0] += 1
+            stats[1] += record.duration_s
+            stats[2] = min(stats[2], record.duration_s)
+            stats[3] = max(stats[3], record.duration_s)
+            stats[4] += record.input_wait_s
+            stats[5] += record.examples
+            total += record.duration_s
+            examples += record.examples
+            counted_s += record.duration_s if record.examples else 0.0
+        args: list[object] = [batch.sequence, batch.job, batch.worker, batch.session_id, repr(time.time()),
+                              self.series_length, len(batch.steps), *points, len(signatures)]
+        for field, (count, seconds, low, high, wait, seen) in signatures.items():
+            args += [field, count, repr(seconds), repr(low), repr(high), repr(wait), seen]
+        host = batch.host[-1] if batch.host else None
+        args += [len(batch.steps), repr(total), repr(examples / counted_s) if counted_s > 0 else "",
+                 repr(host.cpu_percent) if host else "", host.rss_bytes if host else 0]
+        keys = [self.keys.run_info(batch.session_id), self.keys.run_seqs(batch.session_id),
+                self.keys.run_sigs(batch.session_id), self.keys.run_series(batch.session_id), self.keys.jobs,
+                self.keys.job_info(batch.job), self.keys.job_runs(batch.job)]
+        applied = await self._apply_batch(keys=keys, args=args)
+        return BatchEffect(applied=bool(applied), steps=len(batch.steps) if applied else 0)
+
+    # ---------------------------------------------------------------- reads
+
+    async def job_exists(self, job: str) -> bool:
+        return await self.redis.zscore(self.keys.jobs, job) is not None
+
+    async def job_names(self) -> list[str]:
+        """Jobs, most recently heard from first."""
+        return [name.decode() for name in await self.redis.zrevrange(self.keys.jobs, 0, -1)]
+
+    async def jobs(self, names: Sequence[str]) -> list[pb.Job]:
+        pipe = self.redis.pipeline(transaction=False)
+        for name in names:
+            pipe.hgetall(self.keys.job_info(name))
+        infos = await pipe.execute()
+        jobs = []
+        for name, info in zip(names, infos):
+            runs = await self.runs(name)
+            steps, total = _number(info.get(b"steps"), int), _number(info.get(b"total_s"))
+            running = [r for r in runs if r.state == pb.RUN_STATE_RUNNING]
+            jobs.append(pb.Job(
+                job=name, run_count=len(runs), running_runs=len(running), steps=steps,
+                first_seen=timestamp(_number(info.get(b"first_seen"))),
+                last_seen=timestamp(_number(info.get(b"last_seen"))),
+                mean_step_s=total / steps if steps else 0.0,
+                examples_per_second=sum(r.examples_per_second for r in running)))
+        return jobs
+
+    async def session_ids(self, job: str) -> list[str]:
+        """The job's runs in the order they were first heard of."""
+        return [s.decode() for s in await self.redis.zrange(self.keys.job_runs(job), 0, -1)]
+
+    async def runs(self, job: str, sessions: Sequence[str] | None = None) -> list[pb.Run]:
+        sessions = await self.session_ids(job) if sessions is None else sessions
+        pipe = self.redis.pipeline(transaction=False)
+        for session in sessions:
+            pipe.hgetall(self.keys.run_info(session))
+            pipe.hgetall(self.keys.run_sigs(session))
+            pipe.scard(self.keys.run_seqs(session))
+        replies = await pipe.execute()
+        now = time.time()
+        return [self._run(session, *replies[3 * i:3 * i + 3], now) for i, session in enumerate(sessions)]
+
+    async def run(self, session: str) -> pb.Run:
+        info = await self.redis.hgetall(self.keys.run_info(session))
+        if not info:
+            raise NotFound(f"run (session) {session!r} is unknown")
+        return (await self.runs(info[b"job"].decode(), [session]))[0]
+
+    def _run(self, session: str, info: dict, sigs: dict, early: int, now: float) -> pb.Run:
+        last_seen = _number(info.get(b"last_seen"))
+        if b"stopped" in info:
+            state = pb.RUN_STATE_STOPPED
+        elif now - last_seen > self.run_lost_after_s:
+            state = pb.RUN_STATE_LOST
+        else:
+            state = pb.RUN_STATE_RUNNING
+        run = pb.Run(
+            job=_text(info.get(b"job")), worker=_text(info.get(b"worker")), session_id=session, state=state,
+            tf_version=_text(info.get(b"tf_version")), patched=json.loads(info.get(b"patched", b"[]")),
+            pid=_number(info.get(b"pid"), int), hostname=_text(info.get(b"hostname")),
+            argv=json.loads(info.get(b"argv", b"[]")), last_seen=timestamp(last_seen),
+            exit_code=_number(info.get(b"exit_code"), int), steps=_number(info.get(b"steps"), int),
+            batches=_number(info.get(b"batches"), int),
+            missing_batches=max(_number(info.get(b"seq_high", b"-1"), int) + 1
+                                - _number(info.get(b"seq_low"), int) - early, 0),
+            examples_per_second=_number(info.get(b"eps")), cpu_percent=_number(info.get(b"cpu")),
+            rss_bytes=_number(info.get(b"rss"), int),
+            signatures=_signatures(sigs))
+        run.started.CopyFrom(timestamp(_number(info.get(b"started") or info.get(b"first_seen"))))
+        if b"stopped" in info:
+            run.stopped.CopyFrom(timestamp(_number(info[b"stopped"])))
+        return run
+
+    async def series(self, job: str, *, worker: str = "", session: str = "", since_us: int = 0,
+                     page_size: int = 1000, cursor: tuple[int, str] | None = None
+                     ) -> tuple[list[pb.StepPoint], tuple[int, str] | None]:
+        """One page of the job's step records ordered by (start time, session), and the cursor of
+        the next page (None on the last). ``cursor`` is the (start µs, session) of the last point
+        of the previous page; start times are unique within a session (a worker runs one step at a time).
+        """
+        runs = await self.runs(job)
+        if session and not any(r.session_id == session for r in runs):
+            raise NotFound(f"run {session!r} of job {job!r} is unknown")
+        chosen = [r for r in runs if (not worker or r.worker == worker) and (not session or r.session_id == session)]
+        pipe = self.redis.pipeline(transaction=False)
+        for run in chosen:
+            low = since_us
+            exclusive = False
+            if cursor is not None:
+                if cursor[0] > low or (cursor[0] == low and run.session_id <= cursor[1]):
+                    low, exclusive = cursor[0], run.session_id <= cursor[1]
+            pipe.zrangebyscore(self.keys.run_series(run.session_id), f"({low}" if exclusive else low, "+inf",
+                               start=0, num=page_size + 1, withscores=True)
+        merged: list[tuple[int, str, bytes, pb.Run]] = []
+        for run, rows in zip(chosen, await pipe.execute()):
+            merged += [(int(score), run.session_id, member, run) for member, score in rows]
+        merged.sort(key=lambda row: (row[0], row[1]))
+        page = merged[:page_size]
+        points = [pb.StepPoint(worker=run.worker, session_id=sid, record=events_pb2.StepRecord.FromString(member))
+                  for _, sid, member, run in page]
+        following = (page[-1][0], page[-1][1]) if len(merged) > page_size else None
+        return points, following
+
+    async def tracing_enabled(self) -> bool:
+        return await self.redis.get(self.keys.enabled) != b"0"
+
+    async def set_tracing(self, enabled: bool) -> None:
+        await self.redis.set(self.keys.enabled, b"1" if enabled else b"0")
+
+
+def _signatures(sigs: dict[bytes, bytes]) -> list[pb.SignatureStats]:
+    stats: dict[tuple[int, str], dict[str, float]] = {}
+    for raw, value in sigs.items():
+        stat, kind, signature = raw.decode().split("\t", 2)
+        stats.setdefault((int(kind), signature), {})[stat] = float(value)
+    out = []
+    for (kind, signature), values in sorted(stats.items(), key=lambda item: (item[0][1], item[0][0])):
+        count = int(values.get("count", 0))
+        out.append(pb.SignatureStats(
+            signature=signature, kind=kind, count=count, total_s=values.get("total", 0.0),
+            mean_s=values.get("total", 0.0) / count if count else 0.0, min_s=values.get("min", 0.0),
+            max_s=values.get("max", 0.0), input_wait_s=values.get("input", 0.0),
+            examples=int(values.get("examples", 0))))
+    return out
+
+
+def check_name(field: str, value: str) -> str:
+    """Job and worker names: non-empty, at most 253 characters, no '/', whitespace or control characters."""
+    if not value:
+        raise InvalidArgument(field, "is required, but is empty")
+    if len(value) > 253 or "/" in value or any(c.isspace() or not c.isprintable() for c in value):
+        raise InvalidArgument(field, f"must be at most 253 printable characters without '/' or spaces, "
+                                     f"but got {value!r}")
+    return value

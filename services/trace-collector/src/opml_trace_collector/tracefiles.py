@@ -1,0 +1,52 @@
+"""The capture traces in S3: the bucket, reading an object whole or in chunks (for FetchTrace)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from minio import Minio
+from minio.error import S3Error
+
+from opml_common.errors import NotFound
+from opml_trace_collector.captures import parse_s3_url
+
+CHUNK_BYTES = 1024 * 1024
+
+
+class TraceFiles:
+    """Blocking S3 access (call from a thread): traces live at ``s3://{bucket}/traces/...``."""
+
+    def __init__(self, s3: Minio, bucket: str) -> None:
+        self.s3 = s3
+        self.bucket = bucket
+
+    def ensure_bucket(self) -> None:
+        """Create the traces bucket if missing, so tracers can upload from the first capture."""
+        if not self.s3.bucket_exists(self.bucket):
+            try:
+                self.s3.make_bucket(self.bucket)
+            except S3Error as exc:
+                if exc.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                    raise
+
+    def chunks(self, url: str) -> Iterator[bytes]:
+        """The object's bytes in chunks of at most CHUNK_BYTES.
+
+        Raises:
+            NotFound: the object is gone.
+        """
+        bucket, key = parse_s3_url(url)
+        try:
+            response = self.s3.get_object(bucket, key)
+        except S3Error as exc:
+            if exc.code in ("NoSuchKey", "NoSuchBucket"):
+                raise NotFound(f"trace {url} is not in S3 any more") from exc
+            raise
+        try:
+            yield from response.stream(CHUNK_BYTES)
+        finally:
+            response.close()
+            response.release_conn()
+
+    def read(self, url: str) -> bytes:
+        return b"".join(self.chunks(url))

@@ -1,0 +1,145 @@
+"""Fixtures: a real trace-collector process on free ports, wired to the session's real infrastructure,
+and a publisher of the tracer's events (the real EventPublisher, as the injected tracer uses it)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from google.protobuf.message import Message
+from google.protobuf.timestamp_pb2 import Timestamp
+from opml.traces.v1 import events_pb2
+
+from opml_common.bus import CloudEvent, EventPublisher
+from opml_common.config import PlatformSettings
+from opml_common.devinfra import free_port
+from opml_common.process import ServiceProcess
+from opml_common.testing.bus import fresh_metrics
+from opml_common.topics import TRACES
+from opml_trace_collector.client import TraceCollectorClient
+
+TOKENS = {"admin": "admin-token", "writer": "writer-token", "reader": "reader-token"}
+CAPTURE_TIMEOUT_S = 4.0
+T0_US = 1_700_000_000_000_000  # start time of the synthetic steps
+
+
+@pytest.fixture
+def bucket(unique_prefix: str) -> str:
+    return unique_prefix.rstrip("-")
+
+
+@pytest.fixture
+def collector_env(settings_env: dict[str, str], bucket: str) -> dict[str, str]:
+    return {
+        **settings_env,
+        "OPML_TRACE_COLLECTOR_GRPC_PORT": str(free_port()),
+        "OPML_TRACE_COLLECTOR_METRICS_PORT": str(free_port()),
+        "OPML_TRACE_COLLECTOR_BUCKET": bucket,
+        "OPML_TRACE_COLLECTOR_CAPTURE_TIMEOUT_S": str(CAPTURE_TIMEOUT_S),
+        "OPML_AUTH_TOKENS": ",".join(f"{token}={role}" for role, token in TOKENS.items()),
+    }
+
+
+@pytest.fixture
+def collector(collector_env: dict[str, str], tmp_path: Path) -> Iterator[ServiceProcess]:
+    """A running trace-collector with auth on (tokens in TOKENS), stopped after the test."""
+    process = ServiceProcess("opml_trace_collector", int(collector_env["OPML_TRACE_COLLECTOR_GRPC_PORT"]),
+                             collector_env, tmp_path / "trace-collector.log")
+    with process:
+        yield process
+
+
+@pytest.fixture
+def tokens() -> dict[str, str]:
+    return dict(TOKENS)
+
+
+@pytest.fixture
+def admin(collector: ServiceProcess) -> Iterator[TraceCollectorClient]:
+    with TraceCollectorClient(collector.target, token=TOKENS["admin"]) as client:
+        yield client
+
+
+@pytest.fixture
+def reader(collector: ServiceProcess) -> Iterator[TraceCollectorClient]:
+    with TraceCollectorClient(collector.target, token=TOKENS["reader"]) as client:
+        yield client
+
+
+@pytest.fixture
+def redis_db(settings_env: dict[str, str]) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(settings_env["OPML_REDIS_URL"])
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def redis_prefix(settings_env: dict[str, str]) -> str:
+    return settings_env["OPML_REDIS_PREFIX"]
+
+
+@pytest.fixture
+def publish(platform_settings: PlatformSettings) -> Callable[..., list[CloudEvent]]:
+    """``publish(*messages, events=None)``: publish tracer messages (or ready CloudEvents) to TRACES,
+    keyed ``job/worker`` as the tracer does; returns the events."""
+
+    def run(*messages: Message, events: list[CloudEvent] | None = None) -> list[CloudEvent]:
+        async def send() -> list[CloudEvent]:
+            sent = []
+            async with EventPublisher(platform_settings, source="opml/tracer-test",
+                                      metrics=fresh_metrics("tracer-test")[0]) as publisher:
+                for message in messages:
+                    subject = f"{message.job}/{message.worker}"
+                    sent.append(await publisher.publish_proto(TRACES, message, subject=subject))
+                for event in events or ():
+                    await publisher.publish(TRACES, event)
+            return sent
+
+        return asyncio.run(send())
+
+    return run
+
+
+@pytest.fixture
+def batch() -> Callable[..., events_pb2.StepMetricsBatch]:
+    """``batch(job, worker, session, sequence, steps=[(step, duration_s, input_wait_s)], ...)``: a
+    StepMetricsBatch of training steps one second apart (step n starts at T0 + n s)."""
+
+    def make(job: str, worker: str, session: str, sequence: int, steps: list[tuple[int, float, float]],
+             *, examples: int = 32, signature: str = "keras.fit") -> events_pb2.StepMetricsBatch:
+        records = []
+        for step, duration, wait in steps:
+            start = Timestamp()
+            start.FromMicroseconds(T0_US + step * 1_000_000)
+            records.append(events_pb2.StepRecord(step=step, kind=events_pb2.STEP_KIND_TRAIN, signature=signature,
+                                                 start_time=start, duration_s=duration, input_wait_s=wait,
+                                                 examples=examples))
+        return events_pb2.StepMetricsBatch(job=job, worker=worker, session_id=session, sequence=sequence,
+                                           steps=records, host=[events_pb2.HostSample(cpu_percent=150.0,
+                                                                                      rss_bytes=1 << 30)])
+
+    return make
+
+
+@pytest.fixture
+def eventually() -> Callable[..., object]:
+    """``eventually(fn, what, timeout_s=20)``: poll ``fn`` until it returns a truthy value; return it."""
+
+    def wait(fn: Callable[[], object], what: str, timeout_s: float = 20.0) -> object:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                result = fn()
+            except AssertionError:
+                result = None
+            if result:
+                return result
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+            time.sleep(0.05)
+
+    return wait

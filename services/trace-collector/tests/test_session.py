@@ -1,0 +1,50 @@
+"""The session file (JSON lines of StepRecords): a lossless round trip, plain and gzip."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from google.protobuf.timestamp_pb2 import Timestamp
+from opml.traces.v1.events_pb2 import STEP_KIND_PREDICT, STEP_KIND_TRAIN, StepRecord
+
+from opml_trace_collector.session import is_session_file, read_session, write_session
+
+
+def _records() -> list[StepRecord]:
+    records = []
+    for step in range(50):
+        start = Timestamp()
+        start.FromNanoseconds(1_700_000_000_123_456_789 + step * 10_000_000)
+        records.append(StepRecord(step=step, kind=STEP_KIND_TRAIN if step % 5 else STEP_KIND_PREDICT,
+                                  signature="tf.function:train_step", start_time=start,
+                                  duration_s=0.01 + step * 1e-4, input_wait_s=step * 1e-5, examples=64))
+    return records
+
+
+@pytest.mark.parametrize("name", ["run.jsonl", "run.jsonl.gz"])
+def test_round_trip_is_lossless(tmp_path, name: str) -> None:
+    path = tmp_path / "nested" / name
+    records = _records()
+    assert write_session(path, records) == 50
+    assert is_session_file(path)
+    assert read_session(path) == records
+
+
+def test_lines_are_protobuf_json_one_record_each(tmp_path) -> None:
+    path = tmp_path / "run.jsonl"
+    write_session(path, _records()[:2])
+    lines = path.read_text().splitlines()
+    assert len(lines) == 2
+    first = json.loads(lines[0])
+    assert first["signature"] == "tf.function:train_step" and first["kind"] == "STEP_KIND_PREDICT"
+    assert first["startTime"].startswith("2023-11-14T22:13:20.123456789")
+
+
+def test_a_bad_line_names_the_file_and_line(tmp_path) -> None:
+    path = tmp_path / "run.jsonl"
+    write_session(path, _records()[:1])
+    with open(path, "a") as handle:
+        handle.write('{"durationS": "slow"}\n')
+    with pytest.raises(ValueError, match=r"run.jsonl:2: not a StepRecord"):
+        read_session(path)
