@@ -1,0 +1,181 @@
+"""``opml model``: deploy models onto the inference-router, split traffic, promote, roll back, and see
+where replicas run.
+
+    opml model deploy --bundle NAME [--context C] | --dir DIR [--version N] [--canary PCT]
+    opml model ls | get MODEL | traffic MODEL v1=90 v2=10 | promote MODEL | rollback MODEL
+    opml model undeploy MODEL | placement
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+from google.protobuf.json_format import MessageToDict
+from opml.inference.v1 import deployments_pb2 as pb
+from rich.console import Console
+from rich.table import Table
+
+from opml_inference_router.client import DeploymentClient
+
+console = Console()
+_STATE = {pb.DEPLOYING: "DEPLOYING", pb.SERVING: "SERVING", pb.FAILED: "FAILED"}
+
+
+class _Session:
+    def __init__(self, target: str, token: str | None) -> None:
+        self.target, self.token = target, token
+
+    def client(self) -> DeploymentClient:
+        return DeploymentClient(self.target, token=self.token)
+
+
+pass_session = click.make_pass_decorator(_Session)
+
+
+@click.group()
+@click.option("--target", envvar="OPML_INFERENCE_ROUTER_TARGET", default="127.0.0.1:50053", show_default=True,
+              help="inference-router gRPC address (env OPML_INFERENCE_ROUTER_TARGET).")
+@click.option("--token", envvar="OPML_TOKEN", default=None, help="Bearer token (env OPML_TOKEN).")
+@click.pass_context
+def model(ctx: click.Context, target: str, token: str | None) -> None:
+    """Serve models from bundles on the inference-router's pools (placement by SLO and cost)."""
+    ctx.obj = _Session(target, token)
+
+
+@model.command()
+@click.option("--bundle", "bundle", default="", help="Bundle name or UUID in the bundle-store.")
+@click.option("--context", "context", default="", help="Bundle-store context of --bundle.")
+@click.option("--dir", "model_dir", default="", help="A model directory on the router's machine (development).")
+@click.option("--version", "version", default=0, type=int, help="Version number; default: the next one.")
+@click.option("--canary", "canary", default=0.0, type=float, help="Start as a canary with this % of the traffic.")
+@pass_session
+def deploy(session: _Session, bundle: str, context: str, model_dir: str, version: int, canary: float) -> None:
+    """Deploy a bundle (or a model directory); returns once the version serves."""
+    if bool(bundle) == bool(model_dir):
+        raise click.UsageError("give exactly one of --bundle NAME (with --context) or --dir DIR")
+    if bundle and not context:
+        raise click.UsageError("--bundle needs --context (the bundle-store context that holds it)")
+    what = f"contexts/{context}/bundles/{bundle}" if bundle else model_dir
+    with session.client() as client, console.status(f"deploying {what}: fetch, profile, place, load..."):
+        deployment = client.deploy(bundle=bundle, context=context, model_dir=model_dir, version=version,
+                                   canary_percent=canary)
+    _show(deployment)
+
+
+@model.command("ls")
+@pass_session
+def list_(session: _Session) -> None:
+    """Deployed models, their versions and traffic."""
+    with session.client() as client:
+        deployments = client.list()
+    table = Table("model", "stable", "versions (state, traffic)", "replicas")
+    for deployment in deployments:
+        versions = ", ".join(f"v{v.version} {_STATE.get(v.state, '?')} {v.traffic_percent:g}%"
+                             for v in deployment.versions)
+        table.add_row(deployment.model, str(deployment.stable_version or "-"), versions,
+                      str(sum(len(v.replicas) for v in deployment.versions)))
+    console.print(table)
+
+
+@model.command()
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Print the Deployment message as JSON.")
+@pass_session
+def get(session: _Session, name: str, as_json: bool) -> None:
+    """One model: versions, traffic, replicas, profiles, state."""
+    with session.client() as client:
+        deployment = client.get(name)
+    if as_json:
+        click.echo(json.dumps(MessageToDict(deployment), indent=2))
+    else:
+        _show(deployment)
+
+
+@model.command()
+@click.argument("name")
+@click.argument("weights", nargs=-1, required=True)
+@pass_session
+def traffic(session: _Session, name: str, weights: tuple[str, ...]) -> None:
+    """Split traffic across versions: ``opml model traffic MODEL v1=90 v2=10``."""
+    split = {}
+    for item in weights:
+        version, sep, weight = item.partition("=")
+        version = version.removeprefix("v")
+        try:
+            split[version] = float(weight)
+        except ValueError:
+            raise click.BadParameter(f"{item!r}: use VERSION=WEIGHT, e.g. v1=90", param_hint="WEIGHTS") from None
+        if not sep or not version.isdigit():
+            raise click.BadParameter(f"{item!r}: use VERSION=WEIGHT, e.g. v1=90", param_hint="WEIGHTS")
+    with session.client() as client:
+        _show(client.set_traffic(name, split))
+
+
+@model.command()
+@click.argument("name")
+@click.option("--version", "version", default=0, type=int, help="Version to promote; default: the canary.")
+@pass_session
+def promote(session: _Session, name: str, version: int) -> None:
+    """Give a version (default: the canary) all traffic; older versions are retired."""
+    with session.client() as client:
+        _show(client.promote(name, version))
+
+
+@model.command()
+@click.argument("name")
+@pass_session
+def rollback(session: _Session, name: str) -> None:
+    """Send all traffic back to the stable version and retire the canary."""
+    with session.client() as client:
+        _show(client.rollback(name))
+
+
+@model.command()
+@click.argument("name")
+@pass_session
+def undeploy(session: _Session, name: str) -> None:
+    """Stop serving every version of a model (admin role)."""
+    with session.client() as client:
+        client.undeploy(name)
+    console.print(f"undeployed {name}")
+
+
+@model.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the Placement message as JSON.")
+@pass_session
+def placement(session: _Session, as_json: bool) -> None:
+    """Where replicas run: per worker, its models and the slots and memory they use; the plan's cost."""
+    with session.client() as client:
+        plan = client.placement()
+    if as_json:
+        click.echo(json.dumps(MessageToDict(plan), indent=2))
+        return
+    table = Table("worker", "kind", "address", "alive", "slots", "memory MiB", "replicas")
+    for worker in plan.workers:
+        replicas = ", ".join(f"{r.model} v{r.version} ({r.precision}, batch {r.max_batch})" for r in worker.replicas)
+        table.add_row(worker.worker, worker.pool_kind, worker.address,
+                      "yes" if worker.alive else "no", f"{worker.used_slots}/{worker.slots}",
+                      f"{worker.used_memory_mib:.0f}/{worker.memory_mib:.0f}", replicas or "-")
+    console.print(table)
+    console.print(f"cost: {plan.cost_per_hour:.3f}/h for the replicas' slots, "
+                  f"{plan.active_worker_cost_per_hour:.3f}/h for the workers in use")
+    for item in plan.unplaced:
+        console.print(f"[yellow]unplaced[/yellow] {item.model} v{item.version}: {item.reason}")
+    if plan.unavailable_pool_kinds:
+        console.print(f"pool kinds without workers here: {', '.join(plan.unavailable_pool_kinds)}")
+
+
+def _show(deployment: pb.Deployment) -> None:
+    table = Table("version", "state", "traffic", "replicas", "p99 (pred.)", "source / reason",
+                  title=f"{deployment.model} (SLO p99 {deployment.slo_p99_ms:g} ms, "
+                        f"{deployment.expected_rate_rps:g} rps expected)")
+    for version in deployment.versions:
+        replicas = ", ".join(f"{r.worker} {r.pool_kind}/{r.precision}" for r in version.replicas) or "-"
+        source = (f"contexts/{version.bundle.context}/bundles/{version.bundle.bundle}"
+                  if version.WhichOneof("source") == "bundle" else version.model_dir)
+        table.add_row(f"v{version.version}" + (" (stable)" if version.version == deployment.stable_version else ""),
+                      _STATE.get(version.state, "?"), f"{version.traffic_percent:g}%", replicas,
+                      f"{version.predicted_p99_ms:.2f} ms" if version.replicas else "-",
+                      version.reason or source)
+    console.print(table)

@@ -1,0 +1,67 @@
+"""Bringing a model bundle onto this machine: from the bundle-store (by context and name or UUID), or
+a local model directory as it is (development).
+
+A bundle is downloaded once per UUID into ``<home>/bundles/<uuid>`` (committed bundles are
+immutable), through a temporary directory renamed at the end, so a half-written download is
+never mistaken for a bundle. Workers on this machine load it from there by path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import uuid
+from pathlib import Path
+
+from opml_bundle_store.client import BundleStoreClient
+from opml_common.errors import InvalidArgument, NotFound
+
+from opml_inference_router.control.state import Source
+
+
+def local_directory(source: Source) -> Path:
+    """The model directory a dev deploy names. Raises: NotFound when it is not a directory here."""
+    directory = Path(source.model_dir).expanduser().resolve()
+    if not directory.is_dir():
+        raise NotFound(f"model_dir {source.model_dir} is not a directory on the router's machine")
+    return directory
+
+
+class BundleFetcher:
+    def __init__(self, target: str, home: Path, *, token: str | None = None) -> None:
+        self._target = target
+        self._token = token
+        self._dir = home / "bundles"
+
+    async def fetch(self, source: Source, *, bundle_uuid: str = "") -> tuple[Path, str]:
+        """The local directory of ``source`` and the bundle's UUID ("" for a model directory).
+
+        ``bundle_uuid`` pins the version to fetch (a restart re-fetches exactly what was deployed).
+
+        Raises:
+            NotFound: the directory, context or bundle does not exist.
+            InvalidArgument: the source names neither a bundle nor a directory.
+            Unavailable: the bundle-store cannot be reached.
+        """
+        if source.model_dir:
+            return local_directory(source), ""
+        if not source.context or not source.bundle:
+            raise InvalidArgument("bundle", "must name a context and a bundle (name or UUID), or give a model_dir")
+        return await asyncio.to_thread(self._download, source.context, bundle_uuid or source.bundle)
+
+    def _download(self, context: str, ref: str) -> tuple[Path, str]:
+        with BundleStoreClient(self._target, token=self._token) as client:
+            bundle = client.get_bundle(context, ref)
+            target = self._dir / bundle.uuid
+            if target.is_dir():
+                return target, bundle.uuid
+            partial = self._dir / f".partial-{uuid.uuid4().hex}"
+            try:
+                client.download(context, bundle.uuid, partial)
+                partial.rename(target)
+            except OSError:
+                if not target.is_dir():  # not a concurrent fetch of the same bundle that won the rename
+                    raise
+            finally:
+                shutil.rmtree(partial, ignore_errors=True)
+        return target, bundle.uuid

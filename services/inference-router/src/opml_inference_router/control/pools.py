@@ -1,0 +1,182 @@
+"""The pools of local worker processes: start one per worker the fleet declares, watch, restart.
+
+Only pools whose kind this machine can run get workers: a kind's execution provider must be in
+onnxruntime's available providers (a ``gpu`` pool only with ``CUDAExecutionProvider``; an
+accelerator emulated with ``CPUExecutionProvider`` runs anywhere). :attr:`PoolManager.fleet` is the
+placement :class:`Fleet` of those pools, so the planner never places on a worker that does not run.
+
+A worker that dies (killed, crashed) is started again on new ports, and ``on_restart`` is awaited
+with its id and old and new addresses so the deployments re-load its replicas and re-route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnxruntime as ort
+from opml_common.errors import FailedPrecondition, NotFound
+from opml_common.metrics import ServiceMetrics
+
+from opml_inference_router.control.workers import WorkerClient
+from opml_inference_router.placement import Fleet, FleetConfig, Worker
+from opml_inference_router.worker import WorkerProcess
+
+log = logging.getLogger(__name__)
+
+RestartHook = Callable[[str, str, str], Awaitable[None]]
+
+
+@dataclass
+class PoolWorker:
+    """One worker process of the fleet and the admin client of its current address."""
+
+    worker: Worker
+    process: WorkerProcess
+    client: WorkerClient | None = None
+    restarts: int = 0
+    failures: int = field(default=0, repr=False)  # consecutive failed restarts
+
+    @property
+    def address(self) -> str:
+        return self.process.target
+
+    @property
+    def alive(self) -> bool:
+        return self.process.process is not None and self.process.process.poll() is None
+
+
+class PoolManager:
+    """Starts, watches and restarts the worker processes of the fleet's runnable pools.
+
+    Side effects:
+        ``start()``: starts every worker (in parallel) and the watch task; a worker that fails to
+        start stops the ones started and raises. Idempotent.
+        ``stop()``: stops the watch task, then every worker gracefully (SIGTERM). Idempotent.
+        Metrics ``opml_inference_router_worker_restarts_total{worker}``, ``_workers_alive{pool_kind}``.
+    """
+
+    def __init__(self, config: FleetConfig, fleet_path: Path, *, work_dir: Path, metrics: ServiceMetrics,
+                 token: str | None = None, threads_per_replica: int = 0, startup_timeout_s: float = 60.0,
+                 watch_interval_s: float = 0.5, providers: Sequence[str] | None = None) -> None:
+        """Raises: FailedPrecondition when no pool of the fleet can run on this machine."""
+        available = set(providers if providers is not None else ort.get_available_providers())
+        runnable = {kind.name for kind in config.pool_kinds if kind.execution_provider in available}
+        self.unavailable_kinds = sorted(kind.name for kind in config.pool_kinds if kind.name not in runnable)
+        pools = tuple(pool for pool in config.pools if pool.kind in runnable and pool.workers > 0)
+        if not pools:
+            raise FailedPrecondition(f"no pool of {fleet_path} can run here: its kinds need providers this "
+                                     f"onnxruntime lacks (available: {', '.join(sorted(available))})")
+        self.fleet = Fleet(FleetConfig(pool_kinds=config.pool_kinds, pools=pools))
+        self.on_restart: RestartHook | None = None
+        self._token = token
+        self._watch_interval_s = watch_interval_s
+        env = {"OPML_AUTH_TOKENS": f"{token}=admin" if token else ""}
+        extra = ("--threads-per-replica", str(threads_per_replica)) if threads_per_replica else ()
+        self._workers = {
+            worker.id: PoolWorker(worker, WorkerProcess(worker.kind.name, fleet_path,
+                                                        work_dir / "workers" / f"{worker.id}.log", env=env,
+                                                        extra_args=extra, startup_timeout_s=startup_timeout_s))
+            for worker in self.fleet.workers}
+        self._task: asyncio.Task | None = None
+        self._restarts = metrics.counter("worker_restarts_total", "Worker processes restarted after they died.",
+                                         ("worker",))
+        alive = metrics.gauge("workers_alive", "Worker processes running, by pool kind.", ("pool_kind",))
+        for kind in {worker.kind.name for worker in self.fleet.workers}:
+            alive.labels(kind).set_function(
+                lambda kind=kind: sum(1 for w in self._workers.values() if w.worker.kind.name == kind and w.alive))
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        results = await asyncio.gather(*(asyncio.to_thread(w.process.start) for w in self._workers.values()),
+                                       return_exceptions=True)
+        errors = [result for result in results if isinstance(result, BaseException)]
+        if errors:
+            await self._stop_workers()
+            raise errors[0]
+        for pool_worker in self._workers.values():
+            pool_worker.client = WorkerClient(pool_worker.address, token=self._token)
+        log.info("workers started: %s", {w.worker.id: w.address for w in self._workers.values()})
+        self._task = asyncio.create_task(self._watch(), name="pool-watch")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self._stop_workers()
+
+    async def __aenter__(self) -> PoolManager:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    def get(self, worker_id: str) -> PoolWorker:
+        """Raises: NotFound for a worker the fleet does not run."""
+        try:
+            return self._workers[worker_id]
+        except KeyError:
+            raise NotFound(f"worker {worker_id!r} is not running in this router's pools") from None
+
+    def client(self, worker_id: str) -> WorkerClient:
+        pool_worker = self.get(worker_id)
+        assert pool_worker.client is not None, "the pools are not started"
+        return pool_worker.client
+
+    def workers(self) -> list[PoolWorker]:
+        return list(self._workers.values())
+
+    # -- watching --------------------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self._watch_interval_s)
+            for pool_worker in self._workers.values():
+                if not pool_worker.alive:
+                    await self._restart(pool_worker)
+
+    async def _restart(self, pool_worker: PoolWorker) -> None:
+        """Starts a dead worker again and tells ``on_restart``; a failed start is retried on a later
+        tick, backing off up to 30 s."""
+        old = pool_worker.address
+        code = pool_worker.process.process.returncode if pool_worker.process.process is not None else None
+        log.warning("worker %s at %s died (exit %s); restarting", pool_worker.worker.id, old, code)
+        pool_worker.process.kill()  # reaps it and closes its pipe
+        try:
+            await asyncio.to_thread(pool_worker.process.start)
+        except Exception as error:  # noqa: BLE001 - keep watching; try again later
+            pool_worker.failures += 1
+            log.error("worker %s failed to restart (%s); retrying", pool_worker.worker.id, error)
+            await asyncio.sleep(min(30.0, 0.5 * 2 ** pool_worker.failures))
+            return
+        pool_worker.failures = 0
+        pool_worker.restarts += 1
+        self._restarts.labels(pool_worker.worker.id).inc()
+        if pool_worker.client is not None:
+            await pool_worker.client.close()
+        pool_worker.client = WorkerClient(pool_worker.address, token=self._token)
+        log.info("worker %s restarted at %s", pool_worker.worker.id, pool_worker.address)
+        if self.on_restart is not None:
+            try:
+                await self.on_restart(pool_worker.worker.id, old, pool_worker.address)
+            except Exception:  # noqa: BLE001 - the hook logs its own failures; the watch goes on
+                log.exception("re-loading the replicas of restarted worker %s failed", pool_worker.worker.id)
+
+    async def _stop_workers(self) -> None:
+        await asyncio.gather(*(asyncio.to_thread(w.process.stop) for w in self._workers.values()))
+        for pool_worker in self._workers.values():
+            if pool_worker.client is not None:
+                await pool_worker.client.close()
+                pool_worker.client = None

@@ -1,0 +1,101 @@
+"""What the control plane remembers across restarts: deployed model versions (with where each came
+from) and the profiles measured on deploy, in Redis.
+
+A router restarted with these keys rebuilds its deployments: it fetches the bundles again where
+its work directory lost them, re-plans from the stored profiles (no re-profiling) and loads the
+replicas on its fresh workers. With the keys gone it starts empty (DESIGN: Redis is hot state).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from opml_inference_router.placement import ModelConfig
+
+DEPLOYING, SERVING, FAILED = "DEPLOYING", "SERVING", "FAILED"
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a version's bundle comes from: a bundle-store bundle, or a local directory (dev)."""
+
+    context: str = ""
+    bundle: str = ""
+    model_dir: str = ""
+
+    def __str__(self) -> str:
+        return f"contexts/{self.context}/bundles/{self.bundle}" if self.bundle else self.model_dir
+
+
+@dataclass
+class VersionRecord:
+    """One deployed (or failed) version of a model."""
+
+    version: int
+    source: Source
+    directory: str                      # the bundle on this machine (fetched, or the model_dir)
+    state: str = DEPLOYING
+    reason: str = ""
+    bundle_uuid: str = ""
+    created: float = field(default_factory=time.time)
+    config: ModelConfig | None = field(default=None, compare=False)  # read from directory; not stored
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("config")
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> VersionRecord:
+        return cls(**{**data, "source": Source(**data["source"])})
+
+
+@dataclass
+class ModelRecord:
+    """A deployed model: its versions and which one is stable (keeps the traffic a canary leaves)."""
+
+    name: str
+    versions: dict[int, VersionRecord] = field(default_factory=dict)
+    stable: int | None = None
+    traffic: dict[str, float] = field(default_factory=dict)  # version -> weight, as the router splits
+
+    def serving(self) -> list[VersionRecord]:
+        return [record for _, record in sorted(self.versions.items()) if record.state == SERVING]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "stable": self.stable, "traffic": self.traffic,
+                "versions": [record.to_dict() for record in self.versions.values()]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelRecord:
+        versions = [VersionRecord.from_dict(item) for item in data["versions"]]
+        return cls(data["name"], {record.version: record for record in versions}, data.get("stable"),
+                   dict(data.get("traffic", {})))
+
+
+class DeploymentStore:
+    """Model records (one hash field per model) and the profile book (one JSON value) in Redis."""
+
+    def __init__(self, redis: Any, *, prefix: str) -> None:
+        self._redis = redis
+        self._models_key = f"{prefix}inference-router:deployments"
+        self._profiles_key = f"{prefix}inference-router:profiles"
+
+    async def save_model(self, record: ModelRecord) -> None:
+        await self._redis.hset(self._models_key, record.name, json.dumps(record.to_dict()))
+
+    async def delete_model(self, name: str) -> None:
+        await self._redis.hdel(self._models_key, name)
+
+    async def save_profiles(self, profiles: dict[str, Any]) -> None:
+        await self._redis.set(self._profiles_key, json.dumps(profiles))
+
+    async def load(self) -> tuple[list[ModelRecord], dict[str, Any]]:
+        """The stored model records and profile book (empty when nothing is stored)."""
+        models = await self._redis.hgetall(self._models_key)
+        profiles = await self._redis.get(self._profiles_key)
+        records = [ModelRecord.from_dict(json.loads(value)) for _, value in sorted(models.items())]
+        return records, json.loads(profiles) if profiles else {}

@@ -1,0 +1,78 @@
+"""The control plane's calls to one worker: load (optionally profiling), unload, read a profile.
+
+The worker's repository extension (``RepositoryModelLoad``/``Unload``, ``ModelConfig``) over
+grpc.aio with the router's bearer token; failures come back as the worker's domain errors (an
+ONNX file onnxruntime refuses: ``InvalidArgument`` with onnxruntime's reason; no room:
+``ResourceExhausted``), so the deploy logic never sees a ``grpc.RpcError``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import grpc
+from opml_common.errors import OpmlError, Unavailable, from_status
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc
+
+from opml_inference_router.placement import Profile
+
+LOAD_TIMEOUT_S = 120.0
+CALL_TIMEOUT_S = 10.0
+
+
+class WorkerClient:
+    """Admin calls to the worker at ``address`` (host:port). ``close()`` releases the channel."""
+
+    def __init__(self, address: str, *, token: str | None = None) -> None:
+        self.address = address
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+
+    async def load(self, model: str, *, path: Path, version: int, precision: str | None = None,
+                   profile: bool = False) -> None:
+        """Loads ``version`` of the bundle at ``path``; returns once it serves.
+
+        Raises: what the worker's repository raises (InvalidArgument, NotFound, FailedPrecondition,
+        ResourceExhausted), or Unavailable when the worker cannot be reached.
+        """
+        request = pb.RepositoryModelLoadRequest(model_name=model)
+        request.parameters["path"].string_param = str(path)
+        request.parameters["version"].int64_param = version
+        if precision:
+            request.parameters["precision"].string_param = precision
+        if profile:
+            request.parameters["profile"].bool_param = True
+        await self._call(self._stub.RepositoryModelLoad, request, LOAD_TIMEOUT_S)
+
+    async def unload(self, model: str, version: int) -> None:
+        """Raises: NotFound (not loaded there), Unavailable."""
+        request = pb.RepositoryModelUnloadRequest(model_name=model)
+        request.parameters["version"].int64_param = version
+        await self._call(self._stub.RepositoryModelUnload, request, LOAD_TIMEOUT_S)
+
+    async def profile(self, model: str, version: int) -> Profile:
+        """The profile measured when ``version`` was loaded with ``profile``.
+
+        Raises: NotFound, Unavailable, FailedPrecondition (the load did not profile).
+        """
+        reply = await self._call(self._stub.ModelConfig,
+                                 pb.ModelConfigRequest(name=model, version=str(version)), CALL_TIMEOUT_S)
+        parameter = reply.config.parameters.get("opml_profile")
+        if parameter is None:
+            raise OpmlError(f"worker {self.address} reports no profile of {model} v{version}")
+        return Profile.from_dict(json.loads(parameter.string_value))
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def _call(self, method, request, timeout_s: float):
+        try:
+            return await method(request, timeout=timeout_s, metadata=self._metadata)
+        except grpc.aio.AioRpcError as error:
+            code = error.code()
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                raise Unavailable(f"worker {self.address}: {error.details() or code.name}") from None
+            raise from_status(code.name, error.details() or "") from None

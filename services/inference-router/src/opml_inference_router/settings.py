@@ -1,0 +1,45 @@
+"""inference-router settings: ``OPML_INFERENCE_ROUTER_*`` (the shared ones are in opml_common.config).
+
+The worker processes the router starts have their own ``OPML_INFERENCE_ROUTER_WORKER_*`` settings
+(:mod:`opml_inference_router.worker.settings`); the router passes them what they need as flags.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from opml_common.config import ServiceSettings
+from pydantic import Field, SecretStr
+from pydantic_settings import SettingsConfigDict
+
+# The fleet of one machine, shipped inside the package so installed (non-editable) copies have it too.
+LOCAL_FLEET = Path(__file__).resolve().parent / "fleet-local.yaml"
+
+
+class RouterSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="OPML_INFERENCE_ROUTER_", frozen=True, extra="ignore")
+
+    grpc_port: int = Field(50053, ge=0, le=65535, description="gRPC port of the KServe v2 and deployment APIs "
+                                                              "(0 picks a free one).")
+    metrics_port: int = Field(9153, ge=0, le=65535, description="Prometheus /metrics port (0 picks a free one).")
+    home: Path = Field(Path.home() / ".opml" / "inference-router",
+                       description="Work directory: fetched bundles, worker logs, the event outbox.")
+    fleet: Path | None = Field(None, description="Fleet file: the pool kinds and the pools of local workers to "
+                               "start (kinds whose execution provider is missing are skipped); unset: the package's "
+                               "fleet-local.yaml (2 cpu workers, 1 emulated int8 accel worker, gpu where CUDA is).")
+    bundle_store_target: str = Field("127.0.0.1:50051", description="host:port of the bundle-store service.")
+    bundle_store_token: SecretStr = Field(SecretStr(""), description="Bearer token for the bundle-store "
+                                                                     "(reader role); empty: none.")
+    worker_token: SecretStr = Field(
+        SecretStr(""), description="Bearer token the router and its workers share (workers accept only it); "
+        "empty: a random one per start.")
+    worker_threads_per_replica: int = Field(0, ge=0, description="Intra-op threads per replica on the workers "
+                                                                 "(0: a worker's cores / its kind's slots).")
+    worker_startup_timeout_s: float = Field(60.0, gt=0, description="How long a worker may take to serve.")
+    replan_interval_s: float = Field(30.0, ge=0, description="Seconds between checks of measured rate and p99 "
+                                                             "against the plan (0: never re-place).")
+    autodeploy: bool = Field(True, description="Deploy committed bundles tagged serve=true from the bundles topic.")
+
+    @property
+    def fleet_path(self) -> Path:
+        return self.fleet or LOCAL_FLEET

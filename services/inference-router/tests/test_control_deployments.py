@@ -1,0 +1,257 @@
+"""The control plane over REAL worker processes: deploy from a model directory, placement within
+slots, a broken ONNX file, canary/promote/rollback through the DeploymentService RPCs."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import pytest_asyncio
+import yaml
+from opml.bundles.v1 import bundles_pb2
+from opml.bundles.v1 import events_pb2 as bundle_events
+from opml_common.bus import CloudEvent
+from opml_common.config import PlatformSettings, ServiceSettings
+from opml_common.errors import FailedPrecondition, InvalidArgument
+from opml_common.grpc.server import GrpcServer
+from opml_common.metrics import ServiceMetrics
+from opml.inference.v1 import deployment_events_pb2 as events
+from opml.inference.v1 import deployments_pb2 as pb
+from prometheus_client import CollectorRegistry
+from tritonclient.grpc import service_pb2
+
+from opml_inference_router.client import DeploymentClient
+from opml_inference_router.control import DeploymentManager, Observer, PoolManager, Source
+from opml_inference_router.control.autodeploy import AutoDeployer
+from opml_inference_router.control.convert import placement
+from opml_inference_router.placement import FleetConfig, ModelVersion
+from opml_inference_router.routing import Router
+from opml_inference_router.routing.grpc_replica import GrpcReplica
+from opml_inference_router.routing.metrics import RouterMetrics
+from opml_inference_router.servicer import METHOD_ROLES, DeploymentServicer
+from opml_inference_router.testing import mlp_classifier, mlp_config, write_model_dir
+from opml_inference_router.testing.models import write_broken_onnx
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+FLEET = {
+    "pool_kinds": [
+        {"name": "cpu", "precisions": ["fp32"], "memory_mib": 2048, "slots": 2, "cost_per_hour": 0.4,
+         "execution_provider": "CPUExecutionProvider"},
+        {"name": "accel", "precisions": ["int8"], "memory_mib": 1024, "slots": 1, "cost_per_hour": 0.1,
+         "execution_provider": "CPUExecutionProvider", "batch_sizes": [1, 8, 32]},
+        {"name": "gpu", "precisions": ["fp32"], "memory_mib": 8192, "slots": 4, "cost_per_hour": 2.0,
+         "execution_provider": "NoSuchExecutionProvider"},
+    ],
+    "pools": [{"name": "cpu", "kind": "cpu", "workers": 2}, {"name": "accel", "kind": "accel", "workers": 1},
+              {"name": "gpu", "kind": "gpu", "workers": 1}],
+}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pools(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[PoolManager]:
+    """Two cpu workers and one emulated accelerator (the gpu kind's provider does not exist)."""
+    root = tmp_path_factory.mktemp("pools")
+    fleet_path = root / "fleet.yaml"
+    fleet_path.write_text(yaml.safe_dump(FLEET))
+    metrics = ServiceMetrics("inference-router", registry=CollectorRegistry())
+    manager = PoolManager(FleetConfig.from_dict(FLEET), fleet_path, work_dir=root, metrics=metrics,
+                          token="worker-secret", threads_per_replica=1)
+    async with manager:
+        yield manager
+
+
+@dataclass
+class ControlPlane:
+    manager: DeploymentManager
+    emitted: list  # (subject, event) in the order the manager emitted them
+    metrics: ServiceMetrics  # the router's metrics, which the observer reads
+    clock: list[float]  # the observer's clock: clock[0] seconds
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def deployments(pools: PoolManager) -> AsyncIterator[ControlPlane]:
+    """A fresh control plane over the module's workers; every model is undeployed after the test."""
+    metrics = ServiceMetrics("inference-router", registry=CollectorRegistry())
+    router = Router(connect=lambda address: GrpcReplica(address, token="worker-secret"), metrics=metrics,
+                    rng=random.Random(3))
+    emitted: list = []
+    clock = [0.0]
+
+    async def emit(message, subject: str) -> None:
+        emitted.append((subject, message))
+
+    manager = DeploymentManager(pools=pools, router=router, observer=Observer(metrics.registry, clock=lambda: clock[0]),
+                                emit=emit, replan_interval_s=0)
+    await manager.start()
+    try:
+        yield ControlPlane(manager, emitted, metrics, clock)
+    finally:
+        await manager.stop()
+        for name in list(manager.models):
+            await manager.undeploy(name)
+        await router.close()
+
+
+def _bundle(root: Path, name: str, *, kinds=("cpu", "accel"), seed: int = 0, rate_rps: float = 100.0) -> Path:
+    config = {**mlp_config(name, pool_kinds=kinds, precisions=("fp32", "int8"), p99_ms=100.0),
+              "expected_rate_rps": rate_rps}
+    return write_model_dir(root / f"{name}-{seed}", config, mlp_classifier(seed=seed))
+
+
+def _request(name: str, seed: int = 0, version: str = "") -> bytes:
+    data = np.random.default_rng(seed).standard_normal((1, 16)).astype(np.float32)
+    request = service_pb2.ModelInferRequest(model_name=name, model_version=version)
+    request.inputs.add(name="features", datatype="FP32", shape=[1, 16])
+    request.raw_input_contents.append(data.tobytes())
+    return request.SerializeToString()
+
+
+async def _infer(router: Router, name: str, seed: int = 0) -> tuple[str, np.ndarray]:
+    routed = await router.infer(name, "", _request(name, seed), timeout_s=10)
+    response = service_pb2.ModelInferResponse.FromString(routed.response)
+    return routed.version, np.frombuffer(response.raw_output_contents[0], dtype=np.float32)
+
+
+async def test_deploy_from_dir_serves_and_placement_respects_slots(deployments, tmp_path: Path) -> None:
+    manager, emitted = deployments.manager, deployments.emitted
+    record = await manager.deploy(Source(model_dir=str(_bundle(tmp_path, "small"))))
+    assert [e.state for e in record.versions.values()] == ["SERVING"]
+    version, scores = await _infer(manager.router, "small")
+    assert version == "1" and scores.shape == (4,) and abs(float(scores.sum()) - 1) < 1e-3
+    # Profiled on both allowed kinds that run here; the cheap int8 accelerator wins at this rate.
+    assert {p.pool_kind for p in manager.profiles} == {"cpu", "accel"}
+    assert [s.option.pool_kind for s in manager.plan.placements.values()] == ["accel"]
+    assert any(subject == "small" and isinstance(m, events.ModelDeployed) for subject, m in emitted)
+
+    # cpu-only models take 3 of the 2 x 2 cpu slots; one needing more replicas than the free slot is
+    # refused by the planner; the fourth takes the last slot; then no worker has room even to profile.
+    for index in range(3):
+        await manager.deploy(Source(model_dir=str(_bundle(tmp_path, f"cpu{index}", kinds=("cpu",)))))
+    with pytest.raises(FailedPrecondition, match="cannot be placed"):  # the MLP runs ~1M rps per replica
+        await manager.deploy(Source(model_dir=str(_bundle(tmp_path, "hot", kinds=("cpu",), rate_rps=1e9))))
+    await manager.deploy(Source(model_dir=str(_bundle(tmp_path, "cpu3", kinds=("cpu",)))))
+    with pytest.raises(FailedPrecondition, match="0 free of 2"):
+        await manager.deploy(Source(model_dir=str(_bundle(tmp_path, "cpu4", kinds=("cpu",)))))
+    assert manager.models["hot"].versions[1].state == manager.models["cpu4"].versions[1].state == "FAILED"
+    view = placement(manager)
+    assert view.unavailable_pool_kinds == ["gpu"]
+    for worker in view.workers:
+        assert worker.used_slots <= worker.slots and worker.used_memory_mib <= worker.memory_mib
+    assert Counter(w.pool_kind for w in view.workers for _ in w.replicas) == {"cpu": 4, "accel": 1}
+    for name in ("small", "cpu0", "cpu1", "cpu2", "cpu3"):
+        assert (await _infer(manager.router, name))[0] == "1"
+    failed = [m for _, m in emitted if isinstance(m, events.DeployFailed)]
+    assert [m.model for m in failed] == ["hot", "cpu4"] and failed[0].code == "FAILED_PRECONDITION"
+
+
+async def test_broken_onnx_fails_with_the_loaders_reason_and_other_models_serve(deployments, tmp_path: Path) -> None:
+    manager, emitted = deployments.manager, deployments.emitted
+    await manager.deploy(Source(model_dir=str(_bundle(tmp_path, "good"))))
+    broken = _bundle(tmp_path, "broken")
+    write_broken_onnx(broken / "model.onnx")
+    with pytest.raises(InvalidArgument) as caught:
+        await manager.deploy(Source(model_dir=str(broken)))
+    assert "NoSuchOperator" in caught.value.message  # onnxruntime's own words
+    entry = manager.models["broken"].versions[1]
+    assert entry.state == "FAILED" and "NoSuchOperator" in entry.reason
+    assert "broken" not in manager.router.models()
+    assert all(m.name == "good" for m in manager.plan.placements)
+    assert (await _infer(manager.router, "good"))[0] == "1"
+    failed = [m for _, m in emitted if isinstance(m, events.DeployFailed)]
+    assert failed[-1].model == "broken" and failed[-1].code == "INVALID_ARGUMENT" and failed[-1].model_dir
+    with pytest.raises(InvalidArgument, match="pool_kinds"):
+        await manager.deploy(Source(model_dir=str(_bundle(tmp_path, "tpu", kinds=("tpu",)))))
+
+
+async def test_canary_promote_and_rollback_through_the_rpcs(deployments, tmp_path: Path) -> None:
+    manager, emitted = deployments.manager, deployments.emitted
+    servicer = DeploymentServicer(manager)
+    server = GrpcServer(settings=ServiceSettings(host="127.0.0.1", grpc_port=0, metrics_port=0),
+                        platform=PlatformSettings(auth_tokens=""),
+                        metrics=ServiceMetrics("inference-router", registry=CollectorRegistry()),
+                        registrations=[servicer.registration()], method_roles=METHOD_ROLES)
+    async with server:
+        client = DeploymentClient(f"127.0.0.1:{server.port}")
+        try:
+            call = asyncio.to_thread
+            first = await call(client.deploy, model_dir=str(_bundle(tmp_path, "clf", seed=1)))
+            assert first.stable_version == 1 and first.versions[0].traffic_percent == 100
+            canary = await call(client.deploy, model_dir=str(_bundle(tmp_path, "clf", seed=2)), canary_percent=25)
+            assert {v.version: v.traffic_percent for v in canary.versions} == {1: 75, 2: 25}
+            assert all(v.state == pb.SERVING and v.replicas and v.profiles for v in canary.versions)
+            seen = Counter([(await _infer(manager.router, "clf", seed))[0] for seed in range(80)])
+            assert seen["1"] > seen["2"] > 5
+
+            promoted = await call(client.promote, "clf")
+            assert [(v.version, v.traffic_percent) for v in promoted.versions] == [(2, 100)]  # v1 retired
+            assert {m.version for m in manager.plan.placements} == {2}
+
+            await call(client.deploy, model_dir=str(_bundle(tmp_path, "clf", seed=3)), canary_percent=50)
+            rolled = await call(client.rollback, "clf")
+            assert rolled.stable_version == 2 and [v.version for v in rolled.versions] == [2]
+            assert {(await _infer(manager.router, "clf", seed))[0] for seed in range(10)} == {"2"}
+            split = await call(client.set_traffic, "clf", {"2": 1})
+            assert split.versions[0].traffic_percent == 100
+            with pytest.raises(Exception, match="does not serve"):
+                await call(client.set_traffic, "clf", {"7": 1})
+            assert [d.model for d in await call(client.list)] == ["clf"]
+            plan = await call(client.placement)
+            assert sum(len(w.replicas) for w in plan.workers) == 1 and plan.cost_per_hour > 0
+            causes = [m.cause for _, m in emitted if isinstance(m, events.TrafficChanged)]
+            assert causes == ["deploy", "canary", "promote", "canary", "rollback", "set_traffic"]
+            await call(client.undeploy, "clf")
+            assert "clf" not in manager.models and not manager.plan.placements
+        finally:
+            client.close()
+
+
+async def test_a_measured_p99_above_the_slo_re_places_the_model(deployments, tmp_path: Path) -> None:
+    manager, emitted = deployments.manager, deployments.emitted
+    model = ModelVersion("drifty", 1)
+    await manager.deploy(Source(model_dir=str(_bundle(tmp_path, "drifty", kinds=("cpu",)))))
+    before = manager.plan.placements[model]
+    assert not (await manager.replan_once()).reasons  # the first look only opens the window
+    # Serving measured 100 rps at a p99 of 150 ms over 10 s, above the 100 ms SLO.
+    served = RouterMetrics(deployments.metrics).version("drifty", "1")
+    served.ok.inc(1000)
+    for _ in range(1000):
+        served.duration.observe(0.15)
+    deployments.clock[0] += 10
+    replan = await manager.replan_once()
+    assert "above the SLO" in replan.reasons[model] and replan.moves
+    # The profile was scaled to what serving measured and the model re-sized on it (more replicas
+    # or a larger batch cap); the moves ran, each new replica ready before an old one went.
+    after = manager.plan.placements[model]
+    assert manager.profiles.get(model, "cpu").latency_ms(1) > 10 * before.option.predicted_p99_ms
+    assert (after.option.max_batch, len(after.workers)) != (before.option.max_batch, len(before.workers))
+    assert (await _infer(manager.router, "drifty"))[0] == "1"
+    routed = {r["replica"] for r in manager.router.describe("drifty")["versions"]["1"]}
+    assert routed == {manager.pools.get(worker).address for worker in after.workers}
+    changed = [m for _, m in emitted if isinstance(m, events.PlacementChanged)][-1]
+    assert changed.replicas_added >= 1 and "above the SLO" in " ".join(changed.reasons)
+
+
+async def test_autodeploy_acts_only_on_commits_tagged_serve_and_reports_bad_ones(deployments) -> None:
+    manager, emitted = deployments.manager, deployments.emitted
+    handle = AutoDeployer(manager)
+
+    def committed(tags: dict[str, str]) -> CloudEvent:
+        bundle = bundles_pb2.Bundle(context="lab", bundle_name="clf", uuid=f"u-{len(tags)}", tags=tags, committed=True)
+        return CloudEvent.from_proto(bundle_events.BundleCommitted(bundle=bundle), source="test", subject="clf")
+
+    await handle(committed({"stage": "candidate"}))  # not for serving
+    await handle(CloudEvent.from_proto(bundle_events.BundleDeleted(context="lab", uuid="u"), source="t", subject="c"))
+    assert emitted == []
+    await handle(committed({"serve": "true", "version": "two"}))  # a bad tag is reported, not retried
+    await handle(committed({"serve": "true", "version": "2", "canary": "10"}))  # no bundle-store here
+    failed = [m for _, m in emitted if isinstance(m, events.DeployFailed)]
+    assert [(m.code, m.bundle.context, m.bundle.bundle) for m in failed] == [
+        ("INVALID_ARGUMENT", "lab", "u-2"), ("FAILED_PRECONDITION", "lab", "u-3")]
+    assert "tags.version" in failed[0].reason and not manager.models

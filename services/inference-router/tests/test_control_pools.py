@@ -1,0 +1,159 @@
+"""The pool manager over REAL worker processes: a SIGKILLed worker is restarted, its replicas are
+loaded again and the router follows its new address."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from opml_common.errors import FailedPrecondition
+from opml_common.metrics import ServiceMetrics
+from opml_common.testing.bus import sample
+from opml.inference.v1 import deployment_events_pb2 as events
+from prometheus_client import CollectorRegistry
+from tritonclient.grpc import service_pb2
+
+from opml_inference_router.control import DeploymentManager, Observer, PoolManager, Source
+from opml_inference_router.placement import FleetConfig, ModelDemand, ModelVersion
+from opml_inference_router.routing import Router
+from opml_inference_router.routing.grpc_replica import GrpcReplica
+from opml_inference_router.routing.metrics import RouterMetrics
+from opml_inference_router.testing import mlp_config, write_model_dir
+
+FLEET = {
+    "pool_kinds": [{"name": "cpu", "precisions": ["fp32"], "memory_mib": 2048, "slots": 2, "cost_per_hour": 0.4,
+                    "execution_provider": "CPUExecutionProvider"},
+                   {"name": "gpu", "precisions": ["fp32"], "memory_mib": 2048, "slots": 2, "cost_per_hour": 2.0,
+                    "execution_provider": "CUDAExecutionProvider"}],
+    "pools": [{"name": "cpu", "kind": "cpu", "workers": 1}, {"name": "gpu", "kind": "gpu", "workers": 1}],
+}
+
+
+def _request(name: str) -> bytes:
+    request = service_pb2.ModelInferRequest(model_name=name)
+    request.inputs.add(name="features", datatype="FP32", shape=[1, 16])
+    request.raw_input_contents.append(np.ones((1, 16), dtype=np.float32).tobytes())
+    return request.SerializeToString()
+
+
+async def test_a_killed_worker_is_restarted_and_its_model_serves_again(tmp_path: Path) -> None:
+    fleet_path = tmp_path / "fleet.yaml"
+    fleet_path.write_text(yaml.safe_dump(FLEET))
+    metrics = ServiceMetrics("inference-router", registry=CollectorRegistry())
+    pools = PoolManager(FleetConfig.from_dict(FLEET), fleet_path, work_dir=tmp_path, metrics=metrics,
+                        token="worker-secret", threads_per_replica=1, watch_interval_s=0.1,
+                        providers=["CPUExecutionProvider"])
+    assert pools.unavailable_kinds == ["gpu"] and [w.id for w in pools.fleet.workers] == ["cpu-000"]
+    router = Router(connect=lambda address: GrpcReplica(address, token="worker-secret"), metrics=metrics,
+                    rng=random.Random(0))
+    emitted = []
+
+    async def emit(message, subject: str) -> None:
+        emitted.append(message)
+
+    manager = DeploymentManager(pools=pools, router=router, observer=Observer(metrics.registry), emit=emit,
+                                replan_interval_s=0)
+    model_dir = write_model_dir(tmp_path / "m", mlp_config("m", pool_kinds=("cpu",), precisions=("fp32",)))
+    async with pools:
+        try:
+            await manager.deploy(Source(model_dir=str(model_dir)))
+            await router.infer("m", "", _request("m"), timeout_s=5)
+            worker = pools.get("cpu-000")
+            old = worker.address
+            worker.process.process.kill()  # SIGKILL: no goodbye
+            deadline = time.monotonic() + 60
+            while True:  # requests fail while the only worker is down, then serve from its successor
+                try:
+                    routed = await router.infer("m", "", _request("m"), timeout_s=2)
+                    break
+                except Exception:  # noqa: BLE001 - expected until the restart completes
+                    assert time.monotonic() < deadline, "the model did not serve again within 60 s"
+                    await asyncio.sleep(0.1)
+            assert worker.restarts == 1 and worker.address != old and routed.replica == worker.address
+            assert sample(metrics.registry, "opml_inference_router_worker_restarts_total", worker="cpu-000") == 1
+            assert [s["replica"] for s in router.describe("m")["versions"]["1"]] == [worker.address]
+            changed = [m for m in emitted if isinstance(m, events.PlacementChanged)]
+            assert "worker cpu-000 restarted" in changed[-1].reasons[0]
+            assert changed[-1].placement.workers[0].restarts == 1
+        finally:
+            await router.close()
+
+
+async def test_a_worker_killed_under_load_loses_no_request_and_gets_its_replica_back(tmp_path: Path) -> None:
+    fleet = {**FLEET, "pools": [{"name": "cpu", "kind": "cpu", "workers": 2}]}
+    fleet_path = tmp_path / "fleet.yaml"
+    fleet_path.write_text(yaml.safe_dump(fleet))
+    metrics = ServiceMetrics("inference-router", registry=CollectorRegistry())
+    pools = PoolManager(FleetConfig.from_dict(fleet), fleet_path, work_dir=tmp_path, metrics=metrics,
+                        token="worker-secret", threads_per_replica=1, watch_interval_s=0.1)
+    router = Router(connect=lambda address: GrpcReplica(address, token="worker-secret"), metrics=metrics,
+                    rng=random.Random(1))
+    clock = [0.0]
+    manager = DeploymentManager(pools=pools, router=router, replan_interval_s=0,
+                                observer=Observer(metrics.registry, clock=lambda: clock[0]))
+    model = ModelVersion("m", 1)
+    async with pools:
+        try:
+            await manager.deploy(Source(model_dir=str(write_model_dir(
+                tmp_path / "m", mlp_config("m", pool_kinds=("cpu",), precisions=("fp32",))))))
+            assert len(manager.plan.placements[model].workers) == 1
+            # Serving measured a rate that needs two replicas by the model's own profile: re-placed on both workers.
+            config, profile = manager.models["m"].versions[1].config, manager.profiles.get(model, "cpu")
+            rate = next(r for r in (100 * 1.5 ** k for k in range(60))
+                        if manager.planner.policy.options(ModelDemand(config, 1, r), {"cpu": profile},
+                                                          manager.fleet)[0].replicas == 2)
+            await manager.replan_once()  # opens the measuring window
+            RouterMetrics(metrics).version("m", "1").ok.inc(rate * 10)
+            clock[0] += 10
+            assert "above the planned" in (await manager.replan_once()).reasons[model]
+            assert sorted(manager.plan.placements[model].workers) == ["cpu-000", "cpu-001"]
+
+            outcomes: Counter[str] = Counter()
+            stop = asyncio.Event()
+
+            async def load() -> None:
+                while not stop.is_set():
+                    try:
+                        await router.infer("m", "", _request("m"), timeout_s=5)
+                        outcomes["ok"] += 1
+                    except Exception as error:  # noqa: BLE001 - counted: the test wants none
+                        outcomes[type(error).__name__] += 1
+
+            doomed = pools.get("cpu-001")
+            old = doomed.address
+            clients = [asyncio.create_task(load()) for _ in range(8)]
+            try:
+                await asyncio.sleep(0.5)
+                before = outcomes["ok"]
+                doomed.process.process.kill()  # SIGKILL with requests in flight
+                deadline = time.monotonic() + 60
+                while doomed.restarts == 0 or old in _replicas(router):
+                    assert time.monotonic() < deadline, "the worker was not restarted and re-routed in 60 s"
+                    await asyncio.sleep(0.1)
+                await asyncio.sleep(0.5)  # requests flow to the restarted worker too
+            finally:
+                stop.set()
+                await asyncio.gather(*clients)
+            assert before > 0 and outcomes["ok"] > before and set(outcomes) == {"ok"}, outcomes
+            assert _replicas(router) == {pools.get("cpu-000").address, doomed.address}
+            # Requests that met the dead worker failed over (retried, or a backup answered) and it was ejected.
+            assert sample(metrics.registry, "opml_inference_router_replica_ejections_total", model="m", version="1",
+                          replica=old) >= 1
+        finally:
+            await router.close()
+
+
+def _replicas(router: Router) -> set[str]:
+    return {replica["replica"] for replica in router.describe("m")["versions"]["1"]}
+
+
+def test_a_fleet_with_no_runnable_pool_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(FailedPrecondition, match="no pool"):
+        PoolManager(FleetConfig.from_dict(FLEET), tmp_path / "fleet.yaml", work_dir=tmp_path,
+                    metrics=ServiceMetrics("inference-router", registry=CollectorRegistry()), providers=[])

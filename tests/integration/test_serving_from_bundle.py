@@ -1,0 +1,102 @@
+"""Flow 2's first half across services: a model bundle committed to the bundle-store with the tag
+serve=true is deployed by the inference-router from the bundles topic and answers tritonclient.
+Both services run as real processes on the real broker, S3 and Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import tritonclient.grpc as triton
+import yaml
+from opml.inference.v1 import deployment_events_pb2 as events
+from opml.inference.v1 import deployments_pb2 as pb
+from opml_bundle_store.client import BundleStoreClient
+from opml_common.bus import CloudEvent
+from opml_common.devinfra import free_port
+from opml_common.errors import NotFound
+from opml_common.process import ServiceProcess
+from opml_common.testing.bus import read_records
+from opml_common.topics import DEPLOYMENTS
+from opml_inference_router.client import DeploymentClient
+from opml_inference_router.testing import mlp_config, write_model_dir
+from opml_inference_router.testing.models import write_broken_onnx
+
+TOKENS = {"admin": "admin-token", "writer": "writer-token", "reader": "reader-token"}
+FLEET = {
+    "pool_kinds": [{"name": "cpu", "precisions": ["fp32"], "memory_mib": 2048, "slots": 2, "cost_per_hour": 0.4,
+                    "execution_provider": "CPUExecutionProvider"}],
+    "pools": [{"name": "cpu", "kind": "cpu", "workers": 1}],
+}
+
+
+def _wait_serving(client: DeploymentClient, model: str, version: int, timeout_s: float = 60.0) -> pb.Deployment:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            deployment = client.get(model)
+            if any(v.version == version and v.state == pb.SERVING for v in deployment.versions):
+                return deployment
+        except NotFound:
+            pass
+        assert time.monotonic() < deadline, f"{model} v{version} did not serve within {timeout_s}s"
+        time.sleep(0.2)
+
+
+def test_a_committed_bundle_tagged_serve_is_deployed_and_answers(settings_env, platform_settings,
+                                                                  tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(yaml.safe_dump(FLEET))
+    store_port, router_port = free_port(), free_port()
+    env = {**settings_env, "OPML_AUTH_TOKENS": ",".join(f"{token}={role}" for role, token in TOKENS.items()),
+           "OPML_BUNDLE_STORE_HOME": str(tmp_path / "store"), "OPML_BUNDLE_STORE_GRPC_PORT": str(store_port),
+           "OPML_BUNDLE_STORE_METRICS_PORT": str(free_port()),
+           "OPML_INFERENCE_ROUTER_HOME": str(tmp_path / "router"), "OPML_INFERENCE_ROUTER_FLEET": str(fleet),
+           "OPML_INFERENCE_ROUTER_GRPC_PORT": str(router_port), "OPML_INFERENCE_ROUTER_METRICS_PORT": str(free_port()),
+           "OPML_INFERENCE_ROUTER_BUNDLE_STORE_TARGET": f"127.0.0.1:{store_port}",
+           "OPML_INFERENCE_ROUTER_BUNDLE_STORE_TOKEN": TOKENS["reader"],
+           "OPML_INFERENCE_ROUTER_WORKER_THREADS_PER_REPLICA": "1"}
+    model_dir = write_model_dir(tmp_path / "mlp", mlp_config("mlp", pool_kinds=("cpu",), precisions=("fp32",)))
+    files = {"model.onnx": model_dir / "model.onnx", "model.yaml": model_dir / "model.yaml"}
+    with ServiceProcess("opml_bundle_store", store_port, env, tmp_path / "bundle-store.log"), \
+            ServiceProcess("opml_inference_router", router_port, env, tmp_path / "router.log") as router, \
+            BundleStoreClient(f"127.0.0.1:{store_port}", token=TOKENS["writer"]) as store, \
+            DeploymentClient(router.target, token=TOKENS["reader"]) as deployments:
+        store.create_context("serving")
+        store.add("serving", "mlp-notes", {"README": b"not a model"}, commit=True)  # no serve tag: ignored
+        bundle = store.add("serving", "mlp", files, tags={"serve": "true"}, commit=True)
+
+        deployment = _wait_serving(deployments, "mlp", 1)
+        served = deployment.versions[0]
+        assert served.bundle.context == "serving" and served.bundle_uuid == bundle.uuid
+
+        data = np.random.default_rng(1).standard_normal((3, 16)).astype(np.float32)
+        expected = ort.InferenceSession(str(model_dir / "model.onnx")).run(None, {"features": data})[0]
+        with triton.InferenceServerClient(router.target) as client:
+            tensor = triton.InferInput("features", list(data.shape), "FP32")
+            tensor.set_data_from_numpy(data)
+            result = client.infer("mlp", [tensor], headers={"authorization": f"Bearer {TOKENS['writer']}"})
+        np.testing.assert_allclose(result.as_numpy("scores"), expected, rtol=1e-5)
+
+        # A broken ONNX file in a bundle tagged for serving: DeployFailed with onnxruntime's reason; v1 serves on.
+        broken = write_broken_onnx(tmp_path / "broken" / "model.onnx")
+        store.add("serving", "mlp", {"model.onnx": broken, "model.yaml": model_dir / "model.yaml"},
+                  tags={"serve": "true", "version": "2"}, commit=True)
+        prefix = platform_settings.topic_prefix
+        deadline = time.monotonic() + 60
+        while True:
+            records = asyncio.run(read_records(platform_settings, DEPLOYMENTS.full_name(prefix), 1, timeout_s=10))
+            failed = [CloudEvent.from_kafka(r.headers, r.value) for r in records]
+            failed = [e.parse(events.DeployFailed) for e in failed if e.type.endswith("DeployFailed")]
+            if failed or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert failed and failed[0].model == "mlp" and failed[0].version == 2
+        assert failed[0].code == "INVALID_ARGUMENT" and "NoSuchOperator" in failed[0].reason
+        states = {v.version: v.state for v in deployments.get("mlp").versions}
+        assert states == {1: pb.SERVING, 2: pb.FAILED}
+        with triton.InferenceServerClient(router.target) as client:
+            assert client.is_model_ready("mlp", headers={"authorization": f"Bearer {TOKENS['reader']}"})
