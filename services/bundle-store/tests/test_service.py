@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import urllib.request
 from pathlib import Path
 
@@ -25,10 +26,17 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def test_round_trip_across_two_contexts_with_events(admin: BundleStoreClient, remote_url: str,
+def _bytes_moved(bundle_store) -> dict[str, float]:
+    port = bundle_store.env["OPML_BUNDLE_STORE_METRICS_PORT"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {m[0]: float(m[1]) for m in re.findall(r'opml_bundle_store_transfer_bytes_total\{direction="(\w+)"\} (\S+)', text)}
+
+
+def test_round_trip_across_two_contexts_with_events(bundle_store, admin: BundleStoreClient, remote_url: str,
                                                     platform_settings, tmp_path: Path) -> None:
     files = {"model/weights.bin": bytes(range(256)) * 4096, "metrics.json": b'{"accuracy": 0.97}',
              "empty.txt": b""}
+    before = _bytes_moved(bundle_store)
     admin.create_context("plant-a", remote_url)
     admin.create_context("plant-b", remote_url)
     added = admin.add("plant-a", "classifier", files, values={"accuracy": 0.97, "epochs": 3, "ok": True},
@@ -47,6 +55,9 @@ def test_round_trip_across_two_contexts_with_events(admin: BundleStoreClient, re
     assert copy.values["accuracy"].float_value == 0.97 and copy.values["ok"].bool_value
     written = admin.download("plant-b", added.uuid, tmp_path / "out")
     assert {p.relative_to(tmp_path / "out").as_posix(): p.read_bytes() for p in written} == files
+    after, size = _bytes_moved(bundle_store), sum(map(len, files.values()))
+    assert {d: after[d] - before.get(d, 0) for d in after} == {"upload": size, "push": size, "pull": size,
+                                                               "read": size}
 
     assert admin.delete("plant-a", added.uuid) == [added.uuid]
     records = asyncio.run(read_records(platform_settings, BUNDLES.full_name(platform_settings.topic_prefix), 3))

@@ -193,13 +193,13 @@ async def test_request_errors_are_the_same_everywhere(executor: Executor) -> Non
         await executor.launch(job, program, placement(job), attempt=1)
     with pytest.raises(FailedPrecondition, match="still runs attempt 0"):
         await executor.recover("bad", 1)
-    await executor.recover("bad", 0)  # the run it tracks: nothing to do
+    assert await executor.recover("bad", 0) == placement(job)  # the run it tracks: nothing to do
     await executor.terminate("bad", 0.5)
     assert job_event(await until_job_event(executor, "bad")).outcome is JobOutcome.STOPPED
 
 
 async def test_recovering_a_run_of_which_nothing_is_left_reports_it_stopped_and_retriable(executor: Executor) -> None:
-    await executor.recover("ghost", 3)
+    assert await executor.recover("ghost", 3) is None
     event = job_event(await until_job_event(executor, "ghost"))
     assert (event.outcome, event.attempt, event.retriable) == (JobOutcome.STOPPED, 3, True)
     with pytest.raises(NotFound):
@@ -208,3 +208,19 @@ async def test_recovering_a_run_of_which_nothing_is_left_reports_it_stopped_and_
     await executor.launch(job, JobProgram(commands={"worker": py("print('fresh')")}), placement(job), attempt=4)
     assert job_event(await until_job_event(executor, "ghost")).outcome is JobOutcome.SUCCEEDED
     assert "fresh" in await executor.logs("ghost", "worker", 0)
+
+
+async def test_logs_from_a_byte_offset(executor: Executor) -> None:
+    job = spec("offsets", worker=1)
+    code = "import sys; sys.stdout.buffer.write('héllo wörld\\n'.encode() + bytes([0xff]) + b'end')"
+    await executor.launch(job, JobProgram(commands={"worker": py(code)}), placement(job), attempt=0)
+    assert job_event(await until_job_event(executor, "offsets")).outcome is JobOutcome.SUCCEEDED
+    whole = await executor.logs("offsets", "worker", 0)
+    raw = whole.encode("utf-8", "surrogateescape")
+    assert raw == "héllo wörld\n".encode() + b"\xffend"  # exactly the bytes written, even invalid ones
+    for offset in range(len(raw) + 1):  # every cut, through the middle of a character too
+        assert (await executor.logs("offsets", "worker", 0, offset=offset)).encode("utf-8", "surrogateescape") \
+            == raw[offset:]
+    assert await executor.logs("offsets", "worker", 0, offset=len(raw) + 10) == ""
+    with pytest.raises(InvalidArgument, match=r"^offset: "):
+        await executor.logs("offsets", "worker", 0, offset=-1)

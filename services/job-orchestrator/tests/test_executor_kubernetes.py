@@ -264,13 +264,14 @@ async def test_a_restarted_executor_readopts_running_pods(api: FakeCoreV1Api, tm
     # the orchestrator crashes: `first` is never stopped, its pods go on
     async with KubernetesExecutor(image="img", log_dir=tmp_path / "logs", api=api, poll_interval_s=0.02,
                                   delete_timeout_s=1) as second:
-        await second.recover("mnist", 2)
-        await second.recover("mnist", 2)  # already tracked: nothing to do
+        where = {"chief": ("node-0",), "worker": ("node-0",)}  # the pods' spec.nodeName
+        assert await second.recover("mnist", 2) == where
+        assert await second.recover("mnist", 2) == where  # already tracked: nothing to do
         assert states(await second.poll(1)) == {("chief", 0): [TaskState.RUNNING], ("worker", 0): [TaskState.RUNNING]}
         api.set_exited(pod_name("mnist", 2, "chief", 0), 0)
         event = job_event(await until_job_event(second, "mnist"))
         assert (event.outcome, event.attempt) == (JobOutcome.SUCCEEDED, 2)
-        await second.recover("gone", 0)  # nothing left of that run
+        assert await second.recover("gone", 0) is None  # nothing left of that run
         event = job_event(await second.poll(0))
         assert (event.outcome, event.retriable) == (JobOutcome.STOPPED, True)
         with pytest.raises(InvalidArgument, match=r"^attempt: "):
@@ -353,3 +354,55 @@ def test_example_manifests_match_the_api_schema(example: Path) -> None:
     documents = [d for d in yaml.safe_load_all(example.read_text()) if d]
     assert documents
     validate(documents)
+
+
+async def test_recover_reports_where_the_pods_run_and_ends_a_run_it_cannot_place(api: FakeCoreV1Api,
+                                                                                 tmp_path: Path) -> None:
+    job = spec(worker=2)
+    first = KubernetesExecutor(image="img", log_dir=tmp_path / "logs", api=api, poll_interval_s=0.02)
+    await first.start()
+    await first.launch(job, PROGRAM, placement(job), attempt=0)
+    api.set_running(pod_name("mnist", 0, "worker", 0))  # bound: the fake kubelet's node-0
+    # worker 1 still waits to be scheduled: it is pinned to node-1 by its nodeSelector
+    await first.launch(spec("broken", worker=2), PROGRAM, placement(spec("broken", worker=2)), attempt=1)
+    api.vanish(pod_name("broken", 1, "worker", 1))
+    async with KubernetesExecutor(image="img", log_dir=tmp_path / "logs", api=api, poll_interval_s=0.02,
+                                  delete_timeout_s=1) as second:
+        assert await second.recover("mnist", 0) == {"worker": ("node-0", "node-1")}
+        assert await second.recover("broken", 1) is None  # a pod is gone: the run cannot be counted anywhere
+        event = job_event(await second.poll(0))
+        assert (event.job_id, event.outcome, event.retriable) == ("broken", JobOutcome.STOPPED, True)
+        assert "worker 1" in event.message and not [p for p in api.pods if "broken" in p]
+    async with KubernetesExecutor(image="img", log_dir=tmp_path / "logs", api=api, node_label=None,
+                                  poll_interval_s=0.02, delete_timeout_s=1) as unpinned:
+        assert await unpinned.recover("mnist", 0) is None  # worker 1 is on no node, and pinned to none
+
+
+def test_pods_get_the_service_account_the_platform_env_and_the_secret() -> None:
+    job = spec(worker=1)
+    program = JobProgram(commands={"worker": ["python", "train.py"]}, env={"OPML_TOPIC_PREFIX": "mine-"}, trace=True)
+    objects = render_run(job, program, placement(job), attempt=0, image="img", namespace="ml",
+                         service_account="trainer", env_from_secret="opml-platform",
+                         platform_env={"OPML_KAFKA_BOOTSTRAP": "kafka:9092", "OPML_TOPIC_PREFIX": "prod-"})
+    validate(objects)
+    pod = objects[-1]
+    assert pod["spec"]["serviceAccountName"] == "trainer"
+    container = pod["spec"]["containers"][0]
+    assert container["envFrom"] == [{"secretRef": {"name": "opml-platform"}}]
+    env = env_of(pod)
+    assert env["OPML_KAFKA_BOOTSTRAP"] == "kafka:9092" and env["OPML_TOPIC_PREFIX"] == "mine-"  # the job's own wins
+    assert container["command"][:3] == ["python", "-m", "opml_trace_collector.inject.run"]
+
+
+async def test_logs_from_an_offset(executor: KubernetesExecutor, api: FakeCoreV1Api) -> None:
+    job = spec(worker=1)
+    await executor.launch(job, PROGRAM, placement(job), attempt=0)
+    name = pod_name("mnist", 0, "worker", 0)
+    api.set_running(name)
+    api.write_log(name, "héllo\n")
+    assert await executor.logs("mnist", "worker", 0, offset=3) == "llo\n"  # bytes: é is two
+    api.write_log(name, "world\n")
+    await executor.terminate("mnist", 0)  # the log is copied, then read from the copy
+    assert await executor.logs("mnist", "worker", 0, offset=len("héllo\n".encode())) == "world\n"
+    with pytest.raises(InvalidArgument, match=r"^offset: "):
+        await executor.logs("mnist", "worker", 0, offset=-1)

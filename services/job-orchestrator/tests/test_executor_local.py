@@ -519,3 +519,16 @@ async def test_traced_job_runs_under_the_launcher_unchanged(
     assert job_event(await until_job_event(executor, "traced")).outcome is JobOutcome.SUCCEEDED
     log = await executor.logs("traced", "worker", 0)
     assert "launcher ['--job', 'traced', '--worker', 'worker-0']" in log and "job sees worker" in log
+
+
+async def test_tasks_get_the_platform_env_under_their_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPML_TOPIC_PREFIX", "inherited-")
+    monkeypatch.setenv("OPML_REDIS_PREFIX", "inherited:")
+    code = "import os; print(os.environ['OPML_TOPIC_PREFIX'], os.environ['OPML_REDIS_PREFIX'], os.environ['OPML_X'])"
+    platform = {"OPML_TOPIC_PREFIX": "platform-", "OPML_REDIS_PREFIX": "platform:", "OPML_X": "platform"}
+    async with LocalExecutor(work_dir=tmp_path, platform_env=platform) as ex:
+        job = JobSpec(job_id="env", job_class=JobClass.BE, roles={"worker": RoleSpec(1, Resources(cpu_millis=100))})
+        await ex.launch(job, JobProgram(commands={"worker": [sys.executable, "-c", code]}, env={"OPML_X": "job"}),
+                        {"worker": ("n0",)}, attempt=0)
+        assert job_event(await until_job_event(ex, "env")).outcome is JobOutcome.SUCCEEDED
+        assert await ex.logs("env", "worker", 0) == "platform- platform: job\n"  # inherited < platform < the job's

@@ -18,7 +18,17 @@ from pathlib import Path
 import pytest
 from opml_common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from opml_job_orchestrator.executor import JobProgram, LocalExecutor, RetryPolicy
-from opml_job_orchestrator.orchestrator import EventKind, JobState, JobStatus, LifecycleEvent, Orchestrator, SavedJob
+from opml_job_orchestrator.executor.fake_kubernetes import FakeCoreV1Api
+from opml_job_orchestrator.executor.kubernetes import KubernetesExecutor, pod_name
+from opml_job_orchestrator.orchestrator import (
+    EventKind,
+    JobDefinition,
+    JobState,
+    JobStatus,
+    LifecycleEvent,
+    Orchestrator,
+    SavedJob,
+)
 from opml_job_orchestrator.scheduler import (
     Cluster,
     JobClass,
@@ -274,3 +284,81 @@ async def test_restore_after_a_crash(tmp_path: Path, events: list[LifecycleEvent
             await second.restore(saved)
     finally:
         await first.stop()
+
+
+async def test_restore_readopts_kubernetes_pods_where_they_run(tmp_path: Path, events: list[LifecycleEvent]) -> None:
+    """Pods outlive the orchestrator: the restored job stays RUNNING, counted on the node its pod is on."""
+    api = FakeCoreV1Api(node="node-1")  # its kubelet binds pods to node-1
+    first = KubernetesExecutor(image="img", log_dir=tmp_path / "logs", api=api, poll_interval_s=0.02)
+    await first.start()
+    await first.launch(spec("adopted"), program("train"), {"worker": ("node-1",)}, attempt=0)
+    adopted_pod = pod_name("adopted", 0, "worker", 0)
+    api.set_running(adopted_pod)  # the orchestrator dies here; `first` is never stopped
+
+    def saved(job_id: str, state: JobState) -> SavedJob:
+        status = JobStatus(job_id, state, 0 if state is JobState.RUNNING else -1, 0, 0, None, 1.0,
+                           1.0 if state is JobState.RUNNING else None, 1.0, None)
+        return SavedJob(JobDefinition(spec(job_id), program("train")), status)
+
+    scheduler = Scheduler(Cluster([NodeSpec("node-0", SLOT), NodeSpec("node-1", SLOT)]), te_be_policy())
+    second = Orchestrator(scheduler=scheduler, retry_policy=RETRIES, listeners=[events.append], max_wait_s=0.05,
+                          executor=KubernetesExecutor(image="img", log_dir=tmp_path / "logs", api=api,
+                                                      poll_interval_s=0.02, delete_timeout_s=1))
+    await second.restore([saved("adopted", JobState.RUNNING), saved("next", JobState.PENDING),
+                          saved("blocked", JobState.PENDING)])
+    assert second.get("adopted").state is JobState.RUNNING
+    assert dict(scheduler.running["adopted"].placement) == {"worker": ("node-1",)}  # not placed again on node-0
+    async with second:
+        await until(second, "next", JobState.RUNNING)
+        next_pod = api.pods[pod_name("next", 0, "worker", 0)]
+        assert next_pod["spec"]["nodeSelector"] == {"kubernetes.io/hostname": "node-0"}  # the free node
+        assert second.get("blocked").state is JobState.PENDING
+        api.set_exited(adopted_pod, 0)
+        adopted = await until(second, "adopted", JobState.SUCCEEDED)
+        assert (adopted.attempt, adopted.retries) == (0, 0)  # the same run went on to the end
+        await until(second, "blocked", JobState.RUNNING)
+        assert dict(scheduler.running["blocked"].placement) == {"worker": ("node-1",)}
+    assert kinds(events, "adopted") == [EventKind.SUCCEEDED]
+
+
+async def test_a_readopted_run_on_a_node_no_longer_configured_is_stopped_and_queued(
+        tmp_path: Path, events: list[LifecycleEvent]) -> None:
+    api = FakeCoreV1Api(node="node-9")
+    first = KubernetesExecutor(image="img", log_dir=tmp_path / "logs", api=api, poll_interval_s=0.02)
+    await first.start()
+    await first.launch(spec("moved"), program("train"), {"worker": ("node-9",)}, attempt=0)
+    api.set_running(pod_name("moved", 0, "worker", 0))
+    status = JobStatus("moved", JobState.RUNNING, 0, 0, 0, None, 1.0, 1.0, 1.0, None)
+    scheduler = Scheduler(Cluster([NodeSpec("node-0", SLOT)]), te_be_policy())  # node-9 left the configuration
+    orch = Orchestrator(scheduler=scheduler, retry_policy=RETRIES, listeners=[events.append], max_wait_s=0.05,
+                        executor=KubernetesExecutor(image="img", log_dir=tmp_path / "logs", api=api,
+                                                    poll_interval_s=0.02, delete_timeout_s=1))
+    await orch.restore([SavedJob(JobDefinition(spec("moved"), program("train")), status)])
+    moved = orch.get("moved")
+    assert moved.state is JobState.PREEMPTED and "node-9" in moved.cause
+    assert pod_name("moved", 0, "worker", 0) not in api.pods
+    async with orch:
+        resumed = await until(orch, "moved", JobState.RUNNING)
+        assert resumed.attempt == 1 and dict(scheduler.running["moved"].placement) == {"worker": ("node-0",)}
+    assert kinds(events, "moved")[:3] == [EventKind.PREEMPTED, EventKind.SCHEDULED, EventKind.RESUMED]
+
+
+async def test_a_run_launched_after_the_last_record_is_stopped_and_its_number_not_reused(
+        tmp_path: Path, events: list[LifecycleEvent]) -> None:
+    """The store says PENDING, but the dead orchestrator had launched attempt 0: that run is stopped
+    on restore, and the job's next run is attempt 1 (pods are named by attempt: no clash)."""
+    api = FakeCoreV1Api(node="node-0")
+    first = KubernetesExecutor(image="img", log_dir=tmp_path / "logs", api=api, poll_interval_s=0.02)
+    await first.start()
+    await first.launch(spec("late"), program("train"), {"worker": ("node-0",)}, attempt=0)
+    api.set_running(pod_name("late", 0, "worker", 0))
+    status = JobStatus("late", JobState.PENDING, -1, 0, 0, None, 1.0, None, 1.0, None)
+    scheduler = Scheduler(Cluster([NodeSpec("node-0", SLOT)]), te_be_policy())
+    orch = Orchestrator(scheduler=scheduler, retry_policy=RETRIES, listeners=[events.append], max_wait_s=0.05,
+                        executor=KubernetesExecutor(image="img", log_dir=tmp_path / "logs", api=api,
+                                                    poll_interval_s=0.02, delete_timeout_s=1))
+    await orch.restore([SavedJob(JobDefinition(spec("late"), program("train")), status)])
+    assert pod_name("late", 0, "worker", 0) not in api.pods and orch.get("late").state is JobState.PENDING
+    async with orch:
+        assert (await until(orch, "late", JobState.RUNNING)).attempt == 1
+        assert pod_name("late", 1, "worker", 0) in api.pods

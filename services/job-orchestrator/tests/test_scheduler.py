@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import pytest
-from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, OpmlError
+from opml_common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, OpmlError
 from opml_job_orchestrator.scheduler import (
     BestFitPlacement,
     ClassPriorityQueue,
@@ -423,3 +423,40 @@ def test_policy_settings_are_checked_when_built(build, field: str) -> None:
     with pytest.raises(InvalidArgument) as raised:
         build()
     assert raised.value.field == field
+
+
+# -- adopting a run that already goes (after a restart) -------------------------------------------
+
+def test_adopt_counts_a_running_job_where_it_runs_and_it_can_be_preempted_and_finish() -> None:
+    s = scheduler(te_be_policy(), nodes=2)
+    record = s.adopt(job("be", 8, replicas=2), {"chief": ["n1"], "worker": ["n0"]}, now=10.0)
+    assert record.state is JobState.RUNNING and dict(record.placement) == {"chief": ("n1",), "worker": ("n0",)}
+    assert s.cluster.total_free.gpu == 0 and list(s.running) == ["be"]
+    s.submit(job("waits", 1), now=11.0)
+    assert s.schedule(now=11.0) == []  # no room: the adopted job holds both nodes
+    s.submit(job("te", 8, te=True), now=12.0)
+    decisions = s.schedule(now=12.0)
+    assert preempted(decisions) == ["be"] and started(decisions) == ["te", "waits"]
+    assert decisions[0].lost_work_s == 2.0  # progress since it was adopted: nothing older is known
+    s.finish("te", now=13.0)
+    s.finish("waits", now=13.0)
+    (resumed,) = s.schedule(now=13.0)
+    assert (resumed.job_id, resumed.resume) == ("be", True)
+
+
+def test_adopt_errors() -> None:
+    s = scheduler(te_be_policy(), nodes=1)
+    with pytest.raises(InvalidArgument, match=r"^placement: "):
+        s.adopt(job("a", 1, replicas=2), {"chief": ["n0"]}, now=0)
+    with pytest.raises(InvalidArgument, match=r"^placement.worker: .*one node per replica"):
+        s.adopt(job("a", 1, replicas=3), {"chief": ["n0"], "worker": ["n0"]}, now=0)
+    with pytest.raises(InvalidArgument, match=r"^placement.chief: .*'gone'"):
+        s.adopt(job("a", 1), {"chief": ["gone"]}, now=0)
+    with pytest.raises(InvalidArgument, match=r"^roles.chief.resources.gpu: "):
+        s.adopt(job("a", 16), {"chief": ["n0"]}, now=0)
+    s.adopt(job("a", 6), {"chief": ["n0"]}, now=0)
+    with pytest.raises(AlreadyExists):
+        s.adopt(job("a", 1), {"chief": ["n0"]}, now=0)
+    with pytest.raises(FailedPrecondition, match="n0"):
+        s.adopt(job("b", 4), {"chief": ["n0"]}, now=0)
+    assert list(s.running) == ["a"] and s.cluster.free["n0"].gpu == 2  # a failed adopt holds nothing

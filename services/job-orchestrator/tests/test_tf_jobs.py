@@ -80,8 +80,8 @@ class Recording(Executor):
                      attempt: int) -> None:
         await self.inner.launch(spec, program, placement, attempt=attempt)
 
-    async def recover(self, job_id: str, attempt: int) -> None:
-        await self.inner.recover(job_id, attempt)
+    async def recover(self, job_id: str, attempt: int) -> Mapping[str, tuple[str, ...]] | None:
+        return await self.inner.recover(job_id, attempt)
 
     async def terminate(self, job_id: str, grace_s: float) -> None:
         await self.inner.terminate(job_id, grace_s)
@@ -91,8 +91,8 @@ class Recording(Executor):
         self.events += events
         return events
 
-    async def logs(self, job_id: str, role: str, index: int, *, attempt: int | None = None) -> str:
-        return await self.inner.logs(job_id, role, index, attempt=attempt)
+    async def logs(self, job_id: str, role: str, index: int, *, attempt: int | None = None, offset: int = 0) -> str:
+        return await self.inner.logs(job_id, role, index, attempt=attempt, offset=offset)
 
 
 @pytest.fixture
@@ -250,6 +250,7 @@ async def test_a_traced_job_runs_unchanged_under_the_trace_collector(executor: R
         log = await executor.logs("traced", "worker", 0)
     assert event.outcome is JobOutcome.SUCCEEDED, log
     assert "finished at step 5" in log
-    records = [json.loads(line) for path in sessions.glob("*.jsonl") for line in path.read_text().splitlines()]
-    assert any(r.get("data", {}).get("job") == "traced" and r["data"].get("worker") == "worker-0" for r in records), \
-        records[:3]
+    files = list((sessions / "traced").glob("worker-0.*.jsonl"))  # the trace is filed under the job and task
+    assert len(files) == 1, list(sessions.rglob("*"))
+    steps = [json.loads(line) for line in files[0].read_text().splitlines()]
+    assert sum(step.get("kind") == "STEP_KIND_TRAIN" for step in steps) >= 5, steps[:3]  # every training step

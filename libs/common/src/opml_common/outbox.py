@@ -5,11 +5,18 @@ that announces it when the broker is down. It records the event here first; ``fl
 publishes what is pending, oldest first, and a background task keeps retrying. After a crash,
 the next start publishes what was left, so delivery is at least once; consumers deduplicate by
 event id, which stays the same across retries.
+
+``publish`` records and flushes at once (an RPC that answers after the broker's ack, when it can).
+``record`` only records, synchronously, and wakes the background task: for callers that must
+not wait for the broker, or cannot await at all (a state machine's listener), yet must have the
+event on disk before they go on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import json
 import logging
 import os
@@ -38,10 +45,15 @@ class Outbox:
         self._task: asyncio.Task | None = None
         self._pending = metrics.gauge("outbox_pending_events", "Events recorded but not yet acked by the broker.")
         self._topics = {t.name: t for t in ALL_TOPICS}
+        self._wake = asyncio.Event()
+        self._seq = itertools.count()
 
     async def start(self) -> None:
         if self._task is None:
-            self._pending.set(len(self._files()))
+            pending = len(self._files())
+            self._pending.set(pending)
+            if pending:
+                self._wake.set()  # what an earlier run left goes out now, not after the first interval
             self._task = asyncio.create_task(self._flush_loop(), name="outbox-flush")
 
     async def stop(self) -> None:
@@ -55,6 +67,16 @@ class Outbox:
         """Record ``event`` durably, then try to publish it now. False: it stays pending for the loop."""
         self._write(topic, event)
         return await self.flush()
+
+    def record(self, topic: Topic, event: CloudEvent) -> None:
+        """Record ``event`` durably (written and fsync'd before this returns) and leave publishing it
+        to the background task (``start()``), which this wakes. Never waits for the broker.
+
+        Raises:
+            OSError: the event could not be written (the disk is full or gone).
+        """
+        self._write(topic, event)
+        self._wake.set()
 
     async def flush(self) -> bool:
         """Publish pending events oldest first; True when none is left."""
@@ -75,7 +97,8 @@ class Outbox:
     def _write(self, topic: Topic, event: CloudEvent) -> None:
         record = {"topic": topic.name, "data": event.data.hex(),
                   "headers": [(k, v.decode("latin-1")) for k, v in event.kafka_headers()]}
-        final = self._dir / f"{event.time.timestamp():020.6f}-{event.id}.json"
+        # time, then this process's sequence: events recorded in the same microsecond keep their order
+        final = self._dir / f"{event.time.timestamp():020.6f}-{next(self._seq):012d}-{event.id}.json"
         tmp = final.with_suffix(".tmp")
         with open(tmp, "w") as handle:
             json.dump(record, handle)
@@ -88,7 +111,10 @@ class Outbox:
         return sorted(self._dir.glob("*.json"))
 
     async def _flush_loop(self) -> None:
+        """Flush when ``record`` wakes it, or every ``retry_interval_s``; after a failure, wait that long."""
         while True:
-            await asyncio.sleep(self._retry_interval_s)
-            if self._files():
-                await self.flush()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._retry_interval_s)
+            self._wake.clear()
+            if self._files() and not await self.flush():
+                await asyncio.sleep(self._retry_interval_s)

@@ -33,7 +33,7 @@ async def serve(settings: BundleStoreSettings, platform: PlatformSettings) -> No
         outbox = Outbox(settings.home / "outbox", publisher, metrics)
         await outbox.start()
         try:
-            servicer = BundleStoreServicer(store, outbox)
+            servicer = BundleStoreServicer(store, outbox, metrics)
             registration = ServiceRegistration(
                 bundles_pb2.DESCRIPTOR.services_by_name["BundleStore"].full_name,
                 bundles_pb2_grpc.add_BundleStoreServicer_to_server, servicer)

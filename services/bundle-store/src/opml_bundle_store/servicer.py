@@ -21,6 +21,7 @@ from opml_bundle_store.core.store import BundleStore
 from opml_common.bus import CloudEvent
 from opml_common.errors import InvalidArgument
 from opml_common.grpc.interceptors import current_principal
+from opml_common.metrics import ServiceMetrics
 from opml_common.outbox import Outbox
 from opml_common.pagination import paginate
 from opml_common.topics import BUNDLES
@@ -52,10 +53,16 @@ def parse_bundle_name(field: str, name: str) -> tuple[str, str]:
     return match.group(1), match.group(2)
 
 
+TRANSFER_DIRECTIONS = ("upload", "read", "push", "pull")
+"""Where bytes move: clients adding files, clients reading files, the store pushing to and pulling from S3."""
+
+
 class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
-    def __init__(self, store: BundleStore, outbox: Outbox) -> None:
+    def __init__(self, store: BundleStore, outbox: Outbox, metrics: ServiceMetrics) -> None:
         self._store = store
         self._outbox = outbox
+        moved = metrics.counter("transfer_bytes_total", "Bytes moved, by direction.", ("direction",))
+        self._bytes = {direction: moved.labels(direction) for direction in TRANSFER_DIRECTIONS}
 
     # -- contexts ---------------------------------------------------------------------------
 
@@ -110,6 +117,7 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
                     raise InvalidArgument("chunk", "only the first AddBundleRequest may carry a header")
                 if not await upload.feed(message.chunk, writer_task):
                     break
+                self._bytes["upload"].inc(len(message.chunk.data))
             await upload.feed(None, writer_task)
             bundle = await writer_task
         except BaseException:
@@ -141,6 +149,7 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
         chunks = await asyncio.to_thread(self._store.open_file, context_id, ref, request.path)
         done = object()
         while (chunk := await asyncio.to_thread(next, chunks, done)) is not done:
+            self._bytes["read"].inc(len(chunk))
             yield pb.FileChunk(data=chunk)
 
     async def CommitBundle(self, request: pb.CommitBundleRequest, context) -> pb.Bundle:
@@ -154,6 +163,7 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
         async for message in _with_progress(
                 lambda progress: self._store.push(context_id, request.bundle or None, progress=progress)):
             if message.done:
+                self._bytes["push"].inc(message.bytes_done)
                 for bundle in message.bundles:
                     await self._outbox.publish(BUNDLES, CloudEvent.from_proto(
                         events_pb2.BundlePushed(bundle=bundle, remote_url=bundle.remote_url),
@@ -164,6 +174,8 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
         context_id = parse_context_name("parent", request.parent)
         async for message in _with_progress(lambda progress: self._store.pull(
                 context_id, request.bundle_name or None, localize=request.localize, progress=progress)):
+            if message.done:
+                self._bytes["pull"].inc(message.bytes_done)
             yield message
 
     async def DeleteBundle(self, request: pb.DeleteBundleRequest, context) -> pb.DeleteBundleResponse:

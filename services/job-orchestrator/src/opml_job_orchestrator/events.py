@@ -1,17 +1,16 @@
 """Lifecycle events to the JOBS topic: one CloudEvent per transition, keyed by job id, through the outbox.
 
-The orchestrator's listeners must not block its loop, and a slow or absent broker must neither
-lose an event nor stall the loop: :meth:`LifecyclePublisher.publish` builds the event at once
-(its id and time are the transition's) and queues it; one task hands events, in order, to the
-durable :class:`~opml_common.outbox.Outbox`, which keeps whatever the broker does not
-acknowledge and retries it (after a restart too). ce_subject, and so the Kafka key, is the job
-id: one job's events stay in one partition, in order.
+The orchestrator's listeners run in its loop and must not wait for the broker, yet an event must
+not live only in memory: :meth:`LifecyclePublisher.publish` builds the event (its id and time are
+the transition's) and records it with :meth:`~opml_common.outbox.Outbox.record`, a synchronous,
+fsync'd write, so it is on disk before the state change returns, and a crash right after loses
+nothing. The outbox's own task publishes it (and retries while the broker is away, after a
+restart too). ce_subject, and so the Kafka key, is the job id: one job's events stay in one
+partition, in order.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 
 from google.protobuf.message import Message
@@ -26,41 +25,15 @@ EVENT_SOURCE = "opml/job-orchestrator"
 
 
 class LifecyclePublisher:
-    """Queues lifecycle events and records them in ``outbox`` in order.
-
-    ``start()`` begins the task; ``stop()`` records what is queued, then ends it (the outbox,
-    stopped after it, flushes or keeps them). Both idempotent.
-    """
+    """Records lifecycle events in ``outbox`` (started by its owner), in the order they happen."""
 
     def __init__(self, outbox: Outbox) -> None:
         self._outbox = outbox
-        self._queue: asyncio.Queue[CloudEvent] = asyncio.Queue()
-        self._task: asyncio.Task[None] | None = None
 
     def publish(self, job_id: str, data: Message) -> None:
-        """Queue a CloudEvent carrying ``data`` about ``job_id``; never blocks."""
-        self._queue.put_nowait(CloudEvent.from_proto(data, source=EVENT_SOURCE, subject=job_id))
-
-    async def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="job-events")
-
-    async def stop(self) -> None:
-        if self._task is None:
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._queue.join(), timeout=10)
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        self._task = None
-
-    async def _run(self) -> None:
-        while True:
-            event = await self._queue.get()
-            try:
-                await self._outbox.publish(JOBS, event)  # False: kept on disk, the outbox retries
-            except Exception:  # noqa: BLE001 - the disk is full or gone: say so, keep the loop going
-                logger.exception("could not record event %s in the outbox", event.id)
-            finally:
-                self._queue.task_done()
+        """Record a CloudEvent carrying ``data`` about ``job_id`` on disk; never waits for the broker."""
+        event = CloudEvent.from_proto(data, source=EVENT_SOURCE, subject=job_id)
+        try:
+            self._outbox.record(JOBS, event)
+        except OSError:  # the disk is full or gone: say so loudly, keep the orchestrator going
+            logger.exception("could not record event %s (%s of job %s) in the outbox", event.id, event.type, job_id)

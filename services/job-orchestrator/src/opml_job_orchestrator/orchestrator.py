@@ -26,7 +26,7 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -348,14 +348,15 @@ class Orchestrator:
 
         Starts the executor. Ended jobs are kept for :meth:`get` and :meth:`list`; waiting jobs
         (pending, preempted, retrying) are queued again in their original order. A job is never
-        run twice at once: for each job that was running, ``Executor.recover`` takes over its run
-        (local processes are stopped and the run reported STOPPED, retriable; Kubernetes pods are
-        re-adopted and go on); for each waiting job, ``recover`` also takes over the next attempt,
-        in case it was launched after the store's last record. Runs recover ends at once count
-        as lost, a retriable failure: the job is retried from its checkpoint within its retry
-        budget, or fails with that cause. Runs that go on are placed again by the scheduler on
-        the empty cluster before any waiting job (and stopped and queued, PREEMPTED, if there is
-        no room for them). A job the cluster can no longer hold at all (it was reconfigured)
+        run twice at once: for each job that was running, ``Executor.recover`` takes over its run.
+        An executor that stops the run (local processes) returns None: the run counts as lost, a
+        retriable failure, and the job is retried from its checkpoint within its retry budget, or
+        fails with that cause. One that re-adopts it (Kubernetes pods) returns where its tasks
+        run, and ``Scheduler.adopt`` counts the job there, RUNNING, before any waiting job is
+        queued; a re-adopted run that no longer fits there (the cluster was reconfigured) is
+        stopped and queued (PREEMPTED). For each waiting job, ``recover`` also takes over the
+        next attempt, in case it was launched after the store's last record; such a run is
+        stopped, and its number is not used again. A job the cluster can no longer hold at all
         fails with that cause. Transitions go to the listeners like any other.
 
         Raises:
@@ -374,39 +375,51 @@ class Orchestrator:
             job.restore(item.status)
             jobs.append(job)
         await self._executor.start()
-        waiting = [j for j in jobs if j.state in (JobState.PENDING, JobState.PREEMPTED, JobState.RETRYING)]
         async with self._lock:
+            adopted: list[tuple[_Job, Mapping[str, tuple[str, ...]]]] = []
+            lost: list[_Job] = []
             for job in jobs:
                 self._jobs[job.spec.job_id] = job
                 if job.state is JobState.RUNNING:
-                    await self._executor.recover(job.spec.job_id, job.attempt)
+                    placement = await self._executor.recover(job.spec.job_id, job.attempt)
+                    if placement is None:
+                        lost.append(job)
+                    else:
+                        adopted.append((job, placement))
                 elif job.state not in TERMINAL_STATES:
-                    await self._executor.recover(job.spec.job_id, job.attempt + 1)
-            ended = {(e.job_id, e.attempt) for e in await self._executor.poll(0) if isinstance(e, JobEvent)}
+                    if await self._executor.recover(job.spec.job_id, job.attempt + 1) is not None:
+                        await self._executor.terminate(job.spec.job_id, self._grace_s)
+                        job.attempt += 1  # that run's number is taken: the next one is one more
+            # What the runs recover stopped reported is accounted for below; what a re-adopted run reported is kept.
+            reported = await self._executor.poll(0)
             now = time.monotonic()
-            running = [j for j in jobs if j.state is JobState.RUNNING]
-            for job in running:
-                if (job.spec.job_id, job.attempt) in ended:
-                    self._retry_or_fail(job, f"run {job.attempt} was lost: the orchestrator restarted while it "
-                                             "ran", retriable=True)
-                elif not self._admit_restored(job, lambda spec: self._scheduler.submit(spec, now=now)):
-                    await self._executor.terminate(job.spec.job_id, self._grace_s)
-            going = {j.spec.job_id for j in running if j.state is JobState.RUNNING}
-            for decision in self._scheduler.schedule(now=now) if going else ():
-                job = self._jobs[decision.job_id]
-                if isinstance(decision, PreemptJob):
-                    self._preempted(job, f"preempted for job {decision.for_job_id!r} after a restart")
-                    await self._executor.terminate(job.spec.job_id, self._grace_s)
-                going.discard(decision.job_id)  # a StartJob: the run goes on where it is
-            for job_id in going:  # no room left for it: stop it and let it wait its turn
-                self._preempted(self._jobs[job_id], "no room for it on the cluster after a restart")
-                await self._executor.terminate(job_id, self._grace_s)
-            for job in waiting:
-                if job.state is not JobState.RETRYING:
+            for job, placement in adopted:
+                await self._adopt(job, placement, now)
+            for job in lost:
+                self._retry_or_fail(job, f"run {job.attempt} was lost: the orchestrator restarted while it ran",
+                                    retriable=True)
+            for event in reported:
+                if isinstance(event, JobEvent):
+                    self._on_run_end(event)
+                elif isinstance(event, CheckpointEvent):
+                    self._on_checkpoint(event)
+            for job in jobs:
+                if job.state in (JobState.PENDING, JobState.PREEMPTED):
                     self._admit_restored(job, lambda spec: self._scheduler.submit(spec, now=now))
-                elif self._admit_restored(job, self._scheduler.cluster.check_admissible):
-                    job.retry_at = now
+                elif job.state is JobState.RETRYING and job.retry_at is None:
+                    if self._admit_restored(job, self._scheduler.cluster.check_admissible):
+                        job.retry_at = now
         self._wake.set()
+
+    async def _adopt(self, job: _Job, placement: Mapping[str, tuple[str, ...]], now: float) -> None:
+        """Count a re-adopted run where it runs; if it no longer fits there, stop it and let it wait its turn."""
+        try:
+            self._scheduler.adopt(job.spec, placement, now=now)
+            return
+        except (InvalidArgument, FailedPrecondition) as exc:
+            cause = f"its run no longer fits where it runs after a restart: {exc.message}"
+        await self._executor.terminate(job.spec.job_id, self._grace_s)
+        self._preempted(job, cause)  # queued with the waiting jobs, in its submission order
 
     def _admit_restored(self, job: _Job, admit: Callable[[JobSpec], object]) -> bool:
         """``admit(spec)`` a restored job; one the cluster can no longer hold (it was reconfigured) fails."""

@@ -26,7 +26,7 @@ METHOD_ROLES = {"GetJob": "reader", "ListJobs": "reader", "ReadJobLogs": "reader
                 "PreemptJob": "admin"}
 
 _JOB_NAME = re.compile(r"^jobs/([^/]+)$")
-_LOG_CHUNK_CHARS = 256 * 1024
+_LOG_CHUNK_BYTES = 256 * 1024
 
 
 def parse_job_name(field: str, name: str) -> str:
@@ -105,7 +105,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
             if attempt >= 0:
                 async for chunk in self._log_tail(job_id, role, request.index, attempt, sent,
                                                   missing_ok=request.follow):
-                    sent += len(chunk.data.decode("utf-8"))
+                    sent += len(chunk.data)
                     yield chunk
             if not request.follow or ended:
                 return
@@ -130,16 +130,18 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
 
     async def _log_tail(self, job_id: str, role: str, index: int, attempt: int, offset: int, *,
                         missing_ok: bool) -> AsyncIterator[pb.LogChunk]:
-        """What the task of run ``attempt`` wrote after the first ``offset`` characters; with
-        ``missing_ok``, nothing when the run has not started the task (yet)."""
+        """What the task of run ``attempt`` wrote after its first ``offset`` bytes, exactly as it
+        wrote it (the executor reads only that part); with ``missing_ok``, nothing when the run has
+        not started the task (yet)."""
         try:
-            text = await self._executor.logs(job_id, role, index, attempt=attempt)
+            text = await self._executor.logs(job_id, role, index, attempt=attempt, offset=offset)
         except NotFound:
             if missing_ok:
                 return
             raise
-        for start in range(offset, len(text), _LOG_CHUNK_CHARS):
-            yield pb.LogChunk(attempt=attempt, data=text[start:start + _LOG_CHUNK_CHARS].encode("utf-8"))
+        data = text.encode("utf-8", "surrogateescape")
+        for start in range(0, len(data), _LOG_CHUNK_BYTES):
+            yield pb.LogChunk(attempt=attempt, data=data[start:start + _LOG_CHUNK_BYTES])
 
     async def _saved(self, job_id: str, done: str) -> None:
         try:

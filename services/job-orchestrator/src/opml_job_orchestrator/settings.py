@@ -3,6 +3,10 @@
 The cluster the scheduler packs jobs onto is ``NODES``, a JSON list such as
 ``[{"name": "gpu-0", "cpu_millis": 64000, "memory_mib": 515000, "gpu": 8}, ...]``; by default one
 node, this machine, with its cores and memory and no GPU.
+
+``EXECUTOR`` picks what runs the tasks: ``local`` processes (the embedded default) or
+``kubernetes`` pods, configured by the ``K8S_*`` settings (an image is required, and ``NODES``
+must name the Kubernetes nodes, since jobs are pinned to the nodes the scheduler picks).
 """
 
 from __future__ import annotations
@@ -11,10 +15,10 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from opml_common.config import ServiceSettings
+from opml_common.config import PlatformSettings, ServiceSettings
 
 
 class NodeConfig(BaseModel):
@@ -53,6 +57,25 @@ class JobOrchestratorSettings(ServiceSettings):
                                      "run (time for a BE job to write its checkpoint).")
     watch_backlog: int = Field(1000, ge=1, description="Changes a watch stream may fall behind before it is ended.")
     log_poll_s: float = Field(0.2, gt=0, description="How often `logs --follow` looks for new output.")
+    executor: Literal["local", "kubernetes"] = Field(
+        "local", description="What runs jobs' tasks: `local` processes, or `kubernetes` pods (the K8S_* settings).")
+    k8s_namespace: str = Field("default", min_length=1, description="Namespace of the jobs' pods and Services.")
+    k8s_image: str | None = Field(None, min_length=1, description="Container image of every task (the jobs' code, "
+                                  "TensorFlow, and the trace collector for traced jobs); required for kubernetes.")
+    k8s_kubeconfig: Path | None = Field(None, description="Kubeconfig file to reach the API server; unset: the "
+                                        "in-cluster service account (the orchestrator runs in the cluster).")
+    k8s_context: str | None = Field(None, min_length=1,
+                                    description="Context of the kubeconfig (unset: its current one).")
+    k8s_service_account: str | None = Field(None, min_length=1, description="Service account of the jobs' pods "
+                                            "(unset: the namespace's default).")
+    k8s_checkpoint_claim: str | None = Field(None, min_length=1, description="PersistentVolumeClaim mounted at a "
+                                             "job's checkpoint dir, so a resumed run on another node finds it.")
+    k8s_env_secret: str | None = Field(None, min_length=1, description="Secret whose keys every pod gets as "
+                                       "variables (OPML_S3_ACCESS_KEY, OPML_S3_SECRET_KEY, OPML_REDIS_URL: the "
+                                       "platform's secrets are never written into pod specs).")
+    k8s_node_label: str | None = Field("kubernetes.io/hostname", description="Node label that pins each pod to "
+                                       "the node the scheduler chose (empty: let Kubernetes place pods).")
+    k8s_poll_interval_s: float = Field(2.0, gt=0, description="How often the executor lists the jobs' pods.")
 
     def cluster_nodes(self) -> list[NodeConfig]:
         """The configured nodes, or this machine."""
@@ -65,4 +88,36 @@ class JobOrchestratorSettings(ServiceSettings):
             raise ValueError(f"nodes must have unique names, but got {names}")
         if self.retry_max_delay_s < self.retry_base_delay_s:
             raise ValueError("retry_max_delay_s must be >= retry_base_delay_s")
+        if self.executor == "kubernetes":
+            if self.k8s_image is None:
+                raise ValueError("k8s_image must be set when executor is kubernetes (the image every task runs)")
+            if self.nodes is None:
+                raise ValueError("nodes must list the Kubernetes nodes when executor is kubernetes (this machine "
+                                 "is not a node of the cluster)")
         return self
+
+    @field_validator("k8s_node_label", "k8s_kubeconfig", "k8s_context", "k8s_service_account", "k8s_checkpoint_claim",
+                     "k8s_env_secret", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: object) -> object:
+        """An empty variable unsets the setting (`K8S_NODE_LABEL=` leaves placing pods to Kubernetes)."""
+        return None if value == "" else value
+
+
+PUBLIC_PLATFORM_VARIABLES = ("env", "kafka_bootstrap", "kafka_idempotence", "kafka_replication_factor", "topic_prefix",
+                             "s3_endpoint", "s3_region", "redis_prefix", "log_format")
+SECRET_PLATFORM_VARIABLES = ("s3_access_key", "s3_secret_key", "redis_url")
+"""``redis_url`` may hold a password, so it travels with the secrets."""
+
+
+def platform_env(platform: PlatformSettings, *, secrets: bool) -> dict[str, str]:
+    """The ``OPML_*`` variables that point a task at the platform's broker, S3 and Redis (the trace
+    collector's tracer reads them), as the service itself sees them; with ``secrets`` also the
+    credentials (local tasks; pods get those from ``K8S_ENV_SECRET`` instead)."""
+    names = PUBLIC_PLATFORM_VARIABLES + (SECRET_PLATFORM_VARIABLES if secrets else ())
+    env = {}
+    for name in names:
+        value = getattr(platform, name)
+        value = value.get_secret_value() if hasattr(value, "get_secret_value") else value
+        env[f"OPML_{name.upper()}"] = str(value).lower() if isinstance(value, bool) else str(value)
+    return env

@@ -229,18 +229,21 @@ class Executor(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def recover(self, job_id: str, attempt: int) -> None:
+    async def recover(self, job_id: str, attempt: int) -> Mapping[str, tuple[str, ...]] | None:
         """Take over run ``attempt`` of ``job_id`` from an executor that ran before a restart.
 
         Called by a restarted orchestrator for each run its durable state says was going, before
         it launches anything, so that a retry never runs beside a leftover of the same job. Once
         it returns, this executor owns the run: :meth:`terminate` and :meth:`logs` know it, and
         :meth:`poll` reports how it ends with one ``JobEvent``. An executor whose tasks outlive it
-        (Kubernetes pods) re-adopts them and the run goes on; one that cannot watch tasks it did
-        not start (local processes) stops them (SIGTERM, a grace, then a kill) and reports the
+        (Kubernetes pods) re-adopts them and the run goes on: it returns the run's placement,
+        where its tasks really are (role -> node of each replica, as ``StartJob.placement``), so
+        the scheduler can count them there (``Scheduler.adopt``). One that cannot watch tasks it
+        did not start (local processes) stops them (SIGTERM, a grace, then a kill), reports the
         run STOPPED with ``retriable`` true, so the orchestrator runs it again from its
-        checkpoint. A run of which nothing is left is reported the same way. Calling it for the
-        run this executor already tracks does nothing.
+        checkpoint, and returns None. A run of which nothing is left is reported the same way.
+        Calling it for the run this executor already tracks changes nothing and returns its
+        placement (None once it ended).
 
         Raises:
             InvalidArgument: ``attempt`` is not an integer >= 0.
@@ -261,13 +264,17 @@ class Executor(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def logs(self, job_id: str, role: str, index: int, *, attempt: int | None = None) -> str:
-        """Return what task ``role``/``index`` of a run wrote to stdout and stderr so far.
+    async def logs(self, job_id: str, role: str, index: int, *, attempt: int | None = None, offset: int = 0) -> str:
+        """Return what task ``role``/``index`` of a run wrote to stdout and stderr so far, from
+        byte ``offset`` of the log on (a follower passes what it has read, and reads only new output).
 
         Called for users (a CLI, the API) at any time, during or after the run. ``attempt``
-        None means the latest run.
+        None means the latest run. The bytes are decoded as UTF-8 with ``surrogateescape``, so
+        ``text.encode("utf-8", "surrogateescape")`` gives them back exactly, even a character cut
+        in two by the end of the read: its length is what to add to ``offset`` for the next read.
 
         Raises:
+            InvalidArgument: ``offset`` is not an integer >= 0.
             NotFound: the job, that run of it, or that task does not exist.
         """
 
@@ -302,6 +309,28 @@ def check_attempt(attempt: Any) -> int:
     if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
         raise InvalidArgument("attempt", f"`attempt` must be an integer >= 0, but got {attempt!r}.")
     return attempt
+
+
+def check_offset(offset: Any) -> int:
+    """Return ``offset`` if it is an integer >= 0.
+
+    Raises:
+        InvalidArgument: it is not.
+    """
+    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+        raise InvalidArgument("offset", f"`offset` must be an integer >= 0 (bytes), but got {offset!r}.")
+    return offset
+
+
+def read_log(path: Path, offset: int) -> str:
+    """A log file from byte ``offset`` on, as :meth:`Executor.logs` returns it (blocking: run it in a thread).
+
+    Raises:
+        FileNotFoundError: there is no such log.
+    """
+    with path.open("rb") as log:
+        log.seek(offset)
+        return log.read().decode("utf-8", "surrogateescape")
 
 
 _ATTEMPT_DIR = re.compile(r"attempt-(\d+)")

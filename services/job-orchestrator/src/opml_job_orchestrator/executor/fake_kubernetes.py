@@ -21,6 +21,7 @@ import subprocess
 import threading
 from datetime import UTC, datetime
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from kubernetes.client import ApiClient
@@ -68,14 +69,18 @@ class FakeCoreV1Api:
                      if wanted.items() <= (pod["metadata"].get("labels") or {}).items()]
             return self._model({"items": items}, "V1PodList")
 
-    def read_namespaced_pod_log(self, name: str, namespace: str, container: str | None = None) -> str:
+    def read_namespaced_pod_log(self, name: str, namespace: str, container: str | None = None,
+                                _preload_content: bool = True) -> Any:
+        """The log as text, or with ``_preload_content=False`` the raw response (its bytes in ``.data``)."""
         with self._lock:
             pod = self._get(name)
             if pod["status"]["phase"] == "Pending":
                 raise _error(400, "Bad Request", f'container "{container}" in pod "{name}" is waiting to start')
             if self._log_dir is not None:
-                return (self._log_dir / f"{name}.log").read_text(errors="replace")
-            return self._logs.get(name, "")
+                data = (self._log_dir / f"{name}.log").read_bytes()
+            else:
+                data = self._logs.get(name, "").encode()
+            return data.decode(errors="replace") if _preload_content else SimpleNamespace(data=data)
 
     def delete_namespaced_pod(self, name: str, namespace: str, grace_period_seconds: int | None = None) -> None:
         with self._lock:

@@ -26,6 +26,10 @@ against :class:`~opml_job_orchestrator.executor.fake_kubernetes.FakeCoreV1Api`, 
 stand-in for ``CoreV1Api`` that returns the client's own model objects; it has not run against
 a real API server. Not done here: heartbeats and checkpoint reports (``OPML_HEARTBEAT_FILE`` is a
 local-executor feature; a pod's liveness is the kubelet's).
+
+Pods get the platform's non-secret settings (``platform_env``: the broker, topic prefix, S3
+endpoint... that the trace collector's tracer reads) as plain variables, and its secrets from a
+Secret (``env_from_secret``) through ``envFrom``, so no credential is ever written into a pod spec.
 """
 
 from __future__ import annotations
@@ -55,8 +59,10 @@ from opml_job_orchestrator.executor.base import (
     TaskState,
     attempts_logged,
     check_attempt,
+    check_offset,
     check_placement,
     check_seconds,
+    read_log,
 )
 from opml_job_orchestrator.executor.tony import (
     CLUSTER_ROLES,
@@ -110,7 +116,9 @@ def run_selector(job_id: str, attempt: int) -> str:
 
 def render_run(spec: JobSpec, program: JobProgram, placement: Mapping[str, Sequence[str]], *, attempt: int,
                image: str, namespace: str, port: int = 2222, node_label: str | None = "kubernetes.io/hostname",
-               checkpoint_claim: str | None = None, python: str = "python") -> list[dict[str, Any]]:
+               checkpoint_claim: str | None = None, python: str = "python", service_account: str | None = None,
+               env_from_secret: str | None = None, platform_env: Mapping[str, str] | None = None
+               ) -> list[dict[str, Any]]:
     """The run's objects as API dicts, Services first: one headless Service per role, one Pod per replica.
 
     ``placement`` pins each pod to its node through ``nodeSelector`` on ``node_label`` (None leaves
@@ -119,6 +127,8 @@ def render_run(spec: JobSpec, program: JobProgram, placement: Mapping[str, Seque
     TensorFlow's thread pools). With ``checkpoint_claim``, that PersistentVolumeClaim is mounted at
     ``program.checkpoint_dir``, so a resumed run on another node finds its checkpoint.
     ``python`` is the image's interpreter, which runs the trace launcher of traced programs.
+    ``service_account`` names the pods' service account; every pod gets ``platform_env`` (under
+    the program's own ``env``) and, with ``env_from_secret``, that Secret's keys as variables.
     """
     base = run_name(spec.job_id, attempt)
     tasks = ",".join(f"{r.role}-{r.index}" for r in spec.replicas)
@@ -141,18 +151,23 @@ def render_run(spec: JobSpec, program: JobProgram, placement: Mapping[str, Seque
     } for role in spec.roles]
     for replica in spec.replicas:
         role, index = replica.role, replica.index
-        env = task_env(program, job_id=spec.job_id, attempt=attempt, role=role, index=index, cluster=cluster)
+        env = {**(platform_env or {}),
+               **task_env(program, job_id=spec.job_id, attempt=attempt, role=role, index=index, cluster=cluster)}
         container: dict[str, Any] = {
             "name": CONTAINER, "image": image,
             "command": task_argv(program, job_id=spec.job_id, role=role, index=index, python=python),
             "env": [{"name": k, "value": v} for k, v in env.items()],
             "resources": _resources(replica.resources),
         }
+        if env_from_secret is not None:
+            container["envFrom"] = [{"secretRef": {"name": env_from_secret}}]
         if role in CLUSTER_ROLES:
             container["ports"] = [{"name": "tf", "containerPort": port}]
         pod_spec: dict[str, Any] = {"restartPolicy": "Never", "hostname": f"{role}-{index}",
                                     "subdomain": f"{base}-{role}", "enableServiceLinks": False,
                                     "containers": [container]}
+        if service_account is not None:
+            pod_spec["serviceAccountName"] = service_account
         if node_label is not None:
             pod_spec["nodeSelector"] = {node_label: placement[role][index]}
         if checkpoint_claim is not None and program.checkpoint_dir is not None:
@@ -189,6 +204,7 @@ class _Run:
     tracker: RunTracker
     pods: dict[TaskKey, str]
     services: list[str]
+    placement: dict[str, tuple[str, ...]]
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -206,9 +222,11 @@ class KubernetesExecutor(Executor):
     Keyword-only settings, checked here: ``image`` (the container image of every task: it holds
     the job's code, TensorFlow, and for traced jobs the trace collector), ``log_dir`` (where the
     logs of ended runs are kept, ``{log_dir}/{job_id}/attempt-{n}/{role}-{index}.log``),
-    ``namespace``, ``api`` (a ``kubernetes.client.CoreV1Api``; None: built at :meth:`start` from the
-    in-cluster service account, else from the kubeconfig), ``port`` (TensorFlow's gRPC port in
-    every pod), ``node_label`` and ``checkpoint_claim`` (see :func:`render_run`),
+    ``namespace``, ``api`` (a ``kubernetes.client.CoreV1Api``; None: built at :meth:`start` from
+    ``kubeconfig`` and its ``context`` when given, else from the in-cluster service account; the
+    ``kubernetes`` package is imported only then), ``port`` (TensorFlow's gRPC port in every
+    pod), ``node_label``, ``checkpoint_claim``, ``python``, ``service_account``, ``env_from_secret``
+    and ``platform_env`` (see :func:`render_run`),
     ``poll_interval_s`` (how often :meth:`poll` lists pods), ``cleanup_grace_s`` and
     ``shutdown_grace_s`` (as the local executor's), and ``delete_timeout_s`` (how long past the
     grace a deletion may take before the pods are deleted with no grace).
@@ -219,9 +237,12 @@ class KubernetesExecutor(Executor):
     """
 
     def __init__(self, *, image: str, log_dir: str | Path, namespace: str = "default", api: Any = None,
-                 port: int = 2222, node_label: str | None = "kubernetes.io/hostname",
-                 checkpoint_claim: str | None = None, poll_interval_s: float = 2.0, cleanup_grace_s: float = 10.0,
-                 shutdown_grace_s: float = 10.0, delete_timeout_s: float = 60.0) -> None:
+                 kubeconfig: str | Path | None = None, context: str | None = None, port: int = 2222,
+                 node_label: str | None = "kubernetes.io/hostname", checkpoint_claim: str | None = None,
+                 python: str = "python", service_account: str | None = None, env_from_secret: str | None = None,
+                 platform_env: Mapping[str, str] | None = None, poll_interval_s: float = 2.0,
+                 cleanup_grace_s: float = 10.0, shutdown_grace_s: float = 10.0, delete_timeout_s: float = 60.0
+                 ) -> None:
         for name, value in (("image", image), ("namespace", namespace)):
             if not isinstance(value, str) or not value:
                 raise InvalidArgument(name, f"`{name}` must be a non-empty string, but got {value!r}.")
@@ -229,13 +250,16 @@ class KubernetesExecutor(Executor):
             raise InvalidArgument("log_dir", f"`log_dir` must be a directory path, but got {log_dir!r}.")
         if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
             raise InvalidArgument("port", f"`port` must be an integer from 1 to 65535, but got {port!r}.")
-        self._image = image
         self._log_dir = Path(log_dir)
         self._namespace = namespace
         self._api = api
-        self._port = port
+        self._kubeconfig = kubeconfig
+        self._context = context
+        self._render = functools.partial(render_run, image=image, namespace=namespace, port=port,
+                                         node_label=node_label, checkpoint_claim=checkpoint_claim, python=python,
+                                         service_account=service_account, env_from_secret=env_from_secret,
+                                         platform_env=dict(platform_env or {}))
         self._node_label = node_label
-        self._checkpoint_claim = checkpoint_claim
         self._poll_interval_s = check_seconds(poll_interval_s, "poll_interval_s", positive=True)
         self._cleanup_grace_s = check_seconds(cleanup_grace_s, "cleanup_grace_s", positive=False)
         self._shutdown_grace_s = check_seconds(shutdown_grace_s, "shutdown_grace_s", positive=False)
@@ -250,7 +274,7 @@ class KubernetesExecutor(Executor):
         if self._started:
             return
         if self._api is None:
-            self._api = await asyncio.to_thread(_connect)
+            self._api = await asyncio.to_thread(_connect, self._kubeconfig, self._context)
         self._log_dir.mkdir(parents=True, exist_ok=True)
         self._started = True
 
@@ -269,12 +293,11 @@ class KubernetesExecutor(Executor):
         program.check_covers(spec)
         check_placement(spec, placement)
         self._check_free(spec.job_id, attempt)
-        objects = render_run(spec, program, placement, attempt=attempt, image=self._image,
-                             namespace=self._namespace, port=self._port, node_label=self._node_label,
-                             checkpoint_claim=self._checkpoint_claim)
+        objects = self._render(spec, program, placement, attempt=attempt)
         pods = {(r.role, r.index): pod_name(spec.job_id, attempt, r.role, r.index) for r in spec.replicas}
         services = [o["metadata"]["name"] for o in objects if o["kind"] == "Service"]
-        run = _Run(RunTracker(spec.job_id, attempt, pods, awaited_tasks(pods)), pods, services)
+        run = _Run(RunTracker(spec.job_id, attempt, pods, awaited_tasks(pods)), pods, services,
+                   {role: tuple(nodes) for role, nodes in placement.items()})
         self._runs[spec.job_id] = run
         for obj in objects:
             create = (self._api.create_namespaced_service if obj["kind"] == "Service"
@@ -292,13 +315,16 @@ class KubernetesExecutor(Executor):
                 self._in_background(self._end(run, verdict, grace_s=self._cleanup_grace_s))
                 return
 
-    async def recover(self, job_id: str, attempt: int) -> None:
+    async def recover(self, job_id: str, attempt: int) -> Mapping[str, tuple[str, ...]] | None:
         """Re-adopt run ``attempt`` of ``job_id``: its pods outlive the executor, so they are only
-        tracked again; :meth:`poll` reports them from then on (RUNNING, then how they end)."""
+        tracked again, and :meth:`poll` reports them from then on (RUNNING, then how they end).
+        Returns where they run: each pod's node (``spec.nodeName``, or the node it is pinned to
+        while it waits to be scheduled). A run of which a pod is gone, or not bound to a node it
+        can name, is ended instead (its pods deleted at once, STOPPED, retriable): None."""
         check_attempt(attempt)
         current = self._runs.get(job_id)
         if current is not None and current.attempt == attempt:
-            return
+            return current.placement if current.tracker.outcome is None else None
         self._check_free(job_id, attempt)
         found = await self._call(self._api.list_namespaced_pod, self._namespace,
                                  label_selector=run_selector(job_id, attempt))
@@ -308,13 +334,22 @@ class KubernetesExecutor(Executor):
                 role, _, index = task.rpartition("-")
                 if role and index.isdigit() and (role, int(index)) not in keys:
                     keys.append((role, int(index)))
-        pods = {key: pod_name(job_id, attempt, *key) for key in keys}
-        services = [f"{run_name(job_id, attempt)}-{role}" for role in dict.fromkeys(r for r, _ in keys)]
-        run = _Run(RunTracker(job_id, attempt, pods, awaited_tasks(pods)), pods, services)
+        pods = {key: pod_name(job_id, attempt, *key) for key in sorted(keys)}
+        services = [f"{run_name(job_id, attempt)}-{role}" for role in dict.fromkeys(r for r, _ in pods)]
+        nodes = {pod.metadata.name: self._node_of(pod) for pod in found.items}
+        placement: dict[str, tuple[str, ...]] = {}
+        for role, index in pods:
+            placement[role] = (*placement.get(role, ()), nodes.get(pods[role, index]) or "")
+        run = _Run(RunTracker(job_id, attempt, pods, awaited_tasks(pods)), pods, services, placement)
         self._runs[job_id] = run
-        if not pods:
-            await self._end(run, Verdict(JobOutcome.STOPPED, "recovered after a restart: no pod of the run was left",
-                                         True), grace_s=0)
+        unplaced = sorted(f"{role} {i}" for role, names in placement.items() for i, node in enumerate(names)
+                          if not node)
+        if not pods or unplaced:
+            why = (f"pods of {', '.join(unplaced)} are gone or on no known node" if pods
+                   else "no pod of the run was left")
+            await self._end(run, Verdict(JobOutcome.STOPPED, f"recovered after a restart: {why}", True), grace_s=0)
+            return None
+        return placement
 
     async def terminate(self, job_id: str, grace_s: float) -> None:
         grace_s = check_seconds(grace_s, "grace_s", positive=False)
@@ -340,8 +375,13 @@ class KubernetesExecutor(Executor):
             with contextlib.suppress(TimeoutError):
                 events.append(await asyncio.wait_for(self._events.get(), min(self._poll_interval_s, remaining)))
 
-    async def logs(self, job_id: str, role: str, index: int, *, attempt: int | None = None) -> str:
-        """The live pod's log while its run goes; the copy in ``log_dir`` once it ended."""
+    async def logs(self, job_id: str, role: str, index: int, *, attempt: int | None = None, offset: int = 0) -> str:
+        """The live pod's log while its run goes; the copy in ``log_dir`` once it ended.
+
+        The copy is read from ``offset`` on; the API has no byte offset for a live pod's log
+        (only lines, seconds or a byte limit from the start), so that one is read whole and cut.
+        """
+        offset = check_offset(offset)
         run = self._runs.get(job_id)
         job_dir = self._log_dir / job_id
         kept = attempts_logged(job_dir)
@@ -352,10 +392,10 @@ class KubernetesExecutor(Executor):
             attempt = max(candidates)
         copy = job_dir / f"attempt-{attempt}" / f"{role}-{index}.log"
         if copy.exists():
-            return await asyncio.to_thread(copy.read_text, encoding="utf-8", errors="replace")
+            return await asyncio.to_thread(read_log, copy, offset)
         try:
-            return await self._call(self._api.read_namespaced_pod_log, pod_name(job_id, attempt, role, index),
-                                    self._namespace, container=CONTAINER)
+            data = await self._read_pod_log(pod_name(job_id, attempt, role, index))
+            return data[offset:].decode("utf-8", "surrogateescape")
         except Exception as exc:  # noqa: BLE001 - mapped to the platform's errors below
             status = getattr(exc, "status", None)
             if status == 404:
@@ -391,6 +431,15 @@ class KubernetesExecutor(Executor):
                 if verdict is not None:
                     self._in_background(self._end(run, verdict, grace_s=self._cleanup_grace_s))
                     break
+
+    def _node_of(self, pod: Any) -> str | None:
+        """The node ``pod`` runs on, or is pinned to by ``node_label`` while it waits; None if neither."""
+        spec = pod.spec
+        if spec is None:
+            return None
+        if spec.node_name or self._node_label is None:
+            return spec.node_name
+        return (spec.node_selector or {}).get(self._node_label)
 
     def _observe(self, run: _Run, key: TaskKey, pod: Any) -> Verdict | None:
         """Report what ``pod`` (None: it is gone) says of task ``key``; return the verdict if it ends the run."""
@@ -482,12 +531,17 @@ class KubernetesExecutor(Executor):
         run_dir = self._log_dir / run.job_id / f"attempt-{run.attempt}"
         for (role, index), name in run.pods.items():
             try:
-                text = await self._call(self._api.read_namespaced_pod_log, name, self._namespace,
-                                        container=CONTAINER)
+                data = await self._read_pod_log(name)
             except Exception:  # noqa: BLE001 - no pod, or a container that never started: no log
                 continue
             run_dir.mkdir(parents=True, exist_ok=True)
-            await asyncio.to_thread((run_dir / f"{role}-{index}.log").write_text, text, encoding="utf-8")
+            await asyncio.to_thread((run_dir / f"{role}-{index}.log").write_bytes, data)
+
+    async def _read_pod_log(self, name: str) -> bytes:
+        """A pod's log as the container wrote it (raw bytes: the client would decode it as text)."""
+        response = await self._call(self._api.read_namespaced_pod_log, name, self._namespace, container=CONTAINER,
+                                    _preload_content=False)
+        return response.data
 
     async def _delete_pods(self, run: _Run, grace_s: float) -> None:
         for name in run.pods.values():
@@ -510,15 +564,25 @@ class KubernetesExecutor(Executor):
         job.add_done_callback(self._background.discard)
 
 
-def _connect() -> Any:
-    """A CoreV1Api from the in-cluster service account, else from the kubeconfig."""
+def _connect(kubeconfig: str | Path | None, context: str | None) -> Any:
+    """A CoreV1Api from ``kubeconfig`` (and ``context``), or from the in-cluster service account.
+
+    Neither touches the client's global default configuration, and neither calls the API server.
+
+    Raises:
+        FailedPrecondition: the configuration cannot be loaded (no such file, not in a cluster).
+    """
     from kubernetes import client, config
 
+    source = f"the kubeconfig {str(kubeconfig)!r}" if kubeconfig is not None else "the in-cluster service account"
     try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    return client.CoreV1Api()
+        if kubeconfig is not None:
+            return client.CoreV1Api(config.new_client_from_config(config_file=str(kubeconfig), context=context))
+        configuration = client.Configuration()
+        config.load_incluster_config(client_configuration=configuration)
+        return client.CoreV1Api(client.ApiClient(configuration))
+    except (config.ConfigException, OSError) as exc:
+        raise FailedPrecondition(f"cannot configure the Kubernetes client from {source}: {exc}") from exc
 
 
 def _retriable(exc: Exception) -> bool:

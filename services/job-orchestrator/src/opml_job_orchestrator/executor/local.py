@@ -37,8 +37,10 @@ from opml_job_orchestrator.executor.base import (
     JobProgram,
     attempts_logged,
     check_attempt,
+    check_offset,
     check_placement,
     check_seconds,
+    read_log,
 )
 from opml_job_orchestrator.executor.tony import (
     CLUSTER_ROLES,
@@ -73,6 +75,7 @@ class _Run:
     tracker: RunTracker
     tasks: dict[TaskKey, _Task]
     heartbeat_timeout_s: float | None
+    placement: dict[str, tuple[str, ...]]
     checkpoints: set[int] = field(default_factory=set)
     """The steps already reported as CheckpointEvents: each once per run, whichever task reports it."""
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -94,7 +97,9 @@ class LocalExecutor(Executor):
     often heartbeat files are read (for checkpoint reports, and for programs with a
     ``heartbeat_timeout_s``); ``cleanup_grace_s`` is the grace given, between SIGTERM and SIGKILL,
     to the tasks still running when a run ends on its own (parameter servers, for one);
-    ``shutdown_grace_s`` is the grace :meth:`stop` and :meth:`recover` give.
+    ``shutdown_grace_s`` is the grace :meth:`stop` and :meth:`recover` give. Every task inherits
+    this process's environment, then ``platform_env`` (the platform's ``OPML_*`` settings as the
+    service sees them, so a traced task's tracer reports to the same broker), then its own.
 
     :meth:`launch` starts the tasks one by one, in the order of ``spec.replicas``; if one cannot
     start, the tasks after it are never started (and have no events) and the run fails.
@@ -103,13 +108,14 @@ class LocalExecutor(Executor):
 
     def __init__(self, *, work_dir: str | os.PathLike[str], host: str = "127.0.0.1",
                  heartbeat_check_interval_s: float = 1.0, cleanup_grace_s: float = 10.0,
-                 shutdown_grace_s: float = 10.0) -> None:
+                 shutdown_grace_s: float = 10.0, platform_env: Mapping[str, str] | None = None) -> None:
         if not isinstance(work_dir, str | os.PathLike) or not str(work_dir):
             raise InvalidArgument("work_dir", f"`work_dir` must be a directory path, but got {work_dir!r}.")
         if not isinstance(host, str) or not host:
             raise InvalidArgument("host", f"`host` must be a non-empty address, but got {host!r}.")
         self._work_dir = Path(work_dir)
         self._host = host
+        self._platform_env = dict(platform_env or {})
         self._check_interval_s = check_seconds(heartbeat_check_interval_s, "heartbeat_check_interval_s",
                                                positive=True)
         self._cleanup_grace_s = check_seconds(cleanup_grace_s, "cleanup_grace_s", positive=False)
@@ -156,7 +162,8 @@ class LocalExecutor(Executor):
         tasks = {(r.role, r.index): _Task((r.role, r.index), run_dir / f"{r.role}-{r.index}.log",
                                           run_dir / f"{r.role}-{r.index}.heartbeat")
                  for r in spec.replicas}
-        run = _Run(RunTracker(spec.job_id, attempt, tasks, awaited_tasks(tasks)), tasks, program.heartbeat_timeout_s)
+        run = _Run(RunTracker(spec.job_id, attempt, tasks, awaited_tasks(tasks)), tasks, program.heartbeat_timeout_s,
+                   {role: tuple(nodes) for role, nodes in placement.items()})
         self._runs[spec.job_id] = run
         cluster = self._cluster(spec)
         manifest: dict[str, Any] = {"job_id": spec.job_id, "attempt": attempt, "boot_id": _boot_id(),
@@ -177,9 +184,9 @@ class LocalExecutor(Executor):
             self._in_background(self._end(run, verdict, grace_s=self._cleanup_grace_s))
             return
 
-    async def recover(self, job_id: str, attempt: int) -> None:
+    async def recover(self, job_id: str, attempt: int) -> Mapping[str, tuple[str, ...]] | None:
         """Stop what run ``attempt`` of ``job_id`` left running (read from its manifest), then
-        report the run STOPPED (retriable), as :meth:`Executor.recover` says.
+        report the run STOPPED (retriable) and return None, as :meth:`Executor.recover` says.
 
         A process of the manifest is stopped only if it is still the same process: same boot,
         same start time (``/proc/<pid>/stat``), so a reused pid is never signalled. Its whole
@@ -189,13 +196,13 @@ class LocalExecutor(Executor):
         check_attempt(attempt)
         current = self._runs.get(job_id)
         if current is not None and current.attempt == attempt:
-            return
+            return current.placement if current.tracker.outcome is None else None
         self._check_free(job_id, attempt)
         run_dir = self._run_dir(job_id, attempt)
         boot_id, entries = _read_manifest(run_dir / MANIFEST)
         tasks = {key: _Task(key, Path(log), run_dir / f"{key[0]}-{key[1]}.heartbeat")
                  for key, (_, _, log) in entries.items()}
-        run = _Run(RunTracker(job_id, attempt, tasks, ()), tasks, None)
+        run = _Run(RunTracker(job_id, attempt, tasks, ()), tasks, None, {})
         run.tracker.decide(Verdict(JobOutcome.STOPPED, "recovered after a restart", True))  # terminate() now waits
         for task in tasks.values():
             task.exited.set()
@@ -208,6 +215,7 @@ class LocalExecutor(Executor):
                    else "recovered after a restart: no task of the run was left running")
         self._events.put_nowait(JobEvent(job_id, attempt, JobOutcome.STOPPED, message, True))
         run.done.set()
+        return None
 
     async def terminate(self, job_id: str, grace_s: float) -> None:
         grace_s = check_seconds(grace_s, "grace_s", positive=False)
@@ -227,8 +235,9 @@ class LocalExecutor(Executor):
             events.append(self._events.get_nowait())
         return events
 
-    async def logs(self, job_id: str, role: str, index: int, *, attempt: int | None = None) -> str:
-        """Read the task's log from ``work_dir``: runs of earlier executors on it included."""
+    async def logs(self, job_id: str, role: str, index: int, *, attempt: int | None = None, offset: int = 0) -> str:
+        """Read the task's log from ``work_dir`` (from byte ``offset``): runs of earlier executors on it included."""
+        offset = check_offset(offset)
         attempts = attempts_logged(self._work_dir / job_id)
         if not attempts:
             raise NotFound(f"job {job_id!r} was never launched on this executor.")
@@ -238,7 +247,7 @@ class LocalExecutor(Executor):
             raise NotFound(f"job {job_id!r} has no attempt {attempt!r}; it has {attempts}.")
         path = self._run_dir(job_id, attempt) / f"{role}-{index}.log"
         try:
-            return await asyncio.to_thread(path.read_text, encoding="utf-8", errors="replace")
+            return await asyncio.to_thread(read_log, path, offset)
         except FileNotFoundError:
             raise NotFound(f"job {job_id!r} attempt {attempt} has no task {role!r} {index!r}.") from None
 
@@ -270,7 +279,7 @@ class LocalExecutor(Executor):
     async def _spawn(self, run: _Run, task: _Task, program: JobProgram, cluster: dict[str, list[str]]) -> str | None:
         """Start one task; return why it could not start, or None."""
         role, index = task.key
-        env = dict(os.environ)
+        env = {**os.environ, **self._platform_env}
         env.update(task_env(program, job_id=run.job_id, attempt=run.attempt, role=role, index=index,
                             cluster=cluster))
         task.heartbeat_path.write_bytes(b"")

@@ -1,6 +1,6 @@
 """Transport-free scheduler core: no grpc, no Kafka, no TensorFlow, no clock.
 
-The gRPC servicer and the executors (to come) and the simulator all drive
+The orchestrator loop (behind the gRPC service) and the simulator both drive
 :class:`~opml_job_orchestrator.scheduler.scheduler.Scheduler` the same way: report submits,
 finishes and checkpoints, call ``schedule``, execute the decisions it returns.
 """

@@ -285,6 +285,47 @@ class Scheduler:
         self._stop_and_requeue(record, now)
         return record
 
+    def adopt(self, spec: JobSpec, placement: Mapping[str, Sequence[str]], *, now: float) -> JobRecord:
+        """Take in a job that already runs on ``placement`` (role -> node of each replica): after a
+        restart, for a run the executor re-adopted where its tasks really are. The job holds that
+        room from now on, exactly as if ``schedule`` had started it there at ``now`` (a first run,
+        not a resume: nothing is known of its checkpoints yet), and is never placed again.
+
+        Raises:
+            InvalidArgument: ``spec`` is not a JobSpec, it asks for more than the whole cluster has,
+                ``placement`` does not name one node per replica of each role of ``spec`` or names a
+                node the cluster does not have (``placement.<role>``), or ``now`` is earlier than
+                a time already reported.
+            AlreadyExists: a job with this id is pending or running.
+            FailedPrecondition: the nodes do not have that much room free (the message says which).
+        """
+        if not isinstance(spec, JobSpec):
+            raise InvalidArgument("spec", f"`spec` must be a JobSpec, but got {spec!r}.")
+        self._advance(now)
+        if spec.job_id in self._jobs:
+            raise AlreadyExists(f"job {spec.job_id!r} is already {self._jobs[spec.job_id].state.value}; "
+                                "it cannot be adopted.")
+        self._cluster.check_admissible(spec)
+        if not isinstance(placement, Mapping) or set(placement) != set(spec.roles):
+            got = sorted(placement) if isinstance(placement, Mapping) else placement
+            raise InvalidArgument("placement", f"`placement` must have exactly the roles of job {spec.job_id!r}, "
+                                               f"{list(spec.roles)}, but got {got!r}.")
+        for role, role_spec in spec.roles.items():
+            nodes = placement[role]
+            if isinstance(nodes, str) or not isinstance(nodes, Sequence) or len(nodes) != role_spec.replicas:
+                raise InvalidArgument(f"placement.{role}", f"`placement.{role}` must list one node per replica "
+                                                           f"({role_spec.replicas}), but got {nodes!r}.")
+            unknown = [node for node in nodes if node not in self._cluster.capacity]
+            if unknown:
+                raise InvalidArgument(f"placement.{role}", f"`placement.{role}` names nodes the cluster does not "
+                                                           f"have: {unknown}; it has {list(self._cluster.capacity)}.")
+        nodes = [placement[r.role][r.index] for r in spec.replicas]
+        record = JobRecord(spec, next(self._seq), now)
+        self._cluster.allocate(spec.job_id, [(node, r.resources) for node, r in zip(nodes, spec.replicas, strict=True)])
+        self._jobs[spec.job_id] = record
+        self._mark_running(record, nodes, now)
+        return record
+
     # -- decisions -----------------------------------------------------------------------------
 
     def schedule(self, *, now: float) -> list[Decision]:
@@ -421,8 +462,13 @@ class Scheduler:
         self._cluster.allocate(job.job_id, [(node, r.resources) for node, r in zip(nodes, replicas, strict=True)])
         self._queue.remove(job.job_id)
         self._reservations.pop(job.job_id, None)
+        return StartJob(job.job_id, self._mark_running(job, nodes, now), resume=job.run_resumed)
+
+    def _mark_running(self, job: JobRecord, nodes: Sequence[str], now: float) -> Mapping[str, tuple[str, ...]]:
+        """Record that ``job`` (its room already allocated on ``nodes``) started a run at ``now``;
+        return its placement."""
         placement: dict[str, list[str]] = {}
-        for node, replica in zip(nodes, replicas, strict=True):
+        for node, replica in zip(nodes, job.spec.replicas, strict=True):
             placement.setdefault(replica.role, []).append(node)
         job.state = JobState.RUNNING
         job.runs += 1
@@ -433,13 +479,13 @@ class Scheduler:
         job.last_checkpoint_at = None
         if job.first_started_at is None:
             job.first_started_at = now
-        job.placement = MappingProxyType({role: tuple(role_nodes) for role, role_nodes in placement.items()})
+        job.placement = frozen = MappingProxyType({role: tuple(held) for role, held in placement.items()})
         job.nodes = frozenset(nodes)
         self._running[job.job_id] = job
         protected_until = self._policy.preemption.protection_ends_at(job)
         if protected_until is not None and protected_until > now:
             heapq.heappush(self._protections, (protected_until, job.seq, job.runs, job))
-        return StartJob(job.job_id, job.placement, resume=job.run_resumed)
+        return frozen
 
     def _preempt(self, victim: JobRecord, for_job: JobRecord, now: float) -> PreemptJob:
         return PreemptJob(victim.job_id, for_job.job_id, self._stop_and_requeue(victim, now))
