@@ -1,8 +1,14 @@
 """The platform's main job, as far as the platform exists: run by `make up` against the live stack.
 
-Vision-inspection story, step 1: a plant's training output becomes a committed bundle, is pushed
-to S3, pulled into a second plant's context, verified byte for byte, and the bundle events are
-read back from Kafka with a plain consumer.
+The vision-inspection story:
+1-5. bundle-store: a plant's training output becomes a committed bundle, is pushed to S3, pulled
+     into a second plant's context, verified byte for byte, and the bundle events are read back
+     from Kafka with a plain consumer.
+6.   job-orchestrator: a defect classifier is trained as a TE job, its TensorFlow traced with no
+     change to its code (``main_job_train.py`` is plain Keras), and exported to ONNX.
+7.   trace-collector: the job's always-on step metrics, as the service aggregated them.
+8-9. The model is committed as a bundle tagged ``serve=true``; the inference-router deploys it from
+     the bundles topic, serves it over KServe v2 (tritonclient), and publishes each prediction.
 """
 
 from __future__ import annotations
@@ -14,17 +20,31 @@ import os
 import random
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+import tritonclient.grpc as triton
 from aiokafka import AIOKafkaConsumer
+from inspection_data import CLASS_NAMES, inspection_patches
 from opml.bundles.v1 import bundles_pb2 as pb
+from opml.inference.v1 import deployments_pb2
+from opml.jobs.v1 import jobs_pb2
 
 from opml_bundle_store.client import BundleStoreClient
-from opml_common.errors import AlreadyExists
-from opml_common.topics import BUNDLES
+from opml_common.errors import AlreadyExists, NotFound
+from opml_common.topics import BUNDLES, PREDICTIONS
+from opml_inference_router.client import DeploymentClient
+from opml_job_orchestrator.client import JobClient
+from opml_job_orchestrator.spec import load_spec
+from opml_trace_collector.client import TraceCollectorClient
 
 TARGET = os.environ.get("OPML_BUNDLE_STORE_TARGET", "127.0.0.1:50051")
+JOBS_TARGET = os.environ.get("OPML_JOB_ORCHESTRATOR_TARGET", "127.0.0.1:50052")
+ROUTER_TARGET = os.environ.get("OPML_INFERENCE_ROUTER_TARGET", "127.0.0.1:50053")
+TRACES_TARGET = os.environ.get("OPML_TRACE_COLLECTOR_TARGET", "127.0.0.1:50054")
 REMOTE = os.environ.get("OPML_MAIN_JOB_REMOTE", "s3://opml-bundles/vision-inspection")
+TRAIN = Path(__file__).resolve().parent / "main_job_train.py"
+TERMINAL = {jobs_pb2.JOB_STATE_SUCCEEDED, jobs_pb2.JOB_STATE_FAILED, jobs_pb2.JOB_STATE_CANCELLED}
 
 
 def ensure_context(client: BundleStoreClient, name: str) -> None:
@@ -45,7 +65,7 @@ def make_training_output(directory: Path) -> dict[str, Path]:
     return {"model/weights.bin": weights, "eval/confusion.json": confusion, "train-config.json": config}
 
 
-async def show_events(bootstrap: str, topic: str, expect: set[str]) -> None:
+async def show_events(bootstrap: str, topic: str, expect: set[str], subject: str = "defect-classifier") -> None:
     consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
                                 enable_auto_commit=False, group_id=None)
     await consumer.start()
@@ -56,12 +76,93 @@ async def show_events(bootstrap: str, topic: str, expect: set[str]) -> None:
             for records in batch.values():
                 for record in records:
                     headers = {k: v.decode() for k, v in record.headers}
-                    if headers.get("ce_subject") == "defect-classifier":
+                    if headers.get("ce_subject", "").startswith(subject):
                         seen.add(headers["ce_type"])
                         print(f"  event {headers['ce_type']:<34} id={headers['ce_id'][:8]} "
                               f"subject={headers['ce_subject']} partition={record.partition} offset={record.offset}")
     finally:
         await consumer.stop()
+
+
+def wait_for(what: str, check, timeout_s: float = 180.0, every_s: float = 1.0):
+    """Poll ``check`` until it returns something truthy; fail with ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if result := check():
+            return result
+        time.sleep(every_s)
+    raise TimeoutError(f"{what} did not happen within {timeout_s:.0f} s")
+
+
+def train_traced(model_dir: Path) -> str:
+    """Step 6: the training program as a traced TE job; returns the job id."""
+    job_id = f"defect-classifier-train-{int(time.time())}"
+    spec = load_spec({"name": job_id, "class": "TE", "trace": True,
+                      "command": [sys.executable, str(TRAIN), "--out", str(model_dir)],
+                      "roles": {"worker": {"replicas": 1, "resources": {"cpu": "1000m", "memory": "2Gi"}}}})
+    with JobClient(JOBS_TARGET) as jobs:
+        jobs.submit(spec)
+        seen = []
+        def ended():
+            state = jobs.get(job_id).status.state
+            if not seen or seen[-1] != state:
+                seen.append(state)
+                print(f"   {job_id}: {jobs_pb2.JobState.Name(state)}")
+            return state in TERMINAL and state
+        state = wait_for(f"job {job_id} ending", ended, timeout_s=240)
+        logs = b"".join(chunk.data for chunk in jobs.logs(job_id, role="worker", index=0)).decode(errors="replace")
+    accuracy = [line for line in logs.splitlines() if line.startswith("test accuracy")]
+    print(f"   worker-0 log: {accuracy[-1] if accuracy else logs[-300:]}")
+    if state != jobs_pb2.JOB_STATE_SUCCEEDED:
+        raise SystemExit(f"training job {job_id} ended {jobs_pb2.JobState.Name(state)}")
+    return job_id
+
+
+def show_trace(job_id: str) -> None:
+    """Step 7: what the trace-collector aggregated of the job, with no line of it changed."""
+    with TraceCollectorClient(TRACES_TARGET) as traces:
+        runs = wait_for("the job's traced run reaching the trace-collector",
+                        lambda: [r for r in traces.list_runs(job_id) if r.steps], timeout_s=60)
+        for run in runs:
+            print(f"   run {run.worker} session {run.session_id[:8]}: TensorFlow {run.tf_version}, "
+                  f"{run.steps} steps, patched {', '.join(run.patched[:3])}...")
+        metrics = traces.summary(job_id).metrics
+    print(f"   step time mean {metrics.step_time_s * 1000:.1f} ms (p95 {metrics.step_time_p95_s * 1000:.1f} ms), "
+          f"{metrics.examples_per_second:.0f} examples/s, input wait {metrics.input_s * 1000:.2f} ms/step")
+
+
+def serve_model(client: BundleStoreClient, model_dir: Path) -> None:
+    """Steps 8-9: commit the model tagged for serving; the router deploys it; predict over KServe v2."""
+    files = {name: model_dir / name for name in ("model.onnx", "model.yaml", "metrics.json")}
+    accuracy = json.loads(files["metrics.json"].read_text())["accuracy"]
+    bundle = client.add("plant-a", "defect-classifier-onnx", files, commit=True, values={"accuracy": accuracy},
+                        tags={"task": "vision-inspection", "serve": "true"})
+    print(f"8. committed {bundle.bundle_name} {bundle.uuid} tagged serve=true; waiting for the router to deploy it")
+    with DeploymentClient(ROUTER_TARGET) as router:
+        def serving():
+            try:
+                versions = router.get("defect-classifier").versions
+            except NotFound:
+                return None
+            failed = [v.reason for v in versions if v.state == deployments_pb2.FAILED]
+            if failed:
+                raise SystemExit(f"deploy failed: {failed[-1]}")
+            return [v for v in versions if v.state == deployments_pb2.SERVING]
+        for version in wait_for("the deployment of defect-classifier", serving, timeout_s=180):
+            where = ", ".join(f"{r.worker} ({r.pool_kind}, {r.precision})" for r in version.replicas)
+            print(f"   version {version.version} SERVING {version.traffic_percent:.0f}% on {where}; "
+                  f"predicted p99 {version.predicted_p99_ms:.1f} ms")
+    print("9. predict through the router with tritonclient (KServe v2 gRPC)")
+    images, labels = inspection_patches(8, seed=3)
+    with triton.InferenceServerClient(ROUTER_TARGET) as kserve:
+        request = triton.InferInput("image", list(images.shape), "FP32")
+        request.set_data_from_numpy(images)
+        scores = kserve.infer("defect-classifier", [request]).as_numpy("defect_scores")
+    predicted = scores.argmax(axis=1)
+    for truth, guess in zip(labels, predicted):
+        print(f"   truth {CLASS_NAMES[truth]:<15} predicted {CLASS_NAMES[guess]:<15} "
+              f"{'ok' if truth == guess else 'wrong'}")
+    print(f"   {int((predicted == labels).sum())}/{len(labels)} right")
 
 
 def main() -> int:
@@ -94,9 +195,18 @@ def main() -> int:
                 return 1
         assert copy.content_hash == added.content_hash, "content hash differs between contexts"
         print(f"   content hash equal in both contexts: {copy.content_hash[:16]}")
-    print(f"5. events on {BUNDLES.name}")
-    asyncio.run(show_events(os.environ["OPML_KAFKA_BOOTSTRAP"], BUNDLES.full_name(os.environ.get("OPML_TOPIC_PREFIX", "")),
-                            {"opml.bundles.v1.BundleCommitted", "opml.bundles.v1.BundlePushed"}))
+        bootstrap, prefix = os.environ["OPML_KAFKA_BOOTSTRAP"], os.environ.get("OPML_TOPIC_PREFIX", "")
+        print(f"5. events on {BUNDLES.name}")
+        asyncio.run(show_events(bootstrap, BUNDLES.full_name(prefix),
+                                {"opml.bundles.v1.BundleCommitted", "opml.bundles.v1.BundlePushed"}))
+        print("6. train the defect classifier as a traced TE job (job-orchestrator)")
+        model_dir = Path(tmp) / "model"
+        job_id = train_traced(model_dir)
+        print("7. the job's step metrics (trace-collector)")
+        show_trace(job_id)
+        serve_model(client, model_dir)
+        print(f"10. predictions on {PREDICTIONS.name}")
+        asyncio.run(show_events(bootstrap, PREDICTIONS.full_name(prefix), {"opml.inference.v1.PredictionMade"}))
     return 0
 
 

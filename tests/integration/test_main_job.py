@@ -32,3 +32,6 @@ def test_main_job_succeeds_against_every_installed_service(settings_env: dict[st
     assert result.returncode == 0, result.stdout + result.stderr
     assert "content hash equal in both contexts" in result.stdout
     assert "opml.bundles.v1.BundlePushed" in result.stdout
+    assert "JOB_STATE_SUCCEEDED" in result.stdout and "test accuracy" in result.stdout
+    assert "steps, patched" in result.stdout  # the traced run reached the trace-collector
+    assert "SERVING 100%" in result.stdout and "opml.inference.v1.PredictionMade" in result.stdout

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from opml_common.config import ServiceSettings
-from pydantic import Field, SecretStr
+from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
 # The fleet of one machine, shipped inside the package so installed (non-editable) copies have it too.
@@ -27,7 +27,11 @@ class RouterSettings(ServiceSettings):
     fleet: Path | None = Field(None, description="Fleet file: the pool kinds and the pools of local workers to "
                                "start (kinds whose execution provider is missing are skipped); unset: the package's "
                                "fleet-local.yaml (2 cpu workers, 1 emulated int8 accel worker, gpu where CUDA is).")
-    bundle_store_target: str = Field("127.0.0.1:50051", description="host:port of the bundle-store service.")
+    bundle_store_target: str = Field(
+        "127.0.0.1:50051", validation_alias=AliasChoices("OPML_INFERENCE_ROUTER_BUNDLE_STORE_TARGET",
+                                                         "OPML_BUNDLE_STORE_TARGET"),
+        description="host:port of the bundle-store service (also read from OPML_BUNDLE_STORE_TARGET, which "
+                    "the CLI uses).")
     bundle_store_token: SecretStr = Field(SecretStr(""), description="Bearer token for the bundle-store "
                                                                      "(reader role); empty: none.")
     worker_token: SecretStr = Field(
