@@ -4,12 +4,14 @@ slots, a broken ONNX file, canary/promote/rollback through the DeploymentService
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import pytest_asyncio
@@ -18,19 +20,20 @@ from opml.bundles.v1 import bundles_pb2
 from opml.bundles.v1 import events_pb2 as bundle_events
 from opml_common.bus import CloudEvent
 from opml_common.config import PlatformSettings, ServiceSettings
-from opml_common.errors import FailedPrecondition, InvalidArgument
+from opml_common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from opml_common.grpc.server import GrpcServer
 from opml_common.metrics import ServiceMetrics
+from opml_common.storage import redis_client
 from opml.inference.v1 import deployment_events_pb2 as events
 from opml.inference.v1 import deployments_pb2 as pb
 from prometheus_client import CollectorRegistry
-from tritonclient.grpc import service_pb2
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from opml_inference_router.client import DeploymentClient
-from opml_inference_router.control import DeploymentManager, Observer, PoolManager, Source
+from opml_inference_router.control import DeploymentManager, DeploymentStore, Observer, PoolManager, Source
 from opml_inference_router.control.autodeploy import AutoDeployer
 from opml_inference_router.control.convert import placement
-from opml_inference_router.placement import FleetConfig, ModelVersion
+from opml_inference_router.placement import CostAwareSloPolicy, FleetConfig, ModelVersion, ResizeReplica
 from opml_inference_router.routing import Router
 from opml_inference_router.routing.grpc_replica import GrpcReplica
 from opml_inference_router.routing.metrics import RouterMetrics
@@ -75,9 +78,10 @@ class ControlPlane:
     clock: list[float]  # the observer's clock: clock[0] seconds
 
 
-@pytest_asyncio.fixture(loop_scope="module")
-async def deployments(pools: PoolManager) -> AsyncIterator[ControlPlane]:
-    """A fresh control plane over the module's workers; every model is undeployed after the test."""
+@contextlib.asynccontextmanager
+async def control_plane(pools: PoolManager, *, policy=None, store: DeploymentStore | None = None,
+                        undeploy: bool = True) -> AsyncIterator[ControlPlane]:
+    """A control plane over the module's workers; with ``undeploy``, every model is undeployed after."""
     metrics = ServiceMetrics("inference-router", registry=CollectorRegistry())
     router = Router(connect=lambda address: GrpcReplica(address, token="worker-secret"), metrics=metrics,
                     rng=random.Random(3))
@@ -88,15 +92,54 @@ async def deployments(pools: PoolManager) -> AsyncIterator[ControlPlane]:
         emitted.append((subject, message))
 
     manager = DeploymentManager(pools=pools, router=router, observer=Observer(metrics.registry, clock=lambda: clock[0]),
-                                emit=emit, replan_interval_s=0)
+                                emit=emit, replan_interval_s=0, policy=policy, store=store)
     await manager.start()
     try:
         yield ControlPlane(manager, emitted, metrics, clock)
     finally:
         await manager.stop()
-        for name in list(manager.models):
+        for name in list(manager.models) if undeploy else []:
             await manager.undeploy(name)
         await router.close()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def deployments(pools: PoolManager) -> AsyncIterator[ControlPlane]:
+    """A fresh control plane over the module's workers; every model is undeployed after the test."""
+    async with control_plane(pools) as plane:
+        yield plane
+
+
+class ForcedPolicy(CostAwareSloPolicy):
+    """The cost-aware policy with the batch cap and replica count a test sets (None: the policy's own)."""
+
+    def __init__(self, *, cap: int | None = None, replicas: int | None = None) -> None:
+        super().__init__()
+        self.cap, self.replicas = cap, replicas
+
+    def options(self, demand, profiles, fleet):
+        return [replace(option, max_batch=self.cap or option.max_batch, replicas=self.replicas or option.replicas)
+                for option in super().options(demand, profiles, fleet)]
+
+
+def measured(plane: ControlPlane, name: str, rate_rps: float, *, seconds: float = 10.0) -> None:
+    """What the router measures for version 1 of ``name`` over the next ``seconds``: ``rate_rps`` at ~1 ms."""
+    served = RouterMetrics(plane.metrics).version(name, "1")
+    served.ok.inc(rate_rps * seconds)
+    for _ in range(100):
+        served.duration.observe(0.001)
+    plane.clock[0] += seconds
+
+
+async def _served_as(manager: DeploymentManager, worker: str, name: str) -> tuple[int, int, int]:
+    """(instances, batch cap, requests served) of ``name`` as the worker itself reports them."""
+    async with grpc.aio.insecure_channel(manager.pools.get(worker).address) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        metadata = (("authorization", "Bearer worker-secret"),)
+        config = (await stub.ModelConfig(service_pb2.ModelConfigRequest(name=name), metadata=metadata)).config
+        stats = await stub.ModelStatistics(service_pb2.ModelStatisticsRequest(name=name), metadata=metadata)
+    return (config.instance_group[0].count, int(config.parameters["opml_batch_cap"].string_value),
+            stats.model_stats[0].inference_count)
 
 
 def _bundle(root: Path, name: str, *, kinds=("cpu", "accel"), seed: int = 0, rate_rps: float = 100.0) -> Path:
@@ -226,8 +269,8 @@ async def test_a_measured_p99_above_the_slo_re_places_the_model(deployments, tmp
     deployments.clock[0] += 10
     replan = await manager.replan_once()
     assert "above the SLO" in replan.reasons[model] and replan.moves
-    # The profile was scaled to what serving measured and the model re-sized on it (more replicas
-    # or a larger batch cap); the moves ran, each new replica ready before an old one went.
+    # The profile was scaled to what serving measured and the model re-sized on it (more replicas,
+    # or a larger batch cap in place); the moves ran, each new replica ready before an old one went.
     after = manager.plan.placements[model]
     assert manager.profiles.get(model, "cpu").latency_ms(1) > 10 * before.option.predicted_p99_ms
     assert (after.option.max_batch, len(after.workers)) != (before.option.max_batch, len(before.workers))
@@ -235,7 +278,10 @@ async def test_a_measured_p99_above_the_slo_re_places_the_model(deployments, tmp
     routed = {r["replica"] for r in manager.router.describe("drifty")["versions"]["1"]}
     assert routed == {manager.pools.get(worker).address for worker in after.workers}
     changed = [m for _, m in emitted if isinstance(m, events.PlacementChanged)][-1]
-    assert changed.replicas_added >= 1 and "above the SLO" in " ".join(changed.reasons)
+    resized = [action for action in replan.moves if isinstance(action, ResizeReplica)]
+    assert changed.replicas_added + len(resized) >= 1 and "above the SLO" in " ".join(changed.reasons)
+    for action in resized:  # re-sized on the worker itself: the same loaded replica, the new cap
+        assert (await _served_as(manager, action.new.worker, "drifty"))[1] == action.new.max_batch
 
 
 async def test_autodeploy_acts_only_on_commits_tagged_serve_and_reports_bad_ones(deployments) -> None:
@@ -255,3 +301,84 @@ async def test_autodeploy_acts_only_on_commits_tagged_serve_and_reports_bad_ones
     assert [(m.code, m.bundle.context, m.bundle.bundle) for m in failed] == [
         ("INVALID_ARGUMENT", "lab", "u-2"), ("FAILED_PRECONDITION", "lab", "u-3")]
     assert "tags.version" in failed[0].reason and not manager.models
+
+
+async def test_a_new_batch_cap_on_the_full_single_slot_accelerator_is_applied_in_place(pools, tmp_path: Path) -> None:
+    policy, model = ForcedPolicy(replicas=1), ModelVersion("tiny", 1)
+    async with control_plane(pools, policy=policy) as plane:
+        manager = plane.manager
+        await manager.deploy(Source(model_dir=str(_bundle(tmp_path, "tiny", kinds=("accel",)))))
+        before = manager.plan.placements[model]
+        assert before.workers == ("accel-000",)  # its one slot is now full
+        for seed in range(5):
+            await _infer(manager.router, "tiny", seed)
+        assert await _served_as(manager, "accel-000", "tiny") == (1, before.option.max_batch, 5)
+        assert not (await manager.replan_once()).reasons  # opens the measuring window
+        policy.cap = 1 if before.option.max_batch > 1 else 8
+        measured(plane, "tiny", 130.0)  # 30% above the plan: re-placed, now with the other cap
+        replan = await manager.replan_once()
+        assert "above the planned" in replan.reasons[model]
+        assert [type(action) for action in replan.moves] == [ResizeReplica]  # no slot needed, nothing refused
+        assert manager.plan.placements[model].option.max_batch == policy.cap
+        # The same loaded replica (its counters kept: no reload), batching up to the new cap, and the
+        # router's concurrency limit follows the planned caps.
+        assert await _served_as(manager, "accel-000", "tiny") == (1, policy.cap, 5)
+        assert manager.router.describe("tiny")["policy"].max_concurrency == max(8, 2 * policy.cap)
+        assert (await _infer(manager.router, "tiny"))[0] == "1"
+
+
+async def test_replicas_that_share_a_worker_run_as_instances_that_take_a_slot_each(pools, tmp_path: Path) -> None:
+    policy, model = ForcedPolicy(replicas=3, cap=8), ModelVersion("wide", 1)  # 3 replicas on 2 cpu workers
+    async with control_plane(pools, policy=policy) as plane:
+        manager = plane.manager
+        await manager.deploy(Source(model_dir=str(_bundle(tmp_path, "wide", kinds=("cpu",)))))
+        per_worker = Counter(manager.plan.placements[model].workers)
+        assert sorted(per_worker.values()) == [1, 2]
+        for worker, count in per_worker.items():
+            assert (await _served_as(manager, worker, "wide"))[0] == count
+        full = next(worker for worker, count in per_worker.items() if count == 2)
+        other = _bundle(tmp_path, "other", kinds=("cpu",))
+        with pytest.raises(ResourceExhausted, match=r"0 free of 2 \(in use by wide v1 x2\)"):
+            await manager.pools.client(full).load("other", path=other, version=1)  # the worker counts both slots
+        assert {(await _infer(manager.router, "wide", seed))[0] for seed in range(6)} == {"1"}
+
+        assert not (await manager.replan_once()).reasons
+        policy.replicas = 1
+        measured(plane, "wide", 50.0)  # half the plan: scaled in to one replica
+        replan = await manager.replan_once()
+        assert "below the planned" in replan.reasons[model]
+        assert [type(action).__name__ for action in replan.moves] == ["RemoveReplica", "RemoveReplica"]
+        (kept,) = manager.plan.placements[model].workers
+        assert (await _served_as(manager, kept, "wide"))[0] == 1
+        for worker in set(per_worker) - {kept}:
+            with pytest.raises(grpc.aio.AioRpcError, match="not loaded"):
+                await _served_as(manager, worker, "wide")
+        assert (await _infer(manager.router, "wide"))[0] == "1"
+
+
+async def test_version_numbers_are_never_given_twice_even_after_a_restart(pools, platform_settings,
+                                                                           tmp_path: Path) -> None:
+    redis = redis_client(platform_settings)
+    store = DeploymentStore(redis, prefix=platform_settings.redis_prefix)
+
+    def bundle(seed: int) -> Source:
+        return Source(model_dir=str(_bundle(tmp_path, "mono", kinds=("cpu",), seed=seed)))
+
+    try:
+        async with control_plane(pools, store=store, undeploy=False) as plane:
+            manager = plane.manager
+            await manager.deploy(bundle(1))
+            await manager.deploy(bundle(2), canary_percent=50)
+            await manager.rollback("mono")  # v2 is retired: its number stays given
+            assert sorted((await manager.deploy(bundle(3), canary_percent=50)).versions) == [1, 3]
+            with pytest.raises(InvalidArgument, match=r"version: must be > 3 \(0: the next\)"):
+                await manager.deploy(bundle(4), version=2)
+        async with control_plane(pools, store=store) as plane:  # a restarted router, from Redis
+            manager = plane.manager
+            assert sorted(manager.record("mono").versions) == [1, 3]
+            await manager.rollback("mono")
+            assert sorted((await manager.deploy(bundle(4), canary_percent=50)).versions) == [1, 4]
+            await manager.undeploy("mono")  # even a model deployed afresh goes on counting
+            assert sorted((await manager.deploy(bundle(5))).versions) == [5]
+    finally:
+        await redis.aclose()

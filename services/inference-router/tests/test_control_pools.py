@@ -9,6 +9,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import yaml
@@ -17,7 +18,7 @@ from opml_common.metrics import ServiceMetrics
 from opml_common.testing.bus import sample
 from opml.inference.v1 import deployment_events_pb2 as events
 from prometheus_client import CollectorRegistry
-from tritonclient.grpc import service_pb2
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from opml_inference_router.control import DeploymentManager, Observer, PoolManager, Source
 from opml_inference_router.placement import FleetConfig, ModelDemand, ModelVersion
@@ -42,6 +43,22 @@ def _request(name: str) -> bytes:
     return request.SerializeToString()
 
 
+def _rate_needing(manager: DeploymentManager, model: ModelVersion, replicas: int) -> float:
+    """A rate that the model's own profile says needs ``replicas`` cpu replicas."""
+    config, profile = manager.models[model.name].versions[model.version].config, manager.profiles.get(model, "cpu")
+    return next(r for r in (100 * 1.5 ** k for k in range(60))
+                if manager.planner.policy.options(ModelDemand(config, model.version, r), {"cpu": profile},
+                                                  manager.fleet)[0].replicas == replicas)
+
+
+async def _instances(address: str, name: str) -> int:
+    """How many instances of ``name`` the worker at ``address`` runs (its ModelConfig's instance_group)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        reply = await service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelConfig(
+            service_pb2.ModelConfigRequest(name=name), metadata=(("authorization", "Bearer worker-secret"),))
+    return reply.config.instance_group[0].count
+
+
 async def test_a_killed_worker_is_restarted_and_its_model_serves_again(tmp_path: Path) -> None:
     fleet_path = tmp_path / "fleet.yaml"
     fleet_path.write_text(yaml.safe_dump(FLEET))
@@ -57,14 +74,23 @@ async def test_a_killed_worker_is_restarted_and_its_model_serves_again(tmp_path:
     async def emit(message, subject: str) -> None:
         emitted.append(message)
 
-    manager = DeploymentManager(pools=pools, router=router, observer=Observer(metrics.registry), emit=emit,
-                                replan_interval_s=0)
+    clock = [0.0]
+    manager = DeploymentManager(pools=pools, router=router, observer=Observer(metrics.registry, clock=lambda: clock[0]),
+                                emit=emit, replan_interval_s=0)
     model_dir = write_model_dir(tmp_path / "m", mlp_config("m", pool_kinds=("cpu",), precisions=("fp32",)))
+    model = ModelVersion("m", 1)
     async with pools:
         try:
             await manager.deploy(Source(model_dir=str(model_dir)))
+            # Serving measured a rate that needs two replicas: both on the one worker, as two instances.
+            await manager.replan_once()  # opens the measuring window
+            RouterMetrics(metrics).version("m", "1").ok.inc(_rate_needing(manager, model, 2) * 10)
+            clock[0] += 10
+            assert "above the planned" in (await manager.replan_once()).reasons[model]
+            assert manager.plan.placements[model].workers == ("cpu-000", "cpu-000")
             await router.infer("m", "", _request("m"), timeout_s=5)
             worker = pools.get("cpu-000")
+            assert await _instances(worker.address, "m") == 2
             old = worker.address
             worker.process.process.kill()  # SIGKILL: no goodbye
             deadline = time.monotonic() + 60
@@ -78,6 +104,7 @@ async def test_a_killed_worker_is_restarted_and_its_model_serves_again(tmp_path:
             assert worker.restarts == 1 and worker.address != old and routed.replica == worker.address
             assert sample(metrics.registry, "opml_inference_router_worker_restarts_total", worker="cpu-000") == 1
             assert [s["replica"] for s in router.describe("m")["versions"]["1"]] == [worker.address]
+            assert await _instances(worker.address, "m") == 2  # loaded again as the plan has it
             changed = [m for m in emitted if isinstance(m, events.PlacementChanged)]
             assert "worker cpu-000 restarted" in changed[-1].reasons[0]
             assert changed[-1].placement.workers[0].restarts == 1
@@ -104,12 +131,8 @@ async def test_a_worker_killed_under_load_loses_no_request_and_gets_its_replica_
                 tmp_path / "m", mlp_config("m", pool_kinds=("cpu",), precisions=("fp32",))))))
             assert len(manager.plan.placements[model].workers) == 1
             # Serving measured a rate that needs two replicas by the model's own profile: re-placed on both workers.
-            config, profile = manager.models["m"].versions[1].config, manager.profiles.get(model, "cpu")
-            rate = next(r for r in (100 * 1.5 ** k for k in range(60))
-                        if manager.planner.policy.options(ModelDemand(config, 1, r), {"cpu": profile},
-                                                          manager.fleet)[0].replicas == 2)
             await manager.replan_once()  # opens the measuring window
-            RouterMetrics(metrics).version("m", "1").ok.inc(rate * 10)
+            RouterMetrics(metrics).version("m", "1").ok.inc(_rate_needing(manager, model, 2) * 10)
             clock[0] += 10
             assert "above the planned" in (await manager.replan_once()).reasons[model]
             assert sorted(manager.plan.placements[model].workers) == ["cpu-000", "cpu-001"]

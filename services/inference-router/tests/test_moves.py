@@ -15,6 +15,7 @@ from opml_inference_router.placement import (
     PoolKind,
     RemoveReplica,
     Replica,
+    ResizeReplica,
     ReplicaSet,
     WaitReady,
     check_moves,
@@ -31,8 +32,9 @@ def fleet(workers: int, *, slots: int = 1) -> Fleet:
     return Fleet(FleetConfig(pool_kinds=(kind,), pools=(PoolConfig(name="w", kind="cpu", workers=workers),)))
 
 
-def placed(model: ModelVersion, *workers: str, batch: int = 8, capacity: float = 100.0) -> ReplicaSet:
-    option = Option("cpu", "fp32", batch, 1.0, len(workers), capacity, 5.0, 400.0, 0.1 * len(workers))
+def placed(model: ModelVersion, *workers: str, batch: int = 8, capacity: float = 100.0,
+           memory: float = 400.0) -> ReplicaSet:
+    option = Option("cpu", "fp32", batch, 1.0, len(workers), capacity, 5.0, memory, 0.1 * len(workers))
     return ReplicaSet(model, option, workers, capacity * len(workers) * 0.5)
 
 
@@ -45,6 +47,9 @@ def names(actions) -> list[str]:
     for action in actions:
         if isinstance(action, WaitReady):
             out.append("wait " + ",".join(f"{r.model.name}@{r.worker}" for r in action.replicas))
+        elif isinstance(action, ResizeReplica):
+            old, new = action.old, action.new
+            out.append(f"resize {old.model.name}@{old.worker} {old.max_batch}->{new.max_batch}")
         else:
             verb = "add" if isinstance(action, AddReplica) else "remove"
             out.append(f"{verb} {action.replica.model.name}@{action.replica.worker}")
@@ -87,13 +92,62 @@ def test_scaling_in_removes_down_to_the_new_capacity_only() -> None:
     check_moves(before, after, moves, the_fleet)
 
 
-def test_new_settings_on_the_same_worker_load_beside_the_old_replica() -> None:
+def test_a_new_batch_cap_on_a_full_single_slot_worker_is_a_resize_in_place() -> None:
+    the_fleet = fleet(1, slots=1)  # the accelerator case: no room for a second copy
+    before, after = plan(placed(A, "w-000", batch=8)), plan(placed(A, "w-000", batch=16, capacity=150.0))
+    moves = plan_moves(before, after, the_fleet)
+    assert names(moves) == ["resize a@w-000 8->16"]
+    check_moves(before, after, moves, the_fleet)
+
+
+def test_a_new_precision_on_the_same_worker_loads_beside_the_old_replica() -> None:
     the_fleet = fleet(1, slots=2)
-    before, after = plan(placed(A, "w-000", batch=8)), plan(placed(A, "w-000", batch=16))
+    before = plan(placed(A, "w-000", batch=8))
+    int8 = Option("cpu", "int8", 8, 1.0, 1, 100.0, 5.0, 400.0, 0.1)
+    after = Plan({A: ReplicaSet(A, int8, ("w-000",), 50.0)})
     moves = plan_moves(before, after, the_fleet)
     assert [type(action) for action in moves] == [AddReplica, WaitReady, RemoveReplica]
-    assert moves[0].replica.max_batch == 16 and moves[2].replica.max_batch == 8
+    assert moves[0].replica.precision == "int8" and moves[2].replica.precision == "fp32"
     check_moves(before, after, moves, the_fleet)
+
+
+def test_resizes_that_lose_capacity_wait_for_the_new_replicas_and_capacity_never_drops() -> None:
+    the_fleet = fleet(3)
+    before = plan(placed(A, "w-000", "w-001", batch=8, capacity=100.0))  # 200 rps
+    after = plan(placed(A, "w-000", "w-001", "w-002", batch=4, capacity=70.0))  # 210 rps
+    moves = plan_moves(before, after, the_fleet)
+    assert names(moves) == ["add a@w-002", "wait a@w-002", "resize a@w-000 8->4", "resize a@w-001 8->4"]
+    check_moves(before, after, moves, the_fleet)
+    ready = 200.0  # replayed by hand as well: never below min(200, 210)
+    for action in moves:
+        if isinstance(action, WaitReady):
+            ready += sum(r.capacity_rps for r in action.replicas)
+        elif isinstance(action, ResizeReplica):
+            ready += action.new.capacity_rps - action.old.capacity_rps
+        assert ready >= 200.0
+    resizes_first = (ResizeReplica(replicas_of(before)[0], replicas_of(after)[0]), *moves[:2], moves[3])
+    with pytest.raises(FailedPrecondition, match=r"step 0 \(ResizeReplica\).*170.0 rps of ready capacity, below 200.0"):
+        check_moves(before, after, resizes_first, the_fleet)
+
+
+def test_a_resize_that_gains_capacity_goes_before_one_that_loses_it() -> None:
+    the_fleet = fleet(2)
+    before = plan(placed(A, "w-000", batch=8, capacity=100.0), placed(B, "w-001", batch=8, capacity=100.0))
+    after = plan(placed(A, "w-000", batch=2, capacity=60.0), placed(B, "w-001", batch=32, capacity=300.0))
+    moves = plan_moves(before, after, the_fleet)
+    assert names(moves) == ["resize b@w-001 8->32", "resize a@w-000 8->2"]
+    check_moves(before, after, moves, the_fleet)
+
+
+def test_the_checker_refuses_a_resize_into_another_worker_or_beyond_memory() -> None:
+    the_fleet = fleet(2)
+    before, after = plan(placed(A, "w-000")), plan(placed(A, "w-001", batch=16))
+    old, new = replicas_of(before)[0], replicas_of(after)[0]
+    with pytest.raises(FailedPrecondition, match=r"step 0 \(ResizeReplica\).*not the same loaded replica"):
+        check_moves(before, after, (ResizeReplica(old, new),), the_fleet)
+    grown = plan(placed(A, "w-000", batch=16, memory=1200.0))
+    with pytest.raises(FailedPrecondition, match="cannot re-size models/a/versions/1 on w-000 in place"):
+        plan_moves(before, grown, the_fleet)
 
 
 def test_replicas_of_one_model_on_one_worker_are_told_apart() -> None:

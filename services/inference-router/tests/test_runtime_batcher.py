@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import numpy as np
 import onnxruntime as ort
@@ -122,3 +124,78 @@ def test_profile_on_a_fixed_shape_kind_measures_its_shapes() -> None:
     served, _ = replica(ACCEL, delay_us=1000)
     served.memory_mib = 1.0
     assert [t.batch for t in profile_replica(served, repeats=3).timings] == [1, 4, 8]
+
+
+class CountingReplica(Replica):
+    """A real replica that counts how many of its kind run a batch at the same moment."""
+
+    running = 0
+    peak = 0
+    lock = threading.Lock()
+
+    def run_batch(self, requests):
+        with CountingReplica.lock:
+            CountingReplica.running += 1
+            CountingReplica.peak = max(CountingReplica.peak, CountingReplica.running)
+        try:
+            time.sleep(0.03)  # long enough that every free instance gets a batch meanwhile
+            return super().run_batch(requests)
+        finally:
+            with CountingReplica.lock:
+                CountingReplica.running -= 1
+
+
+def counting_instances(count: int) -> list[Replica]:
+    model = mlp_classifier(width=16, depth=1).SerializeToString()
+    config = ModelConfig.from_dict(mlp_config("mlp", max_queue_delay_us=None))
+    return [CountingReplica(ModelVersion("mlp", 1), config, CPU, "fp32", build_session(model, CPU, threads=1,
+                                                                                       source="mlp"))
+            for _ in range(count)]
+
+
+def peak_concurrency(instances: list[Replica], requests: int, *, retire: int = 0) -> tuple[int, int]:
+    """(most batches running at once, batches run) for ``requests`` concurrent one-row requests."""
+    CountingReplica.running = CountingReplica.peak = 0
+    batcher = batcher_for(instances[0])
+    for instance in instances[1:]:
+        batcher.add_instance(instance)
+
+    async def scenario() -> None:
+        await batcher.start()
+        try:
+            if retire:
+                assert len(await batcher.retire(retire)) == retire
+            data = rows(requests)
+            replies = await asyncio.gather(*[batcher.infer({"features": data[i:i + 1]}) for i in range(requests)])
+            expected = instances[0].run({"features": data})["scores"]
+            np.testing.assert_allclose(np.concatenate([r["scores"] for r in replies]), expected, rtol=1e-5, atol=1e-6)
+        finally:
+            await batcher.stop()
+
+    asyncio.run(scenario())
+    return CountingReplica.peak, batcher.metrics.execution_count
+
+
+def test_k_instances_run_k_batches_at_once() -> None:
+    assert peak_concurrency(counting_instances(1), 6) == (1, 6)
+    assert peak_concurrency(counting_instances(3), 6) == (3, 6)  # three sessions, three batches in flight
+    assert peak_concurrency(counting_instances(3), 6, retire=2) == (1, 6)  # retired instances take no batch
+
+
+def test_the_batch_cap_changes_while_serving() -> None:
+    served, _ = replica(CPU, delay_us=50_000)
+    batcher = batcher_for(served)
+
+    async def scenario() -> list[int]:
+        await batcher.start()
+        try:
+            data = rows(8)
+            batcher.set_max_batch(2)
+            await asyncio.gather(*[batcher.infer({"features": data[i:i + 1]}) for i in range(8)])
+            batcher.set_max_batch(1000)  # capped at the replica's own cap
+            assert batcher.max_batch == served.max_batch
+            return sorted(batcher.metrics.batches)
+        finally:
+            await batcher.stop()
+
+    assert asyncio.run(scenario()) == [2]

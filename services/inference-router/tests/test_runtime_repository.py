@@ -218,3 +218,40 @@ def test_a_bundle_sent_over_the_wire_stays_inside_its_directory(tmp_path: Path) 
     bundle = load_bundle(written)
     assert bundle.config.name == "m"
     assert bundle.files[3].read_bytes() == model
+
+
+def test_instances_take_a_slot_each_and_change_in_place(tmp_path: Path) -> None:
+    write_model_dir(tmp_path / "a", mlp_config("a"))
+    write_model_dir(tmp_path / "b", mlp_config("b"))
+    data = np.ones((2, 16), np.float32)
+
+    async def scenario() -> None:
+        repo = repository(CPU, tmp_path)  # 3 slots
+        try:
+            await repo.load("a", version=1, instances=2, max_batch=4)
+            served = repo.get("a")
+            first = served.batcher.instances
+            assert (served.instances, repo.slots_used, served.batcher.max_batch) == (2, 2, 4)
+            assert repo.memory_used_mib == pytest.approx(sum(i.memory_mib for i in first)) and len(set(first)) == 2
+            with pytest.raises(ResourceExhausted, match=r"needs 2 slot\(s\), but this cpu worker has 1 free of 3 "
+                                                        r"\(in use by a v1 x2\)"):
+                await repo.load("b", version=1, instances=2)
+            before = await infer(repo, "a", data)
+            await repo.load("a", version=1, instances=2, max_batch=8)  # a re-size: same sessions, new cap
+            assert repo.get("a") is served and served.batcher.instances == first and served.batcher.max_batch == 8
+            await repo.load("a", version=1, instances=3)  # one more session beside the two serving
+            assert served.batcher.instances[:2] == first and repo.slots_used == 3
+            with pytest.raises(ResourceExhausted, match=r"models/a/versions/1 needs 1 more slot\(s\) for 4 instances, "
+                                                        r"but this cpu worker has 0 free of 3"):
+                await repo.load("a", version=1, instances=4)
+            await repo.load("a", version=1, instances=1)
+            assert served.batcher.instances == first[:1] and repo.slots_used == 1
+            np.testing.assert_array_equal(await infer(repo, "a", data), before)
+            await repo.load("b", version=1, instances=2)
+            assert repo.slots_used == 3
+            await repo.load("a", version=1)  # no instances or cap: a full reload, as before
+            assert repo.get("a") is not served and repo.get("a").instances == 1
+        finally:
+            await repo.close()
+
+    asyncio.run(scenario())

@@ -9,8 +9,14 @@ any step marks the version FAILED with the reason (the loader's own words for an
 onnxruntime refuses), emits ``DeployFailed`` and leaves every other model as it was.
 
 While models serve, :meth:`replan_once` (on a periodic tick) feeds the measured rate and p99 of
-each version to the Replanner, which re-places those that drifted from the plan. A worker that
-restarts gets its replicas loaded again and the router its new address.
+each version to the Replanner, which re-places those that drifted from the plan. A replica whose
+batch cap alone changes is re-sized in place (the worker re-caps its batcher, the router gets the
+new concurrency limit). The ``k`` replicas a plan puts on one worker are one loaded version with
+``k`` instances (sessions, one slot each). A worker that restarts gets its replicas loaded again
+and the router its new address.
+
+Version numbers only grow per model: a number once given (served, retired, rolled back or
+undeployed) is never given again, and the highest is kept in Redis across restarts.
 
 One deploy, move or re-placement runs at a time (a lock): each starts from the plan the last left.
 """
@@ -20,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
@@ -63,8 +69,8 @@ from opml_inference_router.placement import (
     Replan,
     Replanner,
     Replica,
+    ResizeReplica,
     check_moves,
-    replicas_of,
 )
 from opml_inference_router.routing import ModelPolicy, Router
 from opml_inference_router.runtime import load_bundle
@@ -105,7 +111,9 @@ class DeploymentManager:
         self._store = store
         self._emit = emit
         self._replan_interval_s = replan_interval_s
-        self._loaded: Counter[tuple[str, ModelVersion]] = Counter()  # planned replicas per (worker, version)
+        # the planned replicas each worker hosts per version: one loaded version, one instance each
+        self._hosted: defaultdict[tuple[str, ModelVersion], list[Replica]] = defaultdict(list)
+        self._last_version: dict[str, int] = {}  # the highest version number ever given, per model
         self._lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
         pools.on_restart = self.worker_restarted
@@ -177,11 +185,18 @@ class DeploymentManager:
                 await self.report_failure(source, error, version=version)
                 raise
             record = self.models.get(config.name) or ModelRecord(config.name)
-            number = version or max(record.versions, default=0) + 1
+            last = max(self._last_version.get(config.name, 0), max(record.versions, default=0))
+            number = version or last + 1
             existing = record.versions.get(number)
             if existing is not None and existing.state == SERVING:
                 raise AlreadyExists(f"models/{config.name}/versions/{number} already serves; deploy another "
                                     f"version or undeploy the model first")
+            if number <= last and existing is None:  # a failed version may be deployed again, nothing else
+                error = InvalidArgument("version", f"must be > {last} (0: the next): models/{config.name} has "
+                                                   f"given versions up to {last}, and a number is never reused")
+                await self.report_failure(source, error, version=version)
+                raise error
+            await self._give_version(config.name, number)
             entry = VersionRecord(number, source, str(directory), bundle_uuid=bundle_uuid, config=config)
             record.versions[number] = entry
             self.models[config.name] = record
@@ -284,15 +299,14 @@ class DeploymentManager:
     async def worker_restarted(self, worker_id: str, old: str, new: str) -> None:
         """Loads the replicas the plan has on a restarted worker and moves the router to its address."""
         async with self._lock:
-            for replica in replicas_of(self.plan):
-                if replica.worker != worker_id or replica.index:
+            for (worker, model), hosted in list(self._hosted.items()):
+                if worker != worker_id or not hosted:
                     continue
-                name, number = replica.model.name, replica.model.version
+                name, number = model.name, model.version
                 try:
-                    await self._load(replica)
+                    await self._load(worker, model)
                 except OpmlError as error:
-                    log.error("re-loading %s on restarted worker %s failed: %s", replica.model, worker_id,
-                              error.message)
+                    log.error("re-loading %s on restarted worker %s failed: %s", model, worker_id, error.message)
                     continue
                 with contextlib.suppress(NotFound):
                     await self.router.remove_replica(name, str(number), old)
@@ -379,11 +393,14 @@ class DeploymentManager:
     async def _apply(self, replan: Replan) -> None:
         """Carries out the moves in order; on a failure, undoes the ones done and re-raises."""
         check_moves(self.plan, replan.plan, replan.moves, self.fleet)
-        done: list[AddReplica | RemoveReplica] = []
+        done: list[AddReplica | ResizeReplica | RemoveReplica] = []
         try:
             for action in replan.moves:
                 if isinstance(action, AddReplica):
                     await self._add(action.replica)
+                    done.append(action)
+                elif isinstance(action, ResizeReplica):
+                    await self._resize(action.old, action.new)
                     done.append(action)
                 elif isinstance(action, RemoveReplica):
                     await self._remove(action.replica)
@@ -396,6 +413,8 @@ class DeploymentManager:
                 with contextlib.suppress(OpmlError, KeyError):
                     if isinstance(action, AddReplica):
                         await self._remove(action.replica)
+                    elif isinstance(action, ResizeReplica):
+                        await self._resize(action.new, action.old)
                     else:
                         await self._add(action.replica)
                         self._route(action.replica)
@@ -406,15 +425,35 @@ class DeploymentManager:
                 self.router.set_model(name, self._policy(name))
 
     async def _add(self, replica: Replica) -> None:
-        key = (replica.worker, replica.model)
-        if not self._loaded[key]:  # a worker hosts one copy of a version, however many the plan counts
-            await self._load(replica)
-        self._loaded[key] += 1
+        """Loads the version on the worker, or gives the loaded one another instance (in place)."""
+        hosted = self._hosted[replica.worker, replica.model]
+        hosted.append(replica)
+        try:
+            await self._load(replica.worker, replica.model)
+        except OpmlError:
+            hosted.remove(replica)
+            if not hosted:
+                del self._hosted[replica.worker, replica.model]
+            raise
 
-    async def _load(self, replica: Replica) -> None:
-        entry = self.models[replica.model.name].versions[replica.model.version]
-        await self.pools.client(replica.worker).load(replica.model.name, path=Path(entry.directory),
-                                                     version=replica.model.version, precision=replica.precision)
+    async def _resize(self, old: Replica, new: Replica) -> None:
+        """Re-caps the loaded version's batcher in place (the router's limit follows with the plan)."""
+        hosted = self._hosted[old.worker, old.model]
+        hosted[hosted.index(old)] = new
+        try:
+            await self._load(new.worker, new.model)
+        except OpmlError:
+            hosted[hosted.index(new)] = old
+            raise
+
+    async def _load(self, worker: str, model: ModelVersion) -> None:
+        """Makes the worker serve ``model`` as its hosted replicas say: one instance per replica, the
+        newest one's precision and batch cap (a worker changes a loaded version in place)."""
+        hosted = self._hosted[worker, model]
+        entry = self.models[model.name].versions[model.version]
+        await self.pools.client(worker).load(model.name, path=Path(entry.directory), version=model.version,
+                                             precision=hosted[-1].precision, instances=len(hosted),
+                                             max_batch=hosted[-1].max_batch)
 
     def _route(self, replica: Replica) -> None:
         name = replica.model.name
@@ -423,11 +462,20 @@ class DeploymentManager:
         self.router.add_replica(name, str(replica.model.version), self.pools.get(replica.worker).address)
 
     async def _remove(self, replica: Replica) -> None:
+        """Retires one instance of the version, or unloads it with its last one."""
         key = (replica.worker, replica.model)
-        self._loaded[key] -= 1
-        if self._loaded[key] > 0:
+        hosted = self._hosted[key]
+        hosted.remove(replica)
+        if hosted:
+            try:
+                await self._load(*key)
+            except Unavailable:  # a worker that is down comes back with what _hosted says
+                pass
+            except OpmlError:
+                hosted.append(replica)
+                raise
             return
-        del self._loaded[key]
+        del self._hosted[key]
         name, number = replica.model.name, str(replica.model.version)
         with contextlib.suppress(NotFound):
             await self.router.remove_replica(name, number, self.pools.get(replica.worker).address)
@@ -437,8 +485,11 @@ class DeploymentManager:
     def _policy(self, name: str) -> ModelPolicy:
         record = self.models[name]
         newest = max((e for e in record.versions.values() if e.config is not None), key=lambda e: e.version)
-        replicas = sum(len(s.workers) for m, s in self.plan.placements.items() if m.name == name)
-        return ModelPolicy.for_model(newest.config, replicas=max(1, replicas))  # type: ignore[arg-type]
+        placed = [s for m, s in self.plan.placements.items() if m.name == name]
+        replicas = sum(len(s.workers) for s in placed)
+        rows = sum(len(s.workers) * s.option.max_batch for s in placed)  # what the planned batch caps take
+        limits = {"max_concurrency": max(8, 2 * rows), "max_queue": 4 * max(8, 2 * rows)} if rows else {}
+        return ModelPolicy.for_model(newest.config, replicas=max(1, replicas), **limits)  # type: ignore[arg-type]
 
     async def _retire(self, record: ModelRecord) -> None:
         """Drops the serving versions that neither the stable one's version policy keeps nor take traffic."""
@@ -472,6 +523,7 @@ class DeploymentManager:
         if self._store is None:
             return
         records, profiles = await self._store.load()
+        self._last_version = await self._store.load_last_versions()
         if not records:
             return
         async with self._lock:
@@ -529,6 +581,13 @@ class DeploymentManager:
                 log.exception("re-placement failed")
 
     # -- records and events ----------------------------------------------------------------------
+
+    async def _give_version(self, name: str, number: int) -> None:
+        """Remembers ``number`` as given (in Redis before the deploy acts, so a restart never gives it again)."""
+        if number > self._last_version.get(name, 0):
+            self._last_version[name] = number
+            if self._store is not None:
+                await self._store.save_last_version(name, number)
 
     async def _save(self, record: ModelRecord) -> None:
         if record.name in self.router.models():

@@ -1,6 +1,10 @@
 """What the control plane remembers across restarts: deployed model versions (with where each came
 from) and the profiles measured on deploy, in Redis.
 
+The highest version number given per model is kept apart from the records
+(``<prefix>inference-router:last-versions``), so a number is never given twice: not after a
+rollback retired a version, not after an undeploy deleted the model's record, not after a restart.
+
 A router restarted with these keys rebuilds its deployments: it fetches the bundles again where
 its work directory lost them, re-plans from the stored profiles (no re-profiling) and loads the
 replicas on its fresh workers. With the keys gone it starts empty (DESIGN: Redis is hot state).
@@ -83,12 +87,21 @@ class DeploymentStore:
         self._redis = redis
         self._models_key = f"{prefix}inference-router:deployments"
         self._profiles_key = f"{prefix}inference-router:profiles"
+        self._last_versions_key = f"{prefix}inference-router:last-versions"
 
     async def save_model(self, record: ModelRecord) -> None:
         await self._redis.hset(self._models_key, record.name, json.dumps(record.to_dict()))
 
     async def delete_model(self, name: str) -> None:
         await self._redis.hdel(self._models_key, name)
+
+    async def save_last_version(self, name: str, number: int) -> None:
+        await self._redis.hset(self._last_versions_key, name, number)
+
+    async def load_last_versions(self) -> dict[str, int]:
+        """The highest version number given per model (empty when nothing is stored)."""
+        stored = await self._redis.hgetall(self._last_versions_key)
+        return {_text(name): int(number) for name, number in stored.items()}
 
     async def save_profiles(self, profiles: dict[str, Any]) -> None:
         await self._redis.set(self._profiles_key, json.dumps(profiles))
@@ -99,3 +112,7 @@ class DeploymentStore:
         profiles = await self._redis.get(self._profiles_key)
         records = [ModelRecord.from_dict(json.loads(value)) for _, value in sorted(models.items())]
         return records, json.loads(profiles) if profiles else {}
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -32,8 +32,10 @@ class WorkerClient:
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
 
     async def load(self, model: str, *, path: Path, version: int, precision: str | None = None,
-                   profile: bool = False) -> None:
-        """Loads ``version`` of the bundle at ``path``; returns once it serves.
+                   profile: bool = False, instances: int | None = None, max_batch: int | None = None) -> None:
+        """Loads ``version`` of the bundle at ``path`` as ``instances`` sessions batching up to
+        ``max_batch`` rows; returns once it serves. On a version loaded there in the same precision,
+        ``instances`` and ``max_batch`` change in place (no reload).
 
         Raises: what the worker's repository raises (InvalidArgument, NotFound, FailedPrecondition,
         ResourceExhausted), or Unavailable when the worker cannot be reached.
@@ -45,6 +47,10 @@ class WorkerClient:
             request.parameters["precision"].string_param = precision
         if profile:
             request.parameters["profile"].bool_param = True
+        if instances:
+            request.parameters["instances"].int64_param = instances
+        if max_batch:
+            request.parameters["max_batch"].int64_param = max_batch
         await self._call(self._stub.RepositoryModelLoad, request, LOAD_TIMEOUT_S)
 
     async def unload(self, model: str, version: int) -> None:

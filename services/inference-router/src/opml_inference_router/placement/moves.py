@@ -6,6 +6,11 @@ ready capacity fall below ``min(capacity in A, capacity in B)``: new replicas ar
 for before old ones go, and no worker ever holds more than its kind's slots and memory. When every
 target worker is full of replicas that cannot go yet, one of them is first copied to a worker with
 room (a temporary replica, removed at the end), which frees its place without a gap.
+
+A replica that keeps its model version, worker and precision but changes its batch cap is
+re-sized in place (:class:`ResizeReplica`): the worker keeps the loaded session and only its
+batcher's cap changes, so it needs no free slot and never stops serving (a full single-slot
+accelerator can be re-sized).
 """
 
 from __future__ import annotations
@@ -58,7 +63,21 @@ class RemoveReplica:
     replica: Replica
 
 
-Action = AddReplica | WaitReady | RemoveReplica
+@dataclass(frozen=True)
+class ResizeReplica:
+    """Change the ready replica ``old`` into ``new`` in place: same model version, worker, index and
+    precision, another batch cap (and so capacity and memory). It keeps serving throughout."""
+
+    old: Replica
+    new: Replica
+
+
+Action = AddReplica | WaitReady | ResizeReplica | RemoveReplica
+
+
+def _place(replica: Replica) -> tuple:
+    """What a re-size in place keeps: the loaded session (model version, precision) and where it runs."""
+    return replica.model, replica.worker, replica.index, replica.pool_kind, replica.precision
 
 
 def replicas_of(plan: Plan) -> list[Replica]:
@@ -87,10 +106,12 @@ def _floors(current: list[Replica], target: list[Replica]) -> dict[ModelVersion,
 
 def plan_moves(current: Plan, target: Plan, fleet: Fleet) -> tuple[Action, ...]:
     """The actions that turn ``current`` into ``target`` without ever dropping a model's capacity
-    below ``min(before, after)`` or overfilling a worker. Replicas both plans share stay untouched.
+    below ``min(before, after)`` or overfilling a worker. Replicas both plans share stay untouched;
+    one whose batch cap alone changes is re-sized in place.
 
-    Each round adds every new replica that fits now and waits for them together, then removes
-    every old replica whose model keeps enough ready capacity without it.
+    Each round adds every new replica that fits now and waits for them together, re-sizes those
+    whose model keeps enough ready capacity (capacity gains first), then removes every old replica
+    whose model keeps enough ready capacity without it.
 
     Raises:
         FailedPrecondition: the move is blocked and no worker has room for a temporary replica.
@@ -104,9 +125,10 @@ def plan_moves(current: Plan, target: Plan, fleet: Fleet) -> tuple[Action, ...]:
     kept = set(before) & set(after)
     adds = [replica for replica in after if replica not in kept]
     removes = [replica for replica in before if replica not in kept]
+    resizes = _pair_resizes(adds, removes)
     temporary: set[Replica] = set()
     actions: list[Action] = []
-    while adds or removes:
+    while adds or removes or resizes:
         started = []
         for replica in list(adds):
             if occupancy.fits(replica.worker, replica.memory_mib):
@@ -118,6 +140,14 @@ def plan_moves(current: Plan, target: Plan, fleet: Fleet) -> tuple[Action, ...]:
             actions.append(WaitReady(tuple(started)))
             for replica in started:
                 ready[replica.model] += replica.capacity_rps
+        resized = False
+        for old, new in sorted(resizes, key=lambda pair: pair[0].capacity_rps - pair[1].capacity_rps):
+            left = ready[old.model] - old.capacity_rps + new.capacity_rps
+            if left >= floors[old.model] - _EPSILON and _resize(occupancy, old, new):
+                ready[old.model] = left
+                actions.append(ResizeReplica(old, new))
+                resizes.remove((old, new))
+                resized = True
         removed = False
         for replica in list(removes):
             if ready[replica.model] - replica.capacity_rps >= floors[replica.model] - _EPSILON:
@@ -126,7 +156,11 @@ def plan_moves(current: Plan, target: Plan, fleet: Fleet) -> tuple[Action, ...]:
                 actions.append(RemoveReplica(replica))
                 removes.remove(replica)
                 removed = True
-        if not started and not removed:
+        if not started and not removed and not resized:
+            if not adds and not removes:
+                old, new = resizes[0]
+                raise FailedPrecondition(f"cannot re-size {old.model} on {old.worker} in place: its new size "
+                                         f"({new.memory_mib:.0f} MiB) does not fit in the worker's memory")
             stand_in = _stage(adds, removes, temporary, occupancy)
             occupancy.add(stand_in.worker, stand_in.model, stand_in.memory_mib)
             actions += [AddReplica(stand_in), WaitReady((stand_in,))]
@@ -134,6 +168,29 @@ def plan_moves(current: Plan, target: Plan, fleet: Fleet) -> tuple[Action, ...]:
             removes.append(stand_in)
             temporary.add(stand_in)
     return tuple(actions)
+
+
+def _pair_resizes(adds: list[Replica], removes: list[Replica]) -> list[tuple[Replica, Replica]]:
+    """Takes out of ``adds`` and ``removes`` the (old, new) pairs that differ in their batch cap only."""
+    new_at = {_place(replica): replica for replica in adds}
+    pairs = []
+    for old in list(removes):
+        new = new_at.pop(_place(old), None)
+        if new is not None:
+            removes.remove(old)
+            adds.remove(new)
+            pairs.append((old, new))
+    return pairs
+
+
+def _resize(occupancy: Occupancy, old: Replica, new: Replica) -> bool:
+    """Swaps ``old``'s memory for ``new``'s on their worker when it fits (the slot stays taken)."""
+    occupancy.remove(old.worker, old.model, old.memory_mib)
+    if occupancy.fits(new.worker, new.memory_mib):
+        occupancy.add(new.worker, new.model, new.memory_mib)
+        return True
+    occupancy.add(old.worker, old.model, old.memory_mib)
+    return False
 
 
 def _stage(adds: list[Replica], removes: list[Replica], temporary: set[Replica], occupancy: Occupancy) -> Replica:
@@ -157,7 +214,8 @@ def _stage(adds: list[Replica], removes: list[Replica], temporary: set[Replica],
 
 def check_moves(current: Plan, target: Plan, actions: tuple[Action, ...], fleet: Fleet) -> None:
     """Replays ``actions`` from ``current`` and checks every step: no worker over its slots or memory,
-    replicas waited for before they count, no model below ``min(capacity before, after)``, and
+    replicas waited for before they count, re-sizes only of a ready replica into the same loaded one,
+    no model below ``min(capacity before, after)``, and
     ``target`` reached at the end. The executor runs this before it acts.
 
     Raises:
@@ -184,6 +242,21 @@ def check_moves(current: Plan, target: Plan, actions: tuple[Action, ...], fleet:
                         raise FailedPrecondition(f"waits for {replica}, which is not loading")
                     loading.remove(replica)
                     ready[replica.model] += replica.capacity_rps
+            elif isinstance(action, ResizeReplica):
+                old, new = action.old, action.new
+                if _place(old) != _place(new):
+                    raise FailedPrecondition(f"re-sizes {old} into {new}, which is not the same loaded replica")
+                if old not in present or old in loading:
+                    raise FailedPrecondition(f"re-sizes {old}, which is not a ready replica")
+                left = ready[old.model] - old.capacity_rps + new.capacity_rps
+                if left < floors.get(old.model, 0.0) - _EPSILON:
+                    raise FailedPrecondition(f"re-sizing {old} leaves {old.model} {left:.1f} rps of ready "
+                                             f"capacity, below {floors[old.model]:.1f} rps")
+                occupancy.remove(old.worker, old.model, old.memory_mib)
+                occupancy.add(new.worker, new.model, new.memory_mib)
+                present.remove(old)
+                present.add(new)
+                ready[old.model] = left
             else:
                 replica = action.replica
                 if replica not in present or replica in loading:

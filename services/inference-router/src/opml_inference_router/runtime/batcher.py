@@ -2,10 +2,12 @@
 
 Requests queue at their replica. A batch is dispatched when the queued rows reach the replica's
 batch cap or the oldest request has waited ``max_queue_delay``; it takes requests from the head
-whose non-batch shapes match while their rows fit. The replica runs one batch at a time on its own
-thread (the event loop stays free to decode and queue), so requests that arrive during a run form
-the next batch: under load, batches fill without waiting. Without dynamic batching every request
-runs alone. Cancelled requests (a caller's deadline passed) are dropped before they cost a run.
+whose non-batch shapes match while their rows fit. Each *instance* of the replica (its own
+session, as Triton's ``instance_group`` count) runs one batch at a time on its own thread (the
+event loop stays free to decode and queue), and a batch goes to a free instance, so ``k``
+instances run ``k`` batches at once; requests that arrive while every instance runs form the next
+batch: under load, batches fill without waiting. Without dynamic batching every request runs
+alone. Cancelled requests (a caller's deadline passed) are dropped before they cost a run.
 
 A batch that takes less than ``INLINE_BELOW_S`` (a running average of the replica's runs) runs on
 the event loop itself: handing it to the thread and back costs ~0.1-0.2 ms of wake-ups, far more
@@ -39,10 +41,12 @@ class _Pending:
 
 
 class DynamicBatcher:
-    """Queues requests for one replica and runs them in batches.
+    """Queues requests for one replica and runs them in batches on its instances (``replica`` first;
+    :meth:`add_instance` and :meth:`retire` change how many, :meth:`set_max_batch` the batch cap,
+    all while it serves).
 
-    ``start()`` starts the dispatch task and the replica's thread; ``stop()`` refuses new requests,
-    lets the queued ones finish, then ends both. Both are idempotent.
+    ``start()`` starts the dispatch task and the instances' threads; ``stop()`` refuses new
+    requests, lets the queued ones finish, then ends both. Both are idempotent.
     """
 
     def __init__(self, replica: Replica, metrics: ReplicaMetrics) -> None:
@@ -55,15 +59,63 @@ class DynamicBatcher:
         self._queue: deque[_Pending] = deque()
         self._queued_rows = 0
         self._wake = asyncio.Event()
-        self._executor: ThreadPoolExecutor | None = None
+        self._instances: list[Replica] = [replica]
+        self._idle: deque[Replica] = deque([replica])
+        self._threads: dict[Replica, ThreadPoolExecutor] = {}  # each instance's one thread
+        self._runs: dict[Replica, asyncio.Task] = {}  # the batch an instance runs now
         self._task: asyncio.Task | None = None
         self._closed = False
         self._mean_run_s = float("inf")  # unknown until the first run: use the thread
 
+    @property
+    def instances(self) -> tuple[Replica, ...]:
+        return tuple(self._instances)
+
+    @property
+    def max_batch(self) -> int:
+        """Rows per batch at most (1 without dynamic batching)."""
+        return self._max_rows
+
+    def set_max_batch(self, rows: int) -> None:
+        """Caps batches at ``rows`` (at most the replica's own cap) from the next batch on; a request
+        with more rows than the cap still runs, alone."""
+        if self._batching:
+            self._max_rows = max(1, min(rows, self.replica.max_batch))
+            self._wake.set()
+
+    def add_instance(self, instance: Replica) -> None:
+        """Another session of the same replica: it takes batches from now on."""
+        self._instances.append(instance)
+        self._thread(instance)
+        self._idle.append(instance)
+        self._wake.set()
+
+    async def retire(self, count: int) -> list[Replica]:
+        """Takes the newest ``count`` instances (never the first) out of service; returns once each
+        finished the batch it runs, with them."""
+        retired = self._instances[max(1, len(self._instances) - count):]
+        for instance in retired:
+            self._instances.remove(instance)
+            if instance in self._idle:
+                self._idle.remove(instance)
+        for instance in retired:
+            run = self._runs.get(instance)
+            if run is not None:
+                await asyncio.gather(run, return_exceptions=True)
+            self._threads.pop(instance).shutdown(wait=True)
+        return retired
+
+    def _thread(self, instance: Replica) -> ThreadPoolExecutor:
+        if instance not in self._threads:
+            self._threads[instance] = ThreadPoolExecutor(max_workers=1,
+                                                         thread_name_prefix=f"replica-{instance.model.name}")
+        return self._threads[instance]
+
     async def start(self) -> None:
         if self._task is not None:
             return
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"replica-{self.replica.model.name}")
+        for instance in self._instances:
+            self._thread(instance)
         self._task = asyncio.create_task(self._dispatch(), name=f"batcher {self.replica.model}")
 
     async def stop(self) -> None:
@@ -75,8 +127,9 @@ class DynamicBatcher:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        await asyncio.gather(*self._runs.values(), return_exceptions=True)
+        for thread in self._threads.values():
+            thread.shutdown(wait=True)
 
     async def infer(self, inputs: Tensors) -> dict[str, np.ndarray]:
         """The replica's outputs for one request (already validated: shapes fit, batch <= the cap).
@@ -113,9 +166,17 @@ class DynamicBatcher:
                         await asyncio.wait_for(self._wake.wait(), remaining)
                     except TimeoutError:
                         break
+            while not self._idle:  # every instance runs a batch: the queue keeps filling meanwhile
+                self._wake.clear()
+                await self._wake.wait()
             batch = self._take()
-            if batch:
-                await self._run(batch)
+            if not batch:
+                continue
+            instance = self._idle.popleft()
+            if self._mean_run_s < INLINE_BELOW_S or len(self._instances) == 1:  # no task needed: nothing runs beside
+                await self._run(instance, batch)
+            else:
+                self._runs[instance] = asyncio.create_task(self._run(instance, batch))
 
     def _take(self) -> list[_Pending]:
         batch: list[_Pending] = []
@@ -133,21 +194,33 @@ class DynamicBatcher:
             rows += head.rows
         return batch
 
-    def _timed_run(self, inputs: list[Tensors]) -> tuple[list[dict[str, np.ndarray]], int]:
-        """The replica's outputs and its run time in ns (without the hop to its thread)."""
+    @staticmethod
+    def _timed_run(instance: Replica, inputs: list[Tensors]) -> tuple[list[dict[str, np.ndarray]], int]:
+        """The instance's outputs and its run time in ns (without the hop to its thread)."""
         start = time.perf_counter_ns()
-        results = self.replica.run_batch(inputs)
+        results = instance.run_batch(inputs)
         return results, time.perf_counter_ns() - start
 
-    async def _run(self, batch: list[_Pending]) -> None:
+    async def _run(self, instance: Replica, batch: list[_Pending]) -> None:
+        """Runs ``batch`` on ``instance`` (inline when runs are tiny), then frees the instance."""
+        try:
+            await self._run_on(instance, batch)
+        finally:
+            self._runs.pop(instance, None)
+            if instance in self._instances:  # not retired meanwhile
+                self._idle.append(instance)
+                self._wake.set()
+
+    async def _run_on(self, instance: Replica, batch: list[_Pending]) -> None:
         loop = asyncio.get_running_loop()
         rows = sum(p.rows for p in batch)
         inputs = [p.inputs for p in batch]
         try:
             if self._mean_run_s < INLINE_BELOW_S:
-                results, elapsed = self._timed_run(inputs)
+                results, elapsed = self._timed_run(instance, inputs)
             else:
-                results, elapsed = await loop.run_in_executor(self._executor, self._timed_run, inputs)
+                results, elapsed = await loop.run_in_executor(self._threads[instance], self._timed_run,
+                                                              instance, inputs)
         except Exception as error:  # noqa: BLE001 - every waiting caller gets the failure
             self.metrics.failures += len(batch)
             for pending in batch:

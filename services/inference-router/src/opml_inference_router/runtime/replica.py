@@ -29,10 +29,11 @@ def batch_cap(config: ModelConfig, kind: PoolKind) -> int:
     return fitting[-1] if fitting else config.max_batch_size
 
 
-@dataclass
+@dataclass(eq=False)
 class Replica:
-    """A loaded model version. ``memory_mib`` is what loading it added to the worker's resident memory
-    (session, weights, the arena after a batch of ``max_batch``)."""
+    """A loaded model version (one instance: its own session). ``memory_mib`` is what loading it added
+    to the worker's resident memory (session, weights, the arena after a batch of ``max_batch``).
+    Instances compare by identity: two sessions of one version are two instances."""
 
     model: ModelVersion
     config: ModelConfig

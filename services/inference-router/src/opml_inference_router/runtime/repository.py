@@ -5,6 +5,11 @@ share, builds and checks the session, warms it at its largest batch and measures
 to the worker's memory; only a replica that fits is swapped in (replacing the same version if it
 was loaded), so a failed load leaves every served model as it was. Loads are serialized; they run
 off the event loop, which keeps serving meanwhile.
+
+A version may run as several *instances* (Triton's ``instance_group`` count): sessions of the same
+model, each on its own thread and slot, fed by the version's one batcher. A load that names a
+loaded version with ``instances`` or ``max_batch`` and keeps its precision changes them in place:
+it builds or retires only the instances that differ and re-caps the batcher, without a reload.
 """
 
 from __future__ import annotations
@@ -43,6 +48,15 @@ class Served:
     replica: Replica
     batcher: DynamicBatcher
     profile: ProfileReport | None = None
+
+    @property
+    def instances(self) -> int:
+        """Sessions serving the version (slots it takes)."""
+        return len(self.batcher.instances)
+
+    @property
+    def memory_mib(self) -> float:
+        return sum(instance.memory_mib for instance in self.batcher.instances)
 
 
 @dataclass(frozen=True)
@@ -111,18 +125,22 @@ class ModelRepository:
 
     @property
     def slots_used(self) -> int:
-        return sum(len(versions) for versions in self._served.values())
+        return sum(s.instances for versions in self._served.values() for s in versions.values())
 
     @property
     def memory_used_mib(self) -> float:
-        return sum(s.replica.memory_mib for versions in self._served.values() for s in versions.values())
+        return sum(s.memory_mib for versions in self._served.values() for s in versions.values())
 
     # -- loading -----------------------------------------------------------------------------
 
     async def load(self, name: str, *, path: str | Path | None = None, version: int | None = None,
-                   precision: str | None = None, profile: bool = False) -> list[Served]:
+                   precision: str | None = None, profile: bool = False, instances: int | None = None,
+                   max_batch: int | None = None) -> list[Served]:
         """Loads ``name`` from ``path`` (default: ``<models_dir>/<name>``): ``version`` alone, else the
-        versions its policy picks; with ``profile``, measures each before it serves.
+        versions its policy picks; with ``profile``, measures each before it serves. Each version runs
+        ``instances`` sessions (default 1) and batches up to ``max_batch`` rows (default: all the
+        replica takes). When ``version`` is loaded in the same precision and ``instances`` or
+        ``max_batch`` is given (without ``profile``), they are changed in place instead.
 
         Raises:
             NotFound: no such bundle directory, ONNX file or version.
@@ -130,10 +148,14 @@ class ModelRepository:
                 config, or an ONNX file onnxruntime refuses (the message is onnxruntime's reason).
             FailedPrecondition: the model may not run on this kind, or they share no precision.
             ResourceExhausted: the worker's slots or memory would be exceeded.
+            InvalidArgument: ``instances`` or ``max_batch`` below 1.
         """
+        for field, value in (("instances", instances), ("max_batch", max_batch)):
+            if value is not None and value < 1:
+                raise InvalidArgument(field, f"must be >= 1, but got {value}")
         async with self._lock:
             try:
-                served = await self._load(name, path, version, precision, profile)
+                served = await self._load(name, path, version, precision, profile, instances, max_batch)
             except OpmlError as error:
                 self._failed[name] = error.message
                 log.warning("load of %s failed: %s", name, error.message)
@@ -142,7 +164,7 @@ class ModelRepository:
             return served
 
     async def _load(self, name: str, path: str | Path | None, version: int | None, precision: str | None,
-                    profile: bool) -> list[Served]:
+                    profile: bool, instances: int | None, max_batch: int | None) -> list[Served]:
         bundle = await asyncio.to_thread(load_bundle, self._bundle_dir(name, path), flat_version=version or 1)
         config = bundle.config
         if config.name != name:
@@ -153,28 +175,42 @@ class ModelRepository:
         chosen = choose_precision(config, self.kind, precision)
         files = bundle.select(version)
         current = self._served.get(name, {})
+        loaded = current.get(version) if version is not None else None
+        if (loaded is not None and (instances or max_batch) and not profile and loaded.replica.precision == chosen):
+            return [await self._update(loaded, bundle, files[version], instances or loaded.instances, max_batch)]
+        count = instances or 1
         replaced = [v for v in files if v in current]
-        free_slots = self.kind.slots - self.slots_used + len(replaced)
-        if len(files) > free_slots:
+        free_slots = self.kind.slots - self.slots_used + sum(current[v].instances for v in replaced)
+        if len(files) * count > free_slots:
+            each = f" with {count} instances each" if count > 1 else ""
             raise ResourceExhausted(
-                f"loading {len(files)} version(s) of {name} needs {len(files)} slot(s), but this {self.kind.name} "
-                f"worker has {free_slots} free of {self.kind.slots} ({self._occupants()}); unload a model first")
-        free_mib = self.kind.memory_mib - self.memory_used_mib + sum(current[v].replica.memory_mib for v in replaced)
-        weights_mib = sum(f.stat().st_size for f in files.values()) / MIB
+                f"loading {len(files)} version(s) of {name}{each} needs {len(files) * count} slot(s), but this "
+                f"{self.kind.name} worker has {free_slots} free of {self.kind.slots} ({self._occupants()}); "
+                f"unload a model first")
+        free_mib = self.kind.memory_mib - self.memory_used_mib + sum(current[v].memory_mib for v in replaced)
+        weights_mib = count * sum(f.stat().st_size for f in files.values()) / MIB
         if weights_mib > free_mib:
             raise ResourceExhausted(f"{name}'s ONNX files alone take {weights_mib:.1f} MiB, but this "
                                     f"{self.kind.name} worker has {free_mib:.1f} MiB free of {self.kind.memory_mib}")
         built: dict[int, Served] = {}
         for number, file in sorted(files.items()):
-            replica = await asyncio.to_thread(self._build, bundle, ModelVersion(name, number), file, chosen)
-            if replica.memory_mib > free_mib:
-                raise ResourceExhausted(f"{replica.model} takes {replica.memory_mib:.1f} MiB once loaded, but this "
-                                        f"{self.kind.name} worker has {free_mib:.1f} MiB free of "
-                                        f"{self.kind.memory_mib}")
-            free_mib -= replica.memory_mib
-            report = (await asyncio.to_thread(profile_replica, replica, repeats=self._profile_repeats)
+            data = await asyncio.to_thread(convert, file, chosen, config,
+                                           calibration=bundle.directory / CALIBRATION_FILE)
+            replicas = []
+            for _ in range(count):
+                replica = await asyncio.to_thread(self._instance, bundle, ModelVersion(name, number), file, data,
+                                                  chosen)
+                self._check_memory(replica, free_mib)
+                free_mib -= replica.memory_mib
+                replicas.append(replica)
+            report = (await asyncio.to_thread(profile_replica, replicas[0], repeats=self._profile_repeats)
                       if profile else None)
-            built[number] = Served(replica, DynamicBatcher(replica, self._metrics.for_replica(name, number)), report)
+            batcher = DynamicBatcher(replicas[0], self._metrics.for_replica(name, number))
+            for replica in replicas[1:]:
+                batcher.add_instance(replica)
+            if max_batch is not None:
+                batcher.set_max_batch(max_batch)
+            built[number] = Served(replicas[0], batcher, report)
         for served in built.values():
             await served.batcher.start()
         old = [current[v] for v in replaced]
@@ -182,9 +218,44 @@ class ModelRepository:
         self._update_gauges()
         for served in old:
             await served.batcher.stop()
-        log.info("loaded %s versions %s on %s in %s (%.1f MiB)", name, sorted(built), self.kind.name, chosen,
-                 sum(s.replica.memory_mib for s in built.values()))
+        log.info("loaded %s versions %s x%d on %s in %s (%.1f MiB)", name, sorted(built), count, self.kind.name,
+                 chosen, sum(s.memory_mib for s in built.values()))
         return list(built.values())
+
+    async def _update(self, served: Served, bundle: ModelBundle, file: Path, instances: int,
+                      max_batch: int | None) -> Served:
+        """Changes a serving version's instance count and batch cap in place (no reload)."""
+        model, have = served.replica.model, served.instances
+        if instances > have:
+            free_slots = self.kind.slots - self.slots_used
+            if instances - have > free_slots:
+                raise ResourceExhausted(
+                    f"{model} needs {instances - have} more slot(s) for {instances} instances, but this "
+                    f"{self.kind.name} worker has {free_slots} free of {self.kind.slots} ({self._occupants()})")
+            free_mib = self.kind.memory_mib - self.memory_used_mib
+            data = await asyncio.to_thread(convert, file, served.replica.precision, bundle.config,
+                                           calibration=bundle.directory / CALIBRATION_FILE)
+            added = []
+            for _ in range(instances - have):
+                replica = await asyncio.to_thread(self._instance, bundle, model, file, data, served.replica.precision)
+                self._check_memory(replica, free_mib)
+                free_mib -= replica.memory_mib
+                added.append(replica)
+            for replica in added:
+                served.batcher.add_instance(replica)
+        elif instances < have:
+            await served.batcher.retire(have - instances)
+        if max_batch is not None:
+            served.batcher.set_max_batch(max_batch)
+        self._update_gauges()
+        log.info("%s on %s now runs %d instance(s), batches up to %d rows", model, self.kind.name, served.instances,
+                 served.batcher.max_batch)
+        return served
+
+    def _check_memory(self, replica: Replica, free_mib: float) -> None:
+        if replica.memory_mib > free_mib:
+            raise ResourceExhausted(f"{replica.model} takes {replica.memory_mib:.1f} MiB once loaded, but this "
+                                    f"{self.kind.name} worker has {free_mib:.1f} MiB free of {self.kind.memory_mib}")
 
     def _bundle_dir(self, name: str, path: str | Path | None) -> Path:
         if path:
@@ -194,10 +265,10 @@ class ModelRepository:
                                                       f"{name} in")
         return self._models_dir / name
 
-    def _build(self, bundle: ModelBundle, model: ModelVersion, file: Path, precision: str) -> Replica:
-        """Converts, builds, checks and warms one replica, measuring the memory it added (blocking)."""
+    def _instance(self, bundle: ModelBundle, model: ModelVersion, file: Path, data: bytes, precision: str) -> Replica:
+        """Builds, checks and warms one instance from the converted model, measuring the memory it added
+        (blocking)."""
         before = _resident_mib()
-        data = convert(file, precision, bundle.config, calibration=bundle.directory / CALIBRATION_FILE)
         session = build_session(data, self.kind, threads=self._threads, source=str(file))
         check_signature(session, bundle.config)
         replica = Replica(model, bundle.config, self.kind, precision, session)
@@ -206,7 +277,8 @@ class ModelRepository:
         return replica
 
     def _occupants(self) -> str:
-        names = [f"{name} v{v}" for name, versions in sorted(self._served.items()) for v in sorted(versions)]
+        names = [f"{name} v{v}" + (f" x{s.instances}" if s.instances > 1 else "")
+                 for name, versions in sorted(self._served.items()) for v, s in sorted(versions.items())]
         return "in use by " + ", ".join(names) if names else "none in use"
 
     def _update_gauges(self) -> None:

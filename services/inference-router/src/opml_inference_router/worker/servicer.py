@@ -6,7 +6,9 @@ model or version: NOT_FOUND; a bad tensor: INVALID_ARGUMENT naming it; no room: 
 Methods it does not implement (shared memory, streaming, trace and log settings) answer UNIMPLEMENTED.
 Load parameters: ``path`` (bundle directory), ``version`` (of a flat bundle, or the one version to
 load), ``precision``, ``profile`` (measure before serving; the profile is in ModelConfig's
-``parameters["opml_profile"]``); or Triton's ``config`` (the ModelConfig as JSON) with
+``parameters["opml_profile"]``), ``instances`` (sessions of the version, Triton's instance_group
+count; one slot each) and ``max_batch`` (the batcher's cap) - on a version loaded in the same
+precision these two change in place, without a reload; or Triton's ``config`` (the ModelConfig as JSON) with
 ``file:<path>`` contents, so ``tritonclient``'s ``load_model(config=..., files=...)`` ships a bundle
 to a worker that shares no disk with its caller.
 """
@@ -36,7 +38,8 @@ METHOD_ROLES = {
     "RepositoryModelLoad": "admin", "RepositoryModelUnload": "admin",
 }
 _LOAD_PARAMETERS = {"path": "string_param", "version": "int64_param", "precision": "string_param",
-                    "profile": "bool_param", "config": "string_param"}
+                    "profile": "bool_param", "config": "string_param", "instances": "int64_param",
+                    "max_batch": "int64_param"}
 _FILE_PREFIX = "file:"
 # tritonclient's unload_model always sends unload_dependents; a worker hosts no ensembles, so it is moot.
 _UNLOAD_PARAMETERS = {"version": "int64_param", "unload_dependents": "bool_param"}
@@ -58,8 +61,9 @@ def _parameters(parameters, allowed: dict[str, str]) -> dict[str, object]:
             raise InvalidArgument(f"parameters[{key}]", f"must be a {kind}, but got "
                                                         f"{parameter.WhichOneof('parameter_choice')}")
         values[key] = getattr(parameter, kind)
-    if "version" in values and int(values["version"]) < 1:  # type: ignore[call-overload]
-        raise InvalidArgument("parameters[version]", f"must be >= 1, but got {values['version']}")
+    for key in ("version", "instances", "max_batch"):
+        if key in values and int(values[key]) < 1:  # type: ignore[call-overload]
+            raise InvalidArgument(f"parameters[{key}]", f"must be >= 1, but got {values[key]}")
     return values
 
 
@@ -116,8 +120,11 @@ class WorkerServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             triton.dynamic_batching.max_queue_delay_microseconds = config.dynamic_batching.max_queue_delay_us
             triton.dynamic_batching.preferred_batch_size.extend(
                 s for s in replica.kind.batch_sizes if s <= replica.max_batch)
+        gpu = replica.kind.execution_provider == "CUDAExecutionProvider"
+        triton.instance_group.add(count=served.instances, kind=mc.ModelInstanceGroup.KIND_GPU if gpu
+                                  else mc.ModelInstanceGroup.KIND_CPU)
         extra = {"opml_pool_kind": replica.kind.name, "opml_precision": replica.precision,
-                 "opml_memory_mib": f"{replica.memory_mib:.3f}"}
+                 "opml_memory_mib": f"{served.memory_mib:.3f}", "opml_batch_cap": str(served.batcher.max_batch)}
         if served.profile is not None:
             extra["opml_profile"] = json.dumps({**to_profile(served.profile).to_dict(),
                                                 "timings": served.profile.to_dict()["timings"]})
@@ -178,7 +185,8 @@ class WorkerServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         await self._repository.load(
             name, path=path,  # type: ignore[arg-type]
             version=values.get("version"), precision=values.get("precision") or None,  # type: ignore[arg-type]
-            profile=bool(values.get("profile", False)))
+            profile=bool(values.get("profile", False)), instances=values.get("instances"),  # type: ignore[arg-type]
+            max_batch=values.get("max_batch"))  # type: ignore[arg-type]
 
     async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
                                     context) -> pb.RepositoryModelUnloadResponse:
@@ -199,5 +207,5 @@ def _statistics(served: Served) -> pb.ModelStatistics:
     for size, batch in sorted(counts.batches.items()):
         stats.batch_stats.add(batch_size=size, compute_infer=pb.StatisticDuration(count=batch.count, ns=batch.ns))
     device = "GPU" if served.replica.kind.execution_provider == "CUDAExecutionProvider" else "CPU"
-    stats.memory_usage.add(type=device, id=0, byte_size=int(served.replica.memory_mib * 1024 * 1024))
+    stats.memory_usage.add(type=device, id=0, byte_size=int(served.memory_mib * 1024 * 1024))
     return stats
