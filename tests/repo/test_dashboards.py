@@ -467,7 +467,7 @@ def test_dashboards_show_exactly_the_metrics_services_export(settings_env: dict[
                        f"{prefix}HOME": str(tmp_path / spec.name)}
         processes[spec.name] = (ServiceProcess(spec.module, port, service_env, tmp_path / f"{spec.name}.log"),
                                 metrics_port)
-    processes["inference-router worker"] = (WorkerProcess("cpu", fleet, tmp_path / "worker.log", env=env), None)
+    processes["inference-router-worker"] = (WorkerProcess("cpu", fleet, tmp_path / "worker.log", env=env), None)
     try:
         with ThreadPoolExecutor(len(processes)) as pool:
             for started in [pool.submit(process.start) for process, _ in processes.values()]:
@@ -479,7 +479,7 @@ def test_dashboards_show_exactly_the_metrics_services_export(settings_env: dict[
             process.stop()
     families = {name: series for exposed in exported.values() for name, series in exposed.items()}
     for name, exposed in exported.items():
-        prefix = "opml_" + name.split()[0].replace("-", "_") + "_"
+        prefix = "opml_" + name.replace("-", "_") + "_"
         assert f"{prefix}grpc_requests_total" in exposed, f"{name} exports no RED metrics"
     queried = {(where, metric) for where, expr in _all_queries() for metric in metric_names(expr)}
     everything = set().union(*families.values()) | PROMETHEUS_SERIES

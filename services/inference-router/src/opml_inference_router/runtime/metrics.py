@@ -10,19 +10,23 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class WorkerMetrics:
-    """Prometheus collectors shared by every replica of a worker, labelled by model and version."""
+    """Prometheus collectors shared by every replica of a worker, labelled by model and version.
+
+    ``metrics`` is the worker's own ``ServiceMetrics("inference-router-worker")``, so these and the
+    worker's RPC metrics never mix with the router's ``opml_inference_router_*`` ones.
+    """
 
     def __init__(self, metrics: ServiceMetrics) -> None:
         self.latency = metrics.histogram(
-            "worker_inference_duration_seconds", "Time from a request's arrival at its replica's queue to its "
+            "inference_duration_seconds", "Time from a request's arrival at its replica's queue to its "
             "result (queue wait + batch run).", ("model", "version"))
         self.batch_size = metrics.histogram(
-            "worker_batch_size", "Requests' rows per batch run (before padding to a fixed shape).",
+            "batch_size", "Requests' rows per batch run (before padding to a fixed shape).",
             ("model", "version"), buckets=BATCH_BUCKETS)
         self.queue_depth = metrics.gauge(
-            "worker_queue_depth", "Requests waiting for a batch.", ("model", "version"))
-        self.replicas = metrics.gauge("worker_replicas", "Model replicas loaded (slots in use).")
-        self.memory = metrics.gauge("worker_replica_memory_mib", "Memory of the loaded replicas.")
+            "queue_depth", "Requests waiting for a batch.", ("model", "version"))
+        self.replicas = metrics.gauge("replicas", "Model replicas loaded (slots in use).")
+        self.memory = metrics.gauge("replica_memory_mib", "Memory of the loaded replicas.")
 
     def for_replica(self, model: str, version: int) -> ReplicaMetrics:
         labels = (model, str(version))

@@ -29,6 +29,7 @@ from opml_inference_router.worker.servicer import METHOD_ROLES, WorkerServicer
 from opml_inference_router.worker.settings import WorkerSettings
 
 SERVICE = "inference-router"
+METRICS_NAMESPACE = "inference-router-worker"  # opml_inference_router_worker_*: apart from the router's
 SERVER_NAME = "opml-inference-router-worker"
 
 
@@ -53,7 +54,7 @@ def pool_kind(settings: WorkerSettings) -> PoolKind:
 async def serve(settings: WorkerSettings, platform: PlatformSettings) -> None:
     """Serve until SIGINT/SIGTERM."""
     kind = pool_kind(settings)
-    metrics = ServiceMetrics(SERVICE)
+    metrics = ServiceMetrics(METRICS_NAMESPACE)
     repository = ModelRepository(kind, metrics=WorkerMetrics(metrics), models_dir=settings.models_dir,
                                  threads=settings.threads_per_replica or thread_share(kind),
                                  profile_repeats=settings.profile_repeats)
