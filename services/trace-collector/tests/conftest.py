@@ -4,7 +4,11 @@ and a publisher of the tracer's events (the real EventPublisher, as the injected
 from __future__ import annotations
 
 import asyncio
+import gzip
+import io
+import json
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -18,6 +22,7 @@ from opml_common.bus import CloudEvent, EventPublisher
 from opml_common.config import PlatformSettings
 from opml_common.devinfra import free_port
 from opml_common.process import ServiceProcess
+from opml_common.storage import s3_client
 from opml_common.testing.bus import fresh_metrics
 from opml_common.topics import TRACES
 from opml_trace_collector.client import TraceCollectorClient
@@ -40,6 +45,7 @@ def collector_env(settings_env: dict[str, str], bucket: str) -> dict[str, str]:
         "OPML_TRACE_COLLECTOR_METRICS_PORT": str(free_port()),
         "OPML_TRACE_COLLECTOR_BUCKET": bucket,
         "OPML_TRACE_COLLECTOR_CAPTURE_TIMEOUT_S": str(CAPTURE_TIMEOUT_S),
+        "OPML_TRACE_COLLECTOR_STATE_CHECK_INTERVAL_S": "0.5",
         "OPML_AUTH_TOKENS": ",".join(f"{token}={role}" for role, token in TOKENS.items()),
     }
 
@@ -143,3 +149,35 @@ def eventually() -> Callable[..., object]:
             time.sleep(0.05)
 
     return wait
+
+
+@pytest.fixture
+def scrape(collector: ServiceProcess) -> Callable[[], str]:
+    """``scrape()``: the collector's Prometheus /metrics text now."""
+
+    def read() -> str:
+        port = collector.env["OPML_TRACE_COLLECTOR_METRICS_PORT"]
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+    return read
+
+
+@pytest.fixture
+def put_trace(platform_settings: PlatformSettings, bucket: str) -> Callable[..., events_pb2.CaptureCompleted]:
+    """``put_trace(job, worker, capture_id, trace_events, first_step=1, steps=2)``: do the tracer's side of a
+    capture (upload the gzipped Chrome trace where the tracer puts it) and return its CaptureCompleted."""
+
+    def put(job: str, worker: str, capture_id: str, trace_events: list[dict], *, first_step: int = 1,
+            steps: int = 2) -> events_pb2.CaptureCompleted:
+        trace = {"traceEvents": trace_events, "displayTimeUnit": "ms",
+                 "metadata": {"job": job, "worker": worker, "capture_id": capture_id, "first_step": first_step,
+                              "steps": steps, "tf_version": "2.21.0"}}
+        data = gzip.compress(json.dumps(trace).encode())
+        key = f"traces/{job}/{capture_id}/{worker}.trace.json.gz"
+        s3_client(platform_settings).put_object(bucket, key, io.BytesIO(data), len(data),
+                                                content_type="application/gzip")
+        return events_pb2.CaptureCompleted(job=job, worker=worker, capture_id=capture_id, first_step=first_step,
+                                           steps=steps, trace_url=f"s3://{bucket}/{key}", size_bytes=len(data),
+                                           event_count=len(trace_events))
+
+    return put

@@ -7,10 +7,11 @@ import json
 
 import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
-from opml.traces.v1.events_pb2 import STEP_KIND_EVALUATE, STEP_KIND_TRAIN, StepRecord
+from opml.traces.v1.events_pb2 import STEP_KIND_EVALUATE, STEP_KIND_FUNCTION, STEP_KIND_TRAIN, StepRecord
+from opml.traces.v1.traces_pb2 import SignatureStats
 
 from opml_trace_collector.analysis import (
-    COMMUNICATION, COMPUTATION, INPUT, Bound, analyze_steps, analyze_trace, classify, load_trace, op_category,
+    COMMUNICATION, COMPUTATION, INPUT, Bound, analyze_signatures, analyze_steps, analyze_trace, classify, load_trace, op_category,
     percentile, trace_step_times)
 
 
@@ -119,6 +120,29 @@ def test_step_records_give_step_time_throughput_and_input_bound() -> None:
     assert result.bound == Bound.INPUT  # 0.05 / 0.25 = 20%
     assert analyze_steps([_record(0, 1.0, 0.1)]).bound == Bound.COMPUTE
     assert analyze_steps([]).steps == 0
+
+
+def _aggregates(records: list[StepRecord]) -> list[SignatureStats]:
+    """Per-signature aggregates of ``records``, as the service keeps them."""
+    stats: dict[tuple[int, str], SignatureStats] = {}
+    for r in records:
+        s = stats.setdefault((r.kind, r.signature), SignatureStats(signature=r.signature, kind=r.kind))
+        s.count, s.total_s, s.input_wait_s, s.examples = (s.count + 1, s.total_s + r.duration_s,
+                                                          s.input_wait_s + r.input_wait_s, s.examples + r.examples)
+    return list(stats.values())
+
+
+@pytest.mark.parametrize("eval_kind", [STEP_KIND_EVALUATE, STEP_KIND_FUNCTION])
+def test_signature_aggregates_give_what_the_steps_give(eval_kind: int) -> None:
+    records = [_record(n, 0.1 * (n % 7 + 1), 0.01 * (n % 3), examples=16 + n % 2) for n in range(50)]
+    records += [_record(n, 5.0, 0.0, kind=eval_kind) for n in range(5)]
+    for chosen in (records, records[50:]):  # with training steps, and without any
+        assert analyze_signatures(_aggregates(chosen), chosen) == analyze_steps(chosen)
+    # A sample gives the percentiles only; the rest still covers every step.
+    sampled = analyze_signatures(_aggregates(records), [r for r in records if r.step >= 45])
+    assert sampled.steps == 50 and sampled.step_time_s == pytest.approx(analyze_steps(records).step_time_s)
+    assert sampled.step_times_s == tuple(r.duration_s for r in records[45:50])  # the other kind is left out
+    assert analyze_signatures([], []).steps == 0
 
 
 def test_classify_and_percentile_edges() -> None:

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-import io
 import json
-import urllib.request
 
 import grpc
 import pytest
@@ -18,12 +16,22 @@ from opml.traces.v1 import traces_pb2 as pb
 
 from opml_common.bus import CloudEvent
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unauthenticated
-from opml_common.storage import s3_client
+from opml_common.process import ServiceProcess
 from opml_common.testing.bus import headers_of, read_records
 from opml_common.topics import TRACES
 from opml_trace_collector.client import TraceCollectorClient
 
 JOB = "mnist-cnn"
+# A two-step trace: step 1 waits 0.25 ms for input, then computes (MatMul); step 2 ends in an allreduce.
+TRACE_EVENTS = [
+    {"ph": "X", "cat": "step", "name": "step 1", "ts": 0, "dur": 1000, "pid": 1, "tid": 1},
+    {"ph": "X", "cat": "step", "name": "step 2", "ts": 1000, "dur": 1000, "pid": 1, "tid": 1},
+    {"ph": "X", "cat": "op", "name": "it", "ts": 0, "dur": 500, "pid": 1, "tid": 2,
+     "args": {"op_type": "IteratorGetNext", "op_name": "it"}},
+    {"ph": "X", "cat": "op", "name": "dense/MatMul", "ts": 500, "dur": 1200, "pid": 1, "tid": 2,
+     "args": {"op_type": "MatMul", "op_name": "dense/MatMul"}},
+    {"ph": "X", "cat": "op", "name": "allreduce", "ts": 1700, "dur": 200, "pid": 1, "tid": 3,
+     "args": {"op_type": "CollectiveReduceV2", "op_name": "allreduce"}}]
 
 
 def _started(worker: str, session: str, job: str = JOB) -> events_pb2.TracerStarted:
@@ -40,7 +48,7 @@ def _runs(client: TraceCollectorClient, job: str = JOB) -> dict[str, pb.Run]:
 
 
 def test_batches_late_duplicated_and_out_of_order_count_once(admin, reader, publish, batch, eventually,
-                                                             collector) -> None:
+                                                             scrape) -> None:
     a0 = batch(JOB, "worker-0", "s-a", 0, [(0, 0.10, 0.01), (1, 0.20, 0.01)])
     a1 = batch(JOB, "worker-0", "s-a", 1, [(2, 0.30, 0.01)])
     a2 = batch(JOB, "worker-0", "s-a", 2, [(3, 0.40, 0.01), (4, 0.50, 0.01)])
@@ -88,11 +96,10 @@ def test_batches_late_duplicated_and_out_of_order_count_once(admin, reader, publ
     assert summary.metrics.steps == 8 and summary.metrics.step_time_s == pytest.approx(7.5 / 8)
     assert summary.capture_id == "" and not summary.traces
 
-    text = urllib.request.urlopen(
-        f"http://127.0.0.1:{collector.env['OPML_TRACE_COLLECTOR_METRICS_PORT']}/metrics", timeout=5).read().decode()
-    assert f'opml_trace_collector_steps_total{{job="{JOB}",worker="worker-0"}} 5.0' in text
-    assert f'opml_trace_collector_step_seconds_count{{job="{JOB}",worker="worker-1"}} 3.0' in text
-    assert f'opml_trace_collector_examples_per_second{{job="{JOB}",worker="worker-0"}} 0.0' in text  # stopped
+    text = scrape()
+    assert f'opml_trace_collector_steps_total{{training_job="{JOB}",worker="worker-0"}} 5.0' in text
+    assert f'opml_trace_collector_step_seconds_count{{training_job="{JOB}",worker="worker-1"}} 3.0' in text
+    assert f'opml_trace_collector_examples_per_second{{training_job="{JOB}",worker="worker-0"}} 0.0' in text  # stopped
     assert 'opml_trace_collector_events_handled_total{outcome="duplicate",topic="opml.traces.v1",' \
            'type="opml.traces.v1.StepMetricsBatch"} 1.0' in text
 
@@ -113,8 +120,8 @@ def test_malformed_events_go_to_the_dead_letter_topic(admin, publish, platform_s
     assert admin.list_jobs() == []  # nothing of them was applied
 
 
-def test_capture_arms_completes_serves_the_trace_and_summarizes(admin, reader, publish, batch, eventually, bucket,
-                                                                platform_settings, redis_db, redis_prefix) -> None:
+def test_capture_arms_completes_serves_the_trace_and_summarizes(admin, reader, publish, batch, eventually, redis_db,
+                                                                redis_prefix, put_trace) -> None:
     with pytest.raises(NotFound, match="no-such-job"):
         admin.capture("no-such-job", 5)
     publish(_started("worker-0", "s-1"), batch(JOB, "worker-0", "s-1", 0, [(0, 0.1, 0.0)]))
@@ -137,30 +144,14 @@ def test_capture_arms_completes_serves_the_trace_and_summarizes(admin, reader, p
         admin.capture(JOB, 2)
 
     # The tracer's side: upload the whole trace, then announce it.
-    trace = {"traceEvents": [
-        {"ph": "X", "cat": "step", "name": "step 1", "ts": 0, "dur": 1000, "pid": 1, "tid": 1},
-        {"ph": "X", "cat": "step", "name": "step 2", "ts": 1000, "dur": 1000, "pid": 1, "tid": 1},
-        {"ph": "X", "cat": "op", "name": "it", "ts": 0, "dur": 500, "pid": 1, "tid": 2,
-         "args": {"op_type": "IteratorGetNext", "op_name": "it"}},
-        {"ph": "X", "cat": "op", "name": "dense/MatMul", "ts": 500, "dur": 1200, "pid": 1, "tid": 2,
-         "args": {"op_type": "MatMul", "op_name": "dense/MatMul"}},
-        {"ph": "X", "cat": "op", "name": "allreduce", "ts": 1700, "dur": 200, "pid": 1, "tid": 3,
-         "args": {"op_type": "CollectiveReduceV2", "op_name": "allreduce"}}],
-        "displayTimeUnit": "ms", "metadata": {"job": JOB, "worker": "worker-0", "capture_id": capture.capture_id,
-                                              "first_step": 1, "steps": 2, "tf_version": "2.21.0"}}
-    data = gzip.compress(json.dumps(trace).encode())
-    key = f"traces/{JOB}/{capture.capture_id}/worker-0.trace.json.gz"
-    s3_client(platform_settings).put_object(bucket, key, io.BytesIO(data), len(data),
-                                            content_type="application/gzip")
-    completed = events_pb2.CaptureCompleted(job=JOB, worker="worker-0", capture_id=capture.capture_id, first_step=1,
-                                            steps=2, trace_url=f"s3://{bucket}/{key}", size_bytes=len(data),
-                                            event_count=5)
+    completed = put_trace(JOB, "worker-0", capture.capture_id, TRACE_EVENTS)
     publish(completed, completed)
     done = eventually(lambda: (c := reader.get_capture(capture.capture_id)).state == pb.CAPTURE_STATE_COMPLETED
                       and c, "capture completed")
-    assert done.HasField("end_time") and done.workers[0].size_bytes == len(data)
+    assert done.HasField("end_time") and done.workers[0].size_bytes == completed.size_bytes
     assert redis_db.get(f"{redis_prefix}traces:capture:{JOB}") is None  # the tracers stop looking
-    assert b"".join(reader.fetch_trace(capture.capture_id)) == data
+    fetched = b"".join(reader.fetch_trace(capture.capture_id))
+    assert len(fetched) == completed.size_bytes and json.loads(gzip.decompress(fetched))["traceEvents"] == TRACE_EVENTS
     assert [c.capture_id for c in reader.list_captures(JOB)] == [capture.capture_id]
 
     summary = reader.summary(JOB, top_k=2)
@@ -186,7 +177,7 @@ def test_capture_arms_completes_serves_the_trace_and_summarizes(admin, reader, p
 
 
 def test_a_silent_capture_expires_and_a_late_worker_is_not_complete(admin, publish, batch, eventually, redis_db,
-                                                                    redis_prefix, collector) -> None:
+                                                                    redis_prefix, scrape) -> None:
     publish(_started("worker-0", "s-1"), _started("worker-1", "s-2"),
             batch(JOB, "worker-0", "s-1", 0, [(0, 0.1, 0.0)]), batch(JOB, "worker-1", "s-2", 0, [(0, 0.1, 0.0)]))
     eventually(lambda: len(_runs(admin)) == 2, "two runs")
@@ -203,8 +194,7 @@ def test_a_silent_capture_expires_and_a_late_worker_is_not_complete(admin, publi
     assert redis_db.get(f"{redis_prefix}traces:capture:{JOB}") is None
     assert admin.summary(JOB).capture_id == ""  # nothing half-written is reported
     assert admin.capture(JOB, 1).state == pb.CAPTURE_STATE_PENDING  # the job can be captured again
-    text = urllib.request.urlopen(
-        f"http://127.0.0.1:{collector.env['OPML_TRACE_COLLECTOR_METRICS_PORT']}/metrics", timeout=5).read().decode()
+    text = scrape()
     assert 'opml_trace_collector_captures_total{outcome="expired"} 1.0' in text
     assert 'opml_trace_collector_captures_total{outcome="armed"} 2.0' in text
 
@@ -241,3 +231,123 @@ def test_bad_arguments_are_invalid_argument_naming_the_field(admin) -> None:
             assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and field in error.details(), error.details()
         else:
             assert error.field == field
+
+
+def _snapshot(client: TraceCollectorClient) -> dict[str, object] | None:
+    """Everything the API tells about JOB (of captures, what the tracers' events carry); None while
+    JOB is unknown."""
+    if JOB not in [job.job for job in client.list_jobs()]:
+        return None
+    captures = []
+    for capture in client.list_captures(JOB):
+        # Who asked, when and for how long are facts of the request, which no event carries.
+        capture.ClearField("create_time")
+        capture.ClearField("expire_time")
+        capture.ClearField("requested_by")
+        captures.append(capture)
+    return {"jobs": client.list_jobs(), "runs": client.list_runs(JOB), "series": client.step_series(JOB),
+            "summary": client.summary(JOB), "captures": captures}
+
+
+def _publish_a_history(admin, publish, batch, eventually, put_trace) -> dict[str, object]:
+    """Two runs (one stopped, one with a gap), batches late and repeated, a completed capture; returns
+    the API's snapshot once all of it is aggregated."""
+    a = [batch(JOB, "worker-0", "s-a", n, [(2 * n, 0.1 * (n + 1), 0.01), (2 * n + 1, 0.2, 0.02)]) for n in range(3)]
+    b = [batch(JOB, "worker-1", "s-b", n, [(n, 0.5, 0.3)], examples=0, signature="tf.function:step")
+         for n in (0, 2)]
+    publish(_started("worker-0", "s-a"), a[2], a[0], a[2], a[1], _started("worker-1", "s-b"), *b)
+    eventually(lambda: (r := _runs(admin)) and r["s-a"].steps == 6 and r["s-b"].steps == 2, "the runs")
+    capture = admin.capture(JOB, 2, ["worker-0"])
+    publish(put_trace(JOB, "worker-0", capture.capture_id, TRACE_EVENTS),
+            events_pb2.TracerStopped(job=JOB, worker="worker-0", session_id="s-a", steps=6, exit_code=0))
+    eventually(lambda: admin.get_capture(capture.capture_id).state == pb.CAPTURE_STATE_COMPLETED
+               and _runs(admin)["s-a"].state == pb.RUN_STATE_STOPPED, "the capture and the stop")
+    return _snapshot(admin)
+
+
+def test_state_lost_from_redis_is_rebuilt_from_the_topic_at_restart(collector, admin, publish, batch, eventually,
+                                                                    put_trace, redis_db, redis_prefix,
+                                                                    scrape) -> None:
+    before = _publish_a_history(admin, publish, batch, eventually, put_trace)
+    assert before["summary"].traces and before["runs"][1].missing_batches == 1  # s-b's batch 1 never came
+    generation = redis_db.get(f"{redis_prefix}traces:generation")
+    collector.stop()
+    lost = list(redis_db.scan_iter(match=f"{redis_prefix}*"))
+    assert len(lost) > 10
+    redis_db.delete(*lost)
+
+    collector.start()
+    assert "opml_trace_collector_state_rebuilds_total 1.0" in scrape()
+    assert redis_db.get(f"{redis_prefix}traces:generation") not in (None, generation)
+    after = eventually(lambda: (s := _snapshot(admin)) == before and s, "the same state, rebuilt", timeout_s=30)
+    assert after["jobs"][0].steps == 8
+
+
+def test_state_lost_while_running_is_rebuilt_without_a_restart(collector, admin, publish, batch, eventually,
+                                                               put_trace, redis_db, redis_prefix, scrape) -> None:
+    before = _publish_a_history(admin, publish, batch, eventually, put_trace)
+    assert "opml_trace_collector_state_rebuilds_total 1.0" in scrape()  # the first start built it
+    redis_db.delete(*redis_db.scan_iter(match=f"{redis_prefix}*"))  # as a Redis flush or failover would
+    eventually(lambda: _snapshot(admin) == before, "the same state, rebuilt", timeout_s=30)
+    assert "opml_trace_collector_state_rebuilds_total 2.0" in scrape()
+    # It carries on live under the new generation.
+    publish(batch(JOB, "worker-1", "s-b", 1, [(1, 0.5, 0.3)], examples=0, signature="tf.function:step"))
+    eventually(lambda: _runs(admin)["s-b"].missing_batches == 0, "a live batch after the rebuild")
+
+
+def test_a_restart_with_the_state_kept_does_not_replay(collector, admin, publish, batch, eventually, redis_db,
+                                                       redis_prefix, scrape) -> None:
+    # Every event has the key JOB/worker-0, so all go to one partition, in this order.
+    publish(_started("worker-0", "s-a"), *(batch(JOB, "worker-0", "s-a", n, [(n, 0.1, 0.0)]) for n in range(3)))
+    eventually(lambda: (r := _runs(admin)) and r["s-a"].steps == 3, "the run")
+    generation = redis_db.get(f"{redis_prefix}traces:generation")
+    collector.stop()
+    collector.start()
+    assert "opml_trace_collector_state_rebuilds_total 0.0" in scrape()
+    publish(batch(JOB, "worker-0", "s-a", 3, [(3, 0.1, 0.0)]))
+    eventually(lambda: _runs(admin)["s-a"].steps == 4, "the new batch")
+    # The new batch comes after the old events in its partition: had they been read again, they would
+    # have been counted (applied, or skipped as duplicates) before it.
+    text = scrape()
+    assert 'opml_trace_collector_tracer_events_total{type="StepMetricsBatch"} 1.0' in text
+    assert 'type="TracerStarted"' not in text and 'outcome="duplicate"' not in text
+    assert redis_db.get(f"{redis_prefix}traces:generation") == generation
+
+
+def test_summary_reads_a_bounded_sample_and_counts_every_step(collector_env, tmp_path, publish, batch,
+                                                             eventually) -> None:
+    env = {**collector_env, "OPML_TRACE_COLLECTOR_SERIES_LENGTH": "40", "OPML_TRACE_COLLECTOR_SUMMARY_SAMPLE_STEPS": "20"}
+    # Each run: 50 slow steps (1 s), then its 10 newest fast ones (0.1 s); 40 of the 60 are kept.
+    batches = [batch(JOB, f"worker-{w}", f"s-{w}", n, [(30 * n + k, 1.0 if 30 * n + k < 50 else 0.1, 0.4)
+                                                       for k in range(30)]) for w in range(2) for n in range(2)]
+    with ServiceProcess("opml_trace_collector", int(env["OPML_TRACE_COLLECTOR_GRPC_PORT"]), env,
+                        tmp_path / "small-sample.log") as small, \
+            TraceCollectorClient(small.target, token="reader-token") as client:
+        publish(*batches)
+        eventually(lambda: sum(r.steps for r in _runs(client).values()) == 120, "both runs")
+        assert len(client.step_series(JOB)) == 80  # kept
+        metrics = client.summary(JOB).metrics
+    assert metrics.steps == 120 and metrics.step_time_s == pytest.approx((100 * 1.0 + 20 * 0.1) / 120)
+    assert metrics.input_s == pytest.approx(0.4) and metrics.bound == pb.BOUND_INPUT
+    assert metrics.examples_per_second == pytest.approx(120 * 32 / 102)
+    # The percentiles come from the 10 newest steps of each run only: every kept step would give p95 = 1 s.
+    assert (metrics.step_time_p50_s, metrics.step_time_p95_s) == (pytest.approx(0.1), pytest.approx(0.1))
+
+
+def test_answers_to_a_capture_without_a_record_rebuild_it(admin, publish, eventually, put_trace) -> None:
+    # As after a Redis loss: the request is unknown, the answers are what the record is rebuilt from.
+    completed = put_trace(JOB, "worker-0", "c-lost", TRACE_EVENTS)
+    publish(_started("worker-0", "s-0"), completed,
+            events_pb2.CaptureFailed(job=JOB, worker="worker-1", capture_id="c-lost", reason="oom"), completed)
+    def answered() -> pb.Capture | None:
+        try:
+            capture = admin.get_capture("c-lost")
+        except NotFound:
+            return None
+        return capture if len(capture.workers) == 2 else None
+
+    capture = eventually(answered, "both answers")
+    assert (capture.job, capture.state, capture.requested_by) == (JOB, pb.CAPTURE_STATE_FAILED, "")
+    assert [(w.worker, w.state) for w in capture.workers] == [("worker-0", pb.CAPTURE_STATE_COMPLETED),
+                                                             ("worker-1", pb.CAPTURE_STATE_FAILED)]
+    assert capture.HasField("end_time") and [c.capture_id for c in admin.list_captures(JOB)] == ["c-lost"]

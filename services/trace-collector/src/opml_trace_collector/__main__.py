@@ -18,6 +18,7 @@ from opml_common.topics import TRACES
 from opml_trace_collector.aggregator import Aggregator
 from opml_trace_collector.captures import CaptureManager
 from opml_trace_collector.inject.settings import TracerSettings
+from opml_trace_collector.rebuild import RebuildingConsumer
 from opml_trace_collector.servicer import METHOD_ROLES, TraceCollectorServicer
 from opml_trace_collector.settings import TraceCollectorSettings
 from opml_trace_collector.store import Keys, TraceStore
@@ -33,7 +34,8 @@ async def serve(settings: TraceCollectorSettings, platform: PlatformSettings) ->
     """Consume the tracers' events and serve the API until SIGINT/SIGTERM.
 
     The consumer commits an event only after its effect is in Redis; on stop it finishes the event
-    in hand, so nothing is lost or applied twice across restarts.
+    in hand, so nothing is lost or applied twice across restarts. State missing from Redis, at
+    start or while running, is rebuilt from the topic (:mod:`opml_trace_collector.rebuild`).
     """
     metrics = ServiceMetrics(SERVICE)
     await ensure_topics(platform, [TRACES])
@@ -45,10 +47,13 @@ async def serve(settings: TraceCollectorSettings, platform: PlatformSettings) ->
     captures = CaptureManager(redis, keys, store, bucket=settings.bucket, timeout_s=settings.capture_timeout_s,
                               metrics=metrics)
     aggregator = Aggregator(store, captures, metrics)
-    consumer = EventConsumer(platform, group_id=settings.consumer_group, topics=[TRACES], handler=aggregator.handle,
-                             metrics=metrics,
-                             dedup=RedisDeduplicator(redis, prefix=platform.redis_prefix, group=settings.consumer_group))
-    servicer = TraceCollectorServicer(store, captures, Summarizer(redis, keys, store, captures, files), files)
+    consumer = RebuildingConsumer(
+        store, lambda group: EventConsumer(platform, group_id=group, topics=[TRACES], handler=aggregator.handle,
+                                           metrics=metrics,
+                                           dedup=RedisDeduplicator(redis, prefix=platform.redis_prefix, group=group)),
+        base_group=settings.consumer_group, metrics=metrics, check_interval_s=settings.state_check_interval_s)
+    summarizer = Summarizer(redis, keys, store, captures, files, sample_steps=settings.summary_sample_steps)
+    servicer = TraceCollectorServicer(store, captures, summarizer, files)
     registration = ServiceRegistration(
         traces_pb2.DESCRIPTOR.services_by_name["TraceCollectorService"].full_name,
         traces_pb2_grpc.add_TraceCollectorServiceServicer_to_server, servicer)
@@ -67,8 +72,7 @@ async def serve(settings: TraceCollectorSettings, platform: PlatformSettings) ->
             await consumer.stop()
             with contextlib.suppress(asyncio.CancelledError):
                 await expiring
-            if consuming.done():
-                consuming.result()  # a consumer that died is an error of the service
+            await consuming  # ends once stopped; re-raises the failure of a consumer that died
     finally:
         await redis.aclose()
 

@@ -10,6 +10,7 @@ raises :class:`MalformedEvent` and goes to the dead-letter topic.
 from __future__ import annotations
 
 import logging
+import time
 
 from google.protobuf.message import Message
 from opml.traces.v1 import events_pb2
@@ -37,12 +38,15 @@ class Aggregator:
     def __init__(self, store: TraceStore, captures: CaptureManager, metrics: ServiceMetrics) -> None:
         self.store = store
         self.captures = captures
+        # The traced job's label is training_job, not job: Prometheus owns `job` (the scrape job) and
+        # would rename ours to exported_job.
+        labels = ("training_job", "worker")
         self._step_seconds = metrics.histogram("step_seconds", "Step times of traced jobs, by job and worker.",
-                                               ("job", "worker"), buckets=STEP_BUCKETS)
-        self._steps = metrics.counter("steps_total", "Steps of traced jobs, by job and worker.", ("job", "worker"))
+                                               labels, buckets=STEP_BUCKETS)
+        self._steps = metrics.counter("steps_total", "Steps of traced jobs, by job and worker.", labels)
         self._throughput = metrics.gauge("examples_per_second",
                                          "Training throughput of each worker's newest batch, by job and worker.",
-                                         ("job", "worker"))
+                                         labels)
         self._events = metrics.counter("tracer_events_total", "Tracer events applied, by type.", ("type",))
         self._newest: dict[str, int] = {}  # session -> newest sequence seen by this process
         self._handlers = {
@@ -60,10 +64,9 @@ class Aggregator:
         message_cls, handler = entry
         message = event.parse(message_cls)
         _check_identity(event, message)
-        if isinstance(message, (events_pb2.TracerStarted, events_pb2.TracerStopped)):
-            await handler(message, event.time.timestamp())
-        else:
-            await handler(message)
+        # The event's own time, not the time it is handled, so a replay rebuilds the same state;
+        # a clock ahead of the service's counts as now.
+        await handler(message, min(event.time.timestamp(), time.time()))
         self._events.labels(type=message_cls.DESCRIPTOR.name).inc()
 
     async def _started(self, message: events_pb2.TracerStarted, when: float) -> None:
@@ -74,13 +77,13 @@ class Aggregator:
     async def _stopped(self, message: events_pb2.TracerStopped, when: float) -> None:
         await self.store.record_stopped(message, when)
         self._newest.pop(message.session_id, None)
-        self._throughput.labels(job=message.job, worker=message.worker).set(0)
+        self._throughput.labels(training_job=message.job, worker=message.worker).set(0)
 
-    async def _batch(self, batch: events_pb2.StepMetricsBatch) -> None:
-        effect = await self.store.apply_batch(batch)
+    async def _batch(self, batch: events_pb2.StepMetricsBatch, when: float) -> None:
+        effect = await self.store.apply_batch(batch, when)
         if not effect.applied:
             return
-        labels = {"job": batch.job, "worker": batch.worker}
+        labels = {"training_job": batch.job, "worker": batch.worker}
         histogram = self._step_seconds.labels(**labels)
         for record in batch.steps:
             histogram.observe(record.duration_s)

@@ -59,6 +59,7 @@ _INPUT_TYPES = frozenset({
 })
 _DATASET_TYPE = re.compile(r"Dataset(V\d+)?$")
 _STEP_NAME = re.compile(r"^step (-?\d+)$")
+_TRAIN = 1  # StepKind STEP_KIND_TRAIN (events.proto); this module imports no protos
 
 
 class Bound(enum.IntEnum):
@@ -275,22 +276,44 @@ def analyze_steps(records: Sequence, *, source: str = "metrics", worker: str = "
     Training steps are analyzed when there are any (evaluation and prediction steps would blur
     the step time); otherwise every step.
     """
-    train = [r for r in records if r.kind == 1]  # STEP_KIND_TRAIN
+    train = [r for r in records if r.kind == _TRAIN]
     chosen = train or list(records)
-    if not chosen:
-        return Breakdown(source=source, steps=0, worker=worker)
     durations = [r.duration_s for r in chosen]
-    total = sum(durations)
-    n = len(chosen)
-    step_time = total / n
-    input_s = sum(r.input_wait_s for r in chosen) / n
-    examples = sum(r.examples for r in chosen)
+    return _steps_breakdown(source, worker, steps=len(chosen), total_s=sum(durations),
+                            input_s=sum(r.input_wait_s for r in chosen), examples=sum(r.examples for r in chosen),
+                            durations=durations)
+
+
+def analyze_signatures(signatures: Sequence, sample: Sequence, *, source: str = "metrics",
+                       worker: str = "") -> Breakdown:
+    """What :func:`analyze_steps` gives for every step, from per-signature aggregates instead.
+
+    ``signatures`` (``SignatureStats`` or look-alikes: kind, count, total_s, input_wait_s,
+    examples) cover every step, so the step count, means and throughput are exact however many
+    steps there were; the percentiles come from ``sample``, a bounded set of step records (the
+    steps of the chosen kinds only). Lets a service summarize a huge job without reading its steps.
+    """
+    counted = [s for s in signatures if s.count]
+    train = [s for s in counted if s.kind == _TRAIN]
+    chosen = train or counted
+    durations = [r.duration_s for r in sample if r.kind == _TRAIN or not train]
+    return _steps_breakdown(source, worker, steps=sum(s.count for s in chosen),
+                            total_s=sum(s.total_s for s in chosen), input_s=sum(s.input_wait_s for s in chosen),
+                            examples=sum(s.examples for s in chosen), durations=durations)
+
+
+def _steps_breakdown(source: str, worker: str, *, steps: int, total_s: float, input_s: float, examples: int,
+                     durations: Sequence[float]) -> Breakdown:
+    if not steps:
+        return Breakdown(source=source, steps=0, worker=worker)
+    step_time = total_s / steps
+    mean_input = input_s / steps
     return Breakdown(
-        source=source, steps=n, worker=worker, step_time_s=step_time,
+        source=source, steps=steps, worker=worker, step_time_s=step_time,
         step_time_p50_s=percentile(durations, 0.50), step_time_p95_s=percentile(durations, 0.95),
-        input_s=input_s,
-        examples_per_second=examples / total if total > 0 else 0.0,
-        bound=classify(step_time, input_s=input_s, communication_s=0.0),
+        input_s=mean_input,
+        examples_per_second=examples / total_s if total_s > 0 else 0.0,
+        bound=classify(step_time, input_s=mean_input, communication_s=0.0),
         step_times_s=tuple(durations),
     )
 

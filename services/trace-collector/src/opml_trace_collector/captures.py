@@ -45,12 +45,6 @@ def trace_prefix(bucket: str, job: str, capture_id: str) -> str:
     return f"s3://{bucket}/traces/{job}/{capture_id}/"
 
 
-def parse_s3_url(url: str) -> tuple[str, str]:
-    """``s3://bucket/key`` -> (bucket, key)."""
-    bucket, _, key = url.removeprefix("s3://").partition("/")
-    return bucket, key
-
-
 class _Record:
     """A capture record as read from its Redis hash."""
 
@@ -70,6 +64,11 @@ class _Record:
     @property
     def targets(self) -> list[str]:
         return json.loads(self["targets"])
+
+    @property
+    def adopted(self) -> bool:
+        """Created from a tracer's answer, the request unknown (see :meth:`CaptureManager._adopt`)."""
+        return b"adopted" in self.raw
 
     def to_proto(self) -> pb.Capture:
         capture = pb.Capture(capture_id=self["capture_id"], job=self["job"], steps=int(self["steps"]),
@@ -114,12 +113,12 @@ class CaptureManager:
         """
         if not 1 <= steps <= MAX_STEPS:
             raise InvalidArgument("steps", f"must be in [1, {MAX_STEPS}], but got {steps}")
-        if not await self.store.job_exists(job):
-            raise NotFound(f"job {job!r} is unknown: no tracer has reported it")
+        await self.store.known_job(job)
         runs = await self.store.runs(job)
+        known = {r.worker for r in runs}
         running = {r.worker for r in runs if r.state == pb.RUN_STATE_RUNNING}
         for worker in workers:
-            if worker not in {r.worker for r in runs}:
+            if worker not in known:
                 raise NotFound(f"worker {worker!r} of job {job!r} is unknown")
             if worker not in running:
                 raise FailedPrecondition(f"worker {worker!r} of job {job!r} is not running: only a live job "
@@ -178,42 +177,48 @@ class CaptureManager:
             record = await self._load(capture_id)
         return record.to_proto()
 
-    async def list(self, job: str) -> list[pb.Capture]:
-        """The job's captures, newest first."""
-        ids = [i.decode() for i in await self.redis.zrevrange(self.keys.job_captures(job), 0, -1)]
-        return [await self.get(capture_id) for capture_id in ids]
+    async def ids(self, job: str) -> list[str]:
+        """The ids of the job's captures, newest first (load a page of them with :meth:`get`)."""
+        return [i.decode() for i in await self.redis.zrevrange(self.keys.job_captures(job), 0, -1)]
 
     async def latest_with_traces(self, job: str) -> pb.Capture | None:
-        for capture in await self.list(job):
+        """The newest capture of ``job`` with at least one completed trace, if any."""
+        for capture_id in await self.ids(job):
+            capture = await self.get(capture_id)
             if any(w.state == pb.CAPTURE_STATE_COMPLETED for w in capture.workers):
                 return capture
         return None
 
     # ---------------------------------------------------------------- the tracers' answers
 
-    async def on_completed(self, event: events_pb2.CaptureCompleted) -> None:
-        """Record a worker's stored trace (idempotent).
+    async def on_completed(self, event: events_pb2.CaptureCompleted, when: float) -> None:
+        """Record a worker's stored trace, announced at ``when`` (idempotent).
 
         Raises:
             MalformedEvent: the trace URL is not under the capture's prefix in the service's bucket
-                (the service never serves objects from elsewhere).
+                (the service never serves objects from elsewhere), or the capture is another job's.
         """
         prefix = trace_prefix(self.bucket, event.job, event.capture_id)
         if not event.trace_url.startswith(prefix) or ".." in event.trace_url:
             raise MalformedEvent(f"CaptureCompleted of capture {event.capture_id!r}: trace_url must be under "
                                  f"{prefix}, but got {event.trace_url!r}")
-        await self._answer(event.job, event.capture_id, event.steps, pb.WorkerCapture(
+        await self._answer(event.job, event.capture_id, event.steps, when, pb.WorkerCapture(
             worker=event.worker, state=pb.CAPTURE_STATE_COMPLETED, trace_url=event.trace_url,
             first_step=event.first_step, steps=event.steps, size_bytes=event.size_bytes,
             event_count=event.event_count))
 
-    async def on_failed(self, event: events_pb2.CaptureFailed) -> None:
-        await self._answer(event.job, event.capture_id, 0, pb.WorkerCapture(
+    async def on_failed(self, event: events_pb2.CaptureFailed, when: float) -> None:
+        """Record a worker's failure to capture, announced at ``when`` (idempotent).
+
+        Raises:
+            MalformedEvent: the capture is another job's.
+        """
+        await self._answer(event.job, event.capture_id, 0, when, pb.WorkerCapture(
             worker=event.worker, state=pb.CAPTURE_STATE_FAILED, reason=event.reason))
 
-    async def _answer(self, job: str, capture_id: str, steps: int, answer: pb.WorkerCapture) -> None:
+    async def _answer(self, job: str, capture_id: str, steps: int, when: float, answer: pb.WorkerCapture) -> None:
         if not await self.redis.exists(self.keys.capture(capture_id)):
-            await self._adopt(job, capture_id, steps, answer.worker)
+            await self._adopt(job, capture_id, steps, when)
 
         def mutate(record: _Record) -> tuple[dict, int | None] | None:
             if record["job"] != job:
@@ -221,38 +226,45 @@ class CaptureManager:
             known = record.workers.get(answer.worker)
             if known is not None and known.state in (pb.CAPTURE_STATE_COMPLETED, pb.CAPTURE_STATE_FAILED):
                 return None  # answered already: a repeat
+            fields: dict = {_WORKER_FIELD + answer.worker: answer.SerializeToString()}
             workers = {**record.workers, answer.worker: answer}
-            resolved = None
-            if record.state == pb.CAPTURE_STATE_PENDING:
-                states = [workers[w].state if w in workers else pb.CAPTURE_STATE_PENDING for w in record.targets]
-                if pb.CAPTURE_STATE_PENDING not in states:
-                    resolved = (pb.CAPTURE_STATE_FAILED if pb.CAPTURE_STATE_FAILED in states
-                                else pb.CAPTURE_STATE_COMPLETED)
-            return {_WORKER_FIELD + answer.worker: answer.SerializeToString()}, resolved
+            targets = record.targets
+            if record.adopted:  # the request is unknown: its targets are the workers that answered
+                targets = sorted({*targets, answer.worker})
+                fields["targets"] = json.dumps(targets)
+            elif record.state != pb.CAPTURE_STATE_PENDING:
+                return fields, None  # resolved already: the answer is kept, the state stays
+            states = [workers[w].state if w in workers else pb.CAPTURE_STATE_PENDING for w in targets]
+            if pb.CAPTURE_STATE_PENDING in states:
+                return fields, None
+            outcome = pb.CAPTURE_STATE_FAILED if pb.CAPTURE_STATE_FAILED in states else pb.CAPTURE_STATE_COMPLETED
+            fields["ended"] = repr(max(when, float(record["ended"])) if b"ended" in record.raw else when)
+            return fields, (outcome if outcome != record.state else None)
 
         await self._update(capture_id, mutate)
 
-    async def _adopt(self, job: str, capture_id: str, steps: int, worker: str) -> None:
-        """Record an answer for a capture this service has no record of (its Redis keys were lost)."""
-        log.warning("capture %s of job %s is unknown; recording %s's answer anyway", capture_id, job, worker)
-        now = time.time()
+    async def _adopt(self, job: str, capture_id: str, steps: int, when: float) -> None:
+        """Create the record of a capture this service has no record of: its Redis keys were lost
+        (the state is being rebuilt from the topic, or was lost while the capture ran). What the
+        request was (who asked, which workers, when) is not in the events; the answers are."""
+        log.warning("capture %s of job %s is unknown; recording it from the tracers' answers", capture_id, job)
         pipe = self.redis.pipeline(transaction=True)
         key = self.keys.capture(capture_id)
         for name, value in {"capture_id": capture_id, "job": job, "steps": steps, "state": pb.CAPTURE_STATE_PENDING,
-                            "created": repr(now), "expires": repr(now), "requested_by": "",
-                            "targets": json.dumps([worker])}.items():
+                            "created": repr(when), "expires": repr(when), "requested_by": "",
+                            "targets": "[]", "adopted": "1"}.items():
             pipe.hsetnx(key, name, value)
-        pipe.zadd(self.keys.job_captures(job), {capture_id: now}, nx=True)
+        pipe.zadd(self.keys.job_captures(job), {capture_id: when}, nx=True)
         await pipe.execute()
 
     # ---------------------------------------------------------------- expiry
 
     async def expire(self, capture_id: str) -> None:
-        """Expire a pending capture whose time is up (no-op otherwise)."""
+        """Expire a pending capture whose time is up (no-op otherwise); it ended at its expiry time."""
         def mutate(record: _Record) -> tuple[dict, int | None] | None:
-            if record.state != pb.CAPTURE_STATE_PENDING or float(record["expires"]) > time.time():
+            if record.state != pb.CAPTURE_STATE_PENDING or record.adopted or float(record["expires"]) > time.time():
                 return None
-            return {}, pb.CAPTURE_STATE_EXPIRED
+            return {"ended": record["expires"]}, pb.CAPTURE_STATE_EXPIRED
 
         await self._update(capture_id, mutate)
 
@@ -281,7 +293,8 @@ class CaptureManager:
     async def _update(self, capture_id: str,
                       mutate: Callable[[_Record], tuple[dict, int | None] | None]) -> None:
         """Apply ``mutate``'s (fields, resolved state) to the record in a WATCH transaction; on a
-        resolution also release the job's active capture and control key if they still name it."""
+        resolution also release the job's active capture and control key if they still name it.
+        ``mutate`` returns None for no change, and puts ``ended`` in the fields of a resolution."""
         key = self.keys.capture(capture_id)
         async with self.redis.pipeline(transaction=True) as pipe:
             while True:
@@ -305,7 +318,7 @@ class CaptureManager:
                         active = await pipe.get(active_key)
                     pipe.multi()
                     if resolved is not None:
-                        fields = {**fields, "state": resolved, "ended": repr(time.time())}
+                        fields = {**fields, "state": resolved}
                         pipe.zrem(self.keys.pending_captures, capture_id)
                         if active == capture_id.encode():
                             pipe.delete(active_key)

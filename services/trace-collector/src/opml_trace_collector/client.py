@@ -17,6 +17,9 @@ from opml_common.grpc.client import open_channel, raising_domain_errors, stream_
 
 
 class TraceCollectorClient:
+    """A blocking client of one trace-collector (``target`` host:port, bearer ``token``); close it, or use
+    it as a context manager."""
+
     def __init__(self, target: str, *, token: str | None = None) -> None:
         self._channel = open_channel(target, token=token)
         self._stub = traces_pb2_grpc.TraceCollectorServiceStub(self._channel)

@@ -32,6 +32,8 @@ SERIES_DEFAULT_PAGE, SERIES_MAX_PAGE = 1000, 10000
 
 
 class TraceCollectorServicer(traces_pb2_grpc.TraceCollectorServiceServicer):
+    """Checks each request's fields and delegates; the roles are in METHOD_ROLES."""
+
     def __init__(self, store: TraceStore, captures: CaptureManager, summarizer: Summarizer,
                  files: TraceFiles) -> None:
         self._store = store
@@ -44,13 +46,13 @@ class TraceCollectorServicer(traces_pb2_grpc.TraceCollectorServiceServicer):
         return pb.ListJobsResponse(jobs=await self._store.jobs(names), next_page_token=token)
 
     async def ListRuns(self, request: pb.ListRunsRequest, context) -> pb.ListRunsResponse:
-        job = await self._known_job(request.job)
+        job = await self._store.known_job(request.job)
         sessions, token = paginate(await self._store.session_ids(job), request.page_size, request.page_token,
                                    query=job)
         return pb.ListRunsResponse(runs=await self._store.runs(job, sessions), next_page_token=token)
 
     async def GetStepSeries(self, request: pb.GetStepSeriesRequest, context) -> pb.GetStepSeriesResponse:
-        job = await self._known_job(request.job)
+        job = await self._store.known_job(request.job)
         if request.worker:
             check_name("worker", request.worker)
         if request.page_size < 0:
@@ -65,8 +67,9 @@ class TraceCollectorServicer(traces_pb2_grpc.TraceCollectorServiceServicer):
                                         next_page_token=_encode_cursor(following, query) if following else "")
 
     async def GetSummary(self, request: pb.GetSummaryRequest, context) -> pb.Summary:
-        job = check_name("job", request.job)
-        return await self._summarizer.summary(job, request.capture_id, request.top_k)
+        if request.capture_id:
+            check_name("capture_id", request.capture_id)
+        return await self._summarizer.summary(check_name("job", request.job), request.capture_id, request.top_k)
 
     async def CaptureTrace(self, request: pb.CaptureTraceRequest, context) -> pb.Capture:
         job = check_name("job", request.job)
@@ -78,9 +81,9 @@ class TraceCollectorServicer(traces_pb2_grpc.TraceCollectorServiceServicer):
         return await self._captures.get(check_name("capture_id", request.capture_id))
 
     async def ListCaptures(self, request: pb.ListCapturesRequest, context) -> pb.ListCapturesResponse:
-        job = await self._known_job(request.job)
-        captures, token = paginate(await self._captures.list(job), request.page_size, request.page_token, query=job)
-        return pb.ListCapturesResponse(captures=captures, next_page_token=token)
+        job = await self._store.known_job(request.job)
+        ids, token = paginate(await self._captures.ids(job), request.page_size, request.page_token, query=job)
+        return pb.ListCapturesResponse(captures=[await self._captures.get(i) for i in ids], next_page_token=token)
 
     async def FetchTrace(self, request: pb.FetchTraceRequest, context) -> AsyncIterator[pb.TraceChunk]:
         capture = await self._captures.get(check_name("capture_id", request.capture_id))
@@ -112,13 +115,6 @@ class TraceCollectorServicer(traces_pb2_grpc.TraceCollectorServiceServicer):
 
     async def GetTracing(self, request: pb.GetTracingRequest, context) -> pb.TracingState:
         return pb.TracingState(enabled=await self._store.tracing_enabled())
-
-    async def _known_job(self, job: str) -> str:
-        check_name("job", job)
-        if not await self._store.job_exists(job):
-            raise NotFound(f"job {job!r} is unknown: no tracer has reported it")
-        return job
-
 
 def _fingerprint(query: str) -> str:
     return hashlib.sha256(query.encode()).hexdigest()[:8]

@@ -9,6 +9,8 @@ from opml_common.config import ServiceSettings
 
 
 class TraceCollectorSettings(ServiceSettings):
+    """The service's own settings, validated at start-up; every field has a working default."""
+
     model_config = SettingsConfigDict(env_prefix="OPML_TRACE_COLLECTOR_", frozen=True, extra="ignore")
 
     grpc_port: int = Field(50054, ge=0, le=65535, description="gRPC port (0 picks a free one).")
@@ -21,4 +23,13 @@ class TraceCollectorSettings(ServiceSettings):
     series_length: int = Field(10000, ge=10, description="Step records kept per run for GetStepSeries (the oldest "
                                                          "go first); per-signature aggregates cover every step.")
     run_lost_after_s: float = Field(300.0, gt=0, description="A run silent this long without TracerStopped is LOST.")
-    consumer_group: str = Field("trace-collector", min_length=1, description="Kafka consumer group of the aggregator.")
+    summary_sample_steps: int = Field(
+        10000, ge=10, description="Step records GetSummary reads for the step-time percentiles (the newest of "
+                                   "each run, shared evenly); counts, means and throughput cover every step.")
+    state_check_interval_s: float = Field(
+        5.0, gt=0, description="How often the service checks that its Redis state is still there; state lost "
+                               "while running is rebuilt from the topic.")
+    consumer_group: str = Field(
+        "trace-collector", min_length=1, description="Kafka consumer group of the aggregator, suffixed with the "
+                                                     "generation of the Redis state (GROUP.GENERATION): a new "
+                                                     "generation replays the topic from its beginning.")

@@ -5,6 +5,8 @@ no job or session name can make two keys collide:
 
 * ``P enabled`` ("0"/"1") and ``P capture:{job}`` (JSON, with a TTL): the control keys the
   tracers poll (see :mod:`opml_trace_collector.captures`).
+* ``P generation``: the id of this state, written when the state is first built (see
+  :meth:`TraceStore.generation`; the consumer group is named after it).
 * ``P jobs``: sorted set job -> last heard (epoch s); ``P job:{job}:info``: hash of first/last
   seen, step count and total step seconds; ``P job:{job}:runs``: sorted set session -> first heard.
 * ``P run:{session}:info``: hash of the run (identity, TracerStarted/Stopped facts, counters,
@@ -17,12 +19,18 @@ A batch is applied by one Lua script: the (session, sequence) check and every ef
 atomically, so a batch delivered twice, late or out of order counts once, and a crash cannot
 leave it half applied. ``seq_low`` is the first sequence not yet seen; sequences above it that
 arrived early wait in ``:seqs`` until the gap closes, so the set stays as small as the gaps.
+
+Every time kept ("first/last seen", "heard") is an event's time, never the time it was applied,
+and is kept as a min or max: the state depends on which events came, not on when or in what order,
+so replaying the topic into an empty Redis rebuilds it as it was.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,7 +39,31 @@ from opml.traces.v1 import events_pb2, traces_pb2 as pb
 
 from opml_common.errors import InvalidArgument, NotFound
 
-_APPLY_BATCH = """
+# Lua shared by the scripts: "seen" times are the events' times, kept as min (first) and max (last),
+# so replaying the topic in any order rebuilds the same state.
+_SEEN = """
+local function seen(hash, when)
+  local first = redis.call('HGET', hash, 'first_seen')
+  if not first or tonumber(when) < tonumber(first) then redis.call('HSET', hash, 'first_seen', when) end
+  local last = redis.call('HGET', hash, 'last_seen')
+  if not last or tonumber(when) > tonumber(last) then redis.call('HSET', hash, 'last_seen', when) end
+end
+local function touch(info, jobs, jobinfo, jobruns, job, session, when)
+  seen(info, when)
+  seen(jobinfo, when)
+  redis.call('ZADD', jobs, 'GT', when, job)
+  redis.call('ZADD', jobruns, 'LT', when, session)
+end
+"""
+
+# KEYS: run info, jobs, job info, job runs; ARGV: when, job, session, then field/value pairs of the run.
+_RECORD_FACTS = _SEEN + """
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+touch(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2], ARGV[3], ARGV[1])
+return 1
+"""
+
+_APPLY_BATCH = _SEEN + """
 local info, seqs, sigs, series, jobs, jobinfo, jobruns = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local seq = tonumber(ARGV[1])
 local low = tonumber(redis.call('HGET', info, 'seq_low') or '0')
@@ -44,10 +76,8 @@ end
 local high = tonumber(redis.call('HGET', info, 'seq_high') or '-1')
 local newest = seq >= high
 if newest then high = seq end
-local now = ARGV[5]
 redis.call('HSET', info, 'seq_low', tostring(low), 'seq_high', tostring(high), 'job', ARGV[2], 'worker', ARGV[3],
-           'session_id', ARGV[4], 'last_seen', now)
-redis.call('HSETNX', info, 'first_seen', now)
+           'session_id', ARGV[4])
 redis.call('HINCRBY', info, 'batches', 1)
 local i = 8
 local points = tonumber(ARGV[7])
@@ -76,12 +106,9 @@ if newest then
   if ARGV[i + 2] ~= '' then redis.call('HSET', info, 'eps', ARGV[i + 2]) end
   if ARGV[i + 3] ~= '' then redis.call('HSET', info, 'cpu', ARGV[i + 3], 'rss', ARGV[i + 4]) end
 end
-redis.call('ZADD', jobs, now, ARGV[2])
-redis.call('HSETNX', jobinfo, 'first_seen', now)
-redis.call('HSET', jobinfo, 'last_seen', now)
 redis.call('HINCRBY', jobinfo, 'steps', steps)
 redis.call('HINCRBYFLOAT', jobinfo, 'total_s', total)
-redis.call('ZADD', jobruns, 'NX', now, ARGV[4])
+touch(info, jobs, jobinfo, jobruns, ARGV[2], ARGV[4], ARGV[5])
 return 1
 """
 
@@ -94,6 +121,7 @@ class Keys:
         self.enabled = self.base + "enabled"
         self.jobs = self.base + "jobs"
         self.pending_captures = self.base + "captures:pending"
+        self.generation = self.base + "generation"
 
     def capture_control(self, job: str) -> str:
         return f"{self.base}capture:{job}"
@@ -160,41 +188,53 @@ class TraceStore:
         self.series_length = series_length
         self.run_lost_after_s = run_lost_after_s
         self._apply_batch = redis.register_script(_APPLY_BATCH)
+        self._apply_facts = redis.register_script(_RECORD_FACTS)
+
+    # ---------------------------------------------------------------- the state's generation
+
+    async def generation(self) -> tuple[str, bool]:
+        """The id of the state in Redis, and True when this call created it.
+
+        The id is written once, when a service first finds no state; a missing id means the state
+        was never built or is gone, and the caller must rebuild it from the beginning of the topic
+        (the consumer group is named after the id, so a new id starts a group with no offsets).
+        """
+        while True:
+            fresh = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:8]
+            if await self.redis.set(self.keys.generation, fresh, nx=True):
+                return fresh, True
+            current = await self.redis.get(self.keys.generation)
+            if current is not None:  # else deleted in between: try again
+                return current.decode(), False
+
+    async def current_generation(self) -> str | None:
+        """The id of the state in Redis now; None when it is gone."""
+        current = await self.redis.get(self.keys.generation)
+        return current.decode() if current is not None else None
 
     # ---------------------------------------------------------------- writes (the aggregator)
 
     async def record_started(self, event: events_pb2.TracerStarted, when: float) -> None:
-        now = time.time()
-        info = self.keys.run_info(event.session_id)
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(info, mapping={
-            "job": event.job, "worker": event.worker, "session_id": event.session_id, "tf_version": event.tf_version,
-            "patched": json.dumps(list(event.patched)), "pid": event.pid, "hostname": event.hostname,
-            "argv": json.dumps(list(event.argv)), "started": repr(when)})
-        pipe.hsetnx(info, "first_seen", repr(now))
-        pipe.hset(info, "last_seen", repr(now))
-        self._touch_job(pipe, event.job, event.session_id, now)
-        await pipe.execute()
+        """Record a run's TracerStarted, published at ``when`` (epoch s)."""
+        await self._record_facts(event.job, event.session_id, when, {
+            "worker": event.worker, "tf_version": event.tf_version, "patched": json.dumps(list(event.patched)),
+            "pid": event.pid, "hostname": event.hostname, "argv": json.dumps(list(event.argv)),
+            "started": repr(when)})
 
     async def record_stopped(self, event: events_pb2.TracerStopped, when: float) -> None:
-        now = time.time()
-        info = self.keys.run_info(event.session_id)
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(info, mapping={"job": event.job, "worker": event.worker, "session_id": event.session_id,
-                                 "stopped": repr(when), "exit_code": event.exit_code,
-                                 "reported_steps": event.steps, "last_seen": repr(now)})
-        pipe.hsetnx(info, "first_seen", repr(now))
-        self._touch_job(pipe, event.job, event.session_id, now)
-        await pipe.execute()
+        """Record a run's TracerStopped, published at ``when`` (epoch s)."""
+        await self._record_facts(event.job, event.session_id, when, {
+            "worker": event.worker, "stopped": repr(when), "exit_code": event.exit_code,
+            "reported_steps": event.steps})
 
-    def _touch_job(self, pipe, job: str, session: str, now: float) -> None:
-        pipe.zadd(self.keys.jobs, {job: now})
-        pipe.hsetnx(self.keys.job_info(job), "first_seen", repr(now))
-        pipe.hset(self.keys.job_info(job), "last_seen", repr(now))
-        pipe.zadd(self.keys.job_runs(job), {session: now}, nx=True)
+    async def _record_facts(self, job: str, session: str, when: float, facts: dict[str, object]) -> None:
+        fields = [item for pair in {"job": job, "session_id": session, **facts}.items() for item in pair]
+        await self._apply_facts(keys=[self.keys.run_info(session), self.keys.jobs, self.keys.job_info(job),
+                                      self.keys.job_runs(job)],
+                                args=[repr(when), job, session, *fields])
 
-    async def apply_batch(self, batch: events_pb2.StepMetricsBatch) -> BatchEffect:
-        """Apply a StepMetricsBatch once per (session, sequence)."""
+    async def apply_batch(self, batch: events_pb2.StepMetricsBatch, when: float) -> BatchEffect:
+        """Apply a StepMetricsBatch, published at ``when`` (epoch s), once per (session, sequence)."""
         points: list[object] = []
         signatures: dict[str, list[float]] = {}
         total = 0.0
@@ -213,7 +253,7 @@ class TraceStore:
             total += record.duration_s
             examples += record.examples
             counted_s += record.duration_s if record.examples else 0.0
-        args: list[object] = [batch.sequence, batch.job, batch.worker, batch.session_id, repr(time.time()),
+        args: list[object] = [batch.sequence, batch.job, batch.worker, batch.session_id, repr(when),
                               self.series_length, len(batch.steps), *points, len(signatures)]
         for field, (count, seconds, low, high, wait, seen) in signatures.items():
             args += [field, count, repr(seconds), repr(low), repr(high), repr(wait), seen]
@@ -231,18 +271,31 @@ class TraceStore:
     async def job_exists(self, job: str) -> bool:
         return await self.redis.zscore(self.keys.jobs, job) is not None
 
+    async def known_job(self, job: str) -> str:
+        """``job``, checked.
+
+        Raises:
+            InvalidArgument: ``job`` is not a valid name (the field ``job``).
+            NotFound: no tracer ever reported ``job``.
+        """
+        check_name("job", job)
+        if not await self.job_exists(job):
+            raise NotFound(f"job {job!r} is unknown: no tracer has reported it")
+        return job
+
     async def job_names(self) -> list[str]:
         """Jobs, most recently heard from first."""
         return [name.decode() for name in await self.redis.zrevrange(self.keys.jobs, 0, -1)]
 
     async def jobs(self, names: Sequence[str]) -> list[pb.Job]:
+        """The jobs named (a page of :meth:`job_names`), with their runs' counts."""
         pipe = self.redis.pipeline(transaction=False)
         for name in names:
             pipe.hgetall(self.keys.job_info(name))
         infos = await pipe.execute()
+        every_run = await asyncio.gather(*(self.runs(name) for name in names))
         jobs = []
-        for name, info in zip(names, infos):
-            runs = await self.runs(name)
+        for name, info, runs in zip(names, infos, every_run):
             steps, total = _number(info.get(b"steps"), int), _number(info.get(b"total_s"))
             running = [r for r in runs if r.state == pb.RUN_STATE_RUNNING]
             jobs.append(pb.Job(
@@ -258,6 +311,7 @@ class TraceStore:
         return [s.decode() for s in await self.redis.zrange(self.keys.job_runs(job), 0, -1)]
 
     async def runs(self, job: str, sessions: Sequence[str] | None = None) -> list[pb.Run]:
+        """The job's runs (or those of ``sessions``), in one round trip after the session ids."""
         sessions = await self.session_ids(job) if sessions is None else sessions
         pipe = self.redis.pipeline(transaction=False)
         for session in sessions:
@@ -267,12 +321,6 @@ class TraceStore:
         replies = await pipe.execute()
         now = time.time()
         return [self._run(session, *replies[3 * i:3 * i + 3], now) for i, session in enumerate(sessions)]
-
-    async def run(self, session: str) -> pb.Run:
-        info = await self.redis.hgetall(self.keys.run_info(session))
-        if not info:
-            raise NotFound(f"run (session) {session!r} is unknown")
-        return (await self.runs(info[b"job"].decode(), [session]))[0]
 
     def _run(self, session: str, info: dict, sigs: dict, early: int, now: float) -> pb.Run:
         last_seen = _number(info.get(b"last_seen"))
@@ -328,6 +376,13 @@ class TraceStore:
                   for _, sid, member, run in page]
         following = (page[-1][0], page[-1][1]) if len(merged) > page_size else None
         return points, following
+
+    async def newest_steps(self, sessions: Sequence[str], per_run: int) -> list[events_pb2.StepRecord]:
+        """The newest ``per_run`` kept step records of each run (in no particular order)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for session in sessions:
+            pipe.zrevrange(self.keys.run_series(session), 0, per_run - 1)
+        return [events_pb2.StepRecord.FromString(member) for rows in await pipe.execute() for member in rows]
 
     async def tracing_enabled(self) -> bool:
         return await self.redis.get(self.keys.enabled) != b"0"

@@ -1,5 +1,9 @@
 """GetSummary: the analytics of a job from its step metrics and its latest (or a named) capture.
 
+The step-metrics part costs the same for a job of any size: counts, means and throughput come
+from the runs' per-signature aggregates (which cover every step, not only the kept ones), and the
+step-time percentiles from at most ``sample_steps`` step records, the newest of each run.
+
 A trace's breakdown is computed once, off the event loop, and cached in Redis beside the capture
 record (traces are immutable once announced), so repeated summaries cost one Redis read.
 """
@@ -10,14 +14,13 @@ import asyncio
 
 from opml.traces.v1 import traces_pb2 as pb
 
-from opml_common.errors import DataLoss, InvalidArgument, NotFound
+from opml_common.errors import DataLoss, InvalidArgument
 from opml_trace_collector import analysis
 from opml_trace_collector.captures import CaptureManager
 from opml_trace_collector.store import Keys, TraceStore
 from opml_trace_collector.tracefiles import TraceFiles
 
 MAX_TOP_K = 100
-_SERIES_PAGE = 10000
 
 
 def breakdown_to_proto(breakdown: analysis.Breakdown) -> pb.Breakdown:
@@ -35,12 +38,18 @@ def breakdown_to_proto(breakdown: analysis.Breakdown) -> pb.Breakdown:
 
 
 class Summarizer:
-    def __init__(self, redis, keys: Keys, store: TraceStore, captures: CaptureManager, files: TraceFiles) -> None:
+    """Builds GetSummary's answer; caches each trace's breakdown in Redis."""
+
+    def __init__(self, redis, keys: Keys, store: TraceStore, captures: CaptureManager, files: TraceFiles, *,
+                 sample_steps: int) -> None:
+        if sample_steps < 1:
+            raise ValueError(f"Summarizer `sample_steps` must be >= 1, but got {sample_steps}")
         self.redis = redis
         self.keys = keys
         self.store = store
         self.captures = captures
         self.files = files
+        self.sample_steps = sample_steps
 
     async def summary(self, job: str, capture_id: str = "", top_k: int = 0) -> pb.Summary:
         """Raises: NotFound (the job or capture), InvalidArgument (``top_k``, a capture of another job)."""
@@ -48,10 +57,8 @@ class Summarizer:
             raise InvalidArgument("top_k", f"must be in [0, {MAX_TOP_K}] (0: {analysis.DEFAULT_TOP_K}), "
                                            f"but got {top_k}")
         top_k = top_k or analysis.DEFAULT_TOP_K
-        if not await self.store.job_exists(job):
-            raise NotFound(f"job {job!r} is unknown: no tracer has reported it")
-        records = await self.step_records(job)
-        summary = pb.Summary(job=job, metrics=breakdown_to_proto(analysis.analyze_steps(records)))
+        await self.store.known_job(job)
+        summary = pb.Summary(job=job, metrics=await self.step_metrics(job))
         if capture_id:
             capture = await self.captures.get(capture_id)
             if capture.job != job:
@@ -70,15 +77,14 @@ class Summarizer:
                 summary.traces.append(breakdown)
         return summary
 
-    async def step_records(self, job: str, *, worker: str = "", session: str = "") -> list:
-        """Every step record kept for the job (or one worker or run), in start-time order."""
-        records, cursor = [], None
-        while True:
-            points, cursor = await self.store.series(job, worker=worker, session=session, page_size=_SERIES_PAGE,
-                                                     cursor=cursor)
-            records += [p.record for p in points]
-            if cursor is None:
-                return records
+    async def step_metrics(self, job: str) -> pb.Breakdown:
+        """The breakdown of every step of the job, reading at most ``sample_steps`` step records."""
+        runs = await self.store.runs(job)
+        sampled = runs[-self.sample_steps:]  # the newest runs when there are more runs than samples
+        sample = await self.store.newest_steps([r.session_id for r in sampled],
+                                               max(self.sample_steps // max(len(sampled), 1), 1))
+        signatures = [s for run in runs for s in run.signatures]
+        return breakdown_to_proto(analysis.analyze_signatures(signatures, sample))
 
     async def trace_breakdown(self, capture_id: str, worker: pb.WorkerCapture) -> pb.Breakdown:
         key = self.keys.analysis(capture_id, worker.worker)

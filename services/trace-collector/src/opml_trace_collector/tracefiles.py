@@ -8,9 +8,13 @@ from minio import Minio
 from minio.error import S3Error
 
 from opml_common.errors import NotFound
-from opml_trace_collector.captures import parse_s3_url
-
 CHUNK_BYTES = 1024 * 1024
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/key`` -> (bucket, key)."""
+    bucket, _, key = url.removeprefix("s3://").partition("/")
+    return bucket, key
 
 
 class TraceFiles:
@@ -49,4 +53,5 @@ class TraceFiles:
             response.release_conn()
 
     def read(self, url: str) -> bytes:
+        """The whole object (a trace to analyze). Raises: NotFound, as :meth:`chunks`."""
         return b"".join(self.chunks(url))
