@@ -78,28 +78,31 @@ async def serve(settings: RouterSettings, platform: PlatformSettings) -> None:
                             registrations=[inference.registration(), deployments.registration()],
                             method_roles={**frontend.METHOD_ROLES, **METHOD_ROLES})
         consuming: asyncio.Task | None = None
-        try:
+        # Every part is stopped even when one fails to (an AsyncExitStack unwinds them all), above all
+        # the worker pools: their processes run in sessions of their own and would outlive us.
+        async with contextlib.AsyncExitStack() as running:
+            running.push_async_callback(redis.aclose)
             await outbox.start()
+            running.push_async_callback(outbox.stop)
             await pools.start()
+            running.push_async_callback(pools.stop)
+            running.push_async_callback(router.close)
             await predictions.start()
+            running.push_async_callback(predictions.stop)
             await manager.start()
+            running.push_async_callback(manager.stop)
             if settings.autodeploy:
                 consuming = asyncio.create_task(consumer.run(), name="autodeploy")
                 consuming.add_done_callback(_report_end)
+                running.push_async_callback(_stop_consumer, consumer, consuming)
             async with server:
                 await wait_for_signal()
                 inference.accepting = False
-        finally:
-            if consuming is not None:
-                await consumer.stop()
-                with contextlib.suppress(Exception):
-                    await consuming
-            await manager.stop()
-            await predictions.stop()
-            await router.close()
-            await pools.stop()
-            await outbox.stop()
-            await redis.aclose()
+
+
+async def _stop_consumer(consumer: EventConsumer, consuming: asyncio.Task) -> None:
+    await consumer.stop()
+    await asyncio.gather(consuming, return_exceptions=True)  # its end (even cancelled) is reported by _report_end
 
 
 def _report_end(task: asyncio.Task) -> None:
