@@ -16,16 +16,14 @@ from opml.inference.v1 import deployment_events_pb2 as events
 from opml.inference.v1 import deployments_pb2 as pb
 from opml_bundle_store.client import BundleStoreClient
 from opml_common.bus import CloudEvent
-from opml_common.devinfra import free_port
 from opml_common.errors import NotFound
-from opml_common.process import ServiceProcess
 from opml_common.testing.bus import read_records
+from opml_common.testing.services import TOKENS
 from opml_common.topics import DEPLOYMENTS
 from opml_inference_router.client import DeploymentClient
 from opml_inference_router.testing import mlp_config, write_model_dir
 from opml_inference_router.testing.models import write_broken_onnx
 
-TOKENS = {"admin": "admin-token", "writer": "writer-token", "reader": "reader-token"}
 FLEET = {
     "pool_kinds": [{"name": "cpu", "precisions": ["fp32"], "memory_mib": 2048, "slots": 2, "cost_per_hour": 0.4,
                     "execution_provider": "CPUExecutionProvider"}],
@@ -46,24 +44,19 @@ def _wait_serving(client: DeploymentClient, model: str, version: int, timeout_s:
         time.sleep(0.2)
 
 
-def test_a_committed_bundle_tagged_serve_is_deployed_and_answers(settings_env, platform_settings,
+def test_a_committed_bundle_tagged_serve_is_deployed_and_answers(start_service, platform_settings,
                                                                   tmp_path: Path) -> None:
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(yaml.safe_dump(FLEET))
-    store_port, router_port = free_port(), free_port()
-    env = {**settings_env, "OPML_AUTH_TOKENS": ",".join(f"{token}={role}" for role, token in TOKENS.items()),
-           "OPML_BUNDLE_STORE_HOME": str(tmp_path / "store"), "OPML_BUNDLE_STORE_GRPC_PORT": str(store_port),
-           "OPML_BUNDLE_STORE_METRICS_PORT": str(free_port()),
-           "OPML_INFERENCE_ROUTER_HOME": str(tmp_path / "router"), "OPML_INFERENCE_ROUTER_FLEET": str(fleet),
-           "OPML_INFERENCE_ROUTER_GRPC_PORT": str(router_port), "OPML_INFERENCE_ROUTER_METRICS_PORT": str(free_port()),
-           "OPML_INFERENCE_ROUTER_BUNDLE_STORE_TARGET": f"127.0.0.1:{store_port}",
-           "OPML_INFERENCE_ROUTER_BUNDLE_STORE_TOKEN": TOKENS["reader"],
-           "OPML_INFERENCE_ROUTER_WORKER_THREADS_PER_REPLICA": "1"}
+    store_service = start_service("bundle-store")
+    router = start_service("inference-router", extra_env={
+        "OPML_INFERENCE_ROUTER_FLEET": str(fleet),
+        "OPML_INFERENCE_ROUTER_BUNDLE_STORE_TARGET": store_service.target,
+        "OPML_INFERENCE_ROUTER_BUNDLE_STORE_TOKEN": TOKENS["reader"],
+        "OPML_INFERENCE_ROUTER_WORKER_THREADS_PER_REPLICA": "1"})
     model_dir = write_model_dir(tmp_path / "mlp", mlp_config("mlp", pool_kinds=("cpu",), precisions=("fp32",)))
     files = {"model.onnx": model_dir / "model.onnx", "model.yaml": model_dir / "model.yaml"}
-    with ServiceProcess("opml_bundle_store", store_port, env, tmp_path / "bundle-store.log"), \
-            ServiceProcess("opml_inference_router", router_port, env, tmp_path / "router.log") as router, \
-            BundleStoreClient(f"127.0.0.1:{store_port}", token=TOKENS["writer"]) as store, \
+    with BundleStoreClient(store_service.target, token=TOKENS["writer"]) as store, \
             DeploymentClient(router.target, token=TOKENS["reader"]) as deployments:
         store.create_context("serving")
         store.add("serving", "mlp-notes", {"README": b"not a model"}, commit=True)  # no serve tag: ignored

@@ -3,37 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from opml_bundle_store.client import BundleStoreClient
-from opml_common.devinfra import free_port
 from opml_common.process import ServiceProcess
-
-TOKENS = {"admin": "admin-token", "writer": "writer-token", "reader": "reader-token"}
-
-
-@pytest.fixture
-def bundle_store(settings_env: dict[str, str], tmp_path: Path) -> Iterator[ServiceProcess]:
-    """A running bundle-store service with auth on (tokens in TOKENS), stopped after the test."""
-    port = free_port()
-    env = {
-        **settings_env,
-        "OPML_BUNDLE_STORE_HOME": str(tmp_path / "home"),
-        "OPML_BUNDLE_STORE_GRPC_PORT": str(port),
-        "OPML_BUNDLE_STORE_METRICS_PORT": str(free_port()),
-        "OPML_AUTH_TOKENS": ",".join(f"{token}={role}" for role, token in TOKENS.items()),
-    }
-    process = ServiceProcess("opml_bundle_store", port, env, tmp_path / "bundle-store.log")
-    with process:
-        yield process
+from opml_common.testing.services import TOKENS, ServiceStarter
 
 
 @pytest.fixture
-def tokens() -> dict[str, str]:
-    """Bearer token of each role the bundle_store fixture accepts."""
-    return dict(TOKENS)
+def bundle_store(start_service: ServiceStarter) -> ServiceProcess:
+    """A running bundle-store service with auth on (the plugin's ``tokens``), stopped after the test."""
+    return start_service("bundle-store")
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ tansu, SeaweedFS and Redis; tritonclient for inference, the DeploymentService cl
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -16,10 +15,10 @@ from click.testing import CliRunner
 from opml_common.bus import CloudEvent
 from opml_common.cli import main as opml
 from opml_common.config import PlatformSettings
-from opml_common.devinfra import free_port
 from opml_common.errors import InvalidArgument, PermissionDenied
 from opml_common.process import ServiceProcess
 from opml_common.testing.bus import read_records
+from opml_common.testing.services import TOKENS, ServiceStarter
 from opml_common.topics import DEPLOYMENTS, PREDICTIONS
 from opml.inference.v1 import deployment_events_pb2 as events
 from opml.inference.v1 import deployments_pb2 as pb
@@ -30,7 +29,6 @@ from tritonclient.utils import InferenceServerException
 from opml_inference_router.client import DeploymentClient
 from opml_inference_router.testing import mlp_classifier, mlp_config, write_model_dir
 
-TOKENS = {"admin": "admin-token", "writer": "writer-token", "reader": "reader-token"}
 FLEET = {
     "pool_kinds": [{"name": "cpu", "precisions": ["fp32"], "memory_mib": 2048, "slots": 2, "cost_per_hour": 0.4,
                     "execution_provider": "CPUExecutionProvider"}],
@@ -39,25 +37,18 @@ FLEET = {
 
 
 @pytest.fixture
-def router_env(settings_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
+def router_env(start_service: ServiceStarter, tmp_path: Path) -> dict[str, str]:
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(yaml.safe_dump(FLEET))
-    return {
-        **settings_env,
-        "OPML_INFERENCE_ROUTER_HOME": str(tmp_path / "home"),
+    return start_service.env("inference-router", extra_env={
         "OPML_INFERENCE_ROUTER_FLEET": str(fleet),
-        "OPML_INFERENCE_ROUTER_GRPC_PORT": str(free_port()),
-        "OPML_INFERENCE_ROUTER_METRICS_PORT": str(free_port()),
         "OPML_INFERENCE_ROUTER_WORKER_THREADS_PER_REPLICA": "1",
-        "OPML_AUTH_TOKENS": ",".join(f"{token}={role}" for role, token in TOKENS.items()),
-    }
+    })
 
 
 @pytest.fixture
-def router_service(router_env: dict[str, str], tmp_path: Path) -> Iterator[ServiceProcess]:
-    port = int(router_env["OPML_INFERENCE_ROUTER_GRPC_PORT"])
-    with ServiceProcess("opml_inference_router", port, router_env, tmp_path / "router.log") as process:
-        yield process
+def router_service(start_service: ServiceStarter, router_env: dict[str, str]) -> ServiceProcess:
+    return start_service("inference-router", env=router_env)
 
 
 def _infer(target: str, data: np.ndarray) -> np.ndarray:
@@ -70,7 +61,8 @@ def _infer(target: str, data: np.ndarray) -> np.ndarray:
 
 
 def test_deploy_infer_events_cli_and_restart(router_service: ServiceProcess, router_env: dict[str, str],
-                                             platform_settings: PlatformSettings, tmp_path: Path) -> None:
+                                             start_service: ServiceStarter, platform_settings: PlatformSettings,
+                                             tmp_path: Path) -> None:
     model_dir = write_model_dir(tmp_path / "mlp", mlp_config("mlp", pool_kinds=("cpu",), precisions=("fp32",)))
     target = router_service.target
     with DeploymentClient(target, token=TOKENS["writer"]) as client:
@@ -122,8 +114,7 @@ def test_deploy_infer_events_cli_and_restart(router_service: ServiceProcess, rou
 
     # A restarted router rebuilds its deployments from Redis onto fresh workers, the split included.
     router_service.stop()
-    port = int(router_env["OPML_INFERENCE_ROUTER_GRPC_PORT"])
-    with ServiceProcess("opml_inference_router", port, router_env, tmp_path / "router-2.log"):
+    with start_service("inference-router", env=router_env):
         with DeploymentClient(target, token=TOKENS["reader"]) as client:
             restored = client.get("mlp")
         assert restored.stable_version == 1

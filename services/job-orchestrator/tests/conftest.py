@@ -1,71 +1,55 @@
 """Fixtures: a real job-orchestrator process on free ports, wired to the session's real infrastructure
-(tansu, Redis), with auth on, a small one-node cluster and short retry delays and grace periods."""
+(tansu, Redis), with auth on, a small one-node cluster and short retry delays and grace periods; and
+bounded waits on what an in-process Executor or Orchestrator reports."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
 from opml.jobs.v1 import jobs_pb2 as pb
 
-from opml_common.devinfra import free_port
 from opml_common.process import ServiceProcess
+from opml_common.testing.services import TOKENS, ServiceStarter
 from opml_job_orchestrator.client import JobClient
+from opml_job_orchestrator.executor import Executor, ExecutorEvent, JobEvent, TaskEvent, TaskState
+from opml_job_orchestrator.orchestrator import JobState, JobStatus, Orchestrator
 from opml_job_orchestrator.spec import load_spec
 
-TOKENS = {"admin": "admin-token", "writer": "writer-token", "reader": "reader-token"}
 NODE = {"name": "n0", "cpu_millis": 4000, "memory_mib": 4096, "gpu": 1}
 TERMINAL = {pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED}
 
 
 @pytest.fixture
-def service_env(settings_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
-    """The environment of a job-orchestrator process for this test (same Redis prefix on a restart)."""
-    return {
-        **settings_env,
-        "OPML_JOB_ORCHESTRATOR_HOME": str(tmp_path / "home"),
-        "OPML_JOB_ORCHESTRATOR_GRPC_PORT": str(free_port()),
-        "OPML_JOB_ORCHESTRATOR_METRICS_PORT": str(free_port()),
+def service_env(start_service: ServiceStarter) -> dict[str, str]:
+    """The environment of a job-orchestrator process for this test (same ports, home and Redis prefix
+    on a restart)."""
+    return start_service.env("job-orchestrator", extra_env={
         "OPML_JOB_ORCHESTRATOR_NODES": json.dumps([NODE]),
         "OPML_JOB_ORCHESTRATOR_RETRY_BASE_DELAY_S": "0.1",
         "OPML_JOB_ORCHESTRATOR_RETRY_MAX_DELAY_S": "0.2",
         "OPML_JOB_ORCHESTRATOR_TERMINATE_GRACE_S": "2",
         "OPML_JOB_ORCHESTRATOR_SHUTDOWN_GRACE_S": "1",
         "OPML_JOB_ORCHESTRATOR_LOG_POLL_S": "0.05",
-        "OPML_AUTH_TOKENS": ",".join(f"{token}={role}" for role, token in TOKENS.items()),
-    }
+    })
 
 
 @pytest.fixture
-def service_process(service_env: dict[str, str], tmp_path: Path) -> Iterator[Callable[[], ServiceProcess]]:
+def service_process(start_service: ServiceStarter, service_env: dict[str, str]) -> Callable[[], ServiceProcess]:
     """Makes job-orchestrator processes with this test's environment (started by the caller);
     every one made is stopped after the test."""
-    made: list[ServiceProcess] = []
-
-    def make() -> ServiceProcess:
-        process = ServiceProcess("opml_job_orchestrator", int(service_env["OPML_JOB_ORCHESTRATOR_GRPC_PORT"]),
-                                 service_env, tmp_path / "job-orchestrator.log")
-        made.append(process)
-        return process
-
-    yield make
-    for process in made:
-        process.stop()
+    return lambda: start_service("job-orchestrator", env=service_env, start=False)
 
 
 @pytest.fixture
 def job_service(service_process: Callable[[], ServiceProcess]) -> ServiceProcess:
-    """A running job-orchestrator with auth on (tokens in TOKENS), stopped after the test."""
+    """A running job-orchestrator with auth on (the plugin's ``tokens``), stopped after the test."""
     return service_process().start()
-
-
-@pytest.fixture
-def tokens() -> dict[str, str]:
-    return dict(TOKENS)
 
 
 @pytest.fixture
@@ -121,3 +105,76 @@ def wait_for_file(path: Path, timeout_s: float = 20.0) -> str:
 def file_written() -> Callable[..., str]:
     """``file_written(path)``: wait until the file has content; return it."""
     return wait_for_file
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture
+def alive() -> Callable[[int], bool]:
+    """``alive(pid)``: whether the process runs (a zombie awaiting its reaper counts as dead)."""
+    return pid_alive
+
+
+async def until_job_event_of(ex: Executor, job_id: str, timeout_s: float = 15.0) -> list[ExecutorEvent]:
+    seen: list[ExecutorEvent] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        seen += await ex.poll(0.05)
+        if any(isinstance(e, JobEvent) and e.job_id == job_id for e in seen):
+            return seen
+    raise AssertionError(f"no JobEvent for {job_id!r} in {timeout_s} s; saw {seen}")
+
+
+@pytest.fixture
+def until_job_event() -> Callable[..., Awaitable[list[ExecutorEvent]]]:
+    """``await until_job_event(executor, job_id, timeout_s=15)``: every event the executor reports up to
+    and including ``job_id``'s JobEvent."""
+    return until_job_event_of
+
+
+def the_job_event(events: list[ExecutorEvent]) -> JobEvent:
+    (event,) = [e for e in events if isinstance(e, JobEvent)]
+    return event
+
+
+@pytest.fixture
+def job_event() -> Callable[[list[ExecutorEvent]], JobEvent]:
+    """``job_event(events)``: the one JobEvent among ``events`` (fails if there are none or several)."""
+    return the_job_event
+
+
+def states_by_task(events: list[ExecutorEvent]) -> dict[tuple[str, int], list[TaskState]]:
+    found: dict[tuple[str, int], list[TaskState]] = {}
+    for e in events:
+        if isinstance(e, TaskEvent):
+            found.setdefault((e.role, e.index), []).append(e.state)
+    return found
+
+
+@pytest.fixture
+def task_states() -> Callable[[list[ExecutorEvent]], dict[tuple[str, int], list[TaskState]]]:
+    """``task_states(events)``: the states each task ``(role, index)`` went through, in order."""
+    return states_by_task
+
+
+async def until_orchestrated(orch: Orchestrator, job_id: str, *states: JobState, timeout_s: float = 10.0) -> JobStatus:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = orch.get(job_id)
+        if status.state in states:
+            return status
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"job {job_id!r} not {[s.name for s in states]} in {timeout_s} s: {orch.get(job_id)}")
+
+
+@pytest.fixture
+def until() -> Callable[..., Awaitable[JobStatus]]:
+    """``await until(orch, job_id, *states, timeout_s=10)``: poll an in-process Orchestrator until the job
+    is in one of ``states``; return its status."""
+    return until_orchestrated

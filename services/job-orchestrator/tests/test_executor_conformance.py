@@ -19,7 +19,6 @@ from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound
 from opml_job_orchestrator.executor import (
     Executor,
     ExecutorEvent,
-    JobEvent,
     JobOutcome,
     JobProgram,
     LocalExecutor,
@@ -67,16 +66,6 @@ async def executor(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncItera
         close()
 
 
-async def until_job_event(ex: Executor, job_id: str, timeout_s: float = 15.0) -> list[ExecutorEvent]:
-    seen: list[ExecutorEvent] = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        seen += await ex.poll(0.1)
-        if any(isinstance(e, JobEvent) and e.job_id == job_id for e in seen):
-            return seen
-    raise AssertionError(f"no JobEvent for {job_id!r} in {timeout_s} s; saw {seen}")
-
-
 async def until_running(ex: Executor, job_id: str, tasks: int, timeout_s: float = 15.0) -> list[ExecutorEvent]:
     seen: list[ExecutorEvent] = []
     deadline = time.monotonic() + timeout_s
@@ -87,44 +76,34 @@ async def until_running(ex: Executor, job_id: str, tasks: int, timeout_s: float 
     raise AssertionError(f"{job_id!r}: not {tasks} tasks running in {timeout_s} s; saw {seen}")
 
 
-def states(events: list[ExecutorEvent]) -> dict[tuple[str, int], list[TaskState]]:
-    found: dict[tuple[str, int], list[TaskState]] = {}
-    for e in events:
-        if isinstance(e, TaskEvent):
-            found.setdefault((e.role, e.index), []).append(e.state)
-    return found
-
-
-def job_event(events: list[ExecutorEvent]) -> JobEvent:
-    (event,) = [e for e in events if isinstance(e, JobEvent)]
-    return event
-
-
-async def test_chief_exit_ends_the_run_without_awaiting_ps_and_the_job_event_comes_last(executor: Executor) -> None:
+async def test_chief_exit_ends_the_run_without_awaiting_ps_and_the_job_event_comes_last(
+        executor: Executor, until_job_event, job_event, task_states) -> None:
     job = spec("tony", chief=1, worker=1, ps=1)
     program = JobProgram(commands={"chief": py("import time; time.sleep(0.3)"), "worker": py(SLEEP),
                                    "ps": py(SLEEP)})
     await executor.launch(job, program, placement(job), attempt=0)
     events = await until_job_event(executor, "tony")
-    assert states(events) == {("chief", 0): [TaskState.RUNNING, TaskState.SUCCEEDED],
-                              ("worker", 0): [TaskState.RUNNING, TaskState.STOPPED],
-                              ("ps", 0): [TaskState.RUNNING, TaskState.STOPPED]}
+    assert task_states(events) == {("chief", 0): [TaskState.RUNNING, TaskState.SUCCEEDED],
+                                   ("worker", 0): [TaskState.RUNNING, TaskState.STOPPED],
+                                   ("ps", 0): [TaskState.RUNNING, TaskState.STOPPED]}
     event = job_event(events)
     assert (event.outcome, event.attempt) == (JobOutcome.SUCCEEDED, 0)
     assert events[-1] is event
 
 
-async def test_without_a_chief_every_worker_must_succeed(executor: Executor) -> None:
+async def test_without_a_chief_every_worker_must_succeed(
+        executor: Executor, until_job_event, job_event, task_states) -> None:
     job = spec("workers", worker=2, ps=1)
     code = "import os, time; time.sleep(0.1 + 0.5 * int(os.environ['OPML_TASK_INDEX']))"
     await executor.launch(job, JobProgram(commands={"worker": py(code), "ps": py(SLEEP)}), placement(job), attempt=0)
     events = await until_job_event(executor, "workers")
     assert job_event(events).outcome is JobOutcome.SUCCEEDED
-    assert [states(events)[("worker", i)][-1] for i in (0, 1)] == [TaskState.SUCCEEDED] * 2
-    assert states(events)[("ps", 0)][-1] is TaskState.STOPPED
+    assert [task_states(events)[("worker", i)][-1] for i in (0, 1)] == [TaskState.SUCCEEDED] * 2
+    assert task_states(events)[("ps", 0)][-1] is TaskState.STOPPED
 
 
-async def test_a_crash_fails_the_run_retriably_and_stops_the_rest(executor: Executor) -> None:
+async def test_a_crash_fails_the_run_retriably_and_stops_the_rest(
+        executor: Executor, until_job_event, job_event, task_states) -> None:
     job = spec("crash", worker=2)
     code = "import os, sys, time; i = int(os.environ['OPML_TASK_INDEX']); time.sleep(30 * (1 - i)); sys.exit(3)"
     await executor.launch(job, JobProgram(commands={"worker": py(code)}), placement(job), attempt=4)
@@ -134,10 +113,11 @@ async def test_a_crash_fails_the_run_retriably_and_stops_the_rest(executor: Exec
     assert "worker 1 exited with code 3" in event.message
     (failed,) = [e for e in events if isinstance(e, TaskEvent) and e.state is TaskState.FAILED]
     assert (failed.role, failed.index, failed.exit_code) == ("worker", 1, 3)
-    assert states(events)[("worker", 0)] == [TaskState.RUNNING, TaskState.STOPPED]
+    assert task_states(events)[("worker", 0)] == [TaskState.RUNNING, TaskState.STOPPED]
 
 
-async def test_terminate_sends_sigterm_first_and_ends_the_run_stopped(executor: Executor, tmp_path: Path) -> None:
+async def test_terminate_sends_sigterm_first_and_ends_the_run_stopped(
+        executor: Executor, tmp_path: Path, until_job_event, job_event, task_states) -> None:
     saved = tmp_path / "saved"
     code = ("import pathlib, signal, sys, time\n"
             f"save = lambda *_: (pathlib.Path({str(saved)!r}).write_text('ckpt'), sys.exit(0))\n"
@@ -152,13 +132,13 @@ async def test_terminate_sends_sigterm_first_and_ends_the_run_stopped(executor: 
     await executor.terminate("be", 10)
     assert saved.read_text() == "ckpt"
     events += await until_job_event(executor, "be")
-    assert states(events) == {("worker", 0): [TaskState.RUNNING, TaskState.STOPPED]}
+    assert task_states(events) == {("worker", 0): [TaskState.RUNNING, TaskState.STOPPED]}
     assert job_event(events).outcome is JobOutcome.STOPPED
     await executor.terminate("be", 0)  # ended already: nothing to do
     assert "ready" in await executor.logs("be", "worker", 0)  # still readable after the run
 
 
-async def test_logs_of_every_task_and_attempt(executor: Executor) -> None:
+async def test_logs_of_every_task_and_attempt(executor: Executor, until_job_event, job_event) -> None:
     job = spec("logs", worker=2)
     code = ("import os, sys; print('out', os.environ['OPML_TASK_INDEX'], os.environ['OPML_JOB_ATTEMPT'], flush=True); "
             "print('err', os.environ['OPML_TASK_INDEX'], file=sys.stderr)")
@@ -175,7 +155,7 @@ async def test_logs_of_every_task_and_attempt(executor: Executor) -> None:
         await executor.logs("nope", "worker", 0)
 
 
-async def test_request_errors_are_the_same_everywhere(executor: Executor) -> None:
+async def test_request_errors_are_the_same_everywhere(executor: Executor, until_job_event, job_event) -> None:
     job = spec("bad", chief=1, worker=2)
     program = JobProgram(commands={"chief": py(SLEEP), "worker": py(SLEEP)})
     with pytest.raises(InvalidArgument, match=r"^commands.worker: "):
@@ -198,7 +178,8 @@ async def test_request_errors_are_the_same_everywhere(executor: Executor) -> Non
     assert job_event(await until_job_event(executor, "bad")).outcome is JobOutcome.STOPPED
 
 
-async def test_recovering_a_run_of_which_nothing_is_left_reports_it_stopped_and_retriable(executor: Executor) -> None:
+async def test_recovering_a_run_of_which_nothing_is_left_reports_it_stopped_and_retriable(
+        executor: Executor, until_job_event, job_event) -> None:
     assert await executor.recover("ghost", 3) is None
     event = job_event(await until_job_event(executor, "ghost"))
     assert (event.outcome, event.attempt, event.retriable) == (JobOutcome.STOPPED, 3, True)
@@ -210,7 +191,7 @@ async def test_recovering_a_run_of_which_nothing_is_left_reports_it_stopped_and_
     assert "fresh" in await executor.logs("ghost", "worker", 0)
 
 
-async def test_logs_from_a_byte_offset(executor: Executor) -> None:
+async def test_logs_from_a_byte_offset(executor: Executor, until_job_event, job_event) -> None:
     job = spec("offsets", worker=1)
     code = "import sys; sys.stdout.buffer.write('héllo wörld\\n'.encode() + bytes([0xff]) + b'end')"
     await executor.launch(job, JobProgram(commands={"worker": py(code)}), placement(job), attempt=0)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound
-from opml_job_orchestrator.executor import ExecutorEvent, JobEvent, JobOutcome, JobProgram, TaskEvent, TaskState
+from opml_job_orchestrator.executor import JobOutcome, JobProgram, TaskEvent, TaskState
 from opml_job_orchestrator.executor.fake_kubernetes import FakeCoreV1Api
 from opml_job_orchestrator.executor.kubernetes import (
     KubernetesExecutor,
@@ -138,31 +137,9 @@ async def executor(api: FakeCoreV1Api, tmp_path: Path) -> AsyncIterator[Kubernet
         yield ex
 
 
-async def until_job_event(ex: KubernetesExecutor, job_id: str, timeout_s: float = 5.0) -> list[ExecutorEvent]:
-    seen: list[ExecutorEvent] = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        seen += await ex.poll(0.05)
-        if any(isinstance(e, JobEvent) and e.job_id == job_id for e in seen):
-            return seen
-    raise AssertionError(f"no JobEvent for {job_id!r} in {timeout_s} s; saw {seen}")
-
-
-def states(events: list[ExecutorEvent]) -> dict[tuple[str, int], list[TaskState]]:
-    found: dict[tuple[str, int], list[TaskState]] = {}
-    for e in events:
-        if isinstance(e, TaskEvent):
-            found.setdefault((e.role, e.index), []).append(e.state)
-    return found
-
-
-def job_event(events: list[ExecutorEvent]) -> JobEvent:
-    (event,) = [e for e in events if isinstance(e, JobEvent)]
-    return event
-
-
 async def test_chief_success_ends_the_run_without_awaiting_ps_and_keeps_the_logs(
-        executor: KubernetesExecutor, api: FakeCoreV1Api, tmp_path: Path) -> None:
+        executor: KubernetesExecutor, api: FakeCoreV1Api, tmp_path: Path, until_job_event, job_event,
+        task_states) -> None:
     job = spec(chief=1, worker=1, ps=1)
     await executor.launch(job, PROGRAM, placement(job), attempt=0)
     assert len(api.pods) == 3 and len(api.services) == 3
@@ -171,12 +148,13 @@ async def test_chief_success_ends_the_run_without_awaiting_ps_and_keeps_the_logs
     for name in names.values():
         api.set_running(name)
         api.write_log(name, f"hello from {name}\n")
-    assert states(await executor.poll(1)) == {k: [TaskState.RUNNING] for k in [("chief", 0), ("worker", 0), ("ps", 0)]}
+    assert task_states(await executor.poll(1)) == {k: [TaskState.RUNNING]
+                                                   for k in [("chief", 0), ("worker", 0), ("ps", 0)]}
     assert f"hello from {names['ps']}" in await executor.logs("mnist", "ps", 0)  # the live pod's log
     api.set_exited(names["chief"], 0)
     events = await until_job_event(executor, "mnist")
-    assert states(events) == {("chief", 0): [TaskState.SUCCEEDED], ("worker", 0): [TaskState.STOPPED],
-                              ("ps", 0): [TaskState.STOPPED]}
+    assert task_states(events) == {("chief", 0): [TaskState.SUCCEEDED], ("worker", 0): [TaskState.STOPPED],
+                                   ("ps", 0): [TaskState.STOPPED]}
     assert job_event(events).outcome is JobOutcome.SUCCEEDED and events[-1] == job_event(events)
     assert not api.pods and not api.services
     assert sorted(api.deletions) == sorted((n, 7) for n in names.values())  # cleanup_grace_s
@@ -185,7 +163,7 @@ async def test_chief_success_ends_the_run_without_awaiting_ps_and_keeps_the_logs
 
 
 async def test_a_failed_container_fails_the_run_retriably_with_its_exit_code(
-        executor: KubernetesExecutor, api: FakeCoreV1Api) -> None:
+        executor: KubernetesExecutor, api: FakeCoreV1Api, until_job_event, job_event, task_states) -> None:
     job = spec(worker=2)
     await executor.launch(job, PROGRAM, placement(job), attempt=1)
     api.set_running(pod_name("mnist", 1, "worker", 0))
@@ -196,12 +174,13 @@ async def test_a_failed_container_fails_the_run_retriably_with_its_exit_code(
     assert event.message == "worker 1 exited with code 137 (OOMKilled)"
     failed = [e for e in events if isinstance(e, TaskEvent) and e.state is TaskState.FAILED]
     assert [(e.index, e.exit_code) for e in failed] == [(1, 137)]
-    assert states(events)[("worker", 1)] == [TaskState.RUNNING, TaskState.FAILED]  # RUNNING always comes first
-    assert states(events)[("worker", 0)] == [TaskState.RUNNING, TaskState.STOPPED]
+    assert task_states(events)[("worker", 1)] == [TaskState.RUNNING, TaskState.FAILED]  # RUNNING always comes first
+    assert task_states(events)[("worker", 0)] == [TaskState.RUNNING, TaskState.STOPPED]
 
 
 @pytest.mark.parametrize("how", ["evict", "vanish"])
-async def test_an_evicted_or_vanished_pod_is_lost(executor: KubernetesExecutor, api: FakeCoreV1Api, how: str) -> None:
+async def test_an_evicted_or_vanished_pod_is_lost(
+        executor: KubernetesExecutor, api: FakeCoreV1Api, how: str, until_job_event, job_event, task_states) -> None:
     job = spec(worker=1)
     await executor.launch(job, PROGRAM, placement(job), attempt=0)
     name = pod_name("mnist", 0, "worker", 0)
@@ -209,13 +188,14 @@ async def test_an_evicted_or_vanished_pod_is_lost(executor: KubernetesExecutor, 
     await executor.poll(1)
     getattr(api, how)(name)
     events = await until_job_event(executor, "mnist")
-    assert states(events) == {("worker", 0): [TaskState.LOST]}
+    assert task_states(events) == {("worker", 0): [TaskState.LOST]}
     event = job_event(events)
     assert event.outcome is JobOutcome.FAILED and event.retriable
     assert ("Evicted" if how == "evict" else "vanished") in event.message
 
 
-async def test_a_pod_that_cannot_start_fails_the_run_for_good(executor: KubernetesExecutor, api: FakeCoreV1Api) -> None:
+async def test_a_pod_that_cannot_start_fails_the_run_for_good(
+        executor: KubernetesExecutor, api: FakeCoreV1Api, until_job_event, job_event) -> None:
     job = spec(worker=1)
     await executor.launch(job, PROGRAM, placement(job), attempt=0)
     api.set_waiting(pod_name("mnist", 0, "worker", 0), "InvalidImageName", 'invalid image "img:"')
@@ -226,7 +206,7 @@ async def test_a_pod_that_cannot_start_fails_the_run_for_good(executor: Kubernet
 
 @pytest.mark.parametrize(("status", "retriable"), [(422, False), (503, True)])
 async def test_a_rejected_object_fails_the_run(executor: KubernetesExecutor, api: FakeCoreV1Api,
-                                               status: int, retriable: bool) -> None:
+                                               status: int, retriable: bool, until_job_event, job_event) -> None:
     job = spec(chief=1, worker=1)
     api.reject[pod_name("mnist", 0, "worker", 0)] = ApiException(status=status, reason="Nope")
     await executor.launch(job, PROGRAM, placement(job), attempt=0)
@@ -237,7 +217,8 @@ async def test_a_rejected_object_fails_the_run(executor: KubernetesExecutor, api
     assert not api.pods and not api.services  # the chief created before it is cleaned up
 
 
-async def test_terminate_deletes_pods_with_the_grace_period(executor: KubernetesExecutor, api: FakeCoreV1Api) -> None:
+async def test_terminate_deletes_pods_with_the_grace_period(
+        executor: KubernetesExecutor, api: FakeCoreV1Api, job_event, task_states) -> None:
     job = spec(worker=2)
     await executor.launch(job, PROGRAM, placement(job), attempt=0)
     for i in (0, 1):
@@ -248,13 +229,14 @@ async def test_terminate_deletes_pods_with_the_grace_period(executor: Kubernetes
     await executor.terminate("mnist", 30)
     assert sorted(api.deletions) == [(pod_name("mnist", 0, "worker", i), 30) for i in (0, 1)]
     events = await executor.poll(0)
-    assert states(events) == {("worker", 0): [TaskState.STOPPED], ("worker", 1): [TaskState.STOPPED]}
+    assert task_states(events) == {("worker", 0): [TaskState.STOPPED], ("worker", 1): [TaskState.STOPPED]}
     assert job_event(events).outcome is JobOutcome.STOPPED
     with pytest.raises(NotFound, match="never launched"):
         await executor.terminate("other", 1)
 
 
-async def test_a_restarted_executor_readopts_running_pods(api: FakeCoreV1Api, tmp_path: Path) -> None:
+async def test_a_restarted_executor_readopts_running_pods(
+        api: FakeCoreV1Api, tmp_path: Path, until_job_event, job_event, task_states) -> None:
     job = spec(chief=1, worker=1)
     first = KubernetesExecutor(image="img", log_dir=tmp_path / "logs", api=api, poll_interval_s=0.02)
     await first.start()
@@ -267,7 +249,8 @@ async def test_a_restarted_executor_readopts_running_pods(api: FakeCoreV1Api, tm
         where = {"chief": ("node-0",), "worker": ("node-0",)}  # the pods' spec.nodeName
         assert await second.recover("mnist", 2) == where
         assert await second.recover("mnist", 2) == where  # already tracked: nothing to do
-        assert states(await second.poll(1)) == {("chief", 0): [TaskState.RUNNING], ("worker", 0): [TaskState.RUNNING]}
+        assert task_states(await second.poll(1)) == {("chief", 0): [TaskState.RUNNING],
+                                                     ("worker", 0): [TaskState.RUNNING]}
         api.set_exited(pod_name("mnist", 2, "chief", 0), 0)
         event = job_event(await until_job_event(second, "mnist"))
         assert (event.outcome, event.attempt) == (JobOutcome.SUCCEEDED, 2)
@@ -294,7 +277,7 @@ async def test_logs_errors_and_settings(executor: KubernetesExecutor, api: FakeC
         KubernetesExecutor(image="i", log_dir="x", poll_interval_s=0)
 
 
-async def test_stop_ends_every_run(api: FakeCoreV1Api, tmp_path: Path) -> None:
+async def test_stop_ends_every_run(api: FakeCoreV1Api, tmp_path: Path, job_event) -> None:
     ex = KubernetesExecutor(image="img", log_dir=tmp_path / "logs", api=api, poll_interval_s=0.02,
                             shutdown_grace_s=3, delete_timeout_s=1)
     await ex.start()
@@ -307,7 +290,7 @@ async def test_stop_ends_every_run(api: FakeCoreV1Api, tmp_path: Path) -> None:
 
 
 async def test_poll_survives_an_api_outage(executor: KubernetesExecutor, api: FakeCoreV1Api,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+                                           monkeypatch: pytest.MonkeyPatch, task_states) -> None:
     job = spec(worker=1)
     await executor.launch(job, PROGRAM, placement(job), attempt=0)
     real_list = api.list_namespaced_pod
@@ -319,7 +302,7 @@ async def test_poll_survives_an_api_outage(executor: KubernetesExecutor, api: Fa
     assert await executor.poll(0.1) == []
     monkeypatch.setattr(api, "list_namespaced_pod", real_list)
     api.set_running(pod_name("mnist", 0, "worker", 0))
-    assert states(await executor.poll(1)) == {("worker", 0): [TaskState.RUNNING]}
+    assert task_states(await executor.poll(1)) == {("worker", 0): [TaskState.RUNNING]}
 
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "deploy" / "k8s" / "examples" / "tf-job.yaml"
@@ -357,7 +340,7 @@ def test_example_manifests_match_the_api_schema(example: Path) -> None:
 
 
 async def test_recover_reports_where_the_pods_run_and_ends_a_run_it_cannot_place(api: FakeCoreV1Api,
-                                                                                 tmp_path: Path) -> None:
+                                                                                 tmp_path: Path, job_event) -> None:
     job = spec(worker=2)
     first = KubernetesExecutor(image="img", log_dir=tmp_path / "logs", api=api, poll_interval_s=0.02)
     await first.start()

@@ -22,7 +22,6 @@ import pytest
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound
 from opml_job_orchestrator.executor import (
     CheckpointEvent,
-    ExecutorEvent,
     JobEvent,
     JobOutcome,
     JobProgram,
@@ -58,31 +57,8 @@ async def executor(tmp_path: Path) -> AsyncIterator[LocalExecutor]:
         yield ex
 
 
-async def until_job_event(ex: LocalExecutor, job_id: str, timeout_s: float = 10.0) -> list[ExecutorEvent]:
-    """Every event up to and including ``job_id``'s JobEvent."""
-    seen: list[ExecutorEvent] = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        seen += await ex.poll(0.1)
-        if any(isinstance(e, JobEvent) and e.job_id == job_id for e in seen):
-            return seen
-    raise AssertionError(f"no JobEvent for {job_id!r} in {timeout_s} s; saw {seen}")
-
-
-def job_event(events: list[ExecutorEvent]) -> JobEvent:
-    (event,) = [e for e in events if isinstance(e, JobEvent)]
-    return event
-
-
-def task_states(events: list[ExecutorEvent]) -> dict[tuple[str, int], list[TaskState]]:
-    states: dict[tuple[str, int], list[TaskState]] = {}
-    for e in events:
-        if isinstance(e, TaskEvent):
-            states.setdefault((e.role, e.index), []).append(e.state)
-    return states
-
-
-async def test_tf_config_and_env_for_chief_workers_ps_evaluator(executor: LocalExecutor, tmp_path: Path) -> None:
+async def test_tf_config_and_env_for_chief_workers_ps_evaluator(
+        executor: LocalExecutor, tmp_path: Path, until_job_event, job_event) -> None:
     out = tmp_path / "out"
     out.mkdir()
     dump = ("import json, os, pathlib; t = json.loads(os.environ['TF_CONFIG'])['task']; "
@@ -115,7 +91,7 @@ async def test_tf_config_and_env_for_chief_workers_ps_evaluator(executor: LocalE
     assert len(set(addresses)) == 4 and all(a.startswith("127.0.0.1:") for a in addresses)
 
 
-async def test_logs_are_captured_per_task(executor: LocalExecutor) -> None:
+async def test_logs_are_captured_per_task(executor: LocalExecutor, until_job_event, job_event) -> None:
     job = spec("logs", worker=2)
     code = ("import os, sys; i = os.environ['OPML_TASK_INDEX']; print('out', i, flush=True); "
             "print('err', i, file=sys.stderr)")
@@ -132,7 +108,8 @@ async def test_logs_are_captured_per_task(executor: LocalExecutor) -> None:
         await executor.logs("nope", "worker", 0)
 
 
-async def test_terminate_sends_sigterm_so_a_task_can_checkpoint(executor: LocalExecutor, tmp_path: Path) -> None:
+async def test_terminate_sends_sigterm_so_a_task_can_checkpoint(
+        executor: LocalExecutor, tmp_path: Path, until_job_event, job_event, task_states) -> None:
     ckpt = tmp_path / "ckpt"
     code = ("import os, pathlib, signal, sys, time\n"
             "def save(*_):\n"
@@ -159,7 +136,7 @@ async def test_terminate_sends_sigterm_so_a_task_can_checkpoint(executor: LocalE
 
 
 async def test_terminate_kills_a_task_that_ignores_sigterm_and_its_children(
-        executor: LocalExecutor, tmp_path: Path) -> None:
+        executor: LocalExecutor, tmp_path: Path, until_job_event, alive) -> None:
     child_pid = tmp_path / "child.pid"
     code = ("import signal, subprocess, sys, time, pathlib\n"
             "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
@@ -179,18 +156,15 @@ async def test_terminate_kills_a_task_that_ignores_sigterm_and_its_children(
     assert stopped.exit_code == -9 and "SIGKILL" in stopped.message
     pid = int(child_pid.read_text())
     for _ in range(50):
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().split(")")[-1].split()[0] == "Z":  # a zombie awaiting its reaper is dead
-                    break
-        except FileNotFoundError:
+        if not alive(pid):
             break
         await asyncio.sleep(0.02)
     else:
         raise AssertionError(f"child {pid} of the killed task still runs")
 
 
-async def test_job_succeeds_when_chief_exits_without_awaiting_ps(executor: LocalExecutor) -> None:
+async def test_job_succeeds_when_chief_exits_without_awaiting_ps(
+        executor: LocalExecutor, until_job_event, job_event, task_states) -> None:
     job = spec("tony", chief=1, worker=1, ps=2)
     program = JobProgram(commands={"chief": py("import time; time.sleep(0.2)"), "worker": py(SLEEP),
                                    "ps": py(SLEEP)})
@@ -206,7 +180,8 @@ async def test_job_succeeds_when_chief_exits_without_awaiting_ps(executor: Local
     assert isinstance(events[-1], JobEvent)  # task events come first
 
 
-async def test_without_chief_job_succeeds_when_every_worker_has(executor: LocalExecutor) -> None:
+async def test_without_chief_job_succeeds_when_every_worker_has(
+        executor: LocalExecutor, until_job_event, job_event, task_states) -> None:
     job = spec("workers", worker=2, ps=1)
     code = "import os, time; time.sleep(0.1 + 0.4 * int(os.environ['OPML_TASK_INDEX']))"
     await executor.launch(job, JobProgram(commands={"worker": py(code), "ps": py(SLEEP)}), placement(job), attempt=0)
@@ -216,7 +191,8 @@ async def test_without_chief_job_succeeds_when_every_worker_has(executor: LocalE
     assert states[("worker", 1)][-1] is TaskState.SUCCEEDED and states[("ps", 0)][-1] is TaskState.STOPPED
 
 
-async def test_a_failing_task_fails_the_run_and_stops_the_others(executor: LocalExecutor) -> None:
+async def test_a_failing_task_fails_the_run_and_stops_the_others(
+        executor: LocalExecutor, until_job_event, job_event, task_states) -> None:
     job = spec("crash", worker=2)
     code = "import os, sys, time; i = int(os.environ['OPML_TASK_INDEX']); time.sleep(30 * (1 - i)); sys.exit(3)"
     await executor.launch(job, JobProgram(commands={"worker": py(code)}), placement(job), attempt=0)
@@ -227,7 +203,8 @@ async def test_a_failing_task_fails_the_run_and_stops_the_others(executor: Local
     assert task_states(events)[("worker", 0)] == [TaskState.RUNNING, TaskState.STOPPED]
 
 
-async def test_nonexistent_command_fails_with_the_os_error(executor: LocalExecutor) -> None:
+async def test_nonexistent_command_fails_with_the_os_error(
+        executor: LocalExecutor, until_job_event, job_event, task_states) -> None:
     job = spec("typo", chief=1, worker=1, ps=1)
     program = JobProgram(commands={"chief": py(SLEEP), "worker": ["nosuchcmd", "--x"], "ps": py(SLEEP)})
     await executor.launch(job, program,
@@ -243,7 +220,8 @@ async def test_nonexistent_command_fails_with_the_os_error(executor: LocalExecut
     assert ("ps", 0) not in states  # never started
 
 
-async def test_stale_heartbeat_makes_the_task_lost(executor: LocalExecutor) -> None:
+async def test_stale_heartbeat_makes_the_task_lost(
+        executor: LocalExecutor, until_job_event, job_event, task_states) -> None:
     job = spec("hb", worker=2)
     beat = ("import os, pathlib, time\n"
             "i = int(os.environ['OPML_TASK_INDEX'])\n"
@@ -261,7 +239,8 @@ async def test_stale_heartbeat_makes_the_task_lost(executor: LocalExecutor) -> N
     assert "worker 1 sent no heartbeat" in event.message
 
 
-async def test_relaunch_after_a_run_ends_with_the_next_attempt(executor: LocalExecutor) -> None:
+async def test_relaunch_after_a_run_ends_with_the_next_attempt(
+        executor: LocalExecutor, until_job_event, job_event) -> None:
     job = spec("again")
     program = JobProgram(commands={"worker": py("import os; print('attempt', os.environ['OPML_JOB_ATTEMPT'])")})
     await executor.launch(job, program, placement(job), attempt=0)
@@ -297,7 +276,7 @@ async def test_launch_and_terminate_errors(executor: LocalExecutor, tmp_path: Pa
         await not_started.launch(job, program, placement(job), attempt=0)
 
 
-async def test_stop_terminates_running_jobs_and_is_idempotent(tmp_path: Path) -> None:
+async def test_stop_terminates_running_jobs_and_is_idempotent(tmp_path: Path, job_event, task_states) -> None:
     ex = LocalExecutor(work_dir=tmp_path / "work", shutdown_grace_s=0.5)
     await ex.start()
     await ex.start()
@@ -347,7 +326,7 @@ def test_retry_policy_checks_its_settings() -> None:
 
 
 async def test_checkpoint_reports_become_events_once_per_step_and_count_as_heartbeats(
-        executor: LocalExecutor) -> None:
+        executor: LocalExecutor, until_job_event, job_event) -> None:
     # both workers report steps 5 and 10 (10 right before exiting), with touches and non-JSON between
     code = ("import json, os, pathlib, time\n"
             "beat = pathlib.Path(os.environ['OPML_HEARTBEAT_FILE'])\n"
@@ -370,7 +349,8 @@ async def test_checkpoint_reports_become_events_once_per_step_and_count_as_heart
     assert events.index(checkpoints[-1]) < events.index(job_event(events))
 
 
-async def test_every_task_gets_a_heartbeat_file_even_without_a_timeout(executor: LocalExecutor) -> None:
+async def test_every_task_gets_a_heartbeat_file_even_without_a_timeout(
+        executor: LocalExecutor, until_job_event) -> None:
     job = spec("plain")
     code = "import json, os; open(os.environ['OPML_HEARTBEAT_FILE'], 'w').write(json.dumps({'checkpoint_step': 1}))"
     await executor.launch(job, JobProgram(commands={"worker": py(code)}), placement(job), attempt=0)
@@ -412,15 +392,8 @@ asyncio.run(main())
 """
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie awaiting its reaper is dead
-    except FileNotFoundError:
-        return False
-
-
-async def test_recover_stops_what_a_crashed_executor_left_running(tmp_path: Path) -> None:
+async def test_recover_stops_what_a_crashed_executor_left_running(
+        tmp_path: Path, until_job_event, job_event, task_states, alive) -> None:
     work, out = tmp_path / "work", tmp_path / "out"
     out.mkdir()
     crashed = await asyncio.create_subprocess_exec(sys.executable, "-c", ORPHANING_LAUNCHER, str(work), str(out))
@@ -452,7 +425,7 @@ async def test_recover_stops_what_a_crashed_executor_left_running(tmp_path: Path
                 os.kill(pid, signal.SIGKILL)
 
 
-async def test_recover_never_signals_a_reused_pid(executor: LocalExecutor, tmp_path: Path) -> None:
+async def test_recover_never_signals_a_reused_pid(executor: LocalExecutor, tmp_path: Path, job_event, alive) -> None:
     stranger = await asyncio.create_subprocess_exec(sys.executable, "-c", SLEEP, start_new_session=True)
     try:
         run_dir = tmp_path / "work" / "reused" / "attempt-2"
@@ -487,7 +460,7 @@ def test_trace_wraps_each_task_in_the_trace_launcher() -> None:
 
 
 async def test_traced_job_fails_without_retry_when_the_launcher_is_missing(
-        executor: LocalExecutor, monkeypatch: pytest.MonkeyPatch) -> None:
+        executor: LocalExecutor, monkeypatch: pytest.MonkeyPatch, until_job_event, job_event, task_states) -> None:
     monkeypatch.setattr(tony, "TRACE_LAUNCHER", "opml_no_such_package.inject.run")
     job = spec("traced", worker=2)
     await executor.launch(job, JobProgram(commands={"worker": py("pass")}, trace=True), placement(job), attempt=0)
@@ -499,7 +472,7 @@ async def test_traced_job_fails_without_retry_when_the_launcher_is_missing(
 
 
 async def test_traced_job_runs_under_the_launcher_unchanged(
-        executor: LocalExecutor, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+        executor: LocalExecutor, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, until_job_event, job_event) -> None:
     """A stand-in launcher module (same command line as the trace-collector's) records how it was
     called and runs the job's argv; the job sees its usual environment."""
     package = tmp_path / "lib" / "fake_tracer"
@@ -521,7 +494,8 @@ async def test_traced_job_runs_under_the_launcher_unchanged(
     assert "launcher ['--job', 'traced', '--worker', 'worker-0']" in log and "job sees worker" in log
 
 
-async def test_tasks_get_the_platform_env_under_their_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_tasks_get_the_platform_env_under_their_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, until_job_event, job_event) -> None:
     monkeypatch.setenv("OPML_TOPIC_PREFIX", "inherited-")
     monkeypatch.setenv("OPML_REDIS_PREFIX", "inherited:")
     code = "import os; print(os.environ['OPML_TOPIC_PREFIX'], os.environ['OPML_REDIS_PREFIX'], os.environ['OPML_X'])"

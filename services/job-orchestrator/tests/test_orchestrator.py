@@ -73,16 +73,6 @@ async def orch(tmp_path: Path, events: list[LifecycleEvent]) -> AsyncIterator[Or
         yield o
 
 
-async def until(orch: Orchestrator, job_id: str, *states: JobState, timeout_s: float = 10.0) -> JobStatus:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        status = orch.get(job_id)
-        if status.state in states:
-            return status
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"job {job_id!r} not {[s.name for s in states]} in {timeout_s} s: {orch.get(job_id)}")
-
-
 async def until_file(path: Path, timeout_s: float = 10.0) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -96,7 +86,8 @@ def kinds(events: list[LifecycleEvent], job_id: str) -> list[EventKind]:
     return [e.kind for e in events if e.job_id == job_id]
 
 
-async def test_job_runs_to_success_with_events_in_order(orch: Orchestrator, events: list[LifecycleEvent]) -> None:
+async def test_job_runs_to_success_with_events_in_order(
+        orch: Orchestrator, events: list[LifecycleEvent], until) -> None:
     assert orch.submit(spec("ok"), program("print('hello')")) == "ok"
     status = await until(orch, "ok", JobState.SUCCEEDED)
     assert kinds(events, "ok") == [EventKind.SUBMITTED, EventKind.SCHEDULED, EventKind.STARTED, EventKind.SUCCEEDED]
@@ -106,7 +97,7 @@ async def test_job_runs_to_success_with_events_in_order(orch: Orchestrator, even
 
 
 async def test_crash_is_retried_with_the_attempt_visible_then_fails(orch: Orchestrator, events: list[LifecycleEvent],
-                                                                   tmp_path: Path) -> None:
+                                                                   tmp_path: Path, until) -> None:
     seen = tmp_path / "attempts"
     orch.submit(spec("crash"), program(
         f"import os, sys; open({str(seen)!r}, 'a').write(os.environ['OPML_JOB_ATTEMPT'] + '\\n'); sys.exit(3)"))
@@ -119,7 +110,7 @@ async def test_crash_is_retried_with_the_attempt_visible_then_fails(orch: Orches
     assert [e.attempt for e in events if e.kind is EventKind.STARTED] == [0, 1, 2]
 
 
-async def test_missing_command_fails_without_retries(orch: Orchestrator, events: list[LifecycleEvent]) -> None:
+async def test_missing_command_fails_without_retries(orch: Orchestrator, events: list[LifecycleEvent], until) -> None:
     orch.submit(spec("missing"), JobProgram(commands={"worker": ["opml-no-such-command"]}))
     status = await until(orch, "missing", JobState.FAILED)
     assert "No such file or directory" in status.cause
@@ -146,7 +137,7 @@ open(os.path.join(os.environ["OPML_CHECKPOINT_DIR"], "result"), "w").write(
 
 
 async def test_be_job_is_preempted_for_a_te_job_and_resumes_from_its_checkpoint(
-        orch: Orchestrator, events: list[LifecycleEvent], tmp_path: Path) -> None:
+        orch: Orchestrator, events: list[LifecycleEvent], tmp_path: Path, until) -> None:
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     orch.submit(spec("be"), program(BE_TRAINER, checkpoint_dir=str(ckpt)))
@@ -168,7 +159,8 @@ async def test_be_job_is_preempted_for_a_te_job_and_resumes_from_its_checkpoint(
     assert "preempted for job 'te'" in next(e.message for e in events if e.kind is EventKind.PREEMPTED)
 
 
-async def test_admin_preempt_requeues_the_job_to_resume(orch: Orchestrator, events: list[LifecycleEvent]) -> None:
+async def test_admin_preempt_requeues_the_job_to_resume(
+        orch: Orchestrator, events: list[LifecycleEvent], until) -> None:
     orch.submit(spec("long"), program("import os, time; os.environ['OPML_JOB_ATTEMPT'] == '0' and time.sleep(30)"))
     await until(orch, "long", JobState.RUNNING)
     assert (await orch.preempt("long")).state is JobState.PREEMPTED
@@ -180,7 +172,8 @@ async def test_admin_preempt_requeues_the_job_to_resume(orch: Orchestrator, even
         await orch.preempt("long")
 
 
-async def test_cancel_stops_a_running_job(orch: Orchestrator, events: list[LifecycleEvent], tmp_path: Path) -> None:
+async def test_cancel_stops_a_running_job(
+        orch: Orchestrator, events: list[LifecycleEvent], tmp_path: Path, until) -> None:
     pid_file = tmp_path / "pid"
     orch.submit(spec("sleepy"), program(f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
                                         "time.sleep(30)"))
@@ -197,7 +190,7 @@ async def test_cancel_stops_a_running_job(orch: Orchestrator, events: list[Lifec
         await orch.cancel("sleepy")
 
 
-async def test_cancel_a_waiting_job(orch: Orchestrator, events: list[LifecycleEvent]) -> None:
+async def test_cancel_a_waiting_job(orch: Orchestrator, events: list[LifecycleEvent], until) -> None:
     orch.submit(spec("first"), program("import time; time.sleep(30)"))
     orch.submit(spec("second"), program("pass"))
     await until(orch, "first", JobState.RUNNING)
@@ -236,7 +229,7 @@ async def test_checkpoint_reports_reach_the_status(tmp_path: Path, events: list[
         assert scheduler.job("ckpt").last_checkpoint_at is not None  # the preemption policy sees it
 
 
-async def test_a_jobs_own_retry_budget(orch: Orchestrator) -> None:
+async def test_a_jobs_own_retry_budget(orch: Orchestrator, until) -> None:
     orch.submit(spec("once"), program("import sys; sys.exit(1)"), max_retries=0)
     assert (await until(orch, "once", JobState.FAILED)).retries == 0
     orch.submit(spec("thrice"), program("import sys; sys.exit(1)"), max_retries=3)
@@ -248,7 +241,7 @@ async def test_a_jobs_own_retry_budget(orch: Orchestrator) -> None:
 RETRIES = RetryPolicy(max_retries=2, base_delay_s=0.05, max_delay_s=0.1)
 
 
-async def test_restore_after_a_crash(tmp_path: Path, events: list[LifecycleEvent]) -> None:
+async def test_restore_after_a_crash(tmp_path: Path, events: list[LifecycleEvent], until) -> None:
     """A first orchestrator 'dies' (is dropped, its run left going); a second one restores its jobs."""
     pid_file = tmp_path / "pid"
     code = (f"import os, time; os.environ['OPML_JOB_ATTEMPT'] == '0' and (open({str(pid_file)!r}, 'w')"
@@ -286,7 +279,8 @@ async def test_restore_after_a_crash(tmp_path: Path, events: list[LifecycleEvent
         await first.stop()
 
 
-async def test_restore_readopts_kubernetes_pods_where_they_run(tmp_path: Path, events: list[LifecycleEvent]) -> None:
+async def test_restore_readopts_kubernetes_pods_where_they_run(
+        tmp_path: Path, events: list[LifecycleEvent], until) -> None:
     """Pods outlive the orchestrator: the restored job stays RUNNING, counted on the node its pod is on."""
     api = FakeCoreV1Api(node="node-1")  # its kubelet binds pods to node-1
     first = KubernetesExecutor(image="img", log_dir=tmp_path / "logs", api=api, poll_interval_s=0.02)
@@ -322,7 +316,7 @@ async def test_restore_readopts_kubernetes_pods_where_they_run(tmp_path: Path, e
 
 
 async def test_a_readopted_run_on_a_node_no_longer_configured_is_stopped_and_queued(
-        tmp_path: Path, events: list[LifecycleEvent]) -> None:
+        tmp_path: Path, events: list[LifecycleEvent], until) -> None:
     api = FakeCoreV1Api(node="node-9")
     first = KubernetesExecutor(image="img", log_dir=tmp_path / "logs", api=api, poll_interval_s=0.02)
     await first.start()
@@ -344,7 +338,7 @@ async def test_a_readopted_run_on_a_node_no_longer_configured_is_stopped_and_que
 
 
 async def test_a_run_launched_after_the_last_record_is_stopped_and_its_number_not_reused(
-        tmp_path: Path, events: list[LifecycleEvent]) -> None:
+        tmp_path: Path, events: list[LifecycleEvent], until) -> None:
     """The store says PENDING, but the dead orchestrator had launched attempt 0: that run is stopped
     on restore, and the job's next run is attempt 1 (pods are named by attempt: no clash)."""
     api = FakeCoreV1Api(node="node-0")

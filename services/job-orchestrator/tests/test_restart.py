@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+import pytest
 from opml.jobs.v1 import jobs_pb2 as pb
 
 from opml_job_orchestrator.client import JobClient
@@ -29,19 +29,16 @@ time.sleep(60 if attempt == "0" else 0.5)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().split()[2] != "Z"
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    """The checkpoint directory where SURVIVOR's runs record themselves."""
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    return path
 
 
 def test_killed_orchestrator_recovers_without_duplicates(service_process, tokens, job_spec, wait_for, file_written,
-                                                         tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
+                                                         alive, ckpt: Path) -> None:
     first = service_process().start()
     with JobClient(first.target, token=tokens["writer"]) as client:
         client.submit(job_spec("done-before", "print('finished early')", job_class="TE"))
@@ -51,12 +48,12 @@ def test_killed_orchestrator_recovers_without_duplicates(service_process, tokens
         client.submit(job_spec("waiting", "pass", roles={"worker": {"resources": {"cpu": 4}}}))  # needs the node
         assert client.get("waiting").status.state == pb.JOB_STATE_PENDING
     first.kill()  # SIGKILL: no chance to stop its jobs or write anything more
-    assert _alive(pid), "the run outlives the orchestrator (its own session)"
+    assert alive(pid), "the run outlives the orchestrator (its own session)"
 
     second = service_process().start()
     with JobClient(second.target, token=tokens["writer"]) as client:
         job = wait_for(client, "survivor", pb.JOB_STATE_SUCCEEDED)
-        assert not _alive(pid)
+        assert not alive(pid)
         assert json.loads((ckpt / "alive-1").read_text()) == []  # attempt 1 never ran beside attempt 0
         assert (job.status.attempt, job.status.retries) == (1, 1)
         assert wait_for(client, "waiting", pb.JOB_STATE_SUCCEEDED).status.attempt == 0  # its turn, once
@@ -64,16 +61,14 @@ def test_killed_orchestrator_recovers_without_duplicates(service_process, tokens
         assert b"".join(c.data for c in client.logs("done-before")) == b"finished early\n"
 
 
-def test_graceful_restart_preempts_and_resumes(service_process, tokens, job_spec, wait_for, file_written,
-                                               tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
+def test_graceful_restart_preempts_and_resumes(service_process, tokens, job_spec, wait_for, file_written, alive,
+                                               ckpt: Path) -> None:
     first = service_process().start()
     with JobClient(first.target, token=tokens["writer"]) as client:
         client.submit(job_spec("resumable", SURVIVOR, checkpoint={"dir": str(ckpt)}))
         pid = int(file_written(ckpt / "pid-0"))
     first.stop()  # SIGTERM: runs are stopped and queued to resume
-    assert not _alive(pid)
+    assert not alive(pid)
     second = service_process().start()
     with JobClient(second.target, token=tokens["writer"]) as client:
         job = wait_for(client, "resumable", pb.JOB_STATE_SUCCEEDED)

@@ -49,6 +49,15 @@ def scheduler(policy: SchedulingPolicy, nodes: int = 1) -> Scheduler:
     return Scheduler(Cluster([NodeSpec(f"n{i}", NODE) for i in range(nodes)]), policy)
 
 
+def a_running_b_pending() -> Scheduler:
+    """One node, FIFO: job "a" takes all of it at time 0, "b" waits behind it."""
+    s = scheduler(fifo_policy())
+    s.submit(job("a", 8), now=0)
+    s.submit(job("b", 8), now=0)
+    s.schedule(now=0)
+    return s
+
+
 def started(decisions: Sequence) -> list[str]:
     return [d.job_id for d in decisions if isinstance(d, StartJob)]
 
@@ -256,10 +265,7 @@ def test_preempt_counts_toward_the_max_preemptions_cap() -> None:
 
 
 def test_preempt_of_an_unknown_or_waiting_job_fails_clearly() -> None:
-    s = scheduler(fifo_policy())
-    s.submit(job("a", 8), now=0)
-    s.submit(job("b", 8), now=0)
-    s.schedule(now=0)
+    s = a_running_b_pending()
     with pytest.raises(NotFound, match="'nope'"):
         s.preempt("nope", now=1)
     with pytest.raises(FailedPrecondition, match="'b'.*pending"):
@@ -360,10 +366,7 @@ def test_waiting_behind_jobs_of_the_same_class_does_not_age_a_job() -> None:
 
 
 def test_reports_about_unknown_or_pending_jobs_fail_clearly() -> None:
-    s = scheduler(fifo_policy())
-    s.submit(job("a", 8), now=0)
-    s.submit(job("b", 8), now=0)
-    s.schedule(now=0)
+    s = a_running_b_pending()
     with pytest.raises(NotFound, match="'nope'"):
         s.finish("nope", now=1)
     with pytest.raises(FailedPrecondition, match="pending"):

@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
+from opml_common.devinfra import free_port
 from opml_job_orchestrator.executor import (
     CheckpointEvent,
     Executor,
@@ -31,7 +31,7 @@ from opml_job_orchestrator.executor import (
     TaskEvent,
     TaskState,
 )
-from opml_job_orchestrator.orchestrator import EventKind, JobState, JobStatus, LifecycleEvent, Orchestrator
+from opml_job_orchestrator.orchestrator import EventKind, JobState, LifecycleEvent, Orchestrator
 from opml_job_orchestrator.scheduler import (
     Cluster,
     JobClass,
@@ -115,25 +115,6 @@ async def orch(executor: Recording, lifecycle: list[LifecycleEvent]) -> AsyncIte
         yield o
 
 
-async def until(orch: Orchestrator, job_id: str, *states: JobState, timeout_s: float = 60.0) -> JobStatus:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        status = orch.get(job_id)
-        if status.state in states:
-            return status
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"job {job_id!r} not {[s.name for s in states]} in {timeout_s} s: {orch.get(job_id)}")
-
-
-async def until_job_event(executor: Recording, job_id: str, timeout_s: float = 60.0) -> JobEvent:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for event in await executor.poll(0.5):
-            if isinstance(event, JobEvent) and event.job_id == job_id:
-                return event
-    raise AssertionError(f"no JobEvent for {job_id!r} in {timeout_s} s: {await executor.logs(job_id, 'worker', 0)}")
-
-
 def milestones(lifecycle: list[LifecycleEvent], job_id: str) -> list[EventKind]:
     """The job's runs starting and ending (other lifecycle events left out)."""
     kept = {EventKind.STARTED, EventKind.PREEMPTED, EventKind.RESUMED, EventKind.RETRYING, EventKind.SUCCEEDED,
@@ -150,11 +131,11 @@ def mean_loss(rows: list[dict]) -> float:
     return sum(r["loss"] for r in rows) / len(rows)
 
 
-async def test_two_worker_multi_worker_mirrored_strategy_job(executor: Recording) -> None:
+async def test_two_worker_multi_worker_mirrored_strategy_job(executor: Recording, until_job_event, job_event) -> None:
     spec = job("mwms", workers=2)
     async with executor:
         await executor.launch(spec, program("multi_worker_train.py"), {"worker": ("n0", "n0")}, attempt=0)
-        event = await until_job_event(executor, "mwms")
+        event = job_event(await until_job_event(executor, "mwms", timeout_s=60))
         logs = [await executor.logs("mwms", "worker", i) for i in (0, 1)]
     assert event.outcome is JobOutcome.SUCCEEDED, (event, logs)
     finished = [e for e in executor.events if isinstance(e, TaskEvent) and e.state is TaskState.SUCCEEDED]
@@ -172,7 +153,7 @@ async def test_two_worker_multi_worker_mirrored_strategy_job(executor: Recording
 
 
 async def test_be_job_preempted_for_a_te_job_resumes_from_its_tensorflow_checkpoint(
-        orch: Orchestrator, executor: Recording, lifecycle: list[LifecycleEvent], tmp_path: Path) -> None:
+        orch: Orchestrator, executor: Recording, lifecycle: list[LifecycleEvent], tmp_path: Path, until) -> None:
     be_dir, te_dir = tmp_path / "be", tmp_path / "te"
     be_dir.mkdir()
     te_dir.mkdir()
@@ -185,8 +166,8 @@ async def test_be_job_preempted_for_a_te_job_resumes_from_its_tensorflow_checkpo
         await asyncio.sleep(0.1)
     orch.submit(job("te", JobClass.TE), program("resumable_train.py", "--steps", "5", checkpoint_dir=te_dir))
 
-    te = await until(orch, "te", JobState.SUCCEEDED)
-    be = await until(orch, "be", JobState.SUCCEEDED, JobState.FAILED)
+    te = await until(orch, "te", JobState.SUCCEEDED, timeout_s=60)
+    be = await until(orch, "be", JobState.SUCCEEDED, JobState.FAILED, timeout_s=60)
     first_log = await executor.logs("be", "worker", 0, attempt=0)
     resumed_log = await executor.logs("be", "worker", 0, attempt=1)
     assert be.state is JobState.SUCCEEDED, resumed_log
@@ -212,11 +193,11 @@ async def test_be_job_preempted_for_a_te_job_resumes_from_its_tensorflow_checkpo
 
 
 async def test_crashed_job_is_retried_and_resumes_from_its_checkpoint(
-        orch: Orchestrator, executor: Recording, lifecycle: list[LifecycleEvent], tmp_path: Path) -> None:
+        orch: Orchestrator, executor: Recording, lifecycle: list[LifecycleEvent], tmp_path: Path, until) -> None:
     total = 40
     orch.submit(job("crashy"), program("resumable_train.py", "--steps", str(total), "--crash-at-step", "20",
                                        "--step-seconds", "0.05", checkpoint_dir=tmp_path))
-    status = await until(orch, "crashy", JobState.SUCCEEDED, JobState.FAILED)
+    status = await until(orch, "crashy", JobState.SUCCEEDED, JobState.FAILED, timeout_s=60)
     retry_log = await executor.logs("crashy", "worker", 0, attempt=1)
     assert status.state is JobState.SUCCEEDED, retry_log
     assert (status.attempt, status.retries, status.preemptions) == (1, 1, 0)
@@ -235,10 +216,9 @@ async def test_crashed_job_is_retried_and_resumes_from_its_checkpoint(
 
 @pytest.mark.skipif(importlib.util.find_spec("opml_trace_collector") is None,
                     reason="needs the trace collector installed beside the orchestrator")
-async def test_a_traced_job_runs_unchanged_under_the_trace_collector(executor: Recording, tmp_path: Path) -> None:
-    with socket.socket() as sock:  # a broker address where none listens: the tracer spools its events
-        sock.bind(("127.0.0.1", 0))
-        nowhere = f"127.0.0.1:{sock.getsockname()[1]}"
+async def test_a_traced_job_runs_unchanged_under_the_trace_collector(
+        executor: Recording, tmp_path: Path, until_job_event, job_event) -> None:
+    nowhere = f"127.0.0.1:{free_port()}"  # a broker address where none listens: the tracer spools its events
     sessions = tmp_path / "sessions"
     env = {**TF_ENV, "OPML_KAFKA_BOOTSTRAP": nowhere, "OPML_TRACE_SPOOL_DIR": str(tmp_path / "spool"),
            "OPML_TRACE_SESSION_DIR": str(sessions), "OPML_TRACE_EXIT_TIMEOUT_S": "1"}
@@ -246,7 +226,7 @@ async def test_a_traced_job_runs_unchanged_under_the_trace_collector(executor: R
                         env=env, checkpoint_dir=str(tmp_path), trace=True)
     async with executor:
         await executor.launch(job("traced"), traced, {"worker": ("n0",)}, attempt=0)
-        event = await until_job_event(executor, "traced")
+        event = job_event(await until_job_event(executor, "traced", timeout_s=60))
         log = await executor.logs("traced", "worker", 0)
     assert event.outcome is JobOutcome.SUCCEEDED, log
     assert "finished at step 5" in log

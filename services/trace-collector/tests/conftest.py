@@ -10,7 +10,6 @@ import json
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 import redis
@@ -20,14 +19,13 @@ from opml.traces.v1 import events_pb2
 
 from opml_common.bus import CloudEvent, EventPublisher
 from opml_common.config import PlatformSettings
-from opml_common.devinfra import free_port
 from opml_common.process import ServiceProcess
 from opml_common.storage import s3_client
 from opml_common.testing.bus import fresh_metrics
+from opml_common.testing.services import TOKENS, ServiceStarter
 from opml_common.topics import TRACES
 from opml_trace_collector.client import TraceCollectorClient
 
-TOKENS = {"admin": "admin-token", "writer": "writer-token", "reader": "reader-token"}
 CAPTURE_TIMEOUT_S = 4.0
 T0_US = 1_700_000_000_000_000  # start time of the synthetic steps
 
@@ -38,30 +36,19 @@ def bucket(unique_prefix: str) -> str:
 
 
 @pytest.fixture
-def collector_env(settings_env: dict[str, str], bucket: str) -> dict[str, str]:
-    return {
-        **settings_env,
-        "OPML_TRACE_COLLECTOR_GRPC_PORT": str(free_port()),
-        "OPML_TRACE_COLLECTOR_METRICS_PORT": str(free_port()),
+def collector_env(start_service: ServiceStarter, bucket: str) -> dict[str, str]:
+    """The environment of a trace-collector process for this test (free ports, auth on)."""
+    return start_service.env("trace-collector", extra_env={
         "OPML_TRACE_COLLECTOR_BUCKET": bucket,
         "OPML_TRACE_COLLECTOR_CAPTURE_TIMEOUT_S": str(CAPTURE_TIMEOUT_S),
         "OPML_TRACE_COLLECTOR_STATE_CHECK_INTERVAL_S": "0.5",
-        "OPML_AUTH_TOKENS": ",".join(f"{token}={role}" for role, token in TOKENS.items()),
-    }
+    })
 
 
 @pytest.fixture
-def collector(collector_env: dict[str, str], tmp_path: Path) -> Iterator[ServiceProcess]:
-    """A running trace-collector with auth on (tokens in TOKENS), stopped after the test."""
-    process = ServiceProcess("opml_trace_collector", int(collector_env["OPML_TRACE_COLLECTOR_GRPC_PORT"]),
-                             collector_env, tmp_path / "trace-collector.log")
-    with process:
-        yield process
-
-
-@pytest.fixture
-def tokens() -> dict[str, str]:
-    return dict(TOKENS)
+def collector(start_service: ServiceStarter, collector_env: dict[str, str]) -> ServiceProcess:
+    """A running trace-collector with auth on (the plugin's ``tokens``), stopped after the test."""
+    return start_service("trace-collector", env=collector_env)
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ One broker, S3 server and Redis per test session: Docker images through testcont
 Docker engine answers, else the embedded binaries of :mod:`opml_common.devinfra` on free ports.
 Every session gets a unique topic, bucket and Redis-key prefix, so runs never see each other's
 data (the machine's Redis is shared, and ``make up`` may be running beside the tests).
+``start_service`` runs platform services as real processes on top (see :mod:`.services`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 from opml_common.config import PlatformSettings
 from opml_common.devinfra import DevInfra, Endpoints
 from opml_common.testing.containers import docker_available, start_containers
+from opml_common.testing.services import TOKENS, ServiceStarter
 
 
 @pytest.fixture(scope="session")
@@ -61,3 +63,18 @@ def platform_settings(settings_env: dict[str, str], monkeypatch: pytest.MonkeyPa
     for key, value in settings_env.items():
         monkeypatch.setenv(key, value)
     return PlatformSettings()
+
+
+@pytest.fixture
+def tokens() -> dict[str, str]:
+    """Bearer token of each role (admin, writer, reader) the ``start_service`` processes accept."""
+    return dict(TOKENS)
+
+
+@pytest.fixture
+def start_service(settings_env: dict[str, str], tmp_path: Path) -> Iterator[ServiceStarter]:
+    """``start_service("bundle-store", extra_env={...})``: a service running as a real process on free
+    ports with auth on, its home and log under ``tmp_path``; every process made is stopped after the test."""
+    starter = ServiceStarter(settings_env, tmp_path)
+    yield starter
+    starter.stop_all()

@@ -30,6 +30,8 @@ from typing import Any
 from opml_common.errors import InvalidArgument
 
 from opml_job_orchestrator.scheduler.model import ROLE_NAMES, JobSpec
+# The executors check a placement as the scheduler does when it adopts a run.
+from opml_job_orchestrator.scheduler.scheduler import check_placement as check_placement
 
 
 class TaskState(enum.Enum):
@@ -159,19 +161,6 @@ class JobProgram:
             if role not in self.commands:
                 raise InvalidArgument(f"commands.{role}", f"job {spec.job_id!r} has role {role!r} but `commands` "
                                                           f"has no entry for it; it has {sorted(self.commands)}.")
-
-
-def check_placement(spec: JobSpec, placement: Mapping[str, Sequence[str]]) -> None:
-    """Raise InvalidArgument unless ``placement`` names a node for every replica of every role of ``spec``."""
-    if not isinstance(placement, Mapping) or set(placement) != set(spec.roles):
-        got = sorted(placement) if isinstance(placement, Mapping) else placement
-        raise InvalidArgument("placement", f"`placement` must have exactly the roles of job {spec.job_id!r}, "
-                                           f"{list(spec.roles)}, but got {got!r}.")
-    for role, role_spec in spec.roles.items():
-        nodes = placement[role]
-        if isinstance(nodes, str) or not isinstance(nodes, Sequence) or len(nodes) != role_spec.replicas:
-            raise InvalidArgument(f"placement.{role}", f"`placement.{role}` must list one node per replica "
-                                                       f"({role_spec.replicas}), but got {nodes!r}.")
 
 
 class Executor(abc.ABC):

@@ -123,6 +123,22 @@ class JobRecord:
         return f"JobRecord({self.job_id!r}, {self.spec.job_class.name}, {self.state.name})"
 
 
+def check_placement(spec: JobSpec, placement: Mapping[str, Sequence[str]]) -> None:
+    """Raise InvalidArgument unless ``placement`` names a node for every replica of every role of ``spec``.
+
+    Shared by :meth:`Scheduler.adopt` and every executor's ``launch``, so both reject a placement alike.
+    """
+    if not isinstance(placement, Mapping) or set(placement) != set(spec.roles):
+        got = sorted(placement) if isinstance(placement, Mapping) else placement
+        raise InvalidArgument("placement", f"`placement` must have exactly the roles of job {spec.job_id!r}, "
+                                           f"{list(spec.roles)}, but got {got!r}.")
+    for role, role_spec in spec.roles.items():
+        nodes = placement[role]
+        if isinstance(nodes, str) or not isinstance(nodes, Sequence) or len(nodes) != role_spec.replicas:
+            raise InvalidArgument(f"placement.{role}", f"`placement.{role}` must list one node per replica "
+                                                       f"({role_spec.replicas}), but got {nodes!r}.")
+
+
 class Scheduler:
     """Decides which jobs start where and which are preempted, under a pluggable policy."""
 
@@ -202,13 +218,7 @@ class Scheduler:
                 earlier than a time already reported.
             AlreadyExists: a job with this id is pending or running.
         """
-        if not isinstance(spec, JobSpec):
-            raise InvalidArgument("spec", f"`spec` must be a JobSpec, but got {spec!r}.")
-        self._advance(now)
-        if spec.job_id in self._jobs:
-            raise AlreadyExists(f"job {spec.job_id!r} is already {self._jobs[spec.job_id].state.value}; "
-                                "pick another job_id.")
-        self._cluster.check_admissible(spec)
+        self._check_new(spec, now, fix="pick another job_id.")
         if self._policy.placement.place(spec.replicas, self._cluster.capacity) is None:
             raise InvalidArgument("roles", f"the replicas ({len(spec.replicas)}, {spec.total.describe()} in total) "
                                            "cannot be packed onto the nodes even when the cluster is empty; use "
@@ -299,23 +309,10 @@ class Scheduler:
             AlreadyExists: a job with this id is pending or running.
             FailedPrecondition: the nodes do not have that much room free (the message says which).
         """
-        if not isinstance(spec, JobSpec):
-            raise InvalidArgument("spec", f"`spec` must be a JobSpec, but got {spec!r}.")
-        self._advance(now)
-        if spec.job_id in self._jobs:
-            raise AlreadyExists(f"job {spec.job_id!r} is already {self._jobs[spec.job_id].state.value}; "
-                                "it cannot be adopted.")
-        self._cluster.check_admissible(spec)
-        if not isinstance(placement, Mapping) or set(placement) != set(spec.roles):
-            got = sorted(placement) if isinstance(placement, Mapping) else placement
-            raise InvalidArgument("placement", f"`placement` must have exactly the roles of job {spec.job_id!r}, "
-                                               f"{list(spec.roles)}, but got {got!r}.")
-        for role, role_spec in spec.roles.items():
-            nodes = placement[role]
-            if isinstance(nodes, str) or not isinstance(nodes, Sequence) or len(nodes) != role_spec.replicas:
-                raise InvalidArgument(f"placement.{role}", f"`placement.{role}` must list one node per replica "
-                                                           f"({role_spec.replicas}), but got {nodes!r}.")
-            unknown = [node for node in nodes if node not in self._cluster.capacity]
+        self._check_new(spec, now, fix="it cannot be adopted.")
+        check_placement(spec, placement)
+        for role in spec.roles:
+            unknown = [node for node in placement[role] if node not in self._cluster.capacity]
             if unknown:
                 raise InvalidArgument(f"placement.{role}", f"`placement.{role}` names nodes the cluster does not "
                                                            f"have: {unknown}; it has {list(self._cluster.capacity)}.")
@@ -554,6 +551,16 @@ class Scheduler:
         if record.state is not JobState.RUNNING:
             raise FailedPrecondition(f"cannot {action} job {job_id!r}: it is {record.state.value}, not running.")
         return record
+
+    def _check_new(self, spec: JobSpec, now: float, *, fix: str) -> None:
+        """The checks a job passes before the scheduler takes it (submitted or adopted); ``fix`` ends the
+        AlreadyExists message."""
+        if not isinstance(spec, JobSpec):
+            raise InvalidArgument("spec", f"`spec` must be a JobSpec, but got {spec!r}.")
+        self._advance(now)
+        if spec.job_id in self._jobs:
+            raise AlreadyExists(f"job {spec.job_id!r} is already {self._jobs[spec.job_id].state.value}; {fix}")
+        self._cluster.check_admissible(spec)
 
     def _advance(self, now: float) -> None:
         if not isinstance(now, int | float) or isinstance(now, bool) or now != now:

@@ -1,0 +1,90 @@
+"""Platform services as real processes in tests (the ``start_service`` fixture of the opml_infra plugin).
+
+Each process gets the test's infrastructure and prefixes (``settings_env``), free gRPC and metrics
+ports, its own home directory and log under the test's ``tmp_path``, and auth on with the tokens in
+:data:`TOKENS`; every process made is stopped when the test ends, failed or not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from importlib.metadata import entry_points
+from pathlib import Path
+
+from opml_common.devinfra import free_port
+from opml_common.process import ServiceProcess, ServiceSpec
+
+TOKENS = {"admin": "admin-token", "writer": "writer-token", "reader": "reader-token"}
+"""Bearer token of each role the started services accept (``OPML_AUTH_TOKENS``)."""
+
+
+def service_spec(service: str | ServiceSpec) -> ServiceSpec:
+    """The spec of an installed service, by its ``opml.services`` entry-point name (``"bundle-store"``)."""
+    if isinstance(service, ServiceSpec):
+        return service
+    found = entry_points(group="opml.services", name=service)
+    if not found:
+        names = sorted(entry.name for entry in entry_points(group="opml.services"))
+        raise ValueError(f"`service` must be an installed service, one of {names}, but got {service!r}")
+    return next(iter(found)).load().SPEC
+
+
+def env_prefix(spec: ServiceSpec) -> str:
+    """The service's settings prefix, e.g. ``OPML_BUNDLE_STORE_``."""
+    return spec.settings.model_config["env_prefix"]
+
+
+class ServiceStarter:
+    """Makes service processes for one test and stops them all at its end (:meth:`stop_all`).
+
+    Call it to start one: ``start_service("bundle-store", extra_env={...})``. Use :meth:`env` first
+    where a test needs the environment before (or without) a process, e.g. to run a second process
+    of the service on the same ports and home after a restart.
+    """
+
+    def __init__(self, settings_env: Mapping[str, str], tmp_path: Path) -> None:
+        self._settings_env = dict(settings_env)
+        self._tmp_path = tmp_path
+        self._made: list[ServiceProcess] = []
+        self._names: dict[str, int] = {}
+
+    def env(self, service: str | ServiceSpec, *, tokens: Mapping[str, str] | None = TOKENS,
+            extra_env: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The environment of one process of ``service``: the test's ``settings_env``, fresh free ports,
+        a home directory of its own (for services that have one), ``tokens`` (None: auth off), then
+        ``extra_env``, which overrides all of these."""
+        spec = service_spec(service)
+        prefix = env_prefix(spec)
+        env = {**self._settings_env, f"{prefix}GRPC_PORT": str(free_port()), f"{prefix}METRICS_PORT": str(free_port())}
+        if "home" in spec.settings.model_fields:
+            env[f"{prefix}HOME"] = str(self._tmp_path / self._unique(f"{spec.name}-home"))
+        if tokens is not None:
+            env["OPML_AUTH_TOKENS"] = ",".join(f"{token}={role}" for role, token in tokens.items())
+        return {**env, **(extra_env or {})}
+
+    def __call__(self, service: str | ServiceSpec, *, env: Mapping[str, str] | None = None,
+                 tokens: Mapping[str, str] | None = TOKENS, extra_env: Mapping[str, str] | None = None,
+                 start: bool = True) -> ServiceProcess:
+        """A process of ``service`` (started unless ``start`` is False), stopped at the end of the test.
+
+        ``env`` is a whole environment as :meth:`env` makes it (its ports included: a restart reuses
+        one), else a fresh one is made with ``tokens``; ``extra_env`` overrides either. Output goes to
+        ``<tmp_path>/<name>.log``.
+        """
+        spec = service_spec(service)
+        env = self.env(spec, tokens=tokens) if env is None else env
+        env = {**env, **(extra_env or {})}
+        process = ServiceProcess(spec.module, int(env[f"{env_prefix(spec)}GRPC_PORT"]), env,
+                                 self._tmp_path / f"{self._unique(spec.name)}.log")
+        self._made.append(process)
+        return process.start() if start else process
+
+    def stop_all(self) -> None:
+        """Stop every process made, the last made first (a client service before what it calls)."""
+        for process in reversed(self._made):
+            process.stop()
+
+    def _unique(self, name: str) -> str:
+        """``name`` the first time, then ``name-2``, ``name-3``…: two processes never share a file."""
+        self._names[name] = self._names.get(name, 0) + 1
+        return name if self._names[name] == 1 else f"{name}-{self._names[name]}"
