@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from opml_common.devinfra import free_port
 from opml_common.process import ServiceProcess
 from opml_common.stack import installed_services
 from opml_inference_router.worker.process import WorkerProcess
@@ -449,7 +448,8 @@ def _scrape(port: int) -> dict[str, set[str]]:
 
 
 @pytest.mark.slow
-def test_dashboards_show_exactly_the_metrics_services_export(settings_env: dict[str, str], tmp_path: Path) -> None:
+def test_dashboards_show_exactly_the_metrics_services_export(settings_env: dict[str, str], start_service,
+                                                            tmp_path: Path) -> None:
     """Each installed service (and an inference-router worker, which has its own /metrics) starts as
     `make up` starts it; the names on its /metrics right after start-up are what dashboards may ask
     for, and each of them is on some dashboard."""
@@ -458,16 +458,13 @@ def test_dashboards_show_exactly_the_metrics_services_export(settings_env: dict[
         "pool_kinds": [{"name": "cpu", "precisions": ["fp32"], "memory_mib": 1024, "slots": 1,
                         "cost_per_hour": 0.1, "execution_provider": "CPUExecutionProvider"}],
         "pools": [{"name": "cpu", "kind": "cpu", "workers": 1}]}))
-    env = {**settings_env, "OPML_INFERENCE_ROUTER_FLEET": str(fleet)}
+    fleet_env = {"OPML_INFERENCE_ROUTER_FLEET": str(fleet)}
     processes: dict[str, tuple[ServiceProcess | WorkerProcess, int | None]] = {}
     for spec in installed_services():
-        prefix = spec.settings.model_config["env_prefix"]
-        port, metrics_port = free_port(), free_port()
-        service_env = {**env, f"{prefix}GRPC_PORT": str(port), f"{prefix}METRICS_PORT": str(metrics_port),
-                       f"{prefix}HOME": str(tmp_path / spec.name)}
-        processes[spec.name] = (ServiceProcess(spec.module, port, service_env, tmp_path / f"{spec.name}.log"),
-                                metrics_port)
-    processes["inference-router-worker"] = (WorkerProcess("cpu", fleet, tmp_path / "worker.log", env=env), None)
+        process = start_service(spec, tokens=None, extra_env=fleet_env, start=False)
+        processes[spec.name] = (process, int(process.env[f"{spec.settings.model_config['env_prefix']}METRICS_PORT"]))
+    worker = WorkerProcess("cpu", fleet, tmp_path / "worker.log", env={**settings_env, **fleet_env})
+    processes["inference-router-worker"] = (worker, None)
     try:
         with ThreadPoolExecutor(len(processes)) as pool:
             for started in [pool.submit(process.start) for process, _ in processes.values()]:
@@ -475,8 +472,7 @@ def test_dashboards_show_exactly_the_metrics_services_export(settings_env: dict[
         exported = {name: _scrape(port if port is not None else process.metrics_port)
                     for name, (process, port) in processes.items()}
     finally:
-        for process, _ in processes.values():
-            process.stop()
+        worker.stop()  # the services are stopped by start_service
     families = {name: series for exposed in exported.values() for name, series in exposed.items()}
     for name, exposed in exported.items():
         prefix = "opml_" + name.replace("-", "_") + "_"

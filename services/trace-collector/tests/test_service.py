@@ -16,7 +16,6 @@ from opml.traces.v1 import traces_pb2 as pb
 
 from opml_common.bus import CloudEvent
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unauthenticated
-from opml_common.process import ServiceProcess
 from opml_common.testing.bus import headers_of, read_records
 from opml_common.topics import TRACES
 from opml_trace_collector.client import TraceCollectorClient
@@ -314,15 +313,14 @@ def test_a_restart_with_the_state_kept_does_not_replay(collector, admin, publish
     assert redis_db.get(f"{redis_prefix}traces:generation") == generation
 
 
-def test_summary_reads_a_bounded_sample_and_counts_every_step(collector_env, tmp_path, publish, batch,
+def test_summary_reads_a_bounded_sample_and_counts_every_step(collector_env, start_service, publish, batch,
                                                              eventually) -> None:
-    env = {**collector_env, "OPML_TRACE_COLLECTOR_SERIES_LENGTH": "40", "OPML_TRACE_COLLECTOR_SUMMARY_SAMPLE_STEPS": "20"}
+    small_sample = {"OPML_TRACE_COLLECTOR_SERIES_LENGTH": "40", "OPML_TRACE_COLLECTOR_SUMMARY_SAMPLE_STEPS": "20"}
     # Each run: 50 slow steps (1 s), then its 10 newest fast ones (0.1 s); 40 of the 60 are kept.
     batches = [batch(JOB, f"worker-{w}", f"s-{w}", n, [(30 * n + k, 1.0 if 30 * n + k < 50 else 0.1, 0.4)
                                                        for k in range(30)]) for w in range(2) for n in range(2)]
-    with ServiceProcess("opml_trace_collector", int(env["OPML_TRACE_COLLECTOR_GRPC_PORT"]), env,
-                        tmp_path / "small-sample.log") as small, \
-            TraceCollectorClient(small.target, token="reader-token") as client:
+    small = start_service("trace-collector", env=collector_env, extra_env=small_sample)
+    with TraceCollectorClient(small.target, token="reader-token") as client:
         publish(*batches)
         eventually(lambda: sum(r.steps for r in _runs(client).values()) == 120, "both runs")
         assert len(client.step_series(JOB)) == 80  # kept
