@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+import psutil
 import pytest
 import tritonclient.grpc as triton
 import yaml
@@ -112,8 +113,13 @@ def test_deploy_infer_events_cli_and_restart(router_service: ServiceProcess, rou
     canary = runner.invoke(opml, [*writer, "deploy", "--dir", str(v2), "--canary", "30"])
     assert canary.exit_code == 0 and "v2" in canary.output and "30%" in canary.output, canary.output
 
-    # A restarted router rebuilds its deployments from Redis onto fresh workers, the split included.
+    # A stopped router stops its workers (they run in sessions of their own, so nothing else would).
+    workers = psutil.Process(router_service.process.pid).children()
+    assert len(workers) == 1  # the test fleet's one cpu worker
     router_service.stop()
+    assert not [w.pid for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
+
+    # A restarted router rebuilds its deployments from Redis onto fresh workers, the split included.
     with start_service("inference-router", env=router_env):
         with DeploymentClient(target, token=TOKENS["reader"]) as client:
             restored = client.get("mlp")
