@@ -3,7 +3,8 @@
 :class:`Executor` is the interface; :class:`LocalExecutor` runs tasks as local processes (the
 embedded default) and ``KubernetesExecutor`` (in ``executor.kubernetes``, imported on demand so
 the local path never loads the Kubernetes client) as pods; both follow TonY's rules from
-``executor.tony``. :class:`RetryPolicy` decides when a failed run runs again.
+``executor.tony`` and share the run bookkeeping of ``executor.tracked`` (``TrackedRunExecutor``).
+:class:`RetryPolicy` decides when a failed run runs again.
 """
 
 from opml_job_orchestrator.executor.base import (

@@ -44,23 +44,19 @@ import math
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
 from opml_job_orchestrator.executor.base import (
-    Executor,
     ExecutorEvent,
-    JobEvent,
     JobOutcome,
     JobProgram,
     TaskState,
     attempts_logged,
-    check_attempt,
     check_offset,
-    check_placement,
     check_seconds,
     read_log,
 )
@@ -73,6 +69,7 @@ from opml_job_orchestrator.executor.tony import (
     task_argv,
     task_env,
 )
+from opml_job_orchestrator.executor.tracked import TrackedRun, TrackedRunExecutor
 from opml_job_orchestrator.scheduler.model import JobSpec, Resources
 
 logger = logging.getLogger(__name__)
@@ -200,23 +197,12 @@ def _digest(text: str) -> str:
 
 
 @dataclass(eq=False)
-class _Run:
-    tracker: RunTracker
+class _Run(TrackedRun):
     pods: dict[TaskKey, str]
     services: list[str]
-    placement: dict[str, tuple[str, ...]]
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def job_id(self) -> str:
-        return self.tracker.job_id
-
-    @property
-    def attempt(self) -> int:
-        return self.tracker.attempt
 
 
-class KubernetesExecutor(Executor):
+class KubernetesExecutor(TrackedRunExecutor[_Run]):
     """Runs each replica of each role as a pod; see :class:`Executor` for the contract.
 
     Keyword-only settings, checked here: ``image`` (the container image of every task: it holds
@@ -261,43 +247,21 @@ class KubernetesExecutor(Executor):
                                          platform_env=dict(platform_env or {}))
         self._node_label = node_label
         self._poll_interval_s = check_seconds(poll_interval_s, "poll_interval_s", positive=True)
-        self._cleanup_grace_s = check_seconds(cleanup_grace_s, "cleanup_grace_s", positive=False)
-        self._shutdown_grace_s = check_seconds(shutdown_grace_s, "shutdown_grace_s", positive=False)
+        super().__init__(cleanup_grace_s=cleanup_grace_s, shutdown_grace_s=shutdown_grace_s)
         self._delete_timeout_s = check_seconds(delete_timeout_s, "delete_timeout_s", positive=True)
-        self._runs: dict[str, _Run] = {}
-        self._events: asyncio.Queue[ExecutorEvent] = asyncio.Queue()
-        self._background: set[asyncio.Task[None]] = set()
-        self._started = False
 
-    async def start(self) -> None:
-        """Build the API client if none was given, create ``log_dir``. Idempotent."""
-        if self._started:
-            return
+    async def _open(self) -> None:
+        """Build the API client if none was given, create ``log_dir``."""
         if self._api is None:
             self._api = await asyncio.to_thread(_connect, self._kubeconfig, self._context)
         self._log_dir.mkdir(parents=True, exist_ok=True)
-        self._started = True
 
-    async def stop(self) -> None:
-        """End every run still going (pods deleted with ``shutdown_grace_s``). Idempotent."""
-        if not self._started:
-            return
-        self._started = False
-        await asyncio.gather(*(self._end(run, Verdict(JobOutcome.STOPPED, "the executor stopped", False),
-                                         grace_s=self._shutdown_grace_s) for run in list(self._runs.values())))
-        await asyncio.gather(*self._background)
-
-    async def launch(self, spec: JobSpec, program: JobProgram, placement: Mapping[str, Sequence[str]], *,
-                     attempt: int) -> None:
-        check_attempt(attempt)
-        program.check_covers(spec)
-        check_placement(spec, placement)
-        self._check_free(spec.job_id, attempt)
+    async def _launch(self, spec: JobSpec, program: JobProgram, placement: dict[str, tuple[str, ...]], *,
+                      attempt: int) -> None:
         objects = self._render(spec, program, placement, attempt=attempt)
         pods = {(r.role, r.index): pod_name(spec.job_id, attempt, r.role, r.index) for r in spec.replicas}
         services = [o["metadata"]["name"] for o in objects if o["kind"] == "Service"]
-        run = _Run(RunTracker(spec.job_id, attempt, pods, awaited_tasks(pods)), pods, services,
-                   {role: tuple(nodes) for role, nodes in placement.items()})
+        run = _Run(RunTracker(spec.job_id, attempt, pods, awaited_tasks(pods)), placement, pods, services)
         self._runs[spec.job_id] = run
         for obj in objects:
             create = (self._api.create_namespaced_service if obj["kind"] == "Service"
@@ -312,20 +276,15 @@ class KubernetesExecutor(Executor):
                     key, f"{key[0]} {key[1]} could not start: creating {what} failed: {_api_error(exc)}",
                     retriable=_retriable(exc))
                 self._events.put_nowait(event)
-                self._in_background(self._end(run, verdict, grace_s=self._cleanup_grace_s))
+                self._end_soon(run, verdict)
                 return
 
-    async def recover(self, job_id: str, attempt: int) -> Mapping[str, tuple[str, ...]] | None:
+    async def _recover(self, job_id: str, attempt: int) -> Mapping[str, tuple[str, ...]] | None:
         """Re-adopt run ``attempt`` of ``job_id``: its pods outlive the executor, so they are only
         tracked again, and :meth:`poll` reports them from then on (RUNNING, then how they end).
         Returns where they run: each pod's node (``spec.nodeName``, or the node it is pinned to
         while it waits to be scheduled). A run of which a pod is gone, or not bound to a node it
         can name, is ended instead (its pods deleted at once, STOPPED, retriable): None."""
-        check_attempt(attempt)
-        current = self._runs.get(job_id)
-        if current is not None and current.attempt == attempt:
-            return current.placement if current.tracker.outcome is None else None
-        self._check_free(job_id, attempt)
         found = await self._call(self._api.list_namespaced_pod, self._namespace,
                                  label_selector=run_selector(job_id, attempt))
         keys: list[TaskKey] = []
@@ -340,7 +299,7 @@ class KubernetesExecutor(Executor):
         placement: dict[str, tuple[str, ...]] = {}
         for role, index in pods:
             placement[role] = (*placement.get(role, ()), nodes.get(pods[role, index]) or "")
-        run = _Run(RunTracker(job_id, attempt, pods, awaited_tasks(pods)), pods, services, placement)
+        run = _Run(RunTracker(job_id, attempt, pods, awaited_tasks(pods)), placement, pods, services)
         self._runs[job_id] = run
         unplaced = sorted(f"{role} {i}" for role, names in placement.items() for i, node in enumerate(names)
                           if not node)
@@ -350,14 +309,6 @@ class KubernetesExecutor(Executor):
             await self._end(run, Verdict(JobOutcome.STOPPED, f"recovered after a restart: {why}", True), grace_s=0)
             return None
         return placement
-
-    async def terminate(self, job_id: str, grace_s: float) -> None:
-        grace_s = check_seconds(grace_s, "grace_s", positive=False)
-        run = self._runs.get(job_id)
-        if run is None:
-            raise NotFound(f"job {job_id!r} was never launched on this executor.")
-        await self._end(run, Verdict(JobOutcome.STOPPED, f"terminated with a grace period of {grace_s:g} s", False),
-                        grace_s=grace_s)
 
     async def poll(self, timeout_s: float) -> list[ExecutorEvent]:
         """List the pods every ``poll_interval_s`` until something happens or ``timeout_s`` passes."""
@@ -406,14 +357,6 @@ class KubernetesExecutor(Executor):
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _check_free(self, job_id: str, attempt: int) -> None:
-        if not self._started:
-            raise FailedPrecondition("the executor is not started; call start() or use `async with` first.")
-        previous = self._runs.get(job_id)
-        if previous is not None and previous.tracker.outcome is None:
-            raise FailedPrecondition(f"job {job_id!r} still runs attempt {previous.attempt}; terminate it "
-                                     f"before running attempt {attempt}.")
-
     async def _refresh(self) -> None:
         """List the executor's pods once and report what changed for every run still going."""
         try:
@@ -429,7 +372,7 @@ class KubernetesExecutor(Executor):
             for key, name in run.pods.items():
                 verdict = self._observe(run, key, by_name.get(name))
                 if verdict is not None:
-                    self._in_background(self._end(run, verdict, grace_s=self._cleanup_grace_s))
+                    self._end_soon(run, verdict)
                     break
 
     def _node_of(self, pod: Any) -> str | None:
@@ -489,12 +432,9 @@ class KubernetesExecutor(Executor):
             self._events.put_nowait(event)
         return verdict
 
-    async def _end(self, run: _Run, verdict: Verdict, *, grace_s: float) -> None:
-        """End the run once: keep the pods' logs, delete the pods with ``grace_s``, wait until they
-        are gone (no grace at all after ``delete_timeout_s`` more), delete the Services, report."""
-        if not run.tracker.decide(verdict):
-            await run.done.wait()
-            return
+    async def _stop_tasks(self, run: _Run, grace_s: float) -> None:
+        """Keep the pods' logs, delete the pods with ``grace_s``, wait until they are gone (no grace
+        at all after ``delete_timeout_s`` more), delete the Services."""
         selector = run_selector(run.job_id, run.attempt)
         with contextlib.suppress(Exception):  # a last look, so tasks that ended are not reported stopped
             listed = await self._call(self._api.list_namespaced_pod, self._namespace, label_selector=selector)
@@ -522,9 +462,6 @@ class KubernetesExecutor(Executor):
             await self._ignore_missing(self._api.delete_namespaced_service, service, self._namespace)
         for key in run.tracker.running():
             self._events.put_nowait(run.tracker.stopped(key, "stopped: its pod was deleted"))
-        self._events.put_nowait(JobEvent(run.job_id, run.attempt, verdict.outcome, verdict.message,
-                                         verdict.retriable))
-        run.done.set()
 
     async def _keep_logs(self, run: _Run) -> None:
         """Copy each pod's log to ``log_dir`` before the pod (and its log) is deleted."""
@@ -557,11 +494,6 @@ class KubernetesExecutor(Executor):
 
     async def _call(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await asyncio.to_thread(functools.partial(call, *args, **kwargs))
-
-    def _in_background(self, coro: Any) -> None:
-        job = asyncio.create_task(coro)
-        self._background.add(job)
-        job.add_done_callback(self._background.discard)
 
 
 def _connect(kubeconfig: str | Path | None, context: str | None) -> Any:

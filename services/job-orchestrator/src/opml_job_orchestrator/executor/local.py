@@ -21,24 +21,20 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound
+from opml_common.errors import InvalidArgument, NotFound
 
 from opml_job_orchestrator.executor.base import (
     CheckpointEvent,
-    Executor,
     ExecutorEvent,
-    JobEvent,
     JobOutcome,
     JobProgram,
     attempts_logged,
-    check_attempt,
     check_offset,
-    check_placement,
     check_seconds,
     read_log,
 )
@@ -52,6 +48,7 @@ from opml_job_orchestrator.executor.tony import (
     task_env,
     trace_launcher_missing,
 )
+from opml_job_orchestrator.executor.tracked import TrackedRun, TrackedRunExecutor
 from opml_job_orchestrator.scheduler.model import JobSpec
 
 MANIFEST = "run.json"
@@ -71,25 +68,14 @@ class _Task:
 
 
 @dataclass(eq=False)
-class _Run:
-    tracker: RunTracker
+class _Run(TrackedRun):
     tasks: dict[TaskKey, _Task]
     heartbeat_timeout_s: float | None
-    placement: dict[str, tuple[str, ...]]
     checkpoints: set[int] = field(default_factory=set)
     """The steps already reported as CheckpointEvents: each once per run, whichever task reports it."""
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def job_id(self) -> str:
-        return self.tracker.job_id
-
-    @property
-    def attempt(self) -> int:
-        return self.tracker.attempt
 
 
-class LocalExecutor(Executor):
+class LocalExecutor(TrackedRunExecutor[_Run]):
     """Runs each replica of each role as a local process; see :class:`Executor` for the contract.
 
     Keyword-only settings, checked here: ``work_dir`` holds logs, heartbeat files and run
@@ -97,9 +83,10 @@ class LocalExecutor(Executor):
     often heartbeat files are read (for checkpoint reports, and for programs with a
     ``heartbeat_timeout_s``); ``cleanup_grace_s`` is the grace given, between SIGTERM and SIGKILL,
     to the tasks still running when a run ends on its own (parameter servers, for one);
-    ``shutdown_grace_s`` is the grace :meth:`stop` and :meth:`recover` give. Every task inherits
-    this process's environment, then ``platform_env`` (the platform's ``OPML_*`` settings as the
-    service sees them, so a traced task's tracer reports to the same broker), then its own.
+    ``shutdown_grace_s`` is the grace :meth:`stop` and :meth:`recover` give (logs stay in
+    ``work_dir`` after either). Every task inherits this process's environment, then
+    ``platform_env`` (the platform's ``OPML_*`` settings as the service sees them, so a traced
+    task's tracer reports to the same broker), then its own.
 
     :meth:`launch` starts the tasks one by one, in the order of ``spec.replicas``; if one cannot
     start, the tasks after it are never started (and have no events) and the run fails.
@@ -118,52 +105,31 @@ class LocalExecutor(Executor):
         self._platform_env = dict(platform_env or {})
         self._check_interval_s = check_seconds(heartbeat_check_interval_s, "heartbeat_check_interval_s",
                                                positive=True)
-        self._cleanup_grace_s = check_seconds(cleanup_grace_s, "cleanup_grace_s", positive=False)
-        self._shutdown_grace_s = check_seconds(shutdown_grace_s, "shutdown_grace_s", positive=False)
-        self._runs: dict[str, _Run] = {}
-        self._events: asyncio.Queue[ExecutorEvent] = asyncio.Queue()
-        self._background: set[asyncio.Task[None]] = set()
+        super().__init__(cleanup_grace_s=cleanup_grace_s, shutdown_grace_s=shutdown_grace_s)
         self._watcher: asyncio.Task[None] | None = None
-        self._started = False
 
-    async def start(self) -> None:
-        """Create ``work_dir`` and start the heartbeat watcher. Idempotent."""
-        if self._started:
-            return
+    async def _open(self) -> None:
+        """Create ``work_dir`` and start the heartbeat watcher."""
         self._work_dir.mkdir(parents=True, exist_ok=True)
         self._watcher = asyncio.create_task(self._watch_heartbeats())
-        self._started = True
 
-    async def stop(self) -> None:
-        """Terminate every run still going (grace ``shutdown_grace_s``), stop the heartbeat watcher.
-
-        Idempotent. Logs stay in ``work_dir``; unread events stay readable with :meth:`poll`.
-        """
-        if not self._started:
-            return
-        self._started = False
-        await asyncio.gather(*(self._end(run, Verdict(JobOutcome.STOPPED, "the executor stopped", False),
-                                         grace_s=self._shutdown_grace_s) for run in list(self._runs.values())))
+    async def _close(self) -> None:
+        """Stop the heartbeat watcher."""
         if self._watcher is not None:
             self._watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watcher
             self._watcher = None
-        await asyncio.gather(*self._background)
 
-    async def launch(self, spec: JobSpec, program: JobProgram, placement: Mapping[str, Sequence[str]], *,
-                     attempt: int) -> None:
-        check_attempt(attempt)
-        program.check_covers(spec)
-        check_placement(spec, placement)
-        self._check_free(spec.job_id, attempt)
+    async def _launch(self, spec: JobSpec, program: JobProgram, placement: dict[str, tuple[str, ...]], *,
+                      attempt: int) -> None:
         run_dir = self._run_dir(spec.job_id, attempt)
         run_dir.mkdir(parents=True, exist_ok=True)
         tasks = {(r.role, r.index): _Task((r.role, r.index), run_dir / f"{r.role}-{r.index}.log",
                                           run_dir / f"{r.role}-{r.index}.heartbeat")
                  for r in spec.replicas}
-        run = _Run(RunTracker(spec.job_id, attempt, tasks, awaited_tasks(tasks)), tasks, program.heartbeat_timeout_s,
-                   {role: tuple(nodes) for role, nodes in placement.items()})
+        run = _Run(RunTracker(spec.job_id, attempt, tasks, awaited_tasks(tasks)), placement, tasks,
+                   program.heartbeat_timeout_s)
         self._runs[spec.job_id] = run
         cluster = self._cluster(spec)
         manifest: dict[str, Any] = {"job_id": spec.job_id, "attempt": attempt, "boot_id": _boot_id(),
@@ -181,10 +147,10 @@ class LocalExecutor(Executor):
             for unstarted in tasks.values():
                 if unstarted.process is None:
                     unstarted.exited.set()
-            self._in_background(self._end(run, verdict, grace_s=self._cleanup_grace_s))
+            self._end_soon(run, verdict)
             return
 
-    async def recover(self, job_id: str, attempt: int) -> Mapping[str, tuple[str, ...]] | None:
+    async def _recover(self, job_id: str, attempt: int) -> Mapping[str, tuple[str, ...]] | None:
         """Stop what run ``attempt`` of ``job_id`` left running (read from its manifest), then
         report the run STOPPED (retriable) and return None, as :meth:`Executor.recover` says.
 
@@ -193,16 +159,11 @@ class LocalExecutor(Executor):
         process group goes, children included, with SIGTERM first so a task can checkpoint, then
         SIGKILL after ``shutdown_grace_s``.
         """
-        check_attempt(attempt)
-        current = self._runs.get(job_id)
-        if current is not None and current.attempt == attempt:
-            return current.placement if current.tracker.outcome is None else None
-        self._check_free(job_id, attempt)
         run_dir = self._run_dir(job_id, attempt)
         boot_id, entries = _read_manifest(run_dir / MANIFEST)
         tasks = {key: _Task(key, Path(log), run_dir / f"{key[0]}-{key[1]}.heartbeat")
                  for key, (_, _, log) in entries.items()}
-        run = _Run(RunTracker(job_id, attempt, tasks, ()), tasks, None, {})
+        run = _Run(RunTracker(job_id, attempt, tasks, ()), {}, tasks, None)
         run.tracker.decide(Verdict(JobOutcome.STOPPED, "recovered after a restart", True))  # terminate() now waits
         for task in tasks.values():
             task.exited.set()
@@ -213,17 +174,8 @@ class LocalExecutor(Executor):
             self._events.put_nowait(run.tracker.stopped(key, "left running by a previous executor; stopped"))
         message = (f"recovered after a restart: {len(left)} task(s) left running were stopped" if left
                    else "recovered after a restart: no task of the run was left running")
-        self._events.put_nowait(JobEvent(job_id, attempt, JobOutcome.STOPPED, message, True))
-        run.done.set()
+        self._report_end(run, Verdict(JobOutcome.STOPPED, message, True))
         return None
-
-    async def terminate(self, job_id: str, grace_s: float) -> None:
-        grace_s = check_seconds(grace_s, "grace_s", positive=False)
-        run = self._runs.get(job_id)
-        if run is None:
-            raise NotFound(f"job {job_id!r} was never launched on this executor.")
-        await self._end(run, Verdict(JobOutcome.STOPPED, f"terminated with a grace period of {grace_s:g} s", False),
-                        grace_s=grace_s)
 
     async def poll(self, timeout_s: float) -> list[ExecutorEvent]:
         timeout_s = check_seconds(timeout_s, "timeout_s", positive=False)
@@ -250,14 +202,6 @@ class LocalExecutor(Executor):
             return await asyncio.to_thread(read_log, path, offset)
         except FileNotFoundError:
             raise NotFound(f"job {job_id!r} attempt {attempt} has no task {role!r} {index!r}.") from None
-
-    def _check_free(self, job_id: str, attempt: int) -> None:
-        if not self._started:
-            raise FailedPrecondition("the executor is not started; call start() or use `async with` first.")
-        previous = self._runs.get(job_id)
-        if previous is not None and previous.tracker.outcome is None:
-            raise FailedPrecondition(f"job {job_id!r} still runs attempt {previous.attempt}; terminate it "
-                                     f"before running attempt {attempt}.")
 
     def _run_dir(self, job_id: str, attempt: int) -> Path:
         return self._work_dir / job_id / f"attempt-{attempt}"
@@ -311,11 +255,9 @@ class LocalExecutor(Executor):
         if verdict is not None:
             await self._end(run, verdict, grace_s=self._cleanup_grace_s)
 
-    async def _end(self, run: _Run, verdict: Verdict, *, grace_s: float) -> None:
-        """End the run once: SIGTERM what still runs, SIGKILL after ``grace_s``, then report the JobEvent."""
-        if not run.tracker.decide(verdict):
-            await run.done.wait()
-            return
+    async def _stop_tasks(self, run: _Run, grace_s: float) -> None:
+        """SIGTERM every task's process group still running, SIGKILL those left after ``grace_s``
+        (each task's :meth:`_wait` reports how it ended)."""
         running = [t for t in run.tasks.values() if not t.exited.is_set() and t.process is not None]
         for task in running:
             _kill_group(task.process.pid, signal.SIGTERM)
@@ -326,9 +268,6 @@ class LocalExecutor(Executor):
                 if not task.exited.is_set():
                     _kill_group(task.process.pid, signal.SIGKILL)
             await asyncio.gather(*pending)
-        self._events.put_nowait(JobEvent(run.job_id, run.attempt, verdict.outcome, verdict.message,
-                                         verdict.retriable))
-        run.done.set()
 
     async def _watch_heartbeats(self) -> None:
         """Every ``heartbeat_check_interval_s``: read new heartbeat writes (checkpoint reports) and
@@ -373,12 +312,7 @@ class LocalExecutor(Executor):
         event, verdict = run.tracker.lost(task.key, message)
         self._events.put_nowait(event)
         _kill_group(task.process.pid, signal.SIGKILL)
-        self._in_background(self._end(run, verdict, grace_s=self._cleanup_grace_s))
-
-    def _in_background(self, coro: Coroutine[Any, Any, None]) -> None:
-        job = asyncio.create_task(coro)
-        self._background.add(job)
-        job.add_done_callback(self._background.discard)
+        self._end_soon(run, verdict)
 
 
 def _manifest_entry(task: _Task) -> dict[str, Any]:

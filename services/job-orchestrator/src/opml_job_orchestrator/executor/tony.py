@@ -5,8 +5,9 @@ and the same argv (the role's command, under the trace-collector's launcher when
 asks for tracing, :func:`task_argv`), and reports what it observes of its tasks (a process
 exited, a pod's phase changed) to a :class:`RunTracker`. The tracker holds LinkedIn TonY's
 completion rules in one place: it says which :class:`~opml_job_orchestrator.executor.base.TaskEvent`
-to report and whether the observation decides the run (a :class:`Verdict`). What the executor
-then does (stop the tasks still running, report the ``JobEvent``) is its own.
+to report and whether the observation decides the run (a :class:`Verdict`). What follows (stop
+the tasks still running, report the ``JobEvent``) is the executor's:
+:class:`~opml_job_orchestrator.executor.tracked.TrackedRunExecutor` does it once per run.
 """
 
 from __future__ import annotations
