@@ -1,19 +1,22 @@
 """Inference-router overhead: what the router adds over calling onnxruntime directly.
 
-The same ONNX model (the test MLP, ``--features`` x ``--width`` x ``--depth``) is called five ways,
+The same ONNX model (the test MLP, ``--features`` x ``--width`` x ``--depth``) is called six ways,
 ``--requests`` times each, one request at a time (latency, not throughput), after a warm-up; the
 gRPC paths take turns in ``--rounds`` rounds, so a change of the machine's load hits them alike:
 
   (a) onnxruntime in this process (``InferenceSession.run``, batch 1);
   (b) one worker process directly over gRPC (KServe v2 ModelInfer, grpc.aio, pre-serialized request);
-  (c) the router (its own process: the KServe v2 frontend, the Router, a GrpcReplica) to that worker;
+  (c) the router (its own process: the KServe v2 frontend, the Router, a GrpcReplica) to that worker
+      over gRPC on TCP (how it calls a worker on another machine);
+  (u) the same router to the same worker over the worker's Unix socket (a UdsReplica: the worker's
+      local data plane, worker/uds.py; how the pool manager wires its workers with ``route_over_uds``);
   (d) the router with the model in its own process (a LocalReplica over the worker's servicer and
       ModelRepository, dynamic batching included): one gRPC hop instead of two;
   (p) for reference, the floor of any Python gRPC hop: a bare grpc.aio server in its own process that
       forwards the bytes to the worker (no routing, no interceptors, no metrics).
 
-It prints p50/p99/mean per path, what (b) adds over (a) and what (c) adds over (b), the router's
-overhead, and how much of it the bare hop (p) already costs. Then ``--concurrency`` clients in
+It prints p50/p99/mean per path, what (b) adds over (a) and what (c) and (u) add over (b), the
+router's overhead, and how much of it the bare hop (p) already costs. Then ``--concurrency`` clients in
 parallel for the throughput of each gRPC path. Workers run without dynamic batching here, so no
 batching delay hides in the numbers.
 
@@ -61,8 +64,8 @@ async def serve_router(worker: str) -> None:
     from opml_inference_router.frontend import METHOD_ROLES, InferenceFrontend
     from opml_inference_router.routing import ModelPolicy, Router
     from opml_inference_router.placement.config import load_fleet_config
-    from opml_inference_router.routing.grpc_replica import GrpcReplica
     from opml_inference_router.routing.local_replica import LocalReplica
+    from opml_inference_router.routing.uds_replica import connect
     from opml_inference_router.runtime import ModelRepository, WorkerMetrics
     from opml_inference_router.worker.servicer import WorkerServicer
 
@@ -73,7 +76,7 @@ async def serve_router(worker: str) -> None:
         repository = ModelRepository(cpu, metrics=WorkerMetrics(metrics), threads=1)
         await repository.load(MODEL, path=worker.removeprefix("local:"), version=1)
         local = LocalReplica(WorkerServicer(repository, server_name="router", server_version="0"), name=worker)
-    router = Router(connect=lambda address: local if repository is not None else GrpcReplica(address),
+    router = Router(connect=lambda address: local if repository is not None else connect(address),
                     metrics=metrics)
     router.set_model(MODEL, ModelPolicy(slo_p99_ms=50, max_concurrency=256, max_queue=1024))
     router.add_replica(MODEL, "1", worker)
@@ -199,21 +202,22 @@ def main() -> None:
               f"{args.requests} requests per path, Python {platform.python_version()}, {os.cpu_count()} CPUs")
         results = {"(a) onnxruntime in-process": bench_in_process(bundle / "1" / "model.onnx", data, args.requests,
                                                                   args.warmup)}
-        worker = WorkerProcess("cpu", FLEET, work / "worker.log", extra_args=("--threads-per-replica", "1")).start()
+        worker = WorkerProcess("cpu", FLEET, work / "worker.log", extra_args=("--threads-per-replica", "1"),
+                               uds=work / "worker.sock").start()
         hops: list[subprocess.Popen] = []
         try:
             with grpc.insecure_channel(worker.target) as channel:
                 load = pb.RepositoryModelLoadRequest(model_name=MODEL)
                 load.parameters["path"].string_param = str(bundle)
                 service_pb2_grpc.GRPCInferenceServiceStub(channel).RepositoryModelLoad(load, timeout=60)
-            router_process, router = start_hop("router", worker.target, work / "router.log")
-            hops.append(router_process)
-            proxy_process, proxy = start_hop("proxy", worker.target, work / "proxy.log")
-            hops.append(proxy_process)
-            local_process, local = start_hop("router", f"local:{bundle}", work / "router-local.log")
-            hops.append(local_process)
-            paths = {"(b) worker over gRPC": worker.target, "(c) router -> worker": router,
-                     "(d) router, model in-process": local, "(p) bare grpc.aio hop -> worker": proxy}
+            assert worker.uds_target is not None
+            paths = {"(b) worker over gRPC": worker.target}
+            for name, kind, to in (("(c) router -> worker (TCP)", "router", worker.target),
+                                   ("(u) router -> worker (Unix socket)", "router", worker.uds_target),
+                                   ("(d) router, model in-process", "router", f"local:{bundle}"),
+                                   ("(p) bare grpc.aio hop -> worker", "proxy", worker.target)):
+                process, paths[name] = start_hop(kind, to, work / f"{kind}-{len(hops)}.log")
+                hops.append(process)
             throughput: dict[str, list[float]] = {name: [] for name in paths}
             per_round = max(1, args.requests // args.rounds)
             for name in paths:
@@ -234,17 +238,17 @@ def main() -> None:
     print("\n| path | p50 ms | p99 ms | mean ms |\n|---|---|---|---|")
     for name, s in stats.items():
         print(f"| {name} | {s['p50']:.3f} | {s['p99']:.3f} | {s['mean']:.3f} |")
-    a, b, c, d, p = stats.values()
+    a, b, c, u, d, p = stats.values()
     print("\n| added by | p50 ms | p99 ms | ratio p50 |\n|---|---|---|---|")
-    print(f"| worker + gRPC, (b) - (a) | {b['p50'] - a['p50']:.3f} | {b['p99'] - a['p99']:.3f} | "
-          f"{b['p50'] / a['p50']:.1f}x |")
-    print(f"| router, (c) - (b) | {c['p50'] - b['p50']:.3f} | {c['p99'] - b['p99']:.3f} | {c['p50'] / b['p50']:.2f}x |")
-    print(f"| bare grpc.aio hop, (p) - (b) | {p['p50'] - b['p50']:.3f} | {p['p99'] - b['p99']:.3f} | "
-          f"{p['p50'] / b['p50']:.2f}x |")
-    print(f"| router, model in-process, (d) - (a) | {d['p50'] - a['p50']:.3f} | {d['p99'] - a['p99']:.3f} | "
-          f"{d['p50'] / a['p50']:.1f}x |")
-    print(f"| router + worker, (c) - (a) | {c['p50'] - a['p50']:.3f} | {c['p99'] - a['p99']:.3f} | "
-          f"{c['p50'] / a['p50']:.1f}x |")
+    for label, slow, fast in (("worker + gRPC, (b) - (a)", b, a),
+                              ("router over TCP, (c) - (b)", c, b),
+                              ("router over the Unix socket, (u) - (b)", u, b),
+                              ("bare grpc.aio hop, (p) - (b)", p, b),
+                              ("router, model in-process, (d) - (a)", d, a),
+                              ("router + worker over TCP, (c) - (a)", c, a),
+                              ("router + worker over the Unix socket, (u) - (a)", u, a)):
+        print(f"| {label} | {slow['p50'] - fast['p50']:.3f} | {slow['p99'] - fast['p99']:.3f} | "
+              f"{slow['p50'] / fast['p50']:.2f}x |")
     print(f"\nthroughput with {args.concurrency} concurrent callers: "
           + ", ".join(f"{name}: {statistics.median(rps):.0f} req/s" for name, rps in throughput.items()))
 

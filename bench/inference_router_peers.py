@@ -2,8 +2,11 @@
 
 One ONNX MLP (``--features`` x ``--width`` x ``--depth``, dynamic batch dimension, fp32) is served by:
 
-  ours/router  the router in its own process (KServe v2 frontend, Router, one GrpcReplica per worker)
-               over ``--replicas`` worker processes, dynamic batching (max 32, ``--delay-ms``);
+  ours/router  the router in its own process (KServe v2 frontend, Router, one UdsReplica per worker:
+               the workers' Unix sockets, as the pool manager wires them) over ``--replicas`` worker
+               processes, dynamic batching (max 32, ``--delay-ms``);
+  ours/router (gRPC hop)  the same router reaching the same workers over gRPC/TCP (GrpcReplica), as it
+               reaches workers on other machines;
   ours/direct  the same workers called directly, clients spread over them (a reference: no router hop);
   MLServer     1.7.1 with a custom onnxruntime runtime (bench/_mlserver_onnx_runtime.py), adaptive
                batching (max 32, ``--delay-ms``), ``--replicas`` parallel workers, KServe v2 gRPC;
@@ -114,7 +117,8 @@ def stop(process: subprocess.Popen, grace_s: float = 30.0) -> None:
 
 
 async def serve_router(workers: list[str], bundle: Path, hedge: bool) -> None:
-    """The router as its own process (``--serve-router``): frontend + Router over the workers."""
+    """The router as its own process (``--serve-router``): frontend + Router over the workers
+    (``uds:<path>`` over their Unix sockets, ``host:port`` over gRPC)."""
     from opml_common.config import PlatformSettings, ServiceSettings
     from opml_common.grpc.server import GrpcServer, wait_for_signal
     from opml_common.metrics import ServiceMetrics
@@ -122,10 +126,10 @@ async def serve_router(workers: list[str], bundle: Path, hedge: bool) -> None:
     from opml_inference_router.frontend import METHOD_ROLES, InferenceFrontend
     from opml_inference_router.placement import load_model_config
     from opml_inference_router.routing import ModelPolicy, Router
-    from opml_inference_router.routing.grpc_replica import GrpcReplica
+    from opml_inference_router.routing.uds_replica import connect
 
     metrics = ServiceMetrics("inference-router")
-    router = Router(connect=GrpcReplica, metrics=metrics)
+    router = Router(connect=connect, metrics=metrics)
     router.set_model(MODEL, ModelPolicy.for_model(load_model_config(bundle / "model.yaml"), replicas=len(workers),
                                                   hedge=hedge))
     for worker in workers:
@@ -303,10 +307,11 @@ def run(work: Path, args: argparse.Namespace, systems: list[str],
 
     with ExitStack() as servers:
         if "ours" in systems:
-            workers = []
+            workers, sockets = [], []
             for index in range(args.replicas):
                 worker = WorkerProcess("cpu", FLEET, work / f"worker-{index}.log", env={"OPML_LOG_LEVEL": "WARNING"},
-                                       extra_args=("--threads-per-replica", str(args.threads)))
+                                       extra_args=("--threads-per-replica", str(args.threads)),
+                                       uds=work / f"worker-{index}.sock")
                 servers.callback(worker.stop)
                 worker.start()
                 with grpc.insecure_channel(worker.target) as channel:
@@ -314,11 +319,14 @@ def run(work: Path, args: argparse.Namespace, systems: list[str],
                     load.parameters["path"].string_param = str(bundle)
                     service_pb2_grpc.GRPCInferenceServiceStub(channel).RepositoryModelLoad(load, timeout=120)
                 workers.append(worker.target)
-            router, announced = start([sys.executable, __file__, "--serve-router", ",".join(workers), str(bundle),
-                                       *(["--no-hedge"] if args.no_hedge else [])],
-                                      work / "router.log")
-            servers.callback(stop, router)
-            results["ours/router"] = measure(GrpcTarget([f"127.0.0.1:{announced['grpc_port']}"], rows), "ours/router")
+                sockets.append(worker.local_target)
+            for label, addresses in (("ours/router", sockets), ("ours/router (gRPC hop)", workers)):
+                router, announced = start([sys.executable, __file__, "--serve-router", ",".join(addresses), str(bundle),
+                                           *(["--no-hedge"] if args.no_hedge else [])],
+                                          work / f"router-{len(results)}.log")
+                servers.callback(stop, router)
+                results[label] = measure(GrpcTarget([f"127.0.0.1:{announced['grpc_port']}"], rows), label)
+                stop(router)
             results["ours/direct"] = measure(GrpcTarget(workers, rows), "ours/direct")
             servers.close()
         if "mlserver" in systems:

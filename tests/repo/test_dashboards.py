@@ -463,7 +463,8 @@ def test_dashboards_show_exactly_the_metrics_services_export(settings_env: dict[
     for spec in installed_services():
         process = start_service(spec, tokens=None, extra_env=fleet_env, start=False)
         processes[spec.name] = (process, int(process.env[f"{spec.settings.model_config['env_prefix']}METRICS_PORT"]))
-    worker = WorkerProcess("cpu", fleet, tmp_path / "worker.log", env={**settings_env, **fleet_env})
+    worker = WorkerProcess("cpu", fleet, tmp_path / "worker.log", env={**settings_env, **fleet_env},
+                           uds=tmp_path / "worker.sock")  # as the router starts its workers
     processes["inference-router-worker"] = (worker, None)
     try:
         with ThreadPoolExecutor(len(processes)) as pool:

@@ -1,5 +1,5 @@
 """The pool manager over REAL worker processes: a SIGKILLed worker is restarted, its replicas are
-loaded again and the router follows its new address."""
+loaded again and the router follows its new address (a new Unix socket with ``route_over_uds``)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from opml_inference_router.control import DeploymentManager, Observer, PoolManager, Source
 from opml_inference_router.placement import FleetConfig, ModelDemand, ModelVersion
 from opml_inference_router.routing import Router
-from opml_inference_router.routing.grpc_replica import GrpcReplica
+from opml_inference_router.routing.uds_replica import connect
 from opml_inference_router.routing.metrics import RouterMetrics
 from opml_inference_router.testing import mlp_config, write_model_dir
 
@@ -65,9 +65,9 @@ async def test_a_killed_worker_is_restarted_and_its_model_serves_again(tmp_path:
     metrics = ServiceMetrics("inference-router", registry=CollectorRegistry())
     pools = PoolManager(FleetConfig.from_dict(FLEET), fleet_path, work_dir=tmp_path, metrics=metrics,
                         token="worker-secret", threads_per_replica=1, watch_interval_s=0.1,
-                        providers=["CPUExecutionProvider"])
+                        providers=["CPUExecutionProvider"], route_over_uds=True)
     assert pools.unavailable_kinds == ["gpu"] and [w.id for w in pools.fleet.workers] == ["cpu-000"]
-    router = Router(connect=lambda address: GrpcReplica(address, token="worker-secret"), metrics=metrics,
+    router = Router(connect=lambda address: connect(address, token="worker-secret"), metrics=metrics,
                     rng=random.Random(0))
     emitted = []
 
@@ -90,7 +90,8 @@ async def test_a_killed_worker_is_restarted_and_its_model_serves_again(tmp_path:
             assert manager.plan.placements[model].workers == ("cpu-000", "cpu-000")
             await router.infer("m", "", _request("m"), timeout_s=5)
             worker = pools.get("cpu-000")
-            assert await _instances(worker.address, "m") == 2
+            assert worker.address == f"uds:{tmp_path / 'workers' / 'cpu-000.0.sock'}"
+            assert await _instances(worker.process.target, "m") == 2
             old = worker.address
             worker.process.process.kill()  # SIGKILL: no goodbye
             deadline = time.monotonic() + 60
@@ -104,7 +105,8 @@ async def test_a_killed_worker_is_restarted_and_its_model_serves_again(tmp_path:
             assert worker.restarts == 1 and worker.address != old and routed.replica == worker.address
             assert sample(metrics.registry, "opml_inference_router_worker_restarts_total", worker="cpu-000") == 1
             assert [s["replica"] for s in router.describe("m")["versions"]["1"]] == [worker.address]
-            assert await _instances(worker.address, "m") == 2  # loaded again as the plan has it
+            assert await _instances(worker.process.target, "m") == 2  # loaded again as the plan has it
+            assert not (tmp_path / "workers" / "cpu-000.0.sock").exists()  # the dead worker's socket is gone
             changed = [m for m in emitted if isinstance(m, events.PlacementChanged)]
             assert "worker cpu-000 restarted" in changed[-1].reasons[0]
             assert changed[-1].placement.workers[0].restarts == 1
@@ -112,14 +114,17 @@ async def test_a_killed_worker_is_restarted_and_its_model_serves_again(tmp_path:
             await router.close()
 
 
-async def test_a_worker_killed_under_load_loses_no_request_and_gets_its_replica_back(tmp_path: Path) -> None:
+@pytest.mark.parametrize("route_over_uds", [False, True], ids=["grpc", "uds"])
+async def test_a_worker_killed_under_load_loses_no_request_and_gets_its_replica_back(tmp_path: Path,
+                                                                                     route_over_uds: bool) -> None:
     fleet = {**FLEET, "pools": [{"name": "cpu", "kind": "cpu", "workers": 2}]}
     fleet_path = tmp_path / "fleet.yaml"
     fleet_path.write_text(yaml.safe_dump(fleet))
     metrics = ServiceMetrics("inference-router", registry=CollectorRegistry())
     pools = PoolManager(FleetConfig.from_dict(fleet), fleet_path, work_dir=tmp_path, metrics=metrics,
-                        token="worker-secret", threads_per_replica=1, watch_interval_s=0.1)
-    router = Router(connect=lambda address: GrpcReplica(address, token="worker-secret"), metrics=metrics,
+                        token="worker-secret", threads_per_replica=1, watch_interval_s=0.1,
+                        route_over_uds=route_over_uds)
+    router = Router(connect=lambda address: connect(address, token="worker-secret"), metrics=metrics,
                     rng=random.Random(1))
     clock = [0.0]
     manager = DeploymentManager(pools=pools, router=router, replan_interval_s=0,

@@ -1,5 +1,6 @@
 """The router end to end: tritonclient's gRPC client -> router frontend (in this process) -> REAL worker
-processes running onnxruntime, and the real broker for prediction events."""
+processes running onnxruntime, over gRPC and over the workers' Unix sockets (``transport``), and the
+real broker for prediction events."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ from opml_inference_router.predictions import PredictionLog
 from opml_inference_router.routing import ModelPolicy, Router
 from opml_inference_router.routing.grpc_replica import GrpcReplica
 from opml_inference_router.routing.local_replica import LocalReplica
+from opml_inference_router.routing.replicas import Replica
+from opml_inference_router.routing.uds_replica import connect as connect_replica
 from opml_inference_router.runtime import ModelRepository, WorkerMetrics
 from opml_inference_router.testing import mlp_classifier, mlp_config, write_model_dir
 from opml_inference_router.worker.process import WorkerProcess
@@ -55,9 +58,11 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _start_worker(bundle: Path, log: Path, *, token: str | None = None) -> WorkerProcess:
-    """A worker serving versions 1 and 2; with ``token``, it requires that bearer token (admin)."""
+    """A worker serving versions 1 and 2, also on a Unix socket beside its log; with ``token``, its gRPC
+    port requires that bearer token (admin)."""
     env = {"OPML_AUTH_TOKENS": f"{token}=admin"} if token else {}
-    worker = WorkerProcess("cpu", FLEET, log, env=env, extra_args=("--threads-per-replica", "1")).start()
+    worker = WorkerProcess("cpu", FLEET, log, env=env, extra_args=("--threads-per-replica", "1"),
+                           uds=log.with_suffix(".sock")).start()
     metadata = (("authorization", f"Bearer {token}"),) if token else None
     try:
         with grpc.insecure_channel(worker.target) as channel:
@@ -87,10 +92,20 @@ def workers(bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             worker.stop()
 
 
+@pytest.fixture(params=["grpc", "uds"])
+def transport(request: pytest.FixtureRequest) -> str:
+    """How the router reaches the workers: gRPC over TCP (remote workers) or their Unix sockets (local)."""
+    return request.param
+
+
+def _address(worker: WorkerProcess, transport: str) -> str:
+    return worker.target if transport == "grpc" else worker.local_target
+
+
 @contextlib.asynccontextmanager
 async def router_serving(replicas: dict[str, list[str]], policy: ModelPolicy, *,
                          predictions: PredictionLog | None = None, metrics: ServiceMetrics | None = None,
-                         connect: Callable[[str], GrpcReplica | LocalReplica] = GrpcReplica,
+                         connect: Callable[[str], Replica] = connect_replica,
                          ) -> AsyncIterator[tuple[Router, str, CollectorRegistry]]:
     """A router over real workers (``{version: [address]}``), its frontend served on a free port."""
     metrics = metrics or ServiceMetrics("inference-router", registry=CollectorRegistry())
@@ -122,8 +137,9 @@ def _reference(bundle: Path, version: int, data: np.ndarray) -> np.ndarray:
     return session.run(None, {"features": data})[0]
 
 
-async def test_tritonclient_works_unchanged_through_the_router(workers: list[WorkerProcess], bundle: Path) -> None:
-    addresses = [w.target for w in workers]
+async def test_tritonclient_works_unchanged_through_the_router(workers: list[WorkerProcess], bundle: Path,
+                                                               transport: str) -> None:
+    addresses = [_address(w, transport) for w in workers]
     async with router_serving({"1": addresses, "2": addresses}, ModelPolicy(slo_p99_ms=200)) as (_, target, registry):
         client = triton.InferenceServerClient(target)
         try:
@@ -202,8 +218,8 @@ async def test_an_in_process_replica_serves_beside_remote_ones(workers: list[Wor
         await repository.close()
 
 
-async def test_canary_split_then_promote_and_rollback(workers: list[WorkerProcess]) -> None:
-    addresses = [w.target for w in workers]
+async def test_canary_split_then_promote_and_rollback(workers: list[WorkerProcess], transport: str) -> None:
+    addresses = [_address(w, transport) for w in workers]
     policy = ModelPolicy(slo_p99_ms=200, max_queue=1000)  # room for the whole burst below
     async with router_serving({"1": addresses, "2": addresses}, policy) as (router, target, _):
         client = triton.InferenceServerClient(target)
@@ -226,12 +242,13 @@ async def test_canary_split_then_promote_and_rollback(workers: list[WorkerProces
 
 
 async def test_a_worker_killed_under_load_loses_no_request(workers: list[WorkerProcess], bundle: Path,
-                                                           tmp_path: Path) -> None:
+                                                           tmp_path: Path, transport: str) -> None:
     doomed = _start_worker(bundle, tmp_path / "doomed.log", token="router-secret")  # this one requires auth
     try:
-        async with router_serving({"1": [workers[0].target, doomed.target]},
+        async with router_serving({"1": [_address(workers[0], transport), _address(doomed, transport)]},
                                   ModelPolicy(slo_p99_ms=200, max_concurrency=64),
-                                  connect=partial(GrpcReplica, token="router-secret")) as (router, target, registry):
+                                  connect=partial(connect_replica, token="router-secret"),
+                                  ) as (router, target, registry):
             client = triton.InferenceServerClient(target)
             outcomes: Counter[str] = Counter()
             stop = asyncio.Event()
@@ -251,8 +268,10 @@ async def test_a_worker_killed_under_load_loses_no_request(workers: list[WorkerP
             clients = [asyncio.create_task(load(i)) for i in range(16)]
             try:
                 await wait_until(both_serving, timeout_s=20, what="both replicas serving")
+                await wait_until(lambda: _outstanding(router, _address(doomed, transport)) >= 2, timeout_s=10,
+                                 what="requests in flight on the doomed worker")
                 ok_before_kill = outcomes["ok"]
-                doomed.kill()  # SIGKILL with requests in flight
+                doomed.kill()  # SIGKILL with requests in flight (no await since the check above)
                 await asyncio.sleep(1.0)
             finally:
                 stop.set()
@@ -260,11 +279,19 @@ async def test_a_worker_killed_under_load_loses_no_request(workers: list[WorkerP
                 await client.close()
             assert ok_before_kill > 0 and outcomes["ok"] > ok_before_kill
             assert set(outcomes) == {"ok"}, outcomes
-            assert sample(registry, "opml_inference_router_retries_total", model=MODEL, version="1") >= 1
-            assert sample(registry, "opml_inference_router_replica_ejections_total", model=MODEL, version="1",
-                          replica=doomed.target) >= 1
+            # The calls the kill broke were answered by the other replica: retried there, or by a backup
+            # already in flight (the kill blocks this loop for a moment, so backups may fire first).
+            counts = {name: sample(registry, f"opml_inference_router_{name}_total", model=MODEL, version="1")
+                      for name in ("retries", "backup_requests", "backup_wins")}
+            ejections = sample(registry, "opml_inference_router_replica_ejections_total", model=MODEL, version="1",
+                               replica=_address(doomed, transport))
+            assert counts["retries"] + counts["backup_wins"] >= 1 and ejections >= 1, (counts, ejections, outcomes)
     finally:
         doomed.kill()
+
+
+def _outstanding(router: Router, replica: str) -> int:
+    return next(r["outstanding"] for r in router.describe(MODEL)["versions"]["1"] if r["replica"] == replica)
 
 
 async def test_burst_over_capacity_is_shed_without_harm(workers: list[WorkerProcess]) -> None:

@@ -1,8 +1,12 @@
-"""Real worker processes driven through tritonclient's KServe v2 gRPC client, as existing clients are."""
+"""Real worker processes driven through tritonclient's KServe v2 gRPC client, as existing clients are,
+and through the Unix socket a router on the same machine uses."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import stat
 import signal
 import time
 import urllib.request
@@ -21,8 +25,15 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from opml_common.metrics import ServiceMetrics
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+from opml_inference_router.kserve import encode_request
+from opml_inference_router.routing.errors import ReplicaFailed
+from opml_inference_router.routing.uds_replica import UdsReplica
 from opml_inference_router.testing import mlp_classifier, mlp_config, write_broken_onnx, write_model_dir
 from opml_inference_router.worker import WorkerProcess
+from opml_inference_router.worker.uds import UdsServer
 
 FLEET = {
     "pool_kinds": [
@@ -50,9 +61,11 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def start_worker(root: Path, kind: str) -> WorkerProcess:
-    return WorkerProcess(kind, root / "fleet.yaml", root / f"{kind}.log", models_dir=root / "models",
-                         env={"OPML_LOG_FORMAT": "text"}).start()
+def start_worker(root: Path, kind: str, name: str = "") -> WorkerProcess:
+    """A worker of ``kind`` that also serves a local router on the Unix socket ``<root>/<name>.sock``."""
+    name = name or kind
+    return WorkerProcess(kind, root / "fleet.yaml", root / f"{name}.log", models_dir=root / "models",
+                         env={"OPML_LOG_FORMAT": "text"}, uds=root / f"{name}.sock").start()
 
 
 @pytest.fixture(scope="module")
@@ -225,21 +238,146 @@ def test_accel_runs_int8_on_fixed_shapes_within_its_slots(accel_worker: WorkerPr
 
 
 def test_sigterm_lets_queued_requests_finish(root: Path) -> None:
-    worker = start_worker(root, "cpu")
+    worker = start_worker(root, "cpu", "stopping")
     try:
         load(worker, "slow")  # batches wait up to 300 ms to fill: requests sit queued when SIGTERM comes
         client = triton.InferenceServerClient(worker.target)
-        with ThreadPoolExecutor(max_workers=4) as pool:
+        local = UdsReplica(worker.uds_target)
+
+        async def over_uds() -> list[bytes]:  # a local router's calls, queued in the same batch
+            try:
+                return await asyncio.gather(*(local.call("ModelInfer", _request("slow", seed=i), timeout_s=10)
+                                              for i in range(2)))
+            finally:
+                await local.close()
+
+        with ThreadPoolExecutor(max_workers=5) as pool:
             pending = [pool.submit(infer, client, "slow", features(1, seed=i)) for i in range(4)]
+            local_pending = pool.submit(asyncio.run, over_uds())
             time.sleep(0.1)
             worker.process.send_signal(signal.SIGTERM)
             replies = [future.result(timeout=10) for future in pending]
+            local_replies = [pb.ModelInferResponse.FromString(reply) for reply in local_pending.result(timeout=10)]
         assert all(reply.shape == (1, 4) for reply in replies)
+        assert [reply.model_name for reply in local_replies] == ["slow", "slow"]
         assert worker.process.wait(timeout=15) == 0
+        assert not (root / "stopping.sock").exists()
     finally:
         worker.kill()
+
+
+def _request(model: str, rows: int = 1, seed: int = 0, **kwargs: object) -> bytes:
+    return encode_request(model, {"features": features(rows, seed)}, **kwargs).SerializeToString()
+
+
+def _uds_count(worker: WorkerProcess, code: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{worker.metrics_port}/metrics", timeout=5).read().decode()
+    return sum(value for family in text_string_to_metric_families(text) for name, labels, value, *_ in family.samples
+               if name == "opml_inference_router_worker_uds_requests_total" and labels["code"] == code)
+
+
+async def test_the_unix_socket_answers_as_grpc_does(cpu_worker: WorkerProcess, root: Path) -> None:
+    load(cpu_worker, "mlp")
+    socket_path = root / "cpu.sock"
+    assert cpu_worker.uds_target == f"uds:{socket_path}"
+    assert stat.S_IMODE(os.stat(socket_path).st_mode) == 0o600  # the file is the right to call
+    local = UdsReplica(cpu_worker.uds_target)
+    try:
+        data = features(3, seed=7)
+        request = encode_request("mlp", {"features": data}, request_id="r-1")
+        replies = await asyncio.gather(*(local.call("ModelInfer", request.SerializeToString(), timeout_s=5)
+                                         for _ in range(8)))  # many calls in flight on one connection
+        with grpc.insecure_channel(cpu_worker.target) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            expected = stub.ModelInfer(request, timeout=5)
+            metadata = stub.ModelMetadata(pb.ModelMetadataRequest(name="mlp"), timeout=5)
+        assert all(pb.ModelInferResponse.FromString(reply) == expected for reply in replies)
+        assert expected.id == "r-1" and expected.model_version == "1"
+        scores = np.frombuffer(expected.raw_output_contents[0], dtype=np.float32).reshape(3, 4)
+        np.testing.assert_allclose(scores, reference(root, "mlp", data), rtol=1e-5, atol=1e-6)
+        assert await local.call("ModelMetadata", pb.ModelMetadataRequest(name="mlp").SerializeToString(),
+                                timeout_s=5) == metadata.SerializeToString()
+        ready = await local.call("ModelReady", pb.ModelReadyRequest(name="mlp", version="3").SerializeToString(),
+                                 timeout_s=5)
+        assert pb.ModelReadyResponse.FromString(ready).ready is False
+
+        async def refused_locally(request: bytes, timeout_s: float = 5) -> ReplicaFailed:
+            with pytest.raises(ReplicaFailed) as caught:
+                await local.call("ModelInfer", request, timeout_s=timeout_s)
+            return caught.value
+
+        missing = await refused_locally(_request("nope"))
+        assert (missing.code, missing.message, missing.retriable, missing.eject, missing.replica) == (
+            "NOT_FOUND", "model 'nope' is not loaded on this worker (loaded: mlp)", True, True, cpu_worker.uds_target)
+        wrong = await refused_locally(encode_request("mlp", {"features": data.astype(np.float64)}).SerializeToString())
+        assert (wrong.code, wrong.message, wrong.retriable) == (
+            "INVALID_ARGUMENT", "inputs[features]: expected FP32 [-1,16], got FP64 [3,16]", False)
+        garbage = await refused_locally(b"\xff\xff\xff")
+        assert garbage.code == "INVALID_ARGUMENT" and not garbage.retriable
+        late = await refused_locally(_request("mlp"), timeout_s=1e-6)
+        assert (late.code, late.retriable, late.eject) == ("DEADLINE_EXCEEDED", False, False)
+    finally:
+        await local.close()
+
+
+async def test_a_call_cancelled_on_the_unix_socket_leaves_the_batch_queue(cpu_worker: WorkerProcess) -> None:
+    """What a hedged request that lost does: the worker drops the call before it runs."""
+    load(cpu_worker, "slow")  # a fresh load: batches wait up to 300 ms to fill, so the call sits queued
+    local = UdsReplica(cpu_worker.uds_target)
+    cancelled_before = _uds_count(cpu_worker, "CANCELLED")
+    try:
+        call = asyncio.create_task(local.call("ModelInfer", _request("slow"), timeout_s=5))
+        await asyncio.sleep(0.1)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        await asyncio.sleep(0.5)  # past the batch delay: it would have run by now
+        reply = await local.call("ModelInfer", _request("slow"), timeout_s=5)  # the connection still serves
+        assert pb.ModelInferResponse.FromString(reply).model_name == "slow"
+    finally:
+        await local.close()
+    with grpc.insecure_channel(cpu_worker.target) as channel:
+        stats = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStatistics(
+            pb.ModelStatisticsRequest(name="slow"), timeout=5).model_stats[0]
+    assert stats.inference_count == 1  # only the second call ran
+    assert _uds_count(cpu_worker, "CANCELLED") == cancelled_before + 1
+
+
+async def test_a_missing_socket_is_unavailable_so_the_router_retries_elsewhere(tmp_path: Path) -> None:
+    local = UdsReplica(f"uds:{tmp_path / 'gone.sock'}")
+    with pytest.raises(ReplicaFailed) as caught:
+        await local.call("ModelInfer", b"", timeout_s=1)
+    assert (caught.value.code, caught.value.retriable, caught.value.eject) == ("UNAVAILABLE", True, True)
+    await local.close()
 
 
 def test_an_undeclared_kind_does_not_start(root: Path) -> None:
     with pytest.raises(RuntimeError, match=r"--pool-kind: must be a kind .* declares \(cpu, accel\), but got 'tpu'"):
         start_worker(root, "tpu")
+
+
+async def test_large_frames_and_many_calls_in_flight_share_one_connection(tmp_path: Path) -> None:
+    """The framing alone (an echoing servicer): frames split across reads, answers out of order."""
+    class Echo(service_pb2_grpc.GRPCInferenceServiceServicer):
+        async def ModelInfer(self, request: pb.ModelInferRequest, context: None) -> pb.ModelInferResponse:
+            await asyncio.sleep(0.001 * (int(request.id) % 5))  # later calls may answer first
+            return pb.ModelInferResponse(model_name=request.model_name, id=request.id,
+                                         raw_output_contents=request.raw_input_contents)
+
+    server = UdsServer(Echo(), tmp_path / "echo.sock", metrics=ServiceMetrics("inference-router-worker",
+                                                                              registry=CollectorRegistry()))
+    await server.start()
+    local = UdsReplica(f"uds:{tmp_path / 'echo.sock'}")
+    try:
+        payloads = [np.random.default_rng(size).bytes(size) for size in (0, 1, 70_000, 4_000_000)] * 3
+        requests = [pb.ModelInferRequest(model_name="m", id=str(i), raw_input_contents=[payload])
+                    for i, payload in enumerate(payloads)]
+        replies = await asyncio.gather(*(local.call("ModelInfer", request.SerializeToString(), timeout_s=30)
+                                         for request in requests))
+        for request, reply in zip(requests, replies):
+            answer = pb.ModelInferResponse.FromString(reply)
+            assert (answer.id, answer.raw_output_contents) == (request.id, request.raw_input_contents)
+    finally:
+        await local.close()
+        await server.stop(1.0)
+    assert not (tmp_path / "echo.sock").exists()

@@ -19,6 +19,7 @@ from opml.traces.v1 import events_pb2
 
 from opml_common.bus import CloudEvent, EventPublisher
 from opml_common.config import PlatformSettings
+from opml_common.errors import NotFound
 from opml_common.process import ServiceProcess
 from opml_common.storage import s3_client
 from opml_common.testing.bus import fresh_metrics
@@ -127,7 +128,7 @@ def eventually() -> Callable[..., object]:
         while True:
             try:
                 result = fn()
-            except AssertionError:
+            except (AssertionError, KeyError, NotFound):  # not there yet: a run or job still to arrive
                 result = None
             if result:
                 return result

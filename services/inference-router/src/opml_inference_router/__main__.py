@@ -33,7 +33,7 @@ from opml_inference_router.control.bundles import BundleFetcher
 from opml_inference_router.placement import load_fleet_config
 from opml_inference_router.predictions import PredictionLog
 from opml_inference_router.routing import Router
-from opml_inference_router.routing.grpc_replica import GrpcReplica
+from opml_inference_router.routing.uds_replica import connect
 from opml_inference_router.servicer import METHOD_ROLES, DeploymentServicer
 from opml_inference_router.settings import RouterSettings
 from opml_inference_router.worker.settings import WorkerSettings
@@ -53,8 +53,9 @@ async def serve(settings: RouterSettings, platform: PlatformSettings) -> None:
     token = settings.worker_token.get_secret_value() or secrets.token_urlsafe(24)
     pools = PoolManager(load_fleet_config(settings.fleet_path), settings.fleet_path, work_dir=settings.home,
                         metrics=metrics, token=token, threads_per_replica=settings.worker_threads_per_replica,
-                        startup_timeout_s=settings.worker_startup_timeout_s)
-    router = Router(connect=partial(GrpcReplica, token=token), metrics=metrics)
+                        startup_timeout_s=settings.worker_startup_timeout_s,
+                        route_over_uds=settings.worker_transport == "uds")
+    router = Router(connect=partial(connect, token=token), metrics=metrics)
     redis = redis_client(platform)
     async with EventPublisher(platform, source=EVENT_SOURCE, metrics=metrics) as publisher:
         outbox = Outbox(settings.home / "outbox", publisher, metrics)

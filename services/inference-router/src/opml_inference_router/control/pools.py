@@ -5,8 +5,16 @@ onnxruntime's available providers (a ``gpu`` pool only with ``CUDAExecutionProvi
 accelerator emulated with ``CPUExecutionProvider`` runs anywhere). :attr:`PoolManager.fleet` is the
 placement :class:`Fleet` of those pools, so the planner never places on a worker that does not run.
 
-A worker that dies (killed, crashed) is started again on new ports, and ``on_restart`` is awaited
-with its id and old and new addresses so the deployments re-load its replicas and re-route.
+Workers are local processes, so each can also serve inference on a Unix domain socket
+(``<work_dir>/workers/<id>.<start>.sock``, :mod:`opml_inference_router.worker.uds`). With ``route_over_uds``,
+:attr:`PoolWorker.address`, what the router calls, is that socket (``uds:<path>``; the router's
+``connect`` must then be :func:`opml_inference_router.routing.uds_replica.connect`): a hop that
+costs a fraction of a gRPC call (bench/inference_router_overhead.py). Health checks and the
+control plane's admin calls use the worker's gRPC port on TCP.
+
+A worker that dies (killed, crashed) is started again on new ports and a new socket (the dead one's
+file is removed), and ``on_restart`` is awaited with its id and old and new addresses so the deployments re-load its
+replicas and re-route.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +33,7 @@ from opml_common.metrics import ServiceMetrics
 
 from opml_inference_router.control.workers import WorkerClient
 from opml_inference_router.placement import Fleet, FleetConfig, Worker
-from opml_inference_router.worker import WorkerProcess
+from opml_inference_router.worker.process import MAX_UDS_PATH, WorkerProcess
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +42,7 @@ RestartHook = Callable[[str, str, str], Awaitable[None]]
 
 @dataclass
 class PoolWorker:
-    """One worker process of the fleet and the admin client of its current address."""
+    """One worker process of the fleet and the admin client of its TCP address."""
 
     worker: Worker
     process: WorkerProcess
@@ -43,7 +52,8 @@ class PoolWorker:
 
     @property
     def address(self) -> str:
-        return self.process.target
+        """Where the router reaches it: gRPC ``host:port``, or its Unix socket when it serves one."""
+        return self.process.local_target
 
     @property
     def alive(self) -> bool:
@@ -58,11 +68,15 @@ class PoolManager:
         start stops the ones started and raises. Idempotent.
         ``stop()``: stops the watch task, then every worker gracefully (SIGTERM). Idempotent.
         Metrics ``opml_inference_router_worker_restarts_total{worker}``, ``_workers_alive{pool_kind}``.
+
+    ``route_over_uds``: workers also serve on a Unix socket in ``<work_dir>/workers`` and
+    :attr:`PoolWorker.address` is that socket (``uds:<path>``) for the router; off, it is gRPC ``host:port``.
     """
 
     def __init__(self, config: FleetConfig, fleet_path: Path, *, work_dir: Path, metrics: ServiceMetrics,
                  token: str | None = None, threads_per_replica: int = 0, startup_timeout_s: float = 60.0,
-                 watch_interval_s: float = 0.5, providers: Sequence[str] | None = None) -> None:
+                 watch_interval_s: float = 0.5, providers: Sequence[str] | None = None,
+                 route_over_uds: bool = False) -> None:
         """Raises: FailedPrecondition when no pool of the fleet can run on this machine."""
         available = set(providers if providers is not None else ort.get_available_providers())
         runnable = {kind.name for kind in config.pool_kinds if kind.execution_provider in available}
@@ -75,12 +89,14 @@ class PoolManager:
         self.on_restart: RestartHook | None = None
         self._token = token
         self._watch_interval_s = watch_interval_s
+        self._sockets = work_dir / "workers" if route_over_uds else None
         env = {"OPML_AUTH_TOKENS": f"{token}=admin" if token else ""}
         extra = ("--threads-per-replica", str(threads_per_replica)) if threads_per_replica else ()
         self._workers = {
             worker.id: PoolWorker(worker, WorkerProcess(worker.kind.name, fleet_path,
                                                         work_dir / "workers" / f"{worker.id}.log", env=env,
-                                                        extra_args=extra, startup_timeout_s=startup_timeout_s))
+                                                        extra_args=extra, startup_timeout_s=startup_timeout_s,
+                                                        uds=self._socket(worker.id, 0)))
             for worker in self.fleet.workers}
         self._task: asyncio.Task | None = None
         self._restarts = metrics.counter("worker_restarts_total", "Worker processes restarted after they died.",
@@ -102,7 +118,7 @@ class PoolManager:
             await self._stop_workers()
             raise errors[0]
         for pool_worker in self._workers.values():
-            pool_worker.client = WorkerClient(pool_worker.address, token=self._token)
+            pool_worker.client = WorkerClient(pool_worker.process.target, token=self._token)
         log.info("workers started: %s", {w.worker.id: w.address for w in self._workers.values()})
         self._task = asyncio.create_task(self._watch(), name="pool-watch")
 
@@ -154,6 +170,9 @@ class PoolManager:
         code = pool_worker.process.process.returncode if pool_worker.process.process is not None else None
         log.warning("worker %s at %s died (exit %s); restarting", pool_worker.worker.id, old, code)
         pool_worker.process.kill()  # reaps it and closes its pipe
+        if pool_worker.process.uds is not None:  # a new socket: the router drops the old connection
+            pool_worker.process.uds.unlink(missing_ok=True)
+            pool_worker.process.uds = self._socket(pool_worker.worker.id, pool_worker.restarts + 1)
         try:
             await asyncio.to_thread(pool_worker.process.start)
         except Exception as error:  # noqa: BLE001 - keep watching; try again later
@@ -166,7 +185,7 @@ class PoolManager:
         self._restarts.labels(pool_worker.worker.id).inc()
         if pool_worker.client is not None:
             await pool_worker.client.close()
-        pool_worker.client = WorkerClient(pool_worker.address, token=self._token)
+        pool_worker.client = WorkerClient(pool_worker.process.target, token=self._token)
         log.info("worker %s restarted at %s", pool_worker.worker.id, pool_worker.address)
         if self.on_restart is not None:
             try:
@@ -180,3 +199,14 @@ class PoolManager:
             if pool_worker.client is not None:
                 await pool_worker.client.close()
                 pool_worker.client = None
+
+    def _socket(self, worker_id: str, start: int) -> Path | None:
+        """The socket of a worker's ``start``-th process; ``None`` without ``route_over_uds`` or when
+        the path is too long for a socket address (that worker is then reached over TCP)."""
+        if self._sockets is None:
+            return None
+        path = (self._sockets / f"{worker_id}.{start}.sock").absolute()
+        if len(os.fsencode(path)) <= MAX_UDS_PATH:
+            return path
+        log.warning("worker socket path %s is longer than %d bytes; the router will use TCP", path, MAX_UDS_PATH)
+        return None

@@ -1,8 +1,9 @@
 """The router's data plane: load-aware choice of replicas, admission, backup requests, retries, canary.
 
 Transport-free; the :class:`Replica` implementations are imported from their modules:
-:mod:`.grpc_replica` (a worker process over gRPC) and :mod:`.local_replica` (a worker's servicer in
-the router's own process). The frontend (KServe v2 gRPC servicer) is
+:mod:`.grpc_replica` (a worker process over gRPC), :mod:`.uds_replica` (a worker on this machine over
+its Unix socket; its ``connect`` picks between the two by address) and :mod:`.local_replica` (a
+worker's servicer in the router's own process). The frontend (KServe v2 gRPC servicer) is
 :mod:`opml_inference_router.frontend`.
 """
 

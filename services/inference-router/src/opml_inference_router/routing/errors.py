@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from opml_common.errors import DeadlineExceeded, OpmlError
 
-__all__ = ["DeadlineExceeded", "ReplicaFailed"]
+__all__ = ["RETRY", "DeadlineExceeded", "ReplicaFailed"]
+
+# A worker's status code name -> (retriable on another replica, eject this replica); others: neither.
+RETRY: dict[str, tuple[bool, bool]] = {
+    "UNAVAILABLE": (True, True),          # unreachable, killed mid-request, shutting down
+    "CANCELLED": (True, True),            # the worker cancelled the call (it is stopping)
+    "NOT_FOUND": (True, True),            # the model is not (or no longer) loaded there
+    "RESOURCE_EXHAUSTED": (True, False),  # busy: another replica may have room
+}
 
 
 class ReplicaFailed(OpmlError):

@@ -1,28 +1,21 @@
 """A replica reached over gRPC: one grpc.aio channel to a worker's GRPCInferenceService.
 
 Calls pass KServe v2 messages as bytes both ways (no serializer), so the router never decodes or
-re-encodes tensors. Status codes become :class:`ReplicaFailed` with the retry decision made here,
-the one place that knows what a gRPC code says about the worker.
+re-encodes tensors. Status codes become :class:`ReplicaFailed` with the retry decision of
+:data:`.errors.RETRY` (shared with :mod:`.uds_replica`, the cheaper hop to workers on this machine).
 """
 
 from __future__ import annotations
 
 import grpc
 
-from opml_inference_router.routing.errors import ReplicaFailed
+from opml_inference_router.routing.errors import RETRY, ReplicaFailed
 from opml_inference_router.routing.replicas import Replica
 
 SERVICE = "inference.GRPCInferenceService"
 _CALLS = ("ModelInfer", "ModelMetadata", "ModelReady")
 _MAX_MESSAGE = 64 * 1024 * 1024
 
-# code -> (retriable on another replica, eject this replica)
-_RETRY: dict[grpc.StatusCode, tuple[bool, bool]] = {
-    grpc.StatusCode.UNAVAILABLE: (True, True),         # unreachable, killed mid-request, shutting down
-    grpc.StatusCode.CANCELLED: (True, True),           # the worker cancelled the call (it is stopping)
-    grpc.StatusCode.NOT_FOUND: (True, True),           # the model is not (or no longer) loaded there
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (True, False),  # busy: another replica may have room
-}
 
 
 class GrpcReplica(Replica):
@@ -59,7 +52,7 @@ class GrpcReplica(Replica):
                 # The router's own credentials, not the caller's: the caller may retry later.
                 raise ReplicaFailed("UNAVAILABLE", "a worker refused the router's credentials; see the router's logs",
                                     retriable=True, eject=True, replica=self.name) from None
-            retriable, eject = _RETRY.get(code, (False, False))
+            retriable, eject = RETRY.get(code.name, (False, False))
             raise ReplicaFailed(code.name, exc.details() or code.name, retriable=retriable, eject=eject,
                                 replica=self.name) from None
 

@@ -1,15 +1,17 @@
 """Run a worker: ``python -m opml_inference_router.worker --pool-kind cpu --fleet fleet.yaml --port 0``.
 
 Once serving, the worker writes one JSON line to stdout, ``{"grpc_port": .., "metrics_port": ..,
-"pool_kind": .., "pid": ..}``, so a parent that asked for port 0 learns the bound ports (logs go to
-stderr). SIGTERM or SIGINT: health turns NOT_SERVING, in-flight calls finish within the grace
-period, queued requests are run, then the replicas are released.
+"pool_kind": .., "pid": ..}`` (with ``"uds": path`` when it also serves its local data plane on a
+Unix domain socket, ``--uds``: :mod:`.uds`), so a parent that asked for port 0 learns the bound
+ports (logs go to stderr). SIGTERM or SIGINT: health turns NOT_SERVING, in-flight calls finish
+within the grace period, queued requests are run, then the replicas are released.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -25,6 +27,8 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from opml_inference_router.placement.config import PoolKind, load_fleet_config
 from opml_inference_router.runtime import ModelRepository, WorkerMetrics, require_provider, thread_share
+from opml_inference_router.worker import uds
+from opml_inference_router.worker.process import MAX_UDS_PATH
 from opml_inference_router.worker.servicer import METHOD_ROLES, WorkerServicer
 from opml_inference_router.worker.settings import WorkerSettings
 
@@ -54,6 +58,8 @@ def pool_kind(settings: WorkerSettings) -> PoolKind:
 async def serve(settings: WorkerSettings, platform: PlatformSettings) -> None:
     """Serve until SIGINT/SIGTERM."""
     kind = pool_kind(settings)
+    if settings.uds is not None:
+        check_uds_path(settings.uds)
     metrics = ServiceMetrics(METRICS_NAMESPACE)
     repository = ModelRepository(kind, metrics=WorkerMetrics(metrics), models_dir=settings.models_dir,
                                  threads=settings.threads_per_replica or thread_share(kind),
@@ -67,13 +73,27 @@ async def serve(settings: WorkerSettings, platform: PlatformSettings) -> None:
                                        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, servicer)
     server = GrpcServer(settings=settings, platform=platform, metrics=metrics, registrations=[registration],
                         method_roles=METHOD_ROLES)
+    announcement: dict[str, object] = {"pool_kind": kind.name, "pid": os.getpid()}
     try:
-        async with server:
-            print(json.dumps({"grpc_port": server.port, "metrics_port": server.metrics_port,
-                              "pool_kind": kind.name, "pid": os.getpid()}), flush=True)
+        async with server, contextlib.AsyncExitStack() as local:
+            if settings.uds is not None:
+                await local.enter_async_context(uds.serving(servicer, settings.uds, metrics=metrics,
+                                                            grace_s=settings.shutdown_grace_s))
+                announcement["uds"] = str(settings.uds)
+            print(json.dumps({"grpc_port": server.port, "metrics_port": server.metrics_port, **announcement}),
+                  flush=True)
             await wait_for_signal()
     finally:
         await repository.close()
+
+
+def check_uds_path(path: Path) -> None:
+    """Raises: InvalidArgument when ``path`` cannot be a socket address or its directory is missing."""
+    if len(os.fsencode(path)) > MAX_UDS_PATH:
+        raise InvalidArgument("--uds", f"must be at most {MAX_UDS_PATH} bytes (a socket address), "
+                                       f"but got {len(os.fsencode(path))}: {path}")
+    if not path.parent.is_dir():
+        raise InvalidArgument("--uds", f"must be in an existing directory, but {path.parent} is not one")
 
 
 def parse_settings(argv: list[str]) -> WorkerSettings:
@@ -84,6 +104,8 @@ def parse_settings(argv: list[str]) -> WorkerSettings:
     parser.add_argument("--port", type=int, dest="grpc_port", help="gRPC port (0: pick a free one)")
     parser.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0: pick a free one)")
     parser.add_argument("--host", help="interface to bind")
+    parser.add_argument("--uds", type=Path, help="also serve inference on this Unix domain socket "
+                        "(the local router's cheaper hop, see worker/uds.py)")
     parser.add_argument("--models-dir", type=Path, help="directory of model bundles loaded by name")
     parser.add_argument("--threads-per-replica", type=int, help="intra-op threads per replica (0: auto)")
     given = {key: value for key, value in vars(parser.parse_args(argv)).items() if value is not None}

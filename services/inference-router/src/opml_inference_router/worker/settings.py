@@ -17,6 +17,9 @@ class WorkerSettings(ServiceSettings):
     models_dir: Path | None = Field(
         None, description="Directory of model bundles (<name>/model.yaml ...) that RepositoryModelLoad finds by "
         "name; without it, loads must name the bundle's path.")
+    uds: Path | None = Field(
+        None, description="Also serve inference on this Unix domain socket, for a router on the same machine "
+        "(a cheaper hop than gRPC; announced as \"uds\"). Health, metrics and the rest stay on gRPC/TCP.")
     threads_per_replica: int = Field(
         0, ge=0, description="Intra-op threads of each replica; 0: the worker's cores divided by the kind's slots.")
     profile_repeats: int = Field(20, ge=3, description="Timed runs per batch size when a load asks for a profile.")
