@@ -8,6 +8,8 @@ import json
 import os
 import stat
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -18,6 +20,7 @@ import grpc
 import numpy as np
 import onnx
 import onnxruntime as ort
+import psutil
 import pytest
 import tritonclient.grpc as triton
 import yaml
@@ -264,6 +267,22 @@ def test_sigterm_lets_queued_requests_finish(root: Path) -> None:
         assert not (root / "stopping.sock").exists()
     finally:
         worker.kill()
+
+
+def test_a_worker_whose_router_is_killed_stops(root: Path) -> None:
+    # The "router" here is a process that starts a worker the way the pool manager does, then dies by SIGKILL.
+    starter = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from opml_inference_router.worker.process import WorkerProcess; "
+         f"w = WorkerProcess('cpu', Path({str(root / 'fleet.yaml')!r}), Path({str(root / 'orphan.log')!r})).start(); "
+         "print(w.process.pid, flush=True); time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = psutil.Process(int(starter.stdout.readline()))
+        starter.kill()
+        starter.wait()
+        worker.wait(timeout=15)  # psutil.TimeoutExpired if it outlives its router
+    finally:
+        starter.kill()
 
 
 def _request(model: str, rows: int = 1, seed: int = 0, **kwargs: object) -> bytes:

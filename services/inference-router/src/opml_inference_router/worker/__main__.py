@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -35,6 +36,8 @@ from opml_inference_router.worker.settings import WorkerSettings
 SERVICE = "inference-router"
 METRICS_NAMESPACE = "inference-router-worker"  # opml_inference_router_worker_*: apart from the router's
 SERVER_NAME = "opml-inference-router-worker"
+
+log = logging.getLogger(__name__)
 
 
 def pool_kind(settings: WorkerSettings) -> PoolKind:
@@ -82,9 +85,22 @@ async def serve(settings: WorkerSettings, platform: PlatformSettings) -> None:
                 announcement["uds"] = str(settings.uds)
             print(json.dumps({"grpc_port": server.port, "metrics_port": server.metrics_port, **announcement}),
                   flush=True)
-            await wait_for_signal()
+            await until_stopped(settings.parent_pid)
     finally:
         await repository.close()
+
+
+async def until_stopped(parent_pid: int | None, *, check_s: float = 1.0) -> None:
+    """Return on SIGINT/SIGTERM, or once ``parent_pid`` is no longer our parent (it died)."""
+    signalled = asyncio.ensure_future(wait_for_signal())
+    try:
+        while not signalled.done():
+            if parent_pid is not None and os.getppid() != parent_pid:
+                log.warning("the router (pid %d) is gone: stopping", parent_pid)
+                return
+            await asyncio.wait({signalled}, timeout=check_s)
+    finally:
+        signalled.cancel()
 
 
 def check_uds_path(path: Path) -> None:
@@ -108,6 +124,7 @@ def parse_settings(argv: list[str]) -> WorkerSettings:
                         "(the local router's cheaper hop, see worker/uds.py)")
     parser.add_argument("--models-dir", type=Path, help="directory of model bundles loaded by name")
     parser.add_argument("--threads-per-replica", type=int, help="intra-op threads per replica (0: auto)")
+    parser.add_argument("--parent-pid", type=int, help="exit when this process is gone (the router that started us)")
     given = {key: value for key, value in vars(parser.parse_args(argv)).items() if value is not None}
     return WorkerSettings(**given)
 

@@ -62,7 +62,7 @@ class WorkerProcess:
         if self.process is not None and self.process.poll() is None:
             return self
         args = [sys.executable, "-m", MODULE, "--pool-kind", self.pool_kind, "--fleet", str(self.fleet),
-                "--port", "0", "--metrics-port", "0", *self.extra_args]
+                "--port", "0", "--metrics-port", "0", "--parent-pid", str(os.getpid()), *self.extra_args]
         if self.models_dir is not None:
             args += ["--models-dir", str(self.models_dir)]
         if self.uds is not None:

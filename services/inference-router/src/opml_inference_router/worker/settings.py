@@ -22,4 +22,7 @@ class WorkerSettings(ServiceSettings):
         "(a cheaper hop than gRPC; announced as \"uds\"). Health, metrics and the rest stay on gRPC/TCP.")
     threads_per_replica: int = Field(
         0, ge=0, description="Intra-op threads of each replica; 0: the worker's cores divided by the kind's slots.")
+    parent_pid: int | None = Field(
+        None, ge=1, description="Exit when this process (the router that started us) is gone: workers run in "
+        "sessions of their own, so a router killed with SIGKILL would otherwise leave them serving.")
     profile_repeats: int = Field(20, ge=3, description="Timed runs per batch size when a load asks for a profile.")
