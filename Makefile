@@ -48,4 +48,4 @@ bench: install
 	for b in bench/[!_]*.py; do $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) protos/python/opml protos/python/.generated .opml
+	rm -rf $(VENV) .venv-peers-* protos/python/opml protos/python/.generated .opml
