@@ -11,7 +11,6 @@ StepMetricsBatch events, filed under the job's id, are on the TRACES topic.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -25,10 +24,7 @@ from opml_common.topics import JOBS, TRACES
 from opml_job_orchestrator.client import JobClient
 from opml_job_orchestrator.spec import load_spec
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="needs tensorflow (the test extra)"),
-]
+pytestmark = pytest.mark.slow  # TensorFlow is in the test extra: these always run under make test
 
 PROGRAMS = Path(__file__).parent / "programs"
 TF_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
@@ -59,8 +55,6 @@ def test_two_worker_job_through_the_api(writer: JobClient, wait_for, platform_se
     assert all(e.subject == "mwms" for e in events)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("opml_trace_collector") is None,
-                    reason="needs the trace collector installed beside the orchestrator")
 def test_traced_job_reports_to_the_platforms_broker(writer: JobClient, wait_for, platform_settings,
                                                     tmp_path: Path) -> None:
     asyncio.run(ensure_topics(platform_settings, [TRACES]))  # the trace collector's service creates it in production

@@ -10,7 +10,6 @@ node holds one job at a time, so a TE job can only start by preempting the BE jo
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import sys
 import time
@@ -43,10 +42,7 @@ from opml_job_orchestrator.scheduler import (
     te_be_policy,
 )
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="needs tensorflow (the test extra)"),
-]
+pytestmark = pytest.mark.slow  # TensorFlow is in the test extra: these always run under make test
 
 PROGRAMS = Path(__file__).parent / "programs"
 TF_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
@@ -214,8 +210,6 @@ async def test_crashed_job_is_retried_and_resumes_from_its_checkpoint(
     assert reported == [(0, 10), (0, 20), (1, 30), (1, 40)]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("opml_trace_collector") is None,
-                    reason="needs the trace collector installed beside the orchestrator")
 async def test_a_traced_job_runs_unchanged_under_the_trace_collector(
         executor: Recording, tmp_path: Path, until_job_event, job_event) -> None:
     nowhere = f"127.0.0.1:{free_port()}"  # a broker address where none listens: the tracer spools its events

@@ -106,7 +106,7 @@ def test_sitecustomize_chains_to_the_one_it_shadows(tmp_path: Path) -> None:
 
 
 def _space():
-    xplane_pb2 = pytest.importorskip("tensorflow.tsl.profiler.protobuf.xplane_pb2")
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2  # what the tracer's converter reads
     space = xplane_pb2.XSpace()
     env = space.planes.add(name="Task Environment")
     env.stat_metadata[1].name = "profile_start_time"
