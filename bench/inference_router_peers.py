@@ -36,7 +36,6 @@ import os
 import platform
 import select
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,6 +49,7 @@ import aiohttp
 import grpc
 import numpy as np
 import onnxruntime as ort
+from opml_common.devinfra import free_port
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
@@ -76,12 +76,6 @@ def peer_python(peer: str) -> Path:
         subprocess.run([str(python), "-m", "pip", "install", "-q", "-r",
                         str(BENCH / f"requirements-peers-{peer}.txt")], check=True)
     return python
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def start(args: list[str], log: Path, *, env: dict[str, str] | None = None, cwd: Path | None = None,

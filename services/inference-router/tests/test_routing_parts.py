@@ -13,6 +13,7 @@ from tritonclient.grpc import service_pb2
 
 from opml_inference_router.routing import ConcurrencyLimiter, LatencyWindow, ReplicaSet, Shed, TrafficSplit
 from opml_inference_router.routing import wire
+from opml_inference_router.routing.errors import ReplicaFailed
 from opml_inference_router.routing.replicas import Replica
 
 
@@ -25,6 +26,23 @@ class _Named(Replica):
 
     async def close(self) -> None:  # pragma: no cover
         pass
+
+
+# -- replica errors -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("code", "message", "expected"), [
+    ("UNAVAILABLE", "connection reset", ("UNAVAILABLE", "connection reset", True, True)),
+    ("NOT_FOUND", "", ("NOT_FOUND", "NOT_FOUND", True, True)),
+    ("RESOURCE_EXHAUSTED", "busy", ("RESOURCE_EXHAUSTED", "busy", True, False)),
+    ("INVALID_ARGUMENT", "inputs[x]: bad", ("INVALID_ARGUMENT", "inputs[x]: bad", False, False)),
+    ("PERMISSION_DENIED", "no", ("UNAVAILABLE", "a worker refused the router's credentials; see the router's logs",
+                                 True, True)),
+])
+def test_a_workers_status_decides_retry_and_ejection_the_same_for_every_transport(
+        code: str, message: str, expected: tuple[str, str, bool, bool]) -> None:
+    failure = ReplicaFailed.of_status(code, message, replica="w1")
+    assert (failure.code, failure.message, failure.retriable, failure.eject) == expected
+    assert failure.replica == "w1"
 
 
 # -- wire ---------------------------------------------------------------------------------------
@@ -63,7 +81,8 @@ def test_version_leads_tells_whether_a_response_names_its_version(
     data = response.SerializeToString()
     assert wire.version_leads(data) is leads
     if not leads:  # then the router appends it
-        assert service_pb2.ModelInferResponse.FromString(wire.with_field(data, wire.MODEL_VERSION, "5")).model_version == "5"
+        amended = wire.with_field(data, wire.MODEL_VERSION, "5")
+        assert service_pb2.ModelInferResponse.FromString(amended).model_version == "5"
 
 
 @pytest.mark.parametrize("data", [b"\x0a\x05ab", b"\x0b", b"\x0a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01"])

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from importlib import metadata
 
 import grpc
 from opml_common.errors import InvalidArgument
 from opml_common.grpc.server import ServiceRegistration
 from tritonclient.grpc import service_pb2 as pb
 
+from opml_inference_router import package_version
 from opml_inference_router.predictions import PredictionLog
 from opml_inference_router.routing import Router, wire
 
@@ -38,10 +38,7 @@ class InferenceFrontend:
     def __init__(self, router: Router, *, predictions: PredictionLog | None = None) -> None:
         self.router = router
         self.predictions = predictions
-        try:
-            self._version = metadata.version("opml-inference-router")
-        except metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
-            self._version = "0"
+        self._version = package_version()
         # The owner sets it False when it starts draining: ServerReady says no, so balancers move away.
         self.accepting = True
 
@@ -69,8 +66,9 @@ class InferenceFrontend:
                                          timeout_s=context.time_remaining() or _METADATA_TIMEOUT_S)
 
     async def ModelInfer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        received = time.time()
-        start = time.perf_counter()
+        predictions = self.predictions
+        if predictions is not None:  # timed only for the log: the router's own metrics time the rest
+            received, start = time.time(), time.perf_counter()
         try:
             header = wire.read_header(request)
         except wire.MalformedMessage as exc:
@@ -83,11 +81,10 @@ class InferenceFrontend:
         response = routed.response
         if not wire.version_leads(response):
             response = wire.with_field(response, wire.MODEL_VERSION, routed.version)
-        if self.predictions is not None:
-            self.predictions.record(request_id=header.request_id or uuid.uuid4().hex, model=header.model_name,
-                                    routed=routed,
-                                    request=request, response=response, received=received,
-                                    latency_s=time.perf_counter() - start)
+        if predictions is not None:
+            predictions.record(request_id=header.request_id or uuid.uuid4().hex, model=header.model_name,
+                               routed=routed, request=request, response=response, received=received,
+                               latency_s=time.perf_counter() - start)
         return response
 
     def registration(self) -> ServiceRegistration:

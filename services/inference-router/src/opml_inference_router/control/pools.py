@@ -30,10 +30,13 @@ from pathlib import Path
 import onnxruntime as ort
 from opml_common.errors import FailedPrecondition, NotFound
 from opml_common.metrics import ServiceMetrics
+from opml_common.retry import Backoff
 
 from opml_inference_router.control.workers import WorkerClient
 from opml_inference_router.placement import Fleet, FleetConfig, Worker
 from opml_inference_router.worker.process import MAX_UDS_PATH, WorkerProcess
+
+_RESTART_BACKOFF = Backoff(base_s=1.0, max_s=30.0)  # after the n-th failed restart in a row: 1, 2, 4 .. 30 s
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +181,7 @@ class PoolManager:
         except Exception as error:  # noqa: BLE001 - keep watching; try again later
             pool_worker.failures += 1
             log.error("worker %s failed to restart (%s); retrying", pool_worker.worker.id, error)
-            await asyncio.sleep(min(30.0, 0.5 * 2 ** pool_worker.failures))
+            await asyncio.sleep(_RESTART_BACKOFF.delay(pool_worker.failures - 1))
             return
         pool_worker.failures = 0
         pool_worker.restarts += 1

@@ -12,7 +12,8 @@ import json
 from pathlib import Path
 
 import grpc
-from opml_common.errors import OpmlError, Unavailable, from_status
+from opml_common.errors import OpmlError, Unavailable
+from opml_common.grpc.client import domain_error
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
@@ -78,7 +79,7 @@ class WorkerClient:
         try:
             return await method(request, timeout=timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as error:
-            code = error.code()
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
-                raise Unavailable(f"worker {self.address}: {error.details() or code.name}") from None
-            raise from_status(code.name, error.details() or "") from None
+            failure = domain_error(error)  # UNAVAILABLE and DEADLINE_EXCEEDED: Unavailable
+            if isinstance(failure, Unavailable) or error.code() == grpc.StatusCode.CANCELLED:
+                raise Unavailable(f"worker {self.address}: {error.details() or error.code().name}") from None
+            raise failure from None

@@ -93,13 +93,13 @@ def decode_inputs(request: pb.ModelInferRequest, config: ModelConfig, *, max_bat
     Raises:
         InvalidArgument: naming the bad input (``inputs[image]``) with the expected and the received form.
     """
-    check_input_names([tensor.name for tensor in request.inputs], config)
-    check_output_names([output.name for output in request.outputs], config)
+    specs = check_input_names([tensor.name for tensor in request.inputs], config)
+    if request.outputs:
+        check_output_names([output.name for output in request.outputs], config)
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise InvalidArgument("raw_input_contents", f"holds {len(raw)} tensors, but the request has "
                                                     f"{len(request.inputs)} inputs; send all inputs raw or none")
-    specs = {spec.name: spec for spec in config.inputs}
     arrays: dict[str, np.ndarray] = {}
     batch: int | None = None
     for index, tensor in enumerate(request.inputs):

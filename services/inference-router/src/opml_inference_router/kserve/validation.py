@@ -52,8 +52,9 @@ def check_input(spec: TensorSpec, config: ModelConfig, datatype: str, shape: Seq
                                   f"batch size must be <= {max_batch} (max_batch_size), but got {shape[0]}")
 
 
-def check_input_names(names: Sequence[str], config: ModelConfig) -> None:
-    """Refuses unknown, repeated or missing input names.
+def check_input_names(names: Sequence[str], config: ModelConfig) -> dict[str, TensorSpec]:
+    """Refuses unknown, repeated or missing input names; returns the inputs' specs by name (the
+    caller checks each tensor against its spec without building the map again).
 
     Raises:
         InvalidArgument: field ``inputs[<name>]`` (unknown or repeated) or ``inputs`` (missing).
@@ -68,10 +69,11 @@ def check_input_names(names: Sequence[str], config: ModelConfig) -> None:
         if name in seen:
             raise InvalidArgument(f"inputs[{name}]", "appears twice; send each input once")
         seen.add(name)
-    missing = [spec for spec in config.inputs if spec.name not in seen]
-    if missing:
+    if len(seen) < len(declared):  # every name is declared and unique: some input is missing
+        missing = [spec for spec in config.inputs if spec.name not in seen]
         listing = ", ".join(f"{s.name} ({expected_form(s, config)})" for s in missing)
         raise InvalidArgument("inputs", f"model {config.name} needs input {listing}, but the request lacks it")
+    return declared
 
 
 def check_output_names(names: Sequence[str], config: ModelConfig) -> None:

@@ -86,10 +86,6 @@ class KindUsage:
     def slot_utilization(self) -> float:
         return self.used_slots / self.slots if self.slots else 0.0
 
-    @property
-    def memory_utilization(self) -> float:
-        return self.used_memory_mib / self.memory_mib if self.memory_mib else 0.0
-
 
 @dataclass(frozen=True)
 class Plan:

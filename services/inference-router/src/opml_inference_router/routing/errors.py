@@ -34,3 +34,15 @@ class ReplicaFailed(OpmlError):
         self.retriable = retriable
         self.eject = eject
         self.replica = replica  # kept out of the message: callers need not know the worker's address
+
+    @classmethod
+    def of_status(cls, code: str, message: str, *, replica: str) -> ReplicaFailed:
+        """A worker's error status as a failure with :data:`RETRY`'s decision (one place for every transport).
+
+        A worker refusing the router's own credentials (UNAUTHENTICATED, PERMISSION_DENIED) is not the
+        caller's fault: it becomes UNAVAILABLE, retried elsewhere, with a message pointing at the router.
+        """
+        if code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+            code, message = "UNAVAILABLE", "a worker refused the router's credentials; see the router's logs"
+        retriable, eject = RETRY.get(code, (False, False))
+        return cls(code, message or code, retriable=retriable, eject=eject, replica=replica)

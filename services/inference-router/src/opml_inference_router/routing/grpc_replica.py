@@ -2,20 +2,20 @@
 
 Calls pass KServe v2 messages as bytes both ways (no serializer), so the router never decodes or
 re-encodes tensors. Status codes become :class:`ReplicaFailed` with the retry decision of
-:data:`.errors.RETRY` (shared with :mod:`.uds_replica`, the cheaper hop to workers on this machine).
+:meth:`.errors.ReplicaFailed.of_status` (shared with :mod:`.uds_replica`, the cheaper hop to workers
+on this machine, and :mod:`.local_replica`).
 """
 
 from __future__ import annotations
 
 import grpc
 
-from opml_inference_router.routing.errors import RETRY, ReplicaFailed
+from opml_inference_router.routing.errors import ReplicaFailed
 from opml_inference_router.routing.replicas import Replica
 
 SERVICE = "inference.GRPCInferenceService"
 _CALLS = ("ModelInfer", "ModelMetadata", "ModelReady")
 _MAX_MESSAGE = 64 * 1024 * 1024
-
 
 
 class GrpcReplica(Replica):
@@ -47,14 +47,7 @@ class GrpcReplica(Replica):
         try:
             return await self._calls[method](request, timeout=timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
-            code = exc.code()
-            if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                # The router's own credentials, not the caller's: the caller may retry later.
-                raise ReplicaFailed("UNAVAILABLE", "a worker refused the router's credentials; see the router's logs",
-                                    retriable=True, eject=True, replica=self.name) from None
-            retriable, eject = RETRY.get(code.name, (False, False))
-            raise ReplicaFailed(code.name, exc.details() or code.name, retriable=retriable, eject=eject,
-                                replica=self.name) from None
+            raise ReplicaFailed.of_status(exc.code().name, exc.details(), replica=self.name) from None
 
     async def close(self) -> None:
         await self._channel.close()

@@ -7,14 +7,14 @@ so a worker killed mid-request takes the router with it, which remote replicas s
 
 Wraps any ``GRPCInferenceServiceServicer`` (the worker's ``WorkerServicer`` over a
 ``ModelRepository``, with its dynamic batching); the servicer's platform errors become
-:class:`ReplicaFailed` with the same retry decisions as :mod:`.grpc_replica`.
+:class:`ReplicaFailed` with the same retry decisions as :mod:`.grpc_replica` (``ReplicaFailed.of_status``).
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from opml_common.errors import NotFound, OpmlError, ResourceExhausted, Unavailable
+from opml_common.errors import OpmlError
 from tritonclient.grpc import service_pb2 as pb
 
 from opml_inference_router.routing.errors import ReplicaFailed
@@ -39,9 +39,7 @@ class LocalReplica(Replica):
             raise ReplicaFailed("DEADLINE_EXCEEDED", f"no answer within {timeout_s * 1000:.1f} ms",
                                 retriable=False, eject=False, replica=self.name) from None
         except OpmlError as exc:
-            retriable = isinstance(exc, (NotFound, ResourceExhausted, Unavailable))
-            raise ReplicaFailed(exc.code, exc.message, retriable=retriable,
-                                eject=isinstance(exc, (NotFound, Unavailable)), replica=self.name) from None
+            raise ReplicaFailed.of_status(exc.code, exc.message, replica=self.name) from None
         return reply.SerializeToString()
 
     async def close(self) -> None:

@@ -6,8 +6,6 @@ from opml_common.metrics import ServiceMetrics
 
 from opml_inference_router.routing.replicas import ReplicaState
 
-SERVICE = "inference-router"
-
 
 class RouterMetrics:
     """``opml_inference_router_*`` routing metrics of one process."""

@@ -106,7 +106,7 @@ class Router:
             served.replicas.eject_s = policy.eject_s
             served.replicas.max_eject_s = max(served.replicas.max_eject_s, policy.eject_s)
         if model.split is not None:
-            model.split = TrafficSplit(model.split.weights, sticky=policy.sticky_canary, rng=self._rng)
+            model.split = self._split(model, model.split.weights)
 
     async def remove_model(self, name: str) -> None:
         """Stop serving a model: new requests get NOT_FOUND, in-flight ones finish.
@@ -139,7 +139,7 @@ class Router:
             served = route.versions[version] = _Version(model, version, replicas,
                                                         self._metrics.version(model, version))
             if route.split is None:
-                route.split = TrafficSplit({version: 1.0}, sticky=route.policy.sticky_canary, rng=self._rng)
+                route.split = self._split(route, {version: 1.0})
                 route.stable = version
         if any(state.name == address for state in served.replicas):
             return
@@ -168,7 +168,7 @@ class Router:
         for version, weight in weights.items():
             if weight > 0:
                 self._version(route, version)
-        route.split = TrafficSplit(weights, sticky=route.policy.sticky_canary, rng=self._rng)
+        route.split = self._split(route, weights)
         if route.split.only is not None:
             route.stable = route.split.only
 
@@ -184,8 +184,7 @@ class Router:
         if route.stable is None or route.stable == version:
             raise FailedPrecondition(f"model {model!r} has no other stable version to keep serving "
                                      f"{100 - percent}% of its traffic; use promote instead")
-        route.split = TrafficSplit({route.stable: 100 - percent, version: percent},
-                                   sticky=route.policy.sticky_canary, rng=self._rng)
+        route.split = self._split(route, {route.stable: 100 - percent, version: percent})
 
     def promote(self, model: str, version: str | None = None) -> str:
         """Give ``version`` (default: the canary) all traffic and make it the stable version.
@@ -200,7 +199,7 @@ class Router:
                                          "name the one to promote")
             version = canaries[0]
         self._version(route, version)
-        route.split = TrafficSplit({version: 1.0}, sticky=route.policy.sticky_canary, rng=self._rng)
+        route.split = self._split(route, {version: 1.0})
         route.stable = version
         return version
 
@@ -209,7 +208,7 @@ class Router:
         route = self._model(model)
         if route.stable is None:
             raise FailedPrecondition(f"model {model!r} has no stable version to roll back to")
-        route.split = TrafficSplit({route.stable: 1.0}, sticky=route.policy.sticky_canary, rng=self._rng)
+        route.split = self._split(route, {route.stable: 1.0})
         return route.stable
 
     def describe(self, model: str) -> dict[str, Any]:
@@ -420,6 +419,10 @@ class Router:
         return response
 
     # ------------------------------------------------------------------------------------------
+
+    def _split(self, route: _Model, weights: Mapping[str, float]) -> TrafficSplit:
+        """Raises: InvalidArgument (bad weights)."""
+        return TrafficSplit(weights, sticky=route.policy.sticky_canary, rng=self._rng)
 
     def _model(self, name: str) -> _Model:
         route = self._models.get(name)

@@ -13,10 +13,19 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-from opml_inference_router.routing.errors import RETRY, ReplicaFailed
+from opml_inference_router.routing.errors import ReplicaFailed
 from opml_inference_router.routing.grpc_replica import GrpcReplica
 from opml_inference_router.routing.replicas import Replica
-from opml_inference_router.worker.uds import CANCEL, CODE_NAMES, KINDS, OK, RESPONSE, SCHEME, request_frame
+from opml_inference_router.worker.uds import (
+    CANCEL,
+    CODE_NAMES,
+    KINDS,
+    OK,
+    RESPONSE,
+    SCHEME,
+    frame_body,
+    request_frame,
+)
 
 
 class UdsReplica(Replica):
@@ -54,12 +63,8 @@ class UdsReplica(Replica):
             connection.pending.pop(call_id, None)
         if status == OK:
             return body
-        code = CODE_NAMES.get(status, "UNKNOWN")
-        if code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):  # as over gRPC: not the caller's fault
-            code = "UNAVAILABLE"
-        retriable, eject = RETRY.get(code, (False, False))
-        raise ReplicaFailed(code, body.decode("utf-8", "replace") or code, retriable=retriable, eject=eject,
-                            replica=self.name)
+        raise ReplicaFailed.of_status(CODE_NAMES.get(status, "UNKNOWN"), body.decode("utf-8", "replace"),
+                                      replica=self.name)
 
     async def _connect(self) -> _Connection:
         async with self._connecting:
@@ -116,7 +121,7 @@ class _Connection(asyncio.Protocol):
             start = body_start + length
             future = self.pending.pop(call_id, None)
             if future is not None and not future.done():
-                future.set_result((status, bytes(buffer[body_start:start])))
+                future.set_result((status, frame_body(buffer, body_start, start)))
         del buffer[:start]
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -31,7 +31,7 @@ from opml_inference_router.runtime.replica import Replica, Tensors
 INLINE_BELOW_S = 0.0002
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
     inputs: Tensors
     rows: int
@@ -147,9 +147,8 @@ class DynamicBatcher:
         self._queued_rows += rows
         self.metrics.queue_depth.inc()
         self._wake.set()
-        start = time.perf_counter()
         result = await pending.future
-        self.metrics.latency.observe(time.perf_counter() - start)
+        self.metrics.latency.observe(loop.time() - pending.enqueued)
         return result
 
     async def _dispatch(self) -> None:

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import sys
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from opml_common.config import PlatformSettings
@@ -26,6 +25,7 @@ from opml_common.logging import configure_logging
 from opml_common.metrics import ServiceMetrics
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from opml_inference_router import package_version
 from opml_inference_router.placement.config import PoolKind, load_fleet_config
 from opml_inference_router.runtime import ModelRepository, WorkerMetrics, require_provider, thread_share
 from opml_inference_router.worker import uds
@@ -67,11 +67,7 @@ async def serve(settings: WorkerSettings, platform: PlatformSettings) -> None:
     repository = ModelRepository(kind, metrics=WorkerMetrics(metrics), models_dir=settings.models_dir,
                                  threads=settings.threads_per_replica or thread_share(kind),
                                  profile_repeats=settings.profile_repeats)
-    try:
-        package_version = version("opml-inference-router")
-    except PackageNotFoundError:
-        package_version = "0"
-    servicer = WorkerServicer(repository, server_name=SERVER_NAME, server_version=package_version)
+    servicer = WorkerServicer(repository, server_name=SERVER_NAME, server_version=package_version())
     registration = ServiceRegistration(service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
                                        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, servicer)
     server = GrpcServer(settings=settings, platform=platform, metrics=metrics, registrations=[registration],
