@@ -180,17 +180,6 @@ async def test_job_succeeds_when_chief_exits_without_awaiting_ps(
     assert isinstance(events[-1], JobEvent)  # task events come first
 
 
-async def test_without_chief_job_succeeds_when_every_worker_has(
-        executor: LocalExecutor, until_job_event, job_event, task_states) -> None:
-    job = spec("workers", worker=2, ps=1)
-    code = "import os, time; time.sleep(0.1 + 0.4 * int(os.environ['OPML_TASK_INDEX']))"
-    await executor.launch(job, JobProgram(commands={"worker": py(code), "ps": py(SLEEP)}), placement(job), attempt=0)
-    events = await until_job_event(executor, "workers")
-    assert job_event(events).outcome is JobOutcome.SUCCEEDED
-    states = task_states(events)
-    assert states[("worker", 1)][-1] is TaskState.SUCCEEDED and states[("ps", 0)][-1] is TaskState.STOPPED
-
-
 async def test_a_failing_task_fails_the_run_and_stops_the_others(
         executor: LocalExecutor, until_job_event, job_event, task_states) -> None:
     job = spec("crash", worker=2)

@@ -77,10 +77,11 @@ async def serve(settings: JobOrchestratorSettings, platform: PlatformSettings) -
 
         def on_change(event: LifecycleEvent) -> None:
             """Every transition: saved to Redis, published on JOBS, shown to watchers, counted."""
-            status, definition = orchestrator.get(event.job_id), orchestrator.definition(event.job_id)
-            store.save(job_to_proto(definition, status))
-            events.publish(event.job_id, event_to_proto(event, status, definition))
-            watch.notify(change_to_proto(event, status))
+            definition = orchestrator.definition(event.job_id)
+            job = job_to_proto(definition, orchestrator.get(event.job_id))
+            store.save(job)
+            events.publish(event.job_id, event_to_proto(event, job))
+            watch.notify(change_to_proto(event, job))
             job_metrics.observe(event, definition.spec.job_class)
 
         orchestrator = Orchestrator(

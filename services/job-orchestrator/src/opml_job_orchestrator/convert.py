@@ -68,13 +68,15 @@ def saved_job_from_proto(message: pb.Job) -> SavedJob:
     return SavedJob(definition_from_proto(message.spec), status_from_proto(message.status))
 
 
-def change_to_proto(event: LifecycleEvent, status: JobStatus) -> pb.JobChange:
-    return pb.JobChange(kind=KINDS[event.kind], status=status_to_proto(status), message=event.message)
+def change_to_proto(event: LifecycleEvent, job: pb.Job) -> pb.JobChange:
+    """The watch stream's message of one lifecycle event of ``job`` (as :func:`job_to_proto` made it)."""
+    return pb.JobChange(kind=KINDS[event.kind], status=job.status, message=event.message)
 
 
-def event_to_proto(event: LifecycleEvent, status: JobStatus, definition: JobDefinition) -> Message:
-    """The CloudEvent data of one lifecycle event; ``JobSubmitted`` also carries the spec."""
-    message = EVENT_MESSAGES[event.kind](status=status_to_proto(status), message=event.message)
+def event_to_proto(event: LifecycleEvent, job: pb.Job) -> Message:
+    """The CloudEvent data of one lifecycle event of ``job`` (as :func:`job_to_proto` made it, so a
+    transition converts its status and spec once); ``JobSubmitted`` also carries the spec."""
+    message = EVENT_MESSAGES[event.kind](status=job.status, message=event.message)
     if event.kind is EventKind.SUBMITTED:
-        message.spec.CopyFrom(definition_to_proto(definition))
+        message.spec.CopyFrom(job.spec)
     return message

@@ -27,7 +27,7 @@ import enum
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from types import TracebackType
 
 from opml_common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, OpmlError
@@ -141,13 +141,11 @@ queues the event and sends it from its own task. What it raises is logged and dr
 
 
 class _Job:
-    __slots__ = ("definition", "spec", "program", "retry_policy", "state", "attempt", "retries", "preemptions",
-                 "cause", "submitted_at", "started_at", "updated_at", "ended_at", "retry_at", "checkpoint_step")
+    __slots__ = ("definition", "retry_policy", "state", "attempt", "retries", "preemptions",
+                 "cause", "submitted_at", "started_at", "updated_at", "ended_at", "checkpoint_step")
 
     def __init__(self, definition: JobDefinition, retry_policy: RetryPolicy, now: float) -> None:
         self.definition = definition
-        self.spec = definition.spec
-        self.program = definition.program
         self.retry_policy = retry_policy
         self.state = JobState.PENDING
         self.attempt = -1
@@ -158,18 +156,24 @@ class _Job:
         self.started_at: float | None = None
         self.updated_at = now
         self.ended_at: float | None = None
-        self.retry_at: float | None = None
-        """Monotonic time to queue a RETRYING job again; None once queued."""
         self.checkpoint_step: int | None = None
+
+    @property
+    def spec(self) -> JobSpec:
+        return self.definition.spec
+
+    @property
+    def program(self) -> JobProgram:
+        return self.definition.program
 
     def status(self) -> JobStatus:
         return JobStatus(self.spec.job_id, self.state, self.attempt, self.retries, self.preemptions, self.cause,
                          self.submitted_at, self.started_at, self.updated_at, self.ended_at, self.checkpoint_step)
 
     def restore(self, status: JobStatus) -> None:
-        for name in ("state", "attempt", "retries", "preemptions", "cause", "submitted_at", "started_at",
-                     "updated_at", "ended_at", "checkpoint_step"):
-            setattr(self, name, getattr(status, name))
+        for field in fields(status):
+            if field.name != "job_id":  # the spec's
+                setattr(self, field.name, getattr(status, field.name))
 
 
 class Orchestrator:
@@ -203,6 +207,9 @@ class Orchestrator:
         self._grace_s = check_seconds(terminate_grace_s, "terminate_grace_s", positive=False)
         self._max_wait_s = check_seconds(max_wait_s, "max_wait_s", positive=True)
         self._jobs: dict[str, _Job] = {}
+        self._retry_at: dict[str, float] = {}
+        """Monotonic time to queue each RETRYING job again, until it is queued (due ones go in the
+        order their runs failed): the loop looks only at these, not at every job ever submitted."""
         self._lock = asyncio.Lock()
         """Held while the loop acts on the scheduler and executor, and by cancel and preempt."""
         self._wake = asyncio.Event()
@@ -292,9 +299,8 @@ class Orchestrator:
             if job.state in TERMINAL_STATES:
                 raise FailedPrecondition(f"cannot cancel job {job_id!r}: it already {job.state.value}.")
             was_running = job.state is JobState.RUNNING
-            if job.retry_at is None:
+            if self._retry_at.pop(job_id, None) is None:
                 self._scheduler.cancel(job_id, now=time.monotonic())
-            job.retry_at = None
             self._end(job, JobState.CANCELLED, "cancelled")
             self._emit(job, EventKind.CANCELLED, "cancelled")
             if was_running:
@@ -406,9 +412,9 @@ class Orchestrator:
             for job in jobs:
                 if job.state in (JobState.PENDING, JobState.PREEMPTED):
                     self._admit_restored(job, lambda spec: self._scheduler.submit(spec, now=now))
-                elif job.state is JobState.RETRYING and job.retry_at is None:
+                elif job.state is JobState.RETRYING and job.spec.job_id not in self._retry_at:
                     if self._admit_restored(job, self._scheduler.cluster.check_admissible):
-                        job.retry_at = now
+                        self._retry_at[job.spec.job_id] = now
         self._wake.set()
 
     async def _adopt(self, job: _Job, placement: Mapping[str, tuple[str, ...]], now: float) -> None:
@@ -427,8 +433,7 @@ class Orchestrator:
             admit(job.spec)
         except InvalidArgument as exc:
             cause = f"the cluster can no longer hold it after a restart: {exc.message}"
-            self._end(job, JobState.FAILED, cause)
-            self._emit(job, EventKind.FAILED, cause)
+            self._fail(job, cause)
             return False
         return True
 
@@ -465,10 +470,9 @@ class Orchestrator:
     async def _step(self) -> None:
         """Queue the jobs whose retry delay is over, schedule, and carry out the decisions."""
         now = time.monotonic()
-        for job in self._jobs.values():
-            if job.retry_at is not None and job.retry_at <= now:
-                job.retry_at = None
-                self._scheduler.submit(job.spec, now=now)
+        for job_id in [job_id for job_id, at in self._retry_at.items() if at <= now]:
+            del self._retry_at[job_id]
+            self._scheduler.submit(self._jobs[job_id].spec, now=now)
         for decision in self._scheduler.schedule(now=now):
             job = self._jobs[decision.job_id]
             if isinstance(decision, PreemptJob):
@@ -488,8 +492,7 @@ class Orchestrator:
             await self._executor.launch(job.spec, job.program, decision.placement, attempt=job.attempt)
         except OpmlError as exc:
             self._scheduler.finish(job.spec.job_id, now=time.monotonic())
-            self._end(job, JobState.FAILED, f"could not launch: {exc}")
-            self._emit(job, EventKind.FAILED, job.cause or "")
+            self._fail(job, f"could not launch: {exc}")
             return
         job.state = JobState.RUNNING
         job.updated_at = time.time()
@@ -522,13 +525,12 @@ class Orchestrator:
         """A run of ``job`` (no longer in the scheduler) failed: retry it after the policy's delay, or fail it."""
         delay_s = job.retry_policy.next_delay(job.retries, retriable=retriable)
         if delay_s is None:
-            self._end(job, JobState.FAILED, cause)
-            self._emit(job, EventKind.FAILED, cause)
+            self._fail(job, cause)
             return
         job.retries += 1
         job.state = JobState.RETRYING
         job.cause = cause
-        job.retry_at = time.monotonic() + delay_s
+        self._retry_at[job.spec.job_id] = time.monotonic() + delay_s
         job.updated_at = time.time()
         self._emit(job, EventKind.RETRYING, f"retry {job.retries} of {job.retry_policy.max_retries} "
                                             f"in {delay_s:g} s after: {cause}")
@@ -543,7 +545,7 @@ class Orchestrator:
 
     def _wait_s(self) -> float:
         """Seconds until the scheduler's next deadline or the next retry, at most ``max_wait_s``."""
-        deadlines = [j.retry_at for j in self._jobs.values() if j.retry_at is not None]
+        deadlines = list(self._retry_at.values())
         scheduler_deadline = self._scheduler.next_deadline()
         if scheduler_deadline is not None:
             deadlines.append(scheduler_deadline)
@@ -577,6 +579,10 @@ class Orchestrator:
         job.state = state
         job.cause = cause
         job.updated_at = job.ended_at = time.time()
+
+    def _fail(self, job: _Job, cause: str) -> None:
+        self._end(job, JobState.FAILED, cause)
+        self._emit(job, EventKind.FAILED, cause)
 
     def _emit(self, job: _Job, kind: EventKind, message: str) -> None:
         event = LifecycleEvent(kind, job.spec.job_id, job.attempt, job.state, job.updated_at, message)

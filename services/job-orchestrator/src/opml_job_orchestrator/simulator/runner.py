@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from opml_job_orchestrator.scheduler.capacity import Cluster, NodeSpec
 from opml_job_orchestrator.scheduler.model import JobClass
 from opml_job_orchestrator.scheduler.policies import SchedulingPolicy
-from opml_job_orchestrator.scheduler.scheduler import Scheduler, StartJob
+from opml_job_orchestrator.scheduler.scheduler import JobRecord, Scheduler, StartJob
 from opml_job_orchestrator.simulator.events import Event, EventKind, EventQueue
 from opml_job_orchestrator.simulator.workload import SimJob
 
@@ -59,7 +59,7 @@ class SimulationResult:
 class _VirtualJob:
     """The simulated truth of one job: how much work is saved, and the current run's timing."""
 
-    __slots__ = ("job", "saved_s", "run", "progress_from", "run_base_s", "finish_at", "lost_s", "preemptions")
+    __slots__ = ("job", "saved_s", "run", "progress_from", "run_base_s", "finish_at", "lost_s")
 
     def __init__(self, job: SimJob) -> None:
         self.job = job
@@ -69,7 +69,6 @@ class _VirtualJob:
         self.run_base_s = 0.0
         self.finish_at = 0.0
         self.lost_s = 0.0
-        self.preemptions = 0
 
     def progress_at(self, now: float) -> float:
         return self.run_base_s + max(0.0, now - self.progress_from)
@@ -113,7 +112,7 @@ def simulate(jobs: Sequence[SimJob], nodes: Sequence[NodeSpec], policy: Scheduli
                 _plan_checkpoint(events, state, now)
             else:
                 record = scheduler.finish(event.job_id, now=now)
-                outcomes.append(_outcome(state, record.first_started_at, now))
+                outcomes.append(_outcome(state, record, now))
                 changed = True
         if not changed:
             continue  # only checkpoints: nothing frees or needs room
@@ -150,13 +149,12 @@ def _plan_checkpoint(events: EventQueue, state: _VirtualJob, after: float) -> No
 
 def _preempt(state: _VirtualJob, now: float) -> None:
     state.lost_s += state.progress_at(now) - state.saved_s
-    state.preemptions += 1
     state.run += 1  # the run's planned checkpoints and completion are void
 
 
-def _outcome(state: _VirtualJob, first_start: float | None, now: float) -> JobOutcome:
-    job = state.job
+def _outcome(state: _VirtualJob, record: JobRecord, now: float) -> JobOutcome:
+    job, first_start = state.job, record.first_started_at
     return JobOutcome(job_id=job.spec.job_id, job_class=job.spec.job_class, gpus=job.spec.total.gpu,
                       submit_time=job.submit_time, first_start_time=first_start if first_start is not None else now,
-                      finish_time=now, duration_s=job.duration_s, preemptions=state.preemptions,
+                      finish_time=now, duration_s=job.duration_s, preemptions=record.preemptions,
                       lost_work_s=state.lost_s, measured=job.measured)
