@@ -48,7 +48,6 @@ class Aggregator:
                                          "Training throughput of each worker's newest batch, by job and worker.",
                                          labels)
         self._events = metrics.counter("tracer_events_total", "Tracer events applied, by type.", ("type",))
-        self._newest: dict[str, int] = {}  # session -> newest sequence seen by this process
         self._handlers = {
             events_pb2.TracerStarted.DESCRIPTOR.full_name: (events_pb2.TracerStarted, self._started),
             events_pb2.StepMetricsBatch.DESCRIPTOR.full_name: (events_pb2.StepMetricsBatch, self._batch),
@@ -76,7 +75,6 @@ class Aggregator:
 
     async def _stopped(self, message: events_pb2.TracerStopped, when: float) -> None:
         await self.store.record_stopped(message, when)
-        self._newest.pop(message.session_id, None)
         self._throughput.labels(training_job=message.job, worker=message.worker).set(0)
 
     async def _batch(self, batch: events_pb2.StepMetricsBatch, when: float) -> None:
@@ -88,11 +86,8 @@ class Aggregator:
         for record in batch.steps:
             histogram.observe(record.duration_s)
         self._steps.labels(**labels).inc(effect.steps)
-        if batch.sequence >= self._newest.get(batch.session_id, -1):
-            self._newest[batch.session_id] = batch.sequence
-            seconds = sum(r.duration_s for r in batch.steps if r.examples)
-            if seconds > 0:
-                self._throughput.labels(**labels).set(sum(r.examples for r in batch.steps) / seconds)
+        if effect.newest and effect.examples_per_second > 0:
+            self._throughput.labels(**labels).set(effect.examples_per_second)
 
 
 def _check_identity(event: CloudEvent, message: Message) -> None:

@@ -83,7 +83,8 @@ class TraceCollectorServicer(traces_pb2_grpc.TraceCollectorServiceServicer):
     async def ListCaptures(self, request: pb.ListCapturesRequest, context) -> pb.ListCapturesResponse:
         job = await self._store.known_job(request.job)
         ids, token = paginate(await self._captures.ids(job), request.page_size, request.page_token, query=job)
-        return pb.ListCapturesResponse(captures=[await self._captures.get(i) for i in ids], next_page_token=token)
+        captures = await asyncio.gather(*(self._captures.get(i) for i in ids))
+        return pb.ListCapturesResponse(captures=captures, next_page_token=token)
 
     async def FetchTrace(self, request: pb.FetchTraceRequest, context) -> AsyncIterator[pb.TraceChunk]:
         capture = await self._captures.get(check_name("capture_id", request.capture_id))
@@ -111,7 +112,7 @@ class TraceCollectorServicer(traces_pb2_grpc.TraceCollectorServiceServicer):
 
     async def SetTracing(self, request: pb.SetTracingRequest, context) -> pb.TracingState:
         await self._store.set_tracing(request.enabled)
-        return pb.TracingState(enabled=await self._store.tracing_enabled())
+        return pb.TracingState(enabled=request.enabled)
 
     async def GetTracing(self, request: pb.GetTracingRequest, context) -> pb.TracingState:
         return pb.TracingState(enabled=await self._store.tracing_enabled())

@@ -109,6 +109,7 @@ end
 redis.call('HINCRBY', jobinfo, 'steps', steps)
 redis.call('HINCRBYFLOAT', jobinfo, 'total_s', total)
 touch(info, jobs, jobinfo, jobruns, ARGV[2], ARGV[4], ARGV[5])
+if newest then return 2 end
 return 1
 """
 
@@ -173,10 +174,16 @@ def _number(value: bytes | None, kind: type = float):
 
 @dataclass(frozen=True)
 class BatchEffect:
-    """What applying one batch changed (for the metrics); ``applied`` False for a repeat."""
+    """What applying one batch changed (for the metrics); ``applied`` False for a repeat.
+
+    ``newest``: the batch has the run's highest sequence so far (its throughput is the run's current one);
+    ``examples_per_second``: of the batch's steps whose batch size is known, 0 when none is.
+    """
 
     applied: bool
     steps: int = 0
+    newest: bool = False
+    examples_per_second: float = 0.0
 
 
 class TraceStore:
@@ -258,13 +265,16 @@ class TraceStore:
         for field, (count, seconds, low, high, wait, seen) in signatures.items():
             args += [field, count, repr(seconds), repr(low), repr(high), repr(wait), seen]
         host = batch.host[-1] if batch.host else None
-        args += [len(batch.steps), repr(total), repr(examples / counted_s) if counted_s > 0 else "",
+        throughput = examples / counted_s if counted_s > 0 else 0.0
+        args += [len(batch.steps), repr(total), repr(throughput) if counted_s > 0 else "",
                  repr(host.cpu_percent) if host else "", host.rss_bytes if host else 0]
         keys = [self.keys.run_info(batch.session_id), self.keys.run_seqs(batch.session_id),
                 self.keys.run_sigs(batch.session_id), self.keys.run_series(batch.session_id), self.keys.jobs,
                 self.keys.job_info(batch.job), self.keys.job_runs(batch.job)]
-        applied = await self._apply_batch(keys=keys, args=args)
-        return BatchEffect(applied=bool(applied), steps=len(batch.steps) if applied else 0)
+        applied = await self._apply_batch(keys=keys, args=args)  # 0: a repeat, 2: the run's newest batch
+        if not applied:
+            return BatchEffect(applied=False)
+        return BatchEffect(applied=True, steps=len(batch.steps), newest=applied == 2, examples_per_second=throughput)
 
     # ---------------------------------------------------------------- reads
 
@@ -354,26 +364,32 @@ class TraceStore:
         the next page (None on the last). ``cursor`` is the (start µs, session) of the last point
         of the previous page; start times are unique within a session (a worker runs one step at a time).
         """
-        runs = await self.runs(job)
-        if session and not any(r.session_id == session for r in runs):
-            raise NotFound(f"run {session!r} of job {job!r} is unknown")
-        chosen = [r for r in runs if (not worker or r.worker == worker) and (not session or r.session_id == session)]
+        sessions = await self.session_ids(job)
+        if session:
+            if session not in sessions:
+                raise NotFound(f"run {session!r} of job {job!r} is unknown")
+            sessions = [session]
         pipe = self.redis.pipeline(transaction=False)
-        for run in chosen:
+        for sid in sessions:  # only the workers' names: the runs' aggregates are not needed here
+            pipe.hget(self.keys.run_info(sid), "worker")
+        chosen = [(sid, _text(name)) for sid, name in zip(sessions, await pipe.execute())
+                  if not worker or _text(name) == worker]
+        pipe = self.redis.pipeline(transaction=False)
+        for sid, _ in chosen:
             low = since_us
             exclusive = False
             if cursor is not None:
-                if cursor[0] > low or (cursor[0] == low and run.session_id <= cursor[1]):
-                    low, exclusive = cursor[0], run.session_id <= cursor[1]
-            pipe.zrangebyscore(self.keys.run_series(run.session_id), f"({low}" if exclusive else low, "+inf",
+                if cursor[0] > low or (cursor[0] == low and sid <= cursor[1]):
+                    low, exclusive = cursor[0], sid <= cursor[1]
+            pipe.zrangebyscore(self.keys.run_series(sid), f"({low}" if exclusive else low, "+inf",
                                start=0, num=page_size + 1, withscores=True)
-        merged: list[tuple[int, str, bytes, pb.Run]] = []
-        for run, rows in zip(chosen, await pipe.execute()):
-            merged += [(int(score), run.session_id, member, run) for member, score in rows]
+        merged: list[tuple[int, str, bytes, str]] = []
+        for (sid, run_worker), rows in zip(chosen, await pipe.execute()):
+            merged += [(int(score), sid, member, run_worker) for member, score in rows]
         merged.sort(key=lambda row: (row[0], row[1]))
         page = merged[:page_size]
-        points = [pb.StepPoint(worker=run.worker, session_id=sid, record=events_pb2.StepRecord.FromString(member))
-                  for _, sid, member, run in page]
+        points = [pb.StepPoint(worker=run_worker, session_id=sid, record=events_pb2.StepRecord.FromString(member))
+                  for _, sid, member, run_worker in page]
         following = (page[-1][0], page[-1][1]) if len(merged) > page_size else None
         return points, following
 

@@ -20,6 +20,7 @@ TRAIN, EVALUATE, PREDICT, SESSION_RUN, FUNCTION = 1, 2, 3, 4, 5
 
 _perf = time.perf_counter
 _wall = time.time
+_new_tuple = tuple.__new__
 
 
 class Step(NamedTuple):
@@ -71,19 +72,16 @@ class Recorder:
         self.running = False
 
     def end(self, started: float, kind: int, signature: str, examples: int = 0) -> None:
-        now = _perf()
+        duration = _perf() - started
         local = self.local
         self.running = False
         wait, local.input_wait = local.input_wait, 0.0
-        self.record(kind, signature, _wall() - (now - started), now - started, wait, examples)
-
-    def record(self, kind: int, signature: str, start_time: float, duration_s: float, wait: float,
-               examples: int) -> None:
         counters = self._next_step
         number = counters[kind]
         counters[kind] = number + 1
         self.total += 1
-        step = Step(number, kind, signature, start_time, duration_s, wait, examples)
+        # tuple.__new__ is what Step(...) runs, minus a Python-level call (~0.3 µs of ~1 µs per step)
+        step = _new_tuple(Step, (number, kind, signature, _wall() - duration, duration, wait, examples))
         self.steps.append(step)
         observer = self.observer
         if observer is not None:

@@ -36,8 +36,8 @@ from opml_trace_collector.inject.sender import Sender
 from opml_trace_collector.inject.settings import TracerSettings
 
 _tracer: Tracer | None = None
-_CAPTURE_EXIT_WAIT_S = 30.0
-_FIRST_POLL_WAIT_S = 1.0  # a finished capture still uploading at exit gets this long
+_CAPTURE_EXIT_WAIT_S = 30.0  # a finished capture still uploading at exit gets this long
+_FIRST_POLL_WAIT_S = 1.0  # the job's start waits at most this long for the control keys' first answer
 
 
 def _timestamp(seconds: float) -> Timestamp:
