@@ -65,7 +65,8 @@ def make_training_output(directory: Path) -> dict[str, Path]:
     return {"model/weights.bin": weights, "eval/confusion.json": confusion, "train-config.json": config}
 
 
-async def show_events(bootstrap: str, topic: str, expect: set[str], subject: str = "defect-classifier") -> None:
+async def show_events(bootstrap: str, topic: str, expect: set[str]) -> None:
+    """Print the story's events on ``topic`` (subjects "defect-classifier", "defect-classifier/<version>")."""
     consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
                                 enable_auto_commit=False, group_id=None)
     await consumer.start()
@@ -76,7 +77,7 @@ async def show_events(bootstrap: str, topic: str, expect: set[str], subject: str
             for records in batch.values():
                 for record in records:
                     headers = {k: v.decode() for k, v in record.headers}
-                    if headers.get("ce_subject", "").startswith(subject):
+                    if headers.get("ce_subject", "").startswith("defect-classifier"):
                         seen.add(headers["ce_type"])
                         print(f"  event {headers['ce_type']:<34} id={headers['ce_id'][:8]} "
                               f"subject={headers['ce_subject']} partition={record.partition} offset={record.offset}")

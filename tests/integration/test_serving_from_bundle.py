@@ -5,7 +5,6 @@ Both services run as real processes on the real broker, S3 and Redis."""
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +16,7 @@ from opml.inference.v1 import deployments_pb2 as pb
 from opml_bundle_store.client import BundleStoreClient
 from opml_common.bus import CloudEvent
 from opml_common.errors import NotFound
-from opml_common.testing.bus import read_records
+from opml_common.testing.bus import poll_until, read_records
 from opml_common.testing.services import TOKENS
 from opml_common.topics import DEPLOYMENTS
 from opml_inference_router.client import DeploymentClient
@@ -31,17 +30,13 @@ FLEET = {
 }
 
 
-def _wait_serving(client: DeploymentClient, model: str, version: int, timeout_s: float = 60.0) -> pb.Deployment:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            deployment = client.get(model)
-            if any(v.version == version and v.state == pb.SERVING for v in deployment.versions):
-                return deployment
-        except NotFound:
-            pass
-        assert time.monotonic() < deadline, f"{model} v{version} did not serve within {timeout_s}s"
-        time.sleep(0.2)
+def _serving(client: DeploymentClient, model: str, version: int) -> pb.Deployment | None:
+    """The deployment of ``model`` once ``version`` serves, else None."""
+    try:
+        deployment = client.get(model)
+    except NotFound:
+        return None
+    return deployment if any(v.version == version and v.state == pb.SERVING for v in deployment.versions) else None
 
 
 def test_a_committed_bundle_tagged_serve_is_deployed_and_answers(start_service, platform_settings,
@@ -62,7 +57,7 @@ def test_a_committed_bundle_tagged_serve_is_deployed_and_answers(start_service, 
         store.add("serving", "mlp-notes", {"README": b"not a model"}, commit=True)  # no serve tag: ignored
         bundle = store.add("serving", "mlp", files, tags={"serve": "true"}, commit=True)
 
-        deployment = _wait_serving(deployments, "mlp", 1)
+        deployment = poll_until(lambda: _serving(deployments, "mlp", 1), timeout_s=60, what="mlp v1 serving")
         served = deployment.versions[0]
         assert served.bundle.context == "serving" and served.bundle_uuid == bundle.uuid
 
@@ -78,16 +73,15 @@ def test_a_committed_bundle_tagged_serve_is_deployed_and_answers(start_service, 
         broken = write_broken_onnx(tmp_path / "broken" / "model.onnx")
         store.add("serving", "mlp", {"model.onnx": broken, "model.yaml": model_dir / "model.yaml"},
                   tags={"serve": "true", "version": "2"}, commit=True)
-        prefix = platform_settings.topic_prefix
-        deadline = time.monotonic() + 60
-        while True:
-            records = asyncio.run(read_records(platform_settings, DEPLOYMENTS.full_name(prefix), 1, timeout_s=10))
-            failed = [CloudEvent.from_kafka(r.headers, r.value) for r in records]
-            failed = [e.parse(events.DeployFailed) for e in failed if e.type.endswith("DeployFailed")]
-            if failed or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        assert failed and failed[0].model == "mlp" and failed[0].version == 2
+        topic = DEPLOYMENTS.full_name(platform_settings.topic_prefix)
+
+        def deploy_failed() -> list[events.DeployFailed]:
+            records = asyncio.run(read_records(platform_settings, topic, 1, timeout_s=10))
+            received = [CloudEvent.from_kafka(r.headers, r.value) for r in records]
+            return [e.parse(events.DeployFailed) for e in received if e.type.endswith("DeployFailed")]
+
+        failed = poll_until(deploy_failed, timeout_s=60, every_s=0.5, what="DeployFailed of mlp v2")
+        assert failed[0].model == "mlp" and failed[0].version == 2
         assert failed[0].code == "INVALID_ARGUMENT" and "NoSuchOperator" in failed[0].reason
         states = {v.version: v.state for v in deployments.get("mlp").versions}
         assert states == {1: pb.SERVING, 2: pb.FAILED}

@@ -1,9 +1,10 @@
 """The Grafana dashboards of deploy/compose: valid models on the provisioned datasource, PromQL that parses,
 and only metrics the services really export (scraped from each one's /metrics, started as `make up` does).
 
-PromQL is checked with ``promtool check rules`` where Debian's ``prometheus`` package is installed, and
-always with the small parser below (syntax, function names and argument types, PromQL's usual traps:
-``rate`` of a gauge, a counter read without ``rate``, ``histogram_quantile`` not grouped by ``le``).
+PromQL is checked with ``promtool check rules`` (Debian's ``prometheus`` package, which `make install`
+installs), and with the small parser below for what promtool accepts but a dashboard gets wrong (PromQL's
+usual traps: ``rate`` of a gauge, a counter read without ``rate``, ``histogram_quantile`` not grouped by
+``le``) and to find the metric names each query reads.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pytest
 import yaml
 from opml_common.process import ServiceProcess
 from opml_common.stack import installed_services
+from opml_common.testing.services import env_prefix
 from opml_inference_router.worker.process import WorkerProcess
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -462,7 +464,7 @@ def test_dashboards_show_exactly_the_metrics_services_export(settings_env: dict[
     processes: dict[str, tuple[ServiceProcess | WorkerProcess, int | None]] = {}
     for spec in installed_services():
         process = start_service(spec, tokens=None, extra_env=fleet_env, start=False)
-        processes[spec.name] = (process, int(process.env[f"{spec.settings.model_config['env_prefix']}METRICS_PORT"]))
+        processes[spec.name] = (process, int(process.env[f"{env_prefix(spec)}METRICS_PORT"]))
     worker = WorkerProcess("cpu", fleet, tmp_path / "worker.log", env={**settings_env, **fleet_env},
                            uds=tmp_path / "worker.sock")  # as the router starts its workers
     processes["inference-router-worker"] = (worker, None)

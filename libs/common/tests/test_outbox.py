@@ -31,13 +31,15 @@ def _event(n: int) -> CloudEvent:
 
 async def test_events_survive_a_broker_outage_and_a_restart(tmp_path: Path) -> None:
     publisher = FlakyPublisher()
-    metrics = ServiceMetrics("test", CollectorRegistry())
+    registry = CollectorRegistry()
+    metrics = ServiceMetrics("test", registry)
     outbox = Outbox(tmp_path, publisher, metrics)
     assert await outbox.publish(BUNDLES, _event(1))
     publisher.down = True
     second = _event(2)
     assert not await outbox.publish(BUNDLES, second)
     assert not await outbox.publish(BUNDLES, _event(3))
+    assert registry.get_sample_value("opml_test_outbox_pending_events") == 2
     # The process restarts: a new outbox over the same directory publishes what was left, in order.
     publisher.down = False
     restarted = Outbox(tmp_path, publisher, metrics, retry_interval_s=0.01)
@@ -50,6 +52,7 @@ async def test_events_survive_a_broker_outage_and_a_restart(tmp_path: Path) -> N
     assert [e.subject for e in publisher.sent] == ["1", "2", "3"]
     assert publisher.sent[1].id == second.id  # the same event id, so consumers can deduplicate
     assert list(tmp_path.iterdir()) == []
+    assert registry.get_sample_value("opml_test_outbox_pending_events") == 0
 
 
 RECORD_THEN_DIE = """

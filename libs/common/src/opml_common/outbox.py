@@ -44,15 +44,14 @@ class Outbox:
         self._lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
         self._pending = metrics.gauge("outbox_pending_events", "Events recorded but not yet acked by the broker.")
+        self._pending.set(len(self._files()))  # then counted by _write and flush, never listed again
         self._topics = {t.name: t for t in ALL_TOPICS}
         self._wake = asyncio.Event()
         self._seq = itertools.count()
 
     async def start(self) -> None:
         if self._task is None:
-            pending = len(self._files())
-            self._pending.set(pending)
-            if pending:
+            if self._files():
                 self._wake.set()  # what an earlier run left goes out now, not after the first interval
             self._task = asyncio.create_task(self._flush_loop(), name="outbox-flush")
 
@@ -91,7 +90,7 @@ class Outbox:
                     log.warning("outbox: publish failed, will retry", extra={"error": str(exc), "event": event.id})
                     return False
                 path.unlink()
-                self._pending.set(len(self._files()))
+                self._pending.dec()
             return True
 
     def _write(self, topic: Topic, event: CloudEvent) -> None:
@@ -105,7 +104,7 @@ class Outbox:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, final)
-        self._pending.set(len(self._files()))
+        self._pending.inc()  # counted, not listed: listing per event made draining a backlog O(n^2)
 
     def _files(self) -> list[Path]:
         return sorted(self._dir.glob("*.json"))

@@ -72,6 +72,19 @@ async def wait_until(predicate: Callable[[], object], *, timeout_s: float = 20.0
         await asyncio.sleep(0.02)
 
 
+
+def poll_until(predicate: Callable[[], object], *, timeout_s: float = 20.0, what: str = "condition",
+               every_s: float = 0.1) -> object:
+    """Blocking :func:`wait_until` for synchronous tests: poll ``predicate`` every ``every_s`` until it
+    returns something truthy, and return that; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not (result := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(every_s)
+    return result
+
+
 @contextlib.asynccontextmanager
 async def running(consumer: EventConsumer) -> AsyncIterator[asyncio.Task]:
     """Start ``consumer`` (joined and assigned), run it in a task, and always stop it after."""
