@@ -20,6 +20,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
+from typing import Self
 
 from opml_common.devinfra import free_port
 from opml_common.process import terminate
@@ -45,7 +46,7 @@ class PrometheusServer:
     def __init__(self, *, workdir: Path, port: int = 0, targets: Mapping[str, Sequence[str]],
                  scrape_interval_s: float = 1.0, startup_timeout_s: float = 30.0, stop_timeout_s: float = 10.0,
                  binary: str = "prometheus") -> None:
-        """Raises: ValueError naming the bad argument."""
+        """Raises: ValueError (TypeError for a string where a list belongs) naming the bad argument."""
         if not 0 <= port <= 65535:
             raise ValueError(f"`port` must be in 0..65535, but got {port}")
         if scrape_interval_s < 0.001:
@@ -54,7 +55,7 @@ class PrometheusServer:
             if not _JOB.match(job):
                 raise ValueError(f"`targets` job names must match {_JOB.pattern}, but got {job!r}")
             if isinstance(addresses, str):
-                raise ValueError(f"`targets[{job!r}]` must be a list of host:port, but got the string {addresses!r}")
+                raise TypeError(f"`targets[{job!r}]` must be a list of host:port, but got the string {addresses!r}")
             for address in addresses:
                 if not _TARGET.match(address):
                     raise ValueError(f"`targets[{job!r}]` entries must be host:port, but got {address!r}")
@@ -128,7 +129,7 @@ class PrometheusServer:
         if process is not None:
             terminate(process, timeout_s=self.stop_timeout_s)
 
-    def __enter__(self) -> PrometheusServer:
+    def __enter__(self) -> Self:
         self.start()
         return self
 
@@ -238,7 +239,7 @@ class PrometheusServer:
 
 def _duration(seconds: float) -> str:
     """Prometheus' duration syntax, to the millisecond."""
-    millis = max(1, int(round(seconds * 1000)))
+    millis = max(1, round(seconds * 1000))
     return f"{millis // 1000}s" if millis % 1000 == 0 else f"{millis}ms"
 
 

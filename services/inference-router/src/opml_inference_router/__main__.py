@@ -30,6 +30,7 @@ from opml_inference_router import frontend
 from opml_inference_router.control import DeploymentManager, DeploymentStore, Observer, PoolManager
 from opml_inference_router.control.autodeploy import GROUP, AutoDeployer
 from opml_inference_router.control.bundles import BundleFetcher
+from opml_inference_router.control.worker_metrics import register_worker_metrics  # workers' metrics on ours
 from opml_inference_router.placement import load_fleet_config
 from opml_inference_router.predictions import PredictionLog
 from opml_inference_router.routing import Router
@@ -55,6 +56,7 @@ async def serve(settings: RouterSettings, platform: PlatformSettings) -> None:
                         metrics=metrics, token=token, threads_per_replica=settings.worker_threads_per_replica,
                         startup_timeout_s=settings.worker_startup_timeout_s,
                         route_over_uds=settings.worker_transport == "uds")
+    register_worker_metrics(pools, metrics)  # workers' /metrics re-exported on the router's (control/worker_metrics.py)
     router = Router(connect=partial(connect, token=token), metrics=metrics)
     redis = redis_client(platform)
     async with EventPublisher(platform, source=EVENT_SOURCE, metrics=metrics) as publisher:
