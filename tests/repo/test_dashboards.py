@@ -24,7 +24,6 @@ import yaml
 from opml_common.process import ServiceProcess
 from opml_common.stack import installed_services
 from opml_common.testing.services import env_prefix
-from opml_inference_router.worker.process import WorkerProcess
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -450,36 +449,33 @@ def _scrape(port: int) -> dict[str, set[str]]:
 
 
 @pytest.mark.slow
-def test_dashboards_show_exactly_the_metrics_services_export(settings_env: dict[str, str], start_service,
-                                                            tmp_path: Path) -> None:
-    """Each installed service (and an inference-router worker, which has its own /metrics) starts as
-    `make up` starts it; the names on its /metrics right after start-up are what dashboards may ask
-    for, and each of them is on some dashboard."""
+def test_dashboards_show_exactly_the_metrics_services_export(start_service, tmp_path: Path) -> None:
+    """Each installed service starts as `make up` starts it; the names on its /metrics right after
+    start-up are what dashboards may ask for, and each of them is on some dashboard. The router's
+    page carries its workers' ``opml_inference_router_worker_*`` families too (re-exported from each
+    worker's own /metrics, control/worker_metrics.py): Prometheus scrapes no worker directly."""
     fleet = tmp_path / "fleet.yaml"  # the router's smallest fleet: one CPU worker of one slot
     fleet.write_text(yaml.safe_dump({
         "pool_kinds": [{"name": "cpu", "precisions": ["fp32"], "memory_mib": 1024, "slots": 1,
                         "cost_per_hour": 0.1, "execution_provider": "CPUExecutionProvider"}],
         "pools": [{"name": "cpu", "kind": "cpu", "workers": 1}]}))
     fleet_env = {"OPML_INFERENCE_ROUTER_FLEET": str(fleet)}
-    processes: dict[str, tuple[ServiceProcess | WorkerProcess, int | None]] = {}
+    processes: dict[str, tuple[ServiceProcess, int]] = {}
     for spec in installed_services():
         process = start_service(spec, tokens=None, extra_env=fleet_env, start=False)
         processes[spec.name] = (process, int(process.env[f"{env_prefix(spec)}METRICS_PORT"]))
-    worker = WorkerProcess("cpu", fleet, tmp_path / "worker.log", env={**settings_env, **fleet_env},
-                           uds=tmp_path / "worker.sock")  # as the router starts its workers
-    processes["inference-router-worker"] = (worker, None)
-    try:
-        with ThreadPoolExecutor(len(processes)) as pool:
-            for started in [pool.submit(process.start) for process, _ in processes.values()]:
-                started.result()
-        exported = {name: _scrape(port if port is not None else process.metrics_port)
-                    for name, (process, port) in processes.items()}
-    finally:
-        worker.stop()  # the services are stopped by start_service
+    with ThreadPoolExecutor(len(processes)) as pool:  # the services are stopped by start_service
+        for started in [pool.submit(process.start) for process, _ in processes.values()]:
+            started.result()
+    exported = {name: _scrape(port) for name, (process, port) in processes.items()}
     families = {name: series for exposed in exported.values() for name, series in exposed.items()}
     for name, exposed in exported.items():
         prefix = "opml_" + name.replace("-", "_") + "_"
         assert f"{prefix}grpc_requests_total" in exposed, f"{name} exports no RED metrics"
+    if "inference-router" in exported:  # its workers' RED and serving metrics, through its own page
+        router = exported["inference-router"]
+        for family in ("grpc_requests_total", "batch_size", "uds_requests_total"):
+            assert f"opml_inference_router_worker_{family}" in router, f"the router re-exports no worker {family}"
     queried = {(where, metric) for where, expr in _all_queries() for metric in metric_names(expr)}
     everything = set().union(*families.values()) | PROMETHEUS_SERIES
     missing = sorted(f"{where}: {metric}" for where, metric in queried if metric not in everything)
