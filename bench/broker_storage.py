@@ -30,7 +30,8 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from google.protobuf.timestamp_pb2 import Timestamp
-from opml.bundles.v1 import bundles_pb2, events_pb2 as bundle_events
+from opml.bundles.v1 import bundles_pb2
+from opml.bundles.v1 import events_pb2 as bundle_events
 from opml.inference.v1 import events_pb2 as inference_events
 from opml_common.bus import CloudEvent, EventPublisher, ensure_topics
 from opml_common.config import PlatformSettings
@@ -158,7 +159,7 @@ def report(args: argparse.Namespace, engines: list[Engine]) -> None:
     print(f"\ntansu storage engines, EventPublisher acks=all, {args.rounds} rounds "
           f"(one at a time: {args.sequential} BundleCommitted per round; concurrent: {args.concurrent} "
           f"PredictionMade per round from {args.senders} senders)\n")
-    print(f"| workload | record bytes | engine | msgs/s | p50 ms | p99 ms |")
+    print("| workload | record bytes | engine | msgs/s | p50 ms | p99 ms |")
     print("|---|---|---|---|---|---|")
     for workload in ("one at a time", "concurrent"):
         for engine in engines:

@@ -8,7 +8,6 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from opml_common.errors import InvalidArgument
 from opml_common.retry import Backoff
 from opml_common.supervisor import Part, PartStatus, RestartPolicy, State, Supervisor
@@ -96,7 +95,7 @@ class Sleeper:
         self.starts = 0
         self.lock = threading.Lock()
 
-    def start(self) -> "Sleeper":
+    def start(self) -> Sleeper:
         if self.process is not None and self.process.poll() is None:
             return self
         with self.lock:

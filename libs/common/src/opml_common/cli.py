@@ -52,6 +52,48 @@ def infra_up(workdir: Path, kafka_port: int, s3_port: int) -> None:
         asyncio.run(wait_for_signal())
 
 
+@main.command("status")
+@click.option("--state-dir", type=click.Path(path_type=Path), default=Path(".opml"), show_default=True,
+              help="The state directory of the stack (`make up` uses .opml).")
+@click.option("--json", "as_json", is_flag=True, help="The state as JSON, for scripts.")
+def status(state_dir: Path, as_json: bool) -> None:
+    """Every part of the `make up` stack: state, health (checked now), pid, restarts, ports, version, log.
+
+    Exits 1 when the stack is not running, a part is FAILED, or a part is not healthy.
+    """
+    import json
+
+    from opml_common.stack import status as stack_status
+
+    document = stack_status(state_dir)
+    if as_json:
+        click.echo(json.dumps(document, indent=2))
+        sys.exit(0 if document["ok"] else 1)
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 200)  # a pipe gets whole lines
+    if document.get("message"):
+        console.print(document["message"])
+    if document["parts"]:
+        table = Table(title=f"stack {document.get('pid')} (broker storage {document.get('kafka_storage')})")
+        for column in ("part", "kind", "state", "health", "pid", "restarts", "ports", "version", "log"):
+            table.add_column(column, no_wrap=column in ("part", "state", "health"))
+        good = {"RUNNING", "SERVING", "UP"}
+        for part in document["parts"]:
+            state, health = part["state"], part["health"]
+            exit_code = f" (exit {part['last_exit_code']})" if part.get("last_exit_code") is not None else ""
+            table.add_row(
+                part["name"], part["kind"],
+                f"[{'green' if state in good else 'red'}]{state}[/]{exit_code}",
+                f"[{'green' if health in good else 'red'}]{health}[/]",
+                str(part.get("pid") or "-"), str(part["restarts"]),
+                " ".join(f"{name}:{port}" for name, port in part.get("ports", {}).items()),
+                part.get("version", ""), part.get("log_path", ""))
+        console.print(table)
+    sys.exit(0 if document["ok"] else 1)
+
+
 def _load_plugins() -> None:
     for entry in entry_points(group="opml.cli"):
         main.add_command(entry.load(), entry.name)

@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, Self
 
 from opml_common.errors import InvalidArgument
 from opml_common.retry import Backoff
@@ -227,7 +227,7 @@ class Supervisor:
         for thread in threads:
             thread.join()
 
-    def __enter__(self) -> Supervisor:
+    def __enter__(self) -> Self:
         self.start()
         return self
 
@@ -240,7 +240,7 @@ class Supervisor:
             if self._on_change is not None:
                 try:
                     self._on_change(self.snapshot())
-                except Exception:  # noqa: BLE001 - a state file that cannot be written must not stop supervision
+                except Exception:  # a state file that cannot be written must not stop supervision
                     log.exception("writing the supervision state failed")
             return result
 
@@ -305,7 +305,7 @@ class Supervisor:
                 part.process.stop()
                 return
             pid = _pid(part)
-            self._change(part, lambda status: status.started(pid))
+            self._change(part, lambda status, pid=pid: status.started(pid))
             log.warning("%s %s restarted (pid %s, restart %d)", part.kind, part.name, pid,
                         self._status[part.name].restarts)
             return
