@@ -61,7 +61,7 @@ async def serve_router(worker: str) -> None:
     from opml_common.grpc.server import GrpcServer, wait_for_signal
     from opml_common.metrics import ServiceMetrics
 
-    from opml_inference_router.frontend import METHOD_ROLES, InferenceFrontend
+    from opml_inference_router.frontend import InferenceFrontend
     from opml_inference_router.routing import ModelPolicy, Router
     from opml_inference_router.placement.config import load_fleet_config
     from opml_inference_router.routing.local_replica import LocalReplica
@@ -83,7 +83,7 @@ async def serve_router(worker: str) -> None:
     frontend = InferenceFrontend(router)
     server = GrpcServer(settings=ServiceSettings(host="127.0.0.1", grpc_port=0, metrics_port=0),
                         platform=PlatformSettings(auth_tokens="", log_level="WARNING"), metrics=metrics,
-                        registrations=[frontend.registration()], method_roles=METHOD_ROLES)
+                        registrations=[frontend.registration()])
     async with server:
         print(json.dumps({"grpc_port": server.port}), flush=True)
         await wait_for_signal()

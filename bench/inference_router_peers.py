@@ -117,7 +117,7 @@ async def serve_router(workers: list[str], bundle: Path, hedge: bool) -> None:
     from opml_common.grpc.server import GrpcServer, wait_for_signal
     from opml_common.metrics import ServiceMetrics
 
-    from opml_inference_router.frontend import METHOD_ROLES, InferenceFrontend
+    from opml_inference_router.frontend import InferenceFrontend
     from opml_inference_router.placement import load_model_config
     from opml_inference_router.routing import ModelPolicy, Router
     from opml_inference_router.routing.uds_replica import connect
@@ -130,7 +130,7 @@ async def serve_router(workers: list[str], bundle: Path, hedge: bool) -> None:
         router.add_replica(MODEL, "1", worker)
     server = GrpcServer(settings=ServiceSettings(host="127.0.0.1", grpc_port=0, metrics_port=0),
                         platform=PlatformSettings(auth_tokens="", log_level="WARNING"), metrics=metrics,
-                        registrations=[InferenceFrontend(router).registration()], method_roles=METHOD_ROLES)
+                        registrations=[InferenceFrontend(router).registration()])
     async with server:
         print(json.dumps({"grpc_port": server.port}), flush=True)
         await wait_for_signal()

@@ -41,7 +41,7 @@ from opml.traces.v1 import events_pb2 as pb
 from opml_common.bus import CloudEvent, ensure_topics
 from opml_common.config import PlatformSettings
 from opml_common.devinfra import DevInfra
-from opml_common.topics import TRACES
+from opml_trace_collector.topics import TRACES
 
 HERE = Path(__file__).resolve()
 

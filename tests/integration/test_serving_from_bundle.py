@@ -18,7 +18,7 @@ from opml_common.bus import CloudEvent
 from opml_common.errors import NotFound
 from opml_common.testing.bus import poll_until, read_records
 from opml_common.testing.services import TOKENS
-from opml_common.topics import DEPLOYMENTS
+from opml_inference_router.topics import DEPLOYMENTS
 from opml_inference_router.client import DeploymentClient
 from opml_inference_router.testing import mlp_config, write_model_dir
 from opml_inference_router.testing.models import write_broken_onnx

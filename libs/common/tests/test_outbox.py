@@ -10,8 +10,10 @@ from opml.bundles.v1 import events_pb2
 from opml_common.bus import CloudEvent
 from opml_common.metrics import ServiceMetrics
 from opml_common.outbox import Outbox
-from opml_common.topics import BUNDLES
+from opml_common.topics import Topic
 from prometheus_client import CollectorRegistry
+
+BUNDLES = Topic.of(events_pb2)
 
 
 class FlakyPublisher:
@@ -63,7 +65,9 @@ from opml.bundles.v1 import events_pb2
 from opml_common.bus import CloudEvent
 from opml_common.metrics import ServiceMetrics
 from opml_common.outbox import Outbox
-from opml_common.topics import BUNDLES
+from opml_common.topics import Topic
+
+BUNDLES = Topic.of(events_pb2)
 
 class Unreachable:
     async def publish(self, topic, event):

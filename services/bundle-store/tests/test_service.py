@@ -19,7 +19,7 @@ from opml_bundle_store.client import BundleStoreClient
 from opml_common.bus import CloudEvent
 from opml_common.errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated
 from opml_common.testing.bus import read_records
-from opml_common.topics import BUNDLES
+from opml_bundle_store.topics import BUNDLES
 
 
 def _sha(data: bytes) -> str:

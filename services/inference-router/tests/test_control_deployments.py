@@ -37,7 +37,7 @@ from opml_inference_router.placement import CostAwareSloPolicy, FleetConfig, Mod
 from opml_inference_router.routing import Router
 from opml_inference_router.routing.grpc_replica import GrpcReplica
 from opml_inference_router.routing.metrics import RouterMetrics
-from opml_inference_router.servicer import METHOD_ROLES, DeploymentServicer
+from opml_inference_router.servicer import DeploymentServicer
 from opml_inference_router.testing import mlp_classifier, mlp_config, write_model_dir
 from opml_inference_router.testing.models import write_broken_onnx
 
@@ -219,7 +219,7 @@ async def test_canary_promote_and_rollback_through_the_rpcs(deployments, tmp_pat
     server = GrpcServer(settings=ServiceSettings(host="127.0.0.1", grpc_port=0, metrics_port=0),
                         platform=PlatformSettings(auth_tokens=""),
                         metrics=ServiceMetrics("inference-router", registry=CollectorRegistry()),
-                        registrations=[servicer.registration()], method_roles=METHOD_ROLES)
+                        registrations=[servicer.registration()])
     async with server:
         client = DeploymentClient(f"127.0.0.1:{server.port}")
         try:

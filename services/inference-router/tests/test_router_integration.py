@@ -23,14 +23,14 @@ from opml_common.config import PlatformSettings, ServiceSettings
 from opml_common.grpc.server import GrpcServer
 from opml_common.metrics import ServiceMetrics
 from opml_common.testing.bus import read_records, sample, wait_until
-from opml_common.topics import PREDICTIONS
+from opml_inference_router.topics import PREDICTIONS
 from opml.inference.v1 import events_pb2
 from prometheus_client import CollectorRegistry
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from opml_inference_router.frontend import METHOD_ROLES, InferenceFrontend
+from opml_inference_router.frontend import InferenceFrontend
 from opml_inference_router.placement.config import load_fleet_config
 from opml_inference_router.predictions import PredictionLog
 from opml_inference_router.routing import ModelPolicy, Router
@@ -117,7 +117,7 @@ async def router_serving(replicas: dict[str, list[str]], policy: ModelPolicy, *,
     frontend = InferenceFrontend(router, predictions=predictions)
     server = GrpcServer(settings=ServiceSettings(host="127.0.0.1", grpc_port=0, metrics_port=0),
                         platform=PlatformSettings(auth_tokens=""), metrics=metrics,
-                        registrations=[frontend.registration()], method_roles=METHOD_ROLES)
+                        registrations=[frontend.registration()])
     async with server:
         try:
             yield router, f"127.0.0.1:{server.port}", metrics.registry

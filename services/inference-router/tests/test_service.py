@@ -20,7 +20,7 @@ from opml_common.errors import InvalidArgument, PermissionDenied
 from opml_common.process import ServiceProcess
 from opml_common.testing.bus import read_records
 from opml_common.testing.services import TOKENS, ServiceStarter
-from opml_common.topics import DEPLOYMENTS, PREDICTIONS
+from opml_inference_router.topics import DEPLOYMENTS, PREDICTIONS
 from opml.inference.v1 import deployment_events_pb2 as events
 from opml.inference.v1 import deployments_pb2 as pb
 from opml.inference.v1 import events_pb2

@@ -17,7 +17,7 @@ from opml.jobs.v1 import jobs_pb2 as pb
 from opml_common.bus import CloudEvent
 from opml_common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from opml_common.testing.bus import read_records
-from opml_common.topics import JOBS
+from opml_job_orchestrator.topics import JOBS
 from opml_job_orchestrator.client import JobClient
 
 

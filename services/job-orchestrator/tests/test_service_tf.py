@@ -20,7 +20,8 @@ from opml.traces.v1 import events_pb2 as traces_pb
 
 from opml_common.bus import CloudEvent, ensure_topics
 from opml_common.testing.bus import read_records
-from opml_common.topics import JOBS, TRACES
+from opml_job_orchestrator.topics import JOBS
+from opml_trace_collector.topics import TRACES
 from opml_job_orchestrator.client import JobClient
 from opml_job_orchestrator.spec import load_spec
 

@@ -24,7 +24,7 @@ from opml_common.process import ServiceProcess
 from opml_common.storage import s3_client
 from opml_common.testing.bus import fresh_metrics
 from opml_common.testing.services import TOKENS, ServiceStarter
-from opml_common.topics import TRACES
+from opml_trace_collector.topics import TRACES
 from opml_trace_collector.client import TraceCollectorClient
 
 CAPTURE_TIMEOUT_S = 4.0

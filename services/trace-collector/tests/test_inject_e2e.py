@@ -26,7 +26,7 @@ from opml_common.bus import CloudEvent, ensure_topics
 from opml_common.config import PlatformSettings
 from opml_common.devinfra import free_port
 from opml_common.storage import s3_client
-from opml_common.topics import TRACES
+from opml_trace_collector.topics import TRACES
 from opml_trace_collector.inject.spool import flush_spool
 from opml_trace_collector.session import iter_session
 

@@ -17,7 +17,7 @@ from opml.traces.v1 import traces_pb2 as pb
 from opml_common.bus import CloudEvent
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unauthenticated
 from opml_common.testing.bus import headers_of, read_records
-from opml_common.topics import TRACES
+from opml_trace_collector.topics import TRACES
 from opml_trace_collector.client import TraceCollectorClient
 
 JOB = "mnist-cnn"

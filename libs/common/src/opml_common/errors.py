@@ -8,6 +8,8 @@ our client libraries catch ``NotFound``, never a bare ``grpc.RpcError``. Each er
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class OpmlError(Exception):
     """Base of all platform errors. ``code`` is the gRPC status code name."""
@@ -21,13 +23,30 @@ class OpmlError(Exception):
 
 
 class InvalidArgument(OpmlError):
-    """A request field breaks a rule. The message names the field, shows the value and the rule."""
+    """Request fields break rules. The message names the field, shows the value and the rule.
+
+    ``violations`` holds every (field path, rule) pair, so one error can report all that is wrong at
+    once (a spec with three mistakes gets three lines, not three round trips); on the wire they travel
+    as ``google.rpc.BadRequest`` field violations beside the message. ``field`` is the first one's.
+    """
 
     code = "INVALID_ARGUMENT"
 
     def __init__(self, field: str, message: str) -> None:
+        self.violations: tuple[tuple[str, str], ...] = ((field, message),)
         super().__init__(f"{field}: {message}")
         self.field = field
+
+    @classmethod
+    def of(cls, violations: Sequence[tuple[str, str]]) -> InvalidArgument:
+        """One error for several ``(field, rule)`` violations (at least one), in the order given."""
+        if not violations:
+            raise ValueError("`violations` must hold at least one (field, rule) pair, but got none")
+        error = cls(*violations[0])
+        error.violations = tuple(violations)
+        error.message = "; ".join(f"{field}: {rule}" for field, rule in violations)
+        error.args = (error.message,)
+        return error
 
 
 class NotFound(OpmlError):
@@ -86,9 +105,12 @@ ERRORS_BY_CODE: dict[str, type[OpmlError]] = {
 }
 
 
-def from_status(code: str, message: str) -> OpmlError:
-    """Rebuild the domain error a server raised from its status code name and message."""
+def from_status(code: str, message: str, violations: Sequence[tuple[str, str]] = ()) -> OpmlError:
+    """Rebuild the domain error a server raised from its status code name, message and, for
+    INVALID_ARGUMENT, its field violations (parsed from the message when a server sent none)."""
     if code == InvalidArgument.code:
+        if violations:
+            return InvalidArgument.of(violations)
         field, _, rule = message.partition(": ")
         return InvalidArgument(field, rule or message)
     return ERRORS_BY_CODE.get(code, OpmlError)(message)

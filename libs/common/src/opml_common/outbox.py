@@ -20,11 +20,12 @@ import itertools
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 
 from opml_common.bus import CloudEvent, EventPublisher
 from opml_common.metrics import ServiceMetrics
-from opml_common.topics import ALL_TOPICS, Topic
+from opml_common.topics import Topic
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +46,14 @@ class Outbox:
         self._task: asyncio.Task | None = None
         self._pending = metrics.gauge("outbox_pending_events", "Events recorded but not yet acked by the broker.")
         self._pending.set(len(self._files()))  # then counted by _write and flush, never listed again
-        self._topics = {t.name: t for t in ALL_TOPICS}
         self._wake = asyncio.Event()
         self._seq = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
 
     async def start(self) -> None:
         if self._task is None:
+            self._loop, self._loop_thread = asyncio.get_running_loop(), threading.get_ident()
             if self._files():
                 self._wake.set()  # what an earlier run left goes out now, not after the first interval
             self._task = asyncio.create_task(self._flush_loop(), name="outbox-flush")
@@ -69,13 +72,17 @@ class Outbox:
 
     def record(self, topic: Topic, event: CloudEvent) -> None:
         """Record ``event`` durably (written and fsync'd before this returns) and leave publishing it
-        to the background task (``start()``), which this wakes. Never waits for the broker.
+        to the background task (``start()``), which this wakes. Never waits for the broker. Safe to
+        call from any thread (a synchronous core run with ``asyncio.to_thread``).
 
         Raises:
             OSError: the event could not be written (the disk is full or gone).
         """
         self._write(topic, event)
-        self._wake.set()
+        if self._loop is None or self._loop_thread == threading.get_ident():
+            self._wake.set()
+        else:  # a synchronous core in a worker thread: asyncio.Event is not thread-safe
+            self._loop.call_soon_threadsafe(self._wake.set)
 
     async def flush(self) -> bool:
         """Publish pending events oldest first; True when none is left."""
@@ -85,7 +92,7 @@ class Outbox:
                 event = CloudEvent.from_kafka(
                     [(k, v.encode("latin-1")) for k, v in record["headers"]], bytes.fromhex(record["data"]))
                 try:
-                    await self._publisher.publish(self._topics[record["topic"]], event)
+                    await self._publisher.publish(_topic(record["topic"]), event)
                 except Exception as exc:  # noqa: BLE001 - the broker is down or slow: keep it for later
                     log.warning("outbox: publish failed, will retry", extra={"error": str(exc), "event": event.id})
                     return False
@@ -94,7 +101,8 @@ class Outbox:
             return True
 
     def _write(self, topic: Topic, event: CloudEvent) -> None:
-        record = {"topic": topic.name, "data": event.data.hex(),
+        # the whole topic travels with the event: the outbox needs no list of the platform's topics
+        record = {"topic": {"name": topic.name, "partitions": topic.partitions}, "data": event.data.hex(),
                   "headers": [(k, v.decode("latin-1")) for k, v in event.kafka_headers()]}
         # time, then this process's sequence: events recorded in the same microsecond keep their order
         final = self._dir / f"{event.time.timestamp():020.6f}-{next(self._seq):012d}-{event.id}.json"
@@ -117,3 +125,8 @@ class Outbox:
             self._wake.clear()
             if self._files() and not await self.flush():
                 await asyncio.sleep(self._retry_interval_s)
+
+
+def _topic(recorded: dict | str) -> Topic:
+    """The topic a recorded event goes to (outboxes written before topics travelled whole held the name)."""
+    return Topic(**recorded) if isinstance(recorded, dict) else Topic(recorded)

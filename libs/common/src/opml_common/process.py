@@ -56,6 +56,13 @@ class ServiceSpec:
     # Settings of the service's other processes (a tracer inside user jobs, a worker), documented
     # beside the service's own in docs/configuration.md.
     other_settings: tuple[type, ...] = ()
+    # Topics (opml_common.topics.Topic) the service publishes or consumes: created at start-up.
+    topics: tuple = ()
+
+    @property
+    def event_source(self) -> str:
+        """The CloudEvents ``source`` of every event the service emits."""
+        return f"opml/{self.name}"
 
 
 @dataclass

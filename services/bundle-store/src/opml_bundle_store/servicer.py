@@ -18,23 +18,22 @@ from opml.bundles.v1 import events_pb2
 from opml_bundle_store.convert import bundle_to_proto, context_to_proto, lineage_from_proto, value_from_proto
 from opml_bundle_store.core.model import Bundle, TransferProgress
 from opml_bundle_store.core.store import BundleStore
-from opml_common.bus import CloudEvent
+from opml_common.events import EventEmitter
 from opml_common.errors import InvalidArgument
 from opml_common.grpc.interceptors import current_principal
 from opml_common.metrics import ServiceMetrics
-from opml_common.outbox import Outbox
 from opml_common.pagination import paginate
-from opml_common.topics import BUNDLES
 
-EVENT_SOURCE = "opml/bundle-store"
 _CONTEXT_NAME = re.compile(r"^contexts/([^/]+)$")
 _BUNDLE_NAME = re.compile(r"^contexts/([^/]+)/bundles/([^/]+)$")
 _PROGRESS_INTERVAL_S = 0.2
 
-# Roles per method; every other method needs the writer role.
+# The role each RPC needs (checked against the service descriptor at start-up).
 METHOD_ROLES = {
     "ListContexts": "reader", "GetContext": "reader", "ListBundles": "reader", "GetBundle": "reader",
     "ReadBundleFile": "reader", "GetLineage": "reader",
+    "CreateContext": "writer", "UpdateContextRemote": "writer", "AddBundle": "writer", "CommitBundle": "writer",
+    "PushBundles": "writer", "PullBundles": "writer",
     "DeleteBundle": "admin", "GarbageCollect": "admin",
 }
 
@@ -58,9 +57,9 @@ TRANSFER_DIRECTIONS = ("upload", "read", "push", "pull")
 
 
 class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
-    def __init__(self, store: BundleStore, outbox: Outbox, metrics: ServiceMetrics) -> None:
+    def __init__(self, store: BundleStore, events: EventEmitter, metrics: ServiceMetrics) -> None:
         self._store = store
-        self._outbox = outbox
+        self._events = events
         moved = metrics.counter("transfer_bytes_total", "Bytes moved, by direction.", ("direction",))
         self._bytes = {direction: moved.labels(direction) for direction in TRANSFER_DIRECTIONS}
 
@@ -125,7 +124,7 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
             await asyncio.gather(writer_task, return_exceptions=True)
             raise
         if bundle.committed:
-            await self._announce_commit(bundle)
+            self._announce_commit(bundle)
         return bundle_to_proto(bundle)
 
     async def ListBundles(self, request: pb.ListBundlesRequest, context) -> pb.ListBundlesResponse:
@@ -155,7 +154,7 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
     async def CommitBundle(self, request: pb.CommitBundleRequest, context) -> pb.Bundle:
         context_id, ref = parse_bundle_name("name", request.name)
         bundle = await asyncio.to_thread(self._store.commit, context_id, ref)
-        await self._announce_commit(bundle)
+        self._announce_commit(bundle)
         return bundle_to_proto(bundle)
 
     async def PushBundles(self, request: pb.PushBundlesRequest, context) -> AsyncIterator[pb.TransferProgress]:
@@ -165,9 +164,8 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
             if message.done:
                 self._bytes["push"].inc(message.bytes_done)
                 for bundle in message.bundles:
-                    await self._outbox.publish(BUNDLES, CloudEvent.from_proto(
-                        events_pb2.BundlePushed(bundle=bundle, remote_url=bundle.remote_url),
-                        source=EVENT_SOURCE, subject=bundle.bundle_name))
+                    self._events.emit(events_pb2.BundlePushed(bundle=bundle, remote_url=bundle.remote_url),
+                                      subject=bundle.bundle_name)
             yield message
 
     async def PullBundles(self, request: pb.PullBundlesRequest, context) -> AsyncIterator[pb.TransferProgress]:
@@ -184,10 +182,10 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
         deleted = await asyncio.to_thread(self._store.delete_bundle, context_id, ref, remote=request.remote)
         for uuid in deleted:
             bundle = known.get(uuid)
-            await self._outbox.publish(BUNDLES, CloudEvent.from_proto(events_pb2.BundleDeleted(
+            self._events.emit(events_pb2.BundleDeleted(
                 context=context_id, uuid=uuid, bundle_name=bundle.name if bundle else "",
                 tags=dict(bundle.tags) if bundle else {}, remote=request.remote),
-                source=EVENT_SOURCE, subject=bundle.name if bundle else uuid))
+                subject=bundle.name if bundle else uuid)
         return pb.DeleteBundleResponse(deleted_uuids=deleted)
 
     async def GarbageCollect(self, request: pb.GarbageCollectRequest, context) -> pb.GarbageCollectResponse:
@@ -211,9 +209,8 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
         return pb.LineageGraph(bundles=[bundle_to_proto(b) for b in graph.bundles],
                                edges=[pb.LineageEdge(input_uuid=i, output_uuid=o) for i, o in graph.edges])
 
-    async def _announce_commit(self, bundle: Bundle) -> None:
-        await self._outbox.publish(BUNDLES, CloudEvent.from_proto(
-            events_pb2.BundleCommitted(bundle=bundle_to_proto(bundle)), source=EVENT_SOURCE, subject=bundle.name))
+    def _announce_commit(self, bundle: Bundle) -> None:
+        self._events.emit(events_pb2.BundleCommitted(bundle=bundle_to_proto(bundle)), subject=bundle.name)
 
 
 class _ChunkBridge:

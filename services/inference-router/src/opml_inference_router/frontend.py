@@ -19,15 +19,13 @@ from opml_common.grpc.server import ServiceRegistration
 from tritonclient.grpc import service_pb2 as pb
 
 from opml_inference_router import package_version
+from opml_inference_router.kserve.roles import INFERENCE_METHOD_ROLES
 from opml_inference_router.predictions import PredictionLog
 from opml_inference_router.routing import Router, wire
 
 SERVICE = "inference.GRPCInferenceService"
 SERVER_NAME = "opml-inference-router"
 
-# As on the workers: inference needs the writer role (the default), the rest reader.
-METHOD_ROLES = {method: "reader" for method in (
-    "ServerLive", "ServerReady", "ServerMetadata", "ModelReady", "ModelMetadata")}
 
 _METADATA_TIMEOUT_S = 5.0
 
@@ -89,7 +87,8 @@ class InferenceFrontend:
 
     def registration(self) -> ServiceRegistration:
         """What ``GrpcServer`` needs to host this servicer."""
-        return ServiceRegistration(full_name=SERVICE, add_to_server=add_to_server, servicer=self)
+        return ServiceRegistration(pb.DESCRIPTOR.services_by_name["GRPCInferenceService"],
+                                   add_to_server, self, INFERENCE_METHOD_ROLES)
 
 
 def _raw(data: bytes) -> bytes:

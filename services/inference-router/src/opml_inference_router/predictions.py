@@ -25,7 +25,7 @@ import numpy as np
 from google.protobuf.timestamp_pb2 import Timestamp
 from opml_common.bus import EventPublisher
 from opml_common.metrics import ServiceMetrics
-from opml_common.topics import PREDICTIONS
+from opml_inference_router.topics import PREDICTIONS
 from opml.inference.v1 import events_pb2
 from tritonclient.grpc import service_pb2 as pb
 

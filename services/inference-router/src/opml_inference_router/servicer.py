@@ -20,7 +20,7 @@ from opml_common.pagination import paginate
 from opml_inference_router.control import DeploymentManager, Source
 from opml_inference_router.control import convert
 
-SERVICE = pb.DESCRIPTOR.services_by_name["DeploymentService"].full_name
+SERVICE = pb.DESCRIPTOR.services_by_name["DeploymentService"]
 METHOD_ROLES = {
     "ListDeployments": "reader", "GetDeployment": "reader", "GetPlacement": "reader",
     "Deploy": "writer", "SetTraffic": "writer", "Promote": "writer", "Rollback": "writer",
@@ -45,7 +45,8 @@ class DeploymentServicer(deployments_pb2_grpc.DeploymentServiceServicer):
         self._allow_model_dir = allow_model_dir
 
     def registration(self) -> ServiceRegistration:
-        return ServiceRegistration(SERVICE, deployments_pb2_grpc.add_DeploymentServiceServicer_to_server, self)
+        return ServiceRegistration(SERVICE, deployments_pb2_grpc.add_DeploymentServiceServicer_to_server, self,
+                                   METHOD_ROLES)
 
     async def Deploy(self, request: pb.DeployRequest, context) -> pb.Deployment:
         which = request.WhichOneof("source")

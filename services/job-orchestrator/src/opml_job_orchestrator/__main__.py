@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections import Counter
 from typing import Any
 
 from opml.jobs.v1 import jobs_pb2, jobs_pb2_grpc
 
-from opml_common.bus import EventPublisher, ensure_topics
 from opml_common.config import PlatformSettings
-from opml_common.grpc.server import GrpcServer, ServiceRegistration, wait_for_signal
-from opml_common.logging import configure_logging
-from opml_common.metrics import ServiceMetrics
-from opml_common.outbox import Outbox
+from opml_common.grpc.server import ServiceRegistration
 from opml_common.process import ServiceSpec
-from opml_common.storage import redis_client
-from opml_common.topics import JOBS
+from opml_common.service import ServiceContext, run_service
+from opml_job_orchestrator.topics import JOBS
 from opml_job_orchestrator.convert import change_to_proto, event_to_proto, job_to_proto, saved_job_from_proto
-from opml_job_orchestrator.events import EVENT_SOURCE, LifecyclePublisher
 from opml_job_orchestrator.executor import Executor, LocalExecutor, RetryPolicy
 from opml_job_orchestrator.metrics import JobMetrics, TimedScheduler
 from opml_job_orchestrator.orchestrator import LifecycleEvent, Orchestrator
@@ -31,8 +25,8 @@ from opml_job_orchestrator.watch import WatchHub
 
 logger = logging.getLogger(__name__)
 
-SERVICE = "job-orchestrator"
-SPEC = ServiceSpec(name=SERVICE, module="opml_job_orchestrator", settings=JobOrchestratorSettings)
+SPEC = ServiceSpec(name="job-orchestrator", module="opml_job_orchestrator", settings=JobOrchestratorSettings,
+                   topics=(JOBS,))
 
 
 def build_executor(settings: JobOrchestratorSettings, platform: PlatformSettings, *,
@@ -56,66 +50,52 @@ def build_executor(settings: JobOrchestratorSettings, platform: PlatformSettings
         poll_interval_s=settings.k8s_poll_interval_s, shutdown_grace_s=settings.shutdown_grace_s)
 
 
-async def serve(settings: JobOrchestratorSettings, platform: PlatformSettings) -> None:
-    """Serve until SIGINT/SIGTERM. Jobs are restored from Redis first; on the way out, runs still
-    going are stopped and queued to resume (PREEMPTED), and unpublished events stay in the outbox."""
-    metrics = ServiceMetrics(SERVICE)
-    await ensure_topics(platform, [JOBS])
-    redis = redis_client(platform)
-    store = JobStore(redis, prefix=platform.redis_prefix)
+async def build(service: ServiceContext) -> list[ServiceRegistration]:
+    """Jobs restored from Redis, then scheduled and run. At shutdown (reverse order) the server drains,
+    runs still going are stopped and queued to resume (PREEMPTED), and unpublished events stay in the
+    outbox."""
+    settings: JobOrchestratorSettings = service.settings
+    store = JobStore(service.redis(), prefix=service.platform.redis_prefix)
     saved = [saved_job_from_proto(job) for job in await store.load()]
     cluster = Cluster([NodeSpec(n.name, Resources(n.cpu_millis, n.memory_mib, n.gpu))
                        for n in settings.cluster_nodes()])
-    executor = build_executor(settings, platform)
+    executor = build_executor(settings, service.platform)
     watch = WatchHub(limit=settings.watch_backlog)
-    job_metrics = JobMetrics(metrics)
+    job_metrics = JobMetrics(service.metrics)
     for item in saved:
         job_metrics.seed(item.status, item.definition.spec.job_class)
-    async with EventPublisher(platform, source=EVENT_SOURCE, metrics=metrics) as bus:
-        outbox = Outbox(settings.home / "outbox", bus, metrics)
-        events = LifecyclePublisher(outbox)
+    events = await service.emitter()
 
-        def on_change(event: LifecycleEvent) -> None:
-            """Every transition: saved to Redis, published on JOBS, shown to watchers, counted."""
-            definition = orchestrator.definition(event.job_id)
-            job = job_to_proto(definition, orchestrator.get(event.job_id))
-            store.save(job)
-            events.publish(event.job_id, event_to_proto(event, job))
-            watch.notify(change_to_proto(event, job))
-            job_metrics.observe(event, definition.spec.job_class)
-
-        orchestrator = Orchestrator(
-            scheduler=TimedScheduler(cluster, POLICY_PRESETS[settings.policy](), metrics), executor=executor,
-            retry_policy=RetryPolicy(max_retries=settings.max_retries, base_delay_s=settings.retry_base_delay_s,
-                                     max_delay_s=settings.retry_max_delay_s),
-            listeners=[on_change], terminate_grace_s=settings.terminate_grace_s)
-        await outbox.start()
-        await store.start()
+    def on_change(event: LifecycleEvent) -> None:
+        """Every transition: saved to Redis, published on JOBS, shown to watchers, counted."""
+        definition = orchestrator.definition(event.job_id)
+        job = job_to_proto(definition, orchestrator.get(event.job_id))
+        store.save(job)
         try:
-            await orchestrator.restore(saved)
-            if saved:
-                states = Counter(item.status.state.value for item in saved)
-                logger.info("restored %d jobs from Redis (as saved: %s)", len(saved), dict(states))
-            await orchestrator.start()
-            servicer = JobServicer(orchestrator, executor, watch, durable=store.flushed,
-                                   log_poll_s=settings.log_poll_s)
-            registration = ServiceRegistration(jobs_pb2.DESCRIPTOR.services_by_name["JobService"].full_name,
-                                               jobs_pb2_grpc.add_JobServiceServicer_to_server, servicer)
-            async with GrpcServer(settings=settings, platform=platform, metrics=metrics,
-                                  registrations=[registration], method_roles=METHOD_ROLES):
-                await wait_for_signal()
-        finally:
-            await orchestrator.stop()
-            await store.stop()
-            await outbox.stop()
-            await redis.aclose()
+            events.emit(event_to_proto(event, job), subject=event.job_id)
+        except OSError:  # the disk is full or gone: say so loudly, keep the orchestrator going
+            logger.exception("could not record the %s event of job %s in the outbox", event.kind, event.job_id)
+        watch.notify(change_to_proto(event, job))
+        job_metrics.observe(event, definition.spec.job_class)
+
+    orchestrator = Orchestrator(
+        scheduler=TimedScheduler(cluster, POLICY_PRESETS[settings.policy](), service.metrics), executor=executor,
+        retry_policy=RetryPolicy(max_retries=settings.max_retries, base_delay_s=settings.retry_base_delay_s,
+                                 max_delay_s=settings.retry_max_delay_s),
+        listeners=[on_change], terminate_grace_s=settings.terminate_grace_s)
+    await service.start(store)
+    await orchestrator.restore(saved)
+    if saved:
+        states = Counter(item.status.state.value for item in saved)
+        logger.info("restored %d jobs from Redis (as saved: %s)", len(saved), dict(states))
+    await service.start(orchestrator)
+    servicer = JobServicer(orchestrator, executor, watch, durable=store.flushed, log_poll_s=settings.log_poll_s)
+    return [ServiceRegistration(jobs_pb2.DESCRIPTOR.services_by_name["JobService"],
+                                jobs_pb2_grpc.add_JobServiceServicer_to_server, servicer, METHOD_ROLES)]
 
 
 def main() -> None:
-    platform = PlatformSettings()
-    settings = JobOrchestratorSettings()
-    configure_logging(SERVICE, level=platform.log_level, fmt=platform.log_format)
-    asyncio.run(serve(settings, platform))
+    run_service(SPEC, build)
 
 
 if __name__ == "__main__":

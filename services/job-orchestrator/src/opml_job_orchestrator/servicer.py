@@ -23,7 +23,7 @@ from opml_job_orchestrator.watch import WatchHub
 
 # Roles per method; every other method (SubmitJob, CancelJob) needs the writer role.
 METHOD_ROLES = {"GetJob": "reader", "ListJobs": "reader", "ReadJobLogs": "reader", "WatchJobs": "reader",
-                "PreemptJob": "admin"}
+                "SubmitJob": "writer", "CancelJob": "writer", "PreemptJob": "admin"}
 
 _JOB_NAME = re.compile(r"^jobs/([^/]+)$")
 _LOG_CHUNK_BYTES = 256 * 1024

@@ -1,20 +1,20 @@
-"""Run the trace-collector service: ``python -m opml_trace_collector`` (configured by OPML_* variables)."""
+"""Run the trace-collector service: ``python -m opml_trace_collector`` (configured by OPML_* variables).
+
+The consumer commits an event only after its effect is in Redis; on stop it finishes the event in
+hand, so nothing is lost or applied twice across restarts. State missing from Redis, at start or
+while running, is rebuilt from the topic (:mod:`opml_trace_collector.rebuild`).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 from opml.traces.v1 import traces_pb2, traces_pb2_grpc
 
-from opml_common.bus import EventConsumer, RedisDeduplicator, ensure_topics
-from opml_common.config import PlatformSettings
-from opml_common.grpc.server import GrpcServer, ServiceRegistration, wait_for_signal
-from opml_common.logging import configure_logging
-from opml_common.metrics import ServiceMetrics
+from opml_common.bus import EventConsumer, RedisDeduplicator
+from opml_common.grpc.server import ServiceRegistration
 from opml_common.process import ServiceSpec
-from opml_common.storage import redis_client, s3_client
-from opml_common.topics import TRACES
+from opml_common.service import ServiceContext, run_service
 from opml_trace_collector.aggregator import Aggregator
 from opml_trace_collector.captures import CaptureManager
 from opml_trace_collector.inject.settings import TracerSettings
@@ -24,23 +24,17 @@ from opml_trace_collector.settings import TraceCollectorSettings
 from opml_trace_collector.store import Keys, TraceStore
 from opml_trace_collector.summary import Summarizer
 from opml_trace_collector.tracefiles import TraceFiles
+from opml_trace_collector.topics import TRACES
 
-SERVICE = "trace-collector"
-SPEC = ServiceSpec(name=SERVICE, module="opml_trace_collector", settings=TraceCollectorSettings,
-                   other_settings=(TracerSettings,))
+SPEC = ServiceSpec(name="trace-collector", module="opml_trace_collector", settings=TraceCollectorSettings,
+                   other_settings=(TracerSettings,), topics=(TRACES,))
 
 
-async def serve(settings: TraceCollectorSettings, platform: PlatformSettings) -> None:
-    """Consume the tracers' events and serve the API until SIGINT/SIGTERM.
-
-    The consumer commits an event only after its effect is in Redis; on stop it finishes the event
-    in hand, so nothing is lost or applied twice across restarts. State missing from Redis, at
-    start or while running, is rebuilt from the topic (:mod:`opml_trace_collector.rebuild`).
-    """
-    metrics = ServiceMetrics(SERVICE)
-    await ensure_topics(platform, [TRACES])
-    redis = redis_client(platform)
-    files = TraceFiles(s3_client(platform), settings.bucket)
+async def build(service: ServiceContext) -> list[ServiceRegistration]:
+    """The tracers' events consumed into Redis, capture expiry, and the query API over both."""
+    settings: TraceCollectorSettings = service.settings
+    platform, metrics, redis = service.platform, service.metrics, service.redis()
+    files = TraceFiles(service.s3(), settings.bucket)
     await asyncio.to_thread(files.ensure_bucket)
     keys = Keys(platform.redis_prefix)
     store = TraceStore(redis, keys, series_length=settings.series_length, run_lost_after_s=settings.run_lost_after_s)
@@ -52,36 +46,17 @@ async def serve(settings: TraceCollectorSettings, platform: PlatformSettings) ->
                                            metrics=metrics,
                                            dedup=RedisDeduplicator(redis, prefix=platform.redis_prefix, group=group)),
         base_group=settings.consumer_group, metrics=metrics, check_interval_s=settings.state_check_interval_s)
+    await service.start(consumer)
+    service.run_in_background(consumer.run, stop=consumer.stop, name="traces-consumer")
+    service.run_in_background(captures.run_expiry, name="capture-expiry")
     summarizer = Summarizer(redis, keys, store, captures, files, sample_steps=settings.summary_sample_steps)
     servicer = TraceCollectorServicer(store, captures, summarizer, files)
-    registration = ServiceRegistration(
-        traces_pb2.DESCRIPTOR.services_by_name["TraceCollectorService"].full_name,
-        traces_pb2_grpc.add_TraceCollectorServiceServicer_to_server, servicer)
-    try:
-        await consumer.start()
-        consuming = asyncio.create_task(consumer.run())
-        expiring = asyncio.create_task(captures.run_expiry())
-        try:
-            async with GrpcServer(settings=settings, platform=platform, metrics=metrics,
-                                  registrations=[registration], method_roles=METHOD_ROLES):
-                stop = asyncio.create_task(wait_for_signal())
-                await asyncio.wait({stop, consuming}, return_when=asyncio.FIRST_COMPLETED)
-                stop.cancel()
-        finally:
-            expiring.cancel()
-            await consumer.stop()
-            with contextlib.suppress(asyncio.CancelledError):
-                await expiring
-            await consuming  # ends once stopped; re-raises the failure of a consumer that died
-    finally:
-        await redis.aclose()
+    return [ServiceRegistration(traces_pb2.DESCRIPTOR.services_by_name["TraceCollectorService"],
+                                traces_pb2_grpc.add_TraceCollectorServiceServicer_to_server, servicer, METHOD_ROLES)]
 
 
 def main() -> None:
-    platform = PlatformSettings()
-    settings = TraceCollectorSettings()
-    configure_logging(SERVICE, level=platform.log_level, fmt=platform.log_format)
-    asyncio.run(serve(settings, platform))
+    run_service(SPEC, build)
 
 
 if __name__ == "__main__":

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, ClassVar, Self, TypeVar
 
 import grpc
 
 from opml_common.errors import OpmlError, Unavailable, from_status
+from opml_common.grpc.status import field_violations
 
 T = TypeVar("T")
 
@@ -48,7 +49,7 @@ def domain_error(error: grpc.RpcError) -> OpmlError:
     code = error.code()
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return Unavailable(error.details() or code.name)
-    return from_status(code.name, error.details() or "")
+    return from_status(code.name, error.details() or "", field_violations(error))
 
 
 def raising_domain_errors(call: Callable[..., T]) -> Callable[..., T]:
@@ -68,3 +69,65 @@ def stream_raising_domain_errors(stream: Iterator[T]) -> Iterator[T]:
         yield from stream
     except grpc.RpcError as error:
         raise domain_error(error) from None
+
+
+class _DomainErrorStub:
+    """A generated stub whose every call raises OpmlError subclasses instead of grpc.RpcError
+    (server streams included, when they are read), so no client method needs its own wrapper."""
+
+    def __init__(self, stub: object) -> None:
+        self._stub = stub
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self._stub, name)
+
+        @functools.wraps(method)
+        def call(*args, **kwargs):
+            try:
+                result = method(*args, **kwargs)
+            except grpc.RpcError as error:
+                raise domain_error(error) from None
+            return stream_raising_domain_errors(result) if isinstance(result, Iterator) else result
+
+        setattr(self, name, call)  # looked up once per method
+        return call
+
+
+class ServiceClient:
+    """Base of the platform's blocking Python clients: one channel with the bearer token, the
+    service's stub as ``self.stub`` (its failures raise domain errors), ``close()`` and ``with``.
+
+    A subclass sets ``stub_class`` and adds one method per RPC that builds the request and returns
+    the reply; list methods use :func:`pages`.
+    """
+
+    stub_class: ClassVar[Callable[[grpc.Channel], object]]
+
+    def __init__(self, target: str, *, token: str | None = None, tls: bool = False) -> None:
+        self.target = target
+        self._channel = open_channel(target, token=token, tls=tls)
+        self.stub = _DomainErrorStub(self.stub_class(self._channel))
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+R = TypeVar("R")
+
+
+def pages(call: Callable[[str], R], items: Callable[[R], Iterable[T]]) -> Iterator[T]:
+    """Every item of a paginated List RPC (AIP-158): ``call(page_token)`` returns one page, whose
+    ``next_page_token`` is empty on the last; ``items(reply)`` picks the page's items."""
+    token = ""
+    while True:
+        reply = call(token)
+        yield from items(reply)
+        token = reply.next_page_token  # type: ignore[attr-defined]
+        if not token:
+            return

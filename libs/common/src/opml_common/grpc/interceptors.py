@@ -20,6 +20,7 @@ import grpc
 from grpc.aio import AbortError
 
 from opml_common.errors import OpmlError
+from opml_common.grpc.status import trailing_details
 from opml_common.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
@@ -75,9 +76,11 @@ def _method_name(full_method: str) -> str:
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Bearer-token auth with roles (reader < writer < admin).
 
-    ``method_roles`` maps a method name (``DeleteBundle``) to the role it needs; methods not
-    listed need ``default_role``. With no tokens configured (dev), every caller is an anonymous
-    admin. Health and reflection are always open so probes and tools work.
+    ``method_roles`` maps a full method (``/opml.bundles.v1.BundleStore/DeleteBundle``) to the role it
+    needs; the server checks at start-up that every RPC it hosts is listed (see
+    :class:`~opml_common.grpc.server.ServiceRegistration`), and any other needs ``default_role``.
+    With no tokens configured (dev), every caller is an anonymous admin. Health and reflection are
+    always open so probes and tools work.
     """
 
     OPEN_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
@@ -105,17 +108,17 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if roles is None:
             return _wrap(handler, _reject(grpc.StatusCode.UNAUTHENTICATED,
                                           "missing or unknown bearer token (send 'authorization: Bearer <token>')"))
-        cached = self._wrapped.get((method, token))
+        cached = self._wrapped.get((handler_call_details.method, token))
         if cached is not None and cached[0] is handler:
             return cached[1]
-        needed = self._method_roles.get(method, self._default_role)
+        needed = self._method_roles.get(handler_call_details.method, self._default_role)
         principal = Principal(f"token:{token[:4]}…", roles)
         if not principal.has(needed):
             wrapped = _wrap(handler, _reject(grpc.StatusCode.PERMISSION_DENIED,
                                              f"{method} needs the {needed} role; the caller has {sorted(roles)}"))
         else:
             wrapped = _wrap(handler, _with_principal(principal))
-        self._wrapped[(method, token)] = (handler, wrapped)
+        self._wrapped[(handler_call_details.method, token)] = (handler, wrapped)
         return wrapped
 
 
@@ -235,7 +238,7 @@ class _CallRecord:
             raise exc
         if isinstance(exc, OpmlError):
             self.code = exc.code
-            await self.context.abort(grpc.StatusCode[exc.code], exc.message)
+            await self.context.abort(grpc.StatusCode[exc.code], exc.message, trailing_metadata=trailing_details(exc))
         incident = uuid.uuid4().hex[:12]
         self.code = "INTERNAL"
         log.exception("unhandled error in %s (incident %s)", self.method, incident)

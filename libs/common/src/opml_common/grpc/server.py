@@ -9,11 +9,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from opml_common.config import PlatformSettings, ServiceSettings
-from opml_common.grpc.interceptors import AuthInterceptor, ObservabilityInterceptor
+from opml_common.grpc.interceptors import ROLE_RANK, AuthInterceptor, ObservabilityInterceptor
 from opml_common.metrics import ServiceMetrics, serve_metrics
 
 log = logging.getLogger(__name__)
@@ -21,11 +22,42 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ServiceRegistration:
-    """One servicer to host: its full proto name and the generated ``add_*_to_server`` function."""
+    """One servicer to host: its proto service, the generated ``add_*_to_server`` function, and the
+    role each of its RPCs needs.
 
-    full_name: str
+    ``method_roles`` must name every RPC of ``service`` and nothing else: an RPC left out would
+    silently need the default role, a misspelt one would protect nothing, so either stops the
+    service at start-up with a message naming it.
+
+    Raises:
+        ValueError: ``method_roles`` misses an RPC, names one ``service`` does not have, or uses an
+            unknown role.
+    """
+
+    service: ServiceDescriptor
     add_to_server: Callable[[object, grpc.aio.Server], None]
     servicer: object
+    method_roles: Mapping[str, str]
+
+    def __post_init__(self) -> None:
+        methods = {method.name for method in self.service.methods}
+        missing = sorted(methods - set(self.method_roles))
+        unknown = sorted(set(self.method_roles) - methods)
+        bad_roles = sorted({f"{m}={r}" for m, r in self.method_roles.items() if r not in ROLE_RANK})
+        problems = [f"no role for {', '.join(missing)}" if missing else "",
+                    f"{', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not an RPC of it" if unknown else "",
+                    f"unknown roles {', '.join(bad_roles)} (roles: {', '.join(ROLE_RANK)})" if bad_roles else ""]
+        if any(problems):
+            raise ValueError(f"method_roles of {self.service.full_name}: " + "; ".join(filter(None, problems))
+                             + f". Every RPC must name the role it needs (one of {', '.join(ROLE_RANK)}).")
+
+    @property
+    def full_name(self) -> str:
+        return self.service.full_name
+
+    def full_method_roles(self) -> dict[str, str]:
+        """``/package.Service/Method`` -> role, as the auth interceptor looks calls up."""
+        return {f"/{self.full_name}/{method}": role for method, role in self.method_roles.items()}
 
 
 class GrpcServer:
@@ -37,7 +69,7 @@ class GrpcServer:
     """
 
     def __init__(self, *, settings: ServiceSettings, platform: PlatformSettings, metrics: ServiceMetrics,
-                 registrations: Sequence[ServiceRegistration], method_roles: Mapping[str, str]) -> None:
+                 registrations: Sequence[ServiceRegistration]) -> None:
         self.settings = settings
         self.metrics = metrics
         self._registrations = registrations
@@ -46,7 +78,8 @@ class GrpcServer:
         if not tokens:
             log.warning("no OPML_AUTH_TOKENS set: every caller is an anonymous admin (dev only)")
         self._server = grpc.aio.server(
-            interceptors=[ObservabilityInterceptor(metrics), AuthInterceptor(tokens, method_roles=method_roles)],
+            interceptors=[ObservabilityInterceptor(metrics), AuthInterceptor(
+                tokens, method_roles={k: v for r in registrations for k, v in r.full_method_roles().items()})],
             options=[("grpc.max_receive_message_length", 64 * 1024 * 1024),
                      ("grpc.max_send_message_length", 64 * 1024 * 1024)],
         )
@@ -93,4 +126,8 @@ async def wait_for_signal() -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

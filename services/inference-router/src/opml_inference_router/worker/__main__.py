@@ -30,7 +30,8 @@ from opml_inference_router.placement.config import PoolKind, load_fleet_config
 from opml_inference_router.runtime import ModelRepository, WorkerMetrics, require_provider, thread_share
 from opml_inference_router.worker import uds
 from opml_inference_router.worker.process import MAX_UDS_PATH
-from opml_inference_router.worker.servicer import METHOD_ROLES, WorkerServicer
+from opml_inference_router.kserve.roles import INFERENCE_METHOD_ROLES
+from opml_inference_router.worker.servicer import WorkerServicer
 from opml_inference_router.worker.settings import WorkerSettings
 
 SERVICE = "inference-router"
@@ -68,10 +69,10 @@ async def serve(settings: WorkerSettings, platform: PlatformSettings) -> None:
                                  threads=settings.threads_per_replica or thread_share(kind),
                                  profile_repeats=settings.profile_repeats)
     servicer = WorkerServicer(repository, server_name=SERVER_NAME, server_version=package_version())
-    registration = ServiceRegistration(service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
-                                       service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, servicer)
-    server = GrpcServer(settings=settings, platform=platform, metrics=metrics, registrations=[registration],
-                        method_roles=METHOD_ROLES)
+    registration = ServiceRegistration(service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"],
+                                       service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, servicer,
+                                       INFERENCE_METHOD_ROLES)
+    server = GrpcServer(settings=settings, platform=platform, metrics=metrics, registrations=[registration])
     announcement: dict[str, object] = {"pool_kind": kind.name, "pid": os.getpid()}
     try:
         async with server, contextlib.AsyncExitStack() as local:

@@ -32,11 +32,6 @@ from opml_inference_router.runtime.bundle import write_bundle
 
 PLATFORM = "onnxruntime_onnx"
 EXTENSIONS = ["model_repository", "statistics", "model_configuration"]
-METHOD_ROLES = {
-    "ServerLive": "reader", "ServerReady": "reader", "ModelReady": "reader", "ServerMetadata": "reader",
-    "ModelMetadata": "reader", "ModelConfig": "reader", "ModelStatistics": "reader", "RepositoryIndex": "reader",
-    "RepositoryModelLoad": "admin", "RepositoryModelUnload": "admin",
-}
 _LOAD_PARAMETERS = {"path": "string_param", "version": "int64_param", "precision": "string_param",
                     "profile": "bool_param", "config": "string_param", "instances": "int64_param",
                     "max_batch": "int64_param"}

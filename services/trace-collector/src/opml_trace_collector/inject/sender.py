@@ -22,7 +22,7 @@ from opml_common.bus import CloudEvent, EventPublisher
 from opml_common.config import PlatformSettings
 from opml_common.metrics import ServiceMetrics
 from opml_common.outbox import Outbox
-from opml_common.topics import TRACES
+from opml_trace_collector.topics import TRACES
 from opml_trace_collector.inject import spool
 from opml_trace_collector.inject.settings import TracerSettings
 from opml_trace_collector.session import record_to_line

@@ -1,0 +1,55 @@
+"""The shape of every service's ``opml <noun>`` command group: where the service is, who is calling.
+
+``service_group`` makes a click group with ``--target`` (env ``OPML_<SERVICE>_TARGET``) and
+``--token`` (env ``OPML_TOKEN``) and puts a :class:`ClientSession` in the context; commands take it
+with :data:`pass_session` and open the service's client with ``session.client()``. Domain errors a
+command raises are printed as one line by the ``opml`` command itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from opml_common.grpc.client import ServiceClient
+
+
+class ClientSession:
+    """The target and token the group was given, and the service's client class."""
+
+    def __init__(self, client_class: type[ServiceClient], target: str, token: str | None,
+                 options: dict[str, Any]) -> None:
+        self.client_class, self.target, self.token = client_class, target, token
+        self.options = options  # the group's own extra options, by parameter name
+
+    def client(self) -> Any:
+        """A new client of the service (close it, or use it in ``with``)."""
+        return self.client_class(self.target, token=self.token)
+
+
+pass_session = click.make_pass_decorator(ClientSession)
+
+
+def service_group(name: str, *, service: str, client: type[ServiceClient], default_target: str,
+                  options: tuple[Callable[[Callable], Callable], ...] = ()) -> Callable[[Callable], click.Group]:
+    """Decorate a function (its docstring is the group's help) into the ``opml <name>`` group of
+    ``service``. ``options`` are extra click options of the group, kept in ``session.options``."""
+    env = "OPML_" + service.upper().replace("-", "_") + "_TARGET"
+
+    def decorate(function: Callable) -> click.Group:
+        def callback(target: str, token: str | None, **extra: Any) -> None:
+            click.get_current_context().obj = ClientSession(client, target, token, extra)
+
+        callback.__doc__ = function.__doc__
+        command: Callable = callback
+        for option in reversed(options):
+            command = option(command)
+        command = click.option("--token", envvar="OPML_TOKEN", default=None,
+                               help="Bearer token (env OPML_TOKEN).")(command)
+        command = click.option("--target", envvar=env, default=default_target, show_default=True,
+                               help=f"{service} gRPC address (env {env}).")(command)
+        return click.group(name)(command)
+
+    return decorate

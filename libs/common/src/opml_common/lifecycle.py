@@ -1,0 +1,55 @@
+"""Long-lived parts (a consumer, a pool of workers, a flush loop): started once, stopped once.
+
+:class:`Component` gives a part idempotent ``start()``/``stop()`` and ``async with``, as aiokafka's
+consumer and faust's ``mode.Service`` do, so whoever owns it (``run_service``'s exit stack, a test)
+needs no flags of its own. A subclass implements :meth:`Component.on_start` and
+:meth:`Component.on_stop` and lists their side effects in its docstring.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Self
+
+
+class Component:
+    """A part with idempotent ``start()``/``stop()``; use as ``async with part:``.
+
+    ``start()`` runs :meth:`on_start` once (a second call, or one while starting, waits and
+    returns); ``stop()`` runs :meth:`on_stop` once, only if the part started, and a part that
+    failed to start is stopped by nobody: ``on_start`` cleans up after itself before raising.
+    """
+
+    def __init__(self) -> None:
+        self._lifecycle_lock = asyncio.Lock()
+        self._running = False
+
+    @property
+    def running(self) -> bool:
+        """True between a successful ``start()`` and the next ``stop()``."""
+        return self._running
+
+    async def on_start(self) -> None:
+        """Called by the first ``start()``: connect, spawn, begin background tasks."""
+
+    async def on_stop(self) -> None:
+        """Called by the first ``stop()`` after a start: finish what is in hand, release everything."""
+
+    async def start(self) -> None:
+        async with self._lifecycle_lock:
+            if not self._running:
+                await self.on_start()
+                self._running = True
+
+    async def stop(self) -> None:
+        async with self._lifecycle_lock:
+            if self._running:
+                self._running = False
+                await self.on_stop()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
