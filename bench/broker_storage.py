@@ -6,15 +6,15 @@ the embedded SeaweedFS (durable). This measures what durability costs, through t
 
 - **one at a time**: each publish awaited before the next, as the outbox flushes (BundleCommitted
   events of a few hundred bytes, keyed by bundle name);
-- **concurrent**: ``--senders`` tasks publishing at once, as the inference-router's prediction log
-  does (PredictionMade events of a few hundred bytes, keyed by model/version); aiokafka batches
-  what is in flight to one partition into one request.
+- **concurrent**: ``--senders`` tasks publishing at once, 8 as the inference-router's prediction log
+  does and 64 to show how far batching goes (PredictionMade events of a few hundred bytes, keyed by
+  model/version); aiokafka batches what is in flight to one partition into one request.
 
 Both engines run side by side (one DevInfra each, its own SeaweedFS) and the workloads alternate
 between them for ``--rounds`` rounds, so load on the machine falls on both alike. Prints msgs/s and
 p50/p99 publish latency per engine and workload, and the ratios s3/memory of the same run.
 
-    .venv/bin/python bench/broker_storage.py [--rounds 3] [--sequential 300] [--concurrent 3000] [--senders 8]
+    .venv/bin/python bench/broker_storage.py [--rounds 3] [--sequential 300] [--concurrent 3000] [--senders 8 64]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import defaultdict
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -77,9 +78,9 @@ class Engine:
         self.settings = PlatformSettings(kafka_bootstrap=endpoints.kafka_bootstrap, topic_prefix=prefix)
         self.publisher = EventPublisher(self.settings, source=SOURCE,
                                         metrics=ServiceMetrics("bench", registry=CollectorRegistry()))
-        self.latencies: dict[str, list[float]] = {"one at a time": [], "concurrent": []}
-        self.elapsed: dict[str, float] = {"one at a time": 0.0, "concurrent": 0.0}
-        self.counts: dict[str, int] = {"one at a time": 0, "concurrent": 0}
+        self.latencies: dict[str, list[float]] = defaultdict(list)
+        self.elapsed: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, int] = defaultdict(int)
         self.sizes: dict[str, int] = {}
 
     async def start(self) -> None:
@@ -102,7 +103,8 @@ class Engine:
     async def concurrent(self, count: int, senders: int, *, record: bool = True) -> None:
         events = [CloudEvent.from_proto(prediction_made(i), source=SOURCE, subject="defect-classifier/3")
                   for i in range(count)]
-        self.sizes["concurrent"] = _record_size(events[0])
+        workload = concurrent_name(senders)
+        self.sizes[workload] = _record_size(events[0])
         queue = list(reversed(events))
         latencies: list[float] = []
 
@@ -116,7 +118,7 @@ class Engine:
         began = time.perf_counter()
         await asyncio.gather(*(sender() for _ in range(senders)))
         if record:
-            self._add("concurrent", latencies, time.perf_counter() - began)
+            self._add(workload, latencies, time.perf_counter() - began)
 
     def _add(self, workload: str, latencies: list[float], elapsed: float) -> None:
         self.latencies[workload].extend(latencies)
@@ -131,6 +133,14 @@ class Engine:
         return values[min(len(values) - 1, int(q * len(values)))] * 1000.0
 
 
+def concurrent_name(senders: int) -> str:
+    return f"concurrent, {senders} senders"
+
+
+def workloads(args: argparse.Namespace) -> list[str]:
+    return ["one at a time", *(concurrent_name(n) for n in args.senders)]
+
+
 def _record_size(event: CloudEvent) -> int:
     """Bytes of one record: value plus ce_* headers (what the broker stores per event)."""
     return len(event.data) + sum(len(name) + len(value) for name, value in event.kafka_headers())
@@ -140,14 +150,15 @@ async def run(args: argparse.Namespace, engines: list[Engine]) -> None:
     for engine in engines:
         await engine.start()
         await engine.sequential(20, record=False)  # warm-up: metadata, connections, the first objects
-        await engine.concurrent(200, args.senders, record=False)
+        await engine.concurrent(200, max(args.senders), record=False)
     try:
         for round_ in range(args.rounds):
             order = engines if round_ % 2 == 0 else list(reversed(engines))  # ABBA: neither always goes first
             for engine in order:
                 await engine.sequential(args.sequential)
-            for engine in order:
-                await engine.concurrent(args.concurrent, args.senders)
+            for senders in args.senders:
+                for engine in order:
+                    await engine.concurrent(args.concurrent, senders)
             print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     finally:
         for engine in engines:
@@ -158,10 +169,10 @@ def report(args: argparse.Namespace, engines: list[Engine]) -> None:
     by_name = {engine.name: engine for engine in engines}
     print(f"\ntansu storage engines, EventPublisher acks=all, {args.rounds} rounds "
           f"(one at a time: {args.sequential} BundleCommitted per round; concurrent: {args.concurrent} "
-          f"PredictionMade per round from {args.senders} senders)\n")
+          f"PredictionMade per round and sender count)\n")
     print("| workload | record bytes | engine | msgs/s | p50 ms | p99 ms |")
     print("|---|---|---|---|---|---|")
-    for workload in ("one at a time", "concurrent"):
+    for workload in workloads(args):
         for engine in engines:
             print(f"| {workload} | {engine.sizes[workload]} | {engine.name} | {engine.rate(workload):,.0f} | "
                   f"{engine.percentile(workload, 0.5):.2f} | {engine.percentile(workload, 0.99):.2f} |")
@@ -169,12 +180,12 @@ def report(args: argparse.Namespace, engines: list[Engine]) -> None:
         memory, s3 = by_name["memory"], by_name["s3"]
         print("\n| workload | msgs/s s3/memory | p50 s3/memory | p99 s3/memory |")
         print("|---|---|---|---|")
-        for workload in ("one at a time", "concurrent"):
+        for workload in workloads(args):
             print(f"| {workload} | {s3.rate(workload) / memory.rate(workload):.2f}x | "
                   f"{s3.percentile(workload, 0.5) / memory.percentile(workload, 0.5):.2f}x | "
                   f"{s3.percentile(workload, 0.99) / memory.percentile(workload, 0.99):.2f}x |")
     for engine in engines:
-        for workload in ("one at a time", "concurrent"):
+        for workload in workloads(args):
             mean = statistics.fmean(engine.latencies[workload]) * 1000.0
             print(f"{engine.name:>6} {workload:<13} mean {mean:.2f} ms over {engine.counts[workload]} publishes",
                   file=sys.stderr)
@@ -185,7 +196,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sequential", type=int, default=300, help="one-at-a-time publishes per round")
     parser.add_argument("--concurrent", type=int, default=3000, help="concurrent publishes per round")
-    parser.add_argument("--senders", type=int, default=8, help="concurrent senders (the prediction log has 8)")
+    parser.add_argument("--senders", type=int, nargs="+", default=[8, 64],
+                        help="concurrent senders, one workload each (the prediction log has 8)")
     parser.add_argument("--engines", nargs="+", choices=KAFKA_STORAGES, default=list(KAFKA_STORAGES))
     args = parser.parse_args()
     prefix = f"bench-{uuid.uuid4().hex[:8]}-"
