@@ -179,6 +179,13 @@ class PrometheusServer:
         data = self._api("query_range", params, what=promql)
         return data["result"]
 
+    def metadata(self) -> dict[str, list[dict]]:
+        """Metric name -> its type/help as the targets declared it (``/api/v1/metadata``), series or not.
+
+        Raises: PrometheusError.
+        """
+        return self._api("metadata", {}, what="metadata")
+
     def targets_status(self) -> list[dict]:
         """The active targets as ``/api/v1/targets`` reports them (job, health, lastScrape, lastError)."""
         return self._api("targets", {"state": "active"}, what="targets")["activeTargets"]

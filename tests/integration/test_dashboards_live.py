@@ -1,0 +1,259 @@
+"""Every Grafana panel shows data on a real Prometheus scraping the services after the platform's main job.
+
+The services run as `make up` runs them (real processes, auth off, the router's default fleet), a real
+Prometheus (:class:`opml_common.prometheus.PrometheusServer`) scrapes each one's /metrics port (the
+inference-router's carries its workers' series), the main job runs, a second round repeats what it did
+once (:func:`second_round` says why), then serving load goes to the router over KServe v2. Each query of each panel of deploy/compose/grafana is then asked over the run as Grafana
+asks it (a range query; its variables at their "All" value, Grafana's ranges as 1m) and must give a
+number, except the panels of events this run never causes, listed in :data:`EXPECTED_EMPTY` with why.
+The metrics those read must still be declared to Prometheus (exported, only never incremented).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from opml.inference.v1 import deployments_pb2
+from opml.jobs.v1 import jobs_pb2
+from opml_common.prometheus import PrometheusError, PrometheusServer, has_finite_value
+from opml_common.stack import installed_services
+from opml_common.testing.bus import poll_until
+from opml_common.testing.services import env_prefix
+from opml_inference_router.client import DeploymentClient
+from opml_job_orchestrator.client import JobClient
+from opml_job_orchestrator.spec import load_spec
+from opml_trace_collector.client import TraceCollectorClient
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARDS = sorted((ROOT / "deploy" / "compose" / "grafana" / "dashboards").glob("*.json"))
+GRAFANA_RANGE = "1m"  # for $__rate_interval, $__interval and $__range: four scrapes' worth and more
+MODEL = "defect-classifier"  # what the main job deploys
+TERMINAL = {jobs_pb2.JOB_STATE_SUCCEEDED, jobs_pb2.JOB_STATE_FAILED, jobs_pb2.JOB_STATE_CANCELLED}
+
+_NO_FAILURE = "nothing fails in this run"
+EXPECTED_EMPTY: dict[tuple[str, str], str] = {
+    # (dashboard uid, panel title[/refId]) -> why this run leaves it empty. Everything else must show data.
+    ("opml-bundle-store", "Bundles deleted (time range)"): "the main job deletes no bundle",
+    ("opml-bundle-store", "RPC errors by method and code"): _NO_FAILURE + " (every bundle-store call succeeds)",
+    ("opml-bundle-store", "Publish failures by topic"): _NO_FAILURE,
+    ("opml-inference-router", "Shed requests by reason"): "the load stays under the admission limits",
+    ("opml-inference-router", "Replica ejections"): _NO_FAILURE,
+    ("opml-inference-router", "Worker restarts"): "no worker dies",
+    ("opml-inference-router", "Predictions published and dropped/B"): "no prediction is dropped",
+    ("opml-inference-router", "Publish failures by topic"): _NO_FAILURE,
+    ("opml-job-orchestrator", "Jobs preempted"): "no job is preempted (jobs{state} has only states jobs reached)",
+    ("opml-job-orchestrator", "Jobs retrying"): "no job fails, so none retries",
+    ("opml-job-orchestrator", "Preemptions and retries by class"): "no job is preempted nor retried",
+    ("opml-job-orchestrator", "RPC errors by method and code"): _NO_FAILURE,
+    ("opml-job-orchestrator", "Publish failures by topic"): _NO_FAILURE,
+    ("opml-overview", "Events published/C"): "the trace-collector service publishes capture events only; none armed",
+    ("opml-overview", "Dead-lettered events"): "no poison event",
+    ("opml-overview", "Publish failures"): _NO_FAILURE,
+    ("opml-trace-collector", "Captures armed (time range)"): "the main job arms no op-level capture",
+    ("opml-trace-collector", "Captures completed (time range)"): "the main job arms no op-level capture",
+    ("opml-trace-collector", "Captures failed (time range)"): "the main job arms no op-level capture",
+    ("opml-trace-collector", "Captures expired (time range)"): "the main job arms no op-level capture",
+    ("opml-trace-collector", "Captures by outcome"): "the main job arms no op-level capture",
+    ("opml-trace-collector", "RPC errors by method and code"): _NO_FAILURE,
+    ("opml-trace-collector", "Events published by type"): "the service publishes capture events only; none armed",
+    ("opml-trace-collector", "Publish failures by topic"): _NO_FAILURE,
+}
+
+
+def _panels(panels: list[dict]):
+    for panel in panels:
+        yield panel
+        yield from _panels(panel.get("panels", []))
+
+
+def dashboard_queries() -> list[tuple[str, str, str, str]]:
+    """(dashboard uid, panel title, refId, PromQL as Grafana sends it) of every panel query."""
+    queries = []
+    for path in DASHBOARDS:
+        dashboard = json.loads(path.read_text())
+        values = {}
+        for variable in dashboard.get("templating", {}).get("list", []):
+            if variable.get("includeAll"):
+                values[variable["name"]] = variable.get("allValue") or ".*"
+            else:
+                values[variable["name"]] = variable.get("current", {}).get("value") or ".*"
+        for panel in _panels(dashboard["panels"]):
+            for target in panel.get("targets", []):
+                expr = re.sub(r"\$__(rate_interval|interval|range)\b", GRAFANA_RANGE, target["expr"])
+                expr = re.sub(r"\$\{?(\w+)\}?", lambda found, values=values: values.get(found.group(1), found.group(0)),
+                              expr)
+                assert "$" not in expr, f"{dashboard['uid']} {panel['title']!r}: a variable left in {expr}"
+                queries.append((dashboard["uid"], panel["title"], target["refId"], expr))
+    return queries
+
+
+def expected_empty(uid: str, title: str, ref: str) -> str | None:
+    return EXPECTED_EMPTY.get((uid, f"{title}/{ref}")) or EXPECTED_EMPTY.get((uid, title))
+
+
+def metric_family(name: str) -> str:
+    """The family Prometheus' metadata knows a series by (histograms' and counters' suffixes dropped)."""
+    return re.sub(r"_(bucket|sum|count|total)$", "", name)
+
+
+def serve_load(target: str, *, requests: int, threads: int = 8) -> int:
+    """``requests`` KServe v2 ModelInfer calls from ``threads`` clients at once (so the workers batch);
+    returns how many answered."""
+    with triton.InferenceServerClient(target) as client:
+        metadata = client.get_model_metadata(MODEL)
+    [model_input] = metadata.inputs
+    shape = [dim if dim > 0 else 1 for dim in model_input.shape]
+    answered, failures, lock = [0], [], threading.Lock()
+
+    def run(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        with triton.InferenceServerClient(target) as client:
+            for _ in range(requests // threads):
+                data = rng.random(shape, dtype=np.float32)
+                tensor = triton.InferInput(model_input.name, shape, model_input.datatype)
+                tensor.set_data_from_numpy(data)
+                try:
+                    client.infer(MODEL, [tensor])
+                except Exception as error:  # noqa: BLE001 - counted and reported below
+                    with lock:
+                        failures.append(error)
+                    continue
+                with lock:
+                    answered[0] += 1
+
+    workers = [threading.Thread(target=run, args=(seed,)) for seed in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert not failures, f"{len(failures)} inferences failed, the first: {failures[0]}"
+    return answered[0]
+
+
+def second_round(env: dict[str, str], *, name: str) -> None:
+    """What the main job did once, again, now that Prometheus has seen it.
+
+    A labelled series is born with its first event (prometheus-client creates ``labels(...)`` children
+    on first use), so Prometheus' first sample already counts it and ``rate()`` sees no increase: a panel
+    of something that happened once, before the series was scraped, is empty. The platform in use does
+    these things again and again; here: a second TE job (queue wait), the trace-collector's queries
+    (its RPC latency), and version 2 of the model rolled out (the workers' load RPCs).
+    """
+    with JobClient(env["OPML_JOB_ORCHESTRATOR_TARGET"]) as jobs:
+        jobs.submit(load_spec({"name": name, "class": "TE", "command": [sys.executable, "-c", "pass"],
+                               "roles": {"worker": {"replicas": 1, "resources": {"cpu": "100m", "memory": "128Mi"}}}}))
+        state = poll_until(lambda: (s := jobs.get(name).status.state) in TERMINAL and s, timeout_s=120,
+                           every_s=0.5, what=f"job {name} ending")
+        assert state == jobs_pb2.JOB_STATE_SUCCEEDED, jobs_pb2.JobState.Name(state)
+    with TraceCollectorClient(env["OPML_TRACE_COLLECTOR_TARGET"]) as traces:
+        [traced] = [job.job for job in traces.list_jobs() if job.job.startswith("defect-classifier-train-")]
+        assert traces.list_runs(traced) and traces.summary(traced)
+    with DeploymentClient(env["OPML_INFERENCE_ROUTER_TARGET"]) as router:
+        deployment = router.deploy(bundle="defect-classifier-onnx", context="plant-a")
+        assert any(v.version == 2 and v.state == deployments_pb2.SERVING for v in deployment.versions)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_every_panel_shows_data_after_the_main_job_and_serving_load(start_service, settings_env: dict[str, str],
+                                                                   unique_prefix: str, tmp_path: Path) -> None:
+    started = time.time()
+    env = {"OPML_MAIN_JOB_REMOTE": f"s3://{unique_prefix.rstrip('-')}/vision-inspection"}
+    targets = {}
+    for spec in installed_services():  # as `make up` runs them: auth off, each knows the earlier ones
+        process = start_service(spec, tokens=None, extra_env=env)
+        env[f"{env_prefix(spec)}TARGET"] = process.target
+        targets[spec.name] = [f"127.0.0.1:{process.env[f'{env_prefix(spec)}METRICS_PORT']}"]
+    queries = dashboard_queries()
+    with PrometheusServer(workdir=tmp_path / "prometheus", targets=targets, scrape_interval_s=1.0) as prometheus:
+        prometheus.wait_for_targets_up(timeout_s=60)
+        result = subprocess.run([sys.executable, str(ROOT / "scripts" / "main_job.py")],
+                                env={**os.environ, **settings_env, **env}, capture_output=True, text=True,
+                                timeout=400, check=False)
+        assert result.returncode == 0, result.stdout + result.stderr
+        prometheus.wait_for_targets_up(since=time.time(), timeout_s=60)  # what the main job did is scraped
+        second_round(env, name=f"{unique_prefix}second-job")
+        assert serve_load(env["OPML_INFERENCE_ROUTER_TARGET"], requests=400) == 400
+        loaded = time.time()
+
+        def empty_queries() -> list[tuple[str, str, str, str]]:
+            """The queries that show no number over the run yet, after one more scrape of every target."""
+            prometheus.wait_for_targets_up(since=time.time(), timeout_s=60)
+            end = time.time()
+            return [query for query in queries if not expected_empty(*query[:3]) and
+                    not has_finite_value(prometheus.query_range(query[3], start=started, end=end, step_s=2))]
+
+        # A rate needs two scrapes after the load: ask again after each scrape until all show data.
+        deadline = time.monotonic() + 120
+        missing = empty_queries()
+        while missing and time.monotonic() < deadline:
+            missing = empty_queries()
+        known = prometheus.metadata()
+        undeclared = sorted({f"{uid} {title!r}: {name}" for uid, title, ref, expr in queries
+                             if expected_empty(uid, title, ref)
+                             for name in re.findall(r"\bopml_\w+", expr) if metric_family(name) not in known})
+        shown_anyway = [f"{uid} {title!r} {ref}" for uid, title, ref, expr in queries if expected_empty(uid, title, ref)
+                        and has_finite_value(prometheus.query_range(expr, start=started, end=time.time(), step_s=2))]
+    print(f"the load ended {loaded - started:.0f}s into the run")
+    assert not missing, "panels with no data after the main job and the load:\n" + "\n".join(
+        f"  {uid} {title!r} {ref}: {expr}" for uid, title, ref, expr in missing)
+    assert not undeclared, ("panels expected empty read metrics Prometheus never saw declared (misnamed or not "
+                            "exported?):\n  " + "\n  ".join(undeclared))
+    assert not shown_anyway, ("panels listed in EXPECTED_EMPTY show data (their series exist, if only at 0): "
+                              f"take them off the list: {shown_anyway}")
+    stale = [key for key in EXPECTED_EMPTY if not any((uid, title) == key or (uid, f"{title}/{ref}") == key
+                                                     for uid, title, ref, _ in queries)]
+    assert not stale, f"EXPECTED_EMPTY names panels no dashboard has: {stale}"
+
+
+def test_prometheus_server_scrapes_queries_and_reports_errors(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    Counter("demo_things_total", "things done", ("kind",), registry=registry).labels("a").inc(3)
+    Gauge("demo_level", "a level", registry=registry).set(7)
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    try:
+        with socket.socket() as nothing:  # a port where nothing answers: that target stays down
+            nothing.bind(("127.0.0.1", 0))
+            down = f"127.0.0.1:{nothing.getsockname()[1]}"
+        prometheus = PrometheusServer(workdir=tmp_path / "p", targets={"demo": [f"127.0.0.1:{server.server_port}"]},
+                                      scrape_interval_s=0.5)
+        assert 'job_name: "demo"' in prometheus.config_text() and "scrape_interval: 500ms" in prometheus.config_text()
+        assert f"--web.listen-address=127.0.0.1:{prometheus.port}" in prometheus.command()
+        with prometheus:
+            assert prometheus.start() == prometheus.url  # idempotent
+            since = time.time()
+            [target] = prometheus.wait_for_targets_up(since=since, timeout_s=60)
+            assert target["health"] == "up"
+            [sample] = prometheus.query('demo_things_total{kind="a"}')
+            assert sample["metric"]["job"] == "demo" and sample["value"][1] == "3"
+            assert prometheus.query("demo_level * 2")[0]["value"][1] == "14"
+            assert prometheus.query("scalar(demo_level)")[0]["value"][1] == "7"
+            assert has_finite_value(prometheus.query_range("demo_level", start=since - 5, end=time.time() + 1, step_s=1))
+            assert not has_finite_value(prometheus.query("demo_level / 0 - demo_level / 0"))  # NaN draws nothing
+            with pytest.raises(PrometheusError, match="bad_data"):
+                prometheus.query("sum(demo_level")
+        prometheus.stop()  # idempotent
+        with pytest.raises(PrometheusError, match="not reachable"):
+            prometheus.query("up")
+        with PrometheusServer(workdir=tmp_path / "q", targets={"gone": [down]}) as lonely, \
+                pytest.raises(TimeoutError, match="gone/"):
+            lonely.wait_for_targets_up(timeout_s=8)
+    finally:
+        server.shutdown()
+        thread.join()
+    with pytest.raises(ValueError, match="host:port"):
+        PrometheusServer(workdir=tmp_path, targets={"demo": ["no-port"]})
+    with pytest.raises(TypeError, match="list"):
+        PrometheusServer(workdir=tmp_path, targets={"demo": "127.0.0.1:1"})
