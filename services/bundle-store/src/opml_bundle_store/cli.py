@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 from google.protobuf.json_format import MessageToDict
 from opml.bundles.v1 import bundles_pb2 as pb
+from opml_common.cligroup import ClientSession, pass_session, service_group
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
@@ -39,33 +40,19 @@ def _save_state(state: dict) -> None:
     path.write_text(json.dumps(state, indent=2))
 
 
-class _Session:
-    def __init__(self, target: str, token: str | None, context: str | None) -> None:
-        self.target, self.token, self._context = target, token, context
-
-    @property
-    def context(self) -> str:
-        context = self._context or _load_state().get("bundle_context")
-        if not context:
-            raise click.UsageError("no context: pass --context or run `opml bundle context switch NAME`")
-        return context
-
-    def client(self) -> BundleStoreClient:
-        return BundleStoreClient(self.target, token=self.token)
+def _context(session: ClientSession) -> str:
+    """The context of the command: ``--context``, else the current one."""
+    context = session.options["context"] or _load_state().get("bundle_context")
+    if not context:
+        raise click.UsageError("no context: pass --context or run `opml bundle context switch NAME`")
+    return context
 
 
-pass_session = click.make_pass_decorator(_Session)
-
-
-@click.group()
-@click.option("--target", envvar="OPML_BUNDLE_STORE_TARGET", default="127.0.0.1:50051", show_default=True,
-              help="bundle-store gRPC address.")
-@click.option("--token", envvar="OPML_TOKEN", default=None, help="Bearer token (env OPML_TOKEN).")
-@click.option("-c", "--context", "context", default=None, help="Context to use instead of the current one.")
-@click.pass_context
-def bundle(ctx: click.Context, target: str, token: str | None, context: str | None) -> None:
+@service_group("bundle", service="bundle-store", client=BundleStoreClient, default_target="127.0.0.1:50051",
+               options=(click.option("-c", "--context", "context", default=None,
+                                     help="Context to use instead of the current one."),))
+def bundle() -> None:
     """Versioned, immutable bundles of files and values, with lineage (after Disdat)."""
-    ctx.obj = _Session(target, token, context)
 
 
 # -- contexts -----------------------------------------------------------------------------------
@@ -79,7 +66,7 @@ def context_group() -> None:
 @click.argument("name")
 @click.option("--remote", default="", help="s3://bucket/prefix to push to and pull from.")
 @pass_session
-def context_create(session: _Session, name: str, remote: str) -> None:
+def context_create(session: ClientSession, name: str, remote: str) -> None:
     with session.client() as client:
         created = client.create_context(name, remote)
     console.print(f"created {created.name} {created.remote_url or '(local only)'}")
@@ -87,7 +74,7 @@ def context_create(session: _Session, name: str, remote: str) -> None:
 
 @context_group.command("ls")
 @pass_session
-def context_ls(session: _Session) -> None:
+def context_ls(session: ClientSession) -> None:
     current = _load_state().get("bundle_context")
     with session.client() as client:
         contexts = client.list_contexts()
@@ -101,7 +88,7 @@ def context_ls(session: _Session) -> None:
 @context_group.command("switch")
 @click.argument("name")
 @pass_session
-def context_switch(session: _Session, name: str) -> None:
+def context_switch(session: ClientSession, name: str) -> None:
     with session.client() as client:
         client.get_context(name)
     _save_state({**_load_state(), "bundle_context": name})
@@ -112,7 +99,7 @@ def context_switch(session: _Session, name: str) -> None:
 @click.argument("name")
 @click.argument("remote_url")
 @pass_session
-def context_remote(session: _Session, name: str, remote_url: str) -> None:
+def context_remote(session: ClientSession, name: str, remote_url: str) -> None:
     """Bind NAME to REMOTE_URL (s3://bucket/prefix); '' unbinds."""
     with session.client() as client:
         updated = client.set_remote(name, remote_url)
@@ -153,12 +140,12 @@ def _typed(value: str) -> int | float | bool | str:
 @click.option("--param", "params", multiple=True, help="KEY=VALUE parameter (lineage).")
 @click.option("--commit", is_flag=True, help="Commit right away.")
 @pass_session
-def add(session: _Session, name: str, paths: tuple[Path, ...], values, tags, inputs, code_version, params,
+def add(session: ClientSession, name: str, paths: tuple[Path, ...], values, tags, inputs, code_version, params,
         commit: bool) -> None:
     """Add a bundle NAME from files and directories PATHS and --value entries."""
     lineage = pb.Lineage(input_uuids=list(inputs), code_version=code_version, parameters=_pairs(params, "--param"))
     with session.client() as client:
-        added = client.add(session.context, name, files_from_paths(list(paths)),
+        added = client.add(_context(session), name, files_from_paths(list(paths)),
                            values={k: _typed(v) for k, v in _pairs(values, "--value").items()},
                            tags=_pairs(tags, "--tag"), lineage=lineage, commit=commit)
     state = "committed" if added.committed else "uncommitted"
@@ -172,10 +159,10 @@ def add(session: _Session, name: str, paths: tuple[Path, ...], values, tags, inp
 @click.option("--latest", is_flag=True, help="Only the latest version of each name.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @pass_session
-def ls(session: _Session, name: str, tags, committed: bool, latest: bool, as_json: bool) -> None:
+def ls(session: ClientSession, name: str, tags, committed: bool, latest: bool, as_json: bool) -> None:
     """List bundles, newest first."""
     with session.client() as client:
-        bundles = client.list_bundles(session.context, bundle_name=name, tags=_pairs(tags, "--tag"),
+        bundles = client.list_bundles(_context(session), bundle_name=name, tags=_pairs(tags, "--tag"),
                                       committed_only=committed, latest_only=latest)
     if as_json:
         click.echo(json.dumps([MessageToDict(b) for b in bundles], indent=2))
@@ -192,14 +179,14 @@ def ls(session: _Session, name: str, tags, committed: bool, latest: bool, as_jso
 @click.argument("ref")
 @click.option("--file", "path", default=None, help="Write this file's bytes to stdout instead.")
 @pass_session
-def cat(session: _Session, ref: str, path: str | None) -> None:
+def cat(session: ClientSession, ref: str, path: str | None) -> None:
     """Show bundle REF (uuid or name = latest): files, values, lineage."""
     with session.client() as client:
         if path:
-            for chunk in client.read_file(session.context, ref, path):
+            for chunk in client.read_file(_context(session), ref, path):
                 sys.stdout.buffer.write(chunk)
             return
-        shown = client.get_bundle(session.context, ref)
+        shown = client.get_bundle(_context(session), ref)
     click.echo(json.dumps(MessageToDict(shown), indent=2))
 
 
@@ -207,20 +194,20 @@ def cat(session: _Session, ref: str, path: str | None) -> None:
 @click.argument("ref")
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="Directory to write into.")
 @pass_session
-def get(session: _Session, ref: str, output: Path) -> None:
+def get(session: ClientSession, ref: str, output: Path) -> None:
     """Download bundle REF's files into a directory (verified against their hashes)."""
     with session.client() as client:
-        written = client.download(session.context, ref, output)
+        written = client.download(_context(session), ref, output)
     console.print(f"wrote {len(written)} files under {output}")
 
 
 @bundle.command("commit")
 @click.argument("ref")
 @pass_session
-def commit(session: _Session, ref: str) -> None:
+def commit(session: ClientSession, ref: str) -> None:
     """Commit bundle REF: it becomes immutable and pushable."""
     with session.client() as client:
-        done = client.commit(session.context, ref)
+        done = client.commit(_context(session), ref)
     console.print(f"committed {done.bundle_name} {done.uuid}")
 
 
@@ -240,10 +227,10 @@ def _show_transfer(stream, verb: str) -> list[pb.Bundle]:
 @bundle.command("push")
 @click.argument("ref", required=False, default="")
 @pass_session
-def push(session: _Session, ref: str) -> None:
+def push(session: ClientSession, ref: str) -> None:
     """Push committed bundles (or just REF) to the context's remote."""
     with session.client() as client:
-        pushed = _show_transfer(client.push(session.context, ref), "push")
+        pushed = _show_transfer(client.push(_context(session), ref), "push")
     for item in pushed:
         console.print(f"pushed {item.bundle_name} {item.uuid} -> {item.remote_url}")
     if not pushed:
@@ -254,10 +241,10 @@ def push(session: _Session, ref: str) -> None:
 @click.argument("name", required=False, default="")
 @click.option("--localize", is_flag=True, help="Also download and verify the files.")
 @pass_session
-def pull(session: _Session, name: str, localize: bool) -> None:
+def pull(session: ClientSession, name: str, localize: bool) -> None:
     """Pull bundle metadata (and files with --localize) from the context's remote."""
     with session.client() as client:
-        pulled = _show_transfer(client.pull(session.context, name, localize=localize), "pull")
+        pulled = _show_transfer(client.pull(_context(session), name, localize=localize), "pull")
     console.print(f"pulled {len(pulled)} bundles{' (localized)' if localize else ''}")
 
 
@@ -265,10 +252,10 @@ def pull(session: _Session, name: str, localize: bool) -> None:
 @click.argument("ref")
 @click.option("--remote", is_flag=True, help="Also delete it on the remote.")
 @pass_session
-def rm(session: _Session, ref: str, remote: bool) -> None:
+def rm(session: ClientSession, ref: str, remote: bool) -> None:
     """Delete bundle REF (admin role)."""
     with session.client() as client:
-        deleted = client.delete(session.context, ref, remote=remote)
+        deleted = client.delete(_context(session), ref, remote=remote)
     console.print(f"deleted {len(deleted)} bundles: {', '.join(deleted)}")
 
 
@@ -277,10 +264,10 @@ def rm(session: _Session, ref: str, remote: bool) -> None:
 @click.option("--grace", default=3600, show_default=True, help="Keep blobs younger than this many seconds.")
 @click.option("--dry-run", is_flag=True)
 @pass_session
-def gc(session: _Session, remote: bool, grace: int, dry_run: bool) -> None:
+def gc(session: ClientSession, remote: bool, grace: int, dry_run: bool) -> None:
     """Remove blobs that no bundle references (admin role)."""
     with session.client() as client:
-        report = client.gc(session.context, remote=remote, grace_seconds=grace, dry_run=dry_run)
+        report = client.gc(_context(session), remote=remote, grace_seconds=grace, dry_run=dry_run)
     verb = "would remove" if dry_run else "removed"
     console.print(f"{verb} {report.blobs_removed} blobs ({report.bytes_freed} bytes); kept {report.blobs_kept}")
 
@@ -290,15 +277,15 @@ def gc(session: _Session, remote: bool, grace: int, dry_run: bool) -> None:
 @click.option("--direction", type=click.Choice(["up", "down", "both"]), default="both", show_default=True)
 @click.option("--depth", default=10, show_default=True)
 @pass_session
-def lineage(session: _Session, ref: str, direction: str, depth: int) -> None:
+def lineage(session: ClientSession, ref: str, direction: str, depth: int) -> None:
     """Show the lineage graph of REF: its inputs (up) and the bundles made from it (down)."""
     kinds = {"up": pb.GetLineageRequest.UPSTREAM, "down": pb.GetLineageRequest.DOWNSTREAM,
              "both": pb.GetLineageRequest.BOTH}
     with session.client() as client:
-        root = client.get_bundle(session.context, ref)
-        graph = client.lineage(session.context, ref, direction=kinds[direction], max_depth=depth)
+        root = client.get_bundle(_context(session), ref)
+        graph = client.lineage(_context(session), ref, direction=kinds[direction], max_depth=depth)
     by_uuid = {b.uuid: b for b in graph.bundles}
-    label = lambda u: f"{by_uuid[u].bundle_name} [dim]{u}[/dim]" if u in by_uuid else u  # noqa: E731
+    label = lambda u: f"{by_uuid[u].bundle_name} [dim]{u}[/dim]" if u in by_uuid else u
     tree = Tree(label(root.uuid))
     ups = Tree("inputs (upstream)")
     downs = Tree("outputs (downstream)")

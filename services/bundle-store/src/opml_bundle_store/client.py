@@ -14,10 +14,10 @@ from pathlib import Path
 
 from opml.bundles.v1 import bundles_pb2 as pb
 from opml.bundles.v1 import bundles_pb2_grpc
+from opml_common.grpc.client import ServiceClient, pages
 
 from opml_bundle_store.convert import value_to_proto
 from opml_bundle_store.core.model import Value
-from opml_common.grpc.client import open_channel, raising_domain_errors, stream_raising_domain_errors
 
 CHUNK_BYTES = 1024 * 1024
 mimetypes.add_type("application/onnx", ".onnx")
@@ -41,47 +41,29 @@ def files_from_paths(paths: list[Path]) -> dict[str, Path]:
     return files
 
 
-class BundleStoreClient:
-    def __init__(self, target: str, *, token: str | None = None) -> None:
-        self._channel = open_channel(target, token=token)
-        self._stub = bundles_pb2_grpc.BundleStoreStub(self._channel)
+class BundleStoreClient(ServiceClient):
+    """One method per BundleStore RPC; ``with BundleStoreClient(target, token=...) as client:``."""
 
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self) -> "BundleStoreClient":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    stub_class = bundles_pb2_grpc.BundleStoreStub
 
     # -- contexts -----------------------------------------------------------------------------
 
-    @raising_domain_errors
     def create_context(self, context_id: str, remote_url: str = "") -> pb.Context:
-        return self._stub.CreateContext(pb.CreateContextRequest(context_id=context_id, remote_url=remote_url))
+        return self.stub.CreateContext(pb.CreateContextRequest(context_id=context_id, remote_url=remote_url))
 
-    @raising_domain_errors
     def list_contexts(self) -> list[pb.Context]:
-        contexts, token = [], ""
-        while True:
-            reply = self._stub.ListContexts(pb.ListContextsRequest(page_token=token))
-            contexts.extend(reply.contexts)
-            if not (token := reply.next_page_token):
-                return contexts
+        return list(pages(lambda token: self.stub.ListContexts(pb.ListContextsRequest(page_token=token)),
+                          lambda reply: reply.contexts))
 
-    @raising_domain_errors
     def get_context(self, context_id: str) -> pb.Context:
-        return self._stub.GetContext(pb.GetContextRequest(name=f"contexts/{context_id}"))
+        return self.stub.GetContext(pb.GetContextRequest(name=f"contexts/{context_id}"))
 
-    @raising_domain_errors
     def set_remote(self, context_id: str, remote_url: str) -> pb.Context:
-        return self._stub.UpdateContextRemote(
+        return self.stub.UpdateContextRemote(
             pb.UpdateContextRemoteRequest(name=f"contexts/{context_id}", remote_url=remote_url))
 
     # -- bundles ------------------------------------------------------------------------------
 
-    @raising_domain_errors
     def add(self, context_id: str, bundle_name: str, files: Mapping[str, FileSource], *,
             values: Mapping[str, Value] | None = None, tags: Mapping[str, str] | None = None,
             lineage: pb.Lineage | None = None, commit: bool = False,
@@ -101,28 +83,23 @@ class BundleStoreClient:
                 for chunk in _chunks(source):
                     yield pb.AddBundleRequest(chunk=pb.FileChunk(file_index=index, data=chunk))
 
-        return self._stub.AddBundle(requests())
+        return self.stub.AddBundle(requests())
 
-    @raising_domain_errors
     def list_bundles(self, context_id: str, *, bundle_name: str = "", tags: Mapping[str, str] | None = None,
                      committed_only: bool = False, latest_only: bool = False) -> list[pb.Bundle]:
-        bundles, token = [], ""
-        while True:
-            reply = self._stub.ListBundles(pb.ListBundlesRequest(
+        def page(token: str) -> pb.ListBundlesResponse:
+            return self.stub.ListBundles(pb.ListBundlesRequest(
                 parent=f"contexts/{context_id}", bundle_name=bundle_name, tags=dict(tags or {}),
                 committed_only=committed_only, latest_only=latest_only, page_token=token))
-            bundles.extend(reply.bundles)
-            if not (token := reply.next_page_token):
-                return bundles
 
-    @raising_domain_errors
+        return list(pages(page, lambda reply: reply.bundles))
+
     def get_bundle(self, context_id: str, ref: str) -> pb.Bundle:
-        return self._stub.GetBundle(pb.GetBundleRequest(name=f"contexts/{context_id}/bundles/{ref}"))
+        return self.stub.GetBundle(pb.GetBundleRequest(name=f"contexts/{context_id}/bundles/{ref}"))
 
     def read_file(self, context_id: str, ref: str, path: str) -> Iterator[bytes]:
-        stream = self._stub.ReadBundleFile(
-            pb.ReadBundleFileRequest(name=f"contexts/{context_id}/bundles/{ref}", path=path))
-        for chunk in stream_raising_domain_errors(stream):
+        for chunk in self.stub.ReadBundleFile(
+                pb.ReadBundleFileRequest(name=f"contexts/{context_id}/bundles/{ref}", path=path)):
             yield chunk.data
 
     def download(self, context_id: str, ref: str, destination: Path) -> list[Path]:
@@ -132,40 +109,34 @@ class BundleStoreClient:
             target = destination / entry.path
             target.parent.mkdir(parents=True, exist_ok=True)
             with open(target, "wb") as handle:
-                for chunk in self.read_file(context_id, ref, entry.path):
-                    handle.write(chunk)
+                handle.writelines(self.read_file(context_id, ref, entry.path))
             written.append(target)
         return written
 
-    @raising_domain_errors
     def commit(self, context_id: str, ref: str) -> pb.Bundle:
-        return self._stub.CommitBundle(pb.CommitBundleRequest(name=f"contexts/{context_id}/bundles/{ref}"))
+        return self.stub.CommitBundle(pb.CommitBundleRequest(name=f"contexts/{context_id}/bundles/{ref}"))
 
     def push(self, context_id: str, ref: str = "") -> Iterator[pb.TransferProgress]:
         """Progress messages of the push; the last one has ``done`` set and the pushed bundles."""
-        return stream_raising_domain_errors(
-            self._stub.PushBundles(pb.PushBundlesRequest(parent=f"contexts/{context_id}", bundle=ref)))
+        return self.stub.PushBundles(pb.PushBundlesRequest(parent=f"contexts/{context_id}", bundle=ref))
 
     def pull(self, context_id: str, bundle_name: str = "", *, localize: bool = False) -> Iterator[pb.TransferProgress]:
-        return stream_raising_domain_errors(self._stub.PullBundles(pb.PullBundlesRequest(
-            parent=f"contexts/{context_id}", bundle_name=bundle_name, localize=localize)))
+        return self.stub.PullBundles(pb.PullBundlesRequest(
+            parent=f"contexts/{context_id}", bundle_name=bundle_name, localize=localize))
 
-    @raising_domain_errors
     def delete(self, context_id: str, ref: str, *, remote: bool = False) -> list[str]:
-        reply = self._stub.DeleteBundle(
+        reply = self.stub.DeleteBundle(
             pb.DeleteBundleRequest(name=f"contexts/{context_id}/bundles/{ref}", remote=remote))
         return list(reply.deleted_uuids)
 
-    @raising_domain_errors
     def gc(self, context_id: str, *, remote: bool = False, grace_seconds: int = 0,
            dry_run: bool = False) -> pb.GarbageCollectResponse:
-        return self._stub.GarbageCollect(pb.GarbageCollectRequest(
+        return self.stub.GarbageCollect(pb.GarbageCollectRequest(
             parent=f"contexts/{context_id}", remote=remote, grace_seconds=grace_seconds, dry_run=dry_run))
 
-    @raising_domain_errors
     def lineage(self, context_id: str, ref: str, *, direction: int = pb.GetLineageRequest.BOTH,
                 max_depth: int = 0) -> pb.LineageGraph:
-        return self._stub.GetLineage(pb.GetLineageRequest(
+        return self.stub.GetLineage(pb.GetLineageRequest(
             name=f"contexts/{context_id}/bundles/{ref}", direction=direction, max_depth=max_depth))
 
 
