@@ -11,14 +11,15 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from opml.jobs.v1 import events_pb2
+from opml.jobs.v1 import events_pb2, jobs_pb2_grpc
 from opml.jobs.v1 import jobs_pb2 as pb
 
 from opml_common.bus import CloudEvent
 from opml_common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from opml_common.grpc.client import open_channel
 from opml_common.testing.bus import read_records
-from opml_job_orchestrator.topics import JOBS
 from opml_job_orchestrator.client import JobClient
+from opml_job_orchestrator.topics import JOBS
 
 
 def _events(platform_settings, count: int) -> list[CloudEvent]:
@@ -64,7 +65,8 @@ BAD_SPECS = [
 ]
 
 
-def test_bad_specs_are_invalid_argument_with_the_field_path(writer: JobClient, job_spec) -> None:
+def test_bad_specs_are_invalid_argument_with_the_field_path(job_service, writer: JobClient, tokens,
+                                                            job_spec) -> None:
     for change, field, rule in BAD_SPECS:
         spec = job_spec("bad", "pass")
         change(spec)
@@ -72,11 +74,13 @@ def test_bad_specs_are_invalid_argument_with_the_field_path(writer: JobClient, j
             writer.submit(spec)
         assert caught.value.field == field and rule in caught.value.message, caught.value.message
     assert writer.list() == []  # nothing was queued
-    for call, details in ((lambda: writer._stub.SubmitJob(pb.SubmitJobRequest()), "spec: is required"),
-                          (lambda: writer._stub.GetJob(pb.GetJobRequest(name="bad")), "name: must look like jobs/")):
-        with pytest.raises(grpc.RpcError) as caught:
-            call()
-        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and details in caught.value.details()
+    with open_channel(job_service.target, token=tokens["writer"]) as channel:  # the bare stub: status as sent
+        stub = jobs_pb2_grpc.JobServiceStub(channel)
+        for call, details in ((lambda: stub.SubmitJob(pb.SubmitJobRequest()), "spec: is required"),
+                              (lambda: stub.GetJob(pb.GetJobRequest(name="bad")), "name: must look like jobs/")):
+            with pytest.raises(grpc.RpcError) as caught:
+                call()
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and details in caught.value.details()
 
 
 def test_unknown_command_fails_with_the_executors_error(writer: JobClient, wait_for) -> None:

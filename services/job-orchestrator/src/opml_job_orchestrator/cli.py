@@ -12,6 +12,7 @@ from opml.jobs.v1 import jobs_pb2 as pb
 from rich.console import Console
 from rich.table import Table
 
+from opml_common.cligroup import ClientSession, pass_session, service_group
 from opml_job_orchestrator.client import JobClient
 from opml_job_orchestrator.spec import load_spec
 
@@ -27,25 +28,9 @@ def _time(status: pb.JobStatus, field: str) -> str:
     return getattr(status, field).ToDatetime().strftime("%Y-%m-%d %H:%M:%S") if status.HasField(field) else "-"
 
 
-class _Session:
-    def __init__(self, target: str, token: str | None) -> None:
-        self.target, self.token = target, token
-
-    def client(self) -> JobClient:
-        return JobClient(self.target, token=self.token)
-
-
-pass_session = click.make_pass_decorator(_Session)
-
-
-@click.group()
-@click.option("--target", envvar="OPML_JOB_ORCHESTRATOR_TARGET", default="127.0.0.1:50052", show_default=True,
-              help="job-orchestrator gRPC address.")
-@click.option("--token", envvar="OPML_TOKEN", default=None, help="Bearer token (env OPML_TOKEN).")
-@click.pass_context
-def job(ctx: click.Context, target: str, token: str | None) -> None:
+@service_group("job", service="job-orchestrator", client=JobClient, default_target="127.0.0.1:50052")
+def job() -> None:
     """Distributed TensorFlow jobs, TE before BE, with preemption and retries (after TonY)."""
-    ctx.obj = _Session(target, token)
 
 
 @job.command("submit")
@@ -53,7 +38,7 @@ def job(ctx: click.Context, target: str, token: str | None) -> None:
               help="The job spec (YAML); see services/job-orchestrator/examples/.")
 @click.option("--name", default=None, help="Job name instead of the spec's `name`.")
 @pass_session
-def submit(session: _Session, path: Path, name: str | None) -> None:
+def submit(session: ClientSession, path: Path, name: str | None) -> None:
     """Submit the job of a YAML spec."""
     spec = load_spec(path.read_text())
     if name:
@@ -66,7 +51,7 @@ def submit(session: _Session, path: Path, name: str | None) -> None:
 @job.command("get")
 @click.argument("job_id")
 @pass_session
-def get(session: _Session, job_id: str) -> None:
+def get(session: ClientSession, job_id: str) -> None:
     """Show a job's spec and status (JSON)."""
     with session.client() as client:
         shown = client.get(job_id)
@@ -77,7 +62,7 @@ def get(session: _Session, job_id: str) -> None:
 @click.option("--state", type=click.Choice(_STATES), default=None, help="Only jobs in this state.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @pass_session
-def ls(session: _Session, state: str | None, as_json: bool) -> None:
+def ls(session: ClientSession, state: str | None, as_json: bool) -> None:
     """List jobs in submission order."""
     with session.client() as client:
         jobs = client.list(state=pb.JobState.Value(f"JOB_STATE_{state.upper()}") if state else 0)
@@ -100,7 +85,7 @@ def ls(session: _Session, state: str | None, as_json: bool) -> None:
 @click.option("--attempt", type=int, default=None, help="Run number (default: the latest).")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing until the job ends.")
 @pass_session
-def logs(session: _Session, job_id: str, role: str, index: int, attempt: int | None, follow: bool) -> None:
+def logs(session: ClientSession, job_id: str, role: str, index: int, attempt: int | None, follow: bool) -> None:
     """Print what a task of a job wrote to stdout and stderr."""
     with session.client() as client:
         shown = None
@@ -115,7 +100,7 @@ def logs(session: _Session, job_id: str, role: str, index: int, attempt: int | N
 @job.command("cancel")
 @click.argument("job_id")
 @pass_session
-def cancel(session: _Session, job_id: str) -> None:
+def cancel(session: ClientSession, job_id: str) -> None:
     """Cancel a job: drop it from the queue or stop its run."""
     with session.client() as client:
         done = client.cancel(job_id)
@@ -125,7 +110,7 @@ def cancel(session: _Session, job_id: str) -> None:
 @job.command("preempt")
 @click.argument("job_id")
 @pass_session
-def preempt(session: _Session, job_id: str) -> None:
+def preempt(session: ClientSession, job_id: str) -> None:
     """Stop a running job and queue it to resume from its checkpoint (admin role)."""
     with session.client() as client:
         done = client.preempt(job_id)
@@ -135,7 +120,7 @@ def preempt(session: _Session, job_id: str) -> None:
 @job.command("watch")
 @click.argument("job_id", required=False, default="")
 @pass_session
-def watch(session: _Session, job_id: str) -> None:
+def watch(session: ClientSession, job_id: str) -> None:
     """Print state changes as they happen: of one job until it ends, or of every job until Ctrl-C."""
     with session.client() as client:
         for change in client.watch(job_id):

@@ -1,7 +1,7 @@
 """Python client of the job-orchestrator API, used by the CLI and by other services (automl-controller).
 
 Failed calls raise the platform's domain errors (``NotFound``, ``InvalidArgument``...), never a
-bare ``grpc.RpcError``.
+bare ``grpc.RpcError``, server streams (logs, watch) included.
 """
 
 from __future__ import annotations
@@ -11,49 +11,30 @@ from collections.abc import Iterator
 from opml.jobs.v1 import jobs_pb2 as pb
 from opml.jobs.v1 import jobs_pb2_grpc
 
-from opml_common.grpc.client import open_channel, raising_domain_errors, stream_raising_domain_errors
+from opml_common.grpc.client import ServiceClient, pages
 from opml_job_orchestrator.convert import job_name
 
 
-class JobClient:
-    def __init__(self, target: str, *, token: str | None = None) -> None:
-        self._channel = open_channel(target, token=token)
-        self._stub = jobs_pb2_grpc.JobServiceStub(self._channel)
+class JobClient(ServiceClient):
+    stub_class = jobs_pb2_grpc.JobServiceStub
 
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self) -> JobClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @raising_domain_errors
     def submit(self, spec: pb.JobSpec) -> pb.Job:
-        return self._stub.SubmitJob(pb.SubmitJobRequest(spec=spec))
+        return self.stub.SubmitJob(pb.SubmitJobRequest(spec=spec))
 
-    @raising_domain_errors
     def get(self, job_id: str) -> pb.Job:
-        return self._stub.GetJob(pb.GetJobRequest(name=job_name(job_id)))
+        return self.stub.GetJob(pb.GetJobRequest(name=job_name(job_id)))
 
-    @raising_domain_errors
     def list(self, *, state: int = pb.JOB_STATE_UNSPECIFIED) -> list[pb.Job]:
-        jobs, token = [], ""
-        while True:
-            reply = self._stub.ListJobs(pb.ListJobsRequest(state=state, page_token=token))
-            jobs.extend(reply.jobs)
-            if not (token := reply.next_page_token):
-                return jobs
+        """Every job (in ``state``, unless unspecified), in submission order."""
+        return list(pages(lambda token: self.stub.ListJobs(pb.ListJobsRequest(state=state, page_token=token)),
+                          lambda reply: reply.jobs))
 
-    @raising_domain_errors
     def cancel(self, job_id: str) -> pb.Job:
-        return self._stub.CancelJob(pb.CancelJobRequest(name=job_name(job_id)))
+        return self.stub.CancelJob(pb.CancelJobRequest(name=job_name(job_id)))
 
-    @raising_domain_errors
     def preempt(self, job_id: str) -> pb.Job:
         """Needs the admin role."""
-        return self._stub.PreemptJob(pb.PreemptJobRequest(name=job_name(job_id)))
+        return self.stub.PreemptJob(pb.PreemptJobRequest(name=job_name(job_id)))
 
     def logs(self, job_id: str, *, role: str = "", index: int = 0, attempt: int | None = None,
              follow: bool = False) -> Iterator[pb.LogChunk]:
@@ -61,10 +42,9 @@ class JobClient:
         request = pb.ReadJobLogsRequest(name=job_name(job_id), role=role, index=index, follow=follow)
         if attempt is not None:
             request.attempt = attempt
-        return stream_raising_domain_errors(self._stub.ReadJobLogs(request))
+        return self.stub.ReadJobLogs(request)
 
     def watch(self, job_id: str = "") -> Iterator[pb.JobChange]:
         """The current status (kind unspecified) of one job or of every job, then each change as it
         happens: of one job until it ends, of every job until the caller stops reading."""
-        return stream_raising_domain_errors(
-            self._stub.WatchJobs(pb.WatchJobsRequest(name=job_name(job_id) if job_id else "")))
+        return self.stub.WatchJobs(pb.WatchJobsRequest(name=job_name(job_id) if job_id else ""))

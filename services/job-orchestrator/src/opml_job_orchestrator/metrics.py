@@ -1,7 +1,8 @@
 """The orchestrator's Prometheus metrics: jobs by state, waits, preemptions, retries, decision latency.
 
-:class:`JobMetrics` is a lifecycle listener; :class:`TimedScheduler` wraps the scheduler's
-``schedule`` call to time each decision pass (a wrapper, not a flag in the core).
+:class:`JobMetrics` counts each lifecycle event the :class:`~opml_job_orchestrator.recorder.JobRecorder`
+hands it; :class:`TimedScheduler` wraps the scheduler's ``schedule`` call to time each decision
+pass (a wrapper, not a flag in the core).
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 :class:`Orchestrator` imports no transport. The gRPC servicer calls :meth:`Orchestrator.submit`,
 :meth:`~Orchestrator.cancel`, :meth:`~Orchestrator.preempt`, :meth:`~Orchestrator.get` and
-:meth:`~Orchestrator.list`; the Kafka publisher, the Redis job store, the metrics and the watch
-streams are :data:`LifecycleListener` s that receive every :class:`LifecycleEvent`. After a
-restart, :meth:`~Orchestrator.restore` takes back the jobs the store kept.
+:meth:`~Orchestrator.list`; :data:`LifecycleListener` s receive every :class:`LifecycleEvent`
+(in the service, one :class:`~opml_job_orchestrator.recorder.JobRecorder` saves the job to Redis,
+emits its domain event, shows it to watch streams and counts it). After a restart,
+:meth:`~Orchestrator.restore` takes back the jobs the store kept.
 
 One loop task, in steps: resubmit the jobs whose retry delay is over, call ``Scheduler.schedule``
 and carry out its decisions in order (``Executor.terminate`` for a ``PreemptJob``, then
@@ -117,7 +118,8 @@ class JobDefinition:
 
 @dataclass(frozen=True, slots=True)
 class SavedJob:
-    """A job as a durable store kept it: handed to :meth:`Orchestrator.restore` after a restart."""
+    """A job's definition and status at one moment: what each :class:`LifecycleEvent` carries, what a
+    durable store keeps, and what :meth:`Orchestrator.restore` takes back after a restart."""
 
     definition: JobDefinition
     status: JobStatus
@@ -125,19 +127,22 @@ class SavedJob:
 
 @dataclass(frozen=True, slots=True)
 class LifecycleEvent:
-    """``job_id`` went through ``kind`` at ``at`` (Unix seconds), in run ``attempt``, now in ``state``."""
+    """``job_id`` went through ``kind`` at ``at`` (Unix seconds), in run ``attempt``, now in ``state``;
+    ``job`` is the whole job just after the change (its definition and status)."""
 
     kind: EventKind
     job_id: str
     attempt: int
     state: JobState
     at: float
+    job: SavedJob
     message: str = ""
 
 
 LifecycleListener = Callable[[LifecycleEvent], None]
-"""Called in the loop, in order, for every :class:`LifecycleEvent`. It must not block: a publisher
-queues the event and sends it from its own task. What it raises is logged and dropped."""
+"""Called in the loop, in order, for every :class:`LifecycleEvent`, before the transition returns
+(the service's is a :class:`~opml_job_orchestrator.recorder.JobRecorder`). It must not block: a
+store queues the snapshot and writes it from its own task. What it raises is logged and dropped."""
 
 
 class _Job:
@@ -585,7 +590,8 @@ class Orchestrator:
         self._emit(job, EventKind.FAILED, cause)
 
     def _emit(self, job: _Job, kind: EventKind, message: str) -> None:
-        event = LifecycleEvent(kind, job.spec.job_id, job.attempt, job.state, job.updated_at, message)
+        event = LifecycleEvent(kind, job.spec.job_id, job.attempt, job.state, job.updated_at,
+                               SavedJob(job.definition, job.status()), message)
         for listener in self._listeners:
             try:
                 listener(event)

@@ -1,7 +1,9 @@
 """The JobService gRPC servicer: parses requests, calls the orchestrator, converts the answers.
 
 It holds no scheduling logic: that is the :class:`~opml_job_orchestrator.orchestrator.Orchestrator`'s,
-which imports no grpc. Domain errors become status codes in the shared ObservabilityInterceptor.
+which imports no grpc. It builds and publishes no events: each change's event comes from the core
+(the orchestrator's :class:`~opml_job_orchestrator.recorder.JobRecorder`). Domain errors become
+status codes in the shared ObservabilityInterceptor.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from opml_job_orchestrator.orchestrator import TERMINAL_STATES, JobStatus, Orche
 from opml_job_orchestrator.spec import definition_from_proto
 from opml_job_orchestrator.watch import WatchHub
 
-# Roles per method; every other method (SubmitJob, CancelJob) needs the writer role.
+# The role each RPC needs (every RPC is listed: the server checks this against the service at start-up).
 METHOD_ROLES = {"GetJob": "reader", "ListJobs": "reader", "ReadJobLogs": "reader", "WatchJobs": "reader",
                 "SubmitJob": "writer", "CancelJob": "writer", "PreemptJob": "admin"}
 
