@@ -16,12 +16,14 @@ from pathlib import Path
 
 import pytest
 from minio import Minio
+from opml.bundles.v1 import events_pb2
 from opml_bundle_store.core import BundleStore, TransferProgress
 from opml_bundle_store.core import remote as remote_module
 from opml_bundle_store.core.layout import ContextDir
 from opml_bundle_store.core.remote import S3Remote
 from opml_common.config import PlatformSettings
 from opml_common.errors import DataLoss, FailedPrecondition, NotFound, Unavailable
+from opml_common.events import RecordingEmitter
 from opml_common.storage import s3_client
 
 HERE = Path(__file__).parent
@@ -305,6 +307,30 @@ def test_push_preconditions(stores) -> None:
     a.set_remote("ctx", None)
     with pytest.raises(FailedPrecondition, match="no remote"):
         a.push("ctx")
+
+
+def test_push_and_remote_delete_are_announced(tmp_path: Path, s3: Minio, remote_url: str) -> None:
+    a_events, b_events = RecordingEmitter(), RecordingEmitter()
+    with BundleStore(tmp_path / "a", s3, events=a_events, **SMALL_STORE) as a, \
+            BundleStore(tmp_path / "b", s3, events=b_events, **SMALL_STORE) as b:
+        a.create_context("ctx", remote_url)
+        b.create_context("ctx", remote_url)
+        first, second = add(a, "model", {"w": b"1"}), add(a, "model", {"w": b"2"})
+        assert [e.type for _, e in a_events.events] == ["opml.bundles.v1.BundleCommitted"] * 2
+        assert [p.uuid for p in a.push("ctx")] == [first.uuid, second.uuid]
+        pushed = [m for m in a_events.messages if isinstance(m, events_pb2.BundlePushed)]
+        assert [(m.bundle.uuid, m.remote_url, m.bundle.remote_url) for m in pushed] == [
+            (first.uuid, remote_url, remote_url), (second.uuid, remote_url, remote_url)]
+        assert [e.subject for _, e in a_events.events] == ["model"] * 4
+
+        assert b.pull("ctx") and b_events.messages == []  # a pull changes no shared state: no event
+        # a uuid only on the remote: its name comes from the remote's listing
+        assert b.delete_bundle("ctx", first.uuid) == [first.uuid]
+        assert a.delete_bundle("ctx", first.uuid) == [first.uuid]
+        assert b.delete_bundle("ctx", first.uuid, remote=True) == [first.uuid]
+        assert b_events.messages == [
+            events_pb2.BundleDeleted(context="ctx", uuid=first.uuid, bundle_name="model", remote=False),
+            events_pb2.BundleDeleted(context="ctx", uuid=first.uuid, bundle_name="model", remote=True)]
 
 
 # -- delete and gc on the remote -------------------------------------------------------------------------------

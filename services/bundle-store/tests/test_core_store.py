@@ -70,9 +70,8 @@ def test_contexts(tmp_path: Path) -> None:
 
 
 def test_one_store_per_home(tmp_path: Path) -> None:
-    with BundleStore(tmp_path / "home", None):
-        with pytest.raises(FailedPrecondition, match="in use"):
-            BundleStore(tmp_path / "home", None)
+    with BundleStore(tmp_path / "home", None), pytest.raises(FailedPrecondition, match="in use"):
+        BundleStore(tmp_path / "home", None)
     BundleStore(tmp_path / "home", None).close()  # released on close
 
 
@@ -246,10 +245,9 @@ def test_abort_leaves_nothing(store: BundleStore) -> None:
         yield b"partial"
         raise Broken
 
-    with pytest.raises(Broken):
-        with store.new_bundle("ctx", "m") as writer:
-            writer.add_file("ok.bin", [b"fine"])
-            writer.add_file("broken.bin", stream())
+    with pytest.raises(Broken), store.new_bundle("ctx", "m") as writer:
+        writer.add_file("ok.bin", [b"fine"])
+        writer.add_file("broken.bin", stream())
     writer.abort()  # idempotent
     with pytest.raises(FailedPrecondition, match="aborted"):
         writer.add_file("late.bin", [b"x"])
@@ -291,12 +289,12 @@ def test_crash_between_blobs_and_manifest_leaves_only_collectable_blobs(tmp_path
         store.create_context("ctx")
         writer = store.new_bundle("ctx", "m")
         writer.add_file("f", [b"orphan"])
-        from opml_bundle_store.core import store as store_module
+        from opml_bundle_store.core import context as context_module  # manifests are written there
 
         def crash(*args, **kwargs):
             raise OSError("disk died while writing the manifest")
 
-        monkeypatch.setattr(store_module, "atomic_write", crash)
+        monkeypatch.setattr(context_module, "atomic_write", crash)
         with pytest.raises(OSError, match="disk died"):
             writer.finish()
         monkeypatch.undo()

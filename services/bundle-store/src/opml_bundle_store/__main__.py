@@ -2,25 +2,29 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from opml.bundles.v1 import bundles_pb2, bundles_pb2_grpc
+from opml_common.grpc.server import ServiceRegistration
+from opml_common.process import ServiceSpec
+from opml_common.service import ServiceContext, run_service
 
 from opml_bundle_store.core.store import BundleStore
 from opml_bundle_store.servicer import METHOD_ROLES, BundleStoreServicer
 from opml_bundle_store.settings import BundleStoreSettings
 from opml_bundle_store.topics import BUNDLES
-from opml_common.grpc.server import ServiceRegistration
-from opml_common.process import ServiceSpec
-from opml_common.service import ServiceContext, run_service
 
 SPEC = ServiceSpec(name="bundle-store", module="opml_bundle_store", settings=BundleStoreSettings, topics=(BUNDLES,))
 
 
 async def build(service: ServiceContext) -> list[ServiceRegistration]:
-    """The store over the local home and S3; events unpublished at exit stay in the outbox for the next start."""
+    """The store over the local home and S3, announcing its changes through the outbox (events
+    unpublished at exit stay there for the next start); closed after the server, before the outbox."""
     settings: BundleStoreSettings = service.settings
     store = BundleStore(settings.home, service.s3(max_connections=settings.transfer_workers * 2),
-                        transfer_workers=settings.transfer_workers)
-    servicer = BundleStoreServicer(store, await service.emitter(), service.metrics)
+                        transfer_workers=settings.transfer_workers, events=await service.emitter())
+    service.on_stop(lambda: asyncio.to_thread(store.close))
+    servicer = BundleStoreServicer(store, service.metrics)
     return [ServiceRegistration(bundles_pb2.DESCRIPTOR.services_by_name["BundleStore"],
                                 bundles_pb2_grpc.add_BundleStoreServicer_to_server, servicer, METHOD_ROLES)]
 

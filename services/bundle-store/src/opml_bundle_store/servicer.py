@@ -1,7 +1,8 @@
-"""The BundleStore gRPC servicer: parses requests, runs the core off the event loop, publishes events.
+"""The BundleStore gRPC servicer: parses requests, runs the core off the event loop, converts replies.
 
-It holds no bundle logic: that is in :mod:`opml_bundle_store.core`, which imports no grpc. Domain
-errors raised by the core become status codes in the shared ObservabilityInterceptor.
+It holds no bundle logic and publishes no events: both are in :mod:`opml_bundle_store.core`, which
+imports no grpc and announces each commit, push and delete where it happens. Domain errors raised
+by the core become status codes in the shared ObservabilityInterceptor.
 """
 
 from __future__ import annotations
@@ -13,16 +14,14 @@ from collections.abc import AsyncIterator, Callable
 
 from opml.bundles.v1 import bundles_pb2 as pb
 from opml.bundles.v1 import bundles_pb2_grpc
-from opml.bundles.v1 import events_pb2
-
-from opml_bundle_store.convert import bundle_to_proto, context_to_proto, lineage_from_proto, value_from_proto
-from opml_bundle_store.core.model import Bundle, TransferProgress
-from opml_bundle_store.core.store import BundleStore
-from opml_common.events import EventEmitter
 from opml_common.errors import InvalidArgument
 from opml_common.grpc.interceptors import current_principal
 from opml_common.metrics import ServiceMetrics
 from opml_common.pagination import paginate
+
+from opml_bundle_store.core.convert import bundle_to_proto, context_to_proto, lineage_from_proto, value_from_proto
+from opml_bundle_store.core.model import Bundle, TransferProgress
+from opml_bundle_store.core.store import BundleStore
 
 _CONTEXT_NAME = re.compile(r"^contexts/([^/]+)$")
 _BUNDLE_NAME = re.compile(r"^contexts/([^/]+)/bundles/([^/]+)$")
@@ -57,9 +56,8 @@ TRANSFER_DIRECTIONS = ("upload", "read", "push", "pull")
 
 
 class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
-    def __init__(self, store: BundleStore, events: EventEmitter, metrics: ServiceMetrics) -> None:
+    def __init__(self, store: BundleStore, metrics: ServiceMetrics) -> None:
         self._store = store
-        self._events = events
         moved = metrics.counter("transfer_bytes_total", "Bytes moved, by direction.", ("direction",))
         self._bytes = {direction: moved.labels(direction) for direction in TRANSFER_DIRECTIONS}
 
@@ -123,8 +121,6 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
             upload.abort()
             await asyncio.gather(writer_task, return_exceptions=True)
             raise
-        if bundle.committed:
-            self._announce_commit(bundle)
         return bundle_to_proto(bundle)
 
     async def ListBundles(self, request: pb.ListBundlesRequest, context) -> pb.ListBundlesResponse:
@@ -153,9 +149,7 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
 
     async def CommitBundle(self, request: pb.CommitBundleRequest, context) -> pb.Bundle:
         context_id, ref = parse_bundle_name("name", request.name)
-        bundle = await asyncio.to_thread(self._store.commit, context_id, ref)
-        self._announce_commit(bundle)
-        return bundle_to_proto(bundle)
+        return bundle_to_proto(await asyncio.to_thread(self._store.commit, context_id, ref))
 
     async def PushBundles(self, request: pb.PushBundlesRequest, context) -> AsyncIterator[pb.TransferProgress]:
         context_id = parse_context_name("parent", request.parent)
@@ -163,9 +157,6 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
                 lambda progress: self._store.push(context_id, request.bundle or None, progress=progress)):
             if message.done:
                 self._bytes["push"].inc(message.bytes_done)
-                for bundle in message.bundles:
-                    self._events.emit(events_pb2.BundlePushed(bundle=bundle, remote_url=bundle.remote_url),
-                                      subject=bundle.bundle_name)
             yield message
 
     async def PullBundles(self, request: pb.PullBundlesRequest, context) -> AsyncIterator[pb.TransferProgress]:
@@ -178,14 +169,7 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
 
     async def DeleteBundle(self, request: pb.DeleteBundleRequest, context) -> pb.DeleteBundleResponse:
         context_id, ref = parse_bundle_name("name", request.name)
-        known = {b.uuid: b for b in await asyncio.to_thread(self._store.list_bundles, context_id)}
         deleted = await asyncio.to_thread(self._store.delete_bundle, context_id, ref, remote=request.remote)
-        for uuid in deleted:
-            bundle = known.get(uuid)
-            self._events.emit(events_pb2.BundleDeleted(
-                context=context_id, uuid=uuid, bundle_name=bundle.name if bundle else "",
-                tags=dict(bundle.tags) if bundle else {}, remote=request.remote),
-                subject=bundle.name if bundle else uuid)
         return pb.DeleteBundleResponse(deleted_uuids=deleted)
 
     async def GarbageCollect(self, request: pb.GarbageCollectRequest, context) -> pb.GarbageCollectResponse:
@@ -208,9 +192,6 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
             downstream=direction in (pb.GetLineageRequest.DOWNSTREAM, pb.GetLineageRequest.BOTH))
         return pb.LineageGraph(bundles=[bundle_to_proto(b) for b in graph.bundles],
                                edges=[pb.LineageEdge(input_uuid=i, output_uuid=o) for i, o in graph.edges])
-
-    def _announce_commit(self, bundle: Bundle) -> None:
-        self._events.emit(events_pb2.BundleCommitted(bundle=bundle_to_proto(bundle)), subject=bundle.name)
 
 
 class _ChunkBridge:

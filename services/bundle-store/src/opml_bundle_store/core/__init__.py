@@ -1,7 +1,12 @@
 """Transport-free core of the bundle store (after Intuit's Disdat): no grpc imported here.
 
 The gRPC servicer converts messages to and from these dataclasses and calls :class:`BundleStore`
-(sync, thread-safe; run it with ``asyncio.to_thread``).
+(sync, thread-safe; run it with ``asyncio.to_thread``), which announces its changes itself.
+
+Modules: ``store`` (the facade: opening a home, contexts, reads, commit, delete), ``context``
+(one context's index and locks), ``writer`` (adding a bundle), ``sync`` (push and pull),
+``gc``, ``lineage``, ``events`` (the domain events), ``model`` (dataclasses and input rules),
+``convert`` (to and from the protobuf messages), ``layout``, ``remote`` and ``transfer`` (disk and S3).
 """
 
 from opml_bundle_store.core.model import (
@@ -20,7 +25,8 @@ from opml_bundle_store.core.model import (
     validate_bundle_path,
     validate_context_id,
 )
-from opml_bundle_store.core.store import BundleStore, BundleWriter
+from opml_bundle_store.core.store import BundleStore
+from opml_bundle_store.core.writer import BundleWriter
 
 __all__ = [
     "Bundle",

@@ -318,8 +318,32 @@ def as_utc(value: datetime, field_name: str) -> datetime:
     return value.astimezone(UTC)
 
 
+def label(bundle: Bundle) -> str:
+    """How messages name a bundle: its name and uuid."""
+    return f"{bundle.name!r} ({bundle.uuid})"
+
+
+def age(bundle: Bundle) -> tuple[datetime, str]:
+    """Sort key of bundle versions, oldest first (the uuid breaks ties)."""
+    return (bundle.create_time, bundle.uuid)
+
+
+def latest_version(versions: list[Bundle]) -> Bundle:
+    """The version a bundle name stands for: the newest committed one, else the newest."""
+    committed = [bundle for bundle in versions if bundle.committed]
+    return max(committed or versions, key=age)
+
+
 # ----------------------------------------------------------------------------------------------
 # Validation
+
+
+def check_int(field: str, value: Any, low: int, high: int, note: str = "") -> None:
+    """Raises InvalidArgument unless ``value`` is an int (not a bool) in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidArgument(
+            field, f"`{field}` must be an integer in [{low}, {high}]{' ' + note if note else ''}, but got {value!r}."
+        )
 
 
 def _short(value: Any, limit: int = 80) -> str:

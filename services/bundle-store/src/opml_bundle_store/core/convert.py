@@ -1,4 +1,7 @@
-"""Conversions between the core's dataclasses and the opml.bundles.v1 messages (no logic here)."""
+"""Conversions between the core's dataclasses and the opml.bundles.v1 messages (no logic here).
+
+Protobuf only (no grpc): the servicer converts replies with it and the core builds its events with it.
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,217 @@
+"""Moving bundles between a context and its S3 remote: push (blobs, then manifests) and pull
+(manifests, then, to localize, blobs verified against their sha256 before anything is recorded)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from opml_common.errors import DataLoss, FailedPrecondition, InvalidArgument
+
+from opml_bundle_store.core.context import ContextState
+from opml_bundle_store.core.events import BundleEvents
+from opml_bundle_store.core.model import (
+    Bundle,
+    TransferProgress,
+    age,
+    compute_content_hash,
+    label,
+    validate_bundle_name,
+    validate_bundle_path,
+    validate_sha256,
+)
+from opml_bundle_store.core.remote import MANIFEST_CONTENT_TYPE, S3Remote
+from opml_bundle_store.core.transfer import (
+    BlobRef,
+    Downloader,
+    ProgressReporter,
+    TaskRunner,
+    TransferSettings,
+    Uploader,
+)
+
+log = logging.getLogger(__name__)
+
+ProgressCallback = Callable[[TransferProgress], None]
+
+
+class RemoteSync:
+    """Pushes and pulls of every context of one store, on the store's shared transfer threads.
+
+    The store checks the arguments and finds the context and its remote; these methods take the
+    context's push or pull lock for the whole transfer.
+    """
+
+    def __init__(self, pool: ThreadPoolExecutor, settings: TransferSettings, events: BundleEvents) -> None:
+        self._pool = pool
+        self._settings = settings
+        self._events = events
+
+    def push(self, ctx: ContextState, remote: S3Remote, ref: str | None = None,
+             progress: ProgressCallback | None = None) -> list[Bundle]:
+        """Push committed bundles to the context's remote: their blobs (missing ones only, in
+        parallel, big ones as resumable multipart uploads), then their manifests.
+
+        With ``ref``, that bundle is pushed (again, if it was: missing blobs are restored). Without,
+        every committed bundle not yet on the current remote is pushed (except bundles pulled
+        without their files from another remote: skipped with a warning). ``progress`` is called on
+        the calling thread with blobs and bytes confirmed on the remote. Each pushed bundle is
+        announced (BundlePushed) once its manifest is on the remote, whether or not a caller waits.
+
+        Returns the pushed bundles (oldest first), with ``remote_url`` set.
+
+        Raises: InvalidArgument, NotFound, FailedPrecondition (no remote, bundle not committed or
+        not localized), DataLoss (a local blob is missing or truncated), Unavailable.
+        """
+        with ctx.push_lock:
+            with ctx.lock:
+                if ref is not None:
+                    bundle = ctx.resolve(ref)
+                    if not bundle.committed:
+                        raise FailedPrecondition(
+                            f"bundle {label(bundle)} is not committed: commit it before pushing"
+                        )
+                    targets = [bundle]
+                else:
+                    targets = sorted(
+                        (b for b in ctx.bundles.values() if b.committed and b.remote_url != remote.url), key=age
+                    )
+                    skipped = [b for b in targets if not b.localized]
+                    if skipped:
+                        log.warning("push of %s skips %d bundles pulled without their files (first: %s); "
+                                    "pull them with localize=True to push them to %s",
+                                    ctx.id, len(skipped), label(skipped[0]), remote.url)
+                        targets = [b for b in targets if b.localized]
+            for bundle in targets:
+                if not bundle.localized:
+                    raise FailedPrecondition(
+                        f"bundle {label(bundle)} is not localized, so its files cannot be pushed to "
+                        f"{remote.url}: pull it with localize=True first"
+                    )
+            reporter = ProgressReporter(progress)
+            blobs = _unique_blobs(targets)
+            uploader = Uploader(remote, ctx.dir, self._pool, self._settings, reporter)
+            stats = uploader.upload(blobs)
+            self._put_manifests(remote, targets)
+            pushed = []
+            with ctx.lock:
+                for bundle in targets:
+                    current = ctx.bundles.get(bundle.uuid)
+                    if current is None:  # deleted meanwhile
+                        continue
+                    if current.remote_url != remote.url:
+                        current = current.with_state(remote_url=remote.url)
+                        ctx.record(current)
+                    pushed.append(current)
+            reporter.emit(force=True)
+        log.info("pushed %d bundles of %s to %s: %s", len(pushed), ctx.id, remote.url, stats)
+        for bundle in pushed:
+            self._events.pushed(bundle)
+        return pushed
+
+    def _put_manifests(self, remote: S3Remote, bundles: list[Bundle]) -> None:
+        runner = TaskRunner(self._pool, max_in_flight=self._settings.max_in_flight, max_heavy=1)
+        for bundle in bundles:
+            data = bundle.to_json(local_state=False)
+            runner.add(lambda bundle=bundle, data=data: remote.put_bytes(
+                remote.manifest_key(bundle.name, bundle.uuid), data,
+                sha256=hashlib.sha256(data).hexdigest(), content_type=MANIFEST_CONTENT_TYPE,
+            ))
+        runner.run()
+
+    def pull(self, ctx: ContextState, remote: S3Remote, bundle_name: str | None = None, *,
+             localize: bool = False, progress: ProgressCallback | None = None) -> list[Bundle]:
+        """Pull bundle manifests from the context's remote (all, or the versions of one name);
+        with ``localize``, also download and verify their files (and those of bundles pulled
+        earlier without files). Nothing is recorded unless every blob verified.
+
+        Returns the bundles this pull added or localized, newest first.
+
+        Raises: InvalidArgument, NotFound, FailedPrecondition (no remote), DataLoss (a remote
+        manifest or blob does not match its hash), Unavailable.
+        """
+        with ctx.pull_lock:
+            listed = remote.list_manifests(bundle_name or None)
+            with ctx.lock:
+                known = dict(ctx.bundles)
+            fresh = self.fetch_manifests(ctx, remote, [m for m in listed if m.uuid not in known])
+            to_localize: list[Bundle] = []
+            if localize:
+                to_localize = list(fresh) + [
+                    known[m.uuid] for m in listed if m.uuid in known and not known[m.uuid].localized
+                ]
+            reporter = ProgressReporter(progress)
+            needed = self._blobs_to_fetch(ctx, to_localize)
+            stats = Downloader(remote, ctx.dir, self._pool, self._settings, reporter).download(needed)
+            changed: list[Bundle] = []
+            with ctx.lock:
+                for bundle in fresh:
+                    present = localize or all(ctx.dir.blob_path(f.sha256).exists() for f in bundle.files)
+                    record = bundle.with_state(context=ctx.id, remote_url=remote.url, localized=present)
+                    ctx.record(record)
+                    changed.append(record)
+                if localize:
+                    for old in to_localize[len(fresh):]:
+                        current = ctx.bundles.get(old.uuid)
+                        if current is not None and not current.localized:
+                            record = current.with_state(localized=True, remote_url=current.remote_url or remote.url)
+                            ctx.record(record)
+                            changed.append(record)
+            reporter.emit(force=True)
+        log.info("pulled %d bundles into %s from %s: %s", len(changed), ctx.id, remote.url, stats)
+        return sorted(changed, key=age, reverse=True)
+
+    def fetch_manifests(self, ctx: ContextState, remote: S3Remote, listed: list[Any]) -> list[Bundle]:
+        fetched: list[Bundle] = []
+        runner = TaskRunner(self._pool, max_in_flight=self._settings.max_in_flight, max_heavy=1)
+        for item in listed:
+            runner.add(lambda item=item: _parse_remote_manifest(remote, item, ctx.id), on_done=fetched.append)
+        runner.run()
+        return fetched
+
+    def _blobs_to_fetch(self, ctx: ContextState, bundles: list[Bundle]) -> list[BlobRef]:
+        """Blobs of ``bundles`` missing locally. Present ones are touched so a concurrent gc (which
+        spares young unreferenced blobs) cannot remove them before the manifest is recorded."""
+        needed: dict[str, BlobRef] = {}
+        for bundle in bundles:
+            for entry in bundle.files:
+                if entry.sha256 in needed:
+                    continue
+                try:
+                    os.utime(ctx.dir.blob_path(entry.sha256))
+                except FileNotFoundError:
+                    needed[entry.sha256] = BlobRef(entry.sha256, entry.size, label(bundle), entry.path)
+        return list(needed.values())
+
+
+def _unique_blobs(bundles: list[Bundle]) -> list[BlobRef]:
+    blobs: dict[str, BlobRef] = {}
+    for bundle in bundles:
+        for entry in bundle.files:
+            blobs.setdefault(entry.sha256, BlobRef(entry.sha256, entry.size, label(bundle), entry.path))
+    return list(blobs.values())
+
+
+def _parse_remote_manifest(remote: S3Remote, item: Any, context_id: str) -> Bundle:
+    """Fetch and check one remote manifest: well-formed, named as its key, content hash right."""
+    data = remote.get_bytes(item.key)
+    where = f"the manifest {item.key!r} on {remote.url}"
+    try:
+        bundle = Bundle.from_json(data, context=context_id)
+        validate_bundle_name(bundle.name)
+        for entry in bundle.files:
+            validate_bundle_path(entry.path)
+            validate_sha256(entry.sha256)
+    except (ValueError, InvalidArgument) as exc:
+        raise DataLoss(f"{where} is corrupt: {exc}") from None
+    if bundle.uuid != item.uuid or bundle.name != item.bundle_name:
+        raise DataLoss(f"{where} describes bundle {bundle.name!r} ({bundle.uuid}), not the one its key names")
+    actual = compute_content_hash(bundle.files, bundle.values)
+    if actual != bundle.content_hash:
+        raise DataLoss(f"{where} is corrupt: its content_hash is {bundle.content_hash}, but its files and "
+                       f"values hash to {actual}")
+    return bundle.with_state(committed=True, commit_time=bundle.commit_time or bundle.create_time)
