@@ -216,11 +216,11 @@ def test_global_tracing_switch_roles_and_health(collector, admin, reader, redis_
 def test_bad_arguments_are_invalid_argument_naming_the_field(admin) -> None:
     calls = [
         (lambda: admin.list_runs("bad job"), "job"),
-        (lambda: admin._stub.ListJobs(pb.ListJobsRequest(page_size=-1)), "page_size"),
-        (lambda: admin._stub.GetStepSeries(pb.GetStepSeriesRequest(job="", page_size=1)), "job"),
-        (lambda: admin._stub.GetCapture(pb.GetCaptureRequest()), "capture_id"),
-        (lambda: admin._stub.GetSummary(pb.GetSummaryRequest(job="a/b")), "job"),
-        (lambda: admin._stub.ListJobs(pb.ListJobsRequest(page_token="garbage")), "page_token"),
+        (lambda: admin.stub.ListJobs(pb.ListJobsRequest(page_size=-1)), "page_size"),
+        (lambda: admin.stub.GetStepSeries(pb.GetStepSeriesRequest(job="", page_size=1)), "job"),
+        (lambda: admin.stub.GetCapture(pb.GetCaptureRequest()), "capture_id"),
+        (lambda: admin.stub.GetSummary(pb.GetSummaryRequest(job="a/b")), "job"),
+        (lambda: admin.stub.ListJobs(pb.ListJobsRequest(page_token="garbage")), "page_token"),
     ]
     for call, field in calls:
         with pytest.raises((InvalidArgument, grpc.RpcError)) as caught:

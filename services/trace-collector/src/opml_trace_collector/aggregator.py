@@ -5,6 +5,9 @@ beyond that every effect is idempotent by itself: batches count once per (sessio
 (:meth:`TraceStore.apply_batch`), run facts are plain overwrites, capture answers are recorded
 once per worker. An event whose data does not parse, or that names no job, worker or session,
 raises :class:`MalformedEvent` and goes to the dead-letter topic.
+
+The event's protobuf data is parsed here and converted once (:func:`convert.event_from_proto`): the
+store and the capture manager see the domain events of :mod:`opml_trace_collector.model`.
 """
 
 from __future__ import annotations
@@ -12,13 +15,12 @@ from __future__ import annotations
 import logging
 import time
 
-from google.protobuf.message import Message
-from opml.traces.v1 import events_pb2
-
 from opml_common.bus import CloudEvent, MalformedEvent
 from opml_common.errors import InvalidArgument
 from opml_common.metrics import ServiceMetrics
 from opml_trace_collector.captures import CaptureManager
+from opml_trace_collector.convert import EVENT_MESSAGES, event_from_proto
+from opml_trace_collector.model import CaptureFailed, StepBatch, TracerEvent, TracerStarted, TracerStopped, TraceStored
 from opml_trace_collector.store import TraceStore, check_name
 
 log = logging.getLogger(__name__)
@@ -48,36 +50,33 @@ class Aggregator:
                                          "Training throughput of each worker's newest batch, by job and worker.",
                                          labels)
         self._events = metrics.counter("tracer_events_total", "Tracer events applied, by type.", ("type",))
-        self._handlers = {
-            events_pb2.TracerStarted.DESCRIPTOR.full_name: (events_pb2.TracerStarted, self._started),
-            events_pb2.StepMetricsBatch.DESCRIPTOR.full_name: (events_pb2.StepMetricsBatch, self._batch),
-            events_pb2.TracerStopped.DESCRIPTOR.full_name: (events_pb2.TracerStopped, self._stopped),
-            events_pb2.CaptureCompleted.DESCRIPTOR.full_name: (events_pb2.CaptureCompleted, self.captures.on_completed),
-            events_pb2.CaptureFailed.DESCRIPTOR.full_name: (events_pb2.CaptureFailed, self.captures.on_failed),
-        }
+        handlers = {TracerStarted: self._started, StepBatch: self._batch, TracerStopped: self._stopped,
+                    TraceStored: self.captures.on_completed, CaptureFailed: self.captures.on_failed}
+        self._handlers = {message_cls.DESCRIPTOR.full_name: (message_cls, handlers[kind])
+                          for kind, message_cls in EVENT_MESSAGES.items()}
 
     async def handle(self, event: CloudEvent) -> None:
         entry = self._handlers.get(event.type)
         if entry is None:
             raise MalformedEvent(f"event {event.id}: type {event.type!r} is not an opml.traces.v1 event")
         message_cls, handler = entry
-        message = event.parse(message_cls)
+        message = event_from_proto(event.parse(message_cls))
         _check_identity(event, message)
         # The event's own time, not the time it is handled, so a replay rebuilds the same state;
         # a clock ahead of the service's counts as now.
         await handler(message, min(event.time.timestamp(), time.time()))
         self._events.labels(type=message_cls.DESCRIPTOR.name).inc()
 
-    async def _started(self, message: events_pb2.TracerStarted, when: float) -> None:
+    async def _started(self, message: TracerStarted, when: float) -> None:
         await self.store.record_started(message, when)
         log.info("run %s of %s/%s started (tf %s)", message.session_id, message.job, message.worker,
                  message.tf_version)
 
-    async def _stopped(self, message: events_pb2.TracerStopped, when: float) -> None:
+    async def _stopped(self, message: TracerStopped, when: float) -> None:
         await self.store.record_stopped(message, when)
         self._throughput.labels(training_job=message.job, worker=message.worker).set(0)
 
-    async def _batch(self, batch: events_pb2.StepMetricsBatch, when: float) -> None:
+    async def _batch(self, batch: StepBatch, when: float) -> None:
         effect = await self.store.apply_batch(batch, when)
         if not effect.applied:
             return
@@ -90,7 +89,7 @@ class Aggregator:
             self._throughput.labels(**labels).set(effect.examples_per_second)
 
 
-def _check_identity(event: CloudEvent, message: Message) -> None:
+def _check_identity(event: CloudEvent, message: TracerEvent) -> None:
     try:
         check_name("job", message.job)
         check_name("worker", message.worker)

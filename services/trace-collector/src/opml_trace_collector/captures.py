@@ -12,6 +12,9 @@ then publish CaptureCompleted (or CaptureFailed). The service keeps its own reco
 A worker killed mid-capture never announces, so its capture expires: nothing half-written is ever
 reported as complete. One capture per job may be pending at a time. Records change in optimistic
 Redis transactions (WATCH), so the consumer, the expiry loop and the API never lose an update.
+
+Captures are :class:`opml_trace_collector.model.Capture`; a record keeps each worker's answer as the
+bytes of its ``opml.traces.v1.WorkerCapture`` message (:mod:`convert`), and its state as the enum's number.
 """
 
 from __future__ import annotations
@@ -24,20 +27,19 @@ import uuid
 from collections.abc import Callable, Sequence
 
 import redis.exceptions
-from opml.traces.v1 import events_pb2, traces_pb2 as pb
 
 from opml_common.bus import MalformedEvent
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound
 from opml_common.metrics import ServiceMetrics
-from opml_trace_collector.store import Keys, TraceStore, timestamp
+from opml_trace_collector.convert import decode_worker_capture, encode_worker_capture
+from opml_trace_collector.model import Capture, CaptureFailed, CaptureState, RunState, TraceStored, WorkerCapture
+from opml_trace_collector.store import Keys, TraceStore
 
 log = logging.getLogger(__name__)
 
 MAX_STEPS = 1000
 _WORKER_FIELD = "worker\t"
-_FINAL = (pb.CAPTURE_STATE_COMPLETED, pb.CAPTURE_STATE_FAILED, pb.CAPTURE_STATE_EXPIRED)
-_OUTCOME = {pb.CAPTURE_STATE_COMPLETED: "completed", pb.CAPTURE_STATE_FAILED: "failed",
-            pb.CAPTURE_STATE_EXPIRED: "expired"}
+_OUTCOME = {CaptureState.COMPLETED: "completed", CaptureState.FAILED: "failed", CaptureState.EXPIRED: "expired"}
 
 
 def trace_prefix(bucket: str, job: str, capture_id: str) -> str:
@@ -50,16 +52,16 @@ class _Record:
 
     def __init__(self, raw: dict[bytes, bytes]) -> None:
         self.raw = raw
-        self.workers: dict[str, pb.WorkerCapture] = {
-            name.decode()[len(_WORKER_FIELD):]: pb.WorkerCapture.FromString(value)
+        self.workers: dict[str, WorkerCapture] = {
+            name.decode()[len(_WORKER_FIELD):]: decode_worker_capture(value)
             for name, value in raw.items() if name.startswith(_WORKER_FIELD.encode())}
 
     def __getitem__(self, name: str) -> str:
         return self.raw[name.encode()].decode()
 
     @property
-    def state(self) -> int:
-        return int(self["state"])
+    def state(self) -> CaptureState:
+        return CaptureState(int(self["state"]))
 
     @property
     def targets(self) -> list[str]:
@@ -70,19 +72,15 @@ class _Record:
         """Created from a tracer's answer, the request unknown (see :meth:`CaptureManager._adopt`)."""
         return b"adopted" in self.raw
 
-    def to_proto(self) -> pb.Capture:
-        capture = pb.Capture(capture_id=self["capture_id"], job=self["job"], steps=int(self["steps"]),
-                             state=self.state, create_time=timestamp(float(self["created"])),
-                             expire_time=timestamp(float(self["expires"])), requested_by=self["requested_by"])
-        if b"ended" in self.raw:
-            capture.end_time.CopyFrom(timestamp(float(self["ended"])))
+    def capture(self) -> Capture:
         targets = self.targets
-        for worker in targets:
-            capture.workers.append(self.workers.get(worker) or pb.WorkerCapture(
-                worker=worker, state=pb.CAPTURE_STATE_EXPIRED if self.state == pb.CAPTURE_STATE_EXPIRED
-                else pb.CAPTURE_STATE_PENDING))
-        capture.workers.extend(self.workers[w] for w in sorted(self.workers) if w not in targets)
-        return capture
+        silent = CaptureState.EXPIRED if self.state == CaptureState.EXPIRED else CaptureState.PENDING
+        workers = [self.workers.get(worker) or WorkerCapture(worker=worker, state=silent) for worker in targets]
+        workers += [self.workers[w] for w in sorted(self.workers) if w not in targets]
+        return Capture(capture_id=self["capture_id"], job=self["job"], steps=int(self["steps"]), state=self.state,
+                       create_time=float(self["created"]), expire_time=float(self["expires"]),
+                       end_time=float(self["ended"]) if b"ended" in self.raw else None, workers=tuple(workers),
+                       requested_by=self["requested_by"])
 
 
 class CaptureManager:
@@ -103,7 +101,7 @@ class CaptureManager:
 
     # ---------------------------------------------------------------- the API side
 
-    async def arm(self, job: str, steps: int, workers: Sequence[str], requested_by: str) -> pb.Capture:
+    async def arm(self, job: str, steps: int, workers: Sequence[str], requested_by: str) -> Capture:
         """Arm a capture of the next ``steps`` steps of ``job``'s running workers (or ``workers``).
 
         Raises:
@@ -116,7 +114,7 @@ class CaptureManager:
         await self.store.known_job(job)
         runs = await self.store.runs(job)
         known = {r.worker for r in runs}
-        running = {r.worker for r in runs if r.state == pb.RUN_STATE_RUNNING}
+        running = {r.worker for r in runs if r.state == RunState.RUNNING}
         for worker in workers:
             if worker not in known:
                 raise NotFound(f"worker {worker!r} of job {job!r} is unknown")
@@ -132,7 +130,7 @@ class CaptureManager:
             active = await self.redis.get(active_key)
             if active is not None:
                 current = await self._load(active.decode())
-                if current is not None and current.state == pb.CAPTURE_STATE_PENDING:
+                if current is not None and current.state == CaptureState.PENDING:
                     if float(current["expires"]) > time.time():
                         raise FailedPrecondition(
                             f"capture {current['capture_id']} of job {job!r} is still pending; wait until it "
@@ -140,7 +138,7 @@ class CaptureManager:
                     await self.expire(current["capture_id"])
                     continue
             now = time.time()
-            record = {"capture_id": capture_id, "job": job, "steps": steps, "state": pb.CAPTURE_STATE_PENDING,
+            record = {"capture_id": capture_id, "job": job, "steps": steps, "state": int(CaptureState.PENDING),
                       "created": repr(now), "expires": repr(now + self.timeout_s), "requested_by": requested_by,
                       "targets": json.dumps(targets)}
             control = json.dumps({"capture_id": capture_id, "steps": steps, "workers": sorted(set(workers))})
@@ -163,7 +161,7 @@ class CaptureManager:
         log.info("capture %s of job %s armed: %d steps of %s", capture_id, job, steps, targets)
         return await self.get(capture_id)
 
-    async def get(self, capture_id: str) -> pb.Capture:
+    async def get(self, capture_id: str) -> Capture:
         """The capture (expired first when its time is up).
 
         Raises:
@@ -172,26 +170,50 @@ class CaptureManager:
         record = await self._load(capture_id)
         if record is None:
             raise NotFound(f"capture {capture_id!r} is unknown")
-        if record.state == pb.CAPTURE_STATE_PENDING and float(record["expires"]) <= time.time():
+        if record.state == CaptureState.PENDING and float(record["expires"]) <= time.time():
             await self.expire(capture_id)
             record = await self._load(capture_id)
-        return record.to_proto()
+        return record.capture()
 
     async def ids(self, job: str) -> list[str]:
         """The ids of the job's captures, newest first (load a page of them with :meth:`get`)."""
         return [i.decode() for i in await self.redis.zrevrange(self.keys.job_captures(job), 0, -1)]
 
-    async def latest_with_traces(self, job: str) -> pb.Capture | None:
+    async def latest_with_traces(self, job: str) -> Capture | None:
         """The newest capture of ``job`` with at least one completed trace, if any."""
         for capture_id in await self.ids(job):
             capture = await self.get(capture_id)
-            if any(w.state == pb.CAPTURE_STATE_COMPLETED for w in capture.workers):
+            if any(w.state == CaptureState.COMPLETED for w in capture.workers):
                 return capture
         return None
 
+    async def trace_url(self, capture_id: str, worker: str = "") -> str:
+        """Where the trace of ``worker`` of a capture is (``worker`` may be empty when it has one trace).
+
+        Raises:
+            NotFound: no such capture, or it has no completed trace of ``worker``.
+            FailedPrecondition: the capture has no completed trace yet.
+            InvalidArgument: ``worker`` is empty but the capture has several traces (the field ``worker``).
+        """
+        capture = await self.get(capture_id)
+        done = [w for w in capture.workers if w.state == CaptureState.COMPLETED]
+        if worker:
+            chosen = [w for w in done if w.worker == worker]
+            if not chosen:
+                raise NotFound(f"capture {capture.capture_id} has no completed trace of worker {worker!r} "
+                               f"(completed: {[w.worker for w in done]})")
+            return chosen[0].trace_url
+        if not done:
+            raise FailedPrecondition(f"capture {capture.capture_id} has no completed trace yet "
+                                     f"(state CAPTURE_STATE_{capture.state.name})")
+        if len(done) > 1:
+            raise InvalidArgument("worker", f"is required: capture {capture.capture_id} has traces of "
+                                            f"{[w.worker for w in done]}")
+        return done[0].trace_url
+
     # ---------------------------------------------------------------- the tracers' answers
 
-    async def on_completed(self, event: events_pb2.CaptureCompleted, when: float) -> None:
+    async def on_completed(self, event: TraceStored, when: float) -> None:
         """Record a worker's stored trace, announced at ``when`` (idempotent).
 
         Raises:
@@ -202,42 +224,42 @@ class CaptureManager:
         if not event.trace_url.startswith(prefix) or ".." in event.trace_url:
             raise MalformedEvent(f"CaptureCompleted of capture {event.capture_id!r}: trace_url must be under "
                                  f"{prefix}, but got {event.trace_url!r}")
-        await self._answer(event.job, event.capture_id, event.steps, when, pb.WorkerCapture(
-            worker=event.worker, state=pb.CAPTURE_STATE_COMPLETED, trace_url=event.trace_url,
+        await self._answer(event.job, event.capture_id, event.steps, when, WorkerCapture(
+            worker=event.worker, state=CaptureState.COMPLETED, trace_url=event.trace_url,
             first_step=event.first_step, steps=event.steps, size_bytes=event.size_bytes,
             event_count=event.event_count))
 
-    async def on_failed(self, event: events_pb2.CaptureFailed, when: float) -> None:
+    async def on_failed(self, event: CaptureFailed, when: float) -> None:
         """Record a worker's failure to capture, announced at ``when`` (idempotent).
 
         Raises:
             MalformedEvent: the capture is another job's.
         """
-        await self._answer(event.job, event.capture_id, 0, when, pb.WorkerCapture(
-            worker=event.worker, state=pb.CAPTURE_STATE_FAILED, reason=event.reason))
+        await self._answer(event.job, event.capture_id, 0, when, WorkerCapture(
+            worker=event.worker, state=CaptureState.FAILED, reason=event.reason))
 
-    async def _answer(self, job: str, capture_id: str, steps: int, when: float, answer: pb.WorkerCapture) -> None:
+    async def _answer(self, job: str, capture_id: str, steps: int, when: float, answer: WorkerCapture) -> None:
         if not await self.redis.exists(self.keys.capture(capture_id)):
             await self._adopt(job, capture_id, steps, when)
 
-        def mutate(record: _Record) -> tuple[dict, int | None] | None:
+        def mutate(record: _Record) -> tuple[dict, CaptureState | None] | None:
             if record["job"] != job:
                 raise MalformedEvent(f"capture {capture_id!r} belongs to job {record['job']!r}, not {job!r}")
             known = record.workers.get(answer.worker)
-            if known is not None and known.state in (pb.CAPTURE_STATE_COMPLETED, pb.CAPTURE_STATE_FAILED):
+            if known is not None and known.state in (CaptureState.COMPLETED, CaptureState.FAILED):
                 return None  # answered already: a repeat
-            fields: dict = {_WORKER_FIELD + answer.worker: answer.SerializeToString()}
+            fields: dict = {_WORKER_FIELD + answer.worker: encode_worker_capture(answer)}
             workers = {**record.workers, answer.worker: answer}
             targets = record.targets
             if record.adopted:  # the request is unknown: its targets are the workers that answered
                 targets = sorted({*targets, answer.worker})
                 fields["targets"] = json.dumps(targets)
-            elif record.state != pb.CAPTURE_STATE_PENDING:
+            elif record.state != CaptureState.PENDING:
                 return fields, None  # resolved already: the answer is kept, the state stays
-            states = [workers[w].state if w in workers else pb.CAPTURE_STATE_PENDING for w in targets]
-            if pb.CAPTURE_STATE_PENDING in states:
+            states = [workers[w].state if w in workers else CaptureState.PENDING for w in targets]
+            if CaptureState.PENDING in states:
                 return fields, None
-            outcome = pb.CAPTURE_STATE_FAILED if pb.CAPTURE_STATE_FAILED in states else pb.CAPTURE_STATE_COMPLETED
+            outcome = CaptureState.FAILED if CaptureState.FAILED in states else CaptureState.COMPLETED
             fields["ended"] = repr(max(when, float(record["ended"])) if b"ended" in record.raw else when)
             return fields, (outcome if outcome != record.state else None)
 
@@ -250,7 +272,7 @@ class CaptureManager:
         log.warning("capture %s of job %s is unknown; recording it from the tracers' answers", capture_id, job)
         pipe = self.redis.pipeline(transaction=True)
         key = self.keys.capture(capture_id)
-        for name, value in {"capture_id": capture_id, "job": job, "steps": steps, "state": pb.CAPTURE_STATE_PENDING,
+        for name, value in {"capture_id": capture_id, "job": job, "steps": steps, "state": int(CaptureState.PENDING),
                             "created": repr(when), "expires": repr(when), "requested_by": "",
                             "targets": "[]", "adopted": "1"}.items():
             pipe.hsetnx(key, name, value)
@@ -261,10 +283,10 @@ class CaptureManager:
 
     async def expire(self, capture_id: str) -> None:
         """Expire a pending capture whose time is up (no-op otherwise); it ended at its expiry time."""
-        def mutate(record: _Record) -> tuple[dict, int | None] | None:
-            if record.state != pb.CAPTURE_STATE_PENDING or record.adopted or float(record["expires"]) > time.time():
+        def mutate(record: _Record) -> tuple[dict, CaptureState | None] | None:
+            if record.state != CaptureState.PENDING or record.adopted or float(record["expires"]) > time.time():
                 return None
-            return {"ended": record["expires"]}, pb.CAPTURE_STATE_EXPIRED
+            return {"ended": record["expires"]}, CaptureState.EXPIRED
 
         await self._update(capture_id, mutate)
 
@@ -291,7 +313,7 @@ class CaptureManager:
         return _Record(raw) if raw else None
 
     async def _update(self, capture_id: str,
-                      mutate: Callable[[_Record], tuple[dict, int | None] | None]) -> None:
+                      mutate: Callable[[_Record], tuple[dict, CaptureState | None] | None]) -> None:
         """Apply ``mutate``'s (fields, resolved state) to the record in a WATCH transaction; on a
         resolution also release the job's active capture and control key if they still name it.
         ``mutate`` returns None for no change, and puts ``ended`` in the fields of a resolution."""
@@ -318,7 +340,7 @@ class CaptureManager:
                         active = await pipe.get(active_key)
                     pipe.multi()
                     if resolved is not None:
-                        fields = {**fields, "state": resolved}
+                        fields = {**fields, "state": int(resolved)}  # the number, as always stored
                         pipe.zrem(self.keys.pending_captures, capture_id)
                         if active == capture_id.encode():
                             pipe.delete(active_key)

@@ -2,7 +2,8 @@
 
 A SOURCE is a file (a session file ``*.jsonl[.gz]`` of step records, or a Chrome trace
 ``*.json[.gz]``) when the path exists, else a run of the service: ``JOB``, ``JOB/WORKER`` or
-``JOB/WORKER/SESSION``.
+``JOB/WORKER/SESSION``. Breakdowns are shown as :class:`analysis.Breakdown` whichever the source
+(the service's replies converted by :mod:`convert`).
 """
 
 from __future__ import annotations
@@ -17,38 +18,22 @@ from pathlib import Path
 import click
 from google.protobuf.json_format import MessageToDict
 from opml.traces.v1 import traces_pb2 as pb
-from opml_common.config import PlatformSettings
 from rich.console import Console
 from rich.table import Table
 
-from opml_trace_collector import analysis
+from opml_common.cligroup import ClientSession, pass_session, service_group
+from opml_common.config import PlatformSettings
+from opml_trace_collector import analysis, convert
 from opml_trace_collector.client import TraceCollectorClient
 from opml_trace_collector.plots import plot_step_times
 from opml_trace_collector.session import is_session_file, read_session, write_session
-from opml_trace_collector.summary import breakdown_to_proto
 
 console = Console()
 
 
-class _Session:
-    def __init__(self, target: str, token: str | None) -> None:
-        self.target, self.token = target, token
-
-    def client(self) -> TraceCollectorClient:
-        return TraceCollectorClient(self.target, token=self.token)
-
-
-pass_session = click.make_pass_decorator(_Session)
-
-
-@click.group()
-@click.option("--target", envvar="OPML_TRACE_COLLECTOR_TARGET", default="127.0.0.1:50054", show_default=True,
-              help="trace-collector gRPC address.")
-@click.option("--token", envvar="OPML_TOKEN", default=None, help="Bearer token (env OPML_TOKEN).")
-@click.pass_context
-def trace(ctx: click.Context, target: str, token: str | None) -> None:
+@service_group("trace", service="trace-collector", client=TraceCollectorClient, default_target="127.0.0.1:50054")
+def trace() -> None:
     """Trace TensorFlow jobs without changing them; summarize and compare runs (after tensorflow-tracing)."""
-    ctx.obj = _Session(target, token)
 
 
 # -- sources ------------------------------------------------------------------------------------
@@ -56,9 +41,9 @@ def trace(ctx: click.Context, target: str, token: str | None) -> None:
 @dataclass
 class _Source:
     label: str
-    breakdown: pb.Breakdown
+    breakdown: analysis.Breakdown
     step_times: list[float]
-    top_ops: list[pb.OpStat]
+    top_ops: list[analysis.OpStat]
     op_level: bool  # from a trace (else from step metrics)
 
 
@@ -71,21 +56,20 @@ def _load_file(path: Path, top_k: int) -> _Source:
             result = analysis.analyze_trace(analysis.load_trace(path), source=path.name, top_k=top_k)
         except ValueError as exc:
             raise click.BadParameter(f"{path}: {exc}") from exc
-    proto = breakdown_to_proto(result)
-    return _Source(path.name, proto, list(result.step_times_s), list(proto.top_ops_by_total), op_level)
+    return _Source(path.name, result, list(result.step_times_s), list(result.top_ops_by_total), op_level)
 
 
-def _load_run(session: _Session, ref: str) -> _Source:
+def _load_run(session: ClientSession, ref: str) -> _Source:
     job, _, rest = ref.partition("/")
     worker, _, session_id = rest.partition("/")
     with session.client() as client:
         points = client.step_series(job, worker=worker, session_id=session_id)
-    records = [p.record for p in points]
+    records = [convert.step_record_from_proto(p.record) for p in points]
     result = analysis.analyze_steps(records, source=ref)
-    return _Source(ref, breakdown_to_proto(result), list(result.step_times_s), [], False)
+    return _Source(ref, result, list(result.step_times_s), [], False)
 
 
-def _load(session: _Session, ref: str, top_k: int = analysis.DEFAULT_TOP_K) -> _Source:
+def _load(session: ClientSession, ref: str, top_k: int = analysis.DEFAULT_TOP_K) -> _Source:
     path = Path(ref)
     return _load_file(path, top_k) if path.is_file() else _load_run(session, ref)
 
@@ -100,7 +84,7 @@ def _bound(value: int) -> str:
     return analysis.Bound(value).name.lower()
 
 
-def _breakdown_table(title: str, rows: list[tuple[str, pb.Breakdown, bool]]) -> Table:
+def _breakdown_table(title: str, rows: list[tuple[str, analysis.Breakdown, bool]]) -> Table:
     """One row per (label, breakdown, op_level); step metrics alone know no computation or communication."""
     table = Table("source", "steps", "step ms", "p50 ms", "p95 ms", "compute ms", "comm ms", "input ms", "idle ms",
                   "examples/s", "bound", title=title)
@@ -112,7 +96,7 @@ def _breakdown_table(title: str, rows: list[tuple[str, pb.Breakdown, bool]]) -> 
     return table
 
 
-def _ops_table(title: str, ops: list[pb.OpStat]) -> Table:
+def _ops_table(title: str, ops: list[analysis.OpStat]) -> Table:
     table = Table("op", "type", "category", "count", "total ms", "mean ms", title=title)
     for op in ops:
         table.add_row(op.op_name, op.op_type, op.category, str(op.count), _ms(op.total_s), _ms(op.mean_s))
@@ -124,7 +108,7 @@ def _ops_table(title: str, ops: list[pb.OpStat]) -> Table:
 @trace.command("ls")
 @click.argument("job", required=False)
 @pass_session
-def ls(session: _Session, job: str | None) -> None:
+def ls(session: ClientSession, job: str | None) -> None:
     """List jobs, or the runs and captures of JOB."""
     with session.client() as client:
         if job is None:
@@ -166,7 +150,7 @@ def _captures_table(title: str, captures: list[pb.Capture]) -> Table:
 @click.option("--capture", "capture_id", default="", help="Capture to analyze (default: the job's latest).")
 @click.option("--top", "top_k", default=analysis.DEFAULT_TOP_K, show_default=True, help="Slowest ops to list.")
 @pass_session
-def summary(session: _Session, source: str, capture_id: str, top_k: int) -> None:
+def summary(session: ClientSession, source: str, capture_id: str, top_k: int) -> None:
     """Where the step time of SOURCE goes: computation, communication, input, idle; the slowest ops."""
     path = Path(source)
     if path.is_file():
@@ -176,7 +160,7 @@ def summary(session: _Session, source: str, capture_id: str, top_k: int) -> None
             console.print(_ops_table("slowest ops (total time)", loaded.top_ops))
         return
     with session.client() as client:
-        result = client.summary(source, capture_id=capture_id, top_k=top_k)
+        result = convert.summary_from_proto(client.summary(source, capture_id=capture_id, top_k=top_k))
     rows = [("step metrics", result.metrics, False)] + [(f"trace {b.worker}", b, True) for b in result.traces]
     console.print(_breakdown_table(f"summary of {source}" + (f" (capture {result.capture_id})"
                                                              if result.capture_id else ""), rows))
@@ -190,7 +174,7 @@ def summary(session: _Session, source: str, capture_id: str, top_k: int) -> None
 @click.option("--png", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also draw both runs' step times side by side to this PNG.")
 @pass_session
-def compare(session: _Session, a: str, b: str, png: Path | None) -> None:
+def compare(session: ClientSession, a: str, b: str, png: Path | None) -> None:
     """Put two runs or files side by side (e.g. before and after a change of batch size)."""
     left, right = _load(session, a), _load(session, b)
     table = Table("", left.label, right.label, "change", title="comparison")
@@ -216,7 +200,7 @@ def compare(session: _Session, a: str, b: str, png: Path | None) -> None:
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Directory to write to (JOB/ is created in it).")
 @pass_session
-def export(session: _Session, job: str, out_dir: Path) -> None:
+def export(session: ClientSession, job: str, out_dir: Path) -> None:
     """Write JOB's runs as session files and its captured traces as Chrome trace files (portable)."""
     root = out_dir / job
     with session.client() as client:
@@ -243,7 +227,7 @@ def export(session: _Session, job: str, out_dir: Path) -> None:
 @click.option("--worker", "workers", multiple=True, help="Worker to trace (repeatable; default: every running one).")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until the capture ends.")
 @pass_session
-def capture(session: _Session, job: str, steps: int, workers: tuple[str, ...], wait: bool) -> None:
+def capture(session: ClientSession, job: str, steps: int, workers: tuple[str, ...], wait: bool) -> None:
     """Arm a full op-level trace of JOB's next N steps (admin)."""
     with session.client() as client:
         armed = client.capture(job, steps, workers)
@@ -262,7 +246,7 @@ def capture(session: _Session, job: str, steps: int, workers: tuple[str, ...], w
 @trace.command("tracing")
 @click.argument("switch", required=False, type=click.Choice(["on", "off"]))
 @pass_session
-def tracing(session: _Session, switch: str | None) -> None:
+def tracing(session: ClientSession, switch: str | None) -> None:
     """Show or set global tracing (off: every tracer stops measuring; admin to set)."""
     with session.client() as client:
         enabled = client.tracing() if switch is None else client.set_tracing(switch == "on")

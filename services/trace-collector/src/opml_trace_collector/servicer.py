@@ -1,22 +1,21 @@
-"""The TraceCollectorService gRPC servicer: checks requests and delegates to the transport-free core
-(:mod:`store`, :mod:`captures`, :mod:`summary`, :mod:`tracefiles`). Domain errors become status
-codes in the shared ObservabilityInterceptor.
+"""The TraceCollectorService gRPC servicer, thin: parses each request, calls the transport-free core
+(:mod:`store`, :mod:`captures`, :mod:`summary`, :mod:`tracefiles`) and converts its domain types to
+the reply (:mod:`convert`). Domain errors become status codes in the shared ObservabilityInterceptor.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import hashlib
 import json
 from collections.abc import AsyncIterator
 
 from opml.traces.v1 import traces_pb2 as pb
 from opml.traces.v1 import traces_pb2_grpc
 
-from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound
+from opml_common.errors import InvalidArgument
 from opml_common.grpc.interceptors import current_principal
 from opml_common.pagination import paginate
+from opml_trace_collector import convert
 from opml_trace_collector.captures import CaptureManager
 from opml_trace_collector.store import TraceStore, check_name
 from opml_trace_collector.summary import Summarizer
@@ -43,13 +42,15 @@ class TraceCollectorServicer(traces_pb2_grpc.TraceCollectorServiceServicer):
 
     async def ListJobs(self, request: pb.ListJobsRequest, context) -> pb.ListJobsResponse:
         names, token = paginate(await self._store.job_names(), request.page_size, request.page_token)
-        return pb.ListJobsResponse(jobs=await self._store.jobs(names), next_page_token=token)
+        jobs = await self._store.jobs(names)
+        return pb.ListJobsResponse(jobs=[convert.job_to_proto(j) for j in jobs], next_page_token=token)
 
     async def ListRuns(self, request: pb.ListRunsRequest, context) -> pb.ListRunsResponse:
         job = await self._store.known_job(request.job)
         sessions, token = paginate(await self._store.session_ids(job), request.page_size, request.page_token,
                                    query=job)
-        return pb.ListRunsResponse(runs=await self._store.runs(job, sessions), next_page_token=token)
+        runs = await self._store.runs(job, sessions)
+        return pb.ListRunsResponse(runs=[convert.run_to_proto(r) for r in runs], next_page_token=token)
 
     async def GetStepSeries(self, request: pb.GetStepSeriesRequest, context) -> pb.GetStepSeriesResponse:
         job = await self._store.known_job(request.job)
@@ -60,49 +61,37 @@ class TraceCollectorServicer(traces_pb2_grpc.TraceCollectorServiceServicer):
         size = min(request.page_size or SERIES_DEFAULT_PAGE, SERIES_MAX_PAGE)
         since_us = request.since.ToMicroseconds() if request.HasField("since") else 0
         query = json.dumps([job, request.worker, request.session_id, since_us])
-        cursor = _decode_cursor(request.page_token, query) if request.page_token else None
+        cursor = convert.series_cursor(request.page_token, query) if request.page_token else None
         points, following = await self._store.series(job, worker=request.worker, session=request.session_id,
                                                      since_us=since_us, page_size=size, cursor=cursor)
-        return pb.GetStepSeriesResponse(points=points,
-                                        next_page_token=_encode_cursor(following, query) if following else "")
+        return pb.GetStepSeriesResponse(points=[convert.step_point_to_proto(p) for p in points],
+                                        next_page_token=convert.series_token(following, query) if following else "")
 
     async def GetSummary(self, request: pb.GetSummaryRequest, context) -> pb.Summary:
         if request.capture_id:
             check_name("capture_id", request.capture_id)
-        return await self._summarizer.summary(check_name("job", request.job), request.capture_id, request.top_k)
+        summary = await self._summarizer.summary(check_name("job", request.job), request.capture_id, request.top_k)
+        return convert.summary_to_proto(summary)
 
     async def CaptureTrace(self, request: pb.CaptureTraceRequest, context) -> pb.Capture:
         job = check_name("job", request.job)
         for index, worker in enumerate(request.workers):
             check_name(f"workers[{index}]", worker)
-        return await self._captures.arm(job, request.steps, list(request.workers), current_principal().name)
+        capture = await self._captures.arm(job, request.steps, list(request.workers), current_principal().name)
+        return convert.capture_to_proto(capture)
 
     async def GetCapture(self, request: pb.GetCaptureRequest, context) -> pb.Capture:
-        return await self._captures.get(check_name("capture_id", request.capture_id))
+        return convert.capture_to_proto(await self._captures.get(check_name("capture_id", request.capture_id)))
 
     async def ListCaptures(self, request: pb.ListCapturesRequest, context) -> pb.ListCapturesResponse:
         job = await self._store.known_job(request.job)
         ids, token = paginate(await self._captures.ids(job), request.page_size, request.page_token, query=job)
         captures = await asyncio.gather(*(self._captures.get(i) for i in ids))
-        return pb.ListCapturesResponse(captures=captures, next_page_token=token)
+        return pb.ListCapturesResponse(captures=[convert.capture_to_proto(c) for c in captures], next_page_token=token)
 
     async def FetchTrace(self, request: pb.FetchTraceRequest, context) -> AsyncIterator[pb.TraceChunk]:
-        capture = await self._captures.get(check_name("capture_id", request.capture_id))
-        done = [w for w in capture.workers if w.state == pb.CAPTURE_STATE_COMPLETED]
-        if request.worker:
-            chosen = [w for w in done if w.worker == request.worker]
-            if not chosen:
-                raise NotFound(f"capture {capture.capture_id} has no completed trace of worker {request.worker!r} "
-                               f"(completed: {[w.worker for w in done]})")
-        elif len(done) != 1:
-            if not done:
-                raise FailedPrecondition(f"capture {capture.capture_id} has no completed trace yet "
-                                         f"(state {pb.CaptureState.Name(capture.state)})")
-            raise InvalidArgument("worker", f"is required: capture {capture.capture_id} has traces of "
-                                            f"{[w.worker for w in done]}")
-        else:
-            chosen = done
-        chunks = self._files.chunks(chosen[0].trace_url)
+        url = await self._captures.trace_url(check_name("capture_id", request.capture_id), request.worker)
+        chunks = self._files.chunks(url)
         end = object()
         try:
             while (chunk := await asyncio.to_thread(next, chunks, end)) is not end:
@@ -116,21 +105,3 @@ class TraceCollectorServicer(traces_pb2_grpc.TraceCollectorServiceServicer):
 
     async def GetTracing(self, request: pb.GetTracingRequest, context) -> pb.TracingState:
         return pb.TracingState(enabled=await self._store.tracing_enabled())
-
-def _fingerprint(query: str) -> str:
-    return hashlib.sha256(query.encode()).hexdigest()[:8]
-
-
-def _encode_cursor(cursor: tuple[int, str], query: str) -> str:
-    return base64.urlsafe_b64encode(json.dumps([cursor[0], cursor[1], _fingerprint(query)]).encode()).decode()
-
-
-def _decode_cursor(token: str, query: str) -> tuple[int, str]:
-    try:
-        start_us, session, fingerprint = json.loads(base64.urlsafe_b64decode(token.encode()))
-        cursor = (int(start_us), str(session))
-    except (ValueError, TypeError):
-        raise InvalidArgument("page_token", f"is not a token this service issued: {token!r}") from None
-    if fingerprint != _fingerprint(query):
-        raise InvalidArgument("page_token", "was issued for a request with other filters; start from the first page")
-    return cursor

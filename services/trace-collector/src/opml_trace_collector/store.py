@@ -12,8 +12,11 @@ no job or session name can make two keys collide:
 * ``P run:{session}:info``: hash of the run (identity, TracerStarted/Stopped facts, counters,
   ``seq_low``/``seq_high``); ``P run:{session}:seqs``: batch sequences applied above ``seq_low``;
   ``P run:{session}:sigs``: per-signature aggregates (``stat\\tkind\\tsignature`` fields);
-  ``P run:{session}:series``: sorted set of the last ``series_length`` StepRecords (protobuf bytes)
-  scored by start time in microseconds.
+  ``P run:{session}:series``: sorted set of the last ``series_length`` step records (the bytes of
+  their ``opml.traces.v1.StepRecord`` message, :mod:`convert`'s storage encoding) scored by start time
+  in microseconds.
+
+The store takes and returns the domain types of :mod:`opml_trace_collector.model`.
 
 A batch is applied by one Lua script: the (session, sequence) check and every effect happen
 atomically, so a batch delivered twice, late or out of order counts once, and a crash cannot
@@ -34,10 +37,9 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from google.protobuf.timestamp_pb2 import Timestamp
-from opml.traces.v1 import events_pb2, traces_pb2 as pb
-
 from opml_common.errors import InvalidArgument, NotFound
+from opml_trace_collector import model
+from opml_trace_collector.convert import decode_step, encode_step
 
 # Lua shared by the scripts: "seen" times are the events' times, kept as min (first) and max (last),
 # so replaying the topic in any order rebuilds the same state.
@@ -158,12 +160,6 @@ class Keys:
         return f"{self.base}capture-record:{capture_id}:analysis:{worker}"
 
 
-def timestamp(seconds: float) -> Timestamp:
-    stamp = Timestamp()
-    stamp.FromNanoseconds(int(seconds * 1e9))
-    return stamp
-
-
 def _text(value: bytes | None, default: str = "") -> str:
     return value.decode() if value is not None else default
 
@@ -221,14 +217,14 @@ class TraceStore:
 
     # ---------------------------------------------------------------- writes (the aggregator)
 
-    async def record_started(self, event: events_pb2.TracerStarted, when: float) -> None:
+    async def record_started(self, event: model.TracerStarted, when: float) -> None:
         """Record a run's TracerStarted, published at ``when`` (epoch s)."""
         await self._record_facts(event.job, event.session_id, when, {
             "worker": event.worker, "tf_version": event.tf_version, "patched": json.dumps(list(event.patched)),
             "pid": event.pid, "hostname": event.hostname, "argv": json.dumps(list(event.argv)),
             "started": repr(when)})
 
-    async def record_stopped(self, event: events_pb2.TracerStopped, when: float) -> None:
+    async def record_stopped(self, event: model.TracerStopped, when: float) -> None:
         """Record a run's TracerStopped, published at ``when`` (epoch s)."""
         await self._record_facts(event.job, event.session_id, when, {
             "worker": event.worker, "stopped": repr(when), "exit_code": event.exit_code,
@@ -240,7 +236,7 @@ class TraceStore:
                                       self.keys.job_runs(job)],
                                 args=[repr(when), job, session, *fields])
 
-    async def apply_batch(self, batch: events_pb2.StepMetricsBatch, when: float) -> BatchEffect:
+    async def apply_batch(self, batch: model.StepBatch, when: float) -> BatchEffect:
         """Apply a StepMetricsBatch, published at ``when`` (epoch s), once per (session, sequence)."""
         points: list[object] = []
         signatures: dict[str, list[float]] = {}
@@ -248,7 +244,7 @@ class TraceStore:
         examples = 0
         counted_s = 0.0  # time of the steps whose batch size is known, for the throughput
         for record in batch.steps:
-            points += [record.start_time.ToMicroseconds(), record.SerializeToString(deterministic=True)]
+            points += [record.start_us, encode_step(record)]
             stats = signatures.setdefault(f"{record.kind}\t{record.signature}",
                                           [0, 0.0, record.duration_s, record.duration_s, 0.0, 0])
             stats[0] += 1
@@ -297,7 +293,7 @@ class TraceStore:
         """Jobs, most recently heard from first."""
         return [name.decode() for name in await self.redis.zrevrange(self.keys.jobs, 0, -1)]
 
-    async def jobs(self, names: Sequence[str]) -> list[pb.Job]:
+    async def jobs(self, names: Sequence[str]) -> list[model.Job]:
         """The jobs named (a page of :meth:`job_names`), with their runs' counts."""
         pipe = self.redis.pipeline(transaction=False)
         for name in names:
@@ -307,11 +303,10 @@ class TraceStore:
         jobs = []
         for name, info, runs in zip(names, infos, every_run):
             steps, total = _number(info.get(b"steps"), int), _number(info.get(b"total_s"))
-            running = [r for r in runs if r.state == pb.RUN_STATE_RUNNING]
-            jobs.append(pb.Job(
+            running = [r for r in runs if r.state == model.RunState.RUNNING]
+            jobs.append(model.Job(
                 job=name, run_count=len(runs), running_runs=len(running), steps=steps,
-                first_seen=timestamp(_number(info.get(b"first_seen"))),
-                last_seen=timestamp(_number(info.get(b"last_seen"))),
+                first_seen=_number(info.get(b"first_seen")), last_seen=_number(info.get(b"last_seen")),
                 mean_step_s=total / steps if steps else 0.0,
                 examples_per_second=sum(r.examples_per_second for r in running)))
         return jobs
@@ -320,7 +315,7 @@ class TraceStore:
         """The job's runs in the order they were first heard of."""
         return [s.decode() for s in await self.redis.zrange(self.keys.job_runs(job), 0, -1)]
 
-    async def runs(self, job: str, sessions: Sequence[str] | None = None) -> list[pb.Run]:
+    async def runs(self, job: str, sessions: Sequence[str] | None = None) -> list[model.Run]:
         """The job's runs (or those of ``sessions``), in one round trip after the session ids."""
         sessions = await self.session_ids(job) if sessions is None else sessions
         pipe = self.redis.pipeline(transaction=False)
@@ -332,19 +327,21 @@ class TraceStore:
         now = time.time()
         return [self._run(session, *replies[3 * i:3 * i + 3], now) for i, session in enumerate(sessions)]
 
-    def _run(self, session: str, info: dict, sigs: dict, early: int, now: float) -> pb.Run:
+    def _run(self, session: str, info: dict, sigs: dict, early: int, now: float) -> model.Run:
         last_seen = _number(info.get(b"last_seen"))
         if b"stopped" in info:
-            state = pb.RUN_STATE_STOPPED
+            state = model.RunState.STOPPED
         elif now - last_seen > self.run_lost_after_s:
-            state = pb.RUN_STATE_LOST
+            state = model.RunState.LOST
         else:
-            state = pb.RUN_STATE_RUNNING
-        run = pb.Run(
+            state = model.RunState.RUNNING
+        return model.Run(
             job=_text(info.get(b"job")), worker=_text(info.get(b"worker")), session_id=session, state=state,
-            tf_version=_text(info.get(b"tf_version")), patched=json.loads(info.get(b"patched", b"[]")),
+            started=_number(info.get(b"started") or info.get(b"first_seen")), last_seen=last_seen,
+            stopped=_number(info[b"stopped"]) if b"stopped" in info else None,
+            tf_version=_text(info.get(b"tf_version")), patched=tuple(json.loads(info.get(b"patched", b"[]"))),
             pid=_number(info.get(b"pid"), int), hostname=_text(info.get(b"hostname")),
-            argv=json.loads(info.get(b"argv", b"[]")), last_seen=timestamp(last_seen),
+            argv=tuple(json.loads(info.get(b"argv", b"[]"))),
             exit_code=_number(info.get(b"exit_code"), int), steps=_number(info.get(b"steps"), int),
             batches=_number(info.get(b"batches"), int),
             missing_batches=max(_number(info.get(b"seq_high", b"-1"), int) + 1
@@ -352,14 +349,10 @@ class TraceStore:
             examples_per_second=_number(info.get(b"eps")), cpu_percent=_number(info.get(b"cpu")),
             rss_bytes=_number(info.get(b"rss"), int),
             signatures=_signatures(sigs))
-        run.started.CopyFrom(timestamp(_number(info.get(b"started") or info.get(b"first_seen"))))
-        if b"stopped" in info:
-            run.stopped.CopyFrom(timestamp(_number(info[b"stopped"])))
-        return run
 
     async def series(self, job: str, *, worker: str = "", session: str = "", since_us: int = 0,
                      page_size: int = 1000, cursor: tuple[int, str] | None = None
-                     ) -> tuple[list[pb.StepPoint], tuple[int, str] | None]:
+                     ) -> tuple[list[model.StepPoint], tuple[int, str] | None]:
         """One page of the job's step records ordered by (start time, session), and the cursor of
         the next page (None on the last). ``cursor`` is the (start µs, session) of the last point
         of the previous page; start times are unique within a session (a worker runs one step at a time).
@@ -388,17 +381,17 @@ class TraceStore:
             merged += [(int(score), sid, member, run_worker) for member, score in rows]
         merged.sort(key=lambda row: (row[0], row[1]))
         page = merged[:page_size]
-        points = [pb.StepPoint(worker=run_worker, session_id=sid, record=events_pb2.StepRecord.FromString(member))
+        points = [model.StepPoint(worker=run_worker, session_id=sid, record=decode_step(member))
                   for _, sid, member, run_worker in page]
         following = (page[-1][0], page[-1][1]) if len(merged) > page_size else None
         return points, following
 
-    async def newest_steps(self, sessions: Sequence[str], per_run: int) -> list[events_pb2.StepRecord]:
+    async def newest_steps(self, sessions: Sequence[str], per_run: int) -> list[model.StepRecord]:
         """The newest ``per_run`` kept step records of each run (in no particular order)."""
         pipe = self.redis.pipeline(transaction=False)
         for session in sessions:
             pipe.zrevrange(self.keys.run_series(session), 0, per_run - 1)
-        return [events_pb2.StepRecord.FromString(member) for rows in await pipe.execute() for member in rows]
+        return [decode_step(member) for rows in await pipe.execute() for member in rows]
 
     async def tracing_enabled(self) -> bool:
         return await self.redis.get(self.keys.enabled) != b"0"
@@ -407,7 +400,7 @@ class TraceStore:
         await self.redis.set(self.keys.enabled, b"1" if enabled else b"0")
 
 
-def _signatures(sigs: dict[bytes, bytes]) -> list[pb.SignatureStats]:
+def _signatures(sigs: dict[bytes, bytes]) -> tuple[model.SignatureStats, ...]:
     stats: dict[tuple[int, str], dict[str, float]] = {}
     for raw, value in sigs.items():
         stat, kind, signature = raw.decode().split("\t", 2)
@@ -415,12 +408,12 @@ def _signatures(sigs: dict[bytes, bytes]) -> list[pb.SignatureStats]:
     out = []
     for (kind, signature), values in sorted(stats.items(), key=lambda item: (item[0][1], item[0][0])):
         count = int(values.get("count", 0))
-        out.append(pb.SignatureStats(
+        out.append(model.SignatureStats(
             signature=signature, kind=kind, count=count, total_s=values.get("total", 0.0),
             mean_s=values.get("total", 0.0) / count if count else 0.0, min_s=values.get("min", 0.0),
             max_s=values.get("max", 0.0), input_wait_s=values.get("input", 0.0),
             examples=int(values.get("examples", 0))))
-    return out
+    return tuple(out)
 
 
 def check_name(field: str, value: str) -> str:
