@@ -122,14 +122,16 @@ class ServiceContext:
         """Call ``callback()`` when shutdown begins, before the server drains (stop taking new work)."""
         self._draining.append(callback)
 
-    async def _wait_for_end(self) -> None:
-        """Until SIGINT/SIGTERM, or until a background task ends (its error is raised at teardown)."""
-        waiters = {asyncio.create_task(wait_for_signal(), name="signal"), *self._background}
+    async def _wait_for_end(self, until: Awaitable[object]) -> None:
+        """Until ``until`` is done, or a background task ends (its error is raised at teardown)."""
+        waiters = {asyncio.ensure_future(until), *self._background}
         done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         for task in waiters - set(self._background):
             task.cancel()
         for task in done & set(self._background):
-            if not task.cancelled() and task.exception() is not None:
+            if task.cancelled() or task.exception() is None:
+                log.warning("%s ended on its own; shutting the service down", task.get_name())
+            else:
                 log.error("%s stopped with an error; shutting the service down", task.get_name(),
                           exc_info=task.exception())
         for callback in self._draining:
@@ -137,8 +139,9 @@ class ServiceContext:
 
 
 async def serve(spec: ServiceSpec, build: Build, *, settings: ServiceSettings, platform: PlatformSettings,
-                metrics: ServiceMetrics | None = None) -> None:
-    """Start the service, serve until SIGINT/SIGTERM (or a background part fails), stop in reverse."""
+                metrics: ServiceMetrics | None = None, until: Awaitable[object] | None = None) -> None:
+    """Start the service, serve until ``until`` is done (default: SIGINT or SIGTERM) or a background
+    part ends, then stop everything in reverse."""
     async with contextlib.AsyncExitStack() as stack:
         metrics = metrics or ServiceMetrics(spec.name)
         await ensure_topics(platform, spec.topics)
@@ -146,7 +149,7 @@ async def serve(spec: ServiceSpec, build: Build, *, settings: ServiceSettings, p
         registrations = await build(context)
         await context.start(GrpcServer(settings=settings, platform=platform, metrics=metrics,
                                        registrations=registrations))
-        await context._wait_for_end()
+        await context._wait_for_end(until if until is not None else wait_for_signal())
 
 
 def run_service(spec: ServiceSpec, build: Build) -> None:
