@@ -113,19 +113,55 @@ async def test_backups_wait_for_the_observed_p95() -> None:
     assert metric(registry, "backup_requests_total", model="m", version="1") - 8 <= 30
 
 
+class HeldReplica(FakeReplica):
+    """A replica whose calls answer only once ``release`` is set (or end when cancelled: a loser);
+    ``changed`` is set on every call."""
+
+    def __init__(self, name: str, changed: asyncio.Event) -> None:
+        super().__init__(name, steady(0.0))
+        self.release = asyncio.Event()
+        self.changed = changed
+
+    async def call(self, method: str, request: bytes, *, timeout_s: float) -> bytes:
+        self.calls += 1
+        self.changed.set()
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        self.completed += 1
+        return wire.encode_field(wire.MODEL_NAME, "m") + self.name.encode().join([b"", b""])
+
+
 async def test_backups_are_capped_by_the_budget() -> None:
-    # stalled is 500x slower than fast, so every backup wins even when a busy machine delays the loop
-    stalled, fast = FakeReplica("stalled", steady(0.5)), FakeReplica("fast", steady(0.001))
+    # stalled holds every call until the test releases it, so a backup (to fast) always wins its race;
+    # all 100 requests are in flight at once (max_concurrency), so every one may get a backup
+    changed = asyncio.Event()
+    stalled, fast = HeldReplica("stalled", changed), FakeReplica("fast", steady(0.0))
     router, registry = make_router({"stalled": stalled, "fast": fast},
                                    ModelPolicy(slo_p99_ms=4, hedge_budget=0.05, selection="least",
-                                               default_timeout_ms=2000))
-    for state in router._models["m"].versions["1"].replicas:
+                                               default_timeout_ms=60_000, max_concurrency=100))
+    route = router._models["m"]
+    for state in route.versions["1"].replicas:
         if state.name == "fast":
             state.outstanding = 1_000  # make "least" pick the stalled replica first every time
-    results = await asyncio.gather(*(router.infer("m", "", REQUEST) for _ in range(100)))
-    backups = metric(registry, "backup_requests_total", model="m", version="1")
-    assert 10 <= backups <= 10 + 100 * 0.05 + 1  # the bucket starts full (10), then 0.05 per request
-    assert sum(r.backup_won for r in results) == backups
+    tasks = [asyncio.create_task(router.infer("m", "", REQUEST)) for _ in range(100)]
+    for task in tasks:
+        task.add_done_callback(lambda _task: changed.set())
+
+    def backups() -> float:
+        return metric(registry, "backup_requests_total", model="m", version="1")
+
+    # Settled: every request dispatched (its primary called), no token left for another backup, and
+    # every request that got a backup answered by it while the stalled primaries still hold.
+    while not (stalled.calls == 100 and route.hedge_tokens < 1 and sum(t.done() for t in tasks) == backups()):
+        changed.clear()
+        await changed.wait()
+    stalled.release.set()
+    results = await asyncio.gather(*tasks)
+    assert 10 <= backups() <= 10 + 100 * 0.05 + 1  # the bucket starts full (10), then 0.05 per request
+    assert sum(r.backup_won for r in results) == backups()
 
 
 async def test_a_failed_replica_is_retried_elsewhere_and_ejected() -> None:
