@@ -13,6 +13,7 @@ import json
 import click
 from google.protobuf.json_format import MessageToDict
 from opml.inference.v1 import deployments_pb2 as pb
+from opml_common.cligroup import ClientSession, pass_session, service_group
 from rich.console import Console
 from rich.table import Table
 
@@ -22,25 +23,9 @@ console = Console()
 _STATE = {pb.DEPLOYING: "DEPLOYING", pb.SERVING: "SERVING", pb.FAILED: "FAILED"}
 
 
-class _Session:
-    def __init__(self, target: str, token: str | None) -> None:
-        self.target, self.token = target, token
-
-    def client(self) -> DeploymentClient:
-        return DeploymentClient(self.target, token=self.token)
-
-
-pass_session = click.make_pass_decorator(_Session)
-
-
-@click.group()
-@click.option("--target", envvar="OPML_INFERENCE_ROUTER_TARGET", default="127.0.0.1:50053", show_default=True,
-              help="inference-router gRPC address (env OPML_INFERENCE_ROUTER_TARGET).")
-@click.option("--token", envvar="OPML_TOKEN", default=None, help="Bearer token (env OPML_TOKEN).")
-@click.pass_context
-def model(ctx: click.Context, target: str, token: str | None) -> None:
+@service_group("model", service="inference-router", client=DeploymentClient, default_target="127.0.0.1:50053")
+def model() -> None:
     """Serve models from bundles on the inference-router's pools (placement by SLO and cost)."""
-    ctx.obj = _Session(target, token)
 
 
 @model.command()
@@ -50,7 +35,7 @@ def model(ctx: click.Context, target: str, token: str | None) -> None:
 @click.option("--version", "version", default=0, type=int, help="Version number; default: the next one.")
 @click.option("--canary", "canary", default=0.0, type=float, help="Start as a canary with this % of the traffic.")
 @pass_session
-def deploy(session: _Session, bundle: str, context: str, model_dir: str, version: int, canary: float) -> None:
+def deploy(session: ClientSession, bundle: str, context: str, model_dir: str, version: int, canary: float) -> None:
     """Deploy a bundle (or a model directory); returns once the version serves."""
     if bool(bundle) == bool(model_dir):
         raise click.UsageError("give exactly one of --bundle NAME (with --context) or --dir DIR")
@@ -65,7 +50,7 @@ def deploy(session: _Session, bundle: str, context: str, model_dir: str, version
 
 @model.command("ls")
 @pass_session
-def list_(session: _Session) -> None:
+def list_(session: ClientSession) -> None:
     """Deployed models, their versions and traffic."""
     with session.client() as client:
         deployments = client.list()
@@ -82,7 +67,7 @@ def list_(session: _Session) -> None:
 @click.argument("name")
 @click.option("--json", "as_json", is_flag=True, help="Print the Deployment message as JSON.")
 @pass_session
-def get(session: _Session, name: str, as_json: bool) -> None:
+def get(session: ClientSession, name: str, as_json: bool) -> None:
     """One model: versions, traffic, replicas, profiles, state."""
     with session.client() as client:
         deployment = client.get(name)
@@ -96,7 +81,7 @@ def get(session: _Session, name: str, as_json: bool) -> None:
 @click.argument("name")
 @click.argument("weights", nargs=-1, required=True)
 @pass_session
-def traffic(session: _Session, name: str, weights: tuple[str, ...]) -> None:
+def traffic(session: ClientSession, name: str, weights: tuple[str, ...]) -> None:
     """Split traffic across versions: ``opml model traffic MODEL v1=90 v2=10``."""
     split = {}
     for item in weights:
@@ -116,7 +101,7 @@ def traffic(session: _Session, name: str, weights: tuple[str, ...]) -> None:
 @click.argument("name")
 @click.option("--version", "version", default=0, type=int, help="Version to promote; default: the canary.")
 @pass_session
-def promote(session: _Session, name: str, version: int) -> None:
+def promote(session: ClientSession, name: str, version: int) -> None:
     """Give a version (default: the canary) all traffic; older versions are retired."""
     with session.client() as client:
         _show(client.promote(name, version))
@@ -125,7 +110,7 @@ def promote(session: _Session, name: str, version: int) -> None:
 @model.command()
 @click.argument("name")
 @pass_session
-def rollback(session: _Session, name: str) -> None:
+def rollback(session: ClientSession, name: str) -> None:
     """Send all traffic back to the stable version and retire the canary."""
     with session.client() as client:
         _show(client.rollback(name))
@@ -134,7 +119,7 @@ def rollback(session: _Session, name: str) -> None:
 @model.command()
 @click.argument("name")
 @pass_session
-def undeploy(session: _Session, name: str) -> None:
+def undeploy(session: ClientSession, name: str) -> None:
     """Stop serving every version of a model (admin role)."""
     with session.client() as client:
         client.undeploy(name)
@@ -144,7 +129,7 @@ def undeploy(session: _Session, name: str) -> None:
 @model.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the Placement message as JSON.")
 @pass_session
-def placement(session: _Session, as_json: bool) -> None:
+def placement(session: ClientSession, as_json: bool) -> None:
     """Where replicas run: per worker, its models and the slots and memory they use; the plan's cost."""
     with session.client() as client:
         plan = client.placement()
