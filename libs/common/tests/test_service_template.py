@@ -325,3 +325,15 @@ def test_a_service_group_takes_target_and_token_from_options_or_the_environment(
     result = runner.invoke(widget, ["--shelf", "low", "where"], env={"OPML_WIDGET_STORE_TARGET": "h:2"})
     assert result.output == "h:2 None low JobsClient\n"
     assert "OPML_WIDGET_STORE_TARGET" in runner.invoke(widget, ["--help"]).output
+
+
+async def test_every_rpc_has_its_series_at_zero_before_its_first_call() -> None:
+    registry = CollectorRegistry()
+    server = GrpcServer(settings=ServiceSettings(grpc_port=0, metrics_port=0), platform=PlatformSettings(),
+                        metrics=ServiceMetrics("template-test", registry), registrations=[_registration()])
+    labels = {"method": "CancelJob", "code": "OK"}
+    assert registry.get_sample_value("opml_template_test_grpc_requests_total", labels) == 0
+    assert registry.get_sample_value("opml_template_test_grpc_requests_in_flight", {"method": "CancelJob"}) == 0
+    assert registry.get_sample_value("opml_template_test_grpc_request_duration_seconds_count",
+                                     {"method": "CancelJob"}) == 0
+    del server

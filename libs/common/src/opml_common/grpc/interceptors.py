@@ -13,7 +13,7 @@ import contextvars
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -169,6 +169,13 @@ class ObservabilityInterceptor(grpc.aio.ServerInterceptor):
         # full method -> (handler, wrapped): the wrapping and the labelled metric children are made
         # once per method, not per call (they cost tens of microseconds on a hot path).
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        self._method_metrics: dict[str, _MethodMetrics] = {}
+
+    def declare(self, full_methods: Iterable[str]) -> None:
+        """Make each method's series exist at 0 before its first call (code OK, in flight, duration), so
+        a rate over a method called once, or not yet, reads 0 on a dashboard instead of no data."""
+        for full_method in full_methods:
+            self._method_metrics.setdefault(full_method, _MethodMetrics(self, _method_name(full_method))).declare()
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -177,7 +184,8 @@ class ObservabilityInterceptor(grpc.aio.ServerInterceptor):
         full_method = handler_call_details.method
         cached = self._wrapped.get(full_method)
         if cached is None or cached[0] is not handler:
-            cached = (handler, _wrap(handler, self._observe(_MethodMetrics(self, _method_name(full_method)))))
+            metrics = self._method_metrics.setdefault(full_method, _MethodMetrics(self, _method_name(full_method)))
+            cached = (handler, _wrap(handler, self._observe(metrics)))
             self._wrapped[full_method] = cached
         return cached[1]
 
@@ -212,6 +220,11 @@ class _MethodMetrics:
         self.duration = owner._duration.labels(name)
         self._requests = owner._requests
         self._by_code: dict[str, object] = {}
+
+    def declare(self) -> None:
+        """Create the OK counter child (at 0); the gauge and histogram children exist once looked up."""
+        if "OK" not in self._by_code:
+            self._by_code["OK"] = self._requests.labels(self.name, "OK")
 
     def count(self, code: str) -> None:
         child = self._by_code.get(code)

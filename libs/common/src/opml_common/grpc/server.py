@@ -77,8 +77,10 @@ class GrpcServer:
         tokens = platform.tokens()
         if not tokens:
             log.warning("no OPML_AUTH_TOKENS set: every caller is an anonymous admin (dev only)")
+        observability = ObservabilityInterceptor(metrics)
+        observability.declare(method for r in registrations for method in r.full_method_roles())
         self._server = grpc.aio.server(
-            interceptors=[ObservabilityInterceptor(metrics), AuthInterceptor(
+            interceptors=[observability, AuthInterceptor(
                 tokens, method_roles={k: v for r in registrations for k, v in r.full_method_roles().items()})],
             options=[("grpc.max_receive_message_length", 64 * 1024 * 1024),
                      ("grpc.max_send_message_length", 64 * 1024 * 1024)],
