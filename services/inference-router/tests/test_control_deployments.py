@@ -18,17 +18,18 @@ import pytest_asyncio
 import yaml
 from opml.bundles.v1 import bundles_pb2
 from opml.bundles.v1 import events_pb2 as bundle_events
-from opml_common.bus import CloudEvent
-from opml_common.config import PlatformSettings, ServiceSettings
-from opml_common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from opml_common.grpc.server import GrpcServer
-from opml_common.metrics import ServiceMetrics
-from opml_common.storage import redis_client
 from opml.inference.v1 import deployment_events_pb2 as events
 from opml.inference.v1 import deployments_pb2 as pb
 from prometheus_client import CollectorRegistry
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from opml_common.bus import CloudEvent
+from opml_common.config import PlatformSettings, ServiceSettings
+from opml_common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from opml_common.events import RecordingEmitter
+from opml_common.grpc.server import GrpcServer
+from opml_common.metrics import ServiceMetrics
+from opml_common.storage import redis_client
 from opml_inference_router.client import DeploymentClient
 from opml_inference_router.control import DeploymentManager, DeploymentStore, Observer, PoolManager, Source
 from opml_inference_router.control.autodeploy import AutoDeployer
@@ -78,6 +79,18 @@ class ControlPlane:
     clock: list[float]  # the observer's clock: clock[0] seconds
 
 
+class SubjectRecorder(RecordingEmitter):
+    """Also keeps ``(subject, message)`` per event, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emitted: list = []
+
+    def emit(self, message, *, subject: str):
+        self.emitted.append((subject, message))
+        return super().emit(message, subject=subject)
+
+
 @contextlib.asynccontextmanager
 async def control_plane(pools: PoolManager, *, policy=None, store: DeploymentStore | None = None,
                         undeploy: bool = True) -> AsyncIterator[ControlPlane]:
@@ -85,17 +98,13 @@ async def control_plane(pools: PoolManager, *, policy=None, store: DeploymentSto
     metrics = ServiceMetrics("inference-router", registry=CollectorRegistry())
     router = Router(connect=lambda address: GrpcReplica(address, token="worker-secret"), metrics=metrics,
                     rng=random.Random(3))
-    emitted: list = []
+    recorder = SubjectRecorder()
     clock = [0.0]
-
-    async def emit(message, subject: str) -> None:
-        emitted.append((subject, message))
-
     manager = DeploymentManager(pools=pools, router=router, observer=Observer(metrics.registry, clock=lambda: clock[0]),
-                                emit=emit, replan_interval_s=0, policy=policy, store=store)
+                                events=recorder, replan_interval_s=0, policy=policy, store=store)
     await manager.start()
     try:
-        yield ControlPlane(manager, emitted, metrics, clock)
+        yield ControlPlane(manager, recorder.emitted, metrics, clock)
     finally:
         await manager.stop()
         for name in list(manager.models) if undeploy else []:

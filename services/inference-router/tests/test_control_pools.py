@@ -13,18 +13,19 @@ import grpc
 import numpy as np
 import pytest
 import yaml
-from opml_common.errors import FailedPrecondition
-from opml_common.metrics import ServiceMetrics
-from opml_common.testing.bus import sample
 from opml.inference.v1 import deployment_events_pb2 as events
 from prometheus_client import CollectorRegistry
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from opml_common.errors import FailedPrecondition
+from opml_common.events import RecordingEmitter
+from opml_common.metrics import ServiceMetrics
+from opml_common.testing.bus import sample
 from opml_inference_router.control import DeploymentManager, Observer, PoolManager, Source
 from opml_inference_router.placement import FleetConfig, ModelDemand, ModelVersion
 from opml_inference_router.routing import Router
-from opml_inference_router.routing.uds_replica import connect
 from opml_inference_router.routing.metrics import RouterMetrics
+from opml_inference_router.routing.uds_replica import connect
 from opml_inference_router.testing import mlp_config, write_model_dir
 
 FLEET = {
@@ -69,14 +70,11 @@ async def test_a_killed_worker_is_restarted_and_its_model_serves_again(tmp_path:
     assert pools.unavailable_kinds == ["gpu"] and [w.id for w in pools.fleet.workers] == ["cpu-000"]
     router = Router(connect=lambda address: connect(address, token="worker-secret"), metrics=metrics,
                     rng=random.Random(0))
-    emitted = []
-
-    async def emit(message, subject: str) -> None:
-        emitted.append(message)
-
+    recorder = RecordingEmitter()
+    emitted = recorder.messages
     clock = [0.0]
     manager = DeploymentManager(pools=pools, router=router, observer=Observer(metrics.registry, clock=lambda: clock[0]),
-                                emit=emit, replan_interval_s=0)
+                                events=recorder, replan_interval_s=0)
     model_dir = write_model_dir(tmp_path / "m", mlp_config("m", pool_kinds=("cpu",), precisions=("fp32",)))
     model = ModelVersion("m", 1)
     async with pools:

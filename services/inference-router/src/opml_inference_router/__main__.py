@@ -12,13 +12,10 @@ from __future__ import annotations
 import secrets
 from functools import partial
 
-from google.protobuf.message import Message
 from opml_common.bus import EventConsumer, RedisDeduplicator
 from opml_common.grpc.server import ServiceRegistration
 from opml_common.process import ServiceSpec
 from opml_common.service import ServiceContext, run_service
-from opml_inference_router.topics import BUNDLES, DEPLOYMENTS, PREDICTIONS
-
 from opml_inference_router import frontend
 from opml_inference_router.control import DeploymentManager, DeploymentStore, Observer, PoolManager
 from opml_inference_router.control.autodeploy import GROUP, AutoDeployer
@@ -30,6 +27,7 @@ from opml_inference_router.routing import Router
 from opml_inference_router.routing.uds_replica import connect
 from opml_inference_router.servicer import DeploymentServicer
 from opml_inference_router.settings import RouterSettings
+from opml_inference_router.topics import BUNDLES, DEPLOYMENTS, PREDICTIONS
 from opml_inference_router.worker.settings import WorkerSettings
 
 SPEC = ServiceSpec(name="inference-router", module="opml_inference_router", settings=RouterSettings,
@@ -51,16 +49,11 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
     router = Router(connect=partial(connect, token=token), metrics=metrics)
     service.on_stop(router.close)
     predictions = await service.start(PredictionLog(await service.publisher(), metrics))
-    events = await service.emitter()
-
-    async def emit(message: Message, subject: str) -> None:
-        events.emit(message, subject=subject)
-
     bundle_token = settings.bundle_store_token.get_secret_value() or None
     manager = await service.start(DeploymentManager(
         pools=pools, router=router, observer=Observer(metrics.registry),
         fetcher=BundleFetcher(settings.bundle_store_target, settings.home, token=bundle_token),
-        store=DeploymentStore(service.redis(), prefix=platform.redis_prefix), emit=emit,
+        store=DeploymentStore(service.redis(), prefix=platform.redis_prefix), events=await service.emitter(),
         replan_interval_s=settings.replan_interval_s))
     if settings.autodeploy:
         consumer = EventConsumer(platform, group_id=GROUP, topics=[BUNDLES], handler=AutoDeployer(manager),

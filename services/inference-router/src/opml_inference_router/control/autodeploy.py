@@ -19,9 +19,9 @@ from __future__ import annotations
 import logging
 
 from opml.bundles.v1 import events_pb2 as bundle_events
+
 from opml_common.bus import CloudEvent
 from opml_common.errors import InvalidArgument, OpmlError
-
 from opml_inference_router.control.deployments import DeploymentManager
 from opml_inference_router.control.state import Source
 
@@ -56,7 +56,7 @@ class AutoDeployer:
                 raise
             # DeployFailed was published (by deploy, or here for a bad tag): the bundle is handled.
             if isinstance(error, InvalidArgument) and error.field.startswith("tags"):
-                await self._manager.report_failure(source, error)
+                self._manager.report_failure(source, error)
             log.warning("autodeploy of %s failed: %s", source, error.message)
 
 

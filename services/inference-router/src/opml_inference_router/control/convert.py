@@ -1,17 +1,20 @@
-"""The control plane's state as ``opml.inference.v1`` messages (the API's replies and the events' data)."""
+"""The control plane's state and changes as ``opml.inference.v1`` messages: the API's replies
+(:func:`deployment`, :func:`placement`) and the deployment events the manager emits (``*_event``).
+
+It reads the domain types only (:class:`~.view.DeploymentView`, the records, the plan): the
+manager imports it to build its events, never the other way round."""
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING
 
+from opml.inference.v1 import deployment_events_pb2 as events
 from opml.inference.v1 import deployments_pb2 as pb
 
+from opml_common.errors import OpmlError
 from opml_inference_router.control.state import DEPLOYING, FAILED, SERVING, ModelRecord, Source
-from opml_inference_router.placement import ModelVersion, replicas_of
-
-if TYPE_CHECKING:
-    from opml_inference_router.control.deployments import DeploymentManager
+from opml_inference_router.control.view import DeploymentView
+from opml_inference_router.placement import AddReplica, ModelVersion, RemoveReplica, Replan, replicas_of
 
 _STATES = {DEPLOYING: pb.DEPLOYING, SERVING: pb.SERVING, FAILED: pb.FAILED}
 
@@ -24,9 +27,9 @@ def set_source(message, source: Source) -> None:
         message.model_dir = source.model_dir
 
 
-def deployment(manager: DeploymentManager, record: ModelRecord) -> pb.Deployment:
-    traffic = manager.traffic_percent(record.name)
-    replicas = {replica_set.model: replica_set for replica_set in manager.plan.placements.values()}
+def deployment(view: DeploymentView, record: ModelRecord) -> pb.Deployment:
+    traffic = view.traffic_percent(record.name)
+    replicas = {replica_set.model: replica_set for replica_set in view.plan.placements.values()}
     message = pb.Deployment(name=f"models/{record.name}", model=record.name, stable_version=record.stable or 0)
     newest = max((e for e in record.versions.values() if e.config is not None), key=lambda e: e.version, default=None)
     if newest is not None and newest.config is not None:
@@ -44,27 +47,27 @@ def deployment(manager: DeploymentManager, record: ModelRecord) -> pb.Deployment
             status.predicted_p99_ms = placed.option.predicted_p99_ms
             status.planned_rate_rps = placed.rate_rps
             for worker_id in sorted(set(placed.workers)):
-                pool_worker = manager.pools.get(worker_id)
+                pool_worker = view.pools.get(worker_id)
                 status.replicas.add(worker=worker_id, pool_kind=placed.option.pool_kind, address=pool_worker.address,
                                     precision=placed.option.precision, max_batch=placed.option.max_batch,
                                     memory_mib=placed.option.memory_mib,
                                     capacity_rps=placed.option.replica_capacity_rps)
-        for profile in manager.profiles:
+        for profile in view.profiles:
             if profile.model == model:
                 status.profiles.add(pool_kind=profile.pool_kind, precision=profile.precision,
                                     batch_latency_ms=dict(profile.batch_latency_ms), memory_mib=profile.memory_mib)
     return message
 
 
-def placement(manager: DeploymentManager) -> pb.Placement:
-    plan, fleet = manager.plan, manager.fleet
+def placement(view: DeploymentView) -> pb.Placement:
+    plan, fleet = view.plan, view.fleet
     hosted = defaultdict(list)
     for replica in replicas_of(plan):
         hosted[replica.worker].append(replica)
     message = pb.Placement(cost_per_hour=plan.cost_per_hour,
                            active_worker_cost_per_hour=plan.active_worker_cost_per_hour(fleet),
-                           unavailable_pool_kinds=manager.pools.unavailable_kinds)
-    for pool_worker in manager.pools.workers():
+                           unavailable_pool_kinds=view.pools.unavailable_kinds)
+    for pool_worker in view.pools.workers():
         worker = pool_worker.worker
         replicas = hosted.get(worker.id, [])
         entry = message.workers.add(worker=worker.id, pool=worker.pool, pool_kind=worker.kind.name,
@@ -78,4 +81,35 @@ def placement(manager: DeploymentManager) -> pb.Placement:
                                capacity_rps=replica.capacity_rps)
     for model, reason in sorted(plan.unplaced.items()):
         message.unplaced.add(model=model.name, version=model.version, reason=reason)
+    return message
+
+
+# -- events (opml.inference.v1.deployment_events) ---------------------------------------------------
+
+
+def deployed_event(view: DeploymentView, record: ModelRecord, version: int) -> events.ModelDeployed:
+    return events.ModelDeployed(deployment=deployment(view, record), version=version)
+
+
+def undeployed_event(name: str) -> events.ModelUndeployed:
+    return events.ModelUndeployed(model=name)
+
+
+def traffic_event(view: DeploymentView, record: ModelRecord, cause: str) -> events.TrafficChanged:
+    return events.TrafficChanged(model=record.name, traffic_percent=view.traffic_percent(record.name),
+                                 stable_version=record.stable or 0, cause=cause)
+
+
+def placement_event(view: DeploymentView, reasons: list[str], replan: Replan | None = None) -> events.PlacementChanged:
+    """The placement after a change; with ``replan``, the replicas its moves added and removed."""
+    message = events.PlacementChanged(placement=placement(view), reasons=reasons)
+    if replan is not None:
+        message.replicas_added = sum(isinstance(a, AddReplica) for a in replan.moves)
+        message.replicas_removed = sum(isinstance(a, RemoveReplica) for a in replan.moves)
+    return message
+
+
+def failed_event(name: str | None, version: int, source: Source, error: OpmlError) -> events.DeployFailed:
+    message = events.DeployFailed(model=name or "", version=version, code=error.code, reason=error.message)
+    set_source(message, source)
     return message

@@ -1,0 +1,207 @@
+"""Placement carried out: the plan, the replicas each worker hosts, and the capacity-safe moves
+between plans (load on the new worker, wait until ready, add to the router, only then unload the
+old; on a failure the moves done are undone).
+
+The ``k`` replicas a plan puts on one worker are one loaded version with ``k`` instances (sessions,
+one slot each). A replica whose batch cap alone changes is re-sized in place (the worker re-caps
+its batcher, the router gets the new concurrency limit). A worker that restarts gets its replicas
+loaded again and the router its new address.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import defaultdict
+from collections.abc import Mapping
+from pathlib import Path
+
+from opml_common.errors import FailedPrecondition, NotFound, OpmlError, Unavailable
+from opml_inference_router.control.pools import PoolManager
+from opml_inference_router.control.state import SERVING, ModelRecord
+from opml_inference_router.placement import (
+    AddReplica,
+    ModelDemand,
+    ModelVersion,
+    Observation,
+    PlacementPolicy,
+    Plan,
+    Planner,
+    ProfileBook,
+    RemoveReplica,
+    Replan,
+    Replanner,
+    Replica,
+    ResizeReplica,
+    check_moves,
+)
+from opml_inference_router.routing import ModelPolicy, Router
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaPlacer:
+    """The plan and profiles of the deployed versions (``models``, shared with the manager), and the
+    loads, unloads and router changes that take the workers from one plan to the next. Not locked:
+    the manager runs one change at a time."""
+
+    def __init__(self, *, pools: PoolManager, router: Router, policy: PlacementPolicy,
+                 models: Mapping[str, ModelRecord]) -> None:
+        self.pools = pools
+        self.router = router
+        self.planner = Planner(fleet=pools.fleet, policy=policy)
+        self.replanner = Replanner(planner=self.planner)
+        self.plan = Plan({})
+        self.profiles = ProfileBook()
+        self._models = models
+        # the planned replicas each worker hosts per version: one loaded version, one instance each
+        self._hosted: defaultdict[tuple[str, ModelVersion], list[Replica]] = defaultdict(list)
+
+    def demands(self, extra: ModelVersion | None = None) -> list[ModelDemand]:
+        """The serving versions' demands (and ``extra``'s, a version being deployed)."""
+        demands = []
+        for record in self._models.values():
+            for entry in record.versions.values():
+                model = ModelVersion(record.name, entry.version)
+                if entry.config is not None and (entry.state == SERVING or model == extra):
+                    demands.append(ModelDemand(entry.config, entry.version, entry.config.expected_rate_rps))
+        return demands
+
+    async def place(self, *, must_place: ModelVersion | None = None) -> Replan:
+        """Re-plans with the current demands (no measurements: only new and dropped versions move)
+        and applies the moves. Raises: FailedPrecondition when ``must_place`` finds no room."""
+        replan = self.replanner.replan(self.plan, self.demands(extra=must_place), self.profiles, {})
+        if must_place is not None and must_place in replan.plan.unplaced:
+            raise FailedPrecondition(f"{must_place} cannot be placed: {replan.plan.unplaced[must_place]}")
+        if replan.moves:
+            await self.apply(replan)
+        return replan
+
+    async def replan(self, observations: Mapping[ModelVersion, Observation]) -> Replan:
+        """Re-places the versions whose measured rate or p99 left the plan; keeps the calibrated profiles."""
+        replan = self.replanner.replan(self.plan, self.demands(), self.profiles, observations)
+        if replan.moves:
+            await self.apply(replan)
+        self.profiles = replan.profiles
+        return replan
+
+    def forget(self, model: ModelVersion) -> None:
+        """Drops a retired version's profiles (the next re-plan unloads it)."""
+        self.profiles = ProfileBook(profile for profile in self.profiles if profile.model != model)
+
+    async def apply(self, replan: Replan) -> None:
+        """Carries out the moves in order; on a failure, undoes the ones done and re-raises."""
+        check_moves(self.plan, replan.plan, replan.moves, self.pools.fleet)
+        done: list[AddReplica | ResizeReplica | RemoveReplica] = []
+        try:
+            for action in replan.moves:
+                if isinstance(action, AddReplica):
+                    await self._add(action.replica)
+                    done.append(action)
+                elif isinstance(action, ResizeReplica):
+                    await self._resize(action.old, action.new)
+                    done.append(action)
+                elif isinstance(action, RemoveReplica):
+                    await self._remove(action.replica)
+                    done.append(action)
+                else:  # WaitReady: loads return once the replica serves; now it takes traffic
+                    for replica in action.replicas:
+                        self._route(replica)
+        except OpmlError:
+            for action in reversed(done):  # best effort: a retired version's record is gone (KeyError)
+                with contextlib.suppress(OpmlError, KeyError):
+                    if isinstance(action, AddReplica):
+                        await self._remove(action.replica)
+                    elif isinstance(action, ResizeReplica):
+                        await self._resize(action.new, action.old)
+                    else:
+                        await self._add(action.replica)
+                        self._route(action.replica)
+            raise
+        self.plan = replan.plan
+        for name in {model.name for model in self.plan.placements}:
+            if name in self.router.models():
+                self.router.set_model(name, self.policy(name))
+
+    async def worker_restarted(self, worker_id: str, old: str, new: str) -> None:
+        """Loads the replicas the plan has on a restarted worker and moves the router to its address."""
+        for (worker, model), hosted in list(self._hosted.items()):
+            if worker != worker_id or not hosted:
+                continue
+            name, number = model.name, model.version
+            try:
+                await self._load(worker, model)
+            except OpmlError as error:
+                log.error("re-loading %s on restarted worker %s failed: %s", model, worker_id, error.message)
+                continue
+            with contextlib.suppress(NotFound):
+                await self.router.remove_replica(name, str(number), old)
+            self.router.add_replica(name, str(number), new)
+
+    def policy(self, name: str) -> ModelPolicy:
+        """The router's policy for ``name``: its newest config's SLO, limits sized to the planned replicas."""
+        record = self._models[name]
+        newest = max((e for e in record.versions.values() if e.config is not None), key=lambda e: e.version)
+        placed = [s for m, s in self.plan.placements.items() if m.name == name]
+        replicas = sum(len(s.workers) for s in placed)
+        rows = sum(len(s.workers) * s.option.max_batch for s in placed)  # what the planned batch caps take
+        limits = {"max_concurrency": max(8, 2 * rows), "max_queue": 4 * max(8, 2 * rows)} if rows else {}
+        return ModelPolicy.for_model(newest.config, replicas=max(1, replicas), **limits)  # type: ignore[arg-type]
+
+    async def _add(self, replica: Replica) -> None:
+        """Loads the version on the worker, or gives the loaded one another instance (in place)."""
+        hosted = self._hosted[replica.worker, replica.model]
+        hosted.append(replica)
+        try:
+            await self._load(replica.worker, replica.model)
+        except OpmlError:
+            hosted.remove(replica)
+            if not hosted:
+                del self._hosted[replica.worker, replica.model]
+            raise
+
+    async def _resize(self, old: Replica, new: Replica) -> None:
+        """Re-caps the loaded version's batcher in place (the router's limit follows with the plan)."""
+        hosted = self._hosted[old.worker, old.model]
+        hosted[hosted.index(old)] = new
+        try:
+            await self._load(new.worker, new.model)
+        except OpmlError:
+            hosted[hosted.index(new)] = old
+            raise
+
+    async def _load(self, worker: str, model: ModelVersion) -> None:
+        """Makes the worker serve ``model`` as its hosted replicas say: one instance per replica, the
+        newest one's precision and batch cap (a worker changes a loaded version in place)."""
+        hosted = self._hosted[worker, model]
+        entry = self._models[model.name].versions[model.version]
+        await self.pools.client(worker).load(model.name, path=Path(entry.directory), version=model.version,
+                                             precision=hosted[-1].precision, instances=len(hosted),
+                                             max_batch=hosted[-1].max_batch)
+
+    def _route(self, replica: Replica) -> None:
+        name = replica.model.name
+        if name not in self.router.models():
+            self.router.set_model(name, self.policy(name))
+        self.router.add_replica(name, str(replica.model.version), self.pools.get(replica.worker).address)
+
+    async def _remove(self, replica: Replica) -> None:
+        """Retires one instance of the version, or unloads it with its last one."""
+        key = (replica.worker, replica.model)
+        hosted = self._hosted[key]
+        hosted.remove(replica)
+        if hosted:
+            try:
+                await self._load(*key)
+            except Unavailable:  # a worker that is down comes back with what _hosted says
+                pass
+            except OpmlError:
+                hosted.append(replica)
+                raise
+            return
+        del self._hosted[key]
+        name, number = replica.model.name, str(replica.model.version)
+        with contextlib.suppress(NotFound):
+            await self.router.remove_replica(name, number, self.pools.get(replica.worker).address)
+        with contextlib.suppress(NotFound, Unavailable):
+            await self.pools.client(replica.worker).unload(name, replica.model.version)

@@ -1,0 +1,32 @@
+"""The checks a deploy makes before it acts: its arguments, and the pool kinds a model's config
+allows against the fleet this router runs."""
+
+from __future__ import annotations
+
+from opml_common.errors import FailedPrecondition, InvalidArgument
+from opml_inference_router.placement import Fleet, ModelConfig
+
+
+def deploy_arguments(version: int, canary_percent: float) -> InvalidArgument | None:
+    """The first problem with a deploy's arguments, or None."""
+    if version < 0:
+        return InvalidArgument("version", f"must be >= 1, or 0 for the next version, but got {version}")
+    if not 0 <= canary_percent < 100:
+        return InvalidArgument("canary_percent", f"must be in [0, 100) (0: all traffic), but got {canary_percent}")
+    return None
+
+
+def check_pool_kinds(config: ModelConfig, fleet: Fleet, unavailable_kinds: list[str]) -> None:
+    """Raises:
+        InvalidArgument: the config names a pool kind the fleet does not declare.
+        FailedPrecondition: none of its kinds has workers on this router.
+    """
+    for index, kind in enumerate(config.pool_kinds):
+        if kind not in fleet.kinds:
+            raise InvalidArgument(f"pool_kinds[{index}]", f"must be a kind the fleet declares "
+                                                          f"({', '.join(fleet.kinds)}), but got {kind!r}")
+    if not any(fleet.workers_of(kind) for kind in config.pool_kinds):
+        running = ", ".join(sorted({worker.kind.name for worker in fleet.workers}))
+        raise FailedPrecondition(f"model {config.name} may run on {', '.join(config.pool_kinds)}, but this "
+                                 f"router runs workers of {running} only (unavailable here: "
+                                 f"{', '.join(unavailable_kinds) or 'none'})")

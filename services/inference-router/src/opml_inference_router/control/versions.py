@@ -1,0 +1,47 @@
+"""Version numbers: they only grow per model, and a number once given (served, retired, rolled back
+or undeployed) is never given again. The highest given is kept in the store (Redis) across restarts,
+written before the deploy acts."""
+
+from __future__ import annotations
+
+from opml_common.errors import AlreadyExists, InvalidArgument
+from opml_inference_router.control.state import SERVING, DeploymentStore, ModelRecord
+
+
+class VersionNumbers:
+    """The highest version number given per model."""
+
+    def __init__(self, store: DeploymentStore | None = None) -> None:
+        self._store = store
+        self._last: dict[str, int] = {}
+
+    async def load(self) -> None:
+        """Reads what the store remembers (nothing without a store)."""
+        if self._store is not None:
+            self._last = await self._store.load_last_versions()
+
+    def choose(self, record: ModelRecord, requested: int) -> int:
+        """The number a deploy of ``requested`` (0: the next) gets for ``record``'s model.
+
+        Raises:
+            AlreadyExists: that version serves.
+            InvalidArgument: the number was given before (only a failed version may be deployed again).
+        """
+        last = max(self._last.get(record.name, 0), max(record.versions, default=0))
+        number = requested or last + 1
+        existing = record.versions.get(number)
+        if existing is not None and existing.state == SERVING:
+            raise AlreadyExists(f"models/{record.name}/versions/{number} already serves; deploy another "
+                                f"version or undeploy the model first")
+        if number <= last and existing is None:
+            raise InvalidArgument("version", f"must be > {last} (0: the next): models/{record.name} has "
+                                             f"given versions up to {last}, and a number is never reused")
+        return number
+
+    async def give(self, name: str, number: int) -> None:
+        """Remembers ``number`` as given (in the store before the deploy acts, so a restart never gives
+        it again)."""
+        if number > self._last.get(name, 0):
+            self._last[name] = number
+            if self._store is not None:
+                await self._store.save_last_version(name, number)
