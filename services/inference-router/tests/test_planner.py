@@ -10,78 +10,32 @@ import sys
 from collections import Counter
 
 import pytest
+
 from opml_common.errors import InvalidArgument, OpmlError
 from opml_inference_router.placement import (
     AddReplica,
-    BatchQueueModel,
     Batching,
+    BatchQueueModel,
     CostAwareSloPolicy,
-    DynamicBatching,
     Fleet,
-    FleetConfig,
     GreedyFirstFitPolicy,
-    LatencySlo,
-    ModelConfig,
     ModelDemand,
     ModelVersion,
     Observation,
     Plan,
     Planner,
-    PoolConfig,
     PoolKind,
     Profile,
     ProfileBook,
     RemoveReplica,
     Replanner,
     ServiceCurve,
-    TensorSpec,
     WaitReady,
     check_moves,
     replicas_of,
 )
 from opml_inference_router.sim import simulate_replica
-
-CPU = PoolKind(name="cpu", precisions=("fp32",), memory_mib=65536, slots=16, cost_per_hour=1.6,
-               execution_provider="CPUExecutionProvider")  # 0.10 per replica-hour
-GPU = PoolKind(name="gpu", precisions=("fp32", "fp16"), memory_mib=81920, slots=8, cost_per_hour=4.0,
-               execution_provider="CUDAExecutionProvider")  # 0.50
-ACCEL = PoolKind(name="accel", precisions=("int8",), memory_mib=16384, slots=4, cost_per_hour=1.0,
-                 execution_provider="VitisAIExecutionProvider", batch_sizes=(1, 8, 32))  # 0.25
-LADDER = (1, 2, 4, 8, 16)
-
-
-def fleet(*kinds_and_workers: tuple[PoolKind, int]) -> Fleet:
-    pools = tuple(PoolConfig(name=kind.name, kind=kind.name, workers=n) for kind, n in kinds_and_workers)
-    return Fleet(FleetConfig(pool_kinds=tuple(kind for kind, _ in kinds_and_workers), pools=pools))
-
-
-def config(name: str, *, rate: float, slo: float = 40.0, kinds=("cpu",), precisions=("fp32",)) -> ModelConfig:
-    return ModelConfig(
-        name=name, max_batch_size=16, inputs=(TensorSpec(name="x", data_type="fp32", dims=(4,)),),
-        outputs=(TensorSpec(name="y", data_type="fp32", dims=(1,)),),
-        dynamic_batching=DynamicBatching(max_queue_delay_us=1000),
-        slo=LatencySlo(p99_ms=slo), expected_rate_rps=rate, pool_kinds=tuple(kinds), precisions=tuple(precisions),
-    )
-
-
-def demand(name: str, **settings) -> ModelDemand:
-    model = config(name, **settings)
-    return ModelDemand(model, 1, model.expected_rate_rps)
-
-
-def profiles(name: str, *, memory: float = 500.0, cpu=(1.0, 4.0), gpu=(2.0, 0.2), accel=(0.3, 0.05)) -> list[Profile]:
-    """Affine batch latencies (overhead, per request) on each kind: cpu batches poorly, gpu and accel well."""
-    model = ModelVersion(name, 1)
-    return [
-        Profile(model, "cpu", "fp32", {n: cpu[0] + cpu[1] * n for n in LADDER}, memory),
-        Profile(model, "gpu", "fp32", {n: gpu[0] + gpu[1] * n for n in LADDER}, memory),
-        Profile(model, "accel", "int8", {n: accel[0] + accel[1] * n for n in (1, 8)}, memory),
-    ]
-
-
-def book(*names: str, **settings) -> ProfileBook:
-    return ProfileBook(p for name in names for p in profiles(name, **settings))
-
+from opml_inference_router.testing.placement import ACCEL, CPU, GPU, LADDER, book, config, demand, fleet, profiles
 
 def slo_planner(the_fleet: Fleet) -> Planner:
     return Planner(fleet=the_fleet, policy=CostAwareSloPolicy())
@@ -153,22 +107,6 @@ class GreedyOrderCostPolicy(CostAwareSloPolicy):
 
     def order(self, options):
         return list(options)
-
-
-def test_memory_and_slots_of_every_worker_are_respected() -> None:
-    small = PoolKind(name="cpu", precisions=("fp32",), memory_mib=1000, slots=2, cost_per_hour=1.0,
-                     execution_provider="CPUExecutionProvider")
-    the_fleet = fleet((small, 3))
-    big = [demand(f"big{i}", rate=1) for i in range(4)]  # 600 MiB each: one per worker
-    plan = slo_planner(the_fleet).plan(big, book(*(d.model.name for d in big), memory=600))
-    assert len(plan.placements) == 3 and len(plan.unplaced) == 1
-    assert sorted(w for rs in plan.placements.values() for w in rs.workers) == ["cpu-000", "cpu-001", "cpu-002"]
-    assert "no room for any option" in next(iter(plan.unplaced.values()))
-
-    tiny = [demand(f"tiny{i}", rate=1) for i in range(7)]  # 100 MiB each: slots bind, 2 per worker
-    plan = slo_planner(the_fleet).plan(tiny, book(*(d.model.name for d in tiny), memory=100))
-    per_worker = Counter(w for rs in plan.placements.values() for w in rs.workers)
-    assert len(plan.placements) == 6 and max(per_worker.values()) == 2
 
 
 def test_replicas_spread_over_distinct_workers_while_there_are_enough() -> None:
