@@ -362,14 +362,6 @@ async def test_a_call_cancelled_on_the_unix_socket_leaves_the_batch_queue(cpu_wo
     assert _uds_count(cpu_worker, "CANCELLED") == cancelled_before + 1
 
 
-async def test_a_missing_socket_is_unavailable_so_the_router_retries_elsewhere(tmp_path: Path) -> None:
-    local = UdsReplica(f"uds:{tmp_path / 'gone.sock'}")
-    with pytest.raises(ReplicaFailed) as caught:
-        await local.call("ModelInfer", b"", timeout_s=1)
-    assert (caught.value.code, caught.value.retriable, caught.value.eject) == ("UNAVAILABLE", True, True)
-    await local.close()
-
-
 def test_an_undeclared_kind_does_not_start(root: Path) -> None:
     with pytest.raises(RuntimeError, match=r"--pool-kind: must be a kind .* declares \(cpu, accel\), but got 'tpu'"):
         start_worker(root, "tpu")
