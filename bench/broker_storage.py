@@ -34,12 +34,13 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from opml.bundles.v1 import bundles_pb2
 from opml.bundles.v1 import events_pb2 as bundle_events
 from opml.inference.v1 import events_pb2 as inference_events
+from prometheus_client import CollectorRegistry
+
 from opml_common.bus import CloudEvent, EventPublisher, ensure_topics
 from opml_common.config import PlatformSettings
 from opml_common.devinfra import KAFKA_STORAGES, DevInfra
 from opml_common.metrics import ServiceMetrics
 from opml_common.topics import Topic
-from prometheus_client import CollectorRegistry
 
 SOURCE = "opml/bench-broker-storage"
 BUNDLES = Topic.of(bundle_events)

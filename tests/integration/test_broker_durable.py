@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from aiokafka import AIOKafkaConsumer
 from opml.bundles.v1 import bundles_pb2, events_pb2
+
 from opml_common.bus import CloudEvent, EventPublisher, ensure_topics
 from opml_common.bus.producer import PublishFailed
 from opml_common.config import PlatformSettings

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from opml_common.stack import installed_services, probe
 from opml_common.testing.bus import poll_until
 

@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
+
 from opml_common.errors import InvalidArgument
 from opml_common.retry import Backoff
 from opml_common.supervisor import Part, PartStatus, RestartPolicy, State, Supervisor
@@ -219,3 +220,11 @@ def test_part_names_must_be_unique(tmp_path: Path) -> None:
     s = Sleeper(tmp_path / "x.log")
     with pytest.raises(InvalidArgument, match="unique names"):
         Supervisor([Part("x", "infra", s, s.log_path), Part("x", "service", s, s.log_path)])
+
+
+def test_part_status_keeps_only_the_deaths_within_the_window() -> None:
+    status = PartStatus("tansu", "infra")
+    policy = RestartPolicy(max_deaths=100, window_s=10.0, backoff=Backoff(base_s=0.0, max_s=0.0))
+    for t in range(1000):
+        assert status.died(now=float(t), exit_code=1, policy=policy) == 0.0
+    assert list(status.deaths) == [float(t) for t in range(990, 1000)]

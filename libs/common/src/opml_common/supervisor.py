@@ -88,7 +88,7 @@ class PartStatus:
     """The supervision state of one part, changed only by the supervisor's events.
 
     ``restarts`` counts the restarts begun (not the first start); ``deaths`` holds the monotonic
-    times of recent deaths, as many as the policy looks at.
+    times of the deaths within the policy's window.
     """
 
     name: str
@@ -97,7 +97,7 @@ class PartStatus:
     pid: int | None = None
     restarts: int = 0
     last_exit_code: int | None = None
-    deaths: deque[float] = field(default_factory=lambda: deque(maxlen=64))
+    deaths: deque[float] = field(default_factory=deque)
 
     def started(self, pid: int | None) -> None:
         """The part is ready (its first start or a restart)."""
@@ -114,6 +114,8 @@ class PartStatus:
         """The part's process exited (or failed to start): record it and return the restart delay,
         or None when the part keeps dying (its state becomes FAILED)."""
         self.deaths.append(now)
+        while self.deaths and now - self.deaths[0] >= policy.window_s:  # older ones no longer count
+            self.deaths.popleft()
         self.last_exit_code = exit_code
         self.pid = None
         delay = policy.restart_delay(self.deaths, now)
