@@ -37,6 +37,7 @@ from opml_inference_router.placement import (
 from opml_inference_router.sim import simulate_replica
 from opml_inference_router.testing.placement import ACCEL, CPU, GPU, LADDER, book, config, demand, fleet, profiles
 
+
 def slo_planner(the_fleet: Fleet) -> Planner:
     return Planner(fleet=the_fleet, policy=CostAwareSloPolicy())
 

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from opml_common.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
-from opml_common.grpc.interceptors import ObservabilityInterceptor
-from opml_common.metrics import ServiceMetrics
 from prometheus_client import CollectorRegistry
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
+from opml_common.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from opml_common.grpc.interceptors import ObservabilityInterceptor
+from opml_common.metrics import ServiceMetrics
 from opml_inference_router.routing.errors import ReplicaFailed
 from opml_inference_router.routing.grpc_replica import GrpcReplica
 from opml_inference_router.routing.local_replica import LocalReplica

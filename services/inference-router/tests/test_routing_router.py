@@ -9,10 +9,10 @@ from collections import Counter
 from collections.abc import Callable
 
 import pytest
-from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from opml_common.testing.bus import fresh_metrics, sample
 from prometheus_client import CollectorRegistry
 
+from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from opml_common.testing.bus import fresh_metrics, sample
 from opml_inference_router.placement.config import ModelConfig
 from opml_inference_router.routing import DeadlineExceeded, ModelPolicy, Replica, ReplicaFailed, Router, wire
 from opml_inference_router.testing import mlp_config

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import stat
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -18,19 +18,18 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-import onnx
 import onnxruntime as ort
 import psutil
 import pytest
 import tritonclient.grpc as triton
 import yaml
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from opml_common.metrics import ServiceMetrics
-from prometheus_client import CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
 from opml_inference_router.kserve import encode_request
 from opml_inference_router.routing.errors import ReplicaFailed
 from opml_inference_router.routing.uds_replica import UdsReplica

@@ -13,10 +13,10 @@ import json
 import click
 from google.protobuf.json_format import MessageToDict
 from opml.inference.v1 import deployments_pb2 as pb
-from opml_common.cligroup import ClientSession, pass_session, service_group
 from rich.console import Console
 from rich.table import Table
 
+from opml_common.cligroup import ClientSession, pass_session, service_group
 from opml_inference_router.client import DeploymentClient
 
 console = Console()

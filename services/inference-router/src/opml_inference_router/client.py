@@ -10,6 +10,7 @@ from collections.abc import Mapping
 
 from opml.inference.v1 import deployments_pb2 as pb
 from opml.inference.v1 import deployments_pb2_grpc
+
 from opml_common.grpc.client import ServiceClient, pages
 
 DEPLOY_TIMEOUT_S = 600.0  # a deploy fetches, profiles on every allowed kind and loads the replicas

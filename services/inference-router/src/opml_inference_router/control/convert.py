@@ -10,8 +10,8 @@ from collections import defaultdict
 
 from opml.inference.v1 import deployment_events_pb2 as events
 from opml.inference.v1 import deployments_pb2 as pb
-from opml_common.errors import OpmlError
 
+from opml_common.errors import OpmlError
 from opml_inference_router.control.state import DEPLOYING, FAILED, SERVING, ModelRecord, Source
 from opml_inference_router.control.view import DeploymentView
 from opml_inference_router.placement import AddReplica, ModelVersion, RemoveReplica, Replan, replicas_of
