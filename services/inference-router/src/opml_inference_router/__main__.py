@@ -48,7 +48,8 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
     register_worker_metrics(pools, metrics)  # workers' /metrics re-exported on the router's (control/worker_metrics.py)
     router = Router(connect=partial(connect, token=token), metrics=metrics)
     service.on_stop(router.close)
-    predictions = await service.start(PredictionLog(await service.publisher(), metrics))
+    predictions = await service.start(PredictionLog(await service.publisher(), metrics,
+                                                     senders=settings.prediction_senders))
     bundle_token = settings.bundle_store_token.get_secret_value() or None
     manager = await service.start(DeploymentManager(
         pools=pools, router=router, observer=Observer(metrics.registry),
