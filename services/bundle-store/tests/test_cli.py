@@ -2,27 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-
-from opml_common.cli import main
 
 
 @pytest.fixture
-def opml(bundle_store, tokens, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """Runs `opml ...` in-process against the test service; fails the test on a non-zero exit."""
+def opml(bundle_store, opml_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Runs `opml ...` in-process against the test service as an admin; fails the test on a non-zero exit."""
     monkeypatch.setenv("OPML_CLI_HOME", str(tmp_path / "cli"))
     monkeypatch.setenv("OPML_BUNDLE_STORE_TARGET", bundle_store.target)
-
-    def run(*args: str, token: str = "admin", expect_exit: int = 0) -> str:
-        result = CliRunner().invoke(main, list(args), env={"OPML_TOKEN": tokens[token], "COLUMNS": "200"},
-                                    catch_exceptions=False)
-        assert result.exit_code == expect_exit, result.output
-        return result.output
-    return run
+    return functools.partial(opml_cli, token="admin")
 
 
 def test_disdat_workflow(opml, remote_url: str, tmp_path: Path) -> None:

@@ -8,24 +8,15 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-
-from opml_common.cli import main
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 @pytest.fixture
-def opml(job_service, tokens, monkeypatch: pytest.MonkeyPatch):
+def opml(job_service, opml_cli, monkeypatch: pytest.MonkeyPatch):
     """Runs `opml ...` in-process against the test service; fails the test on an unexpected exit code."""
     monkeypatch.setenv("OPML_JOB_ORCHESTRATOR_TARGET", job_service.target)
-
-    def run(*args: str, token: str = "writer", expect_exit: int = 0) -> str:
-        result = CliRunner().invoke(main, list(args), env={"OPML_TOKEN": tokens[token], "COLUMNS": "200"},
-                                    catch_exceptions=False)
-        assert result.exit_code == expect_exit, result.output
-        return result.output
-    return run
+    return opml_cli
 
 
 def test_job_workflow(opml, tmp_path: Path) -> None:

@@ -78,3 +78,21 @@ def start_service(settings_env: dict[str, str], tmp_path: Path) -> Iterator[Serv
     starter = ServiceStarter(settings_env, tmp_path)
     yield starter
     starter.stop_all()
+
+
+@pytest.fixture
+def opml_cli(tokens: dict[str, str]):
+    """``opml_cli(*args, token="writer", expect_exit=0)``: runs the ``opml`` command in-process with the
+    role's bearer token and returns its output; the test fails on another exit code. Point it at a
+    service with that service's ``OPML_<SERVICE>_TARGET`` (``monkeypatch.setenv``)."""
+    from click.testing import CliRunner
+
+    from opml_common.cli import main
+
+    def run(*args: str, token: str = "writer", expect_exit: int = 0) -> str:
+        result = CliRunner().invoke(main, list(args), env={"OPML_TOKEN": tokens[token], "COLUMNS": "200"},
+                                    catch_exceptions=False)
+        assert result.exit_code == expect_exit, result.output
+        return result.output
+
+    return run
