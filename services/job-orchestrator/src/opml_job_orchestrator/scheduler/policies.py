@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from opml_common.errors import InvalidArgument
-
 from opml_job_orchestrator.scheduler.model import JobClass, Replica, Resources
 
 if TYPE_CHECKING:
@@ -45,12 +44,24 @@ class PlacementPolicy(ABC):
 
     @abstractmethod
     def place(self, replicas: Sequence[Replica], free: Mapping[str, Resources]) -> list[str] | None:
-        """Return a node name per replica (in the order of ``replicas``), or None if they cannot all fit.
+        """Return a node name per replica (in the order of ``replicas``), or None if none was found.
 
         Called each time the scheduler tries to start a job; on the empty cluster when a job is
         submitted (a job that cannot be placed there is rejected); and once per victim set a
         preemption policy tests. ``free`` maps node names, in cluster order, to free resources and
         must not be changed. Replicas placed on one node add up on it.
+
+        Every implementation guarantees (tests/test_policy_conformance.py checks each):
+
+        * a list names, for each replica, a node of ``free``, and never over-commits one: the
+          replicas it gives a node add up to at most that node's free resources, in every dimension;
+        * None whenever the replicas cannot all fit; None is also allowed when they could, since
+          packing is a heuristic (the presets are greedy, and more free room can, rarely, make them
+          miss a fit), except that a placement is always found when all the replicas fit together
+          on one node (so a one-replica job is placed whenever some node has room for it);
+        * the same ``replicas`` and ``free`` (the same nodes in the same order) give the same answer:
+          the scheduler tests a victim set with ``fits`` and then places the job again once the
+          victims stopped, and must get a placement both times.
 
         Raises:
             Nothing: a job that does not fit is None, not an error.
@@ -141,6 +152,11 @@ class QueuePolicy(ABC):
 
         Called each time the job enters the queue (on submit and after each preemption); the rank
         holds until the job leaves the queue.
+
+        Every implementation guarantees: a tuple that compares with every other job's rank; the same
+        answer for the same job state (the job is only read); and, among jobs of one class and one
+        ``priority``, an earlier submit never ranks behind a later one (FIFO within a class and
+        priority: the aging bound relies on it, since waiting behind one's own class runs no clock).
         """
 
     @abstractmethod
@@ -148,6 +164,7 @@ class QueuePolicy(ABC):
         """Seconds ``job`` may stay first in line of its class before it is promoted (None: never).
 
         Called at a scheduling pass when ``job`` has just become the first waiting job of its class.
+        The answer is None or a finite number of seconds >= 0, the same for the same job state.
         """
 
     @property
@@ -155,7 +172,7 @@ class QueuePolicy(ABC):
     def backfill(self) -> bool:
         """Whether jobs ranked behind a job that cannot start may start meanwhile on free capacity.
 
-        Read at each scheduling pass. A promoted job is never passed on the nodes it reserved.
+        Read at each scheduling pass; a bool. A promoted job is never passed on the nodes it reserved.
         """
 
 
@@ -208,12 +225,13 @@ class PreemptionPolicy(ABC):
     """Decides who may stop whom, and which running jobs to stop so that a waiting job fits.
 
     No method raises; an impossible choice of victims is reported by the scheduler (see
-    :meth:`select_victims`).
+    :meth:`select_victims`). Every method only reads the jobs it is given and answers the same for
+    the same inputs (tests/test_policy_conformance.py checks each implementation).
     """
 
     @abstractmethod
     def may_preempt(self, job: JobRecord) -> bool:
-        """Whether pending ``job`` may have running jobs stopped so it can start.
+        """Whether pending ``job`` may have running jobs stopped so it can start (a bool).
 
         Called when ``job`` is the next to try in a scheduling pass and the free capacity cannot
         hold it.
@@ -221,9 +239,11 @@ class PreemptionPolicy(ABC):
 
     @abstractmethod
     def is_preemptible(self, job: JobRecord, now: float) -> bool:
-        """Whether running ``job`` may be stopped at ``now``.
+        """Whether running ``job`` may be stopped at ``now`` (a bool).
 
-        Called for every running job each time a job that :meth:`may_preempt` cannot start.
+        Called for every running job each time a job that :meth:`may_preempt` cannot start. Never
+        True for a TE job (:attr:`JobClass.TE` jobs are never preempted), nor before the time
+        :meth:`protection_ends_at` gives for ``job``.
         """
 
     @abstractmethod
@@ -231,10 +251,16 @@ class PreemptionPolicy(ABC):
                        now: float) -> Sequence[JobRecord]:
         """The running jobs to stop so that ``job`` starts, or an empty sequence to let it wait.
 
-        Called right after :meth:`is_preemptible` chose ``candidates`` (in start order), when the
-        free capacity cannot hold ``job``. ``fits(victims)`` places ``job`` against the free capacity
-        plus what ``victims`` hold. Stopped jobs go back to the queue and resume from their last
+        Called right after :meth:`is_preemptible` chose ``candidates`` (in start order, never
+        empty), when the free capacity cannot hold ``job`` (``fits(())`` is False).
+        ``fits(victims)`` places ``job`` against the free capacity plus what ``victims`` hold; since
+        placement is a heuristic (see :meth:`PlacementPolicy.place`), freeing more almost always,
+        but not always, keeps a fit. Stopped jobs go back to the queue and resume from their last
         checkpoint.
+
+        The answer is empty, or distinct jobs taken from ``candidates`` (the same objects) for
+        which ``fits`` is True, checked on that exact set: so nothing is stopped for a job that no
+        victims make room for, and never a job that :meth:`is_preemptible` refused.
 
         Raises:
             Nothing: the scheduler raises OpmlError (INTERNAL) itself when the returned jobs are not
@@ -244,8 +270,9 @@ class PreemptionPolicy(ABC):
     def protection_ends_at(self, job: JobRecord) -> float | None:
         """When running ``job``, now not preemptible, becomes preemptible by time alone (None: never).
 
-        Called when ``job`` starts. The scheduler reports the time through ``next_deadline`` so a
-        waiting job gets another chance to preempt then. Default: None.
+        Called when ``job`` starts. Before that time, :meth:`is_preemptible` is False for ``job``.
+        The scheduler reports the time through ``next_deadline`` so a waiting job gets another
+        chance to preempt then. Default: None.
         """
         return None
 
@@ -383,8 +410,11 @@ class GpuSecondsPreemption(CheckpointPreemption):
 def _cheapest_prefix_that_fits(ordered: Sequence[JobRecord], fits: VictimTest) -> list[JobRecord]:
     """The shortest prefix of ``ordered`` that makes the job fit, minus the victims it can spare.
 
-    Freeing more never hurts a fit, so the shortest prefix is found by bisection (log n placements
-    instead of n); then victims are dropped dearest first while the job still fits without them.
+    Freeing more almost never hurts a fit, so the shortest prefix is found by bisection (log n
+    placements instead of n); then victims are dropped dearest first while the job still fits
+    without them. Where greedy placement does miss a fit that less room had (see
+    :meth:`PlacementPolicy.place`), bisection may settle on a longer prefix, never on one that does
+    not fit: it only stops at a length it checked, and every drop is checked too.
     """
     if not ordered or not fits(ordered):
         return []
