@@ -42,6 +42,7 @@ down:
 	$(PY) -m opml_common.stack down
 
 test: install
+	$(PY) -m ruff check .
 	$(PY) -m pytest
 
 bench: install

@@ -60,10 +60,9 @@ async def serve_router(worker: str) -> None:
     from opml_common.config import PlatformSettings, ServiceSettings
     from opml_common.grpc.server import GrpcServer, wait_for_signal
     from opml_common.metrics import ServiceMetrics
-
     from opml_inference_router.frontend import InferenceFrontend
-    from opml_inference_router.routing import ModelPolicy, Router
     from opml_inference_router.placement.config import load_fleet_config
+    from opml_inference_router.routing import ModelPolicy, Router
     from opml_inference_router.routing.local_replica import LocalReplica
     from opml_inference_router.routing.uds_replica import connect
     from opml_inference_router.runtime import ModelRepository, WorkerMetrics

@@ -49,10 +49,10 @@ import aiohttp
 import grpc
 import numpy as np
 import onnxruntime as ort
-from opml_common.devinfra import free_port
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
+from opml_common.devinfra import free_port
 from opml_inference_router.kserve import decode_response, encode_request
 from opml_inference_router.testing import mlp_classifier, mlp_config, write_model_dir
 from opml_inference_router.worker.process import WorkerProcess
@@ -116,7 +116,6 @@ async def serve_router(workers: list[str], bundle: Path, hedge: bool) -> None:
     from opml_common.config import PlatformSettings, ServiceSettings
     from opml_common.grpc.server import GrpcServer, wait_for_signal
     from opml_common.metrics import ServiceMetrics
-
     from opml_inference_router.frontend import InferenceFrontend
     from opml_inference_router.placement import load_model_config
     from opml_inference_router.routing import ModelPolicy, Router
@@ -231,13 +230,15 @@ async def sweep(target: GrpcTarget | HttpTarget, levels: list[int], duration_s: 
             latencies: list[float] = []
             stop_at = 0.0
 
+            # The clients read this iteration's stop_at, latencies and level late on purpose: stop_at
+            # moves from the warm-up's end to the measurement's while they run, within the iteration.
             async def client(index: int) -> None:
                 number = index
-                while time.perf_counter() < stop_at:
+                while time.perf_counter() < stop_at:  # noqa: B023
                     began = time.perf_counter()
                     await send(index, number)
-                    latencies.append((time.perf_counter() - began) * 1000.0)
-                    number += level
+                    latencies.append((time.perf_counter() - began) * 1000.0)  # noqa: B023
+                    number += level  # noqa: B023
 
             stop_at = time.perf_counter() + warmup_s
             await asyncio.gather(*(client(i) for i in range(level)))

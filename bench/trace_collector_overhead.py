@@ -36,8 +36,8 @@ from pathlib import Path
 
 import redis
 from aiokafka import AIOKafkaConsumer
-
 from opml.traces.v1 import events_pb2 as pb
+
 from opml_common.bus import CloudEvent, ensure_topics
 from opml_common.config import PlatformSettings
 from opml_common.devinfra import DevInfra

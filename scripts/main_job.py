@@ -32,8 +32,8 @@ from opml.jobs.v1 import jobs_pb2
 
 from opml_bundle_store.client import BundleStoreClient
 from opml_common.errors import AlreadyExists, NotFound
-from opml_inference_router.topics import BUNDLES, PREDICTIONS
 from opml_inference_router.client import DeploymentClient
+from opml_inference_router.topics import BUNDLES, PREDICTIONS
 from opml_job_orchestrator.client import JobClient
 from opml_job_orchestrator.spec import load_spec
 from opml_trace_collector.client import TraceCollectorClient

@@ -26,6 +26,8 @@ import pytest
 import tritonclient.grpc as triton
 from opml.inference.v1 import deployments_pb2
 from opml.jobs.v1 import jobs_pb2
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
 from opml_common.prometheus import PrometheusError, PrometheusServer, has_finite_value
 from opml_common.stack import installed_services
 from opml_common.testing.bus import poll_until
@@ -34,7 +36,6 @@ from opml_inference_router.client import DeploymentClient
 from opml_job_orchestrator.client import JobClient
 from opml_job_orchestrator.spec import load_spec
 from opml_trace_collector.client import TraceCollectorClient
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((ROOT / "deploy" / "compose" / "grafana" / "dashboards").glob("*.json"))

@@ -13,15 +13,16 @@ import tritonclient.grpc as triton
 import yaml
 from opml.inference.v1 import deployment_events_pb2 as events
 from opml.inference.v1 import deployments_pb2 as pb
+
 from opml_bundle_store.client import BundleStoreClient
 from opml_common.bus import CloudEvent
 from opml_common.errors import NotFound
 from opml_common.testing.bus import poll_until, read_records
 from opml_common.testing.services import TOKENS
-from opml_inference_router.topics import DEPLOYMENTS
 from opml_inference_router.client import DeploymentClient
 from opml_inference_router.testing import mlp_config, write_model_dir
 from opml_inference_router.testing.models import write_broken_onnx
+from opml_inference_router.topics import DEPLOYMENTS
 
 FLEET = {
     "pool_kinds": [{"name": "cpu", "precisions": ["fp32"], "memory_mib": 2048, "slots": 2, "cost_per_hour": 0.4,

@@ -21,10 +21,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
 from opml_common.process import ServiceProcess
 from opml_common.stack import installed_services
 from opml_common.testing.services import env_prefix
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "deploy" / "compose" / "grafana"
@@ -71,11 +72,8 @@ def _all_queries(*, variables: bool = True) -> list[tuple[str, str]]:
 
 AGGREGATIONS = {"sum": 1, "min": 1, "max": 1, "avg": 1, "group": 1, "stddev": 1, "stdvar": 1, "count": 1,
                 "count_values": 2, "topk": 2, "bottomk": 2, "quantile": 2, "limitk": 2, "limit_ratio": 2}
-_RANGE_FUNCTIONS = ("rate irate increase delta idelta deriv resets changes avg_over_time min_over_time "
-                    "max_over_time sum_over_time count_over_time last_over_time present_over_time "
-                    "stddev_over_time stdvar_over_time absent_over_time").split()
-_VECTOR_FUNCTIONS = ("abs ceil floor exp ln log2 log10 sqrt sgn absent sort sort_desc timestamp "
-                     "histogram_count histogram_sum histogram_avg").split()
+_RANGE_FUNCTIONS = ["rate", "irate", "increase", "delta", "idelta", "deriv", "resets", "changes", "avg_over_time", "min_over_time", "max_over_time", "sum_over_time", "count_over_time", "last_over_time", "present_over_time", "stddev_over_time", "stdvar_over_time", "absent_over_time"]
+_VECTOR_FUNCTIONS = ["abs", "ceil", "floor", "exp", "ln", "log2", "log10", "sqrt", "sgn", "absent", "sort", "sort_desc", "timestamp", "histogram_count", "histogram_sum", "histogram_avg"]
 FUNCTIONS: dict[str, tuple[tuple[str, ...], str]] = {
     **{name: (("matrix",), "vector") for name in _RANGE_FUNCTIONS},
     **{name: (("vector",), "vector") for name in _VECTOR_FUNCTIONS},

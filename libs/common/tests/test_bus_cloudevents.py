@@ -6,6 +6,7 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 from opml.bundles.v1 import bundles_pb2, events_pb2
+
 from opml_common.bus import CloudEvent, MalformedEvent, is_retriable
 from opml_common.errors import InvalidArgument, Unavailable
 

@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 
 import pytest
 from opml.bundles.v1 import bundles_pb2, events_pb2
+
 from opml_common.bus import (
     CloudEvent,
     EventConsumer,
@@ -17,10 +18,10 @@ from opml_common.bus import (
     RedisDeduplicator,
     ensure_topics,
 )
-from opml_common.testing.bus import fresh_metrics, headers_of, read_records, running, sample, wait_until
 from opml_common.config import PlatformSettings
 from opml_common.errors import FailedPrecondition, Unavailable
 from opml_common.storage import redis_client
+from opml_common.testing.bus import fresh_metrics, headers_of, read_records, running, sample, wait_until
 from opml_common.topics import Topic
 
 pytestmark = pytest.mark.timeout(90)

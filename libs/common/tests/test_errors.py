@@ -1,7 +1,14 @@
 import pytest
 
-from opml_common.errors import (DataLoss, FailedPrecondition, InvalidArgument, NotFound, OpmlError, Unavailable,
-                                from_status)
+from opml_common.errors import (
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    OpmlError,
+    Unavailable,
+    from_status,
+)
 
 
 @pytest.mark.parametrize("error", [NotFound("bundle x not found"), FailedPrecondition("no remote"),

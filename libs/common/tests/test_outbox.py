@@ -6,12 +6,12 @@ import sys
 from pathlib import Path
 
 from opml.bundles.v1 import events_pb2
+from prometheus_client import CollectorRegistry
 
 from opml_common.bus import CloudEvent
 from opml_common.metrics import ServiceMetrics
 from opml_common.outbox import Outbox
 from opml_common.topics import Topic
-from prometheus_client import CollectorRegistry
 
 BUNDLES = Topic.of(events_pb2)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from opml.bundles.v1 import events_pb2
+
 from opml_bundle_store.core import BundleStore
 from opml_bundle_store.topics import BUNDLES
 from opml_common.errors import NotFound

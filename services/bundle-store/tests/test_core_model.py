@@ -8,6 +8,7 @@ import math
 from datetime import UTC, datetime
 
 import pytest
+
 from opml_bundle_store.core.model import (
     Bundle,
     FileEntry,

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from minio import Minio
 from opml.bundles.v1 import events_pb2
+
 from opml_bundle_store.core import BundleStore, TransferProgress
 from opml_bundle_store.core import remote as remote_module
 from opml_bundle_store.core.layout import ContextDir

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from opml_bundle_store.core import BundleStore, Lineage
 from opml_bundle_store.core.layout import ContextDir
 from opml_common.errors import (

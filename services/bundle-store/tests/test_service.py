@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from opml.bundles.v1 import bundles_pb2 as pb
 from opml.bundles.v1 import bundles_pb2_grpc, events_pb2
+
 from opml_bundle_store.client import BundleStoreClient
 from opml_bundle_store.topics import BUNDLES
 from opml_common.bus import CloudEvent

@@ -6,6 +6,7 @@ import copy
 from pathlib import Path
 
 import pytest
+
 from opml_common.errors import InvalidArgument, NotFound
 from opml_inference_router.placement import (
     Fleet,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from opml_common.errors import InvalidArgument
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
+from opml_common.errors import InvalidArgument
 from opml_inference_router.kserve import (
     decode_inputs,
     decode_response,

@@ -6,10 +6,11 @@ import math
 import random
 
 import pytest
+
 from opml_common.errors import AlreadyExists, InvalidArgument
 from opml_inference_router.placement import (
-    BatchQueueModel,
     Batching,
+    BatchQueueModel,
     ModelVersion,
     PoolKind,
     Profile,

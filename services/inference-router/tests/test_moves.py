@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from opml_common.errors import FailedPrecondition
 from opml_inference_router.placement import (
     AddReplica,
@@ -15,8 +16,8 @@ from opml_inference_router.placement import (
     PoolKind,
     RemoveReplica,
     Replica,
-    ResizeReplica,
     ReplicaSet,
+    ResizeReplica,
     WaitReady,
     check_moves,
     plan_moves,

@@ -18,18 +18,17 @@ import onnxruntime as ort
 import pytest
 import tritonclient.grpc as triton_sync
 import tritonclient.grpc.aio as triton
-from opml_common.bus import CloudEvent, EventPublisher, ensure_topics
-from opml_common.config import PlatformSettings, ServiceSettings
-from opml_common.grpc.server import GrpcServer
-from opml_common.metrics import ServiceMetrics
-from opml_common.testing.bus import read_records, sample, wait_until
-from opml_inference_router.topics import PREDICTIONS
 from opml.inference.v1 import events_pb2
 from prometheus_client import CollectorRegistry
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from opml_common.bus import CloudEvent, EventPublisher, ensure_topics
+from opml_common.config import PlatformSettings, ServiceSettings
+from opml_common.grpc.server import GrpcServer
+from opml_common.metrics import ServiceMetrics
+from opml_common.testing.bus import read_records, sample, wait_until
 from opml_inference_router.frontend import InferenceFrontend
 from opml_inference_router.placement.config import load_fleet_config
 from opml_inference_router.predictions import PredictionLog
@@ -40,6 +39,7 @@ from opml_inference_router.routing.replicas import Replica
 from opml_inference_router.routing.uds_replica import connect as connect_replica
 from opml_inference_router.runtime import ModelRepository, WorkerMetrics
 from opml_inference_router.testing import mlp_classifier, mlp_config, write_model_dir
+from opml_inference_router.topics import PREDICTIONS
 from opml_inference_router.worker.process import WorkerProcess
 from opml_inference_router.worker.servicer import WorkerServicer
 

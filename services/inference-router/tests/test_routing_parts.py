@@ -8,11 +8,10 @@ import random
 from collections import Counter
 
 import pytest
-from opml_common.errors import InvalidArgument
 from tritonclient.grpc import service_pb2
 
-from opml_inference_router.routing import ConcurrencyLimiter, LatencyWindow, ReplicaSet, Shed, TrafficSplit
-from opml_inference_router.routing import wire
+from opml_common.errors import InvalidArgument
+from opml_inference_router.routing import ConcurrencyLimiter, LatencyWindow, ReplicaSet, Shed, TrafficSplit, wire
 from opml_inference_router.routing.errors import ReplicaFailed
 from opml_inference_router.routing.replicas import Replica
 

@@ -7,10 +7,10 @@ import asyncio
 
 import numpy as np
 import pytest
-from opml_common.bus import PublishFailed
-from opml_common.testing.bus import fresh_metrics, sample
 from tritonclient.grpc import service_pb2 as pb
 
+from opml_common.bus import PublishFailed
+from opml_common.testing.bus import fresh_metrics, sample
 from opml_inference_router.kserve import encode_request
 from opml_inference_router.predictions import PredictionLog
 from opml_inference_router.routing import Routed

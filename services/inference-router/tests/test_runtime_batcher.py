@@ -8,9 +8,9 @@ import time
 
 import numpy as np
 import onnxruntime as ort
-from opml_common.metrics import ServiceMetrics
 from prometheus_client import CollectorRegistry
 
+from opml_common.metrics import ServiceMetrics
 from opml_inference_router.placement.config import ModelConfig, ModelVersion, PoolKind
 from opml_inference_router.runtime import DynamicBatcher, Replica, WorkerMetrics, build_session, to_profile
 from opml_inference_router.runtime.profiler import profile_replica

@@ -10,10 +10,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from opml_common.metrics import ServiceMetrics
 from prometheus_client import CollectorRegistry
 
+from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from opml_common.metrics import ServiceMetrics
 from opml_inference_router.placement.config import ModelConfig, PoolKind
 from opml_inference_router.runtime import (
     ModelRepository,

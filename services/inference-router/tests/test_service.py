@@ -13,6 +13,12 @@ import pytest
 import tritonclient.grpc as triton
 import yaml
 from click.testing import CliRunner
+from opml.inference.v1 import deployment_events_pb2 as events
+from opml.inference.v1 import deployments_pb2 as pb
+from opml.inference.v1 import events_pb2
+from tritonclient.grpc import service_pb2
+from tritonclient.utils import InferenceServerException
+
 from opml_common.bus import CloudEvent
 from opml_common.cli import main as opml
 from opml_common.config import PlatformSettings
@@ -20,15 +26,9 @@ from opml_common.errors import InvalidArgument, PermissionDenied
 from opml_common.process import ServiceProcess
 from opml_common.testing.bus import read_records
 from opml_common.testing.services import TOKENS, ServiceStarter
-from opml_inference_router.topics import DEPLOYMENTS, PREDICTIONS
-from opml.inference.v1 import deployment_events_pb2 as events
-from opml.inference.v1 import deployments_pb2 as pb
-from opml.inference.v1 import events_pb2
-from tritonclient.grpc import service_pb2
-from tritonclient.utils import InferenceServerException
-
 from opml_inference_router.client import DeploymentClient
 from opml_inference_router.testing import mlp_classifier, mlp_config, write_model_dir
+from opml_inference_router.topics import DEPLOYMENTS, PREDICTIONS
 
 FLEET = {
     "pool_kinds": [{"name": "cpu", "precisions": ["fp32"], "memory_mib": 2048, "slots": 2, "cost_per_hour": 0.4,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from opml_inference_router.placement import CostAwareSloPolicy, GreedyFirstFitPolicy
 from opml_inference_router.sim import (
     evaluate,

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
 from opml_common.metrics import ServiceMetrics, serve_metrics
 from opml_inference_router.control import PoolManager
 from opml_inference_router.control.worker_metrics import (
@@ -21,8 +24,6 @@ from opml_inference_router.control.worker_metrics import (
 )
 from opml_inference_router.placement import FleetConfig
 from opml_inference_router.runtime import WorkerMetrics
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 
 def _router() -> ServiceMetrics:

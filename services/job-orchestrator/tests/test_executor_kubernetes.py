@@ -18,6 +18,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
+
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound
 from opml_job_orchestrator.executor import JobOutcome, JobProgram, TaskEvent, TaskState
 from opml_job_orchestrator.executor.fake_kubernetes import FakeCoreV1Api

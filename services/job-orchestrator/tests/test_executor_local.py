@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
 import pytest
+
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound
 from opml_job_orchestrator.executor import (
     CheckpointEvent,

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+
 from opml_common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from opml_job_orchestrator.executor import JobProgram, LocalExecutor, RetryPolicy
 from opml_job_orchestrator.executor.fake_kubernetes import FakeCoreV1Api

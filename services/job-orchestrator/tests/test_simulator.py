@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from opml_common.errors import InvalidArgument
 from opml_job_orchestrator.scheduler import (
     JobClass,

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from opml.jobs.v1 import jobs_pb2 as pb
+
 from opml_common.errors import InvalidArgument
 from opml_job_orchestrator.convert import saved_job_from_proto, status_from_proto, status_to_proto
 from opml_job_orchestrator.orchestrator import JobState, JobStatus

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
+
 from opml_common.devinfra import free_port
 from opml_job_orchestrator.executor import (
     CheckpointEvent,

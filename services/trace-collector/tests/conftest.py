@@ -24,8 +24,8 @@ from opml_common.process import ServiceProcess
 from opml_common.storage import s3_client
 from opml_common.testing.bus import fresh_metrics
 from opml_common.testing.services import TOKENS, ServiceStarter
-from opml_trace_collector.topics import TRACES
 from opml_trace_collector.client import TraceCollectorClient
+from opml_trace_collector.topics import TRACES
 
 CAPTURE_TIMEOUT_S = 4.0
 T0_US = 1_700_000_000_000_000  # start time of the synthetic steps

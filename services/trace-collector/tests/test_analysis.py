@@ -11,8 +11,19 @@ from opml.traces.v1.events_pb2 import STEP_KIND_EVALUATE, STEP_KIND_FUNCTION, ST
 from opml.traces.v1.traces_pb2 import SignatureStats
 
 from opml_trace_collector.analysis import (
-    COMMUNICATION, COMPUTATION, INPUT, Bound, analyze_signatures, analyze_steps, analyze_trace, classify, load_trace, op_category,
-    percentile, trace_step_times)
+    COMMUNICATION,
+    COMPUTATION,
+    INPUT,
+    Bound,
+    analyze_signatures,
+    analyze_steps,
+    analyze_trace,
+    classify,
+    load_trace,
+    op_category,
+    percentile,
+    trace_step_times,
+)
 
 
 def _step(n: int, ts: float, dur: float) -> dict:

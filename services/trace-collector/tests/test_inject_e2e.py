@@ -20,15 +20,15 @@ import pytest
 import redis
 from aiokafka import AIOKafkaConsumer
 from google.protobuf.message import Message
-
 from opml.traces.v1 import events_pb2 as pb
+
 from opml_common.bus import CloudEvent, ensure_topics
 from opml_common.config import PlatformSettings
 from opml_common.devinfra import free_port
 from opml_common.storage import s3_client
-from opml_trace_collector.topics import TRACES
 from opml_trace_collector.inject.spool import flush_spool
 from opml_trace_collector.session import iter_session
+from opml_trace_collector.topics import TRACES
 
 PROGRAMS = Path(__file__).parent / "programs"
 pytestmark = pytest.mark.slow

@@ -66,7 +66,7 @@ class PlatformSettings(BaseSettings):
         return value.rstrip("/")
 
     @model_validator(mode="after")
-    def _prod_needs_secrets(self) -> "PlatformSettings":
+    def _prod_needs_secrets(self) -> PlatformSettings:
         if self.env == "prod" and not self.auth_tokens.get_secret_value():
             raise ValueError("OPML_AUTH_TOKENS must be set when OPML_ENV=prod (callers are never trusted)")
         if self.env == "prod" and self.s3_secret_key.get_secret_value() == DEV_S3_SECRET:

@@ -38,7 +38,7 @@ class EventEmitter(ABC):
         """
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _topic_of(file: FileDescriptor) -> Topic:
     return Topic.of(file)
 

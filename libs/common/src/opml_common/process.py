@@ -85,7 +85,7 @@ class ServiceProcess:
     def target(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
-    def start(self) -> "ServiceProcess":
+    def start(self) -> ServiceProcess:
         if self.process is not None and self.process.poll() is None:
             return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -110,7 +110,7 @@ class ServiceProcess:
             self.process.kill()
             self.process.wait()
 
-    def __enter__(self) -> "ServiceProcess":
+    def __enter__(self) -> ServiceProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

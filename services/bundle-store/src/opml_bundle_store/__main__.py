@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 
 from opml.bundles.v1 import bundles_pb2, bundles_pb2_grpc
-from opml_common.grpc.server import ServiceRegistration
-from opml_common.process import ServiceSpec
-from opml_common.service import ServiceContext, run_service
 
 from opml_bundle_store.core.store import BundleStore
 from opml_bundle_store.servicer import METHOD_ROLES, BundleStoreServicer
 from opml_bundle_store.settings import BundleStoreSettings
 from opml_bundle_store.topics import BUNDLES
+from opml_common.grpc.server import ServiceRegistration
+from opml_common.process import ServiceSpec
+from opml_common.service import ServiceContext, run_service
 
 SPEC = ServiceSpec(name="bundle-store", module="opml_bundle_store", settings=BundleStoreSettings, topics=(BUNDLES,))
 

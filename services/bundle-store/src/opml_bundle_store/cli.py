@@ -14,13 +14,13 @@ from pathlib import Path
 import click
 from google.protobuf.json_format import MessageToDict
 from opml.bundles.v1 import bundles_pb2 as pb
-from opml_common.cligroup import ClientSession, pass_session, service_group
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 from rich.tree import Tree
 
 from opml_bundle_store.client import BundleStoreClient, files_from_paths
+from opml_common.cligroup import ClientSession, pass_session, service_group
 
 console = Console()
 
@@ -285,7 +285,10 @@ def lineage(session: ClientSession, ref: str, direction: str, depth: int) -> Non
         root = client.get_bundle(_context(session), ref)
         graph = client.lineage(_context(session), ref, direction=kinds[direction], max_depth=depth)
     by_uuid = {b.uuid: b for b in graph.bundles}
-    label = lambda u: f"{by_uuid[u].bundle_name} [dim]{u}[/dim]" if u in by_uuid else u
+
+    def label(uuid: str) -> str:
+        return f"{by_uuid[uuid].bundle_name} [dim]{uuid}[/dim]" if uuid in by_uuid else uuid
+
     tree = Tree(label(root.uuid))
     ups = Tree("inputs (upstream)")
     downs = Tree("outputs (downstream)")

@@ -14,10 +14,10 @@ from pathlib import Path
 
 from opml.bundles.v1 import bundles_pb2 as pb
 from opml.bundles.v1 import bundles_pb2_grpc
-from opml_common.grpc.client import ServiceClient, pages
 
 from opml_bundle_store.core.convert import value_to_proto
 from opml_bundle_store.core.model import Value
+from opml_common.grpc.client import ServiceClient, pages
 
 CHUNK_BYTES = 1024 * 1024
 mimetypes.add_type("application/onnx", ".onnx")

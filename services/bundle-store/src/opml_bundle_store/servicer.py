@@ -14,14 +14,14 @@ from collections.abc import AsyncIterator, Callable
 
 from opml.bundles.v1 import bundles_pb2 as pb
 from opml.bundles.v1 import bundles_pb2_grpc
-from opml_common.errors import InvalidArgument
-from opml_common.grpc.interceptors import current_principal
-from opml_common.metrics import ServiceMetrics
-from opml_common.pagination import paginate
 
 from opml_bundle_store.core.convert import bundle_to_proto, context_to_proto, lineage_from_proto, value_from_proto
 from opml_bundle_store.core.model import Bundle, TransferProgress
 from opml_bundle_store.core.store import BundleStore
+from opml_common.errors import InvalidArgument
+from opml_common.grpc.interceptors import current_principal
+from opml_common.metrics import ServiceMetrics
+from opml_common.pagination import paginate
 
 _CONTEXT_NAME = re.compile(r"^contexts/([^/]+)$")
 _BUNDLE_NAME = re.compile(r"^contexts/([^/]+)/bundles/([^/]+)$")

@@ -14,10 +14,10 @@ import time
 import uuid
 
 import grpc
-from opml_common.errors import InvalidArgument
-from opml_common.grpc.server import ServiceRegistration
 from tritonclient.grpc import service_pb2 as pb
 
+from opml_common.errors import InvalidArgument
+from opml_common.grpc.server import ServiceRegistration
 from opml_inference_router import package_version
 from opml_inference_router.kserve.roles import INFERENCE_METHOD_ROLES
 from opml_inference_router.predictions import PredictionLog

@@ -23,14 +23,14 @@ from typing import NamedTuple
 
 import numpy as np
 from google.protobuf.timestamp_pb2 import Timestamp
-from opml_common.bus import EventPublisher
-from opml_common.metrics import ServiceMetrics
-from opml_inference_router.topics import PREDICTIONS
 from opml.inference.v1 import events_pb2
 from tritonclient.grpc import service_pb2 as pb
 
+from opml_common.bus import EventPublisher
+from opml_common.metrics import ServiceMetrics
 from opml_inference_router.kserve import BY_KSERVE
 from opml_inference_router.routing import Routed
+from opml_inference_router.topics import PREDICTIONS
 
 log = logging.getLogger(__name__)
 

@@ -13,12 +13,11 @@ import re
 
 from opml.inference.v1 import deployments_pb2 as pb
 from opml.inference.v1 import deployments_pb2_grpc
+
 from opml_common.errors import FailedPrecondition, InvalidArgument
 from opml_common.grpc.server import ServiceRegistration
 from opml_common.pagination import paginate
-
-from opml_inference_router.control import DeploymentManager, Source
-from opml_inference_router.control import convert
+from opml_inference_router.control import DeploymentManager, Source, convert
 
 SERVICE = pb.DESCRIPTOR.services_by_name["DeploymentService"]
 METHOD_ROLES = {

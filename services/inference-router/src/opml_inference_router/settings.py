@@ -9,9 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from opml_common.config import ServiceSettings
 from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import SettingsConfigDict
+
+from opml_common.config import ServiceSettings
 
 # The fleet of one machine, shipped inside the package so installed (non-editable) copies have it too.
 LOCAL_FLEET = Path(__file__).resolve().parent / "fleet-local.yaml"

@@ -32,7 +32,6 @@ from dataclasses import dataclass, fields
 from types import TracebackType
 
 from opml_common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, OpmlError
-
 from opml_job_orchestrator.executor.base import (
     CheckpointEvent,
     Executor,

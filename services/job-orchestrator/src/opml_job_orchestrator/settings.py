@@ -82,7 +82,7 @@ class JobOrchestratorSettings(ServiceSettings):
         return self.nodes or this_machine()
 
     @model_validator(mode="after")
-    def _checks(self) -> "JobOrchestratorSettings":
+    def _checks(self) -> JobOrchestratorSettings:
         names = [node.name for node in self.nodes or ()]
         if len(set(names)) != len(names):
             raise ValueError(f"nodes must have unique names, but got {names}")

@@ -8,6 +8,7 @@ from minio import Minio
 from minio.error import S3Error
 
 from opml_common.errors import NotFound
+
 CHUNK_BYTES = 1024 * 1024
 
 

@@ -189,7 +189,7 @@ class ObservabilityInterceptor(grpc.aio.ServerInterceptor):
             self._wrapped[full_method] = cached
         return cached[1]
 
-    def _observe(self, method: "_MethodMetrics") -> Callable[[Behavior, bool], Behavior]:
+    def _observe(self, method: _MethodMetrics) -> Callable[[Behavior, bool], Behavior]:
         def around(behavior: Behavior, streaming: bool) -> Behavior:
             if streaming:
                 async def stream(request, context):
@@ -240,7 +240,7 @@ class _CallRecord:
         self.metrics, self.method, self.context = method, method.name, context
         self.code = "OK"
 
-    def __enter__(self) -> "_CallRecord":
+    def __enter__(self) -> _CallRecord:
         self.start = time.perf_counter()
         self.metrics.in_flight.inc()
         return self

@@ -114,7 +114,7 @@ class GrpcServer:
         await self._health.enter_graceful_shutdown()
         await self._server.stop(self.settings.shutdown_grace_s)
 
-    async def __aenter__(self) -> "GrpcServer":
+    async def __aenter__(self) -> GrpcServer:
         await self.start()
         return self
 

@@ -12,8 +12,6 @@ import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from opml_common.errors import InvalidArgument, NotFound
-
 from opml_bundle_store.core.layout import ContextDir, atomic_write
 from opml_bundle_store.core.model import (
     Bundle,
@@ -25,6 +23,7 @@ from opml_bundle_store.core.model import (
     validate_bundle_name,
     validate_context_id,
 )
+from opml_common.errors import InvalidArgument, NotFound
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ Protobuf only (no grpc): the servicer converts replies with it and the core buil
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from google.protobuf.timestamp_pb2 import Timestamp
 from opml.bundles.v1 import bundles_pb2 as pb
@@ -32,12 +32,12 @@ def _timestamp(moment: datetime | None) -> Timestamp | None:
     if moment is None:
         return None
     stamp = Timestamp()
-    stamp.FromDatetime(moment.astimezone(timezone.utc))
+    stamp.FromDatetime(moment.astimezone(UTC))
     return stamp
 
 
 def _datetime(stamp: Timestamp, present: bool) -> datetime | None:
-    return stamp.ToDatetime(tzinfo=timezone.utc) if present else None
+    return stamp.ToDatetime(tzinfo=UTC) if present else None
 
 
 def lineage_to_proto(lineage: Lineage) -> pb.Lineage:

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from opml.bundles.v1 import events_pb2
-from opml_common.events import EventEmitter
 
 from opml_bundle_store.core.convert import bundle_to_proto
 from opml_bundle_store.core.model import Bundle
+from opml_common.events import EventEmitter
 
 
 class BundleEvents:

@@ -32,8 +32,6 @@ from pathlib import Path
 from typing import Any
 
 from minio import Minio
-from opml_common.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound
-from opml_common.events import EventEmitter
 
 from opml_bundle_store.core import gc
 from opml_bundle_store.core.context import ContextState, load_context
@@ -65,6 +63,8 @@ from opml_bundle_store.core.remote import S3Remote
 from opml_bundle_store.core.sync import ProgressCallback, RemoteSync
 from opml_bundle_store.core.transfer import TransferSettings
 from opml_bundle_store.core.writer import READ_CHUNK, BundleWriter
+from opml_common.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from opml_common.events import EventEmitter
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from opml_common.errors import DataLoss, FailedPrecondition, InvalidArgument
-
 from opml_bundle_store.core.context import ContextState
 from opml_bundle_store.core.events import BundleEvents
 from opml_bundle_store.core.model import (
@@ -33,6 +31,7 @@ from opml_bundle_store.core.transfer import (
     TransferSettings,
     Uploader,
 )
+from opml_common.errors import DataLoss, FailedPrecondition, InvalidArgument
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,6 @@ import uuid as uuid_mod
 from collections.abc import Iterable
 from pathlib import Path
 
-from opml_common.errors import FailedPrecondition, InvalidArgument
-
 from opml_bundle_store.core.context import ContextState
 from opml_bundle_store.core.events import BundleEvents
 from opml_bundle_store.core.layout import fsync_dir, make_durable
@@ -28,6 +26,7 @@ from opml_bundle_store.core.model import (
     validate_media_type,
     validate_sha256,
 )
+from opml_common.errors import FailedPrecondition, InvalidArgument
 
 READ_CHUNK = 1024 * 1024
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from opml_bundle_store.client import BundleStoreClient
 from opml_common.errors import InvalidArgument, NotFound
-
 from opml_inference_router.control.state import Source
 
 

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnxruntime as ort
+
 from opml_common.errors import FailedPrecondition, NotFound
 from opml_common.metrics import ServiceMetrics
 from opml_common.retry import Backoff
-
 from opml_inference_router.control.workers import WorkerClient
 from opml_inference_router.placement import Fleet, FleetConfig, Worker
 from opml_inference_router.worker.process import MAX_UDS_PATH, WorkerProcess

@@ -24,11 +24,12 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from opml_common.metrics import ServiceMetrics
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+
+from opml_common.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 

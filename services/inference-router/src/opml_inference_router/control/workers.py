@@ -12,11 +12,11 @@ import json
 from pathlib import Path
 
 import grpc
-from opml_common.errors import OpmlError, Unavailable
-from opml_common.grpc.client import domain_error
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
+from opml_common.errors import OpmlError, Unavailable
+from opml_common.grpc.client import domain_error
 from opml_inference_router.placement import Profile
 
 LOAD_TIMEOUT_S = 120.0

@@ -12,9 +12,9 @@ import struct
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from opml_common.errors import InvalidArgument
 from tritonclient.grpc import service_pb2 as pb
 
+from opml_common.errors import InvalidArgument
 from opml_inference_router.kserve.datatypes import BY_KSERVE, DATATYPES, Datatype, of_array
 from opml_inference_router.kserve.validation import (
     check_input,

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from opml_common.errors import InvalidArgument
-
 from opml_inference_router.kserve.datatypes import kserve_name
 from opml_inference_router.placement.config import ModelConfig, TensorSpec
 

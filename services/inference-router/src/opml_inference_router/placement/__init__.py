@@ -21,8 +21,8 @@ from opml_inference_router.placement.config import (
 )
 from opml_inference_router.placement.fleet import Fleet, Occupancy, Worker, WorkerRoom
 from opml_inference_router.placement.latency import (
-    BatchQueueModel,
     Batching,
+    BatchQueueModel,
     LatencyModel,
     ServiceCurve,
     batch_caps,
@@ -32,8 +32,8 @@ from opml_inference_router.placement.moves import (
     Action,
     AddReplica,
     RemoveReplica,
-    ResizeReplica,
     Replica,
+    ResizeReplica,
     WaitReady,
     check_moves,
     plan_moves,

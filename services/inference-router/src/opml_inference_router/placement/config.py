@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Self, TypeVar, get_args
 
 import yaml
-from opml_common.errors import InvalidArgument, NotFound
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -32,6 +31,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from opml_common.errors import InvalidArgument, NotFound
 
 Precision = Literal["fp32", "fp16", "bf16", "int8"]
 """Numeric precision a model may be served in and a pool kind can run."""

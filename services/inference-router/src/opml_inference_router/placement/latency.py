@@ -15,7 +15,6 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from opml_common.errors import InvalidArgument
-
 from opml_inference_router.placement.config import PoolKind
 from opml_inference_router.placement.profile import Profile
 

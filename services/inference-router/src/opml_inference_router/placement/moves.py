@@ -19,7 +19,6 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
 
 from opml_common.errors import FailedPrecondition, OpmlError
-
 from opml_inference_router.placement.config import ModelVersion
 from opml_inference_router.placement.fleet import Fleet, Occupancy
 from opml_inference_router.placement.plan import Plan

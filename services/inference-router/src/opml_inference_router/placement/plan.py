@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from opml_common.errors import InvalidArgument
-
 from opml_inference_router.placement.config import ModelConfig, ModelVersion, Precision
 from opml_inference_router.placement.fleet import Fleet
 

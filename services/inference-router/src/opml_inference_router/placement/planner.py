@@ -12,12 +12,11 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from opml_common.errors import InvalidArgument, OpmlError
-
 from opml_inference_router.placement.config import ModelVersion
 from opml_inference_router.placement.fleet import Fleet, Occupancy
 from opml_inference_router.placement.latency import (
-    BatchQueueModel,
     Batching,
+    BatchQueueModel,
     LatencyModel,
     ServiceCurve,
     calibration_factor,

@@ -16,7 +16,6 @@ from types import MappingProxyType
 from typing import Any
 
 from opml_common.errors import AlreadyExists, InvalidArgument
-
 from opml_inference_router.placement.config import PRECISIONS, ModelVersion, Precision
 
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import asyncio
 
-from opml_common.errors import OpmlError
 from tritonclient.grpc import service_pb2 as pb
 
+from opml_common.errors import OpmlError
 from opml_inference_router.routing.errors import ReplicaFailed
 from opml_inference_router.routing.replicas import Replica
 

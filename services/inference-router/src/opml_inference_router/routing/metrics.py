@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from opml_common.metrics import ServiceMetrics
-
 from opml_inference_router.routing.replicas import ReplicaState
 
 

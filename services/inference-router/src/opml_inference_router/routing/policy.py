@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from opml_common.errors import InvalidArgument
-
 from opml_inference_router.placement.config import ModelConfig
 
 

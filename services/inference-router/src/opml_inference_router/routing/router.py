@@ -27,7 +27,6 @@ from typing import Any
 
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, OpmlError, Unavailable
 from opml_common.metrics import ServiceMetrics
-
 from opml_inference_router.routing import wire
 from opml_inference_router.routing.admission import ConcurrencyLimiter, Shed
 from opml_inference_router.routing.canary import TrafficSplit

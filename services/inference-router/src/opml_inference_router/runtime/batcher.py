@@ -23,8 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
-from opml_common.errors import Unavailable
 
+from opml_common.errors import Unavailable
 from opml_inference_router.runtime.metrics import BatchStats, ReplicaMetrics
 from opml_inference_router.runtime.replica import Replica, Tensors
 

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from opml_common.errors import InvalidArgument, NotFound
-
 from opml_inference_router.placement.config import ModelConfig, load_model_config
 
 CONFIG_FILE = "model.yaml"

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import psutil
-from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, OpmlError, ResourceExhausted
 
+from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, OpmlError, ResourceExhausted
 from opml_inference_router.placement.config import ModelVersion, PoolKind
 from opml_inference_router.runtime.batcher import DynamicBatcher
 from opml_inference_router.runtime.bundle import ModelBundle, load_bundle

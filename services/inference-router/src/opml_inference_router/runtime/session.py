@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
-from opml_common.errors import FailedPrecondition, InvalidArgument
 
+from opml_common.errors import FailedPrecondition, InvalidArgument
 from opml_inference_router.kserve.datatypes import BY_ONNX
 from opml_inference_router.kserve.validation import expected_form, expected_shape
 from opml_inference_router.placement.config import ModelConfig, PoolKind

@@ -18,19 +18,19 @@ import os
 import sys
 from pathlib import Path
 
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
 from opml_common.config import PlatformSettings
 from opml_common.errors import InvalidArgument, OpmlError
 from opml_common.grpc.server import GrpcServer, ServiceRegistration, wait_for_signal
 from opml_common.logging import configure_logging
 from opml_common.metrics import ServiceMetrics
-from tritonclient.grpc import service_pb2, service_pb2_grpc
-
 from opml_inference_router import package_version
+from opml_inference_router.kserve.roles import INFERENCE_METHOD_ROLES
 from opml_inference_router.placement.config import PoolKind, load_fleet_config
 from opml_inference_router.runtime import ModelRepository, WorkerMetrics, require_provider, thread_share
 from opml_inference_router.worker import uds
 from opml_inference_router.worker.process import MAX_UDS_PATH
-from opml_inference_router.kserve.roles import INFERENCE_METHOD_ROLES
 from opml_inference_router.worker.servicer import WorkerServicer
 from opml_inference_router.worker.settings import WorkerSettings
 

@@ -58,7 +58,7 @@ class WorkerProcess:
         """The address a router on this machine should use: the Unix socket when served, else TCP."""
         return self.uds_target or self.target
 
-    def start(self) -> "WorkerProcess":
+    def start(self) -> WorkerProcess:
         if self.process is not None and self.process.poll() is None:
             return self
         args = [sys.executable, "-m", MODULE, "--pool-kind", self.pool_kind, "--fleet", str(self.fleet),
@@ -115,7 +115,7 @@ class WorkerProcess:
         if self.process is not None and self.process.stdout is not None:
             self.process.stdout.close()
 
-    def __enter__(self) -> "WorkerProcess":
+    def __enter__(self) -> WorkerProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

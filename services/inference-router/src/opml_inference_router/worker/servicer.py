@@ -21,11 +21,11 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from opml_common.errors import InvalidArgument, NotFound
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
+from opml_common.errors import InvalidArgument, NotFound
 from opml_inference_router.kserve import decode_inputs, encode_response, expected_shape, kserve_name
 from opml_inference_router.runtime import ModelRepository, Served, to_profile
 from opml_inference_router.runtime.bundle import write_bundle

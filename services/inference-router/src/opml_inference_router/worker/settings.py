@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from opml_common.config import ServiceSettings
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
+
+from opml_common.config import ServiceSettings
 
 
 class WorkerSettings(ServiceSettings):

@@ -34,9 +34,10 @@ from pathlib import Path
 
 import grpc
 from google.protobuf.message import DecodeError
+from tritonclient.grpc import service_pb2 as pb
+
 from opml_common.errors import OpmlError
 from opml_common.metrics import ServiceMetrics
-from tritonclient.grpc import service_pb2 as pb
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from types import MappingProxyType, TracebackType
 from typing import Any
 
 from opml_common.errors import InvalidArgument
-
 from opml_job_orchestrator.scheduler.model import ROLE_NAMES, JobSpec
+
 # The executors check a placement as the scheduler does when it adopts a run.
 from opml_job_orchestrator.scheduler.scheduler import check_placement as check_placement
 

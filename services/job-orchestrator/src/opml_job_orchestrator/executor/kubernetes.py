@@ -49,7 +49,6 @@ from pathlib import Path
 from typing import Any
 
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-
 from opml_job_orchestrator.executor.base import (
     ExecutorEvent,
     JobOutcome,

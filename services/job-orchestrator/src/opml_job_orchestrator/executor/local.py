@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from opml_common.errors import InvalidArgument, NotFound
-
 from opml_job_orchestrator.executor.base import (
     CheckpointEvent,
     ExecutorEvent,

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 from opml_common.errors import InvalidArgument
 from opml_common.retry import Backoff
-
 from opml_job_orchestrator.executor.base import check_seconds
 
 

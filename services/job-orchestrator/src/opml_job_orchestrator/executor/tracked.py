@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from opml_common.errors import FailedPrecondition, NotFound
-
 from opml_job_orchestrator.executor.base import (
     Executor,
     ExecutorEvent,

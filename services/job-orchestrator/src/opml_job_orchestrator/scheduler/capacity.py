@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from opml_common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-
 from opml_job_orchestrator.scheduler.model import RESOURCE_DIMENSIONS, JobSpec, Resources, validate_resources
 
 Assignment = tuple[tuple[str, Resources], ...]

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from opml_common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, OpmlError
-
 from opml_job_orchestrator.scheduler.capacity import Cluster
 from opml_job_orchestrator.scheduler.model import JobClass, JobSpec, Resources
 from opml_job_orchestrator.scheduler.policies import SchedulingPolicy

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from opml_common.errors import InvalidArgument
-
 from opml_job_orchestrator.scheduler.capacity import NodeSpec
 from opml_job_orchestrator.scheduler.model import JobClass, JobSpec, Resources, RoleSpec
 

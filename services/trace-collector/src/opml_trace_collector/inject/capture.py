@@ -36,7 +36,7 @@ class Capture:
 
     request: CaptureRequest
     recorder: Recorder
-    on_stopped: Callable[["Capture"], None]
+    on_stopped: Callable[[Capture], None]
     state: str = "armed"
     reason: str = ""
     logdir: Path | None = None

@@ -22,10 +22,10 @@ from opml_common.bus import CloudEvent, EventPublisher
 from opml_common.config import PlatformSettings
 from opml_common.metrics import ServiceMetrics
 from opml_common.outbox import Outbox
-from opml_trace_collector.topics import TRACES
 from opml_trace_collector.inject import spool
 from opml_trace_collector.inject.settings import TracerSettings
 from opml_trace_collector.session import record_to_line
+from opml_trace_collector.topics import TRACES
 
 _CONNECT_TIMEOUT_S = 5.0
 
@@ -103,13 +103,13 @@ class Sender:
     async def _close(self, timeout_s: float) -> None:
         try:
             await asyncio.wait_for(self.deliver(), timeout_s)
-        except (asyncio.TimeoutError, Exception):  # noqa: BLE001
+        except (TimeoutError, Exception):  # noqa: BLE001
             pass
         for task in [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]:
             task.cancel()
         try:
             await asyncio.wait_for(self._publisher.stop(), 1)
-        except (asyncio.TimeoutError, Exception):  # noqa: BLE001
+        except (TimeoutError, Exception):  # noqa: BLE001
             pass
         if self._session is not None:
             self._session.close()

@@ -21,9 +21,9 @@ from types import ModuleType
 
 import psutil
 from google.protobuf.timestamp_pb2 import Timestamp
+from opml.traces.v1 import events_pb2 as pb
 from pydantic import ValidationError
 
-from opml.traces.v1 import events_pb2 as pb
 from opml_common.config import PlatformSettings
 from opml_common.storage import s3_client
 from opml_trace_collector.inject import capture as capture_mod
