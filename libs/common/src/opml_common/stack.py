@@ -226,9 +226,63 @@ class StateFile:
 
     def __call__(self, snapshot: Sequence[tuple[Part, PartStatus]]) -> None:
         parts = [{**status.as_dict(), "ports": dict(part.ports), "version": part.version,
-                  "log_path": str(part.log_path), "probe": dict(part.probe)} for part, status in snapshot]
+                  "log_path": str(part.log_path), "probe": dict(part.probe), "command": _command(part)}
+                 for part, status in snapshot]
         document = {**self.meta, "updated_at": _now(), "parts": parts}
         write_json_atomically(self.path, document)
+
+
+def _command(part: Part) -> list[str]:
+    """The part's running command line, so a later stack can tell its process from a reused pid."""
+    popen = part.popen()
+    return [str(arg) for arg in popen.args] if popen is not None and isinstance(popen.args, list | tuple) else []
+
+
+def stop_leftovers(state_dir: Path, *, grace_s: float = 10.0) -> list[str]:
+    """Stop what a stack that was killed (SIGKILL, OOM) left running: each part of its last state file
+    whose pid still runs the recorded command line (read from /proc, so a pid the kernel gave to another
+    program is left alone) gets SIGTERM to its process group, then SIGKILL after ``grace_s``. Returns
+    the names stopped. A no-op while the stack that wrote the file still runs."""
+    config = StackConfig(state_dir=state_dir)
+    if config.pid_file.exists() and _alive(int(config.pid_file.read_text() or 0)):
+        return []
+    try:
+        parts = json.loads(config.state_file.read_text()).get("parts", [])
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+    left = {part["name"]: part["pid"] for part in parts
+            if part.get("pid") and part.get("command") and _runs(part["pid"], part["command"])}
+    for pid in left.values():
+        _signal_group(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while any(_alive(pid) and not _zombie(pid) for pid in left.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left.values():
+        if _alive(pid) and not _zombie(pid):
+            _signal_group(pid, signal.SIGKILL)
+    return sorted(left)
+
+
+def _runs(pid: int, command: Sequence[str]) -> bool:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1] == [arg.encode() for arg in command]
+    except OSError:
+        return False
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].startswith("Z")
+    except (OSError, IndexError):
+        return True
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    """Every part runs in a session of its own (its pid is its group's), so the group takes its children too."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def write_json_atomically(path: Path, document: object) -> None:
@@ -259,6 +313,9 @@ def up(main_job: Path | None, config: StackConfig = StackConfig()) -> int:
         print(f"the stack already runs (pid {config.pid_file.read_text()}); `make down` stops it")
         return 1
     config.state_dir.mkdir(parents=True, exist_ok=True)
+    stopped = stop_leftovers(config.state_dir)
+    if stopped:
+        print(f"stopped what an earlier stack left running: {', '.join(stopped)}")
     config.pid_file.write_text(str(os.getpid()))
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `make down` stops us like Ctrl-C
     infra = DevInfra(workdir=config.state_dir / "infra", kafka_port=0 if config.free_ports else config.kafka_port,
@@ -317,6 +374,9 @@ def down(state_dir: Path = STATE_DIR, timeout_s: float = 60.0) -> int:
     if not pid_file.exists():
         print("the stack is not running")
         return 0
+    stopped = stop_leftovers(state_dir)  # the stack was killed: what it started may still run
+    if stopped:
+        print(f"the stack was gone; stopped what it left running: {', '.join(stopped)}")
     pid = int(pid_file.read_text() or 0)
     if pid and _alive(pid):
         os.kill(pid, signal.SIGTERM)
