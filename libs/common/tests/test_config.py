@@ -40,6 +40,7 @@ def test_prod_refuses_the_public_dev_s3_secret(monkeypatch) -> None:
     with pytest.raises(ValidationError, match="OPML_S3_SECRET_KEY must be set"):
         PlatformSettings()
     monkeypatch.setenv("OPML_S3_SECRET_KEY", "a-real-secret")
+    monkeypatch.setenv("OPML_KAFKA_ALLOW_PLAINTEXT", "true")  # prod's Kafka rule: test_bus_security.py
     assert PlatformSettings().env == "prod"
 
 

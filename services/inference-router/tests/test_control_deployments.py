@@ -295,10 +295,17 @@ async def test_a_measured_p99_above_the_slo_re_places_the_model(deployments, tmp
 
 async def test_autodeploy_acts_only_on_commits_tagged_serve_and_reports_bad_ones(deployments) -> None:
     manager, emitted = deployments.manager, deployments.emitted
-    handle = AutoDeployer(manager)
+    stored: dict[str, bundles_pb2.Bundle] = {}
+
+    class Store:  # the bundle-store autodeploy re-reads: it agrees with each event here
+        async def get_bundle(self, context: str, ref: str) -> bundles_pb2.Bundle:
+            return stored[ref]
+
+    handle = AutoDeployer(manager, bundles=Store())
 
     def committed(tags: dict[str, str]) -> CloudEvent:
         bundle = bundles_pb2.Bundle(context="lab", bundle_name="clf", uuid=f"u-{len(tags)}", tags=tags, committed=True)
+        stored[bundle.uuid] = bundle
         return CloudEvent.from_proto(bundle_events.BundleCommitted(bundle=bundle), source="test", subject="clf")
 
     await handle(committed({"stage": "candidate"}))  # not for serving

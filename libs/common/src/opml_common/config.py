@@ -8,6 +8,7 @@ variable named, not later in a request. docs/configuration.md lists every variab
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -73,6 +74,60 @@ class PlatformSettings(BaseSettings):
             raise ValueError("OPML_S3_SECRET_KEY must be set when OPML_ENV=prod (the dev default is public)")
         parse_tokens(self.auth_tokens.get_secret_value())  # validates the syntax at start-up
         return self
+
+    # --- Kafka security (SASL and TLS), used by every client through opml_common.bus.security ---------
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        "PLAINTEXT", description="How clients talk to the brokers: PLAINTEXT (the embedded tansu), SSL (TLS), "
+        "SASL_PLAINTEXT or SASL_SSL (SASL authentication, without or with TLS). OPML_ENV=prod refuses PLAINTEXT "
+        "unless `kafka_allow_plaintext` is set.")
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = Field(
+        "SCRAM-SHA-512", description="SASL mechanism when the protocol is SASL_*. PLAIN sends the password as "
+        "it is: use it only with SASL_SSL.")
+    kafka_sasl_username: str = Field("", description="SASL user of this service (required with SASL_*).")
+    kafka_sasl_password: SecretStr = Field(
+        SecretStr(""), description="SASL password of this service (required with SASL_*; never logged).")
+    kafka_ssl_cafile: str = Field(
+        "", description="PEM file of the CAs that sign the brokers' certificates (SSL, SASL_SSL); empty: the "
+        "system's CAs. Must exist.")
+    kafka_ssl_certfile: str = Field(
+        "", description="PEM client certificate for TLS client authentication (SSL, SASL_SSL). Must exist.")
+    kafka_ssl_keyfile: str = Field(
+        "", description="PEM private key of `kafka_ssl_certfile` (SSL, SASL_SSL). Must exist.")
+    kafka_allow_plaintext: bool = Field(
+        False, description="Let OPML_ENV=prod talk to Kafka over PLAINTEXT (no authentication, no encryption): "
+        "only for a broker on a network nobody else can reach.")
+
+    @field_validator("kafka_ssl_cafile", "kafka_ssl_certfile", "kafka_ssl_keyfile")
+    @classmethod
+    def _kafka_file_exists(cls, value: str) -> str:
+        if value and not Path(value).expanduser().is_file():
+            raise ValueError(f"must be an existing file, but {value!r} is not a file")
+        return str(Path(value).expanduser()) if value else value
+
+    @model_validator(mode="after")
+    def _kafka_security_is_consistent(self) -> PlatformSettings:
+        protocol = self.kafka_security_protocol
+        if protocol.startswith("SASL_"):
+            missing = [name for name, value in (("OPML_KAFKA_SASL_USERNAME", self.kafka_sasl_username),
+                                                ("OPML_KAFKA_SASL_PASSWORD", self.kafka_sasl_password.get_secret_value()))
+                       if not value]
+            if missing:
+                raise ValueError(f"{' and '.join(missing)} must be set when OPML_KAFKA_SECURITY_PROTOCOL={protocol}")
+        if not protocol.endswith("SSL"):
+            given = [name for name, value in (("OPML_KAFKA_SSL_CAFILE", self.kafka_ssl_cafile),
+                                              ("OPML_KAFKA_SSL_CERTFILE", self.kafka_ssl_certfile),
+                                              ("OPML_KAFKA_SSL_KEYFILE", self.kafka_ssl_keyfile)) if value]
+            if given:
+                raise ValueError(f"{', '.join(given)} only apply to OPML_KAFKA_SECURITY_PROTOCOL=SSL or SASL_SSL, "
+                                 f"but it is {protocol}")
+        if self.kafka_ssl_keyfile and not self.kafka_ssl_certfile:
+            raise ValueError("OPML_KAFKA_SSL_KEYFILE needs OPML_KAFKA_SSL_CERTFILE (the certificate of that key)")
+        if self.env == "prod" and protocol == "PLAINTEXT" and not self.kafka_allow_plaintext:
+            raise ValueError("OPML_KAFKA_SECURITY_PROTOCOL=PLAINTEXT is refused when OPML_ENV=prod (anyone who "
+                             "reaches the broker could forge events): use SASL_SSL, SSL or SASL_PLAINTEXT, or set "
+                             "OPML_KAFKA_ALLOW_PLAINTEXT=true for a broker nobody else can reach")
+        return self
+    # --- end of Kafka security --------------------------------------------------------------------------
 
     def tokens(self) -> dict[str, frozenset[str]]:
         """The bearer tokens and the roles each one carries."""

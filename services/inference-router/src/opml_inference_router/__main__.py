@@ -18,7 +18,7 @@ from opml_common.process import ServiceSpec
 from opml_common.service import ServiceContext, run_service
 from opml_inference_router import frontend
 from opml_inference_router.control import DeploymentManager, DeploymentStore, Observer, PoolManager
-from opml_inference_router.control.autodeploy import GROUP, AutoDeployer
+from opml_inference_router.control.autodeploy import GROUP, SOURCES, AutoDeployer
 from opml_inference_router.control.bundles import BundleFetcher
 from opml_inference_router.control.worker_metrics import register_worker_metrics  # workers' metrics on ours
 from opml_inference_router.placement import load_fleet_config
@@ -51,13 +51,14 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
     predictions = await service.start(PredictionLog(await service.publisher(), metrics,
                                                      senders=settings.prediction_senders))
     bundle_token = settings.bundle_store_token.get_secret_value() or None
+    fetcher = BundleFetcher(settings.bundle_store_target, settings.home, token=bundle_token)
     manager = await service.start(DeploymentManager(
-        pools=pools, router=router, observer=Observer(metrics.registry),
-        fetcher=BundleFetcher(settings.bundle_store_target, settings.home, token=bundle_token),
+        pools=pools, router=router, observer=Observer(metrics.registry), fetcher=fetcher,
         store=DeploymentStore(service.redis(), prefix=platform.redis_prefix), events=await service.emitter(),
         replan_interval_s=settings.replan_interval_s))
     if settings.autodeploy:
-        consumer = EventConsumer(platform, group_id=GROUP, topics=[BUNDLES], handler=AutoDeployer(manager),
+        consumer = EventConsumer(platform, group_id=GROUP, topics=[BUNDLES], sources=SOURCES,
+                                 handler=AutoDeployer(manager, bundles=fetcher),
                                  metrics=metrics, publisher=await service.publisher(),
                                  dedup=RedisDeduplicator(service.redis(), prefix=platform.redis_prefix, group=GROUP))
         service.run_in_background(consumer.run, stop=consumer.stop, name="autodeploy")

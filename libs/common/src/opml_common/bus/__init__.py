@@ -4,14 +4,16 @@
 * :func:`ensure_topics` — create topics and their dead-letter topics at start-up.
 * :class:`EventPublisher` — publish with acks=all and wait for the ack.
 * :class:`EventConsumer` — consumer group loop: dedup, handler, retries, dead-letter topic, commit.
+* :func:`kafka_client_kwargs` — the SASL/TLS arguments every Kafka client is built with.
 * :class:`RedisDeduplicator` — handled event ids in Redis (``mark_in`` for exactly-once effects).
 """
 
 from opml_common.bus.admin import ensure_topics
 from opml_common.bus.cloudevents import CloudEvent, MalformedEvent
-from opml_common.bus.consumer import EventConsumer, Handler, is_retriable
+from opml_common.bus.consumer import EventConsumer, Handler, UntrustedSource, is_retriable
 from opml_common.bus.dedup import RedisDeduplicator
 from opml_common.bus.producer import EventPublisher, PublishFailed
+from opml_common.bus.security import kafka_client_kwargs
 
 __all__ = [
     "CloudEvent",
@@ -21,6 +23,8 @@ __all__ = [
     "MalformedEvent",
     "PublishFailed",
     "RedisDeduplicator",
+    "UntrustedSource",
     "ensure_topics",
     "is_retriable",
+    "kafka_client_kwargs",
 ]

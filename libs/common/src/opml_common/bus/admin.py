@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
 
+from opml_common.bus.security import describe, kafka_client_kwargs
 from opml_common.config import PlatformSettings
 from opml_common.errors import OpmlError, Unavailable
 from opml_common.topics import Topic
@@ -46,12 +47,12 @@ async def ensure_topics(
     if not wanted:
         return
 
-    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap, request_timeout_ms=request_timeout_ms)
+    admin = AIOKafkaAdminClient(**kafka_client_kwargs(settings), request_timeout_ms=request_timeout_ms)
     try:
         await admin.start()
     except Exception as exc:
         await admin.close()
-        raise Unavailable(f"cannot reach the Kafka broker at {settings.kafka_bootstrap}: {exc}") from exc
+        raise Unavailable(f"cannot reach the Kafka broker at {describe(settings)}: {exc}") from exc
     try:
         try:
             response = await admin.create_topics(

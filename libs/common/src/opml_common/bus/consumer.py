@@ -16,6 +16,7 @@ from aiokafka.structs import ConsumerRecord
 from opml_common.bus.cloudevents import CloudEvent
 from opml_common.bus.dedup import RedisDeduplicator
 from opml_common.bus.producer import EventPublisher
+from opml_common.bus.security import describe, kafka_client_kwargs
 from opml_common.config import PlatformSettings
 from opml_common.errors import FailedPrecondition, Unavailable
 from opml_common.metrics import ServiceMetrics
@@ -29,6 +30,7 @@ Handler = Callable[[CloudEvent], Awaitable[None]]
 # Errors worth retrying even though they carry no ``retriable`` flag: the network and Redis.
 _TRANSIENT = (ConnectionError, TimeoutError, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 _MAX_ERROR_HEADER = 4000  # characters of the error message kept in the opml_error header
+_MAX_SOURCE_SHOWN = 200  # characters of a refused event's source quoted in the dead-letter reason
 _POLL_TIMEOUT_MS = 200  # how long one poll waits for records; bounds how fast stop() is noticed when idle
 
 
@@ -43,6 +45,15 @@ def is_retriable(exc: BaseException) -> bool:
     if isinstance(flag, bool):
         return flag
     return isinstance(exc, _TRANSIENT)
+
+
+class UntrustedSource(Exception):
+    """An event's ``ce_source`` is not in the consumer's ``sources``: it is not handled but dead-lettered.
+
+    Never retriable (the same record has the same source every time). The message names the source.
+    """
+
+    retriable = False
 
 
 class _Outcome:
@@ -86,6 +97,16 @@ class EventConsumer:
         ``opml_<service>_consumer_lag{topic,partition}`` (high watermark minus the next offset to
         handle, after each poll).
 
+    Sources: with ``sources`` (keyword-only; e.g. ``frozenset({"opml/bundle-store"})``), an event
+    whose ``ce_source`` is not in the set is never handed to ``handler`` (nor checked against or marked
+    in ``dedup``): it goes to the dead-letter topic at once with :class:`UntrustedSource` as its
+    ``opml_error`` (which names the source), is counted in ``opml_<service>_events_untrusted_total{topic}``
+    and ``events_handled_total{outcome="dead_lettered"}``, and the partition flows on. Anyone who can
+    write to a topic can set any ``ce_source``, so this keeps out the writers who are not the platform's
+    services only where the broker's ACLs let only the owning service write the topic; a handler still
+    treats an event as a hint and re-reads what it acts on from the service that owns it.
+    ``None`` (the default) accepts every source.
+
     Rebalances: when partitions are revoked, the group waits until the record in hand is handled
     and committed; records fetched before the rebalance are then dropped (their new owner reads
     them from the committed offset).
@@ -108,6 +129,7 @@ class EventConsumer:
         publisher: EventPublisher | None = None,
         max_backoff_s: float = 30.0,
         max_poll_records: int = 100,
+        sources: frozenset[str] | None = None,
     ) -> None:
         if not group_id:
             raise ValueError("EventConsumer `group_id` must be non-empty, but got ''")
@@ -120,6 +142,10 @@ class EventConsumer:
                              f"{backoff_s} and {max_backoff_s}")
         if max_poll_records < 1:
             raise ValueError(f"EventConsumer `max_poll_records` must be >= 1, but got {max_poll_records}")
+        if sources is not None and (isinstance(sources, str) or not sources or not all(sources)):
+            raise ValueError(f"EventConsumer `sources` must be None or a non-empty set of CloudEvents sources, "
+                             f"but got {sources!r}")
+        self.sources = frozenset(sources) if sources is not None else None
         self.settings = settings
         self.group_id = settings.topic_prefix + group_id
         self.topics = {topic.full_name(settings.topic_prefix): topic for topic in topics}
@@ -142,6 +168,11 @@ class EventConsumer:
         )
         self._duration = metrics.histogram(
             "event_handler_duration_seconds", "Time one handler call took, by topic and event type.", ("topic", "type")
+        )
+        self._untrusted = metrics.counter(
+            "events_untrusted_total",
+            "Events refused (and dead-lettered) because their CloudEvents source is not one this consumer "
+            "accepts, by topic.", ("topic",),
         )
         self._lag = metrics.gauge(
             "consumer_lag", "Records not yet handled: high watermark minus the next offset.", ("topic", "partition")
@@ -174,7 +205,7 @@ class EventConsumer:
                 self._stopping.clear()
             await self._publisher.start()
             consumer = AIOKafkaConsumer(
-                bootstrap_servers=self.settings.kafka_bootstrap,
+                **kafka_client_kwargs(self.settings),
                 group_id=self.group_id,
                 client_id=f"opml-consumer-{self.group_id}",
                 enable_auto_commit=False,
@@ -192,7 +223,7 @@ class EventConsumer:
                     await self._publisher.stop()
                 if isinstance(exc, Exception):
                     raise Unavailable(
-                        f"consumer group {self.group_id} could not join at {self.settings.kafka_bootstrap}: {exc}"
+                        f"consumer group {self.group_id} could not join at {describe(self.settings)}: {exc}"
                     ) from exc
                 raise
             self._consumer = consumer
@@ -307,6 +338,7 @@ class EventConsumer:
             try:
                 event = CloudEvent.from_kafka(record.headers, record.value, timestamp_ms=record.timestamp)
                 event_type = event.type
+                self._check_source(event, topic)
                 if self.dedup is not None and await self.dedup.seen(event.id):
                     outcome = _Outcome.DUPLICATE
                 else:
@@ -338,6 +370,15 @@ class EventConsumer:
                 break
         self._handled.labels(topic=topic, type=event_type, outcome=outcome).inc()
         return True
+
+    def _check_source(self, event: CloudEvent, topic: str) -> None:
+        """Refuse an event whose source is not allowed (before dedup, so a forged event marks nothing)."""
+        if self.sources is None or event.source in self.sources:
+            return
+        self._untrusted.labels(topic=topic).inc()
+        shown = event.source if len(event.source) <= _MAX_SOURCE_SHOWN else event.source[:_MAX_SOURCE_SHOWN] + "..."
+        raise UntrustedSource(f"ce_source {shown!r} is not a source consumer group {self.group_id} accepts "
+                              f"(accepted: {', '.join(sorted(self.sources))}); the event was not handled")
 
     async def _mark(self, event_id: str) -> None:
         """Mark the event handled. The effect is done: a failing mark is retried on its own (not with

@@ -12,6 +12,7 @@ from aiokafka.errors import KafkaError
 from google.protobuf.message import Message
 
 from opml_common.bus.cloudevents import CloudEvent
+from opml_common.bus.security import describe, kafka_client_kwargs
 from opml_common.config import PlatformSettings
 from opml_common.errors import FailedPrecondition, OpmlError, Unavailable
 from opml_common.metrics import ServiceMetrics
@@ -78,7 +79,7 @@ class EventPublisher:
             if self._producer is not None:
                 return
             producer = AIOKafkaProducer(
-                bootstrap_servers=self.settings.kafka_bootstrap,
+                **kafka_client_kwargs(self.settings),
                 acks="all",
                 enable_idempotence=self.settings.kafka_idempotence,
                 client_id=f"opml-publisher-{self.source}",
@@ -87,7 +88,7 @@ class EventPublisher:
                 await producer.start()
             except Exception as exc:
                 await producer.stop()
-                raise Unavailable(f"cannot reach the Kafka broker at {self.settings.kafka_bootstrap}: {exc}") from exc
+                raise Unavailable(f"cannot reach the Kafka broker at {describe(self.settings)}: {exc}") from exc
             self._producer = producer
 
     async def stop(self) -> None:

@@ -13,6 +13,8 @@ import shutil
 import uuid
 from pathlib import Path
 
+from opml.bundles.v1 import bundles_pb2
+
 from opml_bundle_store.client import BundleStoreClient
 from opml_common.errors import InvalidArgument, NotFound
 from opml_inference_router.control.state import Source
@@ -47,6 +49,20 @@ class BundleFetcher:
         if not source.context or not source.bundle:
             raise InvalidArgument("bundle", "must name a context and a bundle (name or UUID), or give a model_dir")
         return await asyncio.to_thread(self._download, source.context, bundle_uuid or source.bundle)
+
+    async def get_bundle(self, context: str, ref: str) -> bundles_pb2.Bundle:
+        """What the bundle-store says of bundle ``ref`` (a name or UUID) of ``context``: its tags,
+        committed flag and files. Autodeploy reads it before acting on an event, never the event's copy.
+
+        Raises:
+            NotFound: the context or bundle does not exist.
+            Unavailable: the bundle-store cannot be reached.
+        """
+        return await asyncio.to_thread(self._get_bundle, context, ref)
+
+    def _get_bundle(self, context: str, ref: str) -> bundles_pb2.Bundle:
+        with BundleStoreClient(self._target, token=self._token) as client:
+            return client.get_bundle(context, ref)
 
     def _download(self, context: str, ref: str) -> tuple[Path, str]:
         with BundleStoreClient(self._target, token=self._token) as client:
