@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One-shot init of the compose Kafka: a SCRAM-SHA-512 user per service and the ACLs that let only the
+# owning service write its topic (docs/security.md). Runs as the broker's super user `admin` (PLAIN,
+# from the broker's JAAS config); idempotent, so `docker compose up` may run it on every start.
+set -euo pipefail
+BOOTSTRAP=kafka:9092
+BIN=/opt/kafka/bin
+CONFIG=$(mktemp)
+trap 'rm -f "$CONFIG"' EXIT
+cat > "$CONFIG" <<PROPS
+security.protocol=SASL_PLAINTEXT
+sasl.mechanism=PLAIN
+sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required username="admin" password="${KAFKA_ADMIN_PASSWORD}";
+PROPS
+
+until "$BIN/kafka-broker-api-versions.sh" --bootstrap-server "$BOOTSTRAP" --command-config "$CONFIG" >/dev/null 2>&1; do
+  echo "waiting for kafka at $BOOTSTRAP"; sleep 2
+done
+
+user() {  # user NAME PASSWORD
+  "$BIN/kafka-configs.sh" --bootstrap-server "$BOOTSTRAP" --command-config "$CONFIG" --alter \
+    --entity-type users --entity-name "$1" --add-config "SCRAM-SHA-512=[iterations=8192,password=$2]" >/dev/null
+  echo "user $1"
+}
+acl() {  # acl PRINCIPAL --operation ... --topic|--group ...
+  local principal=$1; shift
+  "$BIN/kafka-acls.sh" --bootstrap-server "$BOOTSTRAP" --command-config "$CONFIG" --add --force \
+    --allow-principal "User:$principal" "$@" >/dev/null
+  echo "acl $principal $*"
+}
+owns() {  # owns SERVICE TOPIC: only SERVICE writes TOPIC (and creates it and its dead-letter topic)
+  acl "$1" --operation Write --operation Describe --operation Create --topic "$2"
+  acl "$1" --operation Describe --operation Create --topic "$2.dlq"
+}
+reads() {  # reads SERVICE TOPIC GROUP [prefixed]: SERVICE consumes TOPIC in GROUP, dead-letters to TOPIC.dlq
+  acl "$1" --operation Read --operation Describe --operation Create --topic "$2"
+  acl "$1" --operation Write --operation Describe --operation Create --topic "$2.dlq"
+  if [ "${4:-}" = prefixed ]; then
+    acl "$1" --operation Read --operation Describe --group "$3" --resource-pattern-type prefixed
+  else
+    acl "$1" --operation Read --operation Describe --group "$3"
+  fi
+}
+
+user bundle-store "$KAFKA_BUNDLE_STORE_PASSWORD"
+user job-orchestrator "$KAFKA_JOB_ORCHESTRATOR_PASSWORD"
+user inference-router "$KAFKA_INFERENCE_ROUTER_PASSWORD"
+user trace-collector "$KAFKA_TRACE_COLLECTOR_PASSWORD"
+user tracer "$KAFKA_TRACER_PASSWORD"  # the tracers inside jobs (the job-orchestrator hands it to jobs)
+
+owns bundle-store opml.bundles.v1
+owns job-orchestrator opml.jobs.v1
+owns inference-router opml.predictions.v1
+owns inference-router opml.deployments.v1
+reads inference-router opml.bundles.v1 inference-router-autodeploy
+acl tracer --operation Write --operation Describe --topic opml.traces.v1
+reads trace-collector opml.traces.v1 trace-collector. prefixed  # groups trace-collector.<generation>
+echo "kafka users and ACLs are in place"
