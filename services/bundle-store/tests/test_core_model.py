@@ -84,12 +84,21 @@ def test_valid_bundle_paths(value: str) -> None:
     assert validate_bundle_path(value) == value
 
 
-@pytest.mark.parametrize("value", ["", "/abs", "a//b", "a/", "../x", "a/../b", "./a", "a/.", "nul\x00"])
-def test_invalid_bundle_paths(value: str) -> None:
+@pytest.mark.parametrize("value, rule", [
+    *((value, "relative '/'-separated path") for value in ("", "/abs", "a//b", "a/", "../x", "a/../b", "./a", "a/.")),
+    ("nul\x00", "control characters"), ("line\nbreak", "control characters"), ("cr\r", "control characters"),
+    ("del\x7f", "control characters"), ("c1\x85", "control characters"), ("a\\b", "no backslash"),
+    ("..\\x", "no backslash"), ("d/" + "x" * 256, "at most 255 bytes"), ("\u00e9" * 128, "at most 255 bytes"),
+])
+def test_invalid_bundle_paths(value: str, rule: str) -> None:
     with pytest.raises(InvalidArgument) as caught:
         validate_bundle_path(value)
     assert caught.value.field == "path"
-    assert "relative '/'-separated path" in str(caught.value)
+    assert rule in str(caught.value)
+
+
+def test_segment_cap_is_255_utf8_bytes() -> None:
+    assert validate_bundle_path("x" * 255) and validate_bundle_path("\u00e9" * 127 + "x")
 
 
 def test_parse_remote_url() -> None:

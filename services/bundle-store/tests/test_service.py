@@ -42,7 +42,7 @@ def test_round_trip_across_two_contexts_with_events(bundle_store, admin: BundleS
     added = admin.add("plant-a", "classifier", files, values={"accuracy": 0.97, "epochs": 3, "ok": True},
                       tags={"stage": "candidate"}, commit=True)
     assert added.committed and {f.path: f.sha256 for f in added.files} == {p: _sha(d) for p, d in files.items()}
-    assert added.lineage.creator.startswith("token:")
+    assert added.lineage.creator not in ("", "anonymous")  # the server's name for the caller
 
     progress = list(admin.push("plant-a", added.uuid))
     assert progress[-1].done and [b.uuid for b in progress[-1].bundles] == [added.uuid]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import mimetypes
+import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -16,7 +17,9 @@ from opml.bundles.v1 import bundles_pb2 as pb
 from opml.bundles.v1 import bundles_pb2_grpc
 
 from opml_bundle_store.core.convert import value_to_proto
-from opml_bundle_store.core.model import Value
+from opml_bundle_store.core.layout import contained
+from opml_bundle_store.core.model import Value, path_violations
+from opml_common.errors import DataLoss
 from opml_common.grpc.client import ServiceClient, pages
 
 CHUNK_BYTES = 1024 * 1024
@@ -103,13 +106,37 @@ class BundleStoreClient(ServiceClient):
             yield chunk.data
 
     def download(self, context_id: str, ref: str, destination: Path) -> list[Path]:
-        """Write every file of the bundle under ``destination``, keeping the bundle's layout."""
+        """Write every file of the bundle under ``destination``, keeping the bundle's layout.
+
+        The store's answer is not trusted with the local disk: every path it names is checked
+        before anything is written (a bundle path by the store's own rules, and, joined to
+        ``destination`` and resolved, inside the resolved ``destination``: no absolute path, no
+        '..', no symlink under ``destination`` leading out), directories are made one level at a
+        time without following symlinks, and files are opened with ``O_NOFOLLOW``.
+
+        Raises: DataLoss naming the path when the store names one that would land outside
+        ``destination`` (nothing is written then), and the errors of GetBundle and ReadBundleFile.
+        """
+        destination = Path(destination)
+        bundle = self.get_bundle(context_id, ref)
+        paths = [entry.path for entry in bundle.files]
+        problems = [rule for _, rule in path_violations(paths)]
+        targets = []
+        for index, path in enumerate(paths):
+            target = contained(destination, path)
+            if target is None:
+                problems.append(f"files[{index}].path {path!r} resolves outside {str(destination)!r}")
+            targets.append(target)
+        if problems:
+            raise DataLoss(f"refusing to write bundle {bundle.bundle_name!r} ({bundle.uuid}) under "
+                           f"{str(destination)!r}: the bundle-store at {self.target} named unsafe paths: "
+                           + "; ".join(problems[:5]))
+        destination.mkdir(parents=True, exist_ok=True)
+        root = destination.resolve()
         written = []
-        for entry in self.get_bundle(context_id, ref).files:
-            target = destination / entry.path
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with open(target, "wb") as handle:
-                handle.writelines(self.read_file(context_id, ref, entry.path))
+        for path, target in zip(paths, targets):
+            with _open_inside(root, path) as handle:
+                handle.writelines(self.read_file(context_id, ref, path))
             written.append(target)
         return written
 
@@ -138,6 +165,37 @@ class BundleStoreClient(ServiceClient):
                 max_depth: int = 0) -> pb.LineageGraph:
         return self.stub.GetLineage(pb.GetLineageRequest(
             name=f"contexts/{context_id}/bundles/{ref}", direction=direction, max_depth=max_depth))
+
+
+def _open_inside(root: Path, path: str):
+    """Open ``root/path`` for writing, creating its directories, never through a symlink: each
+    level is opened relative to the one before with ``O_NOFOLLOW``, so a symlink planted after
+    the check still cannot redirect the write (``path`` was checked: relative, no '..')."""
+    segments = path.split("/")
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+    directory = os.open(root, flags)
+    try:
+        for segment in segments[:-1]:
+            try:
+                os.mkdir(segment, dir_fd=directory)
+            except FileExistsError:
+                pass
+            try:
+                child = os.open(segment, flags, dir_fd=directory)
+            except OSError as exc:
+                raise DataLoss(f"refusing to write {path!r} under {str(root)!r}: {segment!r} is not a "
+                               f"directory there (a symlink or a file): {exc.strerror}") from None
+            os.close(directory)
+            directory = child
+        try:
+            fd = os.open(segments[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644,
+                         dir_fd=directory)
+        except OSError as exc:
+            raise DataLoss(f"refusing to write {path!r} under {str(root)!r}: {exc.strerror} "
+                           "(a symlink or a directory is in the way)") from None
+    finally:
+        os.close(directory)
+    return os.fdopen(fd, "wb")
 
 
 def _chunks(source: FileSource) -> Iterator[bytes]:

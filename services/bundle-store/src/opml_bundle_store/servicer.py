@@ -16,7 +16,7 @@ from opml.bundles.v1 import bundles_pb2 as pb
 from opml.bundles.v1 import bundles_pb2_grpc
 
 from opml_bundle_store.core.convert import bundle_to_proto, context_to_proto, lineage_from_proto, value_from_proto
-from opml_bundle_store.core.model import Bundle, TransferProgress
+from opml_bundle_store.core.model import Bundle, TransferProgress, validate_bundle_paths
 from opml_bundle_store.core.store import BundleStore
 from opml_common.errors import InvalidArgument
 from opml_common.grpc.interceptors import current_principal
@@ -89,9 +89,9 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
             raise InvalidArgument("header", "the first AddBundleRequest must carry the header")
         header = first.header
         context_id = parse_context_name("header.parent", header.parent)
-        lineage = lineage_from_proto(header.lineage)
-        if not lineage.creator:
-            lineage = dataclasses.replace(lineage, creator=current_principal().name)
+        # The creator is who called, whatever the client wrote there.
+        lineage = dataclasses.replace(lineage_from_proto(header.lineage), creator=current_principal().name)
+        validate_bundle_paths([spec.path for spec in header.files], "files")  # before any byte is staged
         values = {key: value_from_proto(value) for key, value in header.values.items()}
         for key, value in values.items():
             if value is None:

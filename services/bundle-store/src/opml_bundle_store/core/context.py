@@ -61,14 +61,20 @@ class ContextState:
         """The bundle ``ref`` names: a uuid, or a name (its latest committed version, else its latest;
         the latest of all with ``prefer_committed=False``). Lock held.
 
+        A canonical UUID (``str(uuid.UUID(ref)) == ref``) is looked up by uuid, then by name; any
+        other ref only by name. The index only holds canonical uuids (:func:`load_context` and
+        pulls skip manifests with any other), so a forged ``uuid: "model"`` never stands for the
+        bundle named ``model``.
+
         Raises: InvalidArgument (``ref``), NotFound.
         """
         if not isinstance(ref, str) or not ref:
             raise InvalidArgument("ref", f"`ref` must be a bundle uuid or bundle name, but got {ref!r}.")
-        found = self.bundles.get(ref)
-        if found is not None:
-            return found
-        if not is_uuid(ref):
+        if is_uuid(ref):  # only a canonical UUID is looked up as one, so no uuid shadows a name
+            found = self.bundles.get(ref)
+            if found is not None:
+                return found
+        else:
             validate_bundle_name(ref, "ref")
         versions = [bundle for bundle in self.bundles.values() if bundle.name == ref]
         if not versions:
@@ -103,6 +109,10 @@ def load_context(root: Path) -> ContextState | None:
             bundle = Bundle.from_json(manifest.read_bytes(), context=context_id)
         except (OSError, ValueError) as exc:
             log.error("context %s: skipping the unreadable manifest %s (%s)", context_id, manifest, exc)
+            continue
+        if not is_uuid(bundle.uuid) or manifest.name != f"{bundle.uuid}.json":
+            log.error("context %s: skipping the manifest %s: its uuid %r is not the canonical UUID its file "
+                      "name holds", context_id, manifest, bundle.uuid)
             continue
         ctx.bundles[bundle.uuid] = bundle
         for time in (bundle.create_time, bundle.commit_time):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterator, Sequence
@@ -26,6 +27,18 @@ from pathlib import Path
 from typing import Any
 
 TMP_SUFFIX = ".tmp"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def contained(root: Path, relative: str) -> Path | None:
+    """``root / relative`` resolved (symlinks followed), or None when that lands outside the
+    resolved ``root``: an absolute ``relative``, a '..' climbing out, or a symlink under ``root``
+    pointing elsewhere. Every local write of a path someone else chose goes through this."""
+    base = root.resolve()
+    if not relative or Path(relative).is_absolute():
+        return None
+    target = (base / relative).resolve()
+    return target if target != base and target.is_relative_to(base) else None
 
 
 def fsync_dir(path: Path) -> None:
@@ -137,9 +150,19 @@ class ContextDir:
             path.mkdir(parents=True, exist_ok=True)
 
     def blob_path(self, sha256: str) -> Path:
+        """``objects/ab/ab12...``; ``sha256`` must be 64 lowercase hex digits, so the path stays in ``objects/``."""
+        if not isinstance(sha256, str) or not _SHA256.fullmatch(sha256):
+            raise ValueError(f"a blob is named by a lowercase hex sha256, not {sha256!r}")
         return self.objects / sha256[:2] / sha256
 
     def manifest_path(self, bundle_uuid: str) -> Path:
+        """``bundles/<uuid>.json``; ``bundle_uuid`` must be a canonical UUID, so the path stays in ``bundles/``."""
+        try:
+            canonical = str(uuid.UUID(bundle_uuid)) == bundle_uuid
+        except (ValueError, TypeError, AttributeError):
+            canonical = False
+        if not canonical:
+            raise ValueError(f"a manifest is named by a canonical UUID, not {bundle_uuid!r}")
         return self.bundles / f"{bundle_uuid}.json"
 
     def upload_state_path(self, sha256: str) -> Path:

@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import re
+import unicodedata
 import uuid as uuid_mod
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -32,6 +33,7 @@ MANIFEST_FORMAT = 1
 DEFAULT_MEDIA_TYPE = "application/octet-stream"
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_PATH_LENGTH = 1024
+MAX_SEGMENT_BYTES = 255
 MAX_KEY_LENGTH = 256
 
 _CONTEXT_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
@@ -40,6 +42,8 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _MEDIA_TYPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,126}/[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,126}(;.*)?")
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
+#: C0 controls (newlines and NUL included), DEL and C1 controls: never part of a bundle path.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -230,6 +234,25 @@ class TransferProgress:
 
 
 @dataclass(frozen=True)
+class RejectedManifest:
+    """A remote manifest a pull refused and skipped (the rest of the pull went on).
+
+    ``reason`` is one of :data:`REJECT_REASONS` (a metric label); ``message`` says what is wrong.
+    """
+
+    remote_url: str
+    key: str
+    reason: str
+    message: str
+
+
+REJECT_REASONS = ("key", "unreadable", "invalid", "mismatch", "content_hash")
+"""Why a remote manifest is refused: its key names no canonical UUID and valid bundle name; it
+is not a manifest (JSON, format, fields); its uuid, name, paths or hashes break the rules; it
+describes another bundle than its key names; its content_hash does not match its files and values."""
+
+
+@dataclass(frozen=True)
 class GcReport:
     blobs_removed: int
     bytes_freed: int
@@ -377,14 +400,25 @@ def validate_bundle_path(value: Any, field: str = "path") -> str:
     """Raise InvalidArgument unless ``value`` is a file path inside a bundle.
 
     Rules: a non-empty string of at most 1024 characters, '/'-separated and relative (no leading
-    '/'), with no empty, '.' or '..' segment and no NUL character.
+    '/'), with no empty, '.' or '..' segment, no segment over 255 bytes (UTF-8: the limit of
+    ext4, APFS and NTFS), no backslash (a separator on Windows) and no control character (NUL,
+    newlines and the rest of C0 and C1). Paths that only collide with others (case, Unicode
+    normalisation, a file and a directory of one name) are :func:`validate_bundle_paths`' part.
     """
     rule = ("must be a relative '/'-separated path with no empty, '.' or '..' segments "
             f"(at most {MAX_PATH_LENGTH} characters)")
     if not isinstance(value, str) or not value:
         raise InvalidArgument(field, f"`{field}` {rule}, but got {_short(value)}.")
-    if len(value) > MAX_PATH_LENGTH or "\x00" in value:
-        raise InvalidArgument(field, f"`{field}` {rule} and no NUL character, but got {_short(value)}.")
+    if len(value) > MAX_PATH_LENGTH:
+        raise InvalidArgument(field, f"`{field}` {rule}, but got {len(value)} characters: {_short(value)}.")
+    control = _CONTROL.search(value)
+    if control:
+        raise InvalidArgument(
+            field, f"`{field}` must not contain control characters (NUL, newlines, ...), but got "
+                   f"{control.group()!r} in {_short(value)}.")
+    if "\\" in value:
+        raise InvalidArgument(
+            field, f"`{field}` must use '/' as its only separator (no backslash), but got {_short(value)}.")
     if value.startswith("/"):
         raise InvalidArgument(field, f"`{field}` {rule}, but got the absolute path {_short(value)}.")
     for segment in value.split("/"):
@@ -392,7 +426,87 @@ def validate_bundle_path(value: Any, field: str = "path") -> str:
             raise InvalidArgument(
                 field, f"`{field}` {rule}, but got {_short(value)} with the segment {segment!r}."
             )
+        size = len(segment.encode("utf-8", "surrogatepass"))
+        if size > MAX_SEGMENT_BYTES:
+            raise InvalidArgument(
+                field, f"`{field}` segments must be at most {MAX_SEGMENT_BYTES} bytes (UTF-8), but "
+                       f"{_short(value)} has a segment of {size} bytes.")
     return value
+
+
+def path_key(path: str) -> str:
+    """The form in which two bundle paths collide on some file system: Unicode NFC, case folded
+    (macOS and Windows fold case; macOS normalises names)."""
+    return unicodedata.normalize("NFC", unicodedata.normalize("NFC", path).casefold())
+
+
+class PathSet:
+    """Bundle paths added so far, indexed so that each new one is checked for collisions in
+    O(depth): same file after NFC and case folding, or a file and a directory of one name."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, str] = {}  # path key -> the path
+        self._directories: dict[str, str] = {}  # key of each directory some path lies in -> that path
+
+    def collision(self, path: str) -> tuple[str, str] | None:
+        """``(problem, other path)`` when ``path`` (a valid bundle path) collides with one added."""
+        key = path_key(path)
+        if (other := self._files.get(key)) is not None:
+            if other == path:
+                return "repeats", other
+            return f"(code points {ascii(path)}) differs only in case or Unicode normalisation from", other
+        if (other := self._directories.get(key)) is not None:
+            return "is a file, but is a directory in", other
+        segments = key.split("/")
+        for end in range(1, len(segments)):
+            if (other := self._files.get("/".join(segments[:end]))) is not None:
+                return "needs a directory where there is a file in", other
+        return None
+
+    def add(self, path: str) -> None:
+        key = path_key(path)
+        self._files[key] = path
+        segments = key.split("/")
+        for end in range(1, len(segments)):
+            self._directories.setdefault("/".join(segments[:end]), path)
+
+
+COLLISION_RULE = "paths in a bundle must not collide on any file system (case, Unicode form, a file and a " \
+                 "directory of one name)"
+
+
+def path_violations(paths: list[str], field: str = "files") -> list[tuple[str, str]]:
+    """Every rule the bundle paths ``paths`` break, as ``(f"{field}[i].path", rule)`` pairs.
+
+    Each path must pass :func:`validate_bundle_path`, and no two may land on the same file
+    anywhere (:class:`PathSet`).
+    """
+    violations: list[tuple[str, str]] = []
+    seen = PathSet()
+    index_of: dict[str, int] = {}
+    for index, path in enumerate(paths):
+        name = f"{field}[{index}].path"
+        try:
+            validate_bundle_path(path, name)
+        except InvalidArgument as exc:
+            violations.extend(exc.violations)
+            continue
+        found = seen.collision(path)
+        if found is not None:
+            problem, other = found
+            violations.append((name, f"`{name}` {_short(path)} {problem} `{field}[{index_of[other]}].path` "
+                                     f"{_short(other)}: {COLLISION_RULE}"))
+            continue
+        seen.add(path)
+        index_of.setdefault(path, index)
+    return violations
+
+
+def validate_bundle_paths(paths: list[str], field: str = "files") -> None:
+    """Raise InvalidArgument naming every ``{field}[i].path`` that breaks :func:`path_violations`' rules."""
+    violations = path_violations(paths, field)
+    if violations:
+        raise InvalidArgument.of(violations)
 
 
 def validate_uuid(value: Any, field: str = "uuid") -> str:

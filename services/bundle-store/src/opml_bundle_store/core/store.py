@@ -60,7 +60,7 @@ from opml_bundle_store.core.model import (
     validate_values,
 )
 from opml_bundle_store.core.remote import S3Remote
-from opml_bundle_store.core.sync import ProgressCallback, RemoteSync
+from opml_bundle_store.core.sync import ProgressCallback, RejectedCallback, RemoteSync
 from opml_bundle_store.core.transfer import TransferSettings
 from opml_bundle_store.core.writer import READ_CHUNK, BundleWriter
 from opml_common.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound
@@ -92,6 +92,8 @@ class BundleStore:
         range_size: pulls fetch blobs larger than this as parallel range GETs of this size.
         events: where the store announces commits, pushes and deletes (the service's outbox
             emitter); None announces nothing (a tool or benchmark using the store directly).
+        on_rejected_manifest: called (on the pulling thread) with each remote manifest a pull
+            refused and skipped, after it is logged; the service counts them in a metric.
 
     Raises:
         InvalidArgument: a setting is out of range.
@@ -110,6 +112,7 @@ class BundleStore:
         download_streams: int = 4,
         range_size: int = 32 * MIB,
         events: EventEmitter | None = None,
+        on_rejected_manifest: RejectedCallback | None = None,
     ) -> None:
         check_int("transfer_workers", transfer_workers, 1, 256)
         check_int("part_size", part_size, S3_MIN_PART_SIZE, S3_MAX_PART_SIZE,
@@ -138,7 +141,7 @@ class BundleStore:
             self._lock_file.close()
             raise
         self._pool = ThreadPoolExecutor(transfer_workers, thread_name_prefix="bundle-store-xfer")
-        self._sync = RemoteSync(self._pool, self._settings, self._events)
+        self._sync = RemoteSync(self._pool, self._settings, self._events, on_rejected_manifest)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -418,12 +421,14 @@ class BundleStore:
     ) -> list[Bundle]:
         """Pull bundle manifests from the context's remote (all, or the versions of one name);
         with ``localize``, also download and verify their files (and those of bundles pulled
-        earlier without files). Nothing is recorded unless every blob verified.
+        earlier without files). Nothing is recorded unless every blob verified. A remote manifest
+        that fails verification (a non-canonical UUID, a name, path or hash breaking the rules, a
+        wrong content hash) is logged, passed to ``on_rejected_manifest`` and skipped; the rest pull.
 
         Returns the bundles this pull added or localized, newest first.
 
         Raises: InvalidArgument, NotFound, FailedPrecondition (no remote), DataLoss (a remote
-        manifest or blob does not match its hash), Unavailable.
+        blob does not match its hash, or is missing), Unavailable.
         """
         ctx = self._context(context_id)
         if bundle_name:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -14,13 +15,14 @@ from opml_bundle_store.core.context import ContextState
 from opml_bundle_store.core.events import BundleEvents
 from opml_bundle_store.core.model import (
     Bundle,
+    RejectedManifest,
     TransferProgress,
     age,
     compute_content_hash,
+    is_uuid,
     label,
+    path_violations,
     validate_bundle_name,
-    validate_bundle_path,
-    validate_sha256,
 )
 from opml_bundle_store.core.remote import MANIFEST_CONTENT_TYPE, S3Remote
 from opml_bundle_store.core.transfer import (
@@ -36,6 +38,16 @@ from opml_common.errors import DataLoss, FailedPrecondition, InvalidArgument
 log = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[TransferProgress], None]
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+RejectedCallback = Callable[[RejectedManifest], None]
+
+
+class _Rejected(DataLoss):
+    """A remote manifest that fails verification; ``reason`` is one of REJECT_REASONS."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class RemoteSync:
@@ -45,10 +57,12 @@ class RemoteSync:
     context's push or pull lock for the whole transfer.
     """
 
-    def __init__(self, pool: ThreadPoolExecutor, settings: TransferSettings, events: BundleEvents) -> None:
+    def __init__(self, pool: ThreadPoolExecutor, settings: TransferSettings, events: BundleEvents,
+                 on_rejected: RejectedCallback | None = None) -> None:
         self._pool = pool
         self._settings = settings
         self._events = events
+        self._on_rejected = on_rejected
 
     def push(self, ctx: ContextState, remote: S3Remote, ref: str | None = None,
              progress: ProgressCallback | None = None) -> list[Bundle]:
@@ -128,16 +142,21 @@ class RemoteSync:
         with ``localize``, also download and verify their files (and those of bundles pulled
         earlier without files). Nothing is recorded unless every blob verified.
 
+        Every remote manifest is verified on its own (its key names a canonical UUID and a valid
+        name, it parses, its uuid and name are the key's, its paths and hashes follow the rules
+        of an add, its content_hash matches): one that fails is logged, reported to the store's
+        ``on_rejected`` and skipped, and the others are pulled.
+
         Returns the bundles this pull added or localized, newest first.
 
         Raises: InvalidArgument, NotFound, FailedPrecondition (no remote), DataLoss (a remote
-        manifest or blob does not match its hash), Unavailable.
+        blob does not match its hash, or is missing), Unavailable.
         """
         with ctx.pull_lock:
             listed = remote.list_manifests(bundle_name or None)
             with ctx.lock:
                 known = dict(ctx.bundles)
-            fresh = self.fetch_manifests(ctx, remote, [m for m in listed if m.uuid not in known])
+            fresh = self._fetch_verified(ctx, remote, [m for m in listed if m.uuid not in known])
             to_localize: list[Bundle] = []
             if localize:
                 to_localize = list(fresh) + [
@@ -165,11 +184,39 @@ class RemoteSync:
         return sorted(changed, key=age, reverse=True)
 
     def fetch_manifests(self, ctx: ContextState, remote: S3Remote, listed: list[Any]) -> list[Bundle]:
+        """Every listed manifest, verified; the first that fails raises DataLoss (remote gc:
+        nothing may be removed on the word of a partial listing)."""
         fetched: list[Bundle] = []
         runner = TaskRunner(self._pool, max_in_flight=self._settings.max_in_flight, max_heavy=1)
         for item in listed:
             runner.add(lambda item=item: _parse_remote_manifest(remote, item, ctx.id), on_done=fetched.append)
         runner.run()
+        return fetched
+
+    def _fetch_verified(self, ctx: ContextState, remote: S3Remote, listed: list[Any]) -> list[Bundle]:
+        """The listed manifests that verify; each one that does not is reported and skipped.
+        S3 failures (Unavailable, refused credentials) still fail the pull."""
+        results: list[Bundle | _Rejected] = []
+
+        def one(item: Any) -> Bundle | _Rejected:
+            try:
+                return _parse_remote_manifest(remote, item, ctx.id)
+            except _Rejected as rejected:
+                return rejected
+
+        runner = TaskRunner(self._pool, max_in_flight=self._settings.max_in_flight, max_heavy=1)
+        for item in listed:
+            runner.add(lambda item=item: (item, one(item)), on_done=results.append)
+        runner.run()
+        fetched = []
+        for item, result in results:
+            if isinstance(result, Bundle):
+                fetched.append(result)
+                continue
+            log.warning("pull into %s skips the remote manifest %r on %s (%s): %s",
+                        ctx.id, item.key, remote.url, result.reason, result.message)
+            if self._on_rejected is not None:
+                self._on_rejected(RejectedManifest(remote.url, item.key, result.reason, result.message))
         return fetched
 
     def _blobs_to_fetch(self, ctx: ContextState, bundles: list[Bundle]) -> list[BlobRef]:
@@ -196,21 +243,45 @@ def _unique_blobs(bundles: list[Bundle]) -> list[BlobRef]:
 
 
 def _parse_remote_manifest(remote: S3Remote, item: Any, context_id: str) -> Bundle:
-    """Fetch and check one remote manifest: well-formed, named as its key, content hash right."""
-    data = remote.get_bytes(item.key)
+    """Fetch and verify one remote manifest: its key names a canonical UUID and a valid bundle
+    name, the manifest is well-formed and describes that bundle, its paths follow the rules of
+    an add, its hashes are lowercase sha256 and its content hash is right.
+
+    Raises: _Rejected (a DataLoss saying why), Unavailable and the rest of what S3 may raise.
+    """
     where = f"the manifest {item.key!r} on {remote.url}"
+    if not is_uuid(item.uuid):
+        raise _Rejected("key", f"{where} is not named by a canonical UUID (got {item.uuid!r})")
+    try:
+        validate_bundle_name(item.bundle_name)
+    except InvalidArgument as exc:
+        raise _Rejected("key", f"{where} is not under a valid bundle name: {exc.message}") from None
+    data = remote.get_bytes(item.key)
     try:
         bundle = Bundle.from_json(data, context=context_id)
+    except (ValueError, RecursionError) as exc:
+        raise _Rejected("unreadable", f"{where} is corrupt: {exc}") from None
+    problems = []
+    if not is_uuid(bundle.uuid):
+        problems.append(f"its uuid {bundle.uuid!r} is not a canonical UUID")
+    try:
         validate_bundle_name(bundle.name)
-        for entry in bundle.files:
-            validate_bundle_path(entry.path)
-            validate_sha256(entry.sha256)
-    except (ValueError, InvalidArgument) as exc:
-        raise DataLoss(f"{where} is corrupt: {exc}") from None
+    except InvalidArgument as exc:
+        problems.append(exc.message)
+    problems.extend(rule for _, rule in path_violations([entry.path for entry in bundle.files]))
+    problems.extend(f"files[{index}].sha256 {entry.sha256!r} is not 64 lowercase hex digits"
+                    for index, entry in enumerate(bundle.files)
+                    if not _SHA256.fullmatch(entry.sha256))
+    problems.extend(f"lineage.input_uuids has {uuid!r}, not a canonical UUID"
+                    for uuid in bundle.lineage.input_uuids if not is_uuid(uuid))
+    if problems:
+        raise _Rejected("invalid", f"{where} is corrupt: {'; '.join(problems[:5])}"
+                                   + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
     if bundle.uuid != item.uuid or bundle.name != item.bundle_name:
-        raise DataLoss(f"{where} describes bundle {bundle.name!r} ({bundle.uuid}), not the one its key names")
+        raise _Rejected("mismatch", f"{where} describes bundle {bundle.name!r} ({bundle.uuid}), "
+                                    "not the one its key names")
     actual = compute_content_hash(bundle.files, bundle.values)
     if actual != bundle.content_hash:
-        raise DataLoss(f"{where} is corrupt: its content_hash is {bundle.content_hash}, but its files and "
-                       f"values hash to {actual}")
+        raise _Rejected("content_hash", f"{where} is corrupt: its content_hash is {bundle.content_hash}, but its "
+                                        f"files and values hash to {actual}")
     return bundle.with_state(committed=True, commit_time=bundle.commit_time or bundle.create_time)

@@ -15,10 +15,12 @@ from opml_bundle_store.core.context import ContextState
 from opml_bundle_store.core.events import BundleEvents
 from opml_bundle_store.core.layout import fsync_dir, make_durable
 from opml_bundle_store.core.model import (
+    COLLISION_RULE,
     DEFAULT_MEDIA_TYPE,
     Bundle,
     FileEntry,
     Lineage,
+    PathSet,
     Value,
     check_int,
     compute_content_hash,
@@ -53,7 +55,7 @@ class BundleWriter:
         self._staging = ctx.dir.new_staging_dir()
         self._files: list[FileEntry] = []
         self._staged: list[Path] = []
-        self._paths: set[str] = set()
+        self._paths = PathSet()
         self._state = "open"
         self._lock = threading.Lock()
 
@@ -92,8 +94,11 @@ class BundleWriter:
         with self._lock:
             self._check_open()
             validate_bundle_path(path)
-            if path in self._paths:
-                raise InvalidArgument("path", f"`path` must be unique in a bundle, but {path!r} was already added.")
+            collision = self._paths.collision(path)
+            if collision is not None:
+                problem, other = collision
+                raise InvalidArgument("path", f"`path` {path!r} {problem} the path {other!r} already added: "
+                                              f"{COLLISION_RULE}.")
             media = DEFAULT_MEDIA_TYPE if media_type is None else validate_media_type(media_type)
             want_sha = None if expected_sha256 is None else validate_sha256(expected_sha256, "expected_sha256")
             if expected_size is not None:

@@ -1,0 +1,206 @@
+"""Names a store trusts (issue 16, items 4 and 5): forged remote manifests in the real S3, bundle
+paths that collide on other file systems, and the creator a client claims.
+
+Remote manifests are written with the real minio client the way anyone holding the bucket's
+credentials could; the pulls, adds and the service are the real code on the session's S3.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from minio import Minio
+from opml.bundles.v1 import bundles_pb2 as pb
+
+from opml_bundle_store.client import BundleStoreClient
+from opml_bundle_store.core import BundleStore
+from opml_bundle_store.core.model import FileEntry, RejectedManifest, compute_content_hash
+from opml_bundle_store.core.remote import S3Remote
+from opml_common.config import PlatformSettings
+from opml_common.errors import InvalidArgument, NotFound
+from opml_common.storage import s3_client
+
+MIB = 1024 * 1024
+SMALL = {"part_size": 5 * MIB, "multipart_threshold": 5 * MIB, "range_size": 4 * MIB, "transfer_workers": 4}
+
+
+@pytest.fixture
+def s3(platform_settings: PlatformSettings) -> Minio:
+    return s3_client(platform_settings)
+
+
+def _put(s3: Minio, remote: S3Remote, key: str, data: bytes) -> None:
+    s3.put_object(remote.bucket, key, io.BytesIO(data), len(data))
+
+
+def plant_forgeries(s3: Minio, remote_url: str, real: dict) -> dict[str, str]:
+    """Forged manifests beside the real bundle ``model`` (manifest ``real``); returns key -> expected reason."""
+    remote = S3Remote(s3, remote_url)
+    evil = b"evil weights"
+    evil_sha = hashlib.sha256(evil).hexdigest()
+    _put(s3, remote, remote.blob_key(evil_sha), evil)  # so a localizing pull could fetch it if it were accepted
+
+    def forged(**changes) -> dict:
+        doc = json.loads(json.dumps(real))
+        doc.update(changes)
+        files = tuple(FileEntry(f["path"], f["sha256"], f["size"]) for f in doc["files"])
+        doc["content_hash"] = compute_content_hash(files, {})  # a careful forger gets the hash right
+        return doc
+
+    evil_files = [{"path": "w.bin", "sha256": evil_sha, "size": len(evil), "media_type": "application/octet-stream"}]
+    upper = str(uuid.uuid4()).upper()
+    plan = {
+        # uuid "model": before, `get model` found it by uuid and served the forger's weights
+        remote.manifest_key("model", "model"): ("key", forged(uuid="model", files=evil_files)),
+        remote.manifest_key("model", upper): ("key", forged(uuid=upper, files=evil_files)),
+        remote.manifest_key("model", str(uuid.uuid4())): ("invalid", forged(uuid="model", files=evil_files)),
+        remote.manifest_key("model", (u := str(uuid.uuid4()))): ("invalid", forged(uuid=u, files=[
+            {**evil_files[0], "path": "../../../x"}])),
+        remote.manifest_key("model", (u := str(uuid.uuid4()))): ("invalid", forged(uuid=u, files=[
+            evil_files[0], {**evil_files[0], "path": "W.bin"}])),
+        remote.manifest_key("model", str(uuid.uuid4())): ("mismatch", forged(uuid=str(uuid.uuid4()), files=evil_files)),
+        remote.manifest_key("model", (u := str(uuid.uuid4()))): ("content_hash", {
+            **forged(uuid=u, files=evil_files), "content_hash": "0" * 64}),
+        remote.manifest_key("model", str(uuid.uuid4())): ("unreadable", None),
+    }
+    for key, (_, doc) in plan.items():
+        _put(s3, remote, key, b"{not json" if doc is None else json.dumps(doc).encode())
+    return {key: reason for key, (reason, _) in plan.items()}
+
+
+@pytest.fixture
+def stores(tmp_path: Path, s3: Minio, remote_url: str) -> Iterator[tuple[BundleStore, BundleStore, list]]:
+    rejected: list[RejectedManifest] = []
+    with BundleStore(tmp_path / "a", s3, **SMALL) as a, \
+            BundleStore(tmp_path / "b", s3, on_rejected_manifest=rejected.append, **SMALL) as b:
+        a.create_context("ctx", remote_url)
+        b.create_context("ctx", remote_url)
+        yield a, b, rejected
+
+
+def _add(store: BundleStore, name: str, files: dict[str, bytes]):
+    with store.new_bundle("ctx", name) as writer:
+        for path, data in files.items():
+            writer.add_file(path, [data])
+        return writer.finish(commit=True)
+
+
+@pytest.mark.parametrize("localize", [False, True])
+def test_forged_manifests_are_skipped_one_by_one_and_never_shadow_a_name(stores, s3: Minio, remote_url: str,
+                                                                          localize: bool) -> None:
+    a, b, rejected = stores
+    real = _add(a, "model", {"w.bin": b"real weights"})
+    other = _add(a, "other", {"x": b"x"})
+    a.push("ctx")
+    expected = plant_forgeries(s3, remote_url, real.to_manifest(local_state=False))
+
+    pulled = b.pull("ctx", localize=localize)
+    assert {p.uuid for p in pulled} == {real.uuid, other.uuid}  # the good ones pull
+    assert {r.key: r.reason for r in rejected} == expected  # each bad one reported, with why
+    assert all(r.remote_url == remote_url and r.key in r.message for r in rejected)
+    assert b.get_bundle("ctx", "model").uuid == real.uuid
+    with pytest.raises(NotFound):
+        b.get_bundle("ctx", str(uuid.uuid4()))
+    if localize:
+        assert b"".join(b.open_file("ctx", "model", "w.bin")) == b"real weights"
+    assert {x.uuid for x in b.list_bundles("ctx")} == {real.uuid, other.uuid}
+
+    rejected.clear()  # a second pull finds nothing new and reports the forgeries again
+    assert b.pull("ctx", localize=localize) == [] and len(rejected) == len(expected)
+
+
+def test_a_planted_local_manifest_with_a_non_canonical_uuid_is_never_loaded(tmp_path: Path) -> None:
+    with BundleStore(tmp_path / "home", None) as store:
+        store.create_context("ctx")
+        real = _add(store, "model", {"w.bin": b"real"})
+        forged = json.loads(real.to_json())
+        forged["uuid"] = "model"
+        bundles = tmp_path / "home" / "contexts" / "ctx" / "bundles"
+        (bundles / "model.json").write_text(json.dumps(forged))
+        (bundles / f"{str(uuid.uuid4()).upper()}.json").write_text(json.dumps({**forged, "uuid": "x"}))
+    with BundleStore(tmp_path / "home", None) as store:
+        assert store.get_bundle("ctx", "model").uuid == real.uuid
+        assert [x.uuid for x in store.list_bundles("ctx")] == [real.uuid]
+
+
+# -- through the service -------------------------------------------------------------------------------------
+
+
+def _rejected_metric(bundle_store) -> dict[str, float]:
+    port = bundle_store.env["OPML_BUNDLE_STORE_METRICS_PORT"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {m[0]: float(m[1]) for m in
+            re.findall(r'opml_bundle_store_remote_manifests_rejected_total\{reason="(\w+)"\} (\S+)', text)}
+
+
+def test_service_pull_skips_forgeries_and_counts_them(bundle_store, admin: BundleStoreClient, s3: Minio,
+                                                      remote_url: str) -> None:
+    admin.create_context("plant-a", remote_url)
+    admin.create_context("plant-b", remote_url)
+    real = admin.add("plant-a", "model", {"w.bin": b"real weights"}, commit=True)
+    list(admin.push("plant-a"))
+    manifest = json.loads(S3Remote(s3, remote_url).get_bytes(S3Remote(s3, remote_url).manifest_key("model",
+                                                                                                   real.uuid)))
+    expected = plant_forgeries(s3, remote_url, manifest)
+    assert set(_rejected_metric(bundle_store).values()) == {0.0}
+
+    final = list(admin.pull("plant-b", localize=True))[-1]
+    assert final.done and [x.uuid for x in final.bundles] == [real.uuid]
+    assert admin.get_bundle("plant-b", "model").uuid == real.uuid
+    counts = _rejected_metric(bundle_store)
+    for reason in set(expected.values()):
+        assert counts[reason] == list(expected.values()).count(reason), (reason, counts)
+
+
+@pytest.mark.parametrize("paths, index, rule", [
+    (["Model.bin", "model.bin"], 1, "differs only in case"),
+    (["caf\u00e9.txt", "cafe\u0301.txt"], 1, "Unicode normalisation"),  # NFC, then NFD
+    (["x", "x/y"], 1, "needs a directory where there is a file"),
+    (["x/y", "X"], 1, "is a file, but is a directory"),
+    (["ok", "a\\b"], 1, "no backslash"),
+    (["ok", "line\nbreak"], 1, "control characters"),
+    (["ok", "tab\there"], 1, "control characters"),
+    (["ok", "a//b"], 1, "segment ''"),
+    (["ok", "a/./b"], 1, "segment '.'"),
+    (["ok", "a/../b"], 1, "segment '..'"),
+    (["ok", "/abs/x"], 1, "absolute path"),
+    (["ok", "d/" + "s" * 256], 1, "at most 255 bytes"),
+])
+def test_colliding_paths_are_refused_at_add_naming_the_file(writer: BundleStoreClient, paths, index, rule) -> None:
+    writer.create_context("lab")
+    files = {path: f"content {i}".encode() for i, path in enumerate(paths)}
+    assert len(files) == len(paths)
+    with pytest.raises(InvalidArgument) as caught:
+        writer.add("lab", "model", files)
+    assert caught.value.field == f"files[{index}].path", caught.value.message
+    assert rule in caught.value.message and f"files[{index}].path" in caught.value.message
+    assert writer.list_bundles("lab") == []
+    assert writer.add("lab", "model", {"fine/a": b"1", "fine/b": b"2", "\u00e9t\u00e9": b"3"}).bundle_name == "model"
+
+
+def test_every_collision_is_reported_at_once(writer: BundleStoreClient) -> None:
+    writer.create_context("lab")
+    with pytest.raises(InvalidArgument) as caught:
+        writer.add("lab", "model", {"a": b"1", "A": b"2", "a/b": b"3", "c\r": b"4"})
+    assert [field for field, _ in caught.value.violations] == ["files[1].path", "files[2].path", "files[3].path"]
+
+
+def test_the_server_records_the_caller_as_creator(bundle_store, tokens) -> None:
+    with BundleStoreClient(bundle_store.target, token=tokens["admin"]) as admin, \
+            BundleStoreClient(bundle_store.target, token=tokens["writer"]) as writer:
+        admin.create_context("lab")
+        admin_name = admin.add("lab", "by-admin", {"w": b"1"}).lineage.creator
+        writer_name = writer.add("lab", "by-writer", {"w": b"2"}).lineage.creator
+        assert admin_name and writer_name and admin_name != writer_name
+        claimed = writer.add("lab", "claims-admin", {"w": b"3"},
+                             lineage=pb.Lineage(creator=admin_name, code_version="v1"), commit=True)
+        assert claimed.lineage.creator == writer_name and claimed.lineage.code_version == "v1"
+        assert admin.get_bundle("lab", "claims-admin").lineage.creator == writer_name
