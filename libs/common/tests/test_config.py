@@ -52,9 +52,14 @@ def test_secrets_are_not_printed(monkeypatch) -> None:
 
 
 def test_token_roles() -> None:
-    assert parse_tokens("a=admin, b=reader+writer") == {"a": frozenset({"admin"}),
-                                                         "b": frozenset({"reader", "writer"})}
+    grants = parse_tokens("a=admin, b=reader+writer, ci-bot:c=inference")
+    assert {token: grant.roles for token, grant in grants.items()} == {
+        "a": frozenset({"admin"}), "b": frozenset({"reader", "writer"}), "c": frozenset({"inference"})}
+    assert grants["c"].name == "ci-bot"
+    assert grants["a"].name.startswith("token:") and len(grants["a"].name) == len("token:") + 8  # a hash prefix
     with pytest.raises(ValueError, match="roles must be among"):
         parse_tokens("a=root")
-    with pytest.raises(ValueError, match="token=role"):
+    with pytest.raises(ValueError, match=r"token=role"):
         parse_tokens("justatoken")
+    with pytest.raises(ValueError, match="repeats a name"):
+        parse_tokens("x:t1=reader,x:t2=admin")

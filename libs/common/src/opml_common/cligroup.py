@@ -1,7 +1,8 @@
 """The shape of every service's ``opml <noun>`` command group: where the service is, who is calling.
 
-``service_group`` makes a click group with ``--target`` (env ``OPML_<SERVICE>_TARGET``) and
-``--token`` (env ``OPML_TOKEN``) and puts a :class:`ClientSession` in the context; commands take it
+``service_group`` makes a click group with ``--target`` (env ``OPML_<SERVICE>_TARGET``),
+``--token`` (env ``OPML_TOKEN``) and ``--tls-ca`` (env ``OPML_GRPC_TLS_CA``: connect with TLS, checking
+the server against this CA; ``OPML_GRPC_TLS_CLIENT_CERT``/``_KEY`` add a client certificate) and puts a :class:`ClientSession` in the context; commands take it
 with :data:`pass_session` and open the service's client with ``session.client()``. Domain errors a
 command raises are printed as one line by the ``opml`` command itself.
 """
@@ -9,10 +10,12 @@ command raises are printed as one line by the ``opml`` command itself.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
 
+from opml_common.config import GrpcTlsSettings
 from opml_common.grpc.client import ServiceClient
 
 
@@ -20,13 +23,15 @@ class ClientSession:
     """The target and token the group was given, and the service's client class."""
 
     def __init__(self, client_class: type[ServiceClient], target: str, token: str | None,
-                 options: dict[str, Any]) -> None:
+                 options: dict[str, Any], tls_ca: Path | None = None) -> None:
         self.client_class, self.target, self.token = client_class, target, token
         self.options = options  # the group's own extra options, by parameter name
+        self.tls_ca = tls_ca
 
     def client(self) -> Any:
         """A new client of the service (close it, or use it in ``with``)."""
-        return self.client_class(self.target, token=self.token)
+        tls = GrpcTlsSettings(grpc_tls_ca=self.tls_ca) if self.tls_ca is not None else None  # None: env
+        return self.client_class(self.target, token=self.token, tls=tls)
 
 
 pass_session = click.make_pass_decorator(ClientSession)
@@ -39,13 +44,17 @@ def service_group(name: str, *, service: str, client: type[ServiceClient], defau
     env = "OPML_" + service.upper().replace("-", "_") + "_TARGET"
 
     def decorate(function: Callable) -> click.Group:
-        def callback(target: str, token: str | None, **extra: Any) -> None:
-            click.get_current_context().obj = ClientSession(client, target, token, extra)
+        def callback(target: str, token: str | None, tls_ca: Path | None, **extra: Any) -> None:
+            click.get_current_context().obj = ClientSession(client, target, token, extra, tls_ca)
 
         callback.__doc__ = function.__doc__
         command: Callable = callback
         for option in reversed(options):
             command = option(command)
+        command = click.option("--tls-ca", envvar="OPML_GRPC_TLS_CA", default=None,
+                               type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                               help="Connect with TLS, checking the server's certificate against this "
+                               "PEM CA (env OPML_GRPC_TLS_CA).")(command)
         command = click.option("--token", envvar="OPML_TOKEN", default=None,
                                help="Bearer token (env OPML_TOKEN).")(command)
         command = click.option("--target", envvar=env, default=default_target, show_default=True,

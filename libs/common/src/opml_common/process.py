@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,10 +28,13 @@ def terminate(process: subprocess.Popen, *, timeout_s: float) -> None:
 
 
 def wait_until_serving(target: str, *, timeout_s: float, process: subprocess.Popen | None = None,
-                       log_path: Path | None = None) -> None:
-    """Block until the gRPC health service at ``target`` answers SERVING."""
+                       log_path: Path | None = None, env: Mapping[str, str] | None = None) -> None:
+    """Block until the gRPC health service at ``target`` answers SERVING. The channel is secured as
+    ``OPML_GRPC_TLS_*`` in ``env`` says (default: this process's environment)."""
+    from opml_common.grpc.client import open_channel, tls_settings
+
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as channel:
+    with open_channel(target, tls=tls_settings(env)) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if process is not None and process.poll() is not None:
@@ -95,7 +99,7 @@ class ServiceProcess:
                 stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             wait_until_serving(self.target, timeout_s=self.startup_timeout_s, process=self.process,
-                               log_path=self.log_path)
+                               log_path=self.log_path, env={**os.environ, **self.env})
         except BaseException:
             self.kill()
             raise

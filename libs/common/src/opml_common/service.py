@@ -18,6 +18,7 @@ from typing import Any, Protocol, TypeVar
 
 import redis.asyncio as aioredis
 from minio import Minio
+from pydantic import ValidationError
 
 from opml_common.bus import EventPublisher, ensure_topics
 from opml_common.config import PlatformSettings, ServiceSettings
@@ -38,6 +39,7 @@ class Startable(Protocol):
 
 
 P = TypeVar("P", bound=Startable)
+T = TypeVar("T")
 Build = Callable[["ServiceContext"], Awaitable[Sequence[ServiceRegistration]]]
 
 
@@ -154,8 +156,30 @@ async def serve(spec: ServiceSpec, build: Build, *, settings: ServiceSettings, p
 
 def run_service(spec: ServiceSpec, build: Build) -> None:
     """A service's ``main()``: read and validate its settings (a bad value stops it with the variable
-    named), configure logging, and :func:`serve`."""
-    platform = PlatformSettings()
-    settings = spec.settings()
+    named), configure logging, and :func:`serve`. A bad setting exits with status 1 and one line per
+    problem naming the variable and the rule, never the value (secrets among them)."""
+    platform = read_settings(spec.name, PlatformSettings)
+    settings = read_settings(spec.name, spec.settings)
     configure_logging(spec.name, level=platform.log_level, fmt=platform.log_format)
     asyncio.run(serve(spec, build, settings=settings, platform=platform))
+
+
+def read_settings(service: str, settings_class: type[T]) -> T:
+    """``settings_class()`` from the environment; refused settings exit the process with
+    :func:`settings_error_message` (status 1), never with pydantic's text, which may quote the values."""
+    try:
+        return settings_class()
+    except ValidationError as error:
+        raise SystemExit(settings_error_message(service, error,
+                                                settings_class.model_config.get("env_prefix", ""))) from None
+
+
+def settings_error_message(service: str, error: ValidationError, prefix: str) -> str:
+    """Each variable that was refused and the rule it broke, built from ``error.errors()`` without its
+    ``input_value``, so no value read from the environment (a token, a key, a Redis password) shows."""
+    lines = [f"{service}: refusing to start, {error.error_count()} bad setting(s):"]
+    for problem in error.errors(include_url=False, include_input=False, include_context=False):
+        loc = ".".join(str(part) for part in problem["loc"])
+        where = f"{prefix}{loc.upper()}" if loc else "settings"
+        lines.append(f"  {where}: {problem['msg'].removeprefix('Value error, ')}")
+    return "\n".join(lines)

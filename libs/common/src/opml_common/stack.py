@@ -421,7 +421,9 @@ def probe(spec: Mapping[str, str], *, timeout_s: float = 1.0) -> str:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        with grpc.insecure_channel(spec["target"]) as channel:
+        from opml_common.grpc.client import open_channel
+
+        with open_channel(spec["target"]) as channel:  # TLS when OPML_GRPC_TLS_CA is set
             try:
                 reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
             except grpc.RpcError:

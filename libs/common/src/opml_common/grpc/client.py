@@ -1,13 +1,20 @@
-"""Client side of the platform's gRPC APIs: channels with bearer tokens, and errors back as domain types."""
+"""Client side of the platform's gRPC APIs: channels with bearer tokens, and errors back as domain types.
+
+Every channel the platform opens (clients, service-to-service calls, the CLI, health probes) takes its
+TLS settings from ``OPML_GRPC_TLS_*`` (:class:`~opml_common.config.GrpcTlsSettings`) unless told
+otherwise: with ``OPML_GRPC_TLS_CA`` set it connects with TLS and checks the server's certificate
+against that CA, presenting ``OPML_GRPC_TLS_CLIENT_CERT``/``_KEY`` when set (mTLS).
+"""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar, Self, TypeVar
 
 import grpc
 
+from opml_common.config import GrpcTlsSettings
 from opml_common.errors import OpmlError, Unavailable, from_status
 from opml_common.grpc.status import field_violations
 
@@ -35,13 +42,59 @@ class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
     intercept_stream_stream = intercept_stream_unary
 
 
-def open_channel(target: str, *, token: str | None = None, tls: bool = False) -> grpc.Channel:
-    """A channel to ``target`` (host:port) that sends ``token`` as a bearer token on every call."""
-    options = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
-               ("grpc.max_send_message_length", 64 * 1024 * 1024)]
-    channel = (grpc.secure_channel(target, grpc.ssl_channel_credentials(), options=options) if tls
+Tls = GrpcTlsSettings | bool | None
+"""How a channel secures itself: settings; True (TLS against the system's roots); False (plaintext);
+None (read ``OPML_GRPC_TLS_*`` from the environment)."""
+
+
+def tls_settings(env: Mapping[str, str] | None = None) -> GrpcTlsSettings:
+    """``OPML_GRPC_TLS_*`` read from ``env`` (default: this process's environment), e.g. to probe a
+    child process started with its own environment."""
+    if env is None:
+        return GrpcTlsSettings()
+    given = {name: env[f"OPML_{name.upper()}"] for name in GrpcTlsSettings.model_fields
+             if f"OPML_{name.upper()}" in env}
+    return GrpcTlsSettings(**given)
+
+
+def channel_security(tls: Tls = None) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, str]]]:
+    """The credentials (None: plaintext) and channel options a client channel needs for ``tls``."""
+    if tls is None:
+        tls = tls_settings()
+    if tls is True:
+        return grpc.ssl_channel_credentials(), []
+    if tls is False or not tls.client_tls:
+        return None, []
+    key = tls.grpc_tls_client_key.read_bytes() if tls.grpc_tls_client_key is not None else None
+    chain = tls.grpc_tls_client_cert.read_bytes() if tls.grpc_tls_client_cert is not None else None
+    credentials = grpc.ssl_channel_credentials(root_certificates=tls.grpc_tls_ca.read_bytes(),
+                                               private_key=key, certificate_chain=chain)
+    options = [("grpc.ssl_target_name_override", tls.grpc_tls_server_name)] if tls.grpc_tls_server_name else []
+    return credentials, options
+
+
+MESSAGE_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                   ("grpc.max_send_message_length", 64 * 1024 * 1024)]
+
+
+def open_channel(target: str, *, token: str | None = None, tls: Tls = None,
+                 options: list[tuple[str, object]] | None = None) -> grpc.Channel:
+    """A channel to ``target`` (host:port) that sends ``token`` as a bearer token on every call,
+    secured as ``tls`` says (default: from ``OPML_GRPC_TLS_*``)."""
+    credentials, tls_options = channel_security(tls)
+    options = [*(MESSAGE_OPTIONS if options is None else options), *tls_options]
+    channel = (grpc.secure_channel(target, credentials, options=options) if credentials is not None
                else grpc.insecure_channel(target, options=options))
     return grpc.intercept_channel(channel, _BearerToken(token)) if token else channel
+
+
+def open_aio_channel(target: str, *, tls: Tls = None,
+                     options: list[tuple[str, object]] | None = None) -> grpc.aio.Channel:
+    """A grpc.aio channel to ``target``, secured as ``tls`` says (default: from ``OPML_GRPC_TLS_*``)."""
+    credentials, tls_options = channel_security(tls)
+    options = [*(MESSAGE_OPTIONS if options is None else options), *tls_options]
+    return (grpc.aio.secure_channel(target, credentials, options=options) if credentials is not None
+            else grpc.aio.insecure_channel(target, options=options))
 
 
 def domain_error(error: grpc.RpcError) -> OpmlError:
@@ -103,7 +156,7 @@ class ServiceClient:
 
     stub_class: ClassVar[Callable[[grpc.Channel], object]]
 
-    def __init__(self, target: str, *, token: str | None = None, tls: bool = False) -> None:
+    def __init__(self, target: str, *, token: str | None = None, tls: Tls = None) -> None:
         self.target = target
         self._channel = open_channel(target, token=token, tls=tls)
         self.stub = _DomainErrorStub(self.stub_class(self._channel))

@@ -19,13 +19,15 @@ from dataclasses import dataclass
 import grpc
 from grpc.aio import AbortError
 
+from opml_common.config import ROLES, TokenGrant
 from opml_common.errors import OpmlError
 from opml_common.grpc.status import trailing_details
 from opml_common.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 
-ROLE_RANK = {"reader": 0, "writer": 1, "admin": 2}
+ROLE_RANK = {role: rank for rank, role in enumerate(ROLES)}  # reader < inference < writer < admin
+AUDITED_ROLES = frozenset({"writer", "admin"})  # calls needing these are logged at INFO even when OK
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,19 @@ _principal: contextvars.ContextVar[Principal] = contextvars.ContextVar("opml_pri
 def current_principal() -> Principal:
     """The caller of the RPC being handled (for lineage's creator, audit logs)."""
     return _principal.get()
+
+
+# The call record of the RPC being handled (set by ObservabilityInterceptor, which runs outside the
+# auth interceptor): auth writes the caller and the role the method needs on it, so the audit line
+# written when the call ends names the real caller, even after the principal's contextvar is reset.
+_call_record: contextvars.ContextVar[_CallRecord | None] = contextvars.ContextVar("opml_call_record",
+                                                                                   default=None)
+
+
+def _note_caller(principal: Principal | None, needed: str | None) -> None:
+    record = _call_record.get()
+    if record is not None:
+        record.principal, record.needed = principal, needed
 
 
 Behavior = Callable[..., object]
@@ -74,7 +89,10 @@ def _method_name(full_method: str) -> str:
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Bearer-token auth with roles (reader < writer < admin).
+    """Bearer-token auth with roles (reader < inference < writer < admin).
+
+    ``tokens`` maps each bearer token to its :class:`~opml_common.config.TokenGrant` (the principal's
+    configured name and roles), as ``PlatformSettings.tokens()`` returns it.
 
     ``method_roles`` maps a full method (``/opml.bundles.v1.BundleStore/DeleteBundle``) to the role it
     needs; the server checks at start-up that every RPC it hosts is listed (see
@@ -85,7 +103,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     OPEN_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
 
-    def __init__(self, tokens: Mapping[str, frozenset[str]], *, method_roles: Mapping[str, str],
+    def __init__(self, tokens: Mapping[str, TokenGrant], *, method_roles: Mapping[str, str],
                  default_role: str = "writer") -> None:
         unknown = {r for r in (*method_roles.values(), default_role) if r not in ROLE_RANK}
         if unknown:
@@ -103,43 +121,52 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             return handler
         metadata = dict(handler_call_details.invocation_metadata or ())
         scheme, _, token = str(metadata.get("authorization", "")).partition(" ")
-        roles = self._tokens.get(token) if scheme.lower() == "bearer" else None
+        grant = self._tokens.get(token) if scheme.lower() == "bearer" else None
         method = _method_name(handler_call_details.method)
-        if roles is None:
+        needed = self._method_roles.get(handler_call_details.method, self._default_role)
+        if grant is None:
             return _wrap(handler, _reject(grpc.StatusCode.UNAUTHENTICATED,
-                                          "missing or unknown bearer token (send 'authorization: Bearer <token>')"))
+                                          "missing or unknown bearer token (send 'authorization: Bearer <token>')",
+                                          None, needed))
         cached = self._wrapped.get((handler_call_details.method, token))
         if cached is not None and cached[0] is handler:
             return cached[1]
-        needed = self._method_roles.get(handler_call_details.method, self._default_role)
-        principal = Principal(f"token:{token[:4]}…", roles)
+        principal = Principal(grant.name, grant.roles)
         if not principal.has(needed):
             wrapped = _wrap(handler, _reject(grpc.StatusCode.PERMISSION_DENIED,
-                                             f"{method} needs the {needed} role; the caller has {sorted(roles)}"))
+                                             f"{method} needs the {needed} role; the caller has "
+                                             f"{sorted(grant.roles)}", principal, needed))
         else:
-            wrapped = _wrap(handler, _with_principal(principal))
+            wrapped = _wrap(handler, _with_principal(principal, needed))
         self._wrapped[(handler_call_details.method, token)] = (handler, wrapped)
         return wrapped
 
 
-def _reject(code: grpc.StatusCode, message: str) -> Callable[[Behavior, bool], Behavior]:
+def _reject(code: grpc.StatusCode, message: str, principal: Principal | None,
+            needed: str) -> Callable[[Behavior, bool], Behavior]:
     def around(_behavior: Behavior, streaming: bool) -> Behavior:
         if streaming:
             async def reject_stream(_request, context):
+                _note_caller(principal or UNAUTHENTICATED, needed)
                 await context.abort(code, message)
                 yield  # pragma: no cover - makes this an async generator
             return reject_stream
 
         async def reject(_request, context):
+            _note_caller(principal or UNAUTHENTICATED, needed)
             await context.abort(code, message)
         return reject
     return around
 
 
-def _with_principal(principal: Principal) -> Callable[[Behavior, bool], Behavior]:
+UNAUTHENTICATED = Principal("unauthenticated", frozenset())  # the audit name of a call with no valid token
+
+
+def _with_principal(principal: Principal, needed: str) -> Callable[[Behavior, bool], Behavior]:
     def around(behavior: Behavior, streaming: bool) -> Behavior:
         if streaming:
             async def stream(request, context):
+                _note_caller(principal, needed)
                 token = _principal.set(principal)
                 try:
                     async for response in behavior(request, context):
@@ -149,6 +176,7 @@ def _with_principal(principal: Principal) -> Callable[[Behavior, bool], Behavior
             return stream
 
         async def unary(request, context):
+            _note_caller(principal, needed)
             token = _principal.set(principal)
             try:
                 return await behavior(request, context)
@@ -239,10 +267,13 @@ class _CallRecord:
     def __init__(self, method: _MethodMetrics, context: grpc.aio.ServicerContext) -> None:
         self.metrics, self.method, self.context = method, method.name, context
         self.code = "OK"
+        self.principal: Principal | None = None  # set by the auth interceptor (None: auth off, dev)
+        self.needed: str | None = None
 
     def __enter__(self) -> _CallRecord:
         self.start = time.perf_counter()
         self.metrics.in_flight.inc()
+        self._reset = _call_record.set(self)
         return self
 
     async def fail(self, exc: Exception) -> None:
@@ -264,11 +295,17 @@ class _CallRecord:
         self.metrics.in_flight.dec()
         self.metrics.count(self.code)
         self.metrics.duration.observe(elapsed)
-        level = logging.DEBUG if self.code == "OK" else logging.INFO
+        try:
+            _call_record.reset(self._reset)
+        except ValueError:  # a stream's last step ran in another context: the call's task ends anyway
+            pass
+        audited = self.code != "OK" or self.needed in AUDITED_ROLES
+        level = logging.INFO if audited else logging.DEBUG
         if log.isEnabledFor(level):
+            principal = self.principal or current_principal()
             log.log(level, "rpc", extra={"method": self.method, "code": self.code,
                                          "duration_ms": round(elapsed * 1000, 3),
-                                         "principal": current_principal().name})
+                                         "principal": principal.name, "role_needed": self.needed or "-"})
 
 
 def _code_name(code: grpc.StatusCode | None) -> str:

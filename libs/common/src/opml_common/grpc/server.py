@@ -13,7 +13,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from opml_common.config import PlatformSettings, ServiceSettings
+from opml_common.config import GrpcTlsSettings, PlatformSettings, ServiceSettings
 from opml_common.grpc.interceptors import ROLE_RANK, AuthInterceptor, ObservabilityInterceptor
 from opml_common.metrics import ServiceMetrics, serve_metrics
 
@@ -66,6 +66,11 @@ class GrpcServer:
     ``start()`` binds the ports (0 = pick free), registers the servicers, the standard health
     service (SERVING once started) and server reflection. ``stop()`` marks health NOT_SERVING,
     lets in-flight RPCs finish within ``settings.shutdown_grace_s``, then stops. Both are idempotent.
+
+    With ``OPML_GRPC_TLS_CERT``/``_KEY`` set the port speaks TLS only (a plaintext client fails its
+    handshake); with ``OPML_GRPC_TLS_CLIENT_CA`` as well, a client must present a certificate that CA
+    signed (mTLS). The Unix-socket data plane of a worker (:mod:`opml_inference_router.worker.uds`) is
+    not gRPC and is guarded by file mode and peer credentials instead.
     """
 
     def __init__(self, *, settings: ServiceSettings, platform: PlatformSettings, metrics: ServiceMetrics,
@@ -88,6 +93,7 @@ class GrpcServer:
         self.port: int | None = None
         self.metrics_port: int | None = None
         self._stopped = False
+        self._tls = platform if isinstance(platform, GrpcTlsSettings) else None
 
     async def start(self) -> None:
         if self.port is not None:
@@ -99,12 +105,17 @@ class GrpcServer:
         reflection.enable_server_reflection(
             [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             self._server)
-        self.port = self._server.add_insecure_port(f"{self.settings.host}:{self.settings.grpc_port}")
+        address = f"{self.settings.host}:{self.settings.grpc_port}"
+        credentials = server_credentials(self._tls) if self._tls is not None else None
+        self.port = (self._server.add_secure_port(address, credentials) if credentials is not None
+                     else self._server.add_insecure_port(address))
         await self._server.start()
         self.metrics_port = serve_metrics(self.settings.host, self.settings.metrics_port, self.metrics.registry)
         for name in ("", *names):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving", extra={"grpc": f"{self.settings.host}:{self.port}",
+                                   "tls": "mtls" if self._tls and self._tls.grpc_tls_client_ca else
+                                   "tls" if credentials is not None else "off",
                                    "metrics": f"http://{self.settings.host}:{self.metrics_port}/metrics"})
 
     async def stop(self) -> None:
@@ -120,6 +131,16 @@ class GrpcServer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+
+def server_credentials(tls: GrpcTlsSettings) -> grpc.ServerCredentials | None:
+    """TLS credentials for a server from ``OPML_GRPC_TLS_CERT``/``_KEY`` (and ``_CLIENT_CA``: mTLS),
+    or None when no certificate is set (plaintext)."""
+    if tls.grpc_tls_cert is None or tls.grpc_tls_key is None:
+        return None
+    client_ca = tls.grpc_tls_client_ca.read_bytes() if tls.grpc_tls_client_ca is not None else None
+    return grpc.ssl_server_credentials([(tls.grpc_tls_key.read_bytes(), tls.grpc_tls_cert.read_bytes())],
+                                       root_certificates=client_ca, require_client_auth=client_ca is not None)
 
 
 async def wait_for_signal() -> None:

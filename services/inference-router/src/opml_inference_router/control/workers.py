@@ -16,7 +16,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
 from opml_common.errors import OpmlError, Unavailable
-from opml_common.grpc.client import domain_error
+from opml_common.grpc.client import domain_error, open_aio_channel
 from opml_inference_router.placement import Profile
 
 LOAD_TIMEOUT_S = 120.0
@@ -29,7 +29,7 @@ class WorkerClient:
     def __init__(self, address: str, *, token: str | None = None) -> None:
         self.address = address
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = open_aio_channel(address, options=[])  # TLS as OPML_GRPC_TLS_* says
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
 
     async def load(self, model: str, *, path: Path, version: int, precision: str | None = None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import grpc
 
+from opml_common.grpc.client import Tls, open_aio_channel
 from opml_inference_router.routing.errors import ReplicaFailed
 from opml_inference_router.routing.replicas import Replica
 
@@ -23,12 +24,14 @@ class GrpcReplica(Replica):
 
     ``token``: the bearer token the router presents to workers that require auth (production);
     bind it with ``functools.partial(GrpcReplica, token=...)`` as the router's ``connect``.
+    ``tls``: TLS on the hop (default: ``OPML_GRPC_TLS_*``, as the workers the router starts inherit;
+    a worker on another host needs it, one on this machine is better reached over its Unix socket).
     """
 
-    def __init__(self, address: str, *, token: str | None = None) -> None:
+    def __init__(self, address: str, *, token: str | None = None, tls: Tls = None) -> None:
         self.name = address
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self._channel = grpc.aio.insecure_channel(address, options=[
+        self._channel = open_aio_channel(address, tls=tls, options=[
             ("grpc.max_receive_message_length", _MAX_MESSAGE),
             ("grpc.max_send_message_length", _MAX_MESSAGE),
             # Find a dead worker fast even when it cannot send a FIN (host gone).
