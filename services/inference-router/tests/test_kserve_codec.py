@@ -135,3 +135,63 @@ def test_response_carries_the_requested_outputs_raw() -> None:
                                                  IMAGE_MODEL, 1, outputs))
     assert sorted(everything) == ["defect_scores", "label"]
     np.testing.assert_array_equal(everything["defect_scores"], outputs["defect_scores"])
+
+
+# -- bounds before work (issue 16, item 3) ------------------------------------------------------------
+
+TEXT_MODEL = ModelConfig.from_dict({
+    "name": "echo", "max_batch_size": 8,
+    "inputs": [{"name": "text", "data_type": "string", "dims": [-1]}],
+    "outputs": [{"name": "echo", "data_type": "string", "dims": [-1]}],
+    "slo": {"p99_ms": 25}, "expected_rate_rps": 10, "pool_kinds": ["cpu"],
+})
+
+
+def _text_request(shape: list[int], raw: bytes) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name="echo")
+    request.inputs.add(name="text", datatype="BYTES", shape=shape)
+    request.raw_input_contents.append(raw)
+    return request
+
+
+def test_a_bytes_buffer_past_the_declared_count_costs_one_element() -> None:
+    bomb = _text_request([1, 1], b"\0\0\0\0" * 4_000_000)  # 16 MB of empty elements after the one declared
+    with pytest.raises(InvalidArgument, match=r"^inputs\[text\]: BYTES contents hold 15999996 bytes after the 1 "):
+        decode_inputs(bomb, TEXT_MODEL, max_batch=8)
+    with pytest.raises(InvalidArgument, match=r"^inputs\[text\]: BYTES contents hold 4 bytes, too few for the 2 "):
+        decode_inputs(_text_request([1, 2], b"\0\0\0\0"), TEXT_MODEL, max_batch=8)
+
+
+@pytest.mark.parametrize(("shape", "rule"), [
+    ([4, 1 << 62], r"the product of dims \[4,4611686018427387904\] overflows int64"),
+    ([8, (1 << 63) - 1], r"overflows int64"),
+    ([1, 1 << 30], r"exceeds 4194304"),
+])
+def test_a_shape_is_counted_before_anything_is_decoded(shape: list[int], rule: str) -> None:
+    with pytest.raises(InvalidArgument, match=r"^inputs\[text\]\.shape: declares more elements .*" + rule) as caught:
+        decode_inputs(_text_request(shape, b""), TEXT_MODEL, max_batch=8)
+    assert caught.value.field == "inputs[text].shape"
+
+
+def test_fixed_size_payloads_are_compared_exactly_and_negative_dims_refused() -> None:
+    request = pb.ModelInferRequest(model_name="scalar")
+    request.inputs.add(name="x", datatype="INT32", shape=[2, 1 << 40])
+    request.raw_input_contents.append(b"\0" * 8)
+    with pytest.raises(InvalidArgument, match=r"^inputs\[x\]\.shape: .* exceeds 268435456"):
+        decode_inputs(request, UNBATCHED, max_batch=1)
+    request.inputs[0].shape[1] = -3
+    with pytest.raises(InvalidArgument, match=r"^inputs\[x\]: expected INT32 \[2,-1\], got INT32 \[2,-3\]"):
+        decode_inputs(request, UNBATCHED, max_batch=1)
+
+
+def test_error_fields_and_forms_stay_short_whatever_the_request_holds() -> None:
+    request = encode_request("defect-classifier", image_inputs(1))
+    request.inputs[0].name = "x" * 1_000_000
+    with pytest.raises(InvalidArgument) as caught:
+        decode_inputs(request, IMAGE_MODEL, max_batch=32)
+    assert len(caught.value.field) < 80
+    request = encode_request("defect-classifier", image_inputs(1))
+    request.inputs[0].shape.extend([1] * 100_000)
+    with pytest.raises(InvalidArgument, match=r"got FP32 \[1,3,224,224,1,1,1,1,\.\.\. \(100004 dims\)\]") as caught:
+        decode_inputs(request, IMAGE_MODEL, max_batch=32)
+    assert len(caught.value.message) < 200

@@ -114,3 +114,79 @@ def from_status(code: str, message: str, violations: Sequence[tuple[str, str]] =
         field, _, rule = message.partition(": ")
         return InvalidArgument(field, rule or message)
     return ERRORS_BY_CODE.get(code, OpmlError)(message)
+
+
+def brief(value: object, limit: int = 80) -> str:
+    """A repr of ``value`` for an error message, at most ``limit`` characters, whatever its size.
+
+    The whole repr is never built: containers show their first few items and a few levels
+    (``reprlib``, without sorting dicts or sets), strings and bytes are cut before they are
+    repr'd, and an int of more than 60 digits shows its size instead (a repr of a huge int is
+    quadratic, and refused past 4300 digits). Safe on shared or cyclic structures such as an
+    expanded YAML alias bomb.
+    """
+    text = _BRIEF.repr(value)
+    return text if len(text) <= limit else text[: max(limit - 3, 0)] + "..."
+
+
+def _brief_repr() -> object:
+    import builtins
+    import reprlib
+    from itertools import islice
+
+    class _Brief(reprlib.Repr):
+        def __init__(self) -> None:
+            super().__init__()
+            self.maxlevel, self.maxdict, self.maxlist, self.maxtuple = 3, 4, 6, 6
+            self.maxset = self.maxfrozenset = self.maxdeque = self.maxarray = 6
+            self.maxstring, self.maxlong, self.maxother = 60, 60, 60
+
+        def _unsorted(self, x: object, level: int, left: str, right: str, most: int) -> str:
+            if not x:
+                return left + right
+            if level <= 0:
+                return left + "..." + right
+            items = [self.repr1(item, level - 1) for item in islice(x, most)]  # type: ignore[call-overload]
+            if len(x) > most:  # type: ignore[arg-type]
+                items.append("...")
+            return left + ", ".join(items) + right
+
+        def repr_set(self, x: set[object], level: int) -> str:
+            return self._unsorted(x, level, "{", "}", self.maxset)
+
+        def repr_frozenset(self, x: frozenset[object], level: int) -> str:
+            return self._unsorted(x, level, "frozenset({", "})", self.maxfrozenset)
+
+        def repr_dict(self, x: dict[object, object], level: int) -> str:
+            if not x:
+                return "{}"
+            if level <= 0:
+                return "{...}"
+            items = [f"{self.repr1(key, level - 1)}: {self.repr1(x[key], level - 1)}"
+                     for key in islice(x, self.maxdict)]
+            if len(x) > self.maxdict:
+                items.append("...")
+            return "{" + ", ".join(items) + "}"
+
+        def repr_int(self, x: int, level: int) -> str:
+            if x.bit_length() > 200:  # about 60 digits
+                return f"<int of {x.bit_length()} bits>"
+            return builtins.repr(x)
+
+        def repr_bytes(self, x: bytes, level: int) -> str:
+            cut = builtins.repr(bytes(x[: self.maxstring]))
+            return cut if len(x) <= self.maxstring else f"{cut}... ({len(x)} bytes)"
+
+        def repr_bytearray(self, x: bytearray, level: int) -> str:
+            return "bytearray(" + self.repr_bytes(bytes(x[: self.maxstring + 1]), level) + ")"
+
+        def repr_memoryview(self, x: memoryview, level: int) -> str:
+            return f"<memoryview of {x.nbytes} bytes>"
+
+        def repr_ndarray(self, x: object, level: int) -> str:
+            return f"<array shape={getattr(x, 'shape', '?')} dtype={getattr(x, 'dtype', '?')}>"
+
+    return _Brief()
+
+
+_BRIEF = _brief_repr()

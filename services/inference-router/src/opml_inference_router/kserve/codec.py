@@ -14,13 +14,17 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
-from opml_common.errors import InvalidArgument
+from opml_common.errors import InvalidArgument, brief
 from opml_inference_router.kserve.datatypes import BY_KSERVE, DATATYPES, Datatype, of_array
 from opml_inference_router.kserve.validation import (
+    MAX_BYTES_ELEMENTS,
+    MAX_ELEMENTS,
     check_input,
     check_input_names,
     check_output_names,
     describe,
+    element_count,
+    tensor_field,
 )
 from opml_inference_router.placement.config import ModelConfig
 
@@ -38,31 +42,46 @@ def serialize_bytes(array: np.ndarray) -> bytes:
 def deserialize_bytes(raw: bytes, count: int, field: str) -> np.ndarray:
     """The protocol's raw BYTES form -> a flat object array of ``count`` bytes elements.
 
+    The work is bounded by ``count``, not by the buffer: a buffer too small to hold ``count``
+    length prefixes is refused before the walk, and the walk stops at element ``count``, so a
+    declared shape of 1 with 63 MB of empty elements costs one element, not 16 million.
+
     Raises:
         InvalidArgument: the buffer does not hold exactly ``count`` length-prefixed elements.
     """
+    size = len(raw)
+    if count * 4 > size:
+        raise InvalidArgument(field, f"BYTES contents hold {size} bytes, too few for the {count} elements the "
+                                     f"shape needs (each has a 4-byte length prefix)")
     items: list[bytes] = []
+    append = items.append
+    unpack = _LENGTH.unpack_from
     offset = 0
-    while offset < len(raw):
-        if offset + 4 > len(raw):
-            raise InvalidArgument(field, f"BYTES contents are truncated at byte {offset}")
-        (length,) = struct.unpack_from("<I", raw, offset)
+    for index in range(count):
+        if offset + 4 > size:
+            raise InvalidArgument(field, f"BYTES contents end at byte {offset}, in element {index} of {count}")
+        (length,) = unpack(raw, offset)
         offset += 4
-        if offset + length > len(raw):
-            raise InvalidArgument(field, f"BYTES element {len(items)} claims {length} bytes past the buffer's end")
-        items.append(raw[offset:offset + length])
+        if offset + length > size:
+            raise InvalidArgument(field, f"BYTES element {index} claims {length} bytes past the buffer's end")
+        append(raw[offset:offset + length])
         offset += length
-    if len(items) != count:
-        raise InvalidArgument(field, f"BYTES contents hold {len(items)} elements, but the shape needs {count}")
+    if offset != size:
+        raise InvalidArgument(field, f"BYTES contents hold {size - offset} bytes after the {count} elements the "
+                                     "shape needs")
     array = np.empty(count, dtype=np.object_)
     array[:] = items
     return array
 
 
+_LENGTH = struct.Struct("<I")
+
+
 def _from_raw(raw: bytes, datatype: Datatype, shape: Sequence[int], field: str) -> np.ndarray:
-    count = int(np.prod(shape, dtype=np.int64))
     if datatype.config == "string":
+        count = element_count(shape, field, max_elements=MAX_BYTES_ELEMENTS)
         return deserialize_bytes(raw, count, field).reshape(shape)
+    count = element_count(shape, field)
     needed = count * datatype.numpy.itemsize
     if len(raw) != needed:
         raise InvalidArgument(field, f"raw contents hold {len(raw)} bytes, but {describe(datatype.kserve, shape)} "
@@ -75,7 +94,8 @@ def _from_contents(contents: pb.InferTensorContents, datatype: Datatype, shape: 
     if datatype.contents_field is None:
         raise InvalidArgument(field, f"{datatype.kserve} tensors must be sent as raw_input_contents")
     values = getattr(contents, datatype.contents_field)
-    count = int(np.prod(shape, dtype=np.int64))
+    count = element_count(shape, field,
+                          max_elements=MAX_BYTES_ELEMENTS if datatype.config == "string" else MAX_ELEMENTS)
     if len(values) != count:
         raise InvalidArgument(field, f"contents.{datatype.contents_field} holds {len(values)} values, but "
                                      f"{describe(datatype.kserve, shape)} needs {count}")
@@ -155,11 +175,15 @@ def decode_response(response: pb.ModelInferResponse) -> dict[str, np.ndarray]:
     """
     arrays: dict[str, np.ndarray] = {}
     raw = response.raw_output_contents
+    if raw and len(raw) != len(response.outputs):
+        raise InvalidArgument("raw_output_contents", f"holds {len(raw)} tensors, but the response has "
+                                                     f"{len(response.outputs)} outputs")
     for index, tensor in enumerate(response.outputs):
-        field = f"outputs[{tensor.name}]"
+        field = f"outputs[{tensor_field(tensor.name)}]"
         datatype = BY_KSERVE.get(tensor.datatype)
         if datatype is None:
-            raise InvalidArgument(field, f"datatype must be one of {', '.join(BY_KSERVE)}, but got {tensor.datatype!r}")
+            raise InvalidArgument(field, f"datatype must be one of {', '.join(BY_KSERVE)}, "
+                                         f"but got {brief(tensor.datatype)}")
         shape = list(tensor.shape)
         arrays[tensor.name] = (_from_raw(raw[index], datatype, shape, field) if raw
                                else _from_contents(tensor.contents, datatype, shape, field))

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self, TypeVar, get_args
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -32,7 +31,8 @@ from pydantic import (
     model_validator,
 )
 
-from opml_common.errors import InvalidArgument, NotFound
+from opml_common.errors import InvalidArgument, NotFound, brief
+from opml_common.yamlsafe import load_yaml
 
 Precision = Literal["fp32", "fp16", "bf16", "int8"]
 """Numeric precision a model may be served in and a pool kind can run."""
@@ -44,6 +44,13 @@ DataType = Literal[
 """Tensor element type (Triton's ``DataType`` names without the ``TYPE_`` prefix, lower case)."""
 
 PRECISIONS: tuple[str, ...] = get_args(Precision)
+
+MAX_CONFIG_BYTES = 1 << 20
+"""Largest model or fleet config file read (1 MiB; a real one is a few KiB)."""
+MAX_CONFIG_NODES = 100_000
+"""Most YAML nodes in a config, aliases counted as the nodes they expand to."""
+MAX_CONFIG_DEPTH = 32
+"""Deepest nesting of a config (its schemas nest 4 levels)."""
 
 _MODEL_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 _TENSOR_NAME = r"^[A-Za-z_][A-Za-z0-9_./:-]{0,127}$"
@@ -74,7 +81,7 @@ def _unique(values: Sequence[Any], what: str) -> None:
     seen: set[Any] = set()
     for index, value in enumerate(values):
         if value in seen:
-            raise _RuleError([index], f"{what} must be unique, but {value!r} appears twice")
+            raise _RuleError([index], f"{what} must be unique, but {brief(value)} appears twice")
         seen.add(value)
 
 
@@ -198,7 +205,8 @@ class ModelConfig(_Schema):
     def _tensor_names_unique(cls, tensors: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
         for index, tensor in enumerate(tensors):
             if any(other.name == tensor.name for other in tensors[:index]):
-                raise _RuleError([index, "name"], f"tensor names must be unique, but {tensor.name!r} appears twice")
+                raise _RuleError([index, "name"],
+                                 f"tensor names must be unique, but {brief(tensor.name)} appears twice")
         return tensors
 
     @field_validator("pool_kinds")
@@ -312,7 +320,8 @@ class FleetConfig(_Schema):
     def _kind_names_unique(cls, kinds: tuple[PoolKind, ...]) -> tuple[PoolKind, ...]:
         for index, kind in enumerate(kinds):
             if any(other.name == kind.name for other in kinds[:index]):
-                raise _RuleError([index, "name"], f"pool kind names must be unique, but {kind.name!r} appears twice")
+                raise _RuleError([index, "name"],
+                                 f"pool kind names must be unique, but {brief(kind.name)} appears twice")
         return kinds
 
     @model_validator(mode="after")
@@ -321,10 +330,10 @@ class FleetConfig(_Schema):
         for index, pool in enumerate(self.pools):
             if pool.kind not in known:
                 raise _RuleError(["pools", index, "kind"], f"must be a declared pool kind ({', '.join(known)}), "
-                                                           f"but got {pool.kind!r}")
+                                                           f"but got {brief(pool.kind)}")
             if any(other.name == pool.name for other in self.pools[:index]):
                 raise _RuleError(["pools", index, "name"],
-                                 f"pool names must be unique, but {pool.name!r} appears twice")
+                                 f"pool names must be unique, but {brief(pool.name)} appears twice")
         return self
 
     @classmethod
@@ -373,12 +382,24 @@ def load_fleet_config(path: str | Path) -> FleetConfig:
 
 
 def _read_document(path: Path) -> Any:
+    """The file's value, read and parsed within :data:`MAX_CONFIG_BYTES`, :data:`MAX_CONFIG_NODES`
+    and :data:`MAX_CONFIG_DEPTH` (a YAML alias bomb or a 50,000-deep document is refused while
+    composing, before anything is built or validated)."""
     try:
-        return yaml.safe_load(path.read_text())
+        with path.open("rb") as file:
+            data = file.read(MAX_CONFIG_BYTES + 1)  # never more than the limit, whatever the file
     except FileNotFoundError:
         raise NotFound(f"config file {path} does not exist") from None
-    except yaml.YAMLError as error:
-        raise InvalidArgument(str(path), f"is not valid YAML or JSON: {error}") from None
+    except IsADirectoryError:
+        raise InvalidArgument(str(path), "must be a YAML or JSON file, but is a directory") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise InvalidArgument(str(path), f"must be at most {MAX_CONFIG_BYTES} bytes of YAML or JSON")
+    return load_yaml(data, what=str(path), max_bytes=MAX_CONFIG_BYTES, max_nodes=MAX_CONFIG_NODES,
+                     max_depth=MAX_CONFIG_DEPTH)
+
+
+_MAX_LISTED = 5
+"""Further problems a config error names besides the first (their count is always given)."""
 
 
 def _validate(schema: type[_S], data: Any) -> _S:
@@ -387,18 +408,17 @@ def _validate(schema: type[_S], data: Any) -> _S:
     try:
         return schema.model_validate(data)
     except ValidationError as error:
-        details = error.errors()
+        details = error.errors(include_url=False)
         # A bad item also makes its container look too short; report only the most specific errors.
-        specific = [d for d in details if not any(_is_prefix(d["loc"], other["loc"]) for other in details)]
-        problems = [_describe(detail) for detail in specific]
-        field, message = problems[0]
-        if len(problems) > 1:
-            message += f" (and {len(problems) - 1} more: {', '.join(path for path, _ in problems[1:])})"
+        # Linear in the number of errors: a location is dropped when it is a proper prefix of another.
+        prefixes = {tuple(d["loc"][:cut]) for d in details for cut in range(len(d["loc"]))}
+        specific = [d for d in details if tuple(d["loc"]) not in prefixes] or details
+        field, message = _describe(specific[0])
+        if len(specific) > 1:
+            others = [_path(list(d["loc"])) for d in specific[1:1 + _MAX_LISTED]]
+            more = ", ..." if len(specific) > 1 + _MAX_LISTED else ""
+            message += f" (and {len(specific) - 1} more: {', '.join(others)}{more})"
         raise InvalidArgument(field, message) from None
-
-
-def _is_prefix(prefix: tuple[Any, ...], location: tuple[Any, ...]) -> bool:
-    return len(prefix) < len(location) and location[: len(prefix)] == prefix
 
 
 def _describe(detail: Mapping[str, Any]) -> tuple[str, str]:
@@ -421,8 +441,7 @@ def _describe(detail: Mapping[str, Any]) -> tuple[str, str]:
 
 
 def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return brief(value, limit=80)
 
 
 def _path(location: Sequence[str | int]) -> str:

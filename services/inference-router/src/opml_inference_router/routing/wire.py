@@ -4,7 +4,9 @@ The router forwards ``ModelInferRequest`` / ``ModelInferResponse`` as the bytes 
 routing costs the same for a 100-byte and a 10-MB request. It needs three string fields of the
 request (``model_name`` = 1, ``model_version`` = 2, ``id`` = 3; the same numbers in the response).
 :func:`read_header` walks the top-level fields of the protobuf wire format and skips the others by
-their length; :func:`with_field` appends a string field: protobuf parsers keep the last value of a
+their length (O(1) each, whatever their size), and visits at most :data:`MAX_FIELDS` fields, so
+the walk's work is bounded whatever the message holds (62 MiB of two-byte unknown fields would
+otherwise be 30 million steps); :func:`with_field` appends a string field: protobuf parsers keep the last value of a
 non-repeated field, so appending overrides a value the message already had (the encoding spec's
 "last one wins"), with no copy of the tensors beyond the one ``bytes`` concatenation.
 """
@@ -18,8 +20,14 @@ MODEL_VERSION = 2
 REQUEST_ID = 3
 
 
+MAX_FIELDS = 4096
+"""Most top-level fields :func:`read_header` visits. A ModelInferRequest has one per input, output,
+raw tensor and parameter plus three: a real one has tens."""
+
+
 class MalformedMessage(ValueError):
-    """The bytes are not a protobuf message (truncated field, bad wire type)."""
+    """The bytes are not a protobuf message (truncated field, bad wire type), or one the router
+    will not walk (more than ``max_fields`` top-level fields)."""
 
 
 class Header(NamedTuple):
@@ -43,15 +51,21 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
             raise MalformedMessage("varint longer than 10 bytes")
 
 
-def read_header(data: bytes) -> Header:
+def read_header(data: bytes, *, max_fields: int = MAX_FIELDS) -> Header:
     """The model name, version and request id of a serialized ModelInferRequest (or Response).
 
     Raises:
-        MalformedMessage: the bytes are not a well-formed protobuf message.
+        MalformedMessage: the bytes are not a well-formed protobuf message, or hold more than
+            ``max_fields`` top-level fields.
     """
     fields = ["", "", ""]
     pos, end = 0, len(data)
+    left = max_fields
     while pos < end:
+        if not left:
+            raise MalformedMessage(f"it holds more than {max_fields} top-level fields, the most the router reads "
+                                   f"(stopped at byte {pos} of {end})")
+        left -= 1
         key = data[pos]  # one-byte keys and lengths inline: the common case, without a call
         if key < 0x80:
             pos += 1

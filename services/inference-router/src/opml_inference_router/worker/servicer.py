@@ -15,6 +15,7 @@ to a worker that shares no disk with its caller.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import tempfile
@@ -36,6 +37,22 @@ _LOAD_PARAMETERS = {"path": "string_param", "version": "int64_param", "precision
                     "profile": "bool_param", "config": "string_param", "instances": "int64_param",
                     "max_batch": "int64_param"}
 _FILE_PREFIX = "file:"
+_DECODE_IN_THREAD_BYTES = 1 << 20
+_DECODE_IN_THREAD_VALUES = 1 << 16
+
+
+def _costly(request: pb.ModelInferRequest) -> bool:
+    """Whether decoding may take long enough (a BYTES walk, typed contents converted one by one) to
+    be worth a thread hop: more than 1 MiB raw, or more than 65,536 typed values in a tensor. O(inputs)."""
+    if any(len(raw) > _DECODE_IN_THREAD_BYTES for raw in request.raw_input_contents):
+        return True
+    return any(len(getattr(tensor.contents, field)) > _DECODE_IN_THREAD_VALUES
+               for tensor in request.inputs if tensor.HasField("contents")
+               for field in _CONTENT_FIELDS)
+
+
+_CONTENT_FIELDS = ("bool_contents", "int_contents", "int64_contents", "uint_contents", "uint64_contents",
+                   "fp32_contents", "fp64_contents", "bytes_contents")
 # tritonclient's unload_model always sends unload_dependents; a worker hosts no ensembles, so it is moot.
 _UNLOAD_PARAMETERS = {"version": "int64_param", "unload_dependents": "bool_param"}
 
@@ -143,7 +160,10 @@ class WorkerServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
         served = self._repository.get(request.model_name, request.model_version)
         replica = served.replica
-        inputs = decode_inputs(request, replica.config, max_batch=replica.max_batch)
+        if _costly(request):  # decoded in a thread: the loop keeps serving the co-hosted models meanwhile
+            inputs = await asyncio.to_thread(decode_inputs, request, replica.config, max_batch=replica.max_batch)
+        else:
+            inputs = decode_inputs(request, replica.config, max_batch=replica.max_batch)
         outputs = await served.batcher.infer(inputs)
         return encode_response(request, replica.config, replica.model.version, outputs)
 
