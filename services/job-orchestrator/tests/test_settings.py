@@ -36,7 +36,15 @@ def test_the_local_executor_is_the_default_and_gets_the_platform_env(env) -> Non
     assert settings.executor == "local"
     executor = build_executor(settings, PLATFORM)
     assert isinstance(executor, LocalExecutor)
-    assert executor._platform_env["OPML_S3_SECRET_KEY"] == "s3cret"  # local tasks may read the secrets
+    assert executor._platform_env["OPML_KAFKA_BOOTSTRAP"] == "kafka:9092"
+    # Issue 16: local tasks never get the platform's secrets, only the job identity's when one is set.
+    assert "OPML_S3_SECRET_KEY" not in executor._platform_env and "OPML_REDIS_URL" not in executor._platform_env
+    scoped = build_executor(env(JOB_S3_ACCESS_KEY="job-key", JOB_S3_SECRET_KEY="job-secret",
+                                JOB_REDIS_URL="redis://job:pw@redis:6379/0"), PLATFORM)
+    assert scoped._platform_env["OPML_S3_ACCESS_KEY"] == "job-key"
+    assert scoped._platform_env["OPML_S3_SECRET_KEY"] == "job-secret"
+    assert scoped._platform_env["OPML_REDIS_URL"] == "redis://job:pw@redis:6379/0"
+    assert "s3cret" not in scoped._platform_env.values()
 
 
 @pytest.mark.parametrize(("values", "error"), [
@@ -105,7 +113,34 @@ async def test_without_an_api_the_kubernetes_executor_connects_at_start_from_the
 
 
 def test_platform_env_keeps_secrets_out_unless_asked() -> None:
-    public = platform_env(PLATFORM, secrets=False)
+    public = platform_env(PLATFORM)
     assert public["OPML_KAFKA_BOOTSTRAP"] == "kafka:9092" and public["OPML_KAFKA_IDEMPOTENCE"] == "false"
     assert "OPML_REDIS_URL" not in public and "OPML_S3_SECRET_KEY" not in public
-    assert platform_env(PLATFORM, secrets=True)["OPML_REDIS_URL"] == "redis://:pw@redis:6379/0"
+    # Issue 16: what was asked with secrets=True (the platform's Redis URL) is never given to a job;
+    # the job's own Redis user is.
+    settings = JobOrchestratorSettings(job_redis_url="redis://job:jobpw@redis:6379/0")
+    assert platform_env(PLATFORM, settings)["OPML_REDIS_URL"] == "redis://job:jobpw@redis:6379/0"
+    assert "OPML_REDIS_URL" not in platform_env(PLATFORM, settings, credentials=False)
+    assert "OPML_ENV" not in public and "OPML_AUTH_TOKENS" not in public
+
+
+@pytest.mark.parametrize(("values", "error"), [
+    ({"JOB_S3_ACCESS_KEY": "k"}, "must be set together"),
+    ({"JOB_KAFKA_SASL_USERNAME": "job"}, "must be set together"),
+])
+def test_job_credentials_come_in_pairs(env, values: dict[str, str], error: str) -> None:
+    with pytest.raises(ValidationError, match=error):
+        env(**values)
+
+
+def test_jobs_get_their_own_kafka_user_never_the_services(tmp_path: Path) -> None:
+    (tmp_path / "ca.pem").write_text("ca")
+    platform = PlatformSettings(kafka_bootstrap="kafka:9093", kafka_security_protocol="SASL_SSL",
+                                kafka_sasl_mechanism="SCRAM-SHA-512", kafka_sasl_username="job-orchestrator",
+                                kafka_sasl_password="service-kafka-pw", kafka_ssl_cafile=str(tmp_path / "ca.pem"))
+    settings = JobOrchestratorSettings(job_kafka_sasl_username="tracer", job_kafka_sasl_password="tracer-pw")
+    env = platform_env(platform, settings)
+    assert env["OPML_KAFKA_SECURITY_PROTOCOL"] == "SASL_SSL" and env["OPML_KAFKA_SSL_CAFILE"] == str(tmp_path / "ca.pem")
+    assert (env["OPML_KAFKA_SASL_USERNAME"], env["OPML_KAFKA_SASL_PASSWORD"]) == ("tracer", "tracer-pw")
+    assert "service-kafka-pw" not in env.values() and "job-orchestrator" not in env.values()
+    assert "OPML_KAFKA_SASL_USERNAME" not in platform_env(platform)  # no job user set: none at all

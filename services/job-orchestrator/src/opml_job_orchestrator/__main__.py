@@ -30,11 +30,13 @@ def build_executor(settings: JobOrchestratorSettings, platform: PlatformSettings
     """The executor ``settings.executor`` names. The Kubernetes one (and the ``kubernetes`` client)
     is imported only when selected; it connects at start, from ``k8s_kubeconfig`` or the in-cluster
     service account, unless ``kubernetes_api`` (a ``CoreV1Api``, or a test's fake) is given. Logs
-    and run manifests go under ``{home}/work`` either way."""
+    and run manifests go under ``{home}/work`` either way. Tasks get what :func:`platform_env` gives
+    jobs, never the service's own environment or credentials: local tasks the job credentials
+    from the settings as variables, pods from the ``k8s_env_secret`` Secret."""
     work_dir = settings.home / "work"
     if settings.executor == "local":
         return LocalExecutor(work_dir=work_dir, shutdown_grace_s=settings.shutdown_grace_s,
-                             platform_env=platform_env(platform, secrets=True))
+                             platform_env=platform_env(platform, settings))
     from opml_job_orchestrator.executor.kubernetes import KubernetesExecutor
 
     assert settings.k8s_image is not None  # the settings' validator requires it
@@ -42,7 +44,7 @@ def build_executor(settings: JobOrchestratorSettings, platform: PlatformSettings
         image=settings.k8s_image, log_dir=work_dir, namespace=settings.k8s_namespace, api=kubernetes_api,
         kubeconfig=settings.k8s_kubeconfig, context=settings.k8s_context, node_label=settings.k8s_node_label,
         checkpoint_claim=settings.k8s_checkpoint_claim, service_account=settings.k8s_service_account,
-        env_from_secret=settings.k8s_env_secret, platform_env=platform_env(platform, secrets=False),
+        env_from_secret=settings.k8s_env_secret, platform_env=platform_env(platform, settings, credentials=False),
         poll_interval_s=settings.k8s_poll_interval_s, shutdown_grace_s=settings.shutdown_grace_s)
 
 

@@ -64,8 +64,10 @@ def job_to_proto(definition: JobDefinition, status: JobStatus) -> pb.Job:
     return pb.Job(name=job_name(status.job_id), spec=definition_to_proto(definition), status=status_to_proto(status))
 
 
-def saved_job_from_proto(message: pb.Job) -> SavedJob:
-    return SavedJob(definition_from_proto(message.spec), status_from_proto(message.status))
+def saved_job_from_proto(message: pb.Job, *, submitter: str | None = None) -> SavedJob:
+    """A saved job as the store kept it (its env is not checked again: it was at its submit)."""
+    return SavedJob(definition_from_proto(message.spec, submitter=submitter, check_job_env=False),
+                    status_from_proto(message.status))
 
 
 def change_to_proto(event: LifecycleEvent, job: pb.Job) -> pb.JobChange:
@@ -75,8 +77,12 @@ def change_to_proto(event: LifecycleEvent, job: pb.Job) -> pb.JobChange:
 
 def event_to_proto(event: LifecycleEvent, job: pb.Job) -> Message:
     """The CloudEvent data of one lifecycle event of ``job`` (as :func:`job_to_proto` made it, so a
-    transition converts its status and spec once); ``JobSubmitted`` also carries the spec."""
+    transition converts its status and spec once); ``JobSubmitted`` also carries the spec, with the
+    names of its env but not their values (anyone who reads the topic reads the event; a value may
+    be a credential of the submitter's)."""
     message = EVENT_MESSAGES[event.kind](status=job.status, message=event.message)
     if event.kind is EventKind.SUBMITTED:
         message.spec.CopyFrom(job.spec)
+        for name in message.spec.env:
+            message.spec.env[name] = ""
     return message

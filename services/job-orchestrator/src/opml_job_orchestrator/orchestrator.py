@@ -107,12 +107,15 @@ class JobStatus:
 
 @dataclass(frozen=True, slots=True)
 class JobDefinition:
-    """What was submitted: the scheduler's spec, the program each role runs, and the job's own
-    retry budget (None: the orchestrator's ``retry_policy.max_retries``)."""
+    """What was submitted: the scheduler's spec, the program each role runs, the job's own
+    retry budget (None: the orchestrator's ``retry_policy.max_retries``), and the name of the
+    principal who submitted it (set by the service from the authenticated caller, never from the
+    request; None: unknown, for a job saved before submitters were kept: only admins may act on it)."""
 
     spec: JobSpec
     program: JobProgram
     max_retries: int | None = None
+    submitter: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,11 +265,13 @@ class Orchestrator:
 
     # -- requests ------------------------------------------------------------------------------
 
-    def submit(self, spec: JobSpec, program: JobProgram, *, max_retries: int | None = None) -> str:
+    def submit(self, spec: JobSpec, program: JobProgram, *, max_retries: int | None = None,
+               submitter: str | None = None) -> str:
         """Queue ``spec`` to run ``program``; return its job id. It starts at the loop's next step.
 
         ``max_retries`` is the job's own retry budget (None: ``retry_policy.max_retries``); the
-        delays are the orchestrator's ``retry_policy``'s.
+        delays are the orchestrator's ``retry_policy``'s. ``submitter`` names the principal who
+        submitted it (the service passes the authenticated caller's), kept in its definition.
 
         Raises:
             InvalidArgument: ``spec`` or ``program`` is of the wrong type, ``program`` has no command
@@ -285,7 +290,8 @@ class Orchestrator:
         program.check_covers(spec)
         retry_policy = self._job_retry_policy(max_retries)
         self._scheduler.submit(spec, now=time.monotonic())
-        job = self._jobs[spec.job_id] = _Job(JobDefinition(spec, program, max_retries), retry_policy, time.time())
+        job = self._jobs[spec.job_id] = _Job(JobDefinition(spec, program, max_retries, submitter), retry_policy,
+                                               time.time())
         self._emit(job, EventKind.SUBMITTED, f"{spec.job_class.name} job, priority {spec.priority}")
         self._wake.set()
         return spec.job_id

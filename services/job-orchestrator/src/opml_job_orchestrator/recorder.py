@@ -20,7 +20,7 @@ from collections import Counter
 from opml_common.events import EventEmitter
 from opml_job_orchestrator.convert import change_to_proto, event_to_proto, job_to_proto, saved_job_from_proto
 from opml_job_orchestrator.metrics import JobMetrics
-from opml_job_orchestrator.orchestrator import LifecycleEvent, SavedJob
+from opml_job_orchestrator.orchestrator import EventKind, LifecycleEvent, SavedJob
 from opml_job_orchestrator.state import JobStore
 from opml_job_orchestrator.watch import WatchHub
 
@@ -50,7 +50,9 @@ class JobRecorder:
             DataLoss: a saved job does not parse.
             InvalidArgument: a saved spec is invalid.
         """
-        saved = [saved_job_from_proto(job) for job in await self._store.load()]
+        jobs = await self._store.load()
+        submitters = await self._store.load_submitters()
+        saved = [saved_job_from_proto(job, submitter=submitters.get(job.status.job_id)) for job in jobs]
         for item in saved:
             self._metrics.seed(item.status, item.definition.spec.job_class)
         if saved:
@@ -66,7 +68,7 @@ class JobRecorder:
         """
         definition = event.job.definition
         job = job_to_proto(definition, event.job.status)  # converted once, for store, event and watchers
-        self._store.save(job)
+        self._store.save(job, submitter=definition.submitter if event.kind is EventKind.SUBMITTED else None)
         try:
             self._emitter.emit(event_to_proto(event, job), subject=event.job_id)
         except OSError:  # the disk is full or gone: say so loudly, keep the orchestrator going

@@ -1,5 +1,9 @@
 """The JobService gRPC servicer: parses requests, calls the orchestrator, converts the answers.
 
+Who may act on a job beyond the role table: its logs and its cancel belong to the principal who
+submitted it (``current_principal().name`` at submit, kept with the job) and to admins; anyone
+else gets PERMISSION_DENIED. Preempting needs admin (the role table).
+
 It holds no scheduling logic: that is the :class:`~opml_job_orchestrator.orchestrator.Orchestrator`'s,
 which imports no grpc. It builds and publishes no events: each change's event comes from the core
 (the orchestrator's :class:`~opml_job_orchestrator.recorder.JobRecorder`). Domain errors become
@@ -15,7 +19,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from opml.jobs.v1 import jobs_pb2 as pb
 from opml.jobs.v1 import jobs_pb2_grpc
 
-from opml_common.errors import InvalidArgument, NotFound, Unavailable
+from opml_common.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
+from opml_common.grpc.interceptors import current_principal
 from opml_common.pagination import paginate
 from opml_job_orchestrator.convert import STATES_FROM_PROTO, job_to_proto, status_to_proto
 from opml_job_orchestrator.executor.base import Executor
@@ -56,7 +61,8 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         if not request.HasField("spec"):
             raise InvalidArgument("spec", "is required")
         definition = definition_from_proto(request.spec)
-        job_id = self._orchestrator.submit(definition.spec, definition.program, max_retries=definition.max_retries)
+        job_id = self._orchestrator.submit(definition.spec, definition.program, max_retries=definition.max_retries,
+                                           submitter=current_principal().name)
         status = self._orchestrator.get(job_id)  # the answer is the job as queued
         await self._saved(job_id, "submitted")
         return self._job(job_id, status)
@@ -74,7 +80,9 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         return pb.ListJobsResponse(jobs=[self._job(s.job_id, s) for s in page], next_page_token=token)
 
     async def CancelJob(self, request: pb.CancelJobRequest, context) -> pb.Job:
-        status = await self._orchestrator.cancel(parse_job_name("name", request.name))
+        job_id = parse_job_name("name", request.name)
+        self._check_owner(job_id, "CancelJob", "cancel")
+        status = await self._orchestrator.cancel(job_id)
         await self._saved(status.job_id, "cancelled")
         return self._job(status.job_id, status)
 
@@ -85,6 +93,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
 
     async def ReadJobLogs(self, request: pb.ReadJobLogsRequest, context) -> AsyncIterator[pb.LogChunk]:
         job_id = parse_job_name("name", request.name)
+        self._check_owner(job_id, "ReadJobLogs", "read the logs of")
         roles = self._orchestrator.definition(job_id).spec.roles
         role = request.role or ("chief" if "chief" in roles else next(iter(roles)))
         if role not in roles:
@@ -152,6 +161,20 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
             raise Unavailable(f"job {job_id!r} was {done}, but its state could not be saved to Redis within "
                               f"{self._durable_timeout_s:g} s; it is saved once Redis answers (check with get)"
                               ) from None
+
+    def _check_owner(self, job_id: str, method: str, what: str) -> None:
+        """Let the job's submitter and admins through; refuse anyone else.
+
+        Raises:
+            NotFound: no such job.
+            PermissionDenied: the caller is neither.
+        """
+        principal = current_principal()
+        submitter = self._orchestrator.definition(job_id).submitter
+        if principal.has("admin") or (submitter is not None and principal.name == submitter):
+            return
+        raise PermissionDenied(f"{method} on job {job_id!r} needs the admin role, or to be its submitter: only "
+                               f"they may {what} it; the caller is another principal")
 
     def _job(self, job_id: str, status: JobStatus | None = None) -> pb.Job:
         return job_to_proto(self._orchestrator.definition(job_id), status or self._orchestrator.get(job_id))

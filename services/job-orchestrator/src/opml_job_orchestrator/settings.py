@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from opml_common.config import PlatformSettings, ServiceSettings
@@ -71,11 +71,27 @@ class JobOrchestratorSettings(ServiceSettings):
     k8s_checkpoint_claim: str | None = Field(None, min_length=1, description="PersistentVolumeClaim mounted at a "
                                              "job's checkpoint dir, so a resumed run on another node finds it.")
     k8s_env_secret: str | None = Field(None, min_length=1, description="Secret whose keys every pod gets as "
-                                       "variables (OPML_S3_ACCESS_KEY, OPML_S3_SECRET_KEY, OPML_REDIS_URL: the "
-                                       "platform's secrets are never written into pod specs).")
+                                       "variables: the jobs' own scoped credentials (OPML_S3_ACCESS_KEY and "
+                                       "OPML_S3_SECRET_KEY of the job identity, OPML_REDIS_URL of the job Redis "
+                                       "user), never the platform's; no credential is written into a pod spec.")
     k8s_node_label: str | None = Field("kubernetes.io/hostname", description="Node label that pins each pod to "
                                        "the node the scheduler chose (empty: let Kubernetes place pods).")
     k8s_poll_interval_s: float = Field(2.0, gt=0, description="How often the executor lists the jobs' pods.")
+    job_s3_access_key: SecretStr | None = Field(None, description="Access key of the S3 identity jobs get (as "
+                                                "OPML_S3_ACCESS_KEY): a dedicated identity limited to the trace "
+                                                "bucket (and a checkpoint bucket, if jobs use one), never the "
+                                                "platform's. Unset: jobs get no S3 credentials.")
+    job_s3_secret_key: SecretStr | None = Field(None, description="Secret key of that job identity "
+                                                "(OPML_S3_SECRET_KEY in the job); set with job_s3_access_key.")
+    job_redis_url: SecretStr | None = Field(None, description="Redis URL jobs get (OPML_REDIS_URL), for the "
+                                            "tracer's capture control: a Redis ACL user that may only read "
+                                            "`{redis_prefix}traces:*`, never the platform's URL. Unset: jobs get "
+                                            "no Redis URL (traced jobs then cannot be armed for captures).")
+    job_kafka_sasl_username: str | None = Field(None, min_length=1, description="SASL user jobs' tracers "
+                                                "publish trace events as (ACLs: write the traces topic only); "
+                                                "passed only where the platform's settings have a "
+                                                "`kafka_sasl_username`. Unset: jobs get no Kafka credential.")
+    job_kafka_sasl_password: SecretStr | None = Field(None, description="Password of that SASL user.")
 
     def cluster_nodes(self) -> list[NodeConfig]:
         """The configured nodes, or this machine."""
@@ -88,6 +104,10 @@ class JobOrchestratorSettings(ServiceSettings):
             raise ValueError(f"nodes must have unique names, but got {names}")
         if self.retry_max_delay_s < self.retry_base_delay_s:
             raise ValueError("retry_max_delay_s must be >= retry_base_delay_s")
+        if (self.job_s3_access_key is None) != (self.job_s3_secret_key is None):
+            raise ValueError("job_s3_access_key and job_s3_secret_key must be set together (the job identity)")
+        if (self.job_kafka_sasl_username is None) != (self.job_kafka_sasl_password is None):
+            raise ValueError("job_kafka_sasl_username and job_kafka_sasl_password must be set together")
         if self.executor == "kubernetes":
             if self.k8s_image is None:
                 raise ValueError("k8s_image must be set when executor is kubernetes (the image every task runs)")
@@ -97,27 +117,61 @@ class JobOrchestratorSettings(ServiceSettings):
         return self
 
     @field_validator("k8s_node_label", "k8s_kubeconfig", "k8s_context", "k8s_service_account", "k8s_checkpoint_claim",
-                     "k8s_env_secret", mode="before")
+                     "k8s_env_secret", "job_s3_access_key", "job_s3_secret_key", "job_redis_url",
+                     "job_kafka_sasl_username", "job_kafka_sasl_password", mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
         """An empty variable unsets the setting (`K8S_NODE_LABEL=` leaves placing pods to Kubernetes)."""
         return None if value == "" else value
 
 
-PUBLIC_PLATFORM_VARIABLES = ("env", "kafka_bootstrap", "kafka_idempotence", "kafka_replication_factor", "topic_prefix",
-                             "s3_endpoint", "s3_region", "redis_prefix", "log_format")
-SECRET_PLATFORM_VARIABLES = ("s3_access_key", "s3_secret_key", "redis_url")
-"""``redis_url`` may hold a password, so it travels with the secrets."""
+JOB_PLATFORM_VARIABLES = ("kafka_bootstrap", "kafka_idempotence", "kafka_replication_factor", "topic_prefix",
+                          "s3_endpoint", "s3_region", "redis_prefix", "log_format")
+"""The platform settings a job gets as they are: where the broker and S3 are, the names' prefixes.
+Never ``env`` (a job is no service: ``prod``'s checks would ask it for the platform's tokens), never
+a credential. Other non-secret ``kafka_*`` settings (a SASL mechanism, a CA file) are passed too."""
+
+_CREDENTIAL_WORDS = ("password", "secret", "username", "token", "key", "cert", "url")
 
 
-def platform_env(platform: PlatformSettings, *, secrets: bool) -> dict[str, str]:
-    """The ``OPML_*`` variables that point a task at the platform's broker, S3 and Redis (the trace
-    collector's tracer reads them), as the service itself sees them; with ``secrets`` also the
-    credentials (local tasks; pods get those from ``K8S_ENV_SECRET`` instead)."""
-    names = PUBLIC_PLATFORM_VARIABLES + (SECRET_PLATFORM_VARIABLES if secrets else ())
+def platform_env(platform: PlatformSettings, settings: JobOrchestratorSettings | None = None, *,
+                 credentials: bool = True) -> dict[str, str]:
+    """The ``OPML_*`` variables a job's tasks get from the platform: :data:`JOB_PLATFORM_VARIABLES`
+    and the platform's other non-secret ``kafka_*`` settings, as the service sees them (the trace
+    collector's tracer reads them), then, with ``credentials``, the job's own scoped credentials from
+    ``settings`` (``job_s3_*``, ``job_redis_url``, ``job_kafka_sasl_*``), under the names the tracer
+    reads. Never the platform's tokens, S3 keys, Redis URL or Kafka password: a job runs whatever
+    its submitter wrote, and a writer must not get more than a job needs. Pods get the credentials
+    from ``K8S_ENV_SECRET`` instead (``credentials=False``)."""
+    names = list(JOB_PLATFORM_VARIABLES)
+    for name, info in type(platform).model_fields.items():
+        if (name.startswith("kafka_") and name not in names and info.annotation is not SecretStr
+                and "SecretStr" not in str(info.annotation) and not any(w in name for w in _CREDENTIAL_WORDS)):
+            names.append(name)
     env = {}
     for name in names:
         value = getattr(platform, name)
-        value = value.get_secret_value() if hasattr(value, "get_secret_value") else value
+        if value is None or hasattr(value, "get_secret_value"):
+            continue
         env[f"OPML_{name.upper()}"] = str(value).lower() if isinstance(value, bool) else str(value)
+    if credentials and settings is not None:
+        env.update(job_credentials(platform, settings))
+    return env
+
+
+def job_credentials(platform: PlatformSettings, settings: JobOrchestratorSettings) -> dict[str, str]:
+    """The job's own scoped credentials from ``settings``, as the variables the tracer reads."""
+    env: dict[str, str] = {}
+    if settings.job_s3_access_key is not None and settings.job_s3_secret_key is not None:
+        env["OPML_S3_ACCESS_KEY"] = settings.job_s3_access_key.get_secret_value()
+        env["OPML_S3_SECRET_KEY"] = settings.job_s3_secret_key.get_secret_value()
+    if settings.job_redis_url is not None:
+        env["OPML_REDIS_URL"] = settings.job_redis_url.get_secret_value()
+    if settings.job_kafka_sasl_username is not None and settings.job_kafka_sasl_password is not None:
+        fields = type(platform).model_fields
+        if "kafka_sasl_username" not in fields or "kafka_sasl_password" not in fields:
+            raise ValueError("job_kafka_sasl_username is set, but the platform's settings have no "
+                             "kafka_sasl_username/kafka_sasl_password for a job's tracer to read it from")
+        env["OPML_KAFKA_SASL_USERNAME"] = settings.job_kafka_sasl_username
+        env["OPML_KAFKA_SASL_PASSWORD"] = settings.job_kafka_sasl_password.get_secret_value()
     return env

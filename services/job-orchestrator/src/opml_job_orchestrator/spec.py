@@ -15,11 +15,12 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-import yaml
 from opml.jobs.v1 import jobs_pb2 as pb
 
 from opml_common.errors import InvalidArgument
+from opml_common.yamlsafe import load_yaml
 from opml_job_orchestrator.executor.base import JobProgram
+from opml_job_orchestrator.executor.tony import ORCHESTRATOR_VARIABLES
 from opml_job_orchestrator.orchestrator import JobDefinition
 from opml_job_orchestrator.scheduler.model import ROLE_NAMES, JobClass, JobSpec, Resources, RoleSpec
 
@@ -41,14 +42,11 @@ def load_spec(source: str | Mapping[str, Any]) -> pb.JobSpec:
     :func:`definition_from_proto`'s, which the service applies to every submit.
 
     Raises:
-        InvalidArgument: the YAML does not parse, a key is unknown, or a value has the wrong type
-            or unit; the field path names it.
+        InvalidArgument: the YAML does not parse or is too big (bytes, nodes, depth: field
+            ``spec``), a key is unknown, or a value has the wrong type or unit; the field path names it.
     """
     if isinstance(source, str):
-        try:
-            source = yaml.safe_load(source)
-        except yaml.YAMLError as exc:
-            raise InvalidArgument("spec", f"is not valid YAML: {exc}") from None
+        source = load_yaml(source, what="spec")  # bounded: size, nodes (aliases expanded), depth
     doc = _mapping(source, "spec", _TOP_KEYS)
     spec = pb.JobSpec(name=_string(doc.get("name", ""), "name"),
                       priority=_integer(doc.get("priority", 0), "priority"),
@@ -84,12 +82,58 @@ def load_spec(source: str | Mapping[str, Any]) -> pb.JobSpec:
     return spec
 
 
-def definition_from_proto(spec: pb.JobSpec) -> JobDefinition:
-    """The orchestrator's view of a submitted spec: the scheduler's JobSpec, the JobProgram, the retry budget.
+PLATFORM_ENV_PREFIXES = ("OPML_", "LD_", "DYLD_")
+"""A spec's env may set no variable starting so: the orchestrator's and the platform's (``OPML_*``:
+the job's id, its heartbeat file, where the tracer reports and with what credentials), and the
+dynamic loader's; except :data:`JOB_TUNABLE_PREFIXES`."""
+JOB_TUNABLE_PREFIXES = ("OPML_TRACE_",)
+"""The tracer's own settings (spool and session dirs, flush interval...), the job's to tune; but not
+:data:`LAUNCHER_VARIABLES`."""
+LAUNCHER_VARIABLES = frozenset({"OPML_TRACE_JOB", "OPML_TRACE_WORKER", "OPML_TRACE_NESTED"})
+"""What the trace launcher sets to name the traced task."""
+PLATFORM_ENV_NAMES = frozenset({"PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONUSERBASE", "PYTHONEXECUTABLE",
+                                *ORCHESTRATOR_VARIABLES, *LAUNCHER_VARIABLES})
+"""Nor these: what changes which code the tracer and the interpreter load, and what the orchestrator
+and the launcher set."""
+_ENV_RULE = ("is set by the platform and may not be set by a job (refused: OPML_* but the tracer's OPML_TRACE_* "
+             "settings, LD_*, DYLD_*, PYTHONPATH, PYTHONHOME, PYTHONSTARTUP, PYTHONUSERBASE, PYTHONEXECUTABLE, "
+             "TF_CONFIG, OPML_TRACE_JOB/WORKER/NESTED)")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def check_env(env: Mapping[str, str], field: str = "env") -> None:
+    """Refuse a spec's env that would override the platform's (every offending variable at once).
 
     Raises:
-        InvalidArgument: a rule is broken; the field path is the message's (``roles.ps.replicas``).
+        InvalidArgument: each violation names ``{field}.{NAME}`` and the rule.
     """
+    violations = []
+    for name in env:
+        upper = name.upper()
+        if not _ENV_NAME.fullmatch(name):
+            violations.append((f"{field}.{name}", "must be a variable name ([A-Za-z_][A-Za-z0-9_]*)"))
+        elif upper in PLATFORM_ENV_NAMES or (upper.startswith(PLATFORM_ENV_PREFIXES)
+                                             and not upper.startswith(JOB_TUNABLE_PREFIXES)):
+            violations.append((f"{field}.{name}", _ENV_RULE))
+    if violations:
+        raise InvalidArgument.of(violations)
+
+
+def definition_from_proto(spec: pb.JobSpec, *, submitter: str | None = None, check_job_env: bool = True
+                          ) -> JobDefinition:
+    """The orchestrator's view of a submitted spec: the scheduler's JobSpec, the JobProgram, the
+    retry budget, and who submitted it (``submitter``: the caller's principal, set by the service,
+    never taken from the request).
+
+    ``check_job_env`` refuses an env that overrides the platform's (:func:`check_env`); a job saved
+    before that rule is restored without it (``False``).
+
+    Raises:
+        InvalidArgument: a rule is broken; the field path is the message's (``roles.ps.replicas``,
+            ``env.LD_PRELOAD``).
+    """
+    if check_job_env:
+        check_env(spec.env)
     if not _JOB_NAME.fullmatch(spec.name):
         raise InvalidArgument("name", f"must match [a-z0-9][a-z0-9._-]{{0,127}}, but got {spec.name!r}")
     if spec.job_class == pb.JOB_CLASS_UNSPECIFIED:
@@ -117,7 +161,8 @@ def definition_from_proto(spec: pb.JobSpec) -> JobDefinition:
                              checkpoint_interval_s=interval or None, restart_overhead_s=overhead)
     program = JobProgram(commands=commands, env=dict(spec.env), checkpoint_dir=spec.checkpoint.dir or None,
                          heartbeat_timeout_s=heartbeat or None, trace=spec.trace)
-    return JobDefinition(scheduler_spec, program, spec.max_retries if spec.HasField("max_retries") else None)
+    return JobDefinition(scheduler_spec, program, spec.max_retries if spec.HasField("max_retries") else None,
+                         submitter)
 
 
 def definition_to_proto(definition: JobDefinition) -> pb.JobSpec:

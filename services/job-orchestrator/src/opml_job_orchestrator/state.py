@@ -3,7 +3,9 @@
 Two keys under the platform's ``redis_prefix``: ``{prefix}job-orchestrator:jobs``, a hash of job
 id to the serialized ``opml.jobs.v1.Job`` (spec and status), and ``{prefix}job-orchestrator:order``,
 a sorted set of job ids by submission sequence, so :meth:`JobStore.load` returns jobs in the
-order they were submitted (the order a restart queues them again in).
+order they were submitted (the order a restart queues them again in); and
+``{prefix}job-orchestrator:submitters``, a hash of job id to the name of the principal who
+submitted it (who may read its logs and cancel it besides admins; not in ``opml.jobs.v1.Job``).
 
 The orchestrator's lifecycle listeners must not block its loop: :meth:`JobStore.save` only
 queues the snapshot, and one writer task writes snapshots in order, retrying (with backoff) while
@@ -42,7 +44,8 @@ class JobStore:
         self._jobs_key = f"{prefix}job-orchestrator:jobs"
         self._order_key = f"{prefix}job-orchestrator:order"
         self._seq_key = f"{prefix}job-orchestrator:seq"
-        self._queue: asyncio.Queue[pb.Job] = asyncio.Queue()
+        self._submitters_key = f"{prefix}job-orchestrator:submitters"
+        self._queue: asyncio.Queue[tuple[pb.Job, str | None]] = asyncio.Queue()
         self._writer: asyncio.Task[None] | None = None
 
     async def load(self) -> list[pb.Job]:
@@ -67,9 +70,19 @@ class JobStore:
             jobs.append(job)
         return jobs
 
-    def save(self, job: pb.Job) -> None:
-        """Queue a snapshot of ``job`` to write; never blocks (called from the orchestrator's listeners)."""
-        self._queue.put_nowait(job)
+    async def load_submitters(self) -> dict[str, str]:
+        """Job id -> the name of the principal who submitted it, for every job saved with one.
+
+        Raises:
+            redis.exceptions.RedisError: Redis cannot be reached.
+        """
+        found = await self._redis.hgetall(self._submitters_key)
+        return {_text(k): _text(v) for k, v in found.items()}
+
+    def save(self, job: pb.Job, *, submitter: str | None = None) -> None:
+        """Queue a snapshot of ``job`` to write (with ``submitter``, its submitter's name too); never
+        blocks (called from the orchestrator's listeners)."""
+        self._queue.put_nowait((job, submitter))
 
     async def flushed(self) -> None:
         """Return once every snapshot queued so far is written (waits while Redis is away)."""
@@ -92,11 +105,11 @@ class JobStore:
 
     async def _write_loop(self) -> None:
         while True:
-            job = await self._queue.get()
+            job, submitter = await self._queue.get()
             failures = 0
             while True:
                 try:
-                    await self._write(job)
+                    await self._write(job, submitter)
                     break
                 except RedisError as exc:
                     logger.warning("job store: write failed, will retry", extra={"job": job.status.job_id,
@@ -105,9 +118,15 @@ class JobStore:
                     failures += 1
             self._queue.task_done()
 
-    async def _write(self, job: pb.Job) -> None:
+    async def _write(self, job: pb.Job, submitter: str | None) -> None:
         job_id = job.status.job_id
+        if submitter is not None:  # before the job: a job is never loaded without its submitter
+            await self._redis.hset(self._submitters_key, job_id, submitter)
         if not await self._redis.zscore(self._order_key, job_id):
             seq = await self._redis.incr(self._seq_key)
             await self._redis.zadd(self._order_key, {job_id: seq}, nx=True)
         await self._redis.hset(self._jobs_key, job_id, job.SerializeToString())
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

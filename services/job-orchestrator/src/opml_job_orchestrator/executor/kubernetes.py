@@ -28,8 +28,10 @@ a real API server. Not done here: heartbeats and checkpoint reports (``OPML_HEAR
 local-executor feature; a pod's liveness is the kubelet's).
 
 Pods get the platform's non-secret settings (``platform_env``: the broker, topic prefix, S3
-endpoint... that the trace collector's tracer reads) as plain variables, and its secrets from a
+endpoint... that the trace collector's tracer reads) as plain variables, and the jobs' own scoped
+credentials (a bucket-limited S3 identity, a read-only Redis user; never the platform's) from a
 Secret (``env_from_secret``) through ``envFrom``, so no credential is ever written into a pod spec.
+Nothing of the orchestrator's own environment reaches a pod.
 """
 
 from __future__ import annotations
@@ -124,7 +126,8 @@ def render_run(spec: JobSpec, program: JobProgram, placement: Mapping[str, Seque
     ``program.checkpoint_dir``, so a resumed run on another node finds its checkpoint.
     ``python`` is the image's interpreter, which runs the trace launcher of traced programs.
     ``service_account`` names the pods' service account; every pod gets ``platform_env`` (under
-    the program's own ``env``) and, with ``env_from_secret``, that Secret's keys as variables.
+    the program's own ``env``) and, with ``env_from_secret``, that Secret's keys as variables (the
+    jobs' scoped credentials, never the platform's).
     """
     base = run_name(spec.job_id, attempt)
     tasks = ",".join(f"{r.role}-{r.index}" for r in spec.replicas)

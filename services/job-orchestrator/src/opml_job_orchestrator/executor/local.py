@@ -43,6 +43,7 @@ from opml_job_orchestrator.executor.tony import (
     TaskKey,
     Verdict,
     awaited_tasks,
+    base_env,
     task_argv,
     task_env,
     trace_launcher_missing,
@@ -83,9 +84,11 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
     ``heartbeat_timeout_s``); ``cleanup_grace_s`` is the grace given, between SIGTERM and SIGKILL,
     to the tasks still running when a run ends on its own (parameter servers, for one);
     ``shutdown_grace_s`` is the grace :meth:`stop` and :meth:`recover` give (logs stay in
-    ``work_dir`` after either). Every task inherits this process's environment, then
-    ``platform_env`` (the platform's ``OPML_*`` settings as the service sees them, so a traced
-    task's tracer reports to the same broker), then its own.
+    ``work_dir`` after either). A task does not inherit this process's environment: it gets
+    only the allow-listed variables of it (:func:`~opml_job_orchestrator.executor.tony.base_env`:
+    ``PATH``, ``HOME``, ``LANG``, ``LC_*``, ``TZ``), then ``platform_env`` (what the service gives
+    jobs: the broker, S3 endpoint and prefixes, and the jobs' own scoped credentials, so a traced
+    task's tracer reports to the same broker; never the platform's secrets), then its own.
 
     :meth:`launch` starts the tasks one by one, in the order of ``spec.replicas``; if one cannot
     start, the tasks after it are never started (and have no events) and the run fails.
@@ -222,7 +225,7 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
     async def _spawn(self, run: _Run, task: _Task, program: JobProgram, cluster: dict[str, list[str]]) -> str | None:
         """Start one task; return why it could not start, or None."""
         role, index = task.key
-        env = {**os.environ, **self._platform_env}
+        env = {**base_env(os.environ), **self._platform_env}
         env.update(task_env(program, job_id=run.job_id, attempt=run.attempt, role=role, index=index,
                             cluster=cluster))
         task.heartbeat_path.write_bytes(b"")

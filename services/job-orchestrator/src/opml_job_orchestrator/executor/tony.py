@@ -34,6 +34,19 @@ def tf_config(cluster: Mapping[str, Sequence[str]], role: str, index: int) -> st
     return json.dumps({"cluster": {r: list(a) for r, a in cluster.items()}, "task": {"type": role, "index": index}})
 
 
+INHERITED_VARIABLES = frozenset({"PATH", "HOME", "LANG", "TZ"})
+"""What a local task takes from the service's environment, with every ``LC_*``: nothing else (no
+token, key or URL of the platform's), whatever the service was started with."""
+
+ORCHESTRATOR_VARIABLES = frozenset({"TF_CONFIG"})
+"""Variables the orchestrator sets itself besides ``OPML_*``: a spec's env may not set them."""
+
+
+def base_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The allow-listed part of ``environ`` (:data:`INHERITED_VARIABLES` and ``LC_*``) a local task starts from."""
+    return {k: v for k, v in environ.items() if k in INHERITED_VARIABLES or k.startswith("LC_")}
+
+
 def task_env(program: JobProgram, *, job_id: str, attempt: int, role: str, index: int,
              cluster: Mapping[str, Sequence[str]]) -> dict[str, str]:
     """The variables every executor sets for one task, on top of ``program.env``."""

@@ -1,0 +1,135 @@
+"""Issue 16, item 2 and part of 6: what a job is given, and who may act on it, on a real service
+process with the real broker and Redis.
+
+The attack as filed: a writer submitted a job running ``env`` and a reader read its log, which held
+``OPML_AUTH_TOKENS``, the S3 secret and the Redis URL. Here the service runs with known secret values;
+the reader is refused, and the submitter's own log holds none of them, only what a job is given (the
+job identity's S3 key, the allow-listed variables).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from opml.jobs.v1 import events_pb2
+from opml.jobs.v1 import jobs_pb2 as pb
+
+from opml_common.bus import CloudEvent
+from opml_common.errors import InvalidArgument, PermissionDenied
+from opml_common.testing.bus import read_records
+from opml_common.testing.services import TOKENS, ServiceStarter
+from opml_job_orchestrator.client import JobClient
+from opml_job_orchestrator.spec import load_spec
+from opml_job_orchestrator.topics import JOBS
+
+PLATFORM_SECRETS = {
+    "OPML_S3_ACCESS_KEY": "platform-access-7f3a9c",
+    "OPML_S3_SECRET_KEY": "platform-s3-secret-51d2e8b0",
+    "AWS_SECRET_ACCESS_KEY": "aws-secret-in-the-services-env-9e1f",  # an allow-list, not a deny-list
+    "VAULT_TOKEN": "vault-token-of-the-service-44ab",
+}
+JOB_IDENTITY = {"OPML_JOB_ORCHESTRATOR_JOB_S3_ACCESS_KEY": "job-identity-key-0c7d",
+                "OPML_JOB_ORCHESTRATOR_JOB_S3_SECRET_KEY": "job-identity-secret-88e2"}
+
+
+@pytest.fixture
+def secret_service(start_service: ServiceStarter, service_env: dict[str, str]):
+    """A job-orchestrator whose environment holds known platform secrets and a job identity."""
+    env = {**service_env, **PLATFORM_SECRETS, **JOB_IDENTITY}
+    return start_service("job-orchestrator", env=env), env
+
+
+def _client(service, role: str) -> JobClient:
+    return JobClient(service.target, token=TOKENS[role])
+
+
+def _log(client: JobClient, job_id: str) -> str:
+    return b"".join(chunk.data for chunk in client.logs(job_id)).decode()
+
+
+def test_a_writers_env_job_reads_no_platform_secret_and_a_reader_cannot_read_it(secret_service, wait_for) -> None:
+    service, env = secret_service
+    with _client(service, "writer") as writer, _client(service, "reader") as reader:
+        writer.submit(load_spec({"name": "printenv", "class": "TE", "command": ["env"],
+                                 "roles": {"worker": {"resources": {"cpu": 1, "memory": "64Mi"}}}}))
+        wait_for(writer, "printenv", pb.JOB_STATE_SUCCEEDED)
+        with pytest.raises(PermissionDenied, match="ReadJobLogs .* needs the admin role, or to be its submitter"):
+            _log(reader, "printenv")
+        log = _log(writer, "printenv")
+    printed = dict(line.split("=", 1) for line in log.splitlines() if "=" in line)
+    secrets = {"the platform's tokens": list(TOKENS.values()), "its S3 keys and others": list(PLATFORM_SECRETS.values()),
+               "its Redis URL": [env["OPML_REDIS_URL"]], "the token list": [env["OPML_AUTH_TOKENS"]]}
+    for what, values in secrets.items():
+        for value in values:
+            assert value not in log, f"the job's log shows {what}: {value!r}"
+    assert not {"OPML_AUTH_TOKENS", "OPML_REDIS_URL", "OPML_ENV", "AWS_SECRET_ACCESS_KEY", "VAULT_TOKEN"} & set(printed)
+    # what a job is given: the job identity, the broker, its own variables, PATH and HOME
+    assert printed["OPML_S3_ACCESS_KEY"] == JOB_IDENTITY["OPML_JOB_ORCHESTRATOR_JOB_S3_ACCESS_KEY"]
+    assert printed["OPML_S3_SECRET_KEY"] == JOB_IDENTITY["OPML_JOB_ORCHESTRATOR_JOB_S3_SECRET_KEY"]
+    assert printed["OPML_KAFKA_BOOTSTRAP"] == env["OPML_KAFKA_BOOTSTRAP"] and printed["OPML_JOB_ID"] == "printenv"
+    allowed = {"PATH", "HOME", "LANG", "TZ", "TF_CONFIG"}
+    assert {n for n in printed if not n.startswith(("OPML_", "LC_"))} <= allowed, sorted(printed)
+
+
+def test_the_spec_env_cannot_override_the_platforms_every_offender_named(job_service, writer: JobClient) -> None:
+    spec = load_spec({"name": "override", "class": "BE", "command": ["true"],
+                      "env": {"LD_PRELOAD": "/tmp/evil.so", "PYTHONPATH": "/tmp/evil", "OPML_TOPIC_PREFIX": "other-",
+                              "TF_CONFIG": "{}", "LD_LIBRARY_PATH": "/tmp", "OPML_TRACE_JOB": "another-job",
+                              "OPML_TRACE_FLUSH_INTERVAL_S": "1", "MY_SETTING": "fine"},
+                      "roles": {"worker": {"resources": {"cpu": 1}}}})
+    with pytest.raises(InvalidArgument) as caught:
+        writer.submit(spec)
+    fields = [field for field, _ in caught.value.violations]
+    assert sorted(fields) == ["env.LD_LIBRARY_PATH", "env.LD_PRELOAD", "env.OPML_TOPIC_PREFIX", "env.OPML_TRACE_JOB",
+                              "env.PYTHONPATH", "env.TF_CONFIG"], caught.value.message  # the tracer's tuning is fine
+    assert all("set by the platform" in rule for _, rule in caught.value.violations)
+    assert "env.LD_PRELOAD: is set by the platform" in caught.value.message
+    assert writer.list() == []  # nothing was queued
+
+
+def test_a_writer_cannot_cancel_an_admins_job_an_admin_can_cancel_a_writers(
+        job_service, writer: JobClient, admin: JobClient, job_spec, wait_for) -> None:
+    admin.submit(job_spec("admins", "import time; time.sleep(60)"))
+    writer.submit(job_spec("writers", "import time; time.sleep(60)"))
+    wait_for(admin, "admins", pb.JOB_STATE_RUNNING)
+    with pytest.raises(PermissionDenied, match="CancelJob on job 'admins' needs the admin role, or to be its submitter"):
+        writer.cancel("admins")
+    assert admin.get("admins").status.state == pb.JOB_STATE_RUNNING  # untouched
+    with pytest.raises(PermissionDenied):
+        _log(writer, "admins")
+    assert admin.cancel("writers").status.state == pb.JOB_STATE_CANCELLED
+    assert admin.cancel("admins").status.state == pb.JOB_STATE_CANCELLED
+    writer.submit(job_spec("own", "import time; time.sleep(60)"))
+    assert writer.cancel("own").status.state == pb.JOB_STATE_CANCELLED  # a submitter cancels its own
+
+
+def test_the_submitter_survives_a_restart(service_process, wait_for, job_spec) -> None:
+    first = service_process().start()
+    with _client(first, "writer") as writer:
+        writer.submit(job_spec("kept", "import time; time.sleep(60)"))
+        wait_for(writer, "kept", pb.JOB_STATE_RUNNING)
+    first.stop()
+    second = service_process().start()  # the submitter comes back from Redis with the job
+    with _client(second, "writer") as writer, _client(second, "reader") as reader:
+        with pytest.raises(PermissionDenied, match="ReadJobLogs on job 'kept'"):
+            _log(reader, "kept")
+        list(writer.logs("kept", attempt=0))  # its submitter may read them
+        assert writer.cancel("kept").status.state == pb.JOB_STATE_CANCELLED
+
+
+def test_job_events_on_the_broker_carry_no_env_values(writer: JobClient, job_spec, wait_for,
+                                                      platform_settings) -> None:
+    secret = "users-own-api-key-3b9f0e"
+    writer.submit(job_spec("withenv", "import os; print(len(os.environ['MY_API_KEY']))",
+                           job_class="TE", env={"MY_API_KEY": secret}))
+    job = wait_for(writer, "withenv", pb.JOB_STATE_SUCCEEDED)
+    assert job.spec.env["MY_API_KEY"] == secret  # the submitter's own Get still shows it
+    assert _log(writer, "withenv") == f"{len(secret)}\n"  # and the job got it
+    records = asyncio.run(read_records(platform_settings, JOBS.full_name(platform_settings.topic_prefix), 4))
+    assert len(records) == 4
+    for record in records:
+        assert secret.encode() not in record.value and all(secret.encode() not in v for _, v in record.headers)
+    events = {e.type: e for e in (CloudEvent.from_kafka(r.headers, r.value) for r in records)}
+    submitted = events["opml.jobs.v1.JobSubmitted"].parse(events_pb2.JobSubmitted)
+    assert dict(submitted.spec.env) == {"MY_API_KEY": ""}  # the name, not the value
