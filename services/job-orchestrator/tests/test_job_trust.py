@@ -20,6 +20,7 @@ from opml_common.errors import InvalidArgument, PermissionDenied
 from opml_common.testing.bus import read_records
 from opml_common.testing.services import TOKENS, ServiceStarter
 from opml_job_orchestrator.client import JobClient
+from opml_job_orchestrator.convert import ENV_HIDDEN
 from opml_job_orchestrator.spec import load_spec
 from opml_job_orchestrator.topics import JOBS
 
@@ -133,3 +134,45 @@ def test_job_events_on_the_broker_carry_no_env_values(writer: JobClient, job_spe
     events = {e.type: e for e in (CloudEvent.from_kafka(r.headers, r.value) for r in records)}
     submitted = events["opml.jobs.v1.JobSubmitted"].parse(events_pb2.JobSubmitted)
     assert dict(submitted.spec.env) == {"MY_API_KEY": ""}  # the name, not the value
+
+
+SECOND_WRITER_TOKEN = "second-writer-token"
+
+
+@pytest.fixture
+def shared_service(start_service: ServiceStarter, service_env: dict[str, str]):
+    """A job-orchestrator with the usual reader, writer and admin, and a second writer (another principal)."""
+    tokens = f"{service_env['OPML_AUTH_TOKENS']},other-team:{SECOND_WRITER_TOKEN}=writer"
+    return start_service("job-orchestrator", env={**service_env, "OPML_AUTH_TOKENS": tokens})
+
+
+def test_env_values_are_shown_to_the_submitter_and_admins_only(shared_service, job_spec, wait_for) -> None:
+    secret = "writers-database-password-6c1e"
+    tokens = {**TOKENS, "second writer": SECOND_WRITER_TOKEN}
+    clients = {who: JobClient(shared_service.target, token=token) for who, token in tokens.items()}
+    try:
+        submitted = clients["writer"].submit(job_spec("private", "import time; time.sleep(60)",
+                                                      env={"DB_PASSWORD": secret, "BATCH_SIZE": "64"}))
+        assert dict(submitted.spec.env) == {"DB_PASSWORD": secret, "BATCH_SIZE": "64"}  # the submitter's answer
+        wait_for(clients["admin"], "private", pb.JOB_STATE_RUNNING)
+        for who, client in clients.items():
+            got, (listed,) = client.get("private"), client.list()
+            one_job = client.watch("private")
+            first_of_one, first_of_all = next(one_job), next(all_jobs := client.watch())
+            one_job.close()
+            all_jobs.close()
+            if who in ("writer", "admin"):
+                expected = {"DB_PASSWORD": secret, "BATCH_SIZE": "64"}
+            else:  # the reader, and a writer who did not submit it
+                expected = {"DB_PASSWORD": ENV_HIDDEN, "BATCH_SIZE": ENV_HIDDEN}
+            assert dict(got.spec.env) == expected, who
+            assert dict(listed.spec.env) == expected, who
+            assert got.spec.command == listed.spec.command == submitted.spec.command  # the rest is everyone's
+            # a watch change holds the job's status and a message, never its spec: nothing to hide
+            assert "spec" not in pb.JobChange.DESCRIPTOR.fields_by_name
+            for change in (first_of_one, first_of_all):
+                assert change.status.job_id == "private" and secret.encode() not in change.SerializeToString(), who
+        assert clients["admin"].cancel("private").spec.env["DB_PASSWORD"] == secret
+    finally:
+        for client in clients.values():
+            client.close()

@@ -60,8 +60,25 @@ def status_from_proto(message: pb.JobStatus) -> JobStatus:
         checkpoint_step=message.checkpoint_step if message.HasField("checkpoint_step") else None)
 
 
-def job_to_proto(definition: JobDefinition, status: JobStatus) -> pb.Job:
-    return pb.Job(name=job_name(status.job_id), spec=definition_to_proto(definition), status=status_to_proto(status))
+ENV_HIDDEN = "(hidden)"
+"""What an API reply shows in place of each env value to a caller who is neither the job's submitter
+nor an admin (the names stay; see :func:`job_to_proto`)."""
+
+
+def hide_env_values(spec: pb.JobSpec, marker: str = ENV_HIDDEN) -> None:
+    """Replace the value of each of ``spec``'s env variables with ``marker``, in place (names kept)."""
+    for name in list(spec.env):
+        spec.env[name] = marker
+
+
+def job_to_proto(definition: JobDefinition, status: JobStatus, *, env_values: bool = True) -> pb.Job:
+    """The job as the API and the store show it; without ``env_values``, each env value is
+    :data:`ENV_HIDDEN` (the servicer decides who sees them; the store and events get every value,
+    and events drop them themselves)."""
+    job = pb.Job(name=job_name(status.job_id), spec=definition_to_proto(definition), status=status_to_proto(status))
+    if not env_values:
+        hide_env_values(job.spec)
+    return job
 
 
 def saved_job_from_proto(message: pb.Job, *, submitter: str | None = None) -> SavedJob:
@@ -83,6 +100,5 @@ def event_to_proto(event: LifecycleEvent, job: pb.Job) -> Message:
     message = EVENT_MESSAGES[event.kind](status=job.status, message=event.message)
     if event.kind is EventKind.SUBMITTED:
         message.spec.CopyFrom(job.spec)
-        for name in message.spec.env:
-            message.spec.env[name] = ""
+        hide_env_values(message.spec, "")
     return message

@@ -2,7 +2,11 @@
 
 Who may act on a job beyond the role table: its logs and its cancel belong to the principal who
 submitted it (``current_principal().name`` at submit, kept with the job) and to admins; anyone
-else gets PERMISSION_DENIED. Preempting needs admin (the role table).
+else gets PERMISSION_DENIED. Preempting needs admin (the role table). The same two see a job's env
+values in every reply that holds its spec (GetJob, ListJobs, and the Job that SubmitJob, CancelJob
+and PreemptJob answer with): everyone else sees each env name with the value ``(hidden)``
+(:func:`may_act_on`, applied in :meth:`JobServicer._job`, per job and per caller). WatchJobs'
+changes carry the status and a message, never the spec.
 
 It holds no scheduling logic: that is the :class:`~opml_job_orchestrator.orchestrator.Orchestrator`'s,
 which imports no grpc. It builds and publishes no events: each change's event comes from the core
@@ -20,7 +24,7 @@ from opml.jobs.v1 import jobs_pb2 as pb
 from opml.jobs.v1 import jobs_pb2_grpc
 
 from opml_common.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
-from opml_common.grpc.interceptors import current_principal
+from opml_common.grpc.interceptors import Principal, current_principal
 from opml_common.pagination import paginate
 from opml_job_orchestrator.convert import STATES_FROM_PROTO, job_to_proto, status_to_proto
 from opml_job_orchestrator.executor.base import Executor
@@ -41,6 +45,12 @@ def parse_job_name(field: str, name: str) -> str:
     if not match:
         raise InvalidArgument(field, f"must look like jobs/{{job}}, but got {name!r}")
     return match.group(1)
+
+
+def may_act_on(principal: Principal, submitter: str | None) -> bool:
+    """Whether ``principal`` may read the logs, cancel and see the env values of a job that
+    ``submitter`` submitted (None: saved before submitters were recorded, so admins only)."""
+    return principal.has("admin") or (submitter is not None and principal.name == submitter)
 
 
 class JobServicer(jobs_pb2_grpc.JobServiceServicer):
@@ -169,12 +179,13 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
             NotFound: no such job.
             PermissionDenied: the caller is neither.
         """
-        principal = current_principal()
-        submitter = self._orchestrator.definition(job_id).submitter
-        if principal.has("admin") or (submitter is not None and principal.name == submitter):
+        if may_act_on(current_principal(), self._orchestrator.definition(job_id).submitter):
             return
         raise PermissionDenied(f"{method} on job {job_id!r} needs the admin role, or to be its submitter: only "
                                f"they may {what} it; the caller is another principal")
 
     def _job(self, job_id: str, status: JobStatus | None = None) -> pb.Job:
-        return job_to_proto(self._orchestrator.definition(job_id), status or self._orchestrator.get(job_id))
+        """The job as the caller may see it: env values only for its submitter and admins."""
+        definition = self._orchestrator.definition(job_id)
+        return job_to_proto(definition, status or self._orchestrator.get(job_id),
+                            env_values=may_act_on(current_principal(), definition.submitter))
