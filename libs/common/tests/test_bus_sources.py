@@ -65,6 +65,43 @@ async def test_events_from_other_sources_are_dead_lettered_naming_the_source_and
     assert len(second["opml_error"]) < 500 and b"xxx..." in second["opml_error"]  # a long source is cut
 
 
+async def test_a_source_family_is_accepted_by_prefix_and_a_look_alike_is_dead_lettered(platform_settings) -> None:
+    topic = Topic("opml.bustest.source-prefixes.v1", 1)
+    await ensure_topics(platform_settings, [topic])
+    metrics, registry = fresh_metrics()
+    handled: list[str] = []
+
+    async def handler(event: CloudEvent) -> None:
+        handled.append(event.parse(events_pb2.BundleCommitted).bundle.bundle_name)
+
+    family = "opml://trace-collector/tracer/"
+    sends = [("opml://trace-collector/tracer/job-a/worker-0", "family-1"),
+             ("opml://trace-collector/tracer-evil/job-a/worker-0", "look-alike"),  # a prefix without the '/'
+             ("opml://trace-collector/spool", "sibling"),
+             ("opml/bundle-store", "exact"),
+             ("opml://trace-collector/tracer/job-b/worker-1", "family-2")]
+    metrics_p, _ = fresh_metrics("p")
+    async with EventPublisher(platform_settings, source="unused", metrics=metrics_p) as publisher:
+        sent = [CloudEvent.from_proto(_committed(name), source=source, subject="k") for source, name in sends]
+        for event in sent:
+            await publisher.publish(topic, event)
+
+    consumer = EventConsumer(platform_settings, group_id="source-prefixes", topics=[topic], handler=handler,
+                             metrics=metrics, sources=frozenset({"opml/bundle-store"}),
+                             source_prefixes=frozenset({family}))
+    assert consumer.accepts("opml://trace-collector/tracer/x/y") and not consumer.accepts(family[:-1])
+    async with running(consumer):
+        await wait_until(lambda: len(handled) == 3, what="the family's and the exact source's events")
+    assert handled == ["family-1", "exact", "family-2"]
+    assert sample(registry, "opml_bus_test_events_untrusted_total", topic=topic.name) == 2
+    dead = sorted(await read_records(platform_settings, topic.dead_letter(platform_settings.topic_prefix), 2),
+                  key=lambda r: r.offset)
+    assert [headers_of(r)["ce_id"] for r in dead] == [sent[1].id.encode(), sent[2].id.encode()]
+    error = headers_of(dead[0])["opml_error"]
+    assert b"'opml://trace-collector/tracer-evil/job-a/worker-0' is not a source" in error
+    assert b"accepted: opml/bundle-store, opml://trace-collector/tracer/*" in error
+
+
 def test_sources_must_be_a_non_empty_set(platform_settings) -> None:
     metrics, _ = fresh_metrics()
 
@@ -74,3 +111,7 @@ def test_sources_must_be_a_non_empty_set(platform_settings) -> None:
         with pytest.raises(ValueError, match="sources"):
             EventConsumer(platform_settings, group_id="g", topics=[Topic("t", 1)], handler=handler,
                           metrics=metrics, sources=bad)
+    for bad in ("opml://x/", frozenset(), frozenset({""}), frozenset({"/"}), frozenset({"opml://trace-collector"})):
+        with pytest.raises(ValueError, match="source_prefixes"):
+            EventConsumer(platform_settings, group_id="g", topics=[Topic("t", 1)], handler=handler,
+                          metrics=metrics, source_prefixes=bad)

@@ -25,7 +25,7 @@ from opml_common.storage import s3_client
 from opml_common.testing.bus import fresh_metrics
 from opml_common.testing.services import TOKENS, ServiceStarter
 from opml_trace_collector.client import TraceCollectorClient
-from opml_trace_collector.topics import TRACES
+from opml_trace_collector.topics import TRACES, tracer_source
 
 CAPTURE_TIMEOUT_S = 4.0
 T0_US = 1_700_000_000_000_000  # start time of the synthetic steps
@@ -78,17 +78,21 @@ def redis_prefix(settings_env: dict[str, str]) -> str:
 
 @pytest.fixture
 def publish(platform_settings: PlatformSettings) -> Callable[..., list[CloudEvent]]:
-    """``publish(*messages, events=None)``: publish tracer messages (or ready CloudEvents) to TRACES,
-    keyed ``job/worker`` as the tracer does; returns the events."""
+    """``publish(*messages, events=None, source=None)``: publish tracer messages (or ready CloudEvents) to
+    TRACES, keyed ``job/worker`` and from the source ``opml://trace-collector/tracer/<job>/<worker>`` as the
+    tracer does (``source`` overrides it, for forgeries); returns the events."""
 
-    def run(*messages: Message, events: list[CloudEvent] | None = None) -> list[CloudEvent]:
+    def run(*messages: Message, events: list[CloudEvent] | None = None, source: str | None = None) -> list[CloudEvent]:
         async def send() -> list[CloudEvent]:
             sent = []
             async with EventPublisher(platform_settings, source="opml/tracer-test",
                                       metrics=fresh_metrics("tracer-test")[0]) as publisher:
                 for message in messages:
                     subject = f"{message.job}/{message.worker}"
-                    sent.append(await publisher.publish_proto(TRACES, message, subject=subject))
+                    event = CloudEvent.from_proto(message, subject=subject,
+                                                  source=source or tracer_source(message.job, message.worker))
+                    await publisher.publish(TRACES, event)
+                    sent.append(event)
                 for event in events or ():
                     await publisher.publish(TRACES, event)
             return sent

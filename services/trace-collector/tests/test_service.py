@@ -18,7 +18,7 @@ from opml_common.bus import CloudEvent
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unauthenticated
 from opml_common.testing.bus import headers_of, read_records
 from opml_trace_collector.client import TraceCollectorClient
-from opml_trace_collector.topics import TRACES
+from opml_trace_collector.topics import TRACES, tracer_source
 
 JOB = "mnist-cnn"
 # A two-step trace: step 1 waits 0.25 ms for input, then computes (MatMul); step 2 ends in an allreduce.
@@ -104,7 +104,7 @@ def test_batches_late_duplicated_and_out_of_order_count_once(admin, reader, publ
 
 
 def test_malformed_events_go_to_the_dead_letter_topic(admin, publish, platform_settings, bucket) -> None:
-    garbage = CloudEvent.from_proto(events_pb2.StepMetricsBatch(), source="opml/tracer-test", subject="x/y")
+    garbage = CloudEvent.from_proto(events_pb2.StepMetricsBatch(), source=tracer_source("x", "y"), subject="x/y")
     garbage = CloudEvent(id=garbage.id, source=garbage.source, type=garbage.type, time=garbage.time,
                          data=b"\xff\xff not protobuf", subject="x/y")
     nameless = events_pb2.StepMetricsBatch(job="", worker="w", session_id="s", sequence=0)
@@ -332,14 +332,21 @@ def test_summary_reads_a_bounded_sample_and_counts_every_step(collector_env, sta
     assert (metrics.step_time_p50_s, metrics.step_time_p95_s) == (pytest.approx(0.1), pytest.approx(0.1))
 
 
-def test_answers_to_a_capture_without_a_record_rebuild_it(admin, publish, eventually, put_trace) -> None:
-    # As after a Redis loss: the request is unknown, the answers are what the record is rebuilt from.
-    completed = put_trace(JOB, "worker-0", "c-lost", TRACE_EVENTS)
-    publish(_started("worker-0", "s-0"), completed,
-            events_pb2.CaptureFailed(job=JOB, worker="worker-1", capture_id="c-lost", reason="oom"), completed)
+def test_answers_to_an_armed_capture_whose_record_was_lost_rebuild_it(admin, publish, eventually, put_trace,
+                                                                        redis_db, redis_prefix) -> None:
+    # As after a Redis loss: the request's record is gone; the service's S3 mark says it armed the
+    # capture, and the answers are what the record is rebuilt from.
+    publish(_started("worker-0", "s-0"), _started("worker-1", "s-1"))
+    eventually(lambda: len(_runs(admin)) == 2, "both runs")
+    capture_id = admin.capture(JOB, 2).capture_id
+    redis_db.delete(f"{redis_prefix}traces:capture-record:{capture_id}:info", f"{redis_prefix}traces:capture:{JOB}")
+    completed = put_trace(JOB, "worker-0", capture_id, TRACE_EVENTS)
+    publish(completed, events_pb2.CaptureFailed(job=JOB, worker="worker-1", capture_id=capture_id, reason="oom"),
+            completed)
+
     def answered() -> pb.Capture | None:
         try:
-            capture = admin.get_capture("c-lost")
+            capture = admin.get_capture(capture_id)
         except NotFound:
             return None
         return capture if len(capture.workers) == 2 else None
@@ -348,4 +355,4 @@ def test_answers_to_a_capture_without_a_record_rebuild_it(admin, publish, eventu
     assert (capture.job, capture.state, capture.requested_by) == (JOB, pb.CAPTURE_STATE_FAILED, "")
     assert [(w.worker, w.state) for w in capture.workers] == [("worker-0", pb.CAPTURE_STATE_COMPLETED),
                                                              ("worker-1", pb.CAPTURE_STATE_FAILED)]
-    assert capture.HasField("end_time") and [c.capture_id for c in admin.list_captures(JOB)] == ["c-lost"]
+    assert capture.HasField("end_time") and capture_id in [c.capture_id for c in admin.list_captures(JOB)]

@@ -23,7 +23,7 @@ from opml_trace_collector.servicer import METHOD_ROLES, TraceCollectorServicer
 from opml_trace_collector.settings import TraceCollectorSettings
 from opml_trace_collector.store import Keys, TraceStore
 from opml_trace_collector.summary import Summarizer
-from opml_trace_collector.topics import TRACES
+from opml_trace_collector.topics import TRACER_SOURCE_PREFIX, TRACES
 from opml_trace_collector.tracefiles import TraceFiles
 
 SPEC = ServiceSpec(name="trace-collector", module="opml_trace_collector", settings=TraceCollectorSettings,
@@ -39,11 +39,11 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
     keys = Keys(platform.redis_prefix)
     store = TraceStore(redis, keys, series_length=settings.series_length, run_lost_after_s=settings.run_lost_after_s)
     captures = CaptureManager(redis, keys, store, bucket=settings.bucket, timeout_s=settings.capture_timeout_s,
-                              metrics=metrics)
+                              metrics=metrics, armed=files)
     aggregator = Aggregator(store, captures, metrics)
     consumer = RebuildingConsumer(
         store, lambda group: EventConsumer(platform, group_id=group, topics=[TRACES], handler=aggregator.handle,
-                                           metrics=metrics,
+                                           metrics=metrics, source_prefixes=frozenset({TRACER_SOURCE_PREFIX}),
                                            dedup=RedisDeduplicator(redis, prefix=platform.redis_prefix, group=group)),
         base_group=settings.consumer_group, metrics=metrics, check_interval_s=settings.state_check_interval_s)
     await service.start(consumer)

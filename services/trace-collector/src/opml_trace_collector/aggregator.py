@@ -6,6 +6,12 @@ beyond that every effect is idempotent by itself: batches count once per (sessio
 once per worker. An event whose data does not parse, or that names no job, worker or session,
 raises :class:`MalformedEvent` and goes to the dead-letter topic.
 
+An event is a hint. The consumer accepts only the tracers' sources
+(``opml://trace-collector/tracer/<job>/<worker>``, :data:`topics.TRACER_SOURCE_PREFIX`); here the job
+and worker the data names must be those of its source, else :class:`SourceMismatch` (dead-lettered,
+nothing applied): a tracer cannot write another job's or worker's state under its own name. Capture
+answers are applied only to captures this service armed (:class:`captures.UnknownCapture`).
+
 The event's protobuf data is parsed here and converted once (:func:`convert.event_from_proto`): the
 store and the capture manager see the domain events of :mod:`opml_trace_collector.model`.
 """
@@ -22,11 +28,16 @@ from opml_trace_collector.captures import CaptureManager
 from opml_trace_collector.convert import EVENT_MESSAGES, event_from_proto
 from opml_trace_collector.model import CaptureFailed, StepBatch, TracerEvent, TracerStarted, TracerStopped, TraceStored
 from opml_trace_collector.store import TraceStore, check_name
+from opml_trace_collector.topics import tracer_source
 
 log = logging.getLogger(__name__)
 
 # Step-time buckets from 1 ms to 2 min: training steps, not RPC latencies.
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class SourceMismatch(MalformedEvent):
+    """An event's data names another job or worker than its ``ce_source``; never retriable."""
 
 
 class Aggregator:
@@ -101,3 +112,8 @@ def _check_identity(event: CloudEvent, message: TracerEvent) -> None:
             check_name("capture_id", capture)
     except InvalidArgument as exc:
         raise MalformedEvent(f"event {event.id} ({event.type}): {exc.message}") from exc
+    expected = tracer_source(message.job, message.worker)
+    if event.source != expected:
+        raise SourceMismatch(f"event {event.id} ({event.type}) names job {message.job!r} and worker "
+                             f"{message.worker!r}, but its source is {event.source[:200]!r}, not {expected!r}; "
+                             f"not applied")

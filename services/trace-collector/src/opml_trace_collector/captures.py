@@ -9,6 +9,12 @@ then publish CaptureCompleted (or CaptureFailed). The service keeps its own reco
             --every worker answered, one FAILED--> FAILED
             --capture_timeout_s passed, a worker silent--> EXPIRED
 
+The tracers' answers are hints: one is applied only to a capture this service armed. ``arm`` also
+records the capture in S3 (``TraceFiles.mark_armed``, ``captures/{job}/{capture_id}.armed``, outside
+the ``traces/`` the tracers write), so an answer to a capture with no Redis record (the state was lost
+and is being rebuilt from the topic) is applied only when that mark exists: an answer to a capture
+nobody armed (forged, or made up by a tracer) raises :class:`UnknownCapture` and is dead-lettered.
+
 A worker killed mid-capture never announces, so its capture expires: nothing half-written is ever
 reported as complete. One capture per job may be pending at a time. Records change in optimistic
 Redis transactions (WATCH), so the consumer, the expiry loop and the API never lose an update.
@@ -25,11 +31,12 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import redis.exceptions
 
 from opml_common.bus import MalformedEvent
-from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound
+from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from opml_common.metrics import ServiceMetrics
 from opml_trace_collector.convert import decode_worker_capture, encode_worker_capture
 from opml_trace_collector.model import Capture, CaptureFailed, CaptureState, RunState, TraceStored, WorkerCapture
@@ -40,6 +47,21 @@ log = logging.getLogger(__name__)
 MAX_STEPS = 1000
 _WORKER_FIELD = "worker\t"
 _OUTCOME = {CaptureState.COMPLETED: "completed", CaptureState.FAILED: "failed", CaptureState.EXPIRED: "expired"}
+
+
+class UnknownCapture(MalformedEvent):
+    """A tracer answered a capture this service did not arm (no record in Redis, no mark in S3).
+
+    Never retriable; the consumer dead-letters the event with this message, which names the capture.
+    """
+
+
+class ArmedMarks(Protocol):
+    """Where ``arm`` durably records the captures it armed (``TraceFiles``; blocking, called in a thread)."""
+
+    def mark_armed(self, job: str, capture_id: str, request: dict) -> None: ...
+
+    def was_armed(self, job: str, capture_id: str) -> bool: ...
 
 
 def trace_prefix(bucket: str, job: str, capture_id: str) -> str:
@@ -86,12 +108,17 @@ class _Record:
 class CaptureManager:
     """Arms captures, records the tracers' answers and expires silent captures.
 
+    ``armed`` (the service passes its ``TraceFiles``) keeps a durable mark of each armed capture, so
+    that the answers to captures armed before a loss of the Redis state are applied when the state is
+    rebuilt; without it (None), only captures with a Redis record are answered.
+
     Metrics: ``opml_trace_collector_captures_total{outcome}`` (armed, completed, failed, expired).
     """
 
     def __init__(self, redis, keys: Keys, store: TraceStore, *, bucket: str, timeout_s: float,
-                 metrics: ServiceMetrics) -> None:
+                 metrics: ServiceMetrics, armed: ArmedMarks | None = None) -> None:
         self.redis = redis
+        self.armed = armed
         self.keys = keys
         self.store = store
         self.bucket = bucket
@@ -157,6 +184,14 @@ class CaptureManager:
                 except redis.exceptions.WatchError:
                     continue
             break
+        if self.armed is not None:
+            try:
+                await asyncio.to_thread(self.armed.mark_armed, job, capture_id, {
+                    "capture_id": capture_id, "job": job, "steps": steps, "targets": targets,
+                    "requested_by": requested_by, "created": now})
+            except Exception as exc:  # noqa: BLE001 - the capture runs; only a rebuild would not know it
+                log.warning("capture %s of job %s: could not record in S3 that it was armed (%s); its answers "
+                            "will not be applied if the Redis state is lost before they come", capture_id, job, exc)
         self._captures.labels(outcome="armed").inc()
         log.info("capture %s of job %s armed: %d steps of %s", capture_id, job, steps, targets)
         return await self.get(capture_id)
@@ -219,6 +254,8 @@ class CaptureManager:
         Raises:
             MalformedEvent: the trace URL is not under the capture's prefix in the service's bucket
                 (the service never serves objects from elsewhere), or the capture is another job's.
+            UnknownCapture: this service did not arm the capture.
+            Unavailable: S3 could not say whether it armed a capture with no Redis record (retried).
         """
         prefix = trace_prefix(self.bucket, event.job, event.capture_id)
         if not event.trace_url.startswith(prefix) or ".." in event.trace_url:
@@ -234,12 +271,17 @@ class CaptureManager:
 
         Raises:
             MalformedEvent: the capture is another job's.
+            UnknownCapture: this service did not arm the capture.
+            Unavailable: as :meth:`on_completed`.
         """
         await self._answer(event.job, event.capture_id, 0, when, WorkerCapture(
             worker=event.worker, state=CaptureState.FAILED, reason=event.reason))
 
     async def _answer(self, job: str, capture_id: str, steps: int, when: float, answer: WorkerCapture) -> None:
         if not await self.redis.exists(self.keys.capture(capture_id)):
+            if not await self._was_armed(job, capture_id):
+                raise UnknownCapture(f"capture {capture_id!r} of job {job!r} was not armed by this trace-collector "
+                                     f"(no record of it); the answer of worker {answer.worker!r} was not applied")
             await self._adopt(job, capture_id, steps, when)
 
         def mutate(record: _Record) -> tuple[dict, CaptureState | None] | None:
@@ -265,8 +307,18 @@ class CaptureManager:
 
         await self._update(capture_id, mutate)
 
+    async def _was_armed(self, job: str, capture_id: str) -> bool:
+        if self.armed is None:
+            return False
+        try:
+            return await asyncio.to_thread(self.armed.was_armed, job, capture_id)
+        except Exception as exc:
+            raise Unavailable(f"cannot read from S3 whether capture {capture_id!r} of job {job!r} was armed: "
+                              f"{exc}") from exc
+
     async def _adopt(self, job: str, capture_id: str, steps: int, when: float) -> None:
-        """Create the record of a capture this service has no record of: its Redis keys were lost
+        """Create the record of a capture this service armed (its S3 mark says so) but has no Redis
+        record of: its Redis keys were lost
         (the state is being rebuilt from the topic, or was lost while the capture ran). What the
         request was (who asked, which workers, when) is not in the events; the answers are."""
         log.warning("capture %s of job %s is unknown; recording it from the tracers' answers", capture_id, job)

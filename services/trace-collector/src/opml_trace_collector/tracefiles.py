@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import json
 from collections.abc import Iterator
 
 from minio import Minio
@@ -33,6 +35,31 @@ class TraceFiles:
             except S3Error as exc:
                 if exc.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                     raise
+
+    @staticmethod
+    def armed_key(job: str, capture_id: str) -> str:
+        """Where the service records that it armed a capture: ``captures/{job}/{capture_id}.armed``.
+
+        Outside ``traces/``, the only prefix the tracers write: a tracer's S3 credential can be scoped
+        so that it cannot make a capture look armed.
+        """
+        return f"captures/{job}/{capture_id}.armed"
+
+    def mark_armed(self, job: str, capture_id: str, request: dict) -> None:
+        """Record that this service armed ``capture_id`` of ``job`` (``request``: its facts, as JSON)."""
+        data = json.dumps(request, sort_keys=True).encode()
+        self.s3.put_object(self.bucket, self.armed_key(job, capture_id), io.BytesIO(data), len(data),
+                           content_type="application/json")
+
+    def was_armed(self, job: str, capture_id: str) -> bool:
+        """Whether :meth:`mark_armed` recorded ``capture_id`` of ``job`` (the same job: a mark names it)."""
+        try:
+            self.s3.stat_object(self.bucket, self.armed_key(job, capture_id))
+        except S3Error as exc:
+            if exc.code in ("NoSuchKey", "NoSuchBucket", "NoSuchObject", "NotFound"):
+                return False
+            raise
+        return True
 
     def chunks(self, url: str) -> Iterator[bytes]:
         """The object's bytes in chunks of at most CHUNK_BYTES.

@@ -48,7 +48,8 @@ def is_retriable(exc: BaseException) -> bool:
 
 
 class UntrustedSource(Exception):
-    """An event's ``ce_source`` is not in the consumer's ``sources``: it is not handled but dead-lettered.
+    """An event's ``ce_source`` is not in the consumer's ``sources`` (nor under one of its
+    ``source_prefixes``): it is not handled but dead-lettered.
 
     Never retriable (the same record has the same source every time). The message names the source.
     """
@@ -97,15 +98,23 @@ class EventConsumer:
         ``opml_<service>_consumer_lag{topic,partition}`` (high watermark minus the next offset to
         handle, after each poll).
 
-    Sources: with ``sources`` (keyword-only; e.g. ``frozenset({"opml/bundle-store"})``), an event
-    whose ``ce_source`` is not in the set is never handed to ``handler`` (nor checked against or marked
-    in ``dedup``): it goes to the dead-letter topic at once with :class:`UntrustedSource` as its
-    ``opml_error`` (which names the source), is counted in ``opml_<service>_events_untrusted_total{topic}``
-    and ``events_handled_total{outcome="dead_lettered"}``, and the partition flows on. Anyone who can
-    write to a topic can set any ``ce_source``, so this keeps out the writers who are not the platform's
-    services only where the broker's ACLs let only the owning service write the topic; a handler still
-    treats an event as a hint and re-reads what it acts on from the service that owns it.
-    ``None`` (the default) accepts every source.
+    Sources: with ``sources`` (keyword-only; e.g. ``frozenset({"opml/bundle-store"})``) and/or
+    ``source_prefixes`` (keyword-only; a family of sources, e.g.
+    ``frozenset({"opml://trace-collector/tracer/"})`` for every tracer's
+    ``opml://trace-collector/tracer/<job>/<worker>``), an event is accepted when its ``ce_source`` is
+    one of ``sources`` exactly or starts with one of ``source_prefixes``. Any other event is never
+    handed to ``handler`` (nor checked against or marked in ``dedup``): it goes to the dead-letter
+    topic at once with :class:`UntrustedSource` as its ``opml_error`` (which names the source and what
+    is accepted), is counted in ``opml_<service>_events_untrusted_total{topic}`` and
+    ``events_handled_total{outcome="dead_lettered"}``, and the partition flows on. A prefix must end
+    with ``/`` so that it names a path: ``opml/bundle-store/`` admits ``opml/bundle-store/x`` but not
+    ``opml/bundle-store-evil``. Anyone who can write to a topic can set any ``ce_source``, so this keeps
+    out the writers who are not the platform's services only where the broker's ACLs let only the
+    owning service write the topic; a handler still treats an event as a hint: it checks that what the
+    data claims agrees with the source (a prefix-matched source names who sent it), and re-reads what
+    it acts on from the service that owns it. Both ``None`` (the default) accepts every source, which
+    is there for old consumers and tests only: **every new consumer the platform adds passes
+    ``sources`` or ``source_prefixes``** (the owners' ``ServiceSpec.event_source``).
 
     Rebalances: when partitions are revoked, the group waits until the record in hand is handled
     and committed; records fetched before the rebalance are then dropped (their new owner reads
@@ -130,7 +139,16 @@ class EventConsumer:
         max_backoff_s: float = 30.0,
         max_poll_records: int = 100,
         sources: frozenset[str] | None = None,
+        source_prefixes: frozenset[str] | None = None,
     ) -> None:
+        """Validate the arguments; nothing is connected until :meth:`start`.
+
+        Raises:
+            ValueError: ``group_id`` is empty, ``topics`` is empty, ``max_attempts`` < 1, the backoffs
+                are not ``0 <= backoff_s <= max_backoff_s``, ``max_poll_records`` < 1, ``sources`` is
+                a string, an empty set or holds an empty string, or ``source_prefixes`` is a string, an
+                empty set or holds a prefix that does not end with ``/`` (or is only ``/``).
+        """
         if not group_id:
             raise ValueError("EventConsumer `group_id` must be non-empty, but got ''")
         if not topics:
@@ -145,7 +163,13 @@ class EventConsumer:
         if sources is not None and (isinstance(sources, str) or not sources or not all(sources)):
             raise ValueError(f"EventConsumer `sources` must be None or a non-empty set of CloudEvents sources, "
                              f"but got {sources!r}")
+        if source_prefixes is not None and (
+                isinstance(source_prefixes, str) or not source_prefixes
+                or not all(isinstance(p, str) and len(p) > 1 and p.endswith("/") for p in source_prefixes)):
+            raise ValueError(f"EventConsumer `source_prefixes` must be None or a non-empty set of prefixes that "
+                             f"each end with '/', but got {source_prefixes!r}")
         self.sources = frozenset(sources) if sources is not None else None
+        self.source_prefixes = tuple(sorted(source_prefixes)) if source_prefixes is not None else None
         self.settings = settings
         self.group_id = settings.topic_prefix + group_id
         self.topics = {topic.full_name(settings.topic_prefix): topic for topic in topics}
@@ -371,14 +395,22 @@ class EventConsumer:
         self._handled.labels(topic=topic, type=event_type, outcome=outcome).inc()
         return True
 
+    def accepts(self, source: str) -> bool:
+        """Whether an event from ``source`` is handed to the handler (see "Sources" above)."""
+        if self.sources is None and self.source_prefixes is None:
+            return True
+        return (self.sources is not None and source in self.sources) or (
+            self.source_prefixes is not None and source.startswith(self.source_prefixes))
+
     def _check_source(self, event: CloudEvent, topic: str) -> None:
         """Refuse an event whose source is not allowed (before dedup, so a forged event marks nothing)."""
-        if self.sources is None or event.source in self.sources:
+        if self.accepts(event.source):
             return
         self._untrusted.labels(topic=topic).inc()
         shown = event.source if len(event.source) <= _MAX_SOURCE_SHOWN else event.source[:_MAX_SOURCE_SHOWN] + "..."
+        accepted = [*sorted(self.sources or ()), *(f"{prefix}*" for prefix in self.source_prefixes or ())]
         raise UntrustedSource(f"ce_source {shown!r} is not a source consumer group {self.group_id} accepts "
-                              f"(accepted: {', '.join(sorted(self.sources))}); the event was not handled")
+                              f"(accepted: {', '.join(accepted)}); the event was not handled")
 
     async def _mark(self, event_id: str) -> None:
         """Mark the event handled. The effect is done: a failing mark is retried on its own (not with

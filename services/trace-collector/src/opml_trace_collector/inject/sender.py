@@ -25,7 +25,7 @@ from opml_common.outbox import Outbox
 from opml_trace_collector.inject import spool
 from opml_trace_collector.inject.settings import TracerSettings
 from opml_trace_collector.session import record_to_line
-from opml_trace_collector.topics import TRACES
+from opml_trace_collector.topics import TRACES, tracer_source
 
 _CONNECT_TIMEOUT_S = 5.0
 
@@ -39,7 +39,7 @@ class Sender:
         self.platform = platform
         self.session_id = session_id
         self._warn = warn
-        self._source = f"opml://trace-collector/tracer/{settings.job}/{settings.worker}"
+        self._source = tracer_source(settings.job, settings.worker)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="opml-tracer", daemon=True)
         self._ready = threading.Event()
