@@ -49,7 +49,6 @@ EXPECTED_EMPTY: dict[tuple[str, str], str] = {
     ("opml-bundle-store", "Bundles deleted (time range)"): "the main job deletes no bundle",
     ("opml-bundle-store", "RPC errors by method and code"): _NO_FAILURE + " (every bundle-store call succeeds)",
     ("opml-bundle-store", "Publish failures by topic"): _NO_FAILURE,
-    ("opml-bundle-store", "Remote manifests rejected on pull, by reason"): "every manifest in S3 is the store's own",
     ("opml-inference-router", "Shed requests by reason"): "the load stays under the admission limits",
     ("opml-inference-router", "Replica ejections"): _NO_FAILURE,
     ("opml-inference-router", "Worker restarts"): "no worker dies",
