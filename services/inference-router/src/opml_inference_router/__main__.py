@@ -46,7 +46,8 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
         token=token, threads_per_replica=settings.worker_threads_per_replica,
         startup_timeout_s=settings.worker_startup_timeout_s, route_over_uds=settings.worker_transport == "uds"))
     register_worker_metrics(pools, metrics)  # workers' /metrics re-exported on the router's (control/worker_metrics.py)
-    router = Router(connect=partial(connect, token=token), metrics=metrics)
+    router = Router(connect=partial(connect, token=token), metrics=metrics,
+                    max_request_bytes=settings.max_request_bytes, max_receive_bytes=settings.grpc_max_receive_bytes)
     service.on_stop(router.close)
     predictions = await service.start(PredictionLog(await service.publisher(), metrics,
                                                      senders=settings.prediction_senders))

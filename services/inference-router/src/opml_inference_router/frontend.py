@@ -6,6 +6,11 @@ with no (de)serializers: the request arrives as wire bytes, only its routing hea
 decodes tensors. Errors are platform errors; the server's interceptor maps them to status codes
 (unknown model or version: NOT_FOUND; overload: RESOURCE_EXHAUSTED; no replica: UNAVAILABLE; a
 worker's own refusal, such as INVALID_ARGUMENT for a bad tensor, is passed on with its message).
+
+Sizes: a request longer than its model's limit (:mod:`.routing.limits`, from the model's config) is
+INVALID_ARGUMENT on field ``request`` from its length alone, before it is copied or forwarded; one
+longer than the server's receive cap (``OPML_INFERENCE_ROUTER_GRPC_MAX_RECEIVE_BYTES``, 16 MiB) is
+refused by gRPC itself (RESOURCE_EXHAUSTED) and never reaches this servicer.
 """
 
 from __future__ import annotations

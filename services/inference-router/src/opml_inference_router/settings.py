@@ -13,6 +13,7 @@ from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
 from opml_common.config import ServiceSettings
+from opml_inference_router.routing.limits import DEFAULT_GRPC_MAX_RECEIVE_BYTES, DEFAULT_MAX_REQUEST_BYTES
 
 # The fleet of one machine, shipped inside the package so installed (non-editable) copies have it too.
 LOCAL_FLEET = Path(__file__).resolve().parent / "fleet-local.yaml"
@@ -52,6 +53,18 @@ class RouterSettings(ServiceSettings):
         64, ge=1, le=1024, description="Concurrent publishes of the prediction log. Each waits for the broker's "
         "ack, so throughput is senders / ack latency: 8 gave ~1.2k predictions/s on the durable embedded broker, "
         "below the router's ~2.3k inferences/s, and 64 gave ~2.2-2.9k (docs/benchmarks.md, broker storage).")
+
+    max_request_bytes: int = Field(
+        DEFAULT_MAX_REQUEST_BYTES, ge=1, description="Longest ModelInferRequest (serialized bytes) the router "
+        "forwards for a model whose config fixes no size (a BYTES input or a -1 dim) and sets no "
+        "`max_request_bytes`; a model with fixed-size inputs gets max_batch_size x dims x item size + 64 KiB. "
+        "Longer requests are refused with INVALID_ARGUMENT before they are copied or forwarded.")
+    grpc_max_receive_bytes: int = Field(
+        DEFAULT_GRPC_MAX_RECEIVE_BYTES, ge=1024, le=(1 << 31) - 1, description="The router's gRPC server max "
+        "receive message length (below the platform's 64 MiB) and the ceiling of every model's request limit: "
+        "gRPC refuses a longer message itself (RESOURCE_EXHAUSTED) before assembling it. Receiving a message "
+        "holds the router's event loop ~1.5 ms per MB, so this bounds what one request can stall the other "
+        "models by; raise it only for models whose requests need it.")
 
     @property
     def fleet_path(self) -> Path:

@@ -19,6 +19,9 @@ from opml_common.metrics import ServiceMetrics, serve_metrics
 
 log = logging.getLogger(__name__)
 
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+"""The platform's gRPC message cap (receive and send), unless a service's settings lower its receive cap."""
+
 
 @dataclass(frozen=True)
 class ServiceRegistration:
@@ -71,10 +74,14 @@ class GrpcServer:
     handshake); with ``OPML_GRPC_TLS_CLIENT_CA`` as well, a client must present a certificate that CA
     signed (mTLS). The Unix-socket data plane of a worker (:mod:`opml_inference_router.worker.uds`) is
     not gRPC and is guarded by file mode and peer credentials instead.
+
+    ``max_receive_message_bytes``: the largest request message the server accepts (gRPC refuses a
+    longer one with RESOURCE_EXHAUSTED before any servicer runs); default: the service settings'
+    ``grpc_max_receive_bytes`` where its settings class declares one, else :data:`MAX_MESSAGE_BYTES`.
     """
 
     def __init__(self, *, settings: ServiceSettings, platform: PlatformSettings, metrics: ServiceMetrics,
-                 registrations: Sequence[ServiceRegistration]) -> None:
+                 registrations: Sequence[ServiceRegistration], max_receive_message_bytes: int | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
         self._registrations = registrations
@@ -84,11 +91,14 @@ class GrpcServer:
             log.warning("no OPML_AUTH_TOKENS set: every caller is an anonymous admin (dev only)")
         observability = ObservabilityInterceptor(metrics)
         observability.declare(method for r in registrations for method in r.full_method_roles())
+        if max_receive_message_bytes is None:
+            max_receive_message_bytes = getattr(settings, "grpc_max_receive_bytes", None) or MAX_MESSAGE_BYTES
+        self.max_receive_message_bytes = max_receive_message_bytes
         self._server = grpc.aio.server(
             interceptors=[observability, AuthInterceptor(
                 tokens, method_roles={k: v for r in registrations for k, v in r.full_method_roles().items()})],
-            options=[("grpc.max_receive_message_length", 64 * 1024 * 1024),
-                     ("grpc.max_send_message_length", 64 * 1024 * 1024)],
+            options=[("grpc.max_receive_message_length", max_receive_message_bytes),
+                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
         )
         self.port: int | None = None
         self.metrics_port: int | None = None

@@ -36,6 +36,7 @@ from opml_inference_router.placement import (
     check_moves,
 )
 from opml_inference_router.routing import ModelPolicy, Router
+from opml_inference_router.routing.limits import largest, request_limit
 
 log = logging.getLogger(__name__)
 
@@ -139,13 +140,19 @@ class ReplicaPlacer:
             self.router.add_replica(name, str(number), new)
 
     def policy(self, name: str) -> ModelPolicy:
-        """The router's policy for ``name``: its newest config's SLO, limits sized to the planned replicas."""
+        """The router's policy for ``name``: its newest config's SLO, limits sized to the planned replicas,
+        and the largest request size any of its versions' configs allows (a request may name a version)."""
         record = self._models[name]
-        newest = max((e for e in record.versions.values() if e.config is not None), key=lambda e: e.version)
+        configured = [e for e in record.versions.values() if e.config is not None]
+        newest = max(configured, key=lambda e: e.version)
         placed = [s for m, s in self.plan.placements.items() if m.name == name]
         replicas = sum(len(s.workers) for s in placed)
         rows = sum(len(s.workers) * s.option.max_batch for s in placed)  # what the planned batch caps take
-        limits = {"max_concurrency": max(8, 2 * rows), "max_queue": 4 * max(8, 2 * rows)} if rows else {}
+        limits: dict[str, object] = (
+            {"max_concurrency": max(8, 2 * rows), "max_queue": 4 * max(8, 2 * rows)} if rows else {})
+        default = self.router.max_request_bytes
+        limits["max_request"] = largest([request_limit(e.config, default=default)  # type: ignore[arg-type]
+                                         for e in configured])
         return ModelPolicy.for_model(newest.config, replicas=max(1, replicas), **limits)  # type: ignore[arg-type]
 
     async def _add(self, replica: Replica) -> None:

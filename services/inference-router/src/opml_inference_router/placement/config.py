@@ -199,6 +199,11 @@ class ModelConfig(_Schema):
         ("fp32",), min_length=1, description="Precisions whose accuracy is acceptable (int8: quantized). Default: fp32."
     )
     version_policy: VersionPolicy = Field(default_factory=lambda: VersionPolicy(latest=LatestVersions()))
+    max_request_bytes: StrictInt | None = Field(
+        None, ge=1, description="Largest serialized ModelInferRequest the router forwards for the model; longer "
+        "ones are refused (INVALID_ARGUMENT) before any copy. Default: computed when every input has a fixed size "
+        "(max_batch_size x dims x item size, + 64 KiB), else OPML_INFERENCE_ROUTER_MAX_REQUEST_BYTES (a BYTES "
+        "input or a -1 dim); never above OPML_INFERENCE_ROUTER_GRPC_MAX_RECEIVE_BYTES.")
 
     @field_validator("inputs", "outputs")
     @classmethod

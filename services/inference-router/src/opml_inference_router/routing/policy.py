@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from opml_common.errors import InvalidArgument
 from opml_inference_router.placement.config import ModelConfig
+from opml_inference_router.routing.limits import DEFAULT_MAX_REQUEST_BYTES, RequestLimit, request_limit
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +41,9 @@ class ModelPolicy:
     """How long a replica that failed (unreachable, killed) is skipped; doubled per repeated failure."""
     sticky_canary: bool = False
     """Assign requests to versions by a hash of their id instead of at random."""
+    max_request: RequestLimit | None = None
+    """Longest serialized ModelInferRequest forwarded (:mod:`.limits`); longer ones are INVALID_ARGUMENT
+    before any copy. None: the router's default. :meth:`for_model` computes it from the config."""
 
     def __post_init__(self) -> None:
         _check(self.slo_p99_ms > 0, "slo_p99_ms", "must be > 0", self.slo_p99_ms)
@@ -59,12 +63,15 @@ class ModelPolicy:
         return (self.default_timeout_ms if self.default_timeout_ms is not None else 4 * self.slo_p99_ms) / 1000.0
 
     @classmethod
-    def for_model(cls, config: ModelConfig, *, replicas: int = 1, **overrides: object) -> ModelPolicy:
-        """Defaults for a model: its SLO, and a concurrency limit of what its replicas can batch
-        (``replicas x batch_limit x 2``, at least 8) with a queue four times that."""
+    def for_model(cls, config: ModelConfig, *, replicas: int = 1,
+                  default_max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, **overrides: object) -> ModelPolicy:
+        """Defaults for a model: its SLO, a concurrency limit of what its replicas can batch
+        (``replicas x batch_limit x 2``, at least 8) with a queue four times that, and the request
+        size its config allows (``default_max_request_bytes`` where the config fixes none)."""
         concurrency = max(8, 2 * replicas * config.batch_limit)
         settings: dict[str, object] = {"slo_p99_ms": float(config.slo.p99_ms), "max_concurrency": concurrency,
-                                       "max_queue": 4 * concurrency}
+                                       "max_queue": 4 * concurrency,
+                                       "max_request": request_limit(config, default=default_max_request_bytes)}
         settings.update(overrides)
         return cls(**settings)  # type: ignore[arg-type]
 

@@ -3,7 +3,8 @@
 Transport-free (no grpc import): replicas are :class:`~.replicas.Replica` objects made by a
 ``connect(address)`` callable, so the same code runs over gRPC workers and over fakes in tests.
 
-Data plane, per request (:meth:`Router.infer`): model -> version (the caller's, or the traffic
+Data plane, per request (:meth:`Router.infer`): model -> its request size limit (O(1): the length
+of the bytes, before any copy; :mod:`.limits`) -> version (the caller's, or the traffic
 split's) -> admission (the model's concurrency limit and bounded queue, shedding what cannot meet
 its deadline) -> a replica by power of two choices -> a backup request to a second replica if
 the first has not answered after its observed p95 latency (first answer wins, the loser is
@@ -31,6 +32,7 @@ from opml_inference_router.routing import wire
 from opml_inference_router.routing.admission import ConcurrencyLimiter, Shed
 from opml_inference_router.routing.canary import TrafficSplit
 from opml_inference_router.routing.errors import DeadlineExceeded, ReplicaFailed
+from opml_inference_router.routing.limits import DEFAULT_GRPC_MAX_RECEIVE_BYTES, DEFAULT_MAX_REQUEST_BYTES, RequestLimit
 from opml_inference_router.routing.metrics import RouterMetrics, VersionMetrics
 from opml_inference_router.routing.policy import ModelPolicy
 from opml_inference_router.routing.replicas import Clock, Replica, ReplicaSet, ReplicaState
@@ -59,11 +61,12 @@ class _Version:
 
 
 class _Model:
-    __slots__ = ("name", "policy", "limiter", "versions", "split", "stable", "hedge_tokens")
+    __slots__ = ("name", "policy", "limiter", "versions", "split", "stable", "hedge_tokens", "max_request")
 
-    def __init__(self, name: str, policy: ModelPolicy) -> None:
+    def __init__(self, name: str, policy: ModelPolicy, max_request: RequestLimit) -> None:
         self.name = name
         self.policy = policy
+        self.max_request = max_request
         self.limiter = ConcurrencyLimiter(limit=policy.max_concurrency, max_queue=policy.max_queue, name=name)
         self.versions: dict[str, _Version] = {}
         self.split: TrafficSplit | None = None
@@ -74,12 +77,24 @@ class _Model:
 class Router:
     """Routes KServe v2 requests (wire-format bytes) to replicas of model versions.
 
+    ``max_request_bytes``: the request size limit of a model whose policy sets none;
+    ``max_receive_bytes``: the server's message cap, above which no model's limit goes (a longer
+    message never reaches the router).
+
     Side effects: ``add_replica`` opens a connection per new address (``connect``); ``close()``
     and removing the last user of an address close it. ``close()`` is idempotent.
     """
 
     def __init__(self, *, connect: Callable[[str], Replica], metrics: ServiceMetrics,
-                 clock: Clock = time.monotonic, rng: random.Random | None = None) -> None:
+                 clock: Clock = time.monotonic, rng: random.Random | None = None,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 max_receive_bytes: int = DEFAULT_GRPC_MAX_RECEIVE_BYTES) -> None:
+        if max_request_bytes < 1:
+            raise InvalidArgument("max_request_bytes", f"must be >= 1, but got {max_request_bytes}")
+        if max_receive_bytes < 1:
+            raise InvalidArgument("max_receive_bytes", f"must be >= 1, but got {max_receive_bytes}")
+        self.max_request_bytes = max_request_bytes
+        self.max_receive_bytes = max_receive_bytes
         self._connect = connect
         self._metrics = RouterMetrics(metrics)
         self._clock = clock
@@ -94,11 +109,15 @@ class Router:
         """Serve model ``name`` with ``policy``, or apply a new policy to it (limits take effect at once)."""
         if not name:
             raise InvalidArgument("name", "must be a non-empty model name, but got ''")
+        max_request = (policy.max_request or RequestLimit(
+            self.max_request_bytes, "the router's default, OPML_INFERENCE_ROUTER_MAX_REQUEST_BYTES")).capped(
+            self.max_receive_bytes, "the router's gRPC message cap, OPML_INFERENCE_ROUTER_GRPC_MAX_RECEIVE_BYTES")
         model = self._models.get(name)
         if model is None:
-            self._models[name] = _Model(name, policy)
+            self._models[name] = _Model(name, policy, max_request)
             return
         model.policy = policy
+        model.max_request = max_request
         model.limiter.resize(limit=policy.max_concurrency, max_queue=policy.max_queue)
         for served in model.versions.values():
             served.replicas.policy = policy.selection
@@ -216,6 +235,7 @@ class Router:
         now = self._clock()
         return {
             "policy": route.policy,
+            "max_request_bytes": route.max_request.bytes,
             "stable": route.stable,
             "traffic": dict(route.split.weights) if route.split else {},
             "in_flight": route.limiter.in_flight,
@@ -262,6 +282,8 @@ class Router:
 
         Raises:
             NotFound: the model or version is not served.
+            InvalidArgument: ``request`` is longer than the model's limit (field ``request``; checked
+                first, in O(1), so nothing is copied or forwarded).
             Shed (ResourceExhausted): admission refused the request.
             Unavailable: the version has no replica.
             DeadlineExceeded: no replica answered in time.
@@ -274,9 +296,14 @@ class Router:
             served = self._version(route, version)
         elif route.split is not None:
             served = route.versions[route.split.choose(request_id)]
-            request = wire.with_field(request, wire.MODEL_VERSION, served.version)
         else:
             raise Unavailable(f"model {model!r} has no version deployed yet")
+        if len(request) > route.max_request.bytes:  # O(1), before the one copy below and any forwarding
+            served.metrics.failed("INVALID_ARGUMENT")
+            raise InvalidArgument("request", f"is {len(request)} bytes, more than model {model!r} accepts: "
+                                             f"{route.max_request.bytes} bytes ({route.max_request.basis})")
+        if not version:
+            request = wire.with_field(request, wire.MODEL_VERSION, served.version)
         policy = route.policy
         start = self._clock()
         time_left = timeout_s if timeout_s is not None else policy.default_timeout_s
