@@ -27,8 +27,11 @@ def generate(proto_root: Path, out_dir: Path) -> None:
 
 def stale_files(expected: Path, actual: Path) -> list[str]:
     """Relative paths that differ, are missing, or are extra in ``actual``."""
-    exp = {p.relative_to(expected) for p in expected.rglob("*.py*")}
-    act = {p.relative_to(actual) for p in (actual / "opml").rglob("*.py*")}
+    def stubs(root: Path) -> set[Path]:  # generated sources only: Python's bytecode caches are not stubs
+        return {p for pattern in ("*.py", "*.pyi") for p in root.rglob(pattern) if "__pycache__" not in p.parts}
+
+    exp = {p.relative_to(expected) for p in stubs(expected)}
+    act = {p.relative_to(actual) for p in stubs(actual / "opml")}
     diff = sorted(str(p) for p in exp ^ act)
     diff += sorted(str(p) for p in exp & act if not filecmp.cmp(expected / p, actual / p, shallow=False))
     return diff
