@@ -9,8 +9,11 @@ import asyncio
 import gzip
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -75,7 +78,9 @@ def traced(settings_env: dict[str, str], platform_settings: PlatformSettings, tm
         full_env = {**os.environ, **settings_env, "OPML_TRACE_SPOOL_DIR": str(home / "spool"),
                     "OPML_TRACE_SESSION_DIR": str(home / "sessions"), "OPML_TRACE_FLUSH_INTERVAL_S": "0.5",
                     "OPML_TRACE_POLL_S": "0.2", "OPML_TRACE_BUCKET": settings_env["OPML_TOPIC_PREFIX"] + "traces",
-                    "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
+                    "TF_CPP_MIN_LOG_LEVEL": "2",
+                    # these tests read every event back: give the last batch time (the bound has its own test)
+                    "OPML_TRACE_EXIT_TIMEOUT_S": "5", **(env or {})}
         launcher = [sys.executable, "-m", "opml_trace_collector.inject.run", "--job", job]
         if worker:
             launcher += ["--worker", worker]
@@ -290,6 +295,53 @@ def test_bus_down_job_unaffected_metrics_delivered_later(traced, platform_settin
     events = run_events(platform_settings, "down")
     assert sorted(e.id for _, e, _ in events) == sorted(spooled)
     assert len(steps_of(events)) == 6
+    assert run.spooled_ids() == []
+
+
+@pytest.fixture
+def silent_broker() -> Callable[[], str]:
+    """A TCP listener that accepts connections and never answers: a broker that never acknowledges."""
+    server = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    closing = threading.Event()
+
+    def serve() -> None:
+        while not closing.is_set():
+            try:
+                connection, _ = server.accept()
+            except OSError:
+                return
+            accepted.append(connection)  # held open, never read from, never written to
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield lambda: f"127.0.0.1:{server.getsockname()[1]}"
+    closing.set()
+    server.close()
+    for connection in accepted:
+        connection.close()
+
+
+def test_job_ending_with_an_unacknowledging_broker_waits_only_the_bound(traced, silent_broker,
+                                                                       platform_settings: PlatformSettings) -> None:
+    bound = 0.2
+    run = traced([sys.executable, str(PROGRAMS / "custom_loop.py"), "--steps", "7"], job="silent",
+                 env={"OPML_KAFKA_BOOTSTRAP": silent_broker(), "OPML_TRACE_EXIT_TIMEOUT_S": str(bound)})
+    assert run.wait() == 0, run.stderr
+    found = re.search(r"did not acknowledge the last events within ([\d.]+) s \(the job waited ([\d.]+) s at "
+                      r"exit, ([\d.]+) s of them for the broker\)", run.stderr)
+    assert found, run.stderr
+    assert float(found[1]) == bound
+    # the tracer's own timing: its wait for the broker is the bound (the old exit waited 5 s to connect
+    # and 5 s more to deliver); the whole exit, spool writes included, a generous multiple of it
+    assert float(found[3]) <= bound * 1.5 and float(found[2]) <= bound * 5, run.stderr
+    spooled = run.spooled_ids()
+    assert len(spooled) >= 3, "TracerStarted, the last batch and TracerStopped wait in the spool"
+    sent, pending = asyncio.run(flush_spool(run.home / "spool", platform_settings))
+    assert (sent, pending) == (len(spooled), 0)
+    events = run_events(platform_settings, "silent")  # complete: no batch missing, steps add up
+    assert sorted(e.id for _, e, _ in events) == sorted(spooled)
+    assert len(steps_of(events)) == 7 and of(events, pb.TracerStopped)[0].steps == 7
     assert run.spooled_ids() == []
 
 

@@ -19,7 +19,6 @@ from pathlib import Path
 
 from opml_trace_collector.inject.recorder import Recorder, Step
 from opml_trace_collector.inject.xspace import StepSpan, to_chrome
-from opml_trace_collector.tracefiles import TraceFiles
 
 KIND_NAMES = {1: "train", 2: "evaluate", 3: "predict", 4: "session_run", 5: "function"}
 
@@ -112,6 +111,7 @@ def export(capture: Capture, *, job: str, worker: str, tf_version: str, bucket: 
     with gzip.open(path, "wt", encoding="utf-8", compresslevel=6) as handle:
         json.dump(trace, handle, separators=(",", ":"))
     key = f"traces/{job}/{capture.request.capture_id}/{worker}.trace.json.gz"
+    from opml_trace_collector.tracefiles import TraceFiles  # minio: imported by a capture only
     TraceFiles(s3, bucket).ensure_bucket()  # the service makes it at start; a tracer may run before that
     s3.fput_object(bucket, key, str(path), content_type="application/gzip")
     return Exported(f"s3://{bucket}/{key}", path.stat().st_size, len(trace["traceEvents"]), first, len(capture.spans))

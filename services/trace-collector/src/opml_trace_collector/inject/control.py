@@ -54,6 +54,7 @@ class ControlPoller:
         self._set_enabled, self._arm, self._bad, self._warn = set_enabled, arm, bad_request, warn
         self._seen: set[str] = set()
         self.first_poll = threading.Event()  # set once the first answer (or failure) is in
+        self.answered = asyncio.Event()  # the same, for the loop (the batches wait for it)
 
     async def run(self) -> None:
         while True:
@@ -66,6 +67,7 @@ class ControlPoller:
                 if capture is not None:
                     self._on_capture(capture)
             self.first_poll.set()
+            self.answered.set()
             await asyncio.sleep(self._poll_s)
 
     def _on_capture(self, raw: bytes) -> None:

@@ -3,15 +3,14 @@
 Every event goes to this run's spool folder, then the spool is flushed to the broker; the steps
 also go to the session file (``<session_dir>/<job>/<worker>.<session_id>.jsonl``, one StepRecord
 per line: the format of ``opml_trace_collector.session`` that ``opml trace summary`` reads). With the broker down the events wait in the spool and the next batch
-retries; at exit a short final flush, and what is left stays for ``opml trace flush`` or the next
-traced run. Nothing here may raise into the job: failures are logged once per kind.
+retries; at exit one bounded delivery attempt (``finish``), and what is left stays for ``opml trace
+flush`` or the next traced run. Nothing here may raise into the job: failures are logged once per kind.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import threading
 from collections.abc import Awaitable, Callable, Iterable
 
 from google.protobuf.message import Message
@@ -31,7 +30,8 @@ _CONNECT_TIMEOUT_S = 5.0
 
 
 class Sender:
-    """Owns the loop thread; other threads hand it work with ``submit``."""
+    """Owns the tracer's asyncio loop (run by ``run`` in the tracer's thread); other threads hand it
+    work with ``submit``."""
 
     def __init__(self, settings: TracerSettings, platform: PlatformSettings, session_id: str,
                  warn: Callable[[str, str], None]) -> None:
@@ -41,8 +41,6 @@ class Sender:
         self._warn = warn
         self._source = tracer_source(settings.job, settings.worker)
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, name="opml-tracer", daemon=True)
-        self._ready = threading.Event()
         safe = lambda text: text.replace("/", "_")  # noqa: E731
         self.session_file = settings.session_dir / safe(settings.job) / f"{safe(settings.worker)}.{session_id}.jsonl"
         self.spool_folder = settings.spool_dir / session_id
@@ -50,20 +48,20 @@ class Sender:
         self._lock_fd: int | None = None
         self._connected_once = False
 
-    # --- thread and loop ----------------------------------------------------------------------
+    # --- loop ---------------------------------------------------------------------------------
 
-    def start(self) -> None:
-        self._thread.start()
-        self._ready.wait(10)
+    def run(self, on_ready: Callable[[], None]) -> None:
+        """In the calling (tracer's) thread: set up, call ``on_ready`` on the loop, run it for good.
 
-    def _run(self) -> None:
+        The loop is never stopped: at exit the job waits only for ``finish`` (bounded by the tracer),
+        and the daemon thread ends with the process.
+        """
         asyncio.set_event_loop(self._loop)
         try:
             self._loop.run_until_complete(self._setup())
         except Exception as exc:  # noqa: BLE001
             self._warn("setup", f"the tracer's sender cannot start ({exc!r})")
-        finally:
-            self._ready.set()
+        self._loop.call_soon(on_ready)
         self._loop.run_forever()
 
     async def _setup(self) -> None:
@@ -80,7 +78,7 @@ class Sender:
     def submit(self, coro: Awaitable) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
-    def spawn(self, coro: Awaitable, what: str) -> None:
+    def spawn(self, coro: Awaitable, what: str) -> concurrent.futures.Future:
         """Run ``coro`` on the loop, logging (once) what it raises."""
         async def guarded() -> None:
             try:
@@ -89,33 +87,24 @@ class Sender:
                 raise
             except Exception as exc:  # noqa: BLE001
                 self._warn(what, f"{what} failed ({exc!r})")
-        self.submit(guarded())
+        return self.submit(guarded())
 
-    def close(self, timeout_s: float) -> None:
-        """Stop the loop after a last delivery attempt of at most ``timeout_s``."""
-        try:
-            self.submit(self._close(timeout_s)).result(timeout_s + 2)
-        except Exception:  # noqa: BLE001 - what was not sent stays in the spool
-            pass
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(2)
+    async def finish(self) -> bool:
+        """At exit, on the loop: deliver what is spooled, then close; True when all was delivered.
 
-    async def _close(self, timeout_s: float) -> None:
-        try:
-            await asyncio.wait_for(self.deliver(), timeout_s)
-        except (TimeoutError, Exception):  # noqa: BLE001
-            pass
-        for task in [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]:
-            task.cancel()
-        try:
-            await asyncio.wait_for(self._publisher.stop(), 1)
-        except (TimeoutError, Exception):  # noqa: BLE001
-            pass
+        The tracer bounds this (``exit_timeout_s``); cancelled there, what was not acknowledged stays
+        in the spool folder (its lock goes with the process) for ``opml trace flush`` or the next run.
+        """
         if self._session is not None:
             self._session.close()
-        if self._lock_fd is not None:
-            spool.release_folder(self.spool_folder, self._lock_fd)
-            self._lock_fd = None
+            self._session = None
+        delivered = await self.deliver()
+        if delivered:
+            if self._lock_fd is not None:
+                spool.release_folder(self.spool_folder, self._lock_fd)
+                self._lock_fd = None
+            await self._publisher.stop()
+        return delivered
 
     # --- events -------------------------------------------------------------------------------
 
@@ -123,6 +112,11 @@ class Sender:
         """Append steps to the session file (the loop's thread)."""
         if self._session is not None:
             self._session.writelines(record_to_line(record) + "\n" for record in records)
+
+    def record(self, message: Message) -> None:
+        """Record one event in the spool (durably); the next ``deliver`` sends it."""
+        event = CloudEvent.from_proto(message, source=self._source, subject=self.settings.subject)
+        self._outbox.record(TRACES, event)
 
     async def emit(self, message: Message) -> None:
         """Record one event in the spool (durably) and try to deliver it now."""

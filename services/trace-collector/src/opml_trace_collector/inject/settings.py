@@ -22,8 +22,9 @@ class TracerSettings(BaseSettings):
                               description="Where the JSON-lines session file of the run's events is written.")
     flush_interval_s: float = Field(2.0, gt=0, description="Period of the step-metrics batches.")
     poll_s: float = Field(1.0, gt=0, description="Period of the control poll (global on/off, capture requests).")
-    exit_timeout_s: float = Field(5.0, ge=0, description="At exit, how long the last batch and a capture "
-                                  "upload may take; what is not delivered stays in the spool.")
+    exit_timeout_s: float = Field(0.1, ge=0, description="At exit, the most the job waits for the broker to "
+                                  "acknowledge the last batch (already in the spool); what it has not acknowledged "
+                                  "by then stays in the spool for `opml trace flush` or the next traced run.")
     bucket: str = Field("opml-traces", min_length=3, description="S3 bucket of captured traces.")
     max_trace_events: int = Field(200_000, ge=100, description="Most events one captured trace keeps (ops first).")
     op_filter: str | None = Field(None, description="Regex: a capture keeps only ops whose name or type matches.")
