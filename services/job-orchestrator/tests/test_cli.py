@@ -53,3 +53,30 @@ def test_bad_spec_is_reported_with_its_field_path(opml, tmp_path: Path) -> None:
     assert "INVALID_ARGUMENT: roles.worker.resources.gpu" in out and "largest node has 1" in out
     bad.write_text("name: bad\nclass: TE\ncommand: [/bin/true]\nroles:\n  worker:\n    resources: {cpu: lots}\n")
     assert "INVALID_ARGUMENT: roles.worker.resources.cpu" in opml("job", "submit", "-f", str(bad), expect_exit=1)
+
+
+def test_four_mistakes_are_printed_one_per_line(opml, tmp_path: Path) -> None:
+    bad = tmp_path / "four.yaml"
+    bad.write_text("name: Bad Name\nclass: urgent\ncommand: [/bin/true]\nroles:\n"
+                   "  worker: {replicas: 0, resources: {cpu: 1, memory: 3 bananas}}\n")
+    lines = opml("job", "submit", "-f", str(bad), expect_exit=1).splitlines()
+    assert [line.split(": ")[2] for line in lines] == [
+        "class", "roles.worker.resources.memory", "name", "roles.worker.replicas"], lines
+    assert all(line.startswith("error: INVALID_ARGUMENT: ") for line in lines)
+
+
+def test_four_rules_broken_on_the_service_are_printed_one_per_line(opml, tmp_path: Path) -> None:
+    """Rules the service checks (the CLI sends a well-shaped spec as it is), all in one answer."""
+    bad = tmp_path / "rules.yaml"
+    bad.write_text("name: rules\nclass: BE\ncommand: [/bin/true]\nenv: {LD_PRELOAD: /x.so, OPML_JOB: other}\n"
+                   "roles:\n  chief: {replicas: 2, resources: {cpu: 1}}\n  worker: {resources: {}}\n")
+    lines = opml("job", "submit", "-f", str(bad), expect_exit=1).splitlines()
+    assert sorted(line.split(": ")[2] for line in lines) == [
+        "env.LD_PRELOAD", "env.OPML_JOB", "roles.chief.replicas", "roles.worker.resources"], lines
+
+
+def test_yaml_syntax_error_names_the_file_line_and_column(opml, tmp_path: Path) -> None:
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("name: broken\nclass: TE\nroles:\n  worker:\n    resources: {cpu: 1\n")
+    out = opml("job", "submit", "-f", str(bad), expect_exit=1)
+    assert f"INVALID_ARGUMENT: {bad}: is not valid YAML" in out and "line 6, column 1" in out, out

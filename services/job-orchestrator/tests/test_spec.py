@@ -99,6 +99,54 @@ def test_bad_yaml_is_invalid_argument() -> None:
         load_spec("- a list")
 
 
+FOUR_MISTAKES = """\
+name: Bad Name
+class: urgent
+command: [python, train.py]
+roles:
+  worker: {replicas: 0, resources: {cpu: 1, memory: 3 bananas}}
+"""
+
+
+def test_every_mistake_is_reported_at_once() -> None:
+    """Shapes (class, memory) and rules (name, replicas) together, in one InvalidArgument."""
+    with pytest.raises(InvalidArgument) as caught:
+        load_spec(FOUR_MISTAKES)
+    assert [field for field, _ in caught.value.violations] == [
+        "class", "roles.worker.resources.memory", "name", "roles.worker.replicas"], caught.value.message
+    rules = dict(caught.value.violations)
+    assert "must match" in rules["name"] and "TE or BE" in rules["class"] and "unit" in rules[
+        "roles.worker.resources.memory"] and ">= 1" in rules["roles.worker.replicas"]
+    assert "job_class" not in rules  # the bad class is reported once, under the key as written
+
+
+def test_every_rule_of_a_message_is_reported_at_once() -> None:
+    spec = load_spec({"name": "ok", "class": "TE", "command": ["true"],
+                      "roles": {"worker": {"resources": {"cpu": 1}}, "chief": {"replicas": 1}}})
+    spec.name, spec.max_retries = "", -1
+    spec.roles["worker"].resources.gpu = -2
+    spec.checkpoint.interval_seconds = float("nan")
+    with pytest.raises(InvalidArgument) as caught:
+        definition_from_proto(spec)
+    assert [field for field, _ in caught.value.violations] == [
+        "name", "roles.chief.resources", "roles.worker.resources.gpu", "max_retries", "checkpoint.interval_seconds"]
+
+
+def test_unknown_keys_and_wrong_shapes_are_all_named() -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        load_spec({"name": "job", "class": "TE", "command": "python train.py", "colour": "red", "size": 3,
+                   "roles": {"worker": {"resources": {"cpu": "lots"}, "replica": 2}}})
+    assert [field for field, _ in caught.value.violations] == [
+        "colour", "size", "command", "roles.worker.replica", "roles.worker.resources.cpu"], caught.value.message
+
+
+def test_yaml_syntax_error_names_the_file_line_and_column() -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        load_spec("name: job\nclass: TE\nroles:\n  worker: {resources: {cpu: 1}\n", what="jobs/bad.yaml")
+    assert caught.value.field == "jobs/bad.yaml"
+    assert "not valid YAML" in caught.value.message and "line 5, column 1" in caught.value.message, caught.value.message
+
+
 def test_status_and_saved_job_round_trip() -> None:
     status = JobStatus("job", JobState.RETRYING, 2, 1, 1, "worker 0 exited with code 3", 1700000000.25,
                        1700000001.5, 1700000002.75, None, 42)

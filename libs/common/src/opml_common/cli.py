@@ -15,13 +15,19 @@ from opml_common.errors import OpmlError
 
 
 class _OpmlGroup(click.Group):
-    """Prints a platform error as one actionable line (``NOT_FOUND: ...``) and exits 1."""
+    """Prints a platform error as one actionable line (``NOT_FOUND: ...``), an INVALID_ARGUMENT with
+    several violations as one line per field, and exits 1."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except OpmlError as error:
-            click.echo(f"error: {error.code}: {error.message}", err=True)
+            violations = getattr(error, "violations", ())
+            if len(violations) > 1:  # an InvalidArgument with several broken rules: one line each
+                for field, rule in violations:
+                    click.echo(f"error: {error.code}: {field}: {rule}", err=True)
+            else:
+                click.echo(f"error: {error.code}: {error.message}", err=True)
             sys.exit(1)
 
 

@@ -40,7 +40,7 @@ def job() -> None:
 @pass_session
 def submit(session: ClientSession, path: Path, name: str | None) -> None:
     """Submit the job of a YAML spec."""
-    spec = load_spec(path.read_text())
+    spec = load_spec(path.read_text(), what=str(path))  # a syntax error names the file, line, column
     if name:
         spec.name = name
     with session.client() as client:

@@ -5,7 +5,9 @@ The YAML mirrors the message, with three spellings people expect: ``class`` (``j
 ``cpu`` in cores or millicores (``2``, ``0.5``, ``500m``) and ``memory`` with a unit (``512Mi``,
 ``2Gi``; a bare number is MiB). Every error is an ``InvalidArgument`` naming the field path,
 the value and the rule (``roles.worker.resources.gpu: must be an integer >= 0, but got -1``), so
-the CLI can say it before a request is sent and the service says it again for any client.
+the CLI can say it before a request is sent and the service says it again for any client. A spec
+with several mistakes gets them all in one error (``InvalidArgument.of``: one violation per field
+path; shapes and units first, then the job's rules), never one per round trip.
 """
 
 from __future__ import annotations
@@ -22,7 +24,14 @@ from opml_common.yamlsafe import load_yaml
 from opml_job_orchestrator.executor.base import JobProgram
 from opml_job_orchestrator.executor.tony import ORCHESTRATOR_VARIABLES
 from opml_job_orchestrator.orchestrator import JobDefinition
-from opml_job_orchestrator.scheduler.model import ROLE_NAMES, JobClass, JobSpec, Resources, RoleSpec
+from opml_job_orchestrator.scheduler.model import (
+    ROLE_NAMES,
+    SINGLE_REPLICA_ROLES,
+    JobClass,
+    JobSpec,
+    Resources,
+    RoleSpec,
+)
 
 _JOB_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
 _MEMORY_UNITS = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024, "Ti": 1024 ** 2,
@@ -35,50 +44,71 @@ _CHECKPOINT_KEYS = {"dir", "interval_seconds", "restart_overhead_seconds"}
 _CLASSES = {"TE": pb.JOB_CLASS_TE, "BE": pb.JOB_CLASS_BE}
 
 
-def load_spec(source: str | Mapping[str, Any]) -> pb.JobSpec:
+def load_spec(source: str | Mapping[str, Any], *, what: str = "spec") -> pb.JobSpec:
     """Parse a YAML job spec (text, or the mapping it loads to) into a ``JobSpec`` message.
 
     Checks shapes and units here; the rules of the job itself (replicas, roles, sizes) are
-    :func:`definition_from_proto`'s, which the service applies to every submit.
+    :func:`definition_from_proto`'s, which the service applies to every submit. When a shape is
+    wrong, the rules are checked too on what could be read, so one error lists every mistake.
+
+    Args:
+        source: the YAML text, or the mapping it loads to.
+        what: where the text came from (the CLI passes the file's path); a YAML syntax error, or
+            a document too big, is reported on this field, with its line and column.
 
     Raises:
         InvalidArgument: the YAML does not parse or is too big (bytes, nodes, depth: field
-            ``spec``), a key is unknown, or a value has the wrong type or unit; the field path names it.
+            ``what``), or keys are unknown, or values have the wrong type or unit: one violation per
+            field path, every one found.
     """
     if isinstance(source, str):
-        source = load_yaml(source, what="spec")  # bounded: size, nodes (aliases expanded), depth
-    doc = _mapping(source, "spec", _TOP_KEYS)
-    spec = pb.JobSpec(name=_string(doc.get("name", ""), "name"),
-                      priority=_integer(doc.get("priority", 0), "priority"),
-                      command=_argv(doc.get("command", []), "command"),
-                      trace=_boolean(doc.get("trace", False), "trace"),
-                      heartbeat_timeout_seconds=_number(doc.get("heartbeat_timeout_seconds", 0),
-                                                        "heartbeat_timeout_seconds"))
+        source = load_yaml(source, what=what)  # bounded: size, nodes (aliases expanded), depth
+    if not isinstance(source, Mapping):
+        raise InvalidArgument("spec", f"must be a mapping, but got {_short(source)}")
+    found = _Violations()
+    doc = found.mapping(source, "spec", _TOP_KEYS)
+    spec = pb.JobSpec(name=found.check(_string, doc.get("name", ""), "name", default=""),
+                      priority=found.check(_integer, doc.get("priority", 0), "priority", default=0),
+                      command=found.check(_argv, doc.get("command", []), "command", default=[_UNREAD]),
+                      trace=found.check(_boolean, doc.get("trace", False), "trace", default=False),
+                      heartbeat_timeout_seconds=found.check(_number, doc.get("heartbeat_timeout_seconds", 0),
+                                                            "heartbeat_timeout_seconds", default=0.0))
     job_class = doc.get("class")
     if job_class is not None:
         if not isinstance(job_class, str) or job_class.upper() not in _CLASSES:
-            raise InvalidArgument("class", f"must be TE or BE, but got {job_class!r}")
-        spec.job_class = _CLASSES[job_class.upper()]
+            found.add("class", f"must be TE or BE, but got {_short(job_class)}")
+            found.aliases["job_class"] = "class"
+        else:
+            spec.job_class = _CLASSES[job_class.upper()]
     if "max_retries" in doc:
-        spec.max_retries = _integer(doc["max_retries"], "max_retries")
-    for key, value in _mapping(doc.get("env", {}), "env", None).items():
-        spec.env[str(key)] = _string(value if not isinstance(value, int | float) or isinstance(value, bool)
-                                     else str(value), f"env.{key}")
-    for role, body in _mapping(doc.get("roles", {}), "roles", None).items():
+        spec.max_retries = found.check(_integer, doc["max_retries"], "max_retries", default=0)
+    for key, value in found.mapping(doc.get("env", {}), "env", None).items():
+        spec.env[str(key)] = found.check(
+            _string, value if not isinstance(value, int | float) or isinstance(value, bool) else str(value),
+            f"env.{key}", default="")
+    for role, body in found.mapping(doc.get("roles", {}), "roles", None).items():
         field = f"roles.{role}"
-        body = _mapping(body, field, _ROLE_KEYS)
+        body = found.mapping(body, field, _ROLE_KEYS)
         message = spec.roles[str(role)]
-        message.replicas = _integer(body.get("replicas", 1), f"{field}.replicas")
-        message.command.extend(_argv(body.get("command", []), f"{field}.command"))
-        resources = _mapping(body.get("resources", {}), f"{field}.resources", _RESOURCE_KEYS)
-        message.resources.cpu_millis = _cpu_millis(resources.get("cpu", 0), f"{field}.resources.cpu")
-        message.resources.memory_mib = _memory_mib(resources.get("memory", 0), f"{field}.resources.memory")
-        message.resources.gpu = _integer(resources.get("gpu", 0), f"{field}.resources.gpu")
-    checkpoint = _mapping(doc.get("checkpoint", {}), "checkpoint", _CHECKPOINT_KEYS)
-    spec.checkpoint.dir = _string(checkpoint.get("dir", ""), "checkpoint.dir")
-    spec.checkpoint.interval_seconds = _number(checkpoint.get("interval_seconds", 0), "checkpoint.interval_seconds")
-    spec.checkpoint.restart_overhead_seconds = _number(checkpoint.get("restart_overhead_seconds", 0),
-                                                       "checkpoint.restart_overhead_seconds")
+        message.replicas = found.check(_integer, body.get("replicas", 1), f"{field}.replicas", default=1)
+        message.command.extend(found.check(_argv, body.get("command", []), f"{field}.command", default=[_UNREAD]))
+        resources = found.mapping(body.get("resources", {}), f"{field}.resources", _RESOURCE_KEYS)
+        message.resources.cpu_millis = found.check(_cpu_millis, resources.get("cpu", 0), f"{field}.resources.cpu",
+                                                   default=0)
+        message.resources.memory_mib = found.check(_memory_mib, resources.get("memory", 0),
+                                                   f"{field}.resources.memory", default=0)
+        message.resources.gpu = found.check(_integer, resources.get("gpu", 0), f"{field}.resources.gpu", default=0)
+    checkpoint = found.mapping(doc.get("checkpoint", {}), "checkpoint", _CHECKPOINT_KEYS)
+    spec.checkpoint.dir = found.check(_string, checkpoint.get("dir", ""), "checkpoint.dir", default="")
+    spec.checkpoint.interval_seconds = found.check(_number, checkpoint.get("interval_seconds", 0),
+                                                   "checkpoint.interval_seconds", default=0.0)
+    spec.checkpoint.restart_overhead_seconds = found.check(_number, checkpoint.get("restart_overhead_seconds", 0),
+                                                           "checkpoint.restart_overhead_seconds", default=0.0)
+    if found:
+        # Say the job's rules too, on what could be read, but nothing about a field already reported
+        # (a value that could not be read was replaced by a placeholder that breaks no rule).
+        found.extend(_rule_violations(spec, check_job_env=True)[0])
+        found.raise_all()
     return spec
 
 
@@ -132,37 +162,67 @@ def definition_from_proto(spec: pb.JobSpec, *, submitter: str | None = None, che
         InvalidArgument: a rule is broken; the field path is the message's (``roles.ps.replicas``,
             ``env.LD_PRELOAD``).
     """
-    if check_job_env:
-        check_env(spec.env)
-    if not _JOB_NAME.fullmatch(spec.name):
-        raise InvalidArgument("name", f"must match [a-z0-9][a-z0-9._-]{{0,127}}, but got {spec.name!r}")
-    if spec.job_class == pb.JOB_CLASS_UNSPECIFIED:
-        raise InvalidArgument("job_class", "must be TE (trial-and-error) or BE (best-effort), but is unset")
-    if not spec.roles:
-        raise InvalidArgument("roles", f"must name at least one of {list(ROLE_NAMES)}, but is empty")
-    roles: dict[str, RoleSpec] = {}
-    commands: dict[str, list[str]] = {}
-    for role, body in spec.roles.items():
-        field = f"roles.{role}"
-        if role not in ROLE_NAMES:
-            raise InvalidArgument(field, f"role {role!r} is not one of {list(ROLE_NAMES)}")
-        commands[role] = list(body.command or spec.command)
-        if not commands[role]:
-            raise InvalidArgument(f"{field}.command", "is empty and so is the job's `command`; set one of them")
-        roles[role] = RoleSpec(body.replicas, Resources(body.resources.cpu_millis, body.resources.memory_mib,
-                                                        body.resources.gpu))
-    if spec.HasField("max_retries") and spec.max_retries < 0:
-        raise InvalidArgument("max_retries", f"must be >= 0, but got {spec.max_retries}")
-    interval = _seconds(spec.checkpoint.interval_seconds, "checkpoint.interval_seconds")
-    overhead = _seconds(spec.checkpoint.restart_overhead_seconds, "checkpoint.restart_overhead_seconds")
-    heartbeat = _seconds(spec.heartbeat_timeout_seconds, "heartbeat_timeout_seconds")
+    violations, roles, commands = _rule_violations(spec, check_job_env=check_job_env)
+    if violations:
+        raise InvalidArgument.of(violations)
+    interval = spec.checkpoint.interval_seconds
     job_class = JobClass.TE if spec.job_class == pb.JOB_CLASS_TE else JobClass.BE
     scheduler_spec = JobSpec(job_id=spec.name, job_class=job_class, roles=roles, priority=spec.priority,
-                             checkpoint_interval_s=interval or None, restart_overhead_s=overhead)
+                             checkpoint_interval_s=interval or None,
+                             restart_overhead_s=spec.checkpoint.restart_overhead_seconds)
     program = JobProgram(commands=commands, env=dict(spec.env), checkpoint_dir=spec.checkpoint.dir or None,
-                         heartbeat_timeout_s=heartbeat or None, trace=spec.trace)
+                         heartbeat_timeout_s=spec.heartbeat_timeout_seconds or None, trace=spec.trace)
     return JobDefinition(scheduler_spec, program, spec.max_retries if spec.HasField("max_retries") else None,
                          submitter)
+
+
+def _rule_violations(spec: pb.JobSpec, *, check_job_env: bool
+                     ) -> tuple[list[tuple[str, str]], dict[str, RoleSpec], dict[str, list[str]]]:
+    """Every rule ``spec`` breaks, as (field path, rule) in message order; and its roles and
+    commands as the scheduler and the program take them (meaningful only when nothing is broken)."""
+    violations: list[tuple[str, str]] = []
+    if check_job_env:
+        try:
+            check_env(spec.env)
+        except InvalidArgument as error:
+            violations.extend(error.violations)
+    if not _JOB_NAME.fullmatch(spec.name):
+        violations.append(("name", f"must match [a-z0-9][a-z0-9._-]{{0,127}}, but got {spec.name!r}"))
+    if spec.job_class == pb.JOB_CLASS_UNSPECIFIED:
+        violations.append(("job_class", "must be TE (trial-and-error) or BE (best-effort), but is unset"))
+    if not spec.roles:
+        violations.append(("roles", f"must name at least one of {list(ROLE_NAMES)}, but is empty"))
+    roles: dict[str, RoleSpec] = {}
+    commands: dict[str, list[str]] = {}
+    for role in sorted(spec.roles, key=lambda name: (ROLE_NAMES.index(name) if name in ROLE_NAMES
+                                                    else len(ROLE_NAMES), name)):
+        body, field = spec.roles[role], f"roles.{role}"
+        if role not in ROLE_NAMES:
+            violations.append((field, f"role {role!r} is not one of {list(ROLE_NAMES)}"))
+            continue
+        commands[role] = list(body.command or spec.command)
+        if not commands[role]:
+            violations.append((f"{field}.command", "is empty and so is the job's `command`; set one of them"))
+        if role in SINGLE_REPLICA_ROLES and body.replicas != 1:
+            violations.append((f"{field}.replicas", f"must be 1 (TensorFlow runs one per job), but got {body.replicas}"))
+        elif body.replicas < 1:
+            violations.append((f"{field}.replicas", f"must be an integer >= 1, but got {body.replicas}"))
+        amounts = {"cpu_millis": body.resources.cpu_millis, "memory_mib": body.resources.memory_mib,
+                   "gpu": body.resources.gpu}
+        negative = [(name, amount) for name, amount in amounts.items() if amount < 0]
+        for name, amount in negative:
+            violations.append((f"{field}.resources.{name.partition('_')[0]}", f"must be an integer >= 0, but got {amount}"))
+        if not negative and not any(amounts.values()):
+            violations.append((f"{field}.resources", "must request some CPU, memory or GPU, but every amount is 0"))
+        roles[role] = RoleSpec(body.replicas, Resources(**amounts))
+    if spec.HasField("max_retries") and spec.max_retries < 0:
+        violations.append(("max_retries", f"must be >= 0, but got {spec.max_retries}"))
+    for value, field in ((spec.checkpoint.interval_seconds, "checkpoint.interval_seconds"),
+                         (spec.checkpoint.restart_overhead_seconds, "checkpoint.restart_overhead_seconds"),
+                         (spec.heartbeat_timeout_seconds, "heartbeat_timeout_seconds")):
+        if not math.isfinite(value) or value < 0:
+            violations.append((field, f"must be a finite number of seconds >= 0 (0: none), but got {value!r}"))
+    return violations, roles, commands
 
 
 def definition_to_proto(definition: JobDefinition) -> pb.JobSpec:
@@ -187,17 +247,65 @@ def definition_to_proto(definition: JobDefinition) -> pb.JobSpec:
 
 # -- YAML shapes and units -----------------------------------------------------------------------
 
-def _mapping(value: Any, field: str, keys: set[str] | None) -> Mapping[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise InvalidArgument(field, f"must be a mapping, but got {_short(value)}")
-    if keys is not None:
-        unknown = sorted(map(str, set(value) - keys))
-        if unknown:
-            raise InvalidArgument(f"{field}.{unknown[0]}" if field != "spec" else unknown[0],
-                                  f"is not a known key; expected one of {sorted(keys)}")
-    return value
+_UNREAD = "<unread>"
+"""Stands for an argv that could not be read, so the rules do not also call it empty."""
+
+
+class _Violations:
+    """Collects every (field path, rule) a spec breaks, so :func:`load_spec` reports them all at once.
+
+    ``aliases`` maps a rule's field to the YAML key already reported for it (``job_class`` ->
+    ``class``), so the same mistake is not reported twice under two names.
+    """
+
+    def __init__(self) -> None:
+        self.violations: list[tuple[str, str]] = []
+        self.aliases: dict[str, str] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.violations)
+
+    def add(self, field: str, rule: str) -> None:
+        self.violations.append((field, rule))
+
+    def check(self, parse: Any, value: Any, field: str, *, default: Any) -> Any:
+        """``parse(value, field)``, or ``default`` when it raises (the violation is kept)."""
+        try:
+            return parse(value, field)
+        except InvalidArgument as error:
+            self.violations.extend(error.violations)
+            return default
+
+    def mapping(self, value: Any, field: str, keys: set[str] | None) -> Mapping[str, Any]:
+        """``value`` as a mapping, its known keys only (each unknown key and a non-mapping reported)."""
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping):
+            self.add(field, f"must be a mapping, but got {_short(value)}")
+            return {}
+        if keys is None:
+            return value
+        prefix = "" if field == "spec" else f"{field}."
+        for key in value:
+            if str(key) not in keys:
+                self.add(f"{prefix}{key}", f"is not a known key; expected one of {sorted(keys)}")
+        return {key: item for key, item in value.items() if str(key) in keys}
+
+    def extend(self, violations: list[tuple[str, str]]) -> None:
+        """Add rule violations about fields not reported yet (nor fields under or above one)."""
+        reported = [field for field, _ in self.violations]
+        for field, rule in violations:
+            field_as_read = self.aliases.get(field, field)
+            if not any(_related(field_as_read, other) for other in reported):
+                self.add(field, rule)
+
+    def raise_all(self) -> None:
+        raise InvalidArgument.of(self.violations)
+
+
+def _related(field: str, other: str) -> bool:
+    """One path is the other, or under it (``roles.worker`` and ``roles.worker.resources.cpu``)."""
+    return field == other or field.startswith(other + ".") or other.startswith(field + ".")
 
 
 def _string(value: Any, field: str) -> str:
@@ -257,12 +365,6 @@ def _memory_mib(value: Any, field: str) -> int:
         raise InvalidArgument(field, f"must be MiB (512) or a quantity with a unit (512Mi, 2Gi, 1G), "
                                      f"but got {_short(value)}")
     return math.ceil(float(match[1]) * _MEMORY_UNITS[match[2] or "Mi"])
-
-
-def _seconds(value: float, field: str) -> float:
-    if not math.isfinite(value) or value < 0:
-        raise InvalidArgument(field, f"must be a finite number of seconds >= 0 (0: none), but got {value!r}")
-    return value
 
 
 def _short(value: Any, limit: int = 60) -> str:
