@@ -99,6 +99,7 @@ class DeploymentManager:
         self._lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
         pools.on_restart = self.worker_restarted
+        pools.on_down = self.worker_down
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -262,6 +263,13 @@ class DeploymentManager:
             if replan.reasons:
                 await self._save_profiles()
             return replan
+
+    def worker_down(self, worker_id: str, address: str, reason: str, back_in_s: float) -> None:
+        """Marks the replicas on a dead worker down in the router at once (no lock: a deploy in progress
+        must not delay it), so no request is sent there and those that find no other replica wait for
+        its restart, within their deadlines, or fail saying when it is expected back."""
+        marked = self.router.replica_down(address, reason, back_in_s)
+        log.warning("%s: %d replicas marked down, expected back in ~%.1f s", reason, marked, back_in_s)
 
     async def worker_restarted(self, worker_id: str, old: str, new: str) -> None:
         """Loads the replicas the plan has on a restarted worker and moves the router to its address."""

@@ -14,7 +14,9 @@ control plane's admin calls use the worker's gRPC port on TCP.
 
 A worker that dies (killed, crashed) is started again on new ports and a new socket (the dead one's
 file is removed), and ``on_restart`` is awaited with its id and old and new addresses so the deployments re-load its
-replicas and re-route.
+replicas and re-route. Before that, as soon as the death is seen, ``on_down`` is called with its id, its old
+address and the seconds it is expected to take to come back (its last recovery, from death seen to replicas
+re-loaded; before any, its first start), so the router stops sending there and can say when it expects it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +44,8 @@ _RESTART_BACKOFF = Backoff(base_s=1.0, max_s=30.0)  # after the n-th failed rest
 log = logging.getLogger(__name__)
 
 RestartHook = Callable[[str, str, str], Awaitable[None]]
+DownHook = Callable[[str, str, str, float], None]
+"""``on_down(worker_id, address, reason, expected_back_in_s)``."""
 
 
 @dataclass
@@ -52,6 +57,13 @@ class PoolWorker:
     client: WorkerClient | None = None
     restarts: int = 0
     failures: int = field(default=0, repr=False)  # consecutive failed restarts
+    recovery_s: float | None = field(default=None, repr=False)  # last start, or death seen -> replicas back
+    died: tuple[str, float] | None = field(default=None, repr=False)  # (address, when seen) until it is back
+
+    @property
+    def expected_recovery_s(self) -> float:
+        """How long it is expected to take to come back after a death (1 s before anything was measured)."""
+        return self.recovery_s if self.recovery_s is not None else 1.0
 
     @property
     def address(self) -> str:
@@ -88,8 +100,9 @@ class PoolManager:
         if not pools:
             raise FailedPrecondition(f"no pool of {fleet_path} can run here: its kinds need providers this "
                                      f"onnxruntime lacks (available: {', '.join(sorted(available))})")
-        self.fleet = Fleet(FleetConfig(pool_kinds=config.pool_kinds, pools=pools))
+        self.fleet = Fleet(config.model_copy(update={"pools": pools}))
         self.on_restart: RestartHook | None = None
+        self.on_down: DownHook | None = None
         self._token = token
         self._watch_interval_s = watch_interval_s
         self._sockets = work_dir / "workers" if route_over_uds else None
@@ -114,7 +127,7 @@ class PoolManager:
     async def start(self) -> None:
         if self._task is not None:
             return
-        results = await asyncio.gather(*(asyncio.to_thread(w.process.start) for w in self._workers.values()),
+        results = await asyncio.gather(*(asyncio.to_thread(self._timed_start, w) for w in self._workers.values()),
                                        return_exceptions=True)
         errors = [result for result in results if isinstance(result, BaseException)]
         if errors:
@@ -166,10 +179,28 @@ class PoolManager:
                 if not pool_worker.alive:
                     await self._restart(pool_worker)
 
+    @staticmethod
+    def _timed_start(pool_worker: PoolWorker) -> None:
+        began = time.monotonic()
+        pool_worker.process.start()
+        pool_worker.recovery_s = time.monotonic() - began
+
+    def _down(self, pool_worker: PoolWorker, address: str, reason: str, back_in_s: float) -> None:
+        if self.on_down is None:
+            return
+        try:
+            self.on_down(pool_worker.worker.id, address, reason, back_in_s)
+        except Exception:  # noqa: BLE001 - the watch goes on whatever the hook does
+            log.exception("marking the replicas of dead worker %s down failed", pool_worker.worker.id)
+
     async def _restart(self, pool_worker: PoolWorker) -> None:
         """Starts a dead worker again and tells ``on_restart``; a failed start is retried on a later
         tick, backing off up to 30 s."""
-        old = pool_worker.address
+        if pool_worker.died is None:  # first seen dead (not a retry after a failed start)
+            pool_worker.died = (pool_worker.address, time.monotonic())
+            self._down(pool_worker, pool_worker.address, f"worker {pool_worker.worker.id} restarting",
+                       pool_worker.expected_recovery_s)
+        old, seen = pool_worker.died  # what the router knows it by
         code = pool_worker.process.process.returncode if pool_worker.process.process is not None else None
         log.warning("worker %s at %s died (exit %s); restarting", pool_worker.worker.id, old, code)
         pool_worker.process.kill()  # reaps it and closes its pipe
@@ -181,7 +212,11 @@ class PoolManager:
         except Exception as error:  # noqa: BLE001 - keep watching; try again later
             pool_worker.failures += 1
             log.error("worker %s failed to restart (%s); retrying", pool_worker.worker.id, error)
-            await asyncio.sleep(_RESTART_BACKOFF.delay(pool_worker.failures - 1))
+            delay = _RESTART_BACKOFF.delay(pool_worker.failures - 1)
+            self._down(pool_worker, old, f"worker {pool_worker.worker.id} failed to restart {pool_worker.failures} "
+                       f"time{'s' if pool_worker.failures != 1 else ''} and is tried again",
+                       delay + pool_worker.expected_recovery_s)
+            await asyncio.sleep(delay)
             return
         pool_worker.failures = 0
         pool_worker.restarts += 1
@@ -195,6 +230,8 @@ class PoolManager:
                 await self.on_restart(pool_worker.worker.id, old, pool_worker.address)
             except Exception:  # noqa: BLE001 - the hook logs its own failures; the watch goes on
                 log.exception("re-loading the replicas of restarted worker %s failed", pool_worker.worker.id)
+        pool_worker.recovery_s = time.monotonic() - seen
+        pool_worker.died = None
 
     async def _stop_workers(self) -> None:
         await asyncio.gather(*(asyncio.to_thread(w.process.stop) for w in self._workers.values()))

@@ -199,6 +199,10 @@ class ModelConfig(_Schema):
         ("fp32",), min_length=1, description="Precisions whose accuracy is acceptable (int8: quantized). Default: fp32."
     )
     version_policy: VersionPolicy = Field(default_factory=lambda: VersionPolicy(latest=LatestVersions()))
+    min_replicas: StrictInt | None = Field(
+        None, ge=1, description="Fewest replicas of each served version, on distinct workers while the pool kind "
+        "has enough workers with room (N+1: losing one worker leaves a replica serving). Default: the fleet's "
+        "min_replicas (2).")
     max_request_bytes: StrictInt | None = Field(
         None, ge=1, description="Largest serialized ModelInferRequest the router forwards for the model; longer "
         "ones are refused (INVALID_ARGUMENT) before any copy. Default: computed when every input has a fixed size "
@@ -319,6 +323,9 @@ class FleetConfig(_Schema):
 
     pool_kinds: tuple[PoolKind, ...] = Field(min_length=1)
     pools: tuple[PoolConfig, ...] = Field(min_length=1)
+    min_replicas: StrictInt = Field(
+        2, ge=1, description="Fewest replicas of each model version whose config sets no min_replicas, on distinct "
+        "workers while slots allow (DLIS's N+1). 1: as many as the load needs. Default 2.")
 
     @field_validator("pool_kinds")
     @classmethod

@@ -7,8 +7,9 @@ the executor that loads replicas on workers consumes its actions.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from opml_common.errors import InvalidArgument, OpmlError
@@ -31,11 +32,29 @@ class Planner:
     """Runs a placement policy over a fleet and enforces what no policy may break: a model only on
     kinds it allows and that can host it, replicas within each worker's slots and memory, and the
     replicas of one model version spread over as many workers as possible (distinct workers
-    while there are enough, so losing a worker loses at most one replica of each model)."""
+    while there are enough, so losing a worker loses at most one replica of each model), and at
+    least :meth:`min_replicas` of them on distinct workers while the kind has workers with room
+    (N+1: one worker lost, a replica still serves); where fewer fit, as many as fit, down to what
+    the policy's option asked for."""
 
     def __init__(self, *, fleet: Fleet, policy: PlacementPolicy) -> None:
         self.fleet = fleet
         self.policy = policy
+
+    def min_replicas(self, demand: ModelDemand) -> int:
+        """The replica floor of a demand: its config's ``min_replicas``, else the fleet's."""
+        configured = demand.config.min_replicas
+        return configured if configured is not None else self.fleet.config.min_replicas
+
+    def _floored(self, demand: ModelDemand, option: Option) -> Iterator[Option]:
+        """``option`` raised to the demand's replica floor (capped at the kind's workers, so the
+        replicas stay on distinct workers), then with one replica fewer at a time down to the option's
+        own count (included last): the sizes to try, most replicas first."""
+        floor = min(self.min_replicas(demand), len(self.fleet.workers_of(option.pool_kind)))
+        for replicas in range(max(floor, option.replicas), option.replicas, -1):
+            yield dataclasses.replace(option, replicas=replicas,
+                                      cost_per_hour=option.cost_per_hour / option.replicas * replicas)
+        yield option
 
     def plan(self, demands: Sequence[ModelDemand], profiles: ProfileBook, *,
              current: Plan | None = None, keep: Collection[ModelVersion] = ()) -> Plan:
@@ -91,6 +110,23 @@ class Planner:
             else:
                 needs = "; ".join(f"{o.replicas} x {o.memory_mib:.0f} MiB on {o.pool_kind}" for o in options[model])
                 unplaced[model] = f"no room for any option the policy offered ({needs})"
+        # N+1 with what is left once every model has what its load needs (a floor never costs another model
+        # its placement): each placed version, in the same order, grows to its floor on distinct workers.
+        for model in order:
+            placed = placements.get(model)
+            if placed is None or model in keep:
+                continue
+            for option in self._floored(by_model[model], placed.option):
+                if option.replicas <= len(placed.workers):
+                    break
+                for worker_id in placed.workers:
+                    occupancy.remove(worker_id, model, placed.option.memory_mib)
+                workers = self._claim(occupancy, model, option, frozenset(placed.workers))
+                if workers is not None:
+                    placements[model] = ReplicaSet(model, option, workers, placed.rate_rps)
+                    break
+                for worker_id in placed.workers:  # it does not fit: back as it was
+                    occupancy.add(worker_id, model, placed.option.memory_mib)
         return Plan(placements, unplaced)
 
     def _claim(self, occupancy: Occupancy, model: ModelVersion, option: Option,
@@ -250,7 +286,8 @@ class Replanner:
         planned, option = placed.rate_rps, placed.option
         if seen.rate_rps > planned * (1 + self.rate_tolerance):
             reasons.append(f"rate {seen.rate_rps:g} rps is above the planned {planned:g} rps")
-        elif seen.rate_rps < planned * (1 - self.rate_tolerance) and option.replicas > 1:
+        elif seen.rate_rps < planned * (1 - self.rate_tolerance) and option.replicas > max(
+                1, min(self.planner.min_replicas(demand), len(self.planner.fleet.workers_of(option.pool_kind)))):
             reasons.append(f"rate {seen.rate_rps:g} rps is below the planned {planned:g} rps")
         profile = profiles.get(placed.model, option.pool_kind)
         if profile is None:

@@ -21,6 +21,9 @@ class RouterMetrics:
                                            ("model", "version"))
         self.retries = metrics.counter("retries_total", "Requests retried on another replica after a failure.",
                                        ("model", "version"))
+        self.waits = metrics.counter("replica_waits_total", "Times a request found no routable replica of its "
+                                     "version (every one down or ejected) and waited for one to come back.",
+                                     ("model", "version"))
         self.shed = metrics.counter("shed_total", "Requests refused with RESOURCE_EXHAUSTED, by reason "
                                     "(queue_full, deadline).", ("model", "reason"))
         self.outstanding = metrics.gauge("replica_outstanding_requests", "Requests in flight per replica.",
@@ -42,6 +45,7 @@ class VersionMetrics:
         self.backups = owner.backups.labels(model, version)
         self.backup_wins = owner.backup_wins.labels(model, version)
         self.retries = owner.retries.labels(model, version)
+        self.waits = owner.waits.labels(model, version)
 
     def failed(self, code: str) -> None:
         self._owner.requests.labels(self.model, self.version, code).inc()

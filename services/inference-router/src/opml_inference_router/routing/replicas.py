@@ -9,10 +9,12 @@ one with fewer outstanding requests; Mitzenmacher) or least outstanding over all
 
 from __future__ import annotations
 
+import asyncio
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterator
 
+from opml_common.retry import Backoff
 from opml_inference_router.routing.latency import LatencyWindow
 
 Clock = Callable[[], float]
@@ -47,7 +49,8 @@ class Replica(ABC):
 class ReplicaState:
     """What the router tracks about one replica of one model version."""
 
-    __slots__ = ("replica", "outstanding", "latency", "ejected_until", "failures", "removed")
+    __slots__ = ("replica", "outstanding", "latency", "ejected_until", "failures", "removed", "down", "back_at",
+                 "last_error")
 
     def __init__(self, replica: Replica) -> None:
         self.replica = replica
@@ -56,6 +59,9 @@ class ReplicaState:
         self.ejected_until = 0.0
         self.failures = 0  # consecutive ejecting failures
         self.removed = False
+        self.down: str | None = None  # why the control plane knows it cannot answer (its worker restarts)
+        self.back_at: float | None = None  # when it is expected back (the router's clock), if known
+        self.last_error = ""
 
     @property
     def name(self) -> str:
@@ -67,9 +73,15 @@ class ReplicaSet:
 
     ``policy`` is ``"p2c"`` (power of two choices) or ``"least"`` (least outstanding of all).
     Ejection: a replica that failed in a way that points at the replica (unreachable, killed) is
-    skipped for ``eject_s``, doubled per consecutive failure up to ``max_eject_s``; a success
-    resets it. When every replica is ejected the choice ignores ejection (a panic threshold as in
-    Envoy): a maybe-broken replica beats refusing every request.
+    skipped for ``eject_s``, doubled per consecutive failure up to ``max_eject_s``
+    (:class:`~opml_common.retry.Backoff`: capped, so any number of failures gives a finite delay);
+    a success resets it. When every replica is ejected the choice ignores ejection (a panic
+    threshold as in Envoy): a maybe-broken replica beats refusing every request.
+
+    Down: a replica the control plane marked down (:meth:`mark_down`: its worker died and
+    restarts) is never chosen, not even in a panic, until :meth:`mark_up` or its removal.
+    :meth:`changed` is an event set whenever a replica may have become routable (added, marked
+    up), so requests that found none can wait for one instead of failing.
     """
 
     def __init__(self, *, policy: str = "p2c", eject_s: float = 1.0, max_eject_s: float = 30.0,
@@ -84,7 +96,21 @@ class ReplicaSet:
         self._clock = clock
         self._rng = rng or random.Random()
         self._states: list[ReplicaState] = []
+        self._changed = asyncio.Event()
         self.latency = LatencyWindow()  # the version's latency over all replicas
+
+    @property
+    def backoff(self) -> Backoff:
+        """The ejection delay after the n-th consecutive failure (n from 0): capped at ``max_eject_s``."""
+        return Backoff(base_s=self.eject_s, max_s=self.max_eject_s)
+
+    def changed(self) -> asyncio.Event:
+        """An event set the next time a replica may have become routable (added or marked up)."""
+        return self._changed
+
+    def _announce(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     def __len__(self) -> int:
         return len(self._states)
@@ -99,6 +125,7 @@ class ReplicaSet:
                 return state
         state = ReplicaState(replica)
         self._states = [*self._states, state]
+        self._announce()
         return state
 
     def remove(self, name: str) -> ReplicaState | None:
@@ -110,16 +137,64 @@ class ReplicaSet:
                 return state
         return None
 
+    def mark_down(self, name: str, reason: str, back_at: float | None) -> bool:
+        """Takes the replica ``name`` out of every choice: ``reason`` says why, ``back_at`` when it is
+        expected back. Returns whether the set has that replica."""
+        for state in self._states:
+            if state.name == name:
+                state.down, state.back_at = reason, back_at
+                return True
+        return False
+
+    def mark_up(self, name: str) -> bool:
+        """Puts a replica marked down back into the choice. Returns whether it was down."""
+        for state in self._states:
+            if state.name == name and state.down is not None:
+                state.down = state.back_at = None
+                state.failures, state.ejected_until = 0, 0.0
+                self._announce()
+                return True
+        return False
+
     def ready_count(self) -> int:
+        """Replicas neither down nor ejected."""
         now = self._clock()
-        return sum(1 for state in self._states if state.ejected_until <= now)
+        return sum(1 for state in self._states if state.down is None and state.ejected_until <= now)
+
+    def next_ejection_end(self) -> float | None:
+        """When the first ejected (not down) replica may be tried again; ``None`` when none is ejected."""
+        now = self._clock()
+        ends = [state.ejected_until for state in self._states if state.down is None and state.ejected_until > now]
+        return min(ends) if ends else None
+
+    def why_down(self) -> str:
+        """Why no replica is routable, for a person (worker ids and times, never addresses)."""
+        if not self._states:
+            return "it has no replica"
+        now = self._clock()
+        parts = []
+        for state in self._states:
+            if state.down is not None:
+                if state.back_at is None:
+                    parts.append(state.down)
+                elif state.back_at >= now:
+                    parts.append(f"{state.down}, back in ~{_seconds(state.back_at - now)}")
+                else:
+                    parts.append(f"{state.down}, expected back ~{_seconds(now - state.back_at)} ago")
+            elif state.ejected_until > now:
+                parts.append(f"a replica ejected after {state.failures} failure{'s' if state.failures != 1 else ''}"
+                             f" ({state.last_error or 'unreachable'}), tried again in "
+                             f"~{_seconds(state.ejected_until - now)}")
+            else:
+                parts.append("a replica that failed just now")
+        return "; ".join(parts)
 
     def pick(self, exclude: Collection[ReplicaState] = ()) -> ReplicaState | None:
-        """The replica to call next, never one in ``exclude``; ``None`` when none is left."""
+        """The replica to call next, never one in ``exclude`` or down; ``None`` when none is left."""
         now = self._clock()
-        candidates = [s for s in self._states if s.ejected_until <= now and s not in exclude]
+        candidates = [s for s in self._states if s.down is None and s.ejected_until <= now and s not in exclude]
         if not candidates:
-            candidates = [s for s in self._states if s not in exclude]  # panic: ignore ejection
+            candidates = [s for s in self._states if s.down is None and s not in exclude]  # panic: ignore ejection
             if not candidates:
                 return None
         if len(candidates) == 1:
@@ -136,7 +211,12 @@ class ReplicaSet:
             state.failures = 0
             state.ejected_until = 0.0
 
-    def failed(self, state: ReplicaState, *, eject: bool) -> None:
+    def failed(self, state: ReplicaState, *, eject: bool, error: str = "") -> None:
         if eject:
             state.failures += 1
-            state.ejected_until = self._clock() + min(self.max_eject_s, self.eject_s * 2 ** (state.failures - 1))
+            state.last_error = error[:200]
+            state.ejected_until = self._clock() + self.backoff.delay(state.failures - 1)
+
+
+def _seconds(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds >= 1.5 else f"{seconds:.1f} s"

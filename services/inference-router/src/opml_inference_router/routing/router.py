@@ -19,6 +19,7 @@ Control plane (a deploy API or pool manager calls these at run time, on the rout
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -40,6 +41,8 @@ from opml_inference_router.routing.replicas import Clock, Replica, ReplicaSet, R
 log = logging.getLogger(__name__)
 
 _MAX_HEDGE_TOKENS = 10.0
+_WAIT_MARGIN_S = 0.005
+"""Least time a request that waits for a replica to come back keeps for the call itself."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +180,20 @@ class Router:
             raise NotFound(f"model {model!r} version {version!r} has no replica at {address!r}")
         await self._drop(served, address)
 
+    def replica_down(self, address: str, reason: str, back_in_s: float | None = None) -> int:
+        """Marks the replicas at ``address`` (every version it serves) down: no request is sent there
+        until it is marked up or removed; requests that find every replica down wait for one (within
+        their deadlines) and then fail with UNAVAILABLE naming ``reason`` and ``back_in_s`` (when the
+        control plane expects it back, if it knows). Returns how many replicas were marked."""
+        back_at = None if back_in_s is None else self._clock() + max(0.0, back_in_s)
+        return sum(served.replicas.mark_down(address, reason, back_at)
+                   for route in self._models.values() for served in route.versions.values())
+
+    def replica_up(self, address: str) -> int:
+        """Puts the replicas at ``address`` marked down back in rotation; returns how many."""
+        return sum(served.replicas.mark_up(address)
+                   for route in self._models.values() for served in route.versions.values())
+
     def set_traffic(self, model: str, weights: Mapping[str, float]) -> None:
         """Split the model's traffic (requests without a version) across versions by weight.
 
@@ -242,6 +259,7 @@ class Router:
             "waiting": route.limiter.waiting,
             "versions": {
                 version: [{"replica": s.name, "outstanding": s.outstanding, "ejected": s.ejected_until > now,
+                           "down": s.down,
                            "p50_ms": s.latency.p50 and s.latency.p50 * 1000,
                            "p95_ms": s.latency.p95 and s.latency.p95 * 1000} for s in served.replicas]
                 for version, served in route.versions.items()
@@ -285,7 +303,9 @@ class Router:
             InvalidArgument: ``request`` is longer than the model's limit (field ``request``; checked
                 first, in O(1), so nothing is copied or forwarded).
             Shed (ResourceExhausted): admission refused the request.
-            Unavailable: the version has no replica.
+            Unavailable: no replica of the version is routable (every one down or ejected, or none),
+                and none came back within the deadline (it waits for one while the deadline leaves
+                time; the message says why each is down and when it is expected back).
             DeadlineExceeded: no replica answered in time.
             ReplicaFailed: the replicas' error when none succeeded (its code is passed on).
         """
@@ -341,21 +361,33 @@ class Router:
             request = wire.with_field(request, wire.MODEL_VERSION, served.version)
         state = served.replicas.pick()
         if state is None:
-            raise Unavailable(f"model {model!r} version {served.version!r} has no replica in rotation")
+            raise Unavailable(f"every replica of model {model!r} version {served.version!r} is down "
+                              f"({served.replicas.why_down()})")
         return await state.replica.call(method, request, timeout_s=timeout_s)
 
     async def _dispatch(self, route: _Model, served: _Version, request: bytes, deadline: float) -> Routed:
+        """Tries up to ``max_attempts`` replicas; when none is routable (every one down or ejected, or
+        none at all) waits for one (:meth:`_wait_routable`) while the deadline allows, then tries again."""
         policy, replicas = route.policy, served.replicas
         tried: list[ReplicaState] = []
+        attempts = 0  # since the last wait
         route.hedge_tokens = min(_MAX_HEDGE_TOKENS, route.hedge_tokens + policy.hedge_budget)
         last_error: OpmlError | None = None
-        for attempt in range(policy.max_attempts):
-            state = replicas.pick(exclude=tried)
+        while True:
+            state = replicas.pick(exclude=tried) if attempts < policy.max_attempts else None
             if state is None:
-                break
-            if attempt:
+                if replicas.ready_count() > 0:  # routable replicas remain, but the attempts are spent
+                    if last_error is None:  # unreachable: a routable replica is always picked
+                        raise Unavailable(f"model {route.name!r} version {served.version!r} has no replica "
+                                          "in rotation")
+                    raise last_error
+                await self._wait_routable(route, served, deadline)
+                tried, attempts = [], 0
+                continue
+            if tried:
                 served.metrics.retries.inc()
             tried.append(state)
+            attempts += 1
             try:
                 if policy.hedge and len(replicas) > len(tried):
                     return await self._hedged(route, served, state, request, deadline, tried)
@@ -368,9 +400,29 @@ class Router:
             if self._clock() >= deadline:
                 raise DeadlineExceeded(f"model {route.name!r} version {served.version!r}: the deadline passed "
                                        f"after {len(tried)} replicas failed; last error: {last_error}")
-        if last_error is None:
-            raise Unavailable(f"model {route.name!r} version {served.version!r} has no replica in rotation")
-        raise last_error
+
+    async def _wait_routable(self, route: _Model, served: _Version, deadline: float) -> None:
+        """Waits until a replica of the version may be routable again: one is added or marked up (its
+        worker restarted), or an ejection ends; never past ``deadline`` minus a margin for the call
+        itself (the version's p50 latency, at least :data:`_WAIT_MARGIN_S`).
+
+        Raises:
+            Unavailable: the deadline leaves no time to wait; the message says that every replica is
+                down, why, and when each is expected back.
+        """
+        replicas = served.replicas
+        margin = max(_WAIT_MARGIN_S, replicas.latency.p50 or 0.0)
+        until = deadline - margin
+        ejection_end = replicas.next_ejection_end()
+        wake = until if ejection_end is None else min(until, ejection_end)
+        now = self._clock()
+        if now >= until:
+            raise Unavailable(f"every replica of model {route.name!r} version {served.version!r} is down "
+                              f"({replicas.why_down()})")
+        changed = replicas.changed()
+        served.metrics.waits.inc()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(changed.wait(), timeout=max(0.0, wake - now))
 
     async def _hedged(self, route: _Model, served: _Version, primary: ReplicaState, request: bytes,
                       deadline: float, tried: list[ReplicaState]) -> Routed:
@@ -432,7 +484,7 @@ class Router:
         try:
             response = await state.replica.call("ModelInfer", request, timeout_s=max(deadline - start, 0.001))
         except ReplicaFailed as exc:
-            served.replicas.failed(state, eject=exc.eject)
+            served.replicas.failed(state, eject=exc.eject, error=exc.message)
             if exc.eject:
                 served.metrics.ejected(state.name)
                 log.warning("replica ejected", extra={"model": served.model, "version": served.version,

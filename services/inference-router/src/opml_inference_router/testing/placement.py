@@ -27,9 +27,12 @@ ACCEL = PoolKind(name="accel", precisions=("int8",), memory_mib=16384, slots=4, 
 LADDER = (1, 2, 4, 8, 16)
 
 
-def fleet(*kinds_and_workers: tuple[PoolKind, int]) -> Fleet:
+def fleet(*kinds_and_workers: tuple[PoolKind, int], min_replicas: int = 1) -> Fleet:
+    """A fleet of these kinds and worker counts. ``min_replicas`` 1 (not the fleet default, 2): the
+    replica counts are the policy's own sizing, what most placement tests look at."""
     pools = tuple(PoolConfig(name=kind.name, kind=kind.name, workers=n) for kind, n in kinds_and_workers)
-    return Fleet(FleetConfig(pool_kinds=tuple(kind for kind, _ in kinds_and_workers), pools=pools))
+    return Fleet(FleetConfig(pool_kinds=tuple(kind for kind, _ in kinds_and_workers), pools=pools,
+                             min_replicas=min_replicas))
 
 
 def config(name: str, *, rate: float, slo: float = 40.0, kinds=("cpu",), precisions=("fp32",)) -> ModelConfig:
