@@ -285,12 +285,12 @@ async def test_stop_is_graceful_and_idempotent(platform_settings):
     topic = Topic("opml.bustest.stop.v1", 1)
     await ensure_topics(platform_settings, [topic])
     metrics, _ = fresh_metrics()
-    started = asyncio.Event()
+    started, stop_called = asyncio.Event(), asyncio.Event()
     finished: list[str] = []
 
-    async def slow_handler(event: CloudEvent) -> None:
+    async def slow_handler(event: CloudEvent) -> None:  # holds its event until stop() is under way
         started.set()
-        await asyncio.sleep(0.5)
+        await stop_called.wait()
         finished.append(event.id)
 
     async with EventPublisher(platform_settings, source="test", metrics=metrics) as publisher:
@@ -303,6 +303,7 @@ async def test_stop_is_graceful_and_idempotent(platform_settings):
     task = asyncio.create_task(consumer.run())
     try:
         await asyncio.wait_for(started.wait(), 20)
+        stop_called.set()  # the handler goes on only once this task yields, inside stop()
         await asyncio.wait_for(consumer.stop(), 10)  # waits for the event in hand
         assert finished == [first.id]
         await consumer.stop()  # idempotent

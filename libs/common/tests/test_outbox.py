@@ -1,4 +1,5 @@
-"""The outbox's ordering and retry logic, with a publisher that fails on demand (pure logic)."""
+"""The outbox against the real EventPublisher and the real broker (a broker that is down, then up),
+and its ordering and retry logic with a publisher that fails on demand."""
 
 import asyncio
 import signal
@@ -8,9 +9,13 @@ from pathlib import Path
 from opml.bundles.v1 import events_pb2
 from prometheus_client import CollectorRegistry
 
-from opml_common.bus import CloudEvent
+from opml_common.bus import CloudEvent, EventPublisher, ensure_topics
+from opml_common.config import PlatformSettings
+from opml_common.devinfra import free_port
+from opml_common.errors import Unavailable
 from opml_common.metrics import ServiceMetrics
 from opml_common.outbox import Outbox
+from opml_common.testing.bus import read_records, wait_until
 from opml_common.topics import Topic
 
 BUNDLES = Topic.of(events_pb2)
@@ -57,14 +62,67 @@ async def test_events_survive_a_broker_outage_and_a_restart(tmp_path: Path) -> N
     assert registry.get_sample_value("opml_test_outbox_pending_events") == 0
 
 
+async def test_outbox_over_the_real_broker_keeps_what_a_down_broker_did_not_ack(
+        tmp_path: Path, platform_settings: PlatformSettings) -> None:
+    """The real EventPublisher, first pointed at a port where no broker listens (the broker is down),
+    then at the session's real broker: nothing the down broker did not ack is lost, nothing is sent
+    twice, and the events reach the real topic in the order recorded, with their ids."""
+    await ensure_topics(platform_settings, [BUNDLES])
+    registry = CollectorRegistry()
+    metrics = ServiceMetrics("test", registry)
+    down_settings = platform_settings.model_copy(update={"kafka_bootstrap": f"127.0.0.1:{free_port()}"})
+    down = EventPublisher(down_settings, source="test", metrics=metrics)
+    try:
+        await down.start()
+        raise AssertionError("a broker answered on an unused port")
+    except Unavailable:
+        pass  # down: every publish through it fails, as while the broker is away
+    outbox = Outbox(tmp_path, down, metrics, retry_interval_s=0.05)
+    events = [_event(n) for n in range(5)]
+    assert not await outbox.publish(BUNDLES, events[0])
+    await outbox.start()
+    for event in events[1:]:
+        outbox.record(BUNDLES, event)  # durable at once; the loop keeps failing against the down broker
+    await outbox.stop()
+    assert registry.get_sample_value("opml_test_outbox_pending_events") == 5
+    assert len(list(tmp_path.glob("*.json"))) == 5
+
+    # The broker is back (the service restarts against it): the next outbox over the same directory
+    # publishes every pending event through the real publisher, then a new one, live.
+    async with EventPublisher(platform_settings, source="test", metrics=metrics) as up:
+        restarted = Outbox(tmp_path, up, metrics, retry_interval_s=60)  # no interval to wait out: start() wakes it
+        await restarted.start()
+        await wait_until(lambda: registry.get_sample_value("opml_test_outbox_pending_events") == 0,
+                         what="the backlog to drain")
+        live = _event(5)
+        assert await restarted.publish(BUNDLES, live)  # acked by the real broker before it returns
+        await restarted.stop()
+    assert list(tmp_path.iterdir()) == []
+    records = await read_records(platform_settings, BUNDLES.full_name(platform_settings.topic_prefix), 6)
+    ids = [dict(r.headers)["ce_id"].decode() for r in records]
+    assert len(ids) == 6, ids  # read_records polls once more after 6: none arrived twice
+    by_subject = {event.subject: event.id for event in [*events, live]}
+    assert sorted(ids) == sorted(by_subject.values())
+    # one subject per event, so several partitions: order holds per partition, by offset
+    for partition in {r.partition for r in records}:
+        in_partition = [int(dict(r.headers)["ce_subject"]) for r in records if r.partition == partition]
+        assert in_partition == sorted(in_partition), in_partition
+    assert registry.get_sample_value("opml_test_events_published_total",
+                                     {"topic": BUNDLES.name, "type": live.type}) == 6
+
+
 RECORD_THEN_DIE = """
 import os, signal, sys
 from pathlib import Path
 from prometheus_client import CollectorRegistry
 from opml.bundles.v1 import events_pb2
-from opml_common.bus import CloudEvent
+from opml_common.bus import CloudEvent, EventPublisher, ensure_topics
+from opml_common.config import PlatformSettings
+from opml_common.devinfra import free_port
+from opml_common.errors import Unavailable
 from opml_common.metrics import ServiceMetrics
 from opml_common.outbox import Outbox
+from opml_common.testing.bus import read_records, wait_until
 from opml_common.topics import Topic
 
 BUNDLES = Topic.of(events_pb2)

@@ -76,9 +76,19 @@ def metric(registry: CollectorRegistry, name: str, **labels: str) -> float:
 
 
 async def test_load_aware_choice_sends_less_to_a_slow_replica() -> None:
-    replicas = {"slow": FakeReplica("slow", steady(0.04)), "fast": FakeReplica("fast", steady(0.002))}
-    router, registry = make_router(replicas, ModelPolicy(hedge=False, max_concurrency=8))
-    results = await asyncio.gather(*(router.infer("m", "", REQUEST) for _ in range(200)))
+    # slow answers nothing until every request it was not given is answered (no clock involved: its
+    # calls stay outstanding for as long as the test holds them)
+    changed = asyncio.Event()
+    slow, fast = HeldReplica("slow", changed), FakeReplica("fast", steady(0.0))
+    router, registry = make_router({"slow": slow, "fast": fast}, ModelPolicy(hedge=False, max_concurrency=8))
+    tasks = [asyncio.create_task(router.infer("m", "", REQUEST)) for _ in range(200)]
+    for task in tasks:
+        task.add_done_callback(lambda _task: changed.set())
+    while sum(t.done() for t in tasks) < 200 - slow.calls:
+        changed.clear()
+        await changed.wait()
+    slow.release.set()
+    results = await asyncio.gather(*tasks)
     served = Counter(r.replica for r in results)
     assert served["fast"] > 4 * served["slow"] > 0
     assert metric(registry, "requests_total", model="m", version="1", code="OK") == 200
@@ -198,14 +208,22 @@ async def test_every_replica_failing_ends_with_their_error_after_max_attempts() 
 async def test_deadline_bounds_the_request() -> None:
     a, b = FakeReplica("a", steady(1.0)), FakeReplica("b", steady(1.0))
     router, registry = make_router({"a": a, "b": b}, ModelPolicy(slo_p99_ms=10))
-    loop = asyncio.get_running_loop()
-    start = loop.time()
-    with pytest.raises((DeadlineExceeded, ReplicaFailed)) as error:
-        await router.infer("m", "", REQUEST, timeout_s=0.05)
+    with pytest.raises((DeadlineExceeded, ReplicaFailed)) as error:  # a bound on a hang only: 30 s
+        await asyncio.wait_for(router.infer("m", "", REQUEST, timeout_s=0.05), 30)
     assert error.value.code == "DEADLINE_EXCEEDED"
-    assert loop.time() - start < 0.2
     await asyncio.sleep(0)
     assert a.completed == b.completed == 0
+    # the router itself ends it: replicas that never answer (nor time out on their own) are cancelled
+    changed = asyncio.Event()
+    held = {"a": HeldReplica("a", changed), "b": HeldReplica("b", changed)}
+    router, _ = make_router(held, ModelPolicy(slo_p99_ms=10))
+    with pytest.raises((DeadlineExceeded, ReplicaFailed)) as error:
+        await asyncio.wait_for(router.infer("m", "", REQUEST, timeout_s=0.05), 30)
+    assert error.value.code == "DEADLINE_EXCEEDED"
+    await asyncio.sleep(0)
+    calls = sum(r.calls for r in held.values())
+    assert calls >= 1 and sum(r.cancelled for r in held.values()) == calls
+    assert sum(r.completed for r in held.values()) == 0
 
 
 async def test_burst_over_capacity_is_shed_with_resource_exhausted() -> None:
@@ -308,19 +326,24 @@ async def test_a_model_without_versions_is_unavailable_and_policies_derive_from_
 
 
 async def test_a_saturated_model_does_not_slow_down_another() -> None:
-    replicas = {"hot": FakeReplica("hot", steady(0.2)), "calm": FakeReplica("calm", steady(0.001))}
+    changed = asyncio.Event()
+    hot = HeldReplica("hot", changed)  # its first batch runs until the test lets it end
+    replicas = {"hot": hot, "calm": FakeReplica("calm", steady(0.001))}
     metrics, _ = fresh_metrics("inference-router")
     router = Router(connect=lambda address: replicas[address], metrics=metrics)
     router.set_model("hot", ModelPolicy(hedge=False, max_concurrency=2, max_queue=2))
     router.set_model("calm", ModelPolicy(hedge=False, max_concurrency=2, max_queue=2))
     router.add_replica("hot", "1", "hot")
     router.add_replica("calm", "1", "calm")
-    burst = [asyncio.create_task(router.infer("hot", "", REQUEST, timeout_s=5)) for _ in range(50)]
-    await asyncio.sleep(0.01)
-    loop = asyncio.get_running_loop()
-    start = loop.time()
+    burst = [asyncio.create_task(router.infer("hot", "", REQUEST, timeout_s=60)) for _ in range(50)]
+    for task in burst:
+        task.add_done_callback(lambda _task: changed.set())
+    while not (hot.calls == 2 and sum(t.done() for t in burst) == 46):  # saturated: 2 running, 2 queued, 46 shed
+        changed.clear()
+        await changed.wait()
     for _ in range(10):
         assert (await router.infer("calm", "", REQUEST)).replica == "calm"
-    assert loop.time() - start < 0.15  # ten calm requests finish while the hot model's first batch still runs
+    assert hot.completed == 0 and hot.calls == 2  # ten calm requests finished while the hot model's first batch runs
+    hot.release.set()
     results = await asyncio.gather(*burst, return_exceptions=True)
     assert sum(isinstance(r, ResourceExhausted) for r in results) == 46

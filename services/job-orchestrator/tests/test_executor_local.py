@@ -125,9 +125,10 @@ async def test_terminate_sends_sigterm_so_a_task_can_checkpoint(
     ckpt.mkdir()
     while "ready" not in await executor.logs("be", "worker", 0):
         await asyncio.sleep(0.02)
+    grace_s = 60.0  # the task exits on SIGTERM at once: terminate must return then, not at the end of the grace
     started = time.monotonic()
-    await executor.terminate("be", grace_s=5.0)
-    assert time.monotonic() - started < 2.0
+    await executor.terminate("be", grace_s=grace_s)
+    assert time.monotonic() - started < grace_s / 2  # relative to the grace, not to the machine's speed
     assert (ckpt / "model.ckpt").read_text() == "step 7"
     events = await until_job_event(executor, "be")
     assert task_states(events)[("worker", 0)] == [TaskState.RUNNING, TaskState.STOPPED]
@@ -151,7 +152,7 @@ async def test_terminate_kills_a_task_that_ignores_sigterm_and_its_children(
         await asyncio.sleep(0.02)
     started = time.monotonic()
     await executor.terminate("stubborn", grace_s=0.5)
-    assert 0.5 <= time.monotonic() - started < 3.0
+    assert time.monotonic() - started >= 0.5  # it waited the grace (a lower bound: the clock never runs fast)
     events = await until_job_event(executor, "stubborn")
     (stopped,) = [e for e in events if isinstance(e, TaskEvent) and e.state is TaskState.STOPPED]
     assert stopped.exit_code == -9 and "SIGKILL" in stopped.message
@@ -167,12 +168,11 @@ async def test_terminate_kills_a_task_that_ignores_sigterm_and_its_children(
 async def test_job_succeeds_when_chief_exits_without_awaiting_ps(
         executor: LocalExecutor, until_job_event, job_event, task_states) -> None:
     job = spec("tony", chief=1, worker=1, ps=2)
-    program = JobProgram(commands={"chief": py("import time; time.sleep(0.2)"), "worker": py(SLEEP),
-                                   "ps": py(SLEEP)})
-    started = time.monotonic()
+    forever = "import time; time.sleep(3600)"  # ends only when stopped: the run's end shows they were not awaited
+    program = JobProgram(commands={"chief": py("import time; time.sleep(0.2)"), "worker": py(forever),
+                                   "ps": py(forever)})
     await executor.launch(job, program, placement(job), attempt=0)
-    events = await until_job_event(executor, "tony", timeout_s=5.0)
-    assert time.monotonic() - started < 4.0
+    events = await until_job_event(executor, "tony", timeout_s=60.0)  # a bound on failure only
     assert job_event(events).outcome is JobOutcome.SUCCEEDED
     states = task_states(events)
     assert states[("chief", 0)] == [TaskState.RUNNING, TaskState.SUCCEEDED]

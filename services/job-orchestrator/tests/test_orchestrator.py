@@ -130,6 +130,10 @@ def checkpoint(*_):
 signal.signal(signal.SIGTERM, checkpoint)
 open(os.path.join(os.environ["OPML_CHECKPOINT_DIR"], "started"), "a").write(os.environ["OPML_JOB_ATTEMPT"] + " ")
 while step < 30:
+    if os.environ["OPML_JOB_ATTEMPT"] == "0" and step == 5:  # made progress: hold here until preempted
+        open(os.path.join(os.environ["OPML_CHECKPOINT_DIR"], "progress"), "w").write(str(step))
+        time.sleep(0.03)
+        continue
     step += 1
     time.sleep(0.03)
 open(os.path.join(os.environ["OPML_CHECKPOINT_DIR"], "result"), "w").write(
@@ -142,14 +146,13 @@ async def test_be_job_is_preempted_for_a_te_job_and_resumes_from_its_checkpoint(
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     orch.submit(spec("be"), program(BE_TRAINER, checkpoint_dir=str(ckpt)))
-    await until_file(ckpt / "started")
-    await asyncio.sleep(0.3)  # let it make progress
+    assert await until_file(ckpt / "progress") == "5"  # it made progress (and holds until preempted)
     orch.submit(spec("te", te=True), program("import time; time.sleep(0.2)"))
 
     te = await until(orch, "te", JobState.SUCCEEDED)
     be = await until(orch, "be", JobState.SUCCEEDED)
     attempt, first, last = map(int, (ckpt / "result").read_text().split())
-    assert attempt == 1 and 0 < first < 30 and last == 30  # resumed from the step it saved
+    assert attempt == 1 and first == 5 and last == 30  # resumed from the step it saved
     assert (ckpt / "step").read_text() == str(first)
     assert (be.attempt, be.preemptions, te.attempt) == (1, 1, 0)
     assert kinds(events, "be") == [EventKind.SUBMITTED, *RUN, EventKind.PREEMPTED, EventKind.SCHEDULED,

@@ -159,22 +159,39 @@ async def test_control_poller_against_real_redis(settings_env: dict[str, str]) -
 
     prefix = settings_env["OPML_REDIS_PREFIX"]
     enabled, armed, bad, warned = [], [], [], []
+    polled = asyncio.Event()
+
+    def on_poll(value: bool) -> None:  # the poller calls set_enabled once per answered poll, then handles the capture
+        enabled.append(value)
+        polled.set()
+
+    async def seen() -> None:
+        """Until a poll that began after the caller's last write has been handled: the second
+        answer from now (the first may come from a read issued before the write)."""
+        target = len(enabled) + 2
+        while len(enabled) < target:
+            polled.clear()
+            await asyncio.wait_for(polled.wait(), 30)  # a bound on failure only
+
     poller = ControlPoller(settings_env["OPML_REDIS_URL"], prefix, "job", "worker-1", 0.05,
-                           set_enabled=enabled.append, arm=armed.append,
+                           set_enabled=on_poll, arm=armed.append,
                            bad_request=lambda capture_id, reason: bad.append((capture_id, reason)),
                            warn=lambda kind, message: warned.append(kind))
     client = aioredis.from_url(settings_env["OPML_REDIS_URL"])
     task = asyncio.create_task(poller.run())
     try:
-        await asyncio.sleep(0.2)
+        await seen()
+        assert enabled[-1] is True and armed == []
         await client.set(f"{prefix}traces:enabled", "0")
         await client.set(f"{prefix}traces:capture:job", json.dumps({"capture_id": "a", "steps": 2, "workers": []}))
-        await asyncio.sleep(0.3)
+        await seen()
+        assert enabled[-1] is False and [r.capture_id for r in armed] == ["a"]
         await client.set(f"{prefix}traces:capture:job", json.dumps({"capture_id": "b", "steps": 2,
                                                                     "workers": ["worker-0"]}))
-        await asyncio.sleep(0.2)
+        await seen()
         await client.set(f"{prefix}traces:capture:job", json.dumps({"capture_id": "c", "steps": -1}))
-        await asyncio.sleep(0.3)
+        await seen()
+        await seen()  # seen again: still reported once
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
