@@ -16,9 +16,18 @@
    time from the last captured step to the CaptureCompleted announcement (conversion + gzip + S3
    upload, off the job's thread).
 
+4. Whole-process CPU (``--whole``): the same job untraced and traced (the tracer's environment, as
+   the job-orchestrator's executor sets it), a short (~10 s) and a long (~60 s) one, pairs
+   interleaved (ABBA); CPU = user + sys of the process and its children (getrusage
+   RUSAGE_CHILDREN around each run), wall time too. Per pair traced - untraced, reported as the
+   mean with its 95% confidence interval, in seconds and as % of the untraced median. This is the
+   figure that includes what (1)'s in-process comparison leaves out: the tracer's imports and
+   set-up (on its own thread), its batches, and its exit.
+
 Starts its own broker/S3/Redis (opml_common.devinfra). Usage:
     .venv/bin/python bench/trace_collector_overhead.py [--pairs 3] [--steps 20] [--epochs 3]
         [--interleave 60] [--interleave-steps 5] [--capture-steps 10] [--out results.json]
+    .venv/bin/python bench/trace_collector_overhead.py --whole [--short-pairs 8] [--long-pairs 4]
 """
 
 from __future__ import annotations
@@ -221,6 +230,54 @@ def bench(args: argparse.Namespace) -> dict:
         }
 
 
+def whole_process(args: argparse.Namespace) -> dict:
+    """(4): CPU and wall of whole processes, untraced against traced, interleaved."""
+    import resource
+
+    from opml_trace_collector.inject.launcher import build_env
+    with tempfile.TemporaryDirectory(prefix="opml-bench-trace-") as tmp, DevInfra(Path(tmp) / "infra") as infra:
+        prefix = f"bench{os.getpid()}-"
+        env = {**os.environ, **infra.env(), "OPML_TOPIC_PREFIX": prefix, "OPML_REDIS_PREFIX": f"opml-bench:{prefix}",
+               "OPML_TRACE_SPOOL_DIR": f"{tmp}/spool", "OPML_TRACE_SESSION_DIR": f"{tmp}/sessions",
+               "TF_CPP_MIN_LOG_LEVEL": "2"}
+        platform = PlatformSettings(**{k[5:].lower(): v for k, v in env.items()
+                                       if k in ("OPML_KAFKA_BOOTSTRAP", "OPML_TOPIC_PREFIX")})
+        asyncio.run(ensure_topics(platform, [TRACES]))
+        traced_env = build_env("bench-whole", None, env)
+        results = {}
+        for name, epochs, pairs in (("short", args.short_epochs, args.short_pairs),
+                                    ("long", args.long_epochs, args.long_pairs)):
+            cmd = [sys.executable, str(HERE), "--workload", "--steps", str(args.whole_steps), "--epochs", str(epochs),
+                   "--batch-size", str(args.batch_size), "--interleave", "0"]
+            runs: dict[str, list[tuple[float, float]]] = {"untraced": [], "traced": []}
+            for pair in range(pairs):
+                for arm in (("untraced", "traced") if pair % 2 == 0 else ("traced", "untraced")):
+                    before, started = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+                    subprocess.run(cmd, env=traced_env if arm == "traced" else env, cwd=tmp, check=True,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    wall, after = time.perf_counter() - started, resource.getrusage(resource.RUSAGE_CHILDREN)
+                    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+                    runs[arm].append((cpu, wall))
+                print(f"{name} pair {pair}: untraced {runs['untraced'][-1][0]:.2f} s CPU, traced "
+                      f"{runs['traced'][-1][0]:.2f} s CPU", flush=True)
+            cpu_diff = [t[0] - u[0] for u, t in zip(runs["untraced"], runs["traced"], strict=True)]
+            wall_diff = [t[1] - u[1] for u, t in zip(runs["untraced"], runs["traced"], strict=True)]
+            base_cpu = statistics.median(c for c, _ in runs["untraced"])
+            cpu = spread(cpu_diff)
+            results[name] = {
+                "epochs": epochs, "steps_per_epoch": args.whole_steps, "pairs": pairs,
+                "untraced_cpu_s": spread([c for c, _ in runs["untraced"]]),
+                "traced_cpu_s": spread([c for c, _ in runs["traced"]]),
+                "untraced_wall_s": spread([w for _, w in runs["untraced"]]),
+                "traced_wall_s": spread([w for _, w in runs["traced"]]),
+                "cpu_overhead_s": cpu, "wall_overhead_s": spread(wall_diff),
+                "cpu_overhead_pct": {"mean": 100 * cpu["mean"] / base_cpu,
+                                     "ci95": [100 * (cpu["mean"] - cpu["mean_ci95"]) / base_cpu,
+                                              100 * (cpu["mean"] + cpu["mean_ci95"]) / base_cpu]},
+            }
+        return results
+
+
 async def job_events(settings: PlatformSettings, job: str, timeout_s: float = 60) -> list[tuple]:
     """(CloudEvent, message) of ``job`` from the traces topic, read until its TracerStopped."""
     consumer = AIOKafkaConsumer(TRACES.full_name(settings.topic_prefix), bootstrap_servers=settings.kafka_bootstrap,
@@ -251,6 +308,12 @@ def main() -> None:
     parser.add_argument("--interleave", type=int, default=60,
                         help="epoch pairs of the in-process interleaved comparison")
     parser.add_argument("--interleave-steps", type=int, default=5, help="steps per interleaved epoch")
+    parser.add_argument("--whole", action="store_true", help="(4) only: whole-process CPU, short and long job")
+    parser.add_argument("--whole-steps", type=int, default=100, help="(4): batches per epoch")
+    parser.add_argument("--short-epochs", type=int, default=5, help="(4): epochs of the short (~10 s) job")
+    parser.add_argument("--long-epochs", type=int, default=50, help="(4): epochs of the long (~60 s) job")
+    parser.add_argument("--short-pairs", type=int, default=8, help="(4): interleaved pairs of the short job")
+    parser.add_argument("--long-pairs", type=int, default=4, help="(4): interleaved pairs of the long job")
     parser.add_argument("--pause", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
@@ -258,7 +321,7 @@ def main() -> None:
     if args.workload:
         workload(args.steps, args.epochs, args.batch_size, args.pause, args.interleave, args.interleave_steps)
         return
-    results = bench(args)
+    results = whole_process(args) if args.whole else bench(args)
     text = json.dumps(results, indent=2)
     print(text)
     if args.out:
