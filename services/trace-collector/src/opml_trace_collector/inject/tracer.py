@@ -198,14 +198,15 @@ class Tracer:
 
     async def _final(self, written: threading.Event, bound: float) -> bool:
         """On the loop: record the last events durably, then deliver and close within ``bound``."""
-        for task in self._periodic:
-            task.cancel()  # a batch in flight (or stuck on the broker) ends here: the last one follows
+        poll, batches = self._periodic
+        batches.cancel()  # a batch in flight (or stuck on the broker) ends here: the last one follows
         try:
-            if self.poller is not None and not self.poller.answered.is_set():
+            if not self.poller.answered.is_set():
                 try:  # the first answer of the switch decides whether the steps so far are kept
                     await asyncio.wait_for(self.poller.answered.wait(), bound / 2)
                 except TimeoutError:
                     pass
+            poll.cancel()
             await self._send_batch(final=True)
             from opml.traces.v1 import events_pb2 as pb
             self.sender.record(pb.TracerStopped(job=self.settings.job, worker=self.settings.worker,
@@ -240,7 +241,8 @@ class Tracer:
         if not final and not self.poller.answered.is_set():
             return
         steps = self.recorder.drain()
-        if not self.recorder.enabled and not steps:
+        if not self.recorder.enabled:  # off: steps not sent yet are dropped (one may end after the switch's drain)
+            self._discarded += len(steps)
             return
         memory = self._process.memory_info()
         host = pb.HostSample(time=_timestamp(time.time()), cpu_percent=self._process.cpu_percent(None),
