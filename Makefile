@@ -18,6 +18,8 @@ $(STAMP): constraints.txt $(foreach p,$(PACKAGES),$(p)/pyproject.toml)
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	@# promtool (Debian's prometheus package) checks every dashboard query in tests/repo
 	@command -v promtool >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus)
+	@# openssl makes the certificates of the TLS tests (tests/integration/test_grpc_tls.py)
+	@command -v openssl >/dev/null || (apt-get update -qq && apt-get install -y -qq openssl)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) --upgrade pip==23.2.1 setuptools==80.9.0 wheel==0.45.1
 	$(PIP) grpcio-tools==1.81.1
