@@ -19,7 +19,6 @@ import re
 import urllib.request
 from pathlib import Path
 
-import yaml
 from opml.bundles.v1 import events_pb2 as bundle_events
 from opml.inference.v1 import deployments_pb2 as pb
 
@@ -31,14 +30,7 @@ from opml_common.testing.bus import fresh_metrics, poll_until, read_records
 from opml_common.testing.services import TOKENS
 from opml_inference_router.client import DeploymentClient
 from opml_inference_router.control.autodeploy import BUNDLE_STORE_SOURCE, SOURCES
-from opml_inference_router.testing import mlp_config, write_model_dir
 from opml_inference_router.topics import BUNDLES
-
-FLEET = {
-    "pool_kinds": [{"name": "cpu", "precisions": ["fp32"], "memory_mib": 2048, "slots": 2, "cost_per_hour": 0.4,
-                    "execution_provider": "CPUExecutionProvider"}],
-    "pools": [{"name": "cpu", "kind": "cpu", "workers": 1}],
-}
 
 
 def test_the_router_accepts_bundle_events_only_from_the_bundle_stores_source() -> None:
@@ -71,17 +63,8 @@ async def _forge(settings, source: str, bundle, *, tags: dict[str, str], uuid: s
 
 
 def test_a_forged_bundle_committed_deploys_nothing_and_a_genuine_commit_still_deploys(
-        start_service, platform_settings, tmp_path: Path) -> None:
-    fleet = tmp_path / "fleet.yaml"
-    fleet.write_text(yaml.safe_dump(FLEET))
-    store_service = start_service("bundle-store")
-    router = start_service("inference-router", extra_env={
-        "OPML_INFERENCE_ROUTER_FLEET": str(fleet),
-        "OPML_INFERENCE_ROUTER_BUNDLE_STORE_TARGET": store_service.target,
-        "OPML_INFERENCE_ROUTER_BUNDLE_STORE_TOKEN": TOKENS["reader"],
-        "OPML_INFERENCE_ROUTER_WORKER_THREADS_PER_REPLICA": "1"})
-    model_dir = write_model_dir(tmp_path / "mlp", mlp_config("mlp", pool_kinds=("cpu",), precisions=("fp32",)))
-    files = {"model.onnx": model_dir / "model.onnx", "model.yaml": model_dir / "model.yaml"}
+        serving_stack, platform_settings, tmp_path: Path) -> None:
+    store_service, router, files = serving_stack.store, serving_stack.router, serving_stack.files
     with BundleStoreClient(store_service.target, token=TOKENS["writer"]) as store, \
             DeploymentClient(router.target, token=TOKENS["reader"]) as deployments:
         store.create_context("lab")

@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import tritonclient.grpc as triton
-import yaml
 from opml.inference.v1 import deployment_events_pb2 as events
 from opml.inference.v1 import deployments_pb2 as pb
 
@@ -20,15 +19,8 @@ from opml_common.errors import NotFound
 from opml_common.testing.bus import poll_until, read_records
 from opml_common.testing.services import TOKENS
 from opml_inference_router.client import DeploymentClient
-from opml_inference_router.testing import mlp_config, write_model_dir
 from opml_inference_router.testing.models import write_broken_onnx
 from opml_inference_router.topics import DEPLOYMENTS
-
-FLEET = {
-    "pool_kinds": [{"name": "cpu", "precisions": ["fp32"], "memory_mib": 2048, "slots": 2, "cost_per_hour": 0.4,
-                    "execution_provider": "CPUExecutionProvider"}],
-    "pools": [{"name": "cpu", "kind": "cpu", "workers": 1}],
-}
 
 
 def _serving(client: DeploymentClient, model: str, version: int) -> pb.Deployment | None:
@@ -40,18 +32,9 @@ def _serving(client: DeploymentClient, model: str, version: int) -> pb.Deploymen
     return deployment if any(v.version == version and v.state == pb.SERVING for v in deployment.versions) else None
 
 
-def test_a_committed_bundle_tagged_serve_is_deployed_and_answers(start_service, platform_settings,
+def test_a_committed_bundle_tagged_serve_is_deployed_and_answers(serving_stack, platform_settings,
                                                                   tmp_path: Path) -> None:
-    fleet = tmp_path / "fleet.yaml"
-    fleet.write_text(yaml.safe_dump(FLEET))
-    store_service = start_service("bundle-store")
-    router = start_service("inference-router", extra_env={
-        "OPML_INFERENCE_ROUTER_FLEET": str(fleet),
-        "OPML_INFERENCE_ROUTER_BUNDLE_STORE_TARGET": store_service.target,
-        "OPML_INFERENCE_ROUTER_BUNDLE_STORE_TOKEN": TOKENS["reader"],
-        "OPML_INFERENCE_ROUTER_WORKER_THREADS_PER_REPLICA": "1"})
-    model_dir = write_model_dir(tmp_path / "mlp", mlp_config("mlp", pool_kinds=("cpu",), precisions=("fp32",)))
-    files = {"model.onnx": model_dir / "model.onnx", "model.yaml": model_dir / "model.yaml"}
+    store_service, router, files = serving_stack.store, serving_stack.router, serving_stack.files
     with BundleStoreClient(store_service.target, token=TOKENS["writer"]) as store, \
             DeploymentClient(router.target, token=TOKENS["reader"]) as deployments:
         store.create_context("serving")
@@ -63,7 +46,7 @@ def test_a_committed_bundle_tagged_serve_is_deployed_and_answers(start_service, 
         assert served.bundle.context == "serving" and served.bundle_uuid == bundle.uuid
 
         data = np.random.default_rng(1).standard_normal((3, 16)).astype(np.float32)
-        expected = ort.InferenceSession(str(model_dir / "model.onnx")).run(None, {"features": data})[0]
+        expected = ort.InferenceSession(str(files["model.onnx"])).run(None, {"features": data})[0]
         with triton.InferenceServerClient(router.target) as client:
             tensor = triton.InferInput("features", list(data.shape), "FP32")
             tensor.set_data_from_numpy(data)
@@ -72,7 +55,7 @@ def test_a_committed_bundle_tagged_serve_is_deployed_and_answers(start_service, 
 
         # A broken ONNX file in a bundle tagged for serving: DeployFailed with onnxruntime's reason; v1 serves on.
         broken = write_broken_onnx(tmp_path / "broken" / "model.onnx")
-        store.add("serving", "mlp", {"model.onnx": broken, "model.yaml": model_dir / "model.yaml"},
+        store.add("serving", "mlp", {"model.onnx": broken, "model.yaml": files["model.yaml"]},
                   tags={"serve": "true", "version": "2"}, commit=True)
         topic = DEPLOYMENTS.full_name(platform_settings.topic_prefix)
 
