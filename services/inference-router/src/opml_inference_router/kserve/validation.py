@@ -10,68 +10,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from opml_common.errors import InvalidArgument, brief
-from opml_inference_router.kserve.datatypes import kserve_name
+from opml_common.errors import InvalidArgument
+from opml_common.kserve_codec import (  # noqa: F401 - re-exported: the router's modules import them from here
+    MAX_BYTES_ELEMENTS,
+    MAX_ELEMENTS,
+    describe,
+    element_count,
+    kserve_name,
+    tensor_field,
+)
 from opml_inference_router.placement.config import ModelConfig, TensorSpec
 
 
 def expected_shape(spec: TensorSpec, config: ModelConfig) -> list[int]:
     """The full shape a request must send: ``[-1, *dims]`` when the model batches, else ``dims``."""
     return [-1, *spec.dims] if config.max_batch_size > 0 else list(spec.dims)
-
-
-MAX_ELEMENTS = 1 << 28
-"""Most elements one tensor may declare (its shape's product): 1 GiB of FP32, past any message."""
-MAX_BYTES_ELEMENTS = 1 << 22
-"""Most elements one BYTES tensor may declare: each is a Python object decoded one by one."""
-_SHOWN_DIMS = 8
-_SHOWN_NAME = 64
-
-
-def describe(datatype: str, shape: Sequence[int]) -> str:
-    """``FP32 [-1,3,224,224]``: the form of a tensor as messages show it (at most 8 dims of a
-    longer shape, and its rank; a datatype cut to 64 characters)."""
-    dims = ",".join(str(d) for d in shape[:_SHOWN_DIMS])
-    if len(shape) > _SHOWN_DIMS:
-        dims += f",... ({len(shape)} dims)"
-    return f"{datatype if len(datatype) <= _SHOWN_NAME else brief(datatype, _SHOWN_NAME)} [{dims}]"
-
-
-def tensor_field(name: str) -> str:
-    """``inputs[<name>]`` with a name cut to 64 characters: a field path stays short whatever came."""
-    return name if len(name) <= _SHOWN_NAME else name[:_SHOWN_NAME - 3] + "..."
-
-
-def element_count(shape: Sequence[int], field: str, *, max_elements: int = MAX_ELEMENTS) -> int:
-    """The number of elements ``shape`` declares, checked before anything is decoded: O(rank),
-    never an int64 overflow (the product stops as soon as it passes ``max_elements``).
-
-    Raises:
-        InvalidArgument: field ``<field>.shape``: a dim < 0, or a product that overflows int64 or
-            exceeds ``max_elements``.
-    """
-    for index, dim in enumerate(shape):
-        if dim < 0:
-            raise InvalidArgument(f"{field}.shape", f"dims must be >= 0, but dim {index} is {dim}")
-    if 0 in shape:
-        return 0
-    count = 1
-    for dim in shape:
-        count *= dim
-        if count > max_elements:
-            overflow = "overflows int64" if _product_overflows(shape) else f"exceeds {max_elements}"
-            raise InvalidArgument(f"{field}.shape", f"declares more elements than a tensor may hold: the product "
-                                                    f"of {describe('dims', shape)} {overflow}")
-    return count
-
-
-def _product_overflows(shape: Sequence[int]) -> bool:
-    count = 1
-    for dim in shape:
-        count *= dim
-        if count > (1 << 63) - 1:
-            return True
-    return False
 
 
 def expected_form(spec: TensorSpec, config: ModelConfig) -> str:
