@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -87,24 +88,32 @@ def test_fixed_shapes_pad_and_drop_the_padding() -> None:
                                rtol=1e-5, atol=1e-6)
 
 
-def test_cancelled_requests_are_dropped_before_they_run() -> None:
-    served, _ = replica(CPU, delay_us=200_000)
+def test_a_cancelled_request_leaves_the_queue_at_once_and_never_runs() -> None:
+    """A hedged request that lost (or a caller past its deadline) frees its place in the forming
+    batch when it is cancelled, not when the batch is taken."""
+    served, _ = replica(CPU, delay_us=10_000_000)  # the batch would wait 10 s to fill: it must not matter
     batcher = batcher_for(served)
+    depth = batcher.metrics.queue_depth._value
 
     async def scenario() -> None:
         await batcher.start()
         try:
-            doomed = asyncio.create_task(batcher.infer({"features": rows(1)}))
-            await asyncio.sleep(0.01)
+            doomed = asyncio.create_task(batcher.infer({"features": rows(3)}))
+            while depth.get() < 1:
+                await asyncio.sleep(0)  # until it is queued
             doomed.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await doomed
+            assert depth.get() == 0 and batcher._queued_rows == 0
+            batcher.set_max_batch(2)  # a live request of 2 rows fills the batch: it runs at once
             kept = await batcher.infer({"features": rows(2)})
             assert kept["scores"].shape == (2, 4)
         finally:
             await batcher.stop()
 
     asyncio.run(scenario())
-    assert batcher.metrics.inference_count == 2
-    assert batcher.metrics.queue_depth._value.get() == 0
+    assert batcher.metrics.inference_count == 2 and batcher.metrics.execution_count == 1
+    assert depth.get() == 0
 
 
 def test_profile_grows_with_batch_size_and_converts_to_placement_profile() -> None:

@@ -24,7 +24,6 @@ import pytest
 import tritonclient.grpc as triton
 import yaml
 from prometheus_client import CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
@@ -288,12 +287,6 @@ def _request(model: str, rows: int = 1, seed: int = 0, **kwargs: object) -> byte
     return encode_request(model, {"features": features(rows, seed)}, **kwargs).SerializeToString()
 
 
-def _uds_count(worker: WorkerProcess, code: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{worker.metrics_port}/metrics", timeout=5).read().decode()
-    return sum(value for family in text_string_to_metric_families(text) for name, labels, value, *_ in family.samples
-               if name == "opml_inference_router_worker_uds_requests_total" and labels["code"] == code)
-
-
 async def test_the_unix_socket_answers_as_grpc_does(cpu_worker: WorkerProcess, root: Path) -> None:
     load(cpu_worker, "mlp")
     socket_path = root / "cpu.sock"
@@ -336,29 +329,6 @@ async def test_the_unix_socket_answers_as_grpc_does(cpu_worker: WorkerProcess, r
         assert (late.code, late.retriable, late.eject) == ("DEADLINE_EXCEEDED", False, False)
     finally:
         await local.close()
-
-
-async def test_a_call_cancelled_on_the_unix_socket_leaves_the_batch_queue(cpu_worker: WorkerProcess) -> None:
-    """What a hedged request that lost does: the worker drops the call before it runs."""
-    load(cpu_worker, "slow")  # a fresh load: batches wait up to 300 ms to fill, so the call sits queued
-    local = UdsReplica(cpu_worker.uds_target)
-    cancelled_before = _uds_count(cpu_worker, "CANCELLED")
-    try:
-        call = asyncio.create_task(local.call("ModelInfer", _request("slow"), timeout_s=5))
-        await asyncio.sleep(0.1)
-        call.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await call
-        await asyncio.sleep(0.5)  # past the batch delay: it would have run by now
-        reply = await local.call("ModelInfer", _request("slow"), timeout_s=5)  # the connection still serves
-        assert pb.ModelInferResponse.FromString(reply).model_name == "slow"
-    finally:
-        await local.close()
-    with grpc.insecure_channel(cpu_worker.target) as channel:
-        stats = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStatistics(
-            pb.ModelStatisticsRequest(name="slow"), timeout=5).model_stats[0]
-    assert stats.inference_count == 1  # only the second call ran
-    assert _uds_count(cpu_worker, "CANCELLED") == cancelled_before + 1
 
 
 def test_an_undeclared_kind_does_not_start(root: Path) -> None:

@@ -7,7 +7,8 @@ session, as Triton's ``instance_group`` count) runs one batch at a time on its o
 event loop stays free to decode and queue), and a batch goes to a free instance, so ``k``
 instances run ``k`` batches at once; requests that arrive while every instance runs form the next
 batch: under load, batches fill without waiting. Without dynamic batching every request runs
-alone. Cancelled requests (a caller's deadline passed) are dropped before they cost a run.
+alone. A cancelled request (its caller's deadline passed, or it was a hedged request that lost)
+leaves the queue at once: it neither costs a run nor holds rows of the batch that is filling.
 
 A batch that takes less than ``INLINE_BELOW_S`` (a running average of the replica's runs) runs on
 the event loop itself: handing it to the thread and back costs ~0.1-0.2 ms of wake-ups, far more
@@ -31,7 +32,7 @@ from opml_inference_router.runtime.replica import Replica, Tensors
 INLINE_BELOW_S = 0.0002
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: the queue removes a cancelled one
 class _Pending:
     inputs: Tensors
     rows: int
@@ -147,9 +148,22 @@ class DynamicBatcher:
         self._queued_rows += rows
         self.metrics.queue_depth.inc()
         self._wake.set()
-        result = await pending.future
+        try:
+            result = await pending.future
+        except asyncio.CancelledError:
+            self._forget(pending)
+            raise
         self.metrics.latency.observe(loop.time() - pending.enqueued)
         return result
+
+    def _forget(self, pending: _Pending) -> None:
+        """A caller that left frees its place in the forming batch now, not when it reaches the head."""
+        try:
+            self._queue.remove(pending)
+        except ValueError:
+            return  # already taken into a batch: its run goes on, its result is dropped
+        self._queued_rows -= pending.rows
+        self.metrics.queue_depth.dec()
 
     async def _dispatch(self) -> None:
         loop = asyncio.get_running_loop()
@@ -187,8 +201,6 @@ class DynamicBatcher:
             self._queue.popleft()
             self._queued_rows -= head.rows
             self.metrics.queue_depth.dec()
-            if head.future.done():  # cancelled by its caller while queued
-                continue
             batch.append(head)
             rows += head.rows
         return batch
