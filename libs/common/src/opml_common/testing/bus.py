@@ -16,7 +16,7 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord
 from prometheus_client import CollectorRegistry
 
-from opml_common.bus import EventConsumer
+from opml_common.bus import EventConsumer, kafka_client_kwargs
 from opml_common.config import PlatformSettings
 from opml_common.metrics import ServiceMetrics
 
@@ -33,12 +33,13 @@ def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
 
 async def read_records(settings: PlatformSettings, topic_name: str, count: int, *,
                        timeout_s: float = 20.0) -> list[ConsumerRecord]:
-    """Read ``count`` records of a topic from the beginning with a plain, group-less aiokafka consumer.
+    """Read ``count`` records of a topic from the beginning with a plain, group-less aiokafka consumer
+    (built with the platform's connection and security arguments, so it reads a SASL/TLS broker too).
 
     Waits until that many arrived (never judging "caught up" from end offsets) or fails after
     ``timeout_s``; a short extra poll makes sure no unexpected extra record is there.
     """
-    consumer = AIOKafkaConsumer(topic_name, bootstrap_servers=settings.kafka_bootstrap, group_id=None,
+    consumer = AIOKafkaConsumer(topic_name, **kafka_client_kwargs(settings), group_id=None,
                                 auto_offset_reset="earliest", enable_auto_commit=False)
     await consumer.start()
     records: list[ConsumerRecord] = []
