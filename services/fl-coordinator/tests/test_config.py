@@ -1,0 +1,60 @@
+"""Federation configs: every wrong field path at once, YAML errors with line and column."""
+
+from __future__ import annotations
+
+import pytest
+
+from opml_common.errors import InvalidArgument
+from opml_fl_coordinator.config import build_selection, build_strategy, parse_config
+from opml_fl_coordinator.selection import TiflSelection
+from opml_fl_coordinator.strategy import DifferentialPrivacyFixedClipping, FedYogi
+
+GOOD = """
+name: plants
+rounds: 5
+min_clients: 4
+strategy: {name: fedyogi, eta: 0.05, differential_privacy: {noise_multiplier: 0.5, clipping_norm: 2.0}}
+selection: {policy: tifl, clients_per_round: 3, tiers: 2}
+"""
+
+
+def test_a_good_config_builds_its_strategy_and_selection():
+    config = parse_config(GOOD)
+    strategy = build_strategy(config)
+    assert isinstance(strategy, DifferentialPrivacyFixedClipping) and isinstance(strategy.strategy, FedYogi)
+    assert strategy.num_sampled_clients == 3
+    assert isinstance(build_selection(config), TiflSelection)
+
+
+def test_every_wrong_field_is_named_at_once():
+    text = """
+name: Plants!
+rounds: 0
+strategy: {name: fedadam, eta: -1, colour: red}
+selection: {policy: best, clients_per_round: 0}
+local: {epochs: 0}
+unknown: 1
+"""
+    with pytest.raises(InvalidArgument) as caught:
+        parse_config(text)
+    fields = [field for field, _ in caught.value.violations]
+    assert set(fields) == {"name", "rounds", "strategy.eta", "strategy.colour", "selection.policy",
+                           "selection.clients_per_round", "local.epochs", "unknown"}
+    assert "is not a known field" in dict(caught.value.violations)["unknown"]
+
+
+def test_rules_between_fields_are_reported_together():
+    with pytest.raises(InvalidArgument) as caught:
+        parse_config({"name": "p", "min_clients": 2, "selection": {"clients_per_round": 3},
+                      "strategy": {"name": "fedavg", "min_fit_results": 5}})
+    assert [f for f, _ in caught.value.violations] == ["selection.clients_per_round", "strategy.min_fit_results"]
+
+
+def test_an_unknown_strategy_and_bad_yaml():
+    with pytest.raises(InvalidArgument) as caught:
+        parse_config({"name": "p", "strategy": {"name": "fedsgd"}})
+    assert caught.value.violations[0][0] == "strategy"
+    with pytest.raises(InvalidArgument, match=r"fed.yaml: is not valid YAML.*line 3, column 1"):
+        parse_config("name: p\nrounds: [1,\n", what="fed.yaml")
+    with pytest.raises(InvalidArgument, match="at most"):
+        parse_config("name: " + "x" * 70_000)

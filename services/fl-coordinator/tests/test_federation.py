@@ -1,0 +1,242 @@
+"""The federation's rounds with hand-driven clients: deadlines, drops, rejections, tiers,
+join/leave, semi-async staleness, and continuing from a snapshot."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from opml_fl_coordinator.config import parse_config
+from opml_fl_coordinator.federation import FederationListener, Phase, new_federation
+from opml_fl_coordinator.profiles import ClientProfile
+from opml_fl_coordinator.selection import TiflSelection
+
+W0 = [np.zeros((3, 2), np.float32), np.zeros(2, np.float32)]
+
+
+class Log(FederationListener):
+    def __init__(self):
+        self.started, self.completed, self.dropped, self.rejected, self.ends = [], [], [], [], []
+        self.snapshots = []
+
+    def round_started(self, federation, number, clients, now):
+        self.started.append((number, sorted(clients)))
+
+    def round_completed(self, federation, record):
+        self.completed.append(record)
+        self.snapshots.append(federation.snapshot())  # as the service saves it: before the next round starts
+
+    def client_dropped(self, federation, client_id, number, reason):
+        self.dropped.append((client_id, number, reason))
+
+    def update_rejected(self, federation, client_id, number, reason):
+        self.rejected.append((client_id, number, reason))
+
+    def finished(self, federation, reason):
+        self.ends.append(reason)
+
+
+def federation(log=None, weights=W0, **overrides):
+    document = {"name": "t", "rounds": 3, "min_clients": 4, "round_deadline_s": 10,
+                "selection": {"clients_per_round": 4}, **overrides}
+    return new_federation("f1", parse_config(document), now=0.0, weights=weights, listener=log or Log())
+
+
+def answer(fed, client_id, now, value=1.0, examples=10, weights=None):
+    task = fed.task_for(client_id)
+    assert task is not None and task.kind == "fit"
+    update = weights if weights is not None else [np.full_like(w, value) for w in task.weights]
+    return fed.submit(client_id, task.task_id, update, examples, {"eval_accuracy": 0.5}, now)
+
+
+def test_a_round_waits_for_min_clients_then_aggregates_every_answer():
+    log = Log()
+    fed = federation(log)
+    for i in range(3):
+        fed.join(f"c{i}", 0.0)
+    assert fed.phase is Phase.WAITING and log.started == []
+    fed.join("c3", 0.0)
+    assert log.started == [(1, ["c0", "c1", "c2", "c3"])]
+    for i, value in enumerate([1.0, 2.0, 3.0, 4.0]):
+        assert answer(fed, f"c{i}", 1.0 + i, value=value, examples=10 * (i + 1)) is None
+    (record,) = log.completed
+    assert record.participants == ["c0", "c1", "c2", "c3"] and record.aggregated
+    np.testing.assert_allclose(fed.weights[0], np.full((3, 2), 3.0))  # (10+40+90+160)/100
+    assert log.started[-1][0] == 2  # the next round started at once
+
+
+def test_the_deadline_closes_a_round_without_the_crashed_client():
+    log = Log()
+    fed = federation(log)
+    for i in range(4):
+        fed.join(f"c{i}", 0.0)
+    for i in range(3):
+        answer(fed, f"c{i}", 1.0)
+    assert fed.next_deadline() == 10.0 and not log.completed
+    fed.poll(10.0)
+    (record,) = log.completed
+    assert record.dropped == {"c3": "missed the round deadline (10 s)"} and record.participants == ["c0", "c1", "c2"]
+    assert log.dropped == [("c3", 1, "missed the round deadline (10 s)")]
+    assert fed.profiles.clients["c3"].availability == 0.0
+    late = fed.task_for("c3")
+    assert late is not None and late.round == 2  # selected again: still present
+
+
+def test_bad_updates_are_rejected_with_the_reason_and_left_out():
+    log = Log()
+    fed = federation(log, min_clients=5, selection={"clients_per_round": 5})
+    for i in range(5):
+        fed.join(f"c{i}", 0.0)
+    nan = [np.full((3, 2), np.nan, np.float32), np.zeros(2, np.float32)]
+    assert "NaN" in answer(fed, "c0", 1.0, weights=nan)
+    assert "shapes" in answer(fed, "c1", 1.0, weights=[np.zeros((2, 2), np.float32)])
+    assert "num_examples" in answer(fed, "c2", 1.0, examples=0)
+    assert answer(fed, "c3", 1.0, value=0.1) is None
+    assert answer(fed, "c4", 1.0, value=0.1) is None
+    (record,) = log.completed
+    assert set(record.rejected) == {"c0", "c1", "c2"} and record.participants == ["c3", "c4"]
+    np.testing.assert_allclose(fed.weights[0], 0.1, rtol=1e-6)
+    assert fed.profiles.clients["c0"].rejected == 1
+
+
+def test_an_update_far_larger_than_the_others_is_an_outlier():
+    log = Log()
+    fed = federation(log, min_clients=5, selection={"clients_per_round": 5})
+    for i in range(5):
+        fed.join(f"c{i}", 0.0)
+    for i in range(4):
+        answer(fed, f"c{i}", 1.0, value=0.1 + 0.01 * i)
+    answer(fed, "c4", 1.0, value=50.0)
+    (record,) = log.completed
+    assert list(record.rejected) == ["c4"] and "median" in record.rejected["c4"]
+
+
+def test_clients_join_and_leave_between_rounds():
+    log = Log()
+    fed = federation(log, min_clients=2, selection={"clients_per_round": 2})
+    fed.join("a", 0.0)
+    fed.join("b", 0.0)
+    fed.leave("b", 1.0)  # mid-round: dropped, round continues with a
+    answer(fed, "a", 2.0)
+    assert log.completed[0].dropped == {"b": "left the federation"}
+    fed.join("c", 3.0)
+    # round 2 started before c joined (only a present); c is selected from round 3 on
+    answer(fed, "a", 4.0)
+    assert log.started[-1] == (3, ["a", "c"])
+
+
+def test_a_client_that_keeps_missing_deadlines_counts_as_gone():
+    fed = federation(min_clients=2, selection={"clients_per_round": 2}, rounds=10)
+    fed.join("a", 0.0)
+    fed.join("dead", 0.0)
+    for round_ in range(3):
+        answer(fed, "a", 10.0 * round_ + 1)
+        fed.poll(10.0 * (round_ + 1))
+    assert not fed.profiles.clients["dead"].present
+    assert fed.task_for("dead") is None
+
+
+def test_the_first_client_supplies_the_starting_model_when_none_is_given():
+    fed = federation(weights=None, min_clients=1, selection={"clients_per_round": 1})
+    fed.join("a", 0.0)
+    task = fed.task_for("a")
+    assert task.kind == "init"
+    assert fed.submit("a", task.task_id, W0, 0, {}, 1.0) is None
+    assert fed.task_for("a").kind == "fit" and fed.phase is Phase.RUNNING
+
+
+def test_target_accuracy_and_round_count_end_the_federation():
+    log = Log()
+    fed = federation(log, rounds=2)
+    for i in range(4):
+        fed.join(f"c{i}", 0.0)
+    for round_ in range(2):
+        for i in range(4):
+            answer(fed, f"c{i}", round_ + 1.0)
+    assert fed.phase is Phase.COMPLETED and log.ends == ["completed 2 rounds"]
+    fed2 = federation(target_accuracy=0.5)
+    for i in range(4):
+        fed2.join(f"c{i}", 0.0)
+    for i in range(4):
+        answer(fed2, f"c{i}", 1.0)  # clients report eval_accuracy 0.5
+    assert fed2.phase is Phase.COMPLETED and "target accuracy" in fed2.reason
+
+
+def test_semi_async_buffers_updates_and_damps_stale_ones():
+    log = Log()
+    fed = federation(log, mode="semi_async", rounds=5, min_clients=4,
+                     semi_async={"buffer_size": 2, "concurrency": 3, "staleness_exponent": 1.0, "max_staleness": 1})
+    for i in range(4):
+        fed.join(f"c{i}", 0.0)
+    busy = sorted(c for c in ("c0", "c1", "c2", "c3") if fed.task_for(c))
+    assert len(busy) == 3
+    first, second, slow = busy
+    answer(fed, first, 1.0, value=1.0)
+    answer(fed, second, 1.0, value=1.0)  # buffer full: version 1 = 1.0
+    assert fed.version == 1
+    np.testing.assert_allclose(fed.weights[0], 1.0)
+    # the slow client started from version 0: its change (+3) is halved (staleness 1, a = 1)
+    answer(fed, slow, 2.0, value=3.0)
+    assert fed._open.results[slow].staleness == 1
+    np.testing.assert_allclose(fed._open.results[slow].weights[0], 1.0 + 3.0 / 2)
+
+
+def test_semi_async_refuses_updates_beyond_max_staleness():
+    fed = federation(mode="semi_async", rounds=10, min_clients=3, selection={"clients_per_round": 3},
+                     semi_async={"buffer_size": 1, "concurrency": 3, "max_staleness": 0})
+    for i in range(3):
+        fed.join(f"c{i}", 0.0)
+    busy = sorted(c for c in ("c0", "c1", "c2") if fed.task_for(c))
+    answer(fed, busy[0], 1.0)
+    assert "stale" in answer(fed, busy[1], 1.0)
+
+
+def test_a_snapshot_continues_from_the_last_completed_round():
+    log = Log()
+    fed = federation(log, strategy={"name": "fedadam", "eta": 0.1}, rounds=4, selection={"policy": "tifl",
+                     "clients_per_round": 2, "tiers": 2})
+    for i in range(4):
+        fed.join(f"c{i}", 0.0)
+    for t in range(2):
+        for c in sorted(c for c in fed.profiles.clients if fed.task_for(c)):
+            answer(fed, c, t + 1.0, value=float(t + 1))
+    document, arrays = log.snapshots[1]
+    restored = federation(strategy={"name": "fedadam", "eta": 0.1}, rounds=4, selection={"policy": "tifl",
+                          "clients_per_round": 2, "tiers": 2})
+    restored.restore(document, arrays)
+    assert restored.version == 2 and restored.phase is Phase.WAITING and len(restored.history) == 2
+    np.testing.assert_array_equal(restored.weights[0], fed.weights[0])
+    for i in range(4):
+        restored.join(f"c{i}", 10.0)
+    # both continue identically: same selection draw, same server-optimizer step
+    chosen = sorted(c for c in restored.profiles.clients if restored.task_for(c))
+    assert chosen == sorted(c for c in fed.profiles.clients if fed.task_for(c))
+    assert restored.task_for(chosen[0]).round == 3
+    for f in (fed, restored):
+        for c in chosen:
+            answer(f, c, 11.0, value=5.0)
+    np.testing.assert_allclose(restored.weights[0], fed.weights[0], rtol=1e-6)
+
+
+def profile(cid, seconds, accuracy=None):
+    p = ClientProfile(cid, 0.0, round_time_s=seconds)
+    p.accuracy = accuracy
+    return p
+
+
+def test_tifl_tiers_by_speed_and_favours_the_tier_the_model_fits_worst():
+    clients = [profile(f"fast{i}", 1.0 + i * 0.01, 0.9) for i in range(3)] + \
+              [profile(f"slow{i}", 10.0 + i, 0.3) for i in range(3)]
+    selection = TiflSelection(clients_per_round=2, tiers=2, seed=0)
+    selection.update_probabilities(clients)
+    assert {c for c, t in selection.assignment.items() if t == 0} == {"fast0", "fast1", "fast2"}
+    assert selection.probabilities[1] > selection.probabilities[0]  # slow tier: lower accuracy
+    chosen, tier = selection.select(1, clients)
+    assert all(c.startswith("fast" if tier == 0 else "slow") for c in chosen) and len(chosen) == 2
+
+
+def test_tifl_credits_bound_how_often_a_tier_is_chosen():
+    clients = [profile(f"fast{i}", 1.0, 0.9) for i in range(2)] + [profile(f"slow{i}", 10.0, 0.1) for i in range(2)]
+    selection = TiflSelection(clients_per_round=1, tiers=2, credits_per_tier=2, tier_interval=1, seed=0)
+    tiers = [selection.select(r, clients)[1] for r in range(1, 9)]
+    assert sorted(tiers[:4]) == [0, 0, 1, 1]  # a tier without credits is not chosen while another has some
+    assert selection.credits == [0, 0]

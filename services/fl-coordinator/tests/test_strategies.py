@@ -1,0 +1,85 @@
+"""What each strategy computes, against the formulas of its paper."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from opml_fl_coordinator.strategy import (
+    DifferentialPrivacyFixedClipping,
+    Failure,
+    FedAdam,
+    FedAvg,
+    FedMedian,
+    FedProx,
+    FedTrimmedAvg,
+    FedYogi,
+    FitRes,
+)
+from opml_fl_coordinator.weights import global_norm, subtract
+
+
+def res(cid, value, n):
+    return FitRes(cid, [np.full((2,), value, np.float64)], num_examples=n)
+
+
+def test_fedavg_weights_by_examples():
+    aggregated, _ = FedAvg().aggregate_fit(1, [res("a", 1.0, 10), res("b", 4.0, 30)], [])
+    np.testing.assert_allclose(aggregated[0], [3.25, 3.25])
+
+
+def test_fedavg_min_results_and_failures():
+    assert FedAvg(min_fit_results=3).aggregate_fit(1, [res("a", 1, 1), res("b", 2, 1)], [])[0] is None
+    assert FedAvg(accept_failures=False).aggregate_fit(1, [res("a", 1, 1)], [Failure("b", "late")])[0] is None
+    assert FedAvg().aggregate_fit(1, [res("a", 1, 1)], [Failure("b", "late")])[0] is not None
+
+
+def test_fedprox_sends_mu_and_the_callable_config():
+    strategy = FedProx(proximal_mu=0.01, on_fit_config_fn=lambda r: {"epochs": r})
+    (ins,) = strategy.configure_fit(2, [np.zeros(2)], ["a"])
+    assert ins.config == {"epochs": 2, "server_round": 2, "proximal_mu": 0.01}
+
+
+def test_trimmed_mean_ignores_an_outlier_and_median_too():
+    results = [res("a", 1.0, 1), res("b", 1.2, 1), res("c", 0.8, 1), res("d", 1000.0, 1000), res("e", 1.0, 1)]
+    trimmed, _ = FedTrimmedAvg(beta=0.2).aggregate_fit(1, results, [])
+    np.testing.assert_allclose(trimmed[0], [(1.0 + 1.2 + 1.0) / 3] * 2)
+    median, _ = FedMedian().aggregate_fit(1, results, [])
+    np.testing.assert_allclose(median[0], [1.0, 1.0])
+
+
+def test_fedadam_first_step_is_eta_times_the_sign_scaled_update():
+    """m = (1-b1) d, v = (1-b2) d^2, w' = w + eta m / (sqrt v + tau)."""
+    strategy = FedAdam(eta=0.1, beta_1=0.9, beta_2=0.99, tau=1e-3)
+    strategy.initialize([np.zeros(2)])
+    aggregated, _ = strategy.aggregate_fit(1, [res("a", 0.5, 1)], [])
+    m, v = 0.1 * 0.5, 0.01 * 0.25
+    np.testing.assert_allclose(aggregated[0], [0.1 * m / (np.sqrt(v) + 1e-3)] * 2)
+
+
+def test_fedyogi_second_moment_differs_from_adam_after_two_steps():
+    adam, yogi = FedAdam(eta=0.1), FedYogi(eta=0.1)
+    for strategy in (adam, yogi):
+        strategy.initialize([np.zeros(2)])
+        strategy.aggregate_fit(1, [res("a", 0.5, 1)], [])
+        strategy.aggregate_fit(2, [res("a", 2.0, 1)], [])
+    assert not np.allclose(adam.v_t[0], yogi.v_t[0])
+    # Yogi: v1 = 0 - (1-b2) d^2 sign(0 - d^2) = (1-b2) d^2 > 0, as Adam's on the first step
+    assert np.all(yogi.v_t[0] > 0)
+
+
+def test_dp_clips_every_update_and_adds_calibrated_noise():
+    base = [np.zeros(1000)]
+    inner = FedAvg()
+    dp = DifferentialPrivacyFixedClipping(inner, noise_multiplier=0.0, clipping_norm=1.0, num_sampled_clients=2)
+    dp.configure_fit(1, base, ["a", "b"])
+    big = FitRes("a", [np.full(1000, 5.0)], num_examples=1)
+    assert global_norm(subtract(dp.clip(big).weights, base)) == pytest.approx(1.0)
+    small = FitRes("b", [np.full(1000, 0.001)], num_examples=1)
+    assert global_norm(subtract(dp.clip(small).weights, base)) == pytest.approx(global_norm(small.weights))
+    noisy = DifferentialPrivacyFixedClipping(FedAvg(), noise_multiplier=2.0, clipping_norm=1.0, num_sampled_clients=4,
+                                             seed=1)
+    noisy.configure_fit(1, base, ["a"])
+    aggregated, metrics = noisy.aggregate_fit(1, [FitRes("a", [np.zeros(1000)], num_examples=1)], [])
+    assert metrics["dp_noise_stddev"] == pytest.approx(0.5)
+    assert np.std(aggregated[0]) == pytest.approx(0.5, rel=0.1)
