@@ -132,6 +132,29 @@ def show_trace(job_id: str) -> None:
           f"{metrics.examples_per_second:.0f} examples/s, input wait {metrics.input_s * 1000:.2f} ms/step")
 
 
+def deployed(router: DeploymentClient, bundle_uuid: str) -> deployments_pb2.ModelVersionStatus | None:
+    """The version the router deployed from ``bundle_uuid`` once it serves; None while it is not there
+    or deploying. Fails on that version only: other versions of the model (an earlier run's, restored
+    or not) are not this run's business, and their state is printed once as a note."""
+    try:
+        versions = router.get("defect-classifier").versions
+    except NotFound:
+        return None
+    ours = [v for v in versions if v.bundle_uuid == bundle_uuid]
+    if not ours:
+        return None
+    version = ours[-1]
+    if version.state == deployments_pb2.FAILED:
+        raise SystemExit(f"deploy of version {version.version} (bundle {bundle_uuid}) failed: {version.reason}")
+    if version.state != deployments_pb2.SERVING:
+        return None
+    for other in versions:
+        if other.version != version.version:
+            print(f"   (version {other.version}, an earlier one: {deployments_pb2.VersionState.Name(other.state)}"
+                  f"{': ' + other.reason if other.reason else ''})")
+    return version
+
+
 def serve_model(client: BundleStoreClient, model_dir: Path) -> None:
     """Steps 8-9: commit the model tagged for serving; the router deploys it; predict over KServe v2."""
     files = {name: model_dir / name for name in ("model.onnx", "model.yaml", "metrics.json")}
@@ -140,25 +163,18 @@ def serve_model(client: BundleStoreClient, model_dir: Path) -> None:
                         tags={"task": "vision-inspection", "serve": "true"})
     print(f"8. committed {bundle.bundle_name} {bundle.uuid} tagged serve=true; waiting for the router to deploy it")
     with DeploymentClient(ROUTER_TARGET) as router:
-        def serving():
-            try:
-                versions = router.get("defect-classifier").versions
-            except NotFound:
-                return None
-            failed = [v.reason for v in versions if v.state == deployments_pb2.FAILED]
-            if failed:
-                raise SystemExit(f"deploy failed: {failed[-1]}")
-            return [v for v in versions if v.state == deployments_pb2.SERVING]
-        for version in wait_for("the deployment of defect-classifier", serving, timeout_s=180):
-            where = ", ".join(f"{r.worker} ({r.pool_kind}, {r.precision})" for r in version.replicas)
-            print(f"   version {version.version} SERVING {version.traffic_percent:.0f}% on {where}; "
-                  f"predicted p99 {version.predicted_p99_ms:.1f} ms")
+        version = wait_for(f"the router deploying bundle {bundle.uuid}", lambda: deployed(router, bundle.uuid),
+                           timeout_s=180)
+    where = ", ".join(f"{r.worker} ({r.pool_kind}, {r.precision})" for r in version.replicas)
+    print(f"   version {version.version} SERVING {version.traffic_percent:.0f}% on {where}; "
+          f"predicted p99 {version.predicted_p99_ms:.1f} ms")
     print("9. predict through the router with tritonclient (KServe v2 gRPC)")
     images, labels = inspection_patches(8, seed=3)
     with triton.InferenceServerClient(ROUTER_TARGET) as kserve:
         request = triton.InferInput("image", list(images.shape), "FP32")
         request.set_data_from_numpy(images)
-        scores = kserve.infer("defect-classifier", [request]).as_numpy("defect_scores")
+        scores = kserve.infer("defect-classifier", [request], model_version=str(version.version)).as_numpy(
+            "defect_scores")
     predicted = scores.argmax(axis=1)
     for truth, guess in zip(labels, predicted):
         print(f"   truth {CLASS_NAMES[truth]:<15} predicted {CLASS_NAMES[guess]:<15} "

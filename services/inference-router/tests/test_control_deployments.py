@@ -25,7 +25,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from opml_common.bus import CloudEvent
 from opml_common.config import PlatformSettings, ServiceSettings
-from opml_common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from opml_common.events import RecordingEmitter
 from opml_common.grpc.server import GrpcServer
 from opml_common.metrics import ServiceMetrics
@@ -399,3 +399,56 @@ async def test_version_numbers_are_never_given_twice_even_after_a_restart(pools,
             assert sorted((await manager.deploy(bundle(5))).versions) == [5]
     finally:
         await redis.aclose()
+
+
+async def test_a_restart_brings_back_what_can_come_back_and_says_why_the_rest_cannot(pools, platform_settings,
+                                                                                    tmp_path: Path) -> None:
+    """Stored state where some sources are gone (issue 12, item 7): each version comes back on its own.
+    ``pair`` v1 (stable, 50%) lost its directory: v2 takes all traffic and v1, announced as DeployFailed
+    with the reason, is retired (a newer version serves). ``lone`` v1 lost its directory and has no other
+    version: it stays FAILED with the reason, and a new deploy of ``lone`` is not blocked (v1 then retires)."""
+    import shutil
+
+    redis = redis_client(platform_settings)
+    store = DeploymentStore(redis, prefix=platform_settings.redis_prefix)
+    pair_1, pair_2 = _bundle(tmp_path, "pair", kinds=("cpu",), seed=1), _bundle(tmp_path, "pair", kinds=("cpu",), seed=2)
+    lone_1 = _bundle(tmp_path, "lone", kinds=("cpu",), seed=3)
+    try:
+        async with control_plane(pools, store=store, undeploy=False) as plane:
+            await plane.manager.deploy(Source(model_dir=str(pair_1)))
+            await plane.manager.deploy(Source(model_dir=str(pair_2)), canary_percent=50)
+            await plane.manager.deploy(Source(model_dir=str(lone_1)))
+        await _unload_everywhere(pools, [("pair", 1), ("pair", 2), ("lone", 1)])  # a restart's fresh workers
+        shutil.rmtree(pair_1)
+        shutil.rmtree(lone_1)
+        async with control_plane(pools, store=store, undeploy=False) as plane:  # a restarted router
+            manager = plane.manager
+            pair, lone = manager.record("pair"), manager.record("lone")
+            assert {v: e.state for v, e in pair.versions.items()} == {2: "SERVING"}
+            assert manager.traffic_percent("pair") == {"2": 100.0} and pair.stable == 2
+            assert (await _infer(manager.router, "pair"))[0] == "2"
+            assert lone.versions[1].state == "FAILED"
+            assert lone.versions[1].reason == (f"not restored after a restart: model_dir {lone_1} is not a "
+                                               f"directory on the router's machine")
+            assert "lone" not in manager.router.models()
+            failed = {(m.model, m.version): m.reason for _, m in plane.emitted if isinstance(m, events.DeployFailed)}
+            assert failed.keys() == {("pair", 1), ("lone", 1)} and str(pair_1) in failed["pair", 1]
+
+            lone_2 = _bundle(tmp_path, "lone", kinds=("cpu",), seed=4)
+            assert sorted((await manager.deploy(Source(model_dir=str(lone_2)))).versions) == [2]
+            assert (await _infer(manager.router, "lone"))[0] == "2"
+        async with control_plane(pools, store=store) as plane:  # what the last one stored comes back whole
+            states = {name: {v: e.state for v, e in record.versions.items()}
+                      for name, record in plane.manager.models.items()}
+            assert states == {"pair": {2: "SERVING"}, "lone": {2: "SERVING"}}
+            assert not [m for _, m in plane.emitted if isinstance(m, events.DeployFailed)]
+    finally:
+        await redis.aclose()
+
+
+async def _unload_everywhere(pools: PoolManager, versions: list[tuple[str, int]]) -> None:
+    """What a router's restart does to its workers (they start empty), on the module's shared workers."""
+    for worker in pools.workers():
+        for name, version in versions:
+            with contextlib.suppress(NotFound):
+                await pools.client(worker.worker.id).unload(name, version)

@@ -198,6 +198,7 @@ class DeploymentManager:
             cause = self._rollout.route_new(record, number, canary_percent)
             if cause == "deploy":
                 await self._retire(record)
+            self._retire_failed(record)
             await self._traffic_changed(record, cause)
             self._emit(convert.deployed_event(self, record, number), config.name)
             log.info("deployed models/%s/versions/%d (%s)", config.name, number, cause)
@@ -314,7 +315,14 @@ class DeploymentManager:
 
     async def _restore(self) -> None:
         """Rebuilds the stored deployments on fresh workers: bundles fetched again where missing,
-        placement from the stored profiles, traffic as it was."""
+        placement from the stored profiles, traffic as it was.
+
+        Each version comes back on its own (the stable one first, then the newest first): fetched,
+        read, then placed with a plan that holds the versions restored so far, so one version that
+        cannot come back (its bundle gone, a file the loader refuses, no room) fails alone, with that
+        reason, and the others serve. What cannot come back is announced (DeployFailed) and then
+        retired if a newer version of its model serves (:meth:`_retire_failed`), else it stays FAILED
+        with its reason, so ``get`` says why nothing serves, until a newer version serves."""
         if self._store is None:
             return
         records, profiles = await self._store.load()
@@ -324,32 +332,69 @@ class DeploymentManager:
         async with self._lock:
             self._placer.profiles = ProfileBook.from_dict(profiles)
             for record in records:
+                self.models[record.name] = record
                 for entry in record.versions.values():
                     if entry.state == DEPLOYING:
                         entry.state, entry.reason = FAILED, "the deploy was interrupted by a restart of the router"
-                for entry in record.serving():
-                    try:
-                        directory, _ = await self._materialize(entry.source, entry.bundle_uuid)
-                        entry.directory = str(directory)
-                        entry.config = (await asyncio.to_thread(load_bundle, directory)).config
-                    except OpmlError as error:
-                        entry.state, entry.reason = FAILED, f"not restored: {error.message}"
-                self.models[record.name] = record
-            try:
-                await self._place()
-            except OpmlError as error:
-                log.error("restoring the placement failed: %s", error.message)
-            for record in self.models.values():
-                for entry in record.serving():
-                    if ModelVersion(record.name, entry.version) not in self.plan.placements:
-                        entry.state = FAILED
-                        entry.reason = "not placed after a restart: " + self.plan.unplaced.get(
-                            ModelVersion(record.name, entry.version), "the move failed")
-                if record.name in self.router.models():
-                    with contextlib.suppress(OpmlError):
-                        self._rollout.restore(record)
+                stable = record.stable
+                order = sorted(record.serving(), key=lambda e: (e.version != stable, -e.version))
+                for entry in order:
+                    entry.state = DEPLOYING  # out of the plan's demands until it is placed itself
+                for entry in order:
+                    problem = await self._bring_back(record, entry)
+                    if problem is None:
+                        entry.state = SERVING
+                        continue
+                    entry.state, entry.reason = FAILED, f"not restored after a restart: {problem.message}"
+                    log.error("models/%s/versions/%d %s", record.name, entry.version, entry.reason)
+                    self._failed(record.name, entry.version, entry.source, problem)
+                self._restore_traffic(record)
+                self._retire_failed(record)
                 await self._save(record)
-            log.info("restored deployments: %s", sorted(self.models))
+            await self._save_profiles()
+            log.info("restored deployments: %s", {name: [f"{e.version} {e.state}" for e in r.versions.values()]
+                                                  for name, r in sorted(self.models.items())})
+
+    async def _bring_back(self, record: ModelRecord, entry: VersionRecord) -> OpmlError | None:
+        """Fetches (where the work directory lost it), reads and places one stored version; the error
+        that stopped it, else None. A failed placement is undone (:meth:`ReplicaPlacer.apply`)."""
+        try:
+            directory, _ = await self._materialize(entry.source, entry.bundle_uuid)
+            entry.directory = str(directory)
+            entry.config = (await asyncio.to_thread(load_bundle, directory)).config
+            await self._place(must_place=ModelVersion(record.name, entry.version))
+        except OpmlError as error:
+            return error
+        return None
+
+    def _restore_traffic(self, record: ModelRecord) -> None:
+        """The stored split over the versions that came back; when the stable one did not, the newest
+        that did takes all traffic (logged)."""
+        serving = {str(entry.version) for entry in record.serving()}
+        if not serving or record.name not in self.router.models():
+            record.stable = None
+            return
+        record.traffic = {v: w for v, w in record.traffic.items() if v in serving}
+        if record.stable is None or str(record.stable) not in serving:
+            newest = max(record.serving(), key=lambda e: e.version).version
+            log.warning("models/%s: stable version %s did not come back after the restart; version %d takes "
+                        "all traffic", record.name, record.stable, newest)
+            record.stable, record.traffic = newest, {str(newest): 1.0}
+        with contextlib.suppress(OpmlError):
+            self._rollout.restore(record)
+
+    def _retire_failed(self, record: ModelRecord) -> None:
+        """Drops the FAILED versions older than the newest serving one: a newer version serves in their
+        place, so nothing is left to explain (each failure was announced, with its reason, when it
+        happened). A FAILED version newer than every serving one stays, with its reason."""
+        serving = [entry.version for entry in record.serving()]
+        if not serving:
+            return
+        for entry in list(record.versions.values()):
+            if entry.state == FAILED and entry.version < max(serving):
+                log.warning("models/%s/versions/%d retired (version %d serves): it was FAILED: %s",
+                            record.name, entry.version, max(serving), entry.reason)
+                self._forget(record, entry.version)
 
     async def _tick(self) -> None:
         if not self._replan_interval_s:
