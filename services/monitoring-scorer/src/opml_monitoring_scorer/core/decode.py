@@ -1,0 +1,131 @@
+"""A PredictionMade event -> the rows it holds: named feature columns and the model's outputs.
+
+The KServe v2 request and response bytes are decoded by the platform's one codec
+(``opml_common.kserve_codec``), exactly as the router encoded them. Each input tensor of shape
+``[batch, k]`` gives k features, named by the monitoring config (``features: {tensor: [names]}``),
+else ``tensor`` when k is 1 and ``tensor[i]`` otherwise; a tensor of shape ``[batch]`` is one feature.
+Outputs: the classifier's scores are the configured tensor or the first float tensor; the predicted
+class is the configured tensor or the scores' argmax (a single score column is P(class 1), cut at 0.5);
+a regression's prediction is the configured tensor or the first output.
+
+An event that carries summaries only (tensors past the router's record cap) has no rows to score:
+it is reported as ``summary_only`` and counted by the window's data quality.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from opml.inference.v1 import events_pb2
+from tritonclient.grpc import service_pb2 as pb
+
+from opml_common.errors import InvalidArgument
+from opml_common.kserve_codec import decode_request, decode_response
+from opml_monitoring_scorer.core.reference import Outputs, Task, as_column
+
+MAX_ROWS_PER_EVENT = 100_000
+
+
+@dataclass
+class Batch:
+    """Rows of one or more predictions: feature columns, outputs, and per row its request id."""
+
+    features: dict[str, np.ndarray]
+    outputs: Outputs
+    request_ids: list[str]
+    summary_only: int = 0
+
+    def __len__(self) -> int:
+        return len(self.outputs)
+
+    @staticmethod
+    def concat(batches: Sequence[Batch]) -> Batch:
+        rows = [b for b in batches if len(b)]
+        summary = sum(b.summary_only for b in batches)
+        if not rows:
+            return Batch({}, Outputs(np.empty(0)), [], summary)
+        names = set().union(*(b.features for b in rows))
+        features = {}
+        for name in names:
+            parts = [b.features[name] if name in b.features else _absent(b, rows) for b in rows]
+            features[name] = np.concatenate(parts)
+        scores = None
+        if all(b.outputs.scores is not None for b in rows):
+            scores = np.concatenate([b.outputs.class_scores() for b in rows])
+        return Batch(features, Outputs(np.concatenate([b.outputs.predicted for b in rows]), scores),
+                     [r for b in rows for r in b.request_ids], summary)
+
+
+def _absent(batch: Batch, rows: Sequence[Batch]) -> np.ndarray:
+    """A column a batch lacks: NaN, or None for a categorical column (the data-quality check sees it)."""
+    kind = next(b.features for b in rows if b.features)
+    sample = next(iter(kind.values()))
+    return np.full(len(batch), np.nan) if sample.dtype != object else np.full(len(batch), None, dtype=object)
+
+
+def _columns(name: str, array: np.ndarray, names: Mapping[str, list[str]], field: str) -> dict[str, np.ndarray]:
+    if array.ndim == 0:
+        raise InvalidArgument(field, "is a scalar; a monitored input has a batch dimension")
+    flat = array.reshape(array.shape[0], -1)
+    width = flat.shape[1]
+    given = names.get(name)
+    if given is not None and len(given) != width:
+        raise InvalidArgument(field, f"has {width} columns, but the monitoring config names {len(given)} features")
+    labels = given or ([name] if width == 1 else [f"{name}[{i}]" for i in range(width)])
+    return {label: as_column(flat[:, i]) for i, label in enumerate(labels)}
+
+
+def decode_prediction(event: events_pb2.PredictionMade, *, task: Task, feature_names: Mapping[str, list[str]],
+                      scores_output: str | None = None, predicted_output: str | None = None) -> Batch:
+    """Raises: InvalidArgument: the request or response does not decode, holds more than
+    ``MAX_ROWS_PER_EVENT`` rows, or its tensors disagree on the batch size."""
+    if not event.infer_request or not event.infer_response:
+        return Batch({}, Outputs(np.empty(0)), [], summary_only=1)
+    try:
+        request = pb.ModelInferRequest.FromString(event.infer_request)
+        response = pb.ModelInferResponse.FromString(event.infer_response)
+    except Exception as exc:  # noqa: BLE001 - protobuf raises DecodeError and friends
+        raise InvalidArgument("infer_request", f"is not a KServe v2 message: {exc}") from None
+    inputs = decode_request(request)
+    outputs = decode_response(response)
+    features: dict[str, np.ndarray] = {}
+    for name, array in inputs.items():
+        features.update(_columns(name, array, feature_names, f"infer_request.inputs[{name}]"))
+    rows = {len(c) for c in features.values()}
+    if len(rows) > 1:
+        raise InvalidArgument("infer_request.inputs", f"tensors disagree on the batch size: {sorted(rows)}")
+    out = _outputs(outputs, task, scores_output, predicted_output)
+    n = len(out)
+    if rows and rows != {n}:
+        raise InvalidArgument("infer_response.outputs", f"hold {n} rows, but the request holds {rows.pop()}")
+    if n > MAX_ROWS_PER_EVENT:
+        raise InvalidArgument("infer_request", f"holds {n} rows, more than {MAX_ROWS_PER_EVENT}")
+    ids = [event.request_id] if n == 1 else [f"{event.request_id}#{i}" for i in range(n)]
+    return Batch(features, out, ids)
+
+
+def _outputs(outputs: Mapping[str, np.ndarray], task: Task, scores_name: str | None,
+             predicted_name: str | None) -> Outputs:
+    for name in (scores_name, predicted_name):
+        if name is not None and name not in outputs:
+            raise InvalidArgument(f"infer_response.outputs[{name}]",
+                                  f"is missing; the response has {', '.join(outputs) or 'no outputs'}")
+    if not outputs:
+        raise InvalidArgument("infer_response.outputs", "is empty")
+    if task is Task.REGRESSION:
+        array = outputs[predicted_name or next(iter(outputs))]
+        return Outputs(array.reshape(array.shape[0], -1)[:, 0].astype(np.float64))
+    name = scores_name or next((n for n, a in outputs.items() if a.dtype.kind == "f"), None)
+    if name is None:
+        raise InvalidArgument("infer_response.outputs", "hold no float tensor of class scores")
+    scores = outputs[name].astype(np.float64)
+    scores = scores.reshape(scores.shape[0], -1)
+    probs = Outputs(np.zeros(len(scores)), scores).class_scores()
+    assert probs is not None
+    if predicted_name is not None:
+        predicted = outputs[predicted_name].reshape(len(scores), -1)[:, 0].astype(np.float64)
+    else:
+        predicted = np.argmax(probs, axis=1).astype(np.float64)
+    return Outputs(predicted, scores)

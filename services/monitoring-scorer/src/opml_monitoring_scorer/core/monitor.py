@@ -1,0 +1,125 @@
+"""One monitored model version: its estimators, fitted once from the reference, and a window's score.
+
+The quality score of a window is the product of its parts, each in [0, 1]:
+
+- ``performance``: the MPP's estimate against the reference's own metric (accuracy ratio, or the
+  reference MAE over the estimated MAE for regression), capped at 1; absent without reference labels;
+- ``drift``: 1 - half the share of features whose drift test fired;
+- ``output``: 1 - half the output distribution's distance (the predicted class or value);
+- ``data_quality``: 1 - the share of rows with a data-quality problem.
+
+So a clean window scores near 1, a window where the model is estimated at 80% of its reference
+accuracy scores 0.8 at most, and every part is reported beside the score.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from opml_monitoring_scorer.core.cbpe import ConfidenceEstimator
+from opml_monitoring_scorer.core.config import MonitoringConfig
+from opml_monitoring_scorer.core.decode import Batch
+from opml_monitoring_scorer.core.drift import ColumnDrift, DriftSuite, FeatureDrift
+from opml_monitoring_scorer.core.mpp import MPP
+from opml_monitoring_scorer.core.quality import DataQuality, QualityChecker
+from opml_monitoring_scorer.core.reference import ReferenceSet, Task, performance
+
+OUTPUT = "__output__"
+CONFIDENCE = "__confidence__"
+
+
+@dataclass
+class WindowScore:
+    """The scores of one closed window (``true`` and ``labelled`` grow as labels arrive)."""
+
+    index: int
+    rows: int
+    first_time: float
+    last_time: float
+    score: float
+    parts: dict[str, float]
+    mpp: float | None
+    cbpe: float | None
+    drift: dict[str, FeatureDrift]
+    output_drift: FeatureDrift | None
+    confidence_drift: FeatureDrift | None
+    data_quality: DataQuality
+    true: float | None = None
+    labelled: int = 0
+    flags: list[str] = field(default_factory=list)
+
+    def signals(self) -> dict[str, float | None]:
+        """What alert rules read."""
+        return {"score": self.score, "mpp": self.mpp, "cbpe": self.cbpe, "true": self.true,
+                "data_quality": self.data_quality.bad_rows_share}
+
+    def drift_signals(self) -> dict[str, tuple[float, bool]]:
+        return {name: (d.distance, d.drifted) for name, d in self.drift.items()}
+
+
+class ModelMonitor:
+    """Estimators of one model version. Without reference labels there is no MPP or CBPE: drift and
+    data quality only (``limitations`` says so)."""
+
+    def __init__(self, reference: ReferenceSet, config: MonitoringConfig, *, seed: int = 0) -> None:
+        self.reference = reference
+        self.config = config
+        self.task = reference.task
+        self.limitations: list[str] = []
+        self.drift = DriftSuite(reference.features, methods=config.drift_methods,
+                                thresholds=config.drift_thresholds, categorical=sorted(reference.categorical))
+        self.quality = QualityChecker(reference.features)
+        output_is_category = self.task is not Task.REGRESSION
+        self.output_drift = ColumnDrift(OUTPUT, reference.outputs.predicted.astype(object).astype(str)
+                                        if output_is_category else reference.outputs.predicted,
+                                        categorical=output_is_category)
+        confidence = reference.outputs.confidence()
+        self.confidence_drift = ColumnDrift(CONFIDENCE, confidence) if confidence is not None else None
+        self.reference_performance = reference.performance()
+        self.mpp: MPP | None = None
+        self.cbpe: ConfidenceEstimator | None = None
+        if reference.has_labels:
+            self.mpp = MPP(reference, seed=seed)
+            if self.task is not Task.REGRESSION:
+                self.cbpe = ConfidenceEstimator(reference)
+        else:
+            self.limitations.append("the reference has no labels: no performance estimate (MPP, CBPE), "
+                                    "drift and data quality only")
+
+    def score(self, batch: Batch, *, index: int, first_time: float, last_time: float) -> WindowScore:
+        """Scores one window's rows."""
+        rows = len(batch)
+        quality = self.quality.check(batch.features, rows, summary_only=batch.summary_only)
+        drift = self.drift.measure(batch.features) if rows else {}
+        mpp = cbpe = output = confidence = None
+        if rows:
+            if self.mpp is not None:
+                mpp = self.mpp.estimate(batch.features, batch.outputs)
+            if self.cbpe is not None and batch.outputs.scores is not None:
+                cbpe = self.cbpe.estimate(batch.outputs)
+            predicted = batch.outputs.predicted
+            output = self.output_drift.measure(predicted.astype(object).astype(str)
+                                               if self.task is not Task.REGRESSION else predicted)
+            if self.confidence_drift is not None and batch.outputs.scores is not None:
+                confidence = self.confidence_drift.measure(batch.outputs.confidence())
+        parts: dict[str, float] = {}
+        if mpp is not None and self.reference_performance is not None:
+            if self.task is Task.REGRESSION:
+                parts["performance"] = min(1.0, self.reference_performance / max(mpp, 1e-12))
+            else:
+                parts["performance"] = min(1.0, mpp / max(self.reference_performance, 1e-12))
+        if drift:
+            parts["drift"] = 1.0 - 0.5 * sum(d.drifted for d in drift.values()) / len(drift)
+        if output is not None:
+            parts["output"] = 1.0 - 0.5 * min(1.0, output.distance)
+        parts["data_quality"] = 1.0 - quality.bad_rows_share if rows else 0.0
+        score = float(np.prod(list(parts.values())))
+        return WindowScore(index=index, rows=rows, first_time=first_time, last_time=last_time, score=score,
+                           parts=parts, mpp=mpp, cbpe=cbpe, drift=drift, output_drift=output,
+                           confidence_drift=confidence, data_quality=quality, flags=quality.flags())
+
+    def truth(self, batch: Batch, labels: np.ndarray) -> float:
+        """The true metric of labelled rows (accuracy, or MAE for regression)."""
+        return performance(self.task, batch.outputs.predicted, np.asarray(labels, dtype=np.float64))

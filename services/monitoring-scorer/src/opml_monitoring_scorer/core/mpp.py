@@ -1,0 +1,132 @@
+"""The Model Performance Predictor (ParallelM): a secondary model of the primary model's error.
+
+Classification: a gradient-boosted classifier, calibrated (isotonic, 3-fold), learns P(the primary
+model is right | features, its class scores, its predicted class) on the reference; a window's
+estimated accuracy is the mean of that probability over its rows. Regression: a gradient-boosted
+regressor learns the primary model's absolute error, and the window's estimate is the mean: NannyML's
+DLE idea. Unlike CBPE, the MPP sees the features, so it can learn where the model is weak.
+
+Labels that arrive later recalibrate it (:meth:`MPP.recalibrate`): the secondary model is refitted
+on the live labelled rows, with the reference kept as a prior at a fraction of their weight, so a
+concept shift (the same inputs, different truth), which no label-free estimate can see, shows in
+the estimates once labels have taught the MPP where the model now errs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+
+import numpy as np
+from sklearn.calibration import CalibratedClassifierCV
+from sklearn.ensemble import HistGradientBoostingClassifier, HistGradientBoostingRegressor
+
+from opml_common.errors import FailedPrecondition
+from opml_monitoring_scorer.core.reference import Outputs, ReferenceSet, Task
+
+
+class FeatureMatrix:
+    """Rows -> the secondary model's inputs: numeric features as they are (NaN allowed), categories as
+    their reference codes (unknown -> NaN), then the primary model's scores and predicted class."""
+
+    def __init__(self, reference: ReferenceSet) -> None:
+        self.numeric = sorted(n for n in reference.features if n not in reference.categorical)
+        self.codes = {n: {v: float(i) for i, v in enumerate(sorted(set(reference.features[n])))}
+                      for n in sorted(reference.categorical)}
+
+    def build(self, features: Mapping[str, np.ndarray], outputs: Outputs) -> np.ndarray:
+        rows = len(outputs)
+        columns = [features[n] if n in features and len(features[n]) == rows else np.full(rows, np.nan)
+                   for n in self.numeric]
+        for name, codes in self.codes.items():
+            column = features.get(name)
+            columns.append(np.full(rows, np.nan) if column is None or len(column) != rows
+                           else np.fromiter((codes.get(str(v), np.nan) for v in column), np.float64, rows))
+        scores = outputs.class_scores()
+        if scores is not None:
+            columns.extend(scores.T)
+        columns.append(outputs.predicted.astype(np.float64))
+        return np.column_stack(columns)
+
+
+class MPP:
+    """The secondary model of one monitored model version.
+
+    Raises:
+        FailedPrecondition: (``__init__``) the reference has no labels to learn the error from.
+    """
+
+    def __init__(self, reference: ReferenceSet, *, seed: int = 0, max_labels: int = 20_000,
+                 min_labels: int = 200, reference_weight: float = 0.1) -> None:
+        if reference.labels is None:
+            raise FailedPrecondition("the MPP learns the model's error from the reference's labels, which it lacks")
+        self.task = reference.task
+        self.seed = seed
+        self.min_labels = min_labels
+        self.reference_weight = reference_weight
+        self.matrix = FeatureMatrix(reference)
+        self._ref_x = self.matrix.build(reference.features, reference.outputs)
+        self._ref_y = self._target(reference.outputs, reference.labels)
+        self._live_x: deque[np.ndarray] = deque(maxlen=max_labels)
+        self._live_y: deque[float] = deque(maxlen=max_labels)
+        self._unfitted = 0
+        self.recalibrations = 0
+        self._model = self._fit(self._ref_x, self._ref_y, None)
+
+    def _target(self, outputs: Outputs, labels: np.ndarray) -> np.ndarray:
+        if self.task is Task.REGRESSION:
+            return np.abs(outputs.predicted - labels)
+        return (outputs.predicted == labels).astype(np.int64)
+
+    def _fit(self, x: np.ndarray, y: np.ndarray, weights: np.ndarray | None):
+        if self.task is Task.REGRESSION:
+            model = HistGradientBoostingRegressor(max_iter=100, random_state=self.seed)
+            model.fit(x, y, sample_weight=weights)
+            return model
+        if len(np.unique(y)) < 2:  # always right (or always wrong): nothing to learn but the rate
+            return float(y.mean())
+        model = CalibratedClassifierCV(
+            HistGradientBoostingClassifier(max_iter=100, random_state=self.seed), method="isotonic", cv=3)
+        model.fit(x, y, sample_weight=weights)
+        return model
+
+    def row_estimates(self, features: Mapping[str, np.ndarray], outputs: Outputs) -> np.ndarray:
+        """Per row: P(right) for classifiers, the expected absolute error for regression."""
+        x = self.matrix.build(features, outputs)
+        if isinstance(self._model, float):
+            return np.full(len(x), self._model)
+        if self.task is Task.REGRESSION:
+            return np.maximum(self._model.predict(x), 0.0)
+        return self._model.predict_proba(x)[:, 1]
+
+    def estimate(self, features: Mapping[str, np.ndarray], outputs: Outputs) -> float:
+        """The window's estimate: accuracy (classifiers) or mean absolute error (regression)."""
+        return float(np.mean(self.row_estimates(features, outputs)))
+
+    def add_labels(self, features: Mapping[str, np.ndarray], outputs: Outputs, labels: np.ndarray) -> None:
+        """Live rows whose labels arrived; kept (the newest ``max_labels``) for :meth:`recalibrate`."""
+        x = self.matrix.build(features, outputs)
+        y = self._target(outputs, np.asarray(labels, dtype=np.float64))
+        self._live_x.extend(x)
+        self._live_y.extend(y.tolist())
+        self._unfitted += len(y)
+
+    @property
+    def due(self) -> bool:
+        """Enough new labelled rows since the last fit to refit."""
+        return self._unfitted >= self.min_labels
+
+    def recalibrate(self) -> bool:
+        """Refits on the live labelled rows plus the reference at ``reference_weight`` of their total
+        weight. Returns whether it refitted (not before ``min_labels`` new rows)."""
+        if not self.due:
+            return False
+        live_x, live_y = np.array(self._live_x), np.array(self._live_y)
+        x = np.vstack([self._ref_x, live_x])
+        y = np.concatenate([self._ref_y, live_y])
+        ref_w = self.reference_weight * len(live_y) / max(len(self._ref_y), 1)
+        weights = np.concatenate([np.full(len(self._ref_y), ref_w), np.ones(len(live_y))])
+        self._model = self._fit(x, y, weights)
+        self._unfitted = 0
+        self.recalibrations += 1
+        return True
