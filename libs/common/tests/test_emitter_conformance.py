@@ -69,6 +69,13 @@ def test_each_event_gets_its_own_id(emitter: EventEmitter) -> None:
     assert first.id != second.id
 
 
+def test_an_id_chosen_before_the_change_is_the_events_id(emitter: EventEmitter) -> None:
+    """A write-ahead record announces a change again after a crash under the id it chose first."""
+    first = emitter.emit(job_events_pb2.JobSubmitted(), subject="j1", id="chosen-before")
+    again = emitter.emit(job_events_pb2.JobSubmitted(), subject="j1", id="chosen-before")
+    assert first.id == again.id == "chosen-before"
+
+
 def test_a_message_of_a_file_without_a_topic_is_refused(emitter: EventEmitter) -> None:
     with pytest.raises(ValueError, match="declares no topic"):
         emitter.emit(bundles_pb2.Bundle(), subject="x")

@@ -26,10 +26,14 @@ class EventEmitter(ABC):
     """The one way a core publishes domain events."""
 
     @abstractmethod
-    def emit(self, message: Message, *, subject: str) -> CloudEvent:
+    def emit(self, message: Message, *, subject: str, id: str | None = None) -> CloudEvent:
         """Announce ``message`` (a message of an events proto file) about ``subject`` (its Kafka key:
         the thing that changed, so one thing's events stay in order). Called by the core right after
         the change is durable; returns the CloudEvent made. Safe to call from any thread.
+
+        ``id``: the event's id (default a new uuid4). A core that chose it before the change (a
+        write-ahead record) announces the same change again under the same id after a crash, so
+        consumers that deduplicate by id apply it once.
 
         Raises:
             ValueError: the message's proto file declares no topic.
@@ -55,8 +59,8 @@ class OutboxEmitter(EventEmitter):
         self._outbox = outbox
         self.source = source
 
-    def emit(self, message: Message, *, subject: str) -> CloudEvent:
-        event = CloudEvent.from_proto(message, source=self.source, subject=subject)
+    def emit(self, message: Message, *, subject: str, id: str | None = None) -> CloudEvent:
+        event = CloudEvent.from_proto(message, source=self.source, subject=subject, id=id)
         self._outbox.record(topic_of(message), event)
         return event
 
@@ -69,8 +73,8 @@ class RecordingEmitter(EventEmitter):
         self.events: list[tuple[Topic, CloudEvent]] = []
         self.messages: list[Message] = []
 
-    def emit(self, message: Message, *, subject: str) -> CloudEvent:
-        event = CloudEvent.from_proto(message, source=self.source, subject=subject)
+    def emit(self, message: Message, *, subject: str, id: str | None = None) -> CloudEvent:
+        event = CloudEvent.from_proto(message, source=self.source, subject=subject, id=id)
         self.events.append((topic_of(message), event))
         self.messages.append(message)
         return event
