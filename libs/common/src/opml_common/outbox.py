@@ -22,10 +22,14 @@ import logging
 import os
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from opml_common.bus import CloudEvent, EventPublisher
-from opml_common.metrics import ServiceMetrics
+from opml_common.bus.cloudevents import CloudEvent
 from opml_common.topics import Topic
+
+if TYPE_CHECKING:
+    from opml_common.bus.producer import EventPublisher
+    from opml_common.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +38,10 @@ class Outbox:
     """Events waiting for the broker's ack, one file each under ``directory``.
 
     ``start()`` begins a background flush loop; ``stop()`` ends it after one last flush attempt.
+    ``metrics`` None: no ``outbox_pending_events`` gauge (a process nobody scrapes).
     """
 
-    def __init__(self, directory: Path, publisher: EventPublisher, metrics: ServiceMetrics,
+    def __init__(self, directory: Path, publisher: EventPublisher, metrics: ServiceMetrics | None,
                  *, retry_interval_s: float = 2.0) -> None:
         self._dir = directory
         self._dir.mkdir(parents=True, exist_ok=True)
@@ -44,8 +49,10 @@ class Outbox:
         self._retry_interval_s = retry_interval_s
         self._lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
-        self._pending = metrics.gauge("outbox_pending_events", "Events recorded but not yet acked by the broker.")
-        self._pending.set(len(self._files()))  # then counted by _write and flush, never listed again
+        self._pending = None
+        if metrics is not None:
+            self._pending = metrics.gauge("outbox_pending_events", "Events recorded but not yet acked by the broker.")
+            self._pending.set(len(self._files()))  # then counted by _write and flush, never listed again
         self._wake = asyncio.Event()
         self._seq = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -97,7 +104,8 @@ class Outbox:
                     log.warning("outbox: publish failed, will retry", extra={"error": str(exc), "event": event.id})
                     return False
                 path.unlink()
-                self._pending.dec()
+                if self._pending is not None:
+                    self._pending.dec()
             return True
 
     def _write(self, topic: Topic, event: CloudEvent) -> None:
@@ -112,7 +120,8 @@ class Outbox:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, final)
-        self._pending.inc()  # counted, not listed: listing per event made draining a backlog O(n^2)
+        if self._pending is not None:
+            self._pending.inc()  # counted, not listed: listing per event made draining a backlog O(n^2)
 
     def _files(self) -> list[Path]:
         return sorted(self._dir.glob("*.json"))

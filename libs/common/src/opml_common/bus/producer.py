@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
@@ -15,8 +15,10 @@ from opml_common.bus.cloudevents import CloudEvent
 from opml_common.bus.security import describe, kafka_client_kwargs
 from opml_common.config import PlatformSettings
 from opml_common.errors import FailedPrecondition, OpmlError, Unavailable
-from opml_common.metrics import ServiceMetrics
 from opml_common.topics import Topic
+
+if TYPE_CHECKING:  # prometheus_client: not imported by a publisher built without metrics
+    from opml_common.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 
@@ -46,24 +48,27 @@ class EventPublisher:
         ``stop()``: waits for every record in flight to be acknowledged (flush), then closes the
         connections. Idempotent.
         ``publish()``: one record; counts ``opml_<service>_events_published_total{topic,type}`` or
-        ``opml_<service>_event_publish_failures_total{topic}``.
+        ``opml_<service>_event_publish_failures_total{topic}`` (counted only with ``metrics``: a
+        process nobody scrapes, the injected tracer, passes None and never imports prometheus_client).
 
     Use as ``async with EventPublisher(...) as publisher:``.
     """
 
-    def __init__(self, settings: PlatformSettings, *, source: str, metrics: ServiceMetrics) -> None:
+    def __init__(self, settings: PlatformSettings, *, source: str, metrics: ServiceMetrics | None) -> None:
         if not source:
             raise ValueError("EventPublisher `source` must be non-empty (a URI-reference naming the service)")
         self.settings = settings
         self.source = source
         self._producer: AIOKafkaProducer | None = None
         self._lock = asyncio.Lock()
-        self._published = metrics.counter(
-            "events_published_total", "Events the broker acknowledged, by topic and event type.", ("topic", "type")
-        )
-        self._failures = metrics.counter(
-            "event_publish_failures_total", "Records the broker did not acknowledge, by topic.", ("topic",)
-        )
+        self._published = self._failures = None
+        if metrics is not None:
+            self._published = metrics.counter(
+                "events_published_total", "Events the broker acknowledged, by topic and event type.", ("topic", "type")
+            )
+            self._failures = metrics.counter(
+                "event_publish_failures_total", "Records the broker did not acknowledge, by topic.", ("topic",)
+            )
 
     @property
     def started(self) -> bool:
@@ -119,7 +124,8 @@ class EventPublisher:
         key = key if key is not None else event.subject
         await self._send(name, event.data, key=key.encode("utf-8") if key is not None else None,
                          headers=event.kafka_headers(), what=f"event {event.id} ({event.type})")
-        self._published.labels(topic=topic.name, type=event.type).inc()
+        if self._published is not None:
+            self._published.labels(topic=topic.name, type=event.type).inc()
 
     async def publish_proto(
         self,
@@ -160,7 +166,8 @@ class EventPublisher:
         try:
             return await producer.send_and_wait(topic_name, value=value, key=key, headers=headers)
         except KafkaError as exc:
-            self._failures.labels(topic=self._metric_topic(topic_name)).inc()
+            if self._failures is not None:
+                self._failures.labels(topic=self._metric_topic(topic_name)).inc()
             raise PublishFailed(f"publishing {what} to {topic_name} failed: {exc}", retriable=exc.retriable) from exc
 
     def _metric_topic(self, topic_name: str) -> str:
