@@ -8,6 +8,12 @@ Used by the crash tests of the core:
         pushes the context and kills itself once that many blob uploads have completed
         (S3 settings from the OPML_* environment).
 
+    python core_child.py announce HOME CONTEXT OP:WHERE
+        runs OP (add: add and commit a bundle "crashing"; commit: commit the draft bundle "draft";
+        delete: delete the bundle "doomed"; push: push the committed bundle "ready") and kills itself
+        WHERE: "after-change" when the store hands the event to its emitter (the manifest is durable,
+        the event not yet recorded), "before-change" when the store is about to write or remove the manifest.
+
 It prints "READY" before the operation starts; reaching the end prints "SURVIVED" and exits 3.
 """
 
@@ -19,10 +25,19 @@ import sys
 import threading
 from pathlib import Path
 
+from opml_bundle_store.core import layout as layout_module
 from opml_bundle_store.core import remote as remote_module
 from opml_bundle_store.core.store import BundleStore
 from opml_common.config import PlatformSettings
+from opml_common.events import EventEmitter
 from opml_common.storage import s3_client
+
+
+class DieOnEmit(EventEmitter):
+    """The store's emitter, called once the change is durable: the process dies there, unannounced."""
+
+    def emit(self, message, *, subject, id=None):
+        die()
 
 
 def die() -> None:
@@ -67,9 +82,31 @@ def push(home: Path, context: str, kill_after: int) -> None:
     store.push(context)
 
 
+def announce(home: Path, context: str, what: str) -> None:
+    op, where = what.split(":")
+    s3 = s3_client(PlatformSettings()) if op == "push" else None
+    store = BundleStore(home, s3, transfer_workers=2, events=DieOnEmit())
+    if where == "before-change":  # the manifest's path is asked for right before it is written or removed
+        layout_module.ContextDir.manifest_path = lambda self, uuid: die()
+    print("READY", flush=True)
+    if op == "add":
+        with store.new_bundle(context, "crashing") as writer:
+            writer.add_file("f", [b"content"])
+            writer.finish(commit=True)
+    elif op == "commit":
+        store.commit(context, "draft")
+    elif op == "delete":
+        store.delete_bundle(context, "doomed")
+    else:
+        store.push(context, "ready")
+
+
 def main() -> int:
-    mode, home, context, count = sys.argv[1:5]
-    {"add": add, "push": push}[mode](Path(home), context, int(count))
+    mode, home, context, arg = sys.argv[1:5]
+    if mode == "announce":
+        announce(Path(home), context, arg)
+    else:
+        {"add": add, "push": push}[mode](Path(home), context, int(arg))
     print("SURVIVED", flush=True)
     return 3
 

@@ -35,7 +35,7 @@ from minio import Minio
 
 from opml_bundle_store.core import gc
 from opml_bundle_store.core.context import ContextState, load_context
-from opml_bundle_store.core.events import BundleEvents
+from opml_bundle_store.core.events import COMMITTED, DELETED, PUSHED, BundleEvents, Intent
 from opml_bundle_store.core.layout import ContextDir, atomic_write, fsync_dir
 from opml_bundle_store.core.lineage import lineage_graph
 from opml_bundle_store.core.model import (
@@ -63,7 +63,7 @@ from opml_bundle_store.core.remote import S3Remote
 from opml_bundle_store.core.sync import ProgressCallback, RejectedCallback, RemoteSync
 from opml_bundle_store.core.transfer import TransferSettings
 from opml_bundle_store.core.writer import READ_CHUNK, BundleWriter
-from opml_common.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from opml_common.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound, OpmlError
 from opml_common.events import EventEmitter
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ class BundleStore:
         self._lock_file = self._acquire_home()
         self._lock = threading.RLock()
         self._contexts: dict[str, ContextState] = {}
-        self._events = BundleEvents(events)
+        self._events = BundleEvents(events, self.home / "announcing")
         self._closed = False
         try:
             self._open_contexts()
@@ -142,6 +142,11 @@ class BundleStore:
             raise
         self._pool = ThreadPoolExecutor(transfer_workers, thread_name_prefix="bundle-store-xfer")
         self._sync = RemoteSync(self._pool, self._settings, self._events, on_rejected_manifest)
+        try:
+            self._events.recover(self._shows_change)
+        except BaseException:
+            self.close()
+            raise
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -258,6 +263,21 @@ class BundleStore:
         if self._s3 is None:
             raise FailedPrecondition(f"the remote {url} cannot be used: this bundle store has no S3 client")
         return S3Remote(self._s3, url)
+
+    def _shows_change(self, intent: Intent) -> bool | None:
+        """Whether the store shows the change an announcement was written ahead of (its recovery)."""
+        ctx = self._contexts.get(intent.context)
+        bundle = ctx.bundles.get(intent.uuid) if ctx is not None else None
+        if intent.kind == COMMITTED:
+            return bundle is not None and bundle.committed
+        if intent.kind == PUSHED:
+            return bundle is not None and bundle.remote_url == intent.remote_url
+        if intent.kind == DELETED and intent.remote_url:  # a bundle that was only on the remote
+            try:
+                return not any(m.uuid == intent.uuid for m in self._remote(intent.remote_url).list_manifests())
+            except (OpmlError, OSError):
+                return None  # the remote is unreachable now: the next start decides
+        return intent.kind == DELETED and bundle is None
 
     def _context_remote(self, ctx: ContextState) -> S3Remote:
         url = ctx.remote_url
@@ -383,8 +403,11 @@ class BundleStore:
             committed = ctx.resolve(ref, prefer_committed=False)
             if not committed.committed:
                 committed = committed.with_state(committed=True, commit_time=ctx.next_time())
+                intent = self._events.committing(committed)
                 ctx.record(committed)
-        self._events.committed(committed)
+            else:
+                intent = self._events.committing(committed)  # announced again: nothing to write ahead of
+        self._events.announce(intent)
         return committed
 
     # -- push ----------------------------------------------------------------------------------
@@ -462,9 +485,12 @@ class BundleStore:
             listed = [m for m in s3_remote.list_manifests() if m.uuid == ref]
             if not listed:
                 raise NotFound(f"bundle {ref!r} exists neither in context {ctx.id!r} nor on {s3_remote.url}")
+            intent = self._events.deleting(ctx.id, ref, listed[0].bundle_name, {}, remote=True,
+                                           only_remote=s3_remote.url)
             s3_remote.delete([m.key for m in listed])
-            self._events.deleted(ctx.id, ref, listed[0].bundle_name, {}, remote=True)
+            self._events.announce(intent)
             return [ref]
+        intent = self._events.deleting(ctx.id, bundle.uuid, bundle.name, bundle.tags, remote=remote)
         if s3_remote is not None:
             s3_remote.delete([s3_remote.manifest_key(bundle.name, bundle.uuid)])
         with ctx.lock:
@@ -472,7 +498,7 @@ class BundleStore:
                 ctx.dir.manifest_path(bundle.uuid).unlink(missing_ok=True)
                 fsync_dir(ctx.dir.bundles)
         log.info("deleted bundle %s from %s%s", label(bundle), ctx.id, " and its remote" if remote else "")
-        self._events.deleted(ctx.id, bundle.uuid, bundle.name, bundle.tags, remote=remote)
+        self._events.announce(intent)
         return [bundle.uuid]
 
     def gc(self, context_id: str, *, remote: bool = False, grace_s: float = 3600, dry_run: bool = False) -> GcReport:

@@ -110,7 +110,7 @@ class RemoteSync:
             uploader = Uploader(remote, ctx.dir, self._pool, self._settings, reporter)
             stats = uploader.upload(blobs)
             self._put_manifests(remote, targets)
-            pushed = []
+            pushed, intents = [], []
             with ctx.lock:
                 for bundle in targets:
                     current = ctx.bundles.get(bundle.uuid)
@@ -118,12 +118,15 @@ class RemoteSync:
                         continue
                     if current.remote_url != remote.url:
                         current = current.with_state(remote_url=remote.url)
+                        intents.append(self._events.pushing(current))
                         ctx.record(current)
+                    else:
+                        intents.append(self._events.pushing(current))
                     pushed.append(current)
             reporter.emit(force=True)
         log.info("pushed %d bundles of %s to %s: %s", len(pushed), ctx.id, remote.url, stats)
-        for bundle in pushed:
-            self._events.pushed(bundle)
+        for intent in intents:
+            self._events.announce(intent)
         return pushed
 
     def _put_manifests(self, remote: S3Remote, bundles: list[Bundle]) -> None:

@@ -210,6 +210,7 @@ class BundleWriter:
                     committed=commit, create_time=now, commit_time=now if commit else None,
                     remote_url=None, localized=True,
                 )
+                intent = self._events.committing(bundle) if commit else None
                 ctx.record(bundle)
         except BaseException:
             self._state = "open"
@@ -217,8 +218,7 @@ class BundleWriter:
             raise
         shutil.rmtree(self._staging, ignore_errors=True)
         self._state = "finished"
-        if commit:
-            self._events.committed(bundle)
+        self._events.announce(intent)
         return bundle
 
     def abort(self) -> None:
