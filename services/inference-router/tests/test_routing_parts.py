@@ -197,6 +197,49 @@ async def test_limiter_sheds_what_cannot_meet_its_deadline() -> None:
     assert shed.value.reason == "deadline" and limiter.waiting == 0
 
 
+async def test_limiter_keeps_admitted_requests_within_the_slo_whatever_their_deadline() -> None:
+    """A caller with a generous deadline still only waits while the SLO allows: past it, shed as ``slo``."""
+    limiter = ConcurrencyLimiter(limit=1, max_queue=10, name="m")
+    assert limiter.try_acquire()
+    with pytest.raises(Shed) as shed:  # 50 ms expected wait + 50 ms service > the 80 ms SLO, deadline 10 s
+        await limiter.acquire(time_left_s=10.0, expected_s=0.05, slo_s=0.08)
+    assert shed.value.reason == "slo" and "SLO (p99 80.0 ms)" in str(shed.value)
+    with pytest.raises(Shed) as shed:  # queued, but no slot frees up within the SLO's budget
+        await limiter.acquire(time_left_s=10.0, expected_s=0.01, slo_s=0.05)
+    assert shed.value.reason == "slo" and limiter.waiting == 0
+    with pytest.raises(Shed) as shed:  # the deadline comes first: it is the deadline that sheds
+        await limiter.acquire(time_left_s=0.06, expected_s=0.05, slo_s=1.0)
+    assert shed.value.reason == "deadline"
+
+
+async def test_a_standing_queue_serves_its_newest_waiter_first() -> None:
+    """Adaptive LIFO: in arrival order while waits are short; once the oldest waiter has used half of
+    its budget, the newest goes first (it makes the SLO; the oldest run out of budget and are shed)."""
+    now = [0.0]
+    limiter = ConcurrencyLimiter(limit=1, max_queue=10, name="m", clock=lambda: now[0])
+    assert limiter.try_acquire()
+    order: list[str] = []
+
+    async def wait(name: str) -> None:
+        await limiter.acquire(time_left_s=100.0, expected_s=0.001)  # a budget of ~100 s: no timer fires
+        order.append(name)
+    waiters = [asyncio.create_task(wait(name)) for name in "abcd"]
+    while limiter.waiting < 4:
+        await asyncio.sleep(0)
+    limiter.release()  # t=0: nobody has waited long, first come first served
+    await waiters[0]
+    now[0] = 60.0  # the oldest waiter (b) has used more than half of its budget: a standing queue
+    limiter.release()
+    await waiters[3]
+    limiter.release()
+    await waiters[2]
+    assert order == ["a", "d", "c"] and limiter.waiting == 1
+    limiter.release()
+    await waiters[1]
+    limiter.release()
+    assert limiter.in_flight == 0
+
+
 async def test_limiter_does_not_leak_slots_when_waiters_are_cancelled() -> None:
     limiter = ConcurrencyLimiter(limit=1, max_queue=4, name="m")
     assert limiter.try_acquire()

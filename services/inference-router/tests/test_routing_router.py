@@ -228,7 +228,8 @@ async def test_deadline_bounds_the_request() -> None:
 
 async def test_burst_over_capacity_is_shed_with_resource_exhausted() -> None:
     replica = FakeReplica("a", steady(0.05))
-    router, registry = make_router({"a": replica}, ModelPolicy(hedge=False, max_concurrency=2, max_queue=3))
+    router, registry = make_router({"a": replica}, ModelPolicy(slo_p99_ms=1000, hedge=False, max_concurrency=2,
+                                                                   max_queue=3))
     results = await asyncio.gather(*(router.infer("m", "", REQUEST, timeout_s=5) for _ in range(20)),
                                    return_exceptions=True)
     shed = [r for r in results if isinstance(r, ResourceExhausted)]

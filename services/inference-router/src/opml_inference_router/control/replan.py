@@ -37,6 +37,7 @@ from opml_inference_router.placement import (
 )
 from opml_inference_router.routing import ModelPolicy, Router
 from opml_inference_router.routing.limits import largest, request_limit
+from opml_inference_router.routing.policy import in_flight_limit, queue_limit
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ class ReplicaPlacer:
         replicas = sum(len(s.workers) for s in placed)
         rows = sum(len(s.workers) * s.option.max_batch for s in placed)  # what the planned batch caps take
         limits: dict[str, object] = (
-            {"max_concurrency": max(8, 2 * rows), "max_queue": 4 * max(8, 2 * rows)} if rows else {})
+            {"max_concurrency": in_flight_limit(rows), "max_queue": queue_limit(in_flight_limit(rows))} if rows else {})
         default = self.router.max_request_bytes
         limits["max_request"] = largest([request_limit(e.config, default=default)  # type: ignore[arg-type]
                                          for e in configured])

@@ -2,21 +2,23 @@
 
 Each model gets ``limit`` requests in flight (isolation: one hot model cannot take every worker
 connection and event-loop slot from the others) and at most ``max_queue`` waiting. A request is
-refused with RESOURCE_EXHAUSTED at once when the queue is full, or when its deadline leaves less
-time than the expected wait plus the expected service time; a queued request whose deadline
-comes too close leaves the queue with the same error. Memory stays bounded under any burst.
+refused with RESOURCE_EXHAUSTED at once when the queue is full, or when its deadline or the model's
+SLO (whichever comes first) leaves less time than the expected wait plus the expected service time;
+a queued request whose time runs out leaves the queue with the same error. So an admitted request is
+served within the SLO, the rest are told at once to back off, and memory stays bounded under any burst.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 
 from opml_common.errors import ResourceExhausted
 
 
 class Shed(ResourceExhausted):
-    """A request refused by admission. ``reason`` is ``queue_full`` or ``deadline`` (a metric label)."""
+    """A request refused by admission. ``reason`` is ``queue_full``, ``deadline`` or ``slo`` (a metric label)."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
@@ -26,14 +28,16 @@ class Shed(ResourceExhausted):
 class ConcurrencyLimiter:
     """Admission for one model: ``try_acquire()`` on the fast path, ``acquire()`` when it says no."""
 
-    def __init__(self, *, limit: int, max_queue: int, name: str = "") -> None:
+    def __init__(self, *, limit: int, max_queue: int, name: str = "",
+                 clock: Callable[[], float] | None = None) -> None:
         if limit < 1 or max_queue < 0:
             raise ValueError(f"need limit >= 1 and max_queue >= 0, but got limit={limit}, max_queue={max_queue}")
         self.name = name
         self.limit = limit
         self.max_queue = max_queue
         self.in_flight = 0
-        self._waiters: deque[asyncio.Future[bool]] = deque()
+        self._waiters: deque[_Waiter] = deque()
+        self._clock = clock  # None: the running loop's clock (the one its timers use)
 
     @property
     def waiting(self) -> int:
@@ -45,7 +49,7 @@ class ConcurrencyLimiter:
             raise ValueError(f"need limit >= 1 and max_queue >= 0, but got limit={limit}, max_queue={max_queue}")
         self.limit, self.max_queue = limit, max_queue
         while self._waiters and self.in_flight < self.limit:
-            waiter = self._waiters.popleft()
+            waiter = self._waiters.popleft().future
             if not waiter.done():
                 self.in_flight += 1
                 waiter.set_result(True)
@@ -57,29 +61,37 @@ class ConcurrencyLimiter:
             return True
         return False
 
-    async def acquire(self, *, time_left_s: float, expected_s: float) -> None:
+    async def acquire(self, *, time_left_s: float, expected_s: float, tail_s: float | None = None,
+                      slo_s: float | None = None) -> None:
         """Wait for a slot, in arrival order.
 
-        ``time_left_s``: until the request's deadline; ``expected_s``: the model's typical service
-        time. The request may wait until ``time_left_s - expected_s``.
+        ``time_left_s``: until the request's deadline; ``expected_s``: the model's typical (p50)
+        service time, which prices each place in the queue; ``tail_s``: its slow (p99) service time,
+        what an admitted request must still have left (default ``expected_s``); ``slo_s``: the
+        model's latency objective (p99), None for none. The request may wait until
+        ``min(time_left_s, slo_s) - tail_s``.
 
         Raises:
-            Shed: the queue is full (``queue_full``), or the deadline cannot be met (``deadline``).
+            Shed: the queue is full (``queue_full``), or the wait would take the request past its
+                deadline (``deadline``) or past the SLO (``slo``).
         """
         if self.try_acquire():
             return
         if len(self._waiters) >= self.max_queue:
             raise Shed("queue_full", f"model {self.name!r} is at its limit of {self.limit} requests in flight "
                                      f"and {self.max_queue} waiting; retry later or with backoff")
+        by_slo = slo_s is not None and slo_s < time_left_s
+        reason, limit_s = ("slo", slo_s) if by_slo else ("deadline", time_left_s)
+        what = (f"the model's SLO (p99 {limit_s * 1000:.1f} ms)" if by_slo
+                else f"its deadline ({limit_s * 1000:.1f} ms left)")
         expected_wait = (len(self._waiters) + 1) / self.limit * expected_s
-        budget = time_left_s - expected_s
+        budget = limit_s - max(expected_s, tail_s or 0.0)
         if expected_wait > budget:
-            raise Shed("deadline", f"model {self.name!r} is saturated: the expected wait of "
-                                   f"{expected_wait * 1000:.1f} ms leaves no time to serve the request "
-                                   f"within its deadline ({time_left_s * 1000:.1f} ms left)")
+            raise Shed(reason, f"model {self.name!r} is saturated: the expected wait of {expected_wait * 1000:.1f} ms "
+                               f"leaves no time to serve the request within {what}; retry later or with backoff")
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[bool] = loop.create_future()
-        self._waiters.append(waiter)
+        self._waiters.append(_Waiter(waiter, self._now() + budget / 2))
         timer = loop.call_later(budget, _expire, waiter)
         try:
             granted = await waiter
@@ -94,23 +106,43 @@ class ConcurrencyLimiter:
             timer.cancel()
         if not granted:
             self._discard(waiter)
-            raise Shed("deadline", f"model {self.name!r}: no slot freed up in time to serve the request within "
-                                   f"its deadline ({time_left_s * 1000:.1f} ms); the model is overloaded")
+            raise Shed(reason, f"model {self.name!r}: no slot freed up in time to serve the request within "
+                               f"{what}; the model is overloaded")
 
     def release(self) -> None:
-        """Give the slot to the longest waiter, or free it."""
+        """Give the slot to a waiter, or free it.
+
+        In arrival order while the queue drains; once its oldest waiter has used half of its budget
+        (a standing queue: the model is overloaded), to the newest waiter, as Facebook's adaptive
+        LIFO does: it is served well within the SLO, while the oldest, whose callers have waited
+        longest, run out of budget and are shed, instead of everyone being served at the SLO's edge.
+        """
         while self._waiters:
-            waiter = self._waiters.popleft()
+            standing = self._now() >= self._waiters[0].standing_at
+            waiter = (self._waiters.pop() if standing else self._waiters.popleft()).future
             if not waiter.done():
                 waiter.set_result(True)
                 return
         self.in_flight -= 1
 
+    def _now(self) -> float:
+        return self._clock() if self._clock is not None else asyncio.get_running_loop().time()
+
     def _discard(self, waiter: asyncio.Future[bool]) -> None:
-        try:
-            self._waiters.remove(waiter)
-        except ValueError:
-            pass
+        for index, queued in enumerate(self._waiters):
+            if queued.future is waiter:
+                del self._waiters[index]
+                return
+
+
+class _Waiter:
+    """A queued request: the future its slot is handed over with, and when its wait becomes long
+    (half its budget gone), which tells a standing queue from one that drains."""
+
+    __slots__ = ("future", "standing_at")
+
+    def __init__(self, future: asyncio.Future[bool], standing_at: float) -> None:
+        self.future, self.standing_at = future, standing_at
 
 
 def _expire(waiter: asyncio.Future[bool]) -> None:

@@ -11,7 +11,7 @@ class LatencyWindow:
     callers fall back to a configured guess instead of trusting two samples.
     """
 
-    __slots__ = ("_ring", "_size", "_count", "_refresh", "_min_samples", "_since_sort", "p50", "p95")
+    __slots__ = ("_ring", "_size", "_count", "_refresh", "_min_samples", "_since_sort", "p50", "p95", "p99")
 
     def __init__(self, *, size: int = 128, refresh: int = 16, min_samples: int = 8) -> None:
         if size < 1 or refresh < 1 or not 1 <= min_samples <= size:
@@ -25,6 +25,7 @@ class LatencyWindow:
         self._since_sort = 0
         self.p50: float | None = None
         self.p95: float | None = None
+        self.p99: float | None = None
 
     @property
     def count(self) -> int:
@@ -40,3 +41,4 @@ class LatencyWindow:
             last = len(ordered) - 1
             self.p50 = ordered[int(0.50 * last)]
             self.p95 = ordered[int(round(0.95 * last))]
+            self.p99 = ordered[int(round(0.99 * last))]

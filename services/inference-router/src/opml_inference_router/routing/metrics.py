@@ -25,7 +25,7 @@ class RouterMetrics:
                                      "version (every one down or ejected) and waited for one to come back.",
                                      ("model", "version"))
         self.shed = metrics.counter("shed_total", "Requests refused with RESOURCE_EXHAUSTED, by reason "
-                                    "(queue_full, deadline).", ("model", "reason"))
+                                    "(queue_full, deadline, slo).", ("model", "reason"))
         self.outstanding = metrics.gauge("replica_outstanding_requests", "Requests in flight per replica.",
                                          ("model", "version", "replica"))
         self.ejections = metrics.counter("replica_ejections_total", "Replicas taken out of rotation after a failure.",

@@ -65,15 +65,30 @@ class ModelPolicy:
     @classmethod
     def for_model(cls, config: ModelConfig, *, replicas: int = 1,
                   default_max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, **overrides: object) -> ModelPolicy:
-        """Defaults for a model: its SLO, a concurrency limit of what its replicas can batch
-        (``replicas x batch_limit x 2``, at least 8) with a queue four times that, and the request
-        size its config allows (``default_max_request_bytes`` where the config fixes none)."""
-        concurrency = max(8, 2 * replicas * config.batch_limit)
+        """Defaults for a model: its SLO, a concurrency limit of what its replicas can batch, two
+        batches each (``replicas x batch_limit x 2``: one running, one forming; at least 8), a queue
+        at the router of at least 256 (four times the limit when that is more), and the request size
+        its config allows (``default_max_request_bytes`` where the config fixes none).
+
+        The queue's length only bounds memory: admission prices each wait against the SLO and the
+        deadline, and sheds the requests that would miss them."""
+        concurrency = in_flight_limit(replicas * config.batch_limit)
         settings: dict[str, object] = {"slo_p99_ms": float(config.slo.p99_ms), "max_concurrency": concurrency,
-                                       "max_queue": 4 * concurrency,
+                                       "max_queue": queue_limit(concurrency),
                                        "max_request": request_limit(config, default=default_max_request_bytes)}
         settings.update(overrides)
         return cls(**settings)  # type: ignore[arg-type]
+
+
+def in_flight_limit(rows: int) -> int:
+    """Requests in flight for replicas that batch ``rows`` rows in all: two batches' worth, at least 8
+    (a request waiting for a restarting replica holds its slot: a few must not block the rest)."""
+    return max(8, 2 * rows)
+
+
+def queue_limit(in_flight: int) -> int:
+    """Requests that may wait at the router beside ``in_flight``: a memory bound, not the admission rule."""
+    return max(256, 4 * in_flight)
 
 
 def _check(ok: bool, field: str, rule: str, value: object) -> None:

@@ -330,7 +330,9 @@ class Router:
         limiter = route.limiter
         if not limiter.try_acquire():
             try:
-                await limiter.acquire(time_left_s=time_left, expected_s=served.replicas.latency.p50 or 0.0)
+                latency = served.replicas.latency
+                await limiter.acquire(time_left_s=time_left, expected_s=latency.p50 or 0.0, tail_s=latency.p99,
+                                      slo_s=policy.slo_p99_ms / 1000.0)
             except Shed as exc:
                 self._metrics.shed.labels(model, exc.reason).inc()
                 served.metrics.failed(exc.code)
