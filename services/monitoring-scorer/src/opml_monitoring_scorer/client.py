@@ -1,0 +1,47 @@
+"""Python client of the monitoring-scorer API (the CLI's, and any service's). Failed calls raise the
+platform's domain errors (``NotFound``, ``InvalidArgument``...), never a bare ``grpc.RpcError``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from opml.monitoring.v1 import monitoring_pb2 as pb
+from opml.monitoring.v1 import monitoring_pb2_grpc
+
+from opml_common.grpc.client import ServiceClient, pages
+
+
+def version_name(model: str, version: str) -> str:
+    return f"models/{model}/versions/{version}"
+
+
+class MonitoringClient(ServiceClient):
+    stub_class = monitoring_pb2_grpc.MonitoringServiceStub
+
+    def register(self, model: str, version: str, context: str, bundle: str) -> pb.ModelStatus:
+        return self.stub.RegisterModel(pb.RegisterModelRequest(
+            model=model, version=version, reference=pb.BundleRef(context=context, bundle=bundle)))
+
+    def status(self, model: str, version: str) -> pb.ModelStatus:
+        return self.stub.GetModelStatus(pb.GetModelStatusRequest(name=version_name(model, version)))
+
+    def list_models(self) -> list[pb.ModelStatus]:
+        return list(self.stub.ListModels(pb.ListModelsRequest()).models)
+
+    def windows(self, model: str, version: str, *, page_size: int = 0) -> Iterator[pb.Window]:
+        """Every window, newest first, page by page."""
+        name = version_name(model, version)
+        return pages(lambda token: self.stub.ListWindows(pb.ListWindowsRequest(name=name, page_size=page_size,
+                                                                              page_token=token)),
+                     lambda reply: reply.windows)
+
+    def alerts(self, model: str = "", version: str = "") -> list[pb.Alert]:
+        name = version_name(model, version) if model else ""
+        return list(pages(lambda token: self.stub.ListAlerts(pb.ListAlertsRequest(name=name, page_token=token)),
+                          lambda reply: reply.alerts))
+
+    def get_rules(self, model: str, version: str) -> pb.Rules:
+        return self.stub.GetRules(pb.GetRulesRequest(name=version_name(model, version)))
+
+    def set_rules(self, model: str, version: str, text: str) -> pb.Rules:
+        return self.stub.SetRules(pb.SetRulesRequest(name=version_name(model, version), yaml=text))

@@ -1,0 +1,387 @@
+"""The scorer's domain: registered model versions, closing a window (score, history, rules, alerts)
+and joining late labels. The stream (stream.py) feeds it; the servicer queries it.
+
+Every change is announced here, once: an alert raised or resolved is saved, then emitted through the
+outbox (at least once; the event id is derived from the model version, rule, change and window, so a
+replay after a crash re-announces it under the same id and consumers that deduplicate apply it once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+from opml.inference.v1 import events_pb2 as inference_events
+from opml.monitoring.v1 import alert_events_pb2, label_events_pb2
+
+from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, brief
+from opml_common.events import EventEmitter
+from opml_monitoring_scorer.core.config import MonitoringConfig
+from opml_monitoring_scorer.core.decode import Batch, decode_prediction
+from opml_monitoring_scorer.core.monitor import ModelMonitor, WindowScore
+from opml_monitoring_scorer.core.records import AlertRecord, window_record
+from opml_monitoring_scorer.core.reference import ReferenceSet, Task
+from opml_monitoring_scorer.core.rules import Rule, RuleState, Transition, observe, parse_rules, step
+from opml_monitoring_scorer.metrics import ScorerMetrics
+from opml_monitoring_scorer.state import MonitorStore
+
+log = logging.getLogger(__name__)
+
+REFERENCE_FILE = "reference.npz"
+CONFIG_FILE = "monitoring.yaml"
+MAX_REFERENCE_BYTES = 256 * 1024 * 1024
+MAX_RULES_BYTES = 64 * 1024
+BundleLoader = Callable[[str, str], Awaitable[tuple[str, dict[str, bytes]]]]
+"""(context, bundle ref) -> (bundle uuid, {file name: bytes} of the files the scorer reads)."""
+
+
+def model_version(model: str, version: str) -> str:
+    return f"{model}/{version}"
+
+
+def load_reference(data: bytes, *, task: Task | None) -> ReferenceSet:
+    """``reference.npz``: ``feature.<name>`` columns, ``predicted``, optional ``scores`` and ``labels``.
+
+    Raises:
+        InvalidArgument: the file is too large, not an npz, or its arrays break the rules (all named).
+    """
+    if len(data) > MAX_REFERENCE_BYTES:
+        raise InvalidArgument(REFERENCE_FILE, f"holds {len(data)} bytes, more than {MAX_REFERENCE_BYTES}")
+    try:
+        arrays = dict(np.load(io.BytesIO(data), allow_pickle=False))
+    except Exception as exc:  # noqa: BLE001 - zipfile/np raise many types for a bad file
+        raise InvalidArgument(REFERENCE_FILE, f"is not a numpy .npz of arrays: {brief(str(exc))}") from None
+    features = {k.removeprefix("feature."): v for k, v in arrays.items() if k.startswith("feature.")}
+    if "predicted" not in arrays:
+        raise InvalidArgument(f"{REFERENCE_FILE}.predicted", "is missing: the model's outputs on the reference")
+    scores = arrays.get("scores")
+    if task is None:
+        task = (Task.REGRESSION if scores is None
+                else Task.MULTICLASS if scores.ndim == 2 and scores.shape[1] > 2 else Task.BINARY)
+    return ReferenceSet.build(task=task, features=features, predicted=arrays["predicted"], scores=scores,
+                              labels=arrays.get("labels"))
+
+
+def dump_reference(reference: ReferenceSet) -> bytes:
+    """The inverse of :func:`load_reference` (tests, benches, and producers writing a bundle)."""
+    arrays = {f"feature.{k}": (v.astype(str) if v.dtype == object else v) for k, v in reference.features.items()}
+    arrays["predicted"] = reference.outputs.predicted
+    if reference.outputs.scores is not None:
+        arrays["scores"] = reference.outputs.scores
+    if reference.labels is not None:
+        arrays["labels"] = reference.labels
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+@dataclass
+class Monitored:
+    model: str
+    version: str
+    context: str
+    bundle: str
+    bundle_uuid: str
+    source: str                     # "api" or "deployment"
+    config: MonitoringConfig
+    monitor: ModelMonitor | None    # None until a reference exists (none in the bundle: the first window)
+    rules: tuple[Rule, ...]
+    limitations: list[str] = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        return model_version(self.model, self.version)
+
+
+class Scorer:
+    """Side effects: ``restore()`` rebuilds every registered version's monitor from its bundle."""
+
+    def __init__(self, *, store: MonitorStore, emitter: EventEmitter, metrics: ScorerMetrics,
+                 load_bundle: BundleLoader, seed: int = 0) -> None:
+        self.store = store
+        self.emitter = emitter
+        self.metrics = metrics
+        self.load_bundle = load_bundle
+        self.seed = seed
+        self.models: dict[str, Monitored] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def start(self) -> None:
+        await self.restore()
+
+    async def stop(self) -> None:
+        return None
+
+    async def restore(self) -> None:
+        for key, saved in (await self.store.registrations()).items():
+            try:
+                await self._build(saved["model"], saved["version"], saved["context"], saved["bundle_uuid"],
+                                  source=saved["source"], save=False)
+            except Exception as exc:  # noqa: BLE001 - one broken registration never stops the others
+                log.error("monitoring of %s not restored: %s", key, exc)
+
+    # ------------------------------------------------------------------ registration
+    async def register(self, model: str, version: str, context: str, bundle: str, *, source: str = "api") -> Monitored:
+        """Monitors ``model`` ``version`` from bundle ``bundle`` of ``context``.
+
+        Raises:
+            InvalidArgument: a name is empty, or the bundle's monitoring.yaml / reference.npz are invalid.
+            NotFound: the bundle does not exist. Unavailable: the bundle-store cannot be reached.
+        """
+        problems = [(f, "must not be empty") for f, v in (("model", model), ("version", version),
+                                                          ("reference.context", context),
+                                                          ("reference.bundle", bundle)) if not v]
+        if problems:
+            raise InvalidArgument.of(problems)
+        return await self._build(model, version, context, bundle, source=source, save=True)
+
+    async def _build(self, model: str, version: str, context: str, bundle: str, *, source: str,
+                     save: bool) -> Monitored:
+        bundle_uuid, files = await self.load_bundle(context, bundle)
+        config = MonitoringConfig()
+        if CONFIG_FILE in files:
+            config = MonitoringConfig.parse(files[CONFIG_FILE], what=CONFIG_FILE)
+        monitor, limitations = None, []
+        if REFERENCE_FILE in files:
+            reference = load_reference(files[REFERENCE_FILE], task=config.task)
+            monitor = await asyncio.to_thread(ModelMonitor, reference, config, seed=self.seed)
+            limitations = list(monitor.limitations)
+        else:
+            limitations.append(f"the bundle has no {REFERENCE_FILE}: drift and data quality against the first "
+                               "window, no performance estimate")
+        key = model_version(model, version)
+        rules = config.rules
+        override = await self.store.get_rules(key)
+        if override is not None:
+            rules = _rules_of(override)
+        monitored = Monitored(model, version, context, bundle, bundle_uuid, source, config, monitor, rules,
+                              limitations)
+        self.models[key] = monitored
+        self.metrics.registered.set(len(self.models))
+        if save:
+            await self.store.save_registration(key, {"model": model, "version": version, "context": context,
+                                                     "bundle": bundle, "bundle_uuid": bundle_uuid, "source": source})
+        log.info("monitoring %s from bundle %s/%s (%s)", key, context, bundle_uuid, "; ".join(limitations) or "full")
+        return monitored
+
+    async def on_deployed(self, event: inference_events.PredictionMade | object) -> Monitored | None:
+        """A ModelDeployed: monitors the deployed version from its bundle (a model_dir deploy has none)."""
+        deployment, version = event.deployment, event.version
+        status = next((v for v in deployment.versions if v.version == version), None)
+        if status is None or not status.HasField("bundle"):
+            log.info("deployment of %s version %s has no bundle to monitor from", deployment.model, version)
+            return None
+        key = model_version(deployment.model, str(version))
+        if key in self.models and self.models[key].bundle_uuid == status.bundle_uuid:
+            return self.models[key]
+        return await self.register(deployment.model, str(version), status.bundle.context,
+                                   status.bundle_uuid or status.bundle.bundle, source="deployment")
+
+    def get(self, key: str) -> Monitored:
+        """Raises: NotFound: ``key`` (model/version) is not monitored."""
+        monitored = self.models.get(key)
+        if monitored is None:
+            raise NotFound(f"models/{key.replace('/', '/versions/', 1)} is not monitored")
+        return monitored
+
+    async def set_rules(self, key: str, text: str) -> tuple[Rule, ...]:
+        """Raises: NotFound; InvalidArgument: the YAML is too large, invalid, or a rule breaks one (rules[i].field)."""
+        monitored = self.get(key)
+        if len(text.encode()) > MAX_RULES_BYTES:
+            raise InvalidArgument("yaml", f"holds more than {MAX_RULES_BYTES} bytes")
+        rules = _rules_of(text)
+        await self.store.set_rules(key, text)
+        monitored.rules = rules
+        return rules
+
+    # ------------------------------------------------------------------ the stream's calls
+    def decode(self, monitored: Monitored, event: inference_events.PredictionMade) -> Batch:
+        """Raises: InvalidArgument: the KServe v2 messages do not decode (the stream dead-letters it)."""
+        config = monitored.config
+        task = monitored.monitor.task if monitored.monitor else (config.task or Task.MULTICLASS)
+        return decode_prediction(event, task=task, feature_names=config.feature_names,
+                                 scores_output=config.scores_output, predicted_output=config.predicted_output)
+
+    async def close_window(self, key: str, index: int, events: list[bytes], first_time: float,
+                           last_time: float) -> WindowScore | None:
+        """Scores a closed window, saves it, steps the rules (once per window: a replayed close does not
+        step them again) and emits the alerts' changes."""
+        started = time.perf_counter()
+        monitored = self.get(key)
+        batches = []
+        for raw in events:
+            try:
+                batches.append(self.decode(monitored, inference_events.PredictionMade.FromString(raw)))
+            except InvalidArgument:  # checked when it arrived; a config change may have made it undecodable
+                self.metrics.rejected.labels("malformed").inc()
+        batch = Batch.concat(batches)
+        if monitored.monitor is None:
+            if not len(batch):
+                return None
+            monitored.monitor = await asyncio.to_thread(_bootstrap_monitor, batch, monitored.config)
+        score = await asyncio.to_thread(monitored.monitor.score, batch, index=index, first_time=first_time,
+                                        last_time=last_time)
+        labelled, total = await self.store.truth(key, index)
+        if labelled:
+            score.labelled, score.true = labelled, total / labelled
+        await self.store.save_window(key, window_record(score))
+        await self._apply_rules(monitored, score)
+        self._export(monitored, score)
+        self.metrics.close_seconds.labels(monitored.model, monitored.version).observe(time.perf_counter() - started)
+        return score
+
+    async def _apply_rules(self, monitored: Monitored, score: WindowScore) -> None:
+        key = monitored.key
+        saved = await self.store.rule_states(key)
+        states: dict[str, dict] = {}
+        for rule in monitored.rules:
+            data = saved.get(rule.name, {})
+            if data.get("last_window", -1) >= score.index:
+                continue  # this window was applied before a crash
+            state = RuleState(firing=data.get("firing", False), breach_run=data.get("breach_run", 0),
+                              clear_run=data.get("clear_run", 0), raised_at_window=data.get("raised_at_window"))
+            change = step(rule, state, observe(rule, score.signals(), score.drift_signals()), score.index)
+            if change is not None:
+                await self._announce(monitored, change, score)
+            states[rule.name] = {"firing": state.firing, "breach_run": state.breach_run,
+                                 "clear_run": state.clear_run, "raised_at_window": state.raised_at_window,
+                                 "last_window": score.index}
+            self.metrics.firing.labels(monitored.model, monitored.version, rule.name).set(1 if state.firing else 0)
+        await self.store.save_rule_states(key, states)
+
+    async def _announce(self, monitored: Monitored, change: Transition, score: WindowScore) -> None:
+        rule, obs = change.rule, change.observation
+        bound = rule.under if rule.under is not None else (rule.over if rule.over is not None else 0.0)
+        evidence = alert_events_pb2.AlertEvidence(window=score.index, signal=rule.signal, value=obs.value or 0.0,
+                                                  bound=bound, features=obs.evidence, rows=score.rows,
+                                                  score=score.score)
+        evidence.window_end.FromNanoseconds(int(score.last_time * 1e9))
+        raised_at = change.raised_at_window if change.raised_at_window is not None else score.index
+        record = AlertRecord(monitored.model, monitored.version, rule.name, rule.signal, raised_at, obs.value,
+                             dict(obs.evidence), None if change.raised else score.index)
+        await self.store.save_alert(record)
+        kind = "raised" if change.raised else "resolved"
+        event_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"opml-monitoring/{monitored.key}/{rule.name}/{kind}/{score.index}"))
+        subject = f"models/{monitored.model}/versions/{monitored.version}"
+        if change.raised:
+            message = alert_events_pb2.AlertRaised(model=monitored.model, version=monitored.version, rule=rule.name,
+                                                   evidence=evidence)
+        else:
+            message = alert_events_pb2.AlertResolved(model=monitored.model, version=monitored.version,
+                                                     rule=rule.name, raised_at_window=raised_at, evidence=evidence)
+        self.emitter.emit(message, subject=subject, id=event_id)
+        self.metrics.alerts.labels(monitored.model, monitored.version, rule.name, kind).inc()
+        log.warning("alert %s %s on %s at window %d: %s=%s", rule.name, kind, monitored.key, score.index,
+                    rule.signal, obs.value)
+
+    def _export(self, monitored: Monitored, score: WindowScore) -> None:
+        m, v = monitored.model, monitored.version
+        self.metrics.windows.labels(m, v).inc()
+        self.metrics.score.labels(m, v).set(score.score)
+        for name, value in (("mpp", score.mpp), ("cbpe", score.cbpe), ("true", score.true)):
+            if value is not None:
+                self.metrics.estimate.labels(m, v, name).set(value)
+        for name, drift in score.drift.items():
+            self.metrics.drift.labels(m, v, name).set(drift.distance)
+        self.metrics.drifted.labels(m, v).set(sum(d.drifted for d in score.drift.values()))
+        self.metrics.data_quality.labels(m, v).set(score.data_quality.bad_rows_share)
+
+    # ------------------------------------------------------------------ labels
+    async def on_label(self, raw: bytes) -> str:
+        """Joins a LabelObserved to its prediction; returns the outcome (joined, parked, duplicate).
+
+        Raises:
+            InvalidArgument: the label is malformed (no request id, no values, wrong count for the
+                prediction's batch, a non-finite or non-class value): the stream dead-letters it.
+        """
+        label = label_events_pb2.LabelObserved.FromString(raw)
+        problems = []
+        if not label.request_id or len(label.request_id) > 256:
+            problems.append(("request_id", f"must hold 1-256 characters, but got {brief(label.request_id)}"))
+        if not label.values or len(label.values) > 100_000:
+            problems.append(("values", f"must hold 1-100000 values, but holds {len(label.values)}"))
+        elif not np.all(np.isfinite(np.asarray(label.values))):
+            problems.append(("values", "must all be finite numbers"))
+        if problems:
+            raise InvalidArgument.of(problems)
+        found = await self.store.find_prediction(label.request_id)
+        if found is None:
+            await self.store.park_label(label.request_id, raw)
+            self.metrics.labels.labels("parked").inc()
+            return "parked"
+        key, window, event = found
+        return await self._join(key, window, event, label)
+
+    async def on_prediction_joinable(self, key: str, window: int, raw_event: bytes, request_id: str) -> None:
+        """Keeps a prediction for the label join; applies a label that came before it."""
+        parked = await self.store.remember_prediction(request_id, key, window, raw_event)
+        if parked is not None:
+            try:
+                await self._join(key, window, raw_event, label_events_pb2.LabelObserved.FromString(parked))
+            except InvalidArgument as exc:
+                self.metrics.labels.labels("malformed").inc()
+                log.warning("parked label of %s dropped: %s", request_id, exc)
+
+    async def _join(self, key: str, window: int, raw_event: bytes, label: label_events_pb2.LabelObserved) -> str:
+        monitored = self.models.get(key)
+        if monitored is None or monitored.monitor is None:
+            raise FailedPrecondition(f"{key} has no monitor to join labels to")
+        batch = self.decode(monitored, inference_events.PredictionMade.FromString(raw_event))
+        values = np.asarray(label.values, dtype=np.float64)
+        if len(values) != len(batch):
+            raise InvalidArgument("values", f"holds {len(values)} values, but request {label.request_id} "
+                                            f"predicted {len(batch)} rows")
+        monitor = monitored.monitor
+        if monitor.task is not Task.REGRESSION and not np.all(values == np.round(values)):
+            raise InvalidArgument("values", "must be class indexes for a classifier")
+        if not await self.store.claim_join(label.request_id):
+            self.metrics.labels.labels("duplicate").inc()
+            return "duplicate"
+        if monitor.task is Task.REGRESSION:
+            total = float(np.sum(np.abs(batch.outputs.predicted - values)))
+        else:
+            total = float(np.sum(batch.outputs.predicted == values))
+        labelled, sum_total = await self.store.add_truth(key, window, len(values), total)
+        record = await self.store.get_window(key, window)
+        if record is not None:
+            record["labelled"], record["true"] = labelled, sum_total / labelled
+            await self.store.save_window(key, record)
+            self.metrics.estimate.labels(monitored.model, monitored.version, "true").set(record["true"])
+            for name in ("mpp", "cbpe"):
+                if record.get(name) is not None:
+                    self.metrics.estimate_error.labels(monitored.model, monitored.version, name).set(
+                        abs(record[name] - record["true"]))
+        if monitor.mpp is not None:
+            monitor.mpp.add_labels(batch.features, batch.outputs, values)
+            if monitor.mpp.due:
+                if await asyncio.to_thread(monitor.mpp.recalibrate):
+                    self.metrics.recalibrations.labels(monitored.model, monitored.version).inc()
+        self.metrics.labels.labels("joined").inc()
+        return "joined"
+
+
+def _rules_of(text: str) -> tuple[Rule, ...]:
+    from opml_common.yamlsafe import load_yaml
+
+    data = load_yaml(text, what="rules", max_bytes=MAX_RULES_BYTES)
+    if isinstance(data, Mapping):
+        data = data.get("rules", [])
+    return parse_rules(data or [], path="rules")
+
+
+def _bootstrap_monitor(batch: Batch, config: MonitoringConfig) -> ModelMonitor:
+    """No reference set: the first window is the baseline of drift and data quality (no labels)."""
+    scores = batch.outputs.scores
+    task = config.task or (Task.REGRESSION if scores is None else
+                           Task.MULTICLASS if batch.outputs.class_scores().shape[1] > 2 else Task.BINARY)
+    reference = ReferenceSet.build(task=task, features=batch.features, predicted=batch.outputs.predicted,
+                                   scores=scores, min_rows=1)
+    monitor = ModelMonitor(reference, config)
+    monitor.limitations.append("no reference set: the first window is the baseline")
+    return monitor

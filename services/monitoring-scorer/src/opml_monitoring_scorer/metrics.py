@@ -1,0 +1,37 @@
+"""The scorer's Prometheus metrics, per model and version (``opml_monitoring_scorer_*``)."""
+
+from __future__ import annotations
+
+from opml_common.metrics import ServiceMetrics
+
+WINDOW_CLOSE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class ScorerMetrics:
+    def __init__(self, metrics: ServiceMetrics) -> None:
+        mv = ("model", "version")
+        self.predictions = metrics.counter("predictions_total", "Predictions scored, per model version.", mv)
+        self.rejected = metrics.counter(
+            "predictions_rejected_total", "Predictions dead-lettered: unknown_model (no monitoring registered), "
+            "malformed (the event or its KServe v2 messages do not decode).", ("reason",))
+        self.windows = metrics.counter("windows_total", "Windows closed and scored.", mv)
+        self.score = metrics.gauge("window_score", "Quality score of the last closed window (0..1).", mv)
+        self.estimate = metrics.gauge(
+            "estimate", "Performance of the last window: estimator mpp or cbpe (label-free), or true (labels); "
+            "accuracy, or MAE for regression.", (*mv, "estimator"))
+        self.estimate_error = metrics.gauge(
+            "estimate_error_abs", "|estimate - true| of the last window with labels, per estimator.", (*mv, "estimator"))
+        self.drift = metrics.gauge("feature_drift_distance", "Drift distance of each feature in the last window "
+                                   "(normed Wasserstein or Jensen-Shannon).", (*mv, "feature"))
+        self.drifted = metrics.gauge("features_drifted", "Features whose drift test fired in the last window.", mv)
+        self.data_quality = metrics.gauge("data_quality_bad_share", "Share of the last window's rows with a "
+                                          "data-quality problem.", mv)
+        self.alerts = metrics.counter("alerts_total", "Alerts raised and resolved.", (*mv, "rule", "change"))
+        self.firing = metrics.gauge("alerts_firing", "1 while a rule's alert is raised.", (*mv, "rule"))
+        self.close_seconds = metrics.histogram(
+            "window_close_seconds", "From a window's close to its score saved and its alerts emitted.", mv,
+            buckets=WINDOW_CLOSE_BUCKETS)
+        self.labels = metrics.counter("labels_total", "Labels by outcome: joined, parked (before its "
+                                      "prediction), duplicate, malformed.", ("outcome",))
+        self.recalibrations = metrics.counter("mpp_recalibrations_total", "MPP refits from live labels.", mv)
+        self.registered = metrics.gauge("models_monitored", "Model versions monitored.")

@@ -1,0 +1,87 @@
+"""The MonitoringService gRPC servicer: parses requests, calls the scorer, converts the answers.
+It holds no scoring logic and publishes no events (those come from core/scorer.py)."""
+
+from __future__ import annotations
+
+import yaml
+from opml.monitoring.v1 import monitoring_pb2 as pb
+from opml.monitoring.v1 import monitoring_pb2_grpc
+
+from opml_common.errors import InvalidArgument
+from opml_common.pagination import paginate
+from opml_monitoring_scorer.convert import (
+    alert_to_proto,
+    parse_name,
+    resource_name,
+    status_to_proto,
+    window_to_proto,
+)
+from opml_monitoring_scorer.core.scorer import Scorer
+
+METHOD_ROLES = {"RegisterModel": "writer", "GetModelStatus": "reader", "ListModels": "reader",
+                "ListWindows": "reader", "ListAlerts": "reader", "GetRules": "reader", "SetRules": "writer"}
+MAX_WINDOWS_PAGE = 1000
+
+
+class MonitoringServicer(monitoring_pb2_grpc.MonitoringServiceServicer):
+    def __init__(self, scorer: Scorer) -> None:
+        self._scorer = scorer
+
+    async def _status(self, key: str) -> pb.ModelStatus:
+        monitored = self._scorer.get(key)
+        store = self._scorer.store
+        last = await store.windows(key, before=None, limit=1)
+        total = 0
+        for record in await store.windows(key, before=None, limit=10**9):
+            total += record["rows"]
+        return status_to_proto(monitored, windows=await store.window_count(key), predictions=total,
+                               last=last[0] if last else None, firing=await store.firing(key))
+
+    async def RegisterModel(self, request: pb.RegisterModelRequest, context) -> pb.ModelStatus:
+        monitored = await self._scorer.register(request.model, request.version, request.reference.context,
+                                                request.reference.bundle)
+        return await self._status(monitored.key)
+
+    async def GetModelStatus(self, request: pb.GetModelStatusRequest, context) -> pb.ModelStatus:
+        return await self._status(parse_name("name", request.name))
+
+    async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
+        return pb.ListModelsResponse(models=[await self._status(key) for key in sorted(self._scorer.models)])
+
+    async def ListWindows(self, request: pb.ListWindowsRequest, context) -> pb.ListWindowsResponse:
+        key = parse_name("name", request.name)
+        self._scorer.get(key)
+        if request.page_size < 0:
+            raise InvalidArgument("page_size", f"must be >= 0, but got {request.page_size}")
+        size = min(request.page_size or 50, MAX_WINDOWS_PAGE)
+        before = None
+        if request.page_token:
+            try:
+                before = int(request.page_token)
+            except ValueError:
+                raise InvalidArgument("page_token", "is not a token this API gave") from None
+        records = await self._scorer.store.windows(key, before=before, limit=size + 1)
+        page, more = records[:size], len(records) > size
+        return pb.ListWindowsResponse(windows=[window_to_proto(r) for r in page],
+                                      next_page_token=str(page[-1]["index"]) if more else "")
+
+    async def ListAlerts(self, request: pb.ListAlertsRequest, context) -> pb.ListAlertsResponse:
+        keys = [parse_name("name", request.name)] if request.name else sorted(self._scorer.models)
+        alerts = []
+        for key in keys:
+            self._scorer.get(key)
+            alerts.extend(await self._scorer.store.alerts(key, offset=0, limit=10_000))
+        alerts.sort(key=lambda a: (-a.raised_at_window, a.model, a.version, a.rule))
+        page, token = paginate(alerts, request.page_size, request.page_token, query=request.name)
+        return pb.ListAlertsResponse(alerts=[alert_to_proto(a) for a in page], next_page_token=token)
+
+    async def GetRules(self, request: pb.GetRulesRequest, context) -> pb.Rules:
+        key = parse_name("name", request.name)
+        monitored = self._scorer.get(key)
+        text = yaml.safe_dump({"rules": [r.to_dict() for r in monitored.rules]}, sort_keys=False)
+        return pb.Rules(name=resource_name(monitored.model, monitored.version), yaml=text)
+
+    async def SetRules(self, request: pb.SetRulesRequest, context) -> pb.Rules:
+        key = parse_name("name", request.name)
+        await self._scorer.set_rules(key, request.yaml)
+        return await self.GetRules(pb.GetRulesRequest(name=request.name), context)

@@ -1,0 +1,32 @@
+"""monitoring-scorer settings: ``OPML_MONITORING_SCORER_*`` (the shared ones are in opml_common.config)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import AliasChoices, Field, SecretStr
+from pydantic_settings import SettingsConfigDict
+
+from opml_common.config import ServiceSettings
+
+
+class MonitoringScorerSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="OPML_MONITORING_SCORER_", frozen=True, extra="ignore")
+
+    grpc_port: int = Field(50056, ge=0, le=65535, description="gRPC port (0 picks a free one).")
+    metrics_port: int = Field(9156, ge=0, le=65535, description="Prometheus /metrics port (0 picks a free one).")
+    home: Path = Field(Path.home() / ".opml" / "monitoring-scorer",
+                       description="Directory of the event outbox, the faust app's data and fetched bundles.")
+    bundle_store_target: str = Field(
+        "127.0.0.1:50051", min_length=1,
+        validation_alias=AliasChoices("OPML_MONITORING_SCORER_BUNDLE_STORE_TARGET", "OPML_BUNDLE_STORE_TARGET"),
+        description="host:port of the bundle-store, where reference bundles are read (also read from "
+        "OPML_BUNDLE_STORE_TARGET).")
+    bundle_store_token: SecretStr = Field(SecretStr(""), description="Bearer token the scorer calls the "
+                                          "bundle-store with (reader role); empty: none (dev).")
+    label_retention_s: int = Field(7 * 86_400, ge=60, le=90 * 86_400,
+                                   description="How long a prediction waits for its label (and a label for its "
+                                   "prediction) before the join forgets it.")
+    autoregister: bool = Field(True, description="Monitor every version the inference-router deploys from a "
+                               "bundle (opml.deployments.v1), from that bundle's reference.npz and monitoring.yaml.")
+    seed: int = Field(0, description="Seed of the MPP's secondary models (reproducible estimates).")

@@ -1,0 +1,150 @@
+"""The scorer's durable state in Redis: registrations, window history, rule states, alerts, the label join.
+
+Keys (under ``{redis_prefix}monitoring:``; ``{mv}`` is ``model/version``):
+
+| key | what |
+|---|---|
+| ``models`` (hash) | ``{mv}`` -> the registration (reference bundle, config YAML, how it was registered) |
+| ``rules:{mv}`` | the rules YAML set through SetRules (overrides the bundle's) |
+| ``windows:{mv}`` (hash) + ``windex:{mv}`` (zset) | window index -> its score record; the index for paging |
+| ``rulestate:{mv}`` (hash) | rule -> run counts, firing, the last window applied (replays are skipped) |
+| ``alerts:{mv}`` (hash) + ``aindex:{mv}`` (zset) | ``{rule}@{window}`` -> the alert, newest first |
+| ``pred:{request id}`` | the prediction a late label joins to (model version, window, event), expires |
+| ``label:{request id}`` | a label that came before its prediction, expires |
+| ``joined:{request id}`` | a label applied once (duplicate labels are ignored), expires |
+| ``truth:{mv}:{window}`` (hash) | labelled rows and their correct count (or absolute error sum) |
+
+Everything is written idempotently (by window index, rule and request id), so a replay after a
+crash rewrites the same values instead of counting twice.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from opml_monitoring_scorer.core.records import AlertRecord
+
+
+class MonitorStore:
+    """Side effects: none until used; ``start``/``stop`` are no-ops (the Redis client is the service's)."""
+
+    def __init__(self, redis: aioredis.Redis, *, prefix: str, retention_s: int) -> None:
+        self.redis = redis
+        self.prefix = prefix + "monitoring:"
+        self.retention_s = retention_s
+
+    def _k(self, *parts: str) -> str:
+        return self.prefix + ":".join(parts)
+
+    async def start(self) -> None:
+        await self.redis.ping()
+
+    async def stop(self) -> None:
+        return None
+
+    # registrations
+    async def save_registration(self, mv: str, registration: dict[str, Any]) -> None:
+        await self.redis.hset(self._k("models"), mv, json.dumps(registration))
+
+    async def registrations(self) -> dict[str, dict[str, Any]]:
+        raw = await self.redis.hgetall(self._k("models"))
+        return {k.decode(): json.loads(v) for k, v in raw.items()}
+
+    async def set_rules(self, mv: str, text: str) -> None:
+        await self.redis.set(self._k("rules", mv), text)
+
+    async def get_rules(self, mv: str) -> str | None:
+        value = await self.redis.get(self._k("rules", mv))
+        return None if value is None else value.decode()
+
+    # windows
+    async def save_window(self, mv: str, record: dict[str, Any]) -> None:
+        index = record["index"]
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self._k("windows", mv), str(index), json.dumps(record))
+            pipe.zadd(self._k("windex", mv), {str(index): index})
+            await pipe.execute()
+
+    async def get_window(self, mv: str, index: int) -> dict[str, Any] | None:
+        raw = await self.redis.hget(self._k("windows", mv), str(index))
+        return None if raw is None else json.loads(raw)
+
+    async def windows(self, mv: str, *, before: int | None, limit: int) -> list[dict[str, Any]]:
+        """Newest first, indexes below ``before`` (None: from the newest)."""
+        top = "+inf" if before is None else f"({before}"
+        indexes = await self.redis.zrevrangebyscore(self._k("windex", mv), top, "-inf", start=0, num=limit)
+        if not indexes:
+            return []
+        raws = await self.redis.hmget(self._k("windows", mv), indexes)
+        return [json.loads(r) for r in raws if r is not None]
+
+    async def window_count(self, mv: str) -> int:
+        return int(await self.redis.zcard(self._k("windex", mv)))
+
+    # rules and alerts
+    async def rule_states(self, mv: str) -> dict[str, dict[str, Any]]:
+        raw = await self.redis.hgetall(self._k("rulestate", mv))
+        return {k.decode(): json.loads(v) for k, v in raw.items()}
+
+    async def save_rule_states(self, mv: str, states: dict[str, dict[str, Any]]) -> None:
+        if states:
+            await self.redis.hset(self._k("rulestate", mv), mapping={k: json.dumps(v) for k, v in states.items()})
+
+    async def save_alert(self, alert: AlertRecord) -> None:
+        mv = f"{alert.model}/{alert.version}"
+        key = f"{alert.rule}@{alert.raised_at_window}"
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self._k("alerts", mv), key, json.dumps(alert.to_dict()))
+            pipe.zadd(self._k("aindex", mv), {key: alert.raised_at_window})
+            await pipe.execute()
+
+    async def alerts(self, mv: str, *, offset: int, limit: int) -> list[AlertRecord]:
+        keys = await self.redis.zrevrange(self._k("aindex", mv), offset, offset + limit - 1)
+        if not keys:
+            return []
+        raws = await self.redis.hmget(self._k("alerts", mv), keys)
+        return [AlertRecord.from_dict(json.loads(r)) for r in raws if r is not None]
+
+    async def firing(self, mv: str) -> list[str]:
+        states = await self.rule_states(mv)
+        return sorted(rule for rule, state in states.items() if state.get("firing"))
+
+    # label join
+    async def remember_prediction(self, request_id: str, mv: str, window: int, event: bytes) -> bytes | None:
+        """Keeps the prediction for a late label; returns a label that came first (and drops it)."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(self._k("pred", request_id), json.dumps({"mv": mv, "window": window, "event": event.hex()}),
+                     ex=self.retention_s)
+            pipe.getdel(self._k("label", request_id))
+            _, label = await pipe.execute()
+        return label
+
+    async def find_prediction(self, request_id: str) -> tuple[str, int, bytes] | None:
+        raw = await self.redis.get(self._k("pred", request_id))
+        if raw is None:
+            return None
+        data = json.loads(raw)
+        return data["mv"], int(data["window"]), bytes.fromhex(data["event"])
+
+    async def park_label(self, request_id: str, label: bytes) -> None:
+        await self.redis.set(self._k("label", request_id), label, ex=self.retention_s)
+
+    async def claim_join(self, request_id: str) -> bool:
+        """True the first time a request's label is applied; later duplicates get False."""
+        return bool(await self.redis.set(self._k("joined", request_id), b"1", nx=True, ex=self.retention_s))
+
+    async def add_truth(self, mv: str, window: int, labelled: int, total: float) -> tuple[int, float]:
+        key = self._k("truth", mv, str(window))
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hincrby(key, "labelled", labelled)
+            pipe.hincrbyfloat(key, "total", total)
+            pipe.expire(key, max(self.retention_s * 4, 86_400))
+            count, value, _ = await pipe.execute()
+        return int(count), float(value)
+
+    async def truth(self, mv: str, window: int) -> tuple[int, float]:
+        raw = await self.redis.hgetall(self._k("truth", mv, str(window)))
+        return int(raw.get(b"labelled", 0)), float(raw.get(b"total", 0.0))

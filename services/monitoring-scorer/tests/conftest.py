@@ -1,0 +1,161 @@
+"""Fixtures: a real bundle-store holding a reference bundle, a real monitoring-scorer, and a producer of
+PredictionMade events built by the inference-router's own prediction log (``PredictionLog.event_of``),
+published to the real broker, and of LabelObserved events."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from opml.monitoring.v1 import label_events_pb2
+from prometheus_client import CollectorRegistry
+from tritonclient.grpc import service_pb2 as pb
+
+from opml_bundle_store.client import BundleStoreClient
+from opml_common.bus import EventPublisher
+from opml_common.bus.cloudevents import CloudEvent
+from opml_common.config import PlatformSettings
+from opml_common.kserve_codec import encode_outputs, encode_request
+from opml_common.metrics import ServiceMetrics
+from opml_common.process import ServiceProcess
+from opml_common.testing.services import TOKENS, ServiceStarter
+from opml_inference_router.predictions import PredictionLog, _Entry
+from opml_inference_router.routing import Routed
+from opml_monitoring_scorer.__main__ import SPEC
+from opml_monitoring_scorer.client import MonitoringClient
+from opml_monitoring_scorer.core.reference import Task
+from opml_monitoring_scorer.core.scorer import dump_reference
+from opml_monitoring_scorer.synthetic import FEATURES, Rows, SyntheticWorld
+from opml_monitoring_scorer.topics import LABELS, PREDICTIONS
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+WINDOW = 200
+BATCH = 10
+CONFIG = f"""
+features: {{x: [{", ".join(FEATURES)}]}}
+outputs: {{scores: probabilities}}
+window: {{count: {WINDOW}}}
+rules:
+  - {{name: drift, signal: drift, over: 0.25, for: 2, clear_after: 2, margin: 0.05}}
+  - {{name: accuracy, signal: mpp, under: 0.7, for: 2}}
+"""
+
+
+@dataclass
+class Stack:
+    store: ServiceProcess
+    scorer_env: dict[str, str]
+    starter: ServiceStarter
+    context: str
+
+    def scorer(self) -> ServiceProcess:
+        return self.starter(SPEC, env=self.scorer_env, start=False)
+
+
+@pytest.fixture
+def world() -> SyntheticWorld:
+    return SyntheticWorld(Task.BINARY, seed=11)
+
+
+@pytest.fixture
+def stack(start_service: ServiceStarter, world: SyntheticWorld, unique_prefix: str) -> Iterator[Stack]:
+    """A bundle-store with the reference bundle ``reference`` committed in context ``monitoring``, and the
+    environment of a monitoring-scorer pointed at it (started by the test)."""
+    store = start_service("bundle-store")
+    context = "monitoring"
+    with BundleStoreClient(store.target, token=TOKENS["writer"]) as client:
+        client.create_context(context)
+        client.add(context, "reference", {"reference.npz": dump_reference(world.reference(3000)),
+                                          "monitoring.yaml": CONFIG.encode()}, commit=True)
+    env = start_service.env(SPEC, extra_env={
+        "PYTHONPATH": os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH", "")) if p),
+        "OPML_MONITORING_SCORER_BUNDLE_STORE_TARGET": store.target,
+        "OPML_MONITORING_SCORER_BUNDLE_STORE_TOKEN": TOKENS["reader"],
+        "OPML_MONITORING_SCORER_SHUTDOWN_GRACE_S": "1"})
+    yield Stack(store, env, start_service, context)
+
+
+def writer(process: ServiceProcess) -> MonitoringClient:
+    return MonitoringClient(process.target, token=TOKENS["writer"])
+
+
+class Producer:
+    """Publishes predictions as the router's PredictionLog makes them (batches of BATCH rows), and labels."""
+
+    def __init__(self, settings: PlatformSettings, model: str = "fraud", version: str = "1") -> None:
+        self.settings = settings
+        self.model, self.version = model, version
+        registry = CollectorRegistry()
+        self.publisher = EventPublisher(settings, source="opml/inference-router",
+                                        metrics=ServiceMetrics("test", registry))
+        self.log = PredictionLog(self.publisher, ServiceMetrics("test-log", registry))
+        self.sent = 0
+        self.labels: dict[str, list[float]] = {}
+
+    async def __aenter__(self) -> Producer:
+        await self.publisher.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.publisher.stop()
+
+    async def send(self, rows: Rows, *, start: int = 0) -> None:
+        n = len(rows.outputs)
+        x = np.column_stack([rows.features[f] for f in FEATURES]).astype(np.float32)
+        color = rows.features["color"].astype(object)
+        scores = rows.outputs.class_scores().astype(np.float32)
+        for i in range(0, n, BATCH):
+            request_id = f"req-{self.sent}"
+            request = encode_request(self.model, {"x": x[i:i + BATCH],
+                                                  "color": np.array([[c.encode()] for c in color[i:i + BATCH]],
+                                                                    dtype=object)},
+                                     version=self.version, request_id=request_id)
+            response = encode_outputs(pb.ModelInferResponse(model_name=self.model, model_version=self.version,
+                                                            id=request_id),
+                                      {"probabilities": scores[i:i + BATCH]})
+            entry = _Entry(request_id, self.model, time.time(), 0.001,
+                           Routed(b"", self.version, "127.0.0.1:1", 1, False),
+                           request.SerializeToString(), response.SerializeToString())
+            await self.publisher.publish_proto(PREDICTIONS, self.log.event_of(entry),
+                                               subject=f"{self.model}/{self.version}")
+            self.labels[request_id] = [float(v) for v in rows.labels[i:i + BATCH]]
+            self.sent += 1
+
+    async def send_labels(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            label = label_events_pb2.LabelObserved(request_id=request_id, values=self.labels[request_id])
+            await self.publisher.publish(LABELS, CloudEvent.from_proto(label, source="opml/test-labels",
+                                                                       subject=request_id), key=request_id)
+
+
+def wait_windows(client: MonitoringClient, model: str, version: str, count: int, *, timeout_s: float = 60.0,
+                 process: ServiceProcess | None = None) -> list:
+    """The version's windows once ``count`` are closed (oldest first); polls the API up to ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    windows: list = []
+    while time.monotonic() < deadline:
+        windows = sorted(client.windows(model, version, page_size=1000), key=lambda w: w.index)
+        if len(windows) >= count:
+            return windows
+        time.sleep(0.2)
+    log = process.log_path.read_text()[-3000:] if process is not None else ""
+    raise AssertionError(f"{len(windows)} of {count} windows closed in {timeout_s}s\n{log}")
+
+
+def wait_labelled(client: MonitoringClient, model: str, version: str, indexes: list[int], *,
+                  timeout_s: float = 60.0) -> list:
+    """The windows ``indexes`` once every row of each has its label joined; polls the API."""
+    deadline = time.monotonic() + timeout_s
+    found: list = []
+    while time.monotonic() < deadline:
+        windows = {w.index: w for w in client.windows(model, version, page_size=1000)}
+        found = [windows[i] for i in indexes if i in windows and windows[i].labelled == windows[i].rows]
+        if len(found) == len(indexes):
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"{len(found)} of {len(indexes)} windows fully labelled in {timeout_s}s")

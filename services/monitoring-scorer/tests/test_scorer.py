@@ -1,0 +1,105 @@
+"""The scorer's domain on the real Redis (no broker): windows, rules and alert events, the label join."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import numpy as np
+import pytest
+import redis.asyncio as aioredis
+from opml.inference.v1 import events_pb2 as inference_events
+from opml.monitoring.v1 import label_events_pb2
+from prometheus_client import CollectorRegistry
+from tritonclient.grpc import service_pb2 as pb
+
+from opml_common.errors import InvalidArgument
+from opml_common.events import RecordingEmitter
+from opml_common.kserve_codec import encode_outputs, encode_request
+from opml_common.metrics import ServiceMetrics
+from opml_monitoring_scorer.core.reference import Task, performance
+from opml_monitoring_scorer.core.scorer import Scorer, dump_reference
+from opml_monitoring_scorer.metrics import ScorerMetrics
+from opml_monitoring_scorer.state import MonitorStore
+from opml_monitoring_scorer.synthetic import FEATURES, SyntheticWorld
+
+CONFIG = b"""
+features: {x: [x0, x1, x2, x3]}
+window: {count: 100}
+rules: [{name: low, signal: mpp, under: 0.6, for: 2}]
+"""
+
+
+def events_of(rows, start: int) -> list[tuple[str, bytes]]:
+    out = []
+    x = np.column_stack([rows.features[f] for f in FEATURES]).astype(np.float32)
+    scores = rows.outputs.class_scores().astype(np.float32)
+    for i in range(len(x)):
+        rid = f"r{start + i}"
+        request = encode_request("m", {"x": x[i:i + 1], "color": np.array([[rows.features["color"][i].encode()]],
+                                                                          dtype=object)}, request_id=rid)
+        response = encode_outputs(pb.ModelInferResponse(id=rid), {"probabilities": scores[i:i + 1]})
+        event = inference_events.PredictionMade(request_id=rid, model_name="m", model_version="1",
+                                                infer_request=request.SerializeToString(),
+                                                infer_response=response.SerializeToString())
+        out.append((rid, event.SerializeToString()))
+    return out
+
+
+@pytest.fixture
+async def scorer():
+    world = SyntheticWorld(Task.BINARY, seed=21)
+    files = {"reference.npz": dump_reference(world.reference(2000)), "monitoring.yaml": CONFIG}
+
+    async def load(context: str, ref: str):
+        return "uuid-1", files
+
+    client = aioredis.Redis.from_url("redis://127.0.0.1:6379")
+    prefix = f"opml-test:{uuid.uuid4().hex[:8]}:"
+    emitter = RecordingEmitter()
+    scorer = Scorer(store=MonitorStore(client, prefix=prefix, retention_s=600), emitter=emitter,
+                    metrics=ScorerMetrics(ServiceMetrics("monitoring-scorer", CollectorRegistry())), load_bundle=load)
+    await scorer.register("m", "1", "ctx", "ref")
+    yield scorer, world, emitter
+    keys = await client.keys(prefix + "*")
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
+
+
+async def test_late_labels_join_by_request_id_either_order_once_each(scorer) -> None:
+    scorer, world, _ = scorer
+    rows = world.rows(100)
+    events = events_of(rows, 0)
+    early = label_events_pb2.LabelObserved(request_id="r0", values=[rows.labels[0]]).SerializeToString()
+    assert await scorer.on_label(early) == "parked"
+    for rid, raw in events:
+        await scorer.on_prediction_joinable("m/1", 0, raw, rid)
+    score = await scorer.close_window("m/1", 0, [raw for _, raw in events], time.time(), time.time())
+    assert score.rows == 100 and score.labelled == 1
+    for i in range(1, 100):
+        label = label_events_pb2.LabelObserved(request_id=f"r{i}", values=[rows.labels[i]])
+        assert await scorer.on_label(label.SerializeToString()) == "joined"
+    again = label_events_pb2.LabelObserved(request_id="r5", values=[rows.labels[5]]).SerializeToString()
+    assert await scorer.on_label(again) == "duplicate"
+    (record,) = await scorer.store.windows("m/1", before=None, limit=10)
+    assert record["labelled"] == 100
+    assert record["true"] == pytest.approx(performance(Task.BINARY, rows.outputs.predicted, rows.labels))
+    with pytest.raises(InvalidArgument, match="holds 2 values"):
+        await scorer.on_label(label_events_pb2.LabelObserved(request_id="r7", values=[1, 0]).SerializeToString())
+    with pytest.raises(InvalidArgument) as caught:
+        await scorer.on_label(label_events_pb2.LabelObserved().SerializeToString())
+    assert [f for f, _ in caught.value.violations] == ["request_id", "values"]
+
+
+async def test_a_replayed_window_close_steps_the_rules_once(scorer) -> None:
+    scorer, world, emitter = scorer
+    await scorer.set_rules("m/1", "rules: [{name: always, signal: score, under: 1.01, for: 2}]")
+    for index in range(3):
+        raws = [raw for _, raw in events_of(world.rows(100), index * 100)]
+        await scorer.close_window("m/1", index, raws, 0.0, 1.0)
+        await scorer.close_window("m/1", index, raws, 0.0, 1.0)  # the same close again, as after a crash
+    raised = [m for m in emitter.messages if type(m).__name__ == "AlertRaised"]
+    assert [(m.rule, m.evidence.window) for m in raised] == [("always", 1)]
+    assert (await scorer.store.rule_states("m/1"))["always"]["breach_run"] == 3
+    assert await scorer.store.window_count("m/1") == 3
