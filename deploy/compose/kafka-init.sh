@@ -46,12 +46,14 @@ user bundle-store "$KAFKA_BUNDLE_STORE_PASSWORD"
 user job-orchestrator "$KAFKA_JOB_ORCHESTRATOR_PASSWORD"
 user inference-router "$KAFKA_INFERENCE_ROUTER_PASSWORD"
 user trace-collector "$KAFKA_TRACE_COLLECTOR_PASSWORD"
+user fl-coordinator "$KAFKA_FL_COORDINATOR_PASSWORD"
 user tracer "$KAFKA_TRACER_PASSWORD"  # the tracers inside jobs (the job-orchestrator hands it to jobs)
 
 owns bundle-store opml.bundles.v1
 owns job-orchestrator opml.jobs.v1
 owns inference-router opml.predictions.v1
 owns inference-router opml.deployments.v1
+owns fl-coordinator opml.federations.v1
 reads inference-router opml.bundles.v1 inference-router-autodeploy
 acl tracer --operation Write --operation Describe --topic opml.traces.v1
 reads trace-collector opml.traces.v1 trace-collector. prefixed  # groups trace-collector.<generation>

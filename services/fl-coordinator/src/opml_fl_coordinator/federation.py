@@ -400,6 +400,8 @@ class Federation:
             self.strategy.load_state({k.removeprefix("strategy."): v for k, v in arrays.items()
                                       if k.startswith("strategy.")})
         phase = Phase(document["phase"])
+        if phase not in (Phase.COMPLETED, Phase.STOPPED) and self.version >= self.config.rounds:
+            phase = Phase.COMPLETED  # saved after its last round, before it was marked completed
         self.phase = phase if phase in (Phase.COMPLETED, Phase.STOPPED) else Phase.WAITING
         self.reason = str(document.get("reason", ""))
 

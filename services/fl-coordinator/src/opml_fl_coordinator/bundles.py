@@ -1,0 +1,55 @@
+"""Publishing a federation's global model to bundle-store: a committed bundle ``fl-{federation}``
+holding ``weights.npz`` with lineage (federation, round, clients, strategy, metrics as values and
+parameters), so flow 3 (train across plants -> bundle -> served) continues in bundle-store."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from opml.bundles.v1 import bundles_pb2
+
+from opml_common.errors import AlreadyExists
+from opml_fl_coordinator.federation import Federation, RoundRecord
+from opml_fl_coordinator.weights import Weights, to_bytes
+
+log = logging.getLogger(__name__)
+
+
+class BundlePublisher:
+    """Commits models to bundle-store (its client is imported only when one is configured)."""
+
+    def __init__(self, target: str, *, token: str | None, context: str) -> None:
+        self.target, self._token, self.context = target, token or None, context
+        self._context_made = False
+
+    def _publish(self, federation: Federation, record: RoundRecord, weights: Weights) -> str:
+        from opml_bundle_store.client import BundleStoreClient
+
+        with BundleStoreClient(self.target, token=self._token) as client:
+            if not self._context_made:
+                try:
+                    client.create_context(self.context)
+                except AlreadyExists:
+                    pass
+                self._context_made = True
+            strategy = federation.config.strategy
+            lineage = bundles_pb2.Lineage(creator="fl-coordinator", parameters={
+                "federation": federation.federation_id, "round": str(record.number),
+                "strategy": strategy.name, "selection": federation.config.selection.policy,
+                "mode": federation.config.mode, "clients": ",".join(record.participants)})
+            values = {"round": record.number, "federation": federation.federation_id,
+                      **{f"metrics.{k}": float(v) for k, v in record.metrics.items()}}
+            bundle = client.add(self.context, f"fl-{federation.federation_id}",
+                                {"weights.npz": to_bytes(weights)}, values=values,
+                                tags={"federation": federation.federation_id, "round": str(record.number)},
+                                lineage=lineage, commit=True)
+        return f"{self.context}/{bundle.bundle_name}@{bundle.uuid}"
+
+    async def publish(self, federation: Federation, record: RoundRecord, weights: Weights) -> str:
+        """Commit ``weights`` (the model after ``record``); returns the bundle's ``context/name@uuid``.
+
+        Raises:
+            OpmlError: bundle-store refused or could not be reached.
+        """
+        return await asyncio.to_thread(self._publish, federation, record, weights)

@@ -1,0 +1,149 @@
+"""The FederationService and FederatedClientService servicers: parse, call the coordinator, convert.
+
+Client calls are identified by the client's own token (metadata ``x-opml-fl-client-token``),
+which the coordinator maps to one (federation, client id); a request naming another federation is
+refused. The platform's bearer-token roles (``METHOD_ROLES``) apply on top, to every call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from opml.fl.v1 import fl_pb2 as pb
+from opml.fl.v1 import fl_pb2_grpc
+
+from opml_common.errors import InvalidArgument, PermissionDenied
+from opml_common.pagination import paginate
+from opml_fl_coordinator import convert
+from opml_fl_coordinator.coordinator import DONE, Coordinator
+from opml_fl_coordinator.metrics import FlMetrics
+
+CLIENT_TOKEN_HEADER = "x-opml-fl-client-token"
+MAX_WAIT_S = 60.0
+DEFAULT_WAIT_S = 10.0
+
+FEDERATION_ROLES = {"CreateFederation": "writer", "GetFederation": "reader", "ListFederations": "reader",
+                    "StopFederation": "writer", "ListRounds": "reader", "WatchRounds": "reader",
+                    "RegisterClient": "writer", "DownloadWeights": "reader"}
+# Clients need the platform's lowest role; who they are comes from their own token.
+CLIENT_ROLES = {"Join": "reader", "Leave": "reader", "PullTask": "reader", "UploadUpdate": "reader",
+                "ReportFailure": "reader"}
+METHOD_ROLES = {**FEDERATION_ROLES, **CLIENT_ROLES}
+
+
+class FederationServicer(fl_pb2_grpc.FederationServiceServicer):
+    def __init__(self, coordinator: Coordinator, *, chunk_bytes: int, metrics: FlMetrics) -> None:
+        self._coordinator, self._chunk_bytes, self._metrics = coordinator, chunk_bytes, metrics
+
+    async def CreateFederation(self, request: pb.CreateFederationRequest, context) -> pb.Federation:
+        return convert.federation_to_proto(await self._coordinator.create(request.config_yaml))
+
+    async def GetFederation(self, request: pb.GetFederationRequest, context) -> pb.Federation:
+        return convert.federation_to_proto(self._coordinator.get(convert.parse_federation_name("name", request.name)))
+
+    async def ListFederations(self, request: pb.ListFederationsRequest, context) -> pb.ListFederationsResponse:
+        page, token = paginate(self._coordinator.list(), request.page_size, request.page_token)
+        return pb.ListFederationsResponse(federations=[convert.federation_to_proto(h) for h in page],
+                                          next_page_token=token)
+
+    async def StopFederation(self, request: pb.StopFederationRequest, context) -> pb.Federation:
+        hosted = await self._coordinator.stop_federation(convert.parse_federation_name("name", request.name))
+        return convert.federation_to_proto(hosted)
+
+    async def ListRounds(self, request: pb.ListRoundsRequest, context) -> pb.ListRoundsResponse:
+        federation_id = convert.parse_federation_name("parent", request.parent)
+        history = self._coordinator.get(federation_id).federation.history
+        page, token = paginate(history, request.page_size, request.page_token, query=federation_id)
+        return pb.ListRoundsResponse(rounds=[convert.round_to_proto(federation_id, r) for r in page],
+                                     next_page_token=token)
+
+    async def WatchRounds(self, request: pb.WatchRoundsRequest, context) -> AsyncIterator[pb.Round]:
+        federation_id = convert.parse_federation_name("parent", request.parent)
+        async for record in self._coordinator.watch(federation_id):
+            yield convert.round_to_proto(federation_id, record)
+
+    async def RegisterClient(self, request: pb.RegisterClientRequest, context) -> pb.ClientCredential:
+        federation_id = convert.parse_federation_name("parent", request.parent)
+        token = await self._coordinator.register_client(federation_id, request.client_id, dict(request.labels))
+        return pb.ClientCredential(federation=convert.federation_name(federation_id), client_id=request.client_id,
+                                   token=token)
+
+    async def DownloadWeights(self, request: pb.DownloadWeightsRequest, context) -> AsyncIterator[pb.ArrayChunk]:
+        federation = self._coordinator.get(convert.parse_federation_name("name", request.name)).federation
+        for chunk in convert.chunks(list(federation.weights or []), self._chunk_bytes):
+            yield chunk
+
+
+class FederatedClientServicer(fl_pb2_grpc.FederatedClientServiceServicer):
+    def __init__(self, coordinator: Coordinator, *, chunk_bytes: int, max_model_bytes: int,
+                 metrics: FlMetrics) -> None:
+        self._coordinator, self._chunk_bytes, self._max_model_bytes = coordinator, chunk_bytes, max_model_bytes
+        self._metrics = metrics
+
+    def _client(self, context, federation: str) -> tuple[str, str]:
+        """(federation id, client id) of the caller's token, which must be of ``federation``.
+
+        Raises:
+            Unauthenticated: no or unknown client token.
+            PermissionDenied: the token is another federation's.
+            InvalidArgument: ``federation`` is not a federation name.
+        """
+        metadata = dict(context.invocation_metadata() or ())
+        federation_id, client_id = self._coordinator.authenticate(str(metadata.get(CLIENT_TOKEN_HEADER, "")))
+        if convert.parse_federation_name("federation", federation) != federation_id:
+            raise PermissionDenied(f"the client token is of another federation than {federation[:100]!r}")
+        return federation_id, client_id
+
+    async def Join(self, request: pb.JoinRequest, context) -> pb.JoinResponse:
+        federation_id, client_id = self._client(context, request.federation)
+        hosted = await self._coordinator.join(federation_id, client_id)
+        return pb.JoinResponse(client_id=client_id, state=convert.STATES[hosted.federation.phase],
+                               chunk_bytes=self._chunk_bytes)
+
+    async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveResponse:
+        await self._coordinator.leave(*self._client(context, request.federation))
+        return pb.LeaveResponse()
+
+    async def PullTask(self, request: pb.PullTaskRequest, context) -> AsyncIterator[pb.TaskChunk]:
+        federation_id, client_id = self._client(context, request.federation)
+        if not 0 <= request.wait_seconds <= MAX_WAIT_S:
+            raise InvalidArgument("wait_seconds", f"must be in [0, {MAX_WAIT_S:g}], but got {request.wait_seconds}")
+        task = await self._coordinator.pull(federation_id, client_id, request.wait_seconds or DEFAULT_WAIT_S)
+        if task is None:
+            return
+        if task == DONE:
+            yield pb.TaskChunk(header=convert.task_header(None))
+            return
+        yield pb.TaskChunk(header=convert.task_header(task))
+        for chunk in convert.chunks(list(task.weights or []), self._chunk_bytes):
+            self._metrics.bytes_out.inc(len(chunk.data))
+            yield pb.TaskChunk(chunk=chunk)
+
+    async def UploadUpdate(self, request_iterator, context) -> pb.UploadUpdateResponse:
+        header: pb.UpdateHeader | None = None
+        assembler = None
+        identity = None
+        async for message in request_iterator:
+            if header is None:
+                if not message.HasField("header"):
+                    raise InvalidArgument("header", "the first message of an upload must be its header")
+                header = message.header
+                identity = self._client(context, header.federation)  # before reading any weights
+                assembler = convert.ArrayAssembler(header.num_arrays, max_bytes=self._max_model_bytes)
+                continue
+            if not message.HasField("chunk"):
+                raise InvalidArgument("header", "an upload has exactly one header, first")
+            assert assembler is not None
+            assembler.add(message.chunk)
+            self._metrics.bytes_in.inc(len(message.chunk.data))
+        if header is None or assembler is None or identity is None:
+            raise InvalidArgument("header", "an upload needs a header")
+        metrics = convert.metrics_from_proto(header.metrics)
+        reason = await self._coordinator.upload(*identity, header.task_id, assembler.result(), header.num_examples,
+                                                metrics)
+        return pb.UploadUpdateResponse(accepted=reason is None, reason=reason or "")
+
+    async def ReportFailure(self, request: pb.ReportFailureRequest, context) -> pb.ReportFailureResponse:
+        federation_id, client_id = self._client(context, request.federation)
+        await self._coordinator.fail(federation_id, client_id, request.task_id, request.reason[:200])
+        return pb.ReportFailureResponse()

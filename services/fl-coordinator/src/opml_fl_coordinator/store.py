@@ -1,0 +1,94 @@
+"""Durable federation state, written once per completed round, so a coordinator killed at any
+moment restarts from its last completed round.
+
+Each completed round's arrays (global model and server-optimizer state) go to S3 as one ``.npz``
+object, then the round's document (config, history, profiles, selection state, and the object's
+key) replaces the federation's entry in a Redis hash: Redis never points at arrays that are not
+there. Client credentials are kept as SHA-256 digests in another hash, never in clear.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from typing import Any
+
+import numpy as np
+from minio import Minio
+
+from opml_fl_coordinator.weights import Weights
+
+
+def _pack(arrays: dict[str, Weights]) -> bytes:
+    flat = {f"{name}/{i}": np.asarray(a) for name, weights in arrays.items() for i, a in enumerate(weights)}
+    buffer = io.BytesIO()
+    np.savez(buffer, **flat)
+    return buffer.getvalue()
+
+
+def _unpack(data: bytes) -> dict[str, Weights]:
+    grouped: dict[str, dict[int, np.ndarray]] = {}
+    with np.load(io.BytesIO(data), allow_pickle=False) as archive:
+        for key in archive.files:
+            name, _, index = key.rpartition("/")
+            grouped.setdefault(name, {})[int(index)] = archive[key]
+    return {name: [parts[i] for i in sorted(parts)] for name, parts in grouped.items()}
+
+
+class FederationStore:
+    """Redis (documents, credentials) + S3 (arrays), under the platform's prefixes."""
+
+    def __init__(self, redis: Any, s3: Minio, *, bucket: str, prefix: str) -> None:
+        self._redis, self._s3, self._bucket = redis, s3, bucket
+        self._federations = f"{prefix}fl:federations"
+        self._credentials = f"{prefix}fl:credentials"
+        self._object_prefix = f"{prefix}federations"
+
+    async def start(self) -> None:
+        """Creates the bucket if it is missing."""
+        def ensure() -> None:
+            if not self._s3.bucket_exists(self._bucket):
+                self._s3.make_bucket(self._bucket)
+        await asyncio.to_thread(ensure)
+
+    async def stop(self) -> None:
+        return None
+
+    async def save(self, document: dict[str, Any], arrays: dict[str, Weights]) -> None:
+        """Arrays to S3 first, then the document (pointing at them) to Redis."""
+        federation_id = document["federation_id"]
+        key = f"{self._object_prefix}/{federation_id}/rounds/{int(document['version']):06d}.npz"
+        data = _pack(arrays)
+        await asyncio.to_thread(self._s3.put_object, self._bucket, key, io.BytesIO(data), len(data),
+                                content_type="application/octet-stream")
+        await self._redis.hset(self._federations, federation_id, json.dumps({**document, "arrays_key": key}))
+
+    async def load_all(self) -> list[tuple[dict[str, Any], dict[str, Weights]]]:
+        """Every saved federation's last document and arrays, in creation order."""
+        entries = await self._redis.hgetall(self._federations)
+        loaded = []
+        for raw in entries.values():
+            document = json.loads(raw)
+            response = await asyncio.to_thread(self._s3.get_object, self._bucket, document["arrays_key"])
+            try:
+                data = response.read()
+            finally:
+                response.close()
+                response.release_conn()
+            loaded.append((document, _unpack(data)))
+        return sorted(loaded, key=lambda item: item[0]["created_at"])
+
+    async def save_credential(self, digest: str, federation_id: str, client_id: str) -> None:
+        await self._redis.hset(self._credentials, digest, json.dumps([federation_id, client_id]))
+
+    async def drop_credentials(self, federation_id: str, client_id: str, keep: str) -> None:
+        """Remove the client's earlier credentials (registering again replaces the token)."""
+        for digest, raw in (await self._redis.hgetall(self._credentials)).items():
+            name = digest.decode() if isinstance(digest, bytes) else digest
+            if name != keep and json.loads(raw) == [federation_id, client_id]:
+                await self._redis.hdel(self._credentials, name)
+
+    async def credentials(self) -> dict[str, tuple[str, str]]:
+        rows = await self._redis.hgetall(self._credentials)
+        return {(k.decode() if isinstance(k, bytes) else k): tuple(json.loads(v)) for k, v in rows.items()}
