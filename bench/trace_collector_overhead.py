@@ -24,16 +24,25 @@
    figure that includes what (1)'s in-process comparison leaves out: the tracer's imports and
    set-up (on its own thread), its batches, and its exit.
 
+5. The tracer's fixed cost (``--fixed``): a trivial TensorFlow program (import, 20 steps of a small
+   tf.function, then ``--hold`` seconds idle so the tracer's batches and control polls run) untraced
+   and traced, many interleaved pairs: process CPU (getrusage), and in the traced runs the CPU
+   clocks of the tracer's own threads read at exit (its loop thread and asyncio's resolver threads)
+   and how long the job's thread waited in the tracer's exit. TensorFlow's import dominates the
+   process CPU, so the thread clocks are the precise figure; the process difference checks them.
+
 Starts its own broker/S3/Redis (opml_common.devinfra). Usage:
     .venv/bin/python bench/trace_collector_overhead.py [--pairs 3] [--steps 20] [--epochs 3]
         [--interleave 60] [--interleave-steps 5] [--capture-steps 10] [--out results.json]
     .venv/bin/python bench/trace_collector_overhead.py --whole [--short-pairs 8] [--long-pairs 4]
+    .venv/bin/python bench/trace_collector_overhead.py --fixed [--fixed-pairs 10] [--hold 4]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -41,18 +50,36 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import redis
-from aiokafka import AIOKafkaConsumer
-from opml.traces.v1 import events_pb2 as pb
-
-from opml_common.bus import CloudEvent, ensure_topics
-from opml_common.config import PlatformSettings
-from opml_common.devinfra import DevInfra
-from opml_trace_collector.topics import TRACES
+if TYPE_CHECKING:
+    from opml_common.config import PlatformSettings
 
 HERE = Path(__file__).resolve()
+# The workloads run this file too: the platform's libraries (the bus, pydantic, redis, aiokafka) are
+# imported inside the functions that drive the runs, never at the top, or the untraced arm would pay
+# the tracer's imports as well and every whole-process difference would miss them.
+
+
+@contextlib.contextmanager
+def _infra(tmp: str) -> Iterator[tuple[dict[str, str], PlatformSettings]]:
+    """The bench's own broker/S3/Redis: the runs' environment and settings, the traces topic created."""
+    from opml_common.bus import ensure_topics
+    from opml_common.config import PlatformSettings
+    from opml_common.devinfra import DevInfra
+    from opml_trace_collector.topics import TRACES
+
+    with DevInfra(Path(tmp) / "infra") as infra:
+        prefix = f"bench{os.getpid()}-"
+        env = {**os.environ, **infra.env(), "OPML_TOPIC_PREFIX": prefix, "OPML_REDIS_PREFIX": f"opml-bench:{prefix}",
+               "OPML_TRACE_SPOOL_DIR": f"{tmp}/spool", "OPML_TRACE_SESSION_DIR": f"{tmp}/sessions",
+               "TF_CPP_MIN_LOG_LEVEL": "2"}
+        platform = PlatformSettings(**{k[5:].lower(): v for k, v in env.items()
+                                       if k in ("OPML_KAFKA_BOOTSTRAP", "OPML_TOPIC_PREFIX")})
+        asyncio.run(ensure_topics(platform, [TRACES]))
+        yield env, platform
 
 
 def workload(steps: int, epochs: int, batch_size: int, pause_s: float, interleave: int = 0,
@@ -163,14 +190,11 @@ def spread(values: list[float]) -> dict:
 
 
 def bench(args: argparse.Namespace) -> dict:
-    with tempfile.TemporaryDirectory(prefix="opml-bench-trace-") as tmp, DevInfra(Path(tmp) / "infra") as infra:
-        prefix = f"bench{os.getpid()}-"
-        env = {**os.environ, **infra.env(), "OPML_TOPIC_PREFIX": prefix, "OPML_REDIS_PREFIX": f"opml-bench:{prefix}",
-               "OPML_TRACE_SPOOL_DIR": f"{tmp}/spool", "OPML_TRACE_SESSION_DIR": f"{tmp}/sessions",
-               "OPML_TRACE_POLL_S": "0.2", "OPML_TRACE_BUCKET": f"{prefix}traces", "TF_CPP_MIN_LOG_LEVEL": "2"}
-        platform = PlatformSettings(**{k[5:].lower(): v for k, v in env.items()
-                                       if k in ("OPML_KAFKA_BOOTSTRAP", "OPML_TOPIC_PREFIX")})
-        asyncio.run(ensure_topics(platform, [TRACES]))
+    import redis
+    from opml.traces.v1 import events_pb2 as pb
+
+    with tempfile.TemporaryDirectory(prefix="opml-bench-trace-") as tmp, _infra(tmp) as (env, platform):
+        env = {**env, "OPML_TRACE_POLL_S": "0.2", "OPML_TRACE_BUCKET": f"{env['OPML_TOPIC_PREFIX']}traces"}
         per_step: dict[str, list[float]] = {"untraced": [], "traced": []}
         overheads = []
         for pair in range(args.pairs):
@@ -235,14 +259,7 @@ def whole_process(args: argparse.Namespace) -> dict:
     import resource
 
     from opml_trace_collector.inject.launcher import build_env
-    with tempfile.TemporaryDirectory(prefix="opml-bench-trace-") as tmp, DevInfra(Path(tmp) / "infra") as infra:
-        prefix = f"bench{os.getpid()}-"
-        env = {**os.environ, **infra.env(), "OPML_TOPIC_PREFIX": prefix, "OPML_REDIS_PREFIX": f"opml-bench:{prefix}",
-               "OPML_TRACE_SPOOL_DIR": f"{tmp}/spool", "OPML_TRACE_SESSION_DIR": f"{tmp}/sessions",
-               "TF_CPP_MIN_LOG_LEVEL": "2"}
-        platform = PlatformSettings(**{k[5:].lower(): v for k, v in env.items()
-                                       if k in ("OPML_KAFKA_BOOTSTRAP", "OPML_TOPIC_PREFIX")})
-        asyncio.run(ensure_topics(platform, [TRACES]))
+    with tempfile.TemporaryDirectory(prefix="opml-bench-trace-") as tmp, _infra(tmp) as (env, _platform):
         traced_env = build_env("bench-whole", None, env)
         results = {}
         for name, epochs, pairs in (("short", args.short_epochs, args.short_pairs),
@@ -278,8 +295,72 @@ def whole_process(args: argparse.Namespace) -> dict:
         return results
 
 
+def fixed_workload(hold_s: float, out: Path) -> None:
+    """(5)'s program: TensorFlow imported, a few steps, idle; at exit (after the tracer's own exit hook,
+    which was registered later) writes the tracer threads' CPU and the job's wait in the tracer's exit."""
+    import atexit
+    import threading
+
+    def report() -> None:
+        from opml_trace_collector.inject import tracer
+        found = tracer._tracer
+        threads = {t.name: time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+                   for t in threading.enumerate() if t.name == "opml-tracer" or t.name.startswith("asyncio_")}
+        out.write_text(json.dumps({"thread_cpu_s": threads, "exit_s": found.exit_s if found else None,
+                                   "setup_cpu_s": getattr(found, "setup_cpu_s", None) if found else None}))
+
+    atexit.register(report)  # before TensorFlow's import: runs after the tracer's stop
+    import tensorflow as tf
+    variable = tf.Variable(1.0)
+
+    @tf.function
+    def step(x):  # noqa: ANN001, ANN202
+        variable.assign_add(tf.reduce_sum(x))
+        return variable
+
+    for _ in range(20):
+        step(tf.ones((8,)))
+    time.sleep(hold_s)
+
+
+def fixed_cost(args: argparse.Namespace) -> dict:
+    """(5): the tracer's fixed cost per process, directly (thread clocks) and as a process difference."""
+    import resource
+
+    from opml_trace_collector.inject.launcher import build_env
+    with tempfile.TemporaryDirectory(prefix="opml-bench-trace-") as tmp, _infra(tmp) as (env, _platform):
+        traced_env = build_env("bench-fixed", None, env)
+        out = Path(tmp) / "fixed.json"
+        cmd = [sys.executable, str(HERE), "--fixed-workload", "--hold", str(args.hold), "--out", str(out)]
+        cpu: dict[str, list[float]] = {"untraced": [], "traced": []}
+        tracer_cpu, exits = [], []
+        for pair in range(args.fixed_pairs):
+            for arm in (("untraced", "traced") if pair % 2 == 0 else ("traced", "untraced")):
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
+                subprocess.run(cmd, env=traced_env if arm == "traced" else env, cwd=tmp, check=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                cpu[arm].append((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime))
+                if arm == "traced":
+                    report = json.loads(out.read_text())
+                    tracer_cpu.append(sum(report["thread_cpu_s"].values()))
+                    exits.append(report["exit_s"])
+            print(f"pair {pair}: untraced {cpu['untraced'][-1]:.2f} s, traced {cpu['traced'][-1]:.2f} s CPU; tracer "
+                  f"threads {tracer_cpu[-1] * 1e3:.0f} ms CPU, exit wait {exits[-1] * 1e3:.0f} ms", flush=True)
+        diff = [t - u for u, t in zip(cpu["untraced"], cpu["traced"], strict=True)]
+        return {"hold_s": args.hold, "pairs": args.fixed_pairs,
+                "untraced_cpu_s": spread(cpu["untraced"]), "traced_cpu_s": spread(cpu["traced"]),
+                "process_cpu_overhead_s": spread(diff), "tracer_threads_cpu_s": spread(tracer_cpu),
+                "job_exit_wait_s": spread(exits)}
+
+
 async def job_events(settings: PlatformSettings, job: str, timeout_s: float = 60) -> list[tuple]:
     """(CloudEvent, message) of ``job`` from the traces topic, read until its TracerStopped."""
+    from aiokafka import AIOKafkaConsumer
+    from opml.traces.v1 import events_pb2 as pb
+
+    from opml_common.bus import CloudEvent
+    from opml_trace_collector.topics import TRACES
     consumer = AIOKafkaConsumer(TRACES.full_name(settings.topic_prefix), bootstrap_servers=settings.kafka_bootstrap,
                                 group_id=None, auto_offset_reset="earliest", enable_auto_commit=False)
     await consumer.start()
@@ -314,6 +395,10 @@ def main() -> None:
     parser.add_argument("--long-epochs", type=int, default=50, help="(4): epochs of the long (~60 s) job")
     parser.add_argument("--short-pairs", type=int, default=8, help="(4): interleaved pairs of the short job")
     parser.add_argument("--long-pairs", type=int, default=4, help="(4): interleaved pairs of the long job")
+    parser.add_argument("--fixed", action="store_true", help="(5) only: the tracer's fixed cost per process")
+    parser.add_argument("--fixed-pairs", type=int, default=10, help="(5): interleaved pairs")
+    parser.add_argument("--hold", type=float, default=4.0, help="(5): seconds the program idles after its steps")
+    parser.add_argument("--fixed-workload", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--pause", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
@@ -321,7 +406,10 @@ def main() -> None:
     if args.workload:
         workload(args.steps, args.epochs, args.batch_size, args.pause, args.interleave, args.interleave_steps)
         return
-    results = whole_process(args) if args.whole else bench(args)
+    if args.fixed_workload:
+        fixed_workload(args.hold, args.out)
+        return
+    results = fixed_cost(args) if args.fixed else whole_process(args) if args.whole else bench(args)
     text = json.dumps(results, indent=2)
     print(text)
     if args.out:

@@ -211,10 +211,17 @@ async def test_control_poller_without_redis_warns_once() -> None:
     from opml_trace_collector.inject.control import ControlPoller
 
     warned: list[str] = []
+    failed_thrice = asyncio.Event()
+
+    def warn(kind: str, message: str) -> None:  # the tracer's warn_once dedups; the poller calls it per failure
+        warned.append(kind)
+        if len(warned) >= 3:
+            failed_thrice.set()
+
     poller = ControlPoller(f"redis://127.0.0.1:{free_port()}/0", "p:", "job", "w", 0.02, set_enabled=print,
-                           arm=print, bad_request=print, warn=lambda kind, message: warned.append(kind))
+                           arm=print, bad_request=print, warn=warn)
     task = asyncio.create_task(poller.run())
-    await asyncio.sleep(0.3)
+    await asyncio.wait_for(failed_thrice.wait(), 30)  # a bound on failure only
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     await poller.close()

@@ -3,6 +3,9 @@
 ``{prefix}traces:enabled`` = "0" turns tracing off everywhere (absent or "1": on);
 ``{prefix}traces:capture:{job}`` = ``{"capture_id", "steps", "workers"}`` arms a capture that each
 named worker (all when ``workers`` is empty) runs once per ``capture_id``.
+
+The keys are read with ``resp.RedisReader`` (standard library; redis-py only for URL options it
+does not implement: importing redis-py cost more CPU than a short job's whole poll).
 """
 
 from __future__ import annotations
@@ -12,9 +15,19 @@ import json
 import threading
 from collections.abc import Callable
 
-import redis.asyncio as aioredis
-
+from opml_trace_collector.inject import resp
 from opml_trace_collector.inject.capture import CaptureRequest
+
+_TIMEOUT_S = 2.0
+
+
+def redis_client(url: str):  # noqa: ANN201 - a RedisReader or a redis.asyncio.Redis: both have mget, aclose
+    """The client the poll reads the keys with: the light one, unless the URL needs redis-py."""
+    try:
+        return resp.RedisReader(resp.parse_url(url), timeout_s=_TIMEOUT_S)
+    except resp.Unsupported:
+        import redis.asyncio as aioredis
+        return aioredis.from_url(url, socket_timeout=_TIMEOUT_S, socket_connect_timeout=_TIMEOUT_S)
 
 
 def parse_capture(raw: bytes | str, worker: str) -> CaptureRequest | None:
@@ -47,7 +60,7 @@ class ControlPoller:
     def __init__(self, redis_url: str, prefix: str, job: str, worker: str, poll_s: float, *,
                  set_enabled: Callable[[bool], None], arm: Callable[[CaptureRequest], None],
                  bad_request: Callable[[str | None, str], None], warn: Callable[[str, str], None]) -> None:
-        self._client = aioredis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+        self._client = redis_client(redis_url)
         self._keys = [f"{prefix}traces:enabled", f"{prefix}traces:capture:{job}"]
         self._worker = worker
         self._poll_s = poll_s

@@ -15,11 +15,10 @@ from collections.abc import Awaitable, Callable, Iterable
 
 from google.protobuf.message import Message
 from opml.traces.v1.events_pb2 import StepRecord
-from prometheus_client import CollectorRegistry
 
-from opml_common.bus import CloudEvent, EventPublisher
+from opml_common.bus.cloudevents import CloudEvent
+from opml_common.bus.producer import EventPublisher
 from opml_common.config import PlatformSettings
-from opml_common.metrics import ServiceMetrics
 from opml_common.outbox import Outbox
 from opml_trace_collector.inject import spool
 from opml_trace_collector.inject.settings import TracerSettings
@@ -65,10 +64,10 @@ class Sender:
         self._loop.run_forever()
 
     async def _setup(self) -> None:
-        self._metrics = ServiceMetrics("trace_tracer", registry=CollectorRegistry())
-        self._publisher = EventPublisher(self.platform, source=self._source, metrics=self._metrics)
+        # no metrics: nobody scrapes a job's tracer (and prometheus_client is not imported)
+        self._publisher = EventPublisher(self.platform, source=self._source, metrics=None)
         self._lock_fd = spool.lock_folder(self.spool_folder, wait=True)
-        self._outbox = Outbox(self.spool_folder, self._publisher, self._metrics)
+        self._outbox = Outbox(self.spool_folder, self._publisher, None)
         try:
             self.session_file.parent.mkdir(parents=True, exist_ok=True)
             self._session = open(self.session_file, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
@@ -134,6 +133,5 @@ class Sender:
         delivered = await self._outbox.flush()
         if delivered and not self._connected_once:
             self._connected_once = True  # now also deliver what earlier runs left behind
-            await spool.flush_folders(self.settings.spool_dir, self._publisher, self._metrics,
-                                      skip=self.spool_folder)
+            await spool.flush_folders(self.settings.spool_dir, self._publisher, skip=self.spool_folder)
         return delivered

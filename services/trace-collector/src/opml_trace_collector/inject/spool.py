@@ -11,13 +11,13 @@ import asyncio
 import fcntl
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry
-
-from opml_common.bus import EventPublisher
-from opml_common.config import PlatformSettings
-from opml_common.metrics import ServiceMetrics
 from opml_common.outbox import Outbox
+
+if TYPE_CHECKING:
+    from opml_common.bus.producer import EventPublisher
+    from opml_common.config import PlatformSettings
 
 LOCK = ".lock"
 
@@ -46,8 +46,7 @@ def release_folder(folder: Path, fd: int) -> None:
         os.close(fd)
 
 
-async def flush_folders(spool_dir: Path, publisher: EventPublisher, metrics: ServiceMetrics,
-                        *, skip: Path | None = None) -> tuple[int, int]:
+async def flush_folders(spool_dir: Path, publisher: EventPublisher, *, skip: Path | None = None) -> tuple[int, int]:
     """Publish what unlocked run folders hold; (events sent, events still pending)."""
     sent = pending = 0
     if not spool_dir.is_dir():
@@ -58,7 +57,7 @@ async def flush_folders(spool_dir: Path, publisher: EventPublisher, metrics: Ser
             continue  # a live run owns it
         try:
             before = len(list(folder.glob("*.json")))
-            await Outbox(folder, publisher, metrics).flush()
+            await Outbox(folder, publisher, None).flush()
             left = len(list(folder.glob("*.json")))
             sent, pending = sent + before - left, pending + left
         finally:
@@ -72,6 +71,6 @@ async def flush_spool(spool_dir: Path, settings: PlatformSettings, *, timeout_s:
     Raises:
         opml_common.errors.Unavailable: no broker answered.
     """
-    metrics = ServiceMetrics("trace_spool", registry=CollectorRegistry())
-    async with EventPublisher(settings, source="opml://trace-collector/spool", metrics=metrics) as publisher:
-        return await asyncio.wait_for(flush_folders(spool_dir.expanduser(), publisher, metrics), timeout_s)
+    from opml_common.bus.producer import EventPublisher
+    async with EventPublisher(settings, source="opml://trace-collector/spool", metrics=None) as publisher:
+        return await asyncio.wait_for(flush_folders(spool_dir.expanduser(), publisher), timeout_s)
