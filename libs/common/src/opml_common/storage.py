@@ -5,8 +5,11 @@ from __future__ import annotations
 from urllib.parse import urlparse
 
 import redis.asyncio as aioredis
+import redis.exceptions as redis_errors
 import urllib3
 from minio import Minio
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 
 from opml_common.config import PlatformSettings
 
@@ -30,5 +33,12 @@ def s3_client(settings: PlatformSettings, *, max_connections: int = 64) -> Minio
 
 
 def redis_client(settings: PlatformSettings) -> aioredis.Redis:
-    """An asyncio Redis client; every key a service writes starts with ``settings.redis_prefix``."""
-    return aioredis.from_url(settings.redis_url, decode_responses=False)
+    """An asyncio Redis client; every key a service writes starts with ``settings.redis_prefix``.
+
+    A command that finds its pooled connection closed (Redis restarted since it was opened) is sent
+    again on a new connection, twice at most, 50-100 ms apart: a restarted Redis costs the first
+    requests after it nothing. Only ConnectionError is retried (a command that timed out may have run).
+    """
+    return aioredis.from_url(settings.redis_url, decode_responses=False,
+                             retry=Retry(ExponentialBackoff(cap=0.1, base=0.05), 2),
+                             retry_on_error=[redis_errors.ConnectionError])

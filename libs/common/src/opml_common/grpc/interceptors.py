@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import grpc
+import redis.exceptions
 from grpc.aio import AbortError
 
 from opml_common.config import ROLES, TokenGrant
@@ -283,6 +284,11 @@ class _CallRecord:
         if isinstance(exc, OpmlError):
             self.code = exc.code
             await self.context.abort(grpc.StatusCode[exc.code], exc.message, trailing_metadata=trailing_details(exc))
+        if isinstance(exc, _REDIS_UNREACHABLE):  # Redis restarting or gone: the caller may retry, not a bug
+            self.code = "UNAVAILABLE"
+            log.warning("%s: Redis is unreachable (%s)", self.method, type(exc).__name__)
+            await self.context.abort(grpc.StatusCode.UNAVAILABLE,
+                                     f"Redis is unreachable ({type(exc).__name__}); retry when it is back")
         incident = uuid.uuid4().hex[:12]
         self.code = "INTERNAL"
         log.exception("unhandled error in %s (incident %s)", self.method, incident)
@@ -306,6 +312,10 @@ class _CallRecord:
             log.log(level, "rpc", extra={"method": self.method, "code": self.code,
                                          "duration_ms": round(elapsed * 1000, 3),
                                          "principal": principal.name, "role_needed": self.needed or "-"})
+
+
+_REDIS_UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+"""What a handler's Redis call raises while the server restarts or is gone: UNAVAILABLE, never INTERNAL."""
 
 
 def _code_name(code: grpc.StatusCode | None) -> str:
