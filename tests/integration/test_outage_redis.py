@@ -3,7 +3,8 @@
 A private redis-server (append-only file on, so a restart keeps what was acknowledged) serves a
 trace-collector and an inference-router. Redis is stopped and started again on the same port while
 both run; nothing else is restarted. A query that needs Redis meanwhile fails UNAVAILABLE (retriable,
-never INTERNAL). The collector applies a tracer's batches from before, during
+never INTERNAL); Redis stays down until the collector's consumer has retried past its attempts. The
+collector applies a tracer's batches from before, during
 (they wait in the broker) and after the restart, each exactly once (its Lua-applied aggregates and
 the dedup keys survive); the router keeps serving the model it had, and a deploy after the restart
 is stored (a router restarted after it brings both models back).
@@ -12,7 +13,9 @@ is stored (a router restarted after it brings both models back).
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -103,6 +106,14 @@ def _steps(target: str) -> int:
     return runs[0].steps if runs else -1
 
 
+def _handled(env: dict[str, str], outcome: str) -> float:
+    """The collector's consumer's events_handled_total of that outcome, summed over topics and types."""
+    port = env["OPML_TRACE_COLLECTOR_METRICS_PORT"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    pattern = rf'^opml_trace_collector_events_handled_total{{[^}}]*outcome="{outcome}"[^}}]*}} (\S+)$'
+    return sum(float(value) for value in re.findall(pattern, text, re.M))
+
+
 def _serves(target: str, name: str) -> bool:
     data = np.random.default_rng(0).standard_normal((1, 16)).astype(np.float32)
     with triton.InferenceServerClient(target) as kserve:
@@ -120,8 +131,9 @@ def test_redis_restarted_under_running_services(start_service, platform_settings
         fleet = tmp_path / "fleet.yaml"
         fleet.write_text(yaml.safe_dump(FLEET))
         on_private = {"OPML_REDIS_URL": private.url}
-        collector = start_service("trace-collector", extra_env={
+        collector_env = start_service.env("trace-collector", extra_env={
             **on_private, "OPML_TRACE_COLLECTOR_BUCKET": unique_prefix.rstrip("-")})
+        collector = start_service("trace-collector", env=collector_env)
         router_env = start_service.env("inference-router", extra_env={
             **on_private, "OPML_INFERENCE_ROUTER_FLEET": str(fleet),
             "OPML_INFERENCE_ROUTER_WORKER_THREADS_PER_REPLICA": "1"})
@@ -140,6 +152,9 @@ def test_redis_restarted_under_running_services(start_service, platform_settings
                 pytest.raises(Unavailable, match="Redis is unreachable") as caught:
             client.list_runs(JOB)  # a query that needs Redis: retriable, not INTERNAL
         assert caught.value.retriable
+        # Held down past the consumer's retry budget (5 attempts): a batch must wait, not be dead-lettered.
+        poll_until(lambda: _handled(collector_env, "retried") >= 5, timeout_s=60,
+                   what="the collector's consumer retrying past its attempts")
         private.start()  # back on its port with its data; neither service restarted
 
         _publish(platform_settings, [*[_batch(s) for s in range(20, 30)], *[_batch(s) for s in range(5, 15)],
@@ -152,6 +167,7 @@ def test_redis_restarted_under_running_services(start_service, platform_settings
 
         run = poll_until(stopped, timeout_s=120, what="the run's end applied after the restart", every_s=0.2)
         assert (run.steps, run.missing_batches) == (30 * PER, 0)  # each batch once, re-sent ones included
+        assert _handled(collector_env, "dead_lettered") == 0
 
         b_dir = write_model_dir(tmp_path / "b", mlp_config("b", pool_kinds=("cpu",), precisions=("fp32",)),
                                 mlp_classifier(seed=2))

@@ -215,6 +215,35 @@ async def test_retriable_failure_is_retried_then_succeeds(platform_settings):
     assert sample(registry, "opml_bus_test_event_handler_duration_seconds_count", **labels) == 3
 
 
+async def test_redis_unreachable_holds_the_partition_past_max_attempts_and_dead_letters_nothing(platform_settings):
+    """A Redis restart is no record's fault: its errors are retried for as long as they last."""
+    import redis.exceptions
+
+    topic = Topic("opml.bustest.redisdown.v1", 1)
+    await ensure_topics(platform_settings, [topic])
+    metrics, registry = fresh_metrics()
+    attempts: Counter[str] = Counter()
+    done: list[str] = []
+
+    async def handler(event: CloudEvent) -> None:
+        attempts[event.subject] += 1
+        if event.subject == "first" and attempts["first"] <= 6:  # twice max_attempts
+            raise redis.exceptions.ConnectionError("Connection closed by server.")
+        done.append(event.subject)
+
+    async with EventPublisher(platform_settings, source="test", metrics=metrics) as publisher:
+        await publisher.publish_proto(topic, _committed("f"), subject="first")
+        await publisher.publish_proto(topic, _committed("s"), subject="second")
+    consumer = EventConsumer(platform_settings, group_id="redisdown", topics=[topic], handler=handler,
+                             metrics=metrics, max_attempts=3, backoff_s=0.01)
+    async with running(consumer):
+        await wait_until(lambda: len(done) == 2, what="both events handled")
+    assert done == ["first", "second"] and attempts["first"] == 7  # in order: the partition waited
+    labels = {"topic": topic.name, "type": "opml.bundles.v1.BundleCommitted"}
+    assert sample(registry, HANDLED, **labels, outcome="retried") == 6
+    assert sample(registry, HANDLED, **labels, outcome="dead_lettered") == 0
+
+
 async def test_retries_exhausted_go_to_the_dead_letter_topic(platform_settings):
     topic = Topic("opml.bustest.exhaust.v1", 1)
     await ensure_topics(platform_settings, [topic])

@@ -29,6 +29,10 @@ Handler = Callable[[CloudEvent], Awaitable[None]]
 
 # Errors worth retrying even though they carry no ``retriable`` flag: the network and Redis.
 _TRANSIENT = (ConnectionError, TimeoutError, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+# Redis (the dedup store and handlers' state) unreachable: every record would fail alike, so none is
+# poison; the partition waits for it, however long, instead of dead-lettering what a restart interrupts.
+_STORE_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+_STORE_DOWN_MAX_DELAY_S = 2.0
 _MAX_ERROR_HEADER = 4000  # characters of the error message kept in the opml_error header
 _MAX_SOURCE_SHOWN = 200  # characters of a refused event's source quoted in the dead-letter reason
 _POLL_TIMEOUT_MS = 200  # how long one poll waits for records; bounds how fast stop() is noticed when idle
@@ -76,7 +80,10 @@ class EventConsumer:
 
     Failures: an exception the handler (or the dedup store) raises is retried with exponential
     backoff (``backoff_s``, doubling, at most ``max_backoff_s``) up to ``max_attempts`` attempts when
-    :func:`is_retriable` says so. When the attempts run out, at once for a non-retriable error, and
+    :func:`is_retriable` says so, except that Redis being unreachable (its ConnectionError or
+    TimeoutError: the dedup store, or the handler's state) is retried for as long as it lasts, the
+    partition waiting, since no record is to blame and a restart of Redis must not dead-letter what
+    arrives meanwhile. When the attempts run out, at once for a non-retriable error, and
     for a record that is not a CloudEvent (:class:`MalformedEvent`), the original record (key, value
     and headers) goes to ``topic.dead_letter(prefix)`` with the headers ``opml_error``,
     ``opml_error_type``, ``opml_source_topic``, ``opml_source_partition``, ``opml_source_offset``,
@@ -376,12 +383,19 @@ class EventConsumer:
                     outcome = _Outcome.OK
                 break
             except Exception as exc:
-                if is_retriable(exc) and attempt < self.max_attempts:
+                store_down = isinstance(exc, _STORE_DOWN)
+                if store_down or (is_retriable(exc) and attempt < self.max_attempts):
                     self._handled.labels(topic=topic, type=event_type, outcome=_Outcome.RETRIED).inc()
                     delay = self.backoff.delay(attempt - 1)
-                    log.warning("%s@%d/%d: attempt %d of %d failed (%s: %s); retrying in %.2fs",
-                                record.topic, record.partition, record.offset, attempt, self.max_attempts,
-                                type(exc).__name__, exc, delay)
+                    if store_down:  # checked often, so the partition goes on soon after Redis is back
+                        delay = min(delay, _STORE_DOWN_MAX_DELAY_S)
+                        log.warning("%s@%d/%d: Redis is unreachable (%s: %s); the partition waits for it, "
+                                    "retrying in %.2fs (attempt %d)", record.topic, record.partition, record.offset,
+                                    type(exc).__name__, exc, delay, attempt)
+                    else:
+                        log.warning("%s@%d/%d: attempt %d of %d failed (%s: %s); retrying in %.2fs",
+                                    record.topic, record.partition, record.offset, attempt, self.max_attempts,
+                                    type(exc).__name__, exc, delay)
                     if await self._sleep_unless_stopping(delay):
                         return False
                     continue
