@@ -28,8 +28,12 @@ Scenarios (``--only`` picks some):
   requests; restarted over its Redis state; requests until the restored version answers again.
 - ``trace-aggregate``: the trace-collector SIGKILLed right after applying half of a run's batches,
   the rest (and 10 re-sent batches) published while it is down, then restarted.
+- ``redis-restart``: a private redis-server (append-only file) under a trace-collector stopped for
+  ``--redis-outage-s`` (5) while batches arrive and a reader queries the run, then started again.
+- ``broker-outage``: the broker stopped for ``--broker-outage-s`` (30) while 4 callers use the router
+  and a client commits a bundle every 0.5 s; started again; nothing restarted.
 
-    .venv/bin/python bench/faults.py [--only bundle-push router-restart ...]
+    .venv/bin/python bench/faults.py [--only bundle-push router-restart ...] [--broker-outage-s 30]
 """
 
 from __future__ import annotations
@@ -219,7 +223,7 @@ def wait_for(check: Callable[[], object], what: str, timeout_s: float = 60.0, ev
         try:
             if result := check():
                 return result
-        except (OpmlError, OSError):
+        except (OpmlError, OSError, redis.ConnectionError):
             pass
         time.sleep(every_s)
     raise TimeoutError(f"{what} did not happen within {timeout_s:g} s")
@@ -476,19 +480,210 @@ def trace_aggregate(platform: Platform) -> Row:
                f"steps counted {final.steps} of {expected}; recovery includes the restart and the catch-up")
 
 
+def _metric(env: dict[str, str], service: str, name: str) -> float:
+    import re
+    import urllib.request
+
+    port = env[f"{service_spec(service).settings.model_config['env_prefix']}METRICS_PORT"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+class Callers:
+    """``count`` closed-loop KServe callers of ``model`` on ``target`` (10 s deadlines) until stopped."""
+
+    def __init__(self, target: str, model: str, requests: Requests, count: int = 4) -> None:
+        self.target, self.model, self.requests = target, model, requests
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(count)]
+        self.served: list[float] = []
+        for thread in self.threads:
+            thread.start()
+
+    def _loop(self) -> None:
+        data = np.random.default_rng(0).standard_normal((1, 16)).astype(np.float32)
+        with triton.InferenceServerClient(self.target) as kserve:
+            while not self.stop.is_set():
+                tensor = triton.InferInput("features", [1, 16], "FP32")
+                tensor.set_data_from_numpy(data)
+                try:
+                    self.requests.call(lambda tensor=tensor: kserve.infer(self.model, [tensor], client_timeout=10),
+                                       deadline=time.monotonic() + 10)
+                    self.served.append(time.monotonic())
+                except Exception:  # noqa: BLE001 - counted by Requests
+                    time.sleep(0.05)
+
+    def close(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join()
+
+
+def broker_outage(platform: Platform, outage_s: float) -> Row:
+    fleet = platform.workdir / "fleet-broker.yaml"
+    fleet.write_text(yaml.safe_dump(FLEET))
+    env, prefix = platform.environment(["bundle-store", "inference-router"], OPML_INFERENCE_ROUTER_FLEET=str(fleet),
+                                       OPML_INFERENCE_ROUTER_WORKER_THREADS_PER_REPLICA="1")
+    store = platform.service("bundle-store", env).start()
+    router = platform.service("inference-router", env).start()
+    model_dir = write_model_dir(platform.workdir / f"{prefix}mlp", mlp_config("mlp", pool_kinds=("cpu",),
+                                                                             precisions=("fp32",)))
+    requests, committed = Requests(), []
+    try:
+        with DeploymentClient(router.target) as client:
+            client.deploy(model_dir=str(model_dir))
+        callers = Callers(router.target, "mlp", requests)
+        with BundleStoreClient(store.target) as client:
+            client.create_context("plant")
+            broker = platform.infra.process("tansu")
+            down_at = time.monotonic()
+            broker.stop()
+            while time.monotonic() - down_at < outage_s:  # commits go on through the outage, one every 0.5 s
+                n = len(committed)
+                bundle = requests.call(lambda n=n: client.add("plant", f"b{n}", {"f": str(n).encode()}, commit=True),
+                                       deadline=time.monotonic() + 10)
+                committed.append(("opml.bundles.v1.BundleCommitted", bundle.uuid))
+                time.sleep(0.5)
+            pending = _metric(env, "bundle-store", "opml_bundle_store_outbox_pending_events")
+            broker.start()
+            up_at = time.monotonic()
+        wait_for(lambda: _metric(env, "bundle-store", "opml_bundle_store_outbox_pending_events") == 0,
+                 "the outbox drained", timeout_s=120)
+        recovered_at = time.monotonic()
+        callers.close()
+        events = read_topic(env, BUNDLES.full_name(prefix), until=lambda evs: len(evs) >= len(committed))
+        served = requests.sent - requests.failed
+
+        def predictions() -> tuple[float, float]:
+            return (_metric(env, "inference-router", "opml_inference_router_predictions_published_total"),
+                    _metric(env, "inference-router", "opml_inference_router_predictions_dropped_total"))
+
+        with contextlib.suppress(TimeoutError):  # every served request's prediction published or counted dropped
+            wait_for(lambda: sum(predictions()) >= served, "predictions accounted for", timeout_s=60, every_s=0.5)
+        published, dropped = predictions()
+    finally:
+        router.stop()
+        store.stop()
+    row = _event_row(f"broker stopped {outage_s:g} s while the router serves and bundles are committed", requests,
+                     committed, events, up_at, recovered_at,
+                     f"{pending:.0f} events waited in the outbox; of {served} predictions (at most once by design) "
+                     f"{published:.0f} published, {dropped:.0f} dropped and counted; recover = broker back to outbox "
+                     f"drained")
+    return row
+
+
+def redis_restart(platform: Platform, outage_s: float) -> Row:
+    redis_dir = platform.workdir / "redis"
+    redis_dir.mkdir(exist_ok=True)
+    port = _free_port()
+    args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(redis_dir), "--appendonly",
+            "yes", "--appendfsync", "always", "--save", ""]
+    server = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"redis://127.0.0.1:{port}/0"
+    wait_for(lambda: redis.Redis.from_url(url).ping(), "redis-server answering")
+    env, _ = platform.environment(["trace-collector"], OPML_REDIS_URL=url,
+                                  OPML_TRACE_COLLECTOR_BUCKET=f"faults-{uuid.uuid4().hex[:8]}")
+    job, worker, session, per, batches = "faults-redis", "worker-0", "s-redis", 10, 0
+    collector = platform.service("trace-collector", env).start()
+    requests, stop = Requests(), threading.Event()
+    served: list[float] = []
+
+    def reader() -> None:  # a dashboard's queries of the run, 10 s deadlines
+        with TraceCollectorClient(collector.target) as client:
+            while not stop.is_set():
+                with contextlib.suppress(OpmlError):
+                    requests.call(lambda: client.list_runs(job), deadline=time.monotonic() + 10)
+                    served.append(time.monotonic())
+                time.sleep(0.05)
+
+    try:
+        sent = _publish_traces(env, job, worker, session, [trace_events.TracerStarted(
+            job=job, worker=worker, session_id=session)], [])
+        thread = threading.Thread(target=reader, daemon=True)
+        thread.start()
+        batches = 20
+        sent += _publish_traces(env, job, worker, session, [], range(0, 10), per=per)
+        down_at = time.monotonic()
+        server.terminate()
+        server.wait()
+        sent += _publish_traces(env, job, worker, session, [], range(10, 20), per=per)  # wait in the broker
+        time.sleep(max(0.0, outage_s - (time.monotonic() - down_at)))
+        server = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        wait_for(lambda: redis.Redis.from_url(url).ping(), "redis-server answering again")
+        up_at = time.monotonic()
+        sent += _publish_traces(env, job, worker, session, [trace_events.TracerStopped(
+            job=job, worker=worker, session_id=session)], [])
+
+        def ended() -> traces_pb2.Run | None:
+            with TraceCollectorClient(collector.target) as client:
+                runs = client.list_runs(job)
+            return runs[0] if runs and runs[0].state == traces_pb2.RUN_STATE_STOPPED else None
+
+        final = wait_for(ended, "the run's end applied", timeout_s=120)
+        recovered_at = min(t for t in served if t > up_at) if any(t > up_at for t in served) else time.monotonic()
+        stop.set()
+        thread.join()
+    finally:
+        stop.set()
+        collector.stop()
+        server.terminate()
+        server.wait()
+    expected = batches * per
+    return Row(f"Redis (private, AOF) restarted after {outage_s:g} s under a trace-collector", requests.sent,
+               requests.failed, requests.time_left(recovered_at), sent, max(0, expected - final.steps),
+               max(0, final.steps - expected), recovered_at - up_at,
+               f"queries while Redis is down fail UNAVAILABLE; steps counted {final.steps} of {expected}; "
+               f"recover = Redis back to the first query served")
+
+
+def _free_port() -> int:
+    from opml_common.devinfra import free_port
+
+    return free_port()
+
+
+def _publish_traces(env: dict[str, str], job: str, worker: str, session: str, messages: list, sequences,
+                    *, per: int = 10) -> int:
+    batches = []
+    for sequence in sequences:
+        steps = []
+        for step in range(sequence * per, (sequence + 1) * per):
+            start = Timestamp()
+            start.FromMicroseconds(1_700_000_000_000_000 + step * 10_000)
+            steps.append(trace_events.StepRecord(step=step, kind=trace_events.STEP_KIND_TRAIN, signature="keras.fit",
+                                                 start_time=start, duration_s=0.01, examples=32))
+        batches.append(trace_events.StepMetricsBatch(job=job, worker=worker, session_id=session, sequence=sequence,
+                                                     steps=steps))
+
+    async def send() -> None:
+        with settings_of(env) as settings:
+            async with EventPublisher(settings, source="opml/bench", metrics=fresh_metrics("faults")[0]) as publisher:
+                for message in [*batches, *messages]:
+                    await publisher.publish(TRACES, CloudEvent.from_proto(
+                        message, subject=f"{job}/{worker}", source=tracer_source(job, worker)))
+
+    asyncio.run(send())
+    return len(batches) + len(messages)
+
+
 SCENARIOS = {"bundle-push": bundle_push, "bundle-announce": bundle_announce, "router-deploy": router_deploy,
-             "router-restart": router_restart, "trace-aggregate": trace_aggregate}
+             "router-restart": router_restart, "trace-aggregate": trace_aggregate, "redis-restart": redis_restart,
+             "broker-outage": broker_outage}  # the broker last: the others share it
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="*", choices=sorted(SCENARIOS), default=list(SCENARIOS))
+    parser.add_argument("--broker-outage-s", type=float, default=30.0)
+    parser.add_argument("--redis-outage-s", type=float, default=5.0)
     args = parser.parse_args()
+    outages = {"broker-outage": args.broker_outage_s, "redis-restart": args.redis_outage_s}
     rows = []
     with tempfile.TemporaryDirectory(prefix="opml-faults-") as tmp, Platform(Path(tmp)) as platform:
         for name in args.only:
             print(f"-- {name}", file=sys.stderr, flush=True)
-            rows.append(SCENARIOS[name](platform))
+            scenario = SCENARIOS[name]
+            rows.append(scenario(platform, outages[name]) if name in outages else scenario(platform))
             print(rows[-1].markdown(), file=sys.stderr, flush=True)
     print("| fault | sent | failed | failed, time left | events acked | lost | applied twice | recover s | note |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
