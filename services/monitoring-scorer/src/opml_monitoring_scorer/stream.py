@@ -8,8 +8,8 @@ on), appended to its version's open window, and the window is closed and scored 
 Window times are event times, so windows close the same way on a replay.
 
 Two faust tables hold the open windows, with changelog topics so a restarted scorer recovers them:
-``windows`` (version -> index, rows, times, and the offset of the last event applied) and ``rows``
-(``version|index|n`` -> the event's bytes). faust replays events after the last committed offset
+``windows`` (version -> index, rows, times, the source offsets of its events and the last one
+applied) and ``rows`` (``version|partition:offset`` -> the event's bytes). faust replays events after the last committed offset
 (at least once); an event at or below the offset its window already applied is skipped, so a
 restart neither loses a window nor counts an event twice. faust flushes the changelogs before it
 commits source offsets.
@@ -27,6 +27,7 @@ source).
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 from pathlib import Path
 from typing import Any
@@ -121,9 +122,9 @@ class ScoringStream:
         labels = app.topic(LABELS.full_name(platform.topic_prefix), key_type=bytes, value_type=bytes,
                            key_serializer="raw", value_serializer="raw", partitions=LABELS.partitions)
         self.windows = app.Table("windows", default=None, partitions=PREDICTIONS.partitions)
-        self.rows = app.Table("rows", default=None, partitions=PREDICTIONS.partitions,
-                              schema=faust.Schema(key_type=str, value_type=bytes, key_serializer="json",
-                                                  value_serializer="raw"))
+        # values are base64 text: faust's table recovery decodes changelog values as JSON whatever the
+        # table's declared serializer (a raw-bytes table recovered to 'utf-8' errors here)
+        self.rows = app.Table("rows", default=None, partitions=PREDICTIONS.partitions)
 
         async def on_predictions(stream: Any) -> None:
             async for event in stream.events():
@@ -183,19 +184,26 @@ class ScoringStream:
             self.metrics.rejected.labels("malformed").inc()
             await self._dead_letter(PREDICTIONS.dead_letter(self.platform.topic_prefix), message, exc)
             return
-        state = self.windows.get(key) or {"index": 0, "rows": 0, "events": 0, "first": None, "last": None,
-                                      "partition": message.partition, "offset": -1}
-        if state["partition"] == message.partition and message.offset <= state["offset"]:
-            return  # applied before a restart: faust replays from the last committed offset
-        when = prediction.time.ToNanoseconds() / 1e9 if prediction.HasField("time") else message.timestamp
+        state = self.windows.get(key) or {"index": 0, "rows": 0, "offsets": [], "first": None, "last": None,
+                                          "partition": message.partition, "offset": -1}
         spec = monitored.config.window
-        if spec.seconds is not None and state["events"] and when >= state["first"] + spec.seconds:
+        row_key = f"{key}|{message.partition}:{message.offset}"
+        if state["partition"] == message.partition and message.offset <= state["offset"]:
+            # applied before a restart (faust replays from the last committed offset): skip it, but
+            # restore its row if the rows changelog lost it while the windows changelog kept the state
+            if message.offset in state["offsets"] and self.rows.get(row_key) is None:
+                self.rows[row_key] = base64.b64encode(data).decode()
+            return
+        if spec.count is not None and state["rows"] >= spec.count:
+            state = await self._close(key, state)  # full before a crash, not closed: close it now
+        when = prediction.time.ToNanoseconds() / 1e9 if prediction.HasField("time") else message.timestamp
+        if spec.seconds is not None and state["offsets"] and when >= state["first"] + spec.seconds:
             state = await self._close(key, state)
-        self.rows[f"{key}|{state['index']}|{state['events']}"] = data
+        self.rows[row_key] = base64.b64encode(data).decode()
         if state["first"] is None:
             state["first"] = when
         state["last"] = when
-        state["events"] += 1
+        state["offsets"] = [*state["offsets"], message.offset]
         state["rows"] += len(batch) or 1
         state["partition"], state["offset"] = message.partition, message.offset
         self.metrics.predictions.labels(monitored.model, monitored.version).inc(len(batch))
@@ -207,14 +215,19 @@ class ScoringStream:
         self.processed += 1
 
     async def _close(self, key: str, state: dict) -> dict:
+        """Scores the open window (its rows read back from the table), then empties it. A close
+        replayed after a crash rewrites the same window (the scorer saves by index, steps rules once)."""
         index = state["index"]
-        names = [f"{key}|{index}|{n}" for n in range(state["events"])]
+        names = [f"{key}|{state['partition']}:{offset}" for offset in state["offsets"]]
         events = [self.rows.get(name) for name in names]
-        await self.scorer.close_window(key, index, [e for e in events if e is not None], state["first"],
-                                       state["last"])
+        missing = sum(e is None for e in events)
+        if missing:
+            log.error("window %d of %s: %d rows missing from the rows table", index, key, missing)
+        await self.scorer.close_window(key, index, [base64.b64decode(e) for e in events if e is not None],
+                                       state["first"], state["last"])
         for name in names:
             self.rows.pop(name, None)
-        return {**state, "index": index + 1, "rows": 0, "events": 0, "first": None, "last": None}
+        return {**state, "index": index + 1, "rows": 0, "offsets": [], "first": None, "last": None}
 
     async def _on_label(self, event: Any) -> None:
         message = event.message

@@ -79,6 +79,10 @@ class MPP:
         return (outputs.predicted == labels).astype(np.int64)
 
     def _fit(self, x: np.ndarray, y: np.ndarray, weights: np.ndarray | None):
+        # shuffled: the calibration's folds are contiguous, and reference rows come before live ones
+        order = np.random.default_rng(self.seed).permutation(len(y))
+        x, y = x[order], y[order]
+        weights = None if weights is None else weights[order]
         if self.task is Task.REGRESSION:
             model = HistGradientBoostingRegressor(max_iter=100, random_state=self.seed)
             model.fit(x, y, sample_weight=weights)

@@ -348,6 +348,10 @@ class Scorer:
         else:
             total = float(np.sum(batch.outputs.predicted == values))
         labelled, sum_total = await self.store.add_truth(key, window, len(values), total)
+        if monitor.mpp is not None:  # before the window shows the label: a reader that sees it sees the refit
+            monitor.mpp.add_labels(batch.features, batch.outputs, values)
+            if monitor.mpp.due and await asyncio.to_thread(monitor.mpp.recalibrate):
+                self.metrics.recalibrations.labels(monitored.model, monitored.version).inc()
         record = await self.store.get_window(key, window)
         if record is not None:
             record["labelled"], record["true"] = labelled, sum_total / labelled
@@ -357,11 +361,6 @@ class Scorer:
                 if record.get(name) is not None:
                     self.metrics.estimate_error.labels(monitored.model, monitored.version, name).set(
                         abs(record[name] - record["true"]))
-        if monitor.mpp is not None:
-            monitor.mpp.add_labels(batch.features, batch.outputs, values)
-            if monitor.mpp.due:
-                if await asyncio.to_thread(monitor.mpp.recalibrate):
-                    self.metrics.recalibrations.labels(monitored.model, monitored.version).inc()
         self.metrics.labels.labels("joined").inc()
         return "joined"
 
