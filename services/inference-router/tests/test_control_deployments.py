@@ -270,6 +270,7 @@ async def test_a_measured_p99_above_the_slo_re_places_the_model(deployments, tmp
     model = ModelVersion("drifty", 1)
     await manager.deploy(Source(model_dir=str(_bundle(tmp_path, "drifty", kinds=("cpu",)))))
     before = manager.plan.placements[model]
+    profiled = manager.profiles.get(model, "cpu")
     assert not (await manager.replan_once()).reasons  # the first look only opens the window
     # Serving measured 100 rps at a p99 of 150 ms over 10 s, above the 100 ms SLO.
     served = RouterMetrics(deployments.metrics).version("drifty", "1")
@@ -282,7 +283,7 @@ async def test_a_measured_p99_above_the_slo_re_places_the_model(deployments, tmp
     # The profile was scaled to what serving measured and the model re-sized on it (more replicas,
     # or a larger batch cap in place); the moves ran, each new replica ready before an old one went.
     after = manager.plan.placements[model]
-    assert manager.profiles.get(model, "cpu").latency_ms(1) > 10 * before.option.predicted_p99_ms
+    assert manager.profiles.get(model, "cpu").latency_ms(1) > 4 * profiled.latency_ms(1)
     assert (after.option.max_batch, len(after.workers)) != (before.option.max_batch, len(before.workers))
     assert (await _infer(manager.router, "drifty"))[0] == "1"
     routed = {r["replica"] for r in manager.router.describe("drifty")["versions"]["1"]}

@@ -213,7 +213,7 @@ async def test_limiter_keeps_admitted_requests_within_the_slo_whatever_their_dea
 
 
 async def test_a_standing_queue_serves_its_newest_waiter_first() -> None:
-    """Adaptive LIFO: in arrival order while waits are short; once the oldest waiter has used half of
+    """Adaptive LIFO: in arrival order while waits are short; once the oldest waiter has used a quarter of
     its budget, the newest goes first (it makes the SLO; the oldest run out of budget and are shed)."""
     now = [0.0]
     limiter = ConcurrencyLimiter(limit=1, max_queue=10, name="m", clock=lambda: now[0])
@@ -228,7 +228,7 @@ async def test_a_standing_queue_serves_its_newest_waiter_first() -> None:
         await asyncio.sleep(0)
     limiter.release()  # t=0: nobody has waited long, first come first served
     await waiters[0]
-    now[0] = 60.0  # the oldest waiter (b) has used more than half of its budget: a standing queue
+    now[0] = 30.0  # the oldest waiter (b) has used more than a quarter of its budget: a standing queue
     limiter.release()
     await waiters[3]
     limiter.release()

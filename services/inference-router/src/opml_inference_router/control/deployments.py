@@ -186,7 +186,7 @@ class DeploymentManager:
             self.models[config.name] = record
             await self._save(record)
             try:
-                await profile_version(self.pools, self.plan, self.profiles, entry, config)
+                await profile_version(self.pools, self.plan, self.profiles, entry, config, self.router)
                 await self._save_profiles()
                 await self._place(must_place=ModelVersion(config.name, number))
             except OpmlError as error:

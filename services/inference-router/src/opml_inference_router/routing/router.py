@@ -23,7 +23,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,11 +164,34 @@ class Router:
                 route.stable = version
         if any(state.name == address for state in served.replicas):
             return
+        served.metrics.track(served.replicas.add(self._borrow(address)))
+
+    @contextlib.asynccontextmanager
+    async def connection(self, address: str) -> AsyncIterator[Replica]:
+        """The router's connection to the worker at ``address`` (shared with the replicas there), for a
+        control-plane caller that must take the path requests take: profiling a version before it is placed."""
+        replica = self._borrow(address)
+        try:
+            yield replica
+        finally:
+            await self._give_back(address)
+
+    def _borrow(self, address: str) -> Replica:
         replica, users = self._connections.get(address, (None, 0))
         if replica is None:
             replica = self._connect(address)
         self._connections[address] = (replica, users + 1)
-        served.metrics.track(served.replicas.add(replica))
+        return replica
+
+    async def _give_back(self, address: str) -> None:
+        replica, users = self._connections.get(address, (None, 0))
+        if replica is None:
+            return
+        if users <= 1:
+            del self._connections[address]
+            await replica.close()
+        else:
+            self._connections[address] = (replica, users - 1)
 
     async def remove_replica(self, model: str, version: str, address: str) -> None:
         """Take a replica out of rotation; its in-flight requests finish.
@@ -522,11 +545,4 @@ class Router:
         if state is None:
             return
         served.metrics.untrack(state)
-        replica, users = self._connections.get(address, (None, 0))
-        if replica is None:
-            return
-        if users <= 1:
-            del self._connections[address]
-            await replica.close()
-        else:
-            self._connections[address] = (replica, users - 1)
+        await self._give_back(address)
