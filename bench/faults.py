@@ -267,7 +267,8 @@ def bundle_push(platform: Platform) -> Row:
     finally:
         service.stop()
     return _event_row("bundle-store SIGKILLed mid-push of a 120-file bundle (restarted at once)", requests, acked, events,
-                      killed_at, recovered_at, "the push in flight fails UNAVAILABLE; its retry succeeds")
+                      killed_at, recovered_at, "the push in flight fails UNAVAILABLE; its retries while the service restarts fail too; the "
+                      "retry after succeeds")
 
 
 def _event_row(fault: str, requests: Requests, acked: list[tuple[str, str]], events: list[CloudEvent],
@@ -324,7 +325,7 @@ def bundle_announce(platform: Platform) -> Row:
     return Row("bundle-store core SIGKILLed between manifest and event (x3: add, commit, delete)", 3, 3, 0,
                len(changed), lost, twice, max(recover_s),
                f"the process died, so no client was answered; recovery = service start to the event on the topic "
-               f"(worst of 3); events carry the ids written ahead: {same_ids}")
+               f"(worst of 3); the events carry the ids written ahead: {same_ids}")
 
 
 def router_deploy(platform: Platform) -> Row:
@@ -567,8 +568,8 @@ def broker_outage(platform: Platform, outage_s: float) -> Row:
     row = _event_row(f"broker stopped {outage_s:g} s while the router serves and bundles are committed", requests,
                      committed, events, up_at, recovered_at,
                      f"{pending:.0f} events waited in the outbox; of {served} predictions (at most once by design) "
-                     f"{published:.0f} published, {dropped:.0f} dropped and counted; recover = broker back to outbox "
-                     f"drained")
+                     f"{published:.0f} published, {dropped:.0f} dropped and counted, "
+                     f"{served - published - dropped:.0f} neither within 60 s")
     return row
 
 
@@ -632,8 +633,7 @@ def redis_restart(platform: Platform, outage_s: float) -> Row:
     return Row(f"Redis (private, AOF) restarted after {outage_s:g} s under a trace-collector", requests.sent,
                requests.failed, requests.time_left(recovered_at), sent, max(0, expected - final.steps),
                max(0, final.steps - expected), recovered_at - up_at,
-               f"queries while Redis is down fail UNAVAILABLE; steps counted {final.steps} of {expected}; "
-               f"recover = Redis back to the first query served")
+               f"queries while Redis is down fail UNAVAILABLE; steps counted {final.steps} of {expected}")
 
 
 def _free_port() -> int:
