@@ -95,6 +95,21 @@ def installed_services() -> list[ServiceSpec]:
     return [entry.load().SPEC for entry in sorted(entry_points(group="opml.services"), key=lambda e: e.name)]
 
 
+def loadable_services() -> tuple[list[ServiceSpec], dict[str, str]]:
+    """The installed services that load, and why each other does not (entry point name -> error).
+
+    ``up`` starts the first and reports the second (printed, and ``unloadable`` in the state file,
+    which makes ``opml status`` not ok), so one broken or half-installed package does not keep the
+    rest of the platform down."""
+    specs, broken = [], {}
+    for entry in sorted(entry_points(group="opml.services"), key=lambda e: e.name):
+        try:
+            specs.append(entry.load().SPEC)
+        except Exception as exc:  # noqa: BLE001 - whatever importing a broken package raises
+            broken[entry.name] = f"{type(exc).__name__}: {exc}"
+    return specs, broken
+
+
 # -- parts ---------------------------------------------------------------------------------------
 
 
@@ -327,7 +342,7 @@ def up(main_job: Path | None, config: StackConfig = StackConfig()) -> int:
         print(f"  kafka   {endpoints.kafka_bootstrap}  (tansu, storage {config.kafka_storage})")
         print(f"  s3      {endpoints.s3_endpoint}  (SeaweedFS, key {endpoints.s3_access_key})")
         print(f"  redis   {endpoints.redis_url}", flush=True)
-        specs = installed_services()
+        specs, unloadable = loadable_services()
         env, ports = service_environment(specs, endpoints, config)
         parts = [*infra_parts(infra), *service_parts(specs, env, ports, config)]
         if config.prometheus and shutil.which("prometheus"):
@@ -339,6 +354,7 @@ def up(main_job: Path | None, config: StackConfig = StackConfig()) -> int:
             "endpoints": {"kafka": endpoints.kafka_bootstrap, "s3": endpoints.s3_endpoint,
                           "redis": endpoints.redis_url},
             "restart_policy": {"max_deaths": config.policy.max_deaths, "window_s": config.policy.window_s},
+            "unloadable": unloadable,
         })
         supervisor = Supervisor(parts, policy=config.policy, on_change=state)
         supervisor.start()
@@ -349,6 +365,8 @@ def up(main_job: Path | None, config: StackConfig = StackConfig()) -> int:
                       f"metrics http://127.0.0.1:{part.ports['metrics']}/metrics  log {part.log_path}")
             elif part.name == "prometheus":
                 print(f"  {'prometheus':<18} {part.probe['url'].removesuffix('/-/ready')}  log {part.log_path}")
+        for name, error in unloadable.items():
+            print(f"  {name:<18} NOT STARTED: its package does not load ({error})")
         print(f"supervised: a part that dies is restarted; {config.policy.max_deaths} deaths within "
               f"{config.policy.window_s:g}s mark it FAILED. `opml status` shows every part.", flush=True)
         if main_job is not None:
@@ -393,7 +411,8 @@ def down(state_dir: Path = STATE_DIR, timeout_s: float = 60.0) -> int:
 
 def status(state_dir: Path = STATE_DIR, *, timeout_s: float = 1.0) -> dict:
     """The stack's state file with each part's health checked now (``health``: SERVING, NOT_SERVING,
-    UP, DOWN or UNREACHABLE) and ``ok``: the stack runs, no part is FAILED, every part is healthy."""
+    UP, DOWN or UNREACHABLE) and ``ok``: the stack runs, no part is FAILED, every part is healthy, and
+    every installed service loaded (``unloadable`` names those that did not)."""
     path = StackConfig(state_dir=state_dir).state_file
     try:
         document = json.loads(path.read_text())
@@ -407,7 +426,8 @@ def status(state_dir: Path = STATE_DIR, *, timeout_s: float = 1.0) -> dict:
     for part, health in zip(parts, healths):
         part["health"] = health
     document.update(running=running, state_file=str(path),
-                    ok=running and all(p["state"] == "RUNNING" and p["health"] in ("SERVING", "UP") for p in parts))
+                    ok=running and not document.get("unloadable")
+                    and all(p["state"] == "RUNNING" and p["health"] in ("SERVING", "UP") for p in parts))
     if not running:
         document["message"] = f"the stack (pid {document.get('pid')}) is not running; {path} is from its last run"
     return document
