@@ -240,3 +240,21 @@ def test_tifl_credits_bound_how_often_a_tier_is_chosen():
     tiers = [selection.select(r, clients)[1] for r in range(1, 9)]
     assert sorted(tiers[:4]) == [0, 0, 1, 1]  # a tier without credits is not chosen while another has some
     assert selection.credits == [0, 0]
+
+
+def test_after_a_restore_rounds_resume_without_a_client_that_never_returns():
+    log = Log()
+    fed = federation(log, rounds=5)
+    for i in range(4):
+        fed.join(f"c{i}", 0.0)
+    for i in range(4):
+        answer(fed, f"c{i}", 1.0)
+    document, arrays = log.snapshots[0]
+    restored = federation(rounds=5)
+    restored.restore(document, arrays)
+    for i in range(3):  # c3 died with the old coordinator
+        restored.join(f"c{i}", 100.0)
+    assert restored.phase is Phase.WAITING and restored.next_deadline() == 110.0
+    restored.poll(110.0)
+    assert restored.phase is Phase.RUNNING
+    assert sorted(c for c in restored.profiles.clients if restored.task_for(c)) == ["c0", "c1", "c2"]

@@ -185,18 +185,23 @@ class Coordinator:
         return hosted
 
     async def watch(self, federation_id: str) -> AsyncIterator[RoundRecord]:
-        """Completed rounds so far, then each as it completes, until the federation ends."""
+        """Completed rounds so far, then each as it is saved, until the federation has ended and
+        its end is saved (its final model published), each round once."""
         hosted = self.get(federation_id)
         queue: asyncio.Queue = asyncio.Queue()
         hosted.watchers.add(queue)
         try:
+            ended = hosted.federation.phase in (Phase.COMPLETED, Phase.STOPPED) and not hosted.pending
+            last = 0
             for record in list(hosted.federation.history):
+                last = record.number
                 yield record
-            while hosted.federation.phase not in (Phase.COMPLETED, Phase.STOPPED) or not queue.empty():
-                record = await queue.get()
-                if record is None:
-                    return
-                yield record
+            if ended:
+                return
+            while (record := await queue.get()) is not None:
+                if record.number > last:  # one listed above may come again from the queue
+                    last = record.number
+                    yield record
         finally:
             hosted.watchers.discard(queue)
 

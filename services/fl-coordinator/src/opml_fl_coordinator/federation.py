@@ -134,6 +134,8 @@ class Federation:
         self._task_ids = itertools.count(1)
         self._open: _Open | None = None
         self._drop_streak: dict[str, int] = {}
+        self._restored = False
+        self._resume_at: float | None = None
         if weights is not None:
             self._set_initial(weights)
 
@@ -213,6 +215,8 @@ class Federation:
     def next_deadline(self) -> float | None:
         """When :meth:`poll` must next be called even if nothing happens (None: only on events)."""
         deadlines = [t.deadline_at for t in self._tasks.values()]
+        if self._resume_at is not None and self.phase is Phase.WAITING:
+            deadlines.append(self._resume_at)
         return min(deadlines) if deadlines else None
 
     def poll(self, now: float) -> None:
@@ -226,9 +230,14 @@ class Federation:
             self._ask_initial(now)
             return
         if self.phase is Phase.WAITING:
-            if len(self.profiles.present()) < self.config.min_clients:
+            present = len(self.profiles.present())
+            if self._restored and self._resume_at is None:
+                self._resume_at = now + self.config.round_deadline_s
+            resume = self._resume_at is not None and now >= self._resume_at and present >= 1
+            if present < self.config.min_clients and not resume:
                 return
             self.phase = Phase.RUNNING
+            self._resume_at = None
         if self.config.mode == "sync":
             self._poll_sync(now)
         else:
@@ -382,7 +391,9 @@ class Federation:
 
     def restore(self, document: dict[str, Any], arrays: dict[str, Weights]) -> None:
         """Continue from a :meth:`snapshot`: the next round is the one after the last completed.
-        Clients are known but absent until they join again; rounds wait for ``min_clients``.
+        Clients are known but absent until they join again; rounds resume once ``min_clients``
+        are back, or one round deadline after the first call following the restore with whoever
+        is back (a client that died with the old coordinator must not stall the federation).
 
         Raises:
             ValueError: the snapshot is of another federation, or does not fit the strategy.
@@ -403,6 +414,7 @@ class Federation:
         if phase not in (Phase.COMPLETED, Phase.STOPPED) and self.version >= self.config.rounds:
             phase = Phase.COMPLETED  # saved after its last round, before it was marked completed
         self.phase = phase if phase in (Phase.COMPLETED, Phase.STOPPED) else Phase.WAITING
+        self._restored = self.version > 0
         self.reason = str(document.get("reason", ""))
 
 

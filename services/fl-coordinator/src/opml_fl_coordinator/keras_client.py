@@ -35,6 +35,7 @@ class KerasClient(NumPyClient):
         return float(results["loss"]), len(self.y_val), {"accuracy": accuracy}
 
     def fit(self, weights: Weights, config: dict[str, float]) -> tuple[Weights, int, dict[str, float]]:
+        import keras
         import tensorflow as tf
 
         self.model.set_weights(weights)
@@ -47,7 +48,7 @@ class KerasClient(NumPyClient):
             self.model.optimizer.learning_rate.assign(float(config["learning_rate"]))
         anchors = [tf.constant(w) for w in weights]
         variables = self.model.trainable_variables
-        loss_fn = self.model.loss
+        loss_fn = keras.losses.get(self.model.loss) if isinstance(self.model.loss, str) else self.model.loss
         done, last_loss = 0, float("nan")
         for _ in range(epochs):
             order = self._rng.permutation(len(self.y))

@@ -63,6 +63,12 @@ class KerasDigitsMember(DigitsMember):
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy",
                       metrics=["accuracy"])
         self.keras = KerasClient(model, self.x, self.y)
+        # warm up (TensorFlow traces its functions on first use) before joining, so the first
+        # round's time is the member's speed, not TensorFlow's start-up
+        initial = self.keras.get_weights({})
+        self.keras.evaluate(initial, {})
+        self.keras.fit(initial, {"epochs": 1, "batch_size": 16})
+        model.set_weights(initial)
 
     def get_weights(self, config):
         return self.keras.get_weights(config)
