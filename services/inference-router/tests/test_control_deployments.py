@@ -272,9 +272,10 @@ async def test_a_measured_p99_above_the_slo_re_places_the_model(deployments, tmp
     before = manager.plan.placements[model]
     profiled = manager.profiles.get(model, "cpu")
     assert not (await manager.replan_once()).reasons  # the first look only opens the window
-    # Serving measured 100 rps at a p99 of 150 ms over 10 s, above the 100 ms SLO.
+    # Serving measured 1,000 rps (ten times the expected rate) at a p99 of 150 ms over 10 s, above the
+    # 100 ms SLO: a rate the planned replicas cannot take at the SLO.
     served = RouterMetrics(deployments.metrics).version("drifty", "1")
-    served.ok.inc(1000)
+    served.ok.inc(10_000)
     for _ in range(1000):
         served.duration.observe(0.15)
     deployments.clock[0] += 10
@@ -283,7 +284,7 @@ async def test_a_measured_p99_above_the_slo_re_places_the_model(deployments, tmp
     # The profile was scaled to what serving measured and the model re-sized on it (more replicas,
     # or a larger batch cap in place); the moves ran, each new replica ready before an old one went.
     after = manager.plan.placements[model]
-    assert manager.profiles.get(model, "cpu").latency_ms(1) > 4 * profiled.latency_ms(1)
+    assert manager.profiles.get(model, "cpu").latency_ms(1) > 1.5 * profiled.latency_ms(1)
     assert (after.option.max_batch, len(after.workers)) != (before.option.max_batch, len(before.workers))
     assert (await _infer(manager.router, "drifty"))[0] == "1"
     routed = {r["replica"] for r in manager.router.describe("drifty")["versions"]["1"]}
