@@ -1,11 +1,12 @@
 """The broker stopped while services work (issue 12, item 8): they stay up and lose nothing acknowledged.
 
-A private broker (tansu on its durable S3 engine, its own SeaweedFS) serves a bundle-store and an
-inference-router. While it is stopped: bundles are committed (every CommitBundle answers; the events
-wait in the outbox, its gauge counts them) and the router answers every inference request (the
+A private broker (tansu on its durable S3 engine, its own SeaweedFS) serves a bundle-store, an
+inference-router and a job-orchestrator. While it is stopped: bundles are committed (every
+CommitBundle answers; the events wait in the outbox, its gauge counts them), a job runs to the end
+(its events wait in the orchestrator's outbox) and the router answers every inference request (the
 prediction log is at most once by design: what it could not send is dropped and counted). The broker
 is started again on the same port and nothing is restarted: every commit's event reaches the topic
-exactly once, a prediction made after the outage is published, and every prediction is either
+exactly once, so does each of the job's, a prediction made after the outage is published, and every prediction is either
 published or counted as dropped.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -21,6 +23,7 @@ import pytest
 import tritonclient.grpc as triton
 import yaml
 from opml.bundles.v1 import events_pb2 as bundle_events
+from opml.jobs.v1 import jobs_pb2
 
 from opml_bundle_store.client import BundleStoreClient
 from opml_bundle_store.topics import BUNDLES
@@ -30,6 +33,9 @@ from opml_common.testing.bus import poll_until, read_records
 from opml_common.testing.services import TOKENS
 from opml_inference_router.client import DeploymentClient
 from opml_inference_router.testing import mlp_config, write_model_dir
+from opml_job_orchestrator.client import JobClient
+from opml_job_orchestrator.spec import load_spec
+from opml_job_orchestrator.topics import JOBS
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -71,6 +77,8 @@ def test_a_broker_outage_loses_no_acknowledged_event_and_services_recover_by_the
             **private, "OPML_INFERENCE_ROUTER_FLEET": str(fleet),
             "OPML_INFERENCE_ROUTER_WORKER_THREADS_PER_REPLICA": "1"})
         router_env = router.env
+        jobs_env = start_service.env("job-orchestrator", extra_env=private)
+        orchestrator = start_service("job-orchestrator", env=jobs_env)
         model_dir = write_model_dir(tmp_path / "mlp", mlp_config("mlp", pool_kinds=("cpu",), precisions=("fp32",)))
         with DeploymentClient(router.target, token=TOKENS["writer"]) as client:
             client.deploy(model_dir=str(model_dir))
@@ -87,6 +95,14 @@ def test_a_broker_outage_loses_no_acknowledged_event_and_services_recover_by_the
             poll_until(lambda: _metric(store_env, "OPML_BUNDLE_STORE_", "opml_bundle_store_outbox_pending_events") == 5,
                        timeout_s=30, what="the five events waiting in the outbox")
             assert [_infer(router.target, data) for _ in range(50)] == ["1"] * 50  # serving goes on
+            with JobClient(orchestrator.target, token=TOKENS["writer"]) as jobs:  # a job runs through it
+                jobs.submit(load_spec({"name": "through-the-outage", "class": "BE",
+                                       "command": [sys.executable, "-c", "print('ran')"],
+                                       "roles": {"worker": {"resources": {"cpu": 1, "memory": "64Mi"}}}}))
+                poll_until(lambda: jobs.get("through-the-outage").status.state == jobs_pb2.JOB_STATE_SUCCEEDED,
+                           timeout_s=60, what="the job succeeding while the broker is down")
+            job_events = _metric(jobs_env, "OPML_JOB_ORCHESTRATOR_", "opml_job_orchestrator_outbox_pending_events")
+            assert job_events >= 3  # submitted, started, succeeded at least: all waiting in the outbox
             infra.process("tansu").start()  # back on the same port, its log on S3; nothing else restarted
 
         records = asyncio.run(read_records(settings, topic, 6, timeout_s=120))
@@ -95,6 +111,11 @@ def test_a_broker_outage_loses_no_acknowledged_event_and_services_recover_by_the
         assert sorted(uuids) == sorted([before.uuid, *(b.uuid for b in committed)])  # each once
         poll_until(lambda: _metric(store_env, "OPML_BUNDLE_STORE_", "opml_bundle_store_outbox_pending_events") == 0,
                    timeout_s=30, what="the outbox drained")
+        records = asyncio.run(read_records(settings, JOBS.full_name(settings.topic_prefix), int(job_events),
+                                           timeout_s=120))
+        job_records = [CloudEvent.from_kafka(r.headers, r.value) for r in records]
+        assert len(job_records) == job_events == len({e.id for e in job_records})  # each event once
+        assert [e.type for e in job_records].count("opml.jobs.v1.JobSucceeded") == 1
 
         # The router's prediction log recovers by itself: a request after the outage is published, and
         # every prediction is accounted for (published, or dropped and counted: at most once by design).
