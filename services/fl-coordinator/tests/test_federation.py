@@ -258,3 +258,19 @@ def test_after_a_restore_rounds_resume_without_a_client_that_never_returns():
     restored.poll(110.0)
     assert restored.phase is Phase.RUNNING
     assert sorted(c for c in restored.profiles.clients if restored.task_for(c)) == ["c0", "c1", "c2"]
+
+
+def test_tifl_profiles_new_clients_in_a_round_of_their_own_before_tiering_them():
+    clients = [ClientProfile(f"new{i}", 0.0) for i in range(6)] + [profile("old", 1.0, 0.5)]
+    selection = TiflSelection(clients_per_round=2, tiers=2, seed=0, profile_batch=4)
+    chosen, tier = selection.select(1, clients)
+    assert tier is None and len(chosen) == 4 and all(c.startswith("new") for c in chosen)
+    for p in clients:
+        if p.client_id in chosen:
+            p.selected, p.round_time_s = 1, 5.0
+    rest, _ = selection.select(2, clients)
+    assert sorted(rest) == sorted(c.client_id for c in clients[:6] if c.client_id not in chosen)
+    for p in clients:
+        p.selected, p.round_time_s = max(p.selected, 1), p.round_time_s or 5.0
+    chosen, tier = selection.select(3, clients)
+    assert tier in (0, 1) and len(chosen) == 2

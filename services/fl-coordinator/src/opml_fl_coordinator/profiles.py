@@ -68,12 +68,14 @@ class ProfileBook:
             profile.accuracy = accuracy
 
     def dropped(self, client_id: str, reason: str, elapsed_s: float | None = None) -> None:
-        """A client that did not deliver in time: counted, and its round time is at least the
-        deadline it missed (so it moves to a slower tier)."""
+        """A client that did not deliver: counted against its availability. Its round time is
+        what its completed rounds measured; a client that never completed one is taken to need
+        at least the time it was given (so it is tiered as slow, not as unknown-and-fast), while
+        a fast client's occasional drop-out does not make it slow."""
         profile = self.clients[client_id]
         profile.dropped += 1
         profile.last_reason = reason
-        if elapsed_s is not None:
+        if elapsed_s is not None and profile.completed == 0:
             profile.round_time_s = max(profile.round_time_s or 0.0, elapsed_s)
 
     def rejected(self, client_id: str, reason: str) -> None:

@@ -6,6 +6,11 @@ tiers by their profiled round time; each round one tier is drawn, with probabili
 tiers whose clients' data the global model fits worst (lowest accuracy), bounded by each tier's
 credits; the clients of the round are sampled from that tier only, so a round waits for clients of
 similar speed. Tiers and probabilities are recomputed every ``tier_interval`` rounds.
+
+Clients are profiled before they are tiered, as TiFL's profiling phase does: while some present
+clients have no measured round time, the round is a profiling round made of them (at most
+``profile_batch`` at once; it trains and is aggregated like any other), so a new client is timed
+once instead of being guessed fast or slow.
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ class TiflSelection(Selection):
         credits_per_tier: times each tier may be chosen (None: unlimited). When every tier's
             credits are spent, probabilities alone decide.
         tier_interval: rounds between re-tiering and new probabilities.
+        profile_batch: most unprofiled clients in one profiling round (default 10 x clients_per_round).
         seed: seed of the policy's generator.
 
     Raises:
@@ -79,8 +85,11 @@ class TiflSelection(Selection):
     """
 
     def __init__(self, *, clients_per_round: int, tiers: int = 3, credits_per_tier: int | None = None,
-                 tier_interval: int = 3, seed: int = 0) -> None:
+                 tier_interval: int = 3, profile_batch: int | None = None, seed: int = 0) -> None:
         super().__init__(clients_per_round=clients_per_round, seed=seed)
+        self.profile_batch = profile_batch or 10 * clients_per_round
+        if not isinstance(self.profile_batch, int) or self.profile_batch < 1:
+            raise ValueError(f"profile_batch must be an int >= 1, but got {profile_batch!r}")
         for name, value in (("tiers", tiers), ("tier_interval", tier_interval)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, but got {value!r}")
@@ -94,7 +103,8 @@ class TiflSelection(Selection):
         self._last_update = 0
 
     def tier_of(self, candidates: Sequence[ClientProfile]) -> dict[str, int]:
-        """Client id -> tier (0 fastest), by profiled round time, in groups of about equal size."""
+        """Client id -> tier (0 fastest), by profiled round time, in groups of about equal size
+        (a client not yet profiled counts as fastest until its profiling round)."""
         order = sorted(candidates, key=lambda p: (p.round_time_s if p.round_time_s is not None else -1.0,
                                                   p.client_id))
         count = min(self.tiers, max(1, len(order)))
@@ -124,6 +134,10 @@ class TiflSelection(Selection):
             raise ValueError(f"server_round must be >= 1, but got {server_round}")
         if not candidates:
             return [], None
+        unprofiled = sorted(p.client_id for p in candidates if p.round_time_s is None and p.selected == 0)
+        if unprofiled:  # TiFL's profiling phase, for whoever has not been timed yet
+            take = min(len(unprofiled), self.profile_batch)
+            return [str(i) for i in self.rng.choice(unprofiled, size=take, replace=False)], None
         known = {p.client_id for p in candidates}
         if (server_round - self._last_update >= self.tier_interval or not self.assignment
                 or not known <= set(self.assignment)):
