@@ -47,6 +47,7 @@ user job-orchestrator "$KAFKA_JOB_ORCHESTRATOR_PASSWORD"
 user inference-router "$KAFKA_INFERENCE_ROUTER_PASSWORD"
 user trace-collector "$KAFKA_TRACE_COLLECTOR_PASSWORD"
 user fl-coordinator "$KAFKA_FL_COORDINATOR_PASSWORD"
+user monitoring-scorer "$KAFKA_MONITORING_SCORER_PASSWORD"
 user tracer "$KAFKA_TRACER_PASSWORD"  # the tracers inside jobs (the job-orchestrator hands it to jobs)
 
 owns bundle-store opml.bundles.v1
@@ -57,4 +58,10 @@ owns fl-coordinator opml.federations.v1
 reads inference-router opml.bundles.v1 inference-router-autodeploy
 acl tracer --operation Write --operation Describe --topic opml.traces.v1
 reads trace-collector opml.traces.v1 trace-collector. prefixed  # groups trace-collector.<generation>
+owns monitoring-scorer opml.alerts.v1
+reads monitoring-scorer opml.deployments.v1 monitoring-scorer-deployments
+# the faust app (group monitoring-scorer) reads predictions and labels, and owns its changelog topics
+reads monitoring-scorer opml.predictions.v1 monitoring-scorer
+reads monitoring-scorer opml.labels.v1 monitoring-scorer
+acl monitoring-scorer --operation All --topic monitoring-scorer- --resource-pattern-type prefixed
 echo "kafka users and ACLs are in place"

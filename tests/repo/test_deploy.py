@@ -32,7 +32,8 @@ KAFKA_INIT = ROOT / "deploy" / "compose" / "kafka-init.sh"
 # Who alone may write each topic (docs/security.md); the tracers inside jobs publish as `tracer`.
 TOPIC_WRITERS = {"opml.bundles.v1": "bundle-store", "opml.jobs.v1": "job-orchestrator",
                  "opml.predictions.v1": "inference-router", "opml.deployments.v1": "inference-router",
-                 "opml.traces.v1": "tracer", "opml.federations.v1": "fl-coordinator"}
+                 "opml.traces.v1": "tracer", "opml.federations.v1": "fl-coordinator",
+                 "opml.alerts.v1": "monitoring-scorer"}
 
 
 def _platform_services(compose: dict) -> dict[str, dict]:
@@ -53,7 +54,7 @@ def test_every_compose_service_authenticates_to_kafka_with_its_own_sasl_user() -
     compose = yaml.safe_load(COMPOSE.read_text())
     services = _platform_services(compose)
     assert set(services) == {"bundle-store", "job-orchestrator", "inference-router", "trace-collector",
-                             "fl-coordinator"}
+                             "fl-coordinator", "monitoring-scorer"}
     for name, service in services.items():
         env = service["environment"]
         assert env["OPML_KAFKA_SECURITY_PROTOCOL"].startswith("SASL_"), name

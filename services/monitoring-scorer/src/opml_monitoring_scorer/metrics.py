@@ -35,3 +35,7 @@ class ScorerMetrics:
                                       "prediction), duplicate, malformed.", ("outcome",))
         self.recalibrations = metrics.counter("mpp_recalibrations_total", "MPP refits from live labels.", mv)
         self.registered = metrics.gauge("models_monitored", "Model versions monitored.")
+        for reason in ("unknown_model", "malformed"):  # series at 0 from the start: a rate, not a gap
+            self.rejected.labels(reason)
+        for outcome in ("joined", "parked", "duplicate", "malformed"):
+            self.labels.labels(outcome)

@@ -3,7 +3,9 @@
 The KServe v2 request and response bytes are decoded by the platform's one codec
 (``opml_common.kserve_codec``), exactly as the router encoded them. Each input tensor of shape
 ``[batch, k]`` gives k features, named by the monitoring config (``features: {tensor: [names]}``),
-else ``tensor`` when k is 1 and ``tensor[i]`` otherwise; a tensor of shape ``[batch]`` is one feature.
+else ``tensor`` when k is 1 and ``tensor[i]`` otherwise; a tensor of shape ``[batch]`` is one feature; a
+numeric tensor of more than ``MAX_COLUMNS`` values per row (an image) gives four: its per-row mean,
+std, min and max.
 Outputs: the classifier's scores are the configured tensor or the first float tensor; the predicted
 class is the configured tensor or the scores' argmax (a single score column is P(class 1), cut at 0.5);
 a regression's prediction is the configured tensor or the first output.
@@ -26,6 +28,9 @@ from opml_common.kserve_codec import decode_request, decode_response
 from opml_monitoring_scorer.core.reference import Outputs, Task, as_column
 
 MAX_ROWS_PER_EVENT = 100_000
+MAX_COLUMNS = 256
+"""A numeric input wider than this (unless the config names its columns) is monitored by its per-row
+mean, std, min and max."""
 
 
 @dataclass
@@ -70,6 +75,12 @@ def _columns(name: str, array: np.ndarray, names: Mapping[str, list[str]], field
         raise InvalidArgument(field, "is a scalar; a monitored input has a batch dimension")
     flat = array.reshape(array.shape[0], -1)
     width = flat.shape[1]
+    if width > MAX_COLUMNS and name not in names and flat.dtype.kind in "biuf":
+        # an image or an embedding: its per-row statistics are the features (drift of brightness,
+        # contrast, range), not one column per pixel
+        values = flat.astype(np.float64)
+        return {f"{name}.mean": values.mean(axis=1), f"{name}.std": values.std(axis=1),
+                f"{name}.min": values.min(axis=1), f"{name}.max": values.max(axis=1)}
     given = names.get(name)
     if given is not None and len(given) != width:
         raise InvalidArgument(field, f"has {width} columns, but the monitoring config names {len(given)} features")
