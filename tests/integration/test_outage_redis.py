@@ -1,7 +1,8 @@
 """Redis restarted while services run (issue 12, item 8): they stay up and go on by themselves.
 
 A private redis-server (append-only file on, so a restart keeps what was acknowledged) serves a
-trace-collector and an inference-router. Redis is stopped and started again on the same port while
+trace-collector, an inference-router and a job-orchestrator running a job that ends while Redis is
+down (its end is recorded once Redis is back). Redis is stopped and started again on the same port while
 both run; nothing else is restarted. A query that needs Redis meanwhile fails UNAVAILABLE (retriable,
 never INTERNAL); Redis stays down until the collector's consumer has retried past its attempts. The
 collector applies a tracer's batches from before, during
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import re
 import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -24,6 +26,7 @@ import redis
 import tritonclient.grpc as triton
 import yaml
 from google.protobuf.timestamp_pb2 import Timestamp
+from opml.jobs.v1 import jobs_pb2
 from opml.traces.v1 import events_pb2
 from opml.traces.v1 import traces_pb2 as pb
 
@@ -34,6 +37,8 @@ from opml_common.testing.bus import fresh_metrics, poll_until
 from opml_common.testing.services import TOKENS
 from opml_inference_router.client import DeploymentClient
 from opml_inference_router.testing import mlp_classifier, mlp_config, write_model_dir
+from opml_job_orchestrator.client import JobClient
+from opml_job_orchestrator.spec import load_spec
 from opml_trace_collector.client import TraceCollectorClient
 from opml_trace_collector.topics import TRACES, tracer_source
 
@@ -138,6 +143,17 @@ def test_redis_restarted_under_running_services(start_service, platform_settings
             **on_private, "OPML_INFERENCE_ROUTER_FLEET": str(fleet),
             "OPML_INFERENCE_ROUTER_WORKER_THREADS_PER_REPLICA": "1"})
         router = start_service("inference-router", env=router_env)
+        orchestrator = start_service("job-orchestrator", extra_env=on_private)
+        release = tmp_path / "release"
+        ended = tmp_path / "ended"
+        waiter = ("import pathlib, time\n"
+                  f"while not pathlib.Path({str(release)!r}).exists():\n    time.sleep(0.05)\n"
+                  f"pathlib.Path({str(ended)!r}).touch()\n")
+        with JobClient(orchestrator.target, token=TOKENS["writer"]) as jobs:  # runs across the restart
+            jobs.submit(load_spec({"name": "across-redis", "class": "BE", "command": [sys.executable, "-c", waiter],
+                                   "roles": {"worker": {"resources": {"cpu": 1, "memory": "64Mi"}}}}))
+            poll_until(lambda: jobs.get("across-redis").status.state == jobs_pb2.JOB_STATE_RUNNING, timeout_s=60,
+                       what="the job running")
         with DeploymentClient(router.target, token=TOKENS["writer"]) as client:
             client.deploy(model_dir=str(write_model_dir(tmp_path / "a", mlp_config("a", pool_kinds=("cpu",),
                                                                                    precisions=("fp32",)))))
@@ -155,7 +171,9 @@ def test_redis_restarted_under_running_services(start_service, platform_settings
         # Held down past the consumer's retry budget (5 attempts): a batch must wait, not be dead-lettered.
         poll_until(lambda: _handled(collector_env, "retried") >= 5, timeout_s=60,
                    what="the collector's consumer retrying past its attempts")
-        private.start()  # back on its port with its data; neither service restarted
+        release.touch()  # the job ends while Redis is down: its end is recorded when Redis is back
+        poll_until(ended.exists, timeout_s=30, what="the job's last line run")
+        private.start()  # back on its port with its data; no service restarted
 
         _publish(platform_settings, [*[_batch(s) for s in range(20, 30)], *[_batch(s) for s in range(5, 15)],
                                      events_pb2.TracerStopped(job=JOB, worker=WORKER, session_id=SESSION)])
@@ -168,6 +186,9 @@ def test_redis_restarted_under_running_services(start_service, platform_settings
         run = poll_until(stopped, timeout_s=120, what="the run's end applied after the restart", every_s=0.2)
         assert (run.steps, run.missing_batches) == (30 * PER, 0)  # each batch once, re-sent ones included
         assert _handled(collector_env, "dead_lettered") == 0
+        with JobClient(orchestrator.target, token=TOKENS["reader"]) as jobs:
+            poll_until(lambda: jobs.get("across-redis").status.state == jobs_pb2.JOB_STATE_SUCCEEDED, timeout_s=60,
+                       what="the job's end recorded after the restart")
 
         b_dir = write_model_dir(tmp_path / "b", mlp_config("b", pool_kinds=("cpu",), precisions=("fp32",)),
                                 mlp_classifier(seed=2))
