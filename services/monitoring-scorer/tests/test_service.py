@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from opml.monitoring.v1 import alert_events_pb2
 
 from opml_common.bus.cloudevents import CloudEvent
 from opml_common.errors import InvalidArgument, NotFound
 from opml_common.testing.bus import read_records
+from opml_common.testing.services import TOKENS
+from opml_monitoring_scorer.cli import monitor
 from opml_monitoring_scorer.core.reference import performance
 from opml_monitoring_scorer.topics import ALERTS, LABELS, PREDICTIONS
 
@@ -23,7 +26,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 async def test_clean_stream_no_alert_then_covariate_shift_alerts_and_late_labels_give_the_truth(
-        stack, world, platform_settings) -> None:
+        stack, world, platform_settings, tmp_path) -> None:
     scorer = stack.scorer().start()
     with writer(scorer) as client:
         status = client.register("fraud", "1", stack.context, "reference")
@@ -58,6 +61,23 @@ async def test_clean_stream_no_alert_then_covariate_shift_alerts_and_late_labels
                 rows = slice(w.index * WINDOW, (w.index + 1) * WINDOW)
                 assert w.true_value == pytest.approx(performance(world.task, clean.outputs.predicted[rows],
                                                                  clean.labels[rows]))
+
+    # the CLI on the same history: tables, rules round trip, and the PNG of estimated against true quality
+    cli = CliRunner()
+    base = ["--target", scorer.target, "--token", TOKENS["writer"]]
+    shown = cli.invoke(monitor, [*base, "windows", "fraud", "1", "--limit", "3"])
+    assert shown.exit_code == 0 and "x0" in shown.output, shown.output  # the shifted windows name x0
+    listed = cli.invoke(monitor, [*base, "alerts", "fraud", "1"])
+    assert listed.exit_code == 0 and "drift" in listed.output and "firing" in listed.output
+    png = tmp_path / "quality.png"
+    plotted = cli.invoke(monitor, [*base, "plot", "fraud", "1", "-o", str(png)])
+    assert plotted.exit_code == 0, plotted.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("rules: [{name: bad-data, signal: data_quality, over: 0.2}]\n")
+    assert cli.invoke(monitor, [*base, "rules", "set", "fraud", "1", "-f", str(rules)]).exit_code == 0
+    got = cli.invoke(monitor, [*base, "rules", "get", "fraud", "1"])
+    assert "bad-data" in got.output and "drift" not in got.output
 
 
 async def test_bad_input_unknown_models_and_malformed_labels_are_dead_lettered(stack, world, platform_settings) -> None:
