@@ -128,3 +128,24 @@ def test_a_commit_whose_process_died_before_its_event_reaches_the_broker_from_th
     with BundleStoreClient(service.target, token=TOKENS["reader"]) as client:
         assert client.get_bundle("ctx", "crashing").uuid == intent["uuid"]
     assert _intents(home) == []
+
+
+def test_a_delete_that_fails_on_the_remote_announces_nothing_and_leaves_no_intent(
+        tmp_path: Path, platform_settings, remote_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from opml_bundle_store.core.remote import S3Remote
+    from opml_common.errors import Unavailable
+
+    s3 = s3_client(platform_settings)
+    home = tmp_path / "home"
+    uuids = _prepare(home, remote_url, s3)
+
+    def unreachable(self, keys):
+        raise Unavailable("S3 is unreachable")
+
+    monkeypatch.setattr(S3Remote, "delete", unreachable)
+    emitter = RecordingEmitter()
+    with BundleStore(home, s3, events=emitter) as store:
+        with pytest.raises(Unavailable):
+            store.delete_bundle("ctx", "doomed", remote=True)
+        assert store.get_bundle("ctx", "doomed").uuid == uuids["doomed"]  # the local copy stays
+    assert emitter.events == [] and _intents(home) == []

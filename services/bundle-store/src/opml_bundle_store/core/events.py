@@ -131,20 +131,28 @@ class BundleEvents:
                 log.error("dropping the unreadable announcement intent %s (%s)", path, exc)
                 path.unlink(missing_ok=True)
                 continue
-            happened = shows_change(intent)
-            if happened is None:
-                log.warning("announcement %s (%s of bundle %s) kept: the store cannot tell yet whether it "
-                            "happened", intent.id, intent.kind, intent.uuid)
-            elif happened:
-                self.announce(intent)
-                announced += 1
-            else:
-                self._remove(intent)
-                dropped += 1
+            settled = self.settle(intent, shows_change)
+            announced += settled is True
+            dropped += settled is False
         if announced or dropped:
             log.warning("announcements left by an earlier process: %d announced (the change had happened), "
                         "%d dropped (it had not)", announced, dropped)
         return announced, dropped
+
+    def settle(self, intent: Intent | None, shows_change: ShowsChange) -> bool | None:
+        """Announces ``intent`` if the store shows its change, drops it if not, keeps it if that cannot be
+        told now (returned: True, False, None). For an operation that failed part-way, and at start."""
+        if intent is None:
+            return None
+        happened = shows_change(intent)
+        if happened is None:
+            log.warning("announcement %s (%s of bundle %s) kept: the store cannot tell yet whether it "
+                        "happened", intent.id, intent.kind, intent.uuid)
+        elif happened:
+            self.announce(intent)
+        else:
+            self._remove(intent)
+        return happened
 
     def pending(self) -> int:
         """Intents written and not yet announced or dropped."""

@@ -487,12 +487,20 @@ class BundleStore:
                 raise NotFound(f"bundle {ref!r} exists neither in context {ctx.id!r} nor on {s3_remote.url}")
             intent = self._events.deleting(ctx.id, ref, listed[0].bundle_name, {}, remote=True,
                                            only_remote=s3_remote.url)
-            s3_remote.delete([m.key for m in listed])
+            try:
+                s3_remote.delete([m.key for m in listed])
+            except BaseException:
+                self._events.settle(intent, self._shows_change)  # announced only if it went anyway
+                raise
             self._events.announce(intent)
             return [ref]
         intent = self._events.deleting(ctx.id, bundle.uuid, bundle.name, bundle.tags, remote=remote)
         if s3_remote is not None:
-            s3_remote.delete([s3_remote.manifest_key(bundle.name, bundle.uuid)])
+            try:
+                s3_remote.delete([s3_remote.manifest_key(bundle.name, bundle.uuid)])
+            except BaseException:
+                self._events.settle(intent, self._shows_change)  # the local copy stays: dropped
+                raise
         with ctx.lock:
             if ctx.bundles.pop(bundle.uuid, None) is not None:
                 ctx.dir.manifest_path(bundle.uuid).unlink(missing_ok=True)
