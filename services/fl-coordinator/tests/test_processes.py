@@ -11,11 +11,14 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
+import onnxruntime as ort
 from opml.fl.v1 import fl_pb2 as pb
 
 from opml_bundle_store.client import BundleStoreClient
 from opml_common.testing.services import TOKENS
 from opml_fl_coordinator.client import FederationClient
+from opml_fl_coordinator.simulator import SoftmaxModel, partition_digits
 from opml_fl_coordinator.weights import from_bytes
 
 PROGRAMS = Path(__file__).parent / "programs"
@@ -111,9 +114,14 @@ def test_six_member_processes_a_restart_and_the_final_model_in_bundle_store(star
     with BundleStoreClient(bundle_store.target, token=TOKENS["reader"]) as store:
         bundle = store.get_bundle("federated", uuid)
         weights = from_bytes(b"".join(store.read_file("federated", uuid, "weights.npz")))
+        onnx_model = b"".join(store.read_file("federated", uuid, "model.onnx"))
     assert bundle.committed and bundle.lineage.parameters["federation"] == "plants"
     assert bundle.lineage.parameters["round"] == "5" and bundle.tags["round"] == "5"
     assert set(bundle.lineage.parameters["clients"].split(",")) == set(history[-1].participants)
     assert [w.shape for w in weights] == [(64, 10), (10,)]
+    # ... and as ONNX, which predicts what the weights do
+    x = partition_digits(6).test[0][:16]
+    served = ort.InferenceSession(onnx_model, providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+    np.testing.assert_allclose(served, SoftmaxModel(64, 10)._probabilities(weights, x), rtol=1e-4, atol=1e-6)
 
 

@@ -30,7 +30,7 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
     publisher = None
     if settings.bundle_store_target:
         publisher = BundlePublisher(settings.bundle_store_target, token=settings.bundle_store_token.get_secret_value(),
-                                    context=settings.bundle_context)
+                                    context=settings.bundle_context, serve=settings.serve_models)
     coordinator = await service.start(Coordinator(
         store, await service.emitter(), metrics, publisher=publisher, publish_every_round=settings.publish_every_round,
         max_federations=settings.max_federations, max_clients=settings.max_clients_per_federation))

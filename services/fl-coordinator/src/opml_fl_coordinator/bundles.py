@@ -1,6 +1,7 @@
 """Publishing a federation's global model to bundle-store: a committed bundle ``fl-{federation}``
 holding ``weights.npz`` with lineage (federation, round, clients, strategy, metrics as values and
-parameters), so flow 3 (train across plants -> bundle -> served) continues in bundle-store."""
+parameters), and, when the model is a dense classifier, ``model.onnx`` (:mod:`onnx_export`), so
+flow 3 (train across plants -> bundle -> served by the inference-router) continues from it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from opml.bundles.v1 import bundles_pb2
 
 from opml_common.errors import AlreadyExists
 from opml_fl_coordinator.federation import Federation, RoundRecord
+from opml_fl_coordinator.onnx_export import dense_classifier_onnx, serving_config
 from opml_fl_coordinator.weights import Weights, to_bytes
 
 log = logging.getLogger(__name__)
@@ -19,8 +21,9 @@ log = logging.getLogger(__name__)
 class BundlePublisher:
     """Commits models to bundle-store (its client is imported only when one is configured)."""
 
-    def __init__(self, target: str, *, token: str | None, context: str) -> None:
+    def __init__(self, target: str, *, token: str | None, context: str, serve: bool = False) -> None:
         self.target, self._token, self.context = target, token or None, context
+        self.serve = serve  # tag the ONNX bundles serve=true: the inference-router deploys them
         self._context_made = False
 
     def _publish(self, federation: Federation, record: RoundRecord, weights: Weights) -> str:
@@ -40,9 +43,16 @@ class BundlePublisher:
                 "mode": federation.config.mode, "clients": ",".join(record.participants)})
             values = {"round": record.number, "federation": federation.federation_id,
                       **{f"metrics.{k}": float(v) for k, v in record.metrics.items()}}
-            bundle = client.add(self.context, f"fl-{federation.federation_id}",
-                                {"weights.npz": to_bytes(weights)}, values=values,
-                                tags={"federation": federation.federation_id, "round": str(record.number)},
+            files = {"weights.npz": to_bytes(weights)}
+            try:  # a dense classifier also goes as ONNX, for the inference-router
+                files["model.onnx"] = dense_classifier_onnx(weights)
+                files["model.yaml"] = serving_config(f"fl-{federation.federation_id}", weights).encode()
+            except ValueError as why:
+                log.info("federation %s: model not exported to ONNX (%s)", federation.federation_id, why)
+            tags = {"federation": federation.federation_id, "round": str(record.number)}
+            if self.serve and "model.onnx" in files:
+                tags["serve"] = "true"
+            bundle = client.add(self.context, f"fl-{federation.federation_id}", files, values=values, tags=tags,
                                 lineage=lineage, commit=True)
         return f"{self.context}/{bundle.bundle_name}@{bundle.uuid}"
 

@@ -30,6 +30,8 @@ class FlCoordinatorSettings(ServiceSettings):
                                      "is committed there as a bundle with lineage (empty: not published).")
     bundle_store_token: SecretStr = Field(SecretStr(""), description="Bearer token for bundle-store (writer).")
     bundle_context: str = Field("federated", min_length=1, description="bundle-store context of the models.")
+    serve_models: bool = Field(False, description="Tag published ONNX models serve=true, so the inference-router "
+                               "deploys each as it is committed (flow 3).")
     publish_every_round: bool = Field(False, description="Publish every round's model (else only the last, when "
                                       "the federation ends).")
 

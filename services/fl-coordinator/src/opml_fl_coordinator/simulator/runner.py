@@ -46,12 +46,14 @@ class SimulationResult:
     rounds: list[RoundRecord] = field(default_factory=list)
     times: list[float] = field(default_factory=list)        # virtual time at each round's end
     accuracy: list[float] = field(default_factory=list)     # server-side test accuracy after each round
+    wall: list[float] = field(default_factory=list)         # wall seconds from the run's start to each round's end
     wall_s: float = 0.0
     reason: str = ""
 
-    def time_to(self, target: float) -> tuple[float, int] | None:
-        """(virtual seconds, rounds) until the test accuracy first reached ``target``."""
-        for index, (at, accuracy) in enumerate(zip(self.times, self.accuracy)):
+    def time_to(self, target: float, *, wall: bool = False) -> tuple[float, int] | None:
+        """(virtual seconds, or wall seconds with ``wall``, and rounds) until the test accuracy
+        first reached ``target``."""
+        for index, (at, accuracy) in enumerate(zip(self.wall if wall else self.times, self.accuracy)):
             if accuracy >= target:
                 return at, index + 1
         return None
@@ -60,11 +62,13 @@ class SimulationResult:
 class _Recorder(FederationListener):
     def __init__(self, result: SimulationResult) -> None:
         self.result = result
+        self.started = time.perf_counter()
 
     def round_completed(self, federation: Federation, record: RoundRecord) -> None:
         self.result.rounds.append(record)
         self.result.times.append(record.ended_at)
         self.result.accuracy.append(record.metrics.get("accuracy", float("nan")))
+        self.result.wall.append(time.perf_counter() - self.started)
 
 
 class Simulator:

@@ -1,0 +1,52 @@
+"""The global model as ONNX: what onnxruntime computes from it is what Keras and numpy compute."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from opml_fl_coordinator.onnx_export import dense_classifier_onnx
+from opml_fl_coordinator.simulator import SoftmaxModel
+
+
+def run(model_bytes: bytes, x: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(model_bytes, providers=["CPUExecutionProvider"])
+    return session.run(["probabilities"], {"input": x})[0]
+
+
+def test_a_keras_mlp_and_its_onnx_agree():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                              keras.layers.Dense(10, activation="softmax")])
+    x = np.random.default_rng(0).random((7, 64), dtype=np.float32)
+    np.testing.assert_allclose(run(dense_classifier_onnx(model.get_weights()), x), model.predict(x, verbose=0),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_the_simulators_softmax_regression_and_its_onnx_agree():
+    rng = np.random.default_rng(1)
+    weights = [rng.normal(size=(64, 10)).astype(np.float32), rng.normal(size=10).astype(np.float32)]
+    x = rng.random((5, 64), dtype=np.float32)
+    expected = SoftmaxModel(64, 10)._probabilities(weights, x)
+    np.testing.assert_allclose(run(dense_classifier_onnx(weights), x), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_weights_that_are_not_a_dense_stack_are_refused():
+    with pytest.raises(ValueError, match="pairs"):
+        dense_classifier_onnx([np.zeros((3, 2), np.float32)])
+    with pytest.raises(ValueError, match="layer 1 takes 4"):
+        dense_classifier_onnx([np.zeros((3, 2)), np.zeros(2), np.zeros((4, 2)), np.zeros(2)])
+
+
+def test_the_serving_config_is_one_the_inference_router_accepts():
+    import yaml
+
+    from opml_fl_coordinator.onnx_export import serving_config
+    from opml_inference_router.placement.config import ModelConfig
+
+    weights = [np.zeros((64, 32)), np.zeros(32), np.zeros((32, 10)), np.zeros(10)]
+    config = ModelConfig.from_dict(yaml.safe_load(serving_config("fl-plants", weights)))
+    assert config.name == "fl-plants" and config.max_batch_size == 32
+    assert [tuple(i.dims) for i in config.inputs] == [(64,)] and [tuple(o.dims) for o in config.outputs] == [(10,)]
