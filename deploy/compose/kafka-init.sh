@@ -48,6 +48,7 @@ user inference-router "$KAFKA_INFERENCE_ROUTER_PASSWORD"
 user trace-collector "$KAFKA_TRACE_COLLECTOR_PASSWORD"
 user fl-coordinator "$KAFKA_FL_COORDINATOR_PASSWORD"
 user monitoring-scorer "$KAFKA_MONITORING_SCORER_PASSWORD"
+user automl-controller "$KAFKA_AUTOML_CONTROLLER_PASSWORD"
 user tracer "$KAFKA_TRACER_PASSWORD"  # the tracers inside jobs (the job-orchestrator hands it to jobs)
 
 owns bundle-store opml.bundles.v1
@@ -55,6 +56,7 @@ owns job-orchestrator opml.jobs.v1
 owns inference-router opml.predictions.v1
 owns inference-router opml.deployments.v1
 owns fl-coordinator opml.federations.v1
+owns automl-controller opml.experiments.v1
 reads inference-router opml.bundles.v1 inference-router-autodeploy
 acl tracer --operation Write --operation Describe --topic opml.traces.v1
 reads trace-collector opml.traces.v1 trace-collector. prefixed  # groups trace-collector.<generation>

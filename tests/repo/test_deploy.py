@@ -33,7 +33,8 @@ KAFKA_INIT = ROOT / "deploy" / "compose" / "kafka-init.sh"
 TOPIC_WRITERS = {"opml.bundles.v1": "bundle-store", "opml.jobs.v1": "job-orchestrator",
                  "opml.predictions.v1": "inference-router", "opml.deployments.v1": "inference-router",
                  "opml.traces.v1": "tracer", "opml.federations.v1": "fl-coordinator",
-                 "opml.alerts.v1": "monitoring-scorer"}
+                 "opml.alerts.v1": "monitoring-scorer",
+                 "opml.experiments.v1": "automl-controller"}
 
 
 def _platform_services(compose: dict) -> dict[str, dict]:
@@ -54,7 +55,7 @@ def test_every_compose_service_authenticates_to_kafka_with_its_own_sasl_user() -
     compose = yaml.safe_load(COMPOSE.read_text())
     services = _platform_services(compose)
     assert set(services) == {"bundle-store", "job-orchestrator", "inference-router", "trace-collector",
-                             "fl-coordinator", "monitoring-scorer"}
+                             "fl-coordinator", "monitoring-scorer", "automl-controller"}
     for name, service in services.items():
         env = service["environment"]
         assert env["OPML_KAFKA_SECURITY_PROTOCOL"].startswith("SASL_"), name

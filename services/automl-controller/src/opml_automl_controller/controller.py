@@ -1,0 +1,534 @@
+"""The controller: runs each experiment to its end, trials as TE jobs, decisions by Optuna.
+
+One asyncio task per running experiment (:meth:`Controller._run`) keeps ``parallelTrialCount``
+trials going until ``maxTrialCount`` trials have been asked, and ends the experiment as Katib does
+(in this order: the objective's goal reached -> SUCCEEDED GoalReached; more failed trials than
+``maxFailedTrialCount`` -> FAILED MaxFailedTrialsReached; ``maxTrialCount`` trials ended ->
+SUCCEEDED MaxTrialsReached; a grid with no combination left -> SUCCEEDED SuggestionEndReached).
+One task per trial (:meth:`Controller._trial`) submits the trial's job, follows its log through
+the metrics collector, reports each objective value to the study (so the pruner can stop it: its
+job is cancelled at once), and tells the study how it ended.
+
+Restart safety: the Optuna journal decides which trials exist. A trial is asked (durably, with its
+job id stored on it) before its job is submitted; submission re-reads the orchestrator first, so a
+restart re-attaches to the job rather than running it again; a trial that ended in Optuna but not
+in our record is finished from Optuna's state. So a controller killed at any point and started
+again ends with exactly maxTrialCount trials, none run twice, none lost.
+
+Every change is saved to Redis, then announced once through the emitter (``opml.experiments.v1``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from optuna.trial import FrozenTrial
+from optuna.trial import TrialState as OptunaState
+
+from opml_automl_controller import convert
+from opml_automl_controller.algorithms import fixed_parameters
+from opml_automl_controller.collect import MetricsParser, summarize
+from opml_automl_controller.experiment import CollectorKind, ExperimentSpec, ResumePolicy
+from opml_automl_controller.jobs import JobView, TrialJobs
+from opml_automl_controller.katib import parse_experiment
+from opml_automl_controller.state import (
+    TERMINAL_TRIALS,
+    ExperimentRecord,
+    ExperimentState,
+    ExperimentStore,
+    TrialRecord,
+    TrialState,
+)
+from opml_automl_controller.study import END_ATTR, ERROR_ATTR, ExperimentStudy
+from opml_automl_controller.template import TrialJob, build_trial_job
+from opml_common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, OpmlError
+from opml_common.events import EventEmitter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ExperimentView:
+    """An experiment as the API shows it: its record, its checked spec, its trials."""
+
+    record: ExperimentRecord
+    spec: ExperimentSpec
+    trials: tuple[TrialRecord, ...]
+
+    def best(self) -> TrialRecord | None:
+        return convert.best_trial(self.spec, self.trials)
+
+
+@dataclass(frozen=True, slots=True)
+class Validation:
+    spec: ExperimentSpec
+    trial_job: TrialJob
+
+
+class ControllerMetrics:
+    """Hooks the service's Prometheus metrics into the controller (no-ops in unit tests)."""
+
+    def trial_ended(self, state: TrialState, seconds: float | None) -> None: ...
+    def asked(self, seconds: float) -> None: ...
+    def experiments(self, counts: dict[ExperimentState, int]) -> None: ...
+
+
+def _spec_of(record: ExperimentRecord) -> ExperimentSpec:
+    return replace(parse_experiment(record.katib_yaml), max_trial_count=record.max_trial_count)
+
+
+class Controller:
+    """Args:
+        store: experiments and trials in Redis.
+        jobs: the orchestrator (blocking calls, run on threads).
+        emitter: where experiment and trial changes are announced.
+        redis_url: the Optuna journals' Redis.
+        trial_python: the interpreter that runs the File collector's wrapper in a trial's job.
+        retry_s: pause before retrying an orchestrator call that failed with a retriable error.
+    """
+
+    def __init__(self, *, store: ExperimentStore, jobs: TrialJobs, emitter: EventEmitter, redis_url: str,
+                 metrics: ControllerMetrics | None = None, trial_python: str = sys.executable,
+                 retry_s: float = 1.0) -> None:
+        self._store, self._jobs, self._emitter = store, jobs, emitter
+        self._redis_url = redis_url
+        self._metrics = metrics or ControllerMetrics()
+        self._trial_python = trial_python
+        self._retry_s = retry_s
+        self._runs: dict[str, asyncio.Task] = {}
+        self._wake: dict[str, asyncio.Event] = {}
+        self._closing = False
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Run again every experiment that had not ended (and drain stopped ones of running trials)."""
+        for record in await self._store.experiments():
+            if record.state in (ExperimentState.RUNNING, ExperimentState.STOPPED):
+                self._launch(record.name)
+        await self._count()
+
+    async def stop(self) -> None:
+        """Stop the experiments' tasks; trials' jobs keep running and are re-attached at the next start."""
+        self._closing = True
+        await _cancel(list(self._runs.values()))
+
+    def _launch(self, name: str) -> None:
+        if name in self._runs and not self._runs[name].done():
+            self._wake[name].set()
+            return
+        self._wake[name] = asyncio.Event()
+        self._runs[name] = asyncio.create_task(self._run(name), name=f"experiment {name}")
+
+    # -- API -------------------------------------------------------------------------------------
+
+    def validate(self, katib_yaml: str) -> Validation:
+        """The dry run: the checks, and the first trial's job (parameters at their lowest).
+
+        Raises:
+            InvalidArgument: every rule the experiment breaks.
+        """
+        spec = parse_experiment(katib_yaml, what="katib_yaml")
+        values = {p.name: str(p.low if p.low is not None else p.choices[0]) for p in spec.parameters}
+        return Validation(spec, self._trial_job(spec, "validate", 0, values))
+
+    async def create(self, katib_yaml: str) -> ExperimentView:
+        """Raises: InvalidArgument: a rule broken. AlreadyExists: the name is taken."""
+        spec = self.validate(katib_yaml).spec
+        record = ExperimentRecord(name=spec.name, uid=secrets.token_hex(3), katib_yaml=katib_yaml,
+                                  max_trial_count=spec.max_trial_count, reason="Created",
+                                  message="Experiment is created")
+        if not await self._store.put_experiment(record, new=True):
+            raise AlreadyExists(f"experiment {spec.name!r} exists already; delete it or choose another "
+                                f"metadata.name")
+        self._announce(record, spec, ())
+        self._launch(spec.name)
+        await self._count()
+        return ExperimentView(record, spec, ())
+
+    async def get(self, name: str) -> ExperimentView:
+        """Raises: NotFound."""
+        record = await self._store.experiment(name)
+        return ExperimentView(record, _spec_of(record), tuple(await self._store.trials(name)))
+
+    async def list(self) -> list[ExperimentView]:
+        return [ExperimentView(r, _spec_of(r), tuple(await self._store.trials(r.name)))
+                for r in await self._store.experiments()]
+
+    async def trials(self, name: str) -> list[TrialRecord]:
+        await self._store.experiment(name)
+        return await self._store.trials(name)
+
+    async def stop_experiment(self, name: str) -> ExperimentView:
+        """Raises: NotFound. FailedPrecondition: it has ended."""
+        record = await self._store.experiment(name)
+        if record.state is not ExperimentState.RUNNING:
+            raise FailedPrecondition(f"experiment {name!r} is {record.state.value}, not running; nothing to stop")
+        record = record.changed(state=ExperimentState.STOPPED, reason="Stopped", message="Stopped by a user",
+                                completed_at=time.time())
+        await self._save(record)
+        self._launch(name)  # wakes the run, which kills the running trials
+        return await self.get(name)
+
+    async def resume(self, name: str, max_trial_count: int = 0) -> ExperimentView:
+        """Raises: NotFound. InvalidArgument: a smaller budget. FailedPrecondition: Katib's rule."""
+        record = await self._store.experiment(name)
+        spec = _spec_of(record)
+        trials = await self._store.trials(name)
+        if max_trial_count < 0:
+            raise InvalidArgument("max_trial_count", f"must be >= 0, but got {max_trial_count}")
+        new_max = max_trial_count or record.max_trial_count
+        if record.state is ExperimentState.RUNNING:
+            raise FailedPrecondition(f"experiment {name!r} is running already")
+        if record.state is not ExperimentState.STOPPED:
+            restartable = (record.state is ExperimentState.SUCCEEDED and record.reason == "MaxTrialsReached"
+                           and spec.resume_policy in (ResumePolicy.LONG_RUNNING, ResumePolicy.FROM_VOLUME))
+            if not restartable:
+                raise FailedPrecondition(
+                    f"experiment {name!r} is {record.state.value} ({record.reason}) with resumePolicy "
+                    f"{spec.resume_policy.value}: only an experiment that succeeded by reaching maxTrialCount with "
+                    f"resumePolicy LongRunning or FromVolume can be restarted")
+            if new_max <= len(trials):
+                raise InvalidArgument("max_trial_count", f"must be greater than the experiment's {len(trials)} "
+                                                         f"trials to restart it, but got {new_max}")
+        record = record.changed(state=ExperimentState.RUNNING, reason="Resumed", max_trial_count=new_max,
+                                message=f"Resumed to maxTrialCount {new_max}", completed_at=None)
+        await self._save(record)
+        self._launch(name)
+        return await self.get(name)
+
+    async def delete(self, name: str) -> None:
+        """Kill the running trials' jobs, then delete the experiment, its trials and its journal.
+
+        Raises: NotFound.
+        """
+        record = await self._store.experiment(name)
+        task = self._runs.pop(name, None)
+        if task is not None:
+            await _cancel([task])
+        for trial in await self._store.trials(name):
+            if trial.state not in TERMINAL_TRIALS:
+                await self._retrying(lambda t=trial: self._jobs.cancel(t.job_id), f"cancel {trial.job_id}")
+        await self._store.delete(record)
+        self._emitter.emit(convert.experiment_event(record, _spec_of(record), (), deleted=True), subject=name)
+        await self._count()
+
+    # -- the experiment's loop -------------------------------------------------------------------
+
+    async def _run(self, name: str) -> None:
+        try:
+            await self._experiment(name)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("experiment %s: its run failed; it is retried at the next start", name)
+
+    async def _experiment(self, name: str) -> None:
+        record = await self._store.experiment(name)
+        spec = _spec_of(record)
+        study = await asyncio.to_thread(ExperimentStudy, spec, redis_url=self._redis_url,
+                                        journal_prefix=self._store.journal_prefix(record))
+        runners: dict[int, asyncio.Task] = {}
+        try:
+            await self._loop(name, spec, study, runners)
+        finally:  # the service stops: the trials' jobs go on, and are re-attached at the next start
+            await _cancel(list(runners.values()))
+
+    async def _loop(self, name: str, spec: ExperimentSpec, study: ExperimentStudy,
+                    runners: dict[int, asyncio.Task]) -> None:
+        wake = self._wake[name]
+        while True:
+            wake.clear()
+            for number in [n for n, task in runners.items() if task.done()]:
+                error = runners.pop(number).exception()
+                if error is not None:  # Redis or the orchestrator failed it; it is re-attached below
+                    log.error("experiment %s trial %d: %s; re-attaching", name, number, error, exc_info=error)
+                    await asyncio.sleep(self._retry_s)
+            record = await self._store.experiment(name)
+            spec = replace(spec, max_trial_count=record.max_trial_count)
+            frozen = await asyncio.to_thread(study.trials)
+            trials = {t.number: t for t in await self._store.trials(name)}
+            for ft in frozen:
+                trial = trials.get(ft.number) or await self._adopt(record, spec, ft)
+                if ft.state.is_finished() and trial.state not in TERMINAL_TRIALS:
+                    trial = await self._finished_from_optuna(record, spec, trial, ft)
+                trials[ft.number] = trial
+                if ft.state is OptunaState.RUNNING and ft.number not in runners:
+                    runners[ft.number] = asyncio.create_task(self._trial(record, spec, study, trial))
+            if record.state is ExperimentState.STOPPED:
+                if not runners:
+                    return
+                await self._kill(study, trials, runners)
+            else:
+                ended = self._outcome(spec, list(trials.values()), len(frozen))
+                if ended is None and not runners and len(frozen) < spec.max_trial_count \
+                        and await asyncio.to_thread(study.search_space_exhausted):
+                    ended = (ExperimentState.SUCCEEDED, "SuggestionEndReached",
+                             "Experiment has succeeded because the grid has no combination left")
+                if ended is not None:
+                    if runners:
+                        await self._kill(study, trials, runners)
+                        continue
+                    state, reason, message = ended
+                    await self._save(record.changed(state=state, reason=reason, message=message,
+                                                    completed_at=time.time()), spec)
+                    return
+                asked = len(frozen)
+                while len(runners) < spec.parallel_trial_count and asked < spec.max_trial_count:
+                    started = time.perf_counter()
+                    number, params = await asyncio.to_thread(study.ask, lambda n, r=record: self._job_id(r, n))
+                    self._metrics.asked(time.perf_counter() - started)
+                    trial = await self._adopt(record, spec, None, number=number, params=params)
+                    trials[number] = trial
+                    runners[number] = asyncio.create_task(self._trial(record, spec, study, trial))
+                    asked += 1
+                if record.reason not in ("Running",) and runners:
+                    record = record.changed(reason="Running", message="Experiment is running")
+                    await self._save(record, spec)
+            waiters = [asyncio.ensure_future(wake.wait()), *runners.values()]
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            waiters[0].cancel()
+
+    def _outcome(self, spec: ExperimentSpec, trials: list[TrialRecord],
+                 asked: int) -> tuple[ExperimentState, str, str] | None:
+        """Katib's UpdateExperimentStatusCondition, in its order."""
+        succeeded = [t.objective_value for t in trials if t.state is TrialState.SUCCEEDED
+                     and t.objective_value is not None]
+        if succeeded and spec.objective.target is not None:
+            best = min(succeeded) if spec.objective.goal.value == "minimize" else max(succeeded)
+            if spec.objective.reached(best):
+                return (ExperimentState.SUCCEEDED, "GoalReached",
+                        f"Experiment has succeeded because Objective goal has reached ({spec.objective.metric} "
+                        f"{best:g}, goal {spec.objective.target:g})")
+        failed = [t for t in trials if t.state is TrialState.FAILED]
+        if spec.max_failed_trial_count is not None and len(failed) > spec.max_failed_trial_count:
+            return (ExperimentState.FAILED, "MaxFailedTrialsReached",
+                    f"Experiment has failed because max failed count has reached ({len(failed)} failed trials > "
+                    f"maxFailedTrialCount {spec.max_failed_trial_count}); last error: {failed[-1].message}")
+        completed = [t for t in trials if t.state in TERMINAL_TRIALS]
+        if len(completed) >= spec.max_trial_count:
+            return (ExperimentState.SUCCEEDED, "MaxTrialsReached",
+                    "Experiment has succeeded because max trial count has reached")
+        return None
+
+    async def _kill(self, study: ExperimentStudy, trials: dict[int, TrialRecord],
+                    runners: dict[int, asyncio.Task]) -> None:
+        """Cancel the running trials' jobs (each trial then ends KILLED) and wait for their tasks."""
+        for number, task in list(runners.items()):
+            if not task.done() and await asyncio.to_thread(study.mark, number, END_ATTR, "killed"):
+                await self._retrying(lambda n=number: self._jobs.cancel(trials[n].job_id), "cancel")
+        await asyncio.gather(*runners.values(), return_exceptions=True)
+        runners.clear()
+
+    # -- one trial -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _job_id(record: ExperimentRecord, number: int) -> str:
+        return f"{record.name}-{record.uid}-t{number}"
+
+    def _trial_job(self, spec: ExperimentSpec, job_id: str, number: int, params: dict[str, str]) -> TrialJob:
+        job = build_trial_job(spec.trial_template, params, trial_name=job_id, namespace=spec.namespace)
+        job.spec.name = job_id
+        if spec.collector.kind is CollectorKind.FILE:
+            for role in job.spec.roles.values():
+                argv = list(role.command or job.spec.command)
+                del role.command[:]
+                role.command.extend([self._trial_python, "-m", "opml_automl_controller.filetail",
+                                     str(spec.collector.path), "--", *argv])
+        return job
+
+    async def _adopt(self, record: ExperimentRecord, spec: ExperimentSpec, ft: FrozenTrial | None, *,
+                     number: int | None = None, params: dict[str, Any] | None = None) -> TrialRecord:
+        """The record of a trial Optuna has (asked now, or before a restart that lost its record)."""
+        if ft is not None:
+            number, params = ft.number, {**ft.params, **fixed_parameters(spec)}
+        assert number is not None and params is not None
+        trial = TrialRecord(experiment=record.name, number=number, job_id=self._job_id(record, number),
+                            parameters={k: _text(v) for k, v in params.items()})
+        await self._save_trial(record, spec, trial)
+        return trial
+
+    async def _finished_from_optuna(self, record: ExperimentRecord, spec: ExperimentSpec, trial: TrialRecord,
+                                    ft: FrozenTrial) -> TrialRecord:
+        """A trial told to Optuna whose record did not follow (a restart in between)."""
+        end = ft.user_attrs.get(END_ATTR)
+        if ft.state is OptunaState.COMPLETE:
+            trial = replace(trial, state=TrialState.SUCCEEDED, objective_value=ft.value)
+        elif ft.state is OptunaState.PRUNED:
+            trial = replace(trial, state=TrialState.EARLY_STOPPED)
+        else:
+            trial = replace(trial, state=TrialState.KILLED if end == "killed" else TrialState.FAILED,
+                            message=str(ft.user_attrs.get(ERROR_ATTR, trial.message)))
+        trial = replace(trial, ended_at=trial.ended_at or time.time())
+        await self._save_trial(record, spec, trial)
+        return trial
+
+    async def _trial(self, record: ExperimentRecord, spec: ExperimentSpec, study: ExperimentStudy,
+                     trial: TrialRecord) -> None:
+        try:
+            job = self._trial_job(spec, trial.job_id, trial.number, trial.parameters)
+        except InvalidArgument as error:
+            await self._end(record, spec, study, trial, TrialState.FAILED, message=f"trial template: {error.message}")
+            return
+        try:
+            await self._retrying(lambda: self._jobs.ensure(job.spec), f"submit {trial.job_id}")
+        except InvalidArgument as error:
+            await self._end(record, spec, study, trial, TrialState.FAILED,
+                            message=f"job-orchestrator refused the job: {error.message}")
+            return
+        trial = replace(trial, state=TrialState.RUNNING, started_at=trial.started_at or time.time())
+        await self._save_trial(record, spec, trial)
+        objective = spec.objective.metric
+        metrics = (objective, *spec.objective.additional_metrics)
+        pruned_at: int | None = None
+        while True:  # the log is read from its start each time, so a re-read counts each value once
+            parser = MetricsParser(spec.collector, metrics)
+            observations: dict[str, list[float]] = {m: [] for m in metrics}
+            saved_at = time.monotonic()
+            stream = self._follow(trial.job_id)
+            try:
+                while True:
+                    kind, text = await stream.get()
+                    if kind == "error":
+                        raise text
+                    if kind == "end":
+                        break
+                    for observation in parser.feed(text):
+                        observations[observation.metric].append(observation.value)
+                        if observation.metric == objective and pruned_at is None:
+                            step = len(observations[objective])
+                            if await asyncio.to_thread(study.report, trial.number, observation.value, step):
+                                pruned_at = step
+                                if await asyncio.to_thread(study.mark, trial.number, END_ATTR, "pruned"):
+                                    await self._retrying(lambda j=trial.job_id: self._jobs.cancel(j), "cancel")
+                    if time.monotonic() - saved_at > 1.0:
+                        trial = replace(trial, observations=observations)
+                        await self._save_trial(record, spec, trial, announce=False)
+                        saved_at = time.monotonic()
+                for observation in parser.close():
+                    observations[observation.metric].append(observation.value)
+            except OpmlError as error:
+                if not error.retriable:
+                    raise
+                await asyncio.sleep(self._retry_s)
+                continue
+            view: JobView = await self._retrying(lambda j=trial.job_id: self._jobs.get(j), "get")
+            if view.ended:
+                break
+            await asyncio.sleep(self._retry_s)  # the stream broke before the job ended
+        trial = replace(trial, observations=observations)
+        frozen_end = await asyncio.to_thread(lambda: study.trials()[trial.number].user_attrs.get(END_ATTR))
+        if frozen_end == "pruned":
+            await self._end(record, spec, study, trial, TrialState.EARLY_STOPPED,
+                            message=f"stopped by the pruner at step {pruned_at or len(observations[objective])} "
+                                    f"({type(study.study.pruner).__name__}); its job was cancelled")
+        elif frozen_end == "killed":
+            await self._end(record, spec, study, trial, TrialState.KILLED,
+                            message="its job was cancelled because the experiment ended or was stopped")
+        elif view.state == "succeeded":
+            value = summarize(observations[objective], spec.objective.strategy(objective))
+            if value is None:
+                await self._end(record, spec, study, trial, TrialState.FAILED,
+                                message=f"MetricsUnavailable: the job succeeded but reported no {objective!r} "
+                                        f"({spec.collector.kind.value} collector)")
+            else:
+                await self._end(record, spec, study, trial, TrialState.SUCCEEDED, value=value)
+        elif view.state == "failed":
+            await self._end(record, spec, study, trial, TrialState.FAILED, message=f"job failed: {view.cause}")
+        else:
+            await self._end(record, spec, study, trial, TrialState.FAILED,
+                            message=f"job was cancelled outside the controller: {view.cause}")
+
+    async def _end(self, record: ExperimentRecord, spec: ExperimentSpec, study: ExperimentStudy, trial: TrialRecord,
+                   state: TrialState, *, value: float | None = None, message: str = "") -> None:
+        """Tell Optuna (the durable decision), then save and announce the trial."""
+        if message and state is not TrialState.SUCCEEDED:
+            await asyncio.to_thread(study.mark, trial.number, ERROR_ATTR, message[:1000])
+        optuna_state = {TrialState.SUCCEEDED: OptunaState.COMPLETE, TrialState.EARLY_STOPPED: OptunaState.PRUNED}.get(
+            state, OptunaState.FAIL)
+        await asyncio.to_thread(study.tell, trial.number, value=value, state=optuna_state)
+        trial = replace(trial, state=state, objective_value=value, message=message, ended_at=time.time())
+        await self._save_trial(record, spec, trial)
+        self._metrics.trial_ended(state, trial.ended_at - trial.started_at if trial.started_at else None)
+
+    def _follow(self, job_id: str) -> asyncio.Queue[tuple[str, Any]]:
+        """The job's log as it is written: ("data", text)... then ("end", None) or ("error", exc),
+        read on a thread of its own (not the loop's executor: a stream blocks for the job's whole
+        run, and parallel trials would otherwise take every worker the Optuna calls need)."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+        def pump() -> None:
+            try:
+                for text in self._jobs.follow(job_id):
+                    loop.call_soon_threadsafe(queue.put_nowait, ("data", text))
+                loop.call_soon_threadsafe(queue.put_nowait, ("end", None))
+            except BaseException as error:  # noqa: BLE001 - carried to the reader
+                with contextlib.suppress(RuntimeError):  # the loop has closed
+                    loop.call_soon_threadsafe(queue.put_nowait, ("error", error))
+
+        threading.Thread(target=pump, name=f"follow {job_id}", daemon=True).start()
+        return queue
+
+    async def _retrying(self, call: Callable[[], Any], what: str) -> Any:
+        """``call()`` on a thread, again after ``retry_s`` while it fails with a retriable error."""
+        while True:
+            try:
+                return await asyncio.to_thread(call)
+            except OpmlError as error:
+                if not error.retriable:
+                    raise
+                log.warning("%s: %s; retrying in %.1f s", what, error.message, self._retry_s)
+                await asyncio.sleep(self._retry_s)
+
+    # -- saving and announcing -------------------------------------------------------------------
+
+    async def _save(self, record: ExperimentRecord, spec: ExperimentSpec | None = None) -> None:
+        await self._store.put_experiment(record)
+        self._announce(record, spec or _spec_of(record), tuple(await self._store.trials(record.name)))
+        await self._count()
+
+    async def _save_trial(self, record: ExperimentRecord, spec: ExperimentSpec, trial: TrialRecord, *,
+                          announce: bool = True) -> None:
+        await self._store.put_trial(trial)
+        if announce:
+            self._emitter.emit(convert.trial_event(trial), subject=record.name)
+
+    def _announce(self, record: ExperimentRecord, spec: ExperimentSpec, trials: tuple[TrialRecord, ...]) -> None:
+        self._emitter.emit(convert.experiment_event(record, spec, trials), subject=record.name)
+
+    async def _count(self) -> None:
+        counts = dict.fromkeys(ExperimentState, 0)
+        for record in await self._store.experiments():
+            counts[record.state] += 1
+        self._metrics.experiments(counts)
+
+
+async def _cancel(tasks: list[asyncio.Task]) -> None:
+    """Cancel ``tasks`` and wait for them to end. The cancel is repeated while a task goes on: the
+    Redis client's timeouts (``asyncio.timeout``) can swallow a cancel that lands inside them."""
+    while pending := [task for task in tasks if not task.done()]:
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending, timeout=0.5)
+    for task in tasks:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s ended with an error", task.get_name(), exc_info=task.exception())
+
+
+def _text(value: Any) -> str:
+    """A parameter's value as the template gets it (ints without '.0')."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return repr(value)
+    return str(value)
+
+

@@ -1,0 +1,41 @@
+"""The controller's Prometheus metrics: trials by how they ended and how long they ran, the
+sampler's ask latency (the controller's own cost per trial), experiments by state."""
+
+from __future__ import annotations
+
+from opml_automl_controller.controller import ControllerMetrics
+from opml_automl_controller.state import ExperimentState, TrialState
+from opml_common.metrics import ServiceMetrics
+
+TRIAL_BUCKETS = (1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 24 * 3600)
+ASK_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5)
+
+
+class PrometheusControllerMetrics(ControllerMetrics):
+    """``opml_automl_controller_trials_total{state}``, ``..._trial_duration_seconds{state}``,
+    ``..._suggestion_seconds`` (one ``study.ask``) and ``..._experiments{state}``."""
+
+    def __init__(self, metrics: ServiceMetrics) -> None:
+        self._trials = metrics.counter("trials_total", "Trials that ended, by how.", ("state",))
+        self._duration = metrics.histogram("trial_duration_seconds", "From a trial's job submission to its end.",
+                                           ("state",), buckets=TRIAL_BUCKETS)
+        self._ask = metrics.histogram("suggestion_seconds", "Time of one suggestion (Optuna's ask, journal "
+                                      "included).", buckets=ASK_BUCKETS)
+        self._experiments = metrics.gauge("experiments", "Experiments known to the controller, by state.",
+                                          ("state",))
+        for state in TrialState:
+            self._trials.labels(state.value)
+        for state in ExperimentState:
+            self._experiments.labels(state.value).set(0)
+
+    def trial_ended(self, state: TrialState, seconds: float | None) -> None:
+        self._trials.labels(state.value).inc()
+        if seconds is not None:
+            self._duration.labels(state.value).observe(max(0.0, seconds))
+
+    def asked(self, seconds: float) -> None:
+        self._ask.observe(seconds)
+
+    def experiments(self, counts: dict[ExperimentState, int]) -> None:
+        for state, count in counts.items():
+            self._experiments.labels(state.value).set(count)

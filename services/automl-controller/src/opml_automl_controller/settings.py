@@ -1,0 +1,35 @@
+"""automl-controller settings: ``OPML_AUTOML_CONTROLLER_*`` (the shared ones are in opml_common.config)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import SettingsConfigDict
+
+from opml_common.config import ServiceSettings
+
+
+class AutomlControllerSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="OPML_AUTOML_CONTROLLER_", frozen=True, extra="ignore")
+
+    grpc_port: int = Field(50055, ge=0, le=65535, description="gRPC port (0 picks a free one).")
+    metrics_port: int = Field(9155, ge=0, le=65535, description="Prometheus /metrics port (0 picks a free one).")
+    home: Path = Field(Path.home() / ".opml" / "automl-controller", description="Directory of the event outbox.")
+    job_orchestrator_target: str = Field("127.0.0.1:50052", min_length=1,
+                                         description="The job-orchestrator every trial's job is submitted to.")
+    job_orchestrator_token: SecretStr | None = Field(None, description="Bearer token the controller calls the "
+                                                     "orchestrator with (the writer role: it submits and cancels "
+                                                     "the trials' jobs). Unset: no token (an orchestrator with "
+                                                     "auth off).")
+    trial_python: str | None = Field(None, min_length=1, description="Interpreter that runs the File "
+                                     "collector's wrapper (`-m opml_automl_controller.filetail`) in a trial's "
+                                     "job; unset: the controller's own (jobs on this machine); where the "
+                                     "orchestrator runs pods, the image's python.")
+    retry_s: float = Field(1.0, gt=0, description="Pause before retrying an orchestrator call that failed "
+                           "with a retriable error (UNAVAILABLE).")
+
+    @field_validator("job_orchestrator_token", "trial_python", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: object) -> object:
+        return None if value == "" else value

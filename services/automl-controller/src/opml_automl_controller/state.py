@@ -1,0 +1,148 @@
+"""Experiments and trials as the controller keeps them, and their durable store in Redis.
+
+The Optuna study (a JournalStorage on Redis, :mod:`opml_automl_controller.study`) is the source
+of truth for which trials exist, their parameters and how they ended; these records add what
+Optuna does not keep (the job, every metric's series, the job's error) and what the API lists.
+A record is written before the change it describes is acted on where that matters (a trial's job
+id before its submission), so a restarted controller finds every trial again.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from opml_common.errors import NotFound
+
+
+class ExperimentState(enum.Enum):
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+class TrialState(enum.Enum):
+    CREATED = "created"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    EARLY_STOPPED = "early_stopped"
+    KILLED = "killed"
+
+
+TERMINAL_TRIALS = frozenset({TrialState.SUCCEEDED, TrialState.FAILED, TrialState.EARLY_STOPPED, TrialState.KILLED})
+
+
+@dataclass(frozen=True, slots=True)
+class TrialRecord:
+    experiment: str
+    number: int
+    parameters: dict[str, str]
+    job_id: str
+    state: TrialState = TrialState.CREATED
+    observations: dict[str, list[float]] = field(default_factory=dict)
+    objective_value: float | None = None
+    message: str = ""
+    started_at: float | None = None
+    ended_at: float | None = None
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "state": self.state.value})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> TrialRecord:
+        data = json.loads(text)
+        return cls(**{**data, "state": TrialState(data["state"])})
+
+
+@dataclass(frozen=True, slots=True)
+class ExperimentRecord:
+    name: str
+    uid: str
+    """Unique per creation: job ids and the study's keys carry it, so a re-created experiment of the
+    same name never meets the old one's jobs (the orchestrator never reuses a job id)."""
+    katib_yaml: str
+    max_trial_count: int
+    state: ExperimentState = ExperimentState.RUNNING
+    reason: str = "Created"
+    message: str = ""
+    created_at: float = field(default_factory=time.time)
+    completed_at: float | None = None
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "state": self.state.value})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> ExperimentRecord:
+        data = json.loads(text)
+        return cls(**{**data, "state": ExperimentState(data["state"])})
+
+    def changed(self, **changes: Any) -> ExperimentRecord:
+        return replace(self, **changes)
+
+
+class ExperimentStore:
+    """Redis keys (all under ``prefix``): ``automl:experiments`` (a sorted set: names by creation),
+    ``automl:experiment:{name}`` (the record, JSON), ``automl:trials:{name}`` (a hash: number ->
+    trial JSON). Trials and experiments are small (KiBs); an experiment's trials are read whole."""
+
+    def __init__(self, redis: aioredis.Redis, *, prefix: str) -> None:
+        self._redis = redis
+        self._prefix = f"{prefix}automl:"
+
+    async def start(self) -> None:
+        await self._redis.ping()
+
+    async def stop(self) -> None:
+        """Nothing to flush: every write is awaited where it is made."""
+
+    def journal_prefix(self, record: ExperimentRecord) -> str:
+        """Where the experiment's Optuna journal lives."""
+        return f"{self._prefix}journal:{record.name}:{record.uid}"
+
+    async def put_experiment(self, record: ExperimentRecord, *, new: bool = False) -> bool:
+        """Save ``record``; with ``new``, only if no experiment of that name exists (False then)."""
+        key = f"{self._prefix}experiment:{record.name}"
+        if new:
+            if not await self._redis.set(key, record.to_json(), nx=True):
+                return False
+            await self._redis.zadd(f"{self._prefix}experiments", {record.name: record.created_at})
+            return True
+        await self._redis.set(key, record.to_json())
+        return True
+
+    async def experiment(self, name: str) -> ExperimentRecord:
+        """Raises: NotFound: no experiment of that name."""
+        raw = await self._redis.get(f"{self._prefix}experiment:{name}")
+        if raw is None:
+            raise NotFound(f"experiment {name!r} does not exist")
+        return ExperimentRecord.from_json(raw)
+
+    async def experiments(self) -> list[ExperimentRecord]:
+        names = await self._redis.zrange(f"{self._prefix}experiments", 0, -1)
+        records = []
+        for name in names:
+            raw = await self._redis.get(f"{self._prefix}experiment:{name.decode()}")
+            if raw is not None:
+                records.append(ExperimentRecord.from_json(raw))
+        return records
+
+    async def put_trial(self, trial: TrialRecord) -> None:
+        await self._redis.hset(f"{self._prefix}trials:{trial.experiment}", str(trial.number), trial.to_json())
+
+    async def trials(self, experiment: str) -> list[TrialRecord]:
+        raw = await self._redis.hgetall(f"{self._prefix}trials:{experiment}")
+        return sorted((TrialRecord.from_json(v) for v in raw.values()), key=lambda t: t.number)
+
+    async def delete(self, record: ExperimentRecord) -> None:
+        """The experiment, its trials and its Optuna journal."""
+        journal = [key async for key in self._redis.scan_iter(match=self.journal_prefix(record) + ":*")]
+        await self._redis.delete(f"{self._prefix}experiment:{record.name}", f"{self._prefix}trials:{record.name}",
+                                 *journal)
+        await self._redis.zrem(f"{self._prefix}experiments", record.name)

@@ -1,0 +1,75 @@
+"""One experiment's Optuna study: a JournalStorage on Redis, its sampler and pruner, ask and tell.
+
+Every Optuna call blocks (Redis round trips, the samplers' fitting), so the controller makes them
+on a thread; this class only gathers them. The journal is the history a restarted controller's
+sampler continues from.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optuna
+from optuna.exceptions import UpdateFinishedTrialError
+from optuna.storages.journal import JournalRedisBackend, JournalStorage
+from optuna.trial import FrozenTrial, TrialState
+
+from opml_automl_controller.algorithms import direction, fixed_parameters, make_pruner, make_sampler, search_space
+from opml_automl_controller.experiment import ExperimentSpec
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+END_ATTR = "opml_end"
+"""User attribute a trial gets before its job is cancelled: ``pruned`` or ``killed`` (so a restart
+between the cancel and the tell still knows why the job was cancelled)."""
+ERROR_ATTR = "opml_error"
+JOB_ATTR = "opml_job"
+
+
+class ExperimentStudy:
+    def __init__(self, spec: ExperimentSpec, *, redis_url: str, journal_prefix: str) -> None:
+        self.spec = spec
+        storage = JournalStorage(JournalRedisBackend(redis_url, prefix=journal_prefix))
+        self.study = optuna.create_study(storage=storage, study_name=spec.name, direction=direction(spec),
+                                         load_if_exists=True)
+        self.study.sampler = make_sampler(spec, trials_so_far=len(self.trials()))
+        self.study.pruner = make_pruner(spec)
+        self._space = search_space(spec)
+        self._fixed = fixed_parameters(spec)
+
+    def trials(self) -> list[FrozenTrial]:
+        return self.study.get_trials(deepcopy=False)
+
+    def ask(self, job_id_of: Any) -> tuple[int, dict[str, Any]]:
+        """A new trial: its number and parameters (sampled, plus the fixed ones); the job id it will
+        have (``job_id_of(number)``) is stored on it before this returns."""
+        trial = self.study.ask(fixed_distributions=self._space)
+        trial.set_user_attr(JOB_ATTR, job_id_of(trial.number))
+        return trial.number, {**trial.params, **self._fixed}
+
+    def _trial(self, number: int) -> optuna.Trial:
+        storage = self.study._storage
+        return optuna.Trial(self.study, storage.get_trial_id_from_study_id_trial_number(self.study._study_id, number))
+
+    def report(self, number: int, value: float, step: int) -> bool:
+        """Report the ``step``-th objective value; whether the pruner says to stop the trial."""
+        trial = self._trial(number)
+        trial.report(value, step)
+        return trial.should_prune()
+
+    def mark(self, number: int, key: str, value: str) -> bool:
+        """Set a user attribute of a running trial; False when the trial has finished already."""
+        try:
+            self._trial(number).set_user_attr(key, value)
+        except UpdateFinishedTrialError:
+            return False
+        return True
+
+    def tell(self, number: int, *, value: float | None = None, state: TrialState = TrialState.COMPLETE) -> None:
+        self.study.tell(number, value if state is TrialState.COMPLETE else None, state=state,
+                        skip_if_finished=True)
+
+    def search_space_exhausted(self) -> bool:
+        """Grid only: every combination has been asked."""
+        sampler = self.study.sampler
+        return isinstance(sampler, optuna.samplers.GridSampler) and sampler.is_exhausted(self.study)

@@ -1,0 +1,291 @@
+"""The controller core against a scripted orchestrator (a fake of pure logic: jobs whose logs are a
+function of their parameters) and the machine's real Redis (the Optuna journal and the records)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis.asyncio as aioredis
+import yaml
+from opml.jobs.v1 import jobs_pb2
+
+from opml_automl_controller.controller import Controller
+from opml_automl_controller.jobs import JobView, TrialJobs
+from opml_automl_controller.state import ExperimentState, ExperimentStore, TrialState
+from opml_common.errors import FailedPrecondition, NotFound
+from opml_common.events import RecordingEmitter
+
+REDIS = "redis://127.0.0.1:6379/0"
+
+
+def experiment(name: str, *, max_trials: int = 6, parallel: int = 3, goal: float | None = None,
+               algorithm: str = "random", early: dict | None = None, max_failed: int = 3,
+               resume: str = "Never", collector: dict | None = None) -> str:
+    doc = {
+        "apiVersion": "kubeflow.org/v1beta1", "kind": "Experiment", "metadata": {"name": name},
+        "spec": {
+            "objective": {"type": "minimize", "objectiveMetricName": "loss", **({"goal": goal} if goal else {})},
+            "algorithm": {"algorithmName": algorithm, "algorithmSettings": [{"name": "random_state", "value": "7"}]},
+            "parallelTrialCount": parallel, "maxTrialCount": max_trials, "maxFailedTrialCount": max_failed,
+            "resumePolicy": resume,
+            "parameters": [{"name": "x", "parameterType": "double", "feasibleSpace": {"min": "-2", "max": "2"}}],
+            "trialTemplate": {
+                "primaryContainerName": "main",
+                "trialParameters": [{"name": "x", "reference": "x"}],
+                "trialSpec": {"apiVersion": "batch/v1", "kind": "Job", "spec": {"template": {"spec": {
+                    "containers": [{"name": "main", "image": "python:3.11",
+                                    "command": ["python", "train.py", "--x=${trialParameters.x}"]}]}}}},
+            },
+        },
+    }
+    if early:
+        doc["spec"]["earlyStopping"] = early
+    if collector:
+        doc["spec"]["metricsCollectorSpec"] = collector
+    return yaml.safe_dump(doc)
+
+
+class ScriptedJobs(TrialJobs):
+    """Jobs whose log is ``script(x)`` (a list of lines); a job "runs" while its gate is closed
+    (``hold``), and ends succeeded (or failed, when the script says ``FAIL``) once released."""
+
+    def __init__(self, script: Callable[[float, int], list[str]], *, hold: bool = False) -> None:
+        self.script = script
+        self.submitted: list[str] = []
+        self.cancelled: list[str] = []
+        self.states: dict[str, str] = {}
+        self.specs: dict[str, jobs_pb2.JobSpec] = {}
+        self.gate = threading.Event()
+        if not hold:
+            self.gate.set()
+        self.lock = threading.Lock()
+        self.running = threading.Semaphore(0)
+
+    def ensure(self, spec: jobs_pb2.JobSpec) -> JobView:
+        with self.lock:
+            if spec.name not in self.states:
+                self.submitted.append(spec.name)
+                self.states[spec.name] = "running"
+                self.specs[spec.name] = spec
+                self.running.release()
+            return JobView(spec.name, self.states[spec.name])
+
+    def get(self, job_id: str) -> JobView:
+        if job_id not in self.states:
+            raise NotFound(job_id)
+        return JobView(job_id, self.states[job_id], "exit code 1" if self.states[job_id] == "failed" else "")
+
+    def cancel(self, job_id: str) -> JobView:
+        with self.lock:
+            if self.states[job_id] == "running":
+                self.states[job_id] = "cancelled"
+                self.cancelled.append(job_id)
+        return self.get(job_id)
+
+    def _x(self, job_id: str) -> float:
+        argv = list(self.specs[job_id].roles["worker"].command)
+        return float(next(a for a in argv if a.startswith("--x=")).split("=", 1)[1])
+
+    def follow(self, job_id: str) -> Iterator[str]:
+        lines = self.script(self._x(job_id), int(job_id.rsplit("-t", 1)[1]))
+        for index, line in enumerate(lines):
+            if line == "HOLD":  # until cancelled
+                while self.states[job_id] == "running":
+                    self.gate.wait(0.02)
+                return
+            if line == "FAIL":
+                with self.lock:
+                    self.states[job_id] = "failed"
+                return
+            if index == len(lines) - 1:
+                while not self.gate.wait(0.02):
+                    if self.states[job_id] == "cancelled":
+                        return
+            if self.states[job_id] == "cancelled":
+                return
+            yield line + "\n"  # a job that ended replays its whole log, as the orchestrator's does
+        with self.lock:
+            if self.states[job_id] == "running":
+                self.states[job_id] = "succeeded"
+
+
+@pytest.fixture
+async def store():
+    client = aioredis.from_url(REDIS)
+    prefix = f"opml-test:automl-{uuid.uuid4().hex[:8]}:"
+    yield ExperimentStore(client, prefix=prefix)
+    keys = [k async for k in client.scan_iter(match=prefix + "*")]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
+
+
+def controller(store: ExperimentStore, jobs: TrialJobs) -> Controller:
+    return Controller(store=store, jobs=jobs, emitter=RecordingEmitter(), redis_url=REDIS, retry_s=0.05)
+
+
+async def until_ended(ctl: Controller, name: str) -> None:
+    while (await ctl.get(name)).record.state is ExperimentState.RUNNING:
+        await asyncio.sleep(0.05)
+
+
+def quadratic(x: float, number: int) -> list[str]:
+    return [f"epoch {i}: loss={(x - 0.5) ** 2 + 1 / (i + 1):.6f}" for i in range(3)]
+
+
+async def test_runs_exactly_max_trials_with_parallel_jobs(store: ExperimentStore) -> None:
+    jobs = ScriptedJobs(quadratic)
+    ctl = controller(store, jobs)
+    await ctl.start()
+    await ctl.create(experiment("quad", max_trials=7))
+    await asyncio.wait_for(until_ended(ctl, "quad"), 60)
+    view = await ctl.get("quad")
+    assert view.record.state is ExperimentState.SUCCEEDED and view.record.reason == "MaxTrialsReached"
+    assert len(view.trials) == 7 and len(set(jobs.submitted)) == len(jobs.submitted) == 7
+    assert all(t.state is TrialState.SUCCEEDED for t in view.trials)
+    best = view.best()
+    assert best is not None
+    # the objective of a trial is the min of its series (minimize): the last epoch's
+    x = float(best.parameters["x"])
+    assert best.objective_value == pytest.approx((x - 0.5) ** 2 + 1 / 3, abs=1e-5)
+    assert best.objective_value == min(t.objective_value for t in view.trials)
+    await ctl.stop()
+
+
+async def test_goal_reached_ends_the_experiment_early(store: ExperimentStore) -> None:
+    jobs = ScriptedJobs(lambda x, n: ["loss=0.001"])
+    ctl = controller(store, jobs)
+    await ctl.start()
+    await ctl.create(experiment("goal", max_trials=12, parallel=1, goal=0.01))
+    await asyncio.wait_for(until_ended(ctl, "goal"), 60)
+    view = await ctl.get("goal")
+    assert view.record.reason == "GoalReached" and view.record.state is ExperimentState.SUCCEEDED
+    assert len(view.trials) == 1
+    await ctl.stop()
+
+
+async def test_failed_jobs_fail_the_experiment_past_max_failed(store: ExperimentStore) -> None:
+    jobs = ScriptedJobs(lambda x, n: ["FAIL"])
+    ctl = controller(store, jobs)
+    await ctl.start()
+    await ctl.create(experiment("fails", max_trials=8, parallel=1, max_failed=2))
+    await asyncio.wait_for(until_ended(ctl, "fails"), 60)
+    view = await ctl.get("fails")
+    assert view.record.state is ExperimentState.FAILED and view.record.reason == "MaxFailedTrialsReached"
+    assert len(view.trials) == 3  # Katib: failed > maxFailedTrialCount
+    assert all(t.state is TrialState.FAILED and "job failed: exit code 1" in t.message for t in view.trials)
+    assert "exit code 1" in view.record.message
+    await ctl.stop()
+
+
+async def test_metrics_unavailable_fails_the_trial(store: ExperimentStore) -> None:
+    jobs = ScriptedJobs(lambda x, n: ["accuracy=0.9"])
+    ctl = controller(store, jobs)
+    await ctl.start()
+    await ctl.create(experiment("nometric", max_trials=1, parallel=1, max_failed=1))
+    await asyncio.wait_for(until_ended(ctl, "nometric"), 60)
+    (trial,) = (await ctl.get("nometric")).trials
+    assert trial.state is TrialState.FAILED and trial.message.startswith("MetricsUnavailable")
+    await ctl.stop()
+
+
+async def test_median_stop_cancels_bad_trials_jobs(store: ExperimentStore) -> None:
+    # trials 0 and 1 are good; later ones with x > 0 are much worse and would run until cancelled:
+    # with 2 completed trials the median rule stops them at step 2 (start_step), their jobs cancelled
+    def script(x: float, number: int) -> list[str]:
+        if number >= 2 and x > 0:
+            return ["loss=10", "loss=11", "HOLD", "loss=12"]
+        return [f"loss={1.0 / (i + 1)}" for i in range(6)]
+    jobs = ScriptedJobs(script)
+    ctl = controller(store, jobs)
+    await ctl.start()
+    early = {"algorithmName": "medianstop", "algorithmSettings": [{"name": "min_trials_required", "value": "2"},
+                                                                   {"name": "start_step", "value": "2"}]}
+    await ctl.create(experiment("median", max_trials=12, parallel=1, early=early))
+    await asyncio.wait_for(until_ended(ctl, "median"), 60)
+    trials = (await ctl.get("median")).trials
+    stopped = [t for t in trials if t.state is TrialState.EARLY_STOPPED]
+    good = [t for t in trials if t.state is TrialState.SUCCEEDED]
+    assert len(good) >= 2 and stopped, [(t.parameters, t.state) for t in trials]
+    assert all(float(t.parameters["x"]) > 0 for t in stopped)
+    assert sorted(t.job_id for t in stopped) == sorted(jobs.cancelled)
+    assert all(len(t.observations["loss"]) == 2 for t in stopped)
+    await ctl.stop()
+
+
+async def test_restart_finishes_with_no_trial_repeated_or_lost(store: ExperimentStore) -> None:
+    jobs = ScriptedJobs(quadratic, hold=True)
+    first = controller(store, jobs)
+    await first.start()
+    await first.create(experiment("restart", max_trials=6, parallel=3))
+    for _ in range(3):
+        await asyncio.to_thread(jobs.running.acquire)  # three jobs submitted and running
+    await first.stop()  # as a kill: no trial is told; their jobs go on
+    second = controller(store, jobs)
+    await second.start()
+    jobs.gate.set()
+    await asyncio.wait_for(until_ended(second, "restart"), 60)
+    view = await second.get("restart")
+    assert view.record.reason == "MaxTrialsReached" and len(view.trials) == 6
+    assert len(jobs.submitted) == len(set(jobs.submitted)) == 6
+    assert sorted(t.number for t in view.trials) == list(range(6))
+    assert all(t.state is TrialState.SUCCEEDED for t in view.trials)
+    assert len({t.parameters["x"] for t in view.trials}) == 6, "the re-seeded sampler repeats no value"
+    await second.stop()
+
+
+async def test_stop_kills_running_trials_and_resume_continues(store: ExperimentStore) -> None:
+    jobs = ScriptedJobs(quadratic, hold=True)
+    ctl = controller(store, jobs)
+    await ctl.start()
+    await ctl.create(experiment("stopme", max_trials=4, parallel=2))
+    for _ in range(2):
+        await asyncio.to_thread(jobs.running.acquire)
+    await ctl.stop_experiment("stopme")
+    while any(t.state is TrialState.RUNNING for t in (await ctl.get("stopme")).trials):
+        await asyncio.sleep(0.05)
+    view = await ctl.get("stopme")
+    assert view.record.state is ExperimentState.STOPPED
+    assert [t.state for t in view.trials] == [TrialState.KILLED, TrialState.KILLED]
+    assert sorted(jobs.cancelled) == sorted(t.job_id for t in view.trials)
+    with pytest.raises(FailedPrecondition):
+        await ctl.stop_experiment("stopme")
+    jobs.gate.set()
+    await ctl.resume("stopme")
+    await asyncio.wait_for(until_ended(ctl, "stopme"), 60)
+    view = await ctl.get("stopme")
+    assert view.record.reason == "MaxTrialsReached" and len(view.trials) == 4
+    await ctl.stop()
+
+
+async def test_resume_policy(store: ExperimentStore) -> None:
+    jobs = ScriptedJobs(quadratic)
+    ctl = controller(store, jobs)
+    await ctl.start()
+    await ctl.create(experiment("never", max_trials=2, parallel=2, max_failed=1))
+    await ctl.create(experiment("long", max_trials=2, parallel=2, max_failed=1, resume="LongRunning"))
+    await asyncio.wait_for(until_ended(ctl, "never"), 60)
+    await asyncio.wait_for(until_ended(ctl, "long"), 60)
+    with pytest.raises(FailedPrecondition, match="resumePolicy Never"):
+        await ctl.resume("never", 4)
+    await ctl.resume("long", 4)
+    await asyncio.wait_for(until_ended(ctl, "long"), 60)
+    view = await ctl.get("long")
+    assert len(view.trials) == 4 and view.record.max_trial_count == 4
+    await ctl.delete("long")
+    with pytest.raises(NotFound):
+        await ctl.get("long")
+    await ctl.stop()
+
+
+async def test_file_collector_wraps_the_command(store: ExperimentStore) -> None:
+    ctl = controller(store, ScriptedJobs(quadratic))
+    spec = ctl.validate(experiment("file", collector={
+        "collector": {"kind": "File"}, "source": {"fileSystemPath": {"path": "/tmp/m.log", "kind": "File"}}}))
+    argv = list(spec.trial_job.spec.roles["worker"].command)
+    assert argv[1:5] == ["-m", "opml_automl_controller.filetail", "/tmp/m.log", "--"]
+    assert argv[5:] == ["python", "train.py", "--x=-2.0"]
