@@ -302,12 +302,16 @@ def fixed_workload(hold_s: float, out: Path) -> None:
     import threading
 
     def report() -> None:
-        from opml_trace_collector.inject import tracer
-        found = tracer._tracer
+        import resource
+        tracer = sys.modules.get("opml_trace_collector.inject.tracer")
+        found = tracer._tracer if tracer else None
         threads = {t.name: time.clock_gettime(time.pthread_getcpuclockid(t.ident))
                    for t in threading.enumerate() if t.name == "opml-tracer" or t.name.startswith("asyncio_")}
+        usage = resource.getrusage(resource.RUSAGE_SELF)
         out.write_text(json.dumps({"thread_cpu_s": threads, "exit_s": found.exit_s if found else None,
-                                   "setup_cpu_s": getattr(found, "setup_cpu_s", None) if found else None}))
+                                   "startup_cpu_s": getattr(tracer, "startup_cpu_s", None),
+                                   "main_thread_cpu_s": time.thread_time(),
+                                   "process_cpu_s": usage.ru_utime + usage.ru_stime}))
 
     atexit.register(report)  # before TensorFlow's import: runs after the tracer's stop
     import tensorflow as tf
@@ -333,7 +337,11 @@ def fixed_cost(args: argparse.Namespace) -> dict:
         out = Path(tmp) / "fixed.json"
         cmd = [sys.executable, str(HERE), "--fixed-workload", "--hold", str(args.hold), "--out", str(out)]
         cpu: dict[str, list[float]] = {"untraced": [], "traced": []}
-        tracer_cpu, exits = [], []
+        tracer_cpu, exits, startups = [], [], []
+        # where the process's CPU went, per arm: the job's main thread, the tracer's threads, the rest
+        # (TensorFlow's own thread pools), from the process's clocks at exit
+        parts: dict[str, dict[str, list[float]]] = {arm: {"main": [], "tracer": [], "other": []}
+                                                    for arm in ("untraced", "traced")}
         for pair in range(args.fixed_pairs):
             for arm in (("untraced", "traced") if pair % 2 == 0 else ("traced", "untraced")):
                 before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -341,17 +349,29 @@ def fixed_cost(args: argparse.Namespace) -> dict:
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 after = resource.getrusage(resource.RUSAGE_CHILDREN)
                 cpu[arm].append((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime))
+                report = json.loads(out.read_text())
+                mine = sum(report["thread_cpu_s"].values())
+                parts[arm]["main"].append(report["main_thread_cpu_s"])
+                parts[arm]["tracer"].append(mine)
+                parts[arm]["other"].append(report["process_cpu_s"] - report["main_thread_cpu_s"] - mine)
                 if arm == "traced":
-                    report = json.loads(out.read_text())
-                    tracer_cpu.append(sum(report["thread_cpu_s"].values()))
+                    tracer_cpu.append(mine)
                     exits.append(report["exit_s"])
+                    startups.append(report["startup_cpu_s"])
+            main = {arm: parts[arm]["main"][-1] for arm in parts}
+            other = {arm: parts[arm]["other"][-1] for arm in parts}
+            print(f"pair {pair}: main thread {main['untraced']:.2f} / {main['traced']:.2f} s, TensorFlow's threads "
+                  f"{other['untraced']:.2f} / {other['traced']:.2f} s (untraced / traced)", flush=True)
             print(f"pair {pair}: untraced {cpu['untraced'][-1]:.2f} s, traced {cpu['traced'][-1]:.2f} s CPU; tracer "
-                  f"threads {tracer_cpu[-1] * 1e3:.0f} ms CPU, exit wait {exits[-1] * 1e3:.0f} ms", flush=True)
+                  f"threads {tracer_cpu[-1] * 1e3:.0f} ms CPU, exit wait {exits[-1] * 1e3:.0f} ms, start on the job's "
+                  f"thread {(startups[-1] or 0) * 1e3:.1f} ms CPU", flush=True)
         diff = [t - u for u, t in zip(cpu["untraced"], cpu["traced"], strict=True)]
         return {"hold_s": args.hold, "pairs": args.fixed_pairs,
                 "untraced_cpu_s": spread(cpu["untraced"]), "traced_cpu_s": spread(cpu["traced"]),
                 "process_cpu_overhead_s": spread(diff), "tracer_threads_cpu_s": spread(tracer_cpu),
-                "job_exit_wait_s": spread(exits)}
+                "job_exit_wait_s": spread(exits),
+                "cpu_by_thread_s": {arm: {part: spread(v) for part, v in p.items()} for arm, p in parts.items()},
+                "job_thread_start_cpu_s": spread(startups) if None not in startups else None}
 
 
 async def job_events(settings: PlatformSettings, job: str, timeout_s: float = 60) -> list[tuple]:

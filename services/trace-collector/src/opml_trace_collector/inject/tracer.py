@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # imported on the tracer's thread, never on the job's
     from opml_trace_collector.inject.settings import TracerSettings
 
 _tracer: Tracer | None = None
+startup_cpu_s: float | None = None  # CPU of the job's thread in the import hook: this module's import, activate
 _CAPTURE_EXIT_WAIT_S = 30.0  # a finished capture still uploading at exit gets this long
 _SETUP_EXIT_WAIT_S = 10.0  # a job ending before the tracer's thread is set up waits this long for it
 _WRITE_EXIT_WAIT_S = 2.0  # at exit, the most the job waits for the last events to reach the spool
