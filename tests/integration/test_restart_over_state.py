@@ -4,13 +4,15 @@ and service homes, after a crash.
 The whole supervised stack runs twice as `make up` runs it (``python -m opml_common.stack up
 --main-job scripts/main_job.py``) over one state directory, Redis prefix, topic prefix and homes. The
 first run is crashed after its main job (SIGKILL of the stack and of the router: no shutdown of
-either); the second starts over what they left. The main job must pass both times, the second one
-waiting for the version it deployed, not for one the router restored, and the router must have
-brought back what served before the crash.
+either); the router's Redis also holds a version of another model whose bundle is gone (what an
+earlier run may leave); the second run starts over all that. The main job must pass both times, the
+second one waiting for the version it deployed, not for one the router restored; the router must
+have brought back what served before the crash and say precisely why the other cannot come back.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -49,6 +51,26 @@ def _main_job_ended(process: subprocess.Popen, log_path: Path) -> str | None:
     return found.group(1) if found else None
 
 
+async def _store_a_version_whose_bundle_is_gone(prefix: str) -> str:
+    """What an earlier run may leave: a SERVING version of a model whose bundle no longer exists."""
+    from opml_common.config import PlatformSettings
+    from opml_common.storage import redis_client
+    from opml_inference_router.control import DeploymentStore, Source
+    from opml_inference_router.control.state import SERVING, ModelRecord, VersionRecord
+
+    gone = str(uuid.uuid4())
+    settings = PlatformSettings(redis_prefix=f"opml-test:{prefix}")
+    redis = redis_client(settings)
+    try:
+        record = ModelRecord("ghost", {3: VersionRecord(3, Source(context="plant-a", bundle=gone), "/gone",
+                                                        state=SERVING, bundle_uuid=gone)}, stable=3,
+                             traffic={"3": 1.0})
+        await DeploymentStore(redis, prefix=settings.redis_prefix).save_model(record)
+    finally:
+        await redis.aclose()
+    return gone
+
+
 def _parts(root: Path) -> dict[str, dict]:
     return {part["name"]: part for part in json.loads((root / "state" / "stack.json").read_text())["parts"]}
 
@@ -71,17 +93,21 @@ def test_make_up_twice_over_the_same_state_with_a_crash_between(tmp_path: Path) 
             first.kill()
             first.wait()
 
+    ghost = asyncio.run(_store_a_version_whose_bundle_is_gone(prefix))
     second = _up(tmp_path, prefix, second_log)  # stops what the first stack left running, then starts over it
     try:
         outcome = poll_until(lambda: _main_job_ended(second, second_log), timeout_s=400, what="the second main job")
         text = second_log.read_text(errors="replace")
         assert outcome == "succeeded", text[-8000:]
         assert "stopped what an earlier stack left running" in text
-        restored = RESTORED.findall(router_log.read_text(errors="replace"))
-        assert restored and restored[-1] == "{'defect-classifier': ['1 SERVING']}", restored
-        # The second main job deployed its own bundle as version 2 and waited for that one.
+        router_text = router_log.read_text(errors="replace")
+        restored = RESTORED.findall(router_text)
+        assert restored and restored[-1] == "{'defect-classifier': ['1 SERVING'], 'ghost': ['3 FAILED']}", restored
+        assert (f"models/ghost/versions/3 not restored after a restart: bundle {ghost!r} does not exist in "
+                f"context 'plant-a'") in router_text
+        # The second main job deployed its own bundle as version 2 and waited for that one, not failing on
+        # the stored version that could not come back.
         assert re.search(r"version 2 SERVING 100%", text), text[-8000:]
-        assert "not restored after a restart" not in router_log.read_text(errors="replace")
     finally:
         pids = [part["pid"] for part in _parts(tmp_path).values() if part.get("pid")]
         second.send_signal(signal.SIGTERM)  # as `make down` does
