@@ -9,7 +9,9 @@ One ONNX MLP (``--features`` x ``--width`` x ``--depth``, dynamic batch dimensio
                reaches workers on other machines;
   ours/direct  the same workers called directly, clients spread over them (a reference: no router hop);
   MLServer     1.7.1 with a custom onnxruntime runtime (bench/_mlserver_onnx_runtime.py), adaptive
-               batching (max 32, ``--delay-ms``), ``--replicas`` parallel workers, KServe v2 gRPC;
+               batching (max 32, ``--delay-ms``), KServe v2 gRPC, at each ``--mlserver-workers``
+               setting (``parallel_workers``: 0 runs inference in the server process itself); the
+               comparison takes MLServer's best setting at each latency bound;
   Ray Serve    2.60 (bench/_ray_serve_peer.py), ``@serve.batch`` (max 32, ``--delay-ms``),
                ``--replicas`` replicas on a local Ray cluster of as many CPUs, HTTP.
 
@@ -17,20 +19,27 @@ Every model replica gets ``--threads`` intra-op threads and no spinning. The pee
 own venvs (.venv-peers-mlserver, .venv-peers-ray, created from bench/requirements-peers-*.txt when
 missing: their pins clash with each other and with the project's). One load generator, this
 process, drives them in turn: closed-loop clients sending one row per request (ours and MLServer:
-the same pre-serialized ModelInferRequest over grpc.aio; Ray: the row's raw float32 bytes in an
-HTTP POST over aiohttp, lighter than any KServe message), ``--concurrency`` levels of
-``--duration`` s after a warm-up. Each system's answer is checked against onnxruntime first. For
-each ``--p99-ms`` bound it reports each system's best throughput whose p99 stays within it, and
-ours/peer ratios.
+``--client tritonclient``, tritonclient's aio client building each request as a KServe user's code
+does, or ``--client raw``, the same pre-serialized ModelInferRequest over grpc.aio; Ray: the row's
+raw float32 bytes in an HTTP POST over aiohttp, lighter than any KServe message), ``--concurrency``
+levels of ``--duration`` s after a warm-up. Each system's answer is checked against onnxruntime
+first. The CPU time (user + system, from /proc through psutil) of each system's serving processes,
+their children included, is read around every level: requests per CPU-second says what each serves
+for the cores it takes, which on two cores shared with the load generator is what throughput alone
+cannot show. For each ``--p99-ms`` bound it reports each system's best throughput whose p99 stays
+within it, its requests per CPU-second at that level, and ours/peer ratios of both.
 
     .venv/bin/python bench/inference_router_peers.py
     .venv/bin/python bench/inference_router_peers.py --concurrency 1,8,32 --duration 2 --replicas 1
+    .venv/bin/python bench/inference_router_peers.py --systems ours,mlserver --client tritonclient \
+        --width 512 --depth 2 --features 256 --mlserver-workers 0,1,2
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -49,6 +58,8 @@ import aiohttp
 import grpc
 import numpy as np
 import onnxruntime as ort
+import psutil
+import tritonclient.grpc.aio as triton
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
@@ -136,11 +147,11 @@ async def serve_router(workers: list[str], bundle: Path, hedge: bool) -> None:
     await router.close()
 
 
-def mlserver_repository(root: Path, onnx_path: Path, args: argparse.Namespace) -> int:
-    """MLServer's settings.json and model-settings.json; returns the gRPC port."""
+def mlserver_repository(root: Path, onnx_path: Path, args: argparse.Namespace, workers: int) -> int:
+    """MLServer's settings.json (``parallel_workers`` = ``workers``) and model-settings.json; returns the gRPC port."""
     grpc_port = free_port()
     (root / "settings.json").write_text(json.dumps({
-        "debug": False, "parallel_workers": args.replicas, "host": "127.0.0.1", "http_port": free_port(),
+        "debug": False, "parallel_workers": workers, "host": "127.0.0.1", "http_port": free_port(),
         "grpc_port": grpc_port, "metrics_port": free_port()}))
     (root / MODEL).mkdir()
     (root / MODEL / "model-settings.json").write_text(json.dumps({
@@ -164,7 +175,27 @@ def wait_model_ready(target: str, process: subprocess.Popen, log: Path, timeout_
     raise RuntimeError(f"{target} never served {MODEL}:\n{log.read_text()[-3000:]}")
 
 
-Send = Callable[[int, int], Awaitable[bytes]]  # (client, request number) -> response bytes
+Send = Callable[[int, int], Awaitable[object]]  # (client, request number) -> the response
+
+
+class CpuMeter:
+    """CPU seconds (user + system) used so far by ``pids`` and their children, from /proc via psutil.
+
+    Children are found at every reading (MLServer's inference pool, Ray's actors); one that exited
+    between two readings takes its time with it, so read around short windows."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.roots = [psutil.Process(pid) for pid in pids]
+
+    def seconds(self) -> float:
+        total = 0.0
+        for root in self.roots:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for process in [root, *root.children(recursive=True)]:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        times = process.cpu_times()
+                        total += times.user + times.system
+        return total
 
 
 class GrpcTarget:
@@ -190,6 +221,33 @@ class GrpcTarget:
     @staticmethod
     def scores(response: bytes) -> np.ndarray:
         return decode_response(pb.ModelInferResponse.FromString(response))["scores"]
+
+
+class TritonTarget:
+    """tritonclient's aio client, an InferInput built per request from the row (what a KServe user's
+    code does); two clients (channels) per target, callers spread over them."""
+
+    def __init__(self, targets: list[str], rows: np.ndarray) -> None:
+        self.targets = targets
+        self.rows = rows
+
+    async def __aenter__(self) -> Send:
+        self.clients = [triton.InferenceServerClient(target) for _ in range(2) for target in self.targets]
+
+        async def send(client: int, number: int) -> triton.InferResult:
+            row = self.rows[number % len(self.rows)][None, :]
+            tensor = triton.InferInput("features", list(row.shape), "FP32")
+            tensor.set_data_from_numpy(row)
+            return await self.clients[client % len(self.clients)].infer(MODEL, [tensor], client_timeout=30)
+        return send
+
+    async def __aexit__(self, *_: object) -> None:
+        for client in self.clients:
+            await client.close()
+
+    @staticmethod
+    def scores(response: triton.InferResult) -> np.ndarray:
+        return response.as_numpy("scores")
 
 
 class HttpTarget:
@@ -218,9 +276,13 @@ class HttpTarget:
         return np.frombuffer(response, dtype=np.float32).reshape(1, -1)
 
 
-async def sweep(target: GrpcTarget | HttpTarget, levels: list[int], duration_s: float, warmup_s: float,
-                expected: np.ndarray, label: str) -> list[tuple[int, float, float, float]]:
-    """Check one answer, then closed-loop clients per level: (clients, inferences/s, p50 ms, p99 ms)."""
+Level = tuple[int, float, float, float, float]  # clients, inferences/s, p50 ms, p99 ms, inferences per CPU-second
+
+
+async def sweep(target: GrpcTarget | TritonTarget | HttpTarget, levels: list[int], duration_s: float,
+                warmup_s: float, expected: np.ndarray, label: str, meter: CpuMeter) -> list[Level]:
+    """Check one answer, then closed-loop clients per level: (clients, inferences/s, p50 ms, p99 ms,
+    inferences per CPU-second of the serving processes)."""
     results = []
     async with target as send:
         got = target.scores(await send(0, 0))
@@ -243,13 +305,17 @@ async def sweep(target: GrpcTarget | HttpTarget, levels: list[int], duration_s: 
             stop_at = time.perf_counter() + warmup_s
             await asyncio.gather(*(client(i) for i in range(level)))
             latencies.clear()
+            cpu_before = meter.seconds()
             began = time.perf_counter()
             stop_at = began + duration_s
             await asyncio.gather(*(client(i) for i in range(level)))
             rate = len(latencies) / (time.perf_counter() - began)
+            per_cpu_s = len(latencies) / max(meter.seconds() - cpu_before, 1e-9)
             ordered = sorted(latencies)
-            results.append((level, rate, statistics.median(ordered), ordered[int(0.99 * (len(ordered) - 1))]))
-            print(f"| {label} | {level} | {rate:.0f} | {results[-1][2]:.2f} | {results[-1][3]:.2f} |", flush=True)
+            results.append((level, rate, statistics.median(ordered), ordered[int(0.99 * (len(ordered) - 1))],
+                            per_cpu_s))
+            print(f"| {label} | {level} | {rate:.0f} | {results[-1][2]:.2f} | {results[-1][3]:.2f} | "
+                  f"{per_cpu_s:.0f} |", flush=True)
     return results
 
 
@@ -267,6 +333,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=0.5, help="seconds of load before each level")
     parser.add_argument("--p99-ms", default="20,50,100", help="latency bounds, comma separated")
     parser.add_argument("--systems", default="ours,mlserver,ray", help="which to run, comma separated")
+    parser.add_argument("--client", choices=("tritonclient", "raw"), default="tritonclient",
+                        help="KServe load generator for ours and MLServer: tritonclient's aio client, or "
+                             "pre-serialized requests over grpc.aio (lighter)")
+    parser.add_argument("--mlserver-workers", default="0,2",
+                        help="MLServer parallel_workers settings to measure, comma separated (0: in-process)")
     parser.add_argument("--no-hedge", action="store_true", help="router without backup requests (on by default)")
     parser.add_argument("--serve-router", nargs=2, metavar=("WORKERS", "BUNDLE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -281,7 +352,7 @@ def main() -> None:
 
 
 def run(work: Path, args: argparse.Namespace, systems: list[str],
-        pythons: dict[str, Path]) -> dict[str, list[tuple[int, float, float, float]]]:
+        pythons: dict[str, Path]) -> dict[str, list[Level]]:
     levels = [int(level) for level in args.concurrency.split(",")]
     model = mlp_classifier(features=args.features, width=args.width, depth=args.depth, classes=CLASSES)
     config = mlp_config(MODEL, features=args.features, classes=CLASSES, max_batch_size=args.max_batch,
@@ -294,15 +365,18 @@ def run(work: Path, args: argparse.Namespace, systems: list[str],
           f"MLP {args.features}-{'-'.join([str(args.width)] * args.depth)}-{CLASSES} fp32, one row per request; "
           f"{args.replicas} replica(s) x {args.threads} intra-op thread(s) per system; batching max {args.max_batch}, "
           f"{args.delay_ms:g} ms; {args.duration:g} s per level after {args.warmup:g} s warm-up", flush=True)
-    print("\n| system | clients | inferences/s | p50 ms | p99 ms |\n|---|---:|---:|---:|---:|", flush=True)
-    results: dict[str, list[tuple[int, float, float, float]]] = {}
+    print(f"# KServe load generator: {args.client}", flush=True)
+    print("\n| system | clients | inferences/s | p50 ms | p99 ms | inferences per CPU-s |\n"
+          "|---|---:|---:|---:|---:|---:|", flush=True)
+    results: dict[str, list[Level]] = {}
+    kserve = TritonTarget if args.client == "tritonclient" else GrpcTarget
 
-    def measure(target: GrpcTarget | HttpTarget, label: str) -> list[tuple[int, float, float, float]]:
-        return asyncio.run(sweep(target, levels, args.duration, args.warmup, expected, label))
+    def measure(target: GrpcTarget | TritonTarget | HttpTarget, label: str, pids: list[int]) -> list[Level]:
+        return asyncio.run(sweep(target, levels, args.duration, args.warmup, expected, label, CpuMeter(pids)))
 
     with ExitStack() as servers:
         if "ours" in systems:
-            workers, sockets = [], []
+            workers, sockets, worker_pids = [], [], []
             for index in range(args.replicas):
                 worker = WorkerProcess("cpu", FLEET, work / f"worker-{index}.log", env={"OPML_LOG_LEVEL": "WARNING"},
                                        extra_args=("--threads-per-replica", str(args.threads)),
@@ -315,23 +389,27 @@ def run(work: Path, args: argparse.Namespace, systems: list[str],
                     service_pb2_grpc.GRPCInferenceServiceStub(channel).RepositoryModelLoad(load, timeout=120)
                 workers.append(worker.target)
                 sockets.append(worker.local_target)
+                worker_pids.append(worker.process.pid)
             for label, addresses in (("ours/router", sockets), ("ours/router (gRPC hop)", workers)):
                 router, announced = start([sys.executable, __file__, "--serve-router", ",".join(addresses), str(bundle),
                                            *(["--no-hedge"] if args.no_hedge else [])],
                                           work / f"router-{len(results)}.log")
                 servers.callback(stop, router)
-                results[label] = measure(GrpcTarget([f"127.0.0.1:{announced['grpc_port']}"], rows), label)
+                results[label] = measure(kserve([f"127.0.0.1:{announced['grpc_port']}"], rows), label,
+                                         [router.pid, *worker_pids])
                 stop(router)
-            results["ours/direct"] = measure(GrpcTarget(workers, rows), "ours/direct")
+            results["ours/direct"] = measure(kserve(workers, rows), "ours/direct", worker_pids)
             servers.close()
-        if "mlserver" in systems:
-            (work / "mlserver").mkdir()
-            port = mlserver_repository(work / "mlserver", onnx_path, args)
-            mlserver, _ = start([str(pythons["mlserver"].parent / "mlserver"), "start", str(work / "mlserver")],
-                                work / "mlserver.log", env={"PYTHONPATH": str(BENCH)}, announce=False)
+        for setting in (int(workers) for workers in args.mlserver_workers.split(",") if "mlserver" in systems):
+            root, log = work / f"mlserver-{setting}", work / f"mlserver-{setting}.log"
+            root.mkdir()
+            port = mlserver_repository(root, onnx_path, args, setting)
+            mlserver, _ = start([str(pythons["mlserver"].parent / "mlserver"), "start", str(root)],
+                                log, env={"PYTHONPATH": str(BENCH)}, announce=False)
             servers.callback(stop, mlserver)
-            wait_model_ready(f"127.0.0.1:{port}", mlserver, work / "mlserver.log")
-            results["MLServer"] = measure(GrpcTarget([f"127.0.0.1:{port}"], rows), "MLServer")
+            wait_model_ready(f"127.0.0.1:{port}", mlserver, log)
+            label = f"MLServer ({setting} parallel workers)" if setting else "MLServer (in-process)"
+            results[label] = measure(kserve([f"127.0.0.1:{port}"], rows), label, [mlserver.pid])
             servers.close()
         if "ray" in systems:
             ray, announced = start([str(pythons["ray"]), str(BENCH / "_ray_serve_peer.py"), "--model", str(onnx_path),
@@ -341,25 +419,38 @@ def run(work: Path, args: argparse.Namespace, systems: list[str],
                                    work / "ray.log", env={"RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": "0"})
             servers.callback(stop, ray)
             results["Ray Serve (HTTP)"] = measure(HttpTarget(f"http://127.0.0.1:{announced['http_port']}/", rows),
-                                                  "Ray Serve (HTTP)")
+                                                  "Ray Serve (HTTP)", [ray.pid])
     return results
 
 
-def report(results: dict[str, list[tuple[int, float, float, float]]], args: argparse.Namespace) -> None:
+def report(results: dict[str, list[Level]], args: argparse.Namespace) -> None:
+    """Per latency bound: each system's best throughput within it and its inferences per CPU-second
+    at that level; MLServer's settings are folded into its best one per bound; ours ÷ peers."""
     bounds = [float(bound) for bound in args.p99_ms.split(",")]
-    best = {name: [max((rate for _, rate, _, tail in rows if tail <= bound), default=0.0) for bound in bounds]
-            for name, rows in results.items()}
-    print("\n| best inferences/s with p99 <= | " + " | ".join(f"{bound:g} ms" for bound in bounds) + " |")
-    print("|---|" + "---:|" * len(bounds))
-    for name, rates in best.items():
-        print(f"| {name} | " + " | ".join(f"{rate:.0f}" for rate in rates) + " |")
-    for mine in (name for name in best if name.startswith("ours")):
-        for peer in (name for name in best if not name.startswith("ours")):
-            print(f"| {mine} ÷ {peer} | " + " | ".join(f"{ours / theirs:.2f}x" if theirs else "n/a"
-                                                    for ours, theirs in zip(best[mine], best[peer])) + " |")
-    print("\nours and MLServer: KServe v2 gRPC (the same request bytes); Ray Serve: HTTP/1.1 with the raw "
-          "float32 row as the body (no KServe encoding), so its protocol is the lighter one.")
 
+    def best(rows: list[Level], bound: float) -> tuple[float, float]:
+        return max(((rate, per_cpu) for _, rate, _, tail, per_cpu in rows if tail <= bound), default=(0.0, 0.0))
+    table = {name: [best(rows, bound) for bound in bounds] for name, rows in results.items()}
+    mlservers = [name for name in table if name.startswith("MLServer")]
+    if len(mlservers) > 1:
+        table["MLServer (best setting)"] = [max((table[name][i] for name in mlservers), default=(0.0, 0.0))
+                                            for i in range(len(bounds))]
+    print("\n| best inferences/s (per CPU-s) with p99 <= | " + " | ".join(f"{bound:g} ms" for bound in bounds) + " |")
+    print("|---|" + "---:|" * len(bounds))
+    for name, cells in table.items():
+        print(f"| {name} | " + " | ".join(f"{rate:.0f} ({per_cpu:.0f})" for rate, per_cpu in cells) + " |")
+    peers = [name for name in table if not name.startswith("ours") and (name == "MLServer (best setting)"
+                                                                          or name not in mlservers or len(mlservers) == 1)]
+    for mine in (name for name in table if name.startswith("ours")):
+        for peer in peers:
+            print(f"| {mine} ÷ {peer} | " + " | ".join(
+                f"{ours[0] / theirs[0]:.2f}x ({ours[1] / theirs[1]:.2f}x)" if theirs[0] and theirs[1] else "n/a"
+                for ours, theirs in zip(table[mine], table[peer])) + " |")
+    client = ("tritonclient's aio client, a request built per call" if args.client == "tritonclient"
+              else "the same pre-serialized request bytes over grpc.aio")
+    print(f"\nours and MLServer: KServe v2 gRPC, {client}; Ray Serve: HTTP/1.1 with the raw float32 row as the "
+          "body (no KServe encoding), so its protocol is the lighter one. Per CPU-s: inferences per CPU-second "
+          "of the system's serving processes (router and workers; MLServer and its pool) over the same level.")
 
 if __name__ == "__main__":
     main()
