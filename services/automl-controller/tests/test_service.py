@@ -1,0 +1,225 @@
+"""The automl-controller service through the real broker, Redis and job-orchestrator (both services as
+processes, auth on): trials are real TE jobs running a small Python program that prints its metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from opml.automl.v1 import automl_pb2 as pb
+from opml.automl.v1 import events_pb2
+from opml.jobs.v1 import jobs_pb2
+
+from opml_automl_controller.client import ExperimentClient
+from opml_automl_controller.topics import EXPERIMENTS
+from opml_common.errors import InvalidArgument
+from opml_common.testing.bus import poll_until, read_records
+from opml_common.testing.services import TOKENS, ServiceStarter
+from opml_job_orchestrator.client import JobClient
+
+# A trial: 4 epochs; with --slow-bad, a bad one (x > 0, from trial 2 on: trials 0 and 1 are good so
+# the median rule has its 2 completed trials) would train for 600 epochs unless stopped.
+TRIAL = textwrap.dedent("""
+    import argparse, sys, time
+    p = argparse.ArgumentParser()
+    p.add_argument("--x", type=float)
+    p.add_argument("--mode", default="stdout")
+    p.add_argument("--slow-bad", action="store_true")
+    p.add_argument("--name", default="t-t0")
+    a = p.parse_args()
+    if a.slow_bad and int(a.name.rsplit("-t", 1)[1]) < 2:
+        a.x = -abs(a.x)
+    if a.mode == "fail":
+        print("loading data failed", file=sys.stderr)
+        sys.exit(3)
+    epochs = 600 if a.x > 0 and a.slow_bad else 4
+    for epoch in range(epochs):
+        loss = 10.0 + a.x + epoch if a.x > 0 else (a.x - 0.25) ** 2 + 1.0 / (epoch + 1)
+        if a.mode == "push":
+            from opml_automl_controller.sdk import report
+            report(loss=loss, accuracy=1 / (1 + loss))
+        else:
+            print(f"epoch {epoch}: loss={loss:.6f} accuracy={1 / (1 + loss):.6f}", flush=True)
+        time.sleep(0.05)
+""")
+
+NODE = {"name": "n0", "cpu_millis": 8000, "memory_mib": 8192, "gpu": 0}
+
+
+def experiment_yaml(name: str, program: Path, *, max_trials: int, parallel: int = 3, goal: float | None = None,
+                    early: bool = False, mode: str = "stdout", max_failed: int = 3, collector: str = "StdOut") -> str:
+    spec: dict = {
+        "objective": {"type": "minimize", "objectiveMetricName": "loss", "additionalMetricNames": ["accuracy"],
+                      **({"goal": goal} if goal is not None else {})},
+        "algorithm": {"algorithmName": "random", "algorithmSettings": [{"name": "random_state", "value": "3"}]},
+        "parallelTrialCount": parallel, "maxTrialCount": max_trials, "maxFailedTrialCount": max_failed,
+        "metricsCollectorSpec": {"collector": {"kind": collector}},
+        "parameters": [{"name": "x", "parameterType": "double", "feasibleSpace": {"min": "-1", "max": "1"}}],
+        "trialTemplate": {
+            "primaryContainerName": "main",
+            "trialParameters": [{"name": "x", "reference": "x"},
+                                {"name": "trialName", "reference": "${trialSpec.Name}"}],
+            "trialSpec": {"apiVersion": "batch/v1", "kind": "Job", "spec": {"template": {"spec": {"containers": [{
+                "name": "main", "image": "python:3.11",
+                "command": [sys.executable, str(program), "--x=${trialParameters.x}", f"--mode={mode}",
+                            "--name=${trialParameters.trialName}",
+                            *(["--slow-bad"] if early else [])],
+                "resources": {"requests": {"cpu": "500m", "memory": "128Mi"}}}]}}}},
+        },
+    }
+    if early:
+        spec["earlyStopping"] = {"algorithmName": "medianstop", "algorithmSettings": [
+            {"name": "min_trials_required", "value": "2"}, {"name": "start_step", "value": "2"}]}
+    return yaml.safe_dump({"apiVersion": "kubeflow.org/v1beta1", "kind": "Experiment",
+                           "metadata": {"name": name}, "spec": spec})
+
+
+@pytest.fixture
+def program(tmp_path: Path) -> Path:
+    path = tmp_path / "trial.py"
+    path.write_text(TRIAL)
+    return path
+
+
+@pytest.fixture
+def orchestrator(start_service: ServiceStarter):
+    return start_service("job-orchestrator", extra_env={
+        "OPML_JOB_ORCHESTRATOR_NODES": json.dumps([NODE]), "OPML_JOB_ORCHESTRATOR_TERMINATE_GRACE_S": "2",
+        "OPML_JOB_ORCHESTRATOR_LOG_POLL_S": "0.05", "OPML_JOB_ORCHESTRATOR_MAX_RETRIES": "0"})
+
+
+@pytest.fixture
+def controller_env(start_service: ServiceStarter, orchestrator) -> dict[str, str]:
+    """One controller's environment (ports, home, Redis prefix), reused by a restarted process."""
+    return start_service.env("automl-controller", extra_env={
+        "OPML_AUTOML_CONTROLLER_JOB_ORCHESTRATOR_TARGET": orchestrator.target,
+        "OPML_AUTOML_CONTROLLER_JOB_ORCHESTRATOR_TOKEN": TOKENS["writer"],
+        "OPML_AUTOML_CONTROLLER_RETRY_S": "0.2",
+    })
+
+
+@pytest.fixture
+def controller(start_service: ServiceStarter, controller_env: dict[str, str]):
+    return start_service("automl-controller", env=controller_env)
+
+
+def ended(client: ExperimentClient, name: str, *, timeout_s: float = 90) -> pb.Experiment:
+    poll_until(lambda: client.get(name).status.state not in (pb.EXPERIMENT_STATE_RUNNING,),
+               timeout_s=timeout_s, what=f"experiment {name} ends", every_s=0.2)
+    return client.get(name)
+
+
+def test_median_stop_cancels_bad_trials_jobs_and_the_best_is_found(controller, orchestrator, program,
+                                                                   platform_settings) -> None:
+    with ExperimentClient(controller.target, token=TOKENS["writer"]) as client, \
+            JobClient(orchestrator.target, token=TOKENS["admin"]) as jobs:
+        created = client.create(experiment_yaml("median", program, max_trials=8, early=True))
+        assert created.status.state == pb.EXPERIMENT_STATE_RUNNING
+        done = ended(client, "median")
+        trials = client.trials("median")
+        assert done.status.reason == "MaxTrialsReached" and len(trials) == 8
+        stopped = [t for t in trials if t.state == pb.TRIAL_STATE_EARLY_STOPPED]
+        good = [t for t in trials if t.state == pb.TRIAL_STATE_SUCCEEDED]
+        assert len(good) >= 2, [(t.parameters["x"], t.state) for t in trials]
+        slow = [t for t in trials if t.number >= 2 and float(t.parameters["x"]) > 0]
+        assert slow and all(t.state == pb.TRIAL_STATE_EARLY_STOPPED for t in slow), slow
+        for trial in slow:  # pruned at step 2: its job was cancelled long before its 600 epochs
+            job = jobs.get(trial.job_id)
+            assert job.status.state == jobs_pb2.JOB_STATE_CANCELLED, trial
+            assert job.spec.job_class == jobs_pb2.JOB_CLASS_TE
+            assert "pruner" in trial.message
+            assert next(m for m in trial.metrics if m.name == "loss").count < 600
+        for trial in stopped:  # a quick trial may have ended before its cancel arrived
+            assert jobs.get(trial.job_id).status.state in (jobs_pb2.JOB_STATE_CANCELLED, jobs_pb2.JOB_STATE_SUCCEEDED)
+        best = done.status.current_optimal_trial
+        assert best.objective_value == min(t.objective_value for t in good)
+        assert {m.name for m in best.metrics} == {"loss", "accuracy"}
+    records = asyncio.run(read_records(platform_settings, EXPERIMENTS.full_name(platform_settings.topic_prefix),
+                                       8 * 3 + 3))  # each trial: created, running, ended; the experiment's
+    types = [dict(r.headers)["ce_type"].decode() for r in records]
+    trial_states = [events_pb2.TrialChanged.FromString(r.value).trial.state for r, t in zip(records, types, strict=True)
+                    if t == "opml.automl.v1.TrialChanged"]
+    experiments = [events_pb2.ExperimentChanged.FromString(r.value).experiment for r, t in
+                   zip(records, types, strict=True) if t == "opml.automl.v1.ExperimentChanged"]
+    assert trial_states.count(pb.TRIAL_STATE_EARLY_STOPPED) == len(stopped)
+    assert experiments[-1].status.state == pb.EXPERIMENT_STATE_SUCCEEDED and experiments[-1].katib_yaml == ""
+
+
+def test_goal_reached_ends_early_and_push_metrics(controller, program) -> None:
+    with ExperimentClient(controller.target, token=TOKENS["writer"]) as client:
+        client.create(experiment_yaml("goal", program, max_trials=12, parallel=1, goal=5.0, mode="push",
+                                      collector="Push"))
+        done = ended(client, "goal")
+        assert done.status.reason == "GoalReached", done.status
+        assert done.status.trials < 12
+        assert done.status.current_optimal_trial.objective_value <= 5.0
+
+
+def test_failed_trials_fail_the_experiment_with_the_jobs_error(controller, program) -> None:
+    with ExperimentClient(controller.target, token=TOKENS["writer"]) as client:
+        client.create(experiment_yaml("fails", program, max_trials=6, parallel=2, mode="fail", max_failed=1))
+        done = ended(client, "fails")
+        assert done.status.state == pb.EXPERIMENT_STATE_FAILED
+        assert done.status.reason == "MaxFailedTrialsReached"
+        failed = [t for t in client.trials("fails") if t.state == pb.TRIAL_STATE_FAILED]
+        assert len(failed) >= 2 and all(t.message.startswith("job failed:") for t in failed)
+
+
+def test_sigkilled_controller_finishes_with_no_trial_repeated_or_lost(start_service, controller_env, orchestrator,
+                                                                      program) -> None:
+    first = start_service("automl-controller", env=controller_env)
+    with ExperimentClient(first.target, token=TOKENS["writer"]) as client:
+        client.create(experiment_yaml("killed", program, max_trials=6, parallel=3))
+        poll_until(lambda: sum(t.state == pb.TRIAL_STATE_RUNNING for t in client.trials("killed")) >= 2,
+                   what="two trials running", every_s=0.05)
+    first.process.send_signal(signal.SIGKILL)
+    first.process.wait()
+    second = start_service("automl-controller", env=controller_env)
+    with ExperimentClient(second.target, token=TOKENS["writer"]) as client, \
+            JobClient(orchestrator.target, token=TOKENS["admin"]) as jobs:
+        done = ended(client, "killed")
+        trials = client.trials("killed")
+        assert done.status.reason == "MaxTrialsReached" and done.status.trials == 6
+        assert sorted(t.number for t in trials) == list(range(6))
+        assert all(t.state == pb.TRIAL_STATE_SUCCEEDED for t in trials), trials
+        ours = [j for j in jobs.list() if j.status.job_id.startswith("killed-")]
+        assert sorted(j.status.job_id for j in ours) == sorted(t.job_id for t in trials)  # one job per trial
+        assert all(j.status.attempt == 0 and j.status.retries == 0 for j in ours)  # each ran once
+        assert len({t.parameters["x"] for t in trials}) == 6
+
+
+def test_validate_reports_every_violation_and_the_cli(controller, program, opml_cli, monkeypatch,
+                                                      tmp_path: Path) -> None:
+    bad = yaml.safe_load(experiment_yaml("bad", program, max_trials=3, parallel=5))
+    bad["spec"]["algorithm"]["algorithmName"] = "pbt"
+    with ExperimentClient(controller.target, token=TOKENS["reader"]) as client:
+        with pytest.raises(InvalidArgument) as caught:
+            client.validate(yaml.safe_dump(bad))
+        assert [field for field, _ in caught.value.violations] == ["spec.parallelTrialCount",
+                                                                  "spec.algorithm.algorithmName"]
+        checked = client.validate(experiment_yaml("ok", program, max_trials=3))
+        assert checked.trial_job.job_class == jobs_pb2.JOB_CLASS_TE
+        assert any("image" in note for note in checked.notes)
+        with pytest.raises(Exception, match="PERMISSION_DENIED|needs the writer|role"):
+            client.create(experiment_yaml("ok", program, max_trials=3))
+    monkeypatch.setenv("OPML_AUTOML_CONTROLLER_TARGET", controller.target)
+    path = tmp_path / "exp.yaml"
+    path.write_text(experiment_yaml("cli", program, max_trials=3, parallel=3))
+    assert "valid" in opml_cli("experiment", "validate", "-f", str(path), token="reader")
+    assert "created experiments/cli" in opml_cli("experiment", "create", "-f", str(path))
+    with ExperimentClient(controller.target, token=TOKENS["reader"]) as client:
+        ended(client, "cli")
+    assert "cli" in opml_cli("experiment", "ls", token="reader")
+    out = opml_cli("experiment", "best", "cli", "--plot", str(tmp_path / "cli.png"), token="reader")
+    assert "best trial" in out and "parameter importances" in out
+    assert (tmp_path / "cli.png").read_bytes()[:4] == b"\x89PNG"
+    opml_cli("experiment", "delete", "cli", token="writer", expect_exit=1)
+    opml_cli("experiment", "delete", "cli", token="admin")
+    assert "cli" not in opml_cli("experiment", "ls", token="reader")
+
