@@ -1,0 +1,152 @@
+"""Katib's algorithms on Optuna (each sampler and pruner really runs ask/tell on the examples' search
+spaces), and the metrics collectors on the lines trials write."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+
+from opml_automl_controller.algorithms import make_pruner, make_sampler, search_space
+from opml_automl_controller.collect import FILE_MARKER, MetricsParser, Observation, summarize
+from opml_automl_controller.experiment import CollectorKind, MetricsCollector
+from opml_automl_controller.katib import parse_experiment
+from opml_automl_controller.sdk import report
+
+EXAMPLES = Path("/work/shared/katib/examples")
+SAMPLERS = {
+    "random.yaml": optuna.samplers.RandomSampler, "grid.yaml": optuna.samplers.GridSampler,
+    "tpe.yaml": optuna.samplers.TPESampler, "multivariate-tpe.yaml": optuna.samplers.TPESampler,
+    "cma-es.yaml": optuna.samplers.CmaEsSampler, "sobol.yaml": optuna.samplers.QMCSampler,
+    "bayesian-optimization.yaml": optuna.samplers.GPSampler, "hyperband.yaml": optuna.samplers.RandomSampler,
+    "optuna-distribution.yaml": optuna.samplers.TPESampler,
+}
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLERS))
+def test_each_algorithm_runs_ask_and_tell_in_its_space(name: str) -> None:
+    spec = parse_experiment((EXAMPLES / name).read_text())
+    sampler = make_sampler(spec)
+    assert isinstance(sampler, SAMPLERS[name])
+    study = optuna.create_study(sampler=sampler, pruner=make_pruner(spec))
+    space = search_space(spec)
+    for _ in range(4):
+        trial = study.ask(fixed_distributions=space)
+        for parameter in spec.parameters:
+            if parameter.name in trial.params and parameter.low is not None and spec.algorithm.name != "grid":
+                assert parameter.low <= trial.params[parameter.name] <= parameter.high
+        study.tell(trial, sum(float(v) for v in trial.params.values()))
+    assert len(study.trials) == 4 and all(t.state.is_finished() for t in study.trials)
+
+
+def test_grid_visits_the_katib_grid() -> None:
+    spec = parse_experiment((EXAMPLES / "grid.yaml").read_text())  # lr 0.01..0.05 by 0.005, momentum 0.5..0.9 by 0.1
+    assert len(search_space(spec)["lr"].choices) == 9 and len(search_space(spec)["momentum"].choices) == 5
+    study = optuna.create_study(sampler=make_sampler(spec))
+    seen = set()
+    for _ in range(12):
+        trial = study.ask(fixed_distributions=search_space(spec))
+        seen.add((trial.params["lr"], trial.params["momentum"]))
+        study.tell(trial, 0.0)
+    assert len(seen) == 12, "no combination twice"
+
+
+def test_optuna_distribution_example_maps_log_spaces() -> None:
+    space = search_space(parse_experiment((EXAMPLES / "optuna-distribution.yaml").read_text()))
+    kinds = {name: (type(d).__name__, getattr(d, "log", None)) for name, d in space.items()}
+    assert ("FloatDistribution", True) in kinds.values() and ("IntDistribution", True) in kinds.values()
+
+
+def test_medianstop_settings_and_defaults() -> None:
+    spec = parse_experiment((EXAMPLES / "median-stop.yaml").read_text())  # min_trials_required 1, start_step 2
+    pruner = make_pruner(spec)
+    assert isinstance(pruner, optuna.pruners.MedianPruner)
+    assert (pruner._n_startup_trials, pruner._n_warmup_steps) == (1, 2)
+    # start_step 2: the 2nd reported value (step 2) is the first the rule may act on
+    study = optuna.create_study(pruner=pruner)
+    good = study.ask()
+    for step in (1, 2, 3):
+        good.report(1.0, step)
+    study.tell(good, 1.0)
+    bad = study.ask()
+    bad.report(5.0, 1)
+    assert not bad.should_prune()
+    bad.report(5.0, 2)
+    assert bad.should_prune()
+    import yaml
+    doc = yaml.safe_load((EXAMPLES / "median-stop.yaml").read_text())
+    doc["spec"]["earlyStopping"] = {"algorithmName": "medianstop"}
+    defaults = make_pruner(parse_experiment(doc))
+    assert (defaults._n_startup_trials, defaults._n_warmup_steps) == (3, 4)  # Katib's defaults
+
+
+def test_hyperband_takes_its_resource_from_the_settings() -> None:
+    spec = parse_experiment((EXAMPLES / "hyperband.yaml").read_text())  # resource num-epochs, eta 2, r_l 2
+    pruner = make_pruner(spec)
+    assert isinstance(pruner, optuna.pruners.HyperbandPruner)
+    assert (pruner._min_resource, pruner._max_resource, pruner._reduction_factor) == (1, 2, 2)
+    assert "num-epochs" not in search_space(spec)
+
+
+def test_reseeding_after_a_restart_draws_new_values() -> None:
+    spec = parse_experiment((EXAMPLES / "bayesian-optimization.yaml").read_text().replace(
+        "bayesianoptimization", "random"))
+    first = make_sampler(spec, trials_so_far=0)
+    again = make_sampler(spec, trials_so_far=0)
+    later = make_sampler(spec, trials_so_far=3)
+    draw = [s._rng.rng.uniform() for s in (first, again, later)]
+    assert draw[0] == draw[1] != draw[2]
+
+
+def test_stdout_default_filter_keeps_the_experiments_metrics() -> None:
+    parser = MetricsParser(MetricsCollector(), ["loss", "accuracy"])
+    got = parser.feed("epoch 1: loss=0.5 accuracy = 0.8 lr=0.1\nnoise=3\nloss=1e-3")
+    assert got == [Observation("loss", 0.5), Observation("accuracy", 0.8)]
+    assert parser.feed("\nloss=nan\n") == [Observation("loss", 0.001)]  # completed by the next chunk; nan dropped
+    parser.feed("accuracy=0.9")
+    assert parser.close() == [Observation("accuracy", 0.9)]  # a last line without its newline
+
+
+def test_file_collector_custom_filter_and_json() -> None:
+    spec = parse_experiment((EXAMPLES / "file-metrics-collector.yaml").read_text())
+    parser = MetricsParser(spec.collector, ["accuracy", "loss"])
+    line = "{metricName: accuracy, metricValue: 0.9712}"
+    assert parser.feed(f"{line}\n{FILE_MARKER}{line}\n") == [Observation("accuracy", 0.9712)]  # marked lines only
+    json_spec = parse_experiment((EXAMPLES / "file-metrics-collector-with-json-format.yaml").read_text())
+    parser = MetricsParser(json_spec.collector, ["accuracy", "loss"])
+    assert parser.feed(f'{FILE_MARKER}{{"accuracy": "0.6", "loss": 0.3, "epoch": 1}}\n{FILE_MARKER}not json\n') == [
+        Observation("accuracy", 0.6), Observation("loss", 0.3)]
+
+
+def test_push_sdk_lines_are_the_only_push_metrics() -> None:
+    out = io.StringIO()
+    report(loss=0.25, accuracy=0.5, stream=out)
+    parser = MetricsParser(MetricsCollector(kind=CollectorKind.PUSH), ["loss", "accuracy"])
+    assert parser.feed("loss=9\n" + out.getvalue()) == [Observation("loss", 0.25), Observation("accuracy", 0.5)]
+    with pytest.raises(ValueError, match="finite"):
+        report(loss=float("inf"))
+    stdout = MetricsParser(MetricsCollector(), ["loss"])
+    assert stdout.feed(out.getvalue()) == [], "StdOut does not read the SDK's lines twice"
+
+
+def test_metric_strategies() -> None:
+    assert [summarize([3.0, 1.0, 2.0], s) for s in ("min", "max", "latest")] == [1.0, 3.0, 2.0]
+    spec = parse_experiment((EXAMPLES / "metrics-collection-strategy.yaml").read_text())
+    assert spec.objective.strategy("accuracy") == "max" and spec.objective.strategy("loss") == "min"
+
+
+def test_filetail_copies_the_file_into_the_log_and_keeps_the_exit_status(tmp_path: Path) -> None:
+    metrics = tmp_path / "m.log"
+    metrics.write_text("accuracy=0.1\n")  # an earlier run's line: not this run's
+    program = (f"import time\nf = open({str(metrics)!r}, 'a')\n"
+               "for i in range(3):\n    f.write(f'accuracy=0.{i + 5}\\n'); f.flush(); time.sleep(0.05)\n"
+               "f.write('loss=0.7'); f.close()\nraise SystemExit(4)\n")
+    done = subprocess.run([sys.executable, "-m", "opml_automl_controller.filetail", str(metrics), "--",
+                           sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 4
+    assert done.stdout.splitlines() == [f"{FILE_MARKER}accuracy=0.5", f"{FILE_MARKER}accuracy=0.6",
+                                        f"{FILE_MARKER}accuracy=0.7", f"{FILE_MARKER}loss=0.7"]
