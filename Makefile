@@ -20,6 +20,8 @@ $(STAMP): constraints.txt $(foreach p,$(PACKAGES),$(p)/pyproject.toml)
 	@command -v promtool >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus)
 	@# openssl makes the certificates of the TLS tests (tests/integration/test_grpc_tls.py)
 	@command -v openssl >/dev/null || (apt-get update -qq && apt-get install -y -qq openssl)
+	@# ip and tc (iproute2) put the fl-coordinator's members on hosts of their own (services/fl-coordinator/tests/test_netns.py)
+	@command -v tc >/dev/null || (apt-get update -qq && apt-get install -y -qq iproute2)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) --upgrade pip==23.2.1 setuptools==80.9.0 wheel==0.45.1
 	$(PIP) grpcio-tools==1.81.1

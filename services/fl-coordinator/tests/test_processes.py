@@ -22,10 +22,10 @@ from opml_fl_coordinator.simulator import SoftmaxModel, partition_digits
 from opml_fl_coordinator.weights import from_bytes
 
 PROGRAMS = Path(__file__).parent / "programs"
-DEADLINE_S = 6.0
+DEADLINE_S = 10.0  # generous: a loaded machine must not make the in-time members late
 CONFIG = f"""
 name: plants
-rounds: 5
+rounds: 4
 min_clients: 6
 round_deadline_s: {DEADLINE_S}
 selection: {{clients_per_round: 6}}
@@ -34,7 +34,7 @@ local: {{epochs: 2, batch_size: 16, learning_rate: 0.2}}
 MEMBERS = {  # client id -> member options
     "m0": [],
     "k2": ["--keras"], "k3": ["--keras", "--behaviour", "slow", "--slow-s", "1.0"],  # slow, in time
-    "late": ["--behaviour", "slow", "--slow-s", str(3 * DEADLINE_S)],  # slower than the deadline
+    "late": ["--behaviour", "slow", "--slow-s", str(2 * DEADLINE_S)],  # slower than the deadline
     "crash": ["--behaviour", "crash", "--crash-round", "2"],
     "nan": ["--behaviour", "nan"],
 }
@@ -96,8 +96,8 @@ def test_six_member_processes_a_restart_and_the_final_model_in_bundle_store(star
     assert ended["crash"] == 3 and "crashing mid-round" in logs["crash"]
     assert all(code == 0 for c, code in ended.items() if c != "crash"), logs
 
-    assert done.state == pb.FEDERATION_STATE_COMPLETED and done.completed_rounds == 5
-    assert [r.number for r in history] == [1, 2, 3, 4, 5]  # none lost, none run twice
+    assert done.state == pb.FEDERATION_STATE_COMPLETED and done.completed_rounds == 4
+    assert [r.number for r in history] == [1, 2, 3, 4]  # none lost, none run twice
     for r in history:
         assert "nan" in r.rejected and "NaN" in r.rejected["nan"], r
         assert r.dropped.get("late", "").startswith("missed the round deadline"), r
@@ -116,7 +116,7 @@ def test_six_member_processes_a_restart_and_the_final_model_in_bundle_store(star
         weights = from_bytes(b"".join(store.read_file("federated", uuid, "weights.npz")))
         onnx_model = b"".join(store.read_file("federated", uuid, "model.onnx"))
     assert bundle.committed and bundle.lineage.parameters["federation"] == "plants"
-    assert bundle.lineage.parameters["round"] == "5" and bundle.tags["round"] == "5"
+    assert bundle.lineage.parameters["round"] == "4" and bundle.tags["round"] == "4"
     assert set(bundle.lineage.parameters["clients"].split(",")) == set(history[-1].participants)
     assert [w.shape for w in weights] == [(64, 10), (10,)]
     # ... and as ONNX, which predicts what the weights do

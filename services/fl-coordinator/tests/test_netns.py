@@ -1,0 +1,93 @@
+"""Members on hosts of their own: each in a network namespace behind a veth pair whose two ends are
+rate-limited by a token bucket (``tc ... tbf``), so every model and update crosses a real, slow
+link to the coordinator. Needs root, ``ip`` and ``tc`` (iproute2; `make install` installs it).
+
+netem (delay, loss) is not used: this machine's kernel has no ``netem`` qdisc ("Specified qdisc
+kind is unknown"), while ``tbf`` works; the rate limit alone makes the transfers measurable.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from opml.fl.v1 import fl_pb2 as pb
+
+from opml_common.testing.services import TOKENS
+from opml_fl_coordinator.client import FederationClient
+
+PROGRAMS = Path(__file__).parent / "programs"
+RATE_MBIT = 8
+PAD = 500_000  # float32s: a 2 MB model, 2 s each way at 8 Mbit/s
+MEMBERS = 3
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@pytest.fixture
+def hosts():
+    """``MEMBERS`` namespaces, each with a veth to the host; yields [(namespace, host-side IP)]."""
+    assert os.geteuid() == 0, "network namespaces need root"
+    assert shutil.which("ip") and shutil.which("tc"), "iproute2 (ip, tc) is missing: `make install` installs it"
+    tag = f"{os.getpid() % 10000:04d}"
+    made = []
+    try:
+        for index in range(MEMBERS):
+            namespace, host_if, member_if = f"fl{tag}n{index}", f"flh{tag}{index}", f"flm{tag}{index}"
+            subnet = f"10.{200 + index}.{int(tag) % 250}"
+            _ip("netns", "add", namespace)
+            made.append((namespace, host_if))
+            _ip("link", "add", host_if, "type", "veth", "peer", "name", member_if)
+            _ip("link", "set", member_if, "netns", namespace)
+            _ip("addr", "add", f"{subnet}.1/24", "dev", host_if)
+            _ip("link", "set", host_if, "up")
+            _ip("netns", "exec", namespace, "ip", "addr", "add", f"{subnet}.2/24", "dev", member_if)
+            _ip("netns", "exec", namespace, "ip", "link", "set", member_if, "up")
+            _ip("netns", "exec", namespace, "ip", "link", "set", "lo", "up")
+            for prefix, device in (((), host_if), (("ip", "netns", "exec", namespace), member_if)):
+                subprocess.run([*prefix, "tc", "qdisc", "add", "dev", device, "root", "tbf", "rate", f"{RATE_MBIT}mbit",
+                                "burst", "32kbit", "latency", "400ms"], check=True, capture_output=True)
+        yield [(namespace, f"10.{200 + i}.{int(tag) % 250}.1") for i, (namespace, _) in enumerate(made)]
+    finally:
+        for namespace, host_if in made:
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+            subprocess.run(["ip", "link", "del", host_if], capture_output=True)
+
+
+def test_members_in_their_own_namespaces_train_across_rate_limited_links(start_service, hosts, tmp_path):
+    coordinator = start_service("fl-coordinator", extra_env={"OPML_FL_COORDINATOR_HOST": "0.0.0.0"})
+    port = coordinator.target.rpartition(":")[2]
+    with FederationClient(coordinator.target, token=TOKENS["writer"]) as writer:
+        writer.create(f"name: remote\nrounds: 2\nmin_clients: {MEMBERS}\nround_deadline_s: 120\n"
+                      f"selection: {{clients_per_round: {MEMBERS}}}\n")
+        processes = []
+        for index, (namespace, host_ip) in enumerate(hosts):
+            token = writer.register_client("remote", f"site-{index}").token
+            log = (tmp_path / f"site-{index}.log").open("w")
+            processes.append(subprocess.Popen(
+                ["ip", "netns", "exec", namespace, sys.executable, str(PROGRAMS / "member.py"), f"{host_ip}:{port}",
+                 "remote", str(index), "--shards", str(MEMBERS), "--pad", str(PAD)],
+                env={**os.environ, "OPML_FL_CLIENT_TOKEN": token, "OPML_TOKEN": TOKENS["reader"]},
+                stdout=log, stderr=subprocess.STDOUT))
+        try:
+            codes = [p.wait(timeout=240) for p in processes]
+        finally:
+            for p in processes:
+                if p.poll() is None:
+                    p.kill()
+        logs = [(tmp_path / f"site-{i}.log").read_text() for i in range(MEMBERS)]
+        assert codes == [0] * MEMBERS, logs
+        done = writer.get("remote")
+        rounds = writer.rounds("remote")
+    assert done.state == pb.FEDERATION_STATE_COMPLETED
+    assert all(sorted(r.participants) == [f"site-{i}" for i in range(MEMBERS)] for r in rounds)
+    # each round moved the 2 MB model down and the update up through an 8 Mbit/s link: at least
+    # 2 x 2 MB x 8 / 8 Mbit/s = 4 s; over loopback it would take milliseconds
+    link_s = 2 * (PAD * 4 + 64 * 10 * 4) * 8 / (RATE_MBIT * 1e6)
+    assert all(r.duration_seconds >= 0.9 * link_s for r in rounds), [r.duration_seconds for r in rounds]
