@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import sys
@@ -82,8 +83,14 @@ class ControllerMetrics:
     def experiments(self, counts: dict[ExperimentState, int]) -> None: ...
 
 
+@functools.lru_cache(maxsize=256)
+def _parsed(katib_yaml: str) -> ExperimentSpec:
+    """A stored experiment's spec (checked when it was created; parsed once per process, not per read)."""
+    return parse_experiment(katib_yaml)
+
+
 def _spec_of(record: ExperimentRecord) -> ExperimentSpec:
-    return replace(parse_experiment(record.katib_yaml), max_trial_count=record.max_trial_count)
+    return replace(_parsed(record.katib_yaml), max_trial_count=record.max_trial_count)
 
 
 class Controller:
