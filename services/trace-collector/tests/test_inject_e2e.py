@@ -131,8 +131,14 @@ def stopped(job: str, count: int = 1) -> Callable[[list[Event]], bool]:
 
 
 def run_events(settings: PlatformSettings, job: str, runs: int = 1) -> list[Event]:
-    """All events of ``job`` once its ``runs`` runs stopped; asserts each run is complete."""
-    events = [e for e in events_until(settings, stopped(job, runs)) if e[2].job == job]
+    """All events of ``job`` once its ``runs`` runs stopped, each once (delivery is at least once: a
+    publish cancelled at exit after the broker took it is sent again, with the same id, and
+    consumers deduplicate by id); asserts each run is complete."""
+    unique: dict[str, Event] = {}
+    for event in events_until(settings, stopped(job, runs)):
+        if event[2].job == job:
+            unique.setdefault(event[1].id, event)
+    events = list(unique.values())
     for stop in of(events, pb.TracerStopped):
         batches = [b for b in of(events, pb.StepMetricsBatch) if b.session_id == stop.session_id]
         assert sorted(b.sequence for b in batches) == list(range(len(batches))), "no batch missing"
