@@ -47,7 +47,7 @@ def flower_python() -> Path:
 
 def ours(policy: str, args, partition, traits, seed: int):
     document = {"name": "bench", "rounds": args.rounds * (2 if policy == "semi_async" else 1),
-                "min_clients": args.clients, "round_deadline_s": 1e6, "seed": seed,
+                "min_clients": args.clients, "round_deadline_s": 86400, "seed": seed,
                 "selection": {"policy": "tifl" if policy == "tifl" else "random",
                               "clients_per_round": args.per_round, "tiers": 5, "tier_interval": 5},
                 "local": {"epochs": args.epochs, "batch_size": 16, "learning_rate": args.lr},
