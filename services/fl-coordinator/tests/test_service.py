@@ -110,3 +110,15 @@ def test_bad_configs_and_foreign_tokens_are_refused(coordinator, writer):
             reader.create(CONFIG.format(name="three"))
         assert [f.name for f in reader.list()] == ["federations/one", "federations/two"]
     assert writer.stop("two").state == pb.FEDERATION_STATE_STOPPED
+
+
+def test_semi_async_over_grpc_makes_versions_from_buffered_updates(coordinator, writer):
+    writer.create("name: buffered\nrounds: 6\nmin_clients: 3\nmode: semi_async\nround_deadline_s: 30\n"
+                  "selection: {clients_per_round: 3}\nsemi_async: {buffer_size: 2, concurrency: 3}\n"
+                  "strategy: {name: fedadam, eta: 0.05}\n")
+    runs = members(writer, coordinator.target, "buffered", 3)()
+    history = writer.rounds("buffered")
+    assert [r.number for r in history] == [1, 2, 3, 4, 5, 6]
+    assert all(len(r.participants) == 2 for r in history)  # each version: a buffer of two updates
+    assert sum(run.accepted for run in runs.values()) >= 12  # 12 in versions (+ the starting weights)
+    assert writer.get("buffered").state == pb.FEDERATION_STATE_COMPLETED

@@ -129,7 +129,6 @@ class Federation:
         self.version = 0
         self.history: list[RoundRecord] = []
         self.weights: Weights | None = None
-        self._versions: dict[int, Weights] = {}
         self._tasks: dict[str, Task] = {}
         self._task_ids = itertools.count(1)
         self._open: _Open | None = None
@@ -309,9 +308,6 @@ class Federation:
         if aggregated is not None:
             self.weights = aggregated
         self.version += 1
-        self._versions[self.version] = self.weights
-        for old in [v for v in self._versions if v < self.version - self.config.semi_async.max_staleness]:
-            del self._versions[old]
         evaluated = self.strategy.evaluate(self.version, self.weights)
         if evaluated is not None:
             loss, server = evaluated
@@ -375,7 +371,6 @@ class Federation:
 
     def _set_initial(self, weights: Weights) -> None:
         self.weights = self.strategy.initialize([np.asarray(w) for w in weights])
-        self._versions[self.version] = self.weights
 
     # --- durability ----------------------------------------------------------------------------
 
