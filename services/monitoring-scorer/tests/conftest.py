@@ -133,7 +133,7 @@ class Producer:
                                                                        subject=request_id), key=request_id)
 
 
-def wait_windows(client: MonitoringClient, model: str, version: str, count: int, *, timeout_s: float = 60.0,
+def wait_windows(client: MonitoringClient, model: str, version: str, count: int, *, timeout_s: float = 180.0,
                  process: ServiceProcess | None = None) -> list:
     """The version's windows once ``count`` are closed (oldest first); polls the API up to ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -148,7 +148,7 @@ def wait_windows(client: MonitoringClient, model: str, version: str, count: int,
 
 
 def wait_labelled(client: MonitoringClient, model: str, version: str, indexes: list[int], *,
-                  timeout_s: float = 60.0) -> list:
+                  timeout_s: float = 180.0) -> list:
     """The windows ``indexes`` once every row of each has its label joined; polls the API."""
     deadline = time.monotonic() + timeout_s
     found: list = []

@@ -9,7 +9,7 @@ import pytest
 
 from .conftest import BATCH, WINDOW, Producer, wait_labelled, wait_windows, writer
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(480)
 
 
 async def test_sigkill_and_restart_loses_no_window_and_counts_nothing_twice(stack, world, platform_settings) -> None:

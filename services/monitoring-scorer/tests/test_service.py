@@ -22,7 +22,7 @@ from opml_monitoring_scorer.topics import ALERTS, LABELS, PREDICTIONS
 
 from .conftest import BATCH, WINDOW, Producer, wait_labelled, wait_windows, writer
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(480)
 
 
 async def test_clean_stream_no_alert_then_covariate_shift_alerts_and_late_labels_give_the_truth(

@@ -24,6 +24,10 @@ from sklearn.ensemble import HistGradientBoostingClassifier, HistGradientBoostin
 from opml_common.errors import FailedPrecondition
 from opml_monitoring_scorer.core.reference import Outputs, ReferenceSet, Task
 
+_BOOSTING = {"max_iter": 60, "max_leaf_nodes": 15, "min_samples_leaf": 30}
+"""Small trees, few rounds: a refit from labels takes about a second on a reference of a few thousand
+rows (the MPP models P(correct), a smoother target than the primary model's)."""
+
 
 class FeatureMatrix:
     """Rows -> the secondary model's inputs: numeric features as they are (NaN allowed), categories as
@@ -84,13 +88,13 @@ class MPP:
         x, y = x[order], y[order]
         weights = None if weights is None else weights[order]
         if self.task is Task.REGRESSION:
-            model = HistGradientBoostingRegressor(max_iter=100, random_state=self.seed)
+            model = HistGradientBoostingRegressor(**_BOOSTING, random_state=self.seed)
             model.fit(x, y, sample_weight=weights)
             return model
         if len(np.unique(y)) < 2:  # always right (or always wrong): nothing to learn but the rate
             return float(y.mean())
         model = CalibratedClassifierCV(
-            HistGradientBoostingClassifier(max_iter=100, random_state=self.seed), method="isotonic", cv=3)
+            HistGradientBoostingClassifier(**_BOOSTING, random_state=self.seed), method="isotonic", cv=3)
         model.fit(x, y, sample_weight=weights)
         return model
 
