@@ -188,7 +188,8 @@ def test_sigkilled_controller_finishes_with_no_trial_repeated_or_lost(start_serv
         assert done.status.reason == "MaxTrialsReached" and done.status.trials == 6
         assert sorted(t.number for t in trials) == list(range(6))
         assert all(t.state == pb.TRIAL_STATE_SUCCEEDED for t in trials), trials
-        ours = [j for j in jobs.list() if j.status.job_id.startswith("killed-")]
+        ours = jobs.list(labels={"opml.dev/experiment": "killed"})
+        assert {j.spec.labels["opml.dev/trial"] for j in ours} == {str(n) for n in range(6)}
         assert sorted(j.status.job_id for j in ours) == sorted(t.job_id for t in trials)  # one job per trial
         assert all(j.status.attempt == 0 and j.status.retries == 0 for j in ours)  # each ran once
         assert len({t.parameters["x"] for t in trials}) == 6

@@ -154,3 +154,17 @@ def test_status_and_saved_job_round_trip() -> None:
     definition = definition_from_proto(load_spec(FULL))
     saved = saved_job_from_proto(pb.Job(spec=definition_to_proto(definition), status=status_to_proto(status)))
     assert (saved.definition, saved.status) == (definition, status)
+
+
+def test_labels_are_kept_checked_and_round_trip() -> None:
+    spec = load_spec({"name": "j", "class": "TE", "command": ["true"], "roles": {"worker": {"resources": {"cpu": 1}}},
+                      "labels": {"opml.dev/experiment": "exp", "opml.dev/trial": 3}})
+    assert dict(spec.labels) == {"opml.dev/experiment": "exp", "opml.dev/trial": "3"}
+    definition = definition_from_proto(spec)
+    assert dict(definition.labels) == dict(spec.labels)
+    assert dict(definition_to_proto(definition).labels) == dict(spec.labels)
+    spec.labels["Bad Key"] = "x"
+    spec.labels["long"] = "v" * 64
+    with pytest.raises(InvalidArgument) as caught:
+        definition_from_proto(spec)
+    assert [field for field, _ in caught.value.violations] == ["labels.Bad Key", "labels.long"]

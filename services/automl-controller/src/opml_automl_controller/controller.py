@@ -56,6 +56,10 @@ from opml_common.events import EventEmitter
 
 log = logging.getLogger(__name__)
 
+EXPERIMENT_LABEL = "opml.dev/experiment"
+TRIAL_LABEL = "opml.dev/trial"
+"""Labels every trial's job carries (ListJobs filters on them)."""
+
 
 @dataclass(frozen=True, slots=True)
 class ExperimentView:
@@ -345,6 +349,7 @@ class Controller:
     def _trial_job(self, spec: ExperimentSpec, job_id: str, number: int, params: dict[str, str]) -> TrialJob:
         job = build_trial_job(spec.trial_template, params, trial_name=job_id, namespace=spec.namespace)
         job.spec.name = job_id
+        job.spec.labels.update({EXPERIMENT_LABEL: spec.name, TRIAL_LABEL: str(number)})
         if spec.collector.kind is CollectorKind.FILE:
             for role in job.spec.roles.values():
                 argv = list(role.command or job.spec.command)

@@ -24,9 +24,10 @@ class JobClient(ServiceClient):
     def get(self, job_id: str) -> pb.Job:
         return self.stub.GetJob(pb.GetJobRequest(name=job_name(job_id)))
 
-    def list(self, *, state: int = pb.JOB_STATE_UNSPECIFIED) -> list[pb.Job]:
-        """Every job (in ``state``, unless unspecified), in submission order."""
-        return list(pages(lambda token: self.stub.ListJobs(pb.ListJobsRequest(state=state, page_token=token)),
+    def list(self, *, state: int = pb.JOB_STATE_UNSPECIFIED, labels: dict[str, str] | None = None) -> list[pb.Job]:
+        """Every job (in ``state``, unless unspecified; carrying all of ``labels``), in submission order."""
+        return list(pages(lambda token: self.stub.ListJobs(pb.ListJobsRequest(state=state, page_token=token,
+                                                                              labels=labels or {})),
                           lambda reply: reply.jobs))
 
     def cancel(self, job_id: str) -> pb.Job:

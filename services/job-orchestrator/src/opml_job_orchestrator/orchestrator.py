@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import logging
 import time
@@ -116,6 +117,8 @@ class JobDefinition:
     program: JobProgram
     max_retries: int | None = None
     submitter: str | None = None
+    labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """What the submitter says the job belongs to (an experiment's trial); kept and listed, nothing more."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,12 +269,13 @@ class Orchestrator:
     # -- requests ------------------------------------------------------------------------------
 
     def submit(self, spec: JobSpec, program: JobProgram, *, max_retries: int | None = None,
-               submitter: str | None = None) -> str:
+               submitter: str | None = None, labels: Mapping[str, str] | None = None) -> str:
         """Queue ``spec`` to run ``program``; return its job id. It starts at the loop's next step.
 
         ``max_retries`` is the job's own retry budget (None: ``retry_policy.max_retries``); the
         delays are the orchestrator's ``retry_policy``'s. ``submitter`` names the principal who
-        submitted it (the service passes the authenticated caller's), kept in its definition.
+        submitted it (the service passes the authenticated caller's), kept in its definition, as are
+        its ``labels``.
 
         Raises:
             InvalidArgument: ``spec`` or ``program`` is of the wrong type, ``program`` has no command
@@ -290,8 +294,8 @@ class Orchestrator:
         program.check_covers(spec)
         retry_policy = self._job_retry_policy(max_retries)
         self._scheduler.submit(spec, now=time.monotonic())
-        job = self._jobs[spec.job_id] = _Job(JobDefinition(spec, program, max_retries, submitter), retry_policy,
-                                               time.time())
+        definition = JobDefinition(spec, program, max_retries, submitter, dict(labels or {}))
+        job = self._jobs[spec.job_id] = _Job(definition, retry_policy, time.time())
         self._emit(job, EventKind.SUBMITTED, f"{spec.job_class.name} job, priority {spec.priority}")
         self._wake.set()
         return spec.job_id

@@ -72,7 +72,7 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
             raise InvalidArgument("spec", "is required")
         definition = definition_from_proto(request.spec)
         job_id = self._orchestrator.submit(definition.spec, definition.program, max_retries=definition.max_retries,
-                                           submitter=current_principal().name)
+                                           submitter=current_principal().name, labels=definition.labels)
         status = self._orchestrator.get(job_id)  # the answer is the job as queued
         await self._saved(job_id, "submitted")
         return self._job(job_id, status)
@@ -86,7 +86,11 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         statuses = self._orchestrator.list()
         if request.state != pb.JOB_STATE_UNSPECIFIED:
             statuses = [s for s in statuses if s.state is STATES_FROM_PROTO[request.state]]
-        page, token = paginate(statuses, request.page_size, request.page_token, query=str(request.state))
+        if request.labels:
+            wanted = dict(request.labels).items()
+            statuses = [s for s in statuses if wanted <= self._orchestrator.definition(s.job_id).labels.items()]
+        query = f"{request.state}:{sorted(request.labels.items())}"
+        page, token = paginate(statuses, request.page_size, request.page_token, query=query)
         return pb.ListJobsResponse(jobs=[self._job(s.job_id, s) for s in page], next_page_token=token)
 
     async def CancelJob(self, request: pb.CancelJobRequest, context) -> pb.Job:

@@ -37,7 +37,9 @@ _JOB_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
 _MEMORY_UNITS = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024, "Ti": 1024 ** 2,
                  "K": 1000 / 1024 ** 2, "M": 1000 ** 2 / 1024 ** 2, "G": 1000 ** 3 / 1024 ** 2}
 _TOP_KEYS = {"name", "class", "priority", "command", "roles", "env", "max_retries", "checkpoint", "trace",
-             "heartbeat_timeout_seconds"}
+             "heartbeat_timeout_seconds", "labels"}
+_LABEL_KEY = re.compile(r"[a-z0-9][a-z0-9./_-]{0,62}")
+MAX_LABELS = 16
 _ROLE_KEYS = {"replicas", "resources", "command"}
 _RESOURCE_KEYS = {"cpu", "memory", "gpu"}
 _CHECKPOINT_KEYS = {"dir", "interval_seconds", "restart_overhead_seconds"}
@@ -86,6 +88,9 @@ def load_spec(source: str | Mapping[str, Any], *, what: str = "spec") -> pb.JobS
         spec.env[str(key)] = found.check(
             _string, value if not isinstance(value, int | float) or isinstance(value, bool) else str(value),
             f"env.{key}", default="")
+    for key, value in found.mapping(doc.get("labels", {}), "labels", None).items():
+        spec.labels[str(key)] = found.check(_string, value if not isinstance(value, int | float) or isinstance(
+            value, bool) else str(value), f"labels.{key}", default="")
     for role, body in found.mapping(doc.get("roles", {}), "roles", None).items():
         field = f"roles.{role}"
         body = found.mapping(body, field, _ROLE_KEYS)
@@ -173,7 +178,7 @@ def definition_from_proto(spec: pb.JobSpec, *, submitter: str | None = None, che
     program = JobProgram(commands=commands, env=dict(spec.env), checkpoint_dir=spec.checkpoint.dir or None,
                          heartbeat_timeout_s=spec.heartbeat_timeout_seconds or None, trace=spec.trace)
     return JobDefinition(scheduler_spec, program, spec.max_retries if spec.HasField("max_retries") else None,
-                         submitter)
+                         submitter, dict(spec.labels))
 
 
 def _rule_violations(spec: pb.JobSpec, *, check_job_env: bool
@@ -186,6 +191,13 @@ def _rule_violations(spec: pb.JobSpec, *, check_job_env: bool
             check_env(spec.env)
         except InvalidArgument as error:
             violations.extend(error.violations)
+    if len(spec.labels) > MAX_LABELS:
+        violations.append(("labels", f"must hold at most {MAX_LABELS} labels, but has {len(spec.labels)}"))
+    for key, value in sorted(spec.labels.items()):
+        if not _LABEL_KEY.fullmatch(key):
+            violations.append((f"labels.{key[:70]}", "key must match [a-z0-9][a-z0-9./_-]{0,62}"))
+        elif len(value) > 63:
+            violations.append((f"labels.{key}", f"must be at most 63 characters, but has {len(value)}"))
     if not _JOB_NAME.fullmatch(spec.name):
         violations.append(("name", f"must match [a-z0-9][a-z0-9._-]{{0,127}}, but got {spec.name!r}"))
     if spec.job_class == pb.JOB_CLASS_UNSPECIFIED:
@@ -242,6 +254,7 @@ def definition_to_proto(definition: JobDefinition) -> pb.JobSpec:
                                    gpu=resources.gpu)))
     if definition.max_retries is not None:
         message.max_retries = definition.max_retries
+    message.labels.update(definition.labels)
     return message
 
 
