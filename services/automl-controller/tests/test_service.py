@@ -217,6 +217,8 @@ def test_validate_reports_every_violation_and_the_cli(controller, program, opml_
     with ExperimentClient(controller.target, token=TOKENS["reader"]) as client:
         ended(client, "cli")
     assert "cli" in opml_cli("experiment", "ls", token="reader")
+    watched = opml_cli("experiment", "trials", "cli", "--watch", token="reader")  # ended: one refresh, then done
+    assert "succeeded (MaxTrialsReached) 3/3 trials" in watched and watched.count("succeeded") >= 4
     out = opml_cli("experiment", "best", "cli", "--plot", str(tmp_path / "cli.png"), token="reader")
     assert "best trial" in out and "parameter importances" in out
     assert (tmp_path / "cli.png").read_bytes()[:4] == b"\x89PNG"
