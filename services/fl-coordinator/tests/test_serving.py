@@ -1,0 +1,61 @@
+"""Flow 3 end to end: a federation's final model, committed to bundle-store as ONNX with its
+model.yaml, is deployed by the inference-router from the bundle and answers KServe v2 requests
+with what the federated weights compute."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import tritonclient.grpc as triton
+import yaml
+from member import DigitsMember
+
+from opml_common.testing.services import TOKENS
+from opml_fl_coordinator.client import FederationClient, run_client
+from opml_fl_coordinator.simulator import SoftmaxModel, partition_digits
+from opml_inference_router.client import DeploymentClient
+
+ONE_CPU_WORKER = {
+    "pool_kinds": [{"name": "cpu", "precisions": ["fp32"], "memory_mib": 2048, "slots": 2, "cost_per_hour": 0.4,
+                    "execution_provider": "CPUExecutionProvider"}],
+    "pools": [{"name": "cpu", "kind": "cpu", "workers": 1}],
+}
+
+
+def test_the_federated_model_is_served_by_the_inference_router(start_service, tmp_path):
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(yaml.safe_dump(ONE_CPU_WORKER))
+    store = start_service("bundle-store")
+    router = start_service("inference-router", extra_env={
+        "OPML_INFERENCE_ROUTER_FLEET": str(fleet), "OPML_INFERENCE_ROUTER_BUNDLE_STORE_TARGET": store.target,
+        "OPML_INFERENCE_ROUTER_BUNDLE_STORE_TOKEN": TOKENS["reader"],
+        "OPML_INFERENCE_ROUTER_WORKER_THREADS_PER_REPLICA": "1"})
+    coordinator = start_service("fl-coordinator", extra_env={
+        "OPML_FL_COORDINATOR_BUNDLE_STORE_TARGET": store.target,
+        "OPML_FL_COORDINATOR_BUNDLE_STORE_TOKEN": TOKENS["writer"]})
+    with FederationClient(coordinator.target, token=TOKENS["writer"]) as writer:
+        writer.create("name: served\nrounds: 3\nmin_clients: 2\nselection: {clients_per_round: 2}\n"
+                      "local: {epochs: 2, batch_size: 16, learning_rate: 0.2}\n")
+        tokens = [writer.register_client("served", f"plant-{i}").token for i in range(2)]
+        threads = [threading.Thread(target=run_client, args=(coordinator.target, "served", tokens[i],
+                                                             DigitsMember(i, 2)),
+                                    kwargs={"token": TOKENS["reader"], "wait_s": 2.0}) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        federation = writer.get("served")
+        weights = writer.weights("served")
+    uuid = federation.model_bundle.rpartition("@")[2]
+    assert federation.model_bundle.startswith("federated/fl-served@")
+    with DeploymentClient(router.target, token=TOKENS["writer"]) as deployments:
+        deployment = deployments.deploy(bundle=uuid, context="federated")
+    assert deployment.name.endswith("fl-served")
+    x = partition_digits(2).test[0][:8]
+    with triton.InferenceServerClient(router.target) as client:
+        tensor = triton.InferInput("input", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x)
+        answer = client.infer("fl-served", [tensor], headers={"authorization": f"Bearer {TOKENS['admin']}"})
+    np.testing.assert_allclose(answer.as_numpy("probabilities"), SoftmaxModel(64, 10)._probabilities(weights, x),
+                               rtol=1e-4, atol=1e-6)
