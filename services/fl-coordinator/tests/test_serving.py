@@ -11,6 +11,7 @@ import tritonclient.grpc as triton
 import yaml
 from member import DigitsMember
 
+from opml_bundle_store.client import BundleStoreClient
 from opml_common.testing.services import TOKENS
 from opml_fl_coordinator.client import FederationClient, run_client
 from opml_fl_coordinator.simulator import SoftmaxModel, partition_digits
@@ -33,7 +34,7 @@ def test_the_federated_model_is_served_by_the_inference_router(start_service, tm
         "OPML_INFERENCE_ROUTER_WORKER_THREADS_PER_REPLICA": "1"})
     coordinator = start_service("fl-coordinator", extra_env={
         "OPML_FL_COORDINATOR_BUNDLE_STORE_TARGET": store.target,
-        "OPML_FL_COORDINATOR_BUNDLE_STORE_TOKEN": TOKENS["writer"]})
+        "OPML_FL_COORDINATOR_BUNDLE_STORE_TOKEN": TOKENS["writer"], "OPML_FL_COORDINATOR_PUBLISH_EVERY_ROUND": "true"})
     with FederationClient(coordinator.target, token=TOKENS["writer"]) as writer:
         writer.create("name: served\nrounds: 3\nmin_clients: 2\nselection: {clients_per_round: 2}\n"
                       "local: {epochs: 2, batch_size: 16, learning_rate: 0.2}\n")
@@ -49,6 +50,11 @@ def test_the_federated_model_is_served_by_the_inference_router(start_service, tm
         weights = writer.weights("served")
     uuid = federation.model_bundle.rpartition("@")[2]
     assert federation.model_bundle.startswith("federated/fl-served@")
+    # every round's model is a bundle; each names the one it was trained from as its lineage input
+    with BundleStoreClient(store.target, token=TOKENS["reader"]) as bundles:
+        versions = sorted(bundles.list_bundles("federated", bundle_name="fl-served"), key=lambda b: int(b.tags["round"]))
+    assert [b.tags["round"] for b in versions] == ["1", "2", "3"] and versions[-1].uuid == uuid
+    assert [list(b.lineage.input_uuids) for b in versions] == [[], [versions[0].uuid], [versions[1].uuid]]
     with DeploymentClient(router.target, token=TOKENS["writer"]) as deployments:
         deployment = deployments.deploy(bundle=uuid, context="federated")
     assert deployment.name.endswith("fl-served")

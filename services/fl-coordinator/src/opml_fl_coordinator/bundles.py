@@ -26,7 +26,7 @@ class BundlePublisher:
         self.serve = serve  # tag the ONNX bundles serve=true: the inference-router deploys them
         self._context_made = False
 
-    def _publish(self, federation: Federation, record: RoundRecord, weights: Weights) -> str:
+    def _publish(self, federation: Federation, record: RoundRecord, weights: Weights, parent: str) -> str:
         from opml_bundle_store.client import BundleStoreClient
 
         with BundleStoreClient(self.target, token=self._token) as client:
@@ -37,7 +37,7 @@ class BundlePublisher:
                     pass
                 self._context_made = True
             strategy = federation.config.strategy
-            lineage = bundles_pb2.Lineage(creator="fl-coordinator", parameters={
+            lineage = bundles_pb2.Lineage(creator="fl-coordinator", input_uuids=[parent] if parent else [], parameters={
                 "federation": federation.federation_id, "round": str(record.number),
                 "strategy": strategy.name, "selection": federation.config.selection.policy,
                 "mode": federation.config.mode, "clients": ",".join(record.participants)})
@@ -56,10 +56,11 @@ class BundlePublisher:
                                 lineage=lineage, commit=True)
         return f"{self.context}/{bundle.bundle_name}@{bundle.uuid}"
 
-    async def publish(self, federation: Federation, record: RoundRecord, weights: Weights) -> str:
-        """Commit ``weights`` (the model after ``record``); returns the bundle's ``context/name@uuid``.
+    async def publish(self, federation: Federation, record: RoundRecord, weights: Weights, *, parent: str = "") -> str:
+        """Commit ``weights`` (the model after ``record``), with ``parent`` (the uuid of the model
+        it was trained from, when published) as its lineage input; returns ``context/name@uuid``.
 
         Raises:
             OpmlError: bundle-store refused or could not be reached.
         """
-        return await asyncio.to_thread(self._publish, federation, record, weights)
+        return await asyncio.to_thread(self._publish, federation, record, weights, parent)

@@ -319,7 +319,8 @@ class Coordinator:
         if self._publisher is None or not weights:
             return
         try:
-            hosted.model_bundle = await self._publisher.publish(hosted.federation, record, weights)
+            parent = hosted.model_bundle.rpartition("@")[2]
+            hosted.model_bundle = await self._publisher.publish(hosted.federation, record, weights, parent=parent)
         except Exception as error:  # bundle-store down must not stop training; the store has the model
             log.warning("federation %s: round %d's model not published to bundle-store: %s",
                         hosted.federation.federation_id, record.number, error)
