@@ -18,6 +18,7 @@ from opml.jobs.v1 import jobs_pb2
 
 from opml_automl_controller.client import ExperimentClient
 from opml_automl_controller.topics import EXPERIMENTS
+from opml_bundle_store.client import BundleStoreClient
 from opml_common.errors import InvalidArgument
 from opml_common.testing.bus import poll_until, read_records
 from opml_common.testing.services import TOKENS, ServiceStarter
@@ -32,6 +33,7 @@ TRIAL = textwrap.dedent("""
     p.add_argument("--mode", default="stdout")
     p.add_argument("--slow-bad", action="store_true")
     p.add_argument("--name", default="t-t0")
+    p.add_argument("--model-dir", default="")
     a = p.parse_args()
     if a.slow_bad and int(a.name.rsplit("-t", 1)[1]) < 2:
         a.x = -abs(a.x)
@@ -47,13 +49,21 @@ TRIAL = textwrap.dedent("""
         else:
             print(f"epoch {epoch}: loss={loss:.6f} accuracy={1 / (1 + loss):.6f}", flush=True)
         time.sleep(0.05)
+    if a.model_dir:
+        import pathlib
+        from opml_automl_controller.sdk import save_model
+        out = pathlib.Path(a.model_dir) / a.name
+        out.mkdir(parents=True)
+        (out / "weights.txt").write_text(str(a.x))
+        save_model(out)
 """)
 
 NODE = {"name": "n0", "cpu_millis": 8000, "memory_mib": 8192, "gpu": 0}
 
 
 def experiment_yaml(name: str, program: Path, *, max_trials: int, parallel: int = 3, goal: float | None = None,
-                    early: bool = False, mode: str = "stdout", max_failed: int = 3, collector: str = "StdOut") -> str:
+                    early: bool = False, mode: str = "stdout", max_failed: int = 3, collector: str = "StdOut",
+                    model_dir: str = "") -> str:
     spec: dict = {
         "objective": {"type": "minimize", "objectiveMetricName": "loss", "additionalMetricNames": ["accuracy"],
                       **({"goal": goal} if goal is not None else {})},
@@ -68,7 +78,7 @@ def experiment_yaml(name: str, program: Path, *, max_trials: int, parallel: int 
             "trialSpec": {"apiVersion": "batch/v1", "kind": "Job", "spec": {"template": {"spec": {"containers": [{
                 "name": "main", "image": "python:3.11",
                 "command": [sys.executable, str(program), "--x=${trialParameters.x}", f"--mode={mode}",
-                            "--name=${trialParameters.trialName}",
+                            "--name=${trialParameters.trialName}", f"--model-dir={model_dir}",
                             *(["--slow-bad"] if early else [])],
                 "resources": {"requests": {"cpu": "500m", "memory": "128Mi"}}}]}}}},
         },
@@ -226,3 +236,30 @@ def test_validate_reports_every_violation_and_the_cli(controller, program, opml_
     opml_cli("experiment", "delete", "cli", token="admin")
     assert "cli" not in opml_cli("experiment", "ls", token="reader")
 
+
+
+def test_the_best_trials_model_is_committed_as_a_bundle_with_lineage(start_service, orchestrator, program,
+                                                                    tmp_path: Path) -> None:
+    store = start_service("bundle-store")
+    env = start_service.env("automl-controller", extra_env={
+        "OPML_AUTOML_CONTROLLER_JOB_ORCHESTRATOR_TARGET": orchestrator.target,
+        "OPML_AUTOML_CONTROLLER_JOB_ORCHESTRATOR_TOKEN": TOKENS["writer"],
+        "OPML_AUTOML_CONTROLLER_BUNDLE_STORE_TARGET": store.target,
+        "OPML_AUTOML_CONTROLLER_BUNDLE_STORE_TOKEN": TOKENS["writer"]})
+    controller = start_service("automl-controller", env=env)
+    with ExperimentClient(controller.target, token=TOKENS["writer"]) as client:
+        client.create(experiment_yaml("modelled", program, max_trials=3, model_dir=str(tmp_path / "models")))
+        done = ended(client, "modelled")
+    assert done.best_model_bundle.startswith("contexts/automl/bundles/"), done
+    best = done.status.current_optimal_trial
+    with BundleStoreClient(store.target, token=TOKENS["reader"]) as bundles:
+        bundle = bundles.get_bundle("automl", done.best_model_bundle.rsplit("/", 1)[1])
+        assert bundle.committed and bundle.bundle_name == "modelled-best"
+        assert dict(bundle.tags) | {"experiment-uid": "-"} == {
+            "kind": "model", "source": "automl-controller", "experiment": "modelled", "experiment-uid": "-",
+            "trial": str(best.number), "algorithm": "random"}
+        assert dict(bundle.lineage.parameters)["x"] == best.parameters["x"]
+        assert bundle.lineage.code_version == f"jobs/{best.job_id}"
+        weights = b"".join(bundles.read_file("automl", bundle.name.rsplit("/", 1)[1],
+                                             f"{best.job_id}/weights.txt"))
+        assert float(weights) == float(best.parameters["x"])

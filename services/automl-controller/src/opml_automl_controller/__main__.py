@@ -9,6 +9,7 @@ from opml.automl.v1 import automl_pb2, automl_pb2_grpc
 from opml_automl_controller.controller import Controller
 from opml_automl_controller.jobs import OrchestratorJobs
 from opml_automl_controller.metrics import PrometheusControllerMetrics
+from opml_automl_controller.models import BundleStoreModels
 from opml_automl_controller.servicer import METHOD_ROLES, ExperimentServicer
 from opml_automl_controller.settings import AutomlControllerSettings
 from opml_automl_controller.state import ExperimentStore
@@ -30,11 +31,16 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
     token = settings.job_orchestrator_token.get_secret_value() if settings.job_orchestrator_token else None
     jobs = OrchestratorJobs(settings.job_orchestrator_target, token=token)
     service.on_stop(jobs.aclose)
+    models = None
+    if settings.bundle_store_target is not None:
+        bundle_token = settings.bundle_store_token.get_secret_value() if settings.bundle_store_token else None
+        models = BundleStoreModels(settings.bundle_store_target, token=bundle_token, context=settings.model_context)
+        service.on_stop(models.aclose)
     store = await service.start(ExperimentStore(service.redis(), prefix=service.platform.redis_prefix))
     controller = await service.start(Controller(
         store=store, jobs=jobs, emitter=await service.emitter(), redis_url=service.platform.redis_url,
         metrics=PrometheusControllerMetrics(service.metrics), trial_python=settings.trial_python or sys.executable,
-        retry_s=settings.retry_s))
+        retry_s=settings.retry_s, models=models))
     return [ServiceRegistration(automl_pb2.DESCRIPTOR.services_by_name["ExperimentService"],
                                 automl_pb2_grpc.add_ExperimentServiceServicer_to_server,
                                 ExperimentServicer(controller), METHOD_ROLES)]

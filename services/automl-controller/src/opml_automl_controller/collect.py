@@ -30,6 +30,7 @@ DEFAULT_FILTER = r"([\w|-]+)\s*=\s*([+-]?\d*(\.\d+)?([Ee][+-]?\d+)?)"
 """Katib's StdOut and File TEXT default (pkg/metricscollector/v1beta1/common)."""
 PUSH_MARKER = "[opml-automl-push] "
 FILE_MARKER = "[opml-automl-file] "
+MODEL_MARKER = "[opml-automl-model] "
 MAX_LINE_CHARS = 64 * 1024
 """Longer lines are cut before matching (a trial printing a huge line costs no more than this)."""
 
@@ -49,6 +50,8 @@ class MetricsParser:
         self._filters = [re.compile(f) for f in (collector.filters or (DEFAULT_FILTER,))]
         self._metrics = frozenset(metrics)
         self._partial = ""
+        self.model_dir: str | None = None
+        """Where the trial saved its model (:func:`opml_automl_controller.sdk.save_model`), if it did."""
 
     def feed(self, text: str) -> list[Observation]:
         """Observations in the complete lines of ``text`` (a chunk of the log; a line cut between
@@ -64,6 +67,14 @@ class MetricsParser:
 
     def line(self, line: str) -> Iterator[Observation]:
         line = line[:MAX_LINE_CHARS].rstrip("\r")
+        if line.startswith(MODEL_MARKER):
+            try:
+                path = json.loads(line[len(MODEL_MARKER):]).get("path")
+            except (ValueError, AttributeError):
+                path = None
+            if isinstance(path, str) and path:
+                self.model_dir = path
+            return
         if self._kind is CollectorKind.PUSH:
             if line.startswith(PUSH_MARKER):
                 yield from self._from_json(line[len(PUSH_MARKER):], key="metrics")

@@ -41,6 +41,7 @@ from opml_automl_controller.collect import MetricsParser, summarize
 from opml_automl_controller.experiment import CollectorKind, ExperimentSpec, ResumePolicy
 from opml_automl_controller.jobs import JobView, TrialJobs
 from opml_automl_controller.katib import parse_experiment
+from opml_automl_controller.models import ModelStore
 from opml_automl_controller.state import (
     TERMINAL_TRIALS,
     ExperimentRecord,
@@ -105,12 +106,14 @@ class Controller:
         redis_url: the Optuna journals' Redis.
         trial_python: the interpreter that runs the File collector's wrapper in a trial's job.
         retry_s: pause before retrying an orchestrator call that failed with a retriable error.
+        models: where the best trial's model is committed (None: nowhere).
     """
 
     def __init__(self, *, store: ExperimentStore, jobs: TrialJobs, emitter: EventEmitter, redis_url: str,
                  metrics: ControllerMetrics | None = None, trial_python: str = sys.executable,
-                 retry_s: float = 1.0) -> None:
+                 retry_s: float = 1.0, models: ModelStore | None = None) -> None:
         self._store, self._jobs, self._emitter = store, jobs, emitter
+        self._models = models
         self._redis_url = redis_url
         self._metrics = metrics or ControllerMetrics()
         self._trial_python = trial_python
@@ -270,7 +273,8 @@ class Controller:
             trials = {t.number: t for t in await self._store.trials(name)}
             for ft in frozen:
                 trial = trials.get(ft.number) or await self._adopt(record, spec, ft)
-                if ft.state.is_finished() and trial.state not in TERMINAL_TRIALS:
+                if ft.state.is_finished() and trial.state not in TERMINAL_TRIALS and ft.number not in runners:
+                    # told, but its record not saved (a restart in between); a live runner saves its own
                     trial = await self._finished_from_optuna(record, spec, trial, ft)
                 trials[ft.number] = trial
                 if ft.state is OptunaState.RUNNING and ft.number not in runners:
@@ -290,6 +294,7 @@ class Controller:
                         await self._kill(study, trials, runners)
                         continue
                     state, reason, message = ended
+                    record, message = await self._commit_best(record, spec, list(trials.values()), message)
                     await self._save(record.changed(state=state, reason=reason, message=message,
                                                     completed_at=time.time()), spec)
                     return
@@ -308,6 +313,21 @@ class Controller:
             waiters = [asyncio.ensure_future(wake.wait()), *runners.values()]
             await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
             waiters[0].cancel()
+
+    async def _commit_best(self, record: ExperimentRecord, spec: ExperimentSpec, trials: list[TrialRecord],
+                           message: str) -> tuple[ExperimentRecord, str]:
+        """Commit the best trial's model, if it saved one and a model store is configured."""
+        best = convert.best_trial(spec, trials)
+        if self._models is None or best is None or not best.model_dir or record.best_model_bundle:
+            return record, message
+        try:
+            bundle = await self._retrying(lambda: self._models.commit_best(  # type: ignore[union-attr]
+                record, best, objective=spec.objective.metric, algorithm=spec.algorithm.name), "commit the model")
+        except OpmlError as error:
+            return record, f"{message}; the best trial's model was not committed: {error.message}"
+        record = record.changed(best_model_bundle=bundle)
+        await self._store.put_experiment(record)
+        return record, f"{message}; best model committed as {bundle}"
 
     def _outcome(self, spec: ExperimentSpec, trials: list[TrialRecord],
                  asked: int) -> tuple[ExperimentState, str, str] | None:
@@ -437,7 +457,7 @@ class Controller:
             if view.ended:
                 break
             await asyncio.sleep(self._retry_s)  # the stream broke before the job ended
-        trial = replace(trial, observations=observations)
+        trial = replace(trial, observations=observations, model_dir=parser.model_dir)
         frozen_end = await asyncio.to_thread(lambda: study.trials()[trial.number].user_attrs.get(END_ATTR))
         if frozen_end == "pruned":
             await self._end(record, spec, study, trial, TrialState.EARLY_STOPPED,

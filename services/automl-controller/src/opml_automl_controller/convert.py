@@ -69,7 +69,8 @@ def experiment_to_proto(record: ExperimentRecord, spec: ExperimentSpec, trials: 
         name=experiment_name(record.name), katib_yaml=record.katib_yaml if with_yaml else "",
         objective_metric=spec.objective.metric, objective_type=spec.objective.goal.value,
         algorithm=spec.algorithm.name, max_trial_count=record.max_trial_count,
-        parallel_trial_count=spec.parallel_trial_count, resume_policy=spec.resume_policy.value, status=status)
+        parallel_trial_count=spec.parallel_trial_count, resume_policy=spec.resume_policy.value, status=status,
+        best_model_bundle=record.best_model_bundle)
     if spec.objective.target is not None:
         message.goal = spec.objective.target
     if spec.max_failed_trial_count is not None:

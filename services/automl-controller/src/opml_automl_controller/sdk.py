@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import math
 import sys
+from pathlib import Path
 from typing import TextIO
 
-from opml_automl_controller.collect import PUSH_MARKER
+from opml_automl_controller.collect import MODEL_MARKER, PUSH_MARKER
 
 
 def report(*, stream: TextIO | None = None, **metrics: float) -> None:
@@ -31,4 +32,19 @@ def report(*, stream: TextIO | None = None, **metrics: float) -> None:
             raise ValueError(f"metric {name!r} must be a finite number, but got {value!r}")
     out = stream or sys.stdout
     out.write(PUSH_MARKER + json.dumps({"metrics": {k: float(v) for k, v in metrics.items()}}) + "\n")
+    out.flush()
+
+
+def save_model(path: str | Path, *, stream: TextIO | None = None) -> None:
+    """Say where this trial saved its model (a directory): if the trial is the experiment's best,
+    the controller commits it as a bundle.
+
+    Raises:
+        ValueError: ``path`` is not an existing directory.
+    """
+    directory = Path(path).resolve()
+    if not directory.is_dir():
+        raise ValueError(f"save_model() needs an existing directory, but got {str(path)!r}")
+    out = stream or sys.stdout
+    out.write(MODEL_MARKER + json.dumps({"path": str(directory)}) + "\n")
     out.flush()

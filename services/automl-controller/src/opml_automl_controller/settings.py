@@ -26,10 +26,16 @@ class AutomlControllerSettings(ServiceSettings):
                                      "collector's wrapper (`-m opml_automl_controller.filetail`) in a trial's "
                                      "job; unset: the controller's own (jobs on this machine); where the "
                                      "orchestrator runs pods, the image's python.")
+    bundle_store_target: str | None = Field(None, min_length=1, description="The bundle-store the best trial's "
+                                            "model is committed to when an experiment ends; unset: models are "
+                                            "not committed.")
+    bundle_store_token: SecretStr | None = Field(None, description="Bearer token (writer) for the bundle-store.")
+    model_context: str = Field("automl", min_length=1, description="The bundle-store context of the best models.")
     retry_s: float = Field(1.0, gt=0, description="Pause before retrying an orchestrator call that failed "
                            "with a retriable error (UNAVAILABLE).")
 
-    @field_validator("job_orchestrator_token", "trial_python", mode="before")
+    @field_validator("job_orchestrator_token", "trial_python", "bundle_store_target", "bundle_store_token",
+                     mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
         return None if value == "" else value

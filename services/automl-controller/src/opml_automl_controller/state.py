@@ -51,6 +51,7 @@ class TrialRecord:
     message: str = ""
     started_at: float | None = None
     ended_at: float | None = None
+    model_dir: str | None = None
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "state": self.state.value})
@@ -74,6 +75,8 @@ class ExperimentRecord:
     message: str = ""
     created_at: float = field(default_factory=time.time)
     completed_at: float | None = None
+    best_model_bundle: str = ""
+    """The bundle the best trial's model was committed as (contexts/{context}/bundles/{uuid})."""
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "state": self.state.value})
