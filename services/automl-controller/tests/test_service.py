@@ -263,3 +263,42 @@ def test_the_best_trials_model_is_committed_as_a_bundle_with_lineage(start_servi
         weights = b"".join(bundles.read_file("automl", bundle.name.rsplit("/", 1)[1],
                                              f"{best.job_id}/weights.txt"))
         assert float(weights) == float(best.parameters["x"])
+
+
+KERAS_TRIAL = textwrap.dedent("""
+    import os, sys
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    import numpy as np, keras
+    lr = float(sys.argv[1])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 4)).astype("float32")
+    y = (x.sum(axis=1) > 0).astype("float32")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(1, activation="sigmoid")])
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=lr), loss="binary_crossentropy", metrics=["accuracy"])
+    model.fit(x, y, epochs=3, batch_size=64, verbose=2)  # unchanged Keras: "... - accuracy: 0.67 - loss: 0.64"
+""")
+
+
+def test_an_unchanged_keras_trial_is_read_with_a_katib_filter(controller, tmp_path: Path) -> None:
+    program = tmp_path / "keras_trial.py"
+    program.write_text(KERAS_TRIAL)
+    doc = yaml.safe_load(experiment_yaml("keras", program, max_trials=2, parallel=2, max_failed=0))
+    container = doc["spec"]["trialTemplate"]["trialSpec"]["spec"]["template"]["spec"]["containers"][0]
+    container["command"] = [sys.executable, str(program), "${trialParameters.lr}"]
+    container["resources"] = {"requests": {"cpu": "1", "memory": "1Gi"}}
+    doc["spec"]["parameters"] = [{"name": "lr", "parameterType": "double",
+                                  "feasibleSpace": {"min": "0.01", "max": "0.5", "distribution": "logUniform"}}]
+    doc["spec"]["trialTemplate"]["trialParameters"] = [{"name": "lr", "reference": "lr"}]
+    doc["spec"]["metricsCollectorSpec"] = {"collector": {"kind": "StdOut"}, "source": {"filter": {
+        "metricsFormat": [r"(\w+): ([+-]?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)"]}}}
+    with ExperimentClient(controller.target, token=TOKENS["writer"]) as client:
+        client.create(yaml.safe_dump(doc))
+        done = ended(client, "keras", timeout_s=150)
+        trials = client.trials("keras")
+    assert done.status.reason == "MaxTrialsReached", done.status
+    for trial in trials:
+        assert trial.state == pb.TRIAL_STATE_SUCCEEDED, trial
+        metrics = {m.name: m for m in trial.metrics}
+        assert metrics["loss"].count == 3 and metrics["accuracy"].count == 3  # one per epoch
+        assert trial.objective_value == metrics["loss"].min
