@@ -302,3 +302,27 @@ def test_an_unchanged_keras_trial_is_read_with_a_katib_filter(controller, tmp_pa
         metrics = {m.name: m for m in trial.metrics}
         assert metrics["loss"].count == 3 and metrics["accuracy"].count == 3  # one per epoch
         assert trial.objective_value == metrics["loss"].min
+
+
+def test_trials_preempt_a_running_best_effort_job(controller, orchestrator, program, tmp_path: Path) -> None:
+    """The cluster (8 cores) is full with a BE job; the experiment's TE trials preempt it, run, and the
+    BE job resumes afterwards from its checkpoint (its second run ends at once)."""
+    started = tmp_path / "be-started"
+    code = (f"import os, time; open({str(started)!r}, 'a').write(os.environ['OPML_JOB_ATTEMPT']); "
+            "os.environ['OPML_JOB_ATTEMPT'] == '0' and time.sleep(120)")
+    be = jobs_pb2.JobSpec(name="training-be", job_class=jobs_pb2.JOB_CLASS_BE, command=[sys.executable, "-c", code],
+                          checkpoint=jobs_pb2.Checkpoint(dir=str(tmp_path / "ckpt"), interval_seconds=1))
+    be.roles["worker"].replicas = 1
+    be.roles["worker"].resources.cpu_millis = NODE["cpu_millis"]
+    with JobClient(orchestrator.target, token=TOKENS["writer"]) as jobs, \
+            ExperimentClient(controller.target, token=TOKENS["writer"]) as client:
+        jobs.submit(be)
+        poll_until(lambda: started.exists(), what="the BE job runs")
+        client.create(experiment_yaml("preempting", program, max_trials=2, parallel=2, max_failed=0))
+        done = ended(client, "preempting")
+        assert done.status.reason == "MaxTrialsReached" and done.status.trials_succeeded == 2
+        job = jobs.get("training-be")
+        assert job.status.preemptions >= 1, job.status
+        finished = poll_until(lambda: (j := jobs.get("training-be")).status.state == jobs_pb2.JOB_STATE_SUCCEEDED
+                              and j, what="the BE job resumes and ends", timeout_s=60)
+        assert finished.status.attempt >= 1 and started.read_text().startswith("01")
