@@ -120,6 +120,7 @@ class Controller:
         self._retry_s = retry_s
         self._runs: dict[str, asyncio.Task] = {}
         self._wake: dict[str, asyncio.Event] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
         self._closing = False
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -184,12 +185,13 @@ class Controller:
 
     async def stop_experiment(self, name: str) -> ExperimentView:
         """Raises: NotFound. FailedPrecondition: it has ended."""
-        record = await self._store.experiment(name)
-        if record.state is not ExperimentState.RUNNING:
-            raise FailedPrecondition(f"experiment {name!r} is {record.state.value}, not running; nothing to stop")
-        record = record.changed(state=ExperimentState.STOPPED, reason="Stopped", message="Stopped by a user",
-                                completed_at=time.time())
-        await self._save(record)
+        def stop(record: ExperimentRecord) -> ExperimentRecord:
+            if record.state is not ExperimentState.RUNNING:
+                raise FailedPrecondition(f"experiment {name!r} is {record.state.value}, not running; nothing to stop")
+            return record.changed(state=ExperimentState.STOPPED, reason="Stopped", message="Stopped by a user",
+                                  completed_at=time.time())
+
+        await self._change(name, stop)
         self._launch(name)  # wakes the run, which kills the running trials
         return await self.get(name)
 
@@ -214,9 +216,13 @@ class Controller:
             if new_max <= len(trials):
                 raise InvalidArgument("max_trial_count", f"must be greater than the experiment's {len(trials)} "
                                                          f"trials to restart it, but got {new_max}")
-        record = record.changed(state=ExperimentState.RUNNING, reason="Resumed", max_trial_count=new_max,
-                                message=f"Resumed to maxTrialCount {new_max}", completed_at=None)
-        await self._save(record)
+        def resumed(current: ExperimentRecord) -> ExperimentRecord:
+            if current.state is not record.state:
+                raise FailedPrecondition(f"experiment {name!r} changed to {current.state.value} meanwhile; try again")
+            return current.changed(state=ExperimentState.RUNNING, reason="Resumed", max_trial_count=new_max,
+                                   message=f"Resumed to maxTrialCount {new_max}", completed_at=None)
+
+        await self._change(name, resumed)
         self._launch(name)
         return await self.get(name)
 
@@ -294,10 +300,12 @@ class Controller:
                         await self._kill(study, trials, runners)
                         continue
                     state, reason, message = ended
-                    record, message = await self._commit_best(record, spec, list(trials.values()), message)
-                    await self._save(record.changed(state=state, reason=reason, message=message,
-                                                    completed_at=time.time()), spec)
-                    return
+                    bundle, message = await self._commit_best(record, spec, list(trials.values()), message)
+                    final = await self._change(name, functools.partial(
+                        _ended, state=state, reason=reason, message=message, bundle=bundle), spec)
+                    if final.state is not ExperimentState.RUNNING and final.reason == reason:
+                        return
+                    continue  # stopped or resumed to more trials meanwhile
                 asked = len(frozen)
                 while len(runners) < spec.parallel_trial_count and asked < spec.max_trial_count:
                     started = time.perf_counter()
@@ -307,27 +315,27 @@ class Controller:
                     trials[number] = trial
                     runners[number] = asyncio.create_task(self._trial(record, spec, study, trial))
                     asked += 1
-                if record.reason not in ("Running",) and runners:
-                    record = record.changed(reason="Running", message="Experiment is running")
-                    await self._save(record, spec)
+                if record.reason != "Running" and runners:
+                    record = await self._change(name, lambda r: r.changed(
+                        reason="Running", message="Experiment is running") if r.state is ExperimentState.RUNNING
+                        and r.reason != "Running" else None, spec)
             waiters = [asyncio.ensure_future(wake.wait()), *runners.values()]
             await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
             waiters[0].cancel()
 
     async def _commit_best(self, record: ExperimentRecord, spec: ExperimentSpec, trials: list[TrialRecord],
-                           message: str) -> tuple[ExperimentRecord, str]:
-        """Commit the best trial's model, if it saved one and a model store is configured."""
+                           message: str) -> tuple[str, str]:
+        """Commit the best trial's model, if it saved one and a model store is configured: the
+        bundle's name ('' when none) and the experiment's message saying so."""
         best = convert.best_trial(spec, trials)
         if self._models is None or best is None or not best.model_dir or record.best_model_bundle:
-            return record, message
+            return record.best_model_bundle, message
         try:
             bundle = await self._retrying(lambda: self._models.commit_best(  # type: ignore[union-attr]
                 record, best, objective=spec.objective.metric, algorithm=spec.algorithm.name), "commit the model")
         except OpmlError as error:
-            return record, f"{message}; the best trial's model was not committed: {error.message}"
-        record = record.changed(best_model_bundle=bundle)
-        await self._store.put_experiment(record)
-        return record, f"{message}; best model committed as {bundle}"
+            return "", f"{message}; the best trial's model was not committed: {error.message}"
+        return bundle, f"{message}; best model committed as {bundle}"
 
     def _outcome(self, spec: ExperimentSpec, trials: list[TrialRecord],
                  asked: int) -> tuple[ExperimentState, str, str] | None:
@@ -524,6 +532,21 @@ class Controller:
 
     # -- saving and announcing -------------------------------------------------------------------
 
+    async def _change(self, name: str, change: Callable[[ExperimentRecord], ExperimentRecord | None],
+                      spec: ExperimentSpec | None = None) -> ExperimentRecord:
+        """Read, change and save the experiment's record under its lock (an API call and the
+        experiment's loop never overwrite each other's change); ``change`` returns None for no change.
+
+        Raises: NotFound.
+        """
+        async with self._locks.setdefault(name, asyncio.Lock()):
+            record = await self._store.experiment(name)
+            changed = change(record)
+            if changed is None:
+                return record
+            await self._save(changed, spec)
+            return changed
+
     async def _save(self, record: ExperimentRecord, spec: ExperimentSpec | None = None) -> None:
         await self._store.put_experiment(record)
         self._announce(record, spec or _spec_of(record), tuple(await self._store.trials(record.name)))
@@ -543,6 +566,15 @@ class Controller:
         for record in await self._store.experiments():
             counts[record.state] += 1
         self._metrics.experiments(counts)
+
+
+def _ended(record: ExperimentRecord, *, state: ExperimentState, reason: str, message: str,
+           bundle: str) -> ExperimentRecord | None:
+    """The record of an experiment that ended, unless it was stopped or resumed meanwhile."""
+    if record.state is not ExperimentState.RUNNING:
+        return None
+    return record.changed(state=state, reason=reason, message=message, completed_at=time.time(),
+                          best_model_bundle=bundle or record.best_model_bundle)
 
 
 async def _cancel(tasks: list[asyncio.Task]) -> None:
