@@ -17,7 +17,7 @@ from opml_automl_controller.experiment import CollectorKind, MetricsCollector
 from opml_automl_controller.katib import parse_experiment
 from opml_automl_controller.sdk import report
 
-EXAMPLES = Path("/work/shared/katib/examples")
+EXAMPLES = Path(__file__).parent / "katib_examples"
 SAMPLERS = {
     "random.yaml": optuna.samplers.RandomSampler, "grid.yaml": optuna.samplers.GridSampler,
     "tpe.yaml": optuna.samplers.TPESampler, "multivariate-tpe.yaml": optuna.samplers.TPESampler,

@@ -1,4 +1,4 @@
-"""Every Katib v1beta1 example (../shared/katib/examples: the 33 of the Katib repository) parses, and is
+"""Every Katib v1beta1 example (katib_examples/: the 33 of the Katib repository) parses, and is
 accepted or rejected exactly as written here, each expectation derived from ../shared/katib/RULES.md.
 
 A rejection lists every (YAML path, rule keyword) the experiment breaks, no more and no less.
@@ -17,7 +17,7 @@ from opml_automl_controller.katib import parse_experiment
 from opml_automl_controller.template import build_trial_job
 from opml_common.errors import InvalidArgument
 
-EXAMPLES = Path("/work/shared/katib/examples")
+EXAMPLES = Path(__file__).parent / "katib_examples"
 KIND = "spec.trialTemplate.trialSpec.kind"
 ALGO = "spec.algorithm.algorithmName"
 COLLECTOR = "spec.metricsCollectorSpec.collector.kind"
