@@ -26,7 +26,9 @@ $(STAMP): constraints.txt $(foreach p,$(PACKAGES),$(p)/pyproject.toml)
 	$(PIP) --upgrade pip==23.2.1 setuptools==80.9.0 wheel==0.45.1
 	$(PIP) grpcio-tools==1.81.1
 	$(MAKE) protos
-	$(PIP) -e protos/python -e 'libs/common[devinfra,test]' $(foreach s,$(SERVICES),-e '$(s:/=)[test]')
+	@# each service twice, plain and with its test extra: pip 23.2 finds no candidate for a package that
+	@# another depends on (automl-controller -> job-orchestrator) when it is named only as pkg[test]
+	$(PIP) -e protos/python -e 'libs/common[devinfra,test]' $(foreach s,$(SERVICES),-e '$(s:/=)' -e '$(s:/=)[test]')
 	touch $(STAMP)
 
 # Python stubs are generated from protos/ (never edited by hand; git ignores them).
