@@ -30,7 +30,7 @@ from opml.jobs.v1 import jobs_pb2
 
 from opml_automl_controller.experiment import TrialParameter, TrialTemplate
 from opml_common.errors import InvalidArgument
-from opml_job_orchestrator.spec import _cpu_millis, _memory_mib, check_env, load_spec
+from opml_job_orchestrator.spec import check_env, load_spec, parse_cpu_millis, parse_memory_mib
 
 SUPPORTED_KINDS = ("batch/v1 Job", "kubeflow.org/v1 TFJob", "jobs.opml.dev/v1 OpmlJob")
 TF_ROLES = {"Chief": "chief", "Master": "chief", "Worker": "worker", "PS": "ps", "Evaluator": "evaluator"}
@@ -242,9 +242,9 @@ def _role(spec: jobs_pb2.JobSpec, role: str, replicas: int, pod: Mapping[str, An
     for key, value in amounts.items():
         try:
             if key == "cpu":
-                message.resources.cpu_millis = _cpu_millis(value, f"{where}.resources.cpu")
+                message.resources.cpu_millis = parse_cpu_millis(value, f"{where}.resources.cpu")
             elif key == "memory":
-                message.resources.memory_mib = _memory_mib(value, f"{where}.resources.memory")
+                message.resources.memory_mib = parse_memory_mib(value, f"{where}.resources.memory")
             elif key == "nvidia.com/gpu":
                 message.resources.gpu = int(value)
             else:

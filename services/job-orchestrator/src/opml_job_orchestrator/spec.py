@@ -383,3 +383,21 @@ def _memory_mib(value: Any, field: str) -> int:
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def parse_cpu_millis(value: Any, field: str) -> int:
+    """A CPU amount as job specs and Kubernetes write it (``2``, ``0.5``, ``500m``) in millicores.
+
+    Raises:
+        InvalidArgument: on ``field``, when it is no such amount.
+    """
+    return _cpu_millis(value, field)
+
+
+def parse_memory_mib(value: Any, field: str) -> int:
+    """A memory amount (``512``, ``512Mi``, ``2Gi``, ``1G``) in MiB, rounded up.
+
+    Raises:
+        InvalidArgument: on ``field``, when it is no such amount.
+    """
+    return _memory_mib(value, field)
