@@ -1,17 +1,22 @@
 """Members on hosts of their own: each in a network namespace behind a veth pair whose two ends are
-rate-limited by a token bucket (``tc ... tbf``), so every model and update crosses a real, slow
-link to the coordinator. Needs root, ``ip`` and ``tc`` (iproute2; `make install` installs it).
+rate-limited by a token bucket (``tc ... tbf``), and whose traffic to the coordinator crosses a relay
+on the host side that holds every chunk for DELAY_S each way, so every model and update crosses a
+real, slow, distant link. Needs root, ``ip`` and ``tc`` (iproute2; `make install` installs it).
 
-netem (delay, loss) is not used: this machine's kernel has no ``netem`` qdisc ("Specified qdisc
-kind is unknown"), while ``tbf`` works; the rate limit alone makes the transfers measurable.
+The delay is a userspace relay, not netem: this machine's kernel has no ``netem`` qdisc ("Specified
+qdisc kind is unknown"). The relay delays each chunk it reads by a constant, in order, so it adds
+latency without changing the rate the token bucket allows.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,6 +29,53 @@ PROGRAMS = Path(__file__).parent / "programs"
 RATE_MBIT = 8
 PAD = 500_000  # float32s: a 2 MB model, 2 s each way at 8 Mbit/s
 MEMBERS = 3
+DELAY_S = 0.2  # one way, each direction: a 400 ms round trip
+
+
+class DelayRelay:
+    """A TCP relay on its own thread and loop: every chunk read from one side is written to the other
+    DELAY_S later, in order (constant delay: nothing is reordered, the rate is left to the link)."""
+
+    def __init__(self, upstream: tuple[str, int], delay_s: float) -> None:
+        self.upstream, self.delay_s = upstream, delay_s
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="delay-relay", daemon=True)
+        self.servers: list[asyncio.Server] = []
+
+    def listen(self, host: str) -> int:
+        """Starts relaying connections to ``host``:<port> (returned) to the upstream."""
+        async def start() -> asyncio.Server:
+            return await asyncio.start_server(self._relay, host, 0)
+        server = asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)
+        self.servers.append(server)
+        return server.sockets[0].getsockname()[1]
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer), return_exceptions=True)
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while chunk := await reader.read(65536):
+                loop.call_later(self.delay_s, writer.write, chunk)
+            await asyncio.sleep(self.delay_s)  # what is in flight arrives before the close
+        finally:
+            writer.close()
+
+    def __enter__(self) -> DelayRelay:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for server in self.servers:
+            self.loop.call_soon_threadsafe(server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
 
 
 def _ip(*args: str) -> None:
@@ -60,9 +112,20 @@ def hosts():
             subprocess.run(["ip", "link", "del", host_if], capture_output=True)
 
 
-def test_members_in_their_own_namespaces_train_across_rate_limited_links(start_service, hosts, tmp_path):
-    coordinator = start_service("fl-coordinator", extra_env={"OPML_FL_COORDINATOR_HOST": "0.0.0.0"})
-    port = coordinator.target.rpartition(":")[2]
+@pytest.fixture
+def coordinator(start_service):
+    return start_service("fl-coordinator")
+
+
+@pytest.fixture
+def relay(coordinator) -> Iterator[DelayRelay]:
+    """The members' way to the coordinator (which listens on 127.0.0.1 only): DELAY_S each way."""
+    host, _, port = coordinator.target.rpartition(":")
+    with DelayRelay((host, int(port)), DELAY_S) as relay:
+        yield relay
+
+
+def test_members_in_their_own_namespaces_train_across_slow_distant_links(coordinator, relay, hosts, tmp_path):
     with FederationClient(coordinator.target, token=TOKENS["writer"]) as writer:
         writer.create(f"name: remote\nrounds: 2\nmin_clients: {MEMBERS}\nround_deadline_s: 120\n"
                       f"selection: {{clients_per_round: {MEMBERS}}}\n")
@@ -71,7 +134,8 @@ def test_members_in_their_own_namespaces_train_across_rate_limited_links(start_s
             token = writer.register_client("remote", f"site-{index}").token
             log = (tmp_path / f"site-{index}.log").open("w")
             processes.append(subprocess.Popen(
-                ["ip", "netns", "exec", namespace, sys.executable, str(PROGRAMS / "member.py"), f"{host_ip}:{port}",
+                ["ip", "netns", "exec", namespace, sys.executable, str(PROGRAMS / "member.py"),
+                 f"{host_ip}:{relay.listen(host_ip)}",
                  "remote", str(index), "--shards", str(MEMBERS), "--pad", str(PAD)],
                 env={**os.environ, "OPML_FL_CLIENT_TOKEN": token, "OPML_TOKEN": TOKENS["reader"]},
                 stdout=log, stderr=subprocess.STDOUT))
@@ -87,7 +151,7 @@ def test_members_in_their_own_namespaces_train_across_rate_limited_links(start_s
         rounds = writer.rounds("remote")
     assert done.state == pb.FEDERATION_STATE_COMPLETED
     assert all(sorted(r.participants) == [f"site-{i}" for i in range(MEMBERS)] for r in rounds)
-    # each round moved the 2 MB model down and the update up through an 8 Mbit/s link: at least
-    # 2 x 2 MB x 8 / 8 Mbit/s = 4 s; over loopback it would take milliseconds
+    # each round moved the 2 MB model down and the update up through an 8 Mbit/s link (at least
+    # 2 x 2 MB x 8 / 8 Mbit/s = 4 s), each way DELAY_S away; over loopback it would take milliseconds
     link_s = 2 * (PAD * 4 + 64 * 10 * 4) * 8 / (RATE_MBIT * 1e6)
-    assert all(r.duration_seconds >= 0.9 * link_s for r in rounds), [r.duration_seconds for r in rounds]
+    assert all(r.duration_seconds >= 0.9 * link_s + 2 * DELAY_S for r in rounds), [r.duration_seconds for r in rounds]
