@@ -1,6 +1,6 @@
-"""Flow 3 end to end: a federation's final model, committed to bundle-store as ONNX with its
-model.yaml, is deployed by the inference-router from the bundle and answers KServe v2 requests
-with what the federated weights compute."""
+"""Flow 3 end to end: each round's global model, committed to bundle-store as ONNX with its
+model.yaml and the tag serve=true, is deployed by the inference-router by itself (from the bundles
+topic), and the final one answers KServe v2 requests with what the federated weights compute."""
 
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ import numpy as np
 import tritonclient.grpc as triton
 import yaml
 from member import DigitsMember
+from opml.inference.v1 import deployments_pb2 as dpb
 
 from opml_bundle_store.client import BundleStoreClient
+from opml_common.errors import NotFound
+from opml_common.testing.bus import poll_until
 from opml_common.testing.services import TOKENS
 from opml_fl_coordinator.client import FederationClient, run_client
 from opml_fl_coordinator.simulator import SoftmaxModel, partition_digits
@@ -34,7 +37,8 @@ def test_the_federated_model_is_served_by_the_inference_router(start_service, tm
         "OPML_INFERENCE_ROUTER_WORKER_THREADS_PER_REPLICA": "1"})
     coordinator = start_service("fl-coordinator", extra_env={
         "OPML_FL_COORDINATOR_BUNDLE_STORE_TARGET": store.target,
-        "OPML_FL_COORDINATOR_BUNDLE_STORE_TOKEN": TOKENS["writer"], "OPML_FL_COORDINATOR_PUBLISH_EVERY_ROUND": "true"})
+        "OPML_FL_COORDINATOR_BUNDLE_STORE_TOKEN": TOKENS["writer"], "OPML_FL_COORDINATOR_PUBLISH_EVERY_ROUND": "true",
+        "OPML_FL_COORDINATOR_SERVE_MODELS": "true"})
     with FederationClient(coordinator.target, token=TOKENS["writer"]) as writer:
         writer.create("name: served\nrounds: 3\nmin_clients: 2\nselection: {clients_per_round: 2}\n"
                       "local: {epochs: 2, batch_size: 16, learning_rate: 0.2}\n")
@@ -55,8 +59,15 @@ def test_the_federated_model_is_served_by_the_inference_router(start_service, tm
         versions = sorted(bundles.list_bundles("federated", bundle_name="fl-served"), key=lambda b: int(b.tags["round"]))
     assert [b.tags["round"] for b in versions] == ["1", "2", "3"] and versions[-1].uuid == uuid
     assert [list(b.lineage.input_uuids) for b in versions] == [[], [versions[0].uuid], [versions[1].uuid]]
-    with DeploymentClient(router.target, token=TOKENS["writer"]) as deployments:
-        deployment = deployments.deploy(bundle=uuid, context="federated")
+    with DeploymentClient(router.target, token=TOKENS["reader"]) as deployments:
+        def final_round_serving() -> dpb.Deployment | None:
+            try:
+                deployment = deployments.get("fl-served")
+            except NotFound:
+                return None
+            served = [v for v in deployment.versions if v.state == dpb.SERVING and v.bundle_uuid == uuid]
+            return deployment if served else None
+        deployment = poll_until(final_round_serving, timeout_s=180, what="the router serving the final round's bundle")
     assert deployment.name.endswith("fl-served")
     x = partition_digits(2).test[0][:8]
     with triton.InferenceServerClient(router.target) as client:
