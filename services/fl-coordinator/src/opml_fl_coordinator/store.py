@@ -2,9 +2,11 @@
 moment restarts from its last completed round.
 
 Each completed round's arrays (global model and server-optimizer state) go to S3 as one ``.npz``
-object, then the round's document (config, history, profiles, selection state, and the object's
-key) replaces the federation's entry in a Redis hash: Redis never points at arrays that are not
-there. Client credentials are kept as SHA-256 digests in another hash, never in clear.
+object, then, in one Redis transaction, the rounds completed since the last save are appended to the
+federation's history list and the round's document (config, profiles, selection state, the history's
+length and the object's key) replaces the federation's entry in a Redis hash: Redis never points at
+arrays that are not there, and a save writes what the round changed, not the whole history again.
+Client credentials are kept as SHA-256 digests in another hash, never in clear.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class FederationStore:
     def __init__(self, redis: Any, s3: Minio, *, bucket: str, prefix: str) -> None:
         self._redis, self._s3, self._bucket = redis, s3, bucket
         self._federations = f"{prefix}fl:federations"
+        self._history = f"{prefix}fl:history:"  # + federation id: one JSON round record per entry
         self._credentials = f"{prefix}fl:credentials"
         self._object_prefix = f"{prefix}federations"
 
@@ -56,20 +59,34 @@ class FederationStore:
         return None
 
     async def save(self, document: dict[str, Any], arrays: dict[str, Weights]) -> None:
-        """Arrays to S3 first, then the document (pointing at them) to Redis."""
+        """Arrays to S3 first, then the new history records and the document (pointing at the arrays)
+        to Redis in one transaction. ``document["history"]`` is the whole history; only the records
+        past what is stored are written."""
         federation_id = document["federation_id"]
         key = f"{self._object_prefix}/{federation_id}/rounds/{int(document['version']):06d}.npz"
         data = _pack(arrays)
         await asyncio.to_thread(self._s3.put_object, self._bucket, key, io.BytesIO(data), len(data),
                                 content_type="application/octet-stream")
-        await self._redis.hset(self._federations, federation_id, json.dumps({**document, "arrays_key": key}))
+        history = document["history"]
+        rest = {name: value for name, value in document.items() if name != "history"}
+        stored = await self._redis.llen(self._history + federation_id)
+        async with self._redis.pipeline(transaction=True) as transaction:
+            if len(history) > stored:
+                transaction.rpush(self._history + federation_id, *(json.dumps(row) for row in history[stored:]))
+            transaction.hset(self._federations, federation_id,
+                             json.dumps({**rest, "history_length": len(history), "arrays_key": key}))
+            await transaction.execute()
 
     async def load_all(self) -> list[tuple[dict[str, Any], dict[str, Weights]]]:
         """Every saved federation's last document and arrays, in creation order."""
         entries = await self._redis.hgetall(self._federations)
         loaded = []
-        for raw in entries.values():
+        for federation_id, raw in entries.items():
             document = json.loads(raw)
+            name = federation_id.decode() if isinstance(federation_id, bytes) else federation_id
+            length = document.pop("history_length")
+            rows = await self._redis.lrange(self._history + name, 0, length - 1) if length else []
+            document["history"] = [json.loads(row) for row in rows]
             response = await asyncio.to_thread(self._s3.get_object, self._bucket, document["arrays_key"])
             try:
                 data = response.read()
