@@ -100,9 +100,14 @@ def test_six_member_processes_a_restart_and_the_final_model_in_bundle_store(star
     assert [r.number for r in history] == [1, 2, 3, 4]  # none lost, none run twice
     for r in history:
         assert "nan" in r.rejected and "NaN" in r.rejected["nan"], r
-        assert r.dropped.get("late", "").startswith("missed the round deadline"), r
+        # The late member never counts; it is dropped by the deadline whenever it was selected. The round
+        # that resumes after the restart may start before it is back (it is still sleeping through the
+        # round the coordinator died after), and then it is not selected at all.
+        assert "late" not in r.participants, r
+        assert r.dropped.get("late", "missed the round deadline").startswith("missed the round deadline"), r
         assert {"m0", "k2", "k3"} <= set(r.participants), r  # the slow-but-in-time member counts
         assert r.duration_seconds < 2 * DEADLINE_S  # no round is held past its deadline
+    assert sum("late" in r.dropped for r in history) >= 3  # every round it was there for
     crashed = history[1]
     assert crashed.dropped["crash"].startswith("missed the round deadline")
     assert crashed.duration_seconds >= DEADLINE_S  # closed by the deadline, not by the crashed member
