@@ -95,11 +95,9 @@ EXPECTED_EMPTY: dict[tuple[str, str], str] = {
     ("opml-monitoring-scorer", "Alerts firing"): "the main job's few hundred predictions close no monitoring window (1000 rows by default), so no rule is stepped",
     ("opml-monitoring-scorer", "Alerts raised and resolved"): "no alert: the main job's few hundred predictions close no monitoring window (1000 rows by default)",
     ("opml-monitoring-scorer", "MPP recalibrations from labels"): "the main job publishes no label",
-    ("opml-monitoring-scorer", "RPC rate by method"): "the main job calls no monitoring-scorer RPC",
     ("opml-monitoring-scorer", "RPC errors by method and code"): _NO_FAILURE + " (the main job calls no monitoring-scorer RPC)",
     ("opml-monitoring-scorer", "RPC latency p99 by method"): "the main job calls no monitoring-scorer RPC",
     ("opml-monitoring-scorer", "Events published by type"): "the scorer publishes alerts only; none is raised",
-    ("opml-monitoring-scorer", "RPCs in flight"): "the main job calls no monitoring-scorer RPC",
     ("opml-monitoring-scorer", "Events refused: untrusted source"): "no forged or foreign event in this run",
     ("opml-monitoring-scorer", "Publish failures by topic"): _NO_FAILURE,
 }
