@@ -336,7 +336,7 @@ def main() -> None:
     parser.add_argument("--client", choices=("tritonclient", "raw"), default="tritonclient",
                         help="KServe load generator for ours and MLServer: tritonclient's aio client, or "
                              "pre-serialized requests over grpc.aio (lighter)")
-    parser.add_argument("--mlserver-workers", default="0,2",
+    parser.add_argument("--mlserver-workers", default="0,1,2",
                         help="MLServer parallel_workers settings to measure, comma separated (0: in-process)")
     parser.add_argument("--no-hedge", action="store_true", help="router without backup requests (on by default)")
     parser.add_argument("--serve-router", nargs=2, metavar=("WORKERS", "BUNDLE"), help=argparse.SUPPRESS)
