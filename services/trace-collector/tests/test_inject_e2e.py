@@ -162,18 +162,22 @@ def wait_for(predicate: Callable[[], object], what: str, timeout_s: float = 40) 
 
 
 def test_keras_cnn_is_traced_without_changes(traced, platform_settings: PlatformSettings) -> None:
-    run = traced([sys.executable, str(PROGRAMS / "keras_cnn.py"), "--steps", "6"], job="cnn")
+    run = traced([sys.executable, str(PROGRAMS / "keras_cnn.py"), "--steps", "3", "--epochs", "2"], job="cnn")
     assert run.wait() == 0, run.stderr
     events = run_events(platform_settings, "cnn")
     assert {key for key, _, _ in events} == {"cnn/local"} and {e.subject for _, e, _ in events} == {"cnn/local"}
     [started] = of(events, pb.TracerStarted)
     assert started.worker == "local" and started.tf_version.startswith("2.") and started.pid > 0
-    assert {"keras.Model.fit", "tf.function", "tf.compat.v1.Session.run"} <= set(started.patched)
+    assert {"keras.Model.fit", "tf.function", "tf.compat.v1.Session.run",
+            "keras.callbacks.CallbackList.on_epoch_end"} <= set(started.patched)
     steps = steps_of(events)
     assert Counter((pb.StepKind.Name(s.kind), s.signature) for s in steps) == {
         ("STEP_KIND_TRAIN", "keras.fit"): 6, ("STEP_KIND_EVALUATE", "keras.evaluate"): 2,
         ("STEP_KIND_PREDICT", "keras.predict"): 1}
     assert [s.step for s in steps if s.kind == pb.STEP_KIND_TRAIN] == list(range(6))
+    epochs = [e for b in sorted(of(events, pb.StepMetricsBatch), key=lambda b: b.sequence) for e in b.epochs]
+    assert [(e.epoch, e.fit) for e in epochs] == [(0, 0), (1, 0)]  # each epoch's Keras logs, once
+    assert all(set(e.logs) == {"loss", "accuracy"} and e.logs["loss"] > 0 and e.time.seconds > 0 for e in epochs)
     assert all(s.examples == 16 and s.duration_s > 0 for s in steps)
     assert all(b.host and b.host[0].rss_bytes > 0 for b in of(events, pb.StepMetricsBatch))
     [stop] = of(events, pb.TracerStopped)

@@ -80,6 +80,23 @@ def test_recorder_counts_only_outermost_steps_and_charges_input_wait() -> None:
     assert recorder.drain() == [] and recorder.total == 3
 
 
+def test_recorder_keeps_each_epochs_logs_with_its_fit_and_wakes_the_observer() -> None:
+    recorder = Recorder()
+    woken = []
+    recorder.epoch_observer = lambda: woken.append(True)
+    recorder.fit_began()
+    logs = {"loss": 0.5, "accuracy": 0.75}
+    recorder.epoch_end(0, logs)
+    logs["loss"] = 9.0  # Keras may reuse its dict: what was recorded stays
+    recorder.fit_began()
+    recorder.epoch_end(3, None)
+    recorder.enabled = False
+    recorder.epoch_end(4, {"loss": 0.1})  # off: not recorded
+    epochs = recorder.drain_epochs()
+    assert [(e.epoch, e.fit, e.logs) for e in epochs] == [(0, 0, {"loss": 0.5, "accuracy": 0.75}), (3, 1, {})]
+    assert len(woken) == 2 and recorder.drain_epochs() == []
+
+
 def test_post_import_hook_runs_after_the_module_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "opml_hooked_mod.py").write_text("VALUE = 41\n")
     monkeypatch.syspath_prepend(str(tmp_path))

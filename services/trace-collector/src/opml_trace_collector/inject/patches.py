@@ -9,6 +9,10 @@ What counts as one step:
   gradients while it was traced (a custom loop's step function), else FUNCTION;
 - an eager custom loop: from a GradientTape opening to the optimizer's ``apply_gradients``;
 - ``tf.compat.v1`` ``Session.run`` / ``MonitoredSession.run``: one call, signature with its fetches.
+
+Beside the steps, the end of each Keras epoch is recorded with its ``logs`` (loss, the compiled
+metrics, val_*): Keras's ``CallbackList.on_epoch_end``, which ``fit`` calls once per epoch with what
+every callback gets, so the job needs no callback of its own.
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ class Patcher:
             "tensorflow.python.eager.backprop": self._gradient_tape,
             "keras.src.backend.tensorflow.trainer": self._keras_trainer,
             "keras.src.optimizers.base_optimizer": self._optimizer,
+            "keras.src.callbacks.callback_list": self._callback_list,
         }
 
     def install(self) -> None:
@@ -214,6 +219,22 @@ class Patcher:
         done = [_replace(cls, name, make) for name in ("apply_gradients", "apply")]
         return ["keras.optimizers.Optimizer.apply_gradients"] if any(done) else []
 
+    def _callback_list(self, module: ModuleType) -> list[str]:
+        rec = self.recorder
+
+        def make(original: Callable) -> Callable:
+            def on_epoch_end(self, epoch, logs=None):
+                result = original(self, epoch, logs)
+                try:
+                    rec.epoch_end(epoch, logs)
+                except Exception:  # noqa: BLE001, S110 - odd logs: the job goes on, that epoch unrecorded
+                    pass
+                return result
+            return on_epoch_end
+
+        return ["keras.callbacks.CallbackList.on_epoch_end"] if _replace(module.CallbackList, "on_epoch_end",
+                                                                            make) else []
+
     def _keras_trainer(self, module: ModuleType) -> list[str]:
         cls = module.TensorFlowTrainer
         patched = []
@@ -277,6 +298,8 @@ class Patcher:
         def run(model, *args, **kwargs):
             local = rec.local
             saved = local.api
+            if api == "fit":
+                rec.fit_began()
             try:
                 local.api = (signature, examples_of(args, kwargs))
             except Exception:  # noqa: BLE001 - odd arguments: Keras itself will say what is wrong

@@ -6,6 +6,10 @@ are not steps: only the outermost call counts. "Inside a step" is process-wide, 
 because distribution strategies run the replica functions in threads of their own while the step
 runs (so a call made by another thread during a step is not a step either). Time the job's thread
 spends in a dataset iterator's ``next`` outside any step is input wait, charged to the next step.
+
+The end of a Keras epoch (once per epoch, not per step) appends its ``logs`` to a second deque and
+tells ``epoch_observer`` (the tracer wakes its sender, so epochs reach the bus without waiting for the
+next interval: an early-stopping controller acts on them).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 # StepKind numbers of protos/opml/traces/v1/events.proto (kept here so the hot path imports no proto).
@@ -31,6 +36,13 @@ class Step(NamedTuple):
     duration_s: float
     input_wait_s: float
     examples: int
+
+
+class Epoch(NamedTuple):
+    epoch: int
+    fit: int              # which fit call of the process, from 0
+    time: float           # seconds since the epoch
+    logs: dict            # a shallow copy of what Keras handed its callbacks (converted on the sender's thread)
 
 
 class StepObserver(Protocol):
@@ -58,6 +70,9 @@ class Recorder:
         self.local = _Local()
         self._next_step = [0] * 6  # per StepKind
         self.total = 0
+        self.epochs: deque[Epoch] = deque()
+        self.epoch_observer: Callable[[], None] | None = None
+        self.fits = 0  # fit calls begun (the current one is fits - 1)
 
     def begin(self) -> float | None:
         """Start timing a step; None when tracing is off or a step already runs."""
@@ -86,6 +101,24 @@ class Recorder:
         observer = self.observer
         if observer is not None:
             observer.after_step(step)
+
+    def fit_began(self) -> None:
+        """A Keras ``fit`` call starts: the epochs it ends carry its number."""
+        self.fits += 1
+
+    def epoch_end(self, epoch: int, logs: dict | None) -> None:
+        """A Keras epoch ended with ``logs`` (job's thread, once per epoch)."""
+        if not self.enabled:
+            return
+        self.epochs.append(Epoch(int(epoch), max(self.fits - 1, 0), _wall(), dict(logs) if logs else {}))
+        observer = self.epoch_observer
+        if observer is not None:
+            observer()
+
+    def drain_epochs(self) -> list[Epoch]:
+        """Take the recorded epochs (the sender's thread)."""
+        epochs = self.epochs
+        return [epochs.popleft() for _ in range(len(epochs))]
 
     def drain(self) -> list[Step]:
         """Take the recorded steps (the sender's thread)."""

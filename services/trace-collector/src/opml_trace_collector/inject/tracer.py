@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import logging
 import os
 import socket
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from opml_trace_collector.inject.bootstrap import warn
 from opml_trace_collector.inject.patches import Patcher
-from opml_trace_collector.inject.recorder import Recorder, Step
+from opml_trace_collector.inject.recorder import Epoch, Recorder, Step
 
 if TYPE_CHECKING:  # imported on the tracer's thread, never on the job's
     from opml_common.config import PlatformSettings
@@ -40,7 +41,8 @@ _tracer: Tracer | None = None
 startup_cpu_s: float | None = None  # CPU of the job's thread in the import hook: this module's import, activate
 _CAPTURE_EXIT_WAIT_S = 30.0  # a finished capture still uploading at exit gets this long
 _SETUP_EXIT_WAIT_S = 10.0  # a job ending before the tracer's thread is set up waits this long for it
-_WRITE_EXIT_WAIT_S = 2.0  # at exit, the most the job waits for the last events to reach the spool
+_WRITE_EXIT_WAIT_S = 2.0
+_EPOCH_BATCH_GAP_S = 0.1  # the least time between two batches (epochs of a fast fit share one)  # at exit, the most the job waits for the last events to reach the spool
 
 
 def _timestamp(seconds: float):  # noqa: ANN202 - a protobuf Timestamp
@@ -224,10 +226,18 @@ class Tracer:
     # --- batches ------------------------------------------------------------------------------
 
     async def _batches(self) -> None:
+        """A batch every ``flush_interval_s``, and as soon as a Keras epoch ends (at most one per
+        :data:`_EPOCH_BATCH_GAP_S`: epochs that end meanwhile share the next batch)."""
+        loop = asyncio.get_running_loop()
+        epoch_ended = asyncio.Event()
+        self.recorder.epoch_observer = lambda: loop.call_soon_threadsafe(epoch_ended.set)
         while True:
-            await asyncio.sleep(self.settings.flush_interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(epoch_ended.wait(), self.settings.flush_interval_s)
+            epoch_ended.clear()
             await self._send_batch()
             await self.sender.deliver()
+            await asyncio.sleep(_EPOCH_BATCH_GAP_S)
 
     async def _send_batch(self, *, final: bool = False) -> None:
         """Record in the spool (TracerStarted first, then) the steps since the last batch; not before the
@@ -242,6 +252,7 @@ class Tracer:
         if not final and not self.poller.answered.is_set():
             return
         steps = self.recorder.drain()
+        epochs = self.recorder.drain_epochs()
         if not self.recorder.enabled:  # off: steps not sent yet are dropped (one may end after the switch's drain)
             self._discarded += len(steps)
             return
@@ -250,7 +261,8 @@ class Tracer:
                              rss_bytes=memory.rss)
         records = [self._record(pb, s) for s in steps]
         batch = pb.StepMetricsBatch(job=self.settings.job, worker=self.settings.worker,
-                                    session_id=self.session_id, sequence=self._sequence, steps=records, host=[host])
+                                    session_id=self.session_id, sequence=self._sequence, steps=records, host=[host],
+                                    epochs=[self._epoch(pb, e) for e in epochs])
         self._sequence += 1
         self.sender.write_steps(records)
         self.sender.record(batch)
@@ -261,6 +273,16 @@ class Tracer:
                              start_time=_timestamp(step.start_time), duration_s=step.duration_s,
                              input_wait_s=step.input_wait_s, examples=step.examples)
 
+    @staticmethod
+    def _epoch(pb: ModuleType, epoch: Epoch):  # noqa: ANN205 - an EpochLog
+        logs = {}
+        for name, value in epoch.logs.items():
+            try:
+                logs[str(name)] = float(value)
+            except (TypeError, ValueError):  # a value that is no number (Keras passes only numbers)
+                continue
+        return pb.EpochLog(epoch=epoch.epoch, fit=epoch.fit, time=_timestamp(epoch.time), logs=logs)
+
     # --- control ------------------------------------------------------------------------------
 
     def _set_enabled(self, enabled: bool) -> None:
@@ -269,6 +291,7 @@ class Tracer:
         self.recorder.enabled = enabled
         if not enabled:
             self._discarded += len(self.recorder.drain())
+            self.recorder.drain_epochs()
 
     def _arm(self, request: CaptureRequest) -> None:
         from opml_trace_collector.inject.capture import Capture
