@@ -289,3 +289,56 @@ async def test_file_collector_wraps_the_command(store: ExperimentStore) -> None:
     argv = list(spec.trial_job.spec.roles["worker"].command)
     assert argv[1:5] == ["-m", "opml_automl_controller.filetail", "/tmp/m.log", "--"]
     assert argv[5:] == ["python", "train.py", "--x=-2.0"]
+
+
+async def test_trace_collector_feeds_trials_from_tracer_events(store: ExperimentStore) -> None:
+    """Trace kind: the job runs traced; only the tracer events of a running trial's primary task count
+    (others are ignored, a forged source is refused); after the job succeeded the trial waits for its
+    tracer's TracerStopped, so the last epoch (sent at exit) is in its value."""
+    from opml.traces.v1 import events_pb2 as tpb
+
+    from opml_automl_controller.controller import spec_of
+    from opml_automl_controller.tracing import SourceMismatch, TraceCollector
+    from opml_common.bus import CloudEvent
+    from opml_trace_collector.topics import tracer_source
+
+    jobs = ScriptedJobs(lambda x, n: ["no metric in the log: loss=99"], hold=True)
+    ctl = Controller(store=store, jobs=jobs, emitter=RecordingEmitter(), redis_url=REDIS, retry_s=0.05,
+                     trace_wait_s=30)
+    collector = TraceCollector(store, spec_of=spec_of, wake=ctl.wake_trace)
+    await ctl.start()
+    await ctl.create(experiment("traced", max_trials=2, parallel=2, max_failed=0, collector={"collector": {"kind": "Trace"}}))
+    for _ in range(2):
+        await asyncio.to_thread(jobs.running.acquire)
+
+    def event(message, job: str, worker: str = "worker-0", source: str | None = None) -> CloudEvent:
+        return CloudEvent.from_proto(message, source=source or tracer_source(job, worker), subject=f"{job}/{worker}")
+
+    def batch(job: str, worker: str, *losses: tuple[int, float]) -> tpb.StepMetricsBatch:
+        return tpb.StepMetricsBatch(job=job, worker=worker, session_id="s1", epochs=[
+            tpb.EpochLog(epoch=e, logs={"loss": v, "accuracy": 0.5}) for e, v in losses])
+
+    for job in jobs.submitted:
+        spec = jobs.specs[job]
+        assert spec.trace and spec.env["OPML_TRACE_EXIT_TIMEOUT_S"] == "30"
+        await collector.handle(event(tpb.TracerStarted(job=job, worker="worker-0", session_id="s1"), job))
+        await collector.handle(event(batch(job, "worker-0", (0, 3.0), (1, 2.0)), job))
+        await collector.handle(event(batch(job, "worker-0", (1, 2.0)), job))  # redelivered: counted once
+        await collector.handle(event(batch(job, "worker-1", (2, -5.0)), job, "worker-1"))  # not the primary task
+        with pytest.raises(SourceMismatch):
+            await collector.handle(event(batch(job, "worker-0", (2, -7.0)), job, source=tracer_source("x", "y")))
+    await collector.handle(event(batch("other-abcdef-t0", "worker-0", (0, 1.0)), "other-abcdef-t0"))  # no trial
+    jobs.gate.set()  # the jobs succeed; their last epoch and TracerStopped come after
+    for job in jobs.submitted:
+        await collector.handle(event(batch(job, "worker-0", (2, 1.5)), job))
+        await collector.handle(event(tpb.TracerStopped(job=job, worker="worker-0", session_id="s1"), job))
+    await asyncio.wait_for(until_ended(ctl, "traced"), 60)
+    view = await ctl.get("traced")
+    assert view.record.reason == "MaxTrialsReached", view.record
+    for trial in view.trials:
+        assert trial.state is TrialState.SUCCEEDED, trial
+        assert trial.observations["loss"] == [3.0, 2.0, 1.5] and trial.objective_value == 1.5
+    late = view.trials[0].job_id  # the trial has ended: its events change nothing
+    await collector.handle(event(batch(late, "worker-0", (3, 0.1)), late))
+    assert (await store.trace("traced", 0)).epochs.keys() == {(0, 0), (0, 1), (0, 2)}
+    await ctl.stop()

@@ -6,7 +6,7 @@ import sys
 
 from opml.automl.v1 import automl_pb2, automl_pb2_grpc
 
-from opml_automl_controller.controller import Controller
+from opml_automl_controller.controller import Controller, spec_of
 from opml_automl_controller.jobs import OrchestratorJobs
 from opml_automl_controller.metrics import PrometheusControllerMetrics
 from opml_automl_controller.models import BundleStoreModels
@@ -14,19 +14,23 @@ from opml_automl_controller.servicer import METHOD_ROLES, ExperimentServicer
 from opml_automl_controller.settings import AutomlControllerSettings
 from opml_automl_controller.state import ExperimentStore
 from opml_automl_controller.topics import EXPERIMENTS
+from opml_automl_controller.tracing import GROUP, SOURCE_PREFIXES, TraceCollector
+from opml_common.bus import EventConsumer
 from opml_common.grpc.server import ServiceRegistration
 from opml_common.process import ServiceSpec
 from opml_common.service import ServiceContext, run_service
+from opml_trace_collector.topics import TRACES
 
 SPEC = ServiceSpec(name="automl-controller", module="opml_automl_controller", settings=AutomlControllerSettings,
-                   topics=(EXPERIMENTS,))
+                   topics=(EXPERIMENTS, TRACES))
 
 
 async def build(service: ServiceContext) -> list[ServiceRegistration]:
     """Experiments restored from Redis and run again (their trials' jobs re-attached); each change
-    saved, then announced on opml.experiments.v1. At shutdown the server drains, then the
-    experiments' tasks stop; the trials' jobs go on in the orchestrator and are re-attached at the
-    next start."""
+    saved, then announced on opml.experiments.v1; Trace trials' epoch logs consumed from
+    opml.traces.v1 (tracers' sources only). At shutdown the server drains, then the consumer and
+    the experiments' tasks stop; the trials' jobs go on in the orchestrator and are re-attached at
+    the next start."""
     settings: AutomlControllerSettings = service.settings
     token = settings.job_orchestrator_token.get_secret_value() if settings.job_orchestrator_token else None
     jobs = OrchestratorJobs(settings.job_orchestrator_target, token=token)
@@ -40,7 +44,12 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
     controller = await service.start(Controller(
         store=store, jobs=jobs, emitter=await service.emitter(), redis_url=service.platform.redis_url,
         metrics=PrometheusControllerMetrics(service.metrics), trial_python=settings.trial_python or sys.executable,
-        retry_s=settings.retry_s, models=models))
+        retry_s=settings.retry_s, models=models, trace_wait_s=settings.trace_wait_s))
+    if settings.trace_metrics:
+        consumer = EventConsumer(service.platform, group_id=GROUP, topics=[TRACES], source_prefixes=SOURCE_PREFIXES,
+                                 handler=TraceCollector(store, spec_of=spec_of, wake=controller.wake_trace).handle,
+                                 metrics=service.metrics, publisher=await service.publisher())
+        service.run_in_background(consumer.run, stop=consumer.stop, name="trace metrics")
     return [ServiceRegistration(automl_pb2.DESCRIPTOR.services_by_name["ExperimentService"],
                                 automl_pb2_grpc.add_ExperimentServiceServicer_to_server,
                                 ExperimentServicer(controller), METHOD_ROLES)]

@@ -11,6 +11,11 @@ worker 0), so no sidecar and no path from the job to the controller are needed:
   matched as StdOut's, JSON lines are objects whose keys are metric names (Katib's JSON format).
 - ``Push``: the trial calls :func:`opml_automl_controller.sdk.report`, which writes one
   :data:`PUSH_MARKER` line of JSON; only those lines count.
+- ``Trace`` (ours): the job runs traced (``trace: true``); the trace-collector's tracer sends the
+  ``logs`` of each Keras epoch with its step metrics on opml.traces.v1, the controller stores them
+  per trial (:mod:`opml_automl_controller.tracing`) and :func:`epoch_observations` turns them into
+  the same observations, one per epoch in order. No log line counts (the log is still followed for
+  the job's end and :data:`MODEL_MARKER`).
 
 Only the objective and additional metrics are kept (Katib does the same), values that do not
 parse as finite numbers are dropped.
@@ -75,6 +80,8 @@ class MetricsParser:
             if isinstance(path, str) and path:
                 self.model_dir = path
             return
+        if self._kind is CollectorKind.TRACE:
+            return
         if self._kind is CollectorKind.PUSH:
             if line.startswith(PUSH_MARKER):
                 yield from self._from_json(line[len(PUSH_MARKER):], key="metrics")
@@ -107,6 +114,23 @@ class MetricsParser:
             value = _number(raw)
             if name in self._metrics and value is not None:
                 yield Observation(str(name), value)
+
+
+def epoch_observations(epochs: Iterable[tuple[tuple[int, int], dict[str, float]]], metrics: Iterable[str],
+                       seen: set[tuple[int, int]]) -> list[Observation]:
+    """The observations of the epochs not in ``seen`` (added to it), in (fit, epoch) order: for each,
+    the experiment's metrics its logs hold, as finite numbers."""
+    wanted = tuple(metrics)
+    found = []
+    for key, logs in sorted(epochs, key=lambda item: item[0]):
+        if key in seen:
+            continue
+        seen.add(key)
+        for name in wanted:
+            value = _number(logs.get(name)) if name in logs else None
+            if value is not None:
+                found.append(Observation(name, value))
+    return found
 
 
 def _number(raw: object) -> float | None:

@@ -37,7 +37,7 @@ from optuna.trial import TrialState as OptunaState
 
 from opml_automl_controller import convert
 from opml_automl_controller.algorithms import fixed_parameters
-from opml_automl_controller.collect import MetricsParser, summarize
+from opml_automl_controller.collect import MetricsParser, Observation, epoch_observations, summarize
 from opml_automl_controller.experiment import CollectorKind, ExperimentSpec, ResumePolicy
 from opml_automl_controller.jobs import JobView, TrialJobs
 from opml_automl_controller.katib import parse_experiment
@@ -98,6 +98,12 @@ def _spec_of(record: ExperimentRecord) -> ExperimentSpec:
     return replace(_parsed(record.katib_yaml), max_trial_count=record.max_trial_count)
 
 
+spec_of = _spec_of
+"""A stored experiment's checked spec (the Trace collector's consumer reads it too)."""
+
+TRACE_EXIT_TIMEOUT = "OPML_TRACE_EXIT_TIMEOUT_S"
+
+
 class Controller:
     """Args:
         store: experiments and trials in Redis.
@@ -107,17 +113,22 @@ class Controller:
         trial_python: the interpreter that runs the File collector's wrapper in a trial's job.
         retry_s: pause before retrying an orchestrator call that failed with a retriable error.
         models: where the best trial's model is committed (None: nowhere).
+        trace_wait_s: Trace collector: how long after a trial's job succeeded the controller waits
+            for its tracer's last epochs (every tracer run's TracerStopped); also the tracer's
+            exit bound (``OPML_TRACE_EXIT_TIMEOUT_S``) in the job, unless its template sets one.
     """
 
     def __init__(self, *, store: ExperimentStore, jobs: TrialJobs, emitter: EventEmitter, redis_url: str,
                  metrics: ControllerMetrics | None = None, trial_python: str = sys.executable,
-                 retry_s: float = 1.0, models: ModelStore | None = None) -> None:
+                 retry_s: float = 1.0, models: ModelStore | None = None, trace_wait_s: float = 10.0) -> None:
         self._store, self._jobs, self._emitter = store, jobs, emitter
         self._models = models
         self._redis_url = redis_url
         self._metrics = metrics or ControllerMetrics()
         self._trial_python = trial_python
         self._retry_s = retry_s
+        self._trace_wait_s = trace_wait_s
+        self._trace_wakers: dict[str, Callable[[], None]] = {}
         self._runs: dict[str, asyncio.Task] = {}
         self._wake: dict[str, asyncio.Event] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -143,6 +154,14 @@ class Controller:
             return
         self._wake[name] = asyncio.Event()
         self._runs[name] = asyncio.create_task(self._run(name), name=f"experiment {name}")
+
+    def wake_trace(self, job_id: str) -> None:
+        """New trace data of ``job_id`` is stored (the Trace collector's consumer, on the loop): the
+        trial's task reads it. A job whose trial runs no task here is ignored (its task reads the
+        stored data when it starts)."""
+        waker = self._trace_wakers.get(job_id)
+        if waker is not None:
+            waker()
 
     # -- API -------------------------------------------------------------------------------------
 
@@ -384,6 +403,10 @@ class Controller:
                 del role.command[:]
                 role.command.extend([self._trial_python, "-m", "opml_automl_controller.filetail",
                                      str(spec.collector.path), "--", *argv])
+        if spec.collector.kind is CollectorKind.TRACE:
+            job.spec.trace = True
+            if TRACE_EXIT_TIMEOUT not in job.spec.env:
+                job.spec.env[TRACE_EXIT_TIMEOUT] = f"{self._trace_wait_s:g}"
         return job
 
     async def _adopt(self, record: ExperimentRecord, spec: ExperimentSpec, ft: FrozenTrial | None, *,
@@ -429,44 +452,69 @@ class Controller:
         await self._save_trial(record, spec, trial)
         objective = spec.objective.metric
         metrics = (objective, *spec.objective.additional_metrics)
+        traced = spec.collector.kind is CollectorKind.TRACE
         pruned_at: int | None = None
-        while True:  # the log is read from its start each time, so a re-read counts each value once
-            parser = MetricsParser(spec.collector, metrics)
-            observations: dict[str, list[float]] = {m: [] for m in metrics}
-            saved_at = time.monotonic()
-            stream = self._follow(trial.job_id)
-            try:
-                while True:
-                    kind, text = await stream.get()
-                    if kind == "error":
-                        raise text
-                    if kind == "end":
-                        break
-                    for observation in parser.feed(text):
+
+        async def observe(observations: dict[str, list[float]], found: list[Observation], *,
+                          may_prune: bool = True) -> None:
+            """Add to the series; report each objective value as the next step (the pruner may stop it)."""
+            nonlocal pruned_at
+            for observation in found:
+                observations[observation.metric].append(observation.value)
+                if observation.metric != objective or pruned_at is not None:
+                    continue
+                step = len(observations[objective])
+                if await asyncio.to_thread(study.report, trial.number, observation.value, step) and may_prune:
+                    pruned_at = step
+                    if await asyncio.to_thread(study.mark, trial.number, END_ATTR, "pruned"):
+                        await self._retrying(lambda j=trial.job_id: self._jobs.cancel(j), "cancel")
+
+        inbox: list[asyncio.Queue] = [asyncio.Queue()]  # the queue a Trace wake-up goes to: the one being read
+        if traced:
+            self._trace_wakers[trial.job_id] = lambda: inbox[0].put_nowait(("trace", None))
+        try:
+            while True:  # the log (and the trace) is read from its start each time: each value counts once
+                parser = MetricsParser(spec.collector, metrics)
+                observations: dict[str, list[float]] = {m: [] for m in metrics}
+                seen: set[tuple[int, int]] = set()
+                saved_at = time.monotonic()
+                stream = inbox[0] = self._follow(trial.job_id)
+                if traced:
+                    stream.put_nowait(("trace", None))  # what was stored before this task (a restart)
+                try:
+                    while True:
+                        kind, text = await stream.get()
+                        if kind == "error":
+                            raise text
+                        if kind == "end":
+                            break
+                        if kind == "trace":
+                            trace = await self._store.trace(record.name, trial.number)
+                            await observe(observations, epoch_observations(trace.epochs.items(), metrics, seen))
+                        else:
+                            await observe(observations, parser.feed(text))
+                        if time.monotonic() - saved_at > 1.0:
+                            trial = replace(trial, observations=observations)
+                            await self._save_trial(record, spec, trial, announce=False)
+                            saved_at = time.monotonic()
+                    for observation in parser.close():
                         observations[observation.metric].append(observation.value)
-                        if observation.metric == objective and pruned_at is None:
-                            step = len(observations[objective])
-                            if await asyncio.to_thread(study.report, trial.number, observation.value, step):
-                                pruned_at = step
-                                if await asyncio.to_thread(study.mark, trial.number, END_ATTR, "pruned"):
-                                    await self._retrying(lambda j=trial.job_id: self._jobs.cancel(j), "cancel")
-                    if time.monotonic() - saved_at > 1.0:
-                        trial = replace(trial, observations=observations)
-                        await self._save_trial(record, spec, trial, announce=False)
-                        saved_at = time.monotonic()
-                for observation in parser.close():
-                    observations[observation.metric].append(observation.value)
-            except OpmlError as error:
-                if not error.retriable:
-                    raise
-                await asyncio.sleep(self._retry_s)
-                continue
-            view: JobView = await self._retrying(lambda j=trial.job_id: self._jobs.get(j), "get")
-            if view.ended:
-                break
-            await asyncio.sleep(self._retry_s)  # the stream broke before the job ended
+                except OpmlError as error:
+                    if not error.retriable:
+                        raise
+                    await asyncio.sleep(self._retry_s)
+                    continue
+                view: JobView = await self._retrying(lambda j=trial.job_id: self._jobs.get(j), "get")
+                if view.ended:
+                    break
+                await asyncio.sleep(self._retry_s)  # the stream broke before the job ended
+            frozen_end = await asyncio.to_thread(lambda: study.trials()[trial.number].user_attrs.get(END_ATTR))
+            if traced and frozen_end is None and view.state == "succeeded":
+                await observe(observations, await self._trace_tail(record, trial, metrics, seen, inbox),
+                              may_prune=False)
+        finally:
+            self._trace_wakers.pop(trial.job_id, None)
         trial = replace(trial, observations=observations, model_dir=parser.model_dir)
-        frozen_end = await asyncio.to_thread(lambda: study.trials()[trial.number].user_attrs.get(END_ATTR))
         if frozen_end == "pruned":
             await self._end(record, spec, study, trial, TrialState.EARLY_STOPPED,
                             message=f"stopped by the pruner at step {pruned_at or len(observations[objective])} "
@@ -477,9 +525,11 @@ class Controller:
         elif view.state == "succeeded":
             value = summarize(observations[objective], spec.objective.strategy(objective))
             if value is None:
+                where = (f"no epoch logs with it arrived from the job's tracer within {self._trace_wait_s:g} s of "
+                         f"its end: does the trial fit a Keras model?" if traced else "")
                 await self._end(record, spec, study, trial, TrialState.FAILED,
                                 message=f"MetricsUnavailable: the job succeeded but reported no {objective!r} "
-                                        f"({spec.collector.kind.value} collector)")
+                                        f"({spec.collector.kind.value} collector{'; ' + where if where else ''})")
             else:
                 await self._end(record, spec, study, trial, TrialState.SUCCEEDED, value=value)
         elif view.state == "failed":
@@ -487,6 +537,23 @@ class Controller:
         else:
             await self._end(record, spec, study, trial, TrialState.FAILED,
                             message=f"job was cancelled outside the controller: {view.cause}")
+
+    async def _trace_tail(self, record: ExperimentRecord, trial: TrialRecord, metrics: tuple[str, ...],
+                          seen: set[tuple[int, int]], inbox: list[asyncio.Queue]) -> list[Observation]:
+        """After a Trace trial's job succeeded: its epochs not seen yet, once every tracer run of the
+        job has stopped (their last batches come before), or at most ``trace_wait_s`` later."""
+        queue: asyncio.Queue = asyncio.Queue()
+        inbox[0] = queue
+        deadline = time.monotonic() + self._trace_wait_s
+        found: list[Observation] = []
+        while True:
+            trace = await self._store.trace(record.name, trial.number)
+            found += epoch_observations(trace.epochs.items(), metrics, seen)
+            remaining = deadline - time.monotonic()
+            if trace.complete or remaining <= 0:
+                return found
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(queue.get(), remaining)
 
     async def _end(self, record: ExperimentRecord, spec: ExperimentSpec, study: ExperimentStudy, trial: TrialRecord,
                    state: TrialState, *, value: float | None = None, message: str = "") -> None:

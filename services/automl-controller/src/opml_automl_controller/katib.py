@@ -68,7 +68,7 @@ UNMAPPED_SETTINGS = {
 """Katib settings of scikit-optimize that Optuna's GPSampler has no counterpart for."""
 
 EARLY_STOPPING = {"medianstop": {"min_trials_required": "int>0", "start_step": "int>=1"}}
-SUPPORTED_COLLECTORS = ("StdOut", "File", "Push")
+SUPPORTED_COLLECTORS = ("StdOut", "File", "Push", "Trace")
 KATIB_COLLECTORS = ("StdOut", "File", "TensorFlowEvent", "PrometheusMetric", "Custom", "Push")
 PARAMETER_TYPES = ("int", "double", "categorical", "discrete", "unknown")
 DISTRIBUTIONS = ("uniform", "logUniform", "normal", "logNormal", "unknown")
@@ -506,13 +506,16 @@ def _collector(value: Any, found: Violations) -> MetricsCollector | None:
         found.append((f"{base}.collector.kind", f"invalid metrics collector kind {kind!r}"))
         return None
     if kind not in SUPPORTED_COLLECTORS:
-        why = {"Trace": "the trace-collector's Keras epoch logs are not collected yet","TensorFlowEvent": "it reads TensorBoard event files from the trial's volume",
+        why = {"TensorFlowEvent": "it reads TensorBoard event files from the trial's volume",
                "PrometheusMetric": "it scrapes the trial pod's HTTP endpoint",
                "Custom": "it runs the user's sidecar image"}[kind]
         found.append((f"{base}.collector.kind", f"metrics collector kind {kind} is not supported: {why}; supported: "
                                                 f"{', '.join(SUPPORTED_COLLECTORS)}"))
         return None
     path_value, file_format = None, "TEXT"
+    if kind == "Trace" and filters:
+        found.append((f"{base}.source.filter", "must not be set with collector kind Trace (the metrics are the "
+                                               "names of Keras's epoch logs, e.g. loss, accuracy, val_loss)"))
     if kind == "File":
         file_path = _mapping(source.get("fileSystemPath"), f"{base}.source.fileSystemPath", found)
         path_value = file_path.get("path")

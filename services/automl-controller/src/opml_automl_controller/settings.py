@@ -31,6 +31,12 @@ class AutomlControllerSettings(ServiceSettings):
                                             "not committed.")
     bundle_store_token: SecretStr | None = Field(None, description="Bearer token (writer) for the bundle-store.")
     model_context: str = Field("automl", min_length=1, description="The bundle-store context of the best models.")
+    trace_wait_s: float = Field(10.0, gt=0, description="Trace collector: how long after a trial's job "
+                                "succeeded the controller waits for its tracer's last epoch logs (every tracer "
+                                "run's TracerStopped); also the tracer's exit bound in the trial's job "
+                                "(OPML_TRACE_EXIT_TIMEOUT_S) unless the trial template sets one.")
+    trace_metrics: bool = Field(True, description="Consume opml.traces.v1 for the Trace collector kind (off: "
+                                "experiments with collector kind Trace get no metrics).")
     retry_s: float = Field(1.0, gt=0, description="Pause before retrying an orchestrator call that failed "
                            "with a retriable error (UNAVAILABLE).")
 

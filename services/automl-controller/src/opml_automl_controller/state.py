@@ -90,10 +90,27 @@ class ExperimentRecord:
         return replace(self, **changes)
 
 
+@dataclass(frozen=True, slots=True)
+class TraceRecord:
+    """What the tracer of a Trace trial's job sent: each Keras epoch's logs by (fit, epoch), and the
+    tracer runs (sessions) that started and stopped."""
+
+    epochs: dict[tuple[int, int], dict[str, float]] = field(default_factory=dict)
+    started: frozenset[str] = frozenset()
+    stopped: frozenset[str] = frozenset()
+
+    @property
+    def complete(self) -> bool:
+        """Every tracer run that started has stopped (its last batch is in: it comes before)."""
+        return bool(self.started) and self.started <= self.stopped
+
+
 class ExperimentStore:
     """Redis keys (all under ``prefix``): ``automl:experiments`` (a sorted set: names by creation),
     ``automl:experiment:{name}`` (the record, JSON), ``automl:trials:{name}`` (a hash: number ->
-    trial JSON). Trials and experiments are small (KiBs); an experiment's trials are read whole."""
+    trial JSON), ``automl:trace:{name}:{number}`` (a hash: a Trace trial's epochs ``e:{fit}:{epoch}``
+    -> logs JSON, ``started:{session}``, ``stopped:{session}``). Trials and experiments are small
+    (KiBs); an experiment's trials are read whole, a trial's trace too."""
 
     def __init__(self, redis: aioredis.Redis, *, prefix: str) -> None:
         self._redis = redis
@@ -139,13 +156,46 @@ class ExperimentStore:
     async def put_trial(self, trial: TrialRecord) -> None:
         await self._redis.hset(f"{self._prefix}trials:{trial.experiment}", str(trial.number), trial.to_json())
 
+    async def trial(self, experiment: str, number: int) -> TrialRecord | None:
+        raw = await self._redis.hget(f"{self._prefix}trials:{experiment}", str(number))
+        return None if raw is None else TrialRecord.from_json(raw)
+
     async def trials(self, experiment: str) -> list[TrialRecord]:
         raw = await self._redis.hgetall(f"{self._prefix}trials:{experiment}")
         return sorted((TrialRecord.from_json(v) for v in raw.values()), key=lambda t: t.number)
 
+    def _trace_key(self, experiment: str, number: int) -> str:
+        return f"{self._prefix}trace:{experiment}:{number}"
+
+    async def add_trace(self, experiment: str, number: int, *, epochs: dict[tuple[int, int], dict[str, float]],
+                        started: str | None = None, stopped: str | None = None) -> None:
+        """Record epochs (an epoch sent again overwrites itself: idempotent) and a tracer run's start or stop."""
+        fields = {f"e:{fit}:{epoch}": json.dumps(logs) for (fit, epoch), logs in epochs.items()}
+        if started:
+            fields[f"started:{started}"] = "1"
+        if stopped:
+            fields[f"stopped:{stopped}"] = "1"
+        if fields:
+            await self._redis.hset(self._trace_key(experiment, number), mapping=fields)
+
+    async def trace(self, experiment: str, number: int) -> TraceRecord:
+        epochs: dict[tuple[int, int], dict[str, float]] = {}
+        started, stopped = set(), set()
+        for raw_key, raw in (await self._redis.hgetall(self._trace_key(experiment, number))).items():
+            kind, _, rest = raw_key.decode().partition(":")
+            if kind == "e":
+                fit, _, epoch = rest.partition(":")
+                epochs[(int(fit), int(epoch))] = json.loads(raw)
+            elif kind == "started":
+                started.add(rest)
+            elif kind == "stopped":
+                stopped.add(rest)
+        return TraceRecord(epochs, frozenset(started), frozenset(stopped))
+
     async def delete(self, record: ExperimentRecord) -> None:
-        """The experiment, its trials and its Optuna journal."""
+        """The experiment, its trials, their traces and its Optuna journal."""
         journal = [key async for key in self._redis.scan_iter(match=self.journal_prefix(record) + ":*")]
+        journal += [key async for key in self._redis.scan_iter(match=f"{self._prefix}trace:{record.name}:*")]
         await self._redis.delete(f"{self._prefix}experiment:{record.name}", f"{self._prefix}trials:{record.name}",
                                  *journal)
         await self._redis.zrem(f"{self._prefix}experiments", record.name)
