@@ -3,7 +3,8 @@
 The services run as `make up` runs them (real processes, auth off, the router's default fleet), a real
 Prometheus (:class:`opml_common.prometheus.PrometheusServer`) scrapes each one's /metrics port (the
 inference-router's carries its workers' series), the main job runs, a second round repeats what it did
-once (:func:`second_round` says why), then serving load goes to the router over KServe v2. Each query of each panel of deploy/compose/grafana is then asked over the run as Grafana
+once (:func:`second_round` says why), a traced job ships step metrics over two scrapes
+(:func:`traced_job_over_two_scrapes`), then serving load goes to the router over KServe v2. Each query of each panel of deploy/compose/grafana is then asked over the run as Grafana
 asks it (a range query; its variables at their "All" value, Grafana's ranges as 1m) and must give a
 number, except the panels of events this run never causes, listed in :data:`EXPECTED_EMPTY` with why.
 The metrics those read must still be declared to Prometheus (exported, only never incremented).
@@ -40,6 +41,7 @@ from opml_trace_collector.client import TraceCollectorClient
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((ROOT / "deploy" / "compose" / "grafana" / "dashboards").glob("*.json"))
 GRAFANA_RANGE = "1m"  # for $__rate_interval, $__interval and $__range: four scrapes' worth and more
+KERAS_UNTIL_TOLD = Path(__file__).resolve().parent / "programs" / "keras_until_told.py"
 MODEL = "defect-classifier"  # what the main job deploys
 TERMINAL = {jobs_pb2.JOB_STATE_SUCCEEDED, jobs_pb2.JOB_STATE_FAILED, jobs_pb2.JOB_STATE_CANCELLED}
 
@@ -196,6 +198,40 @@ def second_round(env: dict[str, str], *, name: str) -> None:
         assert any(v.version == 2 and v.state == deployments_pb2.SERVING for v in deployment.versions)
 
 
+def traced_job_over_two_scrapes(env: dict[str, str], prometheus: PrometheusServer, *, name: str,
+                                workdir: Path) -> None:
+    """A traced Keras job whose step metrics reach the trace-collector both before and after a scrape.
+
+    The main job may ship all its steps in one batch (a short fit, or a consumer that reads what waited
+    in one go): its series are then born with every count in them and ``rate()`` sees no increase. This
+    job trains until told to stop, and is told only once the collector has counted more steps after a
+    scrape that followed its first ones.
+    """
+    stop = workdir / f"{name}.stop"
+    with JobClient(env["OPML_JOB_ORCHESTRATOR_TARGET"]) as jobs, \
+            TraceCollectorClient(env["OPML_TRACE_COLLECTOR_TARGET"]) as traces:
+        jobs.submit(load_spec({"name": name, "class": "TE", "trace": True,
+                               "command": [sys.executable, str(KERAS_UNTIL_TOLD), "--stop", str(stop)],
+                               "roles": {"worker": {"replicas": 1,
+                                                    "resources": {"cpu": "500m", "memory": "1Gi"}}}}))
+        try:
+            def steps() -> int:  # (ListRuns of a job not reported yet is NOT_FOUND: an RPC error panel's data)
+                if name not in {job.job for job in traces.list_jobs()}:
+                    return 0
+                return sum(run.steps for run in traces.list_runs(name))
+
+            poll_until(steps, timeout_s=240, every_s=0.5, what=f"the first step metrics of {name}")
+            prometheus.wait_for_targets_up(since=time.time(), timeout_s=60)
+            scraped = steps()
+            poll_until(lambda: steps() > scraped, timeout_s=120, every_s=0.5,
+                       what=f"step metrics of {name} after a scrape")
+        finally:
+            stop.touch()
+        state = poll_until(lambda: (s := jobs.get(name).status.state) in TERMINAL and s, timeout_s=120,
+                           every_s=0.5, what=f"job {name} ending")
+        assert state == jobs_pb2.JOB_STATE_SUCCEEDED, jobs_pb2.JobState.Name(state)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_every_panel_shows_data_after_the_main_job_and_serving_load(start_service, settings_env: dict[str, str],
@@ -216,6 +252,7 @@ def test_every_panel_shows_data_after_the_main_job_and_serving_load(start_servic
         assert result.returncode == 0, result.stdout + result.stderr
         prometheus.wait_for_targets_up(since=time.time(), timeout_s=60)  # what the main job did is scraped
         second_round(env, name=f"{unique_prefix}second-job")
+        traced_job_over_two_scrapes(env, prometheus, name=f"{unique_prefix}traced-job", workdir=tmp_path)
         # The load in two halves with a scrape between: a version's series are born with its first request,
         # so a load that ends within one scrape interval would show Prometheus no increase at all.
         assert serve_load(env["OPML_INFERENCE_ROUTER_TARGET"], requests=200) == 200
