@@ -69,12 +69,21 @@ def thread_share(kind: PoolKind, cores: int | None = None) -> int:
     return max(1, (cores or os.cpu_count() or 1) // kind.slots)
 
 
-def session_options(kind: PoolKind, *, threads: int) -> ort.SessionOptions:
+OPT_LEVELS = {"disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL, "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+              "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED, "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
+EXECUTION_MODES = {"sequential": ort.ExecutionMode.ORT_SEQUENTIAL, "parallel": ort.ExecutionMode.ORT_PARALLEL}
+
+
+def session_options(kind: PoolKind, *, threads: int, opt_level: str = "all",
+                    execution_mode: str = "sequential") -> ort.SessionOptions:
+    """The worker's options; ``opt_level`` and ``execution_mode`` other than its own (all, sequential)
+    are for measuring other configurations (performance models). Parallel mode gets ``threads``
+    inter-op threads, since with one it is sequential."""
     options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = OPT_LEVELS[opt_level]
+    options.execution_mode = EXECUTION_MODES[execution_mode]
     options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
+    options.inter_op_num_threads = threads if execution_mode == "parallel" else 1
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.log_severity_level = 3
     return options
@@ -143,15 +152,16 @@ def _quantize_int8(model: onnx.ModelProto, calibration: Path | None, config: Mod
         return output.read_bytes()
 
 
-def build_session(model: bytes, kind: PoolKind, *, threads: int, source: str) -> ort.InferenceSession:
-    """An InferenceSession on the kind's execution provider.
+def build_session(model: bytes, kind: PoolKind, *, threads: int, source: str, opt_level: str = "all",
+                  execution_mode: str = "sequential") -> ort.InferenceSession:
+    """An InferenceSession on the kind's execution provider (options as :func:`session_options`).
 
     Raises:
         InvalidArgument: onnxruntime refuses the model; field = ``source``, message = its reason.
     """
     try:
-        return ort.InferenceSession(model, sess_options=session_options(kind, threads=threads),
-                                    providers=[kind.execution_provider])
+        options = session_options(kind, threads=threads, opt_level=opt_level, execution_mode=execution_mode)
+        return ort.InferenceSession(model, sess_options=options, providers=[kind.execution_provider])
     except Exception as error:  # noqa: BLE001 - onnxruntime raises its own pybind types; its reason is what matters
         raise InvalidArgument(source, f"onnxruntime cannot load it: {error}") from None
 
