@@ -10,18 +10,17 @@ latency without changing the rate the token bucket allows.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from opml.fl.v1 import fl_pb2 as pb
 
+from opml_common.testing.relay import TcpRelay
 from opml_common.testing.services import TOKENS
 from opml_fl_coordinator.client import FederationClient
 
@@ -30,52 +29,6 @@ RATE_MBIT = 8
 PAD = 500_000  # float32s: a 2 MB model, 2 s each way at 8 Mbit/s
 MEMBERS = 3
 DELAY_S = 0.2  # one way, each direction: a 400 ms round trip
-
-
-class DelayRelay:
-    """A TCP relay on its own thread and loop: every chunk read from one side is written to the other
-    DELAY_S later, in order (constant delay: nothing is reordered, the rate is left to the link)."""
-
-    def __init__(self, upstream: tuple[str, int], delay_s: float) -> None:
-        self.upstream, self.delay_s = upstream, delay_s
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="delay-relay", daemon=True)
-        self.servers: list[asyncio.Server] = []
-
-    def listen(self, host: str) -> int:
-        """Starts relaying connections to ``host``:<port> (returned) to the upstream."""
-        async def start() -> asyncio.Server:
-            return await asyncio.start_server(self._relay, host, 0)
-        server = asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)
-        self.servers.append(server)
-        return server.sockets[0].getsockname()[1]
-
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection(*self.upstream)
-        except OSError:
-            writer.close()
-            return
-        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer), return_exceptions=True)
-
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            while chunk := await reader.read(65536):
-                loop.call_later(self.delay_s, writer.write, chunk)
-            await asyncio.sleep(self.delay_s)  # what is in flight arrives before the close
-        finally:
-            writer.close()
-
-    def __enter__(self) -> DelayRelay:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        for server in self.servers:
-            self.loop.call_soon_threadsafe(server.close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 def _ip(*args: str) -> None:
@@ -118,10 +71,10 @@ def coordinator(start_service):
 
 
 @pytest.fixture
-def relay(coordinator) -> Iterator[DelayRelay]:
+def relay(coordinator) -> Iterator[TcpRelay]:
     """The members' way to the coordinator (which listens on 127.0.0.1 only): DELAY_S each way."""
     host, _, port = coordinator.target.rpartition(":")
-    with DelayRelay((host, int(port)), DELAY_S) as relay:
+    with TcpRelay((host, int(port)), DELAY_S) as relay:
         yield relay
 
 
