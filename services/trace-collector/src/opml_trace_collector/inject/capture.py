@@ -4,7 +4,9 @@ The job's thread starts the profiler at the first step boundary after the captur
 stops it after N more steps (``Capture.after_step``, the Recorder's observer). Converting the
 XSpace to Chrome trace JSON and uploading it happen off the job's thread (``export``). The
 announcement comes only after the S3 object is complete, so a worker killed mid-capture
-announces nothing.
+announces nothing. While S3 cannot be reached the finished trace waits on the worker's disk and
+the upload is retried (``upload``), for a bounded time that should end before the collector
+expires the capture.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import gzip
 import json
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,10 +91,12 @@ class Exported:
 
 
 def export(capture: Capture, *, job: str, worker: str, tf_version: str, bucket: str, max_events: int,
-           op_filter: str | None, s3) -> Exported:  # noqa: ANN001 - a minio client
+           op_filter: str | None, s3, upload_retry_s: float = 0.0,  # noqa: ANN001 - a minio client
+           on_retry: Callable[[int, Exception, float], None] | None = None) -> Exported:
     """Convert the capture's XSpace to gzip Chrome trace JSON and store it; blocking (run in a thread).
 
-    Raises whatever reading, converting or uploading raised; the caller announces the failure.
+    Raises whatever reading, converting or uploading raised (S3 unreachable for longer than
+    ``upload_retry_s``, see :func:`upload`); the caller announces the failure.
     """
     try:
         from tensorflow.tsl.profiler.protobuf import xplane_pb2
@@ -111,7 +116,45 @@ def export(capture: Capture, *, job: str, worker: str, tf_version: str, bucket: 
     with gzip.open(path, "wt", encoding="utf-8", compresslevel=6) as handle:
         json.dump(trace, handle, separators=(",", ":"))
     key = f"traces/{job}/{capture.request.capture_id}/{worker}.trace.json.gz"
-    from opml_trace_collector.tracefiles import TraceFiles  # minio: imported by a capture only
-    TraceFiles(s3, bucket).ensure_bucket()  # the service makes it at start; a tracer may run before that
-    s3.fput_object(bucket, key, str(path), content_type="application/gzip")
+    upload(s3, bucket, key, path, retry_for_s=upload_retry_s, on_retry=on_retry)
     return Exported(f"s3://{bucket}/{key}", path.stat().st_size, len(trace["traceEvents"]), first, len(capture.spans))
+
+
+UPLOAD_BACKOFF_S = (0.5, 10.0)  # first and longest wait between two upload attempts
+
+
+def upload(s3, bucket: str, key: str, path: Path, *, retry_for_s: float,  # noqa: ANN001 - a minio client
+           on_retry: Callable[[int, Exception, float], None] | None = None,
+           sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> None:
+    """Store ``path`` as ``s3://bucket/key`` in one PUT (S3 makes it visible whole or not at all).
+
+    An attempt that cannot reach S3 (connection refused or reset, timeouts, 5xx: what minio raises
+    once its own few quick retries are spent) is retried with capped backoff while the next attempt
+    would still start within ``retry_for_s`` of the first; ``on_retry(attempt, error, delay_s)`` is
+    told before each wait. S3's refusals (access denied, no such bucket policy...) are not retried.
+
+    Raises:
+        the last attempt's error, once the retry time is spent or S3 refused.
+    """
+    import urllib3
+    from minio.error import ServerError
+
+    from opml_common.retry import Backoff
+    from opml_trace_collector.tracefiles import TraceFiles  # minio: imported by a capture only
+
+    backoff = Backoff(base_s=UPLOAD_BACKOFF_S[0], max_s=UPLOAD_BACKOFF_S[1])
+    deadline = clock() + retry_for_s
+    attempt = 0
+    while True:
+        try:
+            TraceFiles(s3, bucket).ensure_bucket()  # the service makes it at start; a tracer may run before that
+            s3.fput_object(bucket, key, str(path), content_type="application/gzip")
+            return
+        except (urllib3.exceptions.HTTPError, OSError, ServerError) as error:
+            delay = backoff.delay(attempt)
+            attempt += 1
+            if clock() + delay > deadline:
+                raise
+            if on_retry is not None:
+                on_retry(attempt, error, delay)
+            sleep(delay)

@@ -28,6 +28,9 @@ class TracerSettings(BaseSettings):
     bucket: str = Field("opml-traces", min_length=3, description="S3 bucket of captured traces.")
     max_trace_events: int = Field(200_000, ge=100, description="Most events one captured trace keeps (ops first).")
     op_filter: str | None = Field(None, description="Regex: a capture keeps only ops whose name or type matches.")
+    upload_retry_s: float = Field(300.0, ge=0, description="While S3 cannot be reached, how long a finished "
+                                  "capture's upload is retried (the trace waits on local disk); keep it under the "
+                                  "collector's capture timeout, after which the capture expires anyway.")
 
     @field_validator("spool_dir", "session_dir")
     @classmethod

@@ -332,7 +332,10 @@ class Tracer:
         try:
             done = await asyncio.get_running_loop().run_in_executor(None, lambda: capture_mod.export(
                 capture, job=s.job, worker=s.worker, tf_version=self.tf_version, bucket=s.bucket,
-                max_events=s.max_trace_events, op_filter=s.op_filter, s3=s3_client(self.platform, max_connections=4)))
+                max_events=s.max_trace_events, op_filter=s.op_filter, s3=s3_client(self.platform, max_connections=4),
+                upload_retry_s=s.upload_retry_s, on_retry=lambda attempt, error, delay_s: warn(
+                    f"uploading capture {capture.request.capture_id} failed (attempt {attempt}: "
+                    f"{type(error).__name__}); retrying in {delay_s:.1f} s")))
         except Exception as exc:  # noqa: BLE001
             await self.sender.emit(pb.CaptureFailed(job=s.job, worker=s.worker, capture_id=capture.request.capture_id,
                                                     reason=f"exporting the trace failed: {exc!r}"))
