@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 from sklearn.linear_model import LinearRegression, Ridge
@@ -23,8 +24,15 @@ from sklearn.preprocessing import StandardScaler
 
 from opml_common.errors import FailedPrecondition, InvalidArgument
 from opml_common.perfmodel.influence import Influence, interaction_features, term_names
-from opml_common.perfmodel.learn import PerformanceModel, tree_learner
+from opml_common.perfmodel.learn import tree_learner
 from opml_common.perfmodel.space import Sample, encode, log_latency
+
+
+class SourceModel(Protocol):
+    """What a transfer learner needs of the source: its log-latency prediction for target samples
+    (a :class:`~.learn.PerformanceModel`, or the source kind's measured profiles)."""
+
+    def log_ms(self, samples: Sequence[Sample]) -> np.ndarray: ...
 
 
 class TargetModel(ABC):
@@ -61,7 +69,7 @@ class ModelShift(TargetModel):
 
     name = "model-shift"
 
-    def __init__(self, source: PerformanceModel) -> None:
+    def __init__(self, source: SourceModel) -> None:
         self.source = source
         self._line = LinearRegression()
 
@@ -77,7 +85,7 @@ class InfluenceTransfer(TargetModel):
 
     name = "influence-transfer"
 
-    def __init__(self, source: PerformanceModel, terms: Sequence[Influence], *, alpha: float = 1.0) -> None:
+    def __init__(self, source: SourceModel, terms: Sequence[Influence], *, alpha: float = 1.0) -> None:
         """Raises: InvalidArgument when a term is not a main effect or pairwise interaction of the options."""
         self.source = source
         self._expand = interaction_features().fit(np.zeros((1, encode([]).shape[1])))
