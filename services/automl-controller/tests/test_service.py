@@ -326,3 +326,90 @@ def test_trials_preempt_a_running_best_effort_job(controller, orchestrator, prog
         finished = poll_until(lambda: (j := jobs.get("training-be")).status.state == jobs_pb2.JOB_STATE_SUCCEEDED
                               and j, what="the BE job resumes and ends", timeout_s=60)
         assert finished.status.attempt >= 1 and started.read_text().startswith("01")
+
+
+# A small Keras model (logistic regression on 4 features), unchanged by the collector but for Push's report
+# call: trials 0 and 1 are good so the median rule has its 2 completed trials; from trial 2 on a trial with
+# x > 0 is bad (its labels are noise: its loss stays near 0.69 while good trials learn) and slow (0.5 s an
+# epoch, as a large data set) and would train for 2000 epochs unless stopped. Optuna's MedianPruner compares
+# a trial with the completed trials at the same step, so a trial past their last step (5) can no longer be
+# stopped: the seeds make trial 2, which starts beside trials 0 and 1, a good one, and a bad trial's slow
+# epochs leave the completed trials time to be there before it reaches step 5.
+KERAS_MEDIAN_TRIAL = textwrap.dedent("""
+    import argparse, os, time
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    p = argparse.ArgumentParser()
+    p.add_argument("--x", type=float)
+    p.add_argument("--mode")
+    p.add_argument("--name")
+    a = p.parse_args()
+    import numpy as np, keras
+    number = int(a.name.rsplit("-t", 1)[1])
+    bad = a.x > 0 and number >= 2
+    rng = np.random.default_rng(number)
+    x = rng.normal(size=(256, 4)).astype("float32")
+    y = rng.integers(0, 2, size=256).astype("float32") if bad else (x.sum(axis=1) > 0).astype("float32")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, activation="sigmoid")])
+    model.compile(optimizer=keras.optimizers.Adam(0.1), loss="binary_crossentropy", metrics=["accuracy"])
+    callbacks = [keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: time.sleep(0.5))] if bad else []
+    if a.mode == "push":
+        from opml_automl_controller.sdk import report
+        callbacks.append(keras.callbacks.LambdaCallback(
+            on_epoch_end=lambda epoch, logs: report(loss=logs["loss"], accuracy=logs["accuracy"])))
+    model.fit(x, y, epochs=2000 if bad else 5, batch_size=32, verbose=2 if a.mode == "stdout" else 0,
+              callbacks=callbacks, validation_split=0.25 if a.mode == "trace" else 0.0)
+""")
+KERAS_LINE = r"(\w+): ([+-]?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)"  # Keras's verbose=2 "... - accuracy: 0.67 - loss: 0.64"
+
+
+def keras_median_yaml(name: str, program: Path, *, kind: str, max_trials: int, seed: int) -> str:
+    doc = yaml.safe_load(experiment_yaml(name, program, max_trials=max_trials, parallel=3, early=True,
+                                         max_failed=0, collector=kind))
+    doc["spec"]["algorithm"]["algorithmSettings"] = [{"name": "random_state", "value": str(seed)}]
+    if kind == "Trace":
+        doc["spec"]["objective"]["additionalMetricNames"] = ["accuracy", "val_loss"]
+    container = doc["spec"]["trialTemplate"]["trialSpec"]["spec"]["template"]["spec"]["containers"][0]
+    container["command"] = [sys.executable, str(program), "--x=${trialParameters.x}", f"--mode={kind.lower()}",
+                            "--name=${trialParameters.trialName}"]
+    if kind == "StdOut":
+        doc["spec"]["metricsCollectorSpec"]["source"] = {"filter": {"metricsFormat": [KERAS_LINE]}}
+    return yaml.safe_dump(doc)
+
+
+def test_keras_median_stop_with_stdout_push_and_trace_collectors(controller, orchestrator, tmp_path: Path) -> None:
+    """Issue 13's must-show: 12 Keras trials, 3 in parallel, medianstop, metrics from the tracer (Trace);
+    the same with 4 trials read from stdout (StdOut) and from the SDK (Push). Bad trials end
+    EARLY_STOPPED at once, their TE jobs cancelled long before their 2000 epochs."""
+    program = tmp_path / "keras_median.py"
+    program.write_text(KERAS_MEDIAN_TRIAL)
+    runs = {"trace": ("Trace", 12, 7), "stdout": ("StdOut", 4, 5), "push": ("Push", 4, 11)}  # bad: 3-6, 10, 11 / 3 / 3
+    with ExperimentClient(controller.target, token=TOKENS["writer"]) as client, \
+            JobClient(orchestrator.target, token=TOKENS["admin"]) as jobs:
+        for name, (kind, max_trials, seed) in runs.items():
+            client.create(keras_median_yaml(name, program, kind=kind, max_trials=max_trials, seed=seed))
+        for name, (kind, max_trials, _) in runs.items():
+            done = ended(client, name, timeout_s=400)
+            trials = client.trials(name)
+            assert done.status.reason == "MaxTrialsReached" and len(trials) == max_trials, (name, done.status)
+            bad = [t for t in trials if t.number >= 2 and float(t.parameters["x"]) > 0]
+            succeeded = [t for t in trials if t.state == pb.TRIAL_STATE_SUCCEEDED]
+            assert bad and len(succeeded) >= 2, (name, [(t.number, t.parameters["x"], t.state) for t in trials])
+            for trial in succeeded:
+                metrics = {m.name: m for m in trial.metrics}
+                assert metrics["loss"].count == 5 and metrics["accuracy"].count == 5, (name, trial)  # one per epoch
+                assert trial.objective_value == metrics["loss"].min
+                if kind == "Trace":
+                    assert metrics["val_loss"].count == 5
+            for trial in bad:
+                assert trial.state == pb.TRIAL_STATE_EARLY_STOPPED and "pruner" in trial.message, (name, trial)
+                job = jobs.get(trial.job_id)
+                assert job.status.state == jobs_pb2.JOB_STATE_CANCELLED, (name, trial)
+                assert job.spec.job_class == jobs_pb2.JOB_CLASS_TE and job.spec.trace == (kind == "Trace")
+                assert next(m for m in trial.metrics if m.name == "loss").count < 2000
+            for trial in trials:  # the median rule may stop good trials below the median too
+                assert trial.state in (pb.TRIAL_STATE_SUCCEEDED, pb.TRIAL_STATE_EARLY_STOPPED), (name, trial)
+                if trial.state == pb.TRIAL_STATE_EARLY_STOPPED:  # a quick one may have ended before its cancel
+                    assert jobs.get(trial.job_id).status.state in (jobs_pb2.JOB_STATE_CANCELLED,
+                                                                   jobs_pb2.JOB_STATE_SUCCEEDED)
+            best = done.status.current_optimal_trial
+            assert best.objective_value == min(t.objective_value for t in succeeded)
