@@ -12,7 +12,7 @@ import optuna
 import pytest
 
 from opml_automl_controller.algorithms import make_pruner, make_sampler, search_space
-from opml_automl_controller.collect import FILE_MARKER, MetricsParser, Observation, summarize
+from opml_automl_controller.collect import FILE_MARKER, MetricsParser, Observation, epoch_observations, summarize
 from opml_automl_controller.experiment import CollectorKind, MetricsCollector
 from opml_automl_controller.katib import parse_experiment
 from opml_automl_controller.sdk import report
@@ -131,6 +131,27 @@ def test_push_sdk_lines_are_the_only_push_metrics() -> None:
         report(loss=float("inf"))
     stdout = MetricsParser(MetricsCollector(), ["loss"])
     assert stdout.feed(out.getvalue()) == [], "StdOut does not read the SDK's lines twice"
+
+
+def test_trace_kind_reads_epochs_in_order_not_log_lines() -> None:
+    import yaml
+
+    from opml_common.errors import InvalidArgument
+    parser = MetricsParser(MetricsCollector(kind=CollectorKind.TRACE), ["loss"])
+    assert parser.feed("epoch 1: loss=0.5\n") == [], "Trace reads no metric from the log"
+    seen: set[tuple[int, int]] = set()
+    epochs = {(1, 0): {"loss": 0.2}, (0, 1): {"loss": 0.4, "accuracy": 0.9}, (0, 0): {"loss": 0.5, "x": "nan"}}
+    assert epoch_observations(epochs.items(), ["loss", "accuracy"], seen) == [
+        Observation("loss", 0.5), Observation("loss", 0.4), Observation("accuracy", 0.9), Observation("loss", 0.2)]
+    epochs[(1, 1)] = {"loss": float("nan")}
+    assert epoch_observations(epochs.items(), ["loss"], seen) == [], "seen epochs count once; nan is dropped"
+    doc = yaml.safe_load((EXAMPLES / "random.yaml").read_text())
+    doc["spec"]["metricsCollectorSpec"] = {"collector": {"kind": "Trace"}}
+    assert parse_experiment(yaml.safe_dump(doc)).collector.kind is CollectorKind.TRACE
+    doc["spec"]["metricsCollectorSpec"]["source"] = {"filter": {"metricsFormat": ["(\\w+)=(\\d+)"]}}
+    with pytest.raises(InvalidArgument) as caught:
+        parse_experiment(yaml.safe_dump(doc))
+    assert [f for f, _ in caught.value.violations] == ["spec.metricsCollectorSpec.source.filter"]
 
 
 def test_metric_strategies() -> None:
