@@ -28,6 +28,7 @@ from opml_inference_router.placement import (
     Plan,
     Planner,
     ProfileBook,
+    ProfilePredictor,
     RemoveReplica,
     Replan,
     Replanner,
@@ -51,7 +52,8 @@ class ReplicaPlacer:
                  models: Mapping[str, ModelRecord]) -> None:
         self.pools = pools
         self.router = router
-        self.planner = Planner(fleet=pools.fleet, policy=policy)
+        # a kind a version could not be profiled on (no live worker, no room) is planned by prediction
+        self.planner = Planner(fleet=pools.fleet, policy=policy, predictor=ProfilePredictor(fleet=pools.fleet))
         self.replanner = Replanner(planner=self.planner)
         self.plan = Plan({})
         self.profiles = ProfileBook()

@@ -42,6 +42,7 @@ from opml_inference_router.placement.moves import (
 from opml_inference_router.placement.plan import KindUsage, ModelDemand, Option, Plan, ReplicaSet, demands_for
 from opml_inference_router.placement.planner import Observation, Planner, Replan, Replanner
 from opml_inference_router.placement.policy import CostAwareSloPolicy, GreedyFirstFitPolicy, PlacementPolicy
+from opml_inference_router.placement.predicted import ProfilePredictor
 from opml_inference_router.placement.profile import Profile, ProfileBook
 
 __all__ = [
@@ -69,6 +70,7 @@ __all__ = [
     "PoolConfig",
     "PoolKind",
     "Profile",
+    "ProfilePredictor",
     "ProfileBook",
     "RemoveReplica",
     "ResizeReplica",

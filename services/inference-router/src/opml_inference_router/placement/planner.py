@@ -25,6 +25,7 @@ from opml_inference_router.placement.latency import (
 from opml_inference_router.placement.moves import Action, plan_moves
 from opml_inference_router.placement.plan import ModelDemand, Option, Plan, ReplicaSet
 from opml_inference_router.placement.policy import PlacementPolicy
+from opml_inference_router.placement.predicted import ProfilePredictor
 from opml_inference_router.placement.profile import Profile, ProfileBook
 
 
@@ -35,11 +36,16 @@ class Planner:
     while there are enough, so losing a worker loses at most one replica of each model), and at
     least :meth:`min_replicas` of them on distinct workers while the kind has workers with room
     (N+1: one worker lost, a replica still serves); where fewer fit, as many as fit, down to what
-    the policy's option asked for."""
+    the policy's option asked for.
 
-    def __init__(self, *, fleet: Fleet, policy: PlacementPolicy) -> None:
+    With a ``predictor``, a model version is also placed on kinds it lacks a full profile on, by
+    the profile the predictor transfers from another kind (:mod:`.predicted`); without one, such a
+    kind is "not profiled"."""
+
+    def __init__(self, *, fleet: Fleet, policy: PlacementPolicy, predictor: ProfilePredictor | None = None) -> None:
         self.fleet = fleet
         self.policy = policy
+        self.predictor = predictor
 
     def min_replicas(self, demand: ModelDemand) -> int:
         """The replica floor of a demand: its config's ``min_replicas``, else the fleet's."""
@@ -82,6 +88,8 @@ class Planner:
                 occupancy.add(worker_id, model, replica_set.option.memory_mib)
             placements[model] = replica_set
 
+        if self.predictor is not None:
+            profiles, _ = self.predictor.complete([d for m, d in by_model.items() if m not in placements], profiles)
         usable: dict[ModelVersion, dict[str, Profile]] = {}
         rejected: dict[ModelVersion, dict[str, str]] = {}
         options = {}
