@@ -342,3 +342,40 @@ async def test_trace_collector_feeds_trials_from_tracer_events(store: Experiment
     await collector.handle(event(batch(late, "worker-0", (3, 0.1)), late))
     assert (await store.trace("traced", 0)).epochs.keys() == {(0, 0), (0, 1), (0, 2)}
     await ctl.stop()
+
+
+async def test_trace_epochs_stored_before_a_restart_count_after_it(store: ExperimentStore) -> None:
+    from opml.traces.v1 import events_pb2 as tpb
+
+    from opml_automl_controller.controller import spec_of
+    from opml_automl_controller.tracing import TraceCollector
+    from opml_common.bus import CloudEvent
+    from opml_trace_collector.topics import tracer_source
+
+    def event(message, job: str) -> CloudEvent:
+        return CloudEvent.from_proto(message, source=tracer_source(job, "worker-0"), subject=f"{job}/worker-0")
+
+    jobs = ScriptedJobs(lambda x, n: ["training"], hold=True)
+    first = controller(store, jobs)
+    await first.start()
+    await first.create(experiment("retraced", max_trials=1, parallel=1, max_failed=0,
+                                  collector={"collector": {"kind": "Trace"}}))
+    await asyncio.to_thread(jobs.running.acquire)
+    [job] = jobs.submitted
+    before = TraceCollector(store, spec_of=spec_of, wake=first.wake_trace)
+    await before.handle(event(tpb.TracerStarted(job=job, worker="worker-0", session_id="s"), job))
+    await before.handle(event(tpb.StepMetricsBatch(job=job, worker="worker-0", session_id="s", epochs=[
+        tpb.EpochLog(epoch=e, logs={"loss": 3.0 - e}) for e in (0, 1)]), job))
+    await first.stop()  # as a kill: the trial's job goes on, its epochs so far are in Redis only
+    second = controller(store, jobs)
+    after = TraceCollector(store, spec_of=spec_of, wake=second.wake_trace)
+    await second.start()
+    jobs.gate.set()
+    await after.handle(event(tpb.StepMetricsBatch(job=job, worker="worker-0", session_id="s", epochs=[
+        tpb.EpochLog(epoch=2, logs={"loss": 1.0})]), job))
+    await after.handle(event(tpb.TracerStopped(job=job, worker="worker-0", session_id="s"), job))
+    await asyncio.wait_for(until_ended(second, "retraced"), 60)
+    [trial] = (await second.get("retraced")).trials
+    assert trial.state is TrialState.SUCCEEDED and trial.observations["loss"] == [3.0, 2.0, 1.0]
+    assert len(jobs.submitted) == 1, "the job was re-attached, not run again"
+    await second.stop()
