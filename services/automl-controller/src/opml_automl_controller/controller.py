@@ -470,8 +470,15 @@ class Controller:
                         await self._retrying(lambda j=trial.job_id: self._jobs.cancel(j), "cancel")
 
         inbox: list[asyncio.Queue] = [asyncio.Queue()]  # the queue a Trace wake-up goes to: the one being read
+        pending = [False]  # a wake-up is queued: more before it is read are one read of the store
+
+        def wake() -> None:
+            if not pending[0]:
+                pending[0] = True
+                inbox[0].put_nowait(("trace", None))
+
         if traced:
-            self._trace_wakers[trial.job_id] = lambda: inbox[0].put_nowait(("trace", None))
+            self._trace_wakers[trial.job_id] = wake
         try:
             while True:  # the log (and the trace) is read from its start each time: each value counts once
                 parser = MetricsParser(spec.collector, metrics)
@@ -480,7 +487,8 @@ class Controller:
                 saved_at = time.monotonic()
                 stream = inbox[0] = self._follow(trial.job_id)
                 if traced:
-                    stream.put_nowait(("trace", None))  # what was stored before this task (a restart)
+                    pending[0] = False
+                    wake()  # what was stored before this task (a restart) or this re-read
                 try:
                     while True:
                         kind, text = await stream.get()
@@ -489,6 +497,7 @@ class Controller:
                         if kind == "end":
                             break
                         if kind == "trace":
+                            pending[0] = False
                             trace = await self._store.trace(record.name, trial.number)
                             await observe(observations, epoch_observations(trace.epochs.items(), metrics, seen))
                         else:
@@ -510,7 +519,7 @@ class Controller:
                 await asyncio.sleep(self._retry_s)  # the stream broke before the job ended
             frozen_end = await asyncio.to_thread(lambda: study.trials()[trial.number].user_attrs.get(END_ATTR))
             if traced and frozen_end is None and view.state == "succeeded":
-                await observe(observations, await self._trace_tail(record, trial, metrics, seen, inbox),
+                await observe(observations, await self._trace_tail(record, trial, metrics, seen, inbox, pending),
                               may_prune=False)
         finally:
             self._trace_wakers.pop(trial.job_id, None)
@@ -539,7 +548,8 @@ class Controller:
                             message=f"job was cancelled outside the controller: {view.cause}")
 
     async def _trace_tail(self, record: ExperimentRecord, trial: TrialRecord, metrics: tuple[str, ...],
-                          seen: set[tuple[int, int]], inbox: list[asyncio.Queue]) -> list[Observation]:
+                          seen: set[tuple[int, int]], inbox: list[asyncio.Queue],
+                          pending: list[bool]) -> list[Observation]:
         """After a Trace trial's job succeeded: its epochs not seen yet, once every tracer run of the
         job has stopped (their last batches come before), or at most ``trace_wait_s`` later."""
         queue: asyncio.Queue = asyncio.Queue()
@@ -547,6 +557,7 @@ class Controller:
         deadline = time.monotonic() + self._trace_wait_s
         found: list[Observation] = []
         while True:
+            pending[0] = False
             trace = await self._store.trace(record.name, trial.number)
             found += epoch_observations(trace.epochs.items(), metrics, seen)
             remaining = deadline - time.monotonic()
