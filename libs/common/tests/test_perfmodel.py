@@ -105,3 +105,9 @@ def test_bad_inputs_are_refused_by_name():
         FromScratch().predict_ms(environment()[:1])
     with pytest.raises(InvalidArgument, match="learner"):
         FromScratch("svm")
+
+
+def test_an_option_constant_in_the_environment_is_left_out_of_the_terms():
+    int8_only = [s for s in environment() if s.config.precision == "int8"]
+    names = [t.term for t in influential_terms(int8_only, top=10)]
+    assert names and not any("int8" in name for name in names)

@@ -33,8 +33,8 @@ def interaction_features() -> PolynomialFeatures:
     return PolynomialFeatures(degree=2, interaction_only=True, include_bias=False)
 
 
-def term_names(features: PolynomialFeatures) -> list[str]:
-    return [name.replace(" ", " x ") for name in features.get_feature_names_out(list(OPTIONS))]
+def term_names(features: PolynomialFeatures, options: Sequence[str] = OPTIONS) -> list[str]:
+    return [name.replace(" ", " x ") for name in features.get_feature_names_out(list(options))]
 
 
 def influential_terms(samples: Sequence[Sample], *, top: int = 8, seed: int = 0) -> list[Influence]:
@@ -47,9 +47,13 @@ def influential_terms(samples: Sequence[Sample], *, top: int = 8, seed: int = 0)
         raise InvalidArgument("samples", f"need at least 10 measurements to rank terms, but got {len(samples)}")
     if top < 1:
         raise InvalidArgument("top", f"must be >= 1, but got {top}")
+    matrix = encode(samples)
+    # An option constant here (int8 on an int8-only kind) would only copy other terms into its products.
+    varying = [column for column in range(matrix.shape[1]) if np.ptp(matrix[:, column]) > 0]
     features = interaction_features()
     model = make_pipeline(features, StandardScaler(), LassoCV(cv=5, random_state=seed, max_iter=20000))
-    model.fit(encode(samples), log_latency(samples))
+    model.fit(matrix[:, varying], log_latency(samples))
     weights = model[-1].coef_
-    ranked = sorted(zip(term_names(features), weights, strict=True), key=lambda p: -abs(p[1]))
+    names = term_names(features, [OPTIONS[column] for column in varying])
+    ranked = sorted(zip(names, weights, strict=True), key=lambda p: -abs(p[1]))
     return [Influence(name, float(weight)) for name, weight in ranked[:top] if not np.isclose(weight, 0.0)]
