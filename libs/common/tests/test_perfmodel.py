@@ -16,6 +16,7 @@ from opml_common.perfmodel import (
     ModelShift,
     PerformanceModel,
     Sample,
+    ScaleShift,
     ServingConfig,
     grid,
     influential_terms,
@@ -81,8 +82,18 @@ def test_transfer_from_a_shifted_environment_beats_learning_from_scratch(n):
     terms = influential_terms(source_samples, top=6)
     train, test = split(target, n, seed=1)
     scratch = min(error(FromScratch("trees").fit(train), test), error(FromScratch("linear").fit(train), test))
-    for learner in (ModelShift(source), InfluenceTransfer(source, terms)):
+    for learner in (ModelShift(source), ScaleShift(source), InfluenceTransfer(source, terms)):
         assert error(learner.fit(train), test) < scratch / 2
+
+
+def test_the_scale_shift_keeps_to_the_median_ratio_when_a_sample_is_an_outlier():
+    source_samples = environment()
+    source = PerformanceModel(environment="src").fit(source_samples)
+    target = environment(scale=2.0)
+    train, test = split(target, 5, seed=2)
+    train[0] = Sample(train[0].model, train[0].mflop_per_row, train[0].config, train[0].latency_ms * 20)  # a stall
+    assert error(ScaleShift(source).fit(train), test) < 10.0
+    assert error(ScaleShift(source).fit(train), test) < error(ModelShift(source).fit(train), test)
 
 
 def test_bad_inputs_are_refused_by_name():

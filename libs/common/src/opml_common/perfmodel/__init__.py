@@ -7,7 +7,14 @@ Needs scikit-learn (the ``perfmodel`` extra of opml-common)."""
 from opml_common.perfmodel.influence import Influence, influential_terms
 from opml_common.perfmodel.learn import PerformanceModel, mape
 from opml_common.perfmodel.space import OPTIONS, Sample, ServingConfig, grid
-from opml_common.perfmodel.transfer import FromScratch, InfluenceTransfer, ModelShift, SourceModel, TargetModel
+from opml_common.perfmodel.transfer import (
+           FromScratch,
+           InfluenceTransfer,
+           ModelShift,
+           ScaleShift,
+           SourceModel,
+           TargetModel,
+)
 
 __all__ = ["OPTIONS", "FromScratch", "Influence", "InfluenceTransfer", "ModelShift", "PerformanceModel", "Sample",
-           "ServingConfig", "SourceModel", "TargetModel", "grid", "influential_terms", "mape"]
+           "ScaleShift", "ServingConfig", "SourceModel", "TargetModel", "grid", "influential_terms", "mape"]

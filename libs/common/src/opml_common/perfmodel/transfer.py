@@ -4,6 +4,9 @@ Three ways, as the paper compares them, and the baseline they are measured again
 
 - :class:`ModelShift`: the target is a linear function of the source's prediction (in log latency:
   a constant factor and an exponent). Two samples suffice; it keeps the source's shape.
+- :class:`ScaleShift`: the model shift with the exponent fixed at 1: the source's prediction times
+  the median ratio the target's samples show. One parameter, and a median, so a few samples taken
+  while a shared machine was busy do not bend it (an outlier can tilt a fitted exponent far).
 - :class:`InfluenceTransfer`: a small ridge model on the source's prediction plus only the source's
   most influential terms (:mod:`.influence`), so a few samples can correct how the target differs
   in those terms without having to rediscover which matter.
@@ -78,6 +81,23 @@ class ModelShift(TargetModel):
 
     def _predict(self, features, samples):
         return self._line.predict(self.source.log_ms(samples).reshape(-1, 1))
+
+
+class ScaleShift(TargetModel):
+    """log target = log source prediction + the median of the samples' log ratios."""
+
+    name = "scale-shift"
+    min_samples = 1
+
+    def __init__(self, source: SourceModel) -> None:
+        self.source = source
+        self._offset = 0.0
+
+    def _fit(self, features, target, samples):
+        self._offset = float(np.median(target - self.source.log_ms(samples)))
+
+    def _predict(self, features, samples):
+        return self.source.log_ms(samples) + self._offset
 
 
 class InfluenceTransfer(TargetModel):
