@@ -13,13 +13,12 @@ from opml_automl_controller.models import BundleStoreModels
 from opml_automl_controller.servicer import METHOD_ROLES, ExperimentServicer
 from opml_automl_controller.settings import AutomlControllerSettings
 from opml_automl_controller.state import ExperimentStore
-from opml_automl_controller.topics import EXPERIMENTS
+from opml_automl_controller.topics import EXPERIMENTS, TRACES
 from opml_automl_controller.tracing import GROUP, SOURCE_PREFIXES, TraceCollector
 from opml_common.bus import EventConsumer
 from opml_common.grpc.server import ServiceRegistration
 from opml_common.process import ServiceSpec
 from opml_common.service import ServiceContext, run_service
-from opml_trace_collector.topics import TRACES
 
 SPEC = ServiceSpec(name="automl-controller", module="opml_automl_controller", settings=AutomlControllerSettings,
                    topics=(EXPERIMENTS, TRACES))
