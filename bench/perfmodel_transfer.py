@@ -49,6 +49,7 @@ from opml_common.perfmodel import (
 )
 from opml_common.perfmodel.learn import tree_learner
 from opml_common.perfmodel.space import encode
+from opml_inference_router.placement import Fleet, ModelDemand, ModelVersion, Profile, ProfileBook, ProfilePredictor
 from opml_inference_router.placement.config import ModelConfig, load_fleet_config
 from opml_inference_router.runtime.perfsample import measure
 from opml_inference_router.settings import LOCAL_FLEET
@@ -157,6 +158,39 @@ def report(data: dict[str, list[Sample]], seeds: int) -> bool:
     return met
 
 
+def router_check(data: dict[str, list[Sample]]) -> None:
+    """What the router's ProfilePredictor does with these measurements: each model's accel profile
+    (int8, at the kind's shapes) predicted from its cpu profile (fp32) and the other models' two
+    profiles, with the worker's own options (threads 1 as on this machine, level all, sequential)."""
+    fleet = Fleet(load_fleet_config(LOCAL_FLEET))
+    default = {"threads": 1, "opt_level": "all", "execution_mode": "sequential"}
+
+    def profile(kind: str, name: str, precision: str) -> Profile:
+        points = sorted((s.config.batch, s.latency_ms) for s in data[kind] if s.model == name and
+                        s.config.precision == precision and all(getattr(s.config, k) == v for k, v in default.items())
+                        and (kind == "cpu" or s.config.batch in fleet.kinds[kind].batch_sizes))
+        running, table = 0.0, {}
+        for batch, ms in points:
+            running = table[batch] = max(running, ms)
+        return Profile(ModelVersion(name, 1), kind, precision, table, 100.0)
+
+    errors, as_is = [], []
+    for name in MODELS:
+        book = ProfileBook([profile("cpu", other, "fp32") for other in MODELS] +
+                           [profile("accel", other, "int8") for other in MODELS if other != name])
+        config = ModelConfig.from_dict(mlp_config(name, features=64, pool_kinds=("cpu", "accel")))
+        predicted = ProfilePredictor(fleet=fleet).predict(ModelDemand(config, 1, 1.0), fleet.kinds["accel"], book)
+        actual = profile("accel", name, "int8")
+        sizes = sorted(actual.batch_latency_ms)
+        truth = np.array([actual.latency_ms(b) for b in sizes])
+        errors.append(mape(np.array([predicted.latency_ms(b) for b in sizes]), truth))
+        as_is.append(mape(np.array([book.get(ModelVersion(name, 1), "cpu").latency_ms(b) for b in sizes]), truth))
+    print(f"\nrouter ProfilePredictor, accel profile of each model from its cpu profile and the other "
+          f"{len(MODELS) - 1} models (MAPE % at batch 1, 8, 32): " + ", ".join(
+              f"{name} {e:.1f}" for name, e in zip(MODELS, errors, strict=True)) +
+          f"; mean {statistics.fmean(errors):.1f} (the cpu fp32 profile taken as is: {statistics.fmean(as_is):.1f})")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=20)
@@ -178,6 +212,7 @@ def main() -> int:
         print(f"measurements: {sum(map(len, data.values()))} in {time.perf_counter() - started:.0f} s, "
               f"cached in {args.cache}")
     report(data, args.seeds)
+    router_check(data)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 
