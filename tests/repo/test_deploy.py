@@ -51,11 +51,11 @@ def _substituted(value: str) -> str:
 
 def test_every_compose_service_authenticates_to_kafka_with_its_own_sasl_user() -> None:
     from opml_common.config import PlatformSettings
+    from opml_common.stack import installed_services
 
     compose = yaml.safe_load(COMPOSE.read_text())
     services = _platform_services(compose)
-    assert set(services) == {"bundle-store", "job-orchestrator", "inference-router", "trace-collector",
-                             "fl-coordinator", "monitoring-scorer", "automl-controller"}
+    assert set(services) == {spec.name for spec in installed_services()}  # every service, none forgotten
     for name, service in services.items():
         env = service["environment"]
         assert env["OPML_KAFKA_SECURITY_PROTOCOL"].startswith("SASL_"), name
