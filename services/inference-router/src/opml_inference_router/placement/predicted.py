@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from opml_common.perfmodel import ModelShift, Sample, ServingConfig
-from opml_inference_router.placement.config import ModelConfig, PoolKind
+from opml_inference_router.placement.config import ModelConfig, ModelVersion, PoolKind
 from opml_inference_router.placement.fleet import Fleet
 from opml_inference_router.placement.plan import ModelDemand
 from opml_inference_router.placement.profile import Profile, ProfileBook
@@ -56,7 +56,8 @@ class ProfilePredictor:
         self.fleet = fleet
         self.min_pairs = min_pairs
 
-    def complete(self, demands: Sequence[ModelDemand], profiles: ProfileBook) -> tuple[ProfileBook, set]:
+    def complete(self, demands: Sequence[ModelDemand],
+                 profiles: ProfileBook) -> tuple[ProfileBook, set[tuple[ModelVersion, str]]]:
         """``profiles`` plus the predicted ones, and the (model version, kind) pairs that were predicted."""
         completed, predicted = ProfileBook(profiles), set()
         for demand in demands:
