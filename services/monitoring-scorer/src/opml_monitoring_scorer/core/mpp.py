@@ -20,9 +20,21 @@ from collections.abc import Mapping
 import numpy as np
 from sklearn.calibration import CalibratedClassifierCV
 from sklearn.ensemble import HistGradientBoostingClassifier, HistGradientBoostingRegressor
+from threadpoolctl import ThreadpoolController
 
 from opml_common.errors import FailedPrecondition
 from opml_monitoring_scorer.core.reference import Outputs, ReferenceSet, Task
+
+_CONTROLLER: ThreadpoolController | None = None
+
+
+def _one_thread():  # noqa: ANN202 - threadpoolctl's context manager
+    """OpenMP limited to one thread (the controller, which scans the loaded libraries, made once)."""
+    global _CONTROLLER  # noqa: PLW0603 - one per process, made when first needed
+    if _CONTROLLER is None:
+        _CONTROLLER = ThreadpoolController()
+    return _CONTROLLER.limit(limits=1, user_api="openmp")
+
 
 _BOOSTING = {"max_iter": 60, "max_leaf_nodes": 15, "min_samples_leaf": 30}
 """Small trees, few rounds: a refit from labels takes about a second on a reference of a few thousand
@@ -103,9 +115,12 @@ class MPP:
         x = self.matrix.build(features, outputs)
         if isinstance(self._model, float):
             return np.full(len(x), self._model)
-        if self.task is Task.REGRESSION:
-            return np.maximum(self._model.predict(x), 0.0)
-        return self._model.predict_proba(x)[:, 1]
+        # one thread: a window is a few thousand rows, where OpenMP's threads cost more than they
+        # save, and on a busy machine they spin (measured: 8x slower on 2 shared cores)
+        with _one_thread():
+            if self.task is Task.REGRESSION:
+                return np.maximum(self._model.predict(x), 0.0)
+            return self._model.predict_proba(x)[:, 1]
 
     def estimate(self, features: Mapping[str, np.ndarray], outputs: Outputs) -> float:
         """The window's estimate: accuracy (classifiers) or mean absolute error (regression)."""
