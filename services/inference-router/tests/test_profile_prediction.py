@@ -98,3 +98,14 @@ def test_a_full_profile_and_a_model_the_kind_cannot_run_are_left_alone():
     completed, predicted = predictor.complete([demand("new", **HOT)], book)
     assert predicted == {(ModelVersion("new", 1), "accel")} and len(completed) == len(book) + 1
     assert all(math.isfinite(ms) for ms in completed.get(ModelVersion("new", 1), "accel").batch_latency_ms.values())
+
+
+def test_a_kind_whose_workers_are_down_is_not_predicted_onto():
+    the_fleet = fleet((CPU, 2), (ACCEL, 1))
+    book = ProfileBook([*experience(), cpu_profile("new", 2.0, 1.5)])
+    down = ProfilePredictor(fleet=the_fleet, serving=lambda kind: kind != "accel")
+    _, predicted = down.complete([demand("new", **HOT)], book)
+    assert predicted == set()
+    plan = Planner(fleet=the_fleet, policy=CostAwareSloPolicy(), predictor=down).plan(
+        [demand("new", rate=5, kinds=("accel",), precisions=("int8",))], book)
+    assert plan.unplaced[ModelVersion("new", 1)] == "no pool kind can serve it (accel: not profiled)"

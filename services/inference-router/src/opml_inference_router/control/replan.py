@@ -52,8 +52,11 @@ class ReplicaPlacer:
                  models: Mapping[str, ModelRecord]) -> None:
         self.pools = pools
         self.router = router
-        # a kind a version could not be profiled on (no live worker, no room) is planned by prediction
-        self.planner = Planner(fleet=pools.fleet, policy=policy, predictor=ProfilePredictor(fleet=pools.fleet))
+        # a kind a version could not be profiled on (no room, or its workers down then) is planned by
+        # prediction, once a worker of it is live
+        predictor = ProfilePredictor(fleet=pools.fleet, serving=lambda kind: any(
+            pools.get(worker.id).alive for worker in pools.fleet.workers_of(kind)))
+        self.planner = Planner(fleet=pools.fleet, policy=policy, predictor=predictor)
         self.replanner = Replanner(planner=self.planner)
         self.plan = Plan({})
         self.profiles = ProfileBook()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -50,11 +50,14 @@ class _ProfileSource:
 class ProfilePredictor:
     """Completes a :class:`ProfileBook` for the kinds each demand allows but lacks a full profile on.
 
-    A predicted profile is never stored: it lives for one plan, and a real profile replaces it."""
+    A predicted profile is never stored: it lives for one plan, and a real profile replaces it.
+    ``serving(kind)`` says whether a kind's workers can take replicas now (the control plane: a live
+    worker); a kind profiling skipped because its workers were down is not predicted onto them."""
 
-    def __init__(self, *, fleet: Fleet, min_pairs: int = 3) -> None:
+    def __init__(self, *, fleet: Fleet, min_pairs: int = 3, serving: Callable[[str], bool] = lambda kind: True) -> None:
         self.fleet = fleet
         self.min_pairs = min_pairs
+        self.serving = serving
 
     def complete(self, demands: Sequence[ModelDemand],
                  profiles: ProfileBook) -> tuple[ProfileBook, set[tuple[ModelVersion, str]]]:
@@ -63,7 +66,7 @@ class ProfilePredictor:
         for demand in demands:
             for name in demand.config.pool_kinds:
                 kind = self.fleet.kinds.get(name)
-                if kind is None or not self.fleet.workers_of(name):
+                if kind is None or not self.fleet.workers_of(name) or not self.serving(name):
                     continue
                 profile = self.predict(demand, kind, profiles)
                 if profile is not None:
