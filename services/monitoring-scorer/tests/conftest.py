@@ -54,7 +54,10 @@ class Stack:
     context: str
 
     def scorer(self) -> ServiceProcess:
-        return self.starter(SPEC, env=self.scorer_env, start=False)
+        process = self.starter(SPEC, env=self.scorer_env, start=False)
+        # a scorer trains its monitors before it serves: on a shared, loaded machine 60 s was not always enough
+        process.startup_timeout_s = 180.0
+        return process
 
 
 @pytest.fixture

@@ -115,12 +115,22 @@ class MonitorStore:
     # label join
     async def remember_prediction(self, request_id: str, mv: str, window: int, event: bytes) -> bytes | None:
         """Keeps the prediction for a late label; returns a label that came first (and drops it)."""
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(self._k("pred", request_id), json.dumps({"mv": mv, "window": window, "event": event.hex()}),
-                     ex=self.retention_s)
-            pipe.getdel(self._k("label", request_id))
-            _, label = await pipe.execute()
+        (label,) = await self.remember_predictions([(request_id, mv, window, event)])
         return label
+
+    async def remember_predictions(self, items: list[tuple[str, str, int, bytes]]) -> list[bytes | None]:
+        """:meth:`remember_prediction` for (request id, model version, window, event) each, in one
+        round trip; the labels that came first, in order (None where none did). Not a MULTI/EXEC:
+        each request's keys are its own, and a replay after a crash writes the same values."""
+        if not items:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for request_id, mv, window, event in items:
+                pipe.set(self._k("pred", request_id), json.dumps({"mv": mv, "window": window, "event": event.hex()}),
+                         ex=self.retention_s)
+                pipe.getdel(self._k("label", request_id))
+            replies = await pipe.execute()
+        return replies[1::2]
 
     async def find_prediction(self, request_id: str) -> tuple[str, int, bytes] | None:
         raw = await self.redis.get(self._k("pred", request_id))

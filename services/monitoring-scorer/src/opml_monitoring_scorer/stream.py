@@ -1,18 +1,29 @@
 """The prediction and label streams, as a faust-streaming app (agents and tables, at least once).
 
 ``predictions`` agent, on opml.predictions.v1 (keyed ``<model>/<version>``, so one version's
-predictions arrive in order on one partition): each event is decoded (a malformed one, or one of a
-model nobody registered, goes to the topic's dead-letter topic with the reason, and the stream flows
-on), appended to its version's open window, and the window is closed and scored when it holds
-``window.count`` rows, or when an event's time is ``window.seconds`` past the window's first.
-Window times are event times, so windows close the same way on a replay.
+predictions arrive in order on one partition), in batches (``Stream.noack_take``: up to
+``BATCH_MAX`` events, or what came within ``BATCH_WITHIN_S``): each event is decoded (a malformed
+one, or one of a model nobody registered, goes to the topic's dead-letter topic with the reason, and
+the stream flows on), appended to its version's open window, and the window is closed and scored
+when it holds ``window.count`` rows, or when an event's time is ``window.seconds`` past the window's
+first. Window times are event times, so windows close the same way on a replay.
 
-Two faust tables hold the open windows, with changelog topics so a restarted scorer recovers them:
-``windows`` (version -> index, rows, times, the source offsets of its events and the last one
-applied) and ``rows`` (``version|partition:offset`` -> the event's bytes). faust replays events after the last committed offset
-(at least once); an event at or below the offset its window already applied is skipped, so a
-restart neither loses a window nor counts an event twice. faust flushes the changelogs before it
-commits source offsets.
+The source topic is the log of the open windows (as in Kafka Streams): an event is acked (its offset
+may be committed) only once the window it belongs to is closed and saved, so the committed offset of
+a partition never passes the first event of a window still open there. The open windows themselves
+live in memory only. A restarted scorer (or the new owner of a partition after a rebalance) is
+fed again from the committed offset and rebuilds the open windows from the same events, in the
+same order, with the same event times: the same windows. What it must not count again is a window
+it closed already: the ``windows`` table (a faust table with a changelog topic) holds per version
+the next window index and the offset of the last event of its last closed window, written once per
+closed window (not per event); an event at or below it is acked and skipped. faust flushes the
+changelog before it commits source offsets, and a window saved but not yet in the changelog when
+the process dies is closed again under the same index (the scorer saves windows by index and steps
+rules once per index), so a SIGKILL loses no window and counts none twice.
+
+Per batch: one Redis pipeline for the label-join records of its predictions (scorer.py), no
+per-event table write. Memory: the open windows' events (their decoded rows and the faust events,
+unacked), one window per monitored version.
 
 ``labels`` agent, on opml.labels.v1: each LabelObserved is joined to its prediction by request id in
 Redis with expiry (the retention bound; see state.py), because labels are keyed by request id and
@@ -27,8 +38,8 @@ source).
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +52,8 @@ from opml_common.bus.cloudevents import CloudEvent
 from opml_common.bus.security import kafka_client_kwargs
 from opml_common.config import PlatformSettings
 from opml_common.errors import InvalidArgument
-from opml_monitoring_scorer.core.scorer import Scorer, model_version
+from opml_monitoring_scorer.core.decode import Batch
+from opml_monitoring_scorer.core.scorer import Joinable, Scorer, model_version
 from opml_monitoring_scorer.metrics import ScorerMetrics
 from opml_monitoring_scorer.topics import LABELS, PREDICTIONS
 
@@ -49,10 +61,28 @@ log = logging.getLogger(__name__)
 PREDICTION_TYPE = "opml.inference.v1.PredictionMade"
 LABEL_TYPE = "opml.monitoring.v1.LabelObserved"
 MAX_EVENT_BYTES = 8 * 1024 * 1024
+BATCH_MAX = 2000
+"""Most events the predictions agent takes at once (at most ``stream_buffer_maxsize``)."""
+BATCH_WITHIN_S = 0.25
+"""How long the agent waits to fill a batch before it processes what it has."""
 
 
 class UnknownModel(Exception):
     """A prediction of a model version nobody registered for monitoring."""
+
+
+@dataclass
+class OpenWindow:
+    """A version's open window, in memory: its rows, event times, and the events to ack once it closes."""
+
+    index: int
+    partition: int
+    batches: list[Batch] = field(default_factory=list)
+    events: list[Any] = field(default_factory=list)
+    rows: int = 0
+    first: float | None = None
+    last: float | None = None
+    last_offset: int = -1
 
 
 def _credentials(platform: PlatformSettings) -> Any:
@@ -67,11 +97,40 @@ def _credentials(platform: PlatformSettings) -> Any:
                                  mechanism=platform.kafka_sasl_mechanism, ssl_context=kwargs.get("ssl_context"))
 
 
+def _seek_uncommitted_to_earliest(consumer: Any, topics: set[str]) -> None:
+    """Makes faust's "seek to the committed offsets" seek a source partition that has none to its
+    earliest offset (what ``consumer_auto_offset_reset="earliest"`` means), instead of leaving it where
+    it is.
+
+    The restart defect (a scorer SIGKILLed in its first seconds and started again closed no further
+    window, or stopped short, in about half the runs): faust-streaming 0.15.3's ``Consumer.getmany``
+    drops records it has already taken from aiokafka's fetcher (so the fetch position is past them)
+    when the flow stops, the generation changes or the partition is paused at that moment, as it does
+    while a restarted worker recovers its tables, and relies on ``perform_seek`` ->
+    ``seek_to_committed`` to fetch them again. aiokafka's ``seek_to_committed`` seeks only where the
+    committed offset is above 0: a partition its group never committed (the first scorer was killed
+    before its first commit, every ``broker_commit_interval``) stays at the position past the dropped
+    records, and they are never delivered. Seen in a stalled process: position 160 = the log end, no
+    record buffered, none processed, nothing committed.
+    """
+    seek_to_committed = consumer.seek_to_committed
+
+    async def seek_to_committed_or_earliest() -> Any:
+        committed = await seek_to_committed()
+        missing = [tp for tp, offset in committed.items() if not offset and tp.topic in topics]
+        if missing:
+            earliest = await consumer.earliest_offsets(*missing)
+            await consumer.seek_wait({tp: earliest[tp] for tp in missing})
+        return committed
+
+    consumer.seek_to_committed = seek_to_committed_or_earliest
+
+
 class ScoringStream:
     """Side effects:
         ``start()``: creates the internal topics, starts the faust app (joins the consumer group,
-        recovers the tables from their changelogs, then consumes). Idempotent.
-        ``stop()``: stops the app (commits what was processed). Idempotent.
+        recovers the table from its changelog, then consumes). Idempotent.
+        ``stop()``: stops the app (commits what was processed: closed windows). Idempotent.
     """
 
     def __init__(self, platform: PlatformSettings, scorer: Scorer, metrics: ScorerMetrics, *,
@@ -84,11 +143,11 @@ class ScoringStream:
         self.app_id = platform.topic_prefix + app_id
         self.app: faust.App | None = None
         self.processed = 0
+        self._open: dict[str, OpenWindow] = {}
+        self._joinable: list[Joinable] = []
 
     def _internal_topics(self) -> dict[str, int]:
-        partitions = PREDICTIONS.partitions
-        return {f"{self.app_id}-windows-changelog": partitions, f"{self.app_id}-rows-changelog": partitions,
-                f"{self.app_id}-__assignor-__leader": 1}
+        return {f"{self.app_id}-windows-changelog": PREDICTIONS.partitions, f"{self.app_id}-__assignor-__leader": 1}
 
     async def _create_topics(self) -> None:
         admin = AIOKafkaAdminClient(**kafka_client_kwargs(self.platform))
@@ -116,26 +175,32 @@ class ScoringStream:
             broker_session_timeout=platform.kafka_session_timeout_ms / 1000,
             broker_heartbeat_interval=platform.kafka_heartbeat_interval_ms / 1000,
             consumer_auto_offset_reset="earliest", datadir=str(self.datadir), producer_acks=-1,
+            # the events of open windows stay unacked until their window closes: a rebalance or a
+            # stop must not wait for them (they are fed again from the committed offset)
+            stream_wait_empty=False, stream_buffer_maxsize=max(4096, 2 * BATCH_MAX),
             loop=asyncio.get_running_loop())
         predictions = app.topic(PREDICTIONS.full_name(platform.topic_prefix), key_type=bytes, value_type=bytes,
                                 key_serializer="raw", value_serializer="raw", partitions=PREDICTIONS.partitions)
         labels = app.topic(LABELS.full_name(platform.topic_prefix), key_type=bytes, value_type=bytes,
                            key_serializer="raw", value_serializer="raw", partitions=LABELS.partitions)
+        # version -> {"index": next window, "partition", "through": offset of its last closed window's last event}
         self.windows = app.Table("windows", default=None, partitions=PREDICTIONS.partitions)
-        # values are base64 text: faust's table recovery decodes changelog values as JSON whatever the
-        # table's declared serializer (a raw-bytes table recovered to 'utf-8' errors here)
-        self.rows = app.Table("rows", default=None, partitions=PREDICTIONS.partitions)
 
         async def on_predictions(stream: Any) -> None:
-            async for event in stream.events():
-                await self._on_prediction(event)
+            async for events in stream.noack_take(BATCH_MAX, within=BATCH_WITHIN_S):
+                await self._on_batch(events)
 
         async def on_labels(stream: Any) -> None:
             async for event in stream.events():
                 await self._on_label(event)
 
+        async def on_revoked(sender: Any, revoked: Any, **kwargs: Any) -> None:
+            self._forget({tp.partition for tp in revoked if tp.topic == predictions.get_topic_name()})
+
         app.agent(predictions, name="predictions")(on_predictions)
         app.agent(labels, name="labels")(on_labels)
+        app.on_partitions_revoked.connect(on_revoked)
+        _seek_uncommitted_to_earliest(app.consumer, {predictions.get_topic_name(), labels.get_topic_name()})
         self.app = app
         await app.start()
 
@@ -144,6 +209,13 @@ class ScoringStream:
             return
         app, self.app = self.app, None
         await app.stop()
+
+    def _forget(self, partitions: set[int]) -> None:
+        """Partitions revoked: their open windows are dropped unacked; whoever gets them next (this
+        process too) is fed their events again from the committed offset and rebuilds them."""
+        for key in [k for k, w in self._open.items() if w.partition in partitions]:
+            del self._open[key]
+        self._joinable = [j for j in self._joinable if j.partition not in partitions]
 
     async def _dead_letter(self, topic_name: str, message: Any, error: Exception) -> None:
         headers = [*(message.headers or ()),
@@ -165,6 +237,14 @@ class ScoringStream:
             raise InvalidArgument("ce_type", f"must be {expected}, but got {event.type[:80]!r}")
         return event.data
 
+    async def _on_batch(self, events: list[Any]) -> None:
+        app = self.app
+        for event in events:
+            if app is None or event.message.generation_id != app.consumer_generation_id:
+                continue  # fetched before a rebalance: it is fed again from the committed offset
+            await self._on_prediction(event)
+        await self._flush_joins()
+
     async def _on_prediction(self, event: Any) -> None:
         message = event.message
         try:
@@ -179,55 +259,71 @@ class ScoringStream:
         except UnknownModel as exc:
             self.metrics.rejected.labels("unknown_model").inc()
             await self._dead_letter(PREDICTIONS.dead_letter(self.platform.topic_prefix), message, exc)
+            event.ack()
             return
         except Exception as exc:  # noqa: BLE001 - any undecodable event is dead-lettered, never blocks
             self.metrics.rejected.labels("malformed").inc()
             await self._dead_letter(PREDICTIONS.dead_letter(self.platform.topic_prefix), message, exc)
+            event.ack()
             return
-        state = self.windows.get(key) or {"index": 0, "rows": 0, "offsets": [], "first": None, "last": None,
-                                          "partition": message.partition, "offset": -1}
+        partition, offset = message.partition, message.offset
+        progress = self.windows.get(key)
+        if progress is not None and progress["partition"] == partition and offset <= progress["through"]:
+            event.ack()  # in a window closed before a restart or a rebalance
+            return
+        window = self._open.get(key)
+        if window is not None and window.partition == partition and offset <= window.last_offset:
+            return  # delivered twice while its window is open: the first delivery holds the ack
+        if window is None or window.partition != partition:
+            index = progress["index"] if progress is not None else 0
+            window = self._open[key] = OpenWindow(index=index, partition=partition)
         spec = monitored.config.window
-        row_key = f"{key}|{message.partition}:{message.offset}"
-        if state["partition"] == message.partition and message.offset <= state["offset"]:
-            # applied before a restart (faust replays from the last committed offset): skip it, but
-            # restore its row if the rows changelog lost it while the windows changelog kept the state
-            if message.offset in state["offsets"] and self.rows.get(row_key) is None:
-                self.rows[row_key] = base64.b64encode(data).decode()
-            return
-        if spec.count is not None and state["rows"] >= spec.count:
-            state = await self._close(key, state)  # full before a crash, not closed: close it now
         when = prediction.time.ToNanoseconds() / 1e9 if prediction.HasField("time") else message.timestamp
-        if spec.seconds is not None and state["offsets"] and when >= state["first"] + spec.seconds:
-            state = await self._close(key, state)
-        self.rows[row_key] = base64.b64encode(data).decode()
-        if state["first"] is None:
-            state["first"] = when
-        state["last"] = when
-        state["offsets"] = [*state["offsets"], message.offset]
-        state["rows"] += len(batch) or 1
-        state["partition"], state["offset"] = message.partition, message.offset
+        if spec.seconds is not None and window.events and when >= window.first + spec.seconds:
+            window = await self._close(key, window)
+        window.batches.append(batch)
+        window.events.append(event)
+        window.rows += len(batch) or 1
+        window.last_offset = offset
+        if window.first is None:
+            window.first = when
+        window.last = when
         self.metrics.predictions.labels(monitored.model, monitored.version).inc(len(batch))
         if prediction.request_id and len(batch):
-            await self.scorer.on_prediction_joinable(key, state["index"], data, prediction.request_id)
-        if spec.count is not None and state["rows"] >= spec.count:
-            state = await self._close(key, state)
-        self.windows[key] = state
+            self._joinable.append(Joinable(key, window.index, data, prediction.request_id, partition))
+        if spec.count is not None and window.rows >= spec.count:
+            await self._close(key, window)
         self.processed += 1
 
-    async def _close(self, key: str, state: dict) -> dict:
-        """Scores the open window (its rows read back from the table), then empties it. A close
-        replayed after a crash rewrites the same window (the scorer saves by index, steps rules once)."""
-        index = state["index"]
-        names = [f"{key}|{state['partition']}:{offset}" for offset in state["offsets"]]
-        events = [self.rows.get(name) for name in names]
-        missing = sum(e is None for e in events)
-        if missing:
-            log.error("window %d of %s: %d rows missing from the rows table", index, key, missing)
-        await self.scorer.close_window(key, index, [base64.b64decode(e) for e in events if e is not None],
-                                       state["first"], state["last"])
-        for name in names:
-            self.rows.pop(name, None)
-        return {**state, "index": index + 1, "rows": 0, "offsets": [], "first": None, "last": None}
+    async def _flush_joins(self) -> None:
+        if self._joinable:
+            joinable, self._joinable = self._joinable, []
+            await self.scorer.on_predictions_joinable(joinable)
+
+    async def _close(self, key: str, window: OpenWindow) -> OpenWindow:
+        """Scores the open window, records it closed (the table, once per window), acks its events,
+        and opens the next. A close replayed after a crash rewrites the same window (the scorer saves
+        by index, steps rules once)."""
+        await self._flush_joins()  # a label that came first is applied before the window reads its truth
+        await self.scorer.score_window(key, window.index, Batch.concat(window.batches), window.first, window.last)
+        progress = {"index": window.index + 1, "partition": window.partition, "through": window.last_offset}
+        # Sent to the changelog and awaited (the broker has it, acks=all) before the window's events
+        # are acked: faust's commit flushes its producer buffer for at most 0.1 s, so a table write
+        # through ``table[key] = ...`` (send_soon) may still be buffered when the source offsets
+        # behind it are committed. Written to the window's own partition: the table is
+        # co-partitioned with the predictions (a batch has no current event to take it from).
+        table = self.windows
+        sent = await table.changelog_topic.send(key=key, value=progress, partition=window.partition,
+                                                key_serializer=table.key_serializer,
+                                                value_serializer=table.value_serializer)
+        await sent
+        table.data[key] = progress
+        for event in window.events:
+            event.ack()
+        following = OpenWindow(index=window.index + 1, partition=window.partition)
+        if self._open.get(key) is window:
+            self._open[key] = following
+        return following
 
     async def _on_label(self, event: Any) -> None:
         message = event.message

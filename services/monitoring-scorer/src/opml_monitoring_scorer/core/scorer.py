@@ -13,7 +13,7 @@ import io
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -79,6 +79,18 @@ def dump_reference(reference: ReferenceSet) -> bytes:
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     return buffer.getvalue()
+
+
+@dataclass(frozen=True)
+class Joinable:
+    """A prediction a late label may join: its version, window index, PredictionMade bytes, request id
+    (and the source partition it came from, for the stream's bookkeeping)."""
+
+    key: str
+    window: int
+    raw_event: bytes
+    request_id: str
+    partition: int = -1
 
 
 @dataclass
@@ -210,9 +222,7 @@ class Scorer:
 
     async def close_window(self, key: str, index: int, events: list[bytes], first_time: float,
                            last_time: float) -> WindowScore | None:
-        """Scores a closed window, saves it, steps the rules (once per window: a replayed close does not
-        step them again) and emits the alerts' changes."""
-        started = time.perf_counter()
+        """Scores a closed window of PredictionMade bytes (see :meth:`score_window`)."""
         monitored = self.get(key)
         batches = []
         for raw in events:
@@ -220,11 +230,20 @@ class Scorer:
                 batches.append(self.decode(monitored, inference_events.PredictionMade.FromString(raw)))
             except InvalidArgument:  # checked when it arrived; a config change may have made it undecodable
                 self.metrics.rejected.labels("malformed").inc()
-        batch = Batch.concat(batches)
+        return await self.score_window(key, index, Batch.concat(batches), first_time, last_time)
+
+    async def score_window(self, key: str, index: int, batch: Batch, first_time: float | None,
+                           last_time: float | None) -> WindowScore | None:
+        """Scores a closed window (its events' rows, decoded as they arrived), saves it, steps the rules
+        (once per window: a replayed close does not step them again) and emits the alerts' changes."""
+        started = time.perf_counter()
+        monitored = self.get(key)
         if monitored.monitor is None:
             if not len(batch):
                 return None
             monitored.monitor = await asyncio.to_thread(_bootstrap_monitor, batch, monitored.config)
+        first_time = first_time if first_time is not None else 0.0
+        last_time = last_time if last_time is not None else first_time
         score = await asyncio.to_thread(monitored.monitor.score, batch, index=index, first_time=first_time,
                                         last_time=last_time)
         labelled, total = await self.store.truth(key, index)
@@ -320,13 +339,21 @@ class Scorer:
 
     async def on_prediction_joinable(self, key: str, window: int, raw_event: bytes, request_id: str) -> None:
         """Keeps a prediction for the label join; applies a label that came before it."""
-        parked = await self.store.remember_prediction(request_id, key, window, raw_event)
-        if parked is not None:
+        await self.on_predictions_joinable([Joinable(key, window, raw_event, request_id)])
+
+    async def on_predictions_joinable(self, items: Sequence[Joinable]) -> None:
+        """Keeps predictions for the label join (one Redis round trip for all); applies the labels
+        that came before them."""
+        parked = await self.store.remember_predictions(
+            [(item.request_id, item.key, item.window, item.raw_event) for item in items])
+        for item, label in zip(items, parked, strict=True):
+            if label is None:
+                continue
             try:
-                await self._join(key, window, raw_event, label_events_pb2.LabelObserved.FromString(parked))
+                await self._join(item.key, item.window, item.raw_event, label_events_pb2.LabelObserved.FromString(label))
             except InvalidArgument as exc:
                 self.metrics.labels.labels("malformed").inc()
-                log.warning("parked label of %s dropped: %s", request_id, exc)
+                log.warning("parked label of %s dropped: %s", item.request_id, exc)
 
     async def _join(self, key: str, window: int, raw_event: bytes, label: label_events_pb2.LabelObserved) -> str:
         monitored = self.models.get(key)
