@@ -240,8 +240,11 @@ class ScoringStream:
     async def _on_batch(self, events: list[Any]) -> None:
         app = self.app
         for event in events:
-            if app is None or event.message.generation_id != app.consumer_generation_id:
-                continue  # fetched before a rebalance: it is fed again from the committed offset
+            if (app is None or not app.flow_control.is_active()
+                    or event.message.generation_id != app.consumer_generation_id):
+                # a rebalance began (its revoke drops the open windows) or the event was fetched
+                # before one: not applied, not acked, fed again from the committed offset
+                continue
             await self._on_prediction(event)
         await self._flush_joins()
 
