@@ -130,21 +130,24 @@ async def run_controller(function: str, algorithm: str, seed: int, trials: int, 
     return float(best.objective_value), wall
 
 
-def run_plain(function: str, algorithm: str, seed: int, trials: int, *, storage=None) -> tuple[float, float]:
-    """(best value, seconds of ask+tell per trial) of plain Optuna, same sampler, one trial at a time."""
-    spec = parse_experiment(experiment("plain", function, algorithm, seed, trials, 1))
+def run_plain(function: str, algorithm: str, seed: int, trials: int, *, storage=None,
+              parallel: int = 1) -> tuple[float, float]:
+    """(best value, seconds of ask+tell per trial) of plain Optuna, same sampler, ``parallel`` trials
+    pending at a time (each told in the order it was asked)."""
+    spec = parse_experiment(experiment("plain", function, algorithm, seed, trials, parallel))
     study = optuna.create_study(sampler=make_sampler(spec), storage=storage,
                                 study_name=f"plain-{uuid.uuid4().hex[:8]}")
     space = search_space(spec)
     evaluate = FUNCTIONS[function][0]
-    spent = 0.0
-    for _ in range(trials):
+    spent, asked, pending = 0.0, 0, []
+    while asked < trials or pending:
         started = time.perf_counter()
-        trial = study.ask(fixed_distributions=space)
-        spent += time.perf_counter() - started
-        value = evaluate(trial.params)
-        started = time.perf_counter()
-        study.tell(trial, value)
+        if asked < trials and len(pending) < parallel:
+            pending.append(study.ask(fixed_distributions=space))
+            asked += 1
+        else:
+            trial = pending.pop(0)
+            study.tell(trial, evaluate(trial.params))
         spent += time.perf_counter() - started
     return study.best_value, spent / trials
 
@@ -158,16 +161,17 @@ def main() -> None:
     args = parser.parse_args()
     print(f"best objective after {args.trials} trials, mean over {args.seeds} seeds (controller: "
           f"{args.parallel} trials at once; plain Optuna: one at a time, same sampler and seed)")
-    print(f"{'function':<11} {'algorithm':<9} {'controller':>12} {'ctl 1 at once':>14} {'plain optuna':>13} "
-          f"{'ratio':>7} {'ratio 1':>8}")
+    print(f"{'function':<11} {'algorithm':<9} {'controller':>12} {f'plain {args.parallel} at once':>17} "
+          f"{'ctl 1 at once':>14} {'plain optuna':>13} {'ratio':>7} {f'ratio {args.parallel}':>8} {'ratio 1':>8}")
     overheads, plain_times, journal_times = [], [], []
     for function in FUNCTIONS:
         for algorithm in args.algorithms.split(","):
-            ours, serial, theirs = [], [], []
+            ours, serial, theirs, theirs_parallel = [], [], [], []
             for seed in range(args.seeds):
                 best, wall = asyncio.run(run_controller(function, algorithm, seed, args.trials, args.parallel))
                 serial.append(asyncio.run(run_controller(function, algorithm, seed, args.trials, 1))[0])
                 plain_best, per_trial = run_plain(function, algorithm, seed, args.trials)
+                theirs_parallel.append(run_plain(function, algorithm, seed, args.trials, parallel=args.parallel)[0])
                 ours.append(best)
                 theirs.append(plain_best)
                 plain_times.append(per_trial)
@@ -175,8 +179,10 @@ def main() -> None:
             mean_serial = statistics.mean(serial)
             ratio = mean_ours / mean_theirs if mean_theirs else float("nan")
             ratio_serial = mean_serial / mean_theirs if mean_theirs else float("nan")
-            print(f"{function:<11} {algorithm:<9} {mean_ours:>12.4g} {mean_serial:>14.4g} {mean_theirs:>13.4g} "
-                  f"{ratio:>7.2f} {ratio_serial:>8.2f}")
+            mean_parallel = statistics.mean(theirs_parallel)
+            ratio_parallel = mean_ours / mean_parallel if mean_parallel else float("nan")
+            print(f"{function:<11} {algorithm:<9} {mean_ours:>12.4g} {mean_parallel:>17.4g} {mean_serial:>14.4g} "
+                  f"{mean_theirs:>13.4g} {ratio:>7.2f} {ratio_parallel:>8.2f} {ratio_serial:>8.2f}")
     for seed in range(args.seeds):  # one trial at a time: the wall per trial is the controller's own work
         wall = asyncio.run(run_controller("sphere", "random", seed, args.trials, 1))[1]
         overheads.append(wall / args.trials - run_plain("sphere", "random", seed, args.trials)[1])

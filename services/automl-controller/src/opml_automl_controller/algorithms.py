@@ -4,7 +4,7 @@
 |---|---|
 | random | ``RandomSampler(seed)`` |
 | grid | ``GridSampler`` over each parameter's min..max by step (or its list) |
-| tpe | ``TPESampler`` (n_startup_trials, n_EI_candidates, gamma, prior_weight) |
+| tpe | ``TPESampler`` (n_startup_trials, n_EI_candidates, gamma, prior_weight; constant_liar when parallel) |
 | multivariate-tpe | ``TPESampler(multivariate=True)`` |
 | cmaes | ``CmaEsSampler`` (sigma -> sigma0, restart_strategy ipop) |
 | sobol | ``QMCSampler(qmc_type="sobol")`` |
@@ -95,7 +95,10 @@ def make_sampler(spec: ExperimentSpec, *, trials_so_far: int = 0) -> optuna.samp
         grid = {p.name: grid_values(p) for p in spec.parameters}
         return optuna.samplers.GridSampler(grid, seed=seed)
     if name in ("tpe", "multivariate-tpe"):
-        kwargs: dict[str, Any] = {"seed": seed, "multivariate": name == "multivariate-tpe"}
+        # constant liar: running trials count as bad, so trials asked side by side do not crowd one
+        # spot (Optuna's advice for parallel optimization)
+        kwargs: dict[str, Any] = {"seed": seed, "multivariate": name == "multivariate-tpe",
+                                  "constant_liar": spec.parallel_trial_count > 1}
         if "n_startup_trials" in settings:
             kwargs["n_startup_trials"] = int(settings["n_startup_trials"])
         candidates = settings.get("n_EI_candidates", settings.get("n_ei_candidates"))
