@@ -22,12 +22,10 @@ orchestrator's job start-up plus trial bookkeeping).
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 import uuid
@@ -35,13 +33,13 @@ from pathlib import Path
 
 import optuna
 import yaml
+from _stack import automl_controller, bench_services
 from opml.automl.v1 import automl_pb2 as pb
 
 from opml_automl_controller.algorithms import make_sampler, search_space
 from opml_automl_controller.client import ExperimentClient
 from opml_automl_controller.katib import parse_experiment
-from opml_common.devinfra import DevInfra
-from opml_common.testing.services import TOKENS, ServiceStarter
+from opml_common.testing.services import TOKENS
 
 TRIAL = textwrap.dedent("""
     import os, sys
@@ -117,32 +115,19 @@ def main() -> None:
     parser.add_argument("--algorithm", default="tpe")
     args = parser.parse_args()
     rows = []
-    with tempfile.TemporaryDirectory() as workdir, DevInfra(workdir=Path(workdir) / "infra") as endpoints:
-        program = Path(workdir) / "trial.py"
+    with bench_services() as (starter, workdir):
+        program = workdir / "trial.py"
         program.write_text(TRIAL)
-        prefix = f"b{uuid.uuid4().hex[:8]}-"
-        starter = ServiceStarter({**endpoints.env(), "OPML_TOPIC_PREFIX": prefix,
-                                  "OPML_REDIS_PREFIX": f"opml-bench:{prefix}", "OPML_LOG_FORMAT": "text"},
-                                 Path(workdir))
-        try:
-            orchestrator = starter("job-orchestrator", extra_env={
-                "OPML_JOB_ORCHESTRATOR_NODES": json.dumps([{"name": "n0", "cpu_millis": 8000, "memory_mib": 8192}]),
-                "OPML_JOB_ORCHESTRATOR_LOG_POLL_S": "0.05"})
-            controller = starter("automl-controller", extra_env={
-                "OPML_AUTOML_CONTROLLER_JOB_ORCHESTRATOR_TARGET": orchestrator.target,
-                "OPML_AUTOML_CONTROLLER_JOB_ORCHESTRATOR_TOKEN": TOKENS["writer"]})
-            with ExperimentClient(controller.target, token=TOKENS["writer"]) as client:
-                for seed in range(args.seeds):
-                    name = f"keras-{args.algorithm}-{seed}-{uuid.uuid4().hex[:6]}"
-                    text = experiment(name, program, algorithm=args.algorithm, seed=seed, trials=args.trials,
-                                      epochs=args.epochs)
-                    ours, ours_wall = run_controller(client, text, name)
-                    plain, plain_wall = run_plain(text, program, epochs=args.epochs, seed=seed)
-                    rows.append((seed, ours, plain, ours_wall, plain_wall))
-                    print(f"seed {seed}: controller {ours:.4f} ({ours_wall:.1f} s), plain Optuna {plain:.4f} "
-                          f"({plain_wall:.1f} s)", flush=True)
-        finally:
-            starter.stop_all()
+        with ExperimentClient(automl_controller(starter), token=TOKENS["writer"]) as client:
+            for seed in range(args.seeds):
+                name = f"keras-{args.algorithm}-{seed}-{uuid.uuid4().hex[:6]}"
+                text = experiment(name, program, algorithm=args.algorithm, seed=seed, trials=args.trials,
+                                  epochs=args.epochs)
+                ours, ours_wall = run_controller(client, text, name)
+                plain, plain_wall = run_plain(text, program, epochs=args.epochs, seed=seed)
+                rows.append((seed, ours, plain, ours_wall, plain_wall))
+                print(f"seed {seed}: controller {ours:.4f} ({ours_wall:.1f} s), plain Optuna {plain:.4f} "
+                      f"({plain_wall:.1f} s)", flush=True)
     ours, plain = [r[1] for r in rows], [r[2] for r in rows]
     print(f"\n{args.algorithm}, {args.trials} trials, one at a time, {args.epochs} epochs, {len(rows)} seeds: best "
           f"validation accuracy controller {statistics.mean(ours):.4f}, plain Optuna {statistics.mean(plain):.4f} "

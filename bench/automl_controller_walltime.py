@@ -14,20 +14,17 @@ sequential wall time.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import tempfile
 import textwrap
 import time
-import uuid
 from pathlib import Path
 
 import yaml
+from _stack import automl_controller, bench_services
 from opml.automl.v1 import automl_pb2 as pb
 
 from opml_automl_controller.client import ExperimentClient
-from opml_common.devinfra import DevInfra
-from opml_common.testing.services import TOKENS, ServiceStarter
+from opml_common.testing.services import TOKENS
 
 TRIAL = textwrap.dedent("""
     import sys, time
@@ -74,27 +71,16 @@ def main() -> None:
     parser.add_argument("--bad-epochs", type=int, default=40)
     parser.add_argument("--epoch-s", type=float, default=0.1)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as workdir, DevInfra(workdir=Path(workdir) / "infra") as endpoints:
-        program = Path(workdir) / "trial.py"
+    with bench_services() as (starter, workdir):
+        program = workdir / "trial.py"
         program.write_text(TRIAL)
-        prefix = f"b{uuid.uuid4().hex[:8]}-"
-        starter = ServiceStarter({**endpoints.env(), "OPML_TOPIC_PREFIX": prefix,
-                                  "OPML_REDIS_PREFIX": f"opml-bench:{prefix}", "OPML_LOG_FORMAT": "text"},
-                                 Path(workdir))
-        try:
-            orchestrator = starter("job-orchestrator", extra_env={
-                "OPML_JOB_ORCHESTRATOR_NODES": json.dumps([{"name": "n0", "cpu_millis": 8000, "memory_mib": 8192}]),
-                "OPML_JOB_ORCHESTRATOR_LOG_POLL_S": "0.05", "OPML_JOB_ORCHESTRATOR_TERMINATE_GRACE_S": "2"})
-            controller = starter("automl-controller", extra_env={
-                "OPML_AUTOML_CONTROLLER_JOB_ORCHESTRATOR_TARGET": orchestrator.target,
-                "OPML_AUTOML_CONTROLLER_JOB_ORCHESTRATOR_TOKEN": TOKENS["writer"]})
-            with ExperimentClient(controller.target, token=TOKENS["writer"]) as client:
-                sequential, seq_exp, seq_trials = run(
-                    client, experiment("sequential", program, args, parallel=1, early=False), "sequential")
-                fast, fast_exp, fast_trials = run(
-                    client, experiment("parallel", program, args, parallel=args.parallel, early=True), "parallel")
-        finally:
-            starter.stop_all()
+        target = automl_controller(starter, OPML_JOB_ORCHESTRATOR_TERMINATE_GRACE_S="2")
+        with ExperimentClient(target, token=TOKENS["writer"]) as client:
+            sequential, seq_exp, seq_trials = run(
+                client, experiment("sequential", program, args, parallel=1, early=False), "sequential")
+            fast, fast_exp, fast_trials = run(
+                client, experiment("parallel", program, args, parallel=args.parallel, early=True), "parallel")
+
     def best(exp: pb.Experiment) -> float:
         return exp.status.current_optimal_trial.objective_value
     stopped = sum(t.state == pb.TRIAL_STATE_EARLY_STOPPED for t in fast_trials)

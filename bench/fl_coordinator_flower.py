@@ -33,9 +33,9 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+from _stack import bench_services
 
-from opml_common.devinfra import DevInfra
-from opml_common.testing.services import TOKENS, ServiceStarter
+from opml_common.testing.services import TOKENS
 from opml_fl_coordinator.client import FederationClient, NumPyClient, run_client
 from opml_fl_coordinator.config import parse_config
 from opml_fl_coordinator.simulator import Simulator, SoftmaxModel, heterogeneous_traits, partition_digits
@@ -157,7 +157,7 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, default=0.5)
     parser.add_argument("--base-speed", type=float, default=20.0)
     parser.add_argument("--time-scale", type=float, default=0.05, help="real seconds per virtual second")
-    parser.add_argument("--flower-cpus", default="0.1,0.2,0.5", help="Ray CPUs per Flower client, each tried "
+    parser.add_argument("--flower-cpus", default="0.1,0.2,0.5,1", help="Ray CPUs per Flower client, each tried "
                         "on the first seed (below 1 lets a round's sleeping clients run side by side)")
     parser.add_argument("--systems", default="flower,service,sim", help="any of flower, service, sim")
     parser.add_argument("--target", type=float, default=0.85)
@@ -166,30 +166,24 @@ def main() -> None:
     systems = set(args.systems.split(","))
     settings = [float(c) for c in args.flower_cpus.split(",")]
     rows = []
-    with tempfile.TemporaryDirectory() as workdir, DevInfra(workdir=Path(workdir) / "infra") as endpoints:
-        prefix = f"b{uuid.uuid4().hex[:8]}-"
-        starter = ServiceStarter({**endpoints.env(), "OPML_TOPIC_PREFIX": prefix,
-                                  "OPML_REDIS_PREFIX": f"opml-bench:{prefix}", "OPML_LOG_FORMAT": "text"}, Path(workdir))
-        try:
-            coordinator = starter("fl-coordinator").target if "service" in systems else ""
-            for seed in [int(s) for s in args.seeds.split(",")]:
-                partition = partition_digits(args.clients, alpha=args.alpha, seed=seed)
-                traits = heterogeneous_traits(args.clients, seed=seed, base_speed=args.base_speed, dropout=0.0)
-                if "flower" in systems:
-                    tried = [{"seed": seed, "system": f"Flower 1.42 FedAvg cpus={c:g}", "cpus": c,
-                              **flower(args, traits, seed, c)} for c in settings]
-                    rows.extend(tried)
-                    settings = [min(tried, key=lambda r: r["time_s"] or float("inf"))["cpus"]]
-                if "service" in systems:
-                    for policy in ("random", "tifl", "semi_async"):
-                        rows.append({"seed": seed, "system": f"ours (service) {policy}",
-                                     **service(policy, args, partition, traits, seed, coordinator)})
-                if "sim" in systems:
-                    for policy in ("random", "tifl", "semi_async"):
-                        rows.append({"seed": seed, "system": f"ours (sim) {policy}",
-                                     **ours(policy, args, partition, traits, seed)})
-        finally:
-            starter.stop_all()
+    with bench_services() as (starter, _):
+        coordinator = starter("fl-coordinator").target if "service" in systems else ""
+        for seed in [int(s) for s in args.seeds.split(",")]:
+            partition = partition_digits(args.clients, alpha=args.alpha, seed=seed)
+            traits = heterogeneous_traits(args.clients, seed=seed, base_speed=args.base_speed, dropout=0.0)
+            if "flower" in systems:
+                tried = [{"seed": seed, "system": f"Flower 1.42 FedAvg cpus={c:g}", "cpus": c,
+                          **flower(args, traits, seed, c)} for c in settings]
+                rows.extend(tried)
+                settings = [min(tried, key=lambda r: r["time_s"] or float("inf"))["cpus"]]
+            if "service" in systems:
+                for policy in ("random", "tifl", "semi_async"):
+                    rows.append({"seed": seed, "system": f"ours (service) {policy}",
+                                 **service(policy, args, partition, traits, seed, coordinator)})
+            if "sim" in systems:
+                for policy in ("random", "tifl", "semi_async"):
+                    rows.append({"seed": seed, "system": f"ours (sim) {policy}",
+                                 **ours(policy, args, partition, traits, seed)})
     print(f"{args.clients} clients, {args.per_round} per round, target accuracy {args.target:g}, time scale "
           f"{args.time_scale:g} real s per virtual s")
     print(f"{'seed':>4} {'system':<32} {'time to target s':>17} {'rounds':>7} {'final acc':>10} {'engine wall s':>14}")

@@ -1,0 +1,40 @@
+"""The real services a bench runs against: embedded infrastructure (DevInfra: tansu, SeaweedFS, the
+machine's Redis) and a ServiceStarter under a unique topic and Redis prefix, every process stopped
+at the end; and the automl-controller with the job-orchestrator it submits trials to."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from opml_common.devinfra import DevInfra
+from opml_common.testing.services import TOKENS, ServiceStarter
+
+
+@contextmanager
+def bench_services() -> Iterator[tuple[ServiceStarter, Path]]:
+    """(a starter of service processes, a scratch directory), both gone at the end."""
+    with tempfile.TemporaryDirectory() as workdir, DevInfra(workdir=Path(workdir) / "infra") as endpoints:
+        prefix = f"b{uuid.uuid4().hex[:8]}-"
+        starter = ServiceStarter({**endpoints.env(), "OPML_TOPIC_PREFIX": prefix,
+                                  "OPML_REDIS_PREFIX": f"opml-bench:{prefix}", "OPML_LOG_FORMAT": "text"},
+                                 Path(workdir))
+        try:
+            yield starter, Path(workdir)
+        finally:
+            starter.stop_all()
+
+
+def automl_controller(starter: ServiceStarter, **orchestrator_env: str) -> str:
+    """Starts a job-orchestrator (one 8-CPU node, fast log polling, ``orchestrator_env`` on top) and an
+    automl-controller submitting to it; returns the controller's target (auth on: TOKENS)."""
+    orchestrator = starter("job-orchestrator", extra_env={
+        "OPML_JOB_ORCHESTRATOR_NODES": json.dumps([{"name": "n0", "cpu_millis": 8000, "memory_mib": 8192}]),
+        "OPML_JOB_ORCHESTRATOR_LOG_POLL_S": "0.05", **orchestrator_env})
+    return starter("automl-controller", extra_env={
+        "OPML_AUTOML_CONTROLLER_JOB_ORCHESTRATOR_TARGET": orchestrator.target,
+        "OPML_AUTOML_CONTROLLER_JOB_ORCHESTRATOR_TOKEN": TOKENS["writer"]}).target
