@@ -6,12 +6,13 @@ bare ``grpc.RpcError``. Inference goes through any KServe v2 client (tritonclien
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from opml.inference.v1 import deployments_pb2 as pb
 from opml.inference.v1 import deployments_pb2_grpc
 
 from opml_common.grpc.client import ServiceClient, pages
+from opml_common.perfmodel import ServingConfig
 
 DEPLOY_TIMEOUT_S = 600.0  # a deploy fetches, profiles on every allowed kind and loads the replicas
 CALL_TIMEOUT_S = 60.0
@@ -54,3 +55,24 @@ class DeploymentClient(ServiceClient):
 
     def placement(self) -> pb.Placement:
         return self.stub.GetPlacement(pb.GetPlacementRequest(), timeout=CALL_TIMEOUT_S)
+
+    def measure_serving_configs(self, name: str, pool_kind: str, configs: Sequence[ServingConfig], *,
+                                runs: int = 0, passes: int = 0) -> pb.ServingMeasurements:
+        """Measure ``configs`` of ``name`` (models/{model}/versions/{version}) on ``pool_kind``; every
+        measurement kept for it there comes back."""
+        request = pb.MeasureServingConfigsRequest(name=name, pool_kind=pool_kind, runs=runs, passes=passes,
+                                                  configs=[serving_config(c) for c in configs])
+        return self.stub.MeasureServingConfigs(request, timeout=DEPLOY_TIMEOUT_S)
+
+    def predict_serving_performance(self, name: str, pool_kind: str,
+                                    configs: Sequence[ServingConfig]) -> pb.ServingPerformance:
+        """Predicted latency and throughput of ``configs``, and the performance model's fit."""
+        request = pb.PredictServingPerformanceRequest(name=name, pool_kind=pool_kind,
+                                                      configs=[serving_config(c) for c in configs])
+        return self.stub.PredictServingPerformance(request, timeout=CALL_TIMEOUT_S)
+
+
+def serving_config(config: ServingConfig) -> pb.ServingConfig:
+    """The message of a configuration (the servicer's replies build theirs with it too)."""
+    return pb.ServingConfig(batch=config.batch, threads=config.threads, opt_level=config.opt_level,
+                            execution_mode=config.execution_mode, precision=config.precision)

@@ -2,8 +2,9 @@
 
 Domain errors raised by the manager become status codes in the shared interceptor. Roles: reads
 need ``reader``; deploying, traffic changes, promote and rollback need ``writer`` (what a person who
-ships models does every day, like adding bundles); ``Undeploy`` removes a model from serving
-altogether and needs ``admin`` (DESIGN: deletion is an admin API).
+ships models does every day, like adding bundles); so does ``MeasureServingConfigs`` (it takes the
+machine's cores for seconds), while ``PredictServingPerformance`` reads; ``Undeploy`` removes a
+model from serving altogether and needs ``admin`` (DESIGN: deletion is an admin API).
 """
 
 from __future__ import annotations
@@ -17,15 +18,19 @@ from opml.inference.v1 import deployments_pb2_grpc
 from opml_common.errors import FailedPrecondition, InvalidArgument
 from opml_common.grpc.server import ServiceRegistration
 from opml_common.pagination import paginate
-from opml_inference_router.control import DeploymentManager, Source, convert
+from opml_inference_router.control import DeploymentManager, ServingModels, Source, convert
 
 SERVICE = pb.DESCRIPTOR.services_by_name["DeploymentService"]
 METHOD_ROLES = {
     "ListDeployments": "reader", "GetDeployment": "reader", "GetPlacement": "reader",
-    "Deploy": "writer", "SetTraffic": "writer", "Promote": "writer", "Rollback": "writer",
+    "PredictServingPerformance": "reader", "MeasureServingConfigs": "writer", "Deploy": "writer", "SetTraffic": "writer", "Promote": "writer", "Rollback": "writer",
     "Undeploy": "admin",
 }
 _MODEL_NAME = re.compile(r"^models/([^/]+)$")
+_VERSION_NAME = re.compile(r"^models/([^/]+)/versions/([1-9][0-9]*)$")
+MAX_MEASURED_CONFIGS = 512
+MAX_PREDICTED_CONFIGS = 1000
+MAX_RUNS, MAX_PASSES = 100, 5
 
 
 def parse_model_name(name: str) -> str:
@@ -35,12 +40,28 @@ def parse_model_name(name: str) -> str:
     return match.group(1)
 
 
+def parse_version_name(name: str) -> tuple[str, int]:
+    match = _VERSION_NAME.match(name)
+    if not match:
+        raise InvalidArgument("name", f"must look like models/{{model}}/versions/{{version}} (version >= 1), "
+                                      f"but got {name!r}")
+    return match.group(1), int(match.group(2))
+
+
+def _pool_kind(kind: str) -> str:
+    if not kind:
+        raise InvalidArgument("pool_kind", "is required: the pool kind to measure or predict on")
+    return kind
+
+
 class DeploymentServicer(deployments_pb2_grpc.DeploymentServiceServicer):
     """``allow_model_dir``: accept deploys from a directory on the router's machine (development
     only: in production a caller must not make the router read arbitrary paths)."""
 
-    def __init__(self, manager: DeploymentManager, *, allow_model_dir: bool = True) -> None:
+    def __init__(self, manager: DeploymentManager, *, allow_model_dir: bool = True,
+                 serving_models: ServingModels | None = None) -> None:
         self._manager = manager
+        self._serving_models = serving_models or ServingModels(models=manager.models, fleet=manager.fleet)
         self._allow_model_dir = allow_model_dir
 
     def registration(self) -> ServiceRegistration:
@@ -104,3 +125,23 @@ class DeploymentServicer(deployments_pb2_grpc.DeploymentServiceServicer):
 
     async def GetPlacement(self, request: pb.GetPlacementRequest, context) -> pb.Placement:
         return convert.placement(self._manager)
+
+    async def MeasureServingConfigs(self, request: pb.MeasureServingConfigsRequest,
+                                    context) -> pb.ServingMeasurements:
+        model, version = parse_version_name(request.name)
+        kind = _pool_kind(request.pool_kind)
+        configs = convert.serving_configs(request.configs, most=MAX_MEASURED_CONFIGS)
+        for field, value, most in (("runs", request.runs, MAX_RUNS), ("passes", request.passes, MAX_PASSES)):
+            if not 0 <= value <= most:
+                raise InvalidArgument(field, f"must be in [1, {most}] (0: the default), but got {value}")
+        samples = await self._serving_models.measure(model, version, kind, configs, runs=request.runs or 15,
+                                                     passes=request.passes or 3)
+        return convert.serving_measurements(request.name, kind, samples)
+
+    async def PredictServingPerformance(self, request: pb.PredictServingPerformanceRequest,
+                                        context) -> pb.ServingPerformance:
+        model, version = parse_version_name(request.name)
+        kind = _pool_kind(request.pool_kind)
+        configs = convert.serving_configs(request.configs, most=MAX_PREDICTED_CONFIGS)
+        predictions, fit = await self._serving_models.predict(model, version, kind, configs)
+        return convert.serving_performance(request.name, kind, predictions, fit)

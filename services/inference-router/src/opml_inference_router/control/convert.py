@@ -1,5 +1,5 @@
 """The control plane's state and changes as ``opml.inference.v1`` messages: the API's replies
-(:func:`deployment`, :func:`placement`) and the deployment events the manager emits (``*_event``).
+(:func:`deployment`, :func:`placement`, the serving-configuration replies) and the deployment events the manager emits (``*_event``).
 
 It reads the domain types only (:class:`~.view.DeploymentView`, the records, the plan): the
 manager imports it to build its events, never the other way round."""
@@ -11,7 +11,11 @@ from collections import defaultdict
 from opml.inference.v1 import deployment_events_pb2 as events
 from opml.inference.v1 import deployments_pb2 as pb
 
-from opml_common.errors import OpmlError
+from opml_common.errors import InvalidArgument, OpmlError
+from opml_common.perfmodel import Sample, ServingConfig
+from opml_common.perfmodel.space import EXECUTION_MODES, OPT_LEVELS, PRECISIONS
+from opml_inference_router.client import serving_config
+from opml_inference_router.control.serving_models import Fit
 from opml_inference_router.control.state import DEPLOYING, FAILED, SERVING, ModelRecord, Source
 from opml_inference_router.control.view import DeploymentView
 from opml_inference_router.placement import AddReplica, ModelVersion, RemoveReplica, Replan, replicas_of
@@ -113,3 +117,52 @@ def failed_event(name: str | None, version: int, source: Source, error: OpmlErro
     message = events.DeployFailed(model=name or "", version=version, code=error.code, reason=error.message)
     set_source(message, source)
     return message
+
+
+# -- serving configurations (MeasureServingConfigs, PredictServingPerformance) ---------------------
+
+def serving_configs(messages, *, most: int, field: str = "configs") -> list[ServingConfig]:
+    """The request's configurations, every field that breaks the space reported at once (with its
+    index); proto3's empty values take ServingConfig's defaults (threads 1, all, sequential, fp32).
+
+    Raises: InvalidArgument: none given, more than ``most``, or a value outside the space.
+    """
+    if not 1 <= len(messages) <= most:
+        raise InvalidArgument(field, f"must hold 1 to {most} configurations, but got {len(messages)}")
+    found, configs = [], []
+    for index, message in enumerate(messages):
+        values = {"batch": message.batch, "threads": message.threads or 1, "opt_level": message.opt_level or "all",
+                  "execution_mode": message.execution_mode or "sequential", "precision": message.precision or "fp32"}
+        bad = []
+        for name, allowed in (("opt_level", OPT_LEVELS), ("execution_mode", EXECUTION_MODES),
+                              ("precision", PRECISIONS)):
+            if values[name] not in allowed:
+                bad.append((f"{field}[{index}].{name}", f"must be one of {', '.join(allowed)}, "
+                                                         f"but got {values[name]!r}"))
+        for name in ("batch", "threads"):
+            if values[name] < 1:
+                bad.append((f"{field}[{index}].{name}", f"must be >= 1, but got {values[name]}"))
+        found += bad
+        if not bad:
+            configs.append(ServingConfig(**values))
+    if found:
+        raise InvalidArgument.of(found)
+    return configs
+
+
+def serving_sample(sample: Sample) -> pb.ServingSample:
+    return pb.ServingSample(config=serving_config(sample.config), latency_ms=sample.latency_ms,
+                            throughput_rps=sample.throughput_rps)
+
+
+def serving_measurements(name: str, kind: str, samples: list[Sample]) -> pb.ServingMeasurements:
+    ordered = sorted(samples, key=lambda s: (s.config.precision, s.config.batch, s.config.threads,
+                                             s.config.opt_level, s.config.execution_mode))
+    return pb.ServingMeasurements(name=name, pool_kind=kind, samples=[serving_sample(s) for s in ordered])
+
+
+def serving_performance(name: str, kind: str, predictions: list[Sample], fit: Fit) -> pb.ServingPerformance:
+    return pb.ServingPerformance(
+        name=name, pool_kind=kind, predictions=[serving_sample(s) for s in predictions],
+        fit=pb.PerformanceModelFit(method=fit.method, learned_on=fit.learned_on, source_samples=fit.source_samples,
+                                   target_samples=fit.target_samples))

@@ -1,5 +1,6 @@
 """What the control plane remembers across restarts: deployed model versions (with where each came
-from) and the profiles measured on deploy, in Redis.
+from), the profiles measured on deploy and the serving-configuration measurements
+(:mod:`.serving_models`), in Redis.
 
 The highest version number given per model is kept apart from the records
 (``<prefix>inference-router:last-versions``), so a number is never given twice: not after a
@@ -88,6 +89,7 @@ class DeploymentStore:
         self._models_key = f"{prefix}inference-router:deployments"
         self._profiles_key = f"{prefix}inference-router:profiles"
         self._last_versions_key = f"{prefix}inference-router:last-versions"
+        self._serving_samples_key = f"{prefix}inference-router:serving-samples"
 
     async def save_model(self, record: ModelRecord) -> None:
         await self._redis.hset(self._models_key, record.name, json.dumps(record.to_dict()))
@@ -105,6 +107,15 @@ class DeploymentStore:
 
     async def save_profiles(self, profiles: dict[str, Any]) -> None:
         await self._redis.set(self._profiles_key, json.dumps(profiles))
+
+    async def save_serving_samples(self, key: str, samples: list[dict[str, Any]]) -> None:
+        """The serving-configuration measurements of one version on one kind (:mod:`.serving_models`)."""
+        await self._redis.hset(self._serving_samples_key, key, json.dumps(samples))
+
+    async def load_serving_samples(self, key: str) -> list[dict[str, Any]]:
+        """Those saved under ``key`` (empty when none are)."""
+        stored = await self._redis.hget(self._serving_samples_key, key)
+        return json.loads(stored) if stored else []
 
     async def load(self) -> tuple[list[ModelRecord], dict[str, Any]]:
         """The stored model records and profile book (empty when nothing is stored)."""
