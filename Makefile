@@ -47,9 +47,13 @@ up: install
 down:
 	$(PY) -m opml_common.stack down
 
+# Two pytest processes (pytest-xdist): most of a test's time is spent waiting on the real services it
+# starts, so two fill the two cores; a file's tests stay on one worker (module fixtures, --dist loadfile).
+# Each worker has its own broker, S3 server and prefixes. `make test TEST_WORKERS=0` runs in one process.
+TEST_WORKERS ?= 2
 test: install
 	$(PY) -m ruff check .
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 bench: install
 	for b in bench/[!_]*.py; do $(PY) $$b || exit 1; done
