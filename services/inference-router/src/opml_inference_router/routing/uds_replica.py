@@ -21,10 +21,11 @@ from opml_inference_router.worker.uds import (
     CODE_NAMES,
     KINDS,
     OK,
+    REQUEST,
     RESPONSE,
     SCHEME,
+    FrameWriter,
     frame_body,
-    request_frame,
 )
 
 
@@ -98,16 +99,18 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.loop = asyncio.get_running_loop()
+        self.writer = FrameWriter(self.transport, self.loop)
 
     def send(self, call_id: int, kind: int, timeout_s: float, body: bytes) -> asyncio.Future[tuple[int, bytes]]:
-        future: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[tuple[int, bytes]] = self.loop.create_future()
         self.pending[call_id] = future
-        self.transport.write(request_frame(call_id, kind, timeout_s, body))
+        self.writer.write(REQUEST.pack(len(body), call_id, kind, timeout_s), body)
         return future
 
     def cancel(self, call_id: int) -> None:
         if not self.lost:
-            self.transport.write(request_frame(call_id, CANCEL, 0.0))
+            self.writer.write(REQUEST.pack(0, call_id, CANCEL, 0.0))
 
     def data_received(self, data: bytes) -> None:
         buffer = self._buffer

@@ -39,6 +39,7 @@ class _Pending:
     shapes: tuple[tuple[int, ...], ...]
     future: asyncio.Future
     enqueued: float
+    taken: bool = False  # in a batch: a cancel no longer looks for it in the queue
 
 
 class DynamicBatcher:
@@ -158,10 +159,9 @@ class DynamicBatcher:
 
     def _forget(self, pending: _Pending) -> None:
         """A caller that left frees its place in the forming batch now, not when it reaches the head."""
-        try:
-            self._queue.remove(pending)
-        except ValueError:
-            return  # already taken into a batch: its run goes on, its result is dropped
+        if pending.taken:  # its run goes on, its result is dropped (deque.remove's miss would repr the arrays)
+            return
+        self._queue.remove(pending)
         self._queued_rows -= pending.rows
         self.metrics.queue_depth.dec()
 
@@ -199,6 +199,7 @@ class DynamicBatcher:
             if batch and (head.shapes != batch[0].shapes or rows + head.rows > self._max_rows):
                 break
             self._queue.popleft()
+            head.taken = True
             self._queued_rows -= head.rows
             self.metrics.queue_depth.dec()
             batch.append(head)
