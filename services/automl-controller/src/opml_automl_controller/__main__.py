@@ -13,6 +13,7 @@ from opml_automl_controller.models import BundleStoreModels
 from opml_automl_controller.servicer import METHOD_ROLES, ExperimentServicer
 from opml_automl_controller.settings import AutomlControllerSettings
 from opml_automl_controller.state import ExperimentStore
+from opml_automl_controller.surrogate import RouterPredictor
 from opml_automl_controller.topics import EXPERIMENTS, TRACES
 from opml_automl_controller.tracing import GROUP, SOURCE_PREFIXES, TraceCollector
 from opml_common.bus import EventConsumer
@@ -39,11 +40,17 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
         bundle_token = settings.bundle_store_token.get_secret_value() if settings.bundle_store_token else None
         models = BundleStoreModels(settings.bundle_store_target, token=bundle_token, context=settings.model_context)
         service.on_stop(models.aclose)
+    serving = None
+    if settings.inference_router_target is not None:
+        router_token = settings.inference_router_token.get_secret_value() if settings.inference_router_token else None
+        serving = RouterPredictor(settings.inference_router_target, token=router_token)
+        service.on_stop(serving.aclose)
     store = await service.start(ExperimentStore(service.redis(), prefix=service.platform.redis_prefix))
     controller = await service.start(Controller(
         store=store, jobs=jobs, emitter=await service.emitter(), redis_url=service.platform.redis_url,
         metrics=PrometheusControllerMetrics(service.metrics), trial_python=settings.trial_python or sys.executable,
-        retry_s=settings.retry_s, models=models, trace_wait_s=settings.trace_wait_s))
+        retry_s=settings.retry_s, models=models, trace_wait_s=settings.trace_wait_s,
+        serving=serving))
     if settings.trace_metrics:
         consumer = EventConsumer(service.platform, group_id=GROUP, topics=[TRACES], source_prefixes=SOURCE_PREFIXES,
                                  handler=TraceCollector(store, spec_of=spec_of, wake=controller.wake_trace).handle,

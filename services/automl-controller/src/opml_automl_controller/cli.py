@@ -93,7 +93,8 @@ def validate(session: ClientSession, path: Path) -> None:
     with session.client() as client:
         checked = client.validate(_read(path))
     console.print(f"{path}: valid ({checked.experiment.algorithm}, {checked.experiment.max_trial_count} trials)")
-    click.echo(json.dumps(MessageToDict(checked.trial_job), indent=2))
+    if checked.HasField("trial_job"):
+        click.echo(json.dumps(MessageToDict(checked.trial_job), indent=2))
     for note in checked.notes:
         console.print(f"note: {note}", markup=False)
 

@@ -38,7 +38,7 @@ from optuna.trial import TrialState as OptunaState
 from opml_automl_controller import convert
 from opml_automl_controller.algorithms import fixed_parameters
 from opml_automl_controller.collect import MetricsParser, Observation, epoch_observations, summarize
-from opml_automl_controller.experiment import CollectorKind, ExperimentSpec, ResumePolicy
+from opml_automl_controller.experiment import CollectorKind, ExperimentSpec, ResumePolicy, parameter_text
 from opml_automl_controller.jobs import JobView, TrialJobs
 from opml_automl_controller.katib import parse_experiment
 from opml_automl_controller.models import ModelStore
@@ -51,7 +51,8 @@ from opml_automl_controller.state import (
     TrialState,
 )
 from opml_automl_controller.study import END_ATTR, ERROR_ATTR, ExperimentStudy
-from opml_automl_controller.template import TrialJob, build_trial_job
+from opml_automl_controller.surrogate import ServingPredictor, SurrogateCall, build_surrogate_call
+from opml_automl_controller.template import SURROGATE_KIND, TrialJob, build_trial_job
 from opml_common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, OpmlError
 from opml_common.events import EventEmitter
 
@@ -76,8 +77,19 @@ class ExperimentView:
 
 @dataclass(frozen=True, slots=True)
 class Validation:
+    """The checked spec and its first trial: a job, or (ServingConfigSurrogate) a router call."""
+
     spec: ExperimentSpec
-    trial_job: TrialJob
+    trial_job: TrialJob | None
+    surrogate: SurrogateCall | None = None
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        if self.surrogate is not None:
+            return (f"no job runs: each trial is the inference-router's PredictServingPerformance of "
+                    f"{self.surrogate.model_version} on pool kind {self.surrogate.pool_kind} (the first: "
+                    f"{self.surrogate.config})",)
+        return self.trial_job.notes if self.trial_job is not None else ()
 
 
 class ControllerMetrics:
@@ -116,12 +128,16 @@ class Controller:
         trace_wait_s: Trace collector: how long after a trial's job succeeded the controller waits
             for its tracer's last epochs (every tracer run's TracerStopped); also the tracer's
             exit bound (``OPML_TRACE_EXIT_TIMEOUT_S``) in the job, unless its template sets one.
+        serving: the inference-router's predictions, for ServingConfigSurrogate trials (None:
+            such experiments are refused).
     """
 
     def __init__(self, *, store: ExperimentStore, jobs: TrialJobs, emitter: EventEmitter, redis_url: str,
                  metrics: ControllerMetrics | None = None, trial_python: str = sys.executable,
-                 retry_s: float = 1.0, models: ModelStore | None = None, trace_wait_s: float = 10.0) -> None:
+                 retry_s: float = 1.0, models: ModelStore | None = None, trace_wait_s: float = 10.0,
+                 serving: ServingPredictor | None = None) -> None:
         self._store, self._jobs, self._emitter = store, jobs, emitter
+        self._serving = serving
         self._models = models
         self._redis_url = redis_url
         self._metrics = metrics or ControllerMetrics()
@@ -170,9 +186,16 @@ class Controller:
 
         Raises:
             InvalidArgument: every rule the experiment breaks.
+            FailedPrecondition: a ServingConfigSurrogate experiment, and no inference-router configured.
         """
         spec = parse_experiment(katib_yaml, what="katib_yaml")
-        values = {p.name: str(p.low if p.low is not None else p.choices[0]) for p in spec.parameters}
+        values = {p.name: parameter_text(p.low if p.low is not None else p.choices[0]) for p in spec.parameters}
+        if _surrogate(spec):
+            if self._serving is None:
+                raise FailedPrecondition("a ServingConfigSurrogate experiment needs the inference-router's "
+                                         "predictions: set OPML_AUTOML_CONTROLLER_INFERENCE_ROUTER_TARGET")
+            return Validation(spec, None, build_surrogate_call(spec.trial_template, values, trial_name="validate",
+                                                               namespace=spec.namespace))
         return Validation(spec, self._trial_job(spec, "validate", 0, values))
 
     async def create(self, katib_yaml: str) -> ExperimentView:
@@ -255,7 +278,7 @@ class Controller:
         if task is not None:
             await _cancel([task])
         for trial in await self._store.trials(name):
-            if trial.state not in TERMINAL_TRIALS:
+            if trial.state not in TERMINAL_TRIALS and not _surrogate(_spec_of(record)):
                 await self._retrying(lambda t=trial: self._jobs.cancel(t.job_id), f"cancel {trial.job_id}")
         await self._store.delete(record)
         self._emitter.emit(convert.experiment_event(record, _spec_of(record), (), deleted=True), subject=name)
@@ -297,6 +320,8 @@ class Controller:
             frozen = await asyncio.to_thread(study.trials)
             trials = {t.number: t for t in await self._store.trials(name)}
             for ft in frozen:
+                if ft.number not in trials:  # asked as the controller died: maybe not every parameter stored
+                    ft = await asyncio.to_thread(study.completed, ft)
                 trial = trials.get(ft.number) or await self._adopt(record, spec, ft)
                 if ft.state.is_finished() and trial.state not in TERMINAL_TRIALS and ft.number not in runners:
                     # told, but its record not saved (a restart in between); a live runner saves its own
@@ -307,7 +332,7 @@ class Controller:
             if record.state is ExperimentState.STOPPED:
                 if not runners:
                     return
-                await self._kill(study, trials, runners)
+                await self._kill(study, trials, runners, surrogate=_surrogate(spec))
             else:
                 ended = self._outcome(spec, list(trials.values()), len(frozen))
                 if ended is None and not runners and len(frozen) < spec.max_trial_count \
@@ -316,7 +341,7 @@ class Controller:
                              "Experiment has succeeded because the grid has no combination left")
                 if ended is not None:
                     if runners:
-                        await self._kill(study, trials, runners)
+                        await self._kill(study, trials, runners, surrogate=_surrogate(spec))
                         continue
                     state, reason, message = ended
                     bundle, message = await self._commit_best(record, spec, list(trials.values()), message)
@@ -379,9 +404,12 @@ class Controller:
         return None
 
     async def _kill(self, study: ExperimentStudy, trials: dict[int, TrialRecord],
-                    runners: dict[int, asyncio.Task]) -> None:
-        """Cancel the running trials' jobs (each trial then ends KILLED) and wait for their tasks."""
+                    runners: dict[int, asyncio.Task], *, surrogate: bool = False) -> None:
+        """Cancel the running trials' jobs (each trial then ends KILLED) and wait for their tasks
+        (``surrogate``: no jobs; the trials' predictions end them)."""
         for number, task in list(runners.items()):
+            if surrogate:  # no job to cancel: its prediction ends it in a moment
+                continue
             if not task.done() and await asyncio.to_thread(study.mark, number, END_ATTR, "killed"):
                 await self._retrying(lambda n=number: self._jobs.cancel(trials[n].job_id), "cancel")
         await asyncio.gather(*runners.values(), return_exceptions=True)
@@ -416,7 +444,7 @@ class Controller:
             number, params = ft.number, {**ft.params, **fixed_parameters(spec)}
         assert number is not None and params is not None
         trial = TrialRecord(experiment=record.name, number=number, job_id=self._job_id(record, number),
-                            parameters={k: _text(v) for k, v in params.items()})
+                            parameters={k: parameter_text(v) for k, v in params.items()})
         await self._save_trial(record, spec, trial)
         return trial
 
@@ -437,6 +465,9 @@ class Controller:
 
     async def _trial(self, record: ExperimentRecord, spec: ExperimentSpec, study: ExperimentStudy,
                      trial: TrialRecord) -> None:
+        if _surrogate(spec):
+            await self._surrogate_trial(record, spec, study, trial)
+            return
         try:
             job = self._trial_job(spec, trial.job_id, trial.number, trial.parameters)
         except InvalidArgument as error:
@@ -547,6 +578,29 @@ class Controller:
             await self._end(record, spec, study, trial, TrialState.FAILED,
                             message=f"job was cancelled outside the controller: {view.cause}")
 
+    async def _surrogate_trial(self, record: ExperimentRecord, spec: ExperimentSpec, study: ExperimentStudy,
+                               trial: TrialRecord) -> None:
+        """A ServingConfigSurrogate trial: the router's prediction of its configuration is its one
+        observation of each metric (retried while the router is unavailable)."""
+        try:
+            call = build_surrogate_call(spec.trial_template, trial.parameters, trial_name=trial.job_id,
+                                        namespace=spec.namespace)
+        except InvalidArgument as error:
+            await self._end(record, spec, study, trial, TrialState.FAILED, message=f"trial template: {error.message}")
+            return
+        trial = replace(trial, state=TrialState.RUNNING, started_at=trial.started_at or time.time())
+        await self._save_trial(record, spec, trial)
+        assert self._serving is not None  # validate() refused the experiment otherwise
+        try:
+            predicted = await self._retrying(lambda: self._serving.predict(call), f"predict {trial.job_id}")
+        except OpmlError as error:
+            await self._end(record, spec, study, trial, TrialState.FAILED,
+                            message=f"inference-router: {error.message}")
+            return
+        metrics = (spec.objective.metric, *spec.objective.additional_metrics)
+        trial = replace(trial, observations={m: [predicted[m]] for m in metrics})
+        await self._end(record, spec, study, trial, TrialState.SUCCEEDED, value=predicted[spec.objective.metric])
+
     async def _trace_tail(self, record: ExperimentRecord, trial: TrialRecord, metrics: tuple[str, ...],
                           seen: set[tuple[int, int]], inbox: list[asyncio.Queue],
                           pending: list[bool]) -> list[Observation]:
@@ -646,6 +700,10 @@ class Controller:
         self._metrics.experiments(counts)
 
 
+def _surrogate(spec: ExperimentSpec) -> bool:
+    return f"{spec.trial_template.api_version} {spec.trial_template.kind}" == SURROGATE_KIND
+
+
 def _ended(record: ExperimentRecord, *, state: ExperimentState, reason: str, message: str,
            bundle: str) -> ExperimentRecord | None:
     """The record of an experiment that ended, unless it was stopped or resumed meanwhile."""
@@ -665,12 +723,5 @@ async def _cancel(tasks: list[asyncio.Task]) -> None:
     for task in tasks:
         if not task.cancelled() and task.exception() is not None:
             log.error("%s ended with an error", task.get_name(), exc_info=task.exception())
-
-
-def _text(value: Any) -> str:
-    """A parameter's value as the template gets it (ints without '.0')."""
-    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
-        return repr(value)
-    return str(value)
 
 

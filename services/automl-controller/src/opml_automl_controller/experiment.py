@@ -130,3 +130,10 @@ class ExperimentSpec:
 
     def parameter(self, name: str) -> Parameter:
         return next(p for p in self.parameters if p.name == name)
+
+
+def parameter_text(value: Any) -> str:
+    """A parameter's value as a trial template gets it (ints without '.0')."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return repr(value)
+    return str(value)

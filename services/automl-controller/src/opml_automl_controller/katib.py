@@ -33,7 +33,8 @@ from opml_automl_controller.experiment import (
     TrialParameter,
     TrialTemplate,
 )
-from opml_automl_controller.template import check_template
+from opml_automl_controller.surrogate import check_objective, check_surrogate
+from opml_automl_controller.template import SURROGATE_KIND, check_template
 from opml_common.errors import InvalidArgument
 from opml_common.yamlsafe import load_yaml
 
@@ -134,6 +135,11 @@ def _parse(doc: Any) -> tuple[ExperimentSpec | None, Violations]:
     if early is not None and algorithm is not None and algorithm.name == "hyperband":
         found.append(("spec.earlyStopping", "cannot be combined with algorithm hyperband: hyperband stops trials "
                                             "itself (one Optuna pruner per study)"))
+    if _is_surrogate(spec):
+        found.extend(check_objective(objective.metric, objective.additional_metrics))
+        if spec.get("metricsCollectorSpec") is not None:
+            found.append(("spec.metricsCollectorSpec", "must not be set: a ServingConfigSurrogate trial runs no job; "
+                                                       "its metrics come from the inference-router's prediction"))
     if found or algorithm is None or parameters is None or template is None or collector is None:
         return None, found
     max_trials, parallel, max_failed = counts
@@ -405,6 +411,13 @@ def _parameters(spec: Mapping[str, Any], found: Violations) -> list[Parameter] |
     return parameters
 
 
+def _is_surrogate(spec: Mapping[str, Any]) -> bool:
+    """Whether the trial template is a ServingConfigSurrogate (read before it is checked)."""
+    template = spec.get("trialTemplate")
+    body = template.get("trialSpec") if isinstance(template, Mapping) else None
+    return isinstance(body, Mapping) and f"{body.get('apiVersion')} {body.get('kind')}" == SURROGATE_KIND
+
+
 def _trial_template(spec: Mapping[str, Any], parameters: list[Parameter] | None,
                     found: Violations) -> TrialTemplate | None:
     """Rules 16-31 (the webhook's validateTrialTemplate), then the kinds this controller runs."""
@@ -415,7 +428,7 @@ def _trial_template(spec: Mapping[str, Any], parameters: list[Parameter] | None,
     template = _mapping(spec["trialTemplate"], base, found)
     start = len(found)
     primary = template.get("primaryContainerName")
-    if not isinstance(primary, str) or not primary:
+    if (not isinstance(primary, str) or not primary) and not _is_surrogate(spec):  # a surrogate runs no container
         found.append((f"{base}.primaryContainerName", "is required"))
     trial_parameters = template.get("trialParameters")
     if trial_parameters is None:
@@ -470,8 +483,13 @@ def _trial_template(spec: Mapping[str, Any], parameters: list[Parameter] | None,
     found.extend(check_template(body, declared, f"{base}.trialSpec", str(primary or "")))
     if len(found) > start:
         return None
-    return TrialTemplate(api_version=str(body.get("apiVersion")), kind=str(body.get("kind")), spec=dict(body),
-                         primary_container=str(primary), parameters=tuple(declared))
+    checked = TrialTemplate(api_version=str(body.get("apiVersion")), kind=str(body.get("kind")), spec=dict(body),
+                            primary_container=str(primary), parameters=tuple(declared))
+    if f"{checked.api_version} {checked.kind}" == SURROGATE_KIND:
+        found.extend(check_surrogate(checked, parameters or [], f"{base}.trialSpec"))
+        if len(found) > start:
+            return None
+    return checked
 
 
 _METADATA_REFERENCE = re.compile(r"^\$\{trialSpec\.(Name|Namespace|Kind|APIVersion|Labels\[[^\]]+\]|"

@@ -48,8 +48,8 @@ class ExperimentServicer(automl_pb2_grpc.ExperimentServiceServicer):
                                   max_trial_count=spec.max_trial_count, reason="Validated")
         experiment = experiment_to_proto(record, spec, ())
         experiment.ClearField("status")
-        return pb.ValidateExperimentResponse(experiment=experiment, trial_job=checked.trial_job.spec,
-                                             notes=list(checked.trial_job.notes))
+        return pb.ValidateExperimentResponse(experiment=experiment, notes=list(checked.notes),
+                                             trial_job=checked.trial_job.spec if checked.trial_job else None)
 
     async def GetExperiment(self, request: pb.GetExperimentRequest, context) -> pb.Experiment:
         view = await self._controller.get(parse_experiment_name("name", request.name))

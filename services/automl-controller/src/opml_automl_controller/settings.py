@@ -37,11 +37,16 @@ class AutomlControllerSettings(ServiceSettings):
                                 "(OPML_TRACE_EXIT_TIMEOUT_S) unless the trial template sets one.")
     trace_metrics: bool = Field(True, description="Consume opml.traces.v1 for the Trace collector kind (off: "
                                 "experiments with collector kind Trace get no metrics).")
+    inference_router_target: str | None = Field(None, min_length=1, description="The inference-router whose "
+                                                "PredictServingPerformance evaluates ServingConfigSurrogate "
+                                                "trials; unset: experiments of that kind are refused.")
+    inference_router_token: SecretStr | None = Field(None, description="Bearer token (reader) for the "
+                                                     "inference-router.")
     retry_s: float = Field(1.0, gt=0, description="Pause before retrying an orchestrator call that failed "
                            "with a retriable error (UNAVAILABLE).")
 
     @field_validator("job_orchestrator_token", "trial_python", "bundle_store_target", "bundle_store_token",
-                     mode="before")
+                     "inference_router_target", "inference_router_token", mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
         return None if value == "" else value

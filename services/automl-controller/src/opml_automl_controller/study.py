@@ -47,6 +47,18 @@ class ExperimentStudy:
         trial.set_user_attr(JOB_ATTR, job_id_of(trial.number))
         return trial.number, {**trial.params, **self._fixed}
 
+    def completed(self, frozen: FrozenTrial) -> FrozenTrial:
+        """A running trial with every parameter of the space: Optuna's ask stores a new trial, then
+        each sampled parameter in a journal entry of its own, so a controller killed in between
+        leaves a trial with some; the rest are sampled now, as the ask would have."""
+        missing = {name: d for name, d in self._space.items() if name not in frozen.params}
+        if not missing or frozen.state is not TrialState.RUNNING:
+            return frozen
+        trial = self._trial(frozen.number)
+        for name, distribution in missing.items():
+            trial._suggest(name, distribution)  # what study.ask(fixed_distributions=...) does per parameter
+        return self.study._storage.get_trial(trial._trial_id)
+
     def _trial(self, number: int) -> optuna.Trial:
         storage = self.study._storage
         return optuna.Trial(self.study, storage.get_trial_id_from_study_id_trial_number(self.study._study_id, number))

@@ -13,6 +13,8 @@ the orchestrator's job spec:
   orchestrator's role of that name (TonY's chief/worker/ps/evaluator), replicas kept.
 - ``jobs.opml.dev/v1 OpmlJob``: the platform's own job spec (``spec`` as ``opml job submit`` reads
   it, without ``name``).
+- ``jobs.opml.dev/v1 ServingConfigSurrogate``: no job; the trial is a prediction of the
+  inference-router (:mod:`.surrogate` checks and maps it).
 
 Any other kind (PyTorchJob, MPIJob, XGBoostJob, Argo Workflow, Tekton PipelineRun, TrainJob...) is
 rejected by kind with this list.
@@ -32,7 +34,9 @@ from opml_automl_controller.experiment import TrialParameter, TrialTemplate
 from opml_common.errors import InvalidArgument
 from opml_job_orchestrator.spec import check_env, load_spec, parse_cpu_millis, parse_memory_mib
 
-SUPPORTED_KINDS = ("batch/v1 Job", "kubeflow.org/v1 TFJob", "jobs.opml.dev/v1 OpmlJob")
+SURROGATE_KIND = "jobs.opml.dev/v1 ServingConfigSurrogate"
+"""Not a job: a trial evaluated by the inference-router's performance model (:mod:`.surrogate`)."""
+SUPPORTED_KINDS = ("batch/v1 Job", "kubeflow.org/v1 TFJob", "jobs.opml.dev/v1 OpmlJob", SURROGATE_KIND)
 TF_ROLES = {"Chief": "chief", "Master": "chief", "Worker": "worker", "PS": "ps", "Evaluator": "evaluator"}
 DEFAULT_CPU_MILLIS = 500
 DEFAULT_MEMORY_MIB = 512
@@ -80,7 +84,7 @@ def check_template(body: Mapping[str, Any], declared: Sequence[TrialParameter], 
     for key in ("apiVersion", "kind"):
         if not body.get(key):
             found.append((f"{path}.{key}", "is required"))
-    if found:
+    if found or kind == SURROGATE_KIND:
         return found
     template = TrialTemplate(api_version=str(body["apiVersion"]), kind=str(body["kind"]), spec=dict(body),
                              primary_container=primary, parameters=tuple(declared))
