@@ -3,8 +3,9 @@
 One ONNX MLP (``--features`` x ``--width`` x ``--depth``, dynamic batch dimension, fp32) is served by:
 
   ours/router  the router in its own process (KServe v2 frontend, Router, one UdsReplica per worker:
-               the workers' Unix sockets, as the pool manager wires them) over ``--replicas`` worker
-               processes, dynamic batching (max 32, ``--delay-ms``);
+               the workers' Unix sockets, as the pool manager wires them) over worker processes, at
+               each ``--replicas`` setting (the comparison takes the best, as for MLServer), dynamic
+               batching (max 32, ``--delay-ms``);
   ours/router (gRPC hop)  the same router reaching the same workers over gRPC/TCP (GrpcReplica), as it
                reaches workers on other machines;
   ours/direct  the same workers called directly, clients spread over them (a reference: no router hop);
@@ -13,7 +14,7 @@ One ONNX MLP (``--features`` x ``--width`` x ``--depth``, dynamic batch dimensio
                setting (``parallel_workers``: 0 runs inference in the server process itself); the
                comparison takes MLServer's best setting at each latency bound;
   Ray Serve    2.60 (bench/_ray_serve_peer.py), ``@serve.batch`` (max 32, ``--delay-ms``),
-               ``--replicas`` replicas on a local Ray cluster of as many CPUs, HTTP.
+               the largest ``--replicas`` setting's replicas on a local Ray cluster of as many CPUs, HTTP.
 
 Every model replica gets ``--threads`` intra-op threads and no spinning. The peers live in their
 own venvs (.venv-peers-mlserver, .venv-peers-ray, created from bench/requirements-peers-*.txt when
@@ -32,7 +33,7 @@ within it, its requests per CPU-second at that level, and ours/peer ratios of bo
     .venv/bin/python bench/inference_router_peers.py
     .venv/bin/python bench/inference_router_peers.py --concurrency 1,8,32 --duration 2 --replicas 1
     .venv/bin/python bench/inference_router_peers.py --systems ours,mlserver --client tritonclient \
-        --width 512 --depth 2 --features 256 --mlserver-workers 0,1,2
+        --width 512 --depth 2 --features 256 --mlserver-workers 0,1,2 --replicas 1,2 --paths router
 """
 
 from __future__ import annotations
@@ -324,7 +325,10 @@ def main() -> None:
     parser.add_argument("--features", type=int, default=512)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=3)
-    parser.add_argument("--replicas", type=int, default=2, help="model replicas (processes) per system")
+    parser.add_argument("--replicas", default="2",
+                        help="model replicas (worker processes) of ours, comma separated settings; Ray gets the largest")
+    parser.add_argument("--paths", default="router,grpc-hop,direct",
+                        help="which of ours to measure: router (Unix-socket hop), grpc-hop, direct (comma separated)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per replica")
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--delay-ms", type=float, default=2.0, help="batching: longest wait for a fuller batch")
@@ -363,7 +367,7 @@ def run(work: Path, args: argparse.Namespace, systems: list[str],
     expected = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"]).run(None, {"features": rows})[0]
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores (load generator on them too); "
           f"MLP {args.features}-{'-'.join([str(args.width)] * args.depth)}-{CLASSES} fp32, one row per request; "
-          f"{args.replicas} replica(s) x {args.threads} intra-op thread(s) per system; batching max {args.max_batch}, "
+          f"{args.replicas} replica(s) of ours x {args.threads} intra-op thread(s); batching max {args.max_batch}, "
           f"{args.delay_ms:g} ms; {args.duration:g} s per level after {args.warmup:g} s warm-up", flush=True)
     print(f"# KServe load generator: {args.client}", flush=True)
     print("\n| system | clients | inferences/s | p50 ms | p99 ms | inferences per CPU-s |\n"
@@ -374,10 +378,13 @@ def run(work: Path, args: argparse.Namespace, systems: list[str],
     def measure(target: GrpcTarget | TritonTarget | HttpTarget, label: str, pids: list[int]) -> list[Level]:
         return asyncio.run(sweep(target, levels, args.duration, args.warmup, expected, label, CpuMeter(pids)))
 
+    counts = [int(count) for count in args.replicas.split(",")]
+    paths = args.paths.split(",")
     with ExitStack() as servers:
-        if "ours" in systems:
+        for count in (counts if "ours" in systems else []):
+            suffix = f" x{count}" if len(counts) > 1 else ""
             workers, sockets, worker_pids = [], [], []
-            for index in range(args.replicas):
+            for index in range(count):
                 worker = WorkerProcess("cpu", FLEET, work / f"worker-{index}.log", env={"OPML_LOG_LEVEL": "WARNING"},
                                        extra_args=("--threads-per-replica", str(args.threads)),
                                        uds=work / f"worker-{index}.sock")
@@ -391,6 +398,9 @@ def run(work: Path, args: argparse.Namespace, systems: list[str],
                 sockets.append(worker.local_target)
                 worker_pids.append(worker.process.pid)
             for label, addresses in (("ours/router", sockets), ("ours/router (gRPC hop)", workers)):
+                if ("router" if addresses is sockets else "grpc-hop") not in paths:
+                    continue
+                label += suffix
                 router, announced = start([sys.executable, __file__, "--serve-router", ",".join(addresses), str(bundle),
                                            *(["--no-hedge"] if args.no_hedge else [])],
                                           work / f"router-{len(results)}.log")
@@ -398,7 +408,8 @@ def run(work: Path, args: argparse.Namespace, systems: list[str],
                 results[label] = measure(kserve([f"127.0.0.1:{announced['grpc_port']}"], rows), label,
                                          [router.pid, *worker_pids])
                 stop(router)
-            results["ours/direct"] = measure(kserve(workers, rows), "ours/direct", worker_pids)
+            if "direct" in paths:
+                results[f"ours/direct{suffix}"] = measure(kserve(workers, rows), f"ours/direct{suffix}", worker_pids)
             servers.close()
         for setting in (int(workers) for workers in args.mlserver_workers.split(",") if "mlserver" in systems):
             root, log = work / f"mlserver-{setting}", work / f"mlserver-{setting}.log"
@@ -413,7 +424,7 @@ def run(work: Path, args: argparse.Namespace, systems: list[str],
             servers.close()
         if "ray" in systems:
             ray, announced = start([str(pythons["ray"]), str(BENCH / "_ray_serve_peer.py"), "--model", str(onnx_path),
-                                    "--port", str(free_port()), "--replicas", str(args.replicas),
+                                    "--port", str(free_port()), "--replicas", str(max(counts)),
                                     "--threads", str(args.threads), "--max-batch", str(args.max_batch),
                                     "--wait-s", str(args.delay_ms / 1000.0), "--temp-dir", str(work / "ray")],
                                    work / "ray.log", env={"RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": "0"})
@@ -425,23 +436,27 @@ def run(work: Path, args: argparse.Namespace, systems: list[str],
 
 def report(results: dict[str, list[Level]], args: argparse.Namespace) -> None:
     """Per latency bound: each system's best throughput within it and its inferences per CPU-second
-    at that level; MLServer's settings are folded into its best one per bound; ours ÷ peers."""
+    at that level; each system's settings (MLServer's workers, our replica counts) are folded into its
+    best one per bound (by throughput; per CPU-s is that setting's); ours ÷ peers, best against best."""
     bounds = [float(bound) for bound in args.p99_ms.split(",")]
 
     def best(rows: list[Level], bound: float) -> tuple[float, float]:
         return max(((rate, per_cpu) for _, rate, _, tail, per_cpu in rows if tail <= bound), default=(0.0, 0.0))
     table = {name: [best(rows, bound) for bound in bounds] for name, rows in results.items()}
-    mlservers = [name for name in table if name.startswith("MLServer")]
-    if len(mlservers) > 1:
-        table["MLServer (best setting)"] = [max((table[name][i] for name in mlservers), default=(0.0, 0.0))
+    groups: dict[str, list[str]] = {}
+    for name in table:
+        groups.setdefault("MLServer" if name.startswith("MLServer") else name.split(" x")[0], []).append(name)
+    folded = {group: names for group, names in groups.items() if len(names) > 1}
+    for group, names in folded.items():
+        table[f"{group} (best setting)"] = [max((table[name][i] for name in names), default=(0.0, 0.0))
                                             for i in range(len(bounds))]
+    settings = {name for names in folded.values() for name in names}
     print("\n| best inferences/s (per CPU-s) with p99 <= | " + " | ".join(f"{bound:g} ms" for bound in bounds) + " |")
     print("|---|" + "---:|" * len(bounds))
     for name, cells in table.items():
         print(f"| {name} | " + " | ".join(f"{rate:.0f} ({per_cpu:.0f})" for rate, per_cpu in cells) + " |")
-    peers = [name for name in table if not name.startswith("ours") and (name == "MLServer (best setting)"
-                                                                          or name not in mlservers or len(mlservers) == 1)]
-    for mine in (name for name in table if name.startswith("ours")):
+    peers = [name for name in table if not name.startswith("ours") and name not in settings]
+    for mine in (name for name in table if name.startswith("ours") and name not in settings):
         for peer in peers:
             print(f"| {mine} ÷ {peer} | " + " | ".join(
                 f"{ours[0] / theirs[0]:.2f}x ({ours[1] / theirs[1]:.2f}x)" if theirs[0] and theirs[1] else "n/a"

@@ -43,7 +43,10 @@ _DECODE_IN_THREAD_VALUES = 1 << 16
 
 def _costly(request: pb.ModelInferRequest) -> bool:
     """Whether decoding may take long enough (a BYTES walk, typed contents converted one by one) to
-    be worth a thread hop: more than 1 MiB raw, or more than 65,536 typed values in a tensor. O(inputs)."""
+    be worth a thread hop: more than 1 MiB raw, or more than 65,536 typed values in a tensor. O(inputs);
+    O(1) for a message of at most 65,536 bytes (every value takes a byte at least), the common case."""
+    if request.ByteSize() <= _DECODE_IN_THREAD_VALUES:
+        return False
     if any(len(raw) > _DECODE_IN_THREAD_BYTES for raw in request.raw_input_contents):
         return True
     return any(len(getattr(tensor.contents, field)) > _DECODE_IN_THREAD_VALUES
