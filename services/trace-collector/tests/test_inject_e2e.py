@@ -6,10 +6,12 @@ to TracerStopped's count."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -29,7 +31,7 @@ from opml_common.bus import CloudEvent, ensure_topics
 from opml_common.config import PlatformSettings
 from opml_common.devinfra import free_port
 from opml_common.storage import s3_client
-from opml_trace_collector.inject.spool import flush_spool
+from opml_trace_collector.inject import spool
 from opml_trace_collector.session import iter_session
 from opml_trace_collector.topics import TRACES
 
@@ -72,7 +74,8 @@ def traced(settings_env: dict[str, str], platform_settings: PlatformSettings, tm
     asyncio.run(ensure_topics(platform_settings, [TRACES]))
     runs: list[Run] = []
 
-    def start(args: list[str], *, job: str, worker: str | None = None, env: dict[str, str] | None = None) -> Run:
+    def start(args: list[str], *, job: str, worker: str | None = None, env: dict[str, str] | None = None,
+              shipper: bool = True) -> Run:
         home = tmp_path / f"run{len(runs)}"
         home.mkdir()
         full_env = {**os.environ, **settings_env, "OPML_TRACE_SPOOL_DIR": str(home / "spool"),
@@ -80,8 +83,10 @@ def traced(settings_env: dict[str, str], platform_settings: PlatformSettings, tm
                     "OPML_TRACE_POLL_S": "0.2", "OPML_TRACE_BUCKET": settings_env["OPML_TOPIC_PREFIX"] + "traces",
                     "TF_CPP_MIN_LOG_LEVEL": "2",
                     # these tests read every event back: give the last batch time (the bound has its own test)
-                    "OPML_TRACE_EXIT_TIMEOUT_S": "5", **(env or {})}
+                    "OPML_TRACE_EXIT_TIMEOUT_S": "5", "OPML_TRACE_SHIPPER_IDLE_EXIT_S": "20", **(env or {})}
         launcher = [sys.executable, "-m", "opml_trace_collector.inject.run", "--job", job]
+        if not shipper:
+            launcher.append("--no-shipper")
         if worker:
             launcher += ["--worker", worker]
         with open(home / "stderr.txt", "w") as err:
@@ -96,6 +101,17 @@ def traced(settings_env: dict[str, str], platform_settings: PlatformSettings, tm
         if run.process.poll() is None:
             run.process.kill()
             run.process.wait()
+    stop_shippers(tmp_path)
+
+
+def stop_shippers(root: Path) -> None:
+    """Stop the shippers the launchers started under ``root`` (each holds its outlet's lock, pid inside)."""
+    for lock in root.rglob(spool.SHIPPER_LOCK):
+        pid = spool.shipper_pid(lock.parent)
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            wait_for(lambda outlet=lock.parent: spool.shipper_pid(outlet) is None, "the shipper to stop", 20)
 
 
 async def _consume(settings: PlatformSettings, done: Callable[[list[Event]], bool], timeout_s: float) -> list[Event]:
@@ -293,83 +309,139 @@ def test_global_switch_off_records_no_steps(traced, settings_env: dict[str, str]
     assert of(events, pb.StepMetricsBatch) == [] and of(events, pb.TracerStopped)[0].steps == 0
 
 
-def test_bus_down_job_unaffected_metrics_delivered_later(traced, platform_settings: PlatformSettings) -> None:
+def test_bus_down_job_unaffected_metrics_delivered_later(traced, broker_gate,
+                                                        platform_settings: PlatformSettings) -> None:
+    gate = broker_gate()  # the broker's address for the job and its shipper, answering nothing yet
     run = traced([sys.executable, str(PROGRAMS / "custom_loop.py"), "--steps", "6"], job="down",
-                 env={"OPML_KAFKA_BOOTSTRAP": f"127.0.0.1:{free_port()}"})
+                 env={"OPML_KAFKA_BOOTSTRAP": gate.address, "OPML_TRACE_EXIT_TIMEOUT_S": "0.1"})
     assert run.wait() == 0, run.stderr
-    assert run.stderr.count("opml-trace: WARNING: the broker is unreachable") == 1
     spooled = run.spooled_ids()
     assert len(spooled) >= 3, "TracerStarted, batches and TracerStopped wait in the spool"
-    sent, pending = asyncio.run(flush_spool(run.home / "spool", platform_settings))
-    assert (sent, pending) == (len(spooled), 0)
+    gate.open()  # the broker is back: the shipper the launcher started delivers them
     events = run_events(platform_settings, "down")
     assert sorted(e.id for _, e, _ in events) == sorted(spooled)
     assert len(steps_of(events)) == 6
-    assert run.spooled_ids() == []
+    wait_for(lambda: run.spooled_ids() == [], "the shipper to delete what it delivered")
+
+
+class BrokerGate:
+    """A broker address that answers nothing (connections held open, never read) until ``open``,
+    then passes each new connection through to the real broker: the broker down, then back."""
+
+    def __init__(self, target: str) -> None:
+        host, _, port = target.rpartition(":")
+        self._target = (host, int(port))
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self._held: list[socket.socket] = []
+        self._open = threading.Event()
+        self.address = f"127.0.0.1:{self._server.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                connection, _ = self._server.accept()
+            except OSError:
+                return
+            if not self._open.is_set():
+                self._held.append(connection)
+                continue
+            upstream = socket.create_connection(self._target)
+            for a, b in ((connection, upstream), (upstream, connection)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        for each in (source, sink):
+            with contextlib.suppress(OSError):
+                each.shutdown(socket.SHUT_RDWR)
+
+    def open(self) -> None:
+        self._open.set()
+        for connection in self._held:  # the clients waiting on them reconnect, now through
+            connection.close()
+
+    def close(self) -> None:
+        self._server.close()
+        for connection in self._held:
+            connection.close()
 
 
 @pytest.fixture
-def silent_broker() -> Callable[[], str]:
-    """A TCP listener that accepts connections and never answers: a broker that never acknowledges."""
-    server = socket.create_server(("127.0.0.1", 0))
-    accepted: list[socket.socket] = []
-    closing = threading.Event()
+def broker_gate(platform_settings: PlatformSettings):
+    gates: list[BrokerGate] = []
 
-    def serve() -> None:
-        while not closing.is_set():
-            try:
-                connection, _ = server.accept()
-            except OSError:
-                return
-            accepted.append(connection)  # held open, never read from, never written to
+    def make() -> BrokerGate:
+        gates.append(BrokerGate(platform_settings.kafka_bootstrap.split(",")[0]))
+        return gates[-1]
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    yield lambda: f"127.0.0.1:{server.getsockname()[1]}"
-    closing.set()
-    server.close()
-    for connection in accepted:
-        connection.close()
+    yield make
+    for gate in gates:
+        gate.close()
 
 
-def test_job_ending_with_an_unacknowledging_broker_waits_only_the_bound(traced, silent_broker,
-                                                                       platform_settings: PlatformSettings) -> None:
+def test_job_ending_with_an_undelivered_spool_waits_only_the_bound(traced, broker_gate,
+                                                                  platform_settings: PlatformSettings) -> None:
     bound = 0.2
+    gate = broker_gate()
     run = traced([sys.executable, str(PROGRAMS / "custom_loop.py"), "--steps", "7"], job="silent",
-                 env={"OPML_KAFKA_BOOTSTRAP": silent_broker(), "OPML_TRACE_EXIT_TIMEOUT_S": str(bound)})
+                 env={"OPML_KAFKA_BOOTSTRAP": gate.address, "OPML_TRACE_EXIT_TIMEOUT_S": str(bound)})
     assert run.wait() == 0, run.stderr
-    found = re.search(r"did not acknowledge the last events within ([\d.]+) s \(the job waited ([\d.]+) s at "
-                      r"exit, ([\d.]+) s of them for the broker\)", run.stderr)
+    found = re.search(r"the last events were not delivered within ([\d.]+) s \(the job waited ([\d.]+) s at "
+                      r"exit, ([\d.]+) s of them for the shipper\)", run.stderr)
     assert found, run.stderr
     assert float(found[1]) == bound
-    # the tracer's own timing: its wait for the broker is the bound (the old exit waited 5 s to connect
-    # and 5 s more to deliver); the whole exit, spool writes included, a generous multiple of it
+    # the tracer's own timing: its wait is the bound; the whole exit, spool writes included, a multiple of it
     assert float(found[3]) <= bound * 1.5 and float(found[2]) <= bound * 5, run.stderr
     spooled = run.spooled_ids()
     assert len(spooled) >= 3, "TracerStarted, the last batch and TracerStopped wait in the spool"
-    sent, pending = asyncio.run(flush_spool(run.home / "spool", platform_settings))
-    assert (sent, pending) == (len(spooled), 0)
+    gate.open()
     events = run_events(platform_settings, "silent")  # complete: no batch missing, steps add up
     assert sorted(e.id for _, e, _ in events) == sorted(spooled)
     assert len(steps_of(events)) == 7 and of(events, pb.TracerStopped)[0].steps == 7
-    assert run.spooled_ids() == []
+    wait_for(lambda: run.spooled_ids() == [], "the shipper to delete what it delivered")
 
 
-def test_next_traced_run_delivers_what_an_earlier_run_spooled(traced, platform_settings: PlatformSettings,
-                                                              tmp_path: Path) -> None:
-    spool = tmp_path / "shared-spool"
+def test_a_job_ends_without_a_shipper_and_its_events_arrive_once_one_starts(
+        traced, settings_env: dict[str, str], platform_settings: PlatformSettings, tmp_path: Path) -> None:
+    """Delivered as the job wrote them: the same ids, in the same order per run."""
+    spool_dir = tmp_path / "shared-spool"
     first = traced([sys.executable, str(PROGRAMS / "custom_loop.py"), "--steps", "3"], job="later",
-                   env={"OPML_TRACE_SPOOL_DIR": str(spool), "OPML_KAFKA_BOOTSTRAP": f"127.0.0.1:{free_port()}"})
+                   env={"OPML_TRACE_SPOOL_DIR": str(spool_dir), "OPML_TRACE_EXIT_TIMEOUT_S": "0"}, shipper=False)
     assert first.wait() == 0, first.stderr
-    spooled = first.spooled_ids(spool)
-    assert spooled
+    spooled = first.spooled_ids(spool_dir)
+    assert len(spooled) >= 3 and "opml-trace: WARNING" not in first.stderr, "no bound to wait: no warning"
     second = traced([sys.executable, str(PROGRAMS / "custom_loop.py"), "--steps", "2"], job="later",
-                    env={"OPML_TRACE_SPOOL_DIR": str(spool)})
+                    env={"OPML_TRACE_SPOOL_DIR": str(spool_dir)})  # its launcher starts the shipper
     assert second.wait() == 0, second.stderr
     events = run_events(platform_settings, "later", runs=2)
-    assert set(spooled) <= {e.id for _, e, _ in events}
+    first_session = {m.session_id for _, _, m in events if isinstance(m, pb.TracerStopped) and m.steps == 3}
+    in_broker = [e.id for _, e, m in events if getattr(m, "session_id", None) in first_session]
+    assert in_broker == spooled, "the first run's events, each once, in the order it wrote them"
     assert sorted(stop.steps for stop in of(events, pb.TracerStopped)) == [2, 3]
-    assert first.spooled_ids(spool) == []
+    wait_for(lambda: first.spooled_ids(spool_dir) == [], "the shipper to delete what it delivered")
+    wait_for(lambda: spool.run_folders(next(spool_dir.iterdir())) == [], "the finished runs' folders to go")
+
+
+def test_two_shippers_never_both_run(settings_env: dict[str, str], tmp_path: Path) -> None:
+    env = {**os.environ, **settings_env, "OPML_TRACE_SPOOL_DIR": str(tmp_path / "spool")}
+    command = [sys.executable, "-m", "opml_trace_collector.inject.ship", "--idle-exit-s", "0"]
+    shippers = [subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    try:
+        wait_for(lambda: sum(p.poll() is not None for p in shippers) == 2, "two of the three to give up", 60)
+        [alive] = [p for p in shippers if p.poll() is None]
+        [outlet] = (tmp_path / "spool").iterdir()
+        assert spool.shipper_pid(outlet) == alive.pid
+        for loser in (p for p in shippers if p is not alive):
+            assert loser.returncode == 0 and "a shipper already delivers" in loser.stderr.read()
+    finally:
+        for process in shippers:
+            if process.poll() is None:
+                process.terminate()
+                process.wait(20)
 
 
 def test_program_without_tensorflow_runs_untraced_with_one_warning(traced) -> None:
@@ -377,7 +449,7 @@ def test_program_without_tensorflow_runs_untraced_with_one_warning(traced) -> No
     assert run.wait() == 7
     warnings = [line for line in run.stderr.splitlines() if line.startswith("opml-trace: WARNING")]
     assert warnings == ["opml-trace: WARNING: the program did not import TensorFlow; it ran untraced"]
-    assert not (run.home / "sessions").exists() and not (run.home / "spool").exists()
+    assert not (run.home / "sessions").exists() and run.spooled_ids() == []
 
 
 def test_multi_worker_mirrored_strategy_workers_are_traced_separately(traced,

@@ -3,7 +3,6 @@ set-up imports: neither redis-py nor prometheus_client (their CPU was most of a 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 import subprocess
@@ -12,7 +11,7 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-import redis.asyncio as aioredis
+import redis
 
 from opml_trace_collector.inject import resp
 from opml_trace_collector.inject.control import redis_client
@@ -36,85 +35,85 @@ def test_urls_the_platform_accepts_are_parsed_like_redis_py() -> None:
 
 def test_a_url_option_it_does_not_implement_falls_back_to_redis_py() -> None:
     assert isinstance(redis_client("redis://127.0.0.1:6379/0"), resp.RedisReader)
-    assert isinstance(redis_client("redis://127.0.0.1:6379/0?socket_keepalive=true"), aioredis.Redis)
+    assert isinstance(redis_client("redis://127.0.0.1:6379/0?socket_keepalive=true"), redis.Redis)
 
 
 @pytest.fixture
-async def real(settings_env: dict[str, str]) -> Iterator[tuple[aioredis.Redis, str, str]]:
+def real(settings_env: dict[str, str]) -> Iterator[tuple[redis.Redis, str, str]]:
     """redis-py on the machine's Redis (to write what the reader reads), the URL and a key prefix."""
     url, prefix = settings_env["OPML_REDIS_URL"], settings_env["OPML_REDIS_PREFIX"] + "resp:"
-    client = aioredis.from_url(url)
+    client = redis.Redis.from_url(url)
     yield client, url, prefix
     endpoint = resp.parse_url(url)
-    db1 = aioredis.Redis(host=endpoint.host, port=endpoint.port, db=1)
+    db1 = redis.Redis(host=endpoint.host, port=endpoint.port, db=1)
     for each in (client, db1):
-        keys = await each.keys(prefix + "*")
+        keys = each.keys(prefix + "*")
         if keys:
-            await each.delete(*keys)
-        await each.aclose()
+            each.delete(*keys)
+        each.close()
 
 
-async def test_mget_reads_values_and_absent_keys(real) -> None:  # noqa: ANN001
+def test_mget_reads_values_and_absent_keys(real) -> None:  # noqa: ANN001
     client, url, prefix = real
-    await client.set(prefix + "a", "0")
-    await client.set(prefix + "b", json.dumps({"capture_id": "x", "steps": 3}))
-    await client.set(prefix + "bin", b"\x00\r\n\xff")
+    client.set(prefix + "a", "0")
+    client.set(prefix + "b", json.dumps({"capture_id": "x", "steps": 3}))
+    client.set(prefix + "bin", b"\x00\r\n\xff")
     reader = resp.RedisReader(resp.parse_url(url))
     try:
-        assert await reader.mget([prefix + "a", prefix + "b", prefix + "none", prefix + "bin"]) == [
+        assert reader.mget([prefix + "a", prefix + "b", prefix + "none", prefix + "bin"]) == [
             b"0", b'{"capture_id": "x", "steps": 3}', None, b"\x00\r\n\xff"]
-        assert await reader.mget([prefix + "a"]) == [b"0"], "the connection is reused"
+        assert reader.mget([prefix + "a"]) == [b"0"], "the connection is reused"
     finally:
-        await reader.aclose()
+        reader.close()
 
 
-async def test_the_database_of_the_url_is_selected(real) -> None:  # noqa: ANN001
+def test_the_database_of_the_url_is_selected(real) -> None:  # noqa: ANN001
     client, url, prefix = real
     endpoint = resp.parse_url(url)
-    db1 = aioredis.Redis(host=endpoint.host, port=endpoint.port, db=1)
-    await db1.set(prefix + "k", "in-db-1")
-    await db1.aclose()
+    db1 = redis.Redis(host=endpoint.host, port=endpoint.port, db=1)
+    db1.set(prefix + "k", "in-db-1")
+    db1.close()
     reader = resp.RedisReader(resp.Endpoint(host=endpoint.host, port=endpoint.port, db=1))
     try:
-        assert await reader.mget([prefix + "k"]) == [b"in-db-1"]
+        assert reader.mget([prefix + "k"]) == [b"in-db-1"]
     finally:
-        await reader.aclose()
+        reader.close()
 
 
-async def test_a_refused_password_is_an_error_without_the_password(real) -> None:  # noqa: ANN001
+def test_a_refused_password_is_an_error_without_the_password(real) -> None:  # noqa: ANN001
     _client, url, prefix = real
     endpoint = resp.parse_url(url)
     reader = resp.RedisReader(resp.Endpoint(host=endpoint.host, port=endpoint.port, password="hunter2-secret"))
     with pytest.raises(resp.ReplyError) as refused:
-        await reader.mget([prefix + "a"])
+        reader.mget([prefix + "a"])
     assert "AUTH" in str(refused.value) or "WRONGPASS" in str(refused.value) or "password" in str(refused.value)
     assert "hunter2" not in str(refused.value)
 
 
-async def test_a_killed_connection_fails_one_call_and_the_next_reconnects(real) -> None:  # noqa: ANN001
+def test_a_killed_connection_fails_one_call_and_the_next_reconnects(real) -> None:  # noqa: ANN001
     client, url, prefix = real
-    await client.set(prefix + "a", "1")
+    client.set(prefix + "a", "1")
     reader = resp.RedisReader(resp.parse_url(url))
     try:
-        assert await reader.mget([prefix + "a"]) == [b"1"]
-        host, port = reader._streams[1].get_extra_info("sockname")[:2]
-        assert await client.execute_command("CLIENT", "KILL", "ADDR", f"{host}:{port}")
-        with pytest.raises((OSError, asyncio.IncompleteReadError)):
-            await reader.mget([prefix + "a"])
-        assert await reader.mget([prefix + "a"]) == [b"1"]
+        assert reader.mget([prefix + "a"]) == [b"1"]
+        host, port = reader.sockname[:2]
+        assert client.execute_command("CLIENT", "KILL", "ADDR", f"{host}:{port}")
+        with pytest.raises(OSError):
+            reader.mget([prefix + "a"])
+        assert reader.mget([prefix + "a"]) == [b"1"]
     finally:
-        await reader.aclose()
+        reader.close()
 
 
-async def test_a_value_larger_than_a_control_key_is_refused(real) -> None:  # noqa: ANN001
+def test_a_value_larger_than_a_control_key_is_refused(real) -> None:  # noqa: ANN001
     client, url, prefix = real
-    await client.set(prefix + "big", b"x" * (resp._MAX_BULK + 1))
+    client.set(prefix + "big", b"x" * (resp._MAX_BULK + 1))
     reader = resp.RedisReader(resp.parse_url(url))
     try:
         with pytest.raises(resp.ReplyError, match="more than a control key"):
-            await reader.mget([prefix + "big"])
+            reader.mget([prefix + "big"])
     finally:
-        await reader.aclose()
+        reader.close()
 
 
 @pytest.fixture
@@ -137,23 +136,26 @@ def silent_server() -> Iterator[int]:
         connection.close()
 
 
-async def test_a_redis_that_never_answers_times_out(silent_server: int) -> None:
+def test_a_redis_that_never_answers_times_out(silent_server: int) -> None:
     reader = resp.RedisReader(resp.Endpoint(port=silent_server), timeout_s=0.2)
     with pytest.raises(TimeoutError):
-        await reader.mget(["k"])
-    assert reader._streams is None, "the half-read connection is dropped"
+        reader.mget(["k"])
+    assert reader.sockname is None, "the half-read connection is dropped"
 
 
-def test_the_tracers_setup_imports_neither_redis_py_nor_prometheus() -> None:
-    """What ``Tracer._setup`` imports on the tracer's thread (TensorFlow aside)."""
+def test_the_tracers_setup_imports_no_pydantic_broker_client_or_redis_py() -> None:
+    """What ``Tracer._setup`` and its batches import on the tracer's thread (TensorFlow aside): the
+    standard library, protobuf and our own modules; the broker is the shipper's business."""
     code = ("import json, sys\n"
-            "from pydantic import ValidationError\n"
-            "from opml_common.config import PlatformSettings\n"
-            "from opml_trace_collector.inject.settings import TracerSettings\n"
+            "from opml_trace_collector.inject import config, spool, tracer\n"
             "from opml_trace_collector.inject.control import ControlPoller\n"
-            "from opml_trace_collector.inject.sender import Sender\n"
-            "from opml_trace_collector.inject import tracer\n"
-            "heavy = ('redis', 'prometheus_client', 'minio', 'opml_common.metrics', 'opml_common.bus.consumer',\n"
+            "from opml_trace_collector.inject.spool import RunSpool\n"
+            "from opml_trace_collector.topics import TRACES, tracer_source\n"
+            "from opml_trace_collector.session import record_to_line\n"
+            "from opml.traces.v1 import events_pb2\n"
+            "config.read()\n"
+            "heavy = ('pydantic', 'pydantic_settings', 'aiokafka', 'opml_common.bus.producer', 'opml_common.config',\n"
+            "         'redis', 'prometheus_client', 'minio', 'opml_common.metrics', 'opml_common.bus.consumer',\n"
             "         'opml_common.bus.admin')\n"
             "print(json.dumps([m for m in heavy if m in sys.modules]))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -45,6 +45,73 @@ def test_settings_reject_a_bad_op_filter(monkeypatch: pytest.MonkeyPatch) -> Non
         TracerSettings()
 
 
+# values tried for each kind of field: valid ones, bounds, and wrong types
+_TRIALS = {str: ["", "a", "ab", "abc", "job-1", " x "], float: ["0", "-1", "0.5", "2", " 3 ", "1e3", "1_0", "inf",
+                                                             "nan", "abc", ""],
+           int: ["99", "100", "250000", "1000.0", "1.5", "1e3", "abc", ""], Path: ["", "rel/dir", "~/x", "/abs"]}
+
+
+def test_the_jobs_settings_reader_agrees_with_the_pydantic_class_on_every_field() -> None:
+    """``config.read`` (the job's, standard library) and ``TracerSettings`` (pydantic: the shipper, the
+    docs) accept and refuse the same values, with the same result; both come from ``config.FIELDS``."""
+    from pydantic import ValidationError
+
+    from opml_trace_collector.inject import config
+
+    assert set(TracerSettings.model_fields) == set(config.FIELDS)
+    defaults = _pydantic({})
+    read = config.read({})
+    for name in config.FIELDS:
+        assert getattr(read, name) == getattr(defaults, name), name
+        assert TracerSettings.model_fields[name].description == config.FIELDS[name].description
+    checked = 0
+    for name, spec in config.FIELDS.items():
+        trials = _TRIALS[spec.kind] + (["Conv(", "Conv2D|MatMul"] if spec.regex else [])
+        for raw in trials:
+            env = {f"OPML_TRACE_{name.upper()}": raw}
+            try:
+                theirs = getattr(_pydantic(env), name)
+            except ValidationError:
+                theirs = "refused"
+            try:
+                mine = getattr(config.read(env), name)
+            except config.ConfigError as exc:
+                assert f"OPML_TRACE_{name.upper()}" in str(exc)
+                mine = "refused"
+            assert mine == theirs, (name, raw, mine, theirs)
+            checked += 1
+    assert checked > 50
+
+
+def _pydantic(env: dict[str, str]) -> TracerSettings:
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return TracerSettings()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def test_the_jobs_settings_reader_checks_the_platforms_variables_and_hides_the_redis_url() -> None:
+    from opml_common.config import PlatformSettings
+    from opml_trace_collector.inject import config
+
+    read = config.read({})
+    platform = PlatformSettings()
+    assert (read.kafka_bootstrap, read.topic_prefix, read.redis_url, read.redis_prefix) == (
+        platform.kafka_bootstrap, platform.topic_prefix, platform.redis_url, platform.redis_prefix)
+    with pytest.raises(config.ConfigError) as bad:
+        config.read({"OPML_KAFKA_BOOTSTRAP": "nohostport", "OPML_REDIS_URL": "http://user:hunter2@h/0",
+                     "OPML_TRACE_POLL_S": "0"})
+    message = str(bad.value)
+    assert "OPML_KAFKA_BOOTSTRAP" in message and "OPML_REDIS_URL" in message and "OPML_TRACE_POLL_S" in message
+    assert "hunter2" not in message
+
+
 def test_parse_capture_requests() -> None:
     raw = json.dumps({"capture_id": "c", "steps": 5, "workers": []})
     assert parse_capture(raw, "worker-0").steps == 5
@@ -167,79 +234,49 @@ def test_xspace_op_filter_and_event_bound() -> None:
     assert bounded["metadata"]["dropped_events"] == 3
 
 
-async def test_control_poller_against_real_redis(settings_env: dict[str, str]) -> None:
-    import asyncio
-
-    import redis.asyncio as aioredis
+def test_control_poller_against_real_redis(settings_env: dict[str, str]) -> None:
+    import redis
 
     from opml_trace_collector.inject.control import ControlPoller
 
     prefix = settings_env["OPML_REDIS_PREFIX"]
     enabled, armed, bad, warned = [], [], [], []
-    polled = asyncio.Event()
-
-    def on_poll(value: bool) -> None:  # the poller calls set_enabled once per answered poll, then handles the capture
-        enabled.append(value)
-        polled.set()
-
-    async def seen() -> None:
-        """Until a poll that began after the caller's last write has been handled: the second
-        answer from now (the first may come from a read issued before the write)."""
-        target = len(enabled) + 2
-        while len(enabled) < target:
-            polled.clear()
-            await asyncio.wait_for(polled.wait(), 30)  # a bound on failure only
-
-    poller = ControlPoller(settings_env["OPML_REDIS_URL"], prefix, "job", "worker-1", 0.05,
-                           set_enabled=on_poll, arm=armed.append,
+    poller = ControlPoller(settings_env["OPML_REDIS_URL"], prefix, "job", "worker-1",
+                           set_enabled=enabled.append, arm=armed.append,
                            bad_request=lambda capture_id, reason: bad.append((capture_id, reason)),
                            warn=lambda kind, message: warned.append(kind))
-    client = aioredis.from_url(settings_env["OPML_REDIS_URL"])
-    task = asyncio.create_task(poller.run())
+    client = redis.Redis.from_url(settings_env["OPML_REDIS_URL"])
     try:
-        await seen()
-        assert enabled[-1] is True and armed == []
-        await client.set(f"{prefix}traces:enabled", "0")
-        await client.set(f"{prefix}traces:capture:job", json.dumps({"capture_id": "a", "steps": 2, "workers": []}))
-        await seen()
+        poller.poll()
+        assert enabled == [True] and armed == [] and poller.first_poll.is_set()
+        client.set(f"{prefix}traces:enabled", "0")
+        client.set(f"{prefix}traces:capture:job", json.dumps({"capture_id": "a", "steps": 2, "workers": []}))
+        poller.poll()
+        poller.poll()  # seen again: armed once
         assert enabled[-1] is False and [r.capture_id for r in armed] == ["a"]
-        await client.set(f"{prefix}traces:capture:job", json.dumps({"capture_id": "b", "steps": 2,
-                                                                    "workers": ["worker-0"]}))
-        await seen()
-        await client.set(f"{prefix}traces:capture:job", json.dumps({"capture_id": "c", "steps": -1}))
-        await seen()
-        await seen()  # seen again: still reported once
+        client.set(f"{prefix}traces:capture:job", json.dumps({"capture_id": "b", "steps": 2, "workers": ["worker-0"]}))
+        poller.poll()
+        client.set(f"{prefix}traces:capture:job", json.dumps({"capture_id": "c", "steps": -1}))
+        poller.poll()
+        poller.poll()  # seen again: still reported once
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await client.delete(f"{prefix}traces:enabled", f"{prefix}traces:capture:job")
-        await client.aclose()
-        await poller.close()
+        client.delete(f"{prefix}traces:enabled", f"{prefix}traces:capture:job")
+        client.close()
+        poller.close()
     assert enabled[0] is True and enabled[-1] is False
     assert [(r.capture_id, r.steps) for r in armed] == [("a", 2)], "once per capture id, only named workers"
     assert len(bad) == 1 and bad[0][0] == "c" and "steps" in bad[0][1]
-    assert poller.first_poll.is_set() and warned == []
+    assert warned == []
 
 
-async def test_control_poller_without_redis_warns_once() -> None:
-    import asyncio
-
+def test_control_poller_without_redis_warns() -> None:
     from opml_common.devinfra import free_port
     from opml_trace_collector.inject.control import ControlPoller
 
     warned: list[str] = []
-    failed_thrice = asyncio.Event()
-
-    def warn(kind: str, message: str) -> None:  # the tracer's warn_once dedups; the poller calls it per failure
-        warned.append(kind)
-        if len(warned) >= 3:
-            failed_thrice.set()
-
-    poller = ControlPoller(f"redis://127.0.0.1:{free_port()}/0", "p:", "job", "w", 0.02, set_enabled=print,
-                           arm=print, bad_request=print, warn=warn)
-    task = asyncio.create_task(poller.run())
-    await asyncio.wait_for(failed_thrice.wait(), 30)  # a bound on failure only
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    await poller.close()
-    assert poller.first_poll.is_set() and set(warned) == {"redis"}
+    poller = ControlPoller(f"redis://127.0.0.1:{free_port()}/0", "p:", "job", "w", set_enabled=print,
+                           arm=print, bad_request=print, warn=lambda kind, message: warned.append(kind))
+    for _ in range(3):
+        poller.poll()  # never raises
+    poller.close()
+    assert poller.first_poll.is_set() and warned == ["redis"] * 3, "the tracer's warn_once dedups"

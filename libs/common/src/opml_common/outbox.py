@@ -109,17 +109,7 @@ class Outbox:
             return True
 
     def _write(self, topic: Topic, event: CloudEvent) -> None:
-        # the whole topic travels with the event: the outbox needs no list of the platform's topics
-        record = {"topic": {"name": topic.name, "partitions": topic.partitions}, "data": event.data.hex(),
-                  "headers": [(k, v.decode("latin-1")) for k, v in event.kafka_headers()]}
-        # time, then this process's sequence: events recorded in the same microsecond keep their order
-        final = self._dir / f"{event.time.timestamp():020.6f}-{next(self._seq):012d}-{event.id}.json"
-        tmp = final.with_suffix(".tmp")
-        with open(tmp, "w") as handle:
-            json.dump(record, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, final)
+        write_event(self._dir, topic, event, next(self._seq))
         if self._pending is not None:
             self._pending.inc()  # counted, not listed: listing per event made draining a backlog O(n^2)
 
@@ -134,6 +124,23 @@ class Outbox:
             self._wake.clear()
             if self._files() and not await self.flush():
                 await asyncio.sleep(self._retry_interval_s)
+
+
+def write_event(directory: Path, topic: Topic, event: CloudEvent, sequence: int) -> Path:
+    """Write one event as an Outbox file (fsync'd, then renamed into place): what ``Outbox.flush``
+    publishes. For writers without an Outbox (the tracer in a job, whose host's shipper publishes
+    the folder); ``sequence`` orders events of one writer recorded in the same microsecond."""
+    # the whole topic travels with the event: the outbox needs no list of the platform's topics
+    record = {"topic": {"name": topic.name, "partitions": topic.partitions}, "data": event.data.hex(),
+              "headers": [(k, v.decode("latin-1")) for k, v in event.kafka_headers()]}
+    final = directory / f"{event.time.timestamp():020.6f}-{sequence:012d}-{event.id}.json"
+    tmp = final.with_suffix(".tmp")
+    with open(tmp, "w") as handle:
+        json.dump(record, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, final)
+    return final
 
 
 def _topic(recorded: dict | str) -> Topic:

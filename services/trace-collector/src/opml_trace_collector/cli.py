@@ -255,11 +255,15 @@ def tracing(session: ClientSession, switch: str | None) -> None:
 
 @trace.command("flush")
 def flush() -> None:
-    """Deliver the metrics that traced runs spooled while the bus was unreachable."""
+    """Deliver what traced runs spooled, now (when no shipper runs: `python -m opml_trace_collector.inject.ship`)."""
     from opml_trace_collector.inject.settings import TracerSettings
-    from opml_trace_collector.inject.spool import flush_spool
+    from opml_trace_collector.inject.ship import ShipperRunning, flush_spool
 
-    sent, pending = asyncio.run(flush_spool(TracerSettings().spool_dir, PlatformSettings()))
+    try:
+        sent, pending = asyncio.run(flush_spool(TracerSettings().spool_dir, PlatformSettings()))
+    except ShipperRunning as exc:
+        console.print(f"{exc}: it sends them")
+        return
     console.print(f"{sent} events sent, {pending} still pending")
     if pending:
         sys.exit(1)

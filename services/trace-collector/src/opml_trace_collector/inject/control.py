@@ -10,7 +10,6 @@ does not implement: importing redis-py cost more CPU than a short job's whole po
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 from collections.abc import Callable
@@ -21,13 +20,13 @@ from opml_trace_collector.inject.capture import CaptureRequest
 _TIMEOUT_S = 2.0
 
 
-def redis_client(url: str):  # noqa: ANN201 - a RedisReader or a redis.asyncio.Redis: both have mget, aclose
+def redis_client(url: str):  # noqa: ANN201 - a RedisReader or a redis.Redis: both have mget, close
     """The client the poll reads the keys with: the light one, unless the URL needs redis-py."""
     try:
         return resp.RedisReader(resp.parse_url(url), timeout_s=_TIMEOUT_S)
     except resp.Unsupported:
-        import redis.asyncio as aioredis
-        return aioredis.from_url(url, socket_timeout=_TIMEOUT_S, socket_connect_timeout=_TIMEOUT_S)
+        import redis
+        return redis.Redis.from_url(url, socket_timeout=_TIMEOUT_S, socket_connect_timeout=_TIMEOUT_S)
 
 
 def parse_capture(raw: bytes | str, worker: str) -> CaptureRequest | None:
@@ -55,33 +54,30 @@ def parse_capture(raw: bytes | str, worker: str) -> CaptureRequest | None:
 
 
 class ControlPoller:
-    """Polls the two keys every ``poll_s``; calls back on a change. Redis down: keeps trying quietly."""
+    """Reads the two keys on each ``poll`` (the tracer's thread calls it every ``poll_s``); calls back on
+    a change. Redis down: keeps trying quietly."""
 
-    def __init__(self, redis_url: str, prefix: str, job: str, worker: str, poll_s: float, *,
+    def __init__(self, redis_url: str, prefix: str, job: str, worker: str, *,
                  set_enabled: Callable[[bool], None], arm: Callable[[CaptureRequest], None],
                  bad_request: Callable[[str | None, str], None], warn: Callable[[str, str], None]) -> None:
         self._client = redis_client(redis_url)
         self._keys = [f"{prefix}traces:enabled", f"{prefix}traces:capture:{job}"]
         self._worker = worker
-        self._poll_s = poll_s
         self._set_enabled, self._arm, self._bad, self._warn = set_enabled, arm, bad_request, warn
         self._seen: set[str] = set()
         self.first_poll = threading.Event()  # set once the first answer (or failure) is in
-        self.answered = asyncio.Event()  # the same, for the loop (the batches wait for it)
 
-    async def run(self) -> None:
-        while True:
-            try:
-                enabled, capture = await self._client.mget(self._keys)
-            except Exception as exc:  # noqa: BLE001 - Redis unreachable: no captures, training unaffected
-                self._warn("redis", f"Redis is unreachable ({exc}); captures and the global switch are unavailable")
-            else:
-                self._set_enabled(enabled != b"0")
-                if capture is not None:
-                    self._on_capture(capture)
-            self.first_poll.set()
-            self.answered.set()
-            await asyncio.sleep(self._poll_s)
+    def poll(self) -> None:
+        """One read of the keys and what follows from it; never raises."""
+        try:
+            enabled, capture = self._client.mget(self._keys)
+        except Exception as exc:  # noqa: BLE001 - Redis unreachable: no captures, training unaffected
+            self._warn("redis", f"Redis is unreachable ({exc}); captures and the global switch are unavailable")
+        else:
+            self._set_enabled(enabled != b"0")
+            if capture is not None:
+                self._on_capture(capture)
+        self.first_poll.set()
 
     def _on_capture(self, raw: bytes) -> None:
         try:
@@ -96,8 +92,8 @@ class ControlPoller:
             self._seen.add(request.capture_id)
             self._arm(request)
 
-    async def close(self) -> None:
-        await self._client.aclose()
+    def close(self) -> None:
+        self._client.close()
 
 
 def _capture_id_of(raw: bytes) -> str:

@@ -1,4 +1,4 @@
-"""The control poll's Redis client: one command (MGET) over one asyncio connection, standard library only.
+"""The control poll's Redis client: one command (MGET) over one blocking connection, standard library only.
 
 redis-py costs ~36 ms of CPU to import (its package imports every command module), a tenth of what
 a short traced job may spend on the tracer in all, for a poll that reads two keys. This client speaks
@@ -10,11 +10,13 @@ its ``db``/``password`` parameters). A URL with any other option makes ``parse_u
 
 from __future__ import annotations
 
-import asyncio
+import socket
 from dataclasses import dataclass
+from typing import BinaryIO
 from urllib.parse import parse_qs, unquote, urlsplit
 
 _MAX_BULK = 1 << 20  # a control value is a few hundred bytes; anything larger is not ours
+_MAX_LINE = 1 << 16
 
 
 class Unsupported(ValueError):
@@ -69,13 +71,16 @@ def _command(*args: str | bytes) -> bytes:
     return b"".join(out)
 
 
-async def _reply(reader: asyncio.StreamReader) -> object:
+def _reply(reader: BinaryIO) -> object:
     """One RESP2 reply: bytes, None, int, str (a status), or a list of them.
 
     Raises:
         ReplyError: an error reply, or a malformed or oversized one.
+        ConnectionError: the connection closed mid-reply.
     """
-    line = await reader.readuntil(b"\r\n")
+    line = reader.readline(_MAX_LINE)
+    if not line.endswith(b"\r\n"):
+        raise ConnectionError("the connection closed mid-reply") if not line else ReplyError(f"unexpected reply {line[:40]!r}")
     kind, body = line[:1], line[1:-2]
     if kind == b"+":
         return body.decode()
@@ -89,79 +94,86 @@ async def _reply(reader: asyncio.StreamReader) -> object:
             return None
         if size > _MAX_BULK:
             raise ReplyError(f"a {size}-byte value, more than a control key holds")
-        return (await reader.readexactly(size + 2))[:-2]
+        data = reader.read(size + 2)
+        if len(data) < size + 2:
+            raise ConnectionError("the connection closed mid-reply")
+        return data[:-2]
     if kind == b"*":
         count = int(body)
-        return None if count < 0 else [await _reply(reader) for _ in range(count)]
+        return None if count < 0 else [_reply(reader) for _ in range(count)]
     raise ReplyError(f"unexpected reply {line[:40]!r}")
 
 
 class RedisReader:
-    """MGET on one lazily opened connection; after any failure the next call reconnects.
+    """MGET on one lazily opened, blocking connection; after any failure the next call reconnects.
 
-    Not safe for concurrent calls (the poller awaits one MGET at a time).
+    Not safe for concurrent calls (the tracer's thread polls one MGET at a time).
     """
 
     def __init__(self, endpoint: Endpoint, *, timeout_s: float = 2.0) -> None:
         self._endpoint = endpoint
         self._timeout_s = timeout_s
-        self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self._socket: socket.socket | None = None
+        self._reader: BinaryIO | None = None
 
-    async def mget(self, keys: list[str]) -> list[bytes | None]:
+    def mget(self, keys: list[str]) -> list[bytes | None]:
         """The values of ``keys`` (None where absent).
 
         Raises:
-            OSError, TimeoutError: Redis cannot be reached or did not answer within the timeout.
+            OSError (TimeoutError among them): Redis cannot be reached or did not answer within the timeout.
             ReplyError: Redis refused (authentication, a wrong type) or answered nonsense.
         """
         try:
-            return await asyncio.wait_for(self._mget(keys), self._timeout_s)
-        except BaseException:  # a timeout or a cancel mid-reply leaves the stream unusable
-            self._drop()
+            if self._socket is None:
+                self._connect()
+            self._socket.sendall(_command("MGET", *keys))
+            values = _reply(self._reader)
+        except BaseException:  # a timeout mid-reply leaves the stream unusable
+            self.close()
             raise
-
-    async def _mget(self, keys: list[str]) -> list[bytes | None]:
-        reader, writer = self._streams or await self._connect()
-        writer.write(_command("MGET", *keys))
-        await writer.drain()
-        values = await _reply(reader)
         if not isinstance(values, list) or len(values) != len(keys):
+            self.close()
             raise ReplyError("MGET did not answer one value per key")
         return values
 
-    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    def _connect(self) -> None:
         e = self._endpoint
         if e.path is not None:
-            reader, writer = await asyncio.open_unix_connection(e.path)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self._timeout_s)
+            try:
+                sock.connect(e.path)
+            except BaseException:
+                sock.close()
+                raise
         else:
-            context = None
+            sock = socket.create_connection((e.host, e.port), timeout=self._timeout_s)
             if e.tls:
                 import ssl
-                context = ssl.create_default_context()
-            reader, writer = await asyncio.open_connection(e.host, e.port, ssl=context)
-        self._streams = reader, writer
+                try:
+                    sock = ssl.create_default_context().wrap_socket(sock, server_hostname=e.host)
+                except BaseException:
+                    sock.close()
+                    raise
+        self._socket, self._reader = sock, sock.makefile("rb")
         setup = []
         if e.password is not None:
             setup.append(_command("AUTH", e.username, e.password) if e.username else _command("AUTH", e.password))
         if e.db:
             setup.append(_command("SELECT", str(e.db)))
         if setup:
-            writer.write(b"".join(setup))
-            await writer.drain()
+            sock.sendall(b"".join(setup))
             for _ in setup:
-                await _reply(reader)  # an -ERR (wrong password, no such db) raises here
-        return reader, writer
+                _reply(self._reader)  # an -ERR (wrong password, no such db) raises here
 
-    def _drop(self) -> None:
-        streams, self._streams = self._streams, None
-        if streams is not None:
-            streams[1].close()
+    @property
+    def sockname(self) -> tuple | None:
+        """The local address of the open connection (tests kill it by this), None when closed."""
+        return self._socket.getsockname() if self._socket is not None else None
 
-    async def aclose(self) -> None:
-        streams = self._streams
-        self._drop()
-        if streams is not None:
-            try:
-                await streams[1].wait_closed()
-            except OSError:
-                pass
+    def close(self) -> None:
+        reader, sock, self._reader, self._socket = self._reader, self._socket, None, None
+        if reader is not None:
+            reader.close()
+        if sock is not None:
+            sock.close()

@@ -1,31 +1,35 @@
-"""The spool: one Outbox folder per traced run under ``OPML_TRACE_SPOOL_DIR``, locked while its run lives.
+"""The spool: where a traced job's events wait for the host's shipper (``ship``), standard library only.
 
-Events are written there before they are published and deleted after the broker's ack. A run that
-could not deliver (broker down, killed) leaves its folder; the next traced run on the machine, or
-``flush_spool`` (``opml trace flush``), publishes it later. Consumers deduplicate by event id.
+``<spool_dir>/<outlet>/<session>/``: one folder per run (locked while its run lives) under one per
+destination (``config.outlet_dir``: the broker and topic prefix the job's settings name). Each
+event is one ``opml_common.outbox`` file, written and fsync'd before the job goes on; the shipper
+publishes a folder's files oldest first and deletes each after the broker's ack, and removes a
+finished run's folder once it is empty. Consumers deduplicate by event id.
 """
 
 from __future__ import annotations
 
-import asyncio
 import fcntl
+import itertools
 import os
+import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from opml_common.outbox import Outbox
+from google.protobuf.message import Message
 
-if TYPE_CHECKING:
-    from opml_common.bus.producer import EventPublisher
-    from opml_common.config import PlatformSettings
+from opml_common.bus.cloudevents import CloudEvent
+from opml_common.outbox import write_event
+from opml_common.topics import Topic
 
 LOCK = ".lock"
+SHIPPER_LOCK = ".shipper.lock"  # held by the outlet's shipper (``ship``), its pid written in it
+LAUNCHERS = ".launchers"  # share-locked by each launcher while its job runs: the shipper is not idle then
 
 
-def lock_folder(folder: Path, *, wait: bool) -> int | None:
+def lock_folder(folder: Path, *, wait: bool, name: str = LOCK) -> int | None:
     """An exclusive lock on ``folder`` (held by the file descriptor returned), None if another holds it."""
     folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(folder / name, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
     except BlockingIOError:
@@ -34,43 +38,90 @@ def lock_folder(folder: Path, *, wait: bool) -> int | None:
     return fd
 
 
+def hold_launcher(outlet: Path) -> int:
+    """A shared lock on the outlet's launcher file, held by a launcher for its job's life (the
+    descriptor): a shipper does not exit idle while one is held."""
+    outlet.mkdir(parents=True, exist_ok=True)
+    fd = os.open(outlet / LAUNCHERS, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+def no_launcher(outlet: Path) -> int | None:
+    """An exclusive lock on the launcher file when no launcher holds it (the descriptor), else None."""
+    outlet.mkdir(parents=True, exist_ok=True)
+    return lock_folder(outlet, wait=False, name=LAUNCHERS)
+
+
+def shipper_pid(outlet: Path) -> int | None:
+    """The pid of the shipper holding ``outlet``'s lock (0 if unreadable), None when none holds it."""
+    if not (outlet / SHIPPER_LOCK).exists():
+        return None
+    fd = lock_folder(outlet, wait=False, name=SHIPPER_LOCK)
+    if fd is not None:
+        os.close(fd)
+        return None
+    try:
+        return int((outlet / SHIPPER_LOCK).read_text().strip() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def run_folders(outlet: Path) -> list[Path]:
+    """The run folders of an outlet (not those still being made, whose names hold a dot)."""
+    try:
+        return sorted(p for p in outlet.iterdir() if "." not in p.name and p.is_dir())
+    except FileNotFoundError:
+        return []
+
+
+def pending(folder: Path) -> list[Path]:
+    """The events a folder holds, oldest first."""
+    try:
+        return sorted(p for p in folder.iterdir() if p.suffix == ".json")
+    except FileNotFoundError:
+        return []
+
+
 def release_folder(folder: Path, fd: int) -> None:
     """Unlock ``folder`` and remove it when nothing is left to send."""
     try:
-        if not any(folder.glob("*.json")):
+        if not pending(folder):
             (folder / LOCK).unlink(missing_ok=True)
+            for leftover in folder.glob("*.tmp"):  # a write cut short: never renamed, never an event
+                leftover.unlink(missing_ok=True)
             folder.rmdir()
     except OSError:
-        pass  # a file arrived meanwhile or another process took it: it stays for a later flush
+        pass  # a file arrived meanwhile or another process took it: the shipper removes it later
     finally:
         os.close(fd)
 
 
-async def flush_folders(spool_dir: Path, publisher: EventPublisher, *, skip: Path | None = None) -> tuple[int, int]:
-    """Publish what unlocked run folders hold; (events sent, events still pending)."""
-    sent = pending = 0
-    if not spool_dir.is_dir():
-        return 0, 0
-    for folder in sorted(p for p in spool_dir.iterdir() if p.is_dir() and p != skip):
-        fd = lock_folder(folder, wait=False)
-        if fd is None:
-            continue  # a live run owns it
-        try:
-            before = len(list(folder.glob("*.json")))
-            await Outbox(folder, publisher, None).flush()
-            left = len(list(folder.glob("*.json")))
-            sent, pending = sent + before - left, pending + left
-        finally:
-            release_folder(folder, fd)
-    return sent, pending
+class RunSpool:
+    """One run's folder, locked for the run's life; ``record`` writes an event into it from any thread."""
 
+    def __init__(self, folder: Path, topic: Topic, source: str, subject: str) -> None:
+        self.folder = folder
+        self._topic, self._source, self._subject = topic, source, subject
+        # locked under a name the shipper skips, then renamed: it never sees the folder unlocked
+        making = folder.with_name(folder.name + ".new")
+        self._fd = lock_folder(making, wait=True)
+        os.replace(making, folder)
+        self._seq = itertools.count()
+        self._lock = threading.Lock()  # one writer at a time: file names then sort in the order written
 
-async def flush_spool(spool_dir: Path, settings: PlatformSettings, *, timeout_s: float = 30.0) -> tuple[int, int]:
-    """Deliver every spooled event of finished runs to the broker; (sent, still pending).
+    def record(self, message: Message) -> str:
+        """Write ``message`` as an event (durably); its id."""
+        with self._lock:
+            event = CloudEvent.from_proto(message, source=self._source, subject=self._subject)
+            write_event(self.folder, self._topic, event, next(self._seq))
+        return event.id
 
-    Raises:
-        opml_common.errors.Unavailable: no broker answered.
-    """
-    from opml_common.bus.producer import EventPublisher
-    async with EventPublisher(settings, source="opml://trace-collector/spool", metrics=None) as publisher:
-        return await asyncio.wait_for(flush_folders(spool_dir.expanduser(), publisher), timeout_s)
+    def drained(self) -> bool:
+        return not pending(self.folder)
+
+    def close(self) -> None:
+        """At the run's end: unlock (the folder goes when empty; otherwise the shipper removes it)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            release_folder(self.folder, fd)

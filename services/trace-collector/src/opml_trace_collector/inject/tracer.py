@@ -1,21 +1,18 @@
 """The tracer of one traced process: started by the post-import hook when the job imports TensorFlow.
 
-On the job's thread it only patches TensorFlow (``patches``) and starts one background thread;
-everything else (the settings, the broker's and Redis's clients and their imports, about 0.35 s of
-CPU) is loaded there while the job goes on. Every ``flush_interval_s`` that thread sends the steps
-recorded since the last batch with a host sample; it obeys the service's control keys and runs
-captures. At exit the job waits at most ``exit_timeout_s`` for the broker: the last batch is in the
-spool before that wait starts, and what the broker has not acknowledged by then stays there for
-``opml trace flush`` or the next traced run. Anything failing in here is reported once per kind on
-stderr and never reaches the job.
+On the job's thread it only patches TensorFlow (``patches``) and starts one background thread,
+which reads the settings (``config``, standard library), then every ``poll_s`` reads the service's
+control keys (``control``) and every ``flush_interval_s`` writes the steps recorded since the last
+batch, with a host sample, to this run's spool folder (``spool``). The job never talks to the
+broker: the host's shipper (``ship``) publishes the spool. At exit the last batch and
+TracerStopped go to the spool, and the job waits at most ``exit_timeout_s`` for the shipper to
+deliver them; what is not delivered by then is sent later. Anything failing in here is reported
+once per kind on stderr and never reaches the job.
 """
 
 from __future__ import annotations
 
-import asyncio
 import atexit
-import concurrent.futures
-import contextlib
 import logging
 import os
 import socket
@@ -31,18 +28,19 @@ from opml_trace_collector.inject.patches import Patcher
 from opml_trace_collector.inject.recorder import Epoch, Recorder, Step
 
 if TYPE_CHECKING:  # imported on the tracer's thread, never on the job's
-    from opml_common.config import PlatformSettings
+    from google.protobuf.message import Message
+
     from opml_trace_collector.inject.capture import Capture, CaptureRequest
+    from opml_trace_collector.inject.config import TracerConfig
     from opml_trace_collector.inject.control import ControlPoller
-    from opml_trace_collector.inject.sender import Sender
-    from opml_trace_collector.inject.settings import TracerSettings
+    from opml_trace_collector.inject.spool import RunSpool
 
 _tracer: Tracer | None = None
 startup_cpu_s: float | None = None  # CPU of the job's thread in the import hook: this module's import, activate
 _CAPTURE_EXIT_WAIT_S = 30.0  # a finished capture still uploading at exit gets this long
 _SETUP_EXIT_WAIT_S = 10.0  # a job ending before the tracer's thread is set up waits this long for it
-_WRITE_EXIT_WAIT_S = 2.0
-_EPOCH_BATCH_GAP_S = 0.1  # the least time between two batches (epochs of a fast fit share one)  # at exit, the most the job waits for the last events to reach the spool
+_EPOCH_BATCH_GAP_S = 0.1  # the least time between two batches (epochs of a fast fit share one)
+_DELIVERY_CHECK_S = 0.005  # at exit, how often the job looks whether the shipper has taken its last events
 
 
 def _timestamp(seconds: float):  # noqa: ANN202 - a protobuf Timestamp
@@ -54,7 +52,7 @@ def _timestamp(seconds: float):  # noqa: ANN202 - a protobuf Timestamp
 
 def _quiet_libraries() -> None:
     """Keep our libraries' logs out of the job's output (the tracer warns once per kind itself)."""
-    for name in ("opml_common", "aiokafka", "urllib3", "minio", "redis"):
+    for name in ("opml_common", "urllib3", "minio", "redis"):
         logger = logging.getLogger(name)
         logger.propagate = False
         if not logger.handlers:
@@ -62,7 +60,7 @@ def _quiet_libraries() -> None:
 
 
 class Tracer:
-    """Built on the job's thread by ``activate``; ``settings``, ``sender`` and the rest exist once the
+    """Built on the job's thread by ``activate``; ``settings``, ``spool`` and the rest exist once the
     tracer's thread set them up (``ready``)."""
 
     def __init__(self, tf_version: str) -> None:
@@ -70,11 +68,10 @@ class Tracer:
         self.session_id = uuid.uuid4().hex[:12]
         self.recorder = Recorder()
         self.patcher = Patcher(self.recorder)
-        self.settings: TracerSettings | None = None
-        self.platform: PlatformSettings | None = None
-        self.sender: Sender | None = None
+        self.settings: TracerConfig | None = None
+        self.spool: RunSpool | None = None
         self.poller: ControlPoller | None = None
-        self.ready = threading.Event()  # the thread's set-up is over (``sender`` is None if it failed)
+        self.ready = threading.Event()  # the thread's set-up is over (``spool`` is None if it failed)
         self.exit_code = 0
         self.exit_s: float | None = None  # how long the job waited for the tracer at exit (set by stop)
         self._warned: set[str] = set()
@@ -82,8 +79,13 @@ class Tracer:
         self._discarded = 0  # steps recorded before the first poll said tracing is off
         self._started_sent = False
         self._capture: Capture | None = None
-        self._exports: set[concurrent.futures.Future] = set()
-        self._periodic: list[concurrent.futures.Future] = []  # the control poll and the batches
+        self._exports: set[threading.Thread] = set()
+        self._outgoing: list[Message] = []  # events other threads hand the tracer's thread to write
+        self._emit = threading.Lock()  # one writer of batches and events; ``_closed`` under it
+        self._closed = False  # the last batch is written: nothing more goes to the spool
+        self._wake = threading.Event()
+        self._epoch_ended = False
+        self._session = None
         self._process = None
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="opml-tracer", daemon=True)
@@ -108,50 +110,95 @@ class Tracer:
         self._thread.start()
 
     def _run(self) -> None:
-        """The tracer's thread: load and set up everything, then run the sender's loop for good."""
+        """The tracer's thread: set up, then poll and batch until the job's exit."""
         try:
-            sender = self._setup()
+            ready = self._setup()
         except Exception as exc:  # noqa: BLE001 - never break the job: it runs untraced
             self.recorder.enabled = False
             self.recorder.drain()
             warn(f"the tracer failed to start ({exc!r}); the job runs untraced")
-            sender = None
-        if sender is None:
-            self.ready.set()
-            return
-        sender.run(on_ready=self._on_ready)
+            ready = False
+        self.ready.set()
+        if ready:
+            try:
+                self._loop()
+            except Exception as exc:  # noqa: BLE001
+                self.warn_once("loop", f"the tracer's thread stopped ({exc!r}); the last batch is sent at exit")
 
-    def _setup(self) -> Sender | None:
-        from pydantic import ValidationError
-
-        from opml_common.config import PlatformSettings
-        from opml_trace_collector.inject.settings import TracerSettings
+    def _setup(self) -> bool:
+        from opml_trace_collector.inject import config
         try:
-            settings, platform = TracerSettings(), PlatformSettings()
-        except ValidationError as exc:
+            settings = config.read()
+        except config.ConfigError as exc:
             self.recorder.enabled = False
             self.recorder.drain()
             warn(f"invalid tracer settings, the job runs untraced: {exc}")
-            return None
+            return False
         _quiet_libraries()
         import psutil
 
         from opml_trace_collector.inject.control import ControlPoller
-        from opml_trace_collector.inject.sender import Sender
-        self.settings, self.platform = settings, platform
+        from opml_trace_collector.inject.spool import RunSpool
+        from opml_trace_collector.topics import TRACES, tracer_source
+        self.settings = settings
         self._process = psutil.Process()
         self._process.cpu_percent(None)  # primes the counter: the first sample is then meaningful
-        self.sender = Sender(settings, platform, self.session_id, self.warn_once)
-        self.poller = ControlPoller(platform.redis_url, platform.redis_prefix, settings.job, settings.worker,
-                                    settings.poll_s, set_enabled=self._set_enabled, arm=self._arm,
-                                    bad_request=self._bad_request, warn=self.warn_once)
-        return self.sender
+        self.spool = RunSpool(settings.outlet / self.session_id, TRACES, tracer_source(settings.job, settings.worker),
+                              settings.subject)
+        safe = lambda text: text.replace("/", "_")  # noqa: E731
+        self.session_file = settings.session_dir / safe(settings.job) / f"{safe(settings.worker)}.{self.session_id}.jsonl"
+        try:
+            self.session_file.parent.mkdir(parents=True, exist_ok=True)
+            self._session = open(self.session_file, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+        except OSError as exc:
+            self.warn_once("session", f"cannot write the session file {self.session_file} ({exc})")
+        self.poller = ControlPoller(settings.redis_url, settings.redis_prefix, settings.job, settings.worker,
+                                    set_enabled=self._set_enabled, arm=self._arm, bad_request=self._bad_request,
+                                    warn=self.warn_once)
+        self.recorder.epoch_observer = self._on_epoch
+        return True
 
-    def _on_ready(self) -> None:
-        """On the loop, once the sender is set up: start the batches and the control poll."""
-        self._periodic = [self.sender.spawn(self.poller.run(), "polling the control keys"),
-                          self.sender.spawn(self._batches(), "sending step metrics")]
-        self.ready.set()
+    def _on_epoch(self) -> None:
+        self._epoch_ended = True
+        self._wake.set()
+
+    def _loop(self) -> None:
+        """Poll every ``poll_s``; write a batch every ``flush_interval_s`` and as soon as a Keras epoch
+        ends (at most one per :data:`_EPOCH_BATCH_GAP_S`: epochs that end meanwhile share the next)."""
+        s = self.settings
+        now = time.monotonic()
+        next_poll, next_batch, last_batch = now, now + s.flush_interval_s, now - _EPOCH_BATCH_GAP_S
+        while not self._closed:
+            now = time.monotonic()
+            if now >= next_poll:
+                self.poller.poll()
+                next_poll = time.monotonic() + s.poll_s
+            if self._outgoing:
+                self._write(lambda: None)
+            now = time.monotonic()
+            epoch_due = self._epoch_ended and now >= last_batch + _EPOCH_BATCH_GAP_S
+            if epoch_due or now >= next_batch:
+                self._epoch_ended = False
+                self._write(self._send_batch)
+                last_batch, next_batch = now, now + s.flush_interval_s
+            due = min(next_poll, next_batch, last_batch + _EPOCH_BATCH_GAP_S if self._epoch_ended else next_batch)
+            self._wake.wait(max(0.0, due - time.monotonic()))
+            self._wake.clear()
+
+    def _write(self, then) -> None:  # noqa: ANN001 - a callable of no argument
+        """Under the writer's lock, unless the last batch is written: the events handed over, then ``then``."""
+        with self._emit:
+            if self._closed:
+                return
+            outgoing, self._outgoing = self._outgoing, []
+            for message in outgoing:
+                self.spool.record(message)
+            then()
+
+    def _hand_over(self, message: Message) -> None:
+        """From any thread: the tracer's thread writes ``message`` to the spool (no disk write here)."""
+        self._outgoing.append(message)
+        self._wake.set()
 
     def _watch_exit(self) -> None:
         """Learn the job's exit code for TracerStopped: sys.exit's argument, 1 for an uncaught error."""
@@ -168,88 +215,64 @@ class Tracer:
         sys.exit, sys.excepthook = exit_, excepthook
 
     def stop(self) -> None:
-        """At exit: fail a capture still running, put the last batch and TracerStopped in the spool and
-        give the broker at most ``exit_timeout_s`` to acknowledge them; never longer, never raises."""
+        """At exit: fail a capture still running, write the last batch and TracerStopped to the spool and
+        give the shipper at most ``exit_timeout_s`` to deliver them; never longer, never raises."""
         began = time.perf_counter()
         try:
-            if not self.ready.wait(_SETUP_EXIT_WAIT_S) or self.sender is None:
+            if not self.ready.wait(_SETUP_EXIT_WAIT_S) or self.spool is None:
                 return
             if self._capture is not None:
                 self._capture.abandon("the job ended before the capture's steps ran")
-            if self._exports:
-                concurrent.futures.wait(list(self._exports), timeout=_CAPTURE_EXIT_WAIT_S)
+            deadline = time.monotonic() + _CAPTURE_EXIT_WAIT_S
+            for export in list(self._exports):
+                export.join(max(0.0, deadline - time.monotonic()))
             bound = self.settings.exit_timeout_s
-            written = threading.Event()
-            final = self.sender.submit(self._final(written, bound))
-            written.wait(_WRITE_EXIT_WAIT_S)
+            # the first answer of the switch decides whether the steps so far are kept
+            self.poller.first_poll.wait(bound / 2)
+            from opml.traces.v1 import events_pb2 as pb
+            with self._emit:
+                self._closed = True
+                for message in self._outgoing:
+                    self.spool.record(message)
+                self._outgoing = []
+                self._send_batch(final=True)
+                self.spool.record(pb.TracerStopped(job=self.settings.job, worker=self.settings.worker,
+                                                   session_id=self.session_id,
+                                                   steps=self.recorder.total - self._discarded,
+                                                   exit_code=self.exit_code))
+            self._wake.set()
+            if self._session is not None:
+                self._session.close()
             wait_from = time.perf_counter()
-            try:
-                delivered = final.result(bound)
-            except Exception:  # noqa: BLE001 - a timeout: what was not sent stays in the spool
-                delivered = False
+            deadline = time.monotonic() + bound
+            while not (delivered := self.spool.drained()) and time.monotonic() < deadline:
+                time.sleep(min(_DELIVERY_CHECK_S, max(0.0, deadline - time.monotonic())))
+            self.spool.close()
             self.exit_s = time.perf_counter() - began
-            if not delivered:
-                self.warn_once("exit", f"the broker did not acknowledge the last events within {bound:g} s "
-                               f"(the job waited {self.exit_s:.3f} s at exit, {self.exit_s - (wait_from - began):.3f} s "
-                               f"of them for the broker); they wait in {self.sender.spool_folder} for "
-                               "`opml trace flush` or the next traced run")
+            if not delivered and bound > 0:
+                self.warn_once("exit", f"the last events were not delivered within {bound:g} s (the job waited "
+                               f"{self.exit_s:.3f} s at exit, {self.exit_s - (wait_from - began):.3f} s of them for "
+                               f"the shipper); they wait in {self.spool.folder}, and the host's shipper sends them "
+                               "(`python -m opml_trace_collector.inject.ship`)")
         except Exception:  # noqa: BLE001 - never delay or fail the job's exit beyond the bounds
             pass
         finally:
             if self.exit_s is None:
                 self.exit_s = time.perf_counter() - began
 
-    async def _final(self, written: threading.Event, bound: float) -> bool:
-        """On the loop: record the last events durably, then deliver and close within ``bound``."""
-        poll, batches = self._periodic
-        batches.cancel()  # a batch in flight (or stuck on the broker) ends here: the last one follows
-        try:
-            if not self.poller.answered.is_set():
-                try:  # the first answer of the switch decides whether the steps so far are kept
-                    await asyncio.wait_for(self.poller.answered.wait(), bound / 2)
-                except TimeoutError:
-                    pass
-            poll.cancel()
-            await self._send_batch(final=True)
-            from opml.traces.v1 import events_pb2 as pb
-            self.sender.record(pb.TracerStopped(job=self.settings.job, worker=self.settings.worker,
-                                                session_id=self.session_id,
-                                                steps=self.recorder.total - self._discarded,
-                                                exit_code=self.exit_code))
-        finally:
-            written.set()
-        try:
-            return await asyncio.wait_for(self.sender.finish(), bound)
-        except (TimeoutError, Exception):  # noqa: BLE001
-            return False
-
     # --- batches ------------------------------------------------------------------------------
 
-    async def _batches(self) -> None:
-        """A batch every ``flush_interval_s``, and as soon as a Keras epoch ends (at most one per
-        :data:`_EPOCH_BATCH_GAP_S`: epochs that end meanwhile share the next batch)."""
-        loop = asyncio.get_running_loop()
-        epoch_ended = asyncio.Event()
-        self.recorder.epoch_observer = lambda: loop.call_soon_threadsafe(epoch_ended.set)
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(epoch_ended.wait(), self.settings.flush_interval_s)
-            epoch_ended.clear()
-            await self._send_batch()
-            await self.sender.deliver()
-            await asyncio.sleep(_EPOCH_BATCH_GAP_S)
-
-    async def _send_batch(self, *, final: bool = False) -> None:
-        """Record in the spool (TracerStarted first, then) the steps since the last batch; not before the
-        switch's first answer, which may discard them, unless this is the last batch."""
+    def _send_batch(self, *, final: bool = False) -> None:
+        """Write to the spool (TracerStarted first, then) the steps since the last batch; not before the
+        switch's first answer, which may discard them, unless this is the last batch. Under ``_emit``."""
         from opml.traces.v1 import events_pb2 as pb
         if not self._started_sent:
             self._started_sent = True
-            self.sender.record(pb.TracerStarted(
+            self.spool.record(pb.TracerStarted(
                 job=self.settings.job, worker=self.settings.worker, session_id=self.session_id,
                 tf_version=self.tf_version, patched=self.patcher.patched, pid=os.getpid(),
                 hostname=socket.gethostname(), argv=sys.argv))
-        if not final and not self.poller.answered.is_set():
+        if not final and not self.poller.first_poll.is_set():
             return
         steps = self.recorder.drain()
         epochs = self.recorder.drain_epochs()
@@ -264,8 +287,10 @@ class Tracer:
                                     session_id=self.session_id, sequence=self._sequence, steps=records, host=[host],
                                     epochs=[self._epoch(pb, e) for e in epochs])
         self._sequence += 1
-        self.sender.write_steps(records)
-        self.sender.record(batch)
+        if self._session is not None and records:
+            from opml_trace_collector.session import record_to_line
+            self._session.writelines(record_to_line(record) + "\n" for record in records)
+        self.spool.record(batch)
 
     @staticmethod
     def _record(pb: ModuleType, step: Step):  # noqa: ANN205 - a StepRecord
@@ -309,42 +334,45 @@ class Tracer:
 
     def _announce_failure(self, capture_id: str, reason: str) -> None:
         from opml.traces.v1 import events_pb2 as pb
-        self.sender.spawn(self.sender.emit(pb.CaptureFailed(
-            job=self.settings.job, worker=self.settings.worker, capture_id=capture_id, reason=reason)),
-            "announcing a failed capture")
+        self._hand_over(pb.CaptureFailed(job=self.settings.job, worker=self.settings.worker, capture_id=capture_id,
+                                         reason=reason))
 
     def _capture_stopped(self, capture: Capture) -> None:
-        """In the job's thread: hand the finished capture to the loop (export) or announce its failure."""
+        """In the job's thread: export the finished capture on a thread of its own, or announce its failure."""
         if capture.state != "done":
             capture.discard()
             self._announce_failure(capture.request.capture_id, capture.reason)
             return
-        future = self.sender.submit(self._export(capture))
-        self._exports.add(future)
-        future.add_done_callback(self._exports.discard)
+        export = threading.Thread(target=self._export, args=(capture,), name="opml-tracer-capture", daemon=True)
+        self._exports.add(export)
+        export.start()
 
-    async def _export(self, capture: Capture) -> None:
+    def _export(self, capture: Capture) -> None:
+        """Convert, upload, announce (a capture's thread); the platform's S3 settings are read here, by
+        pydantic, so only a capture pays for them."""
         from opml.traces.v1 import events_pb2 as pb
-
-        from opml_common.storage import s3_client  # minio: ~0.2 s of imports, paid only by a capture
-        from opml_trace_collector.inject import capture as capture_mod
         s = self.settings
         try:
-            done = await asyncio.get_running_loop().run_in_executor(None, lambda: capture_mod.export(
+            from opml_common.config import PlatformSettings
+            from opml_common.storage import s3_client  # minio: ~0.2 s of imports, paid only by a capture
+            from opml_trace_collector.inject import capture as capture_mod
+            done = capture_mod.export(
                 capture, job=s.job, worker=s.worker, tf_version=self.tf_version, bucket=s.bucket,
-                max_events=s.max_trace_events, op_filter=s.op_filter, s3=s3_client(self.platform, max_connections=4),
+                max_events=s.max_trace_events, op_filter=s.op_filter,
+                s3=s3_client(PlatformSettings(), max_connections=4),
                 upload_retry_s=s.upload_retry_s, on_retry=lambda attempt, error, delay_s: warn(
                     f"uploading capture {capture.request.capture_id} failed (attempt {attempt}: "
-                    f"{type(error).__name__}); retrying in {delay_s:.1f} s")))
+                    f"{type(error).__name__}); retrying in {delay_s:.1f} s"))
         except Exception as exc:  # noqa: BLE001
-            await self.sender.emit(pb.CaptureFailed(job=s.job, worker=s.worker, capture_id=capture.request.capture_id,
-                                                    reason=f"exporting the trace failed: {exc!r}"))
+            self._hand_over(pb.CaptureFailed(job=s.job, worker=s.worker, capture_id=capture.request.capture_id,
+                                             reason=f"exporting the trace failed: {exc!r}"))
         else:
-            await self.sender.emit(pb.CaptureCompleted(
+            self._hand_over(pb.CaptureCompleted(
                 job=s.job, worker=s.worker, capture_id=capture.request.capture_id, first_step=done.first_step,
                 steps=done.steps, trace_url=done.url, size_bytes=done.size_bytes, event_count=done.event_count))
         finally:
             capture.discard()
+            self._exports.discard(threading.current_thread())
 
 
 def activate(tensorflow: ModuleType) -> None:
