@@ -54,7 +54,7 @@ FIELDS: dict[str, Spec] = {
                            "retried (the trace waits on local disk); keep it under the collector's capture "
                            "timeout, after which the capture expires anyway.", ge=0),
     "shipper_idle_exit_s": Spec(float, 60.0, "A shipper started by the launcher exits after this long with no run "
-                                "to ship (0: never); the next traced run starts another.", ge=0),
+                                "to ship and no launcher running a job (0: never); the next traced run starts another.", ge=0),
 }
 
 
