@@ -36,6 +36,7 @@ from opml_automl_controller.template import Violations, substitute
 from opml_common.errors import InvalidArgument
 from opml_common.perfmodel import ServingConfig
 from opml_common.perfmodel.space import EXECUTION_MODES, OPT_LEVELS, PRECISIONS
+from opml_inference_router.client import DeploymentClient
 
 METRICS = ("latency_ms", "throughput_rps")
 """What a surrogate trial reports: the objective and additional metrics must be among them."""
@@ -71,8 +72,6 @@ class RouterPredictor:
     """:class:`ServingPredictor` over the inference-router's DeploymentService (the reader role)."""
 
     def __init__(self, target: str, *, token: str | None = None) -> None:
-        from opml_inference_router.client import DeploymentClient
-
         self._client = DeploymentClient(target, token=token)
 
     def predict(self, call: SurrogateCall) -> dict[str, float]:
