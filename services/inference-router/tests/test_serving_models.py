@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from click.testing import CliRunner
 from opml.inference.v1 import deployments_pb2 as pb
 
+from opml_common.cli import main as opml
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from opml_common.perfmodel import ServingConfig, grid
 from opml_common.testing.services import TOKENS, ServiceStarter
@@ -92,6 +94,19 @@ def test_measure_then_predict_on_the_kind_and_transferred_to_another(start_servi
         after = reader.predict_serving_performance(VERSION, "accel", [ServingConfig(8, precision="int8")])
     assert after.fit == transferred.fit
     assert after.predictions[0].latency_ms == pytest.approx(transferred.predictions[0].latency_ms)
+
+    # The CLI: measure one more accel configuration, then predict a grid from the model it moved.
+    runner = CliRunner()
+    base = ["model", "--target", again.target, "--token", TOKENS["writer"]]
+    measured_cli = runner.invoke(opml, [*base, "measure", "mlp", "1", "--kind", "accel", "--batch", "2",
+                                        "--precision", "int8", "--runs", "3", "--passes", "1"])
+    assert measured_cli.exit_code == 0, measured_cli.output
+    assert f"{len(ACCEL_FEW) + 1} measurements kept" in measured_cli.output
+    predicted_cli = runner.invoke(opml, [*base, "predict", "mlp", "1", "--kind", "accel", "--batch", "1,8,32",
+                                         "--threads", "1,2", "--precision", "int8"])
+    assert predicted_cli.exit_code == 0, predicted_cli.output
+    assert f"transferred from cpu ({len(CPU_GRID)} measurements) with {len(ACCEL_FEW) + 1}" in predicted_cli.output
+    assert predicted_cli.output.count("int8") == 6
 
 
 def test_bad_arguments_name_their_fields(start_service: ServiceStarter, router_env: dict[str, str],

@@ -4,11 +4,14 @@ where replicas run.
     opml model deploy --bundle NAME [--context C] | --dir DIR [--version N] [--canary PCT]
     opml model ls | get MODEL | traffic MODEL v1=90 v2=10 | promote MODEL | rollback MODEL
     opml model undeploy MODEL | placement
+    opml model measure MODEL VERSION --kind K [--batch 1,8 --threads 1,2 --opt-level ... --sample N]
+    opml model predict MODEL VERSION --kind K [the same grid options]
 """
 
 from __future__ import annotations
 
 import json
+import random
 
 import click
 from google.protobuf.json_format import MessageToDict
@@ -17,6 +20,8 @@ from rich.console import Console
 from rich.table import Table
 
 from opml_common.cligroup import ClientSession, pass_session, service_group
+from opml_common.perfmodel import ServingConfig, grid
+from opml_common.perfmodel.space import EXECUTION_MODES, OPT_LEVELS, PRECISIONS
 from opml_inference_router.client import DeploymentClient
 
 console = Console()
@@ -149,6 +154,76 @@ def placement(session: ClientSession, as_json: bool) -> None:
         console.print(f"[yellow]unplaced[/yellow] {item.model} v{item.version}: {item.reason}")
     if plan.unavailable_pool_kinds:
         console.print(f"pool kinds without workers here: {', '.join(plan.unavailable_pool_kinds)}")
+
+
+def _grid_options(command):
+    """The serving-configuration grid options of ``measure`` and ``predict`` (comma-separated lists)."""
+    for name, default, what in (("--batch", "1,8,32", "batch sizes"), ("--threads", "1", "intra-op thread counts"),
+                                ("--opt-level", "all", f"graph optimization levels ({', '.join(OPT_LEVELS)})"),
+                                ("--mode", "sequential", f"execution modes ({', '.join(EXECUTION_MODES)})"),
+                                ("--precision", "fp32", f"precisions ({', '.join(PRECISIONS)})")):
+        command = click.option(name, default=default, show_default=True, help=f"Comma-separated {what}.")(command)
+    command = click.option("--sample", default=0, type=int, help="Take this many configurations of the grid at "
+                           "random (0: all).")(command)
+    command = click.option("--seed", default=0, type=int, help="Seed of --sample.")(command)
+    return click.option("--kind", "kind", required=True, help="The pool kind.")(command)
+
+
+def _configs(batch: str, threads: str, opt_level: str, mode: str, precision: str, sample: int,
+             seed: int) -> list[ServingConfig]:
+    def items(text: str) -> list[str]:
+        return [item.strip() for item in text.split(",") if item.strip()]
+
+    try:
+        configs = list(grid(batches=[int(b) for b in items(batch)], threads=[int(t) for t in items(threads)],
+                            opt_levels=items(opt_level), modes=items(mode), precisions=items(precision)))
+    except ValueError as error:
+        raise click.BadParameter(f"--batch and --threads take integers: {error}") from None
+    if sample:
+        configs = random.Random(seed).sample(configs, min(sample, len(configs)))
+    return configs
+
+
+def _samples(title: str, samples) -> None:
+    table = Table("batch", "threads", "opt level", "mode", "precision", "latency ms", "rows/s", title=title)
+    for s in samples:
+        table.add_row(str(s.config.batch), str(s.config.threads), s.config.opt_level, s.config.execution_mode,
+                      s.config.precision, f"{s.latency_ms:.3f}", f"{s.throughput_rps:,.0f}")
+    console.print(table)
+
+
+@model.command()
+@click.argument("name")
+@click.argument("version", type=int)
+@_grid_options
+@click.option("--runs", default=0, type=int, help="Timed batches per configuration and pass (0: 15).")
+@click.option("--passes", default=0, type=int, help="Passes over the configurations (0: 3).")
+@pass_session
+def measure(session: ClientSession, name: str, version: int, kind: str, runs: int, passes: int,
+            **grid_options) -> None:
+    """Measure serving configurations of a version on a pool kind (kept for ``predict``; writer role)."""
+    configs = _configs(**grid_options)
+    with session.client() as client, console.status(f"measuring {len(configs)} configurations on {kind}..."):
+        kept = client.measure_serving_configs(f"models/{name}/versions/{version}", kind, configs, runs=runs,
+                                              passes=passes)
+    _samples(f"{name} v{version} on {kind}: {len(kept.samples)} measurements kept", kept.samples)
+
+
+@model.command()
+@click.argument("name")
+@click.argument("version", type=int)
+@_grid_options
+@pass_session
+def predict(session: ClientSession, name: str, version: int, kind: str, **grid_options) -> None:
+    """Predicted latency and throughput of serving configurations (the performance model's fit said)."""
+    with session.client() as client:
+        reply = client.predict_serving_performance(f"models/{name}/versions/{version}", kind,
+                                                   _configs(**grid_options))
+    fit = reply.fit
+    how = (f"learnt on {fit.target_samples} measurements of {kind}" if fit.method == "measured" else
+           f"transferred from {fit.learned_on} ({fit.source_samples} measurements) with {fit.target_samples} "
+           f"of {kind}")
+    _samples(f"{name} v{version} on {kind}, predicted: {how}", reply.predictions)
 
 
 def _show(deployment: pb.Deployment) -> None:
