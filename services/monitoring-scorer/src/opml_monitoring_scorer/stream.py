@@ -2,9 +2,11 @@
 
 ``predictions`` agent, on opml.predictions.v1 (keyed ``<model>/<version>``, so one version's
 predictions arrive in order on one partition), in batches (``Stream.noack_take``: up to
-``BATCH_MAX`` events, or what came within ``BATCH_WITHIN_S``): each event is decoded (a malformed
-one, or one of a model nobody registered, goes to the topic's dead-letter topic with the reason, and
-the stream flows on), appended to its version's open window, and the window is closed and scored
+``BATCH_MAX`` events, or what came within ``BATCH_WITHIN_S``): the batch's events of one version are
+decoded together (their tensors stacked, one numpy call per tensor; if that fails, one by one), a
+malformed event, or one of a model nobody registered, goes to the topic's dead-letter topic with the
+reason, and the stream flows on; each event's rows (a range of its version's decode) are appended
+to its version's open window, and the window is closed and scored
 when it holds ``window.count`` rows, or when an event's time is ``window.seconds`` past the window's
 first. Window times are event times, so windows close the same way on a replay.
 
@@ -77,9 +79,11 @@ class OpenWindow:
 
     index: int
     partition: int
-    batches: list[Batch] = field(default_factory=list)
+    parts: list[list[Any]] = field(default_factory=list)
+    """[decoded batch, first row, end row]: the window's rows, ranges of its events' batch decodes."""
     events: list[Any] = field(default_factory=list)
     rows: int = 0
+    summary_only: int = 0
     first: float | None = None
     last: float | None = None
     last_offset: int = -1
@@ -239,36 +243,77 @@ class ScoringStream:
 
     async def _on_batch(self, events: list[Any]) -> None:
         app = self.app
-        for event in events:
+        counted: dict[str, int] = {}
+        for event, item in zip(events, self._decode_batch(events), strict=True):
             if (app is None or not app.flow_control.is_active()
                     or event.message.generation_id != app.consumer_generation_id):
                 # a rebalance began (its revoke drops the open windows) or the event was fetched
                 # before one: not applied, not acked, fed again from the committed offset
                 continue
-            await self._on_prediction(event)
+            if isinstance(item, Exception):
+                await self._reject(event, item)
+                continue
+            await self._on_prediction(event, *item)
+            counted[item[0]] = counted.get(item[0], 0) + item[5] - item[4]
+        for key, rows in counted.items():
+            monitored = self.scorer.models.get(key)
+            if monitored is not None and rows:
+                self.metrics.predictions.labels(monitored.model, monitored.version).inc(rows)
         await self._flush_joins()
 
-    async def _on_prediction(self, event: Any) -> None:
+    def _decode_batch(self, events: list[Any]) -> list[Any]:
+        """Per event: (key, monitored, prediction, bytes, first row, end row, decoded batch, summary
+        only), or the exception that dead-letters it. The events of one version are decoded together
+        (one numpy call per tensor for the batch); if that fails, one by one, so only the bad ones are
+        rejected."""
+        items: list[Any] = [None] * len(events)
+        by_key: dict[str, list[int]] = {}
+        parsed: list[Any] = [None] * len(events)
+        models = self.scorer.models
+        for i, event in enumerate(events):
+            try:
+                data = self._parse(event.message, PREDICTION_TYPE)
+                prediction = inference_events.PredictionMade.FromString(data)
+                key = model_version(prediction.model_name, prediction.model_version)
+                if key not in models:
+                    raise UnknownModel(f"model {prediction.model_name[:80]!r} version "
+                                       f"{prediction.model_version[:20]!r} is not monitored (register it, or "
+                                       "deploy it through the inference-router)")
+            except Exception as exc:  # noqa: BLE001 - any undecodable event is dead-lettered, never blocks
+                items[i] = exc
+                continue
+            parsed[i] = (prediction, data)
+            by_key.setdefault(key, []).append(i)
+        for key, indexes in by_key.items():
+            monitored = models[key]
+            predictions = [parsed[i][0] for i in indexes]
+            try:
+                batch, counts = self.scorer.decode_many(monitored, predictions)
+            except Exception:  # noqa: BLE001 - a bad event or mixed layouts: decoded one by one below
+                for i, prediction in zip(indexes, predictions, strict=True):
+                    try:
+                        one = self.scorer.decode(monitored, prediction)
+                    except Exception as exc:  # noqa: BLE001 - dead-lettered with the reason
+                        items[i] = exc
+                        continue
+                    items[i] = (key, monitored, prediction, parsed[i][1], 0, len(one), one, one.summary_only > 0)
+                continue
+            row = 0
+            for i, prediction, n in zip(indexes, predictions, counts, strict=True):
+                summary = not (prediction.infer_request and prediction.infer_response)
+                items[i] = (key, monitored, prediction, parsed[i][1], row, row + n, batch, summary)
+                row += n
+        return items
+
+    async def _reject(self, event: Any, error: Exception) -> None:
+        reason = "unknown_model" if isinstance(error, UnknownModel) else "malformed"
+        self.metrics.rejected.labels(reason).inc()
+        await self._dead_letter(PREDICTIONS.dead_letter(self.platform.topic_prefix), event.message, error)
+        event.ack()
+
+    async def _on_prediction(self, event: Any, key: str, monitored: Any, prediction: Any, data: bytes,
+                             start: int, stop: int, batch: Batch, summary: bool) -> None:
         message = event.message
-        try:
-            data = self._parse(message, PREDICTION_TYPE)
-            prediction = inference_events.PredictionMade.FromString(data)
-            key = model_version(prediction.model_name, prediction.model_version)
-            monitored = self.scorer.models.get(key)
-            if monitored is None:
-                raise UnknownModel(f"model {prediction.model_name[:80]!r} version {prediction.model_version[:20]!r} "
-                                   "is not monitored (register it, or deploy it through the inference-router)")
-            batch = self.scorer.decode(monitored, prediction)
-        except UnknownModel as exc:
-            self.metrics.rejected.labels("unknown_model").inc()
-            await self._dead_letter(PREDICTIONS.dead_letter(self.platform.topic_prefix), message, exc)
-            event.ack()
-            return
-        except Exception as exc:  # noqa: BLE001 - any undecodable event is dead-lettered, never blocks
-            self.metrics.rejected.labels("malformed").inc()
-            await self._dead_letter(PREDICTIONS.dead_letter(self.platform.topic_prefix), message, exc)
-            event.ack()
-            return
         partition, offset = message.partition, message.offset
         progress = self.windows.get(key)
         if progress is not None and progress["partition"] == partition and offset <= progress["through"]:
@@ -284,15 +329,21 @@ class ScoringStream:
         when = prediction.time.ToNanoseconds() / 1e9 if prediction.HasField("time") else message.timestamp
         if spec.seconds is not None and window.events and when >= window.first + spec.seconds:
             window = await self._close(key, window)
-        window.batches.append(batch)
+        rows = stop - start
+        if rows:
+            parts = window.parts
+            if parts and parts[-1][0] is batch and parts[-1][2] == start:
+                parts[-1][2] = stop  # the next rows of the same decode: one range
+            else:
+                parts.append([batch, start, stop])
+        window.summary_only += summary
         window.events.append(event)
-        window.rows += len(batch) or 1
+        window.rows += rows or 1
         window.last_offset = offset
         if window.first is None:
             window.first = when
         window.last = when
-        self.metrics.predictions.labels(monitored.model, monitored.version).inc(len(batch))
-        if prediction.request_id and len(batch):
+        if prediction.request_id and rows:
             self._joinable.append(Joinable(key, window.index, data, prediction.request_id, partition))
         if spec.count is not None and window.rows >= spec.count:
             await self._close(key, window)
@@ -308,7 +359,9 @@ class ScoringStream:
         and opens the next. A close replayed after a crash rewrites the same window (the scorer saves
         by index, steps rules once)."""
         await self._flush_joins()  # a label that came first is applied before the window reads its truth
-        await self.scorer.score_window(key, window.index, Batch.concat(window.batches), window.first, window.last)
+        rows = Batch.concat([batch.rows(start, stop) for batch, start, stop in window.parts],
+                            summary_only=window.summary_only)
+        await self.scorer.score_window(key, window.index, rows, window.first, window.last)
         progress = {"index": window.index + 1, "partition": window.partition, "through": window.last_offset}
         # Sent to the changelog and awaited (the broker has it, acks=all) before the window's events
         # are acked: faust's commit flushes its producer buffer for at most 0.1 s, so a table write

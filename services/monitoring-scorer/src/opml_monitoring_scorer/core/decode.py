@@ -10,6 +10,10 @@ Outputs: the classifier's scores are the configured tensor or the first float te
 class is the configured tensor or the scores' argmax (a single score column is P(class 1), cut at 0.5);
 a regression's prediction is the configured tensor or the first output.
 
+Many events of one version are decoded together (:func:`decode_predictions`): their tensors stacked
+and decoded in one numpy call each, the features and outputs built once, so a stream of one-row
+requests does not pay a decode per row.
+
 An event that carries summaries only (tensors past the router's record cap) has no rows to score:
 it is reported as ``summary_only`` and counted by the window's data quality.
 """
@@ -24,7 +28,7 @@ from opml.inference.v1 import events_pb2
 from tritonclient.grpc import service_pb2 as pb
 
 from opml_common.errors import InvalidArgument
-from opml_common.kserve_codec import decode_request, decode_response
+from opml_common.kserve_codec import decode_request, decode_response, decode_stacked
 from opml_monitoring_scorer.core.reference import Outputs, Task, as_column
 
 MAX_ROWS_PER_EVENT = 100_000
@@ -45,10 +49,19 @@ class Batch:
     def __len__(self) -> int:
         return len(self.outputs)
 
+    def rows(self, start: int, stop: int) -> Batch:
+        """Rows ``start`` to ``stop`` (views of the same arrays; no summary-only count)."""
+        outputs = self.outputs
+        scores = None if outputs.scores is None else outputs.scores[start:stop]
+        return Batch({name: column[start:stop] for name, column in self.features.items()},
+                     Outputs(outputs.predicted[start:stop], scores), self.request_ids[start:stop])
+
     @staticmethod
-    def concat(batches: Sequence[Batch]) -> Batch:
+    def concat(batches: Sequence[Batch], *, summary_only: int | None = None) -> Batch:
+        """The rows of ``batches`` in order; ``summary_only``: the summary-only events counted (default:
+        the batches' own counts)."""
         rows = [b for b in batches if len(b)]
-        summary = sum(b.summary_only for b in batches)
+        summary = sum(b.summary_only for b in batches) if summary_only is None else summary_only
         if not rows:
             return Batch({}, Outputs(np.empty(0)), [], summary)
         names = set().union(*(b.features for b in rows))
@@ -115,6 +128,45 @@ def decode_prediction(event: events_pb2.PredictionMade, *, task: Task, feature_n
         raise InvalidArgument("infer_request", f"holds {n} rows, more than {MAX_ROWS_PER_EVENT}")
     ids = [event.request_id] if n == 1 else [f"{event.request_id}#{i}" for i in range(n)]
     return Batch(features, out, ids)
+
+
+def decode_predictions(events: Sequence[events_pb2.PredictionMade], *, task: Task,
+                       feature_names: Mapping[str, list[str]], scores_output: str | None = None,
+                       predicted_output: str | None = None) -> tuple[Batch, list[int]]:
+    """Many events of one version decoded together: their rows in order in one Batch (summary-only
+    events counted in it), and each event's row count (0 for a summary-only one). The same rows as
+    :func:`decode_prediction` of each and :meth:`Batch.concat`.
+
+    Raises:
+        InvalidArgument: an event does not decode, or the events' tensors differ in layout (names,
+            datatypes, dims past the batch): decode them one by one to know which.
+    """
+    full = [e for e in events if e.infer_request and e.infer_response]
+    summary = len(events) - len(full)
+    if not full:
+        return Batch({}, Outputs(np.empty(0)), [], summary), [0] * len(events)
+    try:
+        requests = [pb.ModelInferRequest.FromString(e.infer_request) for e in full]
+        responses = [pb.ModelInferResponse.FromString(e.infer_response) for e in full]
+    except Exception as exc:  # noqa: BLE001 - protobuf raises DecodeError and friends
+        raise InvalidArgument("infer_request", f"is not a KServe v2 message: {exc}") from None
+    inputs, sizes = decode_stacked(requests)
+    outputs, output_sizes = decode_stacked(responses)
+    if inputs and sizes != output_sizes:
+        raise InvalidArgument("infer_response.outputs", "hold other batch sizes than their requests")
+    if not inputs:
+        sizes = output_sizes
+    if max(sizes) > MAX_ROWS_PER_EVENT:
+        raise InvalidArgument("infer_request", f"holds {max(sizes)} rows, more than {MAX_ROWS_PER_EVENT}")
+    features: dict[str, np.ndarray] = {}
+    for name, array in inputs.items():
+        features.update(_columns(name, array, feature_names, f"infer_request.inputs[{name}]"))
+    out = _outputs(outputs, task, scores_output, predicted_output)
+    ids = [event.request_id if n == 1 else f"{event.request_id}#{i}"
+           for event, n in zip(full, sizes, strict=True) for i in range(n)]
+    counts = iter(sizes)
+    rows = [next(counts) if e.infer_request and e.infer_response else 0 for e in events]
+    return Batch(features, out, ids, summary), rows
 
 
 def _outputs(outputs: Mapping[str, np.ndarray], task: Task, scores_name: str | None,

@@ -23,7 +23,7 @@ from opml.monitoring.v1 import alert_events_pb2, label_events_pb2
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, brief
 from opml_common.events import EventEmitter
 from opml_monitoring_scorer.core.config import MonitoringConfig
-from opml_monitoring_scorer.core.decode import Batch, decode_prediction
+from opml_monitoring_scorer.core.decode import Batch, decode_prediction, decode_predictions
 from opml_monitoring_scorer.core.monitor import ModelMonitor, WindowScore
 from opml_monitoring_scorer.core.records import AlertRecord, window_record
 from opml_monitoring_scorer.core.reference import ReferenceSet, Task
@@ -219,6 +219,16 @@ class Scorer:
         task = monitored.monitor.task if monitored.monitor else (config.task or Task.MULTICLASS)
         return decode_prediction(event, task=task, feature_names=config.feature_names,
                                  scores_output=config.scores_output, predicted_output=config.predicted_output)
+
+    def decode_many(self, monitored: Monitored, events: Sequence[inference_events.PredictionMade],
+                    ) -> tuple[Batch, list[int]]:
+        """Events of one version decoded together: their rows, and each event's row count.
+
+        Raises: InvalidArgument: one does not decode, or their layouts differ (decode them one by one)."""
+        config = monitored.config
+        task = monitored.monitor.task if monitored.monitor else (config.task or Task.MULTICLASS)
+        return decode_predictions(events, task=task, feature_names=config.feature_names,
+                                  scores_output=config.scores_output, predicted_output=config.predicted_output)
 
     async def close_window(self, key: str, index: int, events: list[bytes], first_time: float,
                            last_time: float) -> WindowScore | None:
