@@ -9,7 +9,7 @@ Keys (under ``{redis_prefix}monitoring:``; ``{mv}`` is ``model/version``):
 | ``windows:{mv}`` (hash) + ``windex:{mv}`` (zset) | window index -> its score record; the index for paging |
 | ``rulestate:{mv}`` (hash) | rule -> run counts, firing, the last window applied (replays are skipped) |
 | ``alerts:{mv}`` (hash) + ``aindex:{mv}`` (zset) | ``{rule}@{window}`` -> the alert, newest first |
-| ``pred:{request id}`` | the prediction a late label joins to (model version, window, event), expires |
+| ``pred:{request id}`` | the prediction a late label joins to (a JSON line of model version and window, then the event's bytes), expires |
 | ``label:{request id}`` | a label that came before its prediction, expires |
 | ``joined:{request id}`` | a label applied once (duplicate labels are ignored), expires |
 | ``truth:{mv}:{window}`` (hash) | labelled rows and their correct count (or absolute error sum) |
@@ -120,24 +120,39 @@ class MonitorStore:
 
     async def remember_predictions(self, items: list[tuple[str, str, int, bytes]]) -> list[bytes | None]:
         """:meth:`remember_prediction` for (request id, model version, window, event) each, in one
-        round trip; the labels that came first, in order (None where none did). Not a MULTI/EXEC:
-        each request's keys are its own, and a replay after a crash writes the same values."""
+        round trip (a second one deletes the labels found, when there are any); the labels that came
+        first, in order (None where none did). One SET per prediction and one MGET for all the labels
+        (not a GETDEL each: the client's cost is per command). Not a MULTI/EXEC: each request's keys
+        are its own, a replay after a crash writes the same values, and a label found twice is
+        applied once (:meth:`claim_join`)."""
         if not items:
             return []
+        headers: dict[tuple[str, int], bytes] = {}  # one per window: its events share it
+        labels = [self._k("label", request_id) for request_id, _, _, _ in items]
         async with self.redis.pipeline(transaction=False) as pipe:
             for request_id, mv, window, event in items:
-                pipe.set(self._k("pred", request_id), json.dumps({"mv": mv, "window": window, "event": event.hex()}),
-                         ex=self.retention_s)
-                pipe.getdel(self._k("label", request_id))
+                header = headers.get((mv, window))
+                if header is None:
+                    header = headers[mv, window] = json.dumps({"mv": mv, "window": window}).encode() + b"\n"
+                pipe.set(self._k("pred", request_id), header + event, ex=self.retention_s)
+            pipe.mget(labels)
             replies = await pipe.execute()
-        return replies[1::2]
+        found = replies[-1]
+        parked = [key for key, label in zip(labels, found, strict=True) if label is not None]
+        if parked:
+            await self.redis.delete(*parked)
+        return found
 
     async def find_prediction(self, request_id: str) -> tuple[str, int, bytes] | None:
+        """The record is a JSON line (model version, window) then the event's bytes as they are (no
+        hex in JSON: a prediction's record is written per event). A record of the older form (one JSON
+        object, the event in hex), written before an upgrade, still reads."""
         raw = await self.redis.get(self._k("pred", request_id))
         if raw is None:
             return None
-        data = json.loads(raw)
-        return data["mv"], int(data["window"]), bytes.fromhex(data["event"])
+        head, _, event = raw.partition(b"\n")
+        data = json.loads(head)
+        return data["mv"], int(data["window"]), bytes.fromhex(data["event"]) if "event" in data else event
 
     async def park_label(self, request_id: str, label: bytes) -> None:
         await self.redis.set(self._k("label", request_id), label, ex=self.retention_s)
