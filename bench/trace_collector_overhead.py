@@ -27,8 +27,10 @@
 5. The tracer's fixed cost (``--fixed``): a trivial TensorFlow program (import, 20 steps of a small
    tf.function, then ``--hold`` seconds idle so the tracer's batches and control polls run) untraced
    and traced, many interleaved pairs: process CPU (getrusage), and in the traced runs the CPU
-   clocks of the tracer's own threads read at exit (its loop thread and asyncio's resolver threads)
-   and how long the job's thread waited in the tracer's exit. TensorFlow's import dominates the
+   clocks of the tracer's own threads read at exit (its thread, and asyncio's resolver threads of
+   trees before the shipper) and how long the job's thread waited in the tracer's exit. A shipper
+   (``inject.ship``) runs for the whole bench, as on a host; its CPU from each traced job's start
+   to that job's events delivered is reported apart (per job and per event), never in the job's. TensorFlow's import dominates the
    process CPU, so the thread clocks are the precise figure; the process difference checks them.
 
 Starts its own broker/S3/Redis (opml_common.devinfra). Usage:
@@ -259,7 +261,8 @@ def whole_process(args: argparse.Namespace) -> dict:
     import resource
 
     from opml_trace_collector.inject.launcher import build_env
-    with tempfile.TemporaryDirectory(prefix="opml-bench-trace-") as tmp, _infra(tmp) as (env, _platform):
+    with tempfile.TemporaryDirectory(prefix="opml-bench-trace-") as tmp, _infra(tmp) as (env, _platform), \
+            _shipper(env) as shipper:
         traced_env = build_env("bench-whole", None, env)
         results = {}
         for name, epochs, pairs in (("short", args.short_epochs, args.short_pairs),
@@ -267,14 +270,19 @@ def whole_process(args: argparse.Namespace) -> dict:
             cmd = [sys.executable, str(HERE), "--workload", "--steps", str(args.whole_steps), "--epochs", str(epochs),
                    "--batch-size", str(args.batch_size), "--interleave", "0"]
             runs: dict[str, list[tuple[float, float]]] = {"untraced": [], "traced": []}
+            shipper_cpu: list[float] = []
             for pair in range(pairs):
                 for arm in (("untraced", "traced") if pair % 2 == 0 else ("traced", "untraced")):
                     before, started = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+                    shipped_before = _cpu_of(shipper)
                     subprocess.run(cmd, env=traced_env if arm == "traced" else env, cwd=tmp, check=True,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                     wall, after = time.perf_counter() - started, resource.getrusage(resource.RUSAGE_CHILDREN)
                     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
                     runs[arm].append((cpu, wall))
+                    if shipper is not None and arm == "traced":
+                        _wait_delivered(Path(env["OPML_TRACE_SPOOL_DIR"]))
+                        shipper_cpu.append(_cpu_of(shipper) - shipped_before)
                 print(f"{name} pair {pair}: untraced {runs['untraced'][-1][0]:.2f} s CPU, traced "
                       f"{runs['traced'][-1][0]:.2f} s CPU", flush=True)
             cpu_diff = [t[0] - u[0] for u, t in zip(runs["untraced"], runs["traced"], strict=True)]
@@ -288,6 +296,7 @@ def whole_process(args: argparse.Namespace) -> dict:
                 "untraced_wall_s": spread([w for _, w in runs["untraced"]]),
                 "traced_wall_s": spread([w for _, w in runs["traced"]]),
                 "cpu_overhead_s": cpu, "wall_overhead_s": spread(wall_diff),
+                "shipper_cpu_per_traced_job_s": spread(shipper_cpu) if shipper_cpu else None,
                 "cpu_overhead_pct": {"mean": 100 * cpu["mean"] / base_cpu,
                                      "ci95": [100 * (cpu["mean"] - cpu["mean_ci95"]) / base_cpu,
                                               100 * (cpu["mean"] + cpu["mean_ci95"]) / base_cpu]},
@@ -306,7 +315,9 @@ def fixed_workload(hold_s: float, out: Path) -> None:
         tracer = sys.modules.get("opml_trace_collector.inject.tracer")
         found = tracer._tracer if tracer else None
         threads = {t.name: time.clock_gettime(time.pthread_getcpuclockid(t.ident))
-                   for t in threading.enumerate() if t.name == "opml-tracer" or t.name.startswith("asyncio_")}
+                   for t in threading.enumerate() if t.name.startswith(("opml-tracer", "asyncio_"))}
+        if found is not None and "opml-tracer" not in threads:  # the thread ends at exit now: its own last reading
+            threads["opml-tracer"] = getattr(found, "thread_cpu_s", 0.0)
         usage = resource.getrusage(resource.RUSAGE_SELF)
         out.write_text(json.dumps({"thread_cpu_s": threads, "exit_s": found.exit_s if found else None,
                                    "startup_cpu_s": getattr(tracer, "startup_cpu_s", None),
@@ -332,9 +343,11 @@ def fixed_cost(args: argparse.Namespace) -> dict:
     import resource
 
     from opml_trace_collector.inject.launcher import build_env
-    with tempfile.TemporaryDirectory(prefix="opml-bench-trace-") as tmp, _infra(tmp) as (env, _platform):
+    with tempfile.TemporaryDirectory(prefix="opml-bench-trace-") as tmp, _infra(tmp) as (env, platform), \
+            _shipper(env) as shipper:
         traced_env = build_env("bench-fixed", None, env)
         out = Path(tmp) / "fixed.json"
+        shipper_cpu: list[float] = []
         cmd = [sys.executable, str(HERE), "--fixed-workload", "--hold", str(args.hold), "--out", str(out)]
         cpu: dict[str, list[float]] = {"untraced": [], "traced": []}
         tracer_cpu, exits, startups = [], [], []
@@ -345,10 +358,14 @@ def fixed_cost(args: argparse.Namespace) -> dict:
         for pair in range(args.fixed_pairs):
             for arm in (("untraced", "traced") if pair % 2 == 0 else ("traced", "untraced")):
                 before = resource.getrusage(resource.RUSAGE_CHILDREN)
+                shipped_before = _cpu_of(shipper)
                 subprocess.run(cmd, env=traced_env if arm == "traced" else env, cwd=tmp, check=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 after = resource.getrusage(resource.RUSAGE_CHILDREN)
                 cpu[arm].append((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime))
+                if shipper is not None and arm == "traced":  # the host's shipper: delivered, then its CPU read
+                    _wait_delivered(Path(env["OPML_TRACE_SPOOL_DIR"]))
+                    shipper_cpu.append(_cpu_of(shipper) - shipped_before)
                 report = json.loads(out.read_text())
                 mine = sum(report["thread_cpu_s"].values())
                 parts[arm]["main"].append(report["main_thread_cpu_s"])
@@ -366,12 +383,76 @@ def fixed_cost(args: argparse.Namespace) -> dict:
                   f"threads {tracer_cpu[-1] * 1e3:.0f} ms CPU, exit wait {exits[-1] * 1e3:.0f} ms, start on the job's "
                   f"thread {(startups[-1] or 0) * 1e3:.1f} ms CPU", flush=True)
         diff = [t - u for u, t in zip(cpu["untraced"], cpu["traced"], strict=True)]
-        return {"hold_s": args.hold, "pairs": args.fixed_pairs,
+        shipped = None
+        if shipper is not None:
+            events = asyncio.run(count_events(platform, "bench-fixed"))
+            shipped = {"cpu_per_traced_job_s": spread(shipper_cpu), "events": events,
+                       "cpu_per_event_ms": 1e3 * sum(shipper_cpu) / events if events else None,
+                       "note": "the shipper's CPU from the traced job's start until its spool folder was "
+                               "delivered (its idle polling during that time included); not in the job's CPU"}
+            print(f"shipper: {statistics.median(shipper_cpu) * 1e3:.0f} ms CPU per traced job (median), "
+                  f"{events} events delivered", flush=True)
+        return {"hold_s": args.hold, "pairs": args.fixed_pairs, "shipper": shipped,
                 "untraced_cpu_s": spread(cpu["untraced"]), "traced_cpu_s": spread(cpu["traced"]),
                 "process_cpu_overhead_s": spread(diff), "tracer_threads_cpu_s": spread(tracer_cpu),
                 "job_exit_wait_s": spread(exits),
                 "cpu_by_thread_s": {arm: {part: spread(v) for part, v in p.items()} for arm, p in parts.items()},
                 "job_thread_start_cpu_s": spread(startups) if None not in startups else None}
+
+
+@contextlib.contextmanager
+def _shipper(env: dict[str, str]) -> Iterator[subprocess.Popen | None]:
+    """The host's shipper for the bench's spool (None with a tree from before the shipper existed)."""
+    import importlib.util
+    if importlib.util.find_spec("opml_trace_collector.inject.ship") is None:
+        yield None
+        return
+    process = subprocess.Popen([sys.executable, "-m", "opml_trace_collector.inject.ship", "--idle-exit-s", "0"],
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield process
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def _cpu_of(process: subprocess.Popen | None) -> float:
+    """user + sys CPU seconds of a running child, from /proc."""
+    if process is None:
+        return 0.0
+    fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _wait_delivered(spool_dir: Path, timeout_s: float = 60) -> None:
+    """Until no event file is left under ``spool_dir`` (the shipper delivered the last run)."""
+    deadline = time.monotonic() + timeout_s
+    while any(spool_dir.rglob("*.json")):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the shipper did not deliver {spool_dir} within {timeout_s} s")
+        time.sleep(0.02)
+
+
+async def count_events(settings: PlatformSettings, job: str, quiet_s: float = 3.0) -> int:
+    """Distinct events of ``job`` in the traces topic (read until ``quiet_s`` pass without one)."""
+    from aiokafka import AIOKafkaConsumer
+
+    from opml_common.bus import CloudEvent
+    from opml_trace_collector.topics import TRACES
+    consumer = AIOKafkaConsumer(TRACES.full_name(settings.topic_prefix), bootstrap_servers=settings.kafka_bootstrap,
+                                group_id=None, auto_offset_reset="earliest", enable_auto_commit=False)
+    await consumer.start()
+    ids: set[str] = set()
+    try:
+        while batch := await consumer.getmany(timeout_ms=int(quiet_s * 1000)):
+            for part in batch.values():
+                for record in part:
+                    event = CloudEvent.from_kafka(record.headers, record.value)
+                    if event.subject and event.subject.startswith(job + "/"):
+                        ids.add(event.id)
+    finally:
+        await consumer.stop()
+    return len(ids)
 
 
 async def job_events(settings: PlatformSettings, job: str, timeout_s: float = 60) -> list[tuple]:

@@ -84,7 +84,8 @@ def test_s3_unreachable_during_a_capture_upload_is_retried_and_the_capture_compl
     go, log_path, relay_port = tmp_path / "go", tmp_path / "job.log", free_port()
     job_env = {**os.environ, **env, "OPML_S3_ENDPOINT": f"http://127.0.0.1:{relay_port}", "OPML_TRACE_BUCKET": bucket,
                "OPML_TRACE_SPOOL_DIR": str(tmp_path / "spool"), "OPML_TRACE_SESSION_DIR": str(tmp_path / "sessions"),
-               "OPML_TRACE_FLUSH_INTERVAL_S": "0.5", "OPML_TRACE_POLL_S": "0.2", "TF_CPP_MIN_LOG_LEVEL": "2"}
+               "OPML_TRACE_FLUSH_INTERVAL_S": "0.5", "OPML_TRACE_POLL_S": "0.2", "TF_CPP_MIN_LOG_LEVEL": "2",
+               "OPML_TRACE_SHIPPER_IDLE_EXIT_S": "5"}  # the shipper `opml trace run` starts ends soon after
     with TcpRelay((s3.hostname, s3.port)) as relay, \
             TraceCollectorClient(collector.target, token=TOKENS["admin"]) as admin, open(log_path, "w") as log:
         job = subprocess.Popen([str(Path(sys.executable).parent / "opml"), "trace", "run", "--job", job_name, "--",

@@ -198,7 +198,7 @@ def test_keras_cnn_is_traced_without_changes(traced, platform_settings: Platform
     assert all(b.host and b.host[0].rss_bytes > 0 for b in of(events, pb.StepMetricsBatch))
     [stop] = of(events, pb.TracerStopped)
     assert (stop.steps, stop.exit_code) == (9, 0)
-    assert run.spooled_ids() == [], "everything delivered: nothing left in the spool"
+    wait_for(lambda: run.spooled_ids() == [], "the shipper to deliver everything: nothing left in the spool")
     assert "opml-trace: WARNING" not in run.stderr
     [session_file] = (run.home / "sessions" / "cnn").glob(f"local.{started.session_id}.jsonl")
     assert list(iter_session(session_file)) == steps, "the session file holds the same steps"

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
 import sys
@@ -38,6 +37,8 @@ SHIPPER_LOCK = spool.SHIPPER_LOCK
 SOURCE = "opml://trace-collector/shipper"
 _CONNECT_TIMEOUT_S = 5.0
 _MAX_BACKOFF_S = 10.0
+_LIVENESS_S = 1.0  # how often a run folder with nothing to send is checked for its run's end
+_looked: dict[Path, float] = {}  # when each run folder's lock was last tried
 
 
 class ShipperRunning(RuntimeError):
@@ -58,14 +59,19 @@ def take_lock(outlet: Path) -> int:
     return fd
 
 
-async def ship_once(outlet: Path, publisher: EventPublisher) -> tuple[int, int, int]:
-    """One pass over the outlet's run folders: (events sent, events still pending, run folders seen)."""
+async def ship_once(outlet: Path, publisher: EventPublisher,
+                    folders: list[Path] | None = None) -> tuple[int, int, int]:
+    """One pass over the outlet's run folders (or ``folders``): (events sent, still pending, folders seen)."""
     sent = left = 0
-    folders = spool.run_folders(outlet)
+    folders = spool.run_folders(outlet) if folders is None else folders
+    now = time.monotonic()
     for folder in folders:
+        before = len(spool.pending(folder))
+        if not before and now - _looked.get(folder, 0.0) < _LIVENESS_S:
+            continue  # a live run with nothing new: whether it ended is looked at once a second
+        _looked[folder] = now
         fd = spool.lock_folder(folder, wait=False)  # None: its run is alive (and may add events)
         try:
-            before = len(spool.pending(folder))
             if before:
                 await Outbox(folder, publisher, None).flush()
             remaining = len(spool.pending(folder))
@@ -73,6 +79,9 @@ async def ship_once(outlet: Path, publisher: EventPublisher) -> tuple[int, int, 
         finally:
             if fd is not None:
                 spool.release_folder(folder, fd)
+                _looked.pop(folder, None)
+    for gone in set(_looked).difference(folders):  # removed by their own runs
+        del _looked[gone]
     return sent, left, len(folders)
 
 
@@ -91,13 +100,17 @@ async def serve(spool_dir: Path, platform: PlatformSettings, *, poll_s: float = 
     outlet = outlet_dir(spool_dir.expanduser(), platform.kafka_bootstrap, platform.topic_prefix)
     lock = take_lock(outlet)
     stop = stop or asyncio.Event()
+    stopped = asyncio.ensure_future(stop.wait())  # one waiter for the whole run: the idle loop stays cheap
     publisher = _publisher(platform)
     backoff, warned, idle_since = 0.0, False, time.monotonic()
     log.info("shipper started", extra={"outlet": str(outlet), "pid": os.getpid()})
     try:
         while not stop.is_set():
             pause = poll_s
-            if not publisher.started and spool.run_folders(outlet):
+            folders = spool.run_folders(outlet)
+            if folders:
+                idle_since = time.monotonic()
+            if folders and not publisher.started:
                 try:
                     await asyncio.wait_for(publisher.start(), _CONNECT_TIMEOUT_S)
                     backoff, warned = 0.0, False
@@ -107,17 +120,13 @@ async def serve(spool_dir: Path, platform: PlatformSettings, *, poll_s: float = 
                         warned = True
                     backoff = min(_MAX_BACKOFF_S, max(0.5, backoff * 2))
                     pause = backoff
-            if publisher.started:
-                _sent, left, runs = await ship_once(outlet, publisher)
+            if folders and publisher.started:
+                _sent, left, _runs = await ship_once(outlet, publisher, folders)
                 if left:  # a publish failed: the broker went away; reconnect after a pause
                     backoff = min(_MAX_BACKOFF_S, max(0.5, backoff * 2))
                     pause = backoff
                     await publisher.stop()
                     publisher = _publisher(platform)
-                if runs:
-                    idle_since = time.monotonic()
-            elif spool.run_folders(outlet):
-                idle_since = time.monotonic()
             if idle_exit_s and time.monotonic() - idle_since >= idle_exit_s:
                 quiet = spool.no_launcher(outlet)  # held while the lock goes: a launcher then starts another
                 if quiet is not None:
@@ -129,9 +138,9 @@ async def serve(spool_dir: Path, platform: PlatformSettings, *, poll_s: float = 
                     log.info("shipper idle, exiting", extra={"idle_s": idle_exit_s})
                     return
                 idle_since = time.monotonic()  # a launcher's job is starting or running
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), pause)
+            await asyncio.wait({stopped}, timeout=pause)
     finally:
+        stopped.cancel()
         if publisher.started:
             await publisher.stop()
         if lock is not None:

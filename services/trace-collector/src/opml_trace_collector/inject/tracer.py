@@ -74,6 +74,7 @@ class Tracer:
         self.ready = threading.Event()  # the thread's set-up is over (``spool`` is None if it failed)
         self.exit_code = 0
         self.exit_s: float | None = None  # how long the job waited for the tracer at exit (set by stop)
+        self.thread_cpu_s = 0.0  # the tracer's thread's CPU clock, read after each wake-up (the bench reads it)
         self._warned: set[str] = set()
         self._sequence = 0
         self._discarded = 0  # steps recorded before the first poll said tracing is off
@@ -184,6 +185,7 @@ class Tracer:
             due = min(next_poll, next_batch, last_batch + _EPOCH_BATCH_GAP_S if self._epoch_ended else next_batch)
             self._wake.wait(max(0.0, due - time.monotonic()))
             self._wake.clear()
+            self.thread_cpu_s = time.thread_time()
 
     def _write(self, then) -> None:  # noqa: ANN001 - a callable of no argument
         """Under the writer's lock, unless the last batch is written: the events handed over, then ``then``."""
