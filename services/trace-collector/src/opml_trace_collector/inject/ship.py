@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,6 +40,7 @@ SHIPPER_LOCK = spool.SHIPPER_LOCK
 SOURCE = "opml://trace-collector/shipper"
 _CONNECT_TIMEOUT_S = 5.0
 _MAX_BACKOFF_S = 10.0
+_WOKEN_LOOK_S = 1.0  # with wake-ups: the look period when no job writes (finished runs, lost datagrams)
 _LIVENESS_S = 1.0  # how often a run folder with nothing to send is checked for its run's end
 _looked: dict[Path, float] = {}  # when each run folder's lock was last tried
 
@@ -85,6 +89,37 @@ async def ship_once(outlet: Path, publisher: EventPublisher,
     return sent, left, len(folders)
 
 
+def _listen(outlet: Path, woken: asyncio.Event) -> Callable[[], None] | None:
+    """Listen on the outlet's wake-up address (``spool.wake_address``), setting ``woken`` on each
+    datagram; the function that stops it, or None where there is none or another process holds it
+    (then the shipper looks every ``poll_s``)."""
+    address = spool.wake_address(outlet)
+    if address is None:
+        return None
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        listener.bind(address)
+    except OSError:
+        listener.close()
+        return None
+    listener.setblocking(False)
+
+    def readable() -> None:
+        with contextlib.suppress(OSError):
+            while listener.recv(64):
+                pass
+        woken.set()
+
+    loop = asyncio.get_running_loop()
+    loop.add_reader(listener.fileno(), readable)
+
+    def close() -> None:
+        loop.remove_reader(listener.fileno())
+        listener.close()
+
+    return close
+
+
 def _publisher(platform: PlatformSettings) -> EventPublisher:
     from opml_common.bus.producer import EventPublisher
     return EventPublisher(platform, source=SOURCE, metrics=None)
@@ -101,6 +136,8 @@ async def serve(spool_dir: Path, platform: PlatformSettings, *, poll_s: float = 
     lock = take_lock(outlet)
     stop = stop or asyncio.Event()
     stopped = asyncio.ensure_future(stop.wait())  # one waiter for the whole run: the idle loop stays cheap
+    woken = asyncio.Event()
+    listener = _listen(outlet, woken)
     publisher = _publisher(platform)
     backoff, warned, idle_since = 0.0, False, time.monotonic()
     log.info("shipper started", extra={"outlet": str(outlet), "pid": os.getpid()})
@@ -138,9 +175,16 @@ async def serve(spool_dir: Path, platform: PlatformSettings, *, poll_s: float = 
                     log.info("shipper idle, exiting", extra={"idle_s": idle_exit_s})
                     return
                 idle_since = time.monotonic()  # a launcher's job is starting or running
-            await asyncio.wait({stopped}, timeout=pause)
+            if listener is not None and pause == poll_s:
+                pause = _WOKEN_LOOK_S  # the jobs wake it when they write; a look now and then all the same
+            waiter = asyncio.ensure_future(woken.wait())
+            await asyncio.wait({stopped, waiter}, timeout=pause, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            woken.clear()
     finally:
         stopped.cancel()
+        if listener is not None:
+            listener()
         if publisher.started:
             await publisher.stop()
         if lock is not None:

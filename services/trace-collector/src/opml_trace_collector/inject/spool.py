@@ -10,8 +10,11 @@ finished run's folder once it is empty. Consumers deduplicate by event id.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import itertools
 import os
+import socket
+import sys
 import threading
 from pathlib import Path
 
@@ -36,6 +39,14 @@ def lock_folder(folder: Path, *, wait: bool, name: str = LOCK) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+def wake_address(outlet: Path) -> str | None:
+    """The abstract unix socket the outlet's shipper listens on for "something was written" (Linux:
+    abstract names have no path-length limit and vanish with the process); None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    return "\0opml-trace-ship-" + hashlib.sha256(str(outlet.resolve()).encode()).hexdigest()[:24]
 
 
 def hold_launcher(outlet: Path) -> int:
@@ -109,13 +120,26 @@ class RunSpool:
         os.replace(making, folder)
         self._seq = itertools.count()
         self._lock = threading.Lock()  # one writer at a time: file names then sort in the order written
+        self._wake_to = wake_address(folder.parent)
+        self._waker = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) if self._wake_to else None
+        if self._waker is not None:
+            self._waker.setblocking(False)
 
     def record(self, message: Message) -> str:
         """Write ``message`` as an event (durably); its id."""
         with self._lock:
             event = CloudEvent.from_proto(message, source=self._source, subject=self._subject)
             write_event(self.folder, self._topic, event, next(self._seq))
+        self.wake()
         return event.id
+
+    def wake(self) -> None:
+        """Tell the shipper an event is waiting (a datagram; no shipper, or a full queue: it looks anyway)."""
+        if self._waker is not None:
+            try:
+                self._waker.sendto(b"w", self._wake_to)
+            except OSError:
+                pass
 
     def drained(self) -> bool:
         return not pending(self.folder)
@@ -125,3 +149,5 @@ class RunSpool:
         fd, self._fd = self._fd, None
         if fd is not None:
             release_folder(self.folder, fd)
+        if self._waker is not None:
+            self._waker.close()
