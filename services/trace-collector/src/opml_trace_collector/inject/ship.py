@@ -4,7 +4,8 @@
 so does ``make up``'s stack). One per spool folder and destination: it holds ``.shipper.lock`` in
 its outlet (``config.outlet_dir``: the broker and topic prefix of its ``OPML_*`` settings) and
 publishes only that outlet, so jobs of another platform sharing the spool folder are left to a
-shipper of theirs. Every ``poll_s`` it looks at each run folder and publishes its events oldest
+shipper of theirs. Woken by the jobs' writes (``spool.wake_address``; once a second otherwise, every
+``poll_s`` where it cannot listen) it looks at each run folder and publishes its events oldest
 first (``opml_common.outbox``: each file deleted after the broker's ack; the ids the job gave them,
 so consumers deduplicate a re-send); a folder whose run ended (unlocked) is removed once empty.
 Broker down: it retries, with a pause growing to 10 s, and says so once. Started with
