@@ -75,10 +75,11 @@ def status(state_dir: Path, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(document, indent=2))
         sys.exit(0 if document["ok"] else 1)
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=None if sys.stdout.isatty() else 200)  # a pipe gets whole lines
+    from opml_common.cligroup import output_console
+
+    console = output_console()
     if document.get("message"):
         console.print(document["message"])
     if document["parts"]:

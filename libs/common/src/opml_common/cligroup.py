@@ -9,11 +9,13 @@ command raises are printed as one line by the ``opml`` command itself.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
+from rich.console import Console
 
 from opml_common.config import GrpcTlsSettings
 from opml_common.grpc.client import ServiceClient
@@ -35,6 +37,14 @@ class ClientSession:
 
 
 pass_session = click.make_pass_decorator(ClientSession)
+
+PIPE_WIDTH = 200
+
+
+def output_console() -> Console:
+    """Where a command prints: the terminal's width on a terminal; whole lines (``PIPE_WIDTH`` columns)
+    into a pipe or file, so ``opml ... | grep`` sees no cell cut short, whatever ``COLUMNS`` said."""
+    return Console(width=None if sys.stdout.isatty() else PIPE_WIDTH)
 
 
 def service_group(name: str, *, service: str, client: type[ServiceClient], default_target: str,

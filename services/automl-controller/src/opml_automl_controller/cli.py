@@ -9,16 +9,15 @@ from pathlib import Path
 import click
 from google.protobuf.json_format import MessageToDict
 from opml.automl.v1 import automl_pb2 as pb
-from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
 from opml_automl_controller import report
 from opml_automl_controller.client import ExperimentClient
 from opml_automl_controller.katib import MAX_EXPERIMENT_BYTES, parse_experiment
-from opml_common.cligroup import ClientSession, pass_session, service_group
+from opml_common.cligroup import ClientSession, output_console, pass_session, service_group
 
-console = Console()
+console = output_console()
 _ENDED = (pb.EXPERIMENT_STATE_SUCCEEDED, pb.EXPERIMENT_STATE_FAILED, pb.EXPERIMENT_STATE_STOPPED)
 
 

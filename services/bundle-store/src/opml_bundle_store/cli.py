@@ -14,15 +14,14 @@ from pathlib import Path
 import click
 from google.protobuf.json_format import MessageToDict
 from opml.bundles.v1 import bundles_pb2 as pb
-from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 from rich.tree import Tree
 
 from opml_bundle_store.client import BundleStoreClient, files_from_paths
-from opml_common.cligroup import ClientSession, pass_session, service_group
+from opml_common.cligroup import ClientSession, output_console, pass_session, service_group
 
-console = Console()
+console = output_console()
 
 
 def _state_path() -> Path:

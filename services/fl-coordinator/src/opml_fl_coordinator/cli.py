@@ -9,14 +9,13 @@ from pathlib import Path
 import click
 from google.protobuf.json_format import MessageToDict
 from opml.fl.v1 import fl_pb2 as pb
-from rich.console import Console
 from rich.table import Table
 
-from opml_common.cligroup import ClientSession, pass_session, service_group
+from opml_common.cligroup import ClientSession, output_console, pass_session, service_group
 from opml_fl_coordinator.client import FederationClient
 from opml_fl_coordinator.config import parse_config
 
-console = Console()
+console = output_console()
 
 
 def _state(value: int) -> str:

@@ -16,15 +16,14 @@ import random
 import click
 from google.protobuf.json_format import MessageToDict
 from opml.inference.v1 import deployments_pb2 as pb
-from rich.console import Console
 from rich.table import Table
 
-from opml_common.cligroup import ClientSession, pass_session, service_group
+from opml_common.cligroup import ClientSession, output_console, pass_session, service_group
 from opml_common.perfmodel import ServingConfig, grid
 from opml_common.perfmodel.space import EXECUTION_MODES, OPT_LEVELS, PRECISIONS
 from opml_inference_router.client import DeploymentClient
 
-console = Console()
+console = output_console()
 _STATE = {pb.DEPLOYING: "DEPLOYING", pb.SERVING: "SERVING", pb.FAILED: "FAILED"}
 
 

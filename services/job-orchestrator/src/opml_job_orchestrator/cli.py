@@ -9,14 +9,13 @@ from pathlib import Path
 import click
 from google.protobuf.json_format import MessageToDict
 from opml.jobs.v1 import jobs_pb2 as pb
-from rich.console import Console
 from rich.table import Table
 
-from opml_common.cligroup import ClientSession, pass_session, service_group
+from opml_common.cligroup import ClientSession, output_console, pass_session, service_group
 from opml_job_orchestrator.client import JobClient
 from opml_job_orchestrator.spec import load_spec
 
-console = Console()
+console = output_console()
 _STATES = [name.removeprefix("JOB_STATE_").lower() for name in pb.JobState.keys()[1:]]
 
 

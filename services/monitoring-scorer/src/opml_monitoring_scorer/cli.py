@@ -6,13 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.table import Table
 
-from opml_common.cligroup import ClientSession, pass_session, service_group
+from opml_common.cligroup import ClientSession, output_console, pass_session, service_group
 from opml_monitoring_scorer.client import MonitoringClient
 
-console = Console()
+console = output_console()
 
 
 def _fmt(window, field: str) -> str:

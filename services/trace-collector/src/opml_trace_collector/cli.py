@@ -18,17 +18,16 @@ from pathlib import Path
 import click
 from google.protobuf.json_format import MessageToDict
 from opml.traces.v1 import traces_pb2 as pb
-from rich.console import Console
 from rich.table import Table
 
-from opml_common.cligroup import ClientSession, pass_session, service_group
+from opml_common.cligroup import ClientSession, output_console, pass_session, service_group
 from opml_common.config import PlatformSettings
 from opml_trace_collector import analysis, convert
 from opml_trace_collector.client import TraceCollectorClient
 from opml_trace_collector.plots import plot_step_times
 from opml_trace_collector.session import is_session_file, read_session, write_session
 
-console = Console()
+console = output_console()
 
 
 @service_group("trace", service="trace-collector", client=TraceCollectorClient, default_target="127.0.0.1:50054")
