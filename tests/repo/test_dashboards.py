@@ -13,7 +13,6 @@ import json
 import re
 import shutil
 import subprocess
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from opml_common.process import ServiceProcess
 from opml_common.stack import installed_services
+from opml_common.testing.metrics import scrape, scrape_router
 from opml_common.testing.services import env_prefix
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -441,11 +441,6 @@ def test_labelled_metrics_are_visible_before_their_first_sample() -> None:
         "c_total": {"c_total"}, "h_seconds": {"h_seconds_bucket", "h_seconds_sum", "h_seconds_count"}, "g": {"g"}}
 
 
-def _scrape(port: int) -> dict[str, set[str]]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        return exposed_families(response.read().decode())
-
-
 @pytest.mark.slow
 def test_dashboards_show_exactly_the_metrics_services_export(start_service, tmp_path: Path) -> None:
     """Each installed service starts as `make up` starts it; the names on its /metrics right after
@@ -465,7 +460,8 @@ def test_dashboards_show_exactly_the_metrics_services_export(start_service, tmp_
     with ThreadPoolExecutor(len(processes)) as pool:  # the services are stopped by start_service
         for started in [pool.submit(process.start) for process, _ in processes.values()]:
             started.result()
-    exported = {name: _scrape(port) for name, (process, port) in processes.items()}
+    exported = {name: exposed_families(scrape_router(port) if name == "inference-router" else scrape(port))
+                for name, (process, port) in processes.items()}
     families = {name: series for exposed in exported.values() for name, series in exposed.items()}
     for name, exposed in exported.items():
         prefix = "opml_" + name.replace("-", "_") + "_"

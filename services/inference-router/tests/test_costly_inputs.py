@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -29,12 +28,12 @@ import onnx
 import pytest
 import yaml
 from onnx import TensorProto, helper
-from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
 from opml_common.errors import InvalidArgument
 from opml_common.process import ServiceProcess
+from opml_common.testing.metrics import samples, scrape_router
 from opml_common.testing.services import TOKENS, ServiceStarter
 from opml_inference_router.client import DeploymentClient
 from opml_inference_router.kserve import encode_request
@@ -253,10 +252,8 @@ def test_costly_inputs_are_refused_and_the_other_model_keeps_its_p99(start_servi
 
 def _metrics(router: ServiceProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """The router's /metrics (the workers' families included) as (name, labels) -> value."""
-    port = router.env["OPML_INFERENCE_ROUTER_METRICS_PORT"]
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
+    text = scrape_router(router.env["OPML_INFERENCE_ROUTER_METRICS_PORT"])
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value for sample in samples(text)}
 
 
 def _worker_invalid_infers(router: ServiceProcess) -> float:
