@@ -44,6 +44,9 @@ from opml_job_orchestrator.scheduler import (
 )
 
 pytestmark = pytest.mark.slow  # TensorFlow is in the test extra: these always run under make test
+# A safety net, not a speed bound: each attempt is a TensorFlow process, whose import alone took 30 s on a
+# 2-core machine at load 10 (a 40-step job with one retry did not end within 60 s there).
+JOB_WAIT_S = 200
 
 PROGRAMS = Path(__file__).parent / "programs"
 TF_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
@@ -132,7 +135,7 @@ async def test_two_worker_multi_worker_mirrored_strategy_job(executor: Recording
     spec = job("mwms", workers=2)
     async with executor:
         await executor.launch(spec, program("multi_worker_train.py"), {"worker": ("n0", "n0")}, attempt=0)
-        event = job_event(await until_job_event(executor, "mwms", timeout_s=60))
+        event = job_event(await until_job_event(executor, "mwms", timeout_s=JOB_WAIT_S))
         logs = [await executor.logs("mwms", "worker", i) for i in (0, 1)]
     assert event.outcome is JobOutcome.SUCCEEDED, (event, logs)
     finished = [e for e in executor.events if isinstance(e, TaskEvent) and e.state is TaskState.SUCCEEDED]
@@ -157,14 +160,14 @@ async def test_be_job_preempted_for_a_te_job_resumes_from_its_tensorflow_checkpo
     total = 60
     orch.submit(job("be"), program("resumable_train.py", "--steps", str(total), "--step-seconds", "0.1",
                                    checkpoint_dir=be_dir))
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + JOB_WAIT_S
     while len(metrics(be_dir)) < 15:  # well into training, past a periodic checkpoint
         assert time.monotonic() < deadline, await executor.logs("be", "worker", 0)
         await asyncio.sleep(0.1)
     orch.submit(job("te", JobClass.TE), program("resumable_train.py", "--steps", "5", checkpoint_dir=te_dir))
 
-    te = await until(orch, "te", JobState.SUCCEEDED, timeout_s=60)
-    be = await until(orch, "be", JobState.SUCCEEDED, JobState.FAILED, timeout_s=60)
+    te = await until(orch, "te", JobState.SUCCEEDED, timeout_s=JOB_WAIT_S)
+    be = await until(orch, "be", JobState.SUCCEEDED, JobState.FAILED, timeout_s=JOB_WAIT_S)
     first_log = await executor.logs("be", "worker", 0, attempt=0)
     resumed_log = await executor.logs("be", "worker", 0, attempt=1)
     assert be.state is JobState.SUCCEEDED, resumed_log
@@ -194,7 +197,7 @@ async def test_crashed_job_is_retried_and_resumes_from_its_checkpoint(
     total = 40
     orch.submit(job("crashy"), program("resumable_train.py", "--steps", str(total), "--crash-at-step", "20",
                                        "--step-seconds", "0.05", checkpoint_dir=tmp_path))
-    status = await until(orch, "crashy", JobState.SUCCEEDED, JobState.FAILED, timeout_s=60)
+    status = await until(orch, "crashy", JobState.SUCCEEDED, JobState.FAILED, timeout_s=JOB_WAIT_S)
     retry_log = await executor.logs("crashy", "worker", 0, attempt=1)
     assert status.state is JobState.SUCCEEDED, retry_log
     assert (status.attempt, status.retries, status.preemptions) == (1, 1, 0)
@@ -221,7 +224,7 @@ async def test_a_traced_job_runs_unchanged_under_the_trace_collector(
                         env=env, checkpoint_dir=str(tmp_path), trace=True)
     async with executor:
         await executor.launch(job("traced"), traced, {"worker": ("n0",)}, attempt=0)
-        event = job_event(await until_job_event(executor, "traced", timeout_s=60))
+        event = job_event(await until_job_event(executor, "traced", timeout_s=JOB_WAIT_S))
         log = await executor.logs("traced", "worker", 0)
     assert event.outcome is JobOutcome.SUCCEEDED, log
     assert "finished at step 5" in log
