@@ -37,19 +37,9 @@ from opml_common.perfmodel import ServingConfig, grid
 from opml_common.testing.bus import poll_until
 from opml_common.testing.services import TOKENS
 from opml_inference_router.client import DeploymentClient
-from opml_inference_router.testing import mlp_classifier, mlp_config, write_model_dir
+from opml_inference_router.testing import fleet_env, mlp_classifier, mlp_config, write_model_dir
 
 VERSION = "models/mlp/versions/1"
-FLEET = {
-    "pool_kinds": [
-        {"name": "cpu", "precisions": ["fp32", "int8"], "memory_mib": 2048, "slots": 2, "cost_per_hour": 0.4,
-         "execution_provider": "CPUExecutionProvider"},
-        {"name": "accel", "precisions": ["int8"], "memory_mib": 1024, "slots": 2, "cost_per_hour": 0.2,
-         "execution_provider": "CPUExecutionProvider", "batch_sizes": [1, 8, 32]},
-    ],
-    "pools": [{"name": "cpu", "kind": "cpu", "workers": 1}, {"name": "accel", "kind": "accel", "workers": 1}],
-    "min_replicas": 1,
-}
 BATCHES, THREADS, LEVELS, MODES = (1, 2, 4, 8, 16, 32), (1, 2), ("disable", "basic", "extended", "all"), (
     "sequential", "parallel")
 
@@ -95,10 +85,7 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=3)
     args = parser.parse_args()
     with bench_services() as (starter, workdir):
-        fleet = workdir / "fleet.yaml"
-        fleet.write_text(yaml.safe_dump(FLEET))
-        router = starter("inference-router", extra_env={
-            "OPML_INFERENCE_ROUTER_FLEET": str(fleet), "OPML_INFERENCE_ROUTER_WORKER_THREADS_PER_REPLICA": "1"})
+        router = starter("inference-router", extra_env=fleet_env(workdir / "fleet.yaml"))
         controller = starter("automl-controller", extra_env={
             "OPML_AUTOML_CONTROLLER_INFERENCE_ROUTER_TARGET": router.target,
             "OPML_AUTOML_CONTROLLER_INFERENCE_ROUTER_TOKEN": TOKENS["reader"],

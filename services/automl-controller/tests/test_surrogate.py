@@ -20,19 +20,9 @@ from opml_common.perfmodel import ServingConfig, grid
 from opml_common.testing.bus import poll_until
 from opml_common.testing.services import TOKENS, ServiceStarter
 from opml_inference_router.client import DeploymentClient
-from opml_inference_router.testing import mlp_classifier, mlp_config, write_model_dir
+from opml_inference_router.testing import fleet_env, mlp_classifier, mlp_config, write_model_dir
 
 VERSION = "models/mlp/versions/1"
-FLEET = {
-    "pool_kinds": [
-        {"name": "cpu", "precisions": ["fp32", "int8"], "memory_mib": 2048, "slots": 2, "cost_per_hour": 0.4,
-         "execution_provider": "CPUExecutionProvider"},
-        {"name": "accel", "precisions": ["int8"], "memory_mib": 1024, "slots": 2, "cost_per_hour": 0.2,
-         "execution_provider": "CPUExecutionProvider", "batch_sizes": [1, 8, 32]},
-    ],
-    "pools": [{"name": "cpu", "kind": "cpu", "workers": 1}, {"name": "accel", "kind": "accel", "workers": 1}],
-    "min_replicas": 1,
-}
 BATCHES, THREADS, LEVELS, MODES = (1, 2, 4, 8, 16, 32), (1, 2), ("disable", "basic", "extended", "all"), (
     "sequential", "parallel")
 TRIALS = 40
@@ -99,10 +89,7 @@ def test_unknown_options_out_of_space_values_and_metrics_are_refused_with_their_
 @pytest.fixture
 def router(start_service: ServiceStarter, tmp_path: Path):
     """A router serving an MLP, its cpu configurations measured (a grid of 32) and 6 on accel."""
-    fleet = tmp_path / "fleet.yaml"
-    fleet.write_text(yaml.safe_dump(FLEET))
-    process = start_service("inference-router", extra_env={
-        "OPML_INFERENCE_ROUTER_FLEET": str(fleet), "OPML_INFERENCE_ROUTER_WORKER_THREADS_PER_REPLICA": "1"})
+    process = start_service("inference-router", extra_env=fleet_env(tmp_path / "fleet.yaml"))
     model_dir = write_model_dir(tmp_path / "mlp", mlp_config("mlp", features=64),
                                 mlp_classifier(features=64, width=256, depth=2))
     with DeploymentClient(process.target, token=TOKENS["writer"]) as client:

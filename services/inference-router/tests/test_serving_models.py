@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import yaml
 from click.testing import CliRunner
 from opml.inference.v1 import deployments_pb2 as pb
 
@@ -17,18 +16,8 @@ from opml_common.perfmodel import ServingConfig, grid
 from opml_common.testing.services import TOKENS, ServiceStarter
 from opml_inference_router.client import DeploymentClient
 from opml_inference_router.control.serving_models import MIN_MEASURED
-from opml_inference_router.testing import mlp_classifier, mlp_config, write_model_dir
+from opml_inference_router.testing import fleet_env, mlp_classifier, mlp_config, write_model_dir
 
-FLEET = {
-    "pool_kinds": [
-        {"name": "cpu", "precisions": ["fp32", "int8"], "memory_mib": 2048, "slots": 2, "cost_per_hour": 0.4,
-         "execution_provider": "CPUExecutionProvider"},
-        {"name": "accel", "precisions": ["int8"], "memory_mib": 1024, "slots": 2, "cost_per_hour": 0.2,
-         "execution_provider": "CPUExecutionProvider", "batch_sizes": [1, 8, 32]},
-    ],
-    "pools": [{"name": "cpu", "kind": "cpu", "workers": 1}, {"name": "accel", "kind": "accel", "workers": 1}],
-    "min_replicas": 1,
-}
 VERSION = "models/mlp/versions/1"
 CPU_GRID = list(grid(batches=(1, 4, 16), threads=(1, 2), opt_levels=("disable", "all"), modes=("sequential",)))
 ACCEL_FEW = [ServingConfig(1, 1, "all", "sequential", "int8"), ServingConfig(8, 1, "all", "sequential", "int8"),
@@ -38,10 +27,7 @@ ACCEL_FEW = [ServingConfig(1, 1, "all", "sequential", "int8"), ServingConfig(8, 
 
 @pytest.fixture
 def router_env(start_service: ServiceStarter, tmp_path: Path) -> dict[str, str]:
-    fleet = tmp_path / "fleet.yaml"
-    fleet.write_text(yaml.safe_dump(FLEET))
-    return start_service.env("inference-router", extra_env={
-        "OPML_INFERENCE_ROUTER_FLEET": str(fleet), "OPML_INFERENCE_ROUTER_WORKER_THREADS_PER_REPLICA": "1"})
+    return start_service.env("inference-router", extra_env=fleet_env(tmp_path / "fleet.yaml"))
 
 
 def test_measure_then_predict_on_the_kind_and_transferred_to_another(start_service: ServiceStarter,

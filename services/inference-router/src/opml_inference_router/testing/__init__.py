@@ -1,5 +1,6 @@
 """Helpers for tests and benches of the router and its workers: models built in code, bundles on disk."""
 
+from opml_inference_router.testing.fleets import CPU_AND_ACCEL, fleet_env
 from opml_inference_router.testing.models import mlp_classifier, mlp_config, write_broken_onnx, write_model_dir
 
-__all__ = ["mlp_classifier", "mlp_config", "write_broken_onnx", "write_model_dir"]
+__all__ = ["CPU_AND_ACCEL", "fleet_env", "mlp_classifier", "mlp_config", "write_broken_onnx", "write_model_dir"]
