@@ -18,9 +18,11 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
+import psutil
 import pytest
 
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound
+from opml_common.testing.bus import poll_until
 from opml_job_orchestrator.executor import (
     CheckpointEvent,
     JobEvent,
@@ -30,6 +32,7 @@ from opml_job_orchestrator.executor import (
     RetryPolicy,
     TaskEvent,
     TaskState,
+    local,
     tony,
 )
 from opml_job_orchestrator.scheduler import JobClass, JobSpec, Resources, RoleSpec
@@ -443,6 +446,8 @@ def test_trace_wraps_each_task_in_the_trace_launcher() -> None:
     assert tony.task_argv(program, job_id="j1", role="worker", index=1, python="/venv/bin/python") == [
         "/venv/bin/python", "-m", "opml_trace_collector.inject.run", "--job", "j1", "--worker", "worker-1", "--",
         "python", "train.py", "--epochs", "2"]
+    assert tony.task_argv(program, job_id="j1", role="worker", index=1, python="py", shipped=True)[:4] == [
+        "py", "-m", "opml_trace_collector.inject.run", "--no-shipper"]  # the executor runs the host's shipper
     untraced = JobProgram(commands={"worker": ["python", "train.py"]})
     assert tony.task_argv(untraced, job_id="j1", role="worker", index=0, python="py") == ["python", "train.py"]
     with pytest.raises(InvalidArgument, match=r"^trace: "):
@@ -461,10 +466,11 @@ async def test_traced_job_fails_without_retry_when_the_launcher_is_missing(
     assert task_states(events) == {("worker", 0): [TaskState.FAILED]}
 
 
-async def test_traced_job_runs_under_the_launcher_unchanged(
-        executor: LocalExecutor, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, until_job_event, job_event) -> None:
-    """A stand-in launcher module (same command line as the trace-collector's) records how it was
-    called and runs the job's argv; the job sees its usual environment."""
+async def test_traced_job_runs_under_the_launcher_unchanged_and_the_executor_owns_the_shipper(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, until_job_event, job_event) -> None:
+    """Stand-in launcher and shipper modules (the trace-collector's command lines): the launcher records
+    how it was called and runs the job's argv, which sees its usual environment; the shipper, started by
+    the executor with the platform's variables for the job's tracer, lives until the executor stops."""
     package = tmp_path / "lib" / "fake_tracer"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
@@ -473,15 +479,33 @@ async def test_traced_job_runs_under_the_launcher_unchanged(
         "split = sys.argv.index('--')\n"
         "print('launcher', sys.argv[1:split], flush=True)\n"
         "os.execvp(sys.argv[split + 1], sys.argv[split + 1:])\n")
-    monkeypatch.syspath_prepend(str(tmp_path / "lib"))
+    pid_file = tmp_path / "shipper.pid"
+    (package / "ship.py").write_text(
+        "import os, pathlib, time\n"
+        f"pathlib.Path({str(pid_file)!r}).write_text(f\"{{os.getpid()}} {{os.environ['OPML_TOPIC_PREFIX']}}\")\n"
+        "time.sleep(300)\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "lib"))  # the executor checks the launcher is installed
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "lib"))  # what the tasks and the shipper inherit here
+    monkeypatch.setattr(tony, "INHERITED_VARIABLES", tony.INHERITED_VARIABLES | {"PYTHONPATH"})
     monkeypatch.setattr(tony, "TRACE_LAUNCHER", "fake_tracer.run")
+    monkeypatch.setattr(local, "TRACE_SHIPPER", "fake_tracer.ship")
     job = spec("traced", worker=1)
     program = JobProgram(commands={"worker": py("import os; print('job sees', os.environ['OPML_TASK_TYPE'])")},
-                         env={"PYTHONPATH": str(tmp_path / "lib")}, trace=True)
-    await executor.launch(job, program, placement(job), attempt=0)
-    assert job_event(await until_job_event(executor, "traced")).outcome is JobOutcome.SUCCEEDED
-    log = await executor.logs("traced", "worker", 0)
-    assert "launcher ['--job', 'traced', '--worker', 'worker-0']" in log and "job sees worker" in log
+                         trace=True)
+    async with LocalExecutor(work_dir=tmp_path / "work", shutdown_grace_s=0.5,
+                             platform_env={"OPML_TOPIC_PREFIX": "platform-"}) as executor:
+        await executor.launch(job, program, placement(job), attempt=0)
+        assert job_event(await until_job_event(executor, "traced")).outcome is JobOutcome.SUCCEEDED
+        log = await executor.logs("traced", "worker", 0)
+        assert "launcher ['--no-shipper', '--job', 'traced', '--worker', 'worker-0']" in log and "job sees worker" in log
+        await executor.launch(spec("again", worker=1), program, placement(spec("again", worker=1)), attempt=0)
+        assert job_event(await until_job_event(executor, "again")).outcome is JobOutcome.SUCCEEDED
+        poll_until(lambda: pid_file.exists() and " " in pid_file.read_text(), timeout_s=60, what="the shipper started")
+        pid, prefix = pid_file.read_text().split()
+        assert prefix == "platform-"  # it publishes where the job's tracer was told to
+        shippers = [child for child in psutil.Process().children() if "fake_tracer.ship" in child.cmdline()]
+        assert [child.pid for child in shippers] == [int(pid)]  # one for both jobs, this process's child
+    assert not psutil.pid_exists(int(pid))  # stopped and reaped with the executor: no shipper outlives it
 
 
 async def test_tasks_get_the_platform_env_under_their_own(

@@ -9,6 +9,11 @@ Each task also gets a heartbeat file (``OPML_HEARTBEAT_FILE``): touching it is a
 writing ``{"checkpoint_step": N}`` to it reports a checkpoint. Each run leaves a manifest,
 ``run.json`` beside its logs (every task's process group, start time, address and log), so a
 restarted orchestrator's new executor can stop what the old one left running (:meth:`recover`).
+
+Traced tasks only write their events to the host's trace spool; the executor runs the shipper that
+publishes them (``opml_trace_collector.inject.ship``, started with the first traced task, logging to
+``{work_dir}/trace-shipper.log``, stopped with the executor), so no shipper outlives the executor.
+Where another shipper already holds the spool's outlet (a job run by hand), that one publishes.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -39,6 +45,7 @@ from opml_job_orchestrator.executor.base import (
 )
 from opml_job_orchestrator.executor.tony import (
     CLUSTER_ROLES,
+    TRACE_SHIPPER,
     RunTracker,
     TaskKey,
     Verdict,
@@ -109,6 +116,7 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
                                                positive=True)
         super().__init__(cleanup_grace_s=cleanup_grace_s, shutdown_grace_s=shutdown_grace_s)
         self._watcher: asyncio.Task[None] | None = None
+        self._shipper: subprocess.Popen[bytes] | None = None
 
     async def _open(self) -> None:
         """Create ``work_dir`` and start the heartbeat watcher."""
@@ -116,12 +124,20 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
         self._watcher = asyncio.create_task(self._watch_heartbeats())
 
     async def _close(self) -> None:
-        """Stop the heartbeat watcher."""
+        """Stop the heartbeat watcher and the trace shipper (what it has not published stays in the spool)."""
         if self._watcher is not None:
             self._watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watcher
             self._watcher = None
+        if self._shipper is not None:
+            shipper, self._shipper = self._shipper, None
+            shipper.terminate()
+            try:
+                await asyncio.to_thread(shipper.wait, self._shutdown_grace_s)
+            except subprocess.TimeoutExpired:
+                shipper.kill()
+                await asyncio.to_thread(shipper.wait)
 
     async def _launch(self, spec: JobSpec, program: JobProgram, placement: dict[str, tuple[str, ...]], *,
                       attempt: int) -> None:
@@ -231,7 +247,10 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
         task.heartbeat_path.write_bytes(b"")
         self._read_heartbeat(run, task)
         env["OPML_HEARTBEAT_FILE"] = str(task.heartbeat_path)
-        argv = task_argv(program, job_id=run.job_id, role=role, index=index, python=sys.executable)
+        shipped = program.trace and "OPML_TRACE_SPOOL_DIR" not in program.env  # else: that spool's launcher starts one
+        if shipped:
+            self._ensure_shipper({**base_env(os.environ), **self._platform_env})
+        argv = task_argv(program, job_id=run.job_id, role=role, index=index, python=sys.executable, shipped=shipped)
         with task.log_path.open("wb") as log:
             try:
                 task.process = await asyncio.create_subprocess_exec(
@@ -243,6 +262,16 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
         self._events.put_nowait(run.tracker.started(task.key, f"pid {task.process.pid}"))
         self._in_background(self._wait(run, task))
         return None
+
+    def _ensure_shipper(self, env: Mapping[str, str]) -> None:
+        """Start the trace shipper unless ours runs (one that found the outlet held by another exits at once;
+        the next traced task tries again)."""
+        if self._shipper is not None and self._shipper.poll() is None:
+            return
+        with (self._work_dir / "trace-shipper.log").open("ab") as log:
+            self._shipper = subprocess.Popen([sys.executable, "-m", TRACE_SHIPPER], env=dict(env),
+                                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                             start_new_session=True)
 
     async def _wait(self, run: _Run, task: _Task) -> None:
         """Report the task's exit (after its last heartbeat write), and end the run if that decides it."""

@@ -23,6 +23,9 @@ CLUSTER_ROLES = ("chief", "worker", "ps")
 """Roles listed in TF_CONFIG's ``cluster``: TensorFlow wants the evaluator left out of it."""
 
 TRACE_LAUNCHER = "opml_trace_collector.inject.run"
+TRACE_SHIPPER = "opml_trace_collector.inject.ship"
+"""The host's shipper of traced tasks' events (they only write them to the spool); an executor whose tasks
+run on its own machine keeps one as its child, the launcher starts one elsewhere (a pod)."""
 """The trace-collector's launcher: it patches TensorFlow at start-up, then runs the job's argv."""
 
 TaskKey = tuple[str, int]
@@ -63,16 +66,19 @@ def task_env(program: JobProgram, *, job_id: str, attempt: int, role: str, index
     return env
 
 
-def task_argv(program: JobProgram, *, job_id: str, role: str, index: int, python: str) -> list[str]:
+def task_argv(program: JobProgram, *, job_id: str, role: str, index: int, python: str,
+              shipped: bool = False) -> list[str]:
     """The role's command; with ``program.trace``, run by ``python -m`` the trace launcher, unchanged.
 
     The launcher names the trace after the job and the task (``worker-1``), so the job's code
-    needs no change to be traced.
+    needs no change to be traced. ``shipped``: the executor runs the host's shipper itself, so the
+    launcher starts none (``--no-shipper``).
     """
     argv = list(program.commands[role])
     if not program.trace:
         return argv
-    return [python, "-m", TRACE_LAUNCHER, "--job", job_id, "--worker", f"{role}-{index}", "--", *argv]
+    own = ["--no-shipper"] if shipped else []
+    return [python, "-m", TRACE_LAUNCHER, *own, "--job", job_id, "--worker", f"{role}-{index}", "--", *argv]
 
 
 def trace_launcher_missing() -> str | None:

@@ -1,7 +1,7 @@
 """The host's shipper: publishes what traced jobs write to the spool, so the jobs never talk to the broker.
 
-``python -m opml_trace_collector.inject.ship`` (the launcher starts one, detached, when none runs;
-so does ``make up``'s stack). One per spool folder and destination: it holds ``.shipper.lock`` in
+``python -m opml_trace_collector.inject.ship`` (the job-orchestrator's local executor runs one as its
+child; elsewhere the launcher starts one, detached, when none runs). One per spool folder and destination: it holds ``.shipper.lock`` in
 its outlet (``config.outlet_dir``: the broker and topic prefix of its ``OPML_*`` settings) and
 publishes only that outlet, so jobs of another platform sharing the spool folder are left to a
 shipper of theirs. Woken by the jobs' writes (``spool.wake_address``; once a second otherwise, every
