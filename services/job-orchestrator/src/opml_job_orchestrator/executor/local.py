@@ -11,9 +11,10 @@ writing ``{"checkpoint_step": N}`` to it reports a checkpoint. Each run leaves a
 restarted orchestrator's new executor can stop what the old one left running (:meth:`recover`).
 
 Traced tasks only write their events to the host's trace spool; the executor runs the shipper that
-publishes them (``opml_trace_collector.inject.ship``, started with the first traced task, logging to
-``{work_dir}/trace-shipper.log``, stopped with the executor), so no shipper outlives the executor.
-Where another shipper already holds the spool's outlet (a job run by hand), that one publishes.
+publishes them (``opml_trace_collector.inject.ship``, one per spool folder its traced tasks use, started
+with the first such task, logging to ``{work_dir}/trace-shipper.log``, stopped with the executor), so no
+shipper outlives the executor. Where another shipper already holds the outlet (a job run by hand), that
+one publishes.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
                                                positive=True)
         super().__init__(cleanup_grace_s=cleanup_grace_s, shutdown_grace_s=shutdown_grace_s)
         self._watcher: asyncio.Task[None] | None = None
-        self._shipper: subprocess.Popen[bytes] | None = None
+        self._shippers: dict[str | None, subprocess.Popen[bytes]] = {}  # by the jobs' OPML_TRACE_SPOOL_DIR
 
     async def _open(self) -> None:
         """Create ``work_dir`` and start the heartbeat watcher."""
@@ -124,15 +125,16 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
         self._watcher = asyncio.create_task(self._watch_heartbeats())
 
     async def _close(self) -> None:
-        """Stop the heartbeat watcher and the trace shipper (what it has not published stays in the spool)."""
+        """Stop the heartbeat watcher and the trace shippers (what they have not published stays in the spool)."""
         if self._watcher is not None:
             self._watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watcher
             self._watcher = None
-        if self._shipper is not None:
-            shipper, self._shipper = self._shipper, None
+        shippers, self._shippers = list(self._shippers.values()), {}
+        for shipper in shippers:
             shipper.terminate()
+        for shipper in shippers:
             try:
                 await asyncio.to_thread(shipper.wait, self._shutdown_grace_s)
             except subprocess.TimeoutExpired:
@@ -247,10 +249,10 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
         task.heartbeat_path.write_bytes(b"")
         self._read_heartbeat(run, task)
         env["OPML_HEARTBEAT_FILE"] = str(task.heartbeat_path)
-        shipped = program.trace and "OPML_TRACE_SPOOL_DIR" not in program.env  # else: that spool's launcher starts one
-        if shipped:
-            self._ensure_shipper({**base_env(os.environ), **self._platform_env})
-        argv = task_argv(program, job_id=run.job_id, role=role, index=index, python=sys.executable, shipped=shipped)
+        if program.trace:
+            self._ensure_shipper(program.env.get("OPML_TRACE_SPOOL_DIR"))
+        argv = task_argv(program, job_id=run.job_id, role=role, index=index, python=sys.executable,
+                         shipped=program.trace)
         with task.log_path.open("wb") as log:
             try:
                 task.process = await asyncio.create_subprocess_exec(
@@ -263,15 +265,18 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
         self._in_background(self._wait(run, task))
         return None
 
-    def _ensure_shipper(self, env: Mapping[str, str]) -> None:
-        """Start the trace shipper unless ours runs (one that found the outlet held by another exits at once;
-        the next traced task tries again)."""
-        if self._shipper is not None and self._shipper.poll() is None:
+    def _ensure_shipper(self, spool_dir: str | None) -> None:
+        """Start the trace shipper of ``spool_dir`` (None: the tracer's default) with the variables a task's
+        tracer gets, unless ours runs (one that found the outlet held by another exits at once; the next
+        traced task tries again)."""
+        running = self._shippers.get(spool_dir)
+        if running is not None and running.poll() is None:
             return
+        env = {**base_env(os.environ), **self._platform_env, **({"OPML_TRACE_SPOOL_DIR": spool_dir} if spool_dir else {})}
         with (self._work_dir / "trace-shipper.log").open("ab") as log:
-            self._shipper = subprocess.Popen([sys.executable, "-m", TRACE_SHIPPER], env=dict(env),
-                                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                             start_new_session=True)
+            self._shippers[spool_dir] = subprocess.Popen(
+                [sys.executable, "-m", TRACE_SHIPPER], env=env, stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True)
 
     async def _wait(self, run: _Run, task: _Task) -> None:
         """Report the task's exit (after its last heartbeat write), and end the run if that decides it."""
