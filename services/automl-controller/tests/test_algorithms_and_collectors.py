@@ -10,6 +10,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+import yaml
 
 from opml_automl_controller.algorithms import make_pruner, make_sampler, search_space
 from opml_automl_controller.collect import FILE_MARKER, MetricsParser, Observation, epoch_observations, summarize
@@ -171,3 +172,15 @@ def test_filetail_copies_the_file_into_the_log_and_keeps_the_exit_status(tmp_pat
     assert done.returncode == 4
     assert done.stdout.splitlines() == [f"{FILE_MARKER}accuracy=0.5", f"{FILE_MARKER}accuracy=0.6",
                                         f"{FILE_MARKER}accuracy=0.7", f"{FILE_MARKER}loss=0.7"]
+
+
+def test_discrete_choices_reach_the_trial_as_listed() -> None:
+    """Katib passes a discrete value through as listed: "32" is 32 for an int flag, never "32.0"."""
+    from opml_automl_controller.experiment import parameter_text
+
+    text = (EXAMPLES / "random.yaml").read_text()
+    document = yaml.safe_load(text)
+    document["spec"]["parameters"].append({"name": "batch", "parameterType": "discrete",
+                                           "feasibleSpace": {"list": ["32", "64", "0.5", "1.0", 128]}})
+    spec = parse_experiment(yaml.safe_dump(document))
+    assert [parameter_text(c) for c in spec.parameter("batch").choices] == ["32", "64", "0.5", "1.0", "128"]

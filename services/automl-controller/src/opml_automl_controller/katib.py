@@ -309,6 +309,16 @@ def _number(value: Any, path: str, found: Violations) -> float | None:
     return number
 
 
+def _as_written(literal: Any, number: float) -> int | float:
+    """A discrete choice as the trial template gets it: "32" stays 32 (not "32.0", which an int flag refuses),
+    as Katib passes the listed value through; "0.5" and "1.0" stay floats."""
+    if isinstance(literal, bool) or not number.is_integer():
+        return number
+    if isinstance(literal, int) or (isinstance(literal, str) and not any(c in literal for c in ".eE")):
+        return int(number)
+    return number
+
+
 def _parameters(spec: Mapping[str, Any], found: Violations) -> list[Parameter] | None:
     """Rules 32-37; goptuna's duplicate-name check; our choice on min > max and on normal/logNormal."""
     raw, nas = spec.get("parameters"), spec.get("nasConfig")
@@ -401,7 +411,7 @@ def _parameters(spec: Mapping[str, Any], found: Violations) -> list[Parameter] |
                 numbers = [_number(c, f"{path}.feasibleSpace.list[{j}]", found) for j, c in enumerate(choices)]
                 if any(n is None for n in numbers):
                     continue
-                values: tuple[Any, ...] = tuple(numbers)
+                values: tuple[Any, ...] = tuple(_as_written(c, n) for c, n in zip(choices, numbers))
             else:
                 values = tuple(str(c) for c in choices)
             if len(set(values)) != len(values):
