@@ -221,3 +221,24 @@ def test_a_fleet_with_no_runnable_pool_is_refused(tmp_path: Path) -> None:
     with pytest.raises(FailedPrecondition, match="no pool"):
         PoolManager(FleetConfig.from_dict(FLEET), tmp_path / "fleet.yaml", work_dir=tmp_path,
                     metrics=ServiceMetrics("inference-router", registry=CollectorRegistry()), providers=[])
+
+
+async def test_a_deep_work_dir_keeps_the_unix_socket_hop(tmp_path: Path) -> None:
+    """A work dir too deep for a socket address (108 bytes on Linux: a test's or a volume's path) puts the
+    workers' sockets in a private directory of the temporary folder, removed at stop, instead of
+    falling back to TCP."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    fleet_path = deep / "fleet.yaml"
+    fleet_path.write_text(yaml.safe_dump(FLEET))
+    pools = PoolManager(FleetConfig.from_dict(FLEET), fleet_path, work_dir=deep,
+                        metrics=ServiceMetrics("inference-router", registry=CollectorRegistry()),
+                        token="worker-secret", threads_per_replica=1, providers=["CPUExecutionProvider"],
+                        route_over_uds=True)
+    async with pools:
+        address = pools.get("cpu-000").address
+        assert address.startswith("uds:"), address
+        socket_path = Path(address.removeprefix("uds:"))
+        assert socket_path.is_socket() and socket_path.parent.name.startswith("opml-uds-")
+        assert socket_path.parent.stat().st_mode & 0o777 == 0o700
+    assert not socket_path.parent.exists()

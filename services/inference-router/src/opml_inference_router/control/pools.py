@@ -6,7 +6,9 @@ accelerator emulated with ``CPUExecutionProvider`` runs anywhere). :attr:`PoolMa
 placement :class:`Fleet` of those pools, so the planner never places on a worker that does not run.
 
 Workers are local processes, so each can also serve inference on a Unix domain socket
-(``<work_dir>/workers/<id>.<start>.sock``, :mod:`opml_inference_router.worker.uds`). With ``route_over_uds``,
+(``<work_dir>/workers/<id>.<start>.sock``, :mod:`opml_inference_router.worker.uds`; where that path is
+longer than a socket address holds, in a private directory of the system's temporary folder, removed at
+stop). With ``route_over_uds``,
 :attr:`PoolWorker.address`, what the router calls, is that socket (``uds:<path>``; the router's
 ``connect`` must then be :func:`opml_inference_router.routing.uds_replica.connect`): a hop that
 costs a fraction of a gRPC call (bench/inference_router_overhead.py). Health checks and the
@@ -25,6 +27,8 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -106,6 +110,7 @@ class PoolManager:
         self._token = token
         self._watch_interval_s = watch_interval_s
         self._sockets = work_dir / "workers" if route_over_uds else None
+        self._short_sockets: Path | None = None  # made when a path under _sockets is too long (see _socket)
         env = {"OPML_AUTH_TOKENS": f"{token}=admin" if token else ""}
         extra = ("--threads-per-replica", str(threads_per_replica)) if threads_per_replica else ()
         self._workers = {
@@ -145,6 +150,8 @@ class PoolManager:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self._stop_workers()
+        if self._short_sockets is not None:
+            shutil.rmtree(self._short_sockets, ignore_errors=True)
 
     async def __aenter__(self) -> PoolManager:
         await self.start()
@@ -241,11 +248,19 @@ class PoolManager:
                 pool_worker.client = None
 
     def _socket(self, worker_id: str, start: int) -> Path | None:
-        """The socket of a worker's ``start``-th process; ``None`` without ``route_over_uds`` or when
-        the path is too long for a socket address (that worker is then reached over TCP)."""
+        """The socket of a worker's ``start``-th process; ``None`` without ``route_over_uds``. A path under
+        the work dir too long for a socket address (a deep work dir: a test's, a container volume's) moves
+        to a private (0700) directory of the temporary folder; too long even there: TCP for that worker."""
         if self._sockets is None:
             return None
-        path = (self._sockets / f"{worker_id}.{start}.sock").absolute()
+        name = f"{worker_id}.{start}.sock"
+        path = (self._sockets / name).absolute()
+        if len(os.fsencode(path)) <= MAX_UDS_PATH:
+            return path
+        if self._short_sockets is None:
+            self._short_sockets = Path(tempfile.mkdtemp(prefix="opml-uds-"))
+            log.info("worker sockets in %s: %s is longer than %d bytes", self._short_sockets, path, MAX_UDS_PATH)
+        path = self._short_sockets / name
         if len(os.fsencode(path)) <= MAX_UDS_PATH:
             return path
         log.warning("worker socket path %s is longer than %d bytes; the router will use TCP", path, MAX_UDS_PATH)
