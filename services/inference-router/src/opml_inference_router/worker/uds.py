@@ -126,7 +126,9 @@ class UdsServer:
         self._handlers: dict[int, Handler] = {kind: getattr(servicer, method) for method, kind in KINDS.items()}
         self._requests = metrics.counter("uds_requests_total", "Calls served on the Unix socket (a local router), "
                                          "by method and status code.", ("method", "code"))
-        self._counted: dict[tuple[int, str], object] = {}
+        # every method's OK series from 0, as the gRPC servers' RPC series are: a rate panel reads 0, not no data
+        self._counted: dict[tuple[int, str], object] = {
+            (kind, "OK"): self._requests.labels(method, "OK") for method, kind in KINDS.items()}
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_Connection] = set()
         self.stopping = False
