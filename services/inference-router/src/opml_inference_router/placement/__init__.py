@@ -39,11 +39,20 @@ from opml_inference_router.placement.moves import (
     plan_moves,
     replicas_of,
 )
-from opml_inference_router.placement.plan import KindUsage, ModelDemand, Option, Plan, ReplicaSet, demands_for
+from opml_inference_router.placement.plan import (
+    KindUsage,
+    ModelDemand,
+    Option,
+    Plan,
+    ReplicaSet,
+    SessionChoice,
+    demands_for,
+)
 from opml_inference_router.placement.planner import Observation, Planner, Replan, Replanner
 from opml_inference_router.placement.policy import CostAwareSloPolicy, GreedyFirstFitPolicy, PlacementPolicy
 from opml_inference_router.placement.predicted import ProfilePredictor
 from opml_inference_router.placement.profile import Profile, ProfileBook
+from opml_inference_router.placement.serving import ServingConfigChooser, ServingTable
 
 __all__ = [
     "Action",
@@ -79,6 +88,9 @@ __all__ = [
     "Replica",
     "ReplicaSet",
     "ServiceCurve",
+    "ServingConfigChooser",
+    "ServingTable",
+    "SessionChoice",
     "TensorSpec",
     "VersionPolicy",
     "WaitReady",

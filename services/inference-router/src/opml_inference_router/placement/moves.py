@@ -7,10 +7,11 @@ for before old ones go, and no worker ever holds more than its kind's slots and 
 target worker is full of replicas that cannot go yet, one of them is first copied to a worker with
 room (a temporary replica, removed at the end), which frees its place without a gap.
 
-A replica that keeps its model version, worker and precision but changes its batch cap is
-re-sized in place (:class:`ResizeReplica`): the worker keeps the loaded session and only its
-batcher's cap changes, so it needs no free slot and never stops serving (a full single-slot
-accelerator can be re-sized).
+A replica that keeps its model version, worker and precision but changes its batch cap or its
+session options is re-sized in place (:class:`ResizeReplica`): the worker keeps the loaded session
+and only its batcher's cap changes, or builds the version's sessions with the new options and swaps
+them in once built, so it needs no free slot and never stops serving (a full single-slot accelerator
+can be re-sized).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from opml_common.errors import FailedPrecondition, OpmlError
 from opml_inference_router.placement.config import ModelVersion
 from opml_inference_router.placement.fleet import Fleet, Occupancy
-from opml_inference_router.placement.plan import Plan
+from opml_inference_router.placement.plan import Plan, SessionChoice
 
 _EPSILON = 1e-9
 
@@ -29,7 +30,7 @@ _EPSILON = 1e-9
 @dataclass(frozen=True, order=True)
 class Replica:
     """One replica: a model version on a worker (``index`` tells apart replicas of one model on one
-    worker), with the settings it was loaded with."""
+    worker), with the settings it was loaded with (precision, batch cap, session options)."""
 
     model: ModelVersion
     worker: str
@@ -39,6 +40,7 @@ class Replica:
     max_batch: int
     memory_mib: float = field(compare=False)
     capacity_rps: float = field(compare=False)
+    session: SessionChoice = SessionChoice()
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,9 @@ class RemoveReplica:
 @dataclass(frozen=True)
 class ResizeReplica:
     """Change the ready replica ``old`` into ``new`` in place: same model version, worker, index and
-    precision, another batch cap (and so capacity and memory). It keeps serving throughout."""
+    precision, another batch cap or session options (and so capacity and memory). It keeps serving
+    throughout: a new batch cap re-caps the batcher; new session options build the new sessions
+    beside the serving ones, which go once the new serve (the worker's reload of a version)."""
 
     old: Replica
     new: Replica
@@ -86,7 +90,8 @@ def replicas_of(plan: Plan) -> list[Replica]:
     for replica_set, worker_id in plan.replicas():
         option = replica_set.option
         replicas.append(Replica(replica_set.model, worker_id, seen[replica_set.model, worker_id], option.pool_kind,
-                                option.precision, option.max_batch, option.memory_mib, option.replica_capacity_rps))
+                                option.precision, option.max_batch, option.memory_mib, option.replica_capacity_rps,
+                                option.session))
         seen[replica_set.model, worker_id] += 1
     return sorted(replicas)
 
@@ -170,7 +175,8 @@ def plan_moves(current: Plan, target: Plan, fleet: Fleet) -> tuple[Action, ...]:
 
 
 def _pair_resizes(adds: list[Replica], removes: list[Replica]) -> list[tuple[Replica, Replica]]:
-    """Takes out of ``adds`` and ``removes`` the (old, new) pairs that differ in their batch cap only."""
+    """Takes out of ``adds`` and ``removes`` the (old, new) pairs that differ in their batch cap or
+    session options only."""
     new_at = {_place(replica): replica for replica in adds}
     pairs = []
     for old in list(removes):

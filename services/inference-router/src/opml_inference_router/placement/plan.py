@@ -38,11 +38,28 @@ def demands_for(config: ModelConfig, available_versions: Sequence[int]) -> list[
             for version in config.version_policy.select(available_versions)]
 
 
+@dataclass(frozen=True, order=True)
+class SessionChoice:
+    """The onnxruntime session options a replica loads with: intra-op ``threads`` (0: the worker's
+    own, its slot's share of cores), graph optimization level, execution mode; ``basis`` says why
+    they were chosen (not compared)."""
+
+    threads: int = 0
+    opt_level: str = "all"
+    execution_mode: str = "sequential"
+    basis: str = field(default="the worker's defaults", compare=False)
+
+    def __str__(self) -> str:
+        threads = f"{self.threads} threads" if self.threads else "the worker's threads"
+        return f"{threads}, opt {self.opt_level}, {self.execution_mode}"
+
+
 @dataclass(frozen=True)
 class Option:
     """One way to serve a model version: ``replicas`` replicas on ``pool_kind``, each batching up to
     ``max_batch``. ``replica_capacity_rps`` is the rate one replica takes while the policy still
-    believes the SLO holds (the planner and the move planner count capacity in it)."""
+    believes the SLO holds (the planner and the move planner count capacity in it). ``session``:
+    the session options its replicas load with (a planner with a chooser sets them, :mod:`.serving`)."""
 
     pool_kind: str
     precision: Precision
@@ -53,6 +70,7 @@ class Option:
     predicted_p99_ms: float
     memory_mib: float
     cost_per_hour: float
+    session: SessionChoice = SessionChoice()
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from opml_inference_router.placement.plan import ModelDemand, Option, Plan, Repl
 from opml_inference_router.placement.policy import PlacementPolicy
 from opml_inference_router.placement.predicted import ProfilePredictor
 from opml_inference_router.placement.profile import Profile, ProfileBook
+from opml_inference_router.placement.serving import ServingConfigChooser
 
 
 class Planner:
@@ -40,12 +41,17 @@ class Planner:
 
     With a ``predictor``, a model version is also placed on kinds it lacks a full profile on, by
     the profile the predictor transfers from another kind (:mod:`.predicted`); without one, such a
-    kind is "not profiled"."""
+    kind is "not profiled". With a ``chooser``, each option's replicas load with the serving
+    configuration (session options, precision) the chooser predicts best on its kind, and the
+    policy sizes the option on the profile that configuration is predicted to have (:mod:`.serving`);
+    without one, with the worker's defaults."""
 
-    def __init__(self, *, fleet: Fleet, policy: PlacementPolicy, predictor: ProfilePredictor | None = None) -> None:
+    def __init__(self, *, fleet: Fleet, policy: PlacementPolicy, predictor: ProfilePredictor | None = None,
+                 chooser: ServingConfigChooser | None = None) -> None:
         self.fleet = fleet
         self.policy = policy
         self.predictor = predictor
+        self.chooser = chooser
 
     def min_replicas(self, demand: ModelDemand) -> int:
         """The replica floor of a demand: its config's ``min_replicas``, else the fleet's."""
@@ -97,7 +103,11 @@ class Planner:
             if model in placements:
                 continue
             usable[model], rejected[model] = self._screen(demand, profiles)
-            options[model] = self.policy.options(demand, usable[model], self.fleet)
+            now = current.placements.get(model) if current is not None else None
+            sessions = self._choose(demand, usable[model], now)
+            options[model] = [dataclasses.replace(option, session=sessions[option.pool_kind])
+                              if option.pool_kind in sessions else option
+                              for option in self.policy.options(demand, usable[model], self.fleet)]
         order = self.policy.order(options)
         if sorted(order) != sorted(options):
             raise OpmlError(f"{type(self.policy).__name__}.order must return every model version to place exactly once")
@@ -136,6 +146,17 @@ class Planner:
                 for worker_id in placed.workers:  # it does not fit: back as it was
                     occupancy.add(worker_id, model, placed.option.memory_mib)
         return Plan(placements, unplaced)
+
+    def _choose(self, demand: ModelDemand, usable: dict[str, Profile], now: ReplicaSet | None) -> dict:
+        """Each usable kind's chosen session options; ``usable``'s profiles become those the chosen
+        configurations are predicted to have (nothing without a chooser)."""
+        if self.chooser is None:
+            return {}
+        sessions = {}
+        for name, profile in list(usable.items()):
+            incumbent = now.option if now is not None and now.option.pool_kind == name else None
+            usable[name], sessions[name] = self.chooser.choose(demand, self.fleet.kinds[name], profile, incumbent)
+        return sessions
 
     def _claim(self, occupancy: Occupancy, model: ModelVersion, option: Option,
                current: frozenset[str]) -> tuple[str, ...] | None:
@@ -265,9 +286,13 @@ class Replanner:
                 updated.append(demand)
                 continue
             if seen is None:
+                reason = self._configuration_drift(demand, placed, calibrated)
+                if reason:
+                    reasons[model] = reason
                 updated.append(demand)
                 continue
-            reason = self._drift(demand, placed, seen, calibrated)
+            reason = self._drift(demand, placed, seen, calibrated) or self._configuration_drift(
+                demand, placed, calibrated)
             if reason:
                 reasons[model] = reason
                 updated.append(ModelDemand(demand.config, demand.version, seen.rate_rps))
@@ -285,7 +310,27 @@ class Replanner:
                 reasons[model] += f"; kept where it is: {target.unplaced[model]}"
             keep |= stuck
             target = self.planner.plan(updated, calibrated, current=plan, keep=keep)
+        for model, placed in target.placements.items():
+            if model in reasons and self.planner.chooser is not None:
+                option = placed.option
+                reasons[model] += (f"; serves with {option.session}, {option.precision} on {option.pool_kind} "
+                                   f"({option.session.basis})")
         return Replan(target, plan_moves(plan, target, self.planner.fleet), reasons, calibrated)
+
+    def _configuration_drift(self, demand: ModelDemand, placed: ReplicaSet, profiles: ProfileBook) -> str:
+        """Why ``placed`` must load with another serving configuration ('' when the chooser keeps
+        its own, or the planner has none)."""
+        chooser, option = self.planner.chooser, placed.option
+        profile = profiles.get(placed.model, option.pool_kind)
+        if chooser is None or profile is None:
+            return ""
+        planned = ModelDemand(demand.config, demand.version, placed.rate_rps)
+        chosen_profile, chosen = chooser.choose(planned, self.planner.fleet.kinds[option.pool_kind], profile,
+                                                incumbent=option)
+        if (chosen, chosen_profile.precision) == (option.session, option.precision):
+            return ""
+        return f"serving configuration {chosen}, {chosen_profile.precision} chosen (was {option.session}, " \
+               f"{option.precision})"
 
     def _drift(self, demand: ModelDemand, placed: ReplicaSet, seen: Observation, profiles: ProfileBook) -> str:
         """Why ``placed`` must be re-placed ('' when it need not); scales its profile in ``profiles``
