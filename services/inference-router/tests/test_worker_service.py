@@ -361,3 +361,45 @@ async def test_large_frames_and_many_calls_in_flight_share_one_connection(tmp_pa
         await local.close()
         await server.stop(1.0)
     assert not (tmp_path / "echo.sock").exists()
+
+
+def test_each_replica_runs_with_its_own_session_options(root: Path) -> None:
+    """Two models on one worker, each with the options its load named (the serving configuration the
+    router chose), read back from onnxruntime through ModelConfig; threads within the slot's share."""
+    worker = WorkerProcess("cpu", root / "fleet.yaml", root / "options.log", models_dir=root / "models",
+                           extra_args=("--threads-per-replica", "2")).start()
+    try:
+        client = triton.InferenceServerClient(worker.target)
+
+        def options(model: str) -> tuple[str, str, str, str]:
+            parameters = client.get_model_config(model).config.parameters
+            return tuple(parameters[key].string_value for key in (  # type: ignore[return-value]
+                "opml_threads", "opml_opt_level", "opml_execution_mode", "opml_batch_cap"))
+
+        load(worker, "mlp", threads=2, opt_level="basic", execution_mode="parallel")
+        load(worker, "q1")
+        assert options("mlp") == ("2", "basic", "parallel", "32")
+        assert options("q1") == ("2", "all", "sequential", "32")  # the worker's defaults: its slot's share
+        data = features(3)
+        np.testing.assert_allclose(infer(client, "mlp", data), reference(root, "mlp", data), rtol=1e-5, atol=1e-6)
+
+        for bad, field in (({"threads": 3}, "threads"), ({"threads": 0}, "parameters[threads]"),
+                           ({"opt_level": "max"}, "opt_level"),
+                           ({"execution_mode": "async"}, "execution_mode")):
+            with pytest.raises(grpc.RpcError) as caught:
+                load(worker, "mlp", **bad)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert caught.value.details().startswith(field)
+        with pytest.raises(grpc.RpcError) as caught:
+            load(worker, "mlp", threads=3)
+        assert "must be at most 2 (a slot's share of this cpu worker's cores), but got 3" in caught.value.details()
+
+        load(worker, "mlp", version=1, max_batch=8)  # in place: the options stay
+        assert options("mlp") == ("2", "basic", "parallel", "8")
+        load(worker, "mlp", version=1, instances=1, max_batch=8, threads=1, opt_level="extended")  # reloaded
+        # parallel with one thread is onnxruntime's sequential mode, and it says so
+        assert options("mlp") == ("1", "extended", "sequential", "8")
+        np.testing.assert_allclose(infer(client, "mlp", data), reference(root, "mlp", data), rtol=1e-5, atol=1e-6)
+        assert options("q1") == ("2", "all", "sequential", "32")
+    finally:
+        worker.stop()

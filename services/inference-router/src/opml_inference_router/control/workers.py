@@ -17,7 +17,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 from opml_common.errors import OpmlError, Unavailable
 from opml_common.grpc.client import domain_error, open_aio_channel
-from opml_inference_router.placement import Profile
+from opml_inference_router.placement import Profile, SessionChoice
 
 LOAD_TIMEOUT_S = 120.0
 CALL_TIMEOUT_S = 10.0
@@ -33,10 +33,12 @@ class WorkerClient:
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
 
     async def load(self, model: str, *, path: Path, version: int, precision: str | None = None,
-                   profile: bool = False, instances: int | None = None, max_batch: int | None = None) -> None:
+                   profile: bool = False, instances: int | None = None, max_batch: int | None = None,
+                   session: SessionChoice | None = None) -> None:
         """Loads ``version`` of the bundle at ``path`` as ``instances`` sessions batching up to
-        ``max_batch`` rows; returns once it serves. On a version loaded there in the same precision,
-        ``instances`` and ``max_batch`` change in place (no reload).
+        ``max_batch`` rows, with ``session``'s options (threads 0: the worker's); returns once it
+        serves. On a version loaded there in the same precision and options, ``instances`` and
+        ``max_batch`` change in place (no reload); other options reload it.
 
         Raises: what the worker's repository raises (InvalidArgument, NotFound, FailedPrecondition,
         ResourceExhausted), or Unavailable when the worker cannot be reached.
@@ -52,6 +54,11 @@ class WorkerClient:
             request.parameters["instances"].int64_param = instances
         if max_batch:
             request.parameters["max_batch"].int64_param = max_batch
+        if session is not None:
+            if session.threads:
+                request.parameters["threads"].int64_param = session.threads
+            request.parameters["opt_level"].string_param = session.opt_level
+            request.parameters["execution_mode"].string_param = session.execution_mode
         await self._call(self._stub.RepositoryModelLoad, request, LOAD_TIMEOUT_S)
 
     async def unload(self, model: str, version: int) -> None:

@@ -15,6 +15,7 @@ from opml_inference_router.runtime.profiler import (
 from opml_inference_router.runtime.replica import Replica, batch_cap
 from opml_inference_router.runtime.repository import IndexEntry, ModelRepository, Served
 from opml_inference_router.runtime.session import (
+    SessionSettings,
     build_session,
     check_signature,
     choose_precision,
@@ -32,6 +33,7 @@ __all__ = [
     "ProfileReport",
     "Replica",
     "Served",
+    "SessionSettings",
     "WorkerMetrics",
     "batch_cap",
     "batch_ladder",

@@ -14,6 +14,7 @@ import numpy as np
 import onnxruntime as ort
 
 from opml_inference_router.placement.config import ModelConfig, ModelVersion, PoolKind
+from opml_inference_router.runtime.session import SessionSettings
 
 Tensors = Mapping[str, np.ndarray]
 
@@ -46,6 +47,11 @@ class Replica:
         self.max_batch = batch_cap(self.config, self.kind)
         self.batches = self.config.max_batch_size > 0
         self._outputs = [spec.name for spec in self.config.outputs]
+
+    @property
+    def settings(self) -> SessionSettings:
+        """The session's options, as onnxruntime reports them."""
+        return SessionSettings.of(self.session)
 
     def padded(self, rows: int) -> int:
         """The batch shape ``rows`` rows run as on this kind."""

@@ -8,8 +8,13 @@ off the event loop, which keeps serving meanwhile.
 
 A version may run as several *instances* (Triton's ``instance_group`` count): sessions of the same
 model, each on its own thread and slot, fed by the version's one batcher. A load that names a
-loaded version with ``instances`` or ``max_batch`` and keeps its precision changes them in place:
-it builds or retires only the instances that differ and re-caps the batcher, without a reload.
+loaded version with ``instances`` or ``max_batch`` and keeps its precision and session options
+changes them in place: it builds or retires only the instances that differ and re-caps the
+batcher, without a reload.
+
+Each loaded version has its own session options (:class:`SessionSettings`: intra-op threads,
+graph optimization level, execution mode; the worker's defaults unless the load names others), so
+two models on one worker can run with different ones; threads never exceed the slot's share.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ from opml_inference_router.runtime.profiler import ProfileReport, profile_replic
 from opml_inference_router.runtime.replica import Replica
 from opml_inference_router.runtime.session import (
     CALIBRATION_FILE,
+    EXECUTION_MODES,
+    OPT_LEVELS,
+    SessionSettings,
     build_session,
     check_signature,
     choose_precision,
@@ -43,11 +51,13 @@ MIB = 1024 * 1024
 
 @dataclass
 class Served:
-    """A ready replica and its batcher; ``profile`` when it was profiled on load."""
+    """A ready replica and its batcher; ``profile`` when it was profiled on load; ``settings`` the
+    session options its instances were built with."""
 
     replica: Replica
     batcher: DynamicBatcher
-    profile: ProfileReport | None = None
+    profile: ProfileReport | None
+    settings: SessionSettings
 
     @property
     def instances(self) -> int:
@@ -76,7 +86,8 @@ def _resident_mib() -> float:
 class ModelRepository:
     """Loads, serves and unloads replicas on a worker of ``kind``.
 
-    ``threads`` is each replica's intra-op thread count (its share of the worker's cores).
+    ``threads`` is each replica's intra-op thread count by default and the most a load may ask for
+    (its slot's share of the worker's cores).
     """
 
     def __init__(self, kind: PoolKind, *, metrics: WorkerMetrics, threads: int, models_dir: Path | None = None,
@@ -135,12 +146,16 @@ class ModelRepository:
 
     async def load(self, name: str, *, path: str | Path | None = None, version: int | None = None,
                    precision: str | None = None, profile: bool = False, instances: int | None = None,
-                   max_batch: int | None = None) -> list[Served]:
+                   max_batch: int | None = None, threads: int | None = None, opt_level: str | None = None,
+                   execution_mode: str | None = None) -> list[Served]:
         """Loads ``name`` from ``path`` (default: ``<models_dir>/<name>``): ``version`` alone, else the
         versions its policy picks; with ``profile``, measures each before it serves. Each version runs
         ``instances`` sessions (default 1) and batches up to ``max_batch`` rows (default: all the
         replica takes). When ``version`` is loaded in the same precision and ``instances`` or
         ``max_batch`` is given (without ``profile``), they are changed in place instead.
+        ``threads``, ``opt_level``, ``execution_mode``: the sessions' options (each left out: the
+        loaded version's, else the worker's default); other ones than a loaded version's reload it
+        (the new sessions are built beside the serving ones and swapped in).
 
         Raises:
             NotFound: no such bundle directory, ONNX file or version.
@@ -148,14 +163,23 @@ class ModelRepository:
                 config, or an ONNX file onnxruntime refuses (the message is onnxruntime's reason).
             FailedPrecondition: the model may not run on this kind, or they share no precision.
             ResourceExhausted: the worker's slots or memory would be exceeded.
-            InvalidArgument: ``instances`` or ``max_batch`` below 1.
+            InvalidArgument: ``instances`` or ``max_batch`` below 1; ``threads`` below 1 or above the
+                slot's share; an unknown ``opt_level`` or ``execution_mode``.
         """
-        for field, value in (("instances", instances), ("max_batch", max_batch)):
+        for field, value in (("instances", instances), ("max_batch", max_batch), ("threads", threads)):
             if value is not None and value < 1:
                 raise InvalidArgument(field, f"must be >= 1, but got {value}")
+        if threads is not None and threads > self._threads:
+            raise InvalidArgument("threads", f"must be at most {self._threads} (a slot's share of this "
+                                             f"{self.kind.name} worker's cores), but got {threads}")
+        for field, value, allowed in (("opt_level", opt_level, OPT_LEVELS), ("execution_mode", execution_mode,
+                                                                             EXECUTION_MODES)):
+            if value is not None and value not in allowed:
+                raise InvalidArgument(field, f"must be one of {', '.join(allowed)}, but got {value!r}")
+        asked = {"threads": threads, "opt_level": opt_level, "execution_mode": execution_mode}
         async with self._lock:
             try:
-                served = await self._load(name, path, version, precision, profile, instances, max_batch)
+                served = await self._load(name, path, version, precision, profile, instances, max_batch, asked)
             except OpmlError as error:
                 self._failed[name] = error.message
                 log.warning("load of %s failed: %s", name, error.message)
@@ -164,7 +188,8 @@ class ModelRepository:
             return served
 
     async def _load(self, name: str, path: str | Path | None, version: int | None, precision: str | None,
-                    profile: bool, instances: int | None, max_batch: int | None) -> list[Served]:
+                    profile: bool, instances: int | None, max_batch: int | None,
+                    asked: dict[str, object]) -> list[Served]:
         bundle = await asyncio.to_thread(load_bundle, self._bundle_dir(name, path), flat_version=version or 1)
         config = bundle.config
         if config.name != name:
@@ -176,7 +201,10 @@ class ModelRepository:
         files = bundle.select(version)
         current = self._served.get(name, {})
         loaded = current.get(version) if version is not None else None
-        if (loaded is not None and (instances or max_batch) and not profile and loaded.replica.precision == chosen):
+        base = loaded.settings if loaded is not None else SessionSettings(self._threads)
+        settings = SessionSettings(**{**vars(base), **{k: v for k, v in asked.items() if v is not None}})
+        if (loaded is not None and (instances or max_batch) and not profile and loaded.replica.precision == chosen
+                and loaded.settings == settings):
             return [await self._update(loaded, bundle, files[version], instances or loaded.instances, max_batch)]
         count = instances or 1
         replaced = [v for v in files if v in current]
@@ -199,7 +227,7 @@ class ModelRepository:
             replicas = []
             for _ in range(count):
                 replica = await asyncio.to_thread(self._instance, bundle, ModelVersion(name, number), file, data,
-                                                  chosen)
+                                                  chosen, settings)
                 self._check_memory(replica, free_mib)
                 free_mib -= replica.memory_mib
                 replicas.append(replica)
@@ -210,7 +238,7 @@ class ModelRepository:
                 batcher.add_instance(replica)
             if max_batch is not None:
                 batcher.set_max_batch(max_batch)
-            built[number] = Served(replicas[0], batcher, report)
+            built[number] = Served(replicas[0], batcher, report, settings)
         for served in built.values():
             await served.batcher.start()
         old = [current[v] for v in replaced]
@@ -218,8 +246,8 @@ class ModelRepository:
         self._update_gauges()
         for served in old:
             await served.batcher.stop()
-        log.info("loaded %s versions %s x%d on %s in %s (%.1f MiB)", name, sorted(built), count, self.kind.name,
-                 chosen, sum(s.memory_mib for s in built.values()))
+        log.info("loaded %s versions %s x%d on %s in %s with %s (%.1f MiB)", name, sorted(built), count,
+                 self.kind.name, chosen, settings, sum(s.memory_mib for s in built.values()))
         return list(built.values())
 
     async def _update(self, served: Served, bundle: ModelBundle, file: Path, instances: int,
@@ -237,7 +265,8 @@ class ModelRepository:
                                            calibration=bundle.directory / CALIBRATION_FILE)
             added = []
             for _ in range(instances - have):
-                replica = await asyncio.to_thread(self._instance, bundle, model, file, data, served.replica.precision)
+                replica = await asyncio.to_thread(self._instance, bundle, model, file, data, served.replica.precision,
+                                                  served.settings)
                 self._check_memory(replica, free_mib)
                 free_mib -= replica.memory_mib
                 added.append(replica)
@@ -265,11 +294,13 @@ class ModelRepository:
                                                       f"{name} in")
         return self._models_dir / name
 
-    def _instance(self, bundle: ModelBundle, model: ModelVersion, file: Path, data: bytes, precision: str) -> Replica:
+    def _instance(self, bundle: ModelBundle, model: ModelVersion, file: Path, data: bytes, precision: str,
+                  settings: SessionSettings) -> Replica:
         """Builds, checks and warms one instance from the converted model, measuring the memory it added
         (blocking)."""
         before = _resident_mib()
-        session = build_session(data, self.kind, threads=self._threads, source=str(file))
+        session = build_session(data, self.kind, threads=settings.threads, source=str(file),
+                                opt_level=settings.opt_level, execution_mode=settings.execution_mode)
         check_signature(session, bundle.config)
         replica = Replica(model, bundle.config, self.kind, precision, session)
         replica.run(synthetic_inputs(bundle.config, replica.max_batch, np.random.default_rng(0)))

@@ -74,11 +74,30 @@ OPT_LEVELS = {"disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL, "basic": or
 EXECUTION_MODES = {"sequential": ort.ExecutionMode.ORT_SEQUENTIAL, "parallel": ort.ExecutionMode.ORT_PARALLEL}
 
 
+@dataclass(frozen=True)
+class SessionSettings:
+    """The options of one replica's session: intra-op threads, graph optimization level, execution
+    mode. The worker's own are its slot's share of cores, ``all``, ``sequential``; the router may
+    load a replica with others (the serving configuration placement chose for it)."""
+
+    threads: int
+    opt_level: str = "all"
+    execution_mode: str = "sequential"
+
+    @classmethod
+    def of(cls, session: ort.InferenceSession) -> SessionSettings:
+        """What onnxruntime says ``session`` runs with (read back, not remembered)."""
+        options = session.get_session_options()
+        level = next(name for name, value in OPT_LEVELS.items() if value == options.graph_optimization_level)
+        mode = next(name for name, value in EXECUTION_MODES.items() if value == options.execution_mode)
+        return cls(options.intra_op_num_threads, level, mode)
+
+
 def session_options(kind: PoolKind, *, threads: int, opt_level: str = "all",
                     execution_mode: str = "sequential") -> ort.SessionOptions:
-    """The worker's options; ``opt_level`` and ``execution_mode`` other than its own (all, sequential)
-    are for measuring other configurations (performance models). Parallel mode gets ``threads``
-    inter-op threads, since with one it is sequential."""
+    """The session's options: ``opt_level`` and ``execution_mode`` other than the worker's own (all,
+    sequential) are a serving configuration placement chose, or one being measured (performance
+    models). Parallel mode gets ``threads`` inter-op threads, since with one it is sequential."""
     options = ort.SessionOptions()
     options.graph_optimization_level = OPT_LEVELS[opt_level]
     options.execution_mode = EXECUTION_MODES[execution_mode]

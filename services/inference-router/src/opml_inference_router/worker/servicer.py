@@ -8,7 +8,10 @@ Load parameters: ``path`` (bundle directory), ``version`` (of a flat bundle, or 
 load), ``precision``, ``profile`` (measure before serving; the profile is in ModelConfig's
 ``parameters["opml_profile"]``), ``instances`` (sessions of the version, Triton's instance_group
 count; one slot each) and ``max_batch`` (the batcher's cap) - on a version loaded in the same
-precision these two change in place, without a reload; or Triton's ``config`` (the ModelConfig as JSON) with
+precision these two change in place, without a reload; ``threads``, ``opt_level`` and
+``execution_mode`` (the sessions' options: the serving configuration the router chose; ModelConfig's
+``opml_threads``, ``opml_opt_level``, ``opml_execution_mode`` read them back from onnxruntime);
+or Triton's ``config`` (the ModelConfig as JSON) with
 ``file:<path>`` contents, so ``tritonclient``'s ``load_model(config=..., files=...)`` ships a bundle
 to a worker that shares no disk with its caller.
 """
@@ -35,7 +38,8 @@ PLATFORM = "onnxruntime_onnx"
 EXTENSIONS = ["model_repository", "statistics", "model_configuration"]
 _LOAD_PARAMETERS = {"path": "string_param", "version": "int64_param", "precision": "string_param",
                     "profile": "bool_param", "config": "string_param", "instances": "int64_param",
-                    "max_batch": "int64_param"}
+                    "max_batch": "int64_param", "threads": "int64_param", "opt_level": "string_param",
+                    "execution_mode": "string_param"}
 _FILE_PREFIX = "file:"
 _DECODE_IN_THREAD_BYTES = 1 << 20
 _DECODE_IN_THREAD_VALUES = 1 << 16
@@ -76,7 +80,7 @@ def _parameters(parameters, allowed: dict[str, str]) -> dict[str, object]:
             raise InvalidArgument(f"parameters[{key}]", f"must be a {kind}, but got "
                                                         f"{parameter.WhichOneof('parameter_choice')}")
         values[key] = getattr(parameter, kind)
-    for key in ("version", "instances", "max_batch"):
+    for key in ("version", "instances", "max_batch", "threads"):
         if key in values and int(values[key]) < 1:  # type: ignore[call-overload]
             raise InvalidArgument(f"parameters[{key}]", f"must be >= 1, but got {values[key]}")
     return values
@@ -138,8 +142,11 @@ class WorkerServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         gpu = replica.kind.execution_provider == "CUDAExecutionProvider"
         triton.instance_group.add(count=served.instances, kind=mc.ModelInstanceGroup.KIND_GPU if gpu
                                   else mc.ModelInstanceGroup.KIND_CPU)
+        settings = replica.settings  # as onnxruntime reports the session's options
         extra = {"opml_pool_kind": replica.kind.name, "opml_precision": replica.precision,
-                 "opml_memory_mib": f"{served.memory_mib:.3f}", "opml_batch_cap": str(served.batcher.max_batch)}
+                 "opml_memory_mib": f"{served.memory_mib:.3f}", "opml_batch_cap": str(served.batcher.max_batch),
+                 "opml_threads": str(settings.threads), "opml_opt_level": settings.opt_level,
+                 "opml_execution_mode": settings.execution_mode}
         if served.profile is not None:
             extra["opml_profile"] = json.dumps({**to_profile(served.profile).to_dict(),
                                                 "timings": served.profile.to_dict()["timings"]})
@@ -204,7 +211,9 @@ class WorkerServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             name, path=path,  # type: ignore[arg-type]
             version=values.get("version"), precision=values.get("precision") or None,  # type: ignore[arg-type]
             profile=bool(values.get("profile", False)), instances=values.get("instances"),  # type: ignore[arg-type]
-            max_batch=values.get("max_batch"))  # type: ignore[arg-type]
+            max_batch=values.get("max_batch"), threads=values.get("threads"),  # type: ignore[arg-type]
+            opt_level=values.get("opt_level") or None,  # type: ignore[arg-type]
+            execution_mode=values.get("execution_mode") or None)  # type: ignore[arg-type]
 
     async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
                                     context) -> pb.RepositoryModelUnloadResponse:
