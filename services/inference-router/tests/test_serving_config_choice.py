@@ -171,6 +171,13 @@ def test_the_planner_sizes_on_the_choice_and_the_replanner_reloads_in_place_when
     replanner = Replanner(planner=planner)
     assert not replanner.replan(first, [WANTED], book, {}).moves  # nothing measured: nothing moves
 
+    # measurements that predict the defaults best: the same replicas, the reason renewed
+    tables[MODEL, "cpu"] = ServingTable({c: 1.0 + c.batch for c in space()}, "a flat model")
+    renewed = replanner.replan(first, [WANTED], book, {})
+    assert not renewed.moves and not renewed.reasons
+    session = renewed.plan.placements[MODEL].option.session
+    assert session == option.session and session.basis.startswith("defaults predicted best")
+
     tables[MODEL, "cpu"] = fitted_table()
     replan = replanner.replan(first, [WANTED], book, {})
     placed = replan.plan.placements[MODEL].option

@@ -17,7 +17,7 @@ from opml_common.grpc.server import ServiceRegistration
 from opml_common.process import ServiceSpec
 from opml_common.service import ServiceContext, run_service
 from opml_inference_router import frontend
-from opml_inference_router.control import DeploymentManager, DeploymentStore, Observer, PoolManager, ServingModels
+from opml_inference_router.control import DeploymentManager, DeploymentStore, Observer, PoolManager
 from opml_inference_router.control.autodeploy import GROUP, SOURCES, AutoDeployer
 from opml_inference_router.control.bundles import BundleFetcher
 from opml_inference_router.control.worker_metrics import register_worker_metrics  # workers' metrics on ours
@@ -65,9 +65,8 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
         service.run_in_background(consumer.run, stop=consumer.stop, name="autodeploy")
     inference = frontend.InferenceFrontend(router, predictions=predictions)
     service.on_draining(lambda: setattr(inference, "accepting", False))
-    serving_models = ServingModels(models=manager.models, fleet=pools.fleet, unavailable=pools.unavailable_kinds,
-                                   store=DeploymentStore(service.redis(), prefix=platform.redis_prefix))
-    deployments = DeploymentServicer(manager, allow_model_dir=platform.env == "dev", serving_models=serving_models)
+    deployments = DeploymentServicer(manager, allow_model_dir=platform.env == "dev",
+                                     serving_models=manager.serving_models)  # measurements re-place what they change
     return [inference.registration(), deployments.registration()]
 
 

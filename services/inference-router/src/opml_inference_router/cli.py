@@ -238,3 +238,8 @@ def _show(deployment: pb.Deployment) -> None:
                       f"{version.predicted_p99_ms:.2f} ms" if version.replicas else "-",
                       version.reason or source)
     console.print(table)
+    for version in deployment.versions:  # the serving configuration placement chose, and why
+        for session in sorted({(r.session.threads, r.session.opt_level, r.session.execution_mode, r.session.basis)
+                               for r in version.replicas}):
+            console.print(f"v{version.version} sessions: {session[0]} intra-op threads, opt {session[1]}, "
+                          f"{session[2]} ({session[3]})")

@@ -18,7 +18,14 @@ from opml_inference_router.client import serving_config
 from opml_inference_router.control.serving_models import Fit
 from opml_inference_router.control.state import DEPLOYING, FAILED, SERVING, ModelRecord, Source
 from opml_inference_router.control.view import DeploymentView
-from opml_inference_router.placement import AddReplica, ModelVersion, RemoveReplica, Replan, replicas_of
+from opml_inference_router.placement import (
+    AddReplica,
+    ModelVersion,
+    RemoveReplica,
+    Replan,
+    SessionChoice,
+    replicas_of,
+)
 
 _STATES = {DEPLOYING: pb.DEPLOYING, SERVING: pb.SERVING, FAILED: pb.FAILED}
 
@@ -29,6 +36,11 @@ def set_source(message, source: Source) -> None:
         message.bundle.CopyFrom(pb.BundleRef(context=source.context, bundle=source.bundle))
     elif source.model_dir:
         message.model_dir = source.model_dir
+
+
+def session_options(session: SessionChoice) -> pb.SessionOptions:
+    return pb.SessionOptions(threads=session.threads, opt_level=session.opt_level,
+                             execution_mode=session.execution_mode, basis=session.basis)
 
 
 def deployment(view: DeploymentView, record: ModelRecord) -> pb.Deployment:
@@ -55,7 +67,8 @@ def deployment(view: DeploymentView, record: ModelRecord) -> pb.Deployment:
                 status.replicas.add(worker=worker_id, pool_kind=placed.option.pool_kind, address=pool_worker.address,
                                     precision=placed.option.precision, max_batch=placed.option.max_batch,
                                     memory_mib=placed.option.memory_mib,
-                                    capacity_rps=placed.option.replica_capacity_rps)
+                                    capacity_rps=placed.option.replica_capacity_rps,
+                                    session=session_options(placed.option.session))
         for profile in view.profiles:
             if profile.model == model:
                 status.profiles.add(pool_kind=profile.pool_kind, precision=profile.precision,
@@ -82,7 +95,7 @@ def placement(view: DeploymentView) -> pb.Placement:
         for replica in replicas:
             entry.replicas.add(model=replica.model.name, version=replica.model.version, precision=replica.precision,
                                max_batch=replica.max_batch, memory_mib=replica.memory_mib,
-                               capacity_rps=replica.capacity_rps)
+                               capacity_rps=replica.capacity_rps, session=session_options(replica.session))
     for model, reason in sorted(plan.unplaced.items()):
         message.unplaced.add(model=model.name, version=model.version, reason=reason)
     return message

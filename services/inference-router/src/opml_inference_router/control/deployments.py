@@ -9,7 +9,10 @@ any step marks the version FAILED with the reason (the loader's own words for an
 onnxruntime refuses), emits ``DeployFailed`` and leaves every other model as it was.
 
 While models serve, :meth:`replan_once` (on a periodic tick) feeds the measured rate and p99 of
-each version to the Replanner, which re-places those that drifted from the plan.
+each version to the Replanner, which re-places those that drifted from the plan. Each replica set
+loads with the serving configuration (session options, precision) its performance model predicts
+best (:attr:`serving_models`, :mod:`~opml_inference_router.placement.serving`); measuring a
+version's configurations re-places it at once when that changes the choice (:meth:`serving_measured`).
 
 Version numbers only grow per model: a number once given (served, retired, rolled back or
 undeployed) is never given again (:mod:`.versions`).
@@ -42,6 +45,7 @@ from opml_inference_router.control.pools import PoolManager
 from opml_inference_router.control.profiling import profile_version
 from opml_inference_router.control.replan import ReplicaPlacer
 from opml_inference_router.control.rollout import Rollout
+from opml_inference_router.control.serving_models import ServingModels
 from opml_inference_router.control.state import (
     DEPLOYING,
     FAILED,
@@ -87,8 +91,11 @@ class DeploymentManager:
         self.pools = pools
         self.router = router
         self.models: dict[str, ModelRecord] = {}
+        self.serving_models = ServingModels(models=self.models, fleet=pools.fleet, store=store,
+                                            unavailable=pools.unavailable_kinds)
+        self.serving_models.on_measured = self.serving_measured
         self._placer = ReplicaPlacer(pools=pools, router=router, policy=policy or CostAwareSloPolicy(),
-                                     models=self.models)
+                                     models=self.models, serving=self.serving_models)
         self._rollout = Rollout(router)
         self._versions = VersionNumbers(store)
         self._observer = observer
@@ -264,6 +271,20 @@ class DeploymentManager:
             if replan.reasons:
                 await self._save_profiles()
             return replan
+
+    async def serving_measured(self, model: str, version: int) -> None:
+        """New serving-configuration measurements of a version: re-places what they change the
+        configuration of (reloaded in place, announced with PlacementChanged). A re-placement that
+        fails leaves the placement as it was (logged): the measurements are kept either way."""
+        async with self._lock:
+            try:
+                replan = await self._placer.replan({})
+            except OpmlError as error:
+                log.warning("re-placement after measuring models/%s/versions/%d failed: %s", model, version,
+                            error.message)
+                return
+            if replan.moves:
+                self._placement_changed(replan)
 
     def worker_down(self, worker_id: str, address: str, reason: str, back_in_s: float) -> None:
         """Marks the replicas on a dead worker down in the router at once (no lock: a deploy in progress

@@ -41,6 +41,7 @@ from opml_common.metrics import ServiceMetrics
 from opml_common.retry import Backoff
 from opml_inference_router.control.workers import WorkerClient
 from opml_inference_router.placement import Fleet, FleetConfig, Worker
+from opml_inference_router.runtime.session import thread_share
 from opml_inference_router.worker.process import MAX_UDS_PATH, WorkerProcess
 
 _RESTART_BACKOFF = Backoff(base_s=1.0, max_s=30.0)  # after the n-th failed restart in a row: 1, 2, 4 .. 30 s
@@ -108,6 +109,7 @@ class PoolManager:
         self.on_restart: RestartHook | None = None
         self.on_down: DownHook | None = None
         self._token = token
+        self._threads_per_replica = threads_per_replica
         self._watch_interval_s = watch_interval_s
         self._sockets = work_dir / "workers" if route_over_uds else None
         self._short_sockets: Path | None = None  # made when a path under _sockets is too long (see _socket)
@@ -168,6 +170,11 @@ class PoolManager:
             return self._workers[worker_id]
         except KeyError:
             raise NotFound(f"worker {worker_id!r} is not running in this router's pools") from None
+
+    def slot_threads(self, kind: str) -> int:
+        """Intra-op threads one slot of ``kind`` has on its workers (what a replica gets by default, and
+        the most a serving configuration may give it): ``threads_per_replica``, else cores / slots."""
+        return self._threads_per_replica or thread_share(self.fleet.kinds[kind])
 
     def client(self, worker_id: str) -> WorkerClient:
         pool_worker = self.get(worker_id)

@@ -4,8 +4,14 @@ old; on a failure the moves done are undone).
 
 The ``k`` replicas a plan puts on one worker are one loaded version with ``k`` instances (sessions,
 one slot each). A replica whose batch cap alone changes is re-sized in place (the worker re-caps
-its batcher, the router gets the new concurrency limit). A worker that restarts gets its replicas
-loaded again and the router its new address.
+its batcher, the router gets the new concurrency limit); one whose session options change is
+re-loaded in place (the worker builds the new sessions beside the serving ones). A worker that
+restarts gets its replicas loaded again and the router its new address.
+
+Each replica set loads with the serving configuration the planner's chooser picks
+(:mod:`~opml_inference_router.placement.serving`): before each plan, the performance models of
+:class:`~.serving_models.ServingModels` predict every candidate configuration of each demanded
+version on each kind it may run on (none where nothing is measured: the defaults stay).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from pathlib import Path
 
 from opml_common.errors import FailedPrecondition, NotFound, OpmlError, Unavailable
 from opml_inference_router.control.pools import PoolManager
+from opml_inference_router.control.serving_models import ServingModels
 from opml_inference_router.control.state import SERVING, ModelRecord
 from opml_inference_router.placement import (
     AddReplica,
@@ -34,6 +41,8 @@ from opml_inference_router.placement import (
     Replanner,
     Replica,
     ResizeReplica,
+    ServingConfigChooser,
+    ServingTable,
     check_moves,
 )
 from opml_inference_router.routing import ModelPolicy, Router
@@ -49,14 +58,18 @@ class ReplicaPlacer:
     the manager runs one change at a time."""
 
     def __init__(self, *, pools: PoolManager, router: Router, policy: PlacementPolicy,
-                 models: Mapping[str, ModelRecord]) -> None:
+                 models: Mapping[str, ModelRecord], serving: ServingModels | None = None) -> None:
         self.pools = pools
         self.router = router
         # a kind a version could not be profiled on (no room, or its workers down then) is planned by
         # prediction, once a worker of it is live
         predictor = ProfilePredictor(fleet=pools.fleet, serving=lambda kind: any(
             pools.get(worker.id).alive for worker in pools.fleet.workers_of(kind)))
-        self.planner = Planner(fleet=pools.fleet, policy=policy, predictor=predictor)
+        self._serving = serving
+        self._tables: dict[tuple[ModelVersion, str], ServingTable] = {}
+        self.chooser = ServingConfigChooser(fleet=pools.fleet, policy=policy, slot_threads=pools.slot_threads,
+                                            tables=lambda model, kind: self._tables.get((model, kind)))
+        self.planner = Planner(fleet=pools.fleet, policy=policy, predictor=predictor, chooser=self.chooser)
         self.replanner = Replanner(planner=self.planner)
         self.plan = Plan({})
         self.profiles = ProfileBook()
@@ -77,20 +90,47 @@ class ReplicaPlacer:
     async def place(self, *, must_place: ModelVersion | None = None) -> Replan:
         """Re-plans with the current demands (no measurements: only new and dropped versions move)
         and applies the moves. Raises: FailedPrecondition when ``must_place`` finds no room."""
-        replan = self.replanner.replan(self.plan, self.demands(extra=must_place), self.profiles, {})
+        demands = self.demands(extra=must_place)
+        await self._predict(demands)
+        replan = self.replanner.replan(self.plan, demands, self.profiles, {})
         if must_place is not None and must_place in replan.plan.unplaced:
             raise FailedPrecondition(f"{must_place} cannot be placed: {replan.plan.unplaced[must_place]}")
-        if replan.moves:
-            await self.apply(replan)
+        await self._adopt(replan)
         return replan
 
     async def replan(self, observations: Mapping[ModelVersion, Observation]) -> Replan:
-        """Re-places the versions whose measured rate or p99 left the plan; keeps the calibrated profiles."""
-        replan = self.replanner.replan(self.plan, self.demands(), self.profiles, observations)
-        if replan.moves:
-            await self.apply(replan)
+        """Re-places the versions whose measured rate or p99 left the plan, or whose serving configuration
+        the latest measurements change; keeps the calibrated profiles."""
+        demands = self.demands()
+        await self._predict(demands)
+        replan = self.replanner.replan(self.plan, demands, self.profiles, observations)
+        await self._adopt(replan)
         self.profiles = replan.profiles
         return replan
+
+    async def _adopt(self, replan: Replan) -> None:
+        """Carries out the replan's moves; without any, takes its plan as it is (the same replicas,
+        a serving configuration's reason maybe renewed)."""
+        if replan.moves:
+            await self.apply(replan)
+        else:
+            self.plan = replan.plan
+
+    async def _predict(self, demands: list[ModelDemand]) -> None:
+        """The serving-configuration predictions the chooser plans with, for each demand on each kind
+        it may run on (kept only where a performance model answers)."""
+        self._tables = {}
+        if self._serving is None:
+            return
+        for demand in demands:
+            for name in demand.config.pool_kinds:
+                kind = self.pools.fleet.kinds.get(name)
+                if kind is None or not self.pools.fleet.workers_of(name):
+                    continue
+                table = await self._serving.table(demand.config.name, demand.version, name,
+                                                  self.chooser.candidates(demand, kind))
+                if table is not None:
+                    self._tables[demand.model, name] = table
 
     def forget(self, model: ModelVersion) -> None:
         """Drops a retired version's profiles (the next re-plan unloads it)."""
@@ -185,12 +225,13 @@ class ReplicaPlacer:
 
     async def _load(self, worker: str, model: ModelVersion) -> None:
         """Makes the worker serve ``model`` as its hosted replicas say: one instance per replica, the
-        newest one's precision and batch cap (a worker changes a loaded version in place)."""
+        newest one's precision, batch cap and session options (a worker changes a loaded version in
+        place, or reloads it beside the serving sessions for other options)."""
         hosted = self._hosted[worker, model]
         entry = self._models[model.name].versions[model.version]
         await self.pools.client(worker).load(model.name, path=Path(entry.directory), version=model.version,
                                              precision=hosted[-1].precision, instances=len(hosted),
-                                             max_batch=hosted[-1].max_batch)
+                                             max_batch=hosted[-1].max_batch, session=hosted[-1].session)
 
     def _route(self, replica: Replica) -> None:
         name = replica.model.name

@@ -20,7 +20,8 @@ one field per version and kind), so predictions survive a restart of the router.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import logging
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,11 +29,13 @@ from typing import Any, Protocol
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound
 from opml_common.perfmodel import PerformanceModel, Sample, ScaleShift, ServingConfig
 from opml_inference_router.control.state import SERVING, ModelRecord
-from opml_inference_router.placement import Fleet
+from opml_inference_router.placement import Fleet, ServingTable
 from opml_inference_router.runtime import load_bundle
 from opml_inference_router.runtime.perfsample import measure
 
 MIN_MEASURED = 20
+
+log = logging.getLogger(__name__)
 
 
 class SampleStore(Protocol):
@@ -52,12 +55,20 @@ class Fit:
     source_samples: int
     target_samples: int
 
+    def __str__(self) -> str:
+        if self.method == "measured":
+            return f"performance model of {self.target_samples} {self.learned_on} measurements"
+        return (f"performance model of {self.source_samples} {self.learned_on} measurements, transferred with "
+                f"{self.target_samples} of the kind")
+
 
 class ServingModels:
     """Measures and predicts serving configurations of the versions ``models`` holds.
 
     ``models``: the deployment manager's records (read, never changed); ``fleet`` its kinds;
     ``unavailable``: kinds whose execution provider this machine lacks (not measured here).
+    ``on_measured(model, version)``: awaited after each measurement is kept (the deployment manager
+    sets it: a measurement can change the serving configuration placement chooses).
     """
 
     def __init__(self, *, models: dict[str, ModelRecord], fleet: Fleet, store: SampleStore | None = None,
@@ -70,6 +81,7 @@ class ServingModels:
         self._samples: dict[tuple[str, int, str], list[Sample]] = {}
         self._fitted: dict[tuple[str, int, str], tuple[tuple, Any, Fit]] = {}
         self._lock = asyncio.Lock()  # one measurement at a time: each takes the machine's cores
+        self.on_measured: Callable[[str, int], Awaitable[None]] | None = None
 
     async def measure(self, model: str, version: int, kind: str, configs: Sequence[ServingConfig], *,
                       runs: int = 15, passes: int = 3) -> list[Sample]:
@@ -98,6 +110,8 @@ class ServingModels:
             self._samples[model, version, kind] = samples
             if self._store is not None:
                 await self._store.save_serving_samples(_key(model, version, kind), [_to_dict(s) for s in samples])
+        if self.on_measured is not None:
+            await self.on_measured(model, version)
         return samples
 
     async def samples(self, model: str, version: int, kind: str) -> list[Sample]:
@@ -119,6 +133,21 @@ class ServingModels:
         """
         self._directory(model, version)
         self._kind(kind)
+        return await self._predict(model, version, kind, configs)
+
+    async def table(self, model: str, version: int, kind: str, configs: Sequence[ServingConfig]) -> ServingTable | None:
+        """The predicted batch latency of each of ``configs`` for placement (:mod:`~.placement.serving`),
+        whatever the version's state (a version placed while it is deployed or restored); None when
+        nothing predicts the kind (too few measurements, as :meth:`predict` refuses)."""
+        try:
+            predictions, fit = await self._predict(model, version, kind, configs)
+        except FailedPrecondition as why:
+            log.debug("no serving-configuration predictions of %s v%d on %s: %s", model, version, kind, why.message)
+            return None
+        return ServingTable({p.config: p.latency_ms for p in predictions}, str(fit))
+
+    async def _predict(self, model: str, version: int, kind: str,
+                       configs: Sequence[ServingConfig]) -> tuple[list[Sample], Fit]:
         target = await self.samples(model, version, kind)
         if len(target) >= self.min_measured:
             learner, fit = await self._fitted_model(model, version, kind, target, None)

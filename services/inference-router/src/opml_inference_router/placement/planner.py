@@ -23,7 +23,7 @@ from opml_inference_router.placement.latency import (
     calibration_factor,
 )
 from opml_inference_router.placement.moves import Action, plan_moves
-from opml_inference_router.placement.plan import ModelDemand, Option, Plan, ReplicaSet
+from opml_inference_router.placement.plan import ModelDemand, Option, Plan, ReplicaSet, SessionChoice
 from opml_inference_router.placement.policy import PlacementPolicy
 from opml_inference_router.placement.predicted import ProfilePredictor
 from opml_inference_router.placement.profile import Profile, ProfileBook
@@ -277,6 +277,7 @@ class Replanner:
         :func:`~opml_inference_router.placement.moves.plan_moves`."""
         calibrated = ProfileBook(profiles)
         reasons: dict[ModelVersion, str] = {}
+        refreshed: dict[ModelVersion, SessionChoice] = {}  # kept configurations, chosen again for a new reason
         updated: list[ModelDemand] = []
         for demand in demands:
             model = demand.model
@@ -286,13 +287,13 @@ class Replanner:
                 updated.append(demand)
                 continue
             if seen is None:
-                reason = self._configuration_drift(demand, placed, calibrated)
+                reason = self._configuration_drift(demand, placed, calibrated, refreshed)
                 if reason:
                     reasons[model] = reason
                 updated.append(demand)
                 continue
             reason = self._drift(demand, placed, seen, calibrated) or self._configuration_drift(
-                demand, placed, calibrated)
+                demand, placed, calibrated, refreshed)
             if reason:
                 reasons[model] = reason
                 updated.append(ModelDemand(demand.config, demand.version, seen.rate_rps))
@@ -310,6 +311,9 @@ class Replanner:
                 reasons[model] += f"; kept where it is: {target.unplaced[model]}"
             keep |= stuck
             target = self.planner.plan(updated, calibrated, current=plan, keep=keep)
+        target = Plan({model: (dataclasses.replace(placed, option=dataclasses.replace(
+            placed.option, session=refreshed[model])) if model in refreshed and model not in reasons else placed)
+                       for model, placed in target.placements.items()}, target.unplaced)
         for model, placed in target.placements.items():
             if model in reasons and self.planner.chooser is not None:
                 option = placed.option
@@ -317,9 +321,11 @@ class Replanner:
                                    f"({option.session.basis})")
         return Replan(target, plan_moves(plan, target, self.planner.fleet), reasons, calibrated)
 
-    def _configuration_drift(self, demand: ModelDemand, placed: ReplicaSet, profiles: ProfileBook) -> str:
+    def _configuration_drift(self, demand: ModelDemand, placed: ReplicaSet, profiles: ProfileBook,
+                             refreshed: dict[ModelVersion, SessionChoice]) -> str:
         """Why ``placed`` must load with another serving configuration ('' when the chooser keeps
-        its own, or the planner has none)."""
+        its own, or the planner has none). A configuration kept for another reason than before (the
+        defaults, now predicted best) goes in ``refreshed``: the same replicas, the new reason shown."""
         chooser, option = self.planner.chooser, placed.option
         profile = profiles.get(placed.model, option.pool_kind)
         if chooser is None or profile is None:
@@ -328,6 +334,8 @@ class Replanner:
         chosen_profile, chosen = chooser.choose(planned, self.planner.fleet.kinds[option.pool_kind], profile,
                                                 incumbent=option)
         if (chosen, chosen_profile.precision) == (option.session, option.precision):
+            if chosen.basis != option.session.basis:
+                refreshed[placed.model] = chosen
             return ""
         return f"serving configuration {chosen}, {chosen_profile.precision} chosen (was {option.session}, " \
                f"{option.precision})"

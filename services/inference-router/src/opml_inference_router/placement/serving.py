@@ -13,7 +13,8 @@ takes the highest rate within the SLO, then has the lowest p99, is chosen. The i
 configuration the version runs with now, else the defaults) stays unless another needs fewer
 replicas or takes ``min_gain`` more rate: a prediction within its own error is no reason to reload
 a replica. Threads never exceed the slot's share (``slot_threads``), so replicas do not take each
-other's cores. Where no measurements exist, the defaults stay and the choice says so.
+other's cores; parallel execution needs two threads (onnxruntime runs it with one as sequential).
+Where no measurements exist, the defaults stay and the choice says so.
 
 Transport-free: the control plane predicts each (version, kind)'s :class:`ServingTable` before it
 plans (performance models are fitted on a thread) and hands the chooser a lookup.
@@ -145,7 +146,7 @@ class ServingConfigChooser:
         for each in precisions or [precision]:
             for count in range(1, threads + 1):
                 for level in OPT_LEVELS:
-                    for mode in EXECUTION_MODES:
+                    for mode in EXECUTION_MODES[:1] if count == 1 else EXECUTION_MODES:
                         yield SessionChoice(count, level, mode), each
 
     def _candidate(self, demand: ModelDemand, kind: PoolKind, profile: Profile, table: ServingTable,
