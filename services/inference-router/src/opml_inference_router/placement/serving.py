@@ -94,11 +94,13 @@ class ServingConfigChooser:
 
     def candidates(self, demand: ModelDemand, kind: PoolKind) -> list[ServingConfig]:
         """Every configuration a table for ``demand`` on ``kind`` must predict: each batch size the
-        kind profiles, threads 1 to the slot's, every level and mode, each precision both allow."""
-        precisions = [p for p in PRECISIONS if p in kind.precisions and p in demand.config.precisions]
-        return [ServingConfig(batch, threads, level, mode, precision)
-                for precision in precisions for threads in range(1, self.slot_threads(kind.name) + 1)
-                for level in OPT_LEVELS for mode in EXECUTION_MODES for batch in kind_sizes(kind, demand.config)]
+        kind profiles, threads 1 to the slot's, every level and mode (parallel with 2 threads or
+        more), each precision both allow."""
+        if not any(p in kind.precisions and p in demand.config.precisions for p in PRECISIONS):
+            return []  # a precision performance models do not cover (fp16, bf16): nothing to predict
+        return [ServingConfig(batch, session.threads, session.opt_level, session.execution_mode, precision)
+                for session, precision in self._sessions(demand, kind, "fp32", self.slot_threads(kind.name))
+                for batch in kind_sizes(kind, demand.config)]
 
     def choose(self, demand: ModelDemand, kind: PoolKind, profile: Profile,
                incumbent: Option | None = None) -> tuple[Profile, SessionChoice]:
