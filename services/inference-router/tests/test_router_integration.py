@@ -339,14 +339,22 @@ async def test_predictions_reach_the_topic(workers: list[WorkerProcess], platfor
     await ensure_topics(platform_settings, [PREDICTIONS])
     async with EventPublisher(platform_settings, source="inference-router-test", metrics=metrics) as publisher:
         predictions = PredictionLog(publisher, metrics, record_cap_bytes=1024)
+
+        def published() -> float:
+            return sample(metrics.registry, "opml_inference_router_predictions_published_total")
+
         async with predictions, router_serving({"1": [w.target for w in workers]}, ModelPolicy(slo_p99_ms=200),
                                                predictions=predictions, metrics=metrics) as (_, target, registry):
             client = triton.InferenceServerClient(target)
             try:
                 small, small_inputs = _inputs(batch=1)
                 large, large_inputs = _inputs(batch=32)  # 2 KiB of features: over the 1 KiB cap
+                # each published before the next is sent: one queued at a time is one PredictionMade
+                # record (several queued for a version go out as one PredictionBatch)
                 small_result = await client.infer(MODEL, small_inputs, request_id="small-1", client_timeout=10)
+                await wait_until(lambda: published() == 1, what="small-1 published")
                 await client.infer(MODEL, large_inputs, request_id="large-1", client_timeout=10)
+                await wait_until(lambda: published() == 2, what="large-1 published")
                 await client.infer(MODEL, small_inputs, client_timeout=10)  # no id: the router makes one up
             finally:
                 await client.close()

@@ -1,5 +1,6 @@
 """Unit tests of the prediction log with a fake publisher: the request path never waits for the bus,
-the queue is bounded, losses are counted, large messages become summaries."""
+the queue is bounded, losses are counted, large messages become summaries, and what is queued for a
+version goes out as one record (bounded by count and bytes, per version, never waiting to fill)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 
 import numpy as np
 import pytest
+from opml.inference.v1 import events_pb2
 from tritonclient.grpc import service_pb2 as pb
 
 from opml_common.bus import PublishFailed
@@ -35,9 +37,22 @@ ROUTED = Routed(response=pb.ModelInferResponse(model_name="m", model_version="3"
                 replica="w:1", attempts=1, backup_won=False)
 
 
-def record(log: PredictionLog, request: bytes, request_id: str = "r") -> None:
-    log.record(request_id=request_id, model="m", routed=ROUTED, request=request, response=ROUTED.response,
+OTHER = Routed(response=ROUTED.response, version="4", replica="w:2", attempts=1, backup_won=False)
+
+
+def record(log: PredictionLog, request: bytes, request_id: str = "r", routed: Routed = ROUTED) -> None:
+    log.record(request_id=request_id, model="m", routed=routed, request=request, response=routed.response,
                received=1_700_000_000.5, latency_s=0.002)
+
+
+def predictions(message) -> list[events_pb2.PredictionMade]:
+    return list(message.predictions) if isinstance(message, events_pb2.PredictionBatch) else [message]
+
+
+async def settled(log: PredictionLog) -> None:
+    """Until the senders have taken everything queued (each yield lets them run)."""
+    while log.pending:
+        await asyncio.sleep(0)
 
 
 async def test_a_stalled_bus_never_blocks_requests_and_the_queue_is_bounded() -> None:
@@ -63,12 +78,14 @@ async def test_a_stalled_bus_never_blocks_requests_and_the_queue_is_bounded() ->
                 await asyncio.sleep(0.01)
 
         await asyncio.wait_for(drained(), 30)  # a bound on failure only
-    assert len(publisher.published) == 1000 - dropped
-    topic, event, subject = publisher.published[0]
+    made = [event for _, message, _ in publisher.published for event in predictions(message)]
+    assert len(made) == 1000 - dropped
+    topic, _, subject = publisher.published[0]
     assert topic == "opml.predictions.v1" and subject == "m/3"
+    event = made[0]
     assert event.request_id == "r0" and event.model_version == "3" and event.latency_ms == pytest.approx(2.0)
-    assert event.time.seconds == 1_700_000_000 and event.infer_request == request
-    assert sample(registry, "opml_inference_router_predictions_published_total") == len(publisher.published)
+    assert event.time.seconds == 1_700_000_000 and event.time.nanos == 500_000_000 and event.infer_request == request
+    assert sample(registry, "opml_inference_router_predictions_published_total") == len(made)
 
 
 async def test_publish_failures_and_shutdown_are_counted() -> None:
@@ -104,9 +121,88 @@ def test_bytes_held_are_bounded_and_large_messages_become_summaries() -> None:
     record(log, request * 2)  # would hold more than 10,000 bytes
     assert log.pending == 3
     assert sample(registry, "opml_inference_router_predictions_dropped_total", reason="queue_full") == 1
-    event = log.event_of(log._queue[0])
+    event = log.event_of(log.take()[0])
     assert not event.infer_request and event.infer_response == ROUTED.response
     summary = event.input_summaries[0]
     assert (summary.name, summary.datatype, list(summary.shape), summary.has_stats) == ("x", "FP32", [2, 256], True)
     assert (summary.mean, summary.min, summary.max) == (pytest.approx(255.5), 0.0, 511.0)
     assert summary.std == pytest.approx(float(values.std()))
+
+
+def test_a_record_takes_what_is_queued_for_one_version_within_its_bounds() -> None:
+    metrics, _ = fresh_metrics("inference-router")
+    log = PredictionLog(FakePublisher(), metrics, batch_max=3, record_cap_bytes=1024)
+    small = encode_request("m", {"x": np.ones((1, 4), np.float32)}).SerializeToString()
+    for i in range(5):  # interleaved: m/3 gets a0..a4, m/4 gets b0..b4
+        record(log, small, f"a{i}")
+        record(log, small, f"b{i}", routed=OTHER)
+    taken = [[e.request_id for e in log.take()] for _ in range(4)]
+    # the version queued longest first, at most 3, then the other version (round robin), never mixed
+    assert taken == [["a0", "a1", "a2"], ["b0", "b1", "b2"], ["a3", "a4"], ["b3", "b4"]]
+    assert log.pending == 0 and log.take() == []
+
+    each = log.recorded_bytes(_entry(log, small))  # one entry's recorded bytes
+    bounded = PredictionLog(FakePublisher(), metrics, batch_max=100, batch_max_bytes=2 * each + each // 2,
+                            record_cap_bytes=1024)
+    for i in range(5):
+        record(bounded, small, f"c{i}")
+    assert [len(bounded.take()) for _ in range(3)] == [2, 2, 1], "bounded by bytes: 2.5 entries' worth a record"
+    huge = PredictionLog(FakePublisher(), metrics, batch_max=100, batch_max_bytes=1, record_cap_bytes=1024)
+    record(huge, small, "d0")
+    record(huge, small, "d1")
+    assert [len(huge.take()), len(huge.take())] == [1, 1], "an entry over the bound still goes, alone"
+
+
+def _entry(log: PredictionLog, request: bytes):
+    record(log, request, "probe")
+    (entry,) = log.take()
+    return entry
+
+
+def test_one_entry_is_a_prediction_made_and_several_a_prediction_batch_in_order() -> None:
+    metrics, _ = fresh_metrics("inference-router")
+    log = PredictionLog(FakePublisher(), metrics, record_cap_bytes=64)
+    small = encode_request("m", {"x": np.ones((1, 2), np.float32)}).SerializeToString()
+    large = encode_request("m", {"x": np.arange(64, dtype=np.float32).reshape(1, 64)}).SerializeToString()
+    record(log, small, "one")
+    single = log.record_of(log.take())
+    assert isinstance(single, events_pb2.PredictionMade) and single.request_id == "one"
+    for i, request in enumerate([small, large, small]):
+        record(log, request, f"r{i}")
+    batch = log.record_of(log.take())
+    assert isinstance(batch, events_pb2.PredictionBatch)
+    assert [p.request_id for p in batch.predictions] == ["r0", "r1", "r2"]
+    assert all(p.model_name == "m" and p.model_version == "3" and p.replica == "w:1" for p in batch.predictions)
+    assert batch.predictions[0].infer_request == small and batch.predictions[0].time.nanos == 500_000_000
+    assert not batch.predictions[1].infer_request and list(batch.predictions[1].input_summaries[0].shape) == [1, 64]
+
+
+async def test_senders_publish_what_is_queued_now_without_waiting_to_fill_a_batch() -> None:
+    metrics, registry = fresh_metrics("inference-router")
+    publisher = FakePublisher()
+    log = PredictionLog(publisher, metrics, senders=1, batch_max=100)
+    request = encode_request("m", {"x": np.ones((1, 4), np.float32)}).SerializeToString()
+    async with log:
+        record(log, request, "first")
+        await settled(log)  # the sender took "first" alone (a batch of one), and waits on the broker
+        for i in range(3):
+            record(log, request, f"next{i}")
+        record(log, request, "other", routed=OTHER)
+        assert log.pending == 4
+        publisher.gate.set()
+        while sample(registry, "opml_inference_router_predictions_published_total") < 5:
+            await asyncio.sleep(0)
+    records = [(subject, [p.request_id for p in predictions(message)], type(message).__name__)
+               for _, message, subject in publisher.published]
+    assert records == [("m/3", ["first"], "PredictionMade"), ("m/3", ["next0", "next1", "next2"], "PredictionBatch"),
+                       ("m/4", ["other"], "PredictionMade")]
+    failing = FakePublisher(fail=True)
+    failing.gate.set()
+    lossy = PredictionLog(failing, metrics, senders=1)
+    async with lossy:
+        for i in range(4):
+            record(lossy, request, f"f{i}")
+        while sample(registry, "opml_inference_router_predictions_dropped_total", reason="publish_failed") < 4:
+            await asyncio.sleep(0)
+    assert sample(registry, "opml_inference_router_predictions_dropped_total", reason="publish_failed") == 4, \
+        "a refused batch counts each of its predictions"

@@ -1,9 +1,11 @@
 """Fixtures: a real bundle-store holding a reference bundle, a real monitoring-scorer, and a producer of
 PredictionMade events built by the inference-router's own prediction log (``PredictionLog.event_of``),
-published to the real broker, and of LabelObserved events."""
+published to the real broker, or of one-row requests queued on that log and published by its own
+senders (batched per version as the router does: PredictionBatch records), and of LabelObserved events."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Iterator
@@ -12,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from aiokafka import AIOKafkaConsumer
+from opml.inference.v1 import events_pb2 as inference_events
 from opml.monitoring.v1 import label_events_pb2
 from prometheus_client import CollectorRegistry
 from tritonclient.grpc import service_pb2 as pb
@@ -19,10 +23,12 @@ from tritonclient.grpc import service_pb2 as pb
 from opml_bundle_store.client import BundleStoreClient
 from opml_common.bus import EventPublisher
 from opml_common.bus.cloudevents import CloudEvent
+from opml_common.bus.security import kafka_client_kwargs
 from opml_common.config import PlatformSettings
 from opml_common.kserve_codec import encode_outputs, encode_request
 from opml_common.metrics import ServiceMetrics
 from opml_common.process import ServiceProcess
+from opml_common.testing.bus import sample
 from opml_common.testing.services import TOKENS, ServiceStarter
 from opml_inference_router.predictions import PredictionLog, _Entry
 from opml_inference_router.routing import Routed
@@ -88,24 +94,67 @@ def writer(process: ServiceProcess) -> MonitoringClient:
 
 
 class Producer:
-    """Publishes predictions as the router's PredictionLog makes them (batches of BATCH rows), and labels."""
+    """Publishes predictions as the router's PredictionLog makes them (``send``: requests of BATCH rows,
+    one PredictionMade record each; ``queue``: one-row requests queued on the log, whose senders publish
+    what is queued for the version as one record, up to ``batch_max``), and labels."""
 
-    def __init__(self, settings: PlatformSettings, model: str = "fraud", version: str = "1") -> None:
+    def __init__(self, settings: PlatformSettings, model: str = "fraud", version: str = "1", *,
+                 batch_max: int = 100, ids: str = "req") -> None:
         self.settings = settings
-        self.model, self.version = model, version
-        registry = CollectorRegistry()
+        self.model, self.version, self.ids = model, version, ids
+        self.registry = CollectorRegistry()
         self.publisher = EventPublisher(settings, source="opml/inference-router",
-                                        metrics=ServiceMetrics("test", registry))
-        self.log = PredictionLog(self.publisher, ServiceMetrics("test-log", registry))
+                                        metrics=ServiceMetrics("test", self.registry))
+        # named as the router's, so its counters are the router's (opml_inference_router_predictions_*)
+        self.log = PredictionLog(self.publisher, ServiceMetrics("inference-router", self.registry),
+                                 batch_max=batch_max)
         self.sent = 0
         self.labels: dict[str, list[float]] = {}
 
     async def __aenter__(self) -> Producer:
         await self.publisher.start()
+        await self.log.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        await self.log.stop()
         await self.publisher.stop()
+
+    async def queue(self, rows: Rows, *, times: np.ndarray | None = None, chunk: int | None = None) -> None:
+        """One-row requests queued on the log as the router's request path does (``times``: when each was
+        received; default now), ``chunk`` at a time (default all at once), each chunk published (the
+        broker acknowledged every prediction) before the next is queued."""
+        n = len(rows.outputs)
+        x = np.column_stack([rows.features[f] for f in FEATURES]).astype(np.float32)
+        color = rows.features["color"].astype(object)
+        scores = rows.outputs.class_scores().astype(np.float32)
+        routed = Routed(b"", self.version, "127.0.0.1:1", 1, False)
+        chunk = chunk or n
+        for begin in range(0, n, chunk):
+            for i in range(begin, min(begin + chunk, n)):
+                request_id = f"{self.ids}-{self.sent}"
+                request = encode_request(self.model, {"x": x[i:i + 1], "color": np.array([[color[i].encode()]],
+                                                                                          dtype=object)},
+                                         version=self.version, request_id=request_id)
+                response = encode_outputs(pb.ModelInferResponse(model_name=self.model, model_version=self.version,
+                                                                id=request_id), {"probabilities": scores[i:i + 1]})
+                self.log.record(request_id=request_id, model=self.model, routed=routed,
+                                request=request.SerializeToString(), response=response.SerializeToString(),
+                                received=time.time() if times is None else times[i], latency_s=0.001)
+                self.labels[request_id] = [float(rows.labels[i])]
+                self.sent += 1
+            deadline = time.monotonic() + 120
+            while self.published() < self.sent:  # the senders' publishes acknowledged (a failed one is dropped)
+                assert not self.dropped(), "the prediction log dropped predictions"
+                assert time.monotonic() < deadline, f"{self.published():.0f} of {self.sent} predictions published"
+                await asyncio.sleep(0.01)
+
+    def published(self) -> float:
+        return sample(self.registry, "opml_inference_router_predictions_published_total")
+
+    def dropped(self) -> float:
+        return sum(sample(self.registry, "opml_inference_router_predictions_dropped_total", reason=reason)
+                   for reason in ("queue_full", "publish_failed", "shutdown"))
 
     async def send(self, rows: Rows, *, start: int = 0) -> None:
         n = len(rows.outputs)
@@ -113,7 +162,7 @@ class Producer:
         color = rows.features["color"].astype(object)
         scores = rows.outputs.class_scores().astype(np.float32)
         for i in range(0, n, BATCH):
-            request_id = f"req-{self.sent}"
+            request_id = f"{self.ids}-{self.sent}"
             request = encode_request(self.model, {"x": x[i:i + BATCH],
                                                   "color": np.array([[c.encode()] for c in color[i:i + BATCH]],
                                                                     dtype=object)},
@@ -162,3 +211,57 @@ def wait_labelled(client: MonitoringClient, model: str, version: str, indexes: l
             return found
         time.sleep(0.2)
     raise AssertionError(f"{len(found)} of {len(indexes)} windows fully labelled in {timeout_s}s")
+
+
+async def read_predictions(settings: PlatformSettings, total: int, *, timeout_s: float = 60.0,
+                           ) -> list[tuple[str, list[inference_events.PredictionMade]]]:
+    """The predictions topic from the beginning, record by record in offset order (one partition per
+    version), until ``total`` predictions were read: (the record's ce_type, its predictions)."""
+    consumer = AIOKafkaConsumer(PREDICTIONS.full_name(settings.topic_prefix), **kafka_client_kwargs(settings),
+                                group_id=None, auto_offset_reset="earliest", enable_auto_commit=False)
+    await consumer.start()
+    records: list = []
+    try:
+        deadline = time.monotonic() + timeout_s
+        while sum(len(p) for _, p in records) < total:
+            assert time.monotonic() < deadline, f"{sum(len(p) for _, p in records)} of {total} predictions read"
+            for part in (await consumer.getmany(timeout_ms=500)).values():
+                for record in part:
+                    event = CloudEvent.from_kafka(record.headers, record.value)
+                    if event.type == "opml.inference.v1.PredictionBatch":
+                        records.append((event.type, list(event.parse(inference_events.PredictionBatch).predictions)))
+                    else:
+                        records.append((event.type, [event.parse(inference_events.PredictionMade)]))
+    finally:
+        await consumer.stop()
+    return records
+
+
+def windows_by_count(records: list[tuple[str, list]], count: int) -> list[list[str]]:
+    """The request ids of each window a stream of one-row records closes by count: a record belongs
+    wholly to the window open when it comes, which closes once it holds ``count`` rows or more."""
+    windows: list[list[str]] = []
+    current: list[str] = []
+    for _, predictions in records:
+        current.extend(p.request_id for p in predictions)
+        if len(current) >= count:
+            windows.append(current)
+            current = []
+    return windows
+
+
+def windows_by_time(records: list[tuple[str, list]], seconds: float) -> list[list[str]]:
+    """The same by event time: a record whose first prediction is ``seconds`` past the window's first
+    closes the window and opens the next (the last stays open)."""
+    windows: list[list[str]] = []
+    current: list[str] = []
+    start = 0.0
+    for _, predictions in records:
+        first = predictions[0].time.ToNanoseconds() / 1e9
+        if current and first >= start + seconds:
+            windows.append(current)
+            current = []
+        if not current:
+            start = first
+        current.extend(p.request_id for p in predictions)
+    return windows

@@ -50,7 +50,9 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
                     max_request_bytes=settings.max_request_bytes, max_receive_bytes=settings.grpc_max_receive_bytes)
     service.on_stop(router.close)
     predictions = await service.start(PredictionLog(await service.publisher(), metrics,
-                                                     senders=settings.prediction_senders))
+                                                     senders=settings.prediction_senders,
+                                                     batch_max=settings.prediction_batch_max,
+                                                     batch_max_bytes=settings.prediction_batch_max_bytes))
     bundle_token = settings.bundle_store_token.get_secret_value() or None
     fetcher = BundleFetcher(settings.bundle_store_target, settings.home, token=bundle_token)
     manager = await service.start(DeploymentManager(

@@ -1,11 +1,17 @@
 """Every prediction to the predictions topic, off the request path: a slow bus never slows a request.
 
-The request path only appends to a bounded in-memory queue (:meth:`PredictionLog.record`, no await).
-Background senders turn entries into ``opml.inference.v1.PredictionMade`` CloudEvents and publish
-them to ``PREDICTIONS`` keyed by ``<model>/<version>``. When the queue is full (by entries or by
-bytes held) or the broker refuses a record, the prediction is dropped and counted in
-``opml_inference_router_predictions_dropped_total{reason}``, so memory stays bounded and the loss
-is visible. Delivery is therefore at most once, by design: monitoring samples, it does not audit.
+The request path only appends to a bounded in-memory queue (:meth:`PredictionLog.record`, no await),
+one line per model version. Background senders each take what is queued for one version at that
+moment (the version queued longest, its oldest first; at most ``batch_max`` predictions and
+``batch_max_bytes`` of recorded messages; never waiting for more) and publish it as one record to
+``PREDICTIONS``, keyed by ``<model>/<version>``: an ``opml.inference.v1.PredictionMade`` CloudEvent
+when they took one, an ``opml.inference.v1.PredictionBatch`` of them when they took several. A
+consumer's costs are per record, so batches form by themselves when predictions come faster than the
+senders publish (senders / ack latency), and a quiet router still publishes one PredictionMade per
+request. When the queue is full (by entries or by bytes held) or the broker refuses a record, its
+predictions are dropped and counted in ``opml_inference_router_predictions_dropped_total{reason}``,
+so memory stays bounded and the loss is visible. Delivery is therefore at most once, by design:
+monitoring samples, it does not audit.
 
 What is recorded: the KServe v2 request and response exactly as they crossed the router (wire
 bytes, decodable with tritonclient's ``service_pb2``) when each is at most ``record_cap_bytes``
@@ -22,7 +28,6 @@ from collections import deque
 from typing import NamedTuple
 
 import numpy as np
-from google.protobuf.timestamp_pb2 import Timestamp
 from opml.inference.v1 import events_pb2
 from tritonclient.grpc import service_pb2 as pb
 
@@ -33,6 +38,11 @@ from opml_inference_router.routing import Routed
 from opml_inference_router.topics import PREDICTIONS
 
 log = logging.getLogger(__name__)
+
+
+RECORD_OVERHEAD_BYTES = 256
+"""What a prediction adds to a record besides its recorded KServe messages (ids, times, summaries), for
+the ``batch_max_bytes`` bound."""
 
 
 class _Entry(NamedTuple):
@@ -61,16 +71,23 @@ class PredictionLog:
 
     def __init__(self, publisher: EventPublisher, metrics: ServiceMetrics, *, max_pending: int = 10_000,
                  max_pending_bytes: int = 64 * 1024 * 1024, record_cap_bytes: int = 64 * 1024,
-                 senders: int = 8) -> None:
-        if max_pending < 1 or max_pending_bytes < 1 or record_cap_bytes < 0 or senders < 1:
+                 senders: int = 8, batch_max: int = 100, batch_max_bytes: int = 512 * 1024) -> None:
+        if (max_pending < 1 or max_pending_bytes < 1 or record_cap_bytes < 0 or senders < 1 or batch_max < 1
+                or batch_max_bytes < 1):
             raise ValueError(f"need max_pending >= 1, max_pending_bytes >= 1, record_cap_bytes >= 0, senders >= 1, "
-                             f"but got {max_pending}, {max_pending_bytes}, {record_cap_bytes}, {senders}")
+                             f"batch_max >= 1, batch_max_bytes >= 1, but got {max_pending}, {max_pending_bytes}, "
+                             f"{record_cap_bytes}, {senders}, {batch_max}, {batch_max_bytes}")
         self._publisher = publisher
         self.max_pending = max_pending
         self.max_pending_bytes = max_pending_bytes
         self.record_cap_bytes = record_cap_bytes
+        self.batch_max = batch_max
+        self.batch_max_bytes = batch_max_bytes
         self._senders = senders
-        self._queue: deque[_Entry] = deque()
+        # "<model>/<version>" -> its queued entries, oldest first; in the order the versions are served
+        # (a version taken from goes to the back if it has more)
+        self._queues: dict[str, deque[_Entry]] = {}
+        self._pending = 0
         self._pending_bytes = 0
         self._sending = 0  # entries taken off the queue whose publish has not finished
         self._wakeup: asyncio.Event | None = None
@@ -80,11 +97,11 @@ class PredictionLog:
                                         ("reason",))
         self._published = metrics.counter("predictions_published_total", "Predictions the broker acknowledged.")
         metrics.gauge("predictions_pending", "Predictions queued for publishing.").set_function(
-            lambda: len(self._queue))
+            lambda: self._pending)
 
     @property
     def pending(self) -> int:
-        return len(self._queue)
+        return self._pending
 
     async def start(self) -> None:
         if self._tasks:
@@ -98,7 +115,7 @@ class PredictionLog:
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + drain_s
-        while (self._queue or self._sending) and loop.time() < deadline:
+        while (self._pending or self._sending) and loop.time() < deadline:
             await asyncio.sleep(0.02)
         tasks, self._tasks = self._tasks, []
         for task in tasks:
@@ -106,10 +123,10 @@ class PredictionLog:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self._queue:
-            self._dropped.labels("shutdown").inc(len(self._queue))
-            self._queue.clear()
-            self._pending_bytes = 0
+        if self._pending:
+            self._dropped.labels("shutdown").inc(self._pending)
+            self._queues.clear()
+            self._pending = self._pending_bytes = 0
 
     async def __aenter__(self) -> PredictionLog:
         await self.start()
@@ -122,46 +139,91 @@ class PredictionLog:
                received: float, latency_s: float) -> None:
         """Queue one prediction (never blocks, never raises); dropped and counted when the queue is full."""
         entry = _Entry(request_id, model, received, latency_s, routed, request, response)
-        if len(self._queue) >= self.max_pending or self._pending_bytes + entry.size > self.max_pending_bytes:
+        if self._pending >= self.max_pending or self._pending_bytes + entry.size > self.max_pending_bytes:
             self._dropped.labels("queue_full").inc()
             return
-        self._queue.append(entry)
+        key = f"{model}/{routed.version}"
+        queue = self._queues.get(key)
+        if queue is None:
+            queue = self._queues[key] = deque()
+        queue.append(entry)
+        self._pending += 1
         self._pending_bytes += entry.size
         if self._wakeup is not None:
             self._wakeup.set()
 
+    def take(self) -> list[_Entry]:
+        """What is queued now for one version, to publish as one record: the version queued longest,
+        its oldest entries first, at most ``batch_max`` of them and ``batch_max_bytes`` recorded bytes
+        (always at least one); never waits for more. A version with entries left goes to the back of
+        the line, so a busy version does not hold back the others. Empty when nothing is queued."""
+        if not self._queues:
+            return []
+        key = next(iter(self._queues))
+        queue = self._queues.pop(key)
+        taken = [queue.popleft()]
+        size = self.recorded_bytes(taken[0])
+        while queue and len(taken) < self.batch_max:
+            following = self.recorded_bytes(queue[0])
+            if size + following > self.batch_max_bytes:
+                break
+            taken.append(queue.popleft())
+            size += following
+        if queue:
+            self._queues[key] = queue
+        self._pending -= len(taken)
+        return taken
+
+    def recorded_bytes(self, entry: _Entry) -> int:
+        """About what the entry adds to a record: its KServe messages within the cap, and the rest."""
+        cap = self.record_cap_bytes
+        return ((len(entry.request) if len(entry.request) <= cap else 0)
+                + (len(entry.response) if len(entry.response) <= cap else 0) + RECORD_OVERHEAD_BYTES)
+
     async def _send_forever(self) -> None:
         assert self._wakeup is not None
         while True:
-            if not self._queue:
+            entries = self.take()
+            if not entries:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            entry = self._queue.popleft()
-            self._sending += 1
+            self._sending += len(entries)
             try:
-                message = self.event_of(entry)
-                await self._publisher.publish_proto(PREDICTIONS, message,
-                                                    subject=f"{entry.model}/{entry.routed.version}")
+                first = entries[0]
+                await self._publisher.publish_proto(PREDICTIONS, self.record_of(entries),
+                                                    subject=f"{first.model}/{first.routed.version}")
             except asyncio.CancelledError:
-                self._dropped.labels("shutdown").inc()
+                self._dropped.labels("shutdown").inc(len(entries))
                 raise
             except Exception as exc:  # noqa: BLE001 - a lost prediction is counted, never fatal
-                self._dropped.labels("publish_failed").inc()
-                log.warning("prediction not published: %s", exc)
+                self._dropped.labels("publish_failed").inc(len(entries))
+                log.warning("%d prediction(s) not published: %s", len(entries), exc)
             else:
-                self._published.inc()
+                self._published.inc(len(entries))
             finally:
-                self._sending -= 1
-                self._pending_bytes -= entry.size
+                self._sending -= len(entries)
+                self._pending_bytes -= sum(entry.size for entry in entries)
+
+    def record_of(self, entries: list[_Entry]) -> events_pb2.PredictionMade | events_pb2.PredictionBatch:
+        """The record of entries of one version: its PredictionMade if one, else a PredictionBatch of them."""
+        if len(entries) == 1:
+            return self.event_of(entries[0])
+        batch = events_pb2.PredictionBatch()
+        for entry in entries:
+            self._fill(batch.predictions.add(), entry)
+        return batch
 
     def event_of(self, entry: _Entry) -> events_pb2.PredictionMade:
         """The PredictionMade event of one entry: raw messages within the cap, else summaries."""
+        return self._fill(events_pb2.PredictionMade(), entry)
+
+    def _fill(self, event: events_pb2.PredictionMade, entry: _Entry) -> events_pb2.PredictionMade:
         routed = entry.routed
-        event = events_pb2.PredictionMade(
-            request_id=entry.request_id, model_name=entry.model, model_version=routed.version,
-            latency_ms=entry.latency_s * 1000.0, replica=routed.replica, backup_won=routed.backup_won,
-            attempts=routed.attempts, time=_timestamp(entry.received))
+        event.request_id, event.model_name, event.model_version = entry.request_id, entry.model, routed.version
+        event.latency_ms, event.replica = entry.latency_s * 1000.0, routed.replica
+        event.backup_won, event.attempts = routed.backup_won, routed.attempts
+        event.time.FromNanoseconds(int(entry.received * 1e9))
         if len(entry.request) <= self.record_cap_bytes:
             event.infer_request = entry.request
         else:
@@ -173,12 +235,6 @@ class PredictionLog:
             response = pb.ModelInferResponse.FromString(entry.response)
             event.output_summaries.extend(_summaries(response.outputs, response.raw_output_contents))
         return event
-
-
-def _timestamp(seconds: float) -> Timestamp:
-    stamp = Timestamp()
-    stamp.FromNanoseconds(int(seconds * 1e9))
-    return stamp
 
 
 def _summaries(tensors, raw_contents) -> list[events_pb2.TensorSummary]:

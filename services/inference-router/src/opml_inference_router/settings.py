@@ -53,6 +53,15 @@ class RouterSettings(ServiceSettings):
         64, ge=1, le=1024, description="Concurrent publishes of the prediction log. Each waits for the broker's "
         "ack, so throughput is senders / ack latency: 8 gave ~1.2k predictions/s on the durable embedded broker, "
         "below the router's ~2.3k inferences/s, and 64 gave ~2.2-2.9k (docs/benchmarks.md, broker storage).")
+    prediction_batch_max: int = Field(
+        100, ge=1, le=10_000, description="Most predictions of one model version a prediction sender publishes in "
+        "one record (an opml.inference.v1.PredictionBatch): what is queued for the version when a sender takes it, "
+        "never waiting for more (one queued: a PredictionMade). A consumer's costs are per record, so this is what "
+        "lets the monitoring-scorer keep up with one-row requests above a few thousand per second "
+        "(docs/benchmarks.md, monitoring-scorer); 1: one PredictionMade per request.")
+    prediction_batch_max_bytes: int = Field(
+        512 * 1024, ge=1024, le=1024 * 1024 - 64 * 1024, description="Most bytes of recorded KServe messages (plus "
+        "~256 a prediction) in one prediction record; below the broker's and the producer's 1 MiB record limit.")
 
     max_request_bytes: int = Field(
         DEFAULT_MAX_REQUEST_BYTES, ge=1, description="Longest ModelInferRequest (serialized bytes) the router "

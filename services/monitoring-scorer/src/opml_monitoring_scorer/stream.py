@@ -61,12 +61,18 @@ from opml_monitoring_scorer.topics import LABELS, PREDICTIONS
 
 log = logging.getLogger(__name__)
 PREDICTION_TYPE = "opml.inference.v1.PredictionMade"
+BATCH_TYPE = "opml.inference.v1.PredictionBatch"
+PREDICTION_TYPES = (PREDICTION_TYPE, BATCH_TYPE)
 LABEL_TYPE = "opml.monitoring.v1.LabelObserved"
 MAX_EVENT_BYTES = 8 * 1024 * 1024
 BATCH_MAX = 2000
 """Most events the predictions agent takes at once (at most ``stream_buffer_maxsize``)."""
 BATCH_WITHIN_S = 0.25
 """How long the agent waits to fill a batch before it processes what it has."""
+DECODE_PREDICTIONS = 4096
+"""About the most predictions decoded together: a batch of records (up to ``BATCH_MAX`` records of up
+to the router's ``prediction_batch_max`` predictions each) is decoded and applied in chunks of whole
+records of about this many, so its transient decode stays bounded."""
 
 
 class UnknownModel(Exception):
@@ -87,6 +93,49 @@ class OpenWindow:
     first: float | None = None
     last: float | None = None
     last_offset: int = -1
+
+
+@dataclass
+class DecodedRecord:
+    """One source record's predictions (one PredictionMade, or a PredictionBatch's), decoded: what it
+    adds, whole, to its version's open window."""
+
+    key: str
+    predictions: list[Any]
+    data: bytes | None
+    """The PredictionMade bytes of a one-prediction record (a batch's are serialized when joined)."""
+    parts: list[tuple[Batch, int, int]]
+    """Its rows: ranges of decoded batches."""
+    counts: list[int]
+    """Rows per prediction (0: summary only, or none)."""
+    rows: int
+    summary_only: int
+    weight: int
+    """What it counts toward a window by count: its rows, and 1 for a prediction without rows."""
+    first: float
+    last: float
+    """Event times of its first and latest prediction."""
+
+    @classmethod
+    def of(cls, key: str, predictions: list[Any], data: bytes | None, decodes: list[tuple[Batch, int, list[int]]],
+           message: Any) -> DecodedRecord:
+        """From its predictions and their decodes: (decoded batch, first row, rows of each prediction in it)."""
+        parts, counts = [], []
+        for batch, start, rows in decodes:
+            parts.append((batch, start, start + sum(rows)))
+            counts.extend(rows)
+        times = [p.time.ToNanoseconds() / 1e9 if p.HasField("time") else message.timestamp for p in predictions]
+        summary = sum(not (p.infer_request and p.infer_response) for p in predictions)
+        return cls(key, predictions, data, parts, counts, sum(counts), summary,
+                   sum(n or 1 for n in counts), times[0], max(times))
+
+    def joinable(self) -> list[tuple[bytes, str]]:
+        """(PredictionMade bytes, request id) of each prediction a label may join (one with rows and an id)."""
+        if self.data is not None:
+            p = self.predictions[0]
+            return [(self.data, p.request_id)] if p.request_id and self.counts[0] else []
+        return [(p.SerializeToString(), p.request_id) for p, n in zip(self.predictions, self.counts, strict=True)
+                if p.request_id and n]
 
 
 def _credentials(platform: PlatformSettings) -> Any:
@@ -231,79 +280,124 @@ class ScoringStream:
                    ("opml_consumer_group", self.app_id.encode())]
         await self.publisher.send_raw(topic_name, message.value, key=message.key, headers=headers)
 
-    def _parse(self, message: Any, expected: str) -> bytes:
+    def _parse(self, message: Any, expected: tuple[str, ...]) -> CloudEvent:
         if message.value is None or len(message.value) > MAX_EVENT_BYTES:
             raise InvalidArgument("value", f"must be a CloudEvent of at most {MAX_EVENT_BYTES} bytes")
         headers = [(k, v) for k, v in (message.headers or ())]
         event = CloudEvent.from_kafka(headers, message.value, timestamp_ms=message.timestamp
                                       and int(message.timestamp * 1000))
-        if event.type != expected:
-            raise InvalidArgument("ce_type", f"must be {expected}, but got {event.type[:80]!r}")
-        return event.data
+        if event.type not in expected:
+            raise InvalidArgument("ce_type", f"must be {' or '.join(expected)}, but got {event.type[:80]!r}")
+        return event
 
     async def _on_batch(self, events: list[Any]) -> None:
         app = self.app
-        counted: dict[str, int] = {}
-        for event, item in zip(events, self._decode_batch(events), strict=True):
-            if (app is None or not app.flow_control.is_active()
-                    or event.message.generation_id != app.consumer_generation_id):
-                # a rebalance began (its revoke drops the open windows) or the event was fetched
-                # before one: not applied, not acked, fed again from the committed offset
-                continue
-            if isinstance(item, Exception):
-                await self._reject(event, item)
-                continue
-            await self._on_prediction(event, *item)
-            counted[item[0]] = counted.get(item[0], 0) + item[5] - item[4]
-        for key, rows in counted.items():
-            monitored = self.scorer.models.get(key)
-            if monitored is not None and rows:
-                self.metrics.predictions.labels(monitored.model, monitored.version).inc(rows)
-        await self._flush_joins()
+        parsed = [self._parsed(event) for event in events]
+        begin = 0
+        while begin < len(events):  # in chunks of about DECODE_PREDICTIONS, on record boundaries
+            end, held = begin, 0
+            while end < len(events) and (end == begin or held < DECODE_PREDICTIONS):
+                held += len(parsed[end][1]) if isinstance(parsed[end], tuple) else 1
+                end += 1
+            chunk = events[begin:end]
+            counted: dict[str, int] = {}
+            for event, item in zip(chunk, self._decode_parsed(chunk, parsed[begin:end]), strict=True):
+                if (app is None or not app.flow_control.is_active()
+                        or event.message.generation_id != app.consumer_generation_id):
+                    # a rebalance began (its revoke drops the open windows) or the event was fetched
+                    # before one: not applied, not acked, fed again from the committed offset
+                    continue
+                if isinstance(item, Exception):
+                    await self._reject(event, item)
+                    continue
+                await self._on_record(event, item)
+                counted[item.key] = counted.get(item.key, 0) + item.rows
+            for key, rows in counted.items():
+                monitored = self.scorer.models.get(key)
+                if monitored is not None and rows:
+                    self.metrics.predictions.labels(monitored.model, monitored.version).inc(rows)
+            await self._flush_joins()
+            begin = end
 
-    def _decode_batch(self, events: list[Any]) -> list[Any]:
-        """Per event: (key, monitored, prediction, bytes, first row, end row, decoded batch, summary
-        only), or the exception that dead-letters it. The events of one version are decoded together
-        (one numpy call per tensor for the batch); if that fails, one by one, so only the bad ones are
-        rejected."""
-        items: list[Any] = [None] * len(events)
+    def _parsed(self, event: Any) -> tuple[str, list[Any], bytes | None] | Exception:
+        try:
+            return self._predictions_of(event.message)
+        except Exception as exc:  # noqa: BLE001 - any undecodable record is dead-lettered, never blocks
+            return exc
+
+    def _predictions_of(self, message: Any) -> tuple[str, list[Any], bytes | None]:
+        """A record's version and predictions: one PredictionMade (and its bytes), or a PredictionBatch's,
+        all of one monitored version. Raises what dead-letters the record."""
+        event = self._parse(message, PREDICTION_TYPES)
+        if event.type == PREDICTION_TYPE:
+            predictions, data = [inference_events.PredictionMade.FromString(event.data)], event.data
+        else:
+            predictions, data = list(inference_events.PredictionBatch.FromString(event.data).predictions), None
+            if not predictions:
+                raise InvalidArgument("predictions", "must hold at least one PredictionMade")
+        first = predictions[0]
+        key = model_version(first.model_name, first.model_version)
+        for i, prediction in enumerate(predictions):
+            if prediction.model_name != first.model_name or prediction.model_version != first.model_version:
+                raise InvalidArgument(f"predictions[{i}]", f"is of {prediction.model_name[:80]!r} version "
+                                      f"{prediction.model_version[:20]!r}, but the record's first is of {key!r}: "
+                                      "a batch holds one version's predictions")
+        if key not in self.scorer.models:
+            raise UnknownModel(f"model {first.model_name[:80]!r} version {first.model_version[:20]!r} is not "
+                               "monitored (register it, or deploy it through the inference-router)")
+        return key, predictions, data
+
+    def _decode_batch(self, events: list[Any]) -> list[DecodedRecord | Exception]:
+        """Per record: its predictions decoded (:class:`DecodedRecord`), or the exception that
+        dead-letters it."""
+        return self._decode_parsed(events, [self._parsed(event) for event in events])
+
+    def _decode_parsed(self, events: list[Any], parsed: list[Any]) -> list[DecodedRecord | Exception]:
+        """The predictions of one version in these records are decoded together (one numpy call per
+        tensor); if that fails, record by record, then prediction by prediction, so only a record that
+        holds a bad prediction is rejected (whole: it is one record)."""
+        items: list[Any] = list(parsed)
         by_key: dict[str, list[int]] = {}
-        parsed: list[Any] = [None] * len(events)
+        for i, item in enumerate(parsed):
+            if not isinstance(item, Exception):
+                by_key.setdefault(item[0], []).append(i)
         models = self.scorer.models
-        for i, event in enumerate(events):
-            try:
-                data = self._parse(event.message, PREDICTION_TYPE)
-                prediction = inference_events.PredictionMade.FromString(data)
-                key = model_version(prediction.model_name, prediction.model_version)
-                if key not in models:
-                    raise UnknownModel(f"model {prediction.model_name[:80]!r} version "
-                                       f"{prediction.model_version[:20]!r} is not monitored (register it, or "
-                                       "deploy it through the inference-router)")
-            except Exception as exc:  # noqa: BLE001 - any undecodable event is dead-lettered, never blocks
-                items[i] = exc
-                continue
-            parsed[i] = (prediction, data)
-            by_key.setdefault(key, []).append(i)
         for key, indexes in by_key.items():
             monitored = models[key]
-            predictions = [parsed[i][0] for i in indexes]
+            together = [p for i in indexes for p in parsed[i][1]]
             try:
-                batch, counts = self.scorer.decode_many(monitored, predictions)
-            except Exception:  # noqa: BLE001 - a bad event or mixed layouts: decoded one by one below
-                for i, prediction in zip(indexes, predictions, strict=True):
-                    try:
-                        one = self.scorer.decode(monitored, prediction)
-                    except Exception as exc:  # noqa: BLE001 - dead-lettered with the reason
-                        items[i] = exc
-                        continue
-                    items[i] = (key, monitored, prediction, parsed[i][1], 0, len(one), one, one.summary_only > 0)
+                batch, counts = self.scorer.decode_many(monitored, together)
+            except Exception:  # noqa: BLE001 - a bad prediction or mixed layouts: record by record below
+                for i in indexes:
+                    items[i] = self._decode_alone(key, monitored, events[i].message, *parsed[i][1:])
                 continue
-            row = 0
-            for i, prediction, n in zip(indexes, predictions, counts, strict=True):
-                summary = not (prediction.infer_request and prediction.infer_response)
-                items[i] = (key, monitored, prediction, parsed[i][1], row, row + n, batch, summary)
-                row += n
+            row = at = 0
+            for i in indexes:
+                _, predictions, data = parsed[i]
+                rows = counts[at:at + len(predictions)]
+                items[i] = DecodedRecord.of(key, predictions, data, [(batch, row, rows)], events[i].message)
+                row += sum(rows)
+                at += len(rows)
         return items
+
+    def _decode_alone(self, key: str, monitored: Any, message: Any, predictions: list[Any],
+                      data: bytes | None) -> DecodedRecord | Exception:
+        try:
+            batch, counts = self.scorer.decode_many(monitored, predictions)
+            return DecodedRecord.of(key, predictions, data, [(batch, 0, counts)], message)
+        except Exception:  # noqa: BLE001 - mixed layouts in one record, or a bad prediction: one by one
+            pass
+        decodes = []
+        for i, prediction in enumerate(predictions):
+            try:
+                one = self.scorer.decode(monitored, prediction)
+            except Exception as exc:  # noqa: BLE001 - the record is dead-lettered with the reason
+                if data is not None:
+                    return exc
+                field = f"predictions[{i}].{exc.field}" if isinstance(exc, InvalidArgument) else f"predictions[{i}]"
+                return InvalidArgument(field, str(exc))
+            decodes.append((one, 0, [len(one)]))
+        return DecodedRecord.of(key, predictions, data, decodes, message)
 
     async def _reject(self, event: Any, error: Exception) -> None:
         reason = "unknown_model" if isinstance(error, UnknownModel) else "malformed"
@@ -311,10 +405,12 @@ class ScoringStream:
         await self._dead_letter(PREDICTIONS.dead_letter(self.platform.topic_prefix), event.message, error)
         event.ack()
 
-    async def _on_prediction(self, event: Any, key: str, monitored: Any, prediction: Any, data: bytes,
-                             start: int, stop: int, batch: Batch, summary: bool) -> None:
+    async def _on_record(self, event: Any, record: DecodedRecord) -> None:
+        """Adds a record's predictions to its version's open window, whole: a record belongs to the window
+        open when it comes (by time: the one its first prediction's time falls in), so windows close on
+        record boundaries and a replay from any committed offset rebuilds them the same."""
         message = event.message
-        partition, offset = message.partition, message.offset
+        partition, offset, key = message.partition, message.offset, record.key
         progress = self.windows.get(key)
         if progress is not None and progress["partition"] == partition and offset <= progress["through"]:
             event.ack()  # in a window closed before a restart or a rebalance
@@ -325,26 +421,24 @@ class ScoringStream:
         if window is None or window.partition != partition:
             index = progress["index"] if progress is not None else 0
             window = self._open[key] = OpenWindow(index=index, partition=partition)
-        spec = monitored.config.window
-        when = prediction.time.ToNanoseconds() / 1e9 if prediction.HasField("time") else message.timestamp
-        if spec.seconds is not None and window.events and when >= window.first + spec.seconds:
+        spec = self.scorer.models[key].config.window
+        if spec.seconds is not None and window.events and record.first >= window.first + spec.seconds:
             window = await self._close(key, window)
-        rows = stop - start
-        if rows:
-            parts = window.parts
+        parts = window.parts
+        for batch, start, stop in record.parts:
             if parts and parts[-1][0] is batch and parts[-1][2] == start:
                 parts[-1][2] = stop  # the next rows of the same decode: one range
             else:
                 parts.append([batch, start, stop])
-        window.summary_only += summary
+        window.summary_only += record.summary_only
         window.events.append(event)
-        window.rows += rows or 1
+        window.rows += record.weight
         window.last_offset = offset
         if window.first is None:
-            window.first = when
-        window.last = when
-        if prediction.request_id and rows:
-            self._joinable.append(Joinable(key, window.index, data, prediction.request_id, partition))
+            window.first = record.first
+        window.last = record.last
+        self._joinable.extend(Joinable(key, window.index, raw, request_id, partition)
+                              for raw, request_id in record.joinable())
         if spec.count is not None and window.rows >= spec.count:
             await self._close(key, window)
         self.processed += 1
@@ -384,7 +478,7 @@ class ScoringStream:
     async def _on_label(self, event: Any) -> None:
         message = event.message
         try:
-            data = self._parse(message, LABEL_TYPE)
+            data = self._parse(message, (LABEL_TYPE,)).data
             await self.scorer.on_label(data)
         except Exception as exc:  # noqa: BLE001 - a malformed label is dead-lettered with the reason
             log.warning("label at %s@%d/%d dead-lettered: %s", message.topic, message.partition, message.offset, exc)

@@ -1,0 +1,141 @@
+"""The stream's decode of its source records (no broker): a PredictionBatch record gives the rows of its
+predictions published one per record, decoded together; a record with a bad prediction, of another
+version or of an unknown one is rejected whole; predictions of other layouts in one record still decode."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import redis.asyncio as aioredis
+from opml.inference.v1 import events_pb2
+from prometheus_client import CollectorRegistry
+from tritonclient.grpc import service_pb2 as pb
+
+from opml_common.bus.cloudevents import CloudEvent
+from opml_common.config import PlatformSettings
+from opml_common.errors import InvalidArgument
+from opml_common.events import RecordingEmitter
+from opml_common.kserve_codec import encode_outputs, encode_request
+from opml_common.metrics import ServiceMetrics
+from opml_monitoring_scorer.core.decode import Batch
+from opml_monitoring_scorer.core.reference import Task
+from opml_monitoring_scorer.core.scorer import Scorer, dump_reference
+from opml_monitoring_scorer.metrics import ScorerMetrics
+from opml_monitoring_scorer.state import MonitorStore
+from opml_monitoring_scorer.stream import DecodedRecord, ScoringStream, UnknownModel
+from opml_monitoring_scorer.synthetic import SyntheticWorld
+
+CONFIG = b"features: {x: [x0, x1, x2, x3]}\nwindow: {count: 100}\n"
+
+
+def prediction(i: int, rows: int = 1, *, version: str = "1", color: bool = True) -> events_pb2.PredictionMade:
+    rng = np.random.default_rng(i)
+    p = rng.uniform(size=(rows, 1)).astype(np.float32)
+    inputs = {"x": rng.normal(size=(rows, 4)).astype(np.float32)}
+    if color:
+        inputs["color"] = np.array([[b"red"]] * rows, dtype=object)
+    request = encode_request("m", inputs, request_id=f"r{i}")
+    response = encode_outputs(pb.ModelInferResponse(id=f"r{i}"), {"probabilities": np.hstack([1 - p, p])})
+    made = events_pb2.PredictionMade(request_id=f"r{i}", model_name="m", model_version=version,
+                                     infer_request=request.SerializeToString(),
+                                     infer_response=response.SerializeToString())
+    made.time.FromNanoseconds(1_700_000_000_000_000_000 + i * 1_000_000)
+    return made
+
+
+def record(message, offset: int) -> SimpleNamespace:
+    """A faust event as the stream sees it: its message (headers, value, position)."""
+    event = CloudEvent.from_proto(message, source="opml/inference-router", subject="m/1")
+    return SimpleNamespace(message=SimpleNamespace(
+        value=event.data, headers=event.kafka_headers(), timestamp=1_700_000_000.0, partition=0, offset=offset,
+        topic="opml.predictions.v1", key=b"m/1"))
+
+
+def batch_of(*predictions: events_pb2.PredictionMade) -> events_pb2.PredictionBatch:
+    return events_pb2.PredictionBatch(predictions=list(predictions))
+
+
+@pytest.fixture
+async def stream(tmp_path: Path):
+    world = SyntheticWorld(Task.BINARY, seed=5)
+    files = {"reference.npz": dump_reference(world.reference(500)), "monitoring.yaml": CONFIG}
+
+    async def load(context: str, ref: str):
+        return "uuid-1", files
+
+    client = aioredis.Redis.from_url("redis://127.0.0.1:6379")
+    prefix = f"opml-test:{uuid.uuid4().hex[:8]}:"
+    metrics = ScorerMetrics(ServiceMetrics("monitoring-scorer", CollectorRegistry()))
+    scorer = Scorer(store=MonitorStore(client, prefix=prefix, retention_s=600), emitter=RecordingEmitter(),
+                    metrics=metrics, load_bundle=load)
+    await scorer.register("m", "1", "ctx", "ref")
+    yield ScoringStream(PlatformSettings(), scorer, metrics, publisher=None, datadir=tmp_path)
+    keys = await client.keys(prefix + "*")
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
+
+
+def rows_of(item: DecodedRecord) -> Batch:
+    return Batch.concat([batch.rows(start, stop) for batch, start, stop in item.parts],
+                        summary_only=item.summary_only)
+
+
+def same_rows(got: Batch, expected: Batch) -> None:
+    assert got.request_ids == expected.request_ids and got.summary_only == expected.summary_only
+    assert sorted(got.features) == sorted(expected.features)
+    for name, column in expected.features.items():
+        assert got.features[name].tolist() == column.tolist()
+    assert got.outputs.scores.tolist() == expected.outputs.scores.tolist()
+
+
+def test_a_batch_record_decodes_to_the_rows_of_its_predictions_one_per_record(stream) -> None:
+    made = [prediction(0), prediction(1, rows=3), events_pb2.PredictionMade(request_id="s", model_name="m",
+                                                                           model_version="1"), prediction(3)]
+    singles = stream._decode_batch([record(p, i) for i, p in enumerate(made)])
+    expected = Batch.concat([rows_of(item) for item in singles])
+    # one batch record among single ones: decoded together, its rows one range, in the record's order
+    batched = stream._decode_batch([record(prediction(9), 0), record(batch_of(*made), 1), record(prediction(8), 2)])
+    assert all(isinstance(item, DecodedRecord) for item in batched)
+    item = batched[1]
+    assert (item.key, item.counts, item.rows, item.summary_only, item.weight) == ("m/1", [1, 3, 0, 1], 5, 1, 6)
+    assert len(item.parts) == 1 and item.parts[0][1:] == (1, 6), "rows 1-5 of the take's decode (row 0 is r9's)"
+    same_rows(rows_of(item), expected)
+    assert (item.first, item.last) == (1_700_000_000.0, 1_700_000_000.003)
+    joinable = item.joinable()
+    assert [request_id for _, request_id in joinable] == ["r0", "r1", "r3"], "summary-only rows join nothing"
+    assert [events_pb2.PredictionMade.FromString(raw) for raw, _ in joinable] == [made[0], made[1], made[3]]
+    assert batched[0].joinable() == [(prediction(9).SerializeToString(), "r9")], "a PredictionMade's own bytes"
+
+
+def test_a_batch_of_mixed_layouts_decodes_prediction_by_prediction(stream) -> None:
+    made = [prediction(0), prediction(1, color=False), prediction(2)]  # the second lacks the color tensor
+    (item,) = stream._decode_batch([record(batch_of(*made), 0)])
+    assert isinstance(item, DecodedRecord) and len(item.parts) == 3 and item.rows == 3
+    rows = rows_of(item)
+    assert rows.request_ids == ["r0", "r1", "r2"] and [c == "red" for c in rows.features["color"]] == [True, False, True]
+
+
+def test_a_record_with_a_bad_prediction_or_of_other_versions_is_rejected_whole(stream) -> None:
+    bad = prediction(1)
+    bad.infer_request = bad.infer_request[:-3]
+    items = stream._decode_batch([
+        record(batch_of(prediction(0), bad), 0),                          # one prediction does not decode
+        record(batch_of(prediction(2), prediction(3, version="2")), 1),   # two versions in one record
+        record(batch_of(prediction(4, version="7"), prediction(5, version="7")), 2),  # nobody monitors 7
+        record(events_pb2.PredictionBatch(), 3),                          # empty
+        record(batch_of(prediction(6), prediction(7)), 4)])               # fine, beside them
+    assert isinstance(items[0], InvalidArgument) and items[0].field.startswith("predictions[1].infer_request")
+    assert isinstance(items[1], InvalidArgument) and items[1].field == "predictions[1]"
+    assert isinstance(items[2], UnknownModel)
+    assert isinstance(items[3], InvalidArgument) and items[3].field == "predictions"
+    assert isinstance(items[4], DecodedRecord) and rows_of(items[4]).request_ids == ["r6", "r7"]
+    wrong = record(events_pb2.PredictionMade(), 5)
+    wrong.message.headers = [(k, b"opml.inference.v1.Other" if k == "ce_type" else v)
+                             for k, v in wrong.message.headers]
+    (rejected,) = stream._decode_batch([wrong])
+    assert isinstance(rejected, InvalidArgument) and rejected.field == "ce_type"
