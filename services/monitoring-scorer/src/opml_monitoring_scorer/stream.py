@@ -2,17 +2,26 @@
 
 ``predictions`` agent, on opml.predictions.v1 (keyed ``<model>/<version>``, so one version's
 predictions arrive in order on one partition), in batches (``Stream.noack_take``: up to
-``BATCH_MAX`` events, or what came within ``BATCH_WITHIN_S``): the batch's events of one version are
-decoded together (their tensors stacked, one numpy call per tensor; if that fails, one by one), a
-malformed event, or one of a model nobody registered, goes to the topic's dead-letter topic with the
-reason, and the stream flows on; each event's rows (a range of its version's decode) are appended
-to its version's open window, and the window is closed and scored
-when it holds ``window.count`` rows, or when an event's time is ``window.seconds`` past the window's
-first. Window times are event times, so windows close the same way on a replay.
+``BATCH_MAX`` records, or what came within ``BATCH_WITHIN_S``). A record is one PredictionMade (an
+external producer's, or a quiet router's) or a PredictionBatch (the router's prediction log publishes
+what is queued for a version as one record: faust's costs are per record, so this is what lets
+one-row requests be scored at more than a few thousand per second). The predictions of one version
+in a batch of records are decoded together (their tensors stacked, one numpy call per tensor; if that
+fails, record by record, then prediction by prediction); a malformed record (one of its predictions
+does not decode, or is of another version than the first), or one of a model nobody registered, goes
+whole to the topic's dead-letter topic with the reason, and the stream flows on. Each record's rows
+(ranges of its version's decode) are appended, whole, to its version's open window: **a record
+belongs to the window open when it comes**, and the window is closed and scored after the record
+that brings it to ``window.count`` rows (so a window holds ``count`` to ``count`` + the record's rows
+- 1), or when a record's first prediction's time is ``window.seconds`` past the window's first
+(a batch's later predictions may pass it by the time the router took to queue them). Windows close
+on record boundaries because a record is the unit of the offsets the stream commits. Window times are
+event times, so windows close the same way on a replay.
 
-The source topic is the log of the open windows (as in Kafka Streams): an event is acked (its offset
-may be committed) only once the window it belongs to is closed and saved, so the committed offset of
-a partition never passes the first event of a window still open there. The open windows themselves
+The source topic is the log of the open windows (as in Kafka Streams): an event (a record) is acked
+(its offset may be committed) only once the window it belongs to is closed and saved, so the
+committed offset of a partition never passes the first event of a window still open there; a record
+is in one window only, so its offset is acked once, with that window. The open windows themselves
 live in memory only. A restarted scorer (or the new owner of a partition after a rebalance) is
 fed again from the committed offset and rebuilds the open windows from the same events, in the
 same order, with the same event times: the same windows. What it must not count again is a window
@@ -23,8 +32,9 @@ changelog before it commits source offsets, and a window saved but not yet in th
 the process dies is closed again under the same index (the scorer saves windows by index and steps
 rules once per index), so a SIGKILL loses no window and counts none twice.
 
-Per batch: one Redis pipeline for the label-join records of its predictions (scorer.py), no
-per-event table write. Memory: the open windows' events (their decoded rows and the faust events,
+Per batch (in chunks of about ``DECODE_PREDICTIONS`` predictions): one Redis pipeline for the
+label-join records of its predictions (scorer.py; one per prediction, a batch's serialized one by
+one), no per-record table write. Memory: the open windows' events (their decoded rows and the faust events,
 unacked), one window per monitored version.
 
 ``labels`` agent, on opml.labels.v1: each LabelObserved is joined to its prediction by request id in
