@@ -206,3 +206,28 @@ async def test_senders_publish_what_is_queued_now_without_waiting_to_fill_a_batc
             await asyncio.sleep(0)
     assert sample(registry, "opml_inference_router_predictions_dropped_total", reason="publish_failed") == 4, \
         "a refused batch counts each of its predictions"
+
+
+async def test_a_version_has_at_most_its_in_flight_records_at_the_broker_so_its_predictions_batch() -> None:
+    metrics, registry = fresh_metrics("inference-router")
+    publisher = FakePublisher()
+    log = PredictionLog(publisher, metrics, senders=4, in_flight_per_version=1)
+    request = encode_request("m", {"x": np.ones((1, 4), np.float32)}).SerializeToString()
+    async with log:
+        record(log, request, "a0")
+        await settled(log)  # a0's record is at the (stalled) broker
+        for i in range(1, 6):
+            record(log, request, f"a{i}")
+        record(log, request, "b0", routed=OTHER)
+        while log.pending > 5:  # b0 is taken: another version is not held back
+            await asyncio.sleep(0)
+        for _ in range(10):  # three senders are idle, yet m/3's five wait for its record in flight
+            await asyncio.sleep(0)
+        assert log.pending == 5 and len(publisher.published) == 0
+        publisher.gate.set()
+        while sample(registry, "opml_inference_router_predictions_published_total") < 7:
+            await asyncio.sleep(0)
+    by_version: dict[str, list[list[str]]] = {}
+    for _, message, subject in publisher.published:
+        by_version.setdefault(subject, []).append([p.request_id for p in predictions(message)])
+    assert by_version == {"m/3": [["a0"], ["a1", "a2", "a3", "a4", "a5"]], "m/4": [["b0"]]}

@@ -92,6 +92,23 @@ async def test_late_labels_join_by_request_id_either_order_once_each(scorer) -> 
     assert [f for f, _ in caught.value.violations] == ["request_id", "values"]
 
 
+async def test_a_batch_of_join_records_in_one_call_takes_the_labels_that_came_first(scorer) -> None:
+    scorer, world, _ = scorer
+    rows = world.rows(10)
+    events = events_of(rows, 0)
+    for i in (3, 7):  # labels before their predictions: parked
+        label = label_events_pb2.LabelObserved(request_id=f"r{i}", values=[rows.labels[i]]).SerializeToString()
+        assert await scorer.on_label(label) == "parked"
+    store = scorer.store
+    labels = await store.remember_predictions([(rid, "m/1", 4, raw) for rid, raw in events])
+    assert [i for i, label in enumerate(labels) if label is not None] == [3, 7]
+    assert label_events_pb2.LabelObserved.FromString(labels[7]).request_id == "r7"
+    assert await store.remember_predictions([(rid, "m/1", 4, raw) for rid, raw in events]) == [None] * 10, \
+        "a parked label is taken once"
+    assert await store.find_prediction("r9") == ("m/1", 4, events[9][1])
+    assert 0 < await store.redis.ttl(store._k("pred", "r9")) <= store.retention_s
+
+
 async def test_a_replayed_window_close_steps_the_rules_once(scorer) -> None:
     scorer, world, emitter = scorer
     await scorer.set_rules("m/1", "rules: [{name: always, signal: score, under: 1.01, for: 2}]")

@@ -2,13 +2,14 @@
 
 The request path only appends to a bounded in-memory queue (:meth:`PredictionLog.record`, no await),
 one line per model version. Background senders each take what is queued for one version at that
-moment (the version queued longest, its oldest first; at most ``batch_max`` predictions and
-``batch_max_bytes`` of recorded messages; never waiting for more) and publish it as one record to
+moment (the version queued longest that has fewer than ``in_flight_per_version`` records at the
+broker, its oldest first; at most ``batch_max`` predictions and ``batch_max_bytes`` of recorded
+messages; never waiting for more) and publish it as one record to
 ``PREDICTIONS``, keyed by ``<model>/<version>``: an ``opml.inference.v1.PredictionMade`` CloudEvent
 when they took one, an ``opml.inference.v1.PredictionBatch`` of them when they took several. A
-consumer's costs are per record, so batches form by themselves when predictions come faster than the
-senders publish (senders / ack latency), and a quiet router still publishes one PredictionMade per
-request. When the queue is full (by entries or by bytes held) or the broker refuses a record, its
+consumer's costs are per record, so batches form by themselves when a version's predictions come
+faster than its ``in_flight_per_version`` records are acknowledged (about rate x ack latency /
+in-flight predictions a record), and a quiet router still publishes one PredictionMade per request. When the queue is full (by entries or by bytes held) or the broker refuses a record, its
 predictions are dropped and counted in ``opml_inference_router_predictions_dropped_total{reason}``,
 so memory stays bounded and the loss is visible. Delivery is therefore at most once, by design:
 monitoring samples, it does not audit.
@@ -71,26 +72,30 @@ class PredictionLog:
 
     def __init__(self, publisher: EventPublisher, metrics: ServiceMetrics, *, max_pending: int = 10_000,
                  max_pending_bytes: int = 64 * 1024 * 1024, record_cap_bytes: int = 64 * 1024,
-                 senders: int = 8, batch_max: int = 100, batch_max_bytes: int = 512 * 1024) -> None:
+                 senders: int = 8, batch_max: int = 100, batch_max_bytes: int = 512 * 1024,
+                 in_flight_per_version: int = 4) -> None:
         if (max_pending < 1 or max_pending_bytes < 1 or record_cap_bytes < 0 or senders < 1 or batch_max < 1
-                or batch_max_bytes < 1):
+                or batch_max_bytes < 1 or in_flight_per_version < 1):
             raise ValueError(f"need max_pending >= 1, max_pending_bytes >= 1, record_cap_bytes >= 0, senders >= 1, "
-                             f"batch_max >= 1, batch_max_bytes >= 1, but got {max_pending}, {max_pending_bytes}, "
-                             f"{record_cap_bytes}, {senders}, {batch_max}, {batch_max_bytes}")
+                             f"batch_max >= 1, batch_max_bytes >= 1, in_flight_per_version >= 1, but got "
+                             f"{max_pending}, {max_pending_bytes}, {record_cap_bytes}, {senders}, {batch_max}, "
+                             f"{batch_max_bytes}, {in_flight_per_version}")
         self._publisher = publisher
         self.max_pending = max_pending
         self.max_pending_bytes = max_pending_bytes
         self.record_cap_bytes = record_cap_bytes
         self.batch_max = batch_max
         self.batch_max_bytes = batch_max_bytes
+        self.in_flight_per_version = in_flight_per_version
         self._senders = senders
         # "<model>/<version>" -> its queued entries, oldest first; in the order the versions are served
         # (a version taken from goes to the back if it has more)
         self._queues: dict[str, deque[_Entry]] = {}
+        self._in_flight: dict[str, int] = {}  # "<model>/<version>" -> its records being published
         self._pending = 0
         self._pending_bytes = 0
         self._sending = 0  # entries taken off the queue whose publish has not finished
-        self._wakeup: asyncio.Event | None = None
+        self._idle: list[asyncio.Future] = []  # senders waiting for something to take, each woken alone
         self._tasks: list[asyncio.Task] = []
         self._dropped = metrics.counter("predictions_dropped_total",
                                         "Predictions not published: queue_full, publish_failed, shutdown.",
@@ -106,7 +111,6 @@ class PredictionLog:
     async def start(self) -> None:
         if self._tasks:
             return
-        self._wakeup = asyncio.Event()
         self._tasks = [asyncio.create_task(self._send_forever(), name=f"predictions-sender-{i}")
                        for i in range(self._senders)]
 
@@ -149,17 +153,35 @@ class PredictionLog:
         queue.append(entry)
         self._pending += 1
         self._pending_bytes += entry.size
-        if self._wakeup is not None:
-            self._wakeup.set()
+        # one sender woken when the version has something to take for the first time; while it has,
+        # a sender was woken for it already, or one of its own returns for more (see sent())
+        if len(queue) == 1 and self._in_flight.get(key, 0) < self.in_flight_per_version:
+            self._wake_one()
+
+    def _wake_one(self) -> None:
+        while self._idle:
+            waiter = self._idle.pop()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
 
     def take(self) -> list[_Entry]:
-        """What is queued now for one version, to publish as one record: the version queued longest,
-        its oldest entries first, at most ``batch_max`` of them and ``batch_max_bytes`` recorded bytes
-        (always at least one); never waits for more. A version with entries left goes to the back of
-        the line, so a busy version does not hold back the others. Empty when nothing is queued."""
-        if not self._queues:
+        """What is queued now for one version, to publish as one record: the version queued longest
+        that has fewer than ``in_flight_per_version`` records being published, its oldest entries
+        first, at most ``batch_max`` of them and ``batch_max_bytes`` recorded bytes (always at least
+        one); never waits for more. A version with entries left goes to the back of the line, so a
+        busy version does not hold back the others. Empty when nothing can be taken. The caller
+        publishes the record and then calls :meth:`sent` with it.
+
+        The in-flight bound is what makes batches form: while a version's records are at the broker,
+        its new predictions queue up and the next record takes them all (about rate x ack latency /
+        ``in_flight_per_version`` a record), where free senders would otherwise publish them one by
+        one (a consumer pays per record)."""
+        cap = self.in_flight_per_version
+        key = next((k for k in self._queues if self._in_flight.get(k, 0) < cap), None)
+        if key is None:
             return []
-        key = next(iter(self._queues))
+        self._in_flight[key] = self._in_flight.get(key, 0) + 1
         queue = self._queues.pop(key)
         taken = [queue.popleft()]
         size = self.recorded_bytes(taken[0])
@@ -172,7 +194,19 @@ class PredictionLog:
         if queue:
             self._queues[key] = queue
         self._pending -= len(taken)
+        if self._queues:  # more to take, maybe: the next idle sender looks (at most one wake a take)
+            self._wake_one()
         return taken
+
+    def sent(self, entries: list[_Entry]) -> None:
+        """A record from :meth:`take` is published (or failed): its version may take another."""
+        first = entries[0]
+        key = f"{first.model}/{first.routed.version}"
+        left = self._in_flight.pop(key) - 1
+        if left:
+            self._in_flight[key] = left
+        if key in self._queues:
+            self._wake_one()
 
     def recorded_bytes(self, entry: _Entry) -> int:
         """About what the entry adds to a record: its KServe messages within the cap, and the rest."""
@@ -181,12 +215,17 @@ class PredictionLog:
                 + (len(entry.response) if len(entry.response) <= cap else 0) + RECORD_OVERHEAD_BYTES)
 
     async def _send_forever(self) -> None:
-        assert self._wakeup is not None
+        loop = asyncio.get_running_loop()
         while True:
             entries = self.take()
             if not entries:
-                self._wakeup.clear()
-                await self._wakeup.wait()
+                waiter = loop.create_future()
+                self._idle.append(waiter)
+                try:
+                    await waiter
+                finally:
+                    with contextlib.suppress(ValueError):  # cancelled while idle
+                        self._idle.remove(waiter)
                 continue
             self._sending += len(entries)
             try:
@@ -204,6 +243,7 @@ class PredictionLog:
             finally:
                 self._sending -= len(entries)
                 self._pending_bytes -= sum(entry.size for entry in entries)
+                self.sent(entries)
 
     def record_of(self, entries: list[_Entry]) -> events_pb2.PredictionMade | events_pb2.PredictionBatch:
         """The record of entries of one version: its PredictionMade if one, else a PredictionBatch of them."""

@@ -62,6 +62,12 @@ class RouterSettings(ServiceSettings):
     prediction_batch_max_bytes: int = Field(
         512 * 1024, ge=1024, le=1024 * 1024 - 64 * 1024, description="Most bytes of recorded KServe messages (plus "
         "~256 a prediction) in one prediction record; below the broker's and the producer's 1 MiB record limit.")
+    prediction_in_flight_per_version: int = Field(
+        4, ge=1, le=1024, description="Most prediction records of one model version being published at once (of "
+        "`prediction_senders` for all). While they are at the broker the version's new predictions queue and "
+        "the next record takes them all, so records carry about rate x ack latency / this many predictions; "
+        "higher: smaller records, more of them (a consumer's cost is per record). A version's throughput is at "
+        "most this x `prediction_batch_max` / the ack latency.")
 
     max_request_bytes: int = Field(
         DEFAULT_MAX_REQUEST_BYTES, ge=1, description="Longest ModelInferRequest (serialized bytes) the router "
