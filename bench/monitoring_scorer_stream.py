@@ -2,16 +2,21 @@
 a window's close to its score saved and its alerts emitted, against the same scoring in-process
 (no broker, no faust, no Redis) measured in the same run.
 
-Starts the embedded infrastructure (tansu, SeaweedFS, Redis), a bundle-store with a reference bundle
-and one scorer; registers the model, stops the scorer, publishes N PredictionMade events (one row
-each, KServe v2 bytes from the shared codec), starts the scorer again and times it through the
-backlog, sampling its metrics and CPU time from the first prediction it counts to the last window
-saved (wall time, and the scorer process's CPU time: predictions per core), so neither the
-producer's rate nor the scorer's start-up is measured.
+Starts the embedded infrastructure (tansu, SeaweedFS, Redis) and a bundle-store with a reference
+bundle; then per case (a number of predictions per record), with its own topic and Redis prefixes, one
+scorer: registers the model, stops the scorer, publishes N predictions (requests of one row each by
+default, KServe v2 bytes from the shared codec) as records of that many predictions (1: one
+PredictionMade a record, as an external producer or a quiet router publishes them; more: a
+PredictionBatch, as the router's prediction log publishes what is queued for a version, built by its
+own ``PredictionLog.record_of``), starts the scorer again and times it through the backlog, sampling
+its metrics and CPU time from the first prediction it counts to the last window saved (wall time, and
+the scorer process's CPU time: predictions per core), so neither the producer's rate nor the
+scorer's start-up is measured. The cases run one after the other in one run, on the same
+infrastructure, so the one-prediction-a-record case is the same run's baseline.
 
-    .venv/bin/python bench/monitoring_scorer_stream.py                     # 20,000 predictions, windows of 1000
-    .venv/bin/python bench/monitoring_scorer_stream.py --predictions 5000   # reduced
-    .venv/bin/python bench/monitoring_scorer_stream.py --rows-per-event 10 # requests of 10 rows
+    .venv/bin/python bench/monitoring_scorer_stream.py                       # 20,000 one-row requests, records of 1, 5, 20, 100
+    .venv/bin/python bench/monitoring_scorer_stream.py --per-record 1,100    # two cases
+    .venv/bin/python bench/monitoring_scorer_stream.py --rows-per-event 10 --per-record 1  # requests of 10 rows
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ from opml_common.devinfra import DevInfra  # noqa: E402
 from opml_common.kserve_codec import encode_outputs, encode_request  # noqa: E402
 from opml_common.metrics import ServiceMetrics  # noqa: E402
 from opml_common.testing.services import ServiceStarter  # noqa: E402
+from opml_inference_router.predictions import PredictionLog, _Entry  # noqa: E402
+from opml_inference_router.routing import Routed  # noqa: E402
 from opml_monitoring_scorer.__main__ import SPEC  # noqa: E402
 from opml_monitoring_scorer.client import MonitoringClient  # noqa: E402
 from opml_monitoring_scorer.core.reference import Task  # noqa: E402
@@ -69,6 +76,18 @@ def events(world: SyntheticWorld, n: int, rows_per_event: int = 1) -> list[infer
         event.time.GetCurrentTime()
         out.append(event)
     return out
+
+
+def records(messages: list[inference_events.PredictionMade], per_record: int) -> list:
+    """The predictions as the router's prediction log publishes them ``per_record`` at a time: one
+    PredictionMade, or a PredictionBatch (``PredictionLog.record_of`` on entries of the same requests)."""
+    if per_record == 1:
+        return messages
+    log = PredictionLog(None, ServiceMetrics("bench-log", CollectorRegistry()), batch_max=per_record)
+    entries = [_Entry(m.request_id, m.model_name, m.time.ToNanoseconds() / 1e9, 0.001,
+                      Routed(b"", m.model_version, "127.0.0.1:1", 1, False), m.infer_request, m.infer_response)
+               for m in messages]
+    return [log.record_of(entries[i:i + per_record]) for i in range(0, len(entries), per_record)]
 
 
 async def publish(settings: PlatformSettings, messages: list) -> float:
@@ -121,21 +140,63 @@ def counter(text: str, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
+def run_case(infra_env: dict[str, str], tmp: Path, store_target: str, world: SyntheticWorld,
+             messages: list, per_record: int, args: argparse.Namespace) -> dict:
+    """One scorer through a backlog of ``messages`` published ``per_record`` predictions a record."""
+    tag = f"{per_record}-{time.time_ns()}"
+    env = {**infra_env, "OPML_TOPIC_PREFIX": f"bench-{tag}-", "OPML_REDIS_PREFIX": f"opml-bench:{tag}:",
+           "OPML_KAFKA_SESSION_TIMEOUT_MS": "3000", "OPML_KAFKA_HEARTBEAT_INTERVAL_MS": "500"}
+    starter = ServiceStarter(env, tmp)
+    windows = args.predictions // args.window
+    try:
+        scorer = starter(SPEC, tokens=None, extra_env={"OPML_MONITORING_SCORER_BUNDLE_STORE_TARGET": store_target})
+        scorer.startup_timeout_s = 300.0
+        with MonitoringClient(scorer.target) as client:
+            client.register("bench", "1", "bench", "reference")
+        # the predictions wait on the topic while the scorer is down: what is measured is the
+        # scorer consuming a backlog, not the producer (which is slower than the scorer)
+        scorer.stop()
+        published = records(messages, per_record)
+        os.environ.update(env)  # the publisher below reads the same platform settings
+        publish_s = asyncio.run(publish(PlatformSettings(), published))
+        port = scorer.env["OPML_MONITORING_SCORER_METRICS_PORT"]
+        seen: list[tuple[float, float, float, float]] = []  # (wall time, predictions, windows, scorer CPU s)
+        watching = threading.Thread(target=watch, args=(scorer, port, windows, seen), daemon=True)
+        watching.start()
+        scorer.start()  # restores the registration from Redis, then consumes from the earliest offset
+        watching.join()
+        close_sum = metric(port, "opml_monitoring_scorer_window_close_seconds_sum")
+        close_count = metric(port, "opml_monitoring_scorer_window_close_seconds_count")
+    finally:
+        starter.stop_all()
+    first = next(s for s in seen if s[1] > 0)  # the first prediction counted
+    last = next(s for s in seen if s[2] >= windows)  # the last window saved
+    scored = args.predictions - first[1]
+    wall_s, cpu_s = last[0] - first[0], last[3] - first[3]
+    return {"per_record": per_record, "records": len(published), "producer": len(published) / publish_s,
+            "scored": scored, "wall_s": wall_s, "cpu_s": cpu_s, "close_ms": 1000 * close_sum / max(close_count, 1),
+            "closes": int(close_count)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--predictions", type=int, default=20_000)
     parser.add_argument("--window", type=int, default=1000)
     parser.add_argument("--rows-per-event", type=int, default=1,
-                        help="rows (predictions) per PredictionMade event: 1 = one request per prediction")
+                        help="rows (predictions) per request: 1 = one-row requests")
+    parser.add_argument("--per-record", default="1,5,20,100",
+                        help="requests per Kafka record, one case each (1: PredictionMade records; more: "
+                             "PredictionBatch records, as the router batches what is queued)")
     args = parser.parse_args()
-    if args.window % args.rows_per_event:
-        parser.error("--window must be a multiple of --rows-per-event (windows close on whole events)")
-    windows = args.predictions // args.window
+    cases = [int(n) for n in args.per_record.split(",")]
+    for n in cases:
+        if args.window % (args.rows_per_event * n):
+            parser.error(f"--window must be a multiple of --rows-per-event x {n} (windows close on whole records)")
     world = SyntheticWorld(Task.BINARY, seed=0)
+    messages = events(world, args.predictions, args.rows_per_event)
+    results = []
     with tempfile.TemporaryDirectory() as tmp, DevInfra(Path(tmp) / "infra") as infra:
-        env = {**infra.env(), "OPML_TOPIC_PREFIX": "bench-", "OPML_REDIS_PREFIX": f"opml-bench:{time.time_ns()}:",
-               "OPML_KAFKA_SESSION_TIMEOUT_MS": "3000", "OPML_KAFKA_HEARTBEAT_INTERVAL_MS": "500"}
-        starter = ServiceStarter(env, Path(tmp))
+        starter = ServiceStarter({**infra.env(), "OPML_TOPIC_PREFIX": "bench-store-"}, Path(tmp))
         try:
             store = starter("bundle-store", tokens=None)
             with BundleStoreClient(store.target) as client:
@@ -143,41 +204,23 @@ def main() -> None:
                 config = f"features: {{x: [{', '.join(FEATURES)}]}}\nwindow: {{count: {args.window}}}\n"
                 client.add("bench", "reference", {"reference.npz": dump_reference(world.reference(3000)),
                                                   "monitoring.yaml": config.encode()}, commit=True)
-            scorer = starter(SPEC, tokens=None, extra_env={"OPML_MONITORING_SCORER_BUNDLE_STORE_TARGET": store.target})
-            scorer.startup_timeout_s = 300.0
-            with MonitoringClient(scorer.target) as client:
-                client.register("bench", "1", "bench", "reference")
-            # the predictions wait on the topic while the scorer is down: what is measured is the
-            # scorer consuming a backlog, not the producer (which is slower than the scorer)
-            scorer.stop()
-            messages = events(world, args.predictions, args.rows_per_event)
-            os.environ.update(env)  # the publisher below reads the same platform settings
-            publish_s = asyncio.run(publish(PlatformSettings(), messages))
-            port = scorer.env["OPML_MONITORING_SCORER_METRICS_PORT"]
-            seen: list[tuple[float, float, float, float]] = []  # (wall time, predictions, windows, scorer CPU s)
-            watching = threading.Thread(target=watch, args=(scorer, port, windows, seen), daemon=True)
-            watching.start()
-            scorer.start()  # restores the registration from Redis, then consumes from the earliest offset
-            watching.join()
-            close_sum = metric(port, "opml_monitoring_scorer_window_close_seconds_sum")
-            close_count = metric(port, "opml_monitoring_scorer_window_close_seconds_count")
+            for n in cases:
+                results.append(run_case(infra.env(), Path(tmp), store.target, world, messages, n, args))
+                r = results[-1]
+                print(f"  case {n} per record done: {r['scored'] / r['wall_s']:,.0f}/s wall, "
+                      f"{r['scored'] / r['cpu_s']:,.0f} per CPU-second", flush=True)
         finally:
             starter.stop_all()
-    first = next(s for s in seen if s[1] > 0)  # the first prediction counted
-    last = next(s for s in seen if s[2] >= windows)  # the last window saved
-    scored = args.predictions - first[1]
-    wall_s, cpu_s = last[0] - first[0], last[3] - first[3]
     in_process = throughput(0, rows=args.predictions, window=args.window)
-    stream_rate = scored / wall_s
-    print(f"{args.predictions} predictions in {len(messages)} events of {args.rows_per_event} row(s), windows of "
-          f"{args.window}, published before the scorer starts (producer {len(messages) / publish_s:,.0f} events/s)")
-    print(f"scorer through the broker: {stream_rate:,.0f} predictions/s wall ({scored:.0f} predictions from the first "
-          f"one counted to the last window saved, {wall_s:.2f} s); {scored / cpu_s:,.0f} predictions per CPU-second of the "
-          f"scorer process ({cpu_s:.2f} s CPU: {cpu_s / wall_s:.2f} cores busy)")
-    print(f"in-process scoring (decode + score, no broker, no faust, no Redis): {in_process:,.0f}/s; "
-          f"ratio stream/in-process {stream_rate / in_process:.2f}")
-    print(f"window close to score saved and alerts emitted: mean {1000 * close_sum / max(close_count, 1):.1f} ms "
-          f"over {int(close_count)} windows")
+    print(f"{args.predictions} predictions in requests of {args.rows_per_event} row(s), windows of {args.window}, "
+          f"published before the scorer starts; in-process scoring (decode + score, no broker, no faust, no "
+          f"Redis, one PredictionMade each): {in_process:,.0f}/s")
+    print("requests/record  records  producer rec/s  predictions/s wall  per CPU-second  CPU us/prediction  "
+          "cores busy  window close")
+    for r in results:
+        print(f"{r['per_record']:>15}  {r['records']:>7}  {r['producer']:>14,.0f}  {r['scored'] / r['wall_s']:>12,.0f} "
+              f"({r['wall_s']:5.2f} s)  {r['scored'] / r['cpu_s']:>14,.0f}  {1e6 * r['cpu_s'] / r['scored']:>17.1f}  "
+              f"{r['cpu_s'] / r['wall_s']:>10.2f}  {r['close_ms']:6.1f} ms ({r['closes']})")
 
 
 if __name__ == "__main__":
