@@ -32,10 +32,10 @@ changelog before it commits source offsets, and a window saved but not yet in th
 the process dies is closed again under the same index (the scorer saves windows by index and steps
 rules once per index), so a SIGKILL loses no window and counts none twice.
 
-Per batch (in chunks of about ``DECODE_PREDICTIONS`` predictions): one Redis pipeline for the
-label-join records of its predictions (scorer.py; one per prediction, a batch's serialized one by
-one), no per-record table write. Memory: the open windows' events (their decoded rows and the faust events,
-unacked), one window per monitored version.
+Per batch (in chunks of about ``DECODE_PREDICTIONS`` predictions): one Redis script call for the
+label-join records of its predictions (state.py; one record per prediction, a batch's predictions
+serialized one by one), no per-record table write. Memory: the open windows' events (their decoded
+rows and the faust events, unacked), one window per monitored version.
 
 ``labels`` agent, on opml.labels.v1: each LabelObserved is joined to its prediction by request id in
 Redis with expiry (the retention bound; see state.py), because labels are keyed by request id and
