@@ -11,7 +11,8 @@ transfer between them has little to learn.
 1. Every candidate configuration placement considers (batch sizes the kind profiles, threads 1 to the
    slot's, 4 graph optimization levels, 2 execution modes with 2+ threads) is measured with the
    router's own code (``runtime.perfsample``: the kind's session code, median of 15 batches, lowest
-   of 3 passes). The worker's profile of the model (its defaults) is what placement sizes on.
+   of 3 passes). The request-path profile the router takes at deploy (its defaults) is what
+   placement sizes on.
 2. Per seed, the performance model the router would have: ``cpu``'s learnt on 20 of the measured
    configurations drawn at random (the router's minimum for a kind's own model); ``accel``'s
    transferred from that model with 5 accel measurements (ScaleShift, as the router does). The
@@ -43,15 +44,20 @@ import numpy as np
 import yaml
 
 from opml_common.kserve_codec import encode_request
-from opml_common.perfmodel import PerformanceModel, Sample, ScaleShift
+from opml_common.perfmodel import PerformanceModel, Sample, ScaleShift, ServingConfig
+from opml_inference_router.control.profiling import request_path_profile
+from opml_inference_router.control.state import Source, VersionRecord
 from opml_inference_router.control.workers import WorkerClient
 from opml_inference_router.placement import (
+    Batching,
+    BatchQueueModel,
     CostAwareSloPolicy,
     Fleet,
     FleetConfig,
     ModelConfig,
     ModelDemand,
     Profile,
+    ServiceCurve,
     ServingConfigChooser,
     ServingTable,
     SessionChoice,
@@ -72,9 +78,9 @@ FLEET = {"pool_kinds": [
 OWN, TRANSFER = 20, 5  # the router's minimum for a kind's own model; a few target samples to transfer with
 
 
-def chooser(fleet: Fleet, slot: int, table: ServingTable | None) -> ServingConfigChooser:
+def chooser(fleet: Fleet, slot: int, table: ServingTable | None, min_gain: float = 0.05) -> ServingConfigChooser:
     return ServingConfigChooser(fleet=fleet, policy=CostAwareSloPolicy(), slot_threads=lambda kind: slot,
-                                tables=lambda model, kind: table)
+                                tables=lambda model, kind: table, min_gain=min_gain)
 
 
 def table_of(samples: list[Sample], basis: str) -> ServingTable:
@@ -110,7 +116,7 @@ async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", default="8,32", help="closed-loop loads: clients, comma-separated")
     parser.add_argument("--seconds", type=float, default=6.0)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--depth", type=int, default=3)
@@ -138,7 +144,12 @@ async def main() -> int:
             for kind, worker in workers.items():
                 client = WorkerClient(worker.target)
                 await client.load("mlp", path=root / "models" / "mlp", version=1, profile=True)
-                profiles[kind] = await client.profile("mlp", 1)  # the defaults', as placement sizes on
+                executed = await client.profile("mlp", 1)
+                replica = UdsReplica(worker.uds_target)
+                entry = VersionRecord(1, Source(model_dir=str(root / "models" / "mlp")), str(root / "models" / "mlp"))
+                # what the router plans on: the request path's batch times, at the worker's defaults
+                profiles[kind] = await request_path_profile(replica, client, config, entry, executed)
+                await replica.close()
                 await client.close()
                 candidates = chooser(fleet, slot, None).candidates(demand, fleet.kinds[kind])
                 started = time.perf_counter()
@@ -150,7 +161,7 @@ async def main() -> int:
             for kind in workers:
                 chosen[kind]["default"] = _placed(fleet, slot, None, demand, kind, profiles[kind])
                 chosen[kind]["measured best"] = _placed(fleet, slot, table_of(measured[kind], "all measured"), demand,
-                                                        kind, profiles[kind])
+                                                        kind, profiles[kind], min_gain=0.0)
             for seed in range(args.seeds):
                 rng = random.Random(seed)
                 cpu_few = rng.sample(measured["cpu"], OWN)
@@ -188,6 +199,20 @@ async def main() -> int:
     for kind in ("cpu", "accel"):
         print(f"\n{kind} (profile at the defaults: "
               f"{ {n: round(ms, 3) for n, ms in profiles[kind].batch_latency_ms.items()} } ms)")
+        by = {(c.config.threads, c.config.opt_level, c.config.execution_mode, c.config.batch): c.latency_ms
+              for c in measured[kind]}
+        sizes = sorted(profiles[kind].batch_latency_ms)
+        mid = sizes[len(sizes) // 2]
+        print(f"  measured ms per batch of {sizes[0]} / {mid} / {sizes[-1]} rows (perfsample): " + "; ".join(
+            f"{t}t/{level}/{mode} {by[t, level, mode, sizes[0]]:.2f}/{by[t, level, mode, mid]:.2f}/"
+            f"{by[t, level, mode, sizes[-1]]:.2f}"
+            for t, level, mode in sorted({key[:3] for key in by})))
+        capacities = {what: measured_capacity(fleet, kind, demand, profiles[kind], measured[kind], *c)
+                      for what, c in chosen[kind].items()}
+        print("  by the measured grid (placement's latency model, rate within 0.9 x SLO):")
+        for what, (session, cap) in chosen[kind].items():
+            print(f"    {what:19} {label(session, cap):28} {capacities[what]:7.0f} rows/s "
+                  f"({capacities[what] / capacities['measured best']:6.1%})")
         for clients in loads:
             medians = {what: (statistics.median(r for r, _ in results[kind, label(*c), clients]),
                               statistics.median(p for _, p in results[kind, label(*c), clients]))
@@ -203,11 +228,29 @@ async def main() -> int:
 
 
 def _placed(fleet: Fleet, slot: int, table: ServingTable | None, demand: ModelDemand, kind: str,
-            profile: Profile) -> tuple[SessionChoice, int]:
-    """The session options and batch cap placement gives the model on ``kind`` with ``table``."""
-    adjusted, session = chooser(fleet, slot, table).choose(demand, fleet.kinds[kind], profile)
+            profile: Profile, min_gain: float = 0.05) -> tuple[SessionChoice, int]:
+    """The session options and batch cap placement gives the model on ``kind`` with ``table``
+    (the measured best: with no margin for the defaults)."""
+    adjusted, session = chooser(fleet, slot, table, min_gain).choose(demand, fleet.kinds[kind], profile)
     option = CostAwareSloPolicy().options(demand, {kind: adjusted}, fleet)[0]
     return session, option.max_batch
+
+
+def measured_capacity(fleet: Fleet, kind: str, demand: ModelDemand, profile: Profile, measured: list[Sample],
+                      session: SessionChoice, cap: int) -> float:
+    """The rate one replica of ``session`` and batch cap ``cap`` takes within 0.9 x the SLO by the
+    placement's latency model on the profile the exhaustive measurements give it (profile x
+    measured(session) / measured(defaults)): the chooser's own criterion, on measurements."""
+    by = {s.config: s.latency_ms for s in measured}
+    slot, latencies, running = fleet.kinds[kind], {}, 0.0
+    precision = profile.precision
+    for n in sorted(profile.batch_latency_ms):
+        ratio = (by[ServingConfig(n, session.threads, session.opt_level, session.execution_mode, precision)]
+                 / by[ServingConfig(n, thread_share(slot), "all", "sequential", precision)])
+        running = latencies[n] = max(running, profile.batch_latency_ms[n] * ratio)
+    service = ServiceCurve(Profile(profile.model, kind, precision, latencies, profile.memory_mib), slot)
+    return BatchQueueModel().max_rate_rps(service, Batching(cap, demand.config.queue_delay_ms),
+                                          0.9 * demand.config.slo.p99_ms)
 
 
 if __name__ == "__main__":

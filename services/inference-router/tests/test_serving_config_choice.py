@@ -118,6 +118,7 @@ def test_a_gain_within_the_margin_keeps_the_incumbent():
     table = ServingTable({c: slightly(c) for c in space()}, "slight")
     _, chosen = chooser(table, slot=2).choose(WANTED, CPU, profile())
     assert (chosen.threads, chosen.opt_level) == (2, "all")
+    assert chosen.basis.startswith("defaults kept within 5% of the predicted best of 12 for p99 <= 40 ms at 300 rps")
     _, chosen = chooser(table, slot=2, min_gain=0.0).choose(WANTED, CPU, profile())
     assert (chosen.threads, chosen.opt_level) == (1, "extended")  # threads do not matter here: fewer
     # what runs now stays when the best beats it by less than the margin
@@ -129,6 +130,7 @@ def test_a_gain_within_the_margin_keeps_the_incumbent():
                          for c in space()}, "near")
     _, kept = chooser(near, slot=2).choose(WANTED, CPU, profile(), incumbent=placed)
     assert (kept.threads, kept.opt_level, kept.execution_mode) == (2, "extended", "sequential")
+    assert kept.basis.startswith("kept within 5% of the predicted best")
 
 
 def test_without_predictions_the_defaults_stay_and_say_so():

@@ -123,7 +123,7 @@ def test_a_replica_runs_the_configuration_its_performance_model_predicts_best(
         replicas = [r for w in last.placement.workers for r in w.replicas]
         assert {(r.session.threads, r.session.opt_level, r.session.execution_mode) for r in replicas} == {chosen}
     else:  # the defaults predicted best: the same replica, its reason renewed
-        assert placed.replicas[0].session.basis.startswith("defaults predicted best")
+        assert placed.replicas[0].session.basis.startswith("defaults ")  # predicted best, or kept within 5% of it
 
     # Restarted over the stored state (deployments, profiles, measurements in Redis): the same configuration.
     router.stop()

@@ -122,15 +122,17 @@ class ServingConfigChooser:
         found = [self._candidate(demand, kind, profile, table, base, session, precision)
                  for session, precision in self._sessions(demand, kind, profile.precision, threads)]
         found = [c for c in found if c is not None]
+        if not found:
+            return profile, replace(default, basis=f"defaults: {table.basis} predicts none of the candidates")
         keep, kept_precision = default, profile.precision
         if incumbent is not None and 0 < incumbent.session.threads <= threads:
             keep, kept_precision = incumbent.session, incumbent.precision
         current = next((c for c in found if c.session == keep and c.precision == kept_precision), None)
         best = min(found, key=lambda c: (c.score(), _preference(c, default, profile.precision)))
-        if current is not None and not self._beats(best, current):
-            best = current
         summary = (f"predicted best of {len(found)} for p99 <= {demand.config.slo.p99_ms:g} ms at "
                    f"{demand.rate_rps:g} rps ({table.basis})")
+        if current is not None and current is not best and not self._beats(best, current):
+            best, summary = current, f"kept within {self.min_gain:.0%} of the {summary}"
         if best.session == default and best.precision == profile.precision:
             summary = f"defaults {summary}"
         return best.profile, replace(best.session, basis=summary)
