@@ -173,6 +173,9 @@ def run_case(infra_env: dict[str, str], tmp: Path, store_target: str, world: Syn
     last = next(s for s in seen if s[2] >= windows)  # the last window saved
     scored = args.predictions - first[1]
     wall_s, cpu_s = last[0] - first[0], last[3] - first[3]
+    if scored <= 0 or wall_s <= 0 or cpu_s <= 0:
+        raise SystemExit(f"records of {per_record}: the backlog was scored between two samples of the scorer's "
+                         "metrics; run with more --predictions")
     return {"per_record": per_record, "records": len(published), "producer": len(published) / publish_s,
             "scored": scored, "wall_s": wall_s, "cpu_s": cpu_s, "close_ms": 1000 * close_sum / max(close_count, 1),
             "closes": int(close_count)}
