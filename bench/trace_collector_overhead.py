@@ -22,7 +22,16 @@
    RUSAGE_CHILDREN around each run), wall time too. Per pair traced - untraced, reported as the
    mean with its 95% confidence interval, in seconds and as % of the untraced median. This is the
    figure that includes what (1)'s in-process comparison leaves out: the tracer's imports and
-   set-up (on its own thread), its batches, and its exit.
+   set-up (on its own thread), its batches, and its exit. ``--concurrent`` runs each pair's two
+   processes at the same time, pinned to one CPU (``--cpu``), so that the host's changing speed (this
+   is a VM: steal time and neighbours' cache use move a 13 s job's CPU by +-15% from run to run) hits
+   both arms alike; the pair's difference then has ~1/10 of the sequential pairs' spread. The
+   percentages are of the untraced job run alone (``--solo-runs``), not of its CPU in a pair, which
+   sharing the core's caches inflates. ``--tf-threads N`` runs both arms with N
+   intra-op and N inter-op TensorFlow threads (and N OpenMP threads): TensorFlow's default pools
+   spin and steal differently from run to run (up to 2.6 s of CPU between two identical 13 s runs),
+   which hides a 1% difference in any affordable number of pairs; the tracer's own work does not
+   depend on the pools, so fixing them shows its cost with a usable interval.
 
 5. The tracer's fixed cost (``--fixed``): a trivial TensorFlow program (import, 20 steps of a small
    tf.function, then ``--hold`` seconds idle so the tracer's batches and control polls run) untraced
@@ -36,7 +45,7 @@
 Starts its own broker/S3/Redis (opml_common.devinfra). Usage:
     .venv/bin/python bench/trace_collector_overhead.py [--pairs 3] [--steps 20] [--epochs 3]
         [--interleave 60] [--interleave-steps 5] [--capture-steps 10] [--out results.json]
-    .venv/bin/python bench/trace_collector_overhead.py --whole [--short-pairs 8] [--long-pairs 4]
+    .venv/bin/python bench/trace_collector_overhead.py --whole [--short-pairs 8] [--long-pairs 4] [--tf-threads 1]
     .venv/bin/python bench/trace_collector_overhead.py --fixed [--fixed-pairs 10] [--hold 4]
 """
 
@@ -53,6 +62,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -258,50 +268,86 @@ def bench(args: argparse.Namespace) -> dict:
 
 def whole_process(args: argparse.Namespace) -> dict:
     """(4): CPU and wall of whole processes, untraced against traced, interleaved."""
-    import resource
-
     from opml_trace_collector.inject.launcher import build_env
     with tempfile.TemporaryDirectory(prefix="opml-bench-trace-") as tmp, _infra(tmp) as (env, _platform), \
             _shipper(env) as shipper:
+        if args.tf_threads:
+            threads = str(args.tf_threads)
+            env = {**env, "TF_NUM_INTRAOP_THREADS": threads, "TF_NUM_INTEROP_THREADS": threads,
+                   "OMP_NUM_THREADS": threads}
         traced_env = build_env("bench-whole", None, env)
+        arms = {"untraced": env, "traced": traced_env}
+        cpus = {args.cpu} if args.cpu is not None else None
         results = {}
         for name, epochs, pairs in (("short", args.short_epochs, args.short_pairs),
                                     ("long", args.long_epochs, args.long_pairs)):
+            if not pairs:
+                continue
             cmd = [sys.executable, str(HERE), "--workload", "--steps", str(args.whole_steps), "--epochs", str(epochs),
                    "--batch-size", str(args.batch_size), "--interleave", "0"]
+            solo = [_measured([cmd], [env], tmp, cpus)[0] for _ in range(args.solo_runs if args.concurrent else 0)]
             runs: dict[str, list[tuple[float, float]]] = {"untraced": [], "traced": []}
             shipper_cpu: list[float] = []
             for pair in range(pairs):
-                for arm in (("untraced", "traced") if pair % 2 == 0 else ("traced", "untraced")):
-                    before, started = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-                    shipped_before = _cpu_of(shipper)
-                    subprocess.run(cmd, env=traced_env if arm == "traced" else env, cwd=tmp, check=True,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                    wall, after = time.perf_counter() - started, resource.getrusage(resource.RUSAGE_CHILDREN)
-                    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-                    runs[arm].append((cpu, wall))
-                    if shipper is not None and arm == "traced":
-                        _wait_delivered(Path(env["OPML_TRACE_SPOOL_DIR"]))
-                        shipper_cpu.append(_cpu_of(shipper) - shipped_before)
+                order = ("untraced", "traced") if pair % 2 == 0 else ("traced", "untraced")
+                shipped_before = _cpu_of(shipper)
+                if args.concurrent:  # both arms at once on the same CPU: the host's speed changes hit both
+                    for arm, run in zip(order, _measured([cmd, cmd], [arms[a] for a in order], tmp, cpus), strict=True):
+                        runs[arm].append(run)
+                else:
+                    for arm in order:
+                        runs[arm].append(_measured([cmd], [arms[arm]], tmp, cpus)[0])
+                if shipper is not None:
+                    _wait_delivered(Path(env["OPML_TRACE_SPOOL_DIR"]))
+                    shipper_cpu.append(_cpu_of(shipper) - shipped_before)
                 print(f"{name} pair {pair}: untraced {runs['untraced'][-1][0]:.2f} s CPU, traced "
                       f"{runs['traced'][-1][0]:.2f} s CPU", flush=True)
             cpu_diff = [t[0] - u[0] for u, t in zip(runs["untraced"], runs["traced"], strict=True)]
             wall_diff = [t[1] - u[1] for u, t in zip(runs["untraced"], runs["traced"], strict=True)]
-            base_cpu = statistics.median(c for c, _ in runs["untraced"])
+            # The base of the percentages: the untraced job alone (in concurrent pairs each job's CPU is
+            # inflated by sharing the core's caches, which would understate the percentage).
+            base_cpu = statistics.median(c for c, _ in (solo or runs["untraced"]))
             cpu = spread(cpu_diff)
+            with_shipper = spread([d + s for d, s in zip(cpu_diff, shipper_cpu, strict=True)]) if shipper_cpu else None
             results[name] = {
                 "epochs": epochs, "steps_per_epoch": args.whole_steps, "pairs": pairs,
+                "tf_threads": args.tf_threads or "default", "concurrent_pairs": args.concurrent, "cpu": args.cpu,
+                "untraced_alone_cpu_s": spread([c for c, _ in solo]) if solo else None,
                 "untraced_cpu_s": spread([c for c, _ in runs["untraced"]]),
                 "traced_cpu_s": spread([c for c, _ in runs["traced"]]),
                 "untraced_wall_s": spread([w for _, w in runs["untraced"]]),
                 "traced_wall_s": spread([w for _, w in runs["traced"]]),
                 "cpu_overhead_s": cpu, "wall_overhead_s": spread(wall_diff),
                 "shipper_cpu_per_traced_job_s": spread(shipper_cpu) if shipper_cpu else None,
-                "cpu_overhead_pct": {"mean": 100 * cpu["mean"] / base_cpu,
-                                     "ci95": [100 * (cpu["mean"] - cpu["mean_ci95"]) / base_cpu,
-                                              100 * (cpu["mean"] + cpu["mean_ci95"]) / base_cpu]},
+                "cpu_overhead_pct": _pct(cpu, base_cpu),
+                "cpu_overhead_with_shipper_pct": _pct(with_shipper, base_cpu) if with_shipper else None,
             }
         return results
+
+
+def _pct(diff: dict, base: float) -> dict:
+    return {"mean": 100 * diff["mean"] / base, "base_cpu_s": base,
+            "ci95": [100 * (diff["mean"] - diff["mean_ci95"]) / base, 100 * (diff["mean"] + diff["mean_ci95"]) / base]}
+
+
+def _measured(cmds: list[list[str]], envs: list[dict[str, str]], cwd: str, cpus: set[int] | None,
+              ) -> list[tuple[float, float]]:
+    """Runs the commands at once; (user + sys CPU of each process tree, its wall time), from wait4."""
+    started = time.perf_counter()
+    processes = [subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+                 for cmd, env in zip(cmds, envs, strict=True)]
+
+    def reap(process: subprocess.Popen) -> tuple[float, float]:
+        _, status, usage = os.wait4(process.pid, 0)  # blocks without the GIL: each process's own end
+        process.returncode = os.waitstatus_to_exitcode(status)
+        if process.returncode != 0:
+            raise RuntimeError(f"workload failed ({process.returncode}): {' '.join(process.args)}")
+        return usage.ru_utime + usage.ru_stime, time.perf_counter() - started
+
+    with ThreadPoolExecutor(len(processes)) as pool:
+        measured = list(pool.map(reap, processes))
+    return measured
 
 
 def fixed_workload(hold_s: float, out: Path) -> None:
@@ -496,6 +542,13 @@ def main() -> None:
     parser.add_argument("--long-epochs", type=int, default=50, help="(4): epochs of the long (~60 s) job")
     parser.add_argument("--short-pairs", type=int, default=8, help="(4): interleaved pairs of the short job")
     parser.add_argument("--long-pairs", type=int, default=4, help="(4): interleaved pairs of the long job")
+    parser.add_argument("--concurrent", action="store_true",
+                        help="(4): run each pair's two arms at the same time on one CPU (see --cpu)")
+    parser.add_argument("--cpu", type=int, default=None, help="(4): pin the workloads to this CPU")
+    parser.add_argument("--solo-runs", type=int, default=3,
+                        help="(4) with --concurrent: untraced runs alone, the base of the percentages")
+    parser.add_argument("--tf-threads", type=int, default=0,
+                        help="(4): TensorFlow intra-op/inter-op (and OpenMP) threads in both arms; 0: TensorFlow's default")
     parser.add_argument("--fixed", action="store_true", help="(5) only: the tracer's fixed cost per process")
     parser.add_argument("--fixed-pairs", type=int, default=10, help="(5): interleaved pairs")
     parser.add_argument("--hold", type=float, default=4.0, help="(5): seconds the program idles after its steps")
