@@ -96,10 +96,11 @@ def writer(process: ServiceProcess) -> MonitoringClient:
 class Producer:
     """Publishes predictions as the router's PredictionLog makes them (``send``: requests of BATCH rows,
     one PredictionMade record each; ``queue``: one-row requests queued on the log, whose senders publish
-    what is queued for the version as one record, up to ``batch_max``), and labels."""
+    what is queued for the version as one record, up to ``batch_max``), and labels. ``record_cap_bytes``:
+    the log's record cap (0: every prediction carries summaries only, as large tensors do)."""
 
     def __init__(self, settings: PlatformSettings, model: str = "fraud", version: str = "1", *,
-                 batch_max: int = 100, ids: str = "req") -> None:
+                 batch_max: int = 100, ids: str = "req", record_cap_bytes: int = 64 * 1024) -> None:
         self.settings = settings
         self.model, self.version, self.ids = model, version, ids
         self.registry = CollectorRegistry()
@@ -107,7 +108,7 @@ class Producer:
                                         metrics=ServiceMetrics("test", self.registry))
         # named as the router's, so its counters are the router's (opml_inference_router_predictions_*)
         self.log = PredictionLog(self.publisher, ServiceMetrics("inference-router", self.registry),
-                                 batch_max=batch_max)
+                                 batch_max=batch_max, record_cap_bytes=record_cap_bytes)
         self.sent = 0
         self.labels: dict[str, list[float]] = {}
 

@@ -66,6 +66,7 @@ from opml_common.config import PlatformSettings
 from opml_common.errors import InvalidArgument
 from opml_monitoring_scorer.core.decode import Batch
 from opml_monitoring_scorer.core.scorer import Joinable, Scorer, model_version
+from opml_monitoring_scorer.core.summary import PredictionSummary
 from opml_monitoring_scorer.metrics import ScorerMetrics
 from opml_monitoring_scorer.topics import LABELS, PREDICTIONS
 
@@ -100,6 +101,8 @@ class OpenWindow:
     events: list[Any] = field(default_factory=list)
     rows: int = 0
     summary_only: int = 0
+    summaries: list[PredictionSummary] = field(default_factory=list)
+    """What its summary-only predictions carry."""
     first: float | None = None
     last: float | None = None
     last_offset: int = -1
@@ -120,6 +123,8 @@ class DecodedRecord:
     """Rows per prediction (0: summary only, or none)."""
     rows: int
     summary_only: int
+    summaries: list[PredictionSummary]
+    """What its summary-only predictions carry, in order."""
     weight: int
     """What it counts toward a window by count: its rows, and 1 for a prediction without rows."""
     first: float
@@ -128,15 +133,15 @@ class DecodedRecord:
 
     @classmethod
     def of(cls, key: str, predictions: list[Any], data: bytes | None, decodes: list[tuple[Batch, int, list[int]]],
-           message: Any) -> DecodedRecord:
-        """From its predictions and their decodes: (decoded batch, first row, rows of each prediction in it)."""
+           message: Any, summaries: list[PredictionSummary]) -> DecodedRecord:
+        """From its predictions and their decodes: (decoded batch, first row, rows of each prediction in
+        it), and what its summary-only predictions carry."""
         parts, counts = [], []
         for batch, start, rows in decodes:
             parts.append((batch, start, start + sum(rows)))
             counts.extend(rows)
         times = [p.time.ToNanoseconds() / 1e9 if p.HasField("time") else message.timestamp for p in predictions]
-        summary = sum(not (p.infer_request and p.infer_response) for p in predictions)
-        return cls(key, predictions, data, parts, counts, sum(counts), summary,
+        return cls(key, predictions, data, parts, counts, sum(counts), len(summaries), summaries,
                    sum(n or 1 for n in counts), times[0], max(times))
 
     def joinable(self) -> list[tuple[bytes, str]]:
@@ -381,23 +386,26 @@ class ScoringStream:
                 for i in indexes:
                     items[i] = self._decode_alone(key, monitored, events[i].message, *parsed[i][1:])
                 continue
-            row = at = 0
+            row = at = summarised = 0
             for i in indexes:
                 _, predictions, data = parsed[i]
                 rows = counts[at:at + len(predictions)]
-                items[i] = DecodedRecord.of(key, predictions, data, [(batch, row, rows)], events[i].message)
+                only = sum(not (p.infer_request and p.infer_response) for p in predictions)
+                items[i] = DecodedRecord.of(key, predictions, data, [(batch, row, rows)], events[i].message,
+                                            batch.summaries[summarised:summarised + only])
                 row += sum(rows)
                 at += len(rows)
+                summarised += only
         return items
 
     def _decode_alone(self, key: str, monitored: Any, message: Any, predictions: list[Any],
                       data: bytes | None) -> DecodedRecord | Exception:
         try:
             batch, counts = self.scorer.decode_many(monitored, predictions)
-            return DecodedRecord.of(key, predictions, data, [(batch, 0, counts)], message)
+            return DecodedRecord.of(key, predictions, data, [(batch, 0, counts)], message, batch.summaries)
         except Exception:  # noqa: BLE001 - mixed layouts in one record, or a bad prediction: one by one
             pass
-        decodes = []
+        decodes, summaries = [], []
         for i, prediction in enumerate(predictions):
             try:
                 one = self.scorer.decode(monitored, prediction)
@@ -407,7 +415,8 @@ class ScoringStream:
                 field = f"predictions[{i}].{exc.field}" if isinstance(exc, InvalidArgument) else f"predictions[{i}]"
                 return InvalidArgument(field, str(exc))
             decodes.append((one, 0, [len(one)]))
-        return DecodedRecord.of(key, predictions, data, decodes, message)
+            summaries.extend(one.summaries)
+        return DecodedRecord.of(key, predictions, data, decodes, message, summaries)
 
     async def _reject(self, event: Any, error: Exception) -> None:
         reason = "unknown_model" if isinstance(error, UnknownModel) else "malformed"
@@ -441,6 +450,7 @@ class ScoringStream:
             else:
                 parts.append([batch, start, stop])
         window.summary_only += record.summary_only
+        window.summaries.extend(record.summaries)
         window.events.append(event)
         window.rows += record.weight
         window.last_offset = offset
@@ -464,7 +474,7 @@ class ScoringStream:
         by index, steps rules once)."""
         await self._flush_joins()  # a label that came first is applied before the window reads its truth
         rows = Batch.concat([batch.rows(start, stop) for batch, start, stop in window.parts],
-                            summary_only=window.summary_only)
+                            summary_only=window.summary_only, summaries=window.summaries)
         await self.scorer.score_window(key, window.index, rows, window.first, window.last)
         progress = {"index": window.index + 1, "partition": window.partition, "through": window.last_offset}
         # Sent to the changelog and awaited (the broker has it, acks=all) before the window's events

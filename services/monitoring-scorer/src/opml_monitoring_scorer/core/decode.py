@@ -14,14 +14,15 @@ Many events of one version are decoded together (:func:`decode_predictions`): th
 and decoded in one numpy call each, the features and outputs built once, so a stream of one-row
 requests does not pay a decode per row.
 
-An event that carries summaries only (tensors past the router's record cap) has no rows to score:
-it is reported as ``summary_only`` and counted by the window's data quality.
+An event that carries summaries only (tensors past the router's record cap) has no rows: it is
+counted as ``summary_only`` and its input statistics are kept (``Batch.summaries``), which the
+window's drift and data quality compare with the reference summarised the same way (summary.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from opml.inference.v1 import events_pb2
@@ -30,6 +31,7 @@ from tritonclient.grpc import service_pb2 as pb
 from opml_common.errors import InvalidArgument
 from opml_common.kserve_codec import decode_request, decode_response, decode_stacked
 from opml_monitoring_scorer.core.reference import Outputs, Task, as_column
+from opml_monitoring_scorer.core.summary import PredictionSummary, summary_of
 
 MAX_ROWS_PER_EVENT = 100_000
 MAX_COLUMNS = 256
@@ -39,31 +41,36 @@ mean, std, min and max."""
 
 @dataclass
 class Batch:
-    """Rows of one or more predictions: feature columns, outputs, and per row its request id."""
+    """Rows of one or more predictions: feature columns, outputs, and per row its request id; and what
+    its summary-only predictions carry."""
 
     features: dict[str, np.ndarray]
     outputs: Outputs
     request_ids: list[str]
     summary_only: int = 0
+    summaries: list[PredictionSummary] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.outputs)
 
     def rows(self, start: int, stop: int) -> Batch:
-        """Rows ``start`` to ``stop`` (views of the same arrays; no summary-only count)."""
+        """Rows ``start`` to ``stop`` (views of the same arrays; no summary-only predictions)."""
         outputs = self.outputs
         scores = None if outputs.scores is None else outputs.scores[start:stop]
         return Batch({name: column[start:stop] for name, column in self.features.items()},
                      Outputs(outputs.predicted[start:stop], scores), self.request_ids[start:stop])
 
     @staticmethod
-    def concat(batches: Sequence[Batch], *, summary_only: int | None = None) -> Batch:
-        """The rows of ``batches`` in order; ``summary_only``: the summary-only events counted (default:
-        the batches' own counts)."""
+    def concat(batches: Sequence[Batch], *, summary_only: int | None = None,
+               summaries: list[PredictionSummary] | None = None) -> Batch:
+        """The rows of ``batches`` in order; ``summary_only`` and ``summaries``: the summary-only events
+        counted and what they carry (default: the batches' own)."""
         rows = [b for b in batches if len(b)]
         summary = sum(b.summary_only for b in batches) if summary_only is None else summary_only
+        if summaries is None:
+            summaries = [s for b in batches for s in b.summaries]
         if not rows:
-            return Batch({}, Outputs(np.empty(0)), [], summary)
+            return Batch({}, Outputs(np.empty(0)), [], summary, summaries)
         names = set().union(*(b.features for b in rows))
         features = {}
         for name in names:
@@ -73,7 +80,7 @@ class Batch:
         if all(b.outputs.scores is not None for b in rows):
             scores = np.concatenate([b.outputs.class_scores() for b in rows])
         return Batch(features, Outputs(np.concatenate([b.outputs.predicted for b in rows]), scores),
-                     [r for b in rows for r in b.request_ids], summary)
+                     [r for b in rows for r in b.request_ids], summary, summaries)
 
 
 def _absent(batch: Batch, rows: Sequence[Batch]) -> np.ndarray:
@@ -106,7 +113,7 @@ def decode_prediction(event: events_pb2.PredictionMade, *, task: Task, feature_n
     """Raises: InvalidArgument: the request or response does not decode, holds more than
     ``MAX_ROWS_PER_EVENT`` rows, or its tensors disagree on the batch size."""
     if not event.infer_request or not event.infer_response:
-        return Batch({}, Outputs(np.empty(0)), [], summary_only=1)
+        return Batch({}, Outputs(np.empty(0)), [], summary_only=1, summaries=[summary_of(event)])
     try:
         request = pb.ModelInferRequest.FromString(event.infer_request)
         response = pb.ModelInferResponse.FromString(event.infer_response)
@@ -142,9 +149,10 @@ def decode_predictions(events: Sequence[events_pb2.PredictionMade], *, task: Tas
             datatypes, dims past the batch): decode them one by one to know which.
     """
     full = [e for e in events if e.infer_request and e.infer_response]
-    summary = len(events) - len(full)
+    summaries = [summary_of(e) for e in events if not (e.infer_request and e.infer_response)]
+    summary = len(summaries)
     if not full:
-        return Batch({}, Outputs(np.empty(0)), [], summary), [0] * len(events)
+        return Batch({}, Outputs(np.empty(0)), [], summary, summaries), [0] * len(events)
     try:
         requests = [pb.ModelInferRequest.FromString(e.infer_request) for e in full]
         responses = [pb.ModelInferResponse.FromString(e.infer_response) for e in full]
@@ -166,7 +174,7 @@ def decode_predictions(events: Sequence[events_pb2.PredictionMade], *, task: Tas
            for event, n in zip(full, sizes, strict=True) for i in range(n)]
     counts = iter(sizes)
     rows = [next(counts) if e.infer_request and e.infer_response else 0 for e in events]
-    return Batch(features, out, ids, summary), rows
+    return Batch(features, out, ids, summary, summaries), rows
 
 
 def _outputs(outputs: Mapping[str, np.ndarray], task: Task, scores_name: str | None,

@@ -4,9 +4,14 @@ The quality score of a window is the product of its parts, each in [0, 1]:
 
 - ``performance``: the MPP's estimate against the reference's own metric (accuracy ratio, or the
   reference MAE over the estimated MAE for regression), capped at 1; absent without reference labels;
-- ``drift``: 1 - half the share of features whose drift test fired;
+- ``drift``: 1 - half the share of features whose drift test fired (the features of the window's rows,
+  and the ``summary:<tensor>.<stat>`` statistics of its summary-only predictions: summary.py);
 - ``output``: 1 - half the output distribution's distance (the predicted class or value);
-- ``data_quality``: 1 - the share of rows with a data-quality problem.
+- ``data_quality``: 1 - the share of rows with a data-quality problem (a summary-only prediction's
+  rows count as bad when its summary shows one).
+
+A window of summary-only predictions only is scored on drift and data quality: no MPP or CBPE
+estimate (they need rows), flagged ``no_estimate:summary_only`` where the model has them.
 
 So a clean window scores near 1, a window where the model is estimated at 80% of its reference
 accuracy scores 0.8 at most, and every part is reported beside the score.
@@ -25,6 +30,7 @@ from opml_monitoring_scorer.core.drift import ColumnDrift, DriftSuite, FeatureDr
 from opml_monitoring_scorer.core.mpp import MPP
 from opml_monitoring_scorer.core.quality import DataQuality, QualityChecker
 from opml_monitoring_scorer.core.reference import ReferenceSet, Task, performance
+from opml_monitoring_scorer.core.summary import SummaryDrift
 
 OUTPUT = "__output__"
 CONFIDENCE = "__confidence__"
@@ -71,6 +77,8 @@ class ModelMonitor:
         self.drift = DriftSuite(reference.features, methods=config.drift_methods,
                                 thresholds=config.drift_thresholds, categorical=sorted(reference.categorical))
         self.quality = QualityChecker(reference.features)
+        self.summary_drift = SummaryDrift(reference.features, config.feature_names, methods=config.drift_methods,
+                                          thresholds=config.drift_thresholds, seed=seed)
         output_is_category = self.task is not Task.REGRESSION
         self.output_drift = ColumnDrift(OUTPUT, reference.outputs.predicted.astype(object).astype(str)
                                         if output_is_category else reference.outputs.predicted,
@@ -91,8 +99,16 @@ class ModelMonitor:
     def score(self, batch: Batch, *, index: int, first_time: float, last_time: float) -> WindowScore:
         """Scores one window's rows."""
         rows = len(batch)
-        quality = self.quality.check(batch.features, rows, summary_only=batch.summary_only)
+        quality = self.quality.check(batch.features, rows, summary_only=batch.summary_only,
+                                     summaries=batch.summaries, tensors=self.summary_drift.ranges)
         drift = self.drift.measure(batch.features) if rows else {}
+        flags = quality.flags()
+        if batch.summaries:
+            summary_drift, unscored = self.summary_drift.measure(batch.summaries)
+            drift.update(summary_drift)
+            flags.extend(f"summary_unscored:{tensor}" for tensor in unscored)
+            if not rows and self.mpp is not None:
+                flags.append("no_estimate:summary_only")
         mpp = cbpe = output = confidence = None
         if rows:
             if self.mpp is not None:
@@ -114,11 +130,11 @@ class ModelMonitor:
             parts["drift"] = 1.0 - 0.5 * sum(d.drifted for d in drift.values()) / len(drift)
         if output is not None:
             parts["output"] = 1.0 - 0.5 * min(1.0, output.distance)
-        parts["data_quality"] = 1.0 - quality.bad_rows_share if rows else 0.0
+        parts["data_quality"] = 1.0 - quality.bad_rows_share if rows or batch.summaries else 0.0
         score = float(np.prod(list(parts.values())))
         return WindowScore(index=index, rows=rows, first_time=first_time, last_time=last_time, score=score,
                            parts=parts, mpp=mpp, cbpe=cbpe, drift=drift, output_drift=output,
-                           confidence_drift=confidence, data_quality=quality, flags=quality.flags())
+                           confidence_drift=confidence, data_quality=quality, flags=flags)
 
     def truth(self, batch: Batch, labels: np.ndarray) -> float:
         """The true metric of labelled rows (accuracy, or MAE for regression)."""
