@@ -29,7 +29,7 @@ from opml_common.kserve_codec import encode_outputs, encode_request
 from opml_common.metrics import ServiceMetrics
 from opml_common.process import ServiceProcess
 from opml_common.testing.bus import sample
-from opml_common.testing.services import TOKENS, ServiceStarter
+from opml_common.testing.services import TOKENS, ServiceStarter, env_prefix
 from opml_inference_router.predictions import PredictionLog, _Entry
 from opml_inference_router.routing import Routed
 from opml_monitoring_scorer.__main__ import SPEC
@@ -62,6 +62,15 @@ class Stack:
     def scorer(self) -> ServiceProcess:
         process = self.starter(SPEC, env=self.scorer_env, start=False)
         # a scorer trains its monitors before it serves: on a shared, loaded machine 60 s was not always enough
+        process.startup_timeout_s = 180.0
+        return process
+
+    def another_scorer(self) -> ServiceProcess:
+        """A second scorer process in the same consumer group (same topics, Redis and bundle-store) on
+        ports and a home of its own."""
+        fresh = self.starter.env(SPEC)
+        own = [f"{env_prefix(SPEC)}{name}" for name in ("GRPC_PORT", "METRICS_PORT", "HOME")]
+        process = self.starter(SPEC, env={**self.scorer_env, **{k: fresh[k] for k in own}}, start=False)
         process.startup_timeout_s = 180.0
         return process
 
