@@ -35,14 +35,15 @@ ROUNDS = 20
 """Most windows per version sent after the join before the second scorer must have closed one."""
 
 
-def versions_on_every_partition() -> list[str]:
-    """One version per partition of the predictions topic (the producer's partitioner on its key)."""
+def versions_on_every_partition(model: str = "fraud") -> list[str]:
+    """One version of ``model`` per partition of the predictions topic (the producer's partitioner on
+    its key)."""
     partitions = list(range(PREDICTIONS.partitions))
     chosen: dict[int, str] = {}
     n = 0
     while len(chosen) < len(partitions):
         n += 1
-        chosen.setdefault(DefaultPartitioner()(f"fraud/{n}".encode(), partitions, partitions), str(n))
+        chosen.setdefault(DefaultPartitioner()(f"{model}/{n}".encode(), partitions, partitions), str(n))
     return [chosen[p] for p in partitions]
 
 
@@ -54,11 +55,16 @@ async def changelog(settings: PlatformSettings, count: int) -> Counter:
     return Counter((json.loads(r.key).split("/", 1)[1], json.loads(r.value)["index"] - 1) for r in records)
 
 
-def closed(process: ServiceProcess) -> dict[str, float]:
-    """Windows the process closed, per version (its opml_monitoring_scorer_windows_total)."""
+def closed(process: ServiceProcess, model: str = "fraud") -> dict[str, float]:
+    """Windows the process closed, per version of ``model`` (its opml_monitoring_scorer_windows_total)."""
     page = samples(scrape(process.env[f"{env_prefix(SPEC)}METRICS_PORT"]))
     return {s.labels["version"]: s.value for s in page
-            if s.name == "opml_monitoring_scorer_windows_total" and s.labels.get("model") == "fraud"}
+            if s.name == "opml_monitoring_scorer_windows_total" and s.labels.get("model") == model}
+
+
+def rejected(process: ServiceProcess) -> float:
+    page = samples(scrape(process.env[f"{env_prefix(SPEC)}METRICS_PORT"]))
+    return sum(s.value for s in page if s.name == "opml_monitoring_scorer_predictions_rejected_total")
 
 
 async def test_two_scorers_score_every_window_once_through_a_join_and_a_sigkill(stack, world,
@@ -120,3 +126,56 @@ async def test_two_scorers_score_every_window_once_through_a_join_and_a_sigkill(
     assert closes == Counter({(v, i): 1 for v in versions for i in range(totals[v])}), "each window closed once"
     assert all(survivor.get(v, 0) > second_before.get(v, 0) for v in killed_owned), \
         ("the survivor took over the killed one's partitions", killed_owned, second_before, survivor)
+
+
+async def test_a_version_registered_and_its_rules_set_on_one_scorer_are_used_by_the_other(
+        stack, world, platform_settings) -> None:
+    """Registrations and rules are made through one process's API (or its deployments consumer, which
+    one process of the group handles per event), while another process may own the version's partition."""
+    first = stack.scorer().start()
+    second = stack.another_scorer().start()
+    versions = versions_on_every_partition()
+    with writer(first) as client:
+        for version in versions:
+            client.register("fraud", version, stack.context, "reference")
+    # the second restored those at its start: rounds of a window per version until both have scored
+    async with AsyncExitStack() as producers_stack:
+        producers = {v: await producers_stack.enter_async_context(
+            Producer(platform_settings, version=v, ids=f"v{v}")) for v in versions}
+        for round_ in range(1, ROUNDS + 1):
+            await asyncio.gather(*(producers[v].send(world.rows(WINDOW)) for v in versions))
+            with writer(first) as client:
+                for v in versions:
+                    await asyncio.to_thread(wait_windows, client, "fraud", v, round_, process=first)
+            if closed(first) and closed(second):
+                break
+        else:
+            raise AssertionError(f"the two scorers did not both score in {ROUNDS} windows per version")
+
+    late = versions_on_every_partition("late")  # one on each partition: some the second owns
+    with writer(first) as client:
+        for version in late:
+            client.register("late", version, stack.context, "reference")
+    async with AsyncExitStack() as producers_stack:
+        producers = {v: await producers_stack.enter_async_context(
+            Producer(platform_settings, model="late", version=v, ids=f"late{v}")) for v in late}
+        await asyncio.gather(*(producers[v].send(world.rows(WINDOW)) for v in late))
+        with writer(first) as client:
+            for version in late:
+                await asyncio.to_thread(wait_windows, client, "late", version, 1, process=second)
+                # once the version is scored (adopted where its partition is), a rule that fires at once
+                client.set_rules("late", version, "rules: [{name: always, signal: score, under: 2.0, for: 1}]\n")
+        await asyncio.gather(*(producers[v].send(world.rows(WINDOW)) for v in late))
+    with writer(first) as client:
+        for version in late:
+            found = wait_windows(client, "late", version, 2, process=second)
+            assert [w.index for w in found] == [0, 1] and all(w.rows == WINDOW for w in found)
+            (alert,) = client.alerts("late", version)
+            assert (alert.rule, alert.raised_at_window) == ("always", 1), "the rules set on the first"
+    assert closed(second, "late"), "the second scored late versions on its partitions"
+    with writer(second) as client:  # the API of either process shows every version, wherever it is scored
+        for version in late:
+            status = client.status("late", version)
+            assert (status.windows, status.firing) == (2, ["always"])
+            assert "always" in client.get_rules("late", version).yaml
+    assert rejected(first) == rejected(second) == 0, "nothing dead-lettered as unknown"

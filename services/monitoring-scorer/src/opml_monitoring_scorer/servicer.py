@@ -28,7 +28,7 @@ class MonitoringServicer(monitoring_pb2_grpc.MonitoringServiceServicer):
         self._scorer = scorer
 
     async def _status(self, key: str) -> pb.ModelStatus:
-        monitored = self._scorer.get(key)
+        monitored = await self._scorer.find(key)
         store = self._scorer.store
         last = await store.windows(key, before=None, limit=1)
         total = 0
@@ -50,7 +50,7 @@ class MonitoringServicer(monitoring_pb2_grpc.MonitoringServiceServicer):
 
     async def ListWindows(self, request: pb.ListWindowsRequest, context) -> pb.ListWindowsResponse:
         key = parse_name("name", request.name)
-        self._scorer.get(key)
+        await self._scorer.find(key)
         if request.page_size < 0:
             raise InvalidArgument("page_size", f"must be >= 0, but got {request.page_size}")
         size = min(request.page_size or 50, MAX_WINDOWS_PAGE)
@@ -69,7 +69,7 @@ class MonitoringServicer(monitoring_pb2_grpc.MonitoringServiceServicer):
         keys = [parse_name("name", request.name)] if request.name else sorted(self._scorer.models)
         alerts = []
         for key in keys:
-            self._scorer.get(key)
+            await self._scorer.find(key)
             alerts.extend(await self._scorer.store.alerts(key, offset=0, limit=10_000))
         alerts.sort(key=lambda a: (-a.raised_at_window, a.model, a.version, a.rule))
         page, token = paginate(alerts, request.page_size, request.page_token, query=request.name)
@@ -77,7 +77,7 @@ class MonitoringServicer(monitoring_pb2_grpc.MonitoringServiceServicer):
 
     async def GetRules(self, request: pb.GetRulesRequest, context) -> pb.Rules:
         key = parse_name("name", request.name)
-        monitored = self._scorer.get(key)
+        monitored = await self._scorer.find(key)
         text = yaml.safe_dump({"rules": [r.to_dict() for r in monitored.rules]}, sort_keys=False)
         return pb.Rules(name=resource_name(monitored.model, monitored.version), yaml=text)
 

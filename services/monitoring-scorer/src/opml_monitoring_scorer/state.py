@@ -73,6 +73,10 @@ class MonitorStore:
         raw = await self.redis.hgetall(self._k("models"))
         return {k.decode(): json.loads(v) for k, v in raw.items()}
 
+    async def registration(self, mv: str) -> dict[str, Any] | None:
+        raw = await self.redis.hget(self._k("models"), mv)
+        return None if raw is None else json.loads(raw)
+
     async def set_rules(self, mv: str, text: str) -> None:
         await self.redis.set(self._k("rules", mv), text)
 

@@ -305,8 +305,20 @@ class ScoringStream:
             raise InvalidArgument("ce_type", f"must be {' or '.join(expected)}, but got {event.type[:80]!r}")
         return event
 
+    async def _adopt_unknown(self, events: list[Any]) -> None:
+        """Versions in these records (by their Kafka key) that another scorer process registered are
+        adopted before the records are read, so they are scored here, not dead-lettered as unknown."""
+        models = self.scorer.models
+        keys = {key.decode("utf-8", "replace") for e in events if (key := e.message.key)} - models.keys()
+        for key in keys:
+            try:
+                await self.scorer.adopt(key)
+            except Exception as exc:  # noqa: BLE001 - its records are dead-lettered as unknown, the stream flows
+                log.error("monitoring of %s registered elsewhere not adopted: %s", key[:200], exc)
+
     async def _on_batch(self, events: list[Any]) -> None:
         app = self.app
+        await self._adopt_unknown(events)
         parsed = [self._parsed(event) for event in events]
         begin = 0
         while begin < len(events):  # in chunks of about DECODE_PREDICTIONS, on record boundaries

@@ -1,6 +1,12 @@
 """The scorer's domain: registered model versions, closing a window (score, history, rules, alerts)
 and joining late labels. The stream (stream.py) feeds it; the servicer queries it.
 
+Registrations and rule overrides live in Redis, shared by every scorer process of the group: a
+version registered through another process's API (or its deployments consumer: one process of the
+group handles each ModelDeployed) is adopted from Redis when its predictions first come to this one
+(:meth:`Scorer.adopt`), and a version's rules are re-read from Redis at each window close, so rules
+set through any process apply wherever the version's partition is scored.
+
 Every change is announced here, once: an alert raised or resolved is saved, then emitted through the
 outbox (at least once; the event id is derived from the model version, rule, change and window, so a
 replay after a crash re-announces it under the same id and consumers that deduplicate apply it once).
@@ -105,6 +111,8 @@ class Monitored:
     monitor: ModelMonitor | None    # None until a reference exists (none in the bundle: the first window)
     rules: tuple[Rule, ...]
     limitations: list[str] = field(default_factory=list)
+    rules_text: str | None = None
+    """The rules override (SetRules) ``rules`` was parsed from; None: the config's rules."""
 
     @property
     def key(self) -> str:
@@ -173,7 +181,7 @@ class Scorer:
         if override is not None:
             rules = _rules_of(override)
         monitored = Monitored(model, version, context, bundle, bundle_uuid, source, config, monitor, rules,
-                              limitations)
+                              limitations, override)
         self.models[key] = monitored
         self.metrics.registered.set(len(self.models))
         if save:
@@ -181,6 +189,39 @@ class Scorer:
                                                      "bundle": bundle, "bundle_uuid": bundle_uuid, "source": source})
         log.info("monitoring %s from bundle %s/%s (%s)", key, context, bundle_uuid, "; ".join(limitations) or "full")
         return monitored
+
+    async def adopt(self, key: str) -> Monitored | None:
+        """The version ``key`` as another scorer process registered it (in Redis), built here; None when
+        nobody registered it.
+
+        Raises: what :meth:`register` raises (the bundle is gone or invalid; Unavailable)."""
+        if key in self.models:
+            return self.models[key]
+        saved = await self.store.registration(key)
+        if saved is None:
+            return None
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            if key not in self.models:
+                await self._build(saved["model"], saved["version"], saved["context"], saved["bundle_uuid"],
+                                  source=saved["source"], save=False)
+        return self.models[key]
+
+    async def find(self, key: str) -> Monitored:
+        """``key`` (model/version) as registered through any scorer process, its rules as last set.
+
+        Raises: NotFound: nobody registered it; what :meth:`adopt` raises."""
+        monitored = await self.adopt(key)
+        if monitored is None:
+            return self.get(key)  # raises NotFound
+        await self._refresh_rules(monitored)
+        return monitored
+
+    async def _refresh_rules(self, monitored: Monitored) -> None:
+        """The rules override as set through any scorer process (Redis)."""
+        override = await self.store.get_rules(monitored.key)
+        if override is not None and override != monitored.rules_text:
+            monitored.rules, monitored.rules_text = _rules_of(override), override
 
     async def on_deployed(self, event: inference_events.PredictionMade | object) -> Monitored | None:
         """A ModelDeployed: monitors the deployed version from its bundle (a model_dir deploy has none)."""
@@ -204,12 +245,12 @@ class Scorer:
 
     async def set_rules(self, key: str, text: str) -> tuple[Rule, ...]:
         """Raises: NotFound; InvalidArgument: the YAML is too large, invalid, or a rule breaks one (rules[i].field)."""
-        monitored = self.get(key)
+        monitored = await self.find(key)
         if len(text.encode()) > MAX_RULES_BYTES:
             raise InvalidArgument("yaml", f"holds more than {MAX_RULES_BYTES} bytes")
         rules = _rules_of(text)
         await self.store.set_rules(key, text)
-        monitored.rules = rules
+        monitored.rules, monitored.rules_text = rules, text
         return rules
 
     # ------------------------------------------------------------------ the stream's calls
@@ -267,6 +308,7 @@ class Scorer:
 
     async def _apply_rules(self, monitored: Monitored, score: WindowScore) -> None:
         key = monitored.key
+        await self._refresh_rules(monitored)  # set through any scorer process
         saved = await self.store.rule_states(key)
         states: dict[str, dict] = {}
         for rule in monitored.rules:
