@@ -133,8 +133,9 @@ async def _consume(settings: PlatformSettings, done: Callable[[list[Event]], boo
     return events
 
 
-def events_until(settings: PlatformSettings, done: Callable[[list[Event]], bool], timeout_s: float = 40) -> list[Event]:
-    """The traces topic's events from the start, read until ``done(events)``."""
+def events_until(settings: PlatformSettings, done: Callable[[list[Event]], bool], timeout_s: float = 180) -> list[Event]:
+    """The traces topic's events from the start, read until ``done(events)`` (``timeout_s`` is a fail-safe:
+    at load ~7 a traced Keras job took over 40 s from its TracerStarted to its first step)."""
     return asyncio.run(_consume(settings, done, timeout_s))
 
 
@@ -167,7 +168,7 @@ def steps_of(events: list[Event]) -> list[pb.StepRecord]:
     return [s for b in sorted(of(events, pb.StepMetricsBatch), key=lambda b: (b.session_id, b.sequence)) for s in b.steps]
 
 
-def wait_for(predicate: Callable[[], object], what: str, timeout_s: float = 40) -> object:
+def wait_for(predicate: Callable[[], object], what: str, timeout_s: float = 180) -> object:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
