@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
+from google.protobuf import json_format
 from google.protobuf.timestamp_pb2 import Timestamp
+from opml.traces.v1 import events_pb2 as pb
 from opml.traces.v1.events_pb2 import STEP_KIND_PREDICT, STEP_KIND_TRAIN, StepRecord
 
-from opml_trace_collector.session import is_session_file, read_session, write_session
+from opml_trace_collector.inject.recorder import Step
+from opml_trace_collector.inject.tracer import Tracer
+from opml_trace_collector.session import is_session_file, read_session, record_to_line, step_to_line, write_session
 
 
 def _records() -> list[StepRecord]:
@@ -48,3 +53,17 @@ def test_a_bad_line_names_the_file_and_line(tmp_path) -> None:
         handle.write('{"durationS": "slow"}\n')
     with pytest.raises(ValueError, match=r"run.jsonl:2: not a StepRecord"):
         read_session(path)
+
+
+def test_the_tracers_fast_line_is_protobufs_json_mapping_of_the_same_step() -> None:
+    # The tracer writes step_to_line(*step); offline tools and json_format read record_to_line's format.
+    rng = random.Random(7)
+    starts = [0.0, 1.5, 1_796_000_000.0, 1_796_000_000.123, 1_796_000_000.123456, 1_796_000_000.000000789]
+    steps = [Step(0, 0, "", 0.0, 0.0, 0.0, 0), Step(1, 5, 'tf.function:"quoted" \u00e9', 2.0, 1e-9, 3.5e-7, 1)]
+    steps += [Step(rng.randrange(0, 10**12), rng.randrange(0, 6), rng.choice(["keras.fit", "session.run:a,b", ""]),
+                   rng.choice(starts) + rng.random() * rng.choice([0, 1, 1e3]), rng.random() * rng.choice([0, 1e-3, 10]),
+                   rng.random() * rng.choice([0, 1e-4]), rng.randrange(0, 4096)) for _ in range(2000)]
+    for step in steps:
+        record = Tracer._record(pb, step)
+        assert step_to_line(*step) == record_to_line(record), step
+        assert json_format.ParseDict(json.loads(step_to_line(*step)), pb.StepRecord()) == record

@@ -290,8 +290,8 @@ class Tracer:
                                     epochs=[self._epoch(pb, e) for e in epochs])
         self._sequence += 1
         if self._session is not None and records:
-            from opml_trace_collector.session import record_to_line
-            self._session.writelines(record_to_line(record) + "\n" for record in records)
+            from opml_trace_collector.session import step_to_line
+            self._session.writelines(step_to_line(*step) + "\n" for step in steps)
         self.spool.record(batch)
 
     @staticmethod
