@@ -37,7 +37,7 @@ def record_to_line(record: StepRecord) -> str:
 
 _KIND_NAMES = {value.number: json.dumps(value.name) for value in StepKind.DESCRIPTOR.values}
 _EPOCH = datetime.datetime(1970, 1, 1)
-_last_second: list = [None, ""]  # the last start second formatted, and its text (steps share seconds)
+_last_second: tuple[int, str] = (-1, "")  # the last start second formatted and its text (steps share seconds)
 
 
 def step_to_line(step: int, kind: int, signature: str, start_time: float, duration_s: float, input_wait_s: float,
@@ -66,10 +66,12 @@ def step_to_line(step: int, kind: int, signature: str, start_time: float, durati
 
 def _timestamp_text(nanoseconds: int) -> str:
     """``Timestamp.ToJsonString()`` of a Timestamp of ``nanoseconds`` since the epoch."""
+    global _last_second
     seconds, nanos = divmod(nanoseconds, 1_000_000_000)
-    if _last_second[0] != seconds:
-        _last_second[:] = seconds, (_EPOCH + datetime.timedelta(seconds=seconds)).isoformat()
-    text = _last_second[1]
+    cached = _last_second  # one read and one write of the pair: safe from any thread
+    if cached[0] != seconds:
+        cached = _last_second = (seconds, (_EPOCH + datetime.timedelta(seconds=seconds)).isoformat())
+    text = cached[1]
     if nanos == 0:
         return text + "Z"
     if nanos % 1_000_000 == 0:
