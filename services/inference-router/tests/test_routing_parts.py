@@ -240,6 +240,44 @@ async def test_a_standing_queue_serves_its_newest_waiter_first() -> None:
     assert limiter.in_flight == 0
 
 
+async def test_a_waiter_the_grown_service_time_would_make_late_is_shed_and_its_slot_passed_on() -> None:
+    """Waiters are priced at the service time when they arrive; a burst makes it grow while they wait.
+    When a slot comes, one whose time left is under the current p99 is shed (it would be served past the
+    SLO) and the slot goes to the next waiter, who still has the time."""
+    now = [0.0]
+    tail = [0.010]
+    limiter = ConcurrencyLimiter(limit=1, max_queue=10, name="m", clock=lambda: now[0])
+    assert limiter.try_acquire()
+    early = asyncio.create_task(limiter.acquire(time_left_s=10.0, expected_s=0.01, tail_s=0.01, slo_s=0.1,
+                                                current_tail=lambda: tail[0]))
+    while limiter.waiting < 1:
+        await asyncio.sleep(0)
+    now[0] = 0.060  # the early waiter has 40 ms of the SLO left ...
+    late = asyncio.create_task(limiter.acquire(time_left_s=10.0, expected_s=0.01, tail_s=0.01, slo_s=0.1,
+                                               current_tail=lambda: tail[0]))
+    while limiter.waiting < 2:
+        await asyncio.sleep(0)
+    tail[0] = 0.050  # ... and the service time's p99 grew to 50 ms meanwhile
+    limiter.release()  # the early waiter has used over a quarter of its 90 ms budget: a standing queue, LIFO
+    await late  # the newest waiter first: all of its 100 ms SLO left, served
+    assert limiter.in_flight == 1
+    limiter.release()
+    with pytest.raises(Shed) as shed:
+        await early
+    assert shed.value.reason == "slo" and "grew to 50.0 ms" in str(shed.value)
+    assert limiter.in_flight == 0 and limiter.waiting == 0  # its slot was freed (no waiter left to take it)
+    tail[0] = 0.010
+    assert limiter.try_acquire()
+    kept = asyncio.create_task(limiter.acquire(time_left_s=10.0, expected_s=0.01, tail_s=0.01, slo_s=0.1,
+                                               current_tail=lambda: tail[0]))
+    while limiter.waiting < 1:
+        await asyncio.sleep(0)
+    now[0] += 0.030
+    limiter.release()
+    await kept  # 70 ms left against a 10 ms p99: served
+    assert limiter.in_flight == 1
+
+
 async def test_limiter_does_not_leak_slots_when_waiters_are_cancelled() -> None:
     limiter = ConcurrencyLimiter(limit=1, max_queue=4, name="m")
     assert limiter.try_acquire()

@@ -20,6 +20,10 @@ from opml_common.errors import ResourceExhausted
 # from then on the newest waiter goes first. A quarter keeps what is served in arrival order well inside
 # the SLO even when the service time doubles under CPU pressure before the router's estimate catches up.
 STANDING_FRACTION = 0.25
+# The share of a request's time (its SLO or deadline) admission keeps for what the router does not see:
+# the network both ways, the caller's own event loop, and the lag of the p99 estimate it prices with. An
+# admitted request is planned to be answered within the other 90%.
+TIME_MARGIN = 0.1
 
 
 class Shed(ResourceExhausted):
@@ -67,14 +71,16 @@ class ConcurrencyLimiter:
         return False
 
     async def acquire(self, *, time_left_s: float, expected_s: float, tail_s: float | None = None,
-                      slo_s: float | None = None) -> None:
+                      slo_s: float | None = None, current_tail: Callable[[], float | None] | None = None) -> None:
         """Wait for a slot, in arrival order.
 
         ``time_left_s``: until the request's deadline; ``expected_s``: the model's typical (p50)
         service time, which prices each place in the queue; ``tail_s``: its slow (p99) service time,
         what an admitted request must still have left (default ``expected_s``); ``slo_s``: the
         model's latency objective (p99), None for none. The request may wait until
-        ``min(time_left_s, slo_s) - tail_s``.
+        ``min(time_left_s, slo_s) * (1 - TIME_MARGIN) - tail_s``. ``current_tail``: the p99 service time as it is when
+        the slot comes; a waiter whose time left is then under it is shed rather than served late
+        (a burst makes the service time grow while the queue holds waiters priced at the old one).
 
         Raises:
             Shed: the queue is full (``queue_full``), or the wait would take the request past its
@@ -90,13 +96,15 @@ class ConcurrencyLimiter:
         what = (f"the model's SLO (p99 {limit_s * 1000:.1f} ms)" if by_slo
                 else f"its deadline ({limit_s * 1000:.1f} ms left)")
         expected_wait = (len(self._waiters) + 1) / self.limit * expected_s
-        budget = limit_s - max(expected_s, tail_s or 0.0)
+        usable_s = limit_s * (1.0 - TIME_MARGIN)
+        budget = usable_s - max(expected_s, tail_s or 0.0)
         if expected_wait > budget:
             raise Shed(reason, f"model {self.name!r} is saturated: the expected wait of {expected_wait * 1000:.1f} ms "
                                f"leaves no time to serve the request within {what}; retry later or with backoff")
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[bool] = loop.create_future()
-        self._waiters.append(_Waiter(waiter, self._now() + budget * STANDING_FRACTION))
+        enqueued = self._now()
+        self._waiters.append(_Waiter(waiter, enqueued + budget * STANDING_FRACTION))
         timer = loop.call_later(budget, _expire, waiter)
         try:
             granted = await waiter
@@ -113,6 +121,12 @@ class ConcurrencyLimiter:
             self._discard(waiter)
             raise Shed(reason, f"model {self.name!r}: no slot freed up in time to serve the request within "
                                f"{what}; the model is overloaded")
+        tail_now = current_tail() if current_tail is not None else None
+        if tail_now is not None and usable_s - (self._now() - enqueued) < tail_now:
+            self.release()  # the slot goes on to a waiter with more time left
+            raise Shed(reason, f"model {self.name!r}: its service time grew to {tail_now * 1000:.1f} ms (p99) while "
+                               f"the request waited, which leaves no time to serve it within {what}; the model is "
+                               "overloaded")
 
     def release(self) -> None:
         """Give the slot to a waiter, or free it.

@@ -355,7 +355,7 @@ class Router:
             try:
                 latency = served.replicas.latency
                 await limiter.acquire(time_left_s=time_left, expected_s=latency.p50 or 0.0, tail_s=latency.p99,
-                                      slo_s=policy.slo_p99_ms / 1000.0)
+                                      slo_s=policy.slo_p99_ms / 1000.0, current_tail=lambda: latency.p99)
             except Shed as exc:
                 self._metrics.shed.labels(model, exc.reason).inc()
                 served.metrics.failed(exc.code)
