@@ -133,8 +133,10 @@ async def test_a_worker_killed_under_load_loses_no_request_and_gets_its_replica_
         try:
             await manager.deploy(Source(model_dir=str(write_model_dir(
                 tmp_path / "m", mlp_config("m", pool_kinds=("cpu",), precisions=("fp32",))))))
-            assert manager.plan.placements[model].option.replicas == 2  # the load needs one; N+1 gives two
-            assert sorted(manager.plan.placements[model].workers) == ["cpu-000", "cpu-001"]
+            # the load needs one replica here, N+1 gives two (three when the profile was taken on a loaded
+            # machine: then it needs two); what matters is more than one, on both workers
+            assert manager.plan.placements[model].option.replicas >= 2
+            assert set(manager.plan.placements[model].workers) == {"cpu-000", "cpu-001"}
             doomed = pools.get("cpu-001")
             old = doomed.address
             outcomes, stop = await _kill_under_load(router, doomed, old, callers=8, timeout_s=5)
