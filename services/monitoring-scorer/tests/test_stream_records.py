@@ -80,6 +80,12 @@ async def stream(tmp_path: Path):
     await client.aclose()
 
 
+def decode_records(stream: ScoringStream, events: list) -> list:
+    """What the stream's batch step decodes of these records: per record a DecodedRecord, or the
+    exception that dead-letters it."""
+    return stream._decode_parsed(events, [stream._parsed(event) for event in events])
+
+
 def rows_of(item: DecodedRecord) -> Batch:
     return Batch.concat([batch.rows(start, stop) for batch, start, stop in item.parts],
                         summary_only=item.summary_only)
@@ -96,10 +102,10 @@ def same_rows(got: Batch, expected: Batch) -> None:
 def test_a_batch_record_decodes_to_the_rows_of_its_predictions_one_per_record(stream) -> None:
     made = [prediction(0), prediction(1, rows=3), events_pb2.PredictionMade(request_id="s", model_name="m",
                                                                            model_version="1"), prediction(3)]
-    singles = stream._decode_batch([record(p, i) for i, p in enumerate(made)])
+    singles = decode_records(stream, [record(p, i) for i, p in enumerate(made)])
     expected = Batch.concat([rows_of(item) for item in singles])
     # one batch record among single ones: decoded together, its rows one range, in the record's order
-    batched = stream._decode_batch([record(prediction(9), 0), record(batch_of(*made), 1), record(prediction(8), 2)])
+    batched = decode_records(stream, [record(prediction(9), 0), record(batch_of(*made), 1), record(prediction(8), 2)])
     assert all(isinstance(item, DecodedRecord) for item in batched)
     item = batched[1]
     assert (item.key, item.counts, item.rows, item.summary_only, item.weight) == ("m/1", [1, 3, 0, 1], 5, 1, 6)
@@ -114,7 +120,7 @@ def test_a_batch_record_decodes_to_the_rows_of_its_predictions_one_per_record(st
 
 def test_a_batch_of_mixed_layouts_decodes_prediction_by_prediction(stream) -> None:
     made = [prediction(0), prediction(1, color=False), prediction(2)]  # the second lacks the color tensor
-    (item,) = stream._decode_batch([record(batch_of(*made), 0)])
+    (item,) = decode_records(stream, [record(batch_of(*made), 0)])
     assert isinstance(item, DecodedRecord) and len(item.parts) == 3 and item.rows == 3
     rows = rows_of(item)
     assert rows.request_ids == ["r0", "r1", "r2"] and [c == "red" for c in rows.features["color"]] == [True, False, True]
@@ -123,7 +129,7 @@ def test_a_batch_of_mixed_layouts_decodes_prediction_by_prediction(stream) -> No
 def test_a_record_with_a_bad_prediction_or_of_other_versions_is_rejected_whole(stream) -> None:
     bad = prediction(1)
     bad.infer_request = bad.infer_request[:-3]
-    items = stream._decode_batch([
+    items = decode_records(stream, [
         record(batch_of(prediction(0), bad), 0),                          # one prediction does not decode
         record(batch_of(prediction(2), prediction(3, version="2")), 1),   # two versions in one record
         record(batch_of(prediction(4, version="7"), prediction(5, version="7")), 2),  # nobody monitors 7
@@ -137,5 +143,5 @@ def test_a_record_with_a_bad_prediction_or_of_other_versions_is_rejected_whole(s
     wrong = record(events_pb2.PredictionMade(), 5)
     wrong.message.headers = [(k, b"opml.inference.v1.Other" if k == "ce_type" else v)
                              for k, v in wrong.message.headers]
-    (rejected,) = stream._decode_batch([wrong])
+    (rejected,) = decode_records(stream, [wrong])
     assert isinstance(rejected, InvalidArgument) and rejected.field == "ce_type"

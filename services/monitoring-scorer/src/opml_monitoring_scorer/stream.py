@@ -374,11 +374,6 @@ class ScoringStream:
                                "monitored (register it, or deploy it through the inference-router)")
         return key, predictions, data
 
-    def _decode_batch(self, events: list[Any]) -> list[DecodedRecord | Exception]:
-        """Per record: its predictions decoded (:class:`DecodedRecord`), or the exception that
-        dead-letters it."""
-        return self._decode_parsed(events, [self._parsed(event) for event in events])
-
     def _decode_parsed(self, events: list[Any], parsed: list[Any]) -> list[DecodedRecord | Exception]:
         """The predictions of one version in these records are decoded together (one numpy call per
         tensor); if that fails, record by record, then prediction by prediction, so only a record that
