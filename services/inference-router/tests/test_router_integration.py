@@ -289,7 +289,9 @@ async def test_a_worker_killed_under_load_loses_no_request(workers: list[WorkerP
                 # already in flight (held, the doomed worker's calls may be hedged before the kill).
                 await wait_until(lambda: (c := counts())["retries"] + c["backup_wins"] >= 1 and c["ejections"] >= 1
                                  and outcomes["ok"] > ok_before_kill + 16, timeout_s=60,
-                                 what="the broken calls answered elsewhere and the worker ejected")
+                                 what=lambda: f"the broken calls answered elsewhere and the worker ejected: "
+                                              f"{counts()}, ok {ok_before_kill} at the kill, now {dict(outcomes)}, "
+                                              f"replicas {router.describe(MODEL)['versions']['1']}")
             finally:
                 stop.set()
                 await asyncio.gather(*clients)

@@ -59,8 +59,12 @@ async def read_records(settings: PlatformSettings, topic_name: str, count: int, 
     return records
 
 
-async def wait_until(predicate: Callable[[], object], *, timeout_s: float = 20.0, what: str = "condition") -> None:
-    """Poll ``predicate`` (sync or async) every 20 ms until truthy; fail after ``timeout_s``."""
+async def wait_until(predicate: Callable[[], object], *, timeout_s: float = 20.0,
+                     what: str | Callable[[], str] = "condition") -> None:
+    """Poll ``predicate`` (sync or async) every 20 ms until truthy; fail after ``timeout_s``.
+
+    ``what`` says what was awaited; a callable is asked at the failure, so the message can show the
+    state the predicate saw then."""
     deadline = time.monotonic() + timeout_s
     while True:
         result = predicate()
@@ -69,7 +73,7 @@ async def wait_until(predicate: Callable[[], object], *, timeout_s: float = 20.0
         if result:
             return
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what() if callable(what) else what}")
         await asyncio.sleep(0.02)
 
 
