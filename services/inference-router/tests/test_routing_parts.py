@@ -292,6 +292,56 @@ async def test_limiter_does_not_leak_slots_when_waiters_are_cancelled() -> None:
     assert [limiter.try_acquire() for _ in range(4)] == [True, True, True, False]
 
 
+async def test_the_limit_in_force_backs_off_while_requests_queue_behind_slow_answers_and_grows_back() -> None:
+    """AIMD on the service time: answers slower than a quarter of the SLO cut the limit by 10% (once per
+    such service time) only while requests wait for a slot; answers within it grow it by 1/limit back to
+    the configured one. A control-plane resize keeps a cut."""
+    now = [0.0]
+    limiter = ConcurrencyLimiter(limit=8, max_queue=10, name="m", slo_s=1.0, clock=lambda: now[0])
+    for _ in range(8):
+        assert limiter.try_acquire()
+    limiter.release(0.010)  # the fastest answer yet: the target stays at a quarter of the SLO
+    assert limiter.try_acquire()
+    for _ in range(3):
+        limiter.release(0.5)  # slow, but nobody waits: nothing to move to the router's queue
+        assert limiter.try_acquire()
+    assert limiter.concurrency == 8
+    waiter = asyncio.create_task(limiter.acquire(time_left_s=100.0, expected_s=0.001))
+    while limiter.waiting < 1:
+        await asyncio.sleep(0)
+    limiter.release(0.5)  # slow while a request waits: cut to 7.2, and the freed slot is not handed on
+    assert limiter.concurrency == 7 and limiter.in_flight == 7 and limiter.waiting == 1
+    limiter.release(0.5)  # within 0.5 s of the cut: its effect is not seen yet, no second cut
+    await waiter
+    assert limiter.concurrency == 7 and limiter.in_flight == 7
+    now[0] = 0.6
+    limiter.resize(limit=16, max_queue=10, slo_s=1.0)  # a cut limit stays cut under a new maximum
+    assert limiter.concurrency == 7 and not limiter.try_acquire()
+    for _ in range(40):
+        limiter.release(0.010)
+        assert limiter.try_acquire()
+    assert 10 <= limiter.concurrency < 16  # about sqrt(2 x 40) slots regained in 40 fast answers
+    assert [limiter.try_acquire() for _ in range(limiter.concurrency - 7)] == [True] * (limiter.concurrency - 7)
+    assert not limiter.try_acquire()
+
+
+async def test_a_model_whose_execution_takes_most_of_the_slo_keeps_its_concurrency() -> None:
+    """The target is at least twice the fastest recent answer: a model that needs 40% of its SLO to run at
+    all is not cut to one request in flight for being slower than a quarter of it."""
+    limiter = ConcurrencyLimiter(limit=4, max_queue=10, name="m", slo_s=1.0)
+    for _ in range(4):
+        assert limiter.try_acquire()
+    waiter = asyncio.create_task(limiter.acquire(time_left_s=100.0, expected_s=0.001))
+    while limiter.waiting < 1:
+        await asyncio.sleep(0)
+    limiter.release(0.4)
+    await waiter
+    for _ in range(20):
+        limiter.release(0.45)
+        assert limiter.try_acquire()
+    assert limiter.concurrency == 4
+
+
 # -- traffic split -------------------------------------------------------------------------------
 
 def test_split_follows_the_weights() -> None:

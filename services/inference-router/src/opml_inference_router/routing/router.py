@@ -70,7 +70,8 @@ class _Model:
         self.name = name
         self.policy = policy
         self.max_request = max_request
-        self.limiter = ConcurrencyLimiter(limit=policy.max_concurrency, max_queue=policy.max_queue, name=name)
+        self.limiter = ConcurrencyLimiter(limit=policy.max_concurrency, max_queue=policy.max_queue, name=name,
+                                          slo_s=policy.slo_p99_ms / 1000.0)
         self.versions: dict[str, _Version] = {}
         self.split: TrafficSplit | None = None
         self.stable: str | None = None
@@ -121,7 +122,8 @@ class Router:
             return
         model.policy = policy
         model.max_request = max_request
-        model.limiter.resize(limit=policy.max_concurrency, max_queue=policy.max_queue)
+        model.limiter.resize(limit=policy.max_concurrency, max_queue=policy.max_queue,
+                             slo_s=policy.slo_p99_ms / 1000.0)
         for served in model.versions.values():
             served.replicas.policy = policy.selection
             served.replicas.eject_s = policy.eject_s
@@ -279,6 +281,7 @@ class Router:
             "stable": route.stable,
             "traffic": dict(route.split.weights) if route.split else {},
             "in_flight": route.limiter.in_flight,
+            "concurrency": route.limiter.concurrency,
             "waiting": route.limiter.waiting,
             "versions": {
                 version: [{"replica": s.name, "outstanding": s.outstanding, "ejected": s.ejected_until > now,
@@ -360,8 +363,11 @@ class Router:
                 self._metrics.shed.labels(model, exc.reason).inc()
                 served.metrics.failed(exc.code)
                 raise
+        granted = self._clock()
+        service_s: float | None = None
         try:
             routed = await self._dispatch(route, served, request, start + time_left)
+            service_s = self._clock() - granted
         except OpmlError as exc:
             served.metrics.failed(exc.code)
             raise
@@ -369,7 +375,7 @@ class Router:
             served.metrics.failed("CANCELLED")
             raise
         finally:
-            limiter.release()
+            limiter.release(service_s)
         served.metrics.ok.inc()
         served.metrics.duration.observe(self._clock() - start)
         return routed
