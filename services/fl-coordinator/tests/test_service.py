@@ -70,7 +70,10 @@ def test_a_federation_trains_over_grpc_with_events_and_chunked_weights(coordinat
     assert [r.number for r in history] == [1, 2, 3, 4]
     assert all("m2" in r.rejected and "NaN" in r.rejected["m2"] for r in history)
     assert all(sorted(r.participants) == ["m0", "m1"] for r in history)
-    assert len(runs[2].rejected) == 4 and runs[1].accepted == 4 and runs[0].accepted == 5  # m0 gave the start
+    # each member's 4 fits, m2's rejected; whichever member the coordinator asked first (the first to
+    # connect: m0 in most runs, not in all) also gave the starting model, one task more, accepted
+    assert len(runs[2].rejected) == 4 and sum(run.accepted for run in runs.values()) == 4 + 4 + 1
+    assert {runs[0].accepted, runs[1].accepted} <= {4, 5} and runs[2].accepted <= 1
     assert history[-1].metrics["client_accuracy"] > history[0].metrics["client_accuracy"]
     weights = writer.weights("digits")
     assert [w.shape for w in weights] == [(64, 10), (10,), (300_000,)] and np.all(np.isfinite(weights[0]))
