@@ -86,8 +86,9 @@ async def test_two_scorers_score_every_window_once_through_a_join_and_a_sigkill(
             await asyncio.gather(*(producers[v].send(world.rows(count)) for v in versions))
             for v in versions:
                 rows[v] += count
-                with writer(second if first.process.poll() is not None else first) as client:
-                    await asyncio.to_thread(wait_windows, client, "fraud", v, rows[v] // WINDOW, process=first)
+                live = second if first.process.poll() is not None else first  # a failure shows its log
+                with writer(live) as client:
+                    await asyncio.to_thread(wait_windows, client, "fraud", v, rows[v] // WINDOW, process=live)
 
         await send(WINDOW + WINDOW // 2)  # the first alone; every version has a window open
         second.start()  # joins the group: a rebalance while windows are open
