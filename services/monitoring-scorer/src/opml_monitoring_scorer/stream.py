@@ -189,6 +189,9 @@ def _seek_uncommitted_to_earliest(consumer: Any, topics: set[str]) -> None:
         if missing:
             earliest = await consumer.earliest_offsets(*missing)
             await consumer.seek_wait({tp: earliest[tp] for tp in missing})
+        log.info("stream partitions fed again from their committed offsets: %s", ", ".join(
+            f"{tp.topic}[{tp.partition}]@{offset if offset else 'earliest'}"
+            for tp, offset in sorted(committed.items()) if tp.topic in topics))
         return committed
 
     consumer.seek_to_committed = seek_to_committed_or_earliest
@@ -213,6 +216,7 @@ class ScoringStream:
         self.processed = 0
         self._open: dict[str, OpenWindow] = {}
         self._joinable: list[Joinable] = []
+        self._resuming: set[int] = set()  # partitions revoked whose first record since is not seen yet
 
     def _internal_topics(self) -> dict[str, int]:
         return {f"{self.app_id}-windows-changelog": PREDICTIONS.partitions, f"{self.app_id}-__assignor-__leader": 1}
@@ -281,8 +285,15 @@ class ScoringStream:
     def _forget(self, partitions: set[int]) -> None:
         """Partitions revoked: their open windows are dropped unacked; whoever gets them next (this
         process too) is fed their events again from the committed offset and rebuilds them."""
-        for key in [k for k, w in self._open.items() if w.partition in partitions]:
+        dropped = {k: w for k, w in self._open.items() if w.partition in partitions}
+        for key in dropped:
             del self._open[key]
+        if dropped:
+            log.info("partitions %s revoked; their open windows dropped (rebuilt from the committed offsets): %s",
+                     sorted(partitions), ", ".join(
+                         f"{k} #{w.index} ({w.rows} rows, offsets {w.events[0].message.offset if w.events else '-'}"
+                         f"..{w.last_offset})" for k, w in dropped.items()))
+        self._resuming |= partitions
         self._joinable = [j for j in self._joinable if j.partition not in partitions]
 
     async def _dead_letter(self, topic_name: str, message: Any, error: Exception) -> None:
@@ -438,6 +449,10 @@ class ScoringStream:
         message = event.message
         partition, offset, key = message.partition, message.offset, record.key
         progress = self.windows.get(key)
+        if partition in self._resuming:
+            self._resuming.discard(partition)
+            log.info("partition %d resumed at offset %d (%s: windows closed through offset %s)", partition, offset,
+                     key, progress["through"] if progress is not None and progress["partition"] == partition else "-")
         if progress is not None and progress["partition"] == partition and offset <= progress["through"]:
             event.ack()  # in a window closed before a restart or a rebalance
             return
