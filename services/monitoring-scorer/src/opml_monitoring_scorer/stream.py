@@ -439,6 +439,9 @@ class ScoringStream:
     async def _reject(self, event: Any, error: Exception) -> None:
         reason = "unknown_model" if isinstance(error, UnknownModel) else "malformed"
         self.metrics.rejected.labels(reason).inc()
+        message = event.message
+        log.warning("record %s[%d]@%d dead-lettered (%s): %s", message.topic, message.partition, message.offset,
+                    reason, str(error)[:300])
         await self._dead_letter(PREDICTIONS.dead_letter(self.platform.topic_prefix), event.message, error)
         event.ack()
 
