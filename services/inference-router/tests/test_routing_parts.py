@@ -199,16 +199,18 @@ async def test_limiter_sheds_what_cannot_meet_its_deadline() -> None:
 
 async def test_limiter_keeps_admitted_requests_within_the_slo_whatever_their_deadline() -> None:
     """A caller with a generous deadline still only waits while the SLO allows: past it, shed as ``slo``."""
-    limiter = ConcurrencyLimiter(limit=1, max_queue=10, name="m")
+    limiter = ConcurrencyLimiter(limit=1, max_queue=10, name="m", slo_s=0.08)
     assert limiter.try_acquire()
     with pytest.raises(Shed) as shed:  # 50 ms expected wait + 50 ms service > the 80 ms SLO, deadline 10 s
-        await limiter.acquire(time_left_s=10.0, expected_s=0.05, slo_s=0.08)
+        await limiter.acquire(time_left_s=10.0, expected_s=0.05)
     assert shed.value.reason == "slo" and "SLO (p99 80.0 ms)" in str(shed.value)
+    limiter.resize(limit=1, max_queue=10, slo_s=0.05)
     with pytest.raises(Shed) as shed:  # queued, but no slot frees up within the SLO's budget
-        await limiter.acquire(time_left_s=10.0, expected_s=0.01, slo_s=0.05)
+        await limiter.acquire(time_left_s=10.0, expected_s=0.01)
     assert shed.value.reason == "slo" and limiter.waiting == 0
+    limiter.resize(limit=1, max_queue=10, slo_s=1.0)
     with pytest.raises(Shed) as shed:  # the deadline comes first: it is the deadline that sheds
-        await limiter.acquire(time_left_s=0.06, expected_s=0.05, slo_s=1.0)
+        await limiter.acquire(time_left_s=0.06, expected_s=0.05)
     assert shed.value.reason == "deadline"
 
 
@@ -246,14 +248,14 @@ async def test_a_waiter_the_grown_service_time_would_make_late_is_shed_and_its_s
     SLO) and the slot goes to the next waiter, who still has the time."""
     now = [0.0]
     tail = [0.010]
-    limiter = ConcurrencyLimiter(limit=1, max_queue=10, name="m", clock=lambda: now[0])
+    limiter = ConcurrencyLimiter(limit=1, max_queue=10, name="m", slo_s=0.1, clock=lambda: now[0])
     assert limiter.try_acquire()
-    early = asyncio.create_task(limiter.acquire(time_left_s=10.0, expected_s=0.01, tail_s=0.01, slo_s=0.1,
+    early = asyncio.create_task(limiter.acquire(time_left_s=10.0, expected_s=0.01, tail_s=0.01,
                                                 current_tail=lambda: tail[0]))
     while limiter.waiting < 1:
         await asyncio.sleep(0)
     now[0] = 0.060  # the early waiter has 40 ms of the SLO left ...
-    late = asyncio.create_task(limiter.acquire(time_left_s=10.0, expected_s=0.01, tail_s=0.01, slo_s=0.1,
+    late = asyncio.create_task(limiter.acquire(time_left_s=10.0, expected_s=0.01, tail_s=0.01,
                                                current_tail=lambda: tail[0]))
     while limiter.waiting < 2:
         await asyncio.sleep(0)
@@ -268,7 +270,7 @@ async def test_a_waiter_the_grown_service_time_would_make_late_is_shed_and_its_s
     assert limiter.in_flight == 0 and limiter.waiting == 0  # its slot was freed (no waiter left to take it)
     tail[0] = 0.010
     assert limiter.try_acquire()
-    kept = asyncio.create_task(limiter.acquire(time_left_s=10.0, expected_s=0.01, tail_s=0.01, slo_s=0.1,
+    kept = asyncio.create_task(limiter.acquire(time_left_s=10.0, expected_s=0.01, tail_s=0.01,
                                                current_tail=lambda: tail[0]))
     while limiter.waiting < 1:
         await asyncio.sleep(0)

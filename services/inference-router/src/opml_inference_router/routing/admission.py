@@ -54,8 +54,9 @@ class ConcurrencyLimiter:
 
     def __init__(self, *, limit: int, max_queue: int, name: str = "", slo_s: float | None = None,
                  clock: Callable[[], float] | None = None) -> None:
-        """``limit``: the most requests in flight; ``slo_s``: the model's SLO, which the limit in force
-        adapts to (None: it stays at ``limit``)."""
+        """``limit``: the most requests in flight; ``slo_s``: the model's latency objective (p99),
+        which bounds each admitted request's wait and which the limit in force adapts to (None: the
+        deadline alone bounds the wait, and the limit stays at ``limit``)."""
         _check_limits(limit, max_queue)
         self.name = name
         self.limit = limit
@@ -94,14 +95,13 @@ class ConcurrencyLimiter:
         return False
 
     async def acquire(self, *, time_left_s: float, expected_s: float, tail_s: float | None = None,
-                      slo_s: float | None = None, current_tail: Callable[[], float | None] | None = None) -> None:
+                      current_tail: Callable[[], float | None] | None = None) -> None:
         """Wait for a slot, in arrival order.
 
         ``time_left_s``: until the request's deadline; ``expected_s``: the model's typical (p50)
         service time, which prices each place in the queue; ``tail_s``: its slow (p99) service time,
-        what an admitted request must still have left (default ``expected_s``); ``slo_s``: the
-        model's latency objective (p99), None for none. The request may wait until
-        ``min(time_left_s, slo_s) * (1 - TIME_MARGIN) - tail_s``. ``current_tail``: the p99 service time as it is when
+        what an admitted request must still have left (default ``expected_s``). The request may wait
+        until ``min(time_left_s, slo_s) * (1 - TIME_MARGIN) - tail_s`` (``slo_s``: the limiter's). ``current_tail``: the p99 service time as it is when
         the slot comes; a waiter whose time left is then under it is shed rather than served late
         (a burst makes the service time grow while the queue holds waiters priced at the old one).
 
@@ -114,6 +114,7 @@ class ConcurrencyLimiter:
         if len(self._waiters) >= self.max_queue:
             raise Shed("queue_full", f"model {self.name!r} is at its limit of {self.concurrency} requests in flight "
                                      f"and {self.max_queue} waiting; retry later or with backoff")
+        slo_s = self.slo_s
         by_slo = slo_s is not None and slo_s < time_left_s
         reason, limit_s = ("slo", slo_s) if by_slo else ("deadline", time_left_s)
         what = (f"the model's SLO (p99 {limit_s * 1000:.1f} ms)" if by_slo
@@ -175,13 +176,13 @@ class ConcurrencyLimiter:
 
     def _adapt(self, service_s: float) -> None:
         """AIMD on the service time (SERVICE_TARGET_SHARE, BACKOFF)."""
+        if self.slo_s is None:
+            return
         now_fastest, last_fastest = self._fastest
         self._fastest = (min(now_fastest, service_s), last_fastest)
         self._answers += 1
         if self._answers >= FASTEST_WINDOW:
             self._fastest, self._answers = (float("inf"), self._fastest[0]), 0
-        if self.slo_s is None:
-            return
         target = max(self.slo_s * SERVICE_TARGET_SHARE, 2.0 * min(self._fastest))
         if service_s <= target:
             self.allowed = min(float(self.limit), self.allowed + 1.0 / self.allowed)

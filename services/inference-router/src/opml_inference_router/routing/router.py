@@ -354,16 +354,17 @@ class Router:
         start = self._clock()
         time_left = timeout_s if timeout_s is not None else policy.default_timeout_s
         limiter = route.limiter
+        granted = start
         if not limiter.try_acquire():
             try:
                 latency = served.replicas.latency
                 await limiter.acquire(time_left_s=time_left, expected_s=latency.p50 or 0.0, tail_s=latency.p99,
-                                      slo_s=policy.slo_p99_ms / 1000.0, current_tail=lambda: latency.p99)
+                                      current_tail=lambda: latency.p99)
             except Shed as exc:
                 self._metrics.shed.labels(model, exc.reason).inc()
                 served.metrics.failed(exc.code)
                 raise
-        granted = self._clock()
+            granted = self._clock()
         service_s: float | None = None
         try:
             routed = await self._dispatch(route, served, request, start + time_left)
