@@ -238,6 +238,49 @@ async def test_restart_finishes_with_no_trial_repeated_or_lost(store: Experiment
     await second.stop()
 
 
+class SaveOfAnEndFailsOnce(ExperimentStore):
+    """The real store, but the first save of an ended trial fails, as when Redis drops the
+    connection between Optuna's tell and the record's save."""
+
+    failed = False
+
+    async def put_trial(self, trial) -> None:
+        if trial.state is TrialState.SUCCEEDED and not self.failed:
+            self.failed = True
+            raise ConnectionError("connection lost")
+        await super().put_trial(trial)
+
+
+async def test_a_trial_told_but_not_saved_keeps_its_objective_series(store: ExperimentStore) -> None:
+    failing = SaveOfAnEndFailsOnce(store._redis, prefix=store._prefix.removesuffix("automl:"))
+    jobs = ScriptedJobs(quadratic)
+    ctl = controller(failing, jobs)
+    await ctl.start()
+    await ctl.create(experiment("untold", max_trials=1, parallel=1, max_failed=0))
+    await asyncio.wait_for(until_ended(ctl, "untold"), 60)
+    [trial] = (await ctl.get("untold")).trials
+    x = float(trial.parameters["x"])
+    assert failing.failed and trial.state is TrialState.SUCCEEDED
+    assert trial.observations["loss"] == pytest.approx([(x - 0.5) ** 2 + 1 / (i + 1) for i in range(3)], abs=1e-5)
+    assert trial.objective_value == pytest.approx(min(trial.observations["loss"]))
+    await ctl.stop()
+
+
+async def test_an_ended_trial_record_is_not_overwritten_by_a_stale_one(store: ExperimentStore) -> None:
+    from opml_automl_controller.state import TrialRecord
+
+    running = TrialRecord(experiment="e", number=0, parameters={"x": "1"}, job_id="e-abcdef-t0",
+                          state=TrialState.RUNNING)
+    assert await store.put_trial_unless_ended(running) is running
+    ended = TrialRecord(experiment="e", number=0, parameters={"x": "1"}, job_id="e-abcdef-t0",
+                        state=TrialState.SUCCEEDED, observations={"loss": [2.0, 1.0]}, objective_value=1.0)
+    await store.put_trial(ended)
+    stale = TrialRecord(experiment="e", number=0, parameters={"x": "1"}, job_id="e-abcdef-t0",
+                        state=TrialState.SUCCEEDED, objective_value=1.0)
+    assert await store.put_trial_unless_ended(stale) == ended
+    assert await store.trial("e", 0) == ended
+
+
 async def test_stop_kills_running_trials_and_resume_continues(store: ExperimentStore) -> None:
     jobs = ScriptedJobs(quadratic, hold=True)
     ctl = controller(store, jobs)

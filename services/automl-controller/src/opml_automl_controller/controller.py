@@ -450,7 +450,9 @@ class Controller:
 
     async def _finished_from_optuna(self, record: ExperimentRecord, spec: ExperimentSpec, trial: TrialRecord,
                                     ft: FrozenTrial) -> TrialRecord:
-        """A trial told to Optuna whose record did not follow (a restart in between)."""
+        """A trial told to Optuna whose record did not follow (a restart in between, or its runner
+        failed after the tell). The objective's series is rebuilt from the values reported to Optuna
+        (the other metrics' series are not in Optuna); a record its runner saved meanwhile wins."""
         end = ft.user_attrs.get(END_ATTR)
         if ft.state is OptunaState.COMPLETE:
             trial = replace(trial, state=TrialState.SUCCEEDED, objective_value=ft.value)
@@ -459,9 +461,15 @@ class Controller:
         else:
             trial = replace(trial, state=TrialState.KILLED if end == "killed" else TrialState.FAILED,
                             message=str(ft.user_attrs.get(ERROR_ATTR, trial.message)))
+        objective = spec.objective.metric
+        reported = [value for _, value in sorted(ft.intermediate_values.items())]
+        if len(reported) > len(trial.observations.get(objective, ())):
+            trial = replace(trial, observations={**trial.observations, objective: reported})
         trial = replace(trial, ended_at=trial.ended_at or time.time())
-        await self._save_trial(record, spec, trial)
-        return trial
+        stored = await self._store.put_trial_unless_ended(trial)
+        if stored is trial:
+            self._announce_trial(record, trial)
+        return stored
 
     async def _trial(self, record: ExperimentRecord, spec: ExperimentSpec, study: ExperimentStudy,
                      trial: TrialRecord) -> None:
@@ -688,7 +696,10 @@ class Controller:
                           announce: bool = True) -> None:
         await self._store.put_trial(trial)
         if announce:
-            self._emitter.emit(convert.trial_event(trial), subject=record.name)
+            self._announce_trial(record, trial)
+
+    def _announce_trial(self, record: ExperimentRecord, trial: TrialRecord) -> None:
+        self._emitter.emit(convert.trial_event(trial), subject=record.name)
 
     def _announce(self, record: ExperimentRecord, spec: ExperimentSpec, trials: tuple[TrialRecord, ...]) -> None:
         self._emitter.emit(convert.experiment_event(record, spec, trials), subject=record.name)

@@ -38,6 +38,19 @@ class TrialState(enum.Enum):
 
 TERMINAL_TRIALS = frozenset({TrialState.SUCCEEDED, TrialState.FAILED, TrialState.EARLY_STOPPED, TrialState.KILLED})
 
+# Writes a trial's record unless the stored one has ended already; returns the stored one then.
+_PUT_UNLESS_ENDED = """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if raw then
+  local state = cjson.decode(raw)['state']
+  for i = 3, #ARGV do
+    if state == ARGV[i] then return raw end
+  end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return false
+"""
+
 
 @dataclass(frozen=True, slots=True)
 class TrialRecord:
@@ -155,6 +168,13 @@ class ExperimentStore:
 
     async def put_trial(self, trial: TrialRecord) -> None:
         await self._redis.hset(f"{self._prefix}trials:{trial.experiment}", str(trial.number), trial.to_json())
+
+    async def put_trial_unless_ended(self, trial: TrialRecord) -> TrialRecord:
+        """Save ``trial`` unless its stored record has ended already (its runner saved it, with every
+        series, since the caller read it); returns the record stored now. Atomic (one Lua script)."""
+        stored = await self._redis.eval(_PUT_UNLESS_ENDED, 1, f"{self._prefix}trials:{trial.experiment}",
+                                        str(trial.number), trial.to_json(), *(s.value for s in TERMINAL_TRIALS))
+        return trial if stored is None else TrialRecord.from_json(stored)
 
     async def trial(self, experiment: str, number: int) -> TrialRecord | None:
         raw = await self._redis.hget(f"{self._prefix}trials:{experiment}", str(number))
