@@ -51,12 +51,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import faust
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from faust.types import TP
 from opml.inference.v1 import events_pb2 as inference_events
 
 from opml_common.bus import EventPublisher
@@ -165,10 +167,11 @@ def _credentials(platform: PlatformSettings) -> Any:
                                  mechanism=platform.kafka_sasl_mechanism, ssl_context=kwargs.get("ssl_context"))
 
 
-def _seek_uncommitted_to_earliest(consumer: Any, topics: set[str]) -> None:
+def _seek_uncommitted_to_earliest(consumer: Any, topics: set[str],
+                                  fed_from: Callable[[dict[Any, int]], None] | None = None) -> None:
     """Makes faust's "seek to the committed offsets" seek a source partition that has none to its
     earliest offset (what ``consumer_auto_offset_reset="earliest"`` means), instead of leaving it where
-    it is.
+    it is; ``fed_from`` is told the offset each source partition is fed from after every such seek.
 
     The restart defect (a scorer SIGKILLed in its first seconds and started again closed no further
     window, or stopped short, in about half the runs): faust-streaming 0.15.3's ``Consumer.getmany``
@@ -186,9 +189,11 @@ def _seek_uncommitted_to_earliest(consumer: Any, topics: set[str]) -> None:
     async def seek_to_committed_or_earliest() -> Any:
         committed = await seek_to_committed()
         missing = [tp for tp, offset in committed.items() if not offset and tp.topic in topics]
+        earliest = await consumer.earliest_offsets(*missing) if missing else {}
         if missing:
-            earliest = await consumer.earliest_offsets(*missing)
             await consumer.seek_wait({tp: earliest[tp] for tp in missing})
+        if fed_from is not None:
+            fed_from({tp: offset or earliest[tp] for tp, offset in committed.items() if tp.topic in topics})
         log.info("stream partitions fed again from their committed offsets: %s", ", ".join(
             f"{tp.topic}[{tp.partition}]@{offset if offset else 'earliest'}"
             for tp, offset in sorted(committed.items()) if tp.topic in topics))
@@ -217,6 +222,8 @@ class ScoringStream:
         self._open: dict[str, OpenWindow] = {}
         self._joinable: list[Joinable] = []
         self._resuming: set[int] = set()  # partitions revoked whose first record since is not seen yet
+        self._next: dict[int, int] = {}  # source partition -> the offset the stream applies next
+        self._rewound: dict[int, int] = {}  # source partition -> the record that showed a gap, while sought back
 
     def _internal_topics(self) -> dict[str, int]:
         return {f"{self.app_id}-windows-changelog": PREDICTIONS.partitions, f"{self.app_id}-__assignor-__leader": 1}
@@ -272,7 +279,8 @@ class ScoringStream:
         app.agent(predictions, name="predictions")(on_predictions)
         app.agent(labels, name="labels")(on_labels)
         app.on_partitions_revoked.connect(on_revoked)
-        _seek_uncommitted_to_earliest(app.consumer, {predictions.get_topic_name(), labels.get_topic_name()})
+        self._source = predictions.get_topic_name()
+        _seek_uncommitted_to_earliest(app.consumer, {self._source, labels.get_topic_name()}, self._fed_from)
         self.app = app
         await app.start()
 
@@ -281,6 +289,49 @@ class ScoringStream:
             return
         app, self.app = self.app, None
         await app.stop()
+
+    def _fed_from(self, positions: dict[Any, int]) -> None:
+        """faust sought the source partitions to their committed offsets (after an assignment, or when
+        it stopped the flow): a partition assigned since its revoke applies from there; one this process
+        kept goes on from its next offset (what came from the committed offset on is in its open
+        windows or acked: it comes again and is skipped)."""
+        for tp, offset in positions.items():
+            if tp.topic == self._source:
+                self._next.setdefault(tp.partition, offset)
+
+    async def _in_order(self, message: Any) -> bool:
+        """Whether to apply the record: the stream applies each partition's records in offset order,
+        with no gap, from the offset it was fed from, so windows by count are the same on every replay.
+
+        A record fed before (an open window holds it, or it was acked) is not applied again. A record
+        past a gap makes the stream seek the partition back to the first missing offset, again at each
+        such record (faust drops a fetched record below the highest offset it has handed over, so a
+        seek made while it still hands over records fetched before it does not stick); the records
+        until the missing one comes are not applied (not acked: they come again). faust loses records
+        it took from the fetcher when the flow stops or the generation changes, and relies on its seek
+        to the committed offsets to fetch them again. If the seek brings the first record past the gap
+        again, the offsets before it are not in the log (deleted, or control records) and it is applied.
+        """
+        partition, offset = message.partition, message.offset
+        expected = self._next.get(partition)
+        if expected is None or offset == expected:
+            if self._rewound.pop(partition, None) is not None:
+                log.info("partition %d fed again from offset %d: the gap is closed", partition, offset)
+            return True
+        if offset < expected:
+            return False
+        gap_at = self._rewound.get(partition)
+        if gap_at == offset:
+            del self._rewound[partition]
+            log.warning("partition %d: offsets %d..%d are not in the log; applied from %d", partition, expected,
+                        offset - 1, offset)
+            return True
+        if gap_at is None:
+            self._rewound[partition] = offset
+            log.warning("partition %d: record %d came where %d was expected (%d..%d not delivered); seeking back "
+                        "to %d", partition, offset, expected, expected, offset - 1, expected)
+        await self.app.consumer.seek(TP(message.topic, partition), expected)
+        return False
 
     def _forget(self, partitions: set[int]) -> None:
         """Partitions revoked: their open windows are dropped unacked; whoever gets them next (this
@@ -294,6 +345,9 @@ class ScoringStream:
                          f"{k} #{w.index} ({w.rows} rows, offsets {w.events[0].message.offset if w.events else '-'}"
                          f"..{w.last_offset})" for k, w in dropped.items()))
         self._resuming |= partitions
+        for partition in partitions:
+            self._next.pop(partition, None)
+            self._rewound.pop(partition, None)
         self._joinable = [j for j in self._joinable if j.partition not in partitions]
 
     async def _dead_letter(self, topic_name: str, message: Any, error: Exception) -> None:
@@ -345,6 +399,9 @@ class ScoringStream:
                     # a rebalance began (its revoke drops the open windows) or the event was fetched
                     # before one: not applied, not acked, fed again from the committed offset
                     continue
+                if not await self._in_order(event.message):
+                    continue
+                self._next[event.message.partition] = event.message.offset + 1
                 if isinstance(item, Exception):
                     await self._reject(event, item)
                     continue
@@ -460,8 +517,6 @@ class ScoringStream:
             event.ack()  # in a window closed before a restart or a rebalance
             return
         window = self._open.get(key)
-        if window is not None and window.partition == partition and offset <= window.last_offset:
-            return  # delivered twice while its window is open: the first delivery holds the ack
         if window is None or window.partition != partition:
             index = progress["index"] if progress is not None else 0
             window = self._open[key] = OpenWindow(index=index, partition=partition)
