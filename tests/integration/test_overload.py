@@ -17,6 +17,7 @@ from collections import Counter
 
 import numpy as np
 import psutil
+import pytest
 import tritonclient.grpc as triton_sync
 import tritonclient.grpc.aio as triton
 from opml.inference.v1 import deployments_pb2 as pb
@@ -108,6 +109,8 @@ async def _burst(client: triton.InferenceServerClient, inputs, *, rate: float, s
     return outcomes, sent_rate
 
 
+@pytest.mark.machine_to_itself  # the burst's latencies are measured on two cores: no other test's load beside it
+@pytest.mark.timeout(600)  # the wait for the tests beside it to end counts too
 async def test_a_burst_of_ten_times_capacity_keeps_the_slo_for_the_admitted_and_bounded_memory(
         serving_stack, tmp_path) -> None:
     _deploy(serving_stack, tmp_path)

@@ -26,3 +26,53 @@ def test_every_worker_answered_needs_each_known_worker_on_the_page() -> None:
     assert not every_worker_answered(errors + one)
     assert every_worker_answered(errors + one + two)
     assert not every_worker_answered(one)  # no known worker: a page without the router's collector
+
+
+def test_a_test_that_wants_the_machine_to_itself_waits_for_those_beside_it_and_holds_back_new_ones(tmp_path) -> None:
+    import fcntl
+    import threading
+
+    from opml_common.testing.bus import poll_until
+    from opml_common.testing.plugin import machine_share
+
+    def free(name: str, mode: int) -> bool:
+        """Whether ``name`` could be locked in ``mode`` now (probed without waiting)."""
+        with open(tmp_path / name, "a+") as probe:
+            try:
+                fcntl.flock(probe, mode | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            return True
+
+    def hold(exclusive: bool, holding: threading.Event, release: threading.Event) -> threading.Thread:
+        def run() -> None:
+            with machine_share(tmp_path, exclusive=exclusive):
+                holding.set()
+                release.wait()
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+    beside, beside_done = threading.Event(), threading.Event()
+    first = hold(False, beside, beside_done)
+    assert beside.wait(10)
+    second_beside, second_done = threading.Event(), threading.Event()
+    second = hold(False, second_beside, second_done)
+    assert second_beside.wait(10), "tests share the machine"
+    second_done.set()
+    second.join(10)
+    alone, alone_done = threading.Event(), threading.Event()
+    exclusive = hold(True, alone, alone_done)
+    poll_until(lambda: not free("machine.gate", fcntl.LOCK_EX), what="the exclusive test at the gate")
+    assert not alone.is_set(), "it waits for the test beside it"
+    late, late_done = threading.Event(), threading.Event()
+    newcomer = hold(False, late, late_done)
+    beside_done.set()
+    first.join(10)
+    assert alone.wait(10), "it runs once the test beside it ended"
+    assert not late.is_set() and not free("machine.lock", fcntl.LOCK_SH), "no new test started beside it"
+    alone_done.set()
+    exclusive.join(10)
+    assert late.wait(10), "the next test starts after it"
+    late_done.set()
+    newcomer.join(10)

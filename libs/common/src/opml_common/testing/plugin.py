@@ -5,10 +5,16 @@ Docker engine answers, else the embedded binaries of :mod:`opml_common.devinfra`
 Every session gets a unique topic, bucket and Redis-key prefix, so runs never see each other's
 data (the machine's Redis is shared, and ``make up`` may be running beside the tests).
 ``start_service`` runs platform services as real processes on top (see :mod:`.services`).
+
+A test marked ``machine_to_itself`` (one that measures latency against a bound, on two shared cores)
+runs with no other test of the run beside it: the other pytest-xdist workers wait between tests.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -96,3 +102,35 @@ def opml_cli(tokens: dict[str, str]):
         return result.output
 
     return run
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "machine_to_itself: no other test of the run runs beside this one "
+                                       "(the other pytest-xdist workers wait between their tests)")
+
+
+@contextlib.contextmanager
+def machine_share(directory: Path, *, exclusive: bool) -> Iterator[None]:
+    """Hold the run's machine lock in ``directory``: shared by every test, exclusive for one marked
+    ``machine_to_itself``. A gate lock gives the exclusive holder precedence: while it waits for the
+    tests running beside it to end, no new test starts (else it could wait for a whole worker's files)."""
+    with open(directory / "machine.gate", "a+") as gate, open(directory / "machine.lock", "a+") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        if not exclusive:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield  # closing the files releases both locks
+
+
+@pytest.fixture(scope="session")
+def machine_lock_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder every pytest-xdist worker of this run shares (the workers' base temporary folders
+    are its children); the run's own base folder without xdist."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(autouse=True)
+def _machine_share(request: pytest.FixtureRequest, machine_lock_dir: Path) -> Iterator[None]:
+    with machine_share(machine_lock_dir, exclusive=request.node.get_closest_marker("machine_to_itself") is not None):
+        yield
