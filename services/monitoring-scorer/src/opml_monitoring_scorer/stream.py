@@ -24,7 +24,9 @@ committed offset of a partition never passes the first event of a window still o
 is in one window only, so its offset is acked once, with that window. The open windows themselves
 live in memory only. A restarted scorer (or the new owner of a partition after a rebalance) is
 fed again from the committed offset and rebuilds the open windows from the same events, in the
-same order, with the same event times: the same windows. What it must not count again is a window
+same order, with the same event times: the same windows (each partition's records are applied in offset
+order with no gap from the offset it was fed from; a gap faust leaves is sought back, ``_in_order``).
+What it must not count again is a window
 it closed already: the ``windows`` table (a faust table with a changelog topic) holds per version
 the next window index and the offset of the last event of its last closed window, written once per
 closed window (not per event); an event at or below it is acked and skipped. faust flushes the
