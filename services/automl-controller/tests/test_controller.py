@@ -7,6 +7,7 @@ import asyncio
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import pytest
 import redis.asyncio as aioredis
@@ -279,6 +280,10 @@ async def test_an_ended_trial_record_is_not_overwritten_by_a_stale_one(store: Ex
                         state=TrialState.SUCCEEDED, objective_value=1.0)
     assert await store.put_trial_unless_ended(stale) == ended
     assert await store.trial("e", 0) == ended
+    diverged = TrialRecord(experiment="e", number=1, parameters={"x": "9"}, job_id="e-abcdef-t1",
+                           state=TrialState.FAILED, observations={"loss": [float("nan")]})
+    await store.put_trial(diverged)  # a diverging Keras fit logs loss nan: the record's JSON holds NaN
+    assert (await store.put_trial_unless_ended(replace(diverged, message="stale"))).message == ""
 
 
 async def test_stop_kills_running_trials_and_resume_continues(store: ExperimentStore) -> None:
