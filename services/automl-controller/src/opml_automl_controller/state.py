@@ -128,6 +128,7 @@ class ExperimentStore:
     def __init__(self, redis: aioredis.Redis, *, prefix: str) -> None:
         self._redis = redis
         self._prefix = f"{prefix}automl:"
+        self._put_unless_ended = redis.register_script(_PUT_UNLESS_ENDED)
 
     async def start(self) -> None:
         await self._redis.ping()
@@ -172,8 +173,8 @@ class ExperimentStore:
     async def put_trial_unless_ended(self, trial: TrialRecord) -> TrialRecord:
         """Save ``trial`` unless its stored record has ended already (its runner saved it, with every
         series, since the caller read it); returns the record stored now. Atomic (one Lua script)."""
-        stored = await self._redis.eval(_PUT_UNLESS_ENDED, 1, f"{self._prefix}trials:{trial.experiment}",
-                                        str(trial.number), trial.to_json(), *(s.value for s in TERMINAL_TRIALS))
+        stored = await self._put_unless_ended(keys=[f"{self._prefix}trials:{trial.experiment}"],
+                                              args=[trial.number, trial.to_json(), *(s.value for s in TERMINAL_TRIALS)])
         return trial if stored is None else TrialRecord.from_json(stored)
 
     async def trial(self, experiment: str, number: int) -> TrialRecord | None:

@@ -24,12 +24,12 @@ committed offset of a partition never passes the first event of a window still o
 is in one window only, so its offset is acked once, with that window. The open windows themselves
 live in memory only. A restarted scorer (or the new owner of a partition after a rebalance) is
 fed again from the committed offset and rebuilds the open windows from the same events, in the
-same order, with the same event times: the same windows (each partition's records are applied in offset
-order with no gap from the offset it was fed from; a gap faust leaves is sought back, ``_in_order``).
-What it must not count again is a window
-it closed already: the ``windows`` table (a faust table with a changelog topic) holds per version
-the next window index and the offset of the last event of its last closed window, written once per
-closed window (not per event); an event at or below it is acked and skipped. faust flushes the
+same order, with the same event times: the same windows (each partition's records are applied in
+offset order with no gap from the offset it was fed from; a gap faust leaves is sought back,
+``_in_order``). What it must not count again is a window it closed already: the ``windows`` table
+(a faust table with a changelog topic) holds per version the next window index and the offset of the
+last event of its last closed window, written once per closed window (not per event); an event at or
+below it is acked and skipped. faust flushes the
 changelog before it commits source offsets, and a window saved but not yet in the changelog when
 the process dies is closed again under the same index (the scorer saves windows by index and steps
 rules once per index), so a SIGKILL loses no window and counts none twice.
@@ -302,8 +302,9 @@ class ScoringStream:
                 self._next.setdefault(tp.partition, offset)
 
     async def _in_order(self, message: Any) -> bool:
-        """Whether to apply the record: the stream applies each partition's records in offset order,
-        with no gap, from the offset it was fed from, so windows by count are the same on every replay.
+        """Whether to apply the record (then the partition's next offset is the one after it): the
+        stream applies each partition's records in offset order, with no gap, from the offset it was
+        fed from, so windows by count are the same on every replay.
 
         A record fed before (an open window holds it, or it was acked) is not applied again. A record
         past a gap makes the stream seek the partition back to the first missing offset, again at each
@@ -319,6 +320,7 @@ class ScoringStream:
         if expected is None or offset == expected:
             if self._rewound.pop(partition, None) is not None:
                 log.info("partition %d fed again from offset %d: the gap is closed", partition, offset)
+            self._next[partition] = offset + 1
             return True
         if offset < expected:
             return False
@@ -327,6 +329,7 @@ class ScoringStream:
             del self._rewound[partition]
             log.warning("partition %d: offsets %d..%d are not in the log; applied from %d", partition, expected,
                         offset - 1, offset)
+            self._next[partition] = offset + 1
             return True
         if gap_at is None:
             self._rewound[partition] = offset
@@ -403,7 +406,6 @@ class ScoringStream:
                     continue
                 if not await self._in_order(event.message):
                     continue
-                self._next[event.message.partition] = event.message.offset + 1
                 if isinstance(item, Exception):
                     await self._reject(event, item)
                     continue
