@@ -27,22 +27,67 @@ def terminate(process: subprocess.Popen, *, timeout_s: float) -> None:
         process.wait()
 
 
+class ExitedBeforeServing(RuntimeError):
+    """The service process ended before it served; ``log_tail`` is the end of its output."""
+
+    def __init__(self, returncode: int, log_tail: str) -> None:
+        super().__init__(f"service exited with {returncode} before serving:\n{log_tail}")
+        self.log_tail = log_tail
+
+    @property
+    def port_taken(self) -> bool:
+        """Whether it ended because one of its ports was taken (by gRPC's or the metrics server's bind)."""
+        tail = self.log_tail.lower()
+        return "address already in use" in tail or "failed to bind" in tail
+
+
+def listens_on(pid: int, port: int) -> bool | None:
+    """Whether process ``pid`` holds a TCP socket listening on ``port`` (None where /proc cannot tell).
+
+    A health answer on a port says that *some* server is there; this says it is the one just started,
+    not another that took the port first."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(f"socket:[{fields[9]}]")
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return None
+    for fd in fds:
+        try:
+            if os.readlink(fd) in inodes:
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def wait_until_serving(target: str, *, timeout_s: float, process: subprocess.Popen | None = None,
                        log_path: Path | None = None, env: Mapping[str, str] | None = None) -> None:
-    """Block until the gRPC health service at ``target`` answers SERVING. The channel is secured as
-    ``OPML_GRPC_TLS_*`` in ``env`` says (default: this process's environment)."""
+    """Block until the gRPC health service at ``target`` answers SERVING, and, given ``process``, that
+    process is the one listening there. The channel is secured as ``OPML_GRPC_TLS_*`` in ``env`` says
+    (default: this process's environment). Raises :class:`ExitedBeforeServing` if ``process`` ends."""
     from opml_common.grpc.client import open_channel, tls_settings
 
+    port = int(target.rsplit(":", 1)[1])
     deadline = time.monotonic() + timeout_s
     with open_channel(target, tls=tls_settings(env)) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if process is not None and process.poll() is not None:
                 tail = log_path.read_text()[-3000:] if log_path and log_path.exists() else ""
-                raise RuntimeError(f"service exited with {process.returncode} before serving:\n{tail}")
+                raise ExitedBeforeServing(process.returncode, tail)
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                if reply.status == health_pb2.HealthCheckResponse.SERVING and (
+                        process is None or listens_on(process.pid, port) is not False):
                     return
             except grpc.RpcError:
                 pass

@@ -97,8 +97,11 @@ class GrpcServer:
         self._server = grpc.aio.server(
             interceptors=[observability, AuthInterceptor(
                 tokens, method_roles={k: v for r in registrations for k, v in r.full_method_roles().items()})],
+            # so_reuseport off: a port another process listens on is a bind error, not a port two
+            # servers share (the kernel would then split the calls between them).
             options=[("grpc.max_receive_message_length", max_receive_message_bytes),
-                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                     ("grpc.so_reuseport", 0)],
         )
         self.port: int | None = None
         self.metrics_port: int | None = None

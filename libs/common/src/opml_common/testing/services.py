@@ -12,10 +12,13 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 from opml_common.devinfra import free_port
-from opml_common.process import ServiceProcess, ServiceSpec
+from opml_common.process import ExitedBeforeServing, ServiceProcess, ServiceSpec
 
 TOKENS = {"admin": "admin-token", "writer": "writer-token", "reader": "reader-token"}
 """Bearer token of each role the started services accept (``OPML_AUTH_TOKENS``)."""
+
+PORT_ATTEMPTS = 3
+"""Starts with fresh ports before a process whose port was taken fails its test."""
 
 
 def service_spec(service: str | ServiceSpec) -> ServiceSpec:
@@ -69,15 +72,25 @@ class ServiceStarter:
 
         ``env`` is a whole environment as :meth:`env` makes it (its ports included: a restart reuses
         one), else a fresh one is made with ``tokens``; ``extra_env`` overrides either. Output goes to
-        ``<tmp_path>/<name>.log``.
+        ``<tmp_path>/<name>.log``. A process made with fresh ports that ends because one was taken
+        meanwhile (another test's process bound it first) is made again on new ones.
         """
         spec = service_spec(service)
-        env = self.env(spec, tokens=tokens) if env is None else env
-        env = {**env, **(extra_env or {})}
-        process = ServiceProcess(spec.module, int(env[f"{env_prefix(spec)}GRPC_PORT"]), env,
-                                 self._tmp_path / f"{self._unique(spec.name)}.log")
-        self._made.append(process)
-        return process.start() if start else process
+        fresh_ports, attempts = env is None, 1
+        while True:
+            made = {**(self.env(spec, tokens=tokens) if fresh_ports else env), **(extra_env or {})}
+            process = ServiceProcess(spec.module, int(made[f"{env_prefix(spec)}GRPC_PORT"]), made,
+                                     self._tmp_path / f"{self._unique(spec.name)}.log")
+            self._made.append(process)
+            if not start:
+                return process
+            try:
+                return process.start()
+            except ExitedBeforeServing as exited:
+                # A free port picked here can be taken by another test's process before ours binds it.
+                if not (fresh_ports and exited.port_taken and attempts < PORT_ATTEMPTS):
+                    raise
+                attempts += 1
 
     def stop_all(self) -> None:
         """Stop every process made, the last made first (a client service before what it calls)."""

@@ -1,0 +1,123 @@
+"""A port picked free can be taken by another process before a service binds it (two pytest workers
+start services at once): the service must fail to bind rather than share the port, readiness must
+be the started process's own, and the test's service starter picks new ports and starts again.
+
+Real processes and real gRPC servers; only the port the starter picks first is chosen by the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+from pydantic_settings import SettingsConfigDict
+
+from opml_common.config import PlatformSettings, ServiceSettings
+from opml_common.devinfra import free_port
+from opml_common.grpc.server import GrpcServer
+from opml_common.metrics import ServiceMetrics
+from opml_common.process import ExitedBeforeServing, ServiceSpec, listens_on, wait_until_serving
+from opml_common.testing import services
+
+# A service of nothing but the template: health, reflection and metrics on the ports its env gives.
+SERVICE_MAIN = """
+import asyncio
+from prometheus_client import CollectorRegistry
+from opml_common.config import PlatformSettings, ServiceSettings
+from opml_common.grpc.server import GrpcServer
+from opml_common.metrics import ServiceMetrics
+from pydantic_settings import SettingsConfigDict
+
+
+class PortTestSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="OPML_PORT_TEST_")
+
+
+async def main():
+    async with GrpcServer(settings=PortTestSettings(), platform=PlatformSettings(),
+                          metrics=ServiceMetrics("port-test", CollectorRegistry()), registrations=[]):
+        await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+class PortTestSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="OPML_PORT_TEST_")
+
+
+def _server(port: int = 0) -> GrpcServer:
+    return GrpcServer(settings=ServiceSettings(grpc_port=port, metrics_port=0), platform=PlatformSettings(),
+                      metrics=ServiceMetrics("port-test", CollectorRegistry()), registrations=[])
+
+
+def _health_checks(server: GrpcServer) -> float:
+    return server.metrics.registry.get_sample_value(
+        "opml_port_test_grpc_requests_total", {"method": "Check", "code": "OK"}) or 0
+
+
+async def test_a_server_on_a_port_another_server_listens_on_fails_to_bind() -> None:
+    async with _server() as first:
+        second = _server(first.port)
+        with pytest.raises(RuntimeError, match="(?i)failed to bind"):
+            await second.start()
+
+
+def test_listens_on_tells_which_process_holds_the_port() -> None:
+    listener = subprocess.Popen(
+        [sys.executable, "-c", "import socket, sys\n"
+         "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+         "print(s.getsockname()[1], flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(listener.stdout.readline())
+        assert listens_on(listener.pid, port) is True
+        assert listens_on(os.getpid(), port) is False
+    finally:
+        listener.stdin.close()
+        listener.wait()
+
+
+async def test_readiness_is_not_taken_from_another_process_serving_on_the_port() -> None:
+    """A process that never listens, while another server answers health on its port: readiness waits
+    for it (and fails when it ends) instead of taking the other server's SERVING for its own."""
+    silent = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read(); sys.exit(3)"],
+                              stdin=subprocess.PIPE)
+    async with _server() as other:
+        waiting = asyncio.create_task(asyncio.to_thread(
+            wait_until_serving, f"127.0.0.1:{other.port}", timeout_s=120, process=silent))
+        while _health_checks(other) < 1 and not waiting.done():  # it has had the other server's answer
+            await asyncio.sleep(0.01)
+        silent.stdin.close()
+        with pytest.raises(ExitedBeforeServing) as exited:
+            await waiting
+    assert silent.wait() == 3 and not exited.value.port_taken
+
+
+def test_the_starter_starts_again_on_new_ports_when_a_picked_port_was_taken(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "port_test_service.py").write_text(SERVICE_MAIN)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path / 'pkg'}")
+    spec = ServiceSpec("port-test", "port_test_service", PortTestSettings)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        picks = iter([taken.getsockname()[1]])
+        monkeypatch.setattr(services, "free_port", lambda: next(picks, None) or free_port())
+        starter = services.ServiceStarter({}, tmp_path)
+        try:
+            started = starter(spec, tokens=None)
+            assert listens_on(started.process.pid, started.grpc_port) is True
+            assert started.grpc_port != taken.getsockname()[1]
+            first_log = (tmp_path / "port-test.log").read_text()
+            assert "failed to bind" in first_log.lower()
+        finally:
+            starter.stop_all()
+
