@@ -13,6 +13,10 @@ STAMP := $(VENV)/.installed
 .PHONY: install protos check-protos up down test bench clean
 
 install: $(STAMP) protos
+	@# byte-compile the editable packages, as a wheel install does: with PYTHONDONTWRITEBYTECODE set (it is
+	@# on these machines) every process, a traced job's tracer included, would compile them from source
+	@# at each start (the tracer's modules: ~25 ms of a job's CPU). Up-to-date files are skipped.
+	$(PY) -m compileall -q -j 0 protos/python libs/common/src $(foreach s,$(SERVICES),$(s)src) > /dev/null
 
 $(STAMP): constraints.txt $(foreach p,$(PACKAGES),$(p)/pyproject.toml)
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
