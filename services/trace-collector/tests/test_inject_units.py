@@ -189,6 +189,17 @@ def test_sitecustomize_chains_to_the_one_it_shadows(tmp_path: Path) -> None:
     assert "did not import TensorFlow" in result.stderr
 
 
+def test_the_tracer_imports_the_capture_code_only_when_a_capture_arrives() -> None:
+    """What the tracer's thread imports to start (settings, control poll, spool, events) leaves out the
+    capture's converter and upload code: a job that is never captured does not pay for importing it."""
+    code = ("import sys\n"
+            "from opml_trace_collector.inject import config, control, spool, tracer\n"
+            "from opml_trace_collector import session, topics\n"
+            "print(sorted(m for m in sys.modules if m.endswith(('inject.capture', 'inject.xspace'))))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert result.stdout.strip() == "[]"
+
+
 def _space():
     from tensorflow.tsl.profiler.protobuf import xplane_pb2  # what the tracer's converter reads
     space = xplane_pb2.XSpace()

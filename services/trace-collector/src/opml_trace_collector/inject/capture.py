@@ -20,16 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opml_trace_collector.inject.control import CaptureRequest
 from opml_trace_collector.inject.recorder import Recorder, Step
 from opml_trace_collector.inject.xspace import StepSpan, to_chrome
 
 KIND_NAMES = {1: "train", 2: "evaluate", 3: "predict", 4: "session_run", 5: "function"}
-
-
-@dataclass(frozen=True)
-class CaptureRequest:
-    capture_id: str
-    steps: int
 
 
 @dataclass

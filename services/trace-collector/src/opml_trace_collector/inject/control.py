@@ -13,11 +13,20 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from opml_trace_collector.inject import resp
-from opml_trace_collector.inject.capture import CaptureRequest
 
 _TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class CaptureRequest:
+    """A capture asked of this worker (its key's value, checked): the tracer imports ``capture``, and
+    TensorFlow's profiler with it, only when one arrives."""
+
+    capture_id: str
+    steps: int
 
 
 def redis_client(url: str):  # noqa: ANN201 - a RedisReader or a redis.Redis: both have mget, close

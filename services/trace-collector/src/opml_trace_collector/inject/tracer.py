@@ -30,9 +30,9 @@ from opml_trace_collector.inject.recorder import Epoch, Recorder, Step
 if TYPE_CHECKING:  # imported on the tracer's thread, never on the job's
     from google.protobuf.message import Message
 
-    from opml_trace_collector.inject.capture import Capture, CaptureRequest
+    from opml_trace_collector.inject.capture import Capture
     from opml_trace_collector.inject.config import TracerConfig
-    from opml_trace_collector.inject.control import ControlPoller
+    from opml_trace_collector.inject.control import CaptureRequest, ControlPoller
     from opml_trace_collector.inject.spool import RunSpool
 
 _tracer: Tracer | None = None
