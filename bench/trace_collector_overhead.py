@@ -94,6 +94,37 @@ def _infra(tmp: str) -> Iterator[tuple[dict[str, str], PlatformSettings]]:
         yield env, platform
 
 
+def _report_threads_at_exit(out: Path) -> None:
+    """(4)'s workload, before TensorFlow is imported: at exit, after the tracer's own exit hook (atexit
+    runs the last registered first), append the CPU of each of the process's threads to ``out``: the
+    job's thread, TensorFlow's pools by name, and threads that ended (the tracer's), as the rest of
+    the process's getrusage. Tells where a whole-process difference lands."""
+    import atexit
+
+    def report() -> None:
+        import resource
+        tick = os.sysconf("SC_CLK_TCK")
+        threads: dict[str, float] = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+            except OSError:  # ended meanwhile
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            name = "job thread" if int(tid) == os.getpid() else stat[stat.index("(") + 1:stat.rindex(")")]
+            threads[name] = threads.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        threads["ended threads"] = usage.ru_utime + usage.ru_stime - sum(threads.values())
+        tracer = sys.modules.get("opml_trace_collector.inject.tracer")
+        found = tracer._tracer if tracer else None
+        if found is not None:
+            threads["ended threads: the tracer's (its clock)"] = found.thread_cpu_s
+        with out.open("a") as file:
+            file.write(json.dumps(threads) + "\n")
+
+    atexit.register(report)
+
+
 def workload(steps: int, epochs: int, batch_size: int, pause_s: float, interleave: int = 0,
              interleave_steps: int = 5) -> None:
     """The measured job: a small CNN on synthetic 28x28 images; prints one JSON line of epoch times."""
@@ -287,16 +318,19 @@ def whole_process(args: argparse.Namespace) -> dict:
                    "--batch-size", str(args.batch_size), "--interleave", "0"]
             solo = [_measured([cmd], [env], tmp, cpus)[0] for _ in range(args.solo_runs if args.concurrent else 0)]
             runs: dict[str, list[tuple[float, float]]] = {"untraced": [], "traced": []}
+            thread_files = {arm: Path(tmp) / f"{name}-{arm}-threads.jsonl" for arm in runs}
+            arm_cmds = {arm: [*cmd, "--out", str(thread_files[arm])] for arm in runs}
             shipper_cpu: list[float] = []
             for pair in range(pairs):
                 order = ("untraced", "traced") if pair % 2 == 0 else ("traced", "untraced")
                 shipped_before = _cpu_of(shipper)
                 if args.concurrent:  # both arms at once on the same CPU: the host's speed changes hit both
-                    for arm, run in zip(order, _measured([cmd, cmd], [arms[a] for a in order], tmp, cpus), strict=True):
+                    measured = _measured([arm_cmds[a] for a in order], [arms[a] for a in order], tmp, cpus)
+                    for arm, run in zip(order, measured, strict=True):
                         runs[arm].append(run)
                 else:
                     for arm in order:
-                        runs[arm].append(_measured([cmd], [arms[arm]], tmp, cpus)[0])
+                        runs[arm].append(_measured([arm_cmds[arm]], [arms[arm]], tmp, cpus)[0])
                 if shipper is not None:
                     _wait_delivered(Path(env["OPML_TRACE_SPOOL_DIR"]))
                     shipper_cpu.append(_cpu_of(shipper) - shipped_before)
@@ -318,11 +352,21 @@ def whole_process(args: argparse.Namespace) -> dict:
                 "untraced_wall_s": spread([w for _, w in runs["untraced"]]),
                 "traced_wall_s": spread([w for _, w in runs["traced"]]),
                 "cpu_overhead_s": cpu, "wall_overhead_s": spread(wall_diff),
+                "cpu_overhead_by_thread_s": _by_thread(thread_files),
                 "shipper_cpu_per_traced_job_s": spread(shipper_cpu) if shipper_cpu else None,
                 "cpu_overhead_pct": _pct(cpu, base_cpu),
                 "cpu_overhead_with_shipper_pct": _pct(with_shipper, base_cpu) if with_shipper else None,
             }
         return results
+
+
+def _by_thread(files: dict[str, Path]) -> dict[str, dict]:
+    """Per thread name, traced - untraced CPU per pair (mean, CI): where the whole-process difference is."""
+    rows = {arm: [json.loads(line) for line in path.read_text().splitlines()] for arm, path in files.items()}
+    names = sorted({name for row in rows["traced"] + rows["untraced"] for name in row})
+    return {name: spread([t.get(name, 0.0) - u.get(name, 0.0) for u, t in zip(rows["untraced"], rows["traced"],
+                                                                              strict=True)])
+            for name in names}
 
 
 def _byte_compile() -> None:
@@ -335,9 +379,11 @@ def _byte_compile() -> None:
 
     import opml_common
     import opml_trace_collector
-    for package in (opml_trace_collector, opml_common, *(Path(p) for p in opml.__path__)):
-        folder = package if isinstance(package, Path) else Path(package.__file__).parent
-        compileall.compile_dir(folder, quiet=1)
+    folders = [Path(opml_trace_collector.__file__).parent, Path(opml_common.__file__).parent,
+               *(Path(p) for p in opml.__path__)]  # a namespace package: an editable install adds a hook entry
+    for folder in folders:
+        if folder.is_dir():
+            compileall.compile_dir(folder, quiet=1)
 
 
 def _pct(diff: dict, base: float) -> dict:
@@ -573,6 +619,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args()
     if args.workload:
+        if args.out:
+            _report_threads_at_exit(args.out)
         workload(args.steps, args.epochs, args.batch_size, args.pause, args.interleave, args.interleave_steps)
         return
     if args.fixed_workload:
