@@ -63,7 +63,11 @@ def test_the_tracers_fast_line_is_protobufs_json_mapping_of_the_same_step() -> N
     steps += [Step(rng.randrange(0, 10**12), rng.randrange(0, 6), rng.choice(["keras.fit", "session.run:a,b", ""]),
                    rng.choice(starts) + rng.random() * rng.choice([0, 1, 1e3]), rng.random() * rng.choice([0, 1e-3, 10]),
                    rng.random() * rng.choice([0, 1e-4]), rng.randrange(0, 4096)) for _ in range(2000)]
-    for step in steps:
-        record = Tracer._record(pb, step)
+    batch = pb.StepMetricsBatch()
+    Tracer.add_steps(batch.steps, steps)
+    for step, record in zip(steps, batch.steps, strict=True):
+        stamp = Timestamp()
+        stamp.FromNanoseconds(int(step.start_time * 1e9))
+        assert record.start_time == stamp, step
         assert step_to_line(*step) == record_to_line(record), step
         assert json_format.ParseDict(json.loads(step_to_line(*step)), pb.StepRecord()) == record
