@@ -324,7 +324,13 @@ def whole_process(args: argparse.Namespace) -> dict:
             for pair in range(pairs):
                 order = ("untraced", "traced") if pair % 2 == 0 else ("traced", "untraced")
                 shipped_before = _cpu_of(shipper)
-                if args.concurrent:  # both arms at once on the same CPU: the host's speed changes hit both
+                if args.split_cpus:  # both arms at once, each on a CPU of its own; the CPUs swap each pair
+                    pinned = [{args.split_cpus[0]}, {args.split_cpus[1]}] if pair % 4 < 2 else [
+                        {args.split_cpus[1]}, {args.split_cpus[0]}]
+                    measured = _measured([arm_cmds[a] for a in order], [arms[a] for a in order], tmp, pinned)
+                    for arm, run in zip(order, measured, strict=True):
+                        runs[arm].append(run)
+                elif args.concurrent:  # both arms at once on the same CPU: the host's speed changes hit both
                     measured = _measured([arm_cmds[a] for a in order], [arms[a] for a in order], tmp, cpus)
                     for arm, run in zip(order, measured, strict=True):
                         runs[arm].append(run)
@@ -345,7 +351,7 @@ def whole_process(args: argparse.Namespace) -> dict:
             with_shipper = spread([d + s for d, s in zip(cpu_diff, shipper_cpu, strict=True)]) if shipper_cpu else None
             results[name] = {
                 "epochs": epochs, "steps_per_epoch": args.whole_steps, "pairs": pairs,
-                "tf_threads": args.tf_threads or "default", "concurrent_pairs": args.concurrent, "cpu": args.cpu,
+                "tf_threads": args.tf_threads or "default", "concurrent_pairs": args.concurrent, "cpu": args.cpu, "split_cpus": args.split_cpus,
                 "untraced_alone_cpu_s": spread([c for c, _ in solo]) if solo else None,
                 "untraced_cpu_s": spread([c for c, _ in runs["untraced"]]),
                 "traced_cpu_s": spread([c for c, _ in runs["traced"]]),
@@ -391,13 +397,15 @@ def _pct(diff: dict, base: float) -> dict:
             "ci95": [100 * (diff["mean"] - diff["mean_ci95"]) / base, 100 * (diff["mean"] + diff["mean_ci95"]) / base]}
 
 
-def _measured(cmds: list[list[str]], envs: list[dict[str, str]], cwd: str, cpus: set[int] | None,
+def _measured(cmds: list[list[str]], envs: list[dict[str, str]], cwd: str, cpus: set[int] | list[set[int]] | None,
               ) -> list[tuple[float, float]]:
-    """Runs the commands at once; (user + sys CPU of each process tree, its wall time), from wait4."""
+    """Runs the commands at once; (user + sys CPU of each process tree, its wall time), from wait4.
+    ``cpus``: one set for all the commands, or a set per command."""
     started = time.perf_counter()
+    per_command = cpus if isinstance(cpus, list) else [cpus] * len(cmds)
     processes = [subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                  preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
-                 for cmd, env in zip(cmds, envs, strict=True)]
+                                  preexec_fn=(lambda c=c: os.sched_setaffinity(0, c)) if c else None)
+                 for cmd, env, c in zip(cmds, envs, per_command, strict=True)]
 
     def reap(process: subprocess.Popen) -> tuple[float, float]:
         _, status, usage = os.wait4(process.pid, 0)  # blocks without the GIL: each process's own end
@@ -606,6 +614,9 @@ def main() -> None:
     parser.add_argument("--concurrent", action="store_true",
                         help="(4): run each pair's two arms at the same time on one CPU (see --cpu)")
     parser.add_argument("--cpu", type=int, default=None, help="(4): pin the workloads to this CPU")
+    parser.add_argument("--split-cpus", type=lambda text: [int(c) for c in text.split(",")], default=None,
+                        help="(4): run each pair's arms at once, each pinned to one of these two CPUs (e.g. 0,1), "
+                             "swapping CPUs between pairs: no arm shares a CPU with the other")
     parser.add_argument("--solo-runs", type=int, default=3,
                         help="(4) with --concurrent: untraced runs alone, the base of the percentages")
     parser.add_argument("--tf-threads", type=int, default=0,
