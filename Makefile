@@ -15,7 +15,7 @@ STAMP := $(VENV)/.installed
 install: $(STAMP) protos
 	@# byte-compile the editable packages, as a wheel install does: with PYTHONDONTWRITEBYTECODE set (it is
 	@# on these machines) every process, a traced job's tracer included, would compile them from source
-	@# at each start (the tracer's modules: ~25 ms of a job's CPU). Up-to-date files are skipped.
+	@# at each start (a traced job's CPU included). Up-to-date files are skipped.
 	$(PY) -m compileall -q -j 0 protos/python libs/common/src $(foreach s,$(SERVICES),$(s)src) > /dev/null
 
 $(STAMP): constraints.txt $(foreach p,$(PACKAGES),$(p)/pyproject.toml)

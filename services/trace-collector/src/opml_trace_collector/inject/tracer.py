@@ -298,8 +298,8 @@ class Tracer:
 
     @staticmethod
     def add_steps(records, steps: list[Step]) -> None:  # noqa: ANN001 - a batch's repeated StepRecord
-        """Append a StepRecord per step to ``records`` in place: ~1.2 µs a step against ~3.9 µs for
-        messages built apart and handed to the batch (with a Timestamp each), the same bytes."""
+        """Append a StepRecord per step to ``records`` in place: the same bytes as messages built apart
+        (a Timestamp each) and handed to the batch, at a third of the CPU in a microbenchmark."""
         add = records.add
         for step in steps:
             record = add(step=step.step, kind=step.kind, signature=step.signature, duration_s=step.duration_s,
