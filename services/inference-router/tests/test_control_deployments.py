@@ -272,12 +272,13 @@ async def test_a_measured_p99_above_the_slo_re_places_the_model(deployments, tmp
     before = manager.plan.placements[model]
     profiled = manager.profiles.get(model, "cpu")
     assert not (await manager.replan_once()).reasons  # the first look only opens the window
-    # Serving measured a rate several times the expected 100 rps at a p99 of 150 ms over 10 s, above the
-    # 100 ms SLO. The rate is half what the plan's replicas can take by their profile (measured on the
-    # request path, so it varies with the machine's load): there the profile predicts a p99 far under
-    # the measured one, so the profile is scaled; a fixed rate could saturate a slow profile, which then
-    # already predicts the measured p99 and is left as it is.
-    rate = max(300, int(before.option.replica_capacity_rps * len(before.workers) / 2))
+    # Serving measured half what the plan's replicas can take by their profile, at a p99 of 150 ms over
+    # 10 s, above the 100 ms SLO. At half capacity the profile predicts a p99 far under the measured one,
+    # and a profile twice as slow saturates the replicas, so the calibration scales it by about 2 however
+    # fast the profile came out (it is measured on the request path, so it varies with the machine's
+    # load). A fixed rate would not: CI's loaded run profiled 311 rps, where 300 rps already nearly
+    # saturated the replica and the profile was scaled by only 1.1.
+    rate = int(before.option.replica_capacity_rps * len(before.workers) / 2)
     served = RouterMetrics(deployments.metrics).version("drifty", "1")
     served.ok.inc(rate * 10)
     for _ in range(1000):
