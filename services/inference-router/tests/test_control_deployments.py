@@ -380,6 +380,26 @@ async def test_replicas_that_share_a_worker_run_as_instances_that_take_a_slot_ea
         assert (await _infer(manager.router, "wide"))[0] == "1"
 
 
+async def test_undeploying_a_model_with_two_instances_on_one_worker_frees_every_slot(pools, tmp_path: Path) -> None:
+    # Undeploy removed the first of two instances on a worker by re-loading the version with one
+    # instance, from a record undeploy had already dropped: a KeyError, and the second instance kept
+    # its slot (seen in CI after a drift re-placement put two replicas on one worker).
+    policy, model = ForcedPolicy(replicas=3, cap=8), ModelVersion("twin", 1)  # 3 replicas on 2 cpu workers
+    async with control_plane(pools, policy=policy, undeploy=False) as plane:
+        manager = plane.manager
+        await manager.deploy(Source(model_dir=str(_bundle(tmp_path, "twin", kinds=("cpu",)))))
+        per_worker = Counter(manager.plan.placements[model].workers)
+        assert sorted(per_worker.values()) == [1, 2]
+        await manager.undeploy("twin")
+        assert not manager.plan.placements and "twin" not in manager.models
+        for worker in per_worker:
+            with pytest.raises(grpc.aio.AioRpcError, match="not loaded"):
+                await _served_as(manager, worker, "twin")
+    async with control_plane(pools, policy=ForcedPolicy(replicas=4, cap=8)) as plane:  # every cpu slot is free
+        await plane.manager.deploy(Source(model_dir=str(_bundle(tmp_path, "after", kinds=("cpu",)))))
+        assert Counter(plane.manager.plan.placements[ModelVersion("after", 1)].workers).most_common(1)[0][1] == 2
+
+
 async def test_version_numbers_are_never_given_twice_even_after_a_restart(pools, platform_settings,
                                                                            tmp_path: Path) -> None:
     redis = redis_client(platform_settings)

@@ -240,11 +240,16 @@ class ReplicaPlacer:
         self.router.add_replica(name, str(replica.model.version), self.pools.get(replica.worker).address)
 
     async def _remove(self, replica: Replica) -> None:
-        """Retires one instance of the version, or unloads it with its last one."""
+        """Retires one instance of the version, or unloads it with its last one. A retired version (its
+        record gone: undeployed, or no longer served) keeps its other instances on the worker until the
+        same moves remove them: there is no bundle left to re-load it from, and no need."""
         key = (replica.worker, replica.model)
         hosted = self._hosted[key]
         hosted.remove(replica)
         if hosted:
+            record = self._models.get(replica.model.name)
+            if record is None or replica.model.version not in record.versions:
+                return
             try:
                 await self._load(*key)
             except Unavailable:  # a worker that is down comes back with what _hosted says
