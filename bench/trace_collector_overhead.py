@@ -32,6 +32,15 @@
    spin and steal differently from run to run (up to 2.6 s of CPU between two identical 13 s runs),
    which hides a 1% difference in any affordable number of pairs; the tracer's own work does not
    depend on the pools, so fixing them shows its cost with a usable interval.
+   ``--stack-strata N`` runs pair p's job (both arms) beneath a padding frame of
+   (p mod N) x 16 KiB / N bytes. CPython 3.11 frees a thread's frame-stack chunk (16 KiB, mmap'd) as soon
+   as its first frame returns, so a loop calling across a chunk boundary maps, faults in and unmaps a
+   chunk on every call (python/cpython#142183, fixed in 3.13 and 3.14 by caching one chunk). Where the
+   boundaries fall depends on every frame below: the same untraced job makes 104k to 157k minor faults
+   by the depth it runs at, and the tracer's few frames move the boundaries like any other change of
+   depth would. The strata spread the job over one chunk's worth of positions, so the difference is
+   the tracer's cost averaged over where a program's frames happen to fall, not one draw of it; each
+   stratum's difference is reported too, with the minor faults of each arm (``getrusage``).
 
 5. The tracer's fixed cost (``--fixed``): a trivial TensorFlow program (import, 20 steps of a small
    tf.function, then ``--hold`` seconds idle so the tracer's batches and control polls run) untraced
@@ -46,6 +55,7 @@ Starts its own broker/S3/Redis (opml_common.devinfra). Usage:
     .venv/bin/python bench/trace_collector_overhead.py [--pairs 3] [--steps 20] [--epochs 3]
         [--interleave 60] [--interleave-steps 5] [--capture-steps 10] [--out results.json]
     .venv/bin/python bench/trace_collector_overhead.py --whole [--short-pairs 8] [--long-pairs 4] [--tf-threads 1]
+        [--concurrent --cpu 0 | --split-cpus 0,1] [--stack-strata 8] [--fault-cost]
     .venv/bin/python bench/trace_collector_overhead.py --fixed [--fixed-pairs 10] [--hold 4]
 """
 
@@ -61,7 +71,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -70,6 +80,7 @@ if TYPE_CHECKING:
     from opml_common.config import PlatformSettings
 
 HERE = Path(__file__).resolve()
+_FRAME_CHUNK_BYTES = 16 * 1024  # CPython 3.11's frame-stack chunk (DATA_STACK_CHUNK_SIZE), see --stack-strata
 # The workloads run this file too: the platform's libraries (the bus, pydantic, redis, aiokafka) are
 # imported inside the functions that drive the runs, never at the top, or the untraced arm would pay
 # the tracer's imports as well and every whole-process difference would miss them.
@@ -119,8 +130,9 @@ def _report_threads_at_exit(out: Path) -> None:
         found = tracer._tracer if tracer else None
         if found is not None:
             threads["ended threads: the tracer's (its clock)"] = found.thread_cpu_s
+        faults = {"process": usage.ru_minflt, "job thread": resource.getrusage(resource.RUSAGE_THREAD).ru_minflt}
         with out.open("a") as file:
-            file.write(json.dumps(threads) + "\n")
+            file.write(json.dumps({"cpu_s": threads, "minor_faults": faults}) + "\n")
 
     atexit.register(report)
 
@@ -166,6 +178,30 @@ def workload(steps: int, epochs: int, batch_size: int, pause_s: float, interleav
     timer = EpochTimer()
     model.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, callbacks=[timer])
     print(json.dumps({"epoch_s": timer.times}), flush=True)
+
+
+def beneath_padding(pad_bytes: int, run: Callable[[], None]) -> None:
+    """Call ``run`` beneath one frame of ``pad_bytes`` bytes of local slots: every frame of the job
+    sits that much further along its thread's frame stack (see ``--stack-strata``)."""
+    slots = pad_bytes // 8
+    body = f"    {' = '.join(f'_{i}' for i in range(slots))} = None\n" if slots else ""
+    namespace: dict = {}
+    exec(compile(f"def padded(run):\n{body}    return run()\n", "<stack padding>", "exec"), namespace)  # noqa: S102
+    namespace["padded"](run)
+
+
+def minor_fault_cost_us(pages: int = 20_000) -> float:
+    """CPU (mostly the kernel's) of one minor page fault here: fresh anonymous pages touched one by one."""
+    import mmap
+    import resource
+    area = mmap.mmap(-1, pages * mmap.PAGESIZE)
+    before = resource.getrusage(resource.RUSAGE_THREAD)
+    for offset in range(0, pages * mmap.PAGESIZE, mmap.PAGESIZE):
+        area[offset] = 1
+    after = resource.getrusage(resource.RUSAGE_THREAD)
+    area.close()
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return 1e6 * cpu / max(1, after.ru_minflt - before.ru_minflt)
 
 
 def interleaved_epochs(model, x, y, batch_size: int, pairs: int, timer_class) -> dict:  # noqa: ANN001
@@ -309,6 +345,8 @@ def whole_process(args: argparse.Namespace) -> dict:
         traced_env = build_env("bench-whole", None, env)
         arms = {"untraced": env, "traced": traced_env}
         cpus = {args.cpu} if args.cpu is not None else None
+        strata = [i * _FRAME_CHUNK_BYTES // args.stack_strata for i in range(args.stack_strata)] or [0]
+        fault_cost_us = minor_fault_cost_us()
         results = {}
         for name, epochs, pairs in (("short", args.short_epochs, args.short_pairs),
                                     ("long", args.long_epochs, args.long_pairs)):
@@ -319,10 +357,14 @@ def whole_process(args: argparse.Namespace) -> dict:
             solo = [_measured([cmd], [env], tmp, cpus)[0] for _ in range(args.solo_runs if args.concurrent else 0)]
             runs: dict[str, list[tuple[float, float]]] = {"untraced": [], "traced": []}
             thread_files = {arm: Path(tmp) / f"{name}-{arm}-threads.jsonl" for arm in runs}
-            arm_cmds = {arm: [*cmd, "--out", str(thread_files[arm])] for arm in runs}
             shipper_cpu: list[float] = []
+            pads: list[int] = []
             for pair in range(pairs):
-                order = ("untraced", "traced") if pair % 2 == 0 else ("traced", "untraced")
+                pads.append(strata[pair % len(strata)])
+                arm_cmds = {arm: [*cmd, "--out", str(thread_files[arm]), "--stack-pad", str(pads[-1])] for arm in runs}
+                # the arm started first alternates within each stratum as well as from pair to pair
+                first = (pair + pair // len(strata)) % 2 if len(strata) % 2 == 0 else pair % 2
+                order = ("untraced", "traced") if first == 0 else ("traced", "untraced")
                 shipped_before = _cpu_of(shipper)
                 if args.split_cpus:  # both arms at once, each on a CPU of its own; the CPUs swap each pair
                     pinned = [{args.split_cpus[0]}, {args.split_cpus[1]}] if pair % 4 < 2 else [
@@ -352,6 +394,7 @@ def whole_process(args: argparse.Namespace) -> dict:
             results[name] = {
                 "epochs": epochs, "steps_per_epoch": args.whole_steps, "pairs": pairs,
                 "tf_threads": args.tf_threads or "default", "concurrent_pairs": args.concurrent, "cpu": args.cpu, "split_cpus": args.split_cpus,
+                "stack_strata_bytes": strata,
                 "untraced_alone_cpu_s": spread([c for c, _ in solo]) if solo else None,
                 "untraced_cpu_s": spread([c for c, _ in runs["untraced"]]),
                 "traced_cpu_s": spread([c for c, _ in runs["traced"]]),
@@ -359,6 +402,8 @@ def whole_process(args: argparse.Namespace) -> dict:
                 "traced_wall_s": spread([w for _, w in runs["traced"]]),
                 "cpu_overhead_s": cpu, "wall_overhead_s": spread(wall_diff),
                 "cpu_overhead_by_thread_s": _by_thread(thread_files),
+                "minor_faults": _faults(thread_files, fault_cost_us, cpu_diff),
+                "by_stack_pad_bytes": _by_pad(pads, cpu_diff, thread_files),
                 "shipper_cpu_per_traced_job_s": spread(shipper_cpu) if shipper_cpu else None,
                 "cpu_overhead_pct": _pct(cpu, base_cpu),
                 "cpu_overhead_with_shipper_pct": _pct(with_shipper, base_cpu) if with_shipper else None,
@@ -366,13 +411,56 @@ def whole_process(args: argparse.Namespace) -> dict:
         return results
 
 
+def _rows(files: dict[str, Path], key: str) -> dict[str, list[dict]]:
+    """Each arm's at-exit reports (one per run, in pair order): the ``key`` part."""
+    return {arm: [json.loads(line)[key] for line in path.read_text().splitlines()] for arm, path in files.items()}
+
+
 def _by_thread(files: dict[str, Path]) -> dict[str, dict]:
     """Per thread name, traced - untraced CPU per pair (mean, CI): where the whole-process difference is."""
-    rows = {arm: [json.loads(line) for line in path.read_text().splitlines()] for arm, path in files.items()}
+    rows = _rows(files, "cpu_s")
     names = sorted({name for row in rows["traced"] + rows["untraced"] for name in row})
     return {name: spread([t.get(name, 0.0) - u.get(name, 0.0) for u, t in zip(rows["untraced"], rows["traced"],
                                                                               strict=True)])
             for name in names}
+
+
+def _faults(files: dict[str, Path], cost_us: float, cpu_diff: list[float]) -> dict:
+    """Minor page faults of each arm and traced - untraced per pair; what a fault alone costs here
+    (``cost_us``); and the pairs' CPU difference fitted on their fault difference (least squares):
+    the slope is what the frame-chunk churn a fault marks costs (a chunk's mmap and munmap beside its
+    faults), the intercept the CPU difference of a pair whose arms fault alike."""
+    rows = _rows(files, "minor_faults")
+    process = [t["process"] - u["process"] for u, t in zip(rows["untraced"], rows["traced"], strict=True)]
+    result = {"untraced": spread([r["process"] for r in rows["untraced"]]),
+              "traced": spread([r["process"] for r in rows["traced"]]),
+              "difference_per_pair": spread(process),
+              "job_thread_difference_per_pair": spread([t["job thread"] - u["job thread"] for u, t in zip(
+                  rows["untraced"], rows["traced"], strict=True)]),
+              "cost_us_each": cost_us}
+    n, mean_x, mean_y = len(process), statistics.mean(process), statistics.mean(cpu_diff)
+    sxx = sum((x - mean_x) ** 2 for x in process)
+    if n > 2 and sxx > 0:
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(process, cpu_diff, strict=True)) / sxx
+        intercept = mean_y - slope * mean_x
+        residual = (sum((y - intercept - slope * x) ** 2 for x, y in zip(process, cpu_diff, strict=True))
+                    / (n - 2)) ** 0.5
+        result["cpu_fit"] = {"us_per_fault": slope * 1e6, "cpu_s_at_equal_faults": intercept,
+                             "cpu_s_at_equal_faults_ci95": 1.96 * residual * (1 / n + mean_x ** 2 / sxx) ** 0.5}
+    return result
+
+
+def _by_pad(pads: list[int], cpu_diff: list[float], files: dict[str, Path]) -> dict[str, dict]:
+    """Per stack padding: traced - untraced CPU and minor faults of its pairs (each a draw of where the
+    frame-chunk boundaries fall)."""
+    rows = _rows(files, "minor_faults")
+    faults = [t["process"] - u["process"] for u, t in zip(rows["untraced"], rows["traced"], strict=True)]
+    return {str(pad): {"pairs": pads.count(pad),
+                       "cpu_overhead_s": spread([d for p, d in zip(pads, cpu_diff, strict=True) if p == pad]),
+                       "minor_faults_difference": spread([f for p, f in zip(pads, faults, strict=True) if p == pad]),
+                       "untraced_minor_faults": spread([r["process"] for p, r in zip(pads, rows["untraced"],
+                                                                                      strict=True) if p == pad])}
+            for pad in sorted(set(pads))}
 
 
 def _byte_compile() -> None:
@@ -621,6 +709,10 @@ def main() -> None:
                         help="(4) with --concurrent: untraced runs alone, the base of the percentages")
     parser.add_argument("--tf-threads", type=int, default=0,
                         help="(4): TensorFlow intra-op/inter-op (and OpenMP) threads in both arms; 0: TensorFlow's default")
+    parser.add_argument("--stack-strata", type=int, default=8,
+                        help="(4): run pair p's job (both arms) beneath (p mod N) x 16 KiB / N bytes of frame stack; "
+                             "0: no padding (one draw of CPython 3.11's frame-chunk boundaries)")
+    parser.add_argument("--stack-pad", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--fixed", action="store_true", help="(5) only: the tracer's fixed cost per process")
     parser.add_argument("--fixed-pairs", type=int, default=10, help="(5): interleaved pairs")
     parser.add_argument("--hold", type=float, default=4.0, help="(5): seconds the program idles after its steps")
@@ -632,7 +724,8 @@ def main() -> None:
     if args.workload:
         if args.out:
             _report_threads_at_exit(args.out)
-        workload(args.steps, args.epochs, args.batch_size, args.pause, args.interleave, args.interleave_steps)
+        beneath_padding(args.stack_pad, lambda: workload(args.steps, args.epochs, args.batch_size, args.pause,
+                                                         args.interleave, args.interleave_steps))
         return
     if args.fixed_workload:
         fixed_workload(args.hold, args.out)
