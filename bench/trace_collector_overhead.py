@@ -36,9 +36,9 @@
    (p mod N) x 16 KiB / N bytes. CPython 3.11 frees a thread's frame-stack chunk (16 KiB, mmap'd) as soon
    as its first frame returns, so a loop calling across a chunk boundary maps, faults in and unmaps a
    chunk on every call (python/cpython#142183, fixed in 3.13 and 3.14 by caching one chunk). Where the
-   boundaries fall depends on every frame below: the same untraced job makes 104k to 157k minor faults
-   by the depth it runs at, and the tracer's few frames move the boundaries like any other change of
-   depth would. The strata spread the job over one chunk's worth of positions, so the difference is
+   boundaries fall depends on every frame below: the same untraced job makes 112k to 231k minor faults
+   by the depth it runs at (docs/benchmarks.md), and the tracer's few frames move the boundaries like
+   any other change of depth would. The strata spread the job over one chunk's worth of positions, so the difference is
    the tracer's cost averaged over where a program's frames happen to fall, not one draw of it; each
    stratum's difference is reported too, with the minor faults of each arm (``getrusage``).
 
