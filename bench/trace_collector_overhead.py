@@ -36,7 +36,7 @@
    (p mod N) x 16 KiB / N bytes. CPython 3.11 frees a thread's frame-stack chunk (16 KiB, mmap'd) as soon
    as its first frame returns, so a loop calling across a chunk boundary maps, faults in and unmaps a
    chunk on every call (python/cpython#142183, fixed in 3.13 and 3.14 by caching one chunk). Where the
-   boundaries fall depends on every frame below: the same untraced job makes 112k to 231k minor faults
+   boundaries fall depends on every frame below: the same untraced job makes 112k to 232k minor faults
    by the depth it runs at (docs/benchmarks.md), and the tracer's few frames move the boundaries like
    any other change of depth would. The strata spread the job over one chunk's worth of positions, so the difference is
    the tracer's cost averaged over where a program's frames happen to fall, not one draw of it; each
@@ -55,7 +55,7 @@ Starts its own broker/S3/Redis (opml_common.devinfra). Usage:
     .venv/bin/python bench/trace_collector_overhead.py [--pairs 3] [--steps 20] [--epochs 3]
         [--interleave 60] [--interleave-steps 5] [--capture-steps 10] [--out results.json]
     .venv/bin/python bench/trace_collector_overhead.py --whole [--short-pairs 8] [--long-pairs 4] [--tf-threads 1]
-        [--concurrent --cpu 0 | --split-cpus 0,1] [--stack-strata 8] [--fault-cost]
+        [--concurrent --cpu 0 | --split-cpus 0,1] [--stack-strata 8]
     .venv/bin/python bench/trace_collector_overhead.py --fixed [--fixed-pairs 10] [--hold 4]
 """
 
@@ -385,6 +385,7 @@ def whole_process(args: argparse.Namespace) -> dict:
                 print(f"{name} pair {pair}: untraced {runs['untraced'][-1][0]:.2f} s CPU, traced "
                       f"{runs['traced'][-1][0]:.2f} s CPU", flush=True)
             cpu_diff = [t[0] - u[0] for u, t in zip(runs["untraced"], runs["traced"], strict=True)]
+            faults = _rows(thread_files, "minor_faults")
             wall_diff = [t[1] - u[1] for u, t in zip(runs["untraced"], runs["traced"], strict=True)]
             # The base of the percentages: the untraced job alone (in concurrent pairs each job's CPU is
             # inflated by sharing the core's caches, which would understate the percentage).
@@ -402,8 +403,8 @@ def whole_process(args: argparse.Namespace) -> dict:
                 "traced_wall_s": spread([w for _, w in runs["traced"]]),
                 "cpu_overhead_s": cpu, "wall_overhead_s": spread(wall_diff),
                 "cpu_overhead_by_thread_s": _by_thread(thread_files),
-                "minor_faults": _faults(thread_files, fault_cost_us, cpu_diff),
-                "by_stack_pad_bytes": _by_pad(pads, cpu_diff, thread_files),
+                "minor_faults": _faults(faults, fault_cost_us, cpu_diff),
+                "by_stack_pad_bytes": _by_pad(pads, cpu_diff, faults),
                 "shipper_cpu_per_traced_job_s": spread(shipper_cpu) if shipper_cpu else None,
                 "cpu_overhead_pct": _pct(cpu, base_cpu),
                 "cpu_overhead_with_shipper_pct": _pct(with_shipper, base_cpu) if with_shipper else None,
@@ -425,18 +426,21 @@ def _by_thread(files: dict[str, Path]) -> dict[str, dict]:
             for name in names}
 
 
-def _faults(files: dict[str, Path], cost_us: float, cpu_diff: list[float]) -> dict:
+def _fault_difference(rows: dict[str, list[dict]], part: str = "process") -> list[float]:
+    """Traced - untraced minor faults per pair, of the process or of the job's thread."""
+    return [t[part] - u[part] for u, t in zip(rows["untraced"], rows["traced"], strict=True)]
+
+
+def _faults(rows: dict[str, list[dict]], cost_us: float, cpu_diff: list[float]) -> dict:
     """Minor page faults of each arm and traced - untraced per pair; what a fault alone costs here
     (``cost_us``); and the pairs' CPU difference fitted on their fault difference (least squares):
     the slope is what the frame-chunk churn a fault marks costs (a chunk's mmap and munmap beside its
     faults), the intercept the CPU difference of a pair whose arms fault alike."""
-    rows = _rows(files, "minor_faults")
-    process = [t["process"] - u["process"] for u, t in zip(rows["untraced"], rows["traced"], strict=True)]
+    process = _fault_difference(rows)
     result = {"untraced": spread([r["process"] for r in rows["untraced"]]),
               "traced": spread([r["process"] for r in rows["traced"]]),
               "difference_per_pair": spread(process),
-              "job_thread_difference_per_pair": spread([t["job thread"] - u["job thread"] for u, t in zip(
-                  rows["untraced"], rows["traced"], strict=True)]),
+              "job_thread_difference_per_pair": spread(_fault_difference(rows, "job thread")),
               "cost_us_each": cost_us}
     n, mean_x, mean_y = len(process), statistics.mean(process), statistics.mean(cpu_diff)
     sxx = sum((x - mean_x) ** 2 for x in process)
@@ -450,11 +454,10 @@ def _faults(files: dict[str, Path], cost_us: float, cpu_diff: list[float]) -> di
     return result
 
 
-def _by_pad(pads: list[int], cpu_diff: list[float], files: dict[str, Path]) -> dict[str, dict]:
+def _by_pad(pads: list[int], cpu_diff: list[float], rows: dict[str, list[dict]]) -> dict[str, dict]:
     """Per stack padding: traced - untraced CPU and minor faults of its pairs (each a draw of where the
     frame-chunk boundaries fall)."""
-    rows = _rows(files, "minor_faults")
-    faults = [t["process"] - u["process"] for u, t in zip(rows["untraced"], rows["traced"], strict=True)]
+    faults = _fault_difference(rows)
     return {str(pad): {"pairs": pads.count(pad),
                        "cpu_overhead_s": spread([d for p, d in zip(pads, cpu_diff, strict=True) if p == pad]),
                        "minor_faults_difference": spread([f for p, f in zip(pads, faults, strict=True) if p == pad]),
