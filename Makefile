@@ -8,6 +8,8 @@ PIP := $(PY) -m pip install -q -c constraints.txt
 PROTOS := $(shell find protos/opml -name '*.proto')
 SERVICES := $(sort $(dir $(wildcard services/*/pyproject.toml)))
 PACKAGES := protos/python libs/common $(SERVICES)
+# C sources of the packages' extension modules: the editable install builds them, so a change re-installs
+C_SOURCES := $(shell find services libs -name '*.c' -not -path '*/.venv/*')
 STAMP := $(VENV)/.installed
 
 .PHONY: install protos check-protos up down test bench clean
@@ -18,7 +20,7 @@ install: $(STAMP) protos
 	@# at each start (a traced job's CPU included). Up-to-date files are skipped.
 	$(PY) -m compileall -q -j 0 protos/python libs/common/src $(foreach s,$(SERVICES),$(s)src) > /dev/null
 
-$(STAMP): constraints.txt $(foreach p,$(PACKAGES),$(p)/pyproject.toml)
+$(STAMP): constraints.txt $(foreach p,$(PACKAGES),$(p)/pyproject.toml) $(C_SOURCES)
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	@# promtool (Debian's prometheus package) checks every dashboard query in tests/repo
 	@command -v promtool >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus)

@@ -28,6 +28,11 @@ def warn(message: str) -> None:
 def _on_tensorflow(module: ModuleType) -> None:
     began = time.thread_time()
     try:
+        from opml_trace_collector.inject import spare_chunks
+        spare_chunks.keep_spare_chunks()
+    except ImportError as exc:  # a build without the C module: traced all the same
+        warn(f"frame-stack chunks are not kept ({exc}); the tracer's frames may move CPython's chunk churn")
+    try:
         from opml_trace_collector.inject import tracer
         tracer.activate(module)
         tracer.startup_cpu_s = time.thread_time() - began  # the job thread's share (the bench reads it)
