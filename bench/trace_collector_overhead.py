@@ -131,8 +131,10 @@ def _report_threads_at_exit(out: Path) -> None:
         if found is not None:
             threads["ended threads: the tracer's (its clock)"] = found.thread_cpu_s
         faults = {"process": usage.ru_minflt, "job thread": resource.getrusage(resource.RUSAGE_THREAD).ru_minflt}
+        kept = sys.modules.get("opml_trace_collector.inject._spare_chunks")
         with out.open("a") as file:
-            file.write(json.dumps({"cpu_s": threads, "minor_faults": faults}) + "\n")
+            file.write(json.dumps({"cpu_s": threads, "minor_faults": faults,
+                                   "chunk_reuses": kept.reuses() if kept else 0}) + "\n")
 
     atexit.register(report)
 
@@ -362,6 +364,8 @@ def whole_process(args: argparse.Namespace) -> dict:
             for pair in range(pairs):
                 pads.append(strata[pair % len(strata)])
                 arm_cmds = {arm: [*cmd, "--out", str(thread_files[arm]), "--stack-pad", str(pads[-1])] for arm in runs}
+                if args.untraced_keeps_chunks:
+                    arm_cmds["untraced"].append("--keep-spare-chunks")
                 # the arm started first alternates within each stratum as well as from pair to pair
                 first = (pair + pair // len(strata)) % 2 if len(strata) % 2 == 0 else pair % 2
                 order = ("untraced", "traced") if first == 0 else ("traced", "untraced")
@@ -386,6 +390,7 @@ def whole_process(args: argparse.Namespace) -> dict:
                       f"{runs['traced'][-1][0]:.2f} s CPU", flush=True)
             cpu_diff = [t[0] - u[0] for u, t in zip(runs["untraced"], runs["traced"], strict=True)]
             faults = _rows(thread_files, "minor_faults")
+            reuses = _rows(thread_files, "chunk_reuses")
             wall_diff = [t[1] - u[1] for u, t in zip(runs["untraced"], runs["traced"], strict=True)]
             # The base of the percentages: the untraced job alone (in concurrent pairs each job's CPU is
             # inflated by sharing the core's caches, which would understate the percentage).
@@ -395,7 +400,7 @@ def whole_process(args: argparse.Namespace) -> dict:
             results[name] = {
                 "epochs": epochs, "steps_per_epoch": args.whole_steps, "pairs": pairs,
                 "tf_threads": args.tf_threads or "default", "concurrent_pairs": args.concurrent, "cpu": args.cpu, "split_cpus": args.split_cpus,
-                "stack_strata_bytes": strata,
+                "stack_strata_bytes": strata, "untraced_keeps_chunks": args.untraced_keeps_chunks,
                 "untraced_alone_cpu_s": spread([c for c, _ in solo]) if solo else None,
                 "untraced_cpu_s": spread([c for c, _ in runs["untraced"]]),
                 "traced_cpu_s": spread([c for c, _ in runs["traced"]]),
@@ -404,7 +409,8 @@ def whole_process(args: argparse.Namespace) -> dict:
                 "cpu_overhead_s": cpu, "wall_overhead_s": spread(wall_diff),
                 "cpu_overhead_by_thread_s": _by_thread(thread_files),
                 "minor_faults": _faults(faults, fault_cost_us, cpu_diff),
-                "by_stack_pad_bytes": _by_pad(pads, cpu_diff, faults),
+                "chunk_reuses": {arm: spread([float(n) for n in counts]) for arm, counts in reuses.items()},
+                "by_stack_pad_bytes": _by_pad(pads, cpu_diff, faults, reuses),
                 "shipper_cpu_per_traced_job_s": spread(shipper_cpu) if shipper_cpu else None,
                 "cpu_overhead_pct": _pct(cpu, base_cpu),
                 "cpu_overhead_with_shipper_pct": _pct(with_shipper, base_cpu) if with_shipper else None,
@@ -454,15 +460,18 @@ def _faults(rows: dict[str, list[dict]], cost_us: float, cpu_diff: list[float]) 
     return result
 
 
-def _by_pad(pads: list[int], cpu_diff: list[float], rows: dict[str, list[dict]]) -> dict[str, dict]:
+def _by_pad(pads: list[int], cpu_diff: list[float], rows: dict[str, list[dict]],
+            reuses: dict[str, list[int]]) -> dict[str, dict]:
     """Per stack padding: traced - untraced CPU and minor faults of its pairs (each a draw of where the
-    frame-chunk boundaries fall)."""
+    frame-chunk boundaries fall), and the chunk allocations kept chunks served in each arm."""
     faults = _fault_difference(rows)
     return {str(pad): {"pairs": pads.count(pad),
                        "cpu_overhead_s": spread([d for p, d in zip(pads, cpu_diff, strict=True) if p == pad]),
                        "minor_faults_difference": spread([f for p, f in zip(pads, faults, strict=True) if p == pad]),
                        "untraced_minor_faults": spread([r["process"] for p, r in zip(pads, rows["untraced"],
-                                                                                      strict=True) if p == pad])}
+                                                                                      strict=True) if p == pad]),
+                       "chunk_reuses": {arm: spread([float(n) for p, n in zip(pads, counts, strict=True) if p == pad])
+                                        for arm, counts in reuses.items()}}
             for pad in sorted(set(pads))}
 
 
@@ -716,6 +725,10 @@ def main() -> None:
                         help="(4): run pair p's job (both arms) beneath (p mod N) x 16 KiB / N bytes of frame stack; "
                              "0: no padding (one draw of CPython 3.11's frame-chunk boundaries)")
     parser.add_argument("--stack-pad", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--untraced-keeps-chunks", action="store_true",
+                        help="(4): the untraced arm keeps freed frame-stack chunks as the traced one does "
+                             "(inject/spare_chunks.py): the tracer's cost without the churn it saves")
+    parser.add_argument("--keep-spare-chunks", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--fixed", action="store_true", help="(5) only: the tracer's fixed cost per process")
     parser.add_argument("--fixed-pairs", type=int, default=10, help="(5): interleaved pairs")
     parser.add_argument("--hold", type=float, default=4.0, help="(5): seconds the program idles after its steps")
@@ -727,6 +740,9 @@ def main() -> None:
     if args.workload:
         if args.out:
             _report_threads_at_exit(args.out)
+        if args.keep_spare_chunks:
+            from opml_trace_collector.inject.spare_chunks import keep_spare_chunks
+            keep_spare_chunks()
         beneath_padding(args.stack_pad, lambda: workload(args.steps, args.epochs, args.batch_size, args.pause,
                                                          args.interleave, args.interleave_steps))
         return
