@@ -3,10 +3,8 @@
 kept chunks served. At the depth where the loop's callee starts a chunk, CPython 3.11 maps and
 unmaps a chunk per call (one fault each) unless freed chunks are kept.
 
-Usage: chunk_edge.py CALLS [IMPORT]: IMPORT is a module imported first (the tracer hooks
-``tensorflow``)."""
+Usage: chunk_edge.py CALLS"""
 
-import importlib
 import json
 import resource
 import sys
@@ -34,8 +32,6 @@ def faults() -> int:
 
 def main() -> None:
     calls = int(sys.argv[1])
-    if len(sys.argv) > 2:
-        importlib.import_module(sys.argv[2])
     began, worst = faults(), 0
     for depth in range(400):  # at_depth's frames are >= 80 bytes: 400 of them span more than 16 KiB
         before = faults()

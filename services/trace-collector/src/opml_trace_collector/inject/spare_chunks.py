@@ -7,7 +7,7 @@ one stack depth (docs/benchmarks.md, "Where the job thread's extra goes"). Where
 depends on how deep the loop runs, so any frame added beneath it, the tracer's included, moves the
 churn onto or off a job's loop: the tracer's whole-process cost was mostly this lottery. CPython
 fixed it in 3.13 and 3.14 by caching one chunk per thread (python/cpython#142183); this does the
-same for the versions the platform runs, in the traced process only.
+same for the versions the platform runs, in traced processes (from their start: sitecustomize).
 """
 
 from __future__ import annotations
