@@ -41,6 +41,10 @@
    any other change of depth would. The strata spread the job over one chunk's worth of positions, so the difference is
    the tracer's cost averaged over where a program's frames happen to fall, not one draw of it; each
    stratum's difference is reported too, with the minor faults of each arm (``getrusage``).
+   A traced process keeps freed chunks (the tracer's ``sitecustomize``: inject/spare_chunks.py), so the
+   traced arm no longer churns at any position; each arm's chunk reuses are reported, and
+   ``--untraced-keeps-chunks`` gives the untraced arm the same kept chunks: the difference is then the
+   tracer's own cost, apart from the churn it saves the job.
 
 5. The tracer's fixed cost (``--fixed``): a trivial TensorFlow program (import, 20 steps of a small
    tf.function, then ``--hold`` seconds idle so the tracer's batches and control polls run) untraced
@@ -55,7 +59,7 @@ Starts its own broker/S3/Redis (opml_common.devinfra). Usage:
     .venv/bin/python bench/trace_collector_overhead.py [--pairs 3] [--steps 20] [--epochs 3]
         [--interleave 60] [--interleave-steps 5] [--capture-steps 10] [--out results.json]
     .venv/bin/python bench/trace_collector_overhead.py --whole [--short-pairs 8] [--long-pairs 4] [--tf-threads 1]
-        [--concurrent --cpu 0 | --split-cpus 0,1] [--stack-strata 8]
+        [--concurrent --cpu 0 | --split-cpus 0,1] [--stack-strata 8] [--untraced-keeps-chunks]
     .venv/bin/python bench/trace_collector_overhead.py --fixed [--fixed-pairs 10] [--hold 4]
 """
 
