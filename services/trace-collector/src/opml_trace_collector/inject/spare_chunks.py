@@ -12,9 +12,19 @@ same for the versions the platform runs, in traced processes (from their start: 
 
 from __future__ import annotations
 
+import sys
+
+# 3.13 and later keep a chunk themselves, and newer interpreters take other buffers from the same
+# allocator (3.14's JIT), which must not get a used block; below 3.13 the only 16 KiB blocks taken
+# from it are frame-stack chunks (object arenas are 256 KiB or 1 MiB).
+NEEDED = sys.version_info < (3, 13)
+
 
 def keep_spare_chunks() -> None:
-    """Install the chunk-keeping arena allocator in this process (once; later calls do nothing)."""
+    """Install the chunk-keeping arena allocator in this process (once; later calls, and Pythons
+    that keep chunks themselves, do nothing)."""
+    if not NEEDED:
+        return
     from opml_trace_collector.inject import _spare_chunks
 
     _spare_chunks.install()
