@@ -9,7 +9,7 @@ PROTOS := $(shell find protos/opml -name '*.proto')
 SERVICES := $(sort $(dir $(wildcard services/*/pyproject.toml)))
 PACKAGES := protos/python libs/common $(SERVICES)
 # C sources of the packages' extension modules: the editable install builds them, so a change re-installs
-C_SOURCES := $(shell find services libs -name '*.c' -not -path '*/.venv/*')
+C_SOURCES := $(shell find services libs -name '*.c')
 STAMP := $(VENV)/.installed
 
 .PHONY: install protos check-protos up down test bench clean

@@ -37,11 +37,9 @@ def main() -> None:
         before = faults()
         at_depth(depth, calls)
         worst = max(worst, faults() - before)
-    reuses = 0
-    if "opml_trace_collector.inject._spare_chunks" in sys.modules:
-        from opml_trace_collector.inject.spare_chunks import chunk_reuses
-        reuses = chunk_reuses()
-    print(json.dumps({"faults": faults() - began, "worst_depth_faults": worst, "reuses": reuses}))
+    swept = faults() - began
+    from opml_trace_collector.inject.spare_chunks import chunk_reuses  # after the count: no import in it
+    print(json.dumps({"faults": swept, "worst_depth_faults": worst, "reuses": chunk_reuses()}))
 
 
 if __name__ == "__main__":

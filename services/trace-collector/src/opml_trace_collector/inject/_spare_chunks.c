@@ -5,12 +5,12 @@
  * of exactly one chunk's size is kept in one of a few slots and handed out again by the next
  * allocation of that size; every other size, and a chunk with every slot full, goes to the
  * allocator that was installed before. The slots are taken and filled with atomic exchanges, so the
- * module needs no GIL (free-threaded builds, subinterpreters with their own GIL).
+ * module assumes no GIL (3.12's subinterpreters may each have their own).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-/* CPython's DATA_STACK_CHUNK_SIZE (Python/pystate.c, 3.11 to 3.15). */
+/* CPython's DATA_STACK_CHUNK_SIZE (Python/pystate.c); installed on 3.11 and 3.12 only (spare_chunks.py). */
 #define CHUNK_BYTES (16 * 1024)
 #define SLOTS 4
 

@@ -31,7 +31,6 @@ def keep_spare_chunks() -> None:
 
 
 def chunk_reuses() -> int:
-    """Chunk allocations a kept chunk has served in this process (0 before the install)."""
-    from opml_trace_collector.inject import _spare_chunks
-
-    return _spare_chunks.reuses()
+    """Chunk allocations a kept chunk has served in this process (0 where none were kept)."""
+    module = sys.modules.get("opml_trace_collector.inject._spare_chunks")
+    return module.reuses() if module else 0
