@@ -113,6 +113,17 @@ class ServiceSpec:
         """The CloudEvents ``source`` of every event the service emits."""
         return f"opml/{self.name}"
 
+    @property
+    def env_prefix(self) -> str:
+        """The service's settings prefix, e.g. ``OPML_BUNDLE_STORE_``."""
+        return self.settings.model_config["env_prefix"]
+
+    def extra_ports(self) -> dict[str, int]:
+        """The service's ports besides gRPC and metrics (settings named ``*_port``, e.g. the router's
+        ``inference_port``) and their defaults: a stack or a test on free ports picks these free too."""
+        return {name[:-len("_port")]: field.default for name, field in self.settings.model_fields.items()
+                if name.endswith("_port") and name not in ("grpc_port", "metrics_port")}
+
 
 @dataclass
 class ServiceProcess:

@@ -113,50 +113,46 @@ def loadable_services() -> tuple[list[ServiceSpec], dict[str, str]]:
 # -- parts ---------------------------------------------------------------------------------------
 
 
-def _env_prefix(spec: ServiceSpec) -> str:
-    return spec.settings.model_config["env_prefix"]
-
-
 def service_environment(specs: Sequence[ServiceSpec], endpoints: Endpoints,
-                        config: StackConfig) -> tuple[dict[str, str], dict[str, tuple[int, int]]]:
+                        config: StackConfig) -> tuple[dict[str, str], dict[str, dict[str, int]]]:
     """The environment every service runs with (infrastructure, prefixes, each service's ports and
-    target, homes) and each service's (grpc, metrics) ports. Ports are fixed here once, so a
-    restarted service listens where it did."""
+    target, homes) and each service's ports by name (``grpc``, ``metrics``, and its others, such as the
+    router's ``inference``). Ports are fixed here once, so a restarted service listens where it did."""
     env = {**endpoints.env(), "OPML_LOG_FORMAT": "text"}
     if config.topic_prefix:
         env["OPML_TOPIC_PREFIX"] = config.topic_prefix
     if config.redis_prefix:
         env["OPML_REDIS_PREFIX"] = config.redis_prefix
-    ports: dict[str, tuple[int, int]] = {}
+    ports: dict[str, dict[str, int]] = {}
     for spec in specs:
-        prefix = _env_prefix(spec)
+        prefix = spec.env_prefix
+        settings = spec.settings()
+        named = {"grpc": settings.grpc_port, "metrics": settings.metrics_port,
+                 **{name: getattr(settings, f"{name}_port") for name in spec.extra_ports()}}
         if config.free_ports:
-            grpc_port, metrics_port = free_port(), free_port()
-        else:
-            settings = spec.settings()
-            grpc_port, metrics_port = settings.grpc_port, settings.metrics_port
-            if not grpc_port or not metrics_port:
-                raise ValueError(f"{prefix}GRPC_PORT and {prefix}METRICS_PORT must be fixed ports for the stack "
-                                 f"(a restart must keep them), but got {grpc_port} and {metrics_port}")
-        ports[spec.name] = (grpc_port, metrics_port)
-        env[f"{prefix}GRPC_PORT"] = str(grpc_port)
-        env[f"{prefix}METRICS_PORT"] = str(metrics_port)
-        env[f"{prefix}TARGET"] = f"127.0.0.1:{grpc_port}"  # where the others and the main job find it
+            named = {name: free_port() for name in named}
+        elif not all(named.values()):
+            raise ValueError(f"{prefix}GRPC_PORT, {prefix}METRICS_PORT and the service's other ports must be "
+                             f"fixed ports for the stack (a restart must keep them), but got {named}")
+        ports[spec.name] = named
+        env.update({f"{prefix}{name.upper()}_PORT": str(port) for name, port in named.items()})
+        env[f"{prefix}TARGET"] = f"127.0.0.1:{named['grpc']}"  # where the others and the main job find it
+        # ... and its other gRPC ports (the router's INFERENCE_TARGET: the KServe data plane)
+        env.update({f"{prefix}{name.upper()}_TARGET": f"127.0.0.1:{named[name]}" for name in spec.extra_ports()})
         if config.homes is not None and "home" in spec.settings.model_fields:
             env[f"{prefix}HOME"] = str(config.homes / spec.name)
     return env, ports
 
 
-def service_parts(specs: Sequence[ServiceSpec], env: Mapping[str, str], ports: Mapping[str, tuple[int, int]],
+def service_parts(specs: Sequence[ServiceSpec], env: Mapping[str, str], ports: Mapping[str, Mapping[str, int]],
                   config: StackConfig) -> list[Part]:
     parts = []
     for spec in specs:
-        grpc_port, metrics_port = ports[spec.name]
-        process = ServiceProcess(spec.module, grpc_port, dict(env), config.state_dir / "logs" / f"{spec.name}.log",
+        named = ports[spec.name]
+        process = ServiceProcess(spec.module, named["grpc"], dict(env), config.state_dir / "logs" / f"{spec.name}.log",
                                  startup_timeout_s=config.service_startup_timeout_s)
-        parts.append(Part(spec.name, "service", process, process.log_path,
-                          ports={"grpc": grpc_port, "metrics": metrics_port}, version=_module_version(spec.module),
-                          probe={"kind": "grpc", "target": process.target}))
+        parts.append(Part(spec.name, "service", process, process.log_path, ports=dict(named),
+                          version=_module_version(spec.module), probe={"kind": "grpc", "target": process.target}))
     return parts
 
 
@@ -346,7 +342,7 @@ def up(main_job: Path | None, config: StackConfig = StackConfig()) -> int:
         env, ports = service_environment(specs, endpoints, config)
         parts = [*infra_parts(infra), *service_parts(specs, env, ports, config)]
         if config.prometheus and shutil.which("prometheus"):
-            parts.append(prometheus_part([f"127.0.0.1:{metrics}" for _grpc, metrics in ports.values()], config))
+            parts.append(prometheus_part([f"127.0.0.1:{named['metrics']}" for named in ports.values()], config))
         elif config.prometheus:
             print("  prometheus: not on PATH (`apt-get install prometheus`); the stack runs without it")
         state = StateFile(config.state_file, {
@@ -361,7 +357,9 @@ def up(main_job: Path | None, config: StackConfig = StackConfig()) -> int:
         print("services:")
         for part in parts:
             if part.kind == "service":
-                print(f"  {part.name:<18} grpc 127.0.0.1:{part.ports['grpc']}  "
+                others = "".join(f"{name} 127.0.0.1:{port}  " for name, port in part.ports.items()
+                                 if name not in ("grpc", "metrics"))
+                print(f"  {part.name:<18} grpc 127.0.0.1:{part.ports['grpc']}  {others}"
                       f"metrics http://127.0.0.1:{part.ports['metrics']}/metrics  log {part.log_path}")
             elif part.name == "prometheus":
                 print(f"  {'prometheus':<18} {part.probe['url'].removesuffix('/-/ready')}  log {part.log_path}")

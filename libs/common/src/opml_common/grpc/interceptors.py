@@ -89,6 +89,21 @@ def _method_name(full_method: str) -> str:
     return full_method.rsplit("/", 1)[-1]
 
 
+UNAUTHENTICATED_MESSAGE = "missing or unknown bearer token (send 'authorization: Bearer <token>')"
+
+
+def bearer_principal(tokens: Mapping[str, TokenGrant], authorization: str) -> Principal | None:
+    """The caller an ``authorization`` header value names (``Bearer <token>``), or None when it is
+    missing, of another scheme or an unknown token. Every server that takes calls checks them here."""
+    scheme, _, token = authorization.partition(" ")
+    grant = tokens.get(token) if scheme.lower() == "bearer" else None
+    return None if grant is None else Principal(grant.name, grant.roles)
+
+
+def missing_role_message(method: str, needed: str, principal: Principal) -> str:
+    return f"{method} needs the {needed} role; the caller has {sorted(principal.roles)}"
+
+
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Bearer-token auth with roles (reader < inference < writer < admin).
 
@@ -121,25 +136,21 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or not self._tokens or handler_call_details.method.startswith(self.OPEN_PREFIXES):
             return handler
         metadata = dict(handler_call_details.invocation_metadata or ())
-        scheme, _, token = str(metadata.get("authorization", "")).partition(" ")
-        grant = self._tokens.get(token) if scheme.lower() == "bearer" else None
+        authorization = str(metadata.get("authorization", ""))
+        principal = bearer_principal(self._tokens, authorization)
         method = _method_name(handler_call_details.method)
         needed = self._method_roles.get(handler_call_details.method, self._default_role)
-        if grant is None:
-            return _wrap(handler, _reject(grpc.StatusCode.UNAUTHENTICATED,
-                                          "missing or unknown bearer token (send 'authorization: Bearer <token>')",
-                                          None, needed))
-        cached = self._wrapped.get((handler_call_details.method, token))
+        if principal is None:
+            return _wrap(handler, _reject(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE, None, needed))
+        cached = self._wrapped.get((handler_call_details.method, authorization))
         if cached is not None and cached[0] is handler:
             return cached[1]
-        principal = Principal(grant.name, grant.roles)
         if not principal.has(needed):
             wrapped = _wrap(handler, _reject(grpc.StatusCode.PERMISSION_DENIED,
-                                             f"{method} needs the {needed} role; the caller has "
-                                             f"{sorted(grant.roles)}", principal, needed))
+                                             missing_role_message(method, needed, principal), principal, needed))
         else:
             wrapped = _wrap(handler, _with_principal(principal, needed))
-        self._wrapped[(handler_call_details.method, token)] = (handler, wrapped)
+        self._wrapped[(handler_call_details.method, authorization)] = (handler, wrapped)
         return wrapped
 
 

@@ -34,7 +34,7 @@ def service_spec(service: str | ServiceSpec) -> ServiceSpec:
 
 def env_prefix(spec: ServiceSpec) -> str:
     """The service's settings prefix, e.g. ``OPML_BUNDLE_STORE_``."""
-    return spec.settings.model_config["env_prefix"]
+    return spec.env_prefix
 
 
 class ServiceStarter:
@@ -58,7 +58,8 @@ class ServiceStarter:
         ``extra_env``, which overrides all of these."""
         spec = service_spec(service)
         prefix = env_prefix(spec)
-        env = {**self._settings_env, f"{prefix}GRPC_PORT": str(free_port()), f"{prefix}METRICS_PORT": str(free_port())}
+        env = {**self._settings_env, f"{prefix}GRPC_PORT": str(free_port()), f"{prefix}METRICS_PORT": str(free_port()),
+               **{f"{prefix}{name.upper()}_PORT": str(free_port()) for name in spec.extra_ports()}}
         if "home" in spec.settings.model_fields:
             env[f"{prefix}HOME"] = str(self._tmp_path / self._unique(f"{spec.name}-home"))
         if tokens is not None:
