@@ -11,10 +11,13 @@ PACKAGES := protos/python libs/common $(SERVICES)
 # C sources of the packages' extension modules: the editable install builds them, so a change re-installs
 C_SOURCES := $(shell find services libs -name '*.c')
 STAMP := $(VENV)/.installed
+# The router's native inference front (services/inference-router/native): C++ on Debian's gRPC, pinned
+FRONT := $(VENV)/bin/opml-inference-front
+GRPCXX_DEB := libgrpc++-dev=1.51.1-3+b1
 
 .PHONY: install protos check-protos up down test bench clean
 
-install: $(STAMP) protos
+install: $(STAMP) protos $(FRONT)
 	@# byte-compile the editable packages, as a wheel install does: with PYTHONDONTWRITEBYTECODE set (it is
 	@# on these machines) every process, a traced job's tracer included, would compile them from source
 	@# at each start (a traced job's CPU included). Up-to-date files are skipped.
@@ -36,6 +39,11 @@ $(STAMP): constraints.txt $(foreach p,$(PACKAGES),$(p)/pyproject.toml) $(C_SOURC
 	@# another depends on (automl-controller -> job-orchestrator) when it is named only as pkg[test]
 	$(PIP) -e protos/python -e 'libs/common[devinfra,test]' $(foreach s,$(SERVICES),-e '$(s:/=)' -e '$(s:/=)[test]')
 	touch $(STAMP)
+
+$(FRONT): services/inference-router/native/front.cc | $(STAMP)
+	@dpkg-query -W -f='$${Version}' libgrpc++-dev 2>/dev/null | grep -qx '$(word 2,$(subst =, ,$(GRPCXX_DEB)))' \
+		|| (apt-get update -qq && apt-get install -y -qq --no-install-recommends $(GRPCXX_DEB))
+	g++ -O2 -std=c++17 -Wall -Wextra -Werror -o $@ $< $$(pkg-config --cflags --libs grpc++)
 
 # Python stubs are generated from protos/ (never edited by hand; git ignores them).
 protos: protos/python/.generated

@@ -58,7 +58,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import psutil
 import redis
 import tritonclient.grpc as triton
 import yaml
@@ -80,7 +79,7 @@ from opml_common.stack import StackConfig, service_environment
 from opml_common.testing.bus import fresh_metrics
 from opml_common.testing.services import service_spec
 from opml_inference_router.client import DeploymentClient
-from opml_inference_router.testing import mlp_config, write_model_dir
+from opml_inference_router.testing import mlp_config, worker_processes, write_model_dir
 from opml_inference_router.topics import DEPLOYMENTS
 from opml_trace_collector.client import TraceCollectorClient
 from opml_trace_collector.topics import TRACES, tracer_source
@@ -339,7 +338,7 @@ def router_deploy(platform: Platform) -> Row:
     key = f"{env['OPML_REDIS_PREFIX']}inference-router:deployments"
     router = platform.service("inference-router", env).start()
     requests = Requests()
-    [worker] = psutil.Process(router.process.pid).children()
+    [worker] = worker_processes(router.process.pid)
     os.kill(worker.pid, signal.SIGSTOP)
     killed_at = 0.0
 

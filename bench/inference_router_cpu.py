@@ -4,7 +4,8 @@ On two cores shared with the load generator (and, on the development machine, wi
 work) throughput says little; what each serving process spends per request does. This bench serves
 the peers bench's MLP (``--features`` x ``--width`` x ``--depth``, batching max 32, ``--delay-ms``)
 as ours (the router process of bench/inference_router_peers.py over ``--replicas`` worker processes
-on their Unix sockets, hedging on) and as MLServer 1.7.1 (``parallel_workers`` = ``--mlserver-workers``;
+on their Unix sockets, hedging on; called on its native inference front and on its Python gRPC port,
+``--fronts``) and as MLServer 1.7.1 (``parallel_workers`` = ``--mlserver-workers``;
 0 runs inference in the server process, its best setting on 2 cores), drives each with
 ``--concurrency`` closed-loop tritonclient aio callers (an InferInput built per request) for
 ``--duration`` s after a warm-up, and reads each process's CPU time (user + system, every thread,
@@ -38,7 +39,7 @@ import tritonclient.grpc.aio as triton
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
-from opml_inference_router.testing import mlp_classifier, mlp_config, write_model_dir
+from opml_inference_router.testing import front_process, mlp_classifier, mlp_config, write_model_dir
 from opml_inference_router.worker.process import WorkerProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -98,7 +99,7 @@ def measure(port: int, meters: dict[str, object], args: argparse.Namespace, call
             "us": {name: seconds / count * 1e6 for name, seconds in used.items()}}
 
 
-def serve_ours(work: Path, bundle: Path, replicas: int, args: argparse.Namespace, callers: list[int],
+def serve_ours(work: Path, bundle: Path, replicas: int, native: bool, args: argparse.Namespace, callers: list[int],
                rows: np.ndarray) -> dict[int, dict]:
     workers = []
     router = None
@@ -113,11 +114,16 @@ def serve_ours(work: Path, bundle: Path, replicas: int, args: argparse.Namespace
                 load.parameters["path"].string_param = str(bundle)
                 service_pb2_grpc.GRPCInferenceServiceStub(channel).RepositoryModelLoad(load, timeout=120)
         router = subprocess.Popen([sys.executable, peers.__file__, "--serve-router",
-                                   ",".join(w.local_target for w in workers), str(bundle)],
+                                   ",".join(w.local_target for w in workers), str(bundle),
+                                   *(["--native-front"] if native else [])],
                                   stdout=subprocess.PIPE, stderr=open(work / "router.log", "ab"))  # noqa: SIM115
-        port = json.loads(router.stdout.readline())["grpc_port"]
-        meters = {"router": (lambda pid=router.pid: thread_cpu_s(pid)),
-                  **{f"worker {i}": (lambda pid=w.process.pid: thread_cpu_s(pid)) for i, w in enumerate(workers)}}
+        announced = json.loads(router.stdout.readline())
+        port = announced["inference_port" if native else "grpc_port"]
+        meters = {"router": (lambda pid=router.pid: thread_cpu_s(pid))}
+        if native:
+            front = front_process(router.pid)
+            meters["front"] = lambda pid=front.pid: thread_cpu_s(pid)
+        meters.update({f"worker {i}": (lambda pid=w.process.pid: thread_cpu_s(pid)) for i, w in enumerate(workers)})
         return {level: measure(port, meters, args, level, rows) for level in callers}
     finally:
         if router is not None:
@@ -149,6 +155,8 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--delay-ms", type=float, default=2.0)
     parser.add_argument("--replicas", default="1,2", help="our worker processes, comma separated settings")
+    parser.add_argument("--fronts", default="native,python", help="the router's fronts to measure: native (its "
+                        "inference port, the C++ front, metered as its own process), python (its gRPC port)")
     parser.add_argument("--mlserver-workers", type=int, default=0, help="MLServer parallel_workers (0: in-process)")
     parser.add_argument("--concurrency", default="8,32", help="closed-loop callers, comma separated")
     parser.add_argument("--duration", type=float, default=8.0)
@@ -170,8 +178,9 @@ def main() -> None:
         print("\n| round | system | callers | load | req/s | p50 ms | p99 ms | CPU us/request (by process) | "
               "req per CPU-s | ours ÷ MLServer per CPU-s |\n|---:|---|---:|---:|---:|---:|---:|---|---:|---:|")
         for round_number in range(1, args.rounds + 1):
-            results = {f"ours x{count}": serve_ours(work, bundle, count, args, callers, rows)
-                       for count in (int(c) for c in args.replicas.split(","))}
+            results = {f"ours{' native' if front == 'native' else ''} x{count}":
+                       serve_ours(work, bundle, count, front == "native", args, callers, rows)
+                       for front in args.fronts.split(",") for count in (int(c) for c in args.replicas.split(","))}
             if python is not None:
                 results[f"MLServer ({args.mlserver_workers} workers)" if args.mlserver_workers
                         else "MLServer (in-process)"] = serve_mlserver(work, bundle / "model.onnx", python, args,

@@ -122,13 +122,15 @@ def stop(process: subprocess.Popen, grace_s: float = 30.0) -> None:
     process.wait()
 
 
-async def serve_router(workers: list[str], bundle: Path, hedge: bool) -> None:
+async def serve_router(workers: list[str], bundle: Path, hedge: bool, native: bool) -> None:
     """The router as its own process (``--serve-router``): frontend + Router over the workers
-    (``uds:<path>`` over their Unix sockets, ``host:port`` over gRPC)."""
+    (``uds:<path>`` over their Unix sockets, ``host:port`` over gRPC); with ``native``, also its
+    native inference front (a child process), whose port is announced as ``inference_port``."""
     from opml_common.config import PlatformSettings, ServiceSettings
     from opml_common.grpc.server import GrpcServer, wait_for_signal
     from opml_common.metrics import ServiceMetrics
     from opml_inference_router.frontend import InferenceFrontend
+    from opml_inference_router.native_front import FrontLink, NativeFront
     from opml_inference_router.placement import load_model_config
     from opml_inference_router.routing import ModelPolicy, Router
     from opml_inference_router.routing.uds_replica import connect
@@ -139,12 +141,20 @@ async def serve_router(workers: list[str], bundle: Path, hedge: bool) -> None:
                                                   hedge=hedge))
     for worker in workers:
         router.add_replica(MODEL, "1", worker)
+    frontend = InferenceFrontend(router)
     server = GrpcServer(settings=ServiceSettings(host="127.0.0.1", grpc_port=0, metrics_port=0),
                         platform=PlatformSettings(auth_tokens="", log_level="WARNING"), metrics=metrics,
-                        registrations=[InferenceFrontend(router).registration()])
+                        registrations=[frontend.registration()])
+    front = NativeFront(FrontLink(frontend, tokens={}, metrics=metrics), host="127.0.0.1", port=0,
+                        max_receive_bytes=server.max_receive_message_bytes, grace_s=5.0, tls=None, control_hint="",
+                        metrics=metrics) if native else None
     async with server:
-        print(json.dumps({"grpc_port": server.port}), flush=True)
+        if front is not None:
+            await front.start()
+        print(json.dumps({"grpc_port": server.port, "inference_port": front and front.port}), flush=True)
         await wait_for_signal()
+        if front is not None:
+            await front.stop()
     await router.close()
 
 
@@ -327,8 +337,10 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--replicas", default="2",
                         help="model replicas (worker processes) of ours, comma separated settings; Ray gets the largest")
-    parser.add_argument("--paths", default="router,grpc-hop,direct",
-                        help="which of ours to measure: router (Unix-socket hop), grpc-hop, direct (comma separated)")
+    parser.add_argument("--paths", default="native,router,grpc-hop,direct",
+                        help="which of ours to measure: native (the router's native inference front), router (its "
+                             "Python gRPC port), both over the workers' Unix sockets; grpc-hop (Python port, gRPC to "
+                             "the workers); direct (the workers' own gRPC) (comma separated)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per replica")
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--delay-ms", type=float, default=2.0, help="batching: longest wait for a fuller batch")
@@ -344,9 +356,11 @@ def main() -> None:
                         help="MLServer parallel_workers settings to measure, comma separated (0: in-process)")
     parser.add_argument("--no-hedge", action="store_true", help="router without backup requests (on by default)")
     parser.add_argument("--serve-router", nargs=2, metavar=("WORKERS", "BUNDLE"), help=argparse.SUPPRESS)
+    parser.add_argument("--native-front", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_router:
-        asyncio.run(serve_router(args.serve_router[0].split(","), Path(args.serve_router[1]), not args.no_hedge))
+        asyncio.run(serve_router(args.serve_router[0].split(","), Path(args.serve_router[1]), not args.no_hedge,
+                                 args.native_front))
         return
     systems = args.systems.split(",")
     pythons = {peer: peer_python(peer) for peer in ("mlserver", "ray") if peer in systems}
@@ -397,16 +411,19 @@ def run(work: Path, args: argparse.Namespace, systems: list[str],
                 workers.append(worker.target)
                 sockets.append(worker.local_target)
                 worker_pids.append(worker.process.pid)
-            for label, addresses in (("ours/router", sockets), ("ours/router (gRPC hop)", workers)):
-                if ("router" if addresses is sockets else "grpc-hop") not in paths:
+            for path, label, addresses in (("native", "ours/native front", sockets), ("router", "ours/router", sockets),
+                                           ("grpc-hop", "ours/router (gRPC hop)", workers)):
+                if path not in paths:
                     continue
                 label += suffix
                 router, announced = start([sys.executable, __file__, "--serve-router", ",".join(addresses), str(bundle),
-                                           *(["--no-hedge"] if args.no_hedge else [])],
+                                           *(["--no-hedge"] if args.no_hedge else []),
+                                           *(["--native-front"] if path == "native" else [])],
                                           work / f"router-{len(results)}.log")
                 servers.callback(stop, router)
-                results[label] = measure(kserve([f"127.0.0.1:{announced['grpc_port']}"], rows), label,
-                                         [router.pid, *worker_pids])
+                port = announced["inference_port" if path == "native" else "grpc_port"]
+                # the native front is the router's child: CpuMeter counts it with the router
+                results[label] = measure(kserve([f"127.0.0.1:{port}"], rows), label, [router.pid, *worker_pids])
                 stop(router)
             if "direct" in paths:
                 results[f"ours/direct{suffix}"] = measure(kserve(workers, rows), f"ours/direct{suffix}", worker_pids)

@@ -41,6 +41,8 @@ from opml_trace_collector.client import TraceCollectorClient
 TARGET = os.environ.get("OPML_BUNDLE_STORE_TARGET", "127.0.0.1:50051")
 JOBS_TARGET = os.environ.get("OPML_JOB_ORCHESTRATOR_TARGET", "127.0.0.1:50052")
 ROUTER_TARGET = os.environ.get("OPML_INFERENCE_ROUTER_TARGET", "127.0.0.1:50053")
+# The router's inference port: its native KServe v2 front (the Python port above serves inference too)
+INFERENCE_TARGET = os.environ.get("OPML_INFERENCE_ROUTER_INFERENCE_TARGET", "127.0.0.1:8001")
 TRACES_TARGET = os.environ.get("OPML_TRACE_COLLECTOR_TARGET", "127.0.0.1:50054")
 REMOTE = os.environ.get("OPML_MAIN_JOB_REMOTE", "s3://opml-bundles/vision-inspection")
 TRAIN = Path(__file__).resolve().parent / "main_job_train.py"
@@ -168,9 +170,9 @@ def serve_model(client: BundleStoreClient, model_dir: Path) -> None:
     where = ", ".join(f"{r.worker} ({r.pool_kind}, {r.precision})" for r in version.replicas)
     print(f"   version {version.version} SERVING {version.traffic_percent:.0f}% on {where}; "
           f"predicted p99 {version.predicted_p99_ms:.1f} ms")
-    print("9. predict through the router with tritonclient (KServe v2 gRPC)")
+    print("9. predict through the router's inference port with tritonclient (KServe v2 gRPC)")
     images, labels = inspection_patches(8, seed=3)
-    with triton.InferenceServerClient(ROUTER_TARGET) as kserve:
+    with triton.InferenceServerClient(INFERENCE_TARGET) as kserve:
         request = triton.InferInput("image", list(images.shape), "FP32")
         request.set_data_from_numpy(images)
         scores = kserve.infer("defect-classifier", [request], model_version=str(version.version)).as_numpy(

@@ -30,7 +30,7 @@ TRANSPORT_MODULES = {
         "frontend.py": "the KServe v2 servicer of the router",
         "control/workers.py": "asks each worker process for its health over gRPC",
         "routing/grpc_replica.py": "the gRPC replica: one of the router's transports to a worker",
-        "worker/uds.py": "the worker's framed Unix-socket transport",
+        "frames.py": "the frame protocol of the workers' Unix sockets and the native front's link (gRPC status codes)",
     },
 }
 

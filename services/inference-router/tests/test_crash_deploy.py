@@ -28,7 +28,7 @@ from opml_common.errors import OpmlError, Unavailable
 from opml_common.testing.bus import poll_until
 from opml_common.testing.services import TOKENS, ServiceStarter
 from opml_inference_router.client import DeploymentClient
-from opml_inference_router.testing import mlp_config, write_model_dir
+from opml_inference_router.testing import mlp_config, worker_processes, write_model_dir
 
 FLEET = {
     "pool_kinds": [{"name": "cpu", "precisions": ["fp32"], "memory_mib": 2048, "slots": 2, "cost_per_hour": 0.4,
@@ -50,7 +50,7 @@ def test_a_router_killed_mid_deploy_restarts_with_no_half_state_and_the_retry_se
     key = f"{env['OPML_REDIS_PREFIX']}inference-router:deployments"
 
     router = start_service("inference-router", env=env)
-    [worker] = psutil.Process(router.process.pid).children()
+    [worker] = worker_processes(router.process.pid)
     outcome: list[BaseException | None] = []
 
     def deploy() -> None:

@@ -27,7 +27,7 @@ from opml_common.process import ServiceProcess
 from opml_common.testing.bus import read_records
 from opml_common.testing.services import TOKENS, ServiceStarter
 from opml_inference_router.client import DeploymentClient
-from opml_inference_router.testing import mlp_classifier, mlp_config, write_model_dir
+from opml_inference_router.testing import mlp_classifier, mlp_config, worker_processes, write_model_dir
 from opml_inference_router.topics import DEPLOYMENTS, PREDICTIONS
 
 FLEET = {
@@ -114,7 +114,7 @@ def test_deploy_infer_events_cli_and_restart(router_service: ServiceProcess, rou
     assert canary.exit_code == 0 and "v2" in canary.output and "30%" in canary.output, canary.output
 
     # A stopped router stops its workers (they run in sessions of their own, so nothing else would).
-    workers = psutil.Process(router_service.process.pid).children()
+    workers = worker_processes(router_service.process.pid)
     assert len(workers) == 1  # the test fleet's one cpu worker
     router_service.stop()
     assert not [w.pid for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]

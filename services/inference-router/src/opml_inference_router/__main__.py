@@ -1,7 +1,8 @@
 """Run the inference-router service: ``python -m opml_inference_router`` (configured by OPML_* variables).
 
 One gRPC server carries the KServe v2 inference API (tritonclient and other KServe clients call
-it) and the DeploymentService. The router starts its worker processes (the fleet file's pools that
+it) and the DeploymentService; the native front (:mod:`.native_front`) serves the inference API
+alone on ``inference_port`` for a fraction of the CPU per call. The router starts its worker processes (the fleet file's pools that
 this machine can run), rebuilds the deployments Redis remembers, publishes predictions and
 deployment events, and deploys committed bundles tagged ``serve=true`` from the bundles topic.
 SIGTERM: the server drains, then the consumer, the predictions and the workers stop.
@@ -21,6 +22,7 @@ from opml_inference_router.control import DeploymentManager, DeploymentStore, Ob
 from opml_inference_router.control.autodeploy import GROUP, SOURCES, AutoDeployer
 from opml_inference_router.control.bundles import BundleFetcher
 from opml_inference_router.control.worker_metrics import register_worker_metrics  # workers' metrics on ours
+from opml_inference_router.native_front import FrontLink, NativeFront
 from opml_inference_router.placement import load_fleet_config
 from opml_inference_router.predictions import PredictionLog
 from opml_inference_router.routing import Router
@@ -68,6 +70,12 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
         service.run_in_background(consumer.run, stop=consumer.stop, name="autodeploy")
     inference = frontend.InferenceFrontend(router, predictions=predictions)
     service.on_draining(lambda: setattr(inference, "accepting", False))
+    if settings.native_front:
+        await service.start(NativeFront(
+            FrontLink(inference, tokens=platform.tokens(), metrics=metrics), host=settings.host,
+            port=settings.inference_port, max_receive_bytes=settings.grpc_max_receive_bytes,
+            grace_s=settings.shutdown_grace_s, tls=platform, metrics=metrics,
+            control_hint=f"DeploymentService and the rest are on port {settings.grpc_port}"))
     deployments = DeploymentServicer(manager, allow_model_dir=platform.env == "dev",
                                      serving_models=manager.serving_models)  # measurements re-place what they change
     return [inference.registration(), deployments.registration()]

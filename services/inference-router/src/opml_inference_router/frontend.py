@@ -62,13 +62,21 @@ class InferenceFrontend:
         return pb.ModelReadyResponse(ready=self.router.is_ready(request.name, request.version))
 
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext) -> bytes:
+        return await self.model_metadata(request, context.time_remaining())
+
+    async def model_metadata(self, request: pb.ModelMetadataRequest, timeout_s: float | None) -> bytes:
         """Answered by a replica of the version (default: the stable one), bytes passed through."""
         if not request.name:
             raise InvalidArgument("name", "must name a served model, but got ''")
         return await self.router.forward("ModelMetadata", request.name, request.version, request.SerializeToString(),
-                                         timeout_s=context.time_remaining() or _METADATA_TIMEOUT_S)
+                                         timeout_s=timeout_s or _METADATA_TIMEOUT_S)
 
     async def ModelInfer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return await self.infer(request, context.time_remaining())
+
+    async def infer(self, request: bytes, timeout_s: float | None) -> bytes:
+        """A ModelInferRequest's wire bytes to the response's, within ``timeout_s`` (None: the model's
+        default); both fronts (this servicer, the native front's link) call it."""
         predictions = self.predictions
         if predictions is not None:  # timed only for the log: the router's own metrics time the rest
             received, start = time.time(), time.perf_counter()
@@ -80,7 +88,7 @@ class InferenceFrontend:
             raise InvalidArgument("model_name",
                                   f"must name a served model, but got '' (served: {self.router.models()})")
         routed = await self.router.infer(header.model_name, header.model_version, request,
-                                         request_id=header.request_id, timeout_s=context.time_remaining())
+                                         request_id=header.request_id, timeout_s=timeout_s)
         response = routed.response
         if not wire.version_leads(response):
             response = wire.with_field(response, wire.MODEL_VERSION, routed.version)

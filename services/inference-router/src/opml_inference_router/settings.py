@@ -37,6 +37,12 @@ class RouterSettings(ServiceSettings):
                     "the CLI uses).")
     bundle_store_token: SecretStr = Field(SecretStr(""), description="Bearer token for the bundle-store "
                                                                      "(reader role); empty: none.")
+    native_front: bool = Field(
+        True, description="Serve KServe v2 inference also on `inference_port` from the native gRPC front "
+        "(native/front.cc, built by `make install`), which costs a fraction of the router's Python gRPC server "
+        "per call (docs/benchmarks.md); false: inference only on `grpc_port`.")
+    inference_port: int = Field(8001, ge=0, le=65535, description="The native front's gRPC port (Triton's "
+                                "default; 0 picks a free one): inference.GRPCInferenceService only.")
     worker_token: SecretStr = Field(
         SecretStr(""), description="Bearer token the router and its workers share (workers accept only it); "
         "empty: a random one per start.")

@@ -2,5 +2,7 @@
 
 from opml_inference_router.testing.fleets import CPU_AND_ACCEL, fleet_env
 from opml_inference_router.testing.models import mlp_classifier, mlp_config, write_broken_onnx, write_model_dir
+from opml_inference_router.testing.processes import front_process, worker_processes
 
-__all__ = ["CPU_AND_ACCEL", "fleet_env", "mlp_classifier", "mlp_config", "write_broken_onnx", "write_model_dir"]
+__all__ = ["CPU_AND_ACCEL", "fleet_env", "front_process", "mlp_classifier", "mlp_config", "worker_processes",
+           "write_broken_onnx", "write_model_dir"]

@@ -1,0 +1,195 @@
+"""The router's frame protocol: KServe v2 calls as length-prefixed frames over a local stream socket.
+
+Two links speak it, both inside one event loop with one read per burst of frames: the router to its
+workers' Unix sockets (:mod:`.worker.uds`, :mod:`.routing.uds_replica`), and the native gRPC front
+(``native/front.cc``, :mod:`.native_front`) to the router. Why not gRPC there: a grpc.aio call costs
+~0.3-0.4 ms of CPU per side in Python; a frame round trip costs ~0.1 ms.
+
+Frames (little-endian), many calls in flight per connection, answered in any order:
+
+- request: ``u32 body length, u32 call id, u8 kind, f64 timeout s, u16 credential length`` +
+  credential + body (a serialized ``ModelInferRequest``, ``ModelMetadataRequest``, ... by
+  :data:`KINDS`); timeout 0: the caller set no deadline; the credential is the caller's
+  ``authorization`` header on the front's link (the router checks it) and empty towards a worker (the
+  socket's file mode and peer credentials guard it). Kind :data:`CANCEL` with no body cancels the call
+  (a hedged request that lost, a caller that went away).
+- response: ``u32 body length, u32 call id, u8 status`` + body: the serialized response when the
+  status is 0 (OK), else the error message; statuses are gRPC's code numbers, so the receiver decides
+  retries as for gRPC.
+
+Both sides write through a :class:`FrameWriter`: the frames of one turn of the event loop leave in
+one write, so the peer wakes once for all of them instead of once per frame (a send on a loaded
+2-core machine costs a wake-up and often a context switch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+import grpc
+
+from opml_common.errors import OpmlError
+
+log = logging.getLogger(__name__)
+
+REQUEST = struct.Struct("<IIBdH")
+RESPONSE = struct.Struct("<IIB")
+CANCEL = 0
+MAX_FRAME = 64 * 1024 * 1024  # as gRPC's message limit on both sides
+KINDS = {"ModelInfer": 1, "ModelMetadata": 2, "ModelReady": 3, "ServerLive": 4, "ServerReady": 5,
+         "ServerMetadata": 6}
+METHODS = {number: name for name, number in KINDS.items()}
+OK = 0
+CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+CODE_NUMBERS = {name: number for number, name in CODE_NAMES.items()}
+
+COALESCE_BELOW = 64 * 1024
+"""Frames shorter than this wait for the end of the loop's turn to leave with the others; a longer
+one is written at once (after those before it), so a large tensor is never copied into a join."""
+
+
+def request_frame(call_id: int, kind: int, timeout_s: float, body: bytes = b"") -> bytes:
+    """The header of a request frame without a credential (the router's calls to its workers)."""
+    return REQUEST.pack(len(body), call_id, kind, timeout_s, 0)
+
+
+class FrameWriter:
+    """Frames (a header and a body) to ``transport``, the frames of one event-loop turn in one write.
+
+    Order is kept. A flush after the transport closed drops the frames: the peer is gone, and its
+    callers learn that from ``connection_lost``."""
+
+    __slots__ = ("_transport", "_loop", "_parts")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._parts: list[bytes] = []
+
+    def write(self, header: bytes, body: bytes = b"") -> None:
+        parts = self._parts
+        if len(body) >= COALESCE_BELOW:
+            if parts:
+                self.flush()
+            if not self._transport.is_closing():
+                self._transport.write(header)
+                self._transport.write(body)
+            return
+        if not parts:
+            self._loop.call_soon(self.flush)
+        parts.append(header)
+        if body:
+            parts.append(body)
+
+    def flush(self) -> None:
+        parts = self._parts
+        if not parts:
+            return
+        self._parts = []
+        if not self._transport.is_closing():
+            self._transport.write(b"".join(parts))
+
+
+def frame_body(buffer: bytearray, start: int, end: int) -> bytes:
+    """``buffer[start:end]`` as bytes in one copy (``bytes(buffer[start:end])`` copies twice: ~14 ms
+    instead of ~0.5 ms for a 10 MB tensor). The view is released before the caller trims ``buffer``."""
+    with memoryview(buffer) as view:
+        return view[start:end].tobytes()
+
+
+async def as_status(call: Awaitable[bytes], method: str, timeout_s: float | None, *,
+                    where: str) -> tuple[int, bytes]:
+    """(status, body) of one call: platform errors become their codes with their messages, a timeout
+    DEADLINE_EXCEEDED, anything else INTERNAL with an incident id (the traceback is logged, never
+    sent). Never raises but CancelledError."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return OK, await call
+    except OpmlError as exc:
+        return CODE_NUMBERS.get(exc.code, CODE_NUMBERS["UNKNOWN"]), exc.message.encode()
+    except TimeoutError:
+        return CODE_NUMBERS["DEADLINE_EXCEEDED"], f"no answer within {timeout_s * 1000:.1f} ms".encode()
+    except Exception:  # noqa: BLE001 - mapped, never leaked
+        incident = uuid.uuid4().hex[:12]
+        log.exception("unhandled error in %s on %s (incident %s)", method, where, incident)
+        return CODE_NUMBERS["INTERNAL"], f"internal error (incident {incident}); see the {where}'s logs".encode()
+
+
+class FrameService(Protocol):
+    """What a :class:`FrameServerConnection` serves: answers calls and counts them."""
+
+    def answer(self, kind: int, timeout_s: float | None, credential: bytes, body: bytes) -> Awaitable[tuple[int, bytes]]:
+        """(status, body) of one call; never raises but CancelledError."""
+
+    def count(self, kind: int, code: str) -> None: ...
+
+
+class FrameServerConnection(asyncio.Protocol):
+    """The serving end of one connection: request frames in, a task per call, response frames out as
+    calls finish; a cancel frame or the connection's loss cancels the calls it concerns.
+    ``on_close`` runs when the connection is lost (the owner's bookkeeping)."""
+
+    def __init__(self, service: FrameService, *, on_close: Callable[[FrameServerConnection], None] | None = None) -> None:
+        self.service = service
+        self.calls: dict[int, asyncio.Task] = {}
+        self._on_close = on_close
+        self._buffer = bytearray()
+        self.transport: asyncio.Transport
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.writer = FrameWriter(self.transport, asyncio.get_running_loop())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._on_close is not None:
+            self._on_close(self)
+        for task in self.calls.values():  # the caller went away: nobody waits for these
+            task.cancel()
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        start, end = 0, len(buffer)
+        loop = asyncio.get_running_loop()
+        while end - start >= REQUEST.size:
+            length, call_id, kind, timeout_s, credential_length = REQUEST.unpack_from(buffer, start)
+            if length > MAX_FRAME:  # not a peer speaking this protocol: drop it rather than buffer
+                log.warning("closed a frame connection that sent a %d-byte frame", length)
+                self.transport.close()
+                return
+            credential_start = start + REQUEST.size
+            body_start = credential_start + credential_length
+            if end - body_start < length:
+                break
+            start = body_start + length
+            if kind == CANCEL:
+                task = self.calls.pop(call_id, None)
+                if task is not None:
+                    task.cancel()
+                continue
+            credential = bytes(buffer[credential_start:body_start]) if credential_length else b""
+            task = loop.create_task(self._call(call_id, kind, timeout_s or None, credential,
+                                               frame_body(buffer, body_start, start)))
+            self.calls[call_id] = task
+        del buffer[:start]
+
+    async def _call(self, call_id: int, kind: int, timeout_s: float | None, credential: bytes, body: bytes) -> None:
+        began = time.perf_counter()
+        try:
+            status, reply = await self.service.answer(kind, timeout_s, credential, body)
+        except asyncio.CancelledError:
+            self.service.count(kind, "CANCELLED")
+            raise
+        finally:
+            self.calls.pop(call_id, None)
+        self.service.count(kind, CODE_NAMES.get(status, "UNKNOWN"))
+        self.writer.write(RESPONSE.pack(len(reply), call_id, status), reply)
+        if status != OK:
+            log.info("frame call", extra={"method": METHODS.get(kind), "code": CODE_NAMES.get(status),
+                                          "duration_ms": round((time.perf_counter() - began) * 1000, 3)})

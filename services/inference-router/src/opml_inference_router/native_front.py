@@ -1,0 +1,224 @@
+"""The router's inference port: the native gRPC front (``native/front.cc``) and the link it calls the router on.
+
+Why a native front: on the router's Python gRPC server a call costs ~300 µs of CPU before any routing
+(grpc.aio's floor, docs/benchmarks.md), most of what the router adds per request. The C++ front
+takes KServe v2 ``GRPCInferenceService`` calls (ModelInfer, ModelMetadata, ModelReady, ServerLive,
+ServerReady, ServerMetadata) off the wire and hands each to the router as a frame (:mod:`.frames`)
+over one socket pair; the router answers them here with the same code as its Python server
+(:class:`~.frontend.InferenceFrontend`), so routing, admission, hedging, the prediction log and the
+metrics stay in one place. Everything else (DeploymentService, health and reflection of the router
+itself, Triton's repository and statistics extensions) stays on the router's gRPC port, which also
+still serves inference.
+
+Auth is the router's: the front passes each call's ``authorization`` header, checked here against
+``OPML_AUTH_TOKENS`` with the roles of :data:`~.kserve.roles.INFERENCE_METHOD_ROLES`. TLS: the
+front serves TLS (and mTLS) from the same ``OPML_GRPC_TLS_*`` files as the router's port.
+
+Lifetime: :class:`NativeFront` starts the binary, restarts it (on the same port) when it exits while
+the router runs, and stops it (SIGTERM: health NOT_SERVING, calls in flight finish within the grace
+period) before the router drains. The front exits by itself when the link closes (the router died).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+
+from tritonclient.grpc import service_pb2 as pb
+
+from opml_common.config import GrpcTlsSettings, TokenGrant
+from opml_common.errors import FailedPrecondition, OpmlError
+from opml_common.grpc.interceptors import UNAUTHENTICATED_MESSAGE, Principal, bearer_principal, missing_role_message
+from opml_common.metrics import ServiceMetrics
+from opml_common.retry import Backoff
+from opml_inference_router.frames import CODE_NUMBERS, KINDS, METHODS, FrameServerConnection, as_status
+from opml_inference_router.frontend import InferenceFrontend
+from opml_inference_router.kserve.roles import INFERENCE_METHOD_ROLES
+
+log = logging.getLogger(__name__)
+
+BINARY_NAME = "opml-inference-front"
+DEFAULT_BINARY = Path(sys.prefix) / "bin" / BINARY_NAME
+"""Where ``make install`` builds it: the virtual environment's bin."""
+
+_RESTARTS = Backoff(base_s=0.2, max_s=10.0)
+_MAX_CACHED_CREDENTIALS = 1024
+
+
+class FrontLink:
+    """The router's side of the link: a call frame in, the frontend's answer out (a FrameService).
+
+    ``tokens``: the platform's bearer tokens (none: every caller is an anonymous admin, dev only).
+    Metrics: ``opml_inference_router_front_requests_total{method,code}``."""
+
+    def __init__(self, frontend: InferenceFrontend, *, tokens: Mapping[str, TokenGrant],
+                 metrics: ServiceMetrics) -> None:
+        self._tokens = dict(tokens)
+        self._principals: dict[bytes, Principal | None] = {}
+        self._handlers: dict[int, Callable[[bytes, float | None], Awaitable[bytes]]] = {
+            KINDS["ModelInfer"]: frontend.infer,
+            KINDS["ModelMetadata"]: lambda body, timeout_s: frontend.model_metadata(
+                pb.ModelMetadataRequest.FromString(body), timeout_s),
+            KINDS["ModelReady"]: _typed(frontend.ModelReady, pb.ModelReadyRequest),
+            KINDS["ServerLive"]: _typed(frontend.ServerLive, pb.ServerLiveRequest),
+            KINDS["ServerReady"]: _typed(frontend.ServerReady, pb.ServerReadyRequest),
+            KINDS["ServerMetadata"]: _typed(frontend.ServerMetadata, pb.ServerMetadataRequest),
+        }
+        self._needed = {kind: INFERENCE_METHOD_ROLES[METHODS[kind]] for kind in self._handlers}
+        requests = metrics.counter("front_requests_total", "Calls the native inference front passed to the "
+                                   "router, by method and status code.", ("method", "code"))
+        self._requests = requests
+        self._counted = {(kind, "OK"): requests.labels(METHODS[kind], "OK") for kind in self._handlers}
+
+    def count(self, kind: int, code: str) -> None:
+        child = self._counted.get((kind, code))
+        if child is None:
+            child = self._counted[(kind, code)] = self._requests.labels(METHODS.get(kind, str(kind)), code)
+        child.inc()
+
+    async def answer(self, kind: int, timeout_s: float | None, credential: bytes, body: bytes) -> tuple[int, bytes]:
+        handler = self._handlers.get(kind)
+        if handler is None:
+            return CODE_NUMBERS["UNIMPLEMENTED"], f"unknown call kind {kind}".encode()
+        if self._tokens:
+            principal = self._principal(credential)
+            if principal is None:
+                return CODE_NUMBERS["UNAUTHENTICATED"], UNAUTHENTICATED_MESSAGE.encode()
+            if not principal.has(self._needed[kind]):
+                return (CODE_NUMBERS["PERMISSION_DENIED"],
+                        missing_role_message(METHODS[kind], self._needed[kind], principal).encode())
+        return await as_status(handler(body, timeout_s), METHODS[kind], None, where="router")
+
+    def _principal(self, credential: bytes) -> Principal | None:
+        """Who ``credential`` names; a bounded cache, since tokens are few and callers repeat them."""
+        try:
+            return self._principals[credential]
+        except KeyError:
+            pass
+        principal = bearer_principal(self._tokens, credential.decode("latin-1"))
+        if len(self._principals) >= _MAX_CACHED_CREDENTIALS:  # junk credentials must not grow it without bound
+            self._principals.clear()
+        self._principals[credential] = principal
+        return principal
+
+
+def _typed(method: Callable[[object, None], Awaitable[object]], message: type) -> Callable[[bytes, float | None],
+                                                                                            Awaitable[bytes]]:
+    async def call(body: bytes, _timeout_s: float | None) -> bytes:
+        return (await method(message.FromString(body), None)).SerializeToString()  # type: ignore[attr-defined]
+    return call
+
+
+class NativeFront:
+    """Runs the native front on ``host:port`` (0: a free port, kept across restarts) for ``link``.
+
+    ``start()`` raises FailedPrecondition when the binary is missing or exits before serving;
+    ``port`` is the bound port afterwards. ``stop()`` is idempotent. Metrics:
+    ``opml_inference_router_front_restarts_total``.
+    """
+
+    def __init__(self, link: FrontLink, *, host: str, port: int, binary: Path = DEFAULT_BINARY,
+                 max_receive_bytes: int, grace_s: float, tls: GrpcTlsSettings | None, control_hint: str,
+                 metrics: ServiceMetrics, startup_timeout_s: float = 30.0) -> None:
+        self._link = link
+        self._host, self.port = host, port
+        self._binary = binary
+        self._max_receive_bytes = max_receive_bytes
+        self._grace_s = grace_s
+        self._tls = tls
+        self._control_hint = control_hint
+        self._startup_timeout_s = startup_timeout_s
+        self._restarts = metrics.counter("front_restarts_total", "Times the native inference front exited "
+                                         "while the router ran and was started again.")
+        self._process: asyncio.subprocess.Process | None = None
+        self._connection: FrameServerConnection | None = None
+        self._supervisor: asyncio.Task | None = None
+        self._stopping = False
+
+    async def start(self) -> None:
+        if not os.access(self._binary, os.X_OK):
+            raise FailedPrecondition(f"the native inference front {self._binary} is missing (run `make install`, "
+                                     "which builds it), or set OPML_INFERENCE_ROUTER_NATIVE_FRONT=false")
+        await self._spawn()
+        self._supervisor = asyncio.get_running_loop().create_task(self._supervise(), name="native-front")
+
+    async def stop(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
+        process = self._process
+        if process is not None and process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(process.wait(), timeout=self._grace_s + 5.0)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+        if self._connection is not None:
+            self._connection.transport.close()
+
+    async def _spawn(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._process = await asyncio.create_subprocess_exec(
+                str(self._binary), *self._arguments(theirs.fileno()), pass_fds=(theirs.fileno(),),
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE)
+        finally:
+            theirs.close()
+        loop = asyncio.get_running_loop()
+        _transport, self._connection = await loop.connect_accepted_socket(
+            lambda: FrameServerConnection(self._link), ours)
+        try:
+            line = await asyncio.wait_for(self._process.stdout.readline(), timeout=self._startup_timeout_s)  # type: ignore[union-attr]
+            self.port = int(json.loads(line)["port"])
+        except (TimeoutError, ValueError, KeyError) as exc:
+            self._process.kill()
+            await self._process.wait()
+            raise FailedPrecondition(f"the native inference front did not start on {self._host}:{self.port} "
+                                     f"(exit code {self._process.returncode}; its error is in the router's log): "
+                                     f"{type(exc).__name__}") from None
+        log.info("native inference front serving", extra={"grpc": f"{self._host}:{self.port}",
+                                                          "pid": self._process.pid})
+
+    def _arguments(self, fd: int) -> list[str]:
+        arguments = ["--router-fd", str(fd), "--listen", f"{self._host}:{self.port}",
+                     "--max-receive-bytes", str(self._max_receive_bytes), "--grace-s", str(self._grace_s),
+                     "--control-hint", self._control_hint]
+        tls = self._tls
+        if tls is not None and tls.grpc_tls_cert is not None and tls.grpc_tls_key is not None:
+            arguments += ["--tls-cert", str(tls.grpc_tls_cert), "--tls-key", str(tls.grpc_tls_key)]
+            if tls.grpc_tls_client_ca is not None:
+                arguments += ["--tls-client-ca", str(tls.grpc_tls_client_ca)]
+        return arguments
+
+    async def _supervise(self) -> None:
+        """Starts the front again (same port) whenever it exits while the router runs, waiting longer
+        after each start that failed (a port still held, a broken binary)."""
+        failed = 0
+        while True:
+            assert self._process is not None
+            code = await self._process.wait()
+            if self._connection is not None:
+                self._connection.transport.close()
+            log.warning("the native inference front exited; starting it again",
+                        extra={"code": code, "port": self.port})
+            self._restarts.inc()
+            await asyncio.sleep(_RESTARTS.delay(failed))
+            try:
+                await self._spawn()
+                failed = 0
+            except OpmlError as exc:
+                failed += 1
+                log.error("the native inference front did not start again: %s", exc.message)

@@ -1,0 +1,150 @@
+"""The router's native inference front (native/front.cc) on a real router process with a real worker:
+the same answers as the router's Python gRPC port, the router's auth, errors with their codes, and
+its lifetime (restarted when it dies, gone when the router dies)."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+from pathlib import Path
+
+import grpc
+import numpy as np
+import onnxruntime as ort
+import psutil
+import pytest
+import tritonclient.grpc as triton
+import yaml
+from tritonclient.utils import InferenceServerException
+
+from opml_common.process import ServiceProcess
+from opml_common.testing.services import TOKENS, ServiceStarter
+from opml_inference_router.client import DeploymentClient
+from opml_inference_router.testing import front_process, mlp_config, write_model_dir
+
+FLEET = {
+    "pool_kinds": [{"name": "cpu", "precisions": ["fp32"], "memory_mib": 2048, "slots": 2, "cost_per_hour": 0.4,
+                    "execution_provider": "CPUExecutionProvider"}],
+    "pools": [{"name": "cpu", "kind": "cpu", "workers": 1}],
+}
+INFERENCE_TOKENS = {**TOKENS, "inference": "inference-token"}
+
+
+@pytest.fixture
+def router(start_service: ServiceStarter, tmp_path: Path) -> tuple[ServiceProcess, str]:
+    """A router serving model ``mlp`` (deployed from a directory); its process and inference target."""
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(yaml.safe_dump(FLEET))
+    env = start_service.env("inference-router", tokens=INFERENCE_TOKENS, extra_env={
+        "OPML_INFERENCE_ROUTER_FLEET": str(fleet), "OPML_INFERENCE_ROUTER_WORKER_THREADS_PER_REPLICA": "1"})
+    process = start_service("inference-router", env=env)
+    model_dir = write_model_dir(tmp_path / "mlp", mlp_config("mlp", pool_kinds=("cpu",), precisions=("fp32",)))
+    with DeploymentClient(process.target, token=TOKENS["writer"]) as client:
+        client.deploy(model_dir=str(model_dir))
+    return process, f"127.0.0.1:{env['OPML_INFERENCE_ROUTER_INFERENCE_PORT']}"
+
+
+def _auth(role: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {INFERENCE_TOKENS.get(role, 'not-a-token')}"}
+
+
+def _infer(target: str, data: np.ndarray, role: str = "inference", **options) -> np.ndarray:
+    with triton.InferenceServerClient(target) as client:
+        tensor = triton.InferInput("features", list(data.shape), "FP32")
+        tensor.set_data_from_numpy(data)
+        return client.infer("mlp", [tensor], headers=_auth(role), **options).as_numpy("scores")
+
+
+def _wait_serving(target: str) -> None:
+    """Until the front at ``target`` takes calls again (a restarted one binds its port again)."""
+    with grpc.insecure_channel(target) as channel:
+        grpc.channel_ready_future(channel).result(timeout=60)
+
+
+def test_inference_port_answers_as_the_router_does(router: tuple[ServiceProcess, str], tmp_path: Path) -> None:
+    process, target = router
+    data = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
+    expected = ort.InferenceSession(str(tmp_path / "mlp" / "model.onnx")).run(None, {"features": data})[0]
+    np.testing.assert_allclose(_infer(target, data), expected, rtol=1e-5)
+    np.testing.assert_allclose(_infer(process.target, data), _infer(target, data), rtol=0)
+
+    with triton.InferenceServerClient(target) as client:
+        headers = _auth("reader")
+        assert client.is_server_live(headers=headers) and client.is_server_ready(headers=headers)
+        assert client.is_model_ready("mlp", headers=headers) and not client.is_model_ready("nope", headers=headers)
+        assert client.get_server_metadata(headers=headers).name == "opml-inference-router"
+        metadata = client.get_model_metadata("mlp", headers=headers)
+        assert metadata.versions == ["1"] and metadata.inputs[0].name == "features"
+        with pytest.raises(InferenceServerException) as missing:
+            client.get_model_metadata("nope", headers=headers)
+        assert missing.value.status() == "StatusCode.NOT_FOUND"
+
+    with pytest.raises(InferenceServerException) as bad:
+        _infer(target, np.ascontiguousarray(data[:, :8]))  # the model takes 16 features
+    assert bad.value.status() == "StatusCode.INVALID_ARGUMENT" and "features" in bad.value.message()
+
+    with grpc.insecure_channel(target) as channel:
+        infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        with pytest.raises(grpc.RpcError) as malformed:
+            infer(b"\xff\xff\xff", metadata=tuple(_auth("inference").items()))
+        assert malformed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert malformed.value.details().startswith("request")
+        listing = channel.unary_unary("/opml.inference.v1.DeploymentService/ListDeployments")
+        with pytest.raises(grpc.RpcError) as elsewhere:
+            listing(b"")
+        assert elsewhere.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert f"on port {process.env['OPML_INFERENCE_ROUTER_GRPC_PORT']}" in elsewhere.value.details()
+    with pytest.raises(InferenceServerException) as late:  # a valid request: whoever sees the deadline first
+        _infer(target, data, client_timeout=0.000_001)
+    assert late.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+
+    counted = _metric(process, "opml_inference_router_front_requests_total")
+    assert counted[("code=OK", "method=ModelInfer")] == 2 and counted[("code=NOT_FOUND", "method=ModelMetadata")] == 1
+    assert counted[("code=INVALID_ARGUMENT", "method=ModelInfer")] == 2
+
+
+def test_the_router_checks_every_call_on_the_inference_port(router: tuple[ServiceProcess, str]) -> None:
+    _process, target = router
+    data = np.zeros((1, 16), np.float32)
+    with triton.InferenceServerClient(target) as client:
+        with pytest.raises(InferenceServerException) as anonymous:
+            client.is_server_live()
+        assert anonymous.value.status() == "StatusCode.UNAUTHENTICATED"
+    with pytest.raises(InferenceServerException) as forged:
+        _infer(target, data, role="forged")
+    assert forged.value.status() == "StatusCode.UNAUTHENTICATED"
+    with pytest.raises(InferenceServerException) as reader:
+        _infer(target, data, role="reader")
+    assert reader.value.status() == "StatusCode.PERMISSION_DENIED"
+    assert "ModelInfer needs the inference role" in reader.value.message()
+    assert _infer(target, data, role="inference").shape == (1, 4)
+
+
+def test_a_killed_front_comes_back_on_its_port_and_a_killed_router_takes_it_along(
+        router: tuple[ServiceProcess, str]) -> None:
+    process, target = router
+    data = np.ones((2, 16), np.float32)
+    before = _infer(target, data)
+    first = front_process(process.process.pid)
+    first.kill()
+    first.wait(timeout=30)
+    _wait_serving(target)
+    second = front_process(process.process.pid)
+    assert second.pid != first.pid
+    np.testing.assert_array_equal(_infer(target, data), before)
+    assert _metric(process, "opml_inference_router_front_restarts_total")[()] == 1
+
+    process.kill()  # SIGKILL: the link's end closes with the router, and the front exits by itself
+    second.wait(timeout=30)
+    assert not second.is_running() or second.status() == psutil.STATUS_ZOMBIE
+
+
+def _metric(process: ServiceProcess, name: str) -> dict[tuple[str, ...], float]:
+    """The router's samples of counter ``name``, by their ``label=value`` pairs in label order."""
+    port = process.env["OPML_INFERENCE_ROUTER_METRICS_PORT"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    samples = {}
+    for match in re.finditer(rf"^{name}(?:\{{(.*?)\}})? (\S+)$", text, re.MULTILINE):
+        labels = tuple(sorted(f"{k}={v}" for k, v in re.findall(r'(\w+)="([^"]*)"', match.group(1) or "")))
+        samples[labels] = float(match.group(2))
+    return samples
