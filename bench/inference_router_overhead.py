@@ -1,6 +1,6 @@
 """Inference-router overhead: what the router adds over calling onnxruntime directly.
 
-The same ONNX model (the test MLP, ``--features`` x ``--width`` x ``--depth``) is called six ways,
+The same ONNX model (the test MLP, ``--features`` x ``--width`` x ``--depth``) is called seven ways,
 ``--requests`` times each, one request at a time (latency, not throughput), after a warm-up; the
 gRPC paths take turns in ``--rounds`` rounds, so a change of the machine's load hits them alike:
 
@@ -10,12 +10,14 @@ gRPC paths take turns in ``--rounds`` rounds, so a change of the machine's load 
       over gRPC on TCP (how it calls a worker on another machine);
   (u) the same router to the same worker over the worker's Unix socket (a UdsReplica: the worker's
       local data plane, worker/uds.py; how the pool manager wires its workers with ``route_over_uds``);
+  (n) the same as (u), called on the router's native inference front (native/front.cc, the router's
+      inference port) instead of its Python gRPC port;
   (d) the router with the model in its own process (a LocalReplica over the worker's servicer and
       ModelRepository, dynamic batching included): one gRPC hop instead of two;
   (p) for reference, the floor of any Python gRPC hop: a bare grpc.aio server in its own process that
       forwards the bytes to the worker (no routing, no interceptors, no metrics).
 
-It prints p50/p99/mean per path, what (b) adds over (a) and what (c) and (u) add over (b), the
+It prints p50/p99/mean per path, what (b) adds over (a) and what (c), (u) and (n) add over (b), the
 router's overhead, and how much of it the bare hop (p) already costs. Then ``--concurrency`` clients in
 parallel for the throughput of each gRPC path. Workers run without dynamic batching here, so no
 batching delay hides in the numbers.
@@ -54,13 +56,15 @@ MODEL = "bench-mlp"
 INFER = f"/{pb.DESCRIPTOR.services_by_name['GRPCInferenceService'].full_name}/ModelInfer"
 
 
-async def serve_router(worker: str) -> None:
+async def serve_router(worker: str, native: bool) -> None:
     """The router as its own process: frontend + Router over one worker (``--serve-router ADDRESS``),
-    or over a LocalReplica hosting the bundle in this process (``--serve-router local:BUNDLE``)."""
+    or over a LocalReplica hosting the bundle in this process (``--serve-router local:BUNDLE``); with
+    ``native`` its native inference front too, announced as ``inference_port``."""
     from opml_common.config import PlatformSettings, ServiceSettings
     from opml_common.grpc.server import GrpcServer, wait_for_signal
     from opml_common.metrics import ServiceMetrics
     from opml_inference_router.frontend import InferenceFrontend
+    from opml_inference_router.native_front import FrontLink, NativeFront
     from opml_inference_router.placement.config import load_fleet_config
     from opml_inference_router.routing import ModelPolicy, Router
     from opml_inference_router.routing.local_replica import LocalReplica
@@ -83,9 +87,16 @@ async def serve_router(worker: str) -> None:
     server = GrpcServer(settings=ServiceSettings(host="127.0.0.1", grpc_port=0, metrics_port=0),
                         platform=PlatformSettings(auth_tokens="", log_level="WARNING"), metrics=metrics,
                         registrations=[frontend.registration()])
+    front = NativeFront(FrontLink(frontend, tokens={}, metrics=metrics), host="127.0.0.1", port=0,
+                        max_receive_bytes=server.max_receive_message_bytes, grace_s=5.0, tls=None, control_hint="",
+                        metrics=metrics) if native else None
     async with server:
-        print(json.dumps({"grpc_port": server.port}), flush=True)
+        if front is not None:
+            await front.start()
+        print(json.dumps({"grpc_port": server.port, "inference_port": front and front.port}), flush=True)
         await wait_for_signal()
+        if front is not None:
+            await front.stop()
     await router.close()
     if repository is not None:
         await repository.close()
@@ -157,16 +168,19 @@ async def bench_grpc(target: str, request: bytes, requests: int, warmup: int,
 
 
 def start_hop(kind: str, worker: str, log_path: Path) -> tuple[subprocess.Popen, str]:
-    """Start this script as ``--serve-router`` or ``--serve-proxy``; returns the process and its address."""
+    """Start this script as ``--serve-router`` (``native-router``: called on its native front) or
+    ``--serve-proxy``; returns the process and its address."""
+    native = kind == "native-router"
     with open(log_path, "ab") as log:
-        process = subprocess.Popen([sys.executable, __file__, f"--serve-{kind}", worker], stdout=subprocess.PIPE,
+        process = subprocess.Popen([sys.executable, __file__, f"--serve-{kind.removeprefix('native-')}", worker,
+                                    *(["--native-front"] if native else [])], stdout=subprocess.PIPE,
                                    stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
     assert process.stdout is not None
     line = process.stdout.readline()
     if not line:
         process.wait()
         raise RuntimeError(f"router exited with {process.returncode}:\n{log_path.read_text()[-2000:]}")
-    return process, f"127.0.0.1:{json.loads(line)['grpc_port']}"
+    return process, f"127.0.0.1:{json.loads(line)['inference_port' if native else 'grpc_port']}"
 
 
 def main() -> None:
@@ -180,9 +194,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--serve-router", metavar="WORKER", help=argparse.SUPPRESS)
     parser.add_argument("--serve-proxy", metavar="WORKER", help=argparse.SUPPRESS)
+    parser.add_argument("--native-front", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_router:
-        asyncio.run(serve_router(args.serve_router))
+        asyncio.run(serve_router(args.serve_router, args.native_front))
         return
     if args.serve_proxy:
         asyncio.run(serve_proxy(args.serve_proxy))
@@ -213,6 +228,8 @@ def main() -> None:
             paths = {"(b) worker over gRPC": worker.target}
             for name, kind, to in (("(c) router -> worker (TCP)", "router", worker.target),
                                    ("(u) router -> worker (Unix socket)", "router", worker.uds_target),
+                                   ("(n) native front -> router -> worker (Unix socket)", "native-router",
+                                    worker.uds_target),
                                    ("(d) router, model in-process", "router", f"local:{bundle}"),
                                    ("(p) bare grpc.aio hop -> worker", "proxy", worker.target)):
                 process, paths[name] = start_hop(kind, to, work / f"{kind}-{len(hops)}.log")
@@ -237,15 +254,17 @@ def main() -> None:
     print("\n| path | p50 ms | p99 ms | mean ms |\n|---|---|---|---|")
     for name, s in stats.items():
         print(f"| {name} | {s['p50']:.3f} | {s['p99']:.3f} | {s['mean']:.3f} |")
-    a, b, c, u, d, p = stats.values()
+    a, b, c, u, n, d, p = stats.values()
     print("\n| added by | p50 ms | p99 ms | ratio p50 |\n|---|---|---|---|")
     for label, slow, fast in (("worker + gRPC, (b) - (a)", b, a),
                               ("router over TCP, (c) - (b)", c, b),
                               ("router over the Unix socket, (u) - (b)", u, b),
+                              ("router's native front over the Unix socket, (n) - (b)", n, b),
                               ("bare grpc.aio hop, (p) - (b)", p, b),
                               ("router, model in-process, (d) - (a)", d, a),
                               ("router + worker over TCP, (c) - (a)", c, a),
-                              ("router + worker over the Unix socket, (u) - (a)", u, a)):
+                              ("router + worker over the Unix socket, (u) - (a)", u, a),
+                              ("native front + router + worker over the Unix socket, (n) - (a)", n, a)):
         print(f"| {label} | {slow['p50'] - fast['p50']:.3f} | {slow['p99'] - fast['p99']:.3f} | "
               f"{slow['p50'] / fast['p50']:.2f}x |")
     print(f"\nthroughput with {args.concurrency} concurrent callers: "

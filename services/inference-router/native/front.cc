@@ -6,7 +6,8 @@
 // to the router over one inherited Unix socket, in the worker's frame protocol
 // (opml_inference_router/frames.py), so routing, admission, hedging, auth, the prediction log and
 // the metrics stay in one place, the router's event loop. Frames written by many gRPC threads meet in
-// one queue and leave in one write, so the router wakes once for a burst of calls.
+// one buffer: the thread that finds no write in progress writes it (and whatever others add
+// meanwhile) in one send, so the router wakes once for a burst of calls and no writer thread wakes.
 //
 // Link frames (little-endian): request  u32 body length, u32 call id, u8 kind, f64 timeout s (0: the
 // caller set none), u16 credential length, credential (the caller's authorization header), body;
@@ -31,7 +32,6 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -62,11 +62,11 @@ void put_u32(std::string* out, uint32_t v) { out->append(reinterpret_cast<const 
 
 class Call;
 
-// The one connection to the router: calls out (one writer thread, writes coalesced), answers in
-// (the main thread reads), matched by call id.
+// The one connection to the router: calls out (writes coalesced), answers in (the main thread
+// reads), matched by call id.
 class Link {
  public:
-  explicit Link(int fd) : fd_(fd), writer_([this] { WriteLoop(); }) {}
+  explicit Link(int fd) : fd_(fd) {}
 
   // Sends the call's frame; its call id, or 0 when the link is down (the caller answers UNAVAILABLE).
   uint32_t Send(Call* call, uint8_t kind, double timeout_s, const std::string& credential,
@@ -75,20 +75,18 @@ class Link {
   bool Cancel(uint32_t id);
   // Reads answers until the router closes the link, then fails whatever was left.
   void ReadLoop();
-  void Close();
 
  private:
-  void Queue(std::string&& frame);
-  void WriteLoop();
+  // Appends a frame (mu_ held); unless another thread is writing, writes until nothing is left.
+  void Write(std::unique_lock<std::mutex>& lock, std::string&& frame);
 
   const int fd_;
   std::mutex mu_;
-  std::condition_variable wake_;
   std::unordered_map<uint32_t, Call*> pending_;
   std::string out_;
   uint32_t next_id_ = 1;
   bool down_ = false;
-  std::thread writer_;
+  bool writing_ = false;
 };
 
 Link* g_link = nullptr;
@@ -186,7 +184,7 @@ uint32_t Link::Send(Call* call, uint8_t kind, double timeout_s, const std::strin
                 const std::vector<grpc::Slice>& body, size_t body_size) {
   std::string frame;
   frame.reserve(kRequestHeader + credential.size() + body_size);
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   if (down_) return 0;
   uint32_t call_id = next_id_++;
   if (next_id_ == 0) next_id_ = 1;  // 0 means "not sent"
@@ -199,14 +197,12 @@ uint32_t Link::Send(Call* call, uint8_t kind, double timeout_s, const std::strin
   frame.append(credential.data(), credential_size);
   for (const auto& slice : body) frame.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
   pending_[call_id] = call;
-  bool idle = out_.empty();
-  out_.append(frame);
-  if (idle) wake_.notify_one();
+  Write(lock, std::move(frame));
   return call_id;
 }
 
 bool Link::Cancel(uint32_t id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   if (pending_.erase(id) == 0) return false;
   if (!down_) {
     std::string frame;
@@ -217,34 +213,43 @@ bool Link::Cancel(uint32_t id) {
     frame.append(reinterpret_cast<const char*>(&zero), 8);
     uint16_t no_credential = 0;
     frame.append(reinterpret_cast<const char*>(&no_credential), 2);
-    bool idle = out_.empty();
-    out_.append(frame);
-    if (idle) wake_.notify_one();
+    Write(lock, std::move(frame));
   }
   return true;
 }
 
-void Link::WriteLoop() {
+void Link::Write(std::unique_lock<std::mutex>& lock, std::string&& frame) {
+  if (out_.empty()) {
+    out_.swap(frame);  // the common case under light load: no copy
+  } else {
+    out_.append(frame);
+  }
+  if (writing_) return;  // the writing thread sends it with the rest
+  writing_ = true;
   std::string batch;
-  for (;;) {
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      wake_.wait(lock, [this] { return !out_.empty() || down_; });
-      if (down_) return;
-      batch.swap(out_);
-    }
+  while (!out_.empty() && !down_) {
+    batch.swap(out_);
+    lock.unlock();
     size_t done = 0;
+    bool failed = false;
     while (done < batch.size()) {
       ssize_t n = send(fd_, batch.data() + done, batch.size() - done, MSG_NOSIGNAL);
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) {
         shutdown(fd_, SHUT_RDWR);  // the reader sees the end and fails the calls
-        return;
+        failed = true;
+        break;
       }
       done += static_cast<size_t>(n);
     }
     batch.clear();
+    lock.lock();
+    if (failed) {
+      out_.clear();
+      break;
+    }
   }
+  writing_ = false;
 }
 
 void Link::ReadLoop() {
@@ -294,20 +299,10 @@ closed:
     down_ = true;
     left.swap(pending_);
   }
-  wake_.notify_one();
   for (auto& [id, call] : left) {
     call->Fail(grpc::StatusCode::UNAVAILABLE, "the router closed the data plane's link (it stopped)");
     call->Unref();
   }
-}
-
-void Link::Close() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    down_ = true;
-  }
-  wake_.notify_one();
-  if (writer_.joinable()) writer_.join();
 }
 
 class Front : public grpc::CallbackGenericService {
@@ -424,6 +419,5 @@ int main(int argc, char** argv) {
     server->Shutdown(std::chrono::system_clock::now());
   }
   server->Wait();
-  link.Close();
   return 0;
 }
