@@ -241,7 +241,7 @@ def test_every_panel_shows_data_after_the_main_job_and_serving_load(start_servic
     targets = {}
     for spec in installed_services():  # as `make up` runs them: auth off, each knows the earlier ones
         process = start_service(spec, tokens=None, extra_env=env)
-        env[f"{env_prefix(spec)}TARGET"] = process.target
+        env.update(spec.targets(process.env))
         targets[spec.name] = [f"127.0.0.1:{process.env[f'{env_prefix(spec)}METRICS_PORT']}"]
     queries = dashboard_queries()
     with PrometheusServer(workdir=tmp_path / "prometheus", targets=targets, scrape_interval_s=1.0) as prometheus:
@@ -255,9 +255,12 @@ def test_every_panel_shows_data_after_the_main_job_and_serving_load(start_servic
         traced_job_over_two_scrapes(env, prometheus, name=f"{unique_prefix}traced-job", workdir=tmp_path)
         # The load in two halves with a scrape between: a version's series are born with its first request,
         # so a load that ends within one scrape interval would show Prometheus no increase at all.
+        # Half on the router's own port, half on its native front's (each port's panels need calls).
         assert serve_load(env["OPML_INFERENCE_ROUTER_TARGET"], requests=200) == 200
+        assert serve_load(env["OPML_INFERENCE_ROUTER_INFERENCE_TARGET"], requests=200) == 200
         prometheus.wait_for_targets_up(since=time.time(), timeout_s=60)
         assert serve_load(env["OPML_INFERENCE_ROUTER_TARGET"], requests=200) == 200
+        assert serve_load(env["OPML_INFERENCE_ROUTER_INFERENCE_TARGET"], requests=200) == 200
         loaded = time.time()
 
         def empty_queries() -> list[tuple[str, str, str, str]]:

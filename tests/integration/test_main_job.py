@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 from opml_common.stack import installed_services
-from opml_common.testing.services import env_prefix
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,7 +15,7 @@ def test_main_job_succeeds_against_every_installed_service(start_service, settin
     env = {"OPML_MAIN_JOB_REMOTE": f"s3://{unique_prefix.rstrip('-')}/vision-inspection"}
     for spec in installed_services():  # auth off, as `make up` runs them; each knows where the earlier ones are
         process = start_service(spec, tokens=None, extra_env=env)
-        env[f"{env_prefix(spec)}TARGET"] = process.target
+        env.update(spec.targets(process.env))
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "main_job.py")],
                             env={**os.environ, **settings_env, **env}, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr

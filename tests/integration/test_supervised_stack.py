@@ -28,7 +28,8 @@ from opml_common.testing.bus import poll_until
 
 pytestmark = pytest.mark.timeout(900)
 
-SERVICES = [spec.name for spec in installed_services()]
+SPECS = {spec.name: spec for spec in installed_services()}
+SERVICES = list(SPECS)
 OPML = str(Path(sys.executable).parent / "opml")
 MAX_DEATHS = 3
 
@@ -134,7 +135,7 @@ def test_every_part_runs_and_opml_status_shows_it(stack: Stack) -> None:
     for name in SERVICES:
         part = parts[name]
         assert (part["kind"], part["state"], part["health"], part["restarts"]) == ("service", "RUNNING", "SERVING", 0)
-        assert part["pid"] and set(part["ports"]) == {"grpc", "metrics"}
+        assert part["pid"] and set(part["ports"]) == {"grpc", "metrics", *SPECS[name].extra_ports()}
         assert part["version"].startswith("opml-") and Path(part["log_path"]).exists()
     assert (parts["tansu"]["kind"], parts["tansu"]["health"]) == ("infra", "UP")
     assert parts["tansu"]["version"].startswith("tansu ")

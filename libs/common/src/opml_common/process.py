@@ -118,6 +118,15 @@ class ServiceSpec:
         """The service's settings prefix, e.g. ``OPML_BUNDLE_STORE_``."""
         return self.settings.model_config["env_prefix"]
 
+    def targets(self, env: Mapping[str, str], host: str = "127.0.0.1") -> dict[str, str]:
+        """Where a process of the service run with ``env`` is reached: ``<PREFIX>TARGET`` (its gRPC port,
+        where the others and the main job find it) and ``<PREFIX><NAME>_TARGET`` for each of its
+        :meth:`extra_ports` (the router's INFERENCE_TARGET: its KServe v2 data plane)."""
+        prefix = self.env_prefix
+        return {f"{prefix}TARGET": f"{host}:{env[f'{prefix}GRPC_PORT']}",
+                **{f"{prefix}{name.upper()}_TARGET": f"{host}:{env[f'{prefix}{name.upper()}_PORT']}"
+                   for name in self.extra_ports()}}
+
     def extra_ports(self) -> dict[str, int]:
         """The service's ports besides gRPC and metrics (settings named ``*_port``, e.g. the router's
         ``inference_port``) and their defaults: a stack or a test on free ports picks these free too."""

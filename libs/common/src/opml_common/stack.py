@@ -136,9 +136,7 @@ def service_environment(specs: Sequence[ServiceSpec], endpoints: Endpoints,
                              f"fixed ports for the stack (a restart must keep them), but got {named}")
         ports[spec.name] = named
         env.update({f"{prefix}{name.upper()}_PORT": str(port) for name, port in named.items()})
-        env[f"{prefix}TARGET"] = f"127.0.0.1:{named['grpc']}"  # where the others and the main job find it
-        # ... and its other gRPC ports (the router's INFERENCE_TARGET: the KServe data plane)
-        env.update({f"{prefix}{name.upper()}_TARGET": f"127.0.0.1:{named[name]}" for name in spec.extra_ports()})
+        env.update(spec.targets(env))  # where the others and the main job find it
         if config.homes is not None and "home" in spec.settings.model_fields:
             env[f"{prefix}HOME"] = str(config.homes / spec.name)
     return env, ports
