@@ -3,7 +3,7 @@
 client and the CLI), refuses a plaintext client and one that trusts another CA; with mTLS it refuses a
 client without a certificate or with one another CA signed; and the whole serving path runs over
 mTLS: router -> bundle-store (the bundle fetch), router -> worker (the control calls), client ->
-router (inference)."""
+router (inference, on the router's port and on its native front's)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 import tritonclient.grpc as triton
 import yaml
 from opml.inference.v1 import deployments_pb2 as pb
+from tritonclient.utils import InferenceServerException
 
 from opml_bundle_store.client import BundleStoreClient
 from opml_common.config import GrpcTlsSettings
@@ -144,11 +145,22 @@ def test_the_serving_path_runs_over_mtls(start_service, pki, tmp_path: Path) -> 
 
     with DeploymentClient(router.target, token=TOKENS["reader"], tls=tls) as deployments:
         poll_until(lambda: serving(deployments), timeout_s=60, what="mlp serving")
+    assert _infer(router.target, pki, "client").shape[0] == 2
+    # The router's inference port (its native front) serves the same mTLS from the same variables.
+    inference = f"127.0.0.1:{router.env['OPML_INFERENCE_ROUTER_INFERENCE_PORT']}"
+    assert _infer(inference, pki, "client").shape[0] == 2
+    for refused in (None, "rogue-client"):  # no client certificate; one another CA signed
+        with pytest.raises(InferenceServerException) as caught:
+            _infer(inference, pki, refused)
+        assert caught.value.status() == "StatusCode.UNAVAILABLE"
+
+
+def _infer(target: str, pki: Path, cert: str | None) -> np.ndarray:
+    """Scores of two rows of mlp over TLS (the client trusting ``ca``), with client certificate ``cert``."""
     data = np.zeros((2, 16), dtype=np.float32)
-    with triton.InferenceServerClient(router.target, ssl=True, root_certificates=str(pki / "ca.pem"),
-                                      private_key=str(pki / "client.key"),
-                                      certificate_chain=str(pki / "client.pem")) as client:
+    certificate = {"private_key": str(pki / f"{cert}.key"), "certificate_chain": str(pki / f"{cert}.pem")} if cert else {}
+    with triton.InferenceServerClient(target, ssl=True, root_certificates=str(pki / "ca.pem"), **certificate) as client:
         tensor = triton.InferInput("features", list(data.shape), "FP32")
         tensor.set_data_from_numpy(data)
-        result = client.infer("mlp", [tensor], headers={"authorization": f"Bearer {TOKENS['writer']}"})
-    assert result.as_numpy("scores").shape[0] == 2
+        return client.infer("mlp", [tensor], headers={"authorization": f"Bearer {TOKENS['writer']}"},
+                            client_timeout=30).as_numpy("scores")

@@ -126,6 +126,7 @@ def test_a_killed_front_comes_back_on_its_port_and_a_killed_router_takes_it_alon
     data = np.ones((2, 16), np.float32)
     before = _infer(target, data)
     first = front_process(process.process.pid)
+    assert not [key for key in first.environ() if key.startswith("OPML_")]  # no token, no S3 or broker secret
     first.kill()
     first.wait(timeout=30)
     _wait_serving(target)

@@ -110,6 +110,12 @@ class FrontLink:
         return principal
 
 
+def _front_environment() -> dict[str, str]:
+    """gRPC's own settings (GRPC_VERBOSITY, GRPC_TRACE, ...) and nothing else: the front needs none of
+    the router's secrets (tokens, S3 and broker credentials), so it never holds them."""
+    return {key: value for key, value in os.environ.items() if key.startswith("GRPC_") or key in ("LANG", "TZ")}
+
+
 def _typed(method: Callable[[object, None], Awaitable[object]], message: type) -> Callable[[bytes, float | None],
                                                                                             Awaitable[bytes]]:
     async def call(body: bytes, _timeout_s: float | None) -> bytes:
@@ -174,7 +180,7 @@ class NativeFront:
         try:
             self._process = await asyncio.create_subprocess_exec(
                 str(self._binary), *self._arguments(theirs.fileno()), pass_fds=(theirs.fileno(),),
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE)
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, env=_front_environment())
         finally:
             theirs.close()
         loop = asyncio.get_running_loop()
