@@ -42,7 +42,7 @@ $(STAMP): constraints.txt $(foreach p,$(PACKAGES),$(p)/pyproject.toml) $(C_SOURC
 
 $(FRONT): services/inference-router/native/front.cc | $(STAMP)
 	@dpkg-query -W -f='$${Version}' libgrpc++-dev 2>/dev/null | grep -qx '$(word 2,$(subst =, ,$(GRPCXX_DEB)))' \
-		|| (apt-get update -qq && apt-get install -y -qq --no-install-recommends $(GRPCXX_DEB))
+		|| (apt-get update -qq && apt-get install -y -qq --no-install-recommends g++ pkg-config $(GRPCXX_DEB))
 	g++ -O2 -std=c++17 -Wall -Wextra -Werror -o $@ $< $$(pkg-config --cflags --libs grpc++)
 
 # Python stubs are generated from protos/ (never edited by hand; git ignores them).
