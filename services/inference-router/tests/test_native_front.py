@@ -5,6 +5,7 @@ its lifetime (restarted when it dies, gone when the router dies)."""
 from __future__ import annotations
 
 import re
+import socket
 import urllib.request
 from pathlib import Path
 
@@ -15,11 +16,17 @@ import psutil
 import pytest
 import tritonclient.grpc as triton
 import yaml
+from prometheus_client import CollectorRegistry
 from tritonclient.utils import InferenceServerException
 
+from opml_common.errors import FailedPrecondition
+from opml_common.metrics import ServiceMetrics
 from opml_common.process import ServiceProcess
 from opml_common.testing.services import TOKENS, ServiceStarter
 from opml_inference_router.client import DeploymentClient
+from opml_inference_router.frontend import InferenceFrontend
+from opml_inference_router.native_front import FrontLink, NativeFront
+from opml_inference_router.routing import Router
 from opml_inference_router.testing import front_process, mlp_config, write_model_dir
 
 FLEET = {
@@ -149,3 +156,22 @@ def _metric(process: ServiceProcess, name: str) -> dict[tuple[str, ...], float]:
         labels = tuple(sorted(f"{k}={v}" for k, v in re.findall(r'(\w+)="([^"]*)"', match.group(1) or "")))
         samples[labels] = float(match.group(2))
     return samples
+
+
+async def test_a_front_that_cannot_start_says_why(tmp_path: Path) -> None:
+    """A missing binary and a taken port stop the router's start with the reason, not a hang."""
+    metrics = ServiceMetrics("inference-router", registry=CollectorRegistry())
+    link = FrontLink(InferenceFrontend(Router(connect=lambda address: None, metrics=metrics)), tokens={},
+                     metrics=metrics)
+
+    def front(port: int, **binary: Path) -> NativeFront:
+        return NativeFront(link, host="127.0.0.1", port=port, max_receive_bytes=1 << 20, grace_s=1.0, tls=None,
+                           control_hint="", metrics=metrics, **binary)
+
+    with pytest.raises(FailedPrecondition, match="is missing \\(run `make install`"):
+        await front(0, binary=tmp_path / "opml-inference-front").start()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(FailedPrecondition, match=r"did not start on 127\.0\.0\.1:\d+ \(exit code 1;"):
+            await front(taken.getsockname()[1]).start()

@@ -181,6 +181,9 @@ class NativeFront:
             self._process = await asyncio.create_subprocess_exec(
                 str(self._binary), *self._arguments(theirs.fileno()), pass_fds=(theirs.fileno(),),
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, env=_front_environment())
+        except OSError as exc:
+            ours.close()
+            raise FailedPrecondition(f"the native inference front {self._binary} cannot run: {exc}") from None
         finally:
             theirs.close()
         loop = asyncio.get_running_loop()
@@ -190,10 +193,12 @@ class NativeFront:
             line = await asyncio.wait_for(self._process.stdout.readline(), timeout=self._startup_timeout_s)  # type: ignore[union-attr]
             self.port = int(json.loads(line)["port"])
         except (TimeoutError, ValueError, KeyError) as exc:
-            self._process.kill()
-            await self._process.wait()
+            with contextlib.suppress(ProcessLookupError):  # it may have exited by itself (a port taken)
+                self._process.kill()
+            code = await self._process.wait()
+            self._connection.transport.close()
             raise FailedPrecondition(f"the native inference front did not start on {self._host}:{self.port} "
-                                     f"(exit code {self._process.returncode}; its error is in the router's log): "
+                                     f"(exit code {code}; its error is in the router's log): "
                                      f"{type(exc).__name__}") from None
         log.info("native inference front serving", extra={"grpc": f"{self._host}:{self.port}",
                                                           "pid": self._process.pid})
