@@ -109,6 +109,8 @@ async def as_status(call: Awaitable[bytes], method: str, timeout_s: float | None
     DEADLINE_EXCEEDED, anything else INTERNAL with an incident id (the traceback is logged, never
     sent). Never raises but CancelledError."""
     try:
+        if timeout_s is None:  # no timer to arm (the router's own deadline handling runs inside the call)
+            return OK, await call
         async with asyncio.timeout(timeout_s):
             return OK, await call
     except OpmlError as exc:
