@@ -96,6 +96,12 @@ def test_inference_port_answers_as_the_router_does(router: tuple[ServiceProcess,
             infer(b"\xff\xff\xff", metadata=tuple(_auth("inference").items()))
         assert malformed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert malformed.value.details().startswith("request")
+        for method in ("ModelMetadata", "ModelReady", "ServerLive"):  # decoded by the router: the same refusal
+            with pytest.raises(grpc.RpcError) as undecodable:
+                channel.unary_unary(f"/inference.GRPCInferenceService/{method}")(
+                    b"\xff\xff\xff", metadata=tuple(_auth("inference").items()), timeout=30)
+            assert undecodable.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
+            assert undecodable.value.details().startswith(f"request: must be an inference.{method}Request")
         listing = channel.unary_unary("/opml.inference.v1.DeploymentService/ListDeployments")
         with pytest.raises(grpc.RpcError) as elsewhere:
             listing(b"")

@@ -30,12 +30,14 @@ import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 from pathlib import Path
 
+from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
 from opml_common.config import GrpcTlsSettings, TokenGrant
-from opml_common.errors import FailedPrecondition, OpmlError
+from opml_common.errors import FailedPrecondition, InvalidArgument, OpmlError
 from opml_common.grpc.interceptors import UNAUTHENTICATED_MESSAGE, Principal, bearer_principal, missing_role_message
 from opml_common.metrics import ServiceMetrics
 from opml_common.retry import Backoff
@@ -65,8 +67,7 @@ class FrontLink:
         self._principals: dict[bytes, Principal | None] = {}
         self._handlers: dict[int, Callable[[bytes, float | None], Awaitable[bytes]]] = {
             KINDS["ModelInfer"]: frontend.infer,
-            KINDS["ModelMetadata"]: lambda body, timeout_s: frontend.model_metadata(
-                pb.ModelMetadataRequest.FromString(body), timeout_s),
+            KINDS["ModelMetadata"]: partial(_model_metadata, frontend),
             KINDS["ModelReady"]: _typed(frontend.ModelReady, pb.ModelReadyRequest),
             KINDS["ServerLive"]: _typed(frontend.ServerLive, pb.ServerLiveRequest),
             KINDS["ServerReady"]: _typed(frontend.ServerReady, pb.ServerReadyRequest),
@@ -116,10 +117,22 @@ def _front_environment() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if key.startswith("GRPC_") or key in ("LANG", "TZ")}
 
 
+def _decoded(message: type, body: bytes) -> object:
+    """Raises: InvalidArgument (field ``request``) for bytes that are not a ``message``."""
+    try:
+        return message.FromString(body)  # type: ignore[attr-defined]
+    except DecodeError as exc:
+        raise InvalidArgument("request", f"must be an inference.{message.__name__}, but {exc}") from None
+
+
+async def _model_metadata(frontend: InferenceFrontend, body: bytes, timeout_s: float | None) -> bytes:
+    return await frontend.model_metadata(_decoded(pb.ModelMetadataRequest, body), timeout_s)  # type: ignore[arg-type]
+
+
 def _typed(method: Callable[[object, None], Awaitable[object]], message: type) -> Callable[[bytes, float | None],
                                                                                             Awaitable[bytes]]:
     async def call(body: bytes, _timeout_s: float | None) -> bytes:
-        return (await method(message.FromString(body), None)).SerializeToString()  # type: ignore[attr-defined]
+        return (await method(_decoded(message, body), None)).SerializeToString()  # type: ignore[attr-defined]
     return call
 
 
