@@ -19,7 +19,6 @@
 // router. SIGTERM/SIGINT: health turns NOT_SERVING, calls in flight finish within --grace-s, exit.
 // Once serving it prints {"port": N} on stdout (the bound port, for --listen host:0).
 
-#include <arpa/inet.h>
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/server_credentials.h>

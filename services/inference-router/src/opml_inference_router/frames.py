@@ -29,12 +29,13 @@ import logging
 import struct
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Protocol
 
 import grpc
 
 from opml_common.errors import OpmlError
+from opml_common.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,24 @@ async def as_status(call: Awaitable[bytes], method: str, timeout_s: float | None
         incident = uuid.uuid4().hex[:12]
         log.exception("unhandled error in %s on %s (incident %s)", method, where, incident)
         return CODE_NUMBERS["INTERNAL"], f"internal error (incident {incident}); see the {where}'s logs".encode()
+
+
+class CallCounter:
+    """A frame server's calls by method and status code (``count`` is a FrameService's): each
+    served method's OK series exists from 0, as the gRPC servers' RPC series do, so a rate panel
+    reads 0 rather than no data; other series are made on first use and kept."""
+
+    __slots__ = ("_counter", "_children")
+
+    def __init__(self, metrics: ServiceMetrics, name: str, doc: str, kinds: Iterable[int]) -> None:
+        self._counter = metrics.counter(name, doc, ("method", "code"))
+        self._children = {(kind, "OK"): self._counter.labels(METHODS[kind], "OK") for kind in kinds}
+
+    def count(self, kind: int, code: str) -> None:
+        child = self._children.get((kind, code))
+        if child is None:
+            child = self._children[(kind, code)] = self._counter.labels(METHODS.get(kind, str(kind)), code)
+        child.inc()
 
 
 class FrameService(Protocol):

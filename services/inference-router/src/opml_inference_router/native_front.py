@@ -41,7 +41,7 @@ from opml_common.errors import FailedPrecondition, InvalidArgument, OpmlError
 from opml_common.grpc.interceptors import UNAUTHENTICATED_MESSAGE, Principal, bearer_principal, missing_role_message
 from opml_common.metrics import ServiceMetrics
 from opml_common.retry import Backoff
-from opml_inference_router.frames import CODE_NUMBERS, KINDS, METHODS, FrameServerConnection, as_status
+from opml_inference_router.frames import CODE_NUMBERS, KINDS, METHODS, CallCounter, FrameServerConnection, as_status
 from opml_inference_router.frontend import InferenceFrontend
 from opml_inference_router.kserve.roles import INFERENCE_METHOD_ROLES
 
@@ -74,16 +74,8 @@ class FrontLink:
             KINDS["ServerMetadata"]: _typed(frontend.ServerMetadata, pb.ServerMetadataRequest),
         }
         self._needed = {kind: INFERENCE_METHOD_ROLES[METHODS[kind]] for kind in self._handlers}
-        requests = metrics.counter("front_requests_total", "Calls the native inference front passed to the "
-                                   "router, by method and status code.", ("method", "code"))
-        self._requests = requests
-        self._counted = {(kind, "OK"): requests.labels(METHODS[kind], "OK") for kind in self._handlers}
-
-    def count(self, kind: int, code: str) -> None:
-        child = self._counted.get((kind, code))
-        if child is None:
-            child = self._counted[(kind, code)] = self._requests.labels(METHODS.get(kind, str(kind)), code)
-        child.inc()
+        self.count = CallCounter(metrics, "front_requests_total", "Calls the native inference front passed to "
+                                 "the router, by method and status code.", self._handlers).count
 
     async def answer(self, kind: int, timeout_s: float | None, credential: bytes, body: bytes) -> tuple[int, bytes]:
         handler = self._handlers.get(kind)

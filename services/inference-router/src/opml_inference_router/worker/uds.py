@@ -28,7 +28,7 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
 from opml_common.metrics import ServiceMetrics
-from opml_inference_router.frames import CODE_NUMBERS, KINDS, METHODS, FrameServerConnection, as_status
+from opml_inference_router.frames import CODE_NUMBERS, KINDS, METHODS, CallCounter, FrameServerConnection, as_status
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +53,8 @@ class UdsServer:
         self.path = path
         self._handlers: dict[int, Handler] = {kind: getattr(servicer, method) for method, kind in KINDS.items()
                                               if hasattr(servicer, method)}
-        self._requests = metrics.counter("uds_requests_total", "Calls served on the Unix socket (a local router), "
-                                         "by method and status code.", ("method", "code"))
-        # every method's OK series from 0, as the gRPC servers' RPC series are: a rate panel reads 0, not no data
-        self._counted: dict[tuple[int, str], object] = {
-            (kind, "OK"): self._requests.labels(METHODS[kind], "OK") for kind in self._handlers}
+        self.count = CallCounter(metrics, "uds_requests_total", "Calls served on the Unix socket (a local router), "
+                                 "by method and status code.", self._handlers).count
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[FrameServerConnection] = set()
         self.stopping = False
@@ -84,12 +81,6 @@ class UdsServer:
         for connection in list(self._connections):
             connection.transport.close()
         self.path.unlink(missing_ok=True)
-
-    def count(self, kind: int, code: str) -> None:
-        child = self._counted.get((kind, code))
-        if child is None:
-            child = self._counted[(kind, code)] = self._requests.labels(METHODS.get(kind, str(kind)), code)
-        child.inc()  # type: ignore[attr-defined]
 
     async def answer(self, kind: int, timeout_s: float | None, credential: bytes, body: bytes) -> tuple[int, bytes]:
         """(status, body) of one call; never raises but CancelledError."""
