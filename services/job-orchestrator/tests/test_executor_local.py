@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -93,6 +94,31 @@ async def test_tf_config_and_env_for_chief_workers_ps_evaluator(
     assert [len(cluster[r]) for r in ("chief", "worker", "ps")] == [1, 2, 1]
     addresses = [a for role in cluster.values() for a in role]
     assert len(set(addresses)) == 4 and all(a.startswith("127.0.0.1:") for a in addresses)
+
+
+async def test_each_cluster_port_is_kept_for_its_task_until_the_run_ends(
+        executor: LocalExecutor, tmp_path: Path, until_job_event, job_event) -> None:
+    """Between launch and the task's own bind (seconds of importing TensorFlow), nothing else may take
+    its port: a plain bind is refused, while a server that binds as gRPC's do (SO_REUSEADDR and
+    SO_REUSEPORT) gets it and listens; once the run ended, the port is free."""
+    report = tmp_path / "report.json"
+    task = ("import errno, json, os, socket; t = json.loads(os.environ['TF_CONFIG']); "
+            "port = int(t['cluster']['worker'][t['task']['index']].rsplit(':', 1)[1]); out = {'port': port}\n"
+            "with socket.socket() as plain:\n"
+            "    try: plain.bind(('127.0.0.1', port)); out['plain'] = 'bound'\n"
+            "    except OSError as exc: out['plain'] = errno.errorcode[exc.errno]\n"
+            "with socket.socket() as server:\n"
+            "    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+            "    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)\n"
+            "    server.bind(('0.0.0.0', port)); server.listen(); out['server'] = 'listening'\n"
+            f"open({str(report)!r}, 'w').write(json.dumps(out))")
+    job = spec("ports", worker=1)
+    await executor.launch(job, JobProgram(commands={"worker": py(task)}), placement(job), attempt=0)
+    assert job_event(await until_job_event(executor, "ports")).outcome is JobOutcome.SUCCEEDED
+    seen = json.loads(report.read_text())
+    assert (seen["plain"], seen["server"]) == ("EADDRINUSE", "listening")
+    with socket.socket() as after:
+        after.bind(("127.0.0.1", seen["port"]))
 
 
 async def test_logs_are_captured_per_task(executor: LocalExecutor, until_job_event, job_event) -> None:

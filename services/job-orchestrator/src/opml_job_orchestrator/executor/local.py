@@ -81,6 +81,8 @@ class _Run(TrackedRun):
     heartbeat_timeout_s: float | None
     checkpoints: set[int] = field(default_factory=set)
     """The steps already reported as CheckpointEvents: each once per run, whichever task reports it."""
+    held_ports: list[socket.socket] = field(default_factory=list)
+    """The sockets that keep TF_CONFIG's ports for the tasks until the run ends (see :meth:`LocalExecutor._cluster`)."""
 
 
 class LocalExecutor(TrackedRunExecutor[_Run]):
@@ -151,7 +153,7 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
         run = _Run(RunTracker(spec.job_id, attempt, tasks, awaited_tasks(tasks)), placement, tasks,
                    program.heartbeat_timeout_s)
         self._runs[spec.job_id] = run
-        cluster = self._cluster(spec)
+        cluster = self._cluster(spec, run.held_ports)
         manifest: dict[str, Any] = {"job_id": spec.job_id, "attempt": attempt, "boot_id": _boot_id(),
                                     "cluster": cluster, "tasks": []}
         launcher_missing = trace_launcher_missing() if program.trace else None
@@ -226,19 +228,33 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
     def _run_dir(self, job_id: str, attempt: int) -> Path:
         return self._work_dir / job_id / f"attempt-{attempt}"
 
-    def _cluster(self, spec: JobSpec) -> dict[str, list[str]]:
-        """TF_CONFIG's ``cluster``: a distinct free port on ``host`` per chief, worker and ps task."""
-        with contextlib.ExitStack() as stack:
-            cluster: dict[str, list[str]] = {}
-            for role in CLUSTER_ROLES:
-                if role not in spec.roles:
-                    continue
-                addresses = cluster[role] = []
-                for _ in range(spec.roles[role].replicas):
-                    sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+    def _cluster(self, spec: JobSpec, held: list[socket.socket]) -> dict[str, list[str]]:
+        """TF_CONFIG's ``cluster``: a distinct free port on ``host`` per chief, worker and ps task.
+
+        Each port stays bound (never listening) by a socket added to ``held`` until the run ends, so
+        nothing else on the machine gets it while the task starts (a task may spend seconds importing
+        TensorFlow before it binds; a released port could go to any bind(0) or connect meanwhile).
+        The socket has SO_REUSEADDR and SO_REUSEPORT, as gRPC's servers do, so the task's own server
+        binds the port over it.
+        """
+        cluster: dict[str, list[str]] = {}
+        for role in CLUSTER_ROLES:
+            if role not in spec.roles:
+                continue
+            addresses = cluster[role] = []
+            for _ in range(spec.roles[role].replicas):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                held.append(sock)
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
                     sock.bind((self._host, 0))
-                    addresses.append(f"{self._host}:{sock.getsockname()[1]}")
-            return cluster
+                except OSError:
+                    for taken in held:
+                        taken.close()
+                    raise
+                addresses.append(f"{self._host}:{sock.getsockname()[1]}")
+        return cluster
 
     async def _spawn(self, run: _Run, task: _Task, program: JobProgram, cluster: dict[str, list[str]]) -> str | None:
         """Start one task; return why it could not start, or None."""
@@ -304,6 +320,8 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
                 if not task.exited.is_set():
                     _kill_group(task.process.pid, signal.SIGKILL)
             await asyncio.gather(*pending)
+        for sock in run.held_ports:
+            sock.close()
 
     async def _watch_heartbeats(self) -> None:
         """Every ``heartbeat_check_interval_s``: read new heartbeat writes (checkpoint reports) and
