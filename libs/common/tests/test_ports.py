@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from pydantic_settings import SettingsConfigDict
 
 from opml_common.config import PlatformSettings, ServiceSettings
-from opml_common.devinfra import free_port
+from opml_common.devinfra import free_port, release_ports
 from opml_common.grpc.server import GrpcServer
 from opml_common.metrics import ServiceMetrics
 from opml_common.process import ExitedBeforeServing, ServiceSpec, listens_on, wait_until_serving
@@ -67,6 +67,19 @@ async def test_a_server_on_a_port_another_server_listens_on_fails_to_bind() -> N
         second = _server(first.port)
         with pytest.raises(RuntimeError, match="(?i)failed to bind"):
             await second.start()
+
+
+async def test_a_picked_port_is_held_for_its_server_until_released() -> None:
+    """free_port() keeps the port from everyone but a server binding it as servers do (SO_REUSEADDR),
+    here the platform's gRPC server (so_reuseport off), until release_ports."""
+    port = free_port()
+    with socket.socket() as plain, pytest.raises(OSError, match="in use"):
+        plain.bind(("127.0.0.1", port))
+    async with _server(port) as server:
+        assert server.port == port and listens_on(os.getpid(), port) is True
+    release_ports([port])
+    with socket.socket() as plain:
+        plain.bind(("127.0.0.1", port))
 
 
 def test_listens_on_tells_which_process_holds_the_port() -> None:

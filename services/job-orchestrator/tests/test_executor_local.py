@@ -99,8 +99,8 @@ async def test_tf_config_and_env_for_chief_workers_ps_evaluator(
 async def test_each_cluster_port_is_kept_for_its_task_until_the_run_ends(
         executor: LocalExecutor, tmp_path: Path, until_job_event, job_event) -> None:
     """Between launch and the task's own bind (seconds of importing TensorFlow), nothing else may take
-    its port: a plain bind is refused, while a server that binds as gRPC's do (SO_REUSEADDR and
-    SO_REUSEPORT) gets it and listens; once the run ended, the port is free."""
+    its port: a plain bind is refused, while a server that binds as gRPC's do (SO_REUSEADDR) gets it
+    and listens; once the run ended, the port is free."""
     report = tmp_path / "report.json"
     task = ("import errno, json, os, socket; t = json.loads(os.environ['TF_CONFIG']); "
             "port = int(t['cluster']['worker'][t['task']['index']].rsplit(':', 1)[1]); out = {'port': port}\n"
@@ -109,7 +109,6 @@ async def test_each_cluster_port_is_kept_for_its_task_until_the_run_ends(
             "    except OSError as exc: out['plain'] = errno.errorcode[exc.errno]\n"
             "with socket.socket() as server:\n"
             "    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-            "    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)\n"
             "    server.bind(('0.0.0.0', port)); server.listen(); out['server'] = 'listening'\n"
             f"open({str(report)!r}, 'w').write(json.dumps(out))")
     job = spec("ports", worker=1)

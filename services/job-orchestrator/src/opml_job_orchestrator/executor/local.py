@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from opml_common.errors import InvalidArgument, NotFound
+from opml_common.ports import hold_free_port
 from opml_job_orchestrator.executor.base import (
     CheckpointEvent,
     ExecutorEvent,
@@ -82,7 +83,7 @@ class _Run(TrackedRun):
     checkpoints: set[int] = field(default_factory=set)
     """The steps already reported as CheckpointEvents: each once per run, whichever task reports it."""
     held_ports: list[socket.socket] = field(default_factory=list)
-    """The sockets that keep TF_CONFIG's ports for the tasks until the run ends (see :meth:`LocalExecutor._cluster`)."""
+    """What holds TF_CONFIG's ports for the tasks until the run ends (see :meth:`LocalExecutor._cluster`)."""
 
 
 class LocalExecutor(TrackedRunExecutor[_Run]):
@@ -229,31 +230,22 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
         return self._work_dir / job_id / f"attempt-{attempt}"
 
     def _cluster(self, spec: JobSpec, held: list[socket.socket]) -> dict[str, list[str]]:
-        """TF_CONFIG's ``cluster``: a distinct free port on ``host`` per chief, worker and ps task.
-
-        Each port stays bound (never listening) by a socket added to ``held`` until the run ends, so
-        nothing else on the machine gets it while the task starts (a task may spend seconds importing
-        TensorFlow before it binds; a released port could go to any bind(0) or connect meanwhile).
-        The socket has SO_REUSEADDR and SO_REUSEPORT, as gRPC's servers do, so the task's own server
-        binds the port over it.
-        """
+        """TF_CONFIG's ``cluster``: a distinct free port on ``host`` per chief, worker and ps task, each
+        held (:func:`~opml_common.ports.hold_free_port`, added to ``held``) until the run ends, so no
+        other process takes it while the task starts (seconds of importing TensorFlow before it binds)."""
         cluster: dict[str, list[str]] = {}
         for role in CLUSTER_ROLES:
             if role not in spec.roles:
                 continue
             addresses = cluster[role] = []
             for _ in range(spec.roles[role].replicas):
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                held.append(sock)
                 try:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-                    sock.bind((self._host, 0))
+                    held.append(hold_free_port(self._host))
                 except OSError:
                     for taken in held:
                         taken.close()
                     raise
-                addresses.append(f"{self._host}:{sock.getsockname()[1]}")
+                addresses.append(f"{self._host}:{held[-1].getsockname()[1]}")
         return cluster
 
     async def _spawn(self, run: _Run, task: _Task, program: JobProgram, cluster: dict[str, list[str]]) -> str | None:
