@@ -507,7 +507,8 @@ async def test_traced_job_runs_under_the_launcher_unchanged_and_the_executor_own
     pid_file = tmp_path / "shipper.pid"
     (package / "ship.py").write_text(
         "import os, pathlib, time\n"
-        f"pathlib.Path({str(pid_file)!r}).write_text(f\"{{os.getpid()}} {{os.environ['OPML_TOPIC_PREFIX']}}\")\n"
+        f"pathlib.Path({str(pid_file)!r}).write_text(f\"{{os.getpid()}} {{os.environ['OPML_TOPIC_PREFIX']}} "
+        "{os.environ['OPML_TRACE_SPOOL_DIR']}\")\n"
         "time.sleep(300)\n")
     monkeypatch.syspath_prepend(str(tmp_path / "lib"))  # the executor checks the launcher is installed
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "lib"))  # what the tasks and the shipper inherit here
@@ -515,19 +516,22 @@ async def test_traced_job_runs_under_the_launcher_unchanged_and_the_executor_own
     monkeypatch.setattr(tony, "TRACE_LAUNCHER", "fake_tracer.run")
     monkeypatch.setattr(local, "TRACE_SHIPPER", "fake_tracer.ship")
     job = spec("traced", worker=1)
-    program = JobProgram(commands={"worker": py("import os; print('job sees', os.environ['OPML_TASK_TYPE'])")},
+    program = JobProgram(commands={"worker": py("import os; print('job sees', os.environ['OPML_TASK_TYPE'], "
+                                                "os.environ['OPML_TRACE_SPOOL_DIR'])")},
                          trace=True)
-    async with LocalExecutor(work_dir=tmp_path / "work", shutdown_grace_s=0.5,
+    spool = tmp_path / "spool"  # the executor's, not the tracer's default in the home directory
+    async with LocalExecutor(work_dir=tmp_path / "work", shutdown_grace_s=0.5, trace_spool_dir=spool,
                              platform_env={"OPML_TOPIC_PREFIX": "platform-"}) as executor:
         await executor.launch(job, program, placement(job), attempt=0)
         assert job_event(await until_job_event(executor, "traced")).outcome is JobOutcome.SUCCEEDED
         log = await executor.logs("traced", "worker", 0)
-        assert "launcher ['--no-shipper', '--job', 'traced', '--worker', 'worker-0']" in log and "job sees worker" in log
+        assert "launcher ['--no-shipper', '--job', 'traced', '--worker', 'worker-0']" in log
+        assert f"job sees worker {spool}" in log
         await executor.launch(spec("again", worker=1), program, placement(spec("again", worker=1)), attempt=0)
         assert job_event(await until_job_event(executor, "again")).outcome is JobOutcome.SUCCEEDED
         poll_until(lambda: pid_file.exists() and " " in pid_file.read_text(), timeout_s=60, what="the shipper started")
-        pid, prefix = pid_file.read_text().split()
-        assert prefix == "platform-"  # it publishes where the job's tracer was told to
+        pid, prefix, shipped = pid_file.read_text().split()
+        assert (prefix, shipped) == ("platform-", str(spool))  # it publishes where the job's tracer was told to
         shippers = [child for child in psutil.Process().children() if "fake_tracer.ship" in child.cmdline()]
         assert [child.pid for child in shippers] == [int(pid)]  # one for both jobs, this process's child
     assert not psutil.pid_exists(int(pid))  # stopped and reaped with the executor: no shipper outlives it

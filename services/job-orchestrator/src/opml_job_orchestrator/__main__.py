@@ -30,13 +30,15 @@ def build_executor(settings: JobOrchestratorSettings, platform: PlatformSettings
     """The executor ``settings.executor`` names. The Kubernetes one (and the ``kubernetes`` client)
     is imported only when selected; it connects at start, from ``k8s_kubeconfig`` or the in-cluster
     service account, unless ``kubernetes_api`` (a ``CoreV1Api``, or a test's fake) is given. Logs
-    and run manifests go under ``{home}/work`` either way. Tasks get what :func:`platform_env` gives
+    and run manifests go under ``{home}/work`` either way, local tasks' trace spool under
+    ``{home}/trace-spool``. Tasks get what :func:`platform_env` gives
     jobs, never the service's own environment or credentials: local tasks the job credentials
     from the settings as variables, pods from the ``k8s_env_secret`` Secret."""
     work_dir = settings.home / "work"
     if settings.executor == "local":
         return LocalExecutor(work_dir=work_dir, shutdown_grace_s=settings.shutdown_grace_s,
-                             platform_env=platform_env(platform, settings))
+                             platform_env=platform_env(platform, settings),
+                             trace_spool_dir=settings.home / "trace-spool")
     from opml_job_orchestrator.executor.kubernetes import KubernetesExecutor
 
     assert settings.k8s_image is not None  # the settings' validator requires it

@@ -100,6 +100,8 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
     ``PATH``, ``HOME``, ``LANG``, ``LC_*``, ``TZ``), then ``platform_env`` (what the service gives
     jobs: the broker, S3 endpoint and prefixes, and the jobs' own scoped credentials, so a traced
     task's tracer reports to the same broker; never the platform's secrets), then its own.
+    ``trace_spool_dir`` is where traced tasks spool their events unless their job sets
+    ``OPML_TRACE_SPOOL_DIR`` (None: the tracer's default, ``~/.opml/trace-spool``).
 
     :meth:`launch` starts the tasks one by one, in the order of ``spec.replicas``; if one cannot
     start, the tasks after it are never started (and have no events) and the run fails.
@@ -108,7 +110,8 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
 
     def __init__(self, *, work_dir: str | os.PathLike[str], host: str = "127.0.0.1",
                  heartbeat_check_interval_s: float = 1.0, cleanup_grace_s: float = 10.0,
-                 shutdown_grace_s: float = 10.0, platform_env: Mapping[str, str] | None = None) -> None:
+                 shutdown_grace_s: float = 10.0, platform_env: Mapping[str, str] | None = None,
+                 trace_spool_dir: str | os.PathLike[str] | None = None) -> None:
         if not isinstance(work_dir, str | os.PathLike) or not str(work_dir):
             raise InvalidArgument("work_dir", f"`work_dir` must be a directory path, but got {work_dir!r}.")
         if not isinstance(host, str) or not host:
@@ -116,6 +119,8 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
         self._work_dir = Path(work_dir)
         self._host = host
         self._platform_env = dict(platform_env or {})
+        if trace_spool_dir is not None:  # under the job's own OPML_TRACE_SPOOL_DIR, if it sets one
+            self._platform_env["OPML_TRACE_SPOOL_DIR"] = str(trace_spool_dir)
         self._check_interval_s = check_seconds(heartbeat_check_interval_s, "heartbeat_check_interval_s",
                                                positive=True)
         super().__init__(cleanup_grace_s=cleanup_grace_s, shutdown_grace_s=shutdown_grace_s)
@@ -258,7 +263,8 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
         self._read_heartbeat(run, task)
         env["OPML_HEARTBEAT_FILE"] = str(task.heartbeat_path)
         if program.trace:
-            self._ensure_shipper(program.env.get("OPML_TRACE_SPOOL_DIR"))
+            default = self._platform_env.get("OPML_TRACE_SPOOL_DIR")
+            self._ensure_shipper(program.env.get("OPML_TRACE_SPOOL_DIR", default))
         argv = task_argv(program, job_id=run.job_id, role=role, index=index, python=sys.executable,
                          shipped=program.trace)
         with task.log_path.open("wb") as log:
