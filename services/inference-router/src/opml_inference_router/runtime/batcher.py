@@ -57,7 +57,7 @@ class DynamicBatcher:
         config = replica.config
         self._batching = config.dynamic_batching is not None and replica.batches
         self._max_rows = replica.max_batch if self._batching else 1
-        self._delay_s = config.queue_delay_ms / 1000.0
+        self._delay_s = config.queue_delay_ms / 1000.0 if self._batching else 0.0
         self._queue: deque[_Pending] = deque()
         self._queued_rows = 0
         self._wake = asyncio.Event()
@@ -148,7 +148,8 @@ class DynamicBatcher:
         self._queue.append(pending)
         self._queued_rows += rows
         self.metrics.queue_depth.inc()
-        self._wake.set()
+        if len(self._queue) == 1 or self._queued_rows >= self._max_rows or not self._delay_s:
+            self._wake.set()  # else a batch is forming and not full yet: its deadline's timer wakes the dispatcher
         try:
             result = await pending.future
         except asyncio.CancelledError:
@@ -171,14 +172,10 @@ class DynamicBatcher:
             while not self._queue:
                 self._wake.clear()
                 await self._wake.wait()
-            if self._batching and self._delay_s > 0:
-                deadline = self._queue[0].enqueued + self._delay_s
-                while self._queued_rows < self._max_rows and (remaining := deadline - loop.time()) > 0:
-                    self._wake.clear()
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), remaining)
-                    except TimeoutError:
-                        break
+            if self._delay_s and self._queued_rows < self._max_rows:
+                await self._fill(loop, self._queue[0].enqueued + self._delay_s)
+                if not self._queue:  # every caller left while it formed
+                    continue
             while not self._idle:  # every instance runs a batch: the queue keeps filling meanwhile
                 self._wake.clear()
                 await self._wake.wait()
@@ -190,6 +187,27 @@ class DynamicBatcher:
                 await self._run(instance, batch)
             else:
                 self._runs[instance] = asyncio.create_task(self._run(instance, batch))
+
+    async def _fill(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+        """Waits until the forming batch is full or ``deadline`` passed: only these wake the dispatcher
+        (:meth:`infer` does not for an arrival that leaves the batch short), so a batch of ``n``
+        requests costs one timer, not ``n`` wake-ups."""
+        if deadline <= loop.time():
+            return
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            self._wake.set()
+
+        timer = loop.call_at(deadline, expire)
+        try:
+            while self._queue and self._queued_rows < self._max_rows and not expired:
+                self._wake.clear()
+                await self._wake.wait()
+        finally:
+            timer.cancel()
 
     def _take(self) -> list[_Pending]:
         batch: list[_Pending] = []
