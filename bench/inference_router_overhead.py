@@ -22,6 +22,16 @@ router's overhead, and how much of it the bare hop (p) already costs. Then ``--c
 parallel for the throughput of each gRPC path. Workers run without dynamic batching here, so no
 batching delay hides in the numbers.
 
+Then where path (n)'s time goes, from three more paths measured one request at a time in the same rounds:
+
+  (h) a health check the native front answers itself: this client, gRPC and the C++ front, the floor
+      of any gRPC server on this machine;
+  (l) ServerLive on the native front, answered by the router: (h) plus the hop to the router and back;
+  (w) ModelInfer on the worker's Unix socket from this process, as the router sends it (no gRPC).
+
+(h) - (a) is what calling over gRPC costs at all, (l) - (h) the router's hop, (n) - (l) the worker's hop
+and work plus the router's routing.
+
     .venv/bin/python bench/inference_router_overhead.py
     .venv/bin/python bench/inference_router_overhead.py --requests 5000 --width 512 --depth 4
 """
@@ -48,9 +58,14 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
 from opml_inference_router.kserve import encode_request
+from opml_inference_router.routing.uds_replica import UdsReplica
 from opml_inference_router.testing import mlp_classifier, mlp_config, write_model_dir
 from opml_inference_router.worker.process import WorkerProcess
 
+FLOOR_PATHS = ("(h) health check answered by the native front", "(l) ServerLive: native front -> router",
+               "(w) worker over its Unix socket, from this process")
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+SERVER_LIVE = f"/{pb.DESCRIPTOR.services_by_name['GRPCInferenceService'].full_name}/ServerLive"
 FLEET = Path(__file__).resolve().parents[1] / "services" / "inference-router" / "examples" / "fleet.yaml"
 MODEL = "bench-mlp"
 INFER = f"/{pb.DESCRIPTOR.services_by_name['GRPCInferenceService'].full_name}/ModelInfer"
@@ -145,10 +160,10 @@ def bench_in_process(model_path: Path, data: np.ndarray, requests: int, warmup: 
 
 
 async def bench_grpc(target: str, request: bytes, requests: int, warmup: int,
-                     concurrency: int) -> tuple[list[float], float]:
+                     concurrency: int, method: str = INFER) -> tuple[list[float], float]:
     """Latencies of ``requests`` calls from ``concurrency`` callers, and the throughput (requests/s)."""
     async with grpc.aio.insecure_channel(target) as channel:
-        call = channel.unary_unary(INFER)
+        call = channel.unary_unary(method)
         for _ in range(warmup):
             await call(request, timeout=10)
         samples: list[float] = []
@@ -165,6 +180,22 @@ async def bench_grpc(target: str, request: bytes, requests: int, warmup: int,
         started = time.perf_counter()
         await asyncio.gather(*(caller() for _ in range(concurrency)))
         return samples, len(samples) / (time.perf_counter() - started)
+
+
+async def bench_uds(address: str, request: bytes, requests: int, warmup: int) -> list[float]:
+    """Latencies of ``requests`` ModelInfer calls, one at a time, on a worker's Unix socket (path (w))."""
+    replica = UdsReplica(address)
+    try:
+        for _ in range(warmup):
+            await replica.call("ModelInfer", request, timeout_s=10)
+        samples = []
+        for _ in range(requests):
+            start = time.perf_counter()
+            await replica.call("ModelInfer", request, timeout_s=10)
+            samples.append(time.perf_counter() - start)
+        return samples
+    finally:
+        await replica.close()
 
 
 def start_hop(kind: str, worker: str, log_path: Path) -> tuple[subprocess.Popen, str]:
@@ -234,9 +265,11 @@ def main() -> None:
                                    ("(p) bare grpc.aio hop -> worker", "proxy", worker.target)):
                 process, paths[name] = start_hop(kind, to, work / f"{kind}-{len(hops)}.log")
                 hops.append(process)
+            native = paths["(n) native front -> router -> worker (Unix socket)"]
+            floors = {FLOOR_PATHS[0]: (native, HEALTH_CHECK), FLOOR_PATHS[1]: (native, SERVER_LIVE)}
             throughput: dict[str, list[float]] = {name: [] for name in paths}
             per_round = max(1, args.requests // args.rounds)
-            for name in paths:
+            for name in (*paths, *FLOOR_PATHS):
                 results[name] = []
             for _ in range(args.rounds):
                 for name, target in paths.items():
@@ -244,6 +277,11 @@ def main() -> None:
                     results[name] += samples
                     _, rps = asyncio.run(bench_grpc(target, request, per_round, 0, args.concurrency))
                     throughput[name].append(rps)
+                for name, (target, method) in floors.items():
+                    results[name] += asyncio.run(bench_grpc(target, b"", per_round, args.warmup // args.rounds, 1,
+                                                            method))[0]
+                results[FLOOR_PATHS[2]] += asyncio.run(bench_uds(worker.uds_target, request, per_round,
+                                                                 args.warmup // args.rounds))
         finally:
             for hop in hops:
                 hop.terminate()
@@ -254,7 +292,7 @@ def main() -> None:
     print("\n| path | p50 ms | p99 ms | mean ms |\n|---|---|---|---|")
     for name, s in stats.items():
         print(f"| {name} | {s['p50']:.3f} | {s['p99']:.3f} | {s['mean']:.3f} |")
-    a, b, c, u, n, d, p = stats.values()
+    a, b, c, u, n, d, p, h, live, w = stats.values()
     print("\n| added by | p50 ms | p99 ms | ratio p50 |\n|---|---|---|---|")
     for label, slow, fast in (("worker + gRPC, (b) - (a)", b, a),
                               ("router over TCP, (c) - (b)", c, b),
@@ -267,6 +305,13 @@ def main() -> None:
                               ("native front + router + worker over the Unix socket, (n) - (a)", n, a)):
         print(f"| {label} | {slow['p50'] - fast['p50']:.3f} | {slow['p99'] - fast['p99']:.3f} | "
               f"{slow['p50'] / fast['p50']:.2f}x |")
+    print("\n| where (n)'s time goes | p50 ms | share of (n) - (a) |\n|---|---|---|")
+    for label, slow, fast in (("calling over gRPC at all: client, gRPC, the C++ front, (h) - (a)", h, a),
+                              ("the router's hop (ServerLive), (l) - (h)", live, h),
+                              ("routing, the worker's hop and its work, (n) - (l)", n, live),
+                              ("  of which the worker's hop and work as the router calls it, (w)", w, None)):
+        added = slow["p50"] - (fast["p50"] if fast is not None else 0.0)
+        print(f"| {label} | {added:.3f} | {added / (n['p50'] - a['p50']):.0%} |")
     print(f"\nthroughput with {args.concurrency} concurrent callers: "
           + ", ".join(f"{name}: {statistics.median(rps):.0f} req/s" for name, rps in throughput.items()))
 
