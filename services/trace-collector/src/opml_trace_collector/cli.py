@@ -111,10 +111,10 @@ def ls(session: ClientSession, job: str | None) -> None:
     """List jobs, or the runs and captures of JOB."""
     with session.client() as client:
         if job is None:
-            table = Table("job", "runs", "running", "steps", "mean step ms", "examples/s", "last seen")
-            for item in client.list_jobs():
+            table = Table("job", "runs", "running", "steps", "mean step ms", "examples/s now", "last seen")
+            for item in client.list_jobs():  # the throughput is the running runs' ("-": none runs)
                 table.add_row(item.job, str(item.run_count), str(item.running_runs), str(item.steps),
-                              _ms(item.mean_step_s), f"{item.examples_per_second:.1f}",
+                              _ms(item.mean_step_s), f"{item.examples_per_second:.1f}" if item.running_runs else "-",
                               item.last_seen.ToDatetime().strftime("%Y-%m-%d %H:%M:%S"))
             console.print(table)
             return
