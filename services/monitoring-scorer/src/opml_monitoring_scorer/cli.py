@@ -47,7 +47,7 @@ def ls(session: ClientSession) -> None:
     table = Table("version", "task", "windows", "score", "mpp", "cbpe", "true", "firing")
     for status in models:
         w = status.last_window
-        table.add_row(status.name, status.task, str(status.windows), f"{w.score:.3f}" if status.windows else "-",
+        table.add_row(status.name, status.task or "-", str(status.windows), f"{w.score:.3f}" if status.windows else "-",
                       _fmt(w, "mpp"), _fmt(w, "cbpe"), _fmt(w, "true_value"), ", ".join(status.firing) or "-")
     console.print(table)
 
@@ -60,11 +60,21 @@ def status(session: ClientSession, model: str, version: str) -> None:
     """One version: reference, limitations, last window, firing alerts."""
     with session.client() as client:
         s = client.status(model, version)
-    console.print(f"{s.name}: {s.task}, reference {s.reference.context}/{s.reference.bundle} "
-                  f"({s.reference_rows} rows, performance {s.reference_performance:.3f})")
-    console.print(f"windows {s.windows}, predictions {s.predictions}, firing: {', '.join(s.firing) or 'none'}")
-    for limitation in s.limitations:
-        console.print(f"note: {limitation}")
+    for line in status_lines(s):
+        console.print(line)
+
+
+def status_lines(s) -> list[str]:
+    """``opml monitor status``'s lines for a ``ModelStatus``: a version monitored without reference
+    rows (its bundle had no reference.npz) says so rather than show a blank task and a 0.000 performance."""
+    reference = f"reference {s.reference.context}/{s.reference.bundle}"
+    if s.reference_rows:
+        reference += f" ({s.reference_rows} rows, performance {s.reference_performance:.3f})"
+    else:
+        reference += " (no reference rows)"
+    return [f"{s.name}: {s.task or 'task unknown'}, {reference}",
+            f"windows {s.windows}, predictions {s.predictions}, firing: {', '.join(s.firing) or 'none'}",
+            *(f"note: {limitation}" for limitation in s.limitations)]
 
 
 @monitor.command("windows")
