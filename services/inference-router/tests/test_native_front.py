@@ -4,8 +4,10 @@ its lifetime (restarted when it dies, gone when the router dies)."""
 
 from __future__ import annotations
 
+import os
 import re
 import socket
+import time
 import urllib.request
 from pathlib import Path
 
@@ -164,20 +166,56 @@ def _metric(process: ServiceProcess, name: str) -> dict[tuple[str, ...], float]:
     return samples
 
 
-async def test_a_front_that_cannot_start_says_why(tmp_path: Path) -> None:
-    """A missing binary and a taken port stop the router's start with the reason, not a hang."""
+def _unlinked_front(port: int, **binary: Path) -> NativeFront:
+    """A front whose router has no deployments: enough to see it start or fail to."""
     metrics = ServiceMetrics("inference-router", registry=CollectorRegistry())
     link = FrontLink(InferenceFrontend(Router(connect=lambda address: None, metrics=metrics)), tokens={},
                      metrics=metrics)
+    return NativeFront(link, host="127.0.0.1", port=port, max_receive_bytes=1 << 20, grace_s=1.0, tls=None,
+                       control_hint="", metrics=metrics, **binary)
 
-    def front(port: int, **binary: Path) -> NativeFront:
-        return NativeFront(link, host="127.0.0.1", port=port, max_receive_bytes=1 << 20, grace_s=1.0, tls=None,
-                           control_hint="", metrics=metrics, **binary)
+
+async def test_a_front_that_cannot_start_says_why(tmp_path: Path) -> None:
+    """A missing binary and a taken port stop the router's start with the reason, not a hang."""
 
     with pytest.raises(FailedPrecondition, match="is missing \\(run `make install`"):
-        await front(0, binary=tmp_path / "opml-inference-front").start()
+        await _unlinked_front(0, binary=tmp_path / "opml-inference-front").start()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         with pytest.raises(FailedPrecondition, match=r"did not start on 127\.0\.0\.1:\d+ \(exit code 1;"):
-            await front(taken.getsockname()[1]).start()
+            await _unlinked_front(taken.getsockname()[1]).start()
+
+
+
+async def test_a_front_that_exits_by_itself_is_reported_with_its_own_exit_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    """asyncio's child watcher reaps the front late, as on a loaded machine: the router must not reap it
+    first (``Process.kill`` polls), or the watcher finds no child and reports exit code 255."""
+    real_waitpid = os.waitpid
+
+    def late_waitpid(pid: int, options: int) -> tuple[int, int]:
+        if options == 0:  # the watcher's blocking wait
+            _once_exited_and_reaped_or_after(pid, grace_s=2.0)
+        return real_waitpid(pid, options)
+
+    monkeypatch.setattr(os, "waitpid", late_waitpid)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(FailedPrecondition, match=r"\(exit code 1;"):
+            await _unlinked_front(taken.getsockname()[1]).start()
+
+
+def _once_exited_and_reaped_or_after(pid: int, grace_s: float) -> None:
+    """Returns when child ``pid`` has exited and then either someone reaped it or ``grace_s`` passed."""
+    exited_at = None
+    while True:
+        try:
+            zombie = psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return
+        if zombie:
+            exited_at = exited_at or time.monotonic()
+            if time.monotonic() - exited_at >= grace_s:
+                return
+        time.sleep(0.01)

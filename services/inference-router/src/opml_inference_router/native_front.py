@@ -171,11 +171,11 @@ class NativeFront:
                 await self._supervisor
         process = self._process
         if process is not None and process.returncode is None:
-            process.send_signal(signal.SIGTERM)
+            _signal(process, signal.SIGTERM)
             try:
                 await asyncio.wait_for(process.wait(), timeout=self._grace_s + 5.0)
             except TimeoutError:
-                process.kill()
+                _signal(process, signal.SIGKILL)
                 await process.wait()
         if self._connection is not None:
             self._connection.transport.close()
@@ -198,8 +198,7 @@ class NativeFront:
             line = await asyncio.wait_for(self._process.stdout.readline(), timeout=self._startup_timeout_s)  # type: ignore[union-attr]
             self.port = int(json.loads(line)["port"])
         except (TimeoutError, ValueError, KeyError) as exc:
-            with contextlib.suppress(ProcessLookupError):  # it may have exited by itself (a port taken)
-                self._process.kill()
+            _signal(self._process, signal.SIGKILL)  # it may have exited by itself (a port taken)
             code = await self._process.wait()
             self._connection.transport.close()
             raise FailedPrecondition(f"the native inference front did not start on {self._host}:{self.port} "
@@ -238,3 +237,12 @@ class NativeFront:
             except OpmlError as exc:
                 failed += 1
                 log.error("the native inference front did not start again: %s", exc.message)
+
+
+def _signal(process: asyncio.subprocess.Process, sig: signal.Signals) -> None:
+    """Sends ``sig`` with os.kill, never ``Process.kill``/``send_signal``: those poll first (waitpid
+    WNOHANG), which reaps a front that has just exited before asyncio's child watcher can, and the
+    watcher then reports exit code 255 instead of the front's own."""
+    if process.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, sig)
