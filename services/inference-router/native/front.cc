@@ -1,13 +1,18 @@
 // opml-inference-front: the router's KServe v2 gRPC data plane in C++.
 //
 // Why: a grpc.aio call costs ~300 us of CPU in Python before any routing (docs/benchmarks.md,
-// issue 12), most of what the router adds per request; the C++ callback server costs ~60-110 us.
+// issue 12), most of what the router adds per request; this server costs ~55-90 us.
 // This process only terminates gRPC: it takes GRPCInferenceService calls off the wire and hands each
 // to the router over one inherited Unix socket, in the worker's frame protocol
 // (opml_inference_router/frames.py), so routing, admission, hedging, auth, the prediction log and
-// the metrics stay in one place, the router's event loop. Frames written by many gRPC threads meet in
-// one buffer: the thread that finds no write in progress writes it (and whatever others add
-// meanwhile) in one send, so the router wakes once for a burst of calls and no writer thread wakes.
+// the metrics stay in one place, the router's event loop. Frames queue in one buffer and leave in one
+// send when the thread that reads calls off the wire has none left, so the router wakes once for a
+// burst of calls.
+//
+// Threads: one polls the completion queue and runs every call's events (the asynchronous generic
+// API, not the callback one: in gRPC 1.51 callbacks run on two "nexting" threads that pass each call
+// between them, ~5 thread wake-ups a call against ~2 here and 15-25% more CPU at 8 callers); the main
+// thread reads the router's answers and finishes the calls; a signal thread stops the server.
 //
 // Link frames (little-endian): request  u32 body length, u32 call id, u8 kind, f64 timeout s (0: the
 // caller set none), u16 credential length, credential (the caller's authorization header), body;
@@ -19,6 +24,7 @@
 // router. SIGTERM/SIGINT: health turns NOT_SERVING, calls in flight finish within --grace-s, exit.
 // Once serving it prints {"port": N} on stdout (the bound port, for --listen host:0).
 
+#include <absl/synchronization/mutex.h>
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/server_credentials.h>
@@ -61,49 +67,115 @@ void put_u32(std::string* out, uint32_t v) { out->append(reinterpret_cast<const 
 
 class Call;
 
-// The one connection to the router: calls out (writes coalesced), answers in (the main thread
-// reads), matched by call id.
+// The one connection to the router: calls out (queued, sent together by Flush), answers in (the main
+// thread reads), matched by call id.
 class Link {
  public:
   explicit Link(int fd) : fd_(fd) {}
 
-  // Sends the call's frame; its call id, or 0 when the link is down (the caller answers UNAVAILABLE).
+  // Queues the call's frame; its call id, or 0 when the link is down (the caller answers UNAVAILABLE).
   uint32_t Send(Call* call, uint8_t kind, double timeout_s, const std::string& credential,
             const std::vector<grpc::Slice>& body, size_t body_size);
-  // Forgets the call and tells the router to drop it; true when it was still waiting here.
+  // Forgets the call and queues the router's word to drop it; true when it was still waiting here.
   bool Cancel(uint32_t id);
+  // Sends what is queued in one write. The queue's thread calls it when it has no event left to
+  // run, so a burst of calls wakes the router once.
+  void Flush();
   // Reads answers until the router closes the link, then fails whatever was left.
   void ReadLoop();
 
  private:
-  // Appends a frame (mu_ held); unless another thread is writing, writes until nothing is left.
-  void Write(std::unique_lock<std::mutex>& lock, std::string&& frame);
-
   const int fd_;
   std::mutex mu_;
   std::unordered_map<uint32_t, Call*> pending_;
   std::string out_;
   uint32_t next_id_ = 1;
   bool down_ = false;
-  bool writing_ = false;
 };
 
 Link* g_link = nullptr;
 std::string g_control_hint;  // where the rest of the router's API is, for UNIMPLEMENTED
 
-// One gRPC call: read the request, hand it to the link, answer what the router answers.
-// Reference counted: gRPC holds one until OnDone, the link one while the call waits there; exactly
-// one party (the answer, a cancel, a failure) claims the right to Finish.
-class Call : public grpc::ServerGenericBidiReactor {
+// One gRPC call on the completion queue: requested, its request read and handed to the link, then
+// finished with what the router answers. Its events come back from the queue as tags (this pointer,
+// the event in the low bits). Reference counted: the done notification holds one (it always comes
+// once the call started), a started Finish one, the link one while the call waits there; exactly one
+// party (the answer, a cancel, a failure) claims the right to Finish.
+class Call {
  public:
-  explicit Call(grpc::GenericCallbackServerContext* ctx) : ctx_(ctx) { StartRead(&request_); }
+  enum Event : uintptr_t { kRequested = 0, kRead = 1, kFinished = 2, kDone = 3 };
 
-  void OnReadDone(bool ok) override {
+  // Asks the server for the next call (on `cq`); its events go to the same queue.
+  static void Request(grpc::AsyncGenericService* service, grpc::ServerCompletionQueue* cq) {
+    Call* call = new Call(service, cq);
+    call->ctx_.AsyncNotifyWhenDone(call->Tag(kDone));
+    service->RequestCall(&call->ctx_, &call->stream_, cq, cq, call->Tag(kRequested));
+  }
+
+  // Runs one event from the queue (the queue's thread).
+  static void Handle(void* tag, bool ok) {
+    auto bits = reinterpret_cast<uintptr_t>(tag);
+    Call* call = reinterpret_cast<Call*>(bits & ~uintptr_t{3});
+    switch (static_cast<Event>(bits & 3)) {
+      case kRequested:
+        if (!ok) {  // the server is shutting down: this call never started, nor will its done event
+          delete call;
+          return;
+        }
+        Request(call->service_, call->cq_);
+        call->stream_.Read(&call->request_, call->Tag(kRead));
+        return;
+      case kRead:
+        call->OnRead(ok);
+        return;
+      case kFinished:
+        call->Unref();
+        return;
+      case kDone:
+        if (call->ctx_.IsCancelled()) call->OnCancel();
+        call->Unref();
+        return;
+    }
+  }
+
+  // The router's answer (on the link's reader thread); the link's reference is released here.
+  void Answer(uint8_t status, std::string&& body) {
+    if (status == 0) {
+      if (Claim()) {
+        grpc::Slice slice(body);
+        response_ = grpc::ByteBuffer(&slice, 1);
+        refs_.fetch_add(1);  // the Finish's
+        stream_.WriteAndFinish(response_, grpc::WriteOptions(), grpc::Status::OK, Tag(kFinished));
+      }
+    } else {
+      Fail(static_cast<grpc::StatusCode>(status), body);
+    }
+    Unref();
+  }
+
+  void Fail(grpc::StatusCode code, const std::string& message) {
+    if (Claim()) {
+      refs_.fetch_add(1);  // the Finish's
+      stream_.Finish(grpc::Status(code, message), Tag(kFinished));
+    }
+  }
+
+  void Unref() {
+    if (refs_.fetch_sub(1) == 1) delete this;
+  }
+
+ private:
+  Call(grpc::AsyncGenericService* service, grpc::ServerCompletionQueue* cq)
+      : service_(service), cq_(cq), stream_(&ctx_) {}
+
+  void* Tag(Event event) { return reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(this) | event); }
+
+  void OnRead(bool ok) {
     if (!ok) {
       Fail(grpc::StatusCode::CANCELLED, "the caller sent no request");
       return;
     }
-    const std::string& method = ctx_->method();
+    const std::string& method = ctx_.method();
     auto kind = method.rfind(kService, 0) == 0 ? kKinds.find(method.substr(sizeof(kService) - 1))
                                                : kKinds.end();
     if (kind == kKinds.end()) {
@@ -114,7 +186,7 @@ class Call : public grpc::ServerGenericBidiReactor {
       return;
     }
     double timeout_s = 0;
-    auto deadline = ctx_->deadline();
+    auto deadline = ctx_.deadline();
     if (deadline != std::chrono::system_clock::time_point::max()) {
       timeout_s = std::chrono::duration<double>(deadline - std::chrono::system_clock::now()).count();
       if (timeout_s <= 0) {
@@ -123,7 +195,7 @@ class Call : public grpc::ServerGenericBidiReactor {
       }
     }
     std::string credential;
-    auto& metadata = ctx_->client_metadata();
+    auto& metadata = ctx_.client_metadata();
     auto auth = metadata.find("authorization");
     if (auth != metadata.end()) credential.assign(auth->second.data(), auth->second.size());
     std::vector<grpc::Slice> body;
@@ -140,115 +212,74 @@ class Call : public grpc::ServerGenericBidiReactor {
     }
   }
 
-  // The router's answer (on the link's reader thread); the link's reference is released here.
-  void Answer(uint8_t status, std::string&& body) {
-    if (Claim()) {
-      if (status == 0) {
-        grpc::Slice slice(body);
-        response_ = grpc::ByteBuffer(&slice, 1);
-        StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc::Status::OK);
-      } else {
-        Finish(grpc::Status(static_cast<grpc::StatusCode>(status), body));
-      }
-    }
-    Unref();
-  }
-
-  void OnCancel() override {
+  void OnCancel() {
     if (id_ != 0 && g_link->Cancel(id_)) Unref();
     Fail(grpc::StatusCode::CANCELLED, "the caller cancelled the call");
   }
 
-  void OnDone() override { Unref(); }
-
-  void Fail(grpc::StatusCode code, const std::string& message) {
-    if (Claim()) Finish(grpc::Status(code, message));
-  }
-
-  void Unref() {
-    if (refs_.fetch_sub(1) == 1) delete this;
-  }
-
- private:
   bool Claim() { return !finished_.exchange(true); }
 
-  grpc::GenericCallbackServerContext* ctx_;
+  grpc::AsyncGenericService* const service_;
+  grpc::ServerCompletionQueue* const cq_;
+  grpc::GenericServerContext ctx_;
+  grpc::GenericServerAsyncReaderWriter stream_;
   grpc::ByteBuffer request_, response_;
   std::atomic<uint32_t> id_{0};
-  std::atomic<int> refs_{1};  // gRPC's
+  std::atomic<int> refs_{1};  // the done event's
   std::atomic<bool> finished_{false};
 };
 
 uint32_t Link::Send(Call* call, uint8_t kind, double timeout_s, const std::string& credential,
                 const std::vector<grpc::Slice>& body, size_t body_size) {
-  std::string frame;
-  frame.reserve(kRequestHeader + credential.size() + body_size);
-  std::unique_lock<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   if (down_) return 0;
   uint32_t call_id = next_id_++;
   if (next_id_ == 0) next_id_ = 1;  // 0 means "not sent"
-  put_u32(&frame, static_cast<uint32_t>(body_size));
-  put_u32(&frame, call_id);
-  frame.push_back(static_cast<char>(kind));
-  frame.append(reinterpret_cast<const char*>(&timeout_s), 8);
   uint16_t credential_size = static_cast<uint16_t>(std::min<size_t>(credential.size(), 0xffff));
-  frame.append(reinterpret_cast<const char*>(&credential_size), 2);
-  frame.append(credential.data(), credential_size);
-  for (const auto& slice : body) frame.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+  out_.reserve(out_.size() + kRequestHeader + credential_size + body_size);
+  put_u32(&out_, static_cast<uint32_t>(body_size));
+  put_u32(&out_, call_id);
+  out_.push_back(static_cast<char>(kind));
+  out_.append(reinterpret_cast<const char*>(&timeout_s), 8);
+  out_.append(reinterpret_cast<const char*>(&credential_size), 2);
+  out_.append(credential.data(), credential_size);
+  for (const auto& slice : body) out_.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
   pending_[call_id] = call;
-  Write(lock, std::move(frame));
   return call_id;
 }
 
 bool Link::Cancel(uint32_t id) {
-  std::unique_lock<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   if (pending_.erase(id) == 0) return false;
   if (!down_) {
-    std::string frame;
-    put_u32(&frame, 0);
-    put_u32(&frame, id);
-    frame.push_back(static_cast<char>(kCancel));
+    put_u32(&out_, 0);
+    put_u32(&out_, id);
+    out_.push_back(static_cast<char>(kCancel));
     double zero = 0;
-    frame.append(reinterpret_cast<const char*>(&zero), 8);
+    out_.append(reinterpret_cast<const char*>(&zero), 8);
     uint16_t no_credential = 0;
-    frame.append(reinterpret_cast<const char*>(&no_credential), 2);
-    Write(lock, std::move(frame));
+    out_.append(reinterpret_cast<const char*>(&no_credential), 2);
   }
   return true;
 }
 
-void Link::Write(std::unique_lock<std::mutex>& lock, std::string&& frame) {
-  if (out_.empty()) {
-    out_.swap(frame);  // the common case under light load: no copy
-  } else {
-    out_.append(frame);
-  }
-  if (writing_) return;  // the writing thread sends it with the rest
-  writing_ = true;
+void Link::Flush() {
   std::string batch;
-  while (!out_.empty() && !down_) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (down_) return;
     batch.swap(out_);
-    lock.unlock();
-    size_t done = 0;
-    bool failed = false;
-    while (done < batch.size()) {
-      ssize_t n = send(fd_, batch.data() + done, batch.size() - done, MSG_NOSIGNAL);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) {
-        shutdown(fd_, SHUT_RDWR);  // the reader sees the end and fails the calls
-        failed = true;
-        break;
-      }
-      done += static_cast<size_t>(n);
-    }
-    batch.clear();
-    lock.lock();
-    if (failed) {
-      out_.clear();
-      break;
-    }
   }
-  writing_ = false;
+  size_t done = 0;
+  while (done < batch.size()) {
+    ssize_t n = send(fd_, batch.data() + done, batch.size() - done, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      shutdown(fd_, SHUT_RDWR);  // the reader sees the end and fails the calls
+      return;
+    }
+    done += static_cast<size_t>(n);
+  }
 }
 
 void Link::ReadLoop() {
@@ -303,12 +334,6 @@ closed:
     call->Unref();
   }
 }
-
-class Front : public grpc::CallbackGenericService {
-  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* ctx) override {
-    return new Call(ctx);
-  }
-};
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -373,6 +398,9 @@ std::shared_ptr<grpc::ServerCredentials> Credentials(const Options& options) {
 int main(int argc, char** argv) {
   Options options = Parse(argc, argv);
   g_control_hint = options.control_hint;
+  // Debian builds abseil with its mutex deadlock detection on: a lock-order graph updated on every
+  // lock gRPC takes, ~4% of this process's CPU. gRPC's own builds leave it off.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   // Signals go to one thread (below), not to gRPC's: block them before any thread starts.
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
@@ -381,14 +409,15 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
   grpc::EnableDefaultHealthCheckService(true);
-  Front front;
+  grpc::AsyncGenericService front;
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(options.listen, Credentials(options), &port);
   builder.SetMaxReceiveMessageSize(options.max_receive_bytes);
   builder.SetMaxSendMessageSize(static_cast<int>(kMaxFrame));
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);  // a taken port is an error, not shared
-  builder.RegisterCallbackGenericService(&front);
+  builder.RegisterAsyncGenericService(&front);
+  std::unique_ptr<grpc::ServerCompletionQueue> cq = builder.AddCompletionQueue();
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
     std::fprintf(stderr, "opml-inference-front: cannot listen on %s\n", options.listen.c_str());
@@ -396,6 +425,24 @@ int main(int argc, char** argv) {
   }
   Link link(options.router_fd);
   g_link = &link;
+  // One thread polls the queue and runs every call's events: the thread that reads a call off the
+  // wire also hands it to the link, with no wake-up of another thread in between, and sends the
+  // frames of every call it read before it waits again in one write.
+  Call::Request(&front, cq.get());
+  std::thread calls([&] {
+    void* tag;
+    bool ok;
+    for (;;) {
+      auto next = cq->AsyncNext(&tag, &ok, gpr_time_0(GPR_CLOCK_MONOTONIC));
+      if (next == grpc::CompletionQueue::TIMEOUT) {  // nothing ready: send what the events queued, then wait
+        link.Flush();
+        if (!cq->Next(&tag, &ok)) break;
+      } else if (next == grpc::CompletionQueue::SHUTDOWN) {
+        break;
+      }
+      Call::Handle(tag, ok);
+    }
+  });
   std::printf("{\"port\": %d}\n", port);
   std::fflush(stdout);
 
@@ -418,5 +465,7 @@ int main(int argc, char** argv) {
     server->Shutdown(std::chrono::system_clock::now());
   }
   server->Wait();
+  cq->Shutdown();  // after the server's: the thread above drains what is left, then ends
+  calls.join();
   return 0;
 }
