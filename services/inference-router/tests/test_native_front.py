@@ -9,6 +9,7 @@ import re
 import socket
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -19,6 +20,7 @@ import pytest
 import tritonclient.grpc as triton
 import yaml
 from prometheus_client import CollectorRegistry
+from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
 from opml_common.errors import FailedPrecondition
@@ -134,6 +136,38 @@ def test_the_router_checks_every_call_on_the_inference_port(router: tuple[Servic
     assert "ModelInfer needs the inference role" in reader.value.message()
     assert _infer(target, data, role="inference").shape == (1, 4)
 
+
+
+def test_a_call_its_caller_cancels_is_cancelled_at_the_router(router: tuple[ServiceProcess, str]) -> None:
+    """The caller goes away while its call waits on a (stopped) worker: the front tells the router,
+    which stops waiting for the worker (the replica's outstanding count falls back) and counts it."""
+    process, target = router
+    worker = next(child for child in psutil.Process(process.process.pid).children(recursive=True)
+                  if "opml_inference_router.worker" in " ".join(child.cmdline()))
+    data = np.zeros((1, 16), np.float32)
+    request = pb.ModelInferRequest(model_name="mlp", raw_input_contents=[data.tobytes()])
+    request.inputs.add(name="features", datatype="FP32", shape=list(data.shape))
+    worker.suspend()
+    try:
+        with grpc.insecure_channel(target) as channel:
+            call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer").future(
+                request.SerializeToString(), metadata=tuple(_auth("inference").items()), timeout=120)
+            _until(lambda: sum(_metric(process, "opml_inference_router_replica_outstanding_requests").values()) == 1)
+            call.cancel()
+            _until(lambda: _metric(process, "opml_inference_router_front_requests_total").get(
+                ("code=CANCELLED", "method=ModelInfer")) == 1)
+            _until(lambda: sum(_metric(process, "opml_inference_router_replica_outstanding_requests").values()) == 0)
+    finally:
+        worker.resume()
+    assert _infer(target, data).shape == (1, 4)
+
+
+def _until(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    """Polls ``condition`` until it holds; fails after ``timeout_s`` (a bound for a broken build, not a sync)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.05)
 
 def test_a_killed_front_comes_back_on_its_port_and_a_killed_router_takes_it_along(
         router: tuple[ServiceProcess, str]) -> None:
