@@ -1,6 +1,6 @@
 """Inference-router overhead: what the router adds over calling onnxruntime directly.
 
-The same ONNX model (the test MLP, ``--features`` x ``--width`` x ``--depth``) is called seven ways,
+The same ONNX model (the test MLP, ``--features`` x ``--width`` x ``--depth``) is called eight ways,
 ``--requests`` times each, one request at a time (latency, not throughput), after a warm-up; the
 gRPC paths take turns in ``--rounds`` rounds, so a change of the machine's load hits them alike:
 
@@ -14,6 +14,9 @@ gRPC paths take turns in ``--rounds`` rounds, so a change of the machine's load 
       inference port) instead of its Python gRPC port;
   (d) the router with the model in its own process (a LocalReplica over the worker's servicer and
       ModelRepository, dynamic batching included): one gRPC hop instead of two;
+  (m) the same as (d), called on the router's native front: what serving a model inside the router's
+      process would give, with no worker process at all (the floor of any design that keeps a
+      Python router);
   (p) for reference, the floor of any Python gRPC hop: a bare grpc.aio server in its own process that
       forwards the bytes to the worker (no routing, no interceptors, no metrics).
 
@@ -262,6 +265,8 @@ def main() -> None:
                                    ("(n) native front -> router -> worker (Unix socket)", "native-router",
                                     worker.uds_target),
                                    ("(d) router, model in-process", "router", f"local:{bundle}"),
+                                   ("(m) native front -> router, model in-process", "native-router",
+                                    f"local:{bundle}"),
                                    ("(p) bare grpc.aio hop -> worker", "proxy", worker.target)):
                 process, paths[name] = start_hop(kind, to, work / f"{kind}-{len(hops)}.log")
                 hops.append(process)
@@ -292,7 +297,7 @@ def main() -> None:
     print("\n| path | p50 ms | p99 ms | mean ms |\n|---|---|---|---|")
     for name, s in stats.items():
         print(f"| {name} | {s['p50']:.3f} | {s['p99']:.3f} | {s['mean']:.3f} |")
-    a, b, c, u, n, d, p, h, live, w = stats.values()
+    a, b, c, u, n, d, m, p, h, live, w = stats.values()
     print("\n| added by | p50 ms | p99 ms | ratio p50 |\n|---|---|---|---|")
     for label, slow, fast in (("worker + gRPC, (b) - (a)", b, a),
                               ("router over TCP, (c) - (b)", c, b),
@@ -300,6 +305,7 @@ def main() -> None:
                               ("router's native front over the Unix socket, (n) - (b)", n, b),
                               ("bare grpc.aio hop, (p) - (b)", p, b),
                               ("router, model in-process, (d) - (a)", d, a),
+                              ("native front + router, model in-process, (m) - (a)", m, a),
                               ("router + worker over TCP, (c) - (a)", c, a),
                               ("router + worker over the Unix socket, (u) - (a)", u, a),
                               ("native front + router + worker over the Unix socket, (n) - (a)", n, a)):
