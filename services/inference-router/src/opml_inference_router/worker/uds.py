@@ -83,7 +83,9 @@ class UdsServer:
         self.path.unlink(missing_ok=True)
 
     async def answer(self, kind: int, timeout_s: float | None, credential: bytes, body: bytes) -> tuple[int, bytes]:
-        """(status, body) of one call; never raises but CancelledError."""
+        """(status, body) of one call; never raises but CancelledError. No timer of its own: the router
+        expires its call at ``timeout_s`` and sends a cancel frame, which cancels it here (a lost
+        connection cancels all of its calls), so a second timer per request would only cost CPU."""
         handler = self._handlers.get(kind)
         if handler is None:
             return CODE_NUMBERS["UNIMPLEMENTED"], f"unknown call kind {kind}".encode()
@@ -93,7 +95,7 @@ class UdsServer:
             request = _REQUEST_TYPES[kind].FromString(body)
         except DecodeError as exc:
             return CODE_NUMBERS["INVALID_ARGUMENT"], f"request: not a {METHODS[kind]} request: {exc}".encode()
-        return await as_status(_serialized(handler(request, None)), METHODS[kind], timeout_s, where="worker")
+        return await as_status(_serialized(handler(request, None)), METHODS[kind], None, where="worker")
 
 
 async def _serialized(reply: Awaitable[object]) -> bytes:
