@@ -8,6 +8,9 @@ data (the machine's Redis is shared, and ``make up`` may be running beside the t
 
 A test marked ``machine_to_itself`` (one that measures latency against a bound, on two shared cores)
 runs with no other test of the run beside it: the other pytest-xdist workers wait between tests.
+
+A skipped test fails: a skip proves nothing on CI, and everything a test needs is installed by
+``make install``, so a test that cannot run here says why as a failure.
 """
 
 from __future__ import annotations
@@ -102,6 +105,18 @@ def opml_cli(tokens: dict[str, str]):
         return result.output
 
     return run
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """Turns a skip (``pytest.skip``, a skip mark, ``importorskip``) into a failure with its reason."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        report.outcome = "failed"
+        report.longrepr = f"skipped ({reason}): a skipped test proves nothing; make it run here or remove it"
 
 
 def pytest_configure(config: pytest.Config) -> None:
