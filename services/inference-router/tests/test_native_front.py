@@ -9,7 +9,6 @@ import re
 import socket
 import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -26,6 +25,7 @@ from tritonclient.utils import InferenceServerException
 from opml_common.errors import FailedPrecondition
 from opml_common.metrics import ServiceMetrics
 from opml_common.process import ServiceProcess
+from opml_common.testing.bus import poll_until
 from opml_common.testing.services import TOKENS, ServiceStarter
 from opml_inference_router.client import DeploymentClient
 from opml_inference_router.frontend import InferenceFrontend
@@ -152,22 +152,15 @@ def test_a_call_its_caller_cancels_is_cancelled_at_the_router(router: tuple[Serv
         with grpc.insecure_channel(target) as channel:
             call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer").future(
                 request.SerializeToString(), metadata=tuple(_auth("inference").items()), timeout=120)
-            _until(lambda: sum(_metric(process, "opml_inference_router_replica_outstanding_requests").values()) == 1)
+            poll_until(lambda: _outstanding(process) == 1, timeout_s=60, what="the call waiting on the worker")
             call.cancel()
-            _until(lambda: _metric(process, "opml_inference_router_front_requests_total").get(
-                ("code=CANCELLED", "method=ModelInfer")) == 1)
-            _until(lambda: sum(_metric(process, "opml_inference_router_replica_outstanding_requests").values()) == 0)
+            poll_until(lambda: _metric(process, "opml_inference_router_front_requests_total").get(
+                ("code=CANCELLED", "method=ModelInfer")) == 1, timeout_s=60, what="the router counting it cancelled")
+            poll_until(lambda: _outstanding(process) == 0, timeout_s=60, what="the worker call dropped")
     finally:
         worker.resume()
     assert _infer(target, data).shape == (1, 4)
 
-
-def _until(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
-    """Polls ``condition`` until it holds; fails after ``timeout_s`` (a bound for a broken build, not a sync)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "the condition never held"
-        time.sleep(0.05)
 
 def test_a_killed_front_comes_back_on_its_port_and_a_killed_router_takes_it_along(
         router: tuple[ServiceProcess, str]) -> None:
@@ -187,6 +180,10 @@ def test_a_killed_front_comes_back_on_its_port_and_a_killed_router_takes_it_alon
     process.kill()  # SIGKILL: the link's end closes with the router, and the front exits by itself
     second.wait(timeout=30)
     assert not second.is_running() or second.status() == psutil.STATUS_ZOMBIE
+
+
+def _outstanding(process: ServiceProcess) -> float:
+    return sum(_metric(process, "opml_inference_router_replica_outstanding_requests").values())
 
 
 def _metric(process: ServiceProcess, name: str) -> dict[tuple[str, ...], float]:

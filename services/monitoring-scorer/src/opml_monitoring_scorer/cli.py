@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
+from opml.monitoring.v1 import monitoring_pb2 as pb
 from rich.table import Table
 
 from opml_common.cligroup import ClientSession, output_console, pass_session, service_group
@@ -64,7 +65,7 @@ def status(session: ClientSession, model: str, version: str) -> None:
         console.print(line)
 
 
-def status_lines(s) -> list[str]:
+def status_lines(s: pb.ModelStatus) -> list[str]:
     """``opml monitor status``'s lines for a ``ModelStatus``: a version monitored without reference
     rows (its bundle had no reference.npz) says so rather than show a blank task and a 0.000 performance."""
     reference = f"reference {s.reference.context}/{s.reference.bundle}"
