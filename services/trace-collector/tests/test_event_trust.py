@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from opml.traces.v1 import events_pb2
 from opml.traces.v1 import traces_pb2 as pb
 
@@ -13,6 +14,13 @@ from opml_trace_collector.topics import TRACES, tracer_source
 
 JOB = "mnist-cnn"
 TRACE_EVENTS = [{"ph": "X", "cat": "step", "name": "step 1", "ts": 0, "dur": 1000, "pid": 1, "tid": 1}]
+
+
+@pytest.fixture
+def collector_env(collector_env: dict[str, str]) -> dict[str, str]:
+    """The collector with captures that outlive the test: a forged answer must leave the capture PENDING,
+    and the suite's 4 s timeout could expire it first on a loaded machine (EXPIRED, not the forgery's doing)."""
+    return {**collector_env, "OPML_TRACE_COLLECTOR_CAPTURE_TIMEOUT_S": "600"}
 
 
 def _started(worker: str, session: str, job: str = JOB) -> events_pb2.TracerStarted:

@@ -186,7 +186,9 @@ def test_a_silent_capture_expires_and_a_late_worker_is_not_complete(admin, publi
     publish(events_pb2.CaptureFailed(job=JOB, worker="worker-1", capture_id=capture.capture_id, reason="oom"))
     eventually(lambda: admin.get_capture(capture.capture_id).workers[1].state == pb.CAPTURE_STATE_FAILED,
                "worker-1's failure")
-    assert admin.get_capture(capture.capture_id).state == pb.CAPTURE_STATE_PENDING
+    # One worker's failure does not end the capture: it waits for worker-0 (and may have expired by now on a
+    # loaded machine: the suite's capture timeout is 4 s), never FAILED as a whole.
+    assert admin.get_capture(capture.capture_id).state in (pb.CAPTURE_STATE_PENDING, pb.CAPTURE_STATE_EXPIRED)
     expired = eventually(lambda: (c := admin.get_capture(capture.capture_id)).state == pb.CAPTURE_STATE_EXPIRED
                          and c, "expiry", timeout_s=15)
     assert [w.state for w in expired.workers] == [pb.CAPTURE_STATE_EXPIRED, pb.CAPTURE_STATE_FAILED]
