@@ -272,3 +272,15 @@ def test_a_job_env_overriding_the_platform_is_refused_at_admission() -> None:
     with pytest.raises(InvalidArgument) as caught:
         parse_experiment(_changed(env))
     assert caught.value.violations[0][0] == "spec.trialTemplate.trialSpec.env.LD_PRELOAD"
+
+
+@pytest.mark.parametrize("name", ["a/b", "a.b_c:d*", "aB", "exp\n", "exp-"])
+def test_an_experiment_name_must_match_katibs_pattern_whole(name: str) -> None:
+    """A name the pattern matches only a prefix of could not be got, stopped or deleted, and a '*' in it
+    would match other experiments' keys in the store's SCAN."""
+    doc = _random()
+    doc["metadata"]["name"] = name
+    with pytest.raises(InvalidArgument) as caught:
+        parse_experiment(doc)
+    ((path, rule),) = caught.value.violations
+    assert path == "metadata.name" and repr(name) in rule, rule

@@ -84,6 +84,11 @@ def test_unknown_options_out_of_space_values_and_metrics_are_refused_with_their_
     with pytest.raises(InvalidArgument) as caught:
         parse_experiment(yaml.safe_dump(missing))
     assert [field for field, _ in caught.value.violations] == [f"{base}.pool", f"{base}.model", f"{base}.poolKind"]
+    trailing = yaml.safe_load(surrogate_yaml("bad", max_trials=4))
+    trailing["spec"]["trialTemplate"]["trialSpec"]["spec"]["model"] = VERSION + "\n"
+    with pytest.raises(InvalidArgument) as caught:
+        parse_experiment(trailing)
+    assert [field for field, _ in caught.value.violations] == [f"{base}.model"]
 
 
 @pytest.fixture

@@ -96,6 +96,9 @@ def test_bad_configs_and_foreign_tokens_are_refused(coordinator, writer):
     writer.create(CONFIG.format(name="two"))
     with pytest.raises(AlreadyExists):
         writer.create(CONFIG.format(name="one"))
+    with pytest.raises(InvalidArgument) as caught:
+        writer.register_client("one", "plant-1\n")
+    assert caught.value.field == "client_id"
     token = writer.register_client("one", "plant-1").token
     with FederatedClient(coordinator.target, "two", token, token=TOKENS["reader"]) as wrong, \
             pytest.raises(PermissionDenied, match="another federation"):

@@ -73,7 +73,7 @@ SUPPORTED_COLLECTORS = ("StdOut", "File", "Push", "Trace")
 KATIB_COLLECTORS = ("StdOut", "File", "TensorFlowEvent", "PrometheusMetric", "Custom", "Push")
 PARAMETER_TYPES = ("int", "double", "categorical", "discrete", "unknown")
 DISTRIBUTIONS = ("uniform", "logUniform", "normal", "logNormal", "unknown")
-_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?")  # Katib's: MatchString, not anchored at the end
+_NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # whole names only (Katib's MatchString checks a prefix)
 _TWO_GROUPS = re.compile(r".*\(.*\).*\(.*\).*")
 
 Violations = list[tuple[str, str]]
@@ -111,8 +111,8 @@ def _parse(doc: Any) -> tuple[ExperimentSpec | None, Violations]:
     name = metadata.get("name")
     if not isinstance(name, str) or not name:
         found.append(("metadata.name", "is required"))
-    elif not _NAME.match(name) or len(name) > 40:
-        found.append(("metadata.name", f"must match ^[a-z]([-a-z0-9]*[a-z0-9])? and be at most 40 characters "
+    elif not _NAME.fullmatch(name) or len(name) > 40:
+        found.append(("metadata.name", f"must match ^[a-z]([-a-z0-9]*[a-z0-9])?$ and be at most 40 characters "
                                        f"(got {name!r}, {len(name)} characters)"))
     namespace = metadata.get("namespace", "default")
 
@@ -507,7 +507,7 @@ _METADATA_REFERENCE = re.compile(r"^\$\{trialSpec\.(Name|Namespace|Kind|APIVersi
 
 
 def _is_metadata_reference(reference: str) -> bool:
-    return bool(_METADATA_REFERENCE.match(reference))
+    return bool(_METADATA_REFERENCE.fullmatch(reference))
 
 
 def _collector(value: Any, found: Violations) -> MetricsCollector | None:

@@ -98,7 +98,7 @@ def build_surrogate_call(template: TrialTemplate, values: Mapping[str, str], *, 
     for key in sorted(set(spec) - {"model", "poolKind", "config"}):
         found.append((f"{path}.spec.{key}", "is not a field of ServingConfigSurrogate; use model, poolKind, config"))
     model = spec.get("model")
-    if not isinstance(model, str) or not _VERSION.match(model):
+    if not isinstance(model, str) or not _VERSION.fullmatch(model):
         found.append((f"{path}.spec.model", f"must name a deployed model version as models/{{model}}/versions/"
                                             f"{{version}}, but got {model!r}"))
     kind = spec.get("poolKind")

@@ -215,7 +215,7 @@ class Coordinator:
         """
         hosted = self.get(federation_id)
         problems = []
-        if not CLIENT_ID.match(client_id):
+        if not CLIENT_ID.fullmatch(client_id):
             problems.append(("client_id", f"must be 1-63 lowercase letters, digits, '.', '_' or '-', but got "
                                           f"{client_id[:80]!r}"))
         if len(labels) > MAX_LABELS or any(len(k) > 63 or len(v) > 256 for k, v in labels.items()):
