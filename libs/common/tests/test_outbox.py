@@ -159,3 +159,29 @@ async def test_recorded_events_survive_a_kill_and_are_flushed_by_the_next_outbox
     assert [e.id for e in publisher.sent[:3]] == recorded  # the same events, in the order recorded
     assert [e.subject for e in publisher.sent] == ["0", "1", "2", "3"]
     assert list(tmp_path.iterdir()) == []
+
+
+async def test_an_event_the_broker_refuses_for_good_is_moved_aside_and_the_next_ones_go_out(
+        tmp_path: Path, platform_settings: PlatformSettings) -> None:
+    """The real publisher refuses a record over its 1 MiB request limit (MessageSizeTooLargeError,
+    not retriable): that event goes to the failed folder, counted, and the events after it reach the
+    broker; it is not retried forever in front of them."""
+    await ensure_topics(platform_settings, [BUNDLES])
+    registry = CollectorRegistry()
+    metrics = ServiceMetrics("test", registry)
+    directory = tmp_path / "outbox"
+    too_large = CloudEvent.from_proto(events_pb2.BundleDeleted(uuid="x" * (2 * 1024 * 1024)),
+                                      source="test", subject="big")
+    events = [_event(0), too_large, _event(1), _event(2)]
+    async with EventPublisher(platform_settings, source="test", metrics=metrics) as publisher:
+        outbox = Outbox(directory, publisher, metrics)
+        for event in events:
+            outbox.record(BUNDLES, event)
+        assert await outbox.flush()
+    assert list(directory.iterdir()) == []
+    failed = list((tmp_path / "outbox.failed").iterdir())
+    assert len(failed) == 1 and too_large.id in failed[0].name
+    assert registry.get_sample_value("opml_test_outbox_failed_events_total") == 1
+    assert registry.get_sample_value("opml_test_outbox_pending_events") == 0
+    records = await read_records(platform_settings, BUNDLES.full_name(platform_settings.topic_prefix), 3)
+    assert sorted(dict(r.headers)["ce_id"].decode() for r in records) == sorted(e.id for e in events if e is not too_large)

@@ -4,7 +4,9 @@ A service whose state change is already durable (a committed bundle) must not lo
 that announces it when the broker is down. It records the event here first; ``flush()``
 publishes what is pending, oldest first, and a background task keeps retrying. After a crash,
 the next start publishes what was left, so delivery is at least once; consumers deduplicate by
-event id, which stays the same across retries.
+event id, which stays the same across retries. An event the broker refuses for good (larger than
+it takes) is moved aside to the failed folder, logged and counted, so it never holds back the
+events after it.
 
 ``publish`` records and flushes at once (an RPC that answers after the broker's ack, when it can).
 ``record`` only records, synchronously, and wakes the background task: for callers that must
@@ -38,21 +40,27 @@ class Outbox:
     """Events waiting for the broker's ack, one file each under ``directory``.
 
     ``start()`` begins a background flush loop; ``stop()`` ends it after one last flush attempt.
-    ``metrics`` None: no ``outbox_pending_events`` gauge (a process nobody scrapes).
+    ``failed_dir`` (default ``<directory>.failed``, beside it: a spool's run folder is still removed
+    once empty) receives the events the broker refused for good, so the ones after them go out.
+    ``metrics`` None: no ``outbox_pending_events`` gauge nor ``outbox_failed_events_total`` counter
+    (a process nobody scrapes).
     """
 
     def __init__(self, directory: Path, publisher: EventPublisher, metrics: ServiceMetrics | None,
-                 *, retry_interval_s: float = 2.0) -> None:
+                 *, retry_interval_s: float = 2.0, failed_dir: Path | None = None) -> None:
         self._dir = directory
         self._dir.mkdir(parents=True, exist_ok=True)
+        self._failed_dir = failed_dir or directory.with_name(f"{directory.name}.failed")
         self._publisher = publisher
         self._retry_interval_s = retry_interval_s
         self._lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
-        self._pending = None
+        self._pending = self._failed = None
         if metrics is not None:
             self._pending = metrics.gauge("outbox_pending_events", "Events recorded but not yet acked by the broker.")
             self._pending.set(len(self._files()))  # then counted by _write and flush, never listed again
+            self._failed = metrics.counter(
+                "outbox_failed_events", "Events moved to the outbox's failed folder: the broker refused them for good.")
         self._wake = asyncio.Event()
         self._seq = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -92,7 +100,11 @@ class Outbox:
             self._loop.call_soon_threadsafe(self._wake.set)
 
     async def flush(self) -> bool:
-        """Publish pending events oldest first; True when none is left."""
+        """Publish pending events oldest first; True when none is left.
+
+        A failure that trying again may mend (the broker is down) stops the flush, so the events
+        keep their order; an event the broker refused for good is moved aside and the flush goes on.
+        """
         async with self._lock:
             for path in self._files():
                 record = json.loads(path.read_text())
@@ -101,12 +113,28 @@ class Outbox:
                 try:
                     await self._publisher.publish(_topic(record["topic"]), event)
                 except Exception as exc:  # noqa: BLE001 - the broker is down or slow: keep it for later
-                    log.warning("outbox: publish failed, will retry", extra={"error": str(exc), "event": event.id})
-                    return False
+                    if not _refused(exc):
+                        log.warning("outbox: publish failed, will retry", extra={"error": str(exc), "event": event.id})
+                        return False
+                    self._set_aside(path, exc)
+                    continue
                 path.unlink()
-                if self._pending is not None:
-                    self._pending.dec()
+                self._done()
             return True
+
+    def _set_aside(self, path: Path, exc: Exception) -> None:
+        """Move ``path`` to the failed folder, where a person can look at it; logged and counted once."""
+        self._failed_dir.mkdir(parents=True, exist_ok=True)
+        os.replace(path, self._failed_dir / path.name)
+        log.error("outbox: the broker refused an event for good; moved aside, not retried",
+                  extra={"error": str(exc), "file": str(self._failed_dir / path.name)})
+        if self._failed is not None:
+            self._failed.inc()
+        self._done()
+
+    def _done(self) -> None:
+        if self._pending is not None:
+            self._pending.dec()
 
     def _write(self, topic: Topic, event: CloudEvent) -> None:
         write_event(self._dir, topic, event, next(self._seq))
@@ -141,6 +169,13 @@ def write_event(directory: Path, topic: Topic, event: CloudEvent, sequence: int)
         os.fsync(handle.fileno())
     os.replace(tmp, final)
     return final
+
+
+def _refused(exc: Exception) -> bool:
+    """Whether the broker refused the event itself, so that every retry would fail alike (it is
+    too large, the topic is not authorized); a publisher that is down or not started is retried."""
+    from opml_common.bus.producer import PublishFailed  # aiokafka: imported only where a publisher runs
+    return isinstance(exc, PublishFailed) and not exc.retriable
 
 
 def _topic(recorded: dict | str) -> Topic:
