@@ -274,3 +274,35 @@ def test_tifl_profiles_new_clients_in_a_round_of_their_own_before_tiering_them()
         p.selected, p.round_time_s = max(p.selected, 1), p.round_time_s or 5.0
     chosen, tier = selection.select(3, clients)
     assert tier in (0, 1) and len(chosen) == 2
+
+
+def test_a_client_that_fails_to_give_the_starting_model_is_not_asked_again_and_again():
+    log = Log()
+    fed = federation(log, weights=None, min_clients=1, selection={"clients_per_round": 1})
+    fed.join("a", 0.0)
+    fed.join("b", 0.0)
+    first = fed.task_for("a")
+    assert first.kind == "init" and fed.task_for("b") is None
+    fed.fail("a", first.task_id, "no model here", 1.0)
+    assert log.dropped == [("a", 0, "client reported: no model here")]
+    bad = fed.task_for("b")
+    assert bad.kind == "init" and fed.task_for("a") is None
+    assert "finite floating point" in fed.submit("b", bad.task_id, [np.array([np.nan])], 0, {}, 2.0)
+    late = fed.task_for("a")
+    assert late.kind == "init"
+    fed.poll(late.deadline_at)
+    assert log.dropped[-1][:2] == ("a", 0) and "deadline" in log.dropped[-1][2]
+    good = fed.task_for("b")
+    assert fed.submit("b", good.task_id, W0, 0, {}, 20.0) is None
+    assert fed.phase is Phase.RUNNING and fed.task_for("b").kind == "fit"
+
+
+def test_a_lone_client_that_keeps_failing_the_starting_model_counts_as_gone():
+    fed = federation(weights=None, min_clients=1, selection={"clients_per_round": 1})
+    fed.join("solo", 0.0)
+    for attempt in range(3):
+        task = fed.task_for("solo")
+        assert task.kind == "init"
+        fed.fail("solo", task.task_id, "no model here", float(attempt))
+    assert not fed.profiles.clients["solo"].present and fed.task_for("solo") is None
+    assert fed.phase is Phase.WAITING

@@ -133,6 +133,7 @@ class Federation:
         self._task_ids = itertools.count(1)
         self._open: _Open | None = None
         self._drop_streak: dict[str, int] = {}
+        self._init_asked: str | None = None
         self._restored = False
         self._resume_at: float | None = None
         if weights is not None:
@@ -171,6 +172,8 @@ class Federation:
             reason = self._initial_problem(weights)
             if reason is None:
                 self._set_initial(weights)
+            else:
+                self._reject(client_id, reason)
             self.poll(now)
             return reason
         assert task.weights is not None
@@ -329,8 +332,6 @@ class Federation:
 
     def _drop(self, client_id: str, reason: str, now: float) -> None:
         task = self._tasks.pop(client_id)
-        if task.kind != "fit":
-            return
         self.profiles.dropped(client_id, reason, now - task.issued_at)
         streak = self._drop_streak[client_id] = self._drop_streak.get(client_id, 0) + 1
         if streak >= MAX_CONSECUTIVE_DROPS:
@@ -350,12 +351,14 @@ class Federation:
 
     def _ask_initial(self, now: float) -> None:
         """No starting model yet: ask one present client for its initial weights (as Flower asks a
-        random client when the strategy has no initial parameters)."""
+        random client when the strategy has no initial parameters). Each ask goes to the next client
+        in turn, so one that fails, misses the deadline or sends bad weights does not hold the start up."""
         if any(t.kind == "init" for t in self._tasks.values()):
             return
         present = sorted(p.client_id for p in self.profiles.present())
         if present:
-            client_id = present[0]
+            after = [c for c in present if self._init_asked is None or c > self._init_asked]
+            client_id = self._init_asked = (after or present)[0]
             self._tasks[client_id] = Task(next(self._task_ids), "init", client_id, 0, 0, None, {}, now,
                                           now + self.config.round_deadline_s)
 
