@@ -360,3 +360,41 @@ async def test_a_run_launched_after_the_last_record_is_stopped_and_its_number_no
     async with orch:
         assert (await until(orch, "late", JobState.RUNNING)).attempt == 1
         assert pod_name("late", 1, "worker", 0) in api.pods
+
+
+async def test_a_job_whose_process_cannot_be_given_its_env_fails_alone(
+        orch: Orchestrator, events: list[LifecycleEvent], until) -> None:
+    """A NUL byte in the env (a job saved before the spec refused it) fails that job; the loop runs the next."""
+    orch.submit(spec("nul"), program("pass", env={"MODE": "a\0b"}))
+    assert "embedded null byte" in (await until(orch, "nul", JobState.FAILED)).cause
+    orch.submit(spec("after-nul"), program("pass"))
+    assert (await until(orch, "after-nul", JobState.SUCCEEDED)).attempt == 0
+
+
+class _BrokenLaunch(LocalExecutor):
+    """Raises what no executor promises for one job (a bug, a full disk), after starting its task."""
+
+    started_pid: int | None = None
+
+    async def _launch(self, spec: JobSpec, program: JobProgram, placement: dict[str, tuple[str, ...]], *,
+                      attempt: int) -> None:
+        await super()._launch(spec, program, placement, attempt=attempt)
+        if spec.job_id == "broken":
+            self.started_pid = next(iter(self._runs[spec.job_id].tasks.values())).process.pid
+            raise RuntimeError("an executor bug")
+
+
+async def test_an_unexpected_executor_error_fails_that_job_and_the_loop_runs_on(
+        tmp_path: Path, events: list[LifecycleEvent], until, alive) -> None:
+    scheduler = Scheduler(Cluster([NodeSpec("n0", SLOT)]), te_be_policy())
+    executor = _BrokenLaunch(work_dir=tmp_path / "work", shutdown_grace_s=0.5)
+    async with Orchestrator(scheduler=scheduler, executor=executor, retry_policy=RETRIES,
+                            listeners=[events.append], terminate_grace_s=0.5, max_wait_s=0.1) as orch:
+        orch.submit(spec("broken"), program("import time; time.sleep(30)"))
+        broken = await until(orch, "broken", JobState.FAILED)
+        assert "RuntimeError" in broken.cause and broken.retries == 0
+        assert "an executor bug" not in broken.cause  # an unexpected error's text stays in the log
+        assert kinds(events, "broken") == [EventKind.SUBMITTED, EventKind.SCHEDULED, EventKind.FAILED]
+        assert executor.started_pid is not None and not alive(executor.started_pid)  # stopped with its run
+        orch.submit(spec("next"), program("pass"))
+        await until(orch, "next", JobState.SUCCEEDED)

@@ -168,3 +168,20 @@ def test_labels_are_kept_checked_and_round_trip() -> None:
     with pytest.raises(InvalidArgument) as caught:
         definition_from_proto(spec)
     assert [field for field, _ in caught.value.violations] == ["labels.Bad Key", "labels.long"]
+
+
+def test_a_nul_byte_in_what_a_process_is_given_is_refused_with_its_field() -> None:
+    """No OS can start a process with a NUL in its argv or environment; the value (maybe a secret) is not echoed."""
+    spec = load_spec({"name": "nul", "class": "TE", "command": ["python", "a\0b"],
+                      "roles": {"worker": {"resources": {"cpu": 1}}, "ps": {"resources": {"cpu": 1},
+                                                                             "command": ["x\0"]}},
+                      "env": {"TOKEN": "s3cr3t\0"}, "checkpoint": {"dir": "/ck\0pt"}})
+    with pytest.raises(InvalidArgument) as caught:
+        definition_from_proto(spec)
+    assert [field for field, _ in caught.value.violations] == [
+        "env.TOKEN", "checkpoint.dir", "command", "roles.ps.command"]
+    assert all("NUL" in rule for _, rule in caught.value.violations)
+    assert "s3cr3t" not in caught.value.message
+    with pytest.raises(InvalidArgument, match="command: must not contain a NUL"):  # said with the YAML's mistakes
+        load_spec({"name": "nul", "class": "TE", "command": ["a\0"], "roles": {"worker": {"resources": {"cpu": 1}}},
+                   "priority": "high"})

@@ -508,11 +508,27 @@ class Orchestrator:
             self._scheduler.finish(job.spec.job_id, now=time.monotonic())
             self._fail(job, f"could not launch: {exc}")
             return
+        except Exception as exc:  # a bug, or the host failing (a full disk): this job fails, the loop runs on
+            logger.exception("launching job %r (attempt %d) failed unexpectedly", job.spec.job_id, job.attempt)
+            await self._stop_half_launched(job)
+            self._scheduler.finish(job.spec.job_id, now=time.monotonic())
+            self._fail(job, f"could not launch: the executor failed unexpectedly ({type(exc).__name__}; "
+                            "the orchestrator's log has the details)")
+            return
         job.state = JobState.RUNNING
         job.updated_at = time.time()
         if job.started_at is None:
             job.started_at = job.updated_at
         self._emit(job, kind, f"on {nodes}")
+
+    async def _stop_half_launched(self, job: _Job) -> None:
+        """Stop what a launch that raised may have started of ``job``'s run (nothing, if it tracked none)."""
+        try:
+            await self._executor.terminate(job.spec.job_id, self._grace_s)
+        except NotFound:
+            pass
+        except Exception:
+            logger.exception("stopping what the failed launch of job %r started failed", job.spec.job_id)
 
     def _on_checkpoint(self, event: CheckpointEvent) -> None:
         """A run saved a checkpoint: stopping it now loses little. Older attempts' reports are ignored."""

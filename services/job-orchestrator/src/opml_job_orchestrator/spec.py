@@ -160,12 +160,13 @@ def definition_from_proto(spec: pb.JobSpec, *, submitter: str | None = None, che
     retry budget, and who submitted it (``submitter``: the caller's principal, set by the service,
     never taken from the request).
 
-    ``check_job_env`` refuses an env that overrides the platform's (:func:`check_env`); a job saved
-    before that rule is restored without it (``False``).
+    ``check_job_env`` refuses an env that overrides the platform's (:func:`check_env`) and a NUL byte
+    in what a task's process is given (env values, commands, ``checkpoint.dir``); a job saved before
+    these rules is restored without them (``False``: such a job fails at its launch, alone).
 
     Raises:
         InvalidArgument: a rule is broken; the field path is the message's (``roles.ps.replicas``,
-            ``env.LD_PRELOAD``).
+            ``env.LD_PRELOAD``, ``roles.ps.command``).
     """
     violations, roles, commands = _rule_violations(spec, check_job_env=check_job_env)
     if violations:
@@ -191,6 +192,7 @@ def _rule_violations(spec: pb.JobSpec, *, check_job_env: bool
             check_env(spec.env)
         except InvalidArgument as error:
             violations.extend(error.violations)
+        violations.extend(_nul_violations(spec))
     if len(spec.labels) > MAX_LABELS:
         violations.append(("labels", f"must hold at most {MAX_LABELS} labels, but has {len(spec.labels)}"))
     for key, value in sorted(spec.labels.items()):
@@ -235,6 +237,16 @@ def _rule_violations(spec: pb.JobSpec, *, check_job_env: bool
         if not math.isfinite(value) or value < 0:
             violations.append((field, f"must be a finite number of seconds >= 0 (0: none), but got {value!r}"))
     return violations, roles, commands
+
+
+def _nul_violations(spec: pb.JobSpec) -> list[tuple[str, str]]:
+    """The fields of what a task's process is given (argv, environment) that hold a NUL byte, which
+    no process can be given (its value is not shown: an env value may be a credential)."""
+    given = [(f"env.{name}", (value,)) for name, value in sorted(spec.env.items())]
+    given += [("checkpoint.dir", (spec.checkpoint.dir,)), ("command", spec.command)]
+    given += [(f"roles.{role}.command", spec.roles[role].command) for role in sorted(spec.roles)]
+    return [(field, "must not contain a NUL byte (\\x00): no process can be given one")
+            for field, strings in given if any("\0" in string for string in strings)]
 
 
 def definition_to_proto(definition: JobDefinition) -> pb.JobSpec:

@@ -259,22 +259,22 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
         env = {**base_env(os.environ), **self._platform_env}
         env.update(task_env(program, job_id=run.job_id, attempt=run.attempt, role=role, index=index,
                             cluster=cluster))
-        task.heartbeat_path.write_bytes(b"")
-        self._read_heartbeat(run, task)
         env["OPML_HEARTBEAT_FILE"] = str(task.heartbeat_path)
-        if program.trace:
-            default = self._platform_env.get("OPML_TRACE_SPOOL_DIR")
-            self._ensure_shipper(program.env.get("OPML_TRACE_SPOOL_DIR", default))
         argv = task_argv(program, job_id=run.job_id, role=role, index=index, python=sys.executable,
                          shipped=program.trace)
-        with task.log_path.open("wb") as log:
-            try:
+        try:  # OSError: no command, a full disk; ValueError: a NUL byte in argv or env (a job saved before the rule)
+            task.heartbeat_path.write_bytes(b"")
+            self._read_heartbeat(run, task)
+            if program.trace:
+                default = self._platform_env.get("OPML_TRACE_SPOOL_DIR")
+                self._ensure_shipper(program.env.get("OPML_TRACE_SPOOL_DIR", default))
+            with task.log_path.open("wb") as log:
                 task.process = await asyncio.create_subprocess_exec(
                     *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
                     env=env, start_new_session=True)
-            except OSError as exc:
-                reason = f"{exc.strerror}: {exc.filename!r}" if exc.filename else str(exc)
-                return f"{role} {index} could not start: {reason}"
+        except (OSError, ValueError) as exc:
+            reason = f"{exc.strerror}: {exc.filename!r}" if getattr(exc, "filename", None) else str(exc)
+            return f"{role} {index} could not start: {reason}"
         self._events.put_nowait(run.tracker.started(task.key, f"pid {task.process.pid}"))
         self._in_background(self._wait(run, task))
         return None
