@@ -284,3 +284,26 @@ def test_an_experiment_name_must_match_katibs_pattern_whole(name: str) -> None:
         parse_experiment(doc)
     ((path, rule),) = caught.value.violations
     assert path == "metadata.name" and repr(name) in rule, rule
+
+
+def _grid(*spaces: dict) -> dict:
+    doc = yaml.safe_load((EXAMPLES / "grid.yaml").read_text())
+    for parameter, space in zip(doc["spec"]["parameters"], spaces, strict=True):
+        parameter["feasibleSpace"].update(space)
+    return doc
+
+
+@pytest.mark.parametrize(("spaces", "path", "keyword"), ids=["one-parameter", "product", "tiny-step", "zero-step"], argvalues=[
+    # counted, not listed (1e9 values of one parameter were listed in the event loop until memory ran out)
+    (({"min": "0", "max": "1000000", "step": "1"}, {}), "spec.parameters[0].feasibleSpace",
+     "grid over lr (1e+06 values) makes more than 10000 combinations"),
+    (({"min": "0", "max": "1", "step": "0.005"}, {"min": "0", "max": "1", "step": "0.005"}),
+     "spec.parameters[1].feasibleSpace", "grid over momentum (201 values) makes more than 10000 combinations"),
+    (({"step": "1e-320"}, {}), "spec.parameters[0].feasibleSpace", "grid over lr (inf values)"),
+    (({"step": "0"}, {}), "spec.parameters[0].feasibleSpace.step", "must be > 0"),
+])
+def test_a_grid_is_counted_and_refused_past_its_cap_before_it_is_listed(spaces, path, keyword) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        parse_experiment(_grid(*spaces))
+    ((got_path, rule),) = caught.value.violations
+    assert got_path == path and keyword in rule, (got_path, rule)

@@ -73,6 +73,9 @@ SUPPORTED_COLLECTORS = ("StdOut", "File", "Push", "Trace")
 KATIB_COLLECTORS = ("StdOut", "File", "TensorFlowEvent", "PrometheusMetric", "Custom", "Push")
 PARAMETER_TYPES = ("int", "double", "categorical", "discrete", "unknown")
 DISTRIBUTIONS = ("uniform", "logUniform", "normal", "logNormal", "unknown")
+MAX_GRID_COMBINATIONS = 10_000
+"""The most combinations a grid experiment may have (Optuna's GridSampler lists them all; each
+trial stores every parameter's grid as its distribution)."""
 _NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # whole names only (Katib's MatchString checks a prefix)
 _TWO_GROUPS = re.compile(r".*\(.*\).*\(.*\).*")
 
@@ -571,18 +574,7 @@ def _algorithm_checks(algorithm: Algorithm, parameters: list[Parameter],
         found.append(("spec.parameters", f"algorithm cmaes needs at least 2 int or double parameters "
                                          f"(got {len(numeric)})"))
     if algorithm.name == "grid":
-        missing = [i for i, p in enumerate(parameters) if p.type in (ParameterType.INT, ParameterType.DOUBLE)
-                   and p.step is None]
-        for i in missing:
-            found.append((f"spec.parameters[{i}].feasibleSpace.step",
-                          "For discrete search space, all parameters must include step (algorithm grid)"))
-        if not missing and max_trials is not None:
-            combinations = 1
-            for p in parameters:
-                combinations *= len(grid_values(p))
-            if max_trials > combinations:
-                found.append(("spec.maxTrialCount", f"must not exceed the number of grid combinations "
-                                                    f"(got {max_trials} > {combinations})"))
+        _grid_checks(parameters, max_trials, found)
     if algorithm.name == "hyperband":
         resource, eta, r_l = (algorithm.setting(k) for k in ("resource_name", "eta", "r_l"))
         for key, value in (("resource_name", resource), ("r_l", r_l)):
@@ -603,6 +595,30 @@ def _algorithm_checks(algorithm: Algorithm, parameters: list[Parameter],
                                                      f"< {need}, from r_l and eta)"))
 
 
+def _grid_checks(parameters: list[Parameter], max_trials: int | None, found: Violations) -> None:
+    """Every numeric parameter needs a step, and the grid is counted, not listed: Optuna's GridSampler
+    lists every combination, so a grid past :data:`MAX_GRID_COMBINATIONS` is refused here."""
+    missing = [i for i, p in enumerate(parameters) if p.type in (ParameterType.INT, ParameterType.DOUBLE)
+               and p.step is None]
+    for i in missing:
+        found.append((f"spec.parameters[{i}].feasibleSpace.step",
+                      "For discrete search space, all parameters must include step (algorithm grid)"))
+    if missing or any(not p.choices and (p.step <= 0 or p.low > p.high) for p in parameters):
+        return  # a bad step or range is reported with its parameter
+    combinations = 1
+    for i, p in enumerate(parameters):
+        size = grid_size(p)
+        combinations *= size
+        if combinations > MAX_GRID_COMBINATIONS:
+            found.append((f"spec.parameters[{i}].feasibleSpace", f"grid over {p.name} ({size:g} values) makes more "
+                                                                 f"than {MAX_GRID_COMBINATIONS} combinations; use "
+                                                                 f"a larger step or fewer values"))
+            return
+    if max_trials is not None and max_trials > combinations:
+        found.append(("spec.maxTrialCount", f"must not exceed the number of grid combinations "
+                                            f"(got {max_trials} > {combinations})"))
+
+
 def hyperband_bracket_size(r_l: float, eta: int) -> int:
     """Trials in hyperband's largest bracket, as Katib's hyperband service computes it."""
     if r_l <= 0 or eta <= 1:
@@ -612,13 +628,21 @@ def hyperband_bracket_size(r_l: float, eta: int) -> int:
     return int(math.ceil(int(budget / r_l / (s_max + 1)) * eta ** s_max))
 
 
+def grid_size(parameter: Parameter) -> float:
+    """How many values :func:`grid_values` gives, counted without listing them (inf past a float's range)."""
+    if parameter.choices:
+        return len(parameter.choices)
+    assert parameter.low is not None and parameter.high is not None and parameter.step is not None
+    steps = (parameter.high - parameter.low) / parameter.step + 1e-9
+    return math.floor(steps) + 1 if math.isfinite(steps) else math.inf
+
+
 def grid_values(parameter: Parameter) -> list[Any]:
     """Every value a grid visits: min to max by step (max included when on the grid), or the list."""
     if parameter.choices:
         return list(parameter.choices)
-    assert parameter.low is not None and parameter.high is not None and parameter.step is not None
-    count = int(math.floor((parameter.high - parameter.low) / parameter.step + 1e-9)) + 1
-    values = [parameter.low + k * parameter.step for k in range(count)]
+    assert parameter.low is not None and parameter.step is not None
+    values = [parameter.low + k * parameter.step for k in range(int(grid_size(parameter)))]
     if parameter.type is ParameterType.INT:
         return [int(round(v)) for v in values]
     return [round(v, 12) for v in values]
