@@ -398,3 +398,56 @@ async def test_an_unexpected_executor_error_fails_that_job_and_the_loop_runs_on(
         assert executor.started_pid is not None and not alive(executor.started_pid)  # stopped with its run
         orch.submit(spec("next"), program("pass"))
         await until(orch, "next", JobState.SUCCEEDED)
+
+
+def restored(job_id: str, state: JobState, job_spec: JobSpec, code: str = "pass") -> SavedJob:
+    running = state is JobState.RUNNING
+    status = JobStatus(job_id, state, 0 if running or state is JobState.RETRYING else -1, 0, 0, None, 1.0,
+                       1.0 if running else None, 1.0, None)
+    return SavedJob(JobDefinition(job_spec, program(code)), status)
+
+
+async def test_restored_retries_the_smaller_cluster_cannot_hold_fail_and_the_loop_runs_on(
+        tmp_path: Path, events: list[LifecycleEvent], until) -> None:
+    """A run lost in the restart, and a job saved RETRYING whose replicas no longer pack, both fail
+    at restore with the reason; they never reach the loop's submit."""
+    unpackable = JobSpec(job_id="unpackable", job_class=JobClass.BE,
+                         roles={"worker": RoleSpec(3, Resources(cpu_millis=600))})  # 1800 of 2000, one per node
+    scheduler = Scheduler(Cluster([NodeSpec("n0", SLOT), NodeSpec("n1", SLOT)]), te_be_policy())
+    orch = Orchestrator(scheduler=scheduler, retry_policy=RETRIES, listeners=[events.append], max_wait_s=0.05,
+                        executor=LocalExecutor(work_dir=tmp_path / "work", shutdown_grace_s=0.5))
+    await orch.restore([restored("lost", JobState.RUNNING, spec("lost", cpu_millis=1500)),
+                        restored("unpackable", JobState.RETRYING, unpackable),
+                        restored("fits", JobState.PENDING, spec("fits"))])
+    for job_id in ("lost", "unpackable"):
+        failed = orch.get(job_id)
+        assert failed.state is JobState.FAILED and "cluster can no longer hold it" in failed.cause, failed
+    async with orch:
+        await until(orch, "fits", JobState.SUCCEEDED)
+    assert kinds(events, "lost") == [EventKind.RETRYING, EventKind.FAILED]
+
+
+class _RefusesResubmits(Scheduler):
+    """Refuses a job the second time it is submitted, as a reconfigured cluster would its retry."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen: set[str] = set()
+
+    def submit(self, spec: JobSpec, *, now: float):
+        if spec.job_id in self.seen:
+            raise InvalidArgument("roles", "cannot be packed onto the nodes")
+        self.seen.add(spec.job_id)
+        return super().submit(spec, now=now)
+
+
+async def test_a_retry_the_scheduler_refuses_fails_that_job_and_the_loop_runs_on(
+        tmp_path: Path, events: list[LifecycleEvent], until) -> None:
+    scheduler = _RefusesResubmits(Cluster([NodeSpec("n0", SLOT)]), te_be_policy())
+    async with Orchestrator(scheduler=scheduler, retry_policy=RETRIES, listeners=[events.append], max_wait_s=0.05,
+                            executor=LocalExecutor(work_dir=tmp_path / "work", shutdown_grace_s=0.5)) as orch:
+        orch.submit(spec("refused"), program("import sys; sys.exit(1)"))
+        refused = await until(orch, "refused", JobState.FAILED)
+        assert "cannot be packed" in refused.cause and refused.retries == 1
+        orch.submit(spec("next"), program("pass"))
+        await until(orch, "next", JobState.SUCCEEDED)

@@ -376,8 +376,9 @@ class Orchestrator:
         queued; a re-adopted run that no longer fits there (the cluster was reconfigured) is
         stopped and queued (PREEMPTED). For each waiting job, ``recover`` also takes over the
         next attempt, in case it was launched after the store's last record; such a run is
-        stopped, and its number is not used again. A job the cluster can no longer hold at all
-        fails with that cause. Transitions go to the listeners like any other.
+        stopped, and its number is not used again. A waiting job, or one whose run was lost, that
+        the cluster can no longer hold at all (too big, or its replicas no longer pack) fails with
+        that cause. Transitions go to the listeners like any other.
 
         Raises:
             FailedPrecondition: the orchestrator is started, or already knows one of the jobs.
@@ -426,9 +427,9 @@ class Orchestrator:
             for job in jobs:
                 if job.state in (JobState.PENDING, JobState.PREEMPTED):
                     self._admit_restored(job, lambda spec: self._scheduler.submit(spec, now=now))
-                elif job.state is JobState.RETRYING and job.spec.job_id not in self._retry_at:
-                    if self._admit_restored(job, self._scheduler.cluster.check_admissible):
-                        self._retry_at[job.spec.job_id] = now
+                elif job.state is JobState.RETRYING:  # saved so, or its run was lost above
+                    if self._admit_restored(job, self._scheduler.check_admissible):
+                        self._retry_at.setdefault(job.spec.job_id, now)
         self._wake.set()
 
     async def _adopt(self, job: _Job, placement: Mapping[str, tuple[str, ...]], now: float) -> None:
@@ -447,6 +448,7 @@ class Orchestrator:
             admit(job.spec)
         except InvalidArgument as exc:
             cause = f"the cluster can no longer hold it after a restart: {exc.message}"
+            self._retry_at.pop(job.spec.job_id, None)  # a lost run's retry is due already
             self._fail(job, cause)
             return False
         return True
@@ -486,7 +488,10 @@ class Orchestrator:
         now = time.monotonic()
         for job_id in [job_id for job_id, at in self._retry_at.items() if at <= now]:
             del self._retry_at[job_id]
-            self._scheduler.submit(self._jobs[job_id].spec, now=now)
+            try:
+                self._scheduler.submit(self._jobs[job_id].spec, now=now)
+            except InvalidArgument as exc:  # the cluster can no longer hold it: this job fails, not the loop
+                self._fail(self._jobs[job_id], f"its retry cannot be scheduled: {exc.message}")
         for decision in self._scheduler.schedule(now=now):
             job = self._jobs[decision.job_id]
             if isinstance(decision, PreemptJob):

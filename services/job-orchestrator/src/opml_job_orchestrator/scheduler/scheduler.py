@@ -218,14 +218,22 @@ class Scheduler:
             AlreadyExists: a job with this id is pending or running.
         """
         self._check_new(spec, now, fix="pick another job_id.")
-        if self._policy.placement.place(spec.replicas, self._cluster.capacity) is None:
-            raise InvalidArgument("roles", f"the replicas ({len(spec.replicas)}, {spec.total.describe()} in total) "
-                                           "cannot be packed onto the nodes even when the cluster is empty; use "
-                                           "fewer or smaller replicas.")
+        self._check_packs(spec)
         record = JobRecord(spec, next(self._seq), now)
         self._jobs[spec.job_id] = record
         self._enqueue(record, now)
         return record
+
+    def check_admissible(self, spec: JobSpec) -> None:
+        """Raise InvalidArgument when :meth:`submit` would refuse ``spec`` as more than the cluster can
+        ever hold (too big, or replicas that cannot be packed); queue nothing. For a job submitted
+        later, a retry after a restart onto a reconfigured cluster for one.
+
+        Raises:
+            InvalidArgument: as :meth:`submit` says (the field path names what).
+        """
+        self._cluster.check_admissible(spec)
+        self._check_packs(spec)
 
     def finish(self, job_id: str, *, now: float) -> JobRecord:
         """The job ended (done or failed for good): free what it holds and forget it.
@@ -560,6 +568,12 @@ class Scheduler:
         if spec.job_id in self._jobs:
             raise AlreadyExists(f"job {spec.job_id!r} is already {self._jobs[spec.job_id].state.value}; {fix}")
         self._cluster.check_admissible(spec)
+
+    def _check_packs(self, spec: JobSpec) -> None:
+        if self._policy.placement.place(spec.replicas, self._cluster.capacity) is None:
+            raise InvalidArgument("roles", f"the replicas ({len(spec.replicas)}, {spec.total.describe()} in total) "
+                                           "cannot be packed onto the nodes even when the cluster is empty; use "
+                                           "fewer or smaller replicas.")
 
     def _advance(self, now: float) -> None:
         if not isinstance(now, int | float) or isinstance(now, bool) or now != now:
