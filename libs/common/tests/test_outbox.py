@@ -181,7 +181,77 @@ async def test_an_event_the_broker_refuses_for_good_is_moved_aside_and_the_next_
     assert list(directory.iterdir()) == []
     failed = list((tmp_path / "outbox.failed").iterdir())
     assert len(failed) == 1 and too_large.id in failed[0].name
-    assert registry.get_sample_value("opml_test_outbox_failed_events_total") == 1
+    assert registry.get_sample_value("opml_test_outbox_failed_events_total", {"reason": "refused"}) == 1
     assert registry.get_sample_value("opml_test_outbox_pending_events") == 0
     records = await read_records(platform_settings, BUNDLES.full_name(platform_settings.topic_prefix), 3)
     assert sorted(dict(r.headers)["ce_id"].decode() for r in records) == sorted(e.id for e in events if e is not too_large)
+
+
+async def test_a_file_holding_no_event_is_moved_aside_and_the_loop_publishes_the_rest(tmp_path: Path) -> None:
+    """Garbage among the pending files (cut short, edited by hand) is moved to the failed folder once;
+    the background loop goes on with the events after it instead of dying on it."""
+    publisher = FlakyPublisher()
+    registry = CollectorRegistry()
+    directory = tmp_path / "outbox"
+    directory.mkdir()
+    (directory / "0-garbage.json").write_text('{"topic": ')  # sorts first, as the oldest pending file
+    outbox = Outbox(directory, publisher, ServiceMetrics("test", registry), retry_interval_s=60)
+    outbox.record(BUNDLES, _event(1))
+    outbox.record(BUNDLES, _event(2))
+    await outbox.start()  # wakes at once for what is pending: no interval to wait out
+    await wait_until(lambda: len(publisher.sent) == 2, what="the events after the garbage to go out")
+    await outbox.stop()
+    assert [e.subject for e in publisher.sent] == ["1", "2"]
+    assert list(directory.iterdir()) == []
+    assert [p.name for p in (tmp_path / "outbox.failed").iterdir()] == ["0-garbage.json"]
+    assert registry.get_sample_value("opml_test_outbox_failed_events_total", {"reason": "unreadable"}) == 1
+    assert registry.get_sample_value("opml_test_outbox_pending_events") == 0
+
+
+class RacedPublisher(FlakyPublisher):
+    """Publishes, then removes ``gone``: another flush of the same folder sent that file meanwhile."""
+
+    def __init__(self, gone: list[Path]) -> None:
+        super().__init__()
+        self.gone = gone
+
+    async def publish(self, topic, event) -> None:
+        await super().publish(topic, event)
+        for path in self.gone:
+            path.unlink(missing_ok=True)
+
+
+async def test_a_file_gone_during_a_flush_counts_as_sent(tmp_path: Path) -> None:
+    publisher = RacedPublisher([])
+    registry = CollectorRegistry()
+    outbox = Outbox(tmp_path / "outbox", publisher, ServiceMetrics("test", registry))
+    for n in range(3):
+        outbox.record(BUNDLES, _event(n))
+    publisher.gone = [sorted((tmp_path / "outbox").glob("*.json"))[1]]
+    assert await outbox.flush()
+    assert [e.subject for e in publisher.sent] == ["0", "2"]
+    assert registry.get_sample_value("opml_test_outbox_pending_events") == 0
+
+
+async def test_an_unexpected_error_of_the_flush_loop_is_logged_counted_and_survived(
+        tmp_path: Path, monkeypatch, caplog) -> None:
+    """The folder cannot be listed once (a failing disk): the error is logged with its traceback and
+    counted, and the loop publishes the events at its next try instead of ending silently."""
+    publisher = FlakyPublisher()
+    registry = CollectorRegistry()
+    outbox = Outbox(tmp_path / "outbox", publisher, ServiceMetrics("test", registry), retry_interval_s=0.01)
+    listing = outbox._files
+    failures = iter([OSError("I/O error listing the outbox")])
+
+    def flaky_listing() -> list[Path]:
+        for error in failures:
+            raise error
+        return listing()
+
+    outbox.record(BUNDLES, _event(1))
+    await outbox.start()
+    monkeypatch.setattr(outbox, "_files", flaky_listing)  # before the loop's first turn
+    await wait_until(lambda: len(publisher.sent) == 1, what="the event to go out after the error")
+    await outbox.stop()
+    assert registry.get_sample_value("opml_test_outbox_flush_errors_total") == 1
+    assert any("background flush failed" in r.getMessage() and r.exc_info for r in caplog.records)

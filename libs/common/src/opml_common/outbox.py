@@ -55,12 +55,15 @@ class Outbox:
         self._retry_interval_s = retry_interval_s
         self._lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
-        self._pending = self._failed = None
+        self._pending = self._failed = self._loop_errors = None
         if metrics is not None:
             self._pending = metrics.gauge("outbox_pending_events", "Events recorded but not yet acked by the broker.")
             self._pending.set(len(self._files()))  # then counted by _write and flush, never listed again
             self._failed = metrics.counter(
-                "outbox_failed_events", "Events moved to the outbox's failed folder: the broker refused them for good.")
+                "outbox_failed_events", "Files moved to the outbox's failed folder, by reason: the broker refused "
+                "the event for good (refused) or the file holds no event (unreadable).", ("reason",))
+            self._loop_errors = metrics.counter(
+                "outbox_flush_errors", "Unexpected errors of the background flush, which goes on after each.")
         self._wake = asyncio.Event()
         self._seq = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -103,34 +106,53 @@ class Outbox:
         """Publish pending events oldest first; True when none is left.
 
         A failure that trying again may mend (the broker is down) stops the flush, so the events
-        keep their order; an event the broker refused for good is moved aside and the flush goes on.
+        keep their order; an event the broker refused for good, or a file that holds no event, is
+        moved aside and the flush goes on. A file gone meanwhile was sent by another flush.
         """
         async with self._lock:
             for path in self._files():
-                record = json.loads(path.read_text())
-                event = CloudEvent.from_kafka(
-                    [(k, v.encode("latin-1")) for k, v in record["headers"]], bytes.fromhex(record["data"]))
                 try:
-                    await self._publisher.publish(_topic(record["topic"]), event)
+                    topic, event = _read(path)
+                except FileNotFoundError:
+                    self._done()
+                    continue
+                except Exception as exc:  # noqa: BLE001 - garbage, cut short, unreadable: never an event to send
+                    if not self._set_aside(path, "unreadable", exc):
+                        return False
+                    continue
+                try:
+                    await self._publisher.publish(topic, event)
                 except Exception as exc:  # noqa: BLE001 - the broker is down or slow: keep it for later
                     if not _refused(exc):
                         log.warning("outbox: publish failed, will retry", extra={"error": str(exc), "event": event.id})
                         return False
-                    self._set_aside(path, exc)
+                    if not self._set_aside(path, "refused", exc):
+                        return False
                     continue
-                path.unlink()
+                path.unlink(missing_ok=True)
                 self._done()
             return True
 
-    def _set_aside(self, path: Path, exc: Exception) -> None:
-        """Move ``path`` to the failed folder, where a person can look at it; logged and counted once."""
-        self._failed_dir.mkdir(parents=True, exist_ok=True)
-        os.replace(path, self._failed_dir / path.name)
-        log.error("outbox: the broker refused an event for good; moved aside, not retried",
-                  extra={"error": str(exc), "file": str(self._failed_dir / path.name)})
-        if self._failed is not None:
-            self._failed.inc()
+    def _set_aside(self, path: Path, reason: str, exc: Exception) -> bool:
+        """Move ``path`` to the failed folder, where a person can look at it; logged and counted once.
+        False when it cannot be moved (the disk is failing): it stays, and is tried again later."""
+        target = self._failed_dir / path.name
+        try:
+            self._failed_dir.mkdir(parents=True, exist_ok=True)
+            os.replace(path, target)
+        except FileNotFoundError:
+            pass  # sent and removed by another flush meanwhile
+        except OSError as error:
+            log.error("outbox: cannot move a failed event aside; will retry",
+                      extra={"reason": reason, "error": str(error), "file": str(path)})
+            return False
+        else:
+            log.error("outbox: event moved aside, never retried",
+                      extra={"reason": reason, "error": str(exc), "file": str(target)})
+            if self._failed is not None:
+                self._failed.labels(reason).inc()
         self._done()
+        return True
 
     def _done(self) -> None:
         if self._pending is not None:
@@ -145,13 +167,21 @@ class Outbox:
         return sorted(self._dir.glob("*.json"))
 
     async def _flush_loop(self) -> None:
-        """Flush when ``record`` wakes it, or every ``retry_interval_s``; after a failure, wait that long."""
+        """Flush when ``record`` wakes it, or every ``retry_interval_s``; after a failure, wait that long.
+        An unexpected error is logged and counted, and the loop goes on: were it to end, no event
+        recorded after would ever be published."""
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self._retry_interval_s)
             self._wake.clear()
-            if self._files() and not await self.flush():
-                await asyncio.sleep(self._retry_interval_s)
+            try:
+                if not self._files() or await self.flush():
+                    continue
+            except Exception:  # noqa: BLE001 - logged with its traceback; the events wait for the next try
+                log.exception("outbox: the background flush failed; will retry")
+                if self._loop_errors is not None:
+                    self._loop_errors.inc()
+            await asyncio.sleep(self._retry_interval_s)
 
 
 def write_event(directory: Path, topic: Topic, event: CloudEvent, sequence: int) -> Path:
@@ -169,6 +199,20 @@ def write_event(directory: Path, topic: Topic, event: CloudEvent, sequence: int)
         os.fsync(handle.fileno())
     os.replace(tmp, final)
     return final
+
+
+def _read(path: Path) -> tuple[Topic, CloudEvent]:
+    """The topic and event of a file ``write_event`` wrote.
+
+    Raises:
+        FileNotFoundError: the file is gone.
+        OSError: it cannot be read.
+        ValueError, KeyError, TypeError, AttributeError, MalformedEvent: it holds no such event.
+    """
+    record = json.loads(path.read_text())
+    event = CloudEvent.from_kafka(
+        [(k, v.encode("latin-1")) for k, v in record["headers"]], bytes.fromhex(record["data"]))
+    return _topic(record["topic"]), event
 
 
 def _refused(exc: Exception) -> bool:
