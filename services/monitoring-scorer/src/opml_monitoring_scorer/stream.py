@@ -18,10 +18,12 @@ that brings it to ``window.count`` rows (so a window holds ``count`` to ``count`
 on record boundaries because a record is the unit of the offsets the stream commits. Window times are
 event times, so windows close the same way on a replay.
 
-The source topic is the log of the open windows (as in Kafka Streams): an event (a record) is acked
-(its offset may be committed) only once the window it belongs to is closed and saved, so the
-committed offset of a partition never passes the first event of a window still open there; a record
-is in one window only, so its offset is acked once, with that window. The open windows themselves
+The source topic is the log of the open windows (as in Kafka Streams): an event (a record) is
+settled once the window it belongs to is closed and saved (or it is dead-lettered, or skipped as
+closed before), and acked (its offset may be committed) only once every record before it on its
+partition is settled too (``Held``: faust commits past an unacked offset that acks out of order leave
+behind), so the committed offset of a partition never passes the first event of a window still open
+there, whichever version's; a record is in one window only, so its offset is acked once. The open windows themselves
 live in memory only. A restarted scorer (or the new owner of a partition after a rebalance) is
 fed again from the committed offset and rebuilds the open windows from the same events, in the
 same order, with the same event times: the same windows (each partition's records are applied in
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,6 +160,38 @@ class DecodedRecord:
                 if p.request_id and n]
 
 
+class Held:
+    """A source partition's applied records that are not acked yet, in offset order: a record is acked
+    once it and every record before it are settled, so the committed offset never passes a record an
+    open window holds.
+
+    Why not ack each record when its window closes: versions that share a partition interleave, and a
+    closed window's records acked while an older record of another version's open window is not let
+    faust-streaming 0.15.3 commit past that record (``Consumer._new_offset`` commits past a gap of one
+    offset after the committed one, and past any gap while the partition has no commit yet); a restart
+    or a rebalance then lost it."""
+
+    def __init__(self) -> None:
+        self._order: deque[list[Any]] = deque()  # [event, settled]
+        self._by_offset: dict[int, list[Any]] = {}
+
+    def add(self, event: Any) -> None:
+        entry = [event, False]
+        self._order.append(entry)
+        self._by_offset[event.message.offset] = entry
+
+    def settle(self, event: Any) -> None:
+        """Marks the record settled and acks the settled records at the head."""
+        entry = self._by_offset.get(event.message.offset)
+        if entry is not None and entry[0] is event:
+            entry[1] = True
+        order = self._order
+        while order and order[0][1]:
+            event = order.popleft()[0]
+            del self._by_offset[event.message.offset]
+            event.ack()
+
+
 def _credentials(platform: PlatformSettings) -> Any:
     kwargs = kafka_client_kwargs(platform)
     protocol = platform.kafka_security_protocol
@@ -226,6 +261,7 @@ class ScoringStream:
         self._resuming: set[int] = set()  # partitions revoked whose first record since is not seen yet
         self._next: dict[int, int] = {}  # source partition -> the offset the stream applies next
         self._rewound: dict[int, int] = {}  # source partition -> the record that showed a gap, while sought back
+        self._held: dict[int, Held] = {}  # source partition -> its applied records not acked yet
 
     def _internal_topics(self) -> dict[str, int]:
         return {f"{self.app_id}-windows-changelog": PREDICTIONS.partitions, f"{self.app_id}-__assignor-__leader": 1}
@@ -353,6 +389,7 @@ class ScoringStream:
         for partition in partitions:
             self._next.pop(partition, None)
             self._rewound.pop(partition, None)
+            self._held.pop(partition, None)
         self._joinable = [j for j in self._joinable if j.partition not in partitions]
 
     async def _dead_letter(self, topic_name: str, message: Any, error: Exception) -> None:
@@ -406,6 +443,7 @@ class ScoringStream:
                     continue
                 if not await self._in_order(event.message):
                     continue
+                self._hold(event)
                 if isinstance(item, Exception):
                     await self._reject(event, item)
                     continue
@@ -504,7 +542,7 @@ class ScoringStream:
         log.warning("record %s[%d]@%d dead-lettered (%s): %s", message.topic, message.partition, message.offset,
                     reason, str(error)[:300])
         await self._dead_letter(PREDICTIONS.dead_letter(self.platform.topic_prefix), event.message, error)
-        event.ack()
+        self._settle([event])
 
     async def _on_record(self, event: Any, record: DecodedRecord) -> None:
         """Adds a record's predictions to its version's open window, whole: a record belongs to the window
@@ -518,7 +556,7 @@ class ScoringStream:
             log.info("partition %d resumed at offset %d (%s: windows closed through offset %s)", partition, offset,
                      key, progress["through"] if progress is not None and progress["partition"] == partition else "-")
         if progress is not None and progress["partition"] == partition and offset <= progress["through"]:
-            event.ack()  # in a window closed before a restart or a rebalance
+            self._settle([event])  # in a window closed before a restart or a rebalance
             return
         window = self._open.get(key)
         if window is None or window.partition != partition:
@@ -547,6 +585,17 @@ class ScoringStream:
             await self._close(key, window)
         self.processed += 1
 
+    def _hold(self, event: Any) -> None:
+        """An applied record (in offset order, ``_in_order``) is held until it is settled."""
+        self._held.setdefault(event.message.partition, Held()).add(event)
+
+    def _settle(self, events: list[Any]) -> None:
+        """These records are done with (their window saved, dead-lettered, or closed before); see :class:`Held`."""
+        for event in events:
+            held = self._held.get(event.message.partition)
+            if held is not None:  # None: its partition was revoked since
+                held.settle(event)
+
     async def _flush_joins(self) -> None:
         if self._joinable:
             joinable, self._joinable = self._joinable, []
@@ -572,8 +621,7 @@ class ScoringStream:
                                                 value_serializer=table.value_serializer)
         await sent
         table.data[key] = progress
-        for event in window.events:
-            event.ack()
+        self._settle(window.events)
         following = OpenWindow(index=window.index + 1, partition=window.partition)
         if self._open.get(key) is window:
             self._open[key] = following
