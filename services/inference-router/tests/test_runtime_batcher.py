@@ -8,7 +8,9 @@ import threading
 import time
 
 import numpy as np
+import onnx
 import onnxruntime as ort
+from onnx import TensorProto, helper
 from prometheus_client import CollectorRegistry
 
 from opml_common.metrics import ServiceMetrics
@@ -76,6 +78,52 @@ def test_batches_never_exceed_the_cap() -> None:
     assert served.max_batch == 8
     assert max(batcher.metrics.batches) <= 8
     assert sum(size * stats.count for size, stats in batcher.metrics.batches.items()) == 20
+
+
+def two_input_replica() -> Replica:
+    """``sums = [sum(a), sum(b)]`` per row, on inputs ``a`` and ``b`` whose non-batch dims are both dynamic."""
+    graph = helper.make_graph(
+        [helper.make_node("ReduceSum", ["a", "axes"], ["sa"], keepdims=1),
+         helper.make_node("ReduceSum", ["b", "axes"], ["sb"], keepdims=1),
+         helper.make_node("Concat", ["sa", "sb"], ["sums"], axis=1)], "two",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["batch", "da"]),
+         helper.make_tensor_value_info("b", TensorProto.FLOAT, ["batch", "db"])],
+        [helper.make_tensor_value_info("sums", TensorProto.FLOAT, ["batch", 2])],
+        [helper.make_tensor("axes", TensorProto.INT64, [1], [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    config = ModelConfig.from_dict({
+        **mlp_config("two", max_queue_delay_us=50_000),
+        "inputs": [{"name": "a", "data_type": "fp32", "dims": [-1]}, {"name": "b", "data_type": "fp32", "dims": [-1]}],
+        "outputs": [{"name": "sums", "data_type": "fp32", "dims": [2]}]})
+    session = build_session(model.SerializeToString(), CPU, threads=1, source="two")
+    return Replica(ModelVersion("two", 1), config, CPU, "fp32", session)
+
+
+def test_requests_listing_their_inputs_in_another_order_are_batched_by_name() -> None:
+    """``a:[1,3], b:[1,5]`` and ``b:[1,3], a:[1,5]`` list the same shapes in order but differ by name:
+    they must not share a batch (joined by name, they cannot be), and each gets its own sums."""
+    batcher = batcher_for(two_input_replica())
+    first = {"a": np.ones((1, 3), np.float32), "b": np.ones((1, 5), np.float32)}
+    second = {"b": np.ones((1, 3), np.float32), "a": np.ones((1, 5), np.float32)}
+    same_as_first = {"b": np.full((1, 5), 2, np.float32), "a": np.full((1, 3), 2, np.float32)}
+
+    async def serve() -> tuple[list[dict[str, np.ndarray]], int, list[dict[str, np.ndarray]], int]:
+        await batcher.start()
+        try:
+            swapped = await asyncio.gather(batcher.infer(first), batcher.infer(second))
+            runs = batcher.metrics.execution_count
+            alike = await asyncio.gather(batcher.infer(first), batcher.infer(same_as_first))
+            return swapped, runs, alike, batcher.metrics.execution_count - runs
+        finally:
+            await batcher.stop()
+
+    swapped, swapped_runs, alike, alike_runs = asyncio.run(serve())
+    assert [reply["sums"].tolist() for reply in swapped] == [[[3.0, 5.0]], [[5.0, 3.0]]]
+    assert swapped_runs == 2
+    assert [reply["sums"].tolist() for reply in alike] == [[[3.0, 5.0]], [[6.0, 10.0]]]
+    assert alike_runs == 1  # same shapes by name, listed in another order: one batch
 
 
 def test_fixed_shapes_pad_and_drop_the_padding() -> None:

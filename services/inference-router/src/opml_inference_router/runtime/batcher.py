@@ -32,11 +32,19 @@ from opml_inference_router.runtime.replica import Replica, Tensors
 INLINE_BELOW_S = 0.0002
 
 
+def _shapes_by_name(inputs: Tensors) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """What must match for two requests to share a batch: each input's non-batch shape, by name.
+
+    By name, not in the order the request listed its inputs: batches are joined by name, so two
+    requests sending the same inputs in another order with their dynamic dims swapped must not meet."""
+    return tuple(sorted((name, array.shape[1:]) for name, array in inputs.items()))
+
+
 @dataclass(slots=True, eq=False)  # identity: the queue removes a cancelled one
 class _Pending:
     inputs: Tensors
     rows: int
-    shapes: tuple[tuple[int, ...], ...]
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]
     future: asyncio.Future
     enqueued: float
     taken: bool = False  # in a batch: a cancel no longer looks for it in the queue
@@ -143,8 +151,7 @@ class DynamicBatcher:
             raise Unavailable(f"{self.replica.model} is being unloaded; retry on another replica")
         loop = asyncio.get_running_loop()
         rows = len(next(iter(inputs.values()))) if self.replica.batches else 1
-        pending = _Pending(inputs, rows, tuple(array.shape[1:] for array in inputs.values()),
-                           loop.create_future(), loop.time())
+        pending = _Pending(inputs, rows, _shapes_by_name(inputs), loop.create_future(), loop.time())
         self._queue.append(pending)
         self._queued_rows += rows
         self.metrics.queue_depth.inc()
