@@ -14,11 +14,19 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from opml.bundles.v1 import bundles_pb2 as pb
 from opml.bundles.v1 import bundles_pb2_grpc, events_pb2
+from prometheus_client import CollectorRegistry
 
+from opml_bundle_store.__main__ import SPEC, build
 from opml_bundle_store.client import BundleStoreClient
+from opml_bundle_store.core.store import BundleStore
+from opml_bundle_store.settings import BundleStoreSettings
 from opml_bundle_store.topics import BUNDLES
 from opml_common.bus import CloudEvent
-from opml_common.errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated
+from opml_common.config import PlatformSettings
+from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unauthenticated
+from opml_common.metrics import ServiceMetrics
+from opml_common.outbox import write_event
+from opml_common.service import serve
 from opml_common.testing.bus import read_records
 
 
@@ -171,3 +179,21 @@ def test_health_reflection_and_metrics(bundle_store, admin: BundleStoreClient, s
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert 'opml_bundle_store_grpc_requests_total{code="OK",method="ListContexts"}' in text
     assert "opml_bundle_store_grpc_request_duration_seconds_bucket" in text
+
+
+async def test_a_second_instance_on_a_home_in_use_stops_before_opening_its_outbox(
+        platform_settings: PlatformSettings, tmp_path: Path) -> None:
+    """The home is owned (its lock held, here by an open store): a second service on it refuses to
+    start before it opens the outbox there, so it neither publishes nor races for the owner's pending
+    events (nor deletes them)."""
+    home = tmp_path / "home"
+    (home / "outbox").mkdir(parents=True)
+    event = CloudEvent.from_proto(events_pb2.BundleDeleted(uuid="u"), source="test", subject="s")
+    pending = write_event(home / "outbox", BUNDLES, event, 0)
+    settings = BundleStoreSettings(home=home, grpc_port=0, metrics_port=0)
+    with BundleStore(home, None), pytest.raises(FailedPrecondition, match="in use by another BundleStore"):
+        await serve(SPEC, build, settings=settings, platform=platform_settings,
+                    metrics=ServiceMetrics(SPEC.name, CollectorRegistry()))
+    assert pending.exists()
+    with BundleStore(home, None):
+        pass  # and it released what it took: the home can be opened again

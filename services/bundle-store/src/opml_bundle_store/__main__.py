@@ -7,7 +7,7 @@ import asyncio
 from opml.bundles.v1 import bundles_pb2, bundles_pb2_grpc
 
 from opml_bundle_store.core.model import REJECT_REASONS
-from opml_bundle_store.core.store import BundleStore
+from opml_bundle_store.core.store import BundleStore, lock_home
 from opml_bundle_store.servicer import METHOD_ROLES, BundleStoreServicer
 from opml_bundle_store.settings import BundleStoreSettings
 from opml_bundle_store.topics import BUNDLES
@@ -20,15 +20,20 @@ SPEC = ServiceSpec(name="bundle-store", module="opml_bundle_store", settings=Bun
 
 async def build(service: ServiceContext) -> list[ServiceRegistration]:
     """The store over the local home and S3, announcing its changes through the outbox (events
-    unpublished at exit stay there for the next start); closed after the server, before the outbox."""
+    unpublished at exit stay there for the next start); closed after the server, before the outbox.
+    The home's lock is taken first and released last: a second instance on the same home stops
+    before it opens the outbox there, whose pending events the first one publishes."""
     settings: BundleStoreSettings = service.settings
+    home_lock = lock_home(settings.home)
+    service.on_stop(lambda: asyncio.to_thread(home_lock.close))
     rejected = service.metrics.counter(
         "remote_manifests_rejected_total", "Remote manifests a pull refused and skipped, by reason.", ("reason",))
     for reason in REJECT_REASONS:
         rejected.labels(reason)
     store = BundleStore(settings.home, service.s3(max_connections=settings.transfer_workers * 2),
                         transfer_workers=settings.transfer_workers, events=await service.emitter(),
-                        on_rejected_manifest=lambda manifest: rejected.labels(manifest.reason).inc())
+                        on_rejected_manifest=lambda manifest: rejected.labels(manifest.reason).inc(),
+                        home_lock=home_lock)
     service.on_stop(lambda: asyncio.to_thread(store.close))
     servicer = BundleStoreServicer(store, service.metrics)
     return [ServiceRegistration(bundles_pb2.DESCRIPTOR.services_by_name["BundleStore"],

@@ -29,7 +29,7 @@ import uuid as uuid_mod
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from minio import Minio
 
@@ -73,6 +73,25 @@ S3_MIN_PART_SIZE = 5 * MIB
 S3_MAX_PART_SIZE = 5 * 1024 * MIB
 
 
+def lock_home(home: Path) -> BinaryIO:
+    """Take the exclusive lock on ``home``, held while the file returned is open: one process owns a home.
+
+    Raises:
+        FailedPrecondition: another process, or another open store, holds it.
+    """
+    home.mkdir(parents=True, exist_ok=True)
+    handle = open(home / ".lock", "a+b")  # noqa: SIM115 - held for the owner's lifetime
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise FailedPrecondition(
+            f"the bundle store home {str(home)!r} is in use by another BundleStore "
+            "(one process, one open store per home): close it first"
+        ) from None
+    return handle
+
+
 class BundleStore:
     """All contexts under one home directory (the service's data dir); remotes through minio.
 
@@ -94,6 +113,9 @@ class BundleStore:
             emitter); None announces nothing (a tool or benchmark using the store directly).
         on_rejected_manifest: called (on the pulling thread) with each remote manifest a pull
             refused and skipped, after it is logged; the service counts them in a metric.
+        home_lock: the lock on ``home`` (:func:`lock_home`) when the caller took it first (the service,
+            before it opens its outbox under ``home``); the caller releases it. None: the store takes
+            it, and ``close()`` releases it.
 
     Raises:
         InvalidArgument: a setting is out of range.
@@ -113,6 +135,7 @@ class BundleStore:
         range_size: int = 32 * MIB,
         events: EventEmitter | None = None,
         on_rejected_manifest: RejectedCallback | None = None,
+        home_lock: BinaryIO | None = None,
     ) -> None:
         check_int("transfer_workers", transfer_workers, 1, 256)
         check_int("part_size", part_size, S3_MIN_PART_SIZE, S3_MAX_PART_SIZE,
@@ -130,7 +153,8 @@ class BundleStore:
         )
         self._contexts_dir = self.home / "contexts"
         self._contexts_dir.mkdir(parents=True, exist_ok=True)
-        self._lock_file = self._acquire_home()
+        self._home_lock = home_lock or lock_home(self.home)
+        self._owns_home_lock = home_lock is None
         self._lock = threading.RLock()
         self._contexts: dict[str, ContextState] = {}
         self._events = BundleEvents(events, self.home / "announcing")
@@ -138,7 +162,7 @@ class BundleStore:
         try:
             self._open_contexts()
         except BaseException:
-            self._lock_file.close()
+            self._release_home()
             raise
         self._pool = ThreadPoolExecutor(transfer_workers, thread_name_prefix="bundle-store-xfer")
         self._sync = RemoteSync(self._pool, self._settings, self._events, on_rejected_manifest)
@@ -156,7 +180,7 @@ class BundleStore:
             return
         self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self._lock_file.close()
+        self._release_home()
 
     def __enter__(self) -> BundleStore:
         return self
@@ -164,17 +188,9 @@ class BundleStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _acquire_home(self) -> Any:
-        handle = open(self.home / ".lock", "a+b")  # noqa: SIM115 - held for the store's lifetime
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.close()
-            raise FailedPrecondition(
-                f"the bundle store home {str(self.home)!r} is in use by another BundleStore "
-                "(one process, one open store per home): close it first"
-            ) from None
-        return handle
+    def _release_home(self) -> None:
+        if self._owns_home_lock:
+            self._home_lock.close()
 
     def _open_contexts(self) -> None:
         for leftover in self._contexts_dir.glob(".tmp-*"):
