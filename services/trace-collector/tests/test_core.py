@@ -3,21 +3,26 @@ the summarizer take and return the domain types of opml_trace_collector.model.""
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
+import re
 from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
 
-from opml_common.bus import MalformedEvent
+from opml_common.bus import CloudEvent, MalformedEvent
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound
 from opml_common.testing.bus import fresh_metrics, sample
 from opml_trace_collector import model
+from opml_trace_collector.aggregator import Aggregator
 from opml_trace_collector.analysis import Bound
 from opml_trace_collector.captures import CaptureManager, trace_prefix
+from opml_trace_collector.convert import event_to_proto
 from opml_trace_collector.store import BatchEffect, Keys, TraceStore
 from opml_trace_collector.summary import Summarizer
+from opml_trace_collector.topics import tracer_source
 
 JOB, BUCKET = "mnist", "traces-bucket"
 T0 = 1_700_000_000.0
@@ -142,3 +147,44 @@ async def test_the_summary_breaks_a_trace_down_once_and_caps_the_ops(core) -> No
     with pytest.raises(InvalidArgument) as bad:
         await summarizer.summary(JOB, top_k=101)
     assert bad.value.field == "top_k"
+
+
+def _with_step(batch: model.StepBatch, index: int, **values: object) -> model.StepBatch:
+    steps = list(batch.steps)
+    steps[index] = dataclasses.replace(steps[index], **values)
+    return dataclasses.replace(batch, steps=tuple(steps))
+
+
+@pytest.mark.parametrize("bad", [{"duration_s": float("nan")}, {"input_wait_s": float("inf")},
+                                 {"examples": 2 ** 63 - 1}], ids=["nan-duration", "inf-wait", "huge-examples"])
+async def test_a_batch_the_script_cannot_apply_changes_nothing(core, bad: dict) -> None:
+    """Redis does not roll a script back: a number it would refuse is refused before the first write,
+    so nothing is half applied and the sequence is not taken (the good batch counts, not as a repeat)."""
+    store, *_ = core
+    good = _batch("s1", 0, 0.1, 0.2)
+    with pytest.raises(aioredis.ResponseError, match="nothing applied"):
+        await store.apply_batch(_with_step(good, 1, **bad), T0)
+    assert await store.job_names() == [] and await store.redis.exists(
+        *(key("s1") for key in (store.keys.run_info, store.keys.run_seqs, store.keys.run_sigs,
+                                          store.keys.run_series))) == 0
+    assert (await store.apply_batch(good, T0)).applied
+
+
+@pytest.mark.parametrize("bad, field", [({"duration_s": float("nan")}, "steps[1].duration_s"),
+                                        ({"duration_s": -0.5}, "steps[1].duration_s"),
+                                        ({"input_wait_s": float("-inf")}, "steps[1].input_wait_s"),
+                                        ({"examples": 2 ** 62}, "steps[1].examples"),
+                                        ({"examples": -1}, "steps[1].examples")])
+async def test_the_aggregator_dead_letters_a_batch_with_numbers_out_of_range(core, bad: dict, field: str) -> None:
+    store, captures, *_ = core
+    aggregator = Aggregator(store, captures, fresh_metrics("trace-collector")[0])
+    good = _batch("s1", 0, 0.1, 0.2)
+
+    def event(batch: model.StepBatch) -> CloudEvent:
+        return CloudEvent.from_proto(event_to_proto(batch), source=tracer_source(JOB, "w0"), subject=f"{JOB}/w0")
+
+    with pytest.raises(MalformedEvent, match=re.escape(field)):
+        await aggregator.handle(event(_with_step(good, 1, **bad)))
+    assert await store.job_names() == []
+    await aggregator.handle(event(good))
+    assert [run.steps for run in await store.runs(JOB)] == [2]

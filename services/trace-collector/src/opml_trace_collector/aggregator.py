@@ -3,8 +3,9 @@
 Events come at least once, late and out of order. The EventConsumer skips event ids it has seen;
 beyond that every effect is idempotent by itself: batches count once per (session, sequence)
 (:meth:`TraceStore.apply_batch`), run facts are plain overwrites, capture answers are recorded
-once per worker. An event whose data does not parse, or that names no job, worker or session,
-raises :class:`MalformedEvent` and goes to the dead-letter topic.
+once per worker. An event whose data does not parse, that names no job, worker or session, or
+whose step numbers are out of range (NaN, negative, an overflowing count) raises
+:class:`MalformedEvent` and goes to the dead-letter topic.
 
 An event is a hint. The consumer accepts only the tracers' sources
 (``opml://trace-collector/tracer/<job>/<worker>``, :data:`topics.TRACER_SOURCE_PREFIX`); here the job
@@ -27,7 +28,7 @@ from opml_common.metrics import ServiceMetrics
 from opml_trace_collector.captures import CaptureManager
 from opml_trace_collector.convert import EVENT_MESSAGES, event_from_proto
 from opml_trace_collector.model import CaptureFailed, StepBatch, TracerEvent, TracerStarted, TracerStopped, TraceStored
-from opml_trace_collector.store import TraceStore, check_name
+from opml_trace_collector.store import TraceStore, check_batch, check_name
 from opml_trace_collector.topics import tracer_source
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class Aggregator:
             raise MalformedEvent(f"event {event.id}: type {event.type!r} is not an opml.traces.v1 event")
         message_cls, handler = entry
         message = event_from_proto(event.parse(message_cls))
-        _check_identity(event, message)
+        _check_event(event, message)
         # The event's own time, not the time it is handled, so a replay rebuilds the same state;
         # a clock ahead of the service's counts as now.
         await handler(message, min(event.time.timestamp(), time.time()))
@@ -100,7 +101,8 @@ class Aggregator:
             self._throughput.labels(**labels).set(effect.examples_per_second)
 
 
-def _check_identity(event: CloudEvent, message: TracerEvent) -> None:
+def _check_event(event: CloudEvent, message: TracerEvent) -> None:
+    """The names and numbers the store takes (a batch's: :func:`check_batch`), then the source."""
     try:
         check_name("job", message.job)
         check_name("worker", message.worker)
@@ -110,6 +112,8 @@ def _check_identity(event: CloudEvent, message: TracerEvent) -> None:
         capture = getattr(message, "capture_id", None)
         if capture is not None:
             check_name("capture_id", capture)
+        if isinstance(message, StepBatch):
+            check_batch(message)
     except InvalidArgument as exc:
         raise MalformedEvent(f"event {event.id} ({event.type}): {exc.message}") from exc
     expected = tracer_source(message.job, message.worker)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from collections.abc import Sequence
@@ -65,7 +66,20 @@ touch(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2], ARGV[3], ARGV[1])
 return 1
 """
 
+# Redis does not roll a script back: every number the writes take is checked before the first write
+# (each signature's count, total, min, max, input wait and examples; then the steps and their time).
 _APPLY_BATCH = _SEEN + """
+local function invalid(value, integer)
+  local x = tonumber(value)
+  return not x or x ~= x or x < 0 or x >= 2^53 or (integer and x % 1 ~= 0)
+end
+local first = 9 + 2 * tonumber(ARGV[7])
+local last = first + 7 * tonumber(ARGV[first - 1])
+local bad = invalid(ARGV[last], true) or invalid(ARGV[last + 1], false)
+for i = first, last - 1, 7 do
+  for k = 1, 6 do bad = bad or invalid(ARGV[i + k], k == 1 or k == 6) end
+end
+if bad then return redis.error_reply('a step number is not finite, negative or too big; nothing applied') end
 local info, seqs, sigs, series, jobs, jobinfo, jobruns = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local seq = tonumber(ARGV[1])
 local low = tonumber(redis.call('HGET', info, 'seq_low') or '0')
@@ -237,7 +251,11 @@ class TraceStore:
                                 args=[repr(when), job, session, *fields])
 
     async def apply_batch(self, batch: model.StepBatch, when: float) -> BatchEffect:
-        """Apply a StepMetricsBatch, published at ``when`` (epoch s), once per (session, sequence)."""
+        """Apply a StepMetricsBatch, published at ``when`` (epoch s), once per (session, sequence).
+
+        Check it with :func:`check_batch` first: the script refuses, whole, a batch whose numbers
+        Redis cannot add up (``redis.ResponseError``, nothing applied, the sequence not taken).
+        """
         points: list[object] = []
         signatures: dict[str, list[float]] = {}
         total = 0.0
@@ -424,3 +442,33 @@ def check_name(field: str, value: str) -> str:
         raise InvalidArgument(field, f"must be at most 253 printable characters without '/' or spaces, "
                                      f"but got {value!r}")
     return value
+
+
+MAX_STEP_S = 30 * 86400.0
+"""The longest step or input wait a batch may report (a month): more is no measurement, and every
+sum of them stays finite."""
+MAX_STEP_EXAMPLES = 2 ** 32
+"""The largest batch size a step may report: the per-signature sums stay far inside Redis' 64-bit integers."""
+
+
+def check_batch(batch: model.StepBatch) -> model.StepBatch:
+    """A batch's numbers: durations and input waits finite, in [0, MAX_STEP_S]; examples in
+    [0, MAX_STEP_EXAMPLES]; CPU finite and >= 0; RSS >= 0.
+
+    Raises:
+        InvalidArgument: on the first number out of range (``steps[3].duration_s``).
+    """
+    for index, record in enumerate(batch.steps):
+        for name in ("duration_s", "input_wait_s"):
+            value = getattr(record, name)
+            if not (math.isfinite(value) and 0 <= value <= MAX_STEP_S):
+                raise InvalidArgument(f"steps[{index}].{name}", f"must be a number of seconds in [0, {MAX_STEP_S:g}], "
+                                                                f"but got {value!r}")
+        if not 0 <= record.examples <= MAX_STEP_EXAMPLES:
+            raise InvalidArgument(f"steps[{index}].examples", f"must be an integer in [0, {MAX_STEP_EXAMPLES}], "
+                                                             f"but got {record.examples}")
+    for index, sample in enumerate(batch.host):
+        if not (math.isfinite(sample.cpu_percent) and sample.cpu_percent >= 0) or sample.rss_bytes < 0:
+            raise InvalidArgument(f"host[{index}]", f"must have a finite cpu_percent >= 0 and rss_bytes >= 0, "
+                                                    f"but got {sample.cpu_percent!r} and {sample.rss_bytes}")
+    return batch
