@@ -13,7 +13,14 @@ import pytest
 import yaml
 
 from opml_automl_controller.algorithms import make_pruner, make_sampler, search_space
-from opml_automl_controller.collect import FILE_MARKER, MetricsParser, Observation, epoch_observations, summarize
+from opml_automl_controller.collect import (
+    FILE_MARKER,
+    PUSH_MARKER,
+    MetricsParser,
+    Observation,
+    epoch_observations,
+    summarize,
+)
 from opml_automl_controller.experiment import CollectorKind, MetricsCollector
 from opml_automl_controller.katib import parse_experiment
 from opml_automl_controller.sdk import report
@@ -132,6 +139,12 @@ def test_push_sdk_lines_are_the_only_push_metrics() -> None:
         report(loss=float("inf"))
     stdout = MetricsParser(MetricsCollector(), ["loss"])
     assert stdout.feed(out.getvalue()) == [], "StdOut does not read the SDK's lines twice"
+
+
+def test_a_json_integer_past_a_floats_range_is_a_bad_line_not_a_crash() -> None:
+    parser = MetricsParser(MetricsCollector(kind=CollectorKind.PUSH), ["loss"])
+    lines = f'{PUSH_MARKER}{{"metrics": {{"loss": {"9" * 400}}}}}\n{PUSH_MARKER}{{"metrics": {{"loss": 0.5}}}}\n'
+    assert parser.feed(lines) == [Observation("loss", 0.5)]
 
 
 def test_trace_kind_reads_epochs_in_order_not_log_lines() -> None:

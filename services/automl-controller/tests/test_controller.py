@@ -4,6 +4,7 @@ function of their parameters) and the machine's real Redis (the Optuna journal a
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -112,6 +113,26 @@ class ScriptedJobs(TrialJobs):
         with self.lock:
             if self.states[job_id] == "running":
                 self.states[job_id] = "succeeded"
+
+
+class FedJobs(ScriptedJobs):
+    """Jobs whose log is what the test puts in ``lines`` (None ends it); ``dropped`` is set once a
+    follower lets go of a stream before its end."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda x, n: [])
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.following = threading.Semaphore(0)
+        self.dropped = threading.Event()
+
+    def follow(self, job_id: str) -> Iterator[str]:
+        self.following.release()
+        try:
+            while (line := self.lines.get()) is not None:
+                yield line
+        except GeneratorExit:
+            self.dropped.set()
+            raise
 
 
 @pytest.fixture
@@ -427,3 +448,16 @@ async def test_trace_epochs_stored_before_a_restart_count_after_it(store: Experi
     assert trial.state is TrialState.SUCCEEDED and trial.observations["loss"] == [3.0, 2.0, 1.0]
     assert len(jobs.submitted) == 1, "the job was re-attached, not run again"
     await second.stop()
+
+
+async def test_a_trial_that_stops_reading_lets_go_of_its_log_stream(store: ExperimentStore) -> None:
+    """A trial task that ends before its job (cancelled here; one that failed is re-attached with a
+    new follower) must not leave its follower thread queueing the log for nobody."""
+    jobs = FedJobs()
+    ctl = controller(store, jobs)
+    await ctl.start()
+    await ctl.create(experiment("letgo", max_trials=1, parallel=1, max_failed=0))
+    await asyncio.to_thread(jobs.following.acquire)
+    await ctl.stop()  # the trial's task is cancelled; its job goes on writing
+    jobs.lines.put("loss=1\n")
+    assert await asyncio.to_thread(jobs.dropped.wait, 60)

@@ -299,7 +299,8 @@ GRID_CASES = {
     "one-parameter": (({"min": "0", "max": "1000000", "step": "1"}, {}), "spec.parameters[0].feasibleSpace",
                       "grid over lr (1e+06 values) makes more than 10000 combinations"),
     "product": (({"min": "0", "max": "1", "step": "0.005"}, {"min": "0", "max": "1", "step": "0.005"}),
-                "spec.parameters[1].feasibleSpace", "grid over momentum (201 values) makes more than 10000 combinations"),
+                "spec.parameters[1].feasibleSpace",
+                "grid over momentum (201 values) makes more than 10000 combinations"),
     "tiny-step": (({"step": "1e-320"}, {}), "spec.parameters[0].feasibleSpace", "grid over lr (inf values)"),
     "zero-step": (({"step": "0"}, {}), "spec.parameters[0].feasibleSpace.step", "must be > 0"),
 }

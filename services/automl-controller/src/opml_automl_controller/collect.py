@@ -138,7 +138,7 @@ def _number(raw: object) -> float | None:
         return None
     try:
         value = float(str(raw).strip()) if not isinstance(raw, int | float) else float(raw)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: a JSON integer past a float's range
         return None
     return value if math.isfinite(value) else None
 

@@ -509,6 +509,7 @@ class Controller:
                         await self._retrying(lambda j=trial.job_id: self._jobs.cancel(j), "cancel")
 
         inbox: list[asyncio.Queue] = [asyncio.Queue()]  # the queue a Trace wake-up goes to: the one being read
+        let_go = threading.Event()  # set as this task ends: its log follower stops at the next chunk
         pending = [False]  # a wake-up is queued: more before it is read are one read of the store
 
         def wake() -> None:
@@ -524,7 +525,7 @@ class Controller:
                 observations: dict[str, list[float]] = {m: [] for m in metrics}
                 seen: set[tuple[int, int]] = set()
                 saved_at = time.monotonic()
-                stream = inbox[0] = self._follow(trial.job_id)
+                stream = inbox[0] = self._follow(trial.job_id, let_go)
                 if traced:
                     pending[0] = False
                     wake()  # what was stored before this task (a restart) or this re-read
@@ -561,6 +562,7 @@ class Controller:
                 await observe(observations, await self._trace_tail(record, trial, metrics, seen, inbox, pending),
                               may_prune=False)
         finally:
+            let_go.set()
             self._trace_wakers.pop(trial.job_id, None)
         trial = replace(trial, observations=observations, model_dir=parser.model_dir)
         if frozen_end == "pruned":
@@ -640,16 +642,20 @@ class Controller:
         await self._save_trial(record, spec, trial)
         self._metrics.trial_ended(state, trial.ended_at - trial.started_at if trial.started_at else None)
 
-    def _follow(self, job_id: str) -> asyncio.Queue[tuple[str, Any]]:
+    def _follow(self, job_id: str, let_go: threading.Event) -> asyncio.Queue[tuple[str, Any]]:
         """The job's log as it is written: ("data", text)... then ("end", None) or ("error", exc),
         read on a thread of its own (not the loop's executor: a stream blocks for the job's whole
-        run, and parallel trials would otherwise take every worker the Optuna calls need)."""
+        run, and parallel trials would otherwise take every worker the Optuna calls need). Once
+        ``let_go`` is set (the reader has gone: a trial that failed and is re-attached, or cancelled),
+        the thread drops the stream at its next chunk instead of queueing the log for nobody."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
         def pump() -> None:
             try:
                 for text in self._jobs.follow(job_id):
+                    if let_go.is_set():
+                        return
                     loop.call_soon_threadsafe(queue.put_nowait, ("data", text))
                 loop.call_soon_threadsafe(queue.put_nowait, ("end", None))
             except BaseException as error:  # noqa: BLE001 - carried to the reader
