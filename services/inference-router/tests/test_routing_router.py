@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from opml_common.testing.bus import fresh_metrics, sample
+from opml_common.testing.bus import fresh_metrics, sample, wait_until
 from opml_inference_router.placement.config import ModelConfig
 from opml_inference_router.routing import DeadlineExceeded, ModelPolicy, Replica, ReplicaFailed, Router, wire
 from opml_inference_router.testing import mlp_config
@@ -274,6 +274,35 @@ async def test_canary_split_promote_and_rollback() -> None:
         await router.infer("m", "9", REQUEST)
     with pytest.raises(NotFound):
         await router.infer("other", "", REQUEST)
+
+
+async def test_a_retired_version_is_not_found_at_once_and_its_waiting_requests_are_told() -> None:
+    """A canary rolled back and its replicas removed is no longer served: a request naming it gets
+    NOT_FOUND at once, and one already waiting for its replica is answered NOT_FOUND then, not
+    UNAVAILABLE when its deadline runs out (it held an admission slot all that time)."""
+    replicas = {"v1": FakeReplica("v1", steady(0)), "v2": FakeReplica("v2", steady(0))}
+    metrics, registry = fresh_metrics("inference-router")
+    router = Router(connect=lambda address: replicas[address], metrics=metrics, rng=random.Random(5))
+    router.set_model("m", ModelPolicy(hedge=False))
+    router.add_replica("m", "1", "v1")
+    router.add_replica("m", "2", "v2")
+    router.start_canary("m", "2", 10)
+    router.replica_down("v2", "its worker restarts")
+    waiting = asyncio.create_task(router.infer("m", "2", REQUEST, timeout_s=600.0))
+    await wait_until(lambda: metric(registry, "replica_waits_total", model="m", version="2") >= 1,
+                     what="the request for version 2 waiting for a replica")
+    assert router.rollback("m") == "1"
+    await router.remove_replica("m", "2", "v2")
+    with pytest.raises(NotFound) as error:
+        await waiting
+    assert "no longer served" in error.value.message
+    with pytest.raises(NotFound):
+        await router.infer("m", "2", REQUEST, timeout_s=600.0)
+    assert router.describe("m")["versions"].keys() == {"1"}
+    assert (await router.infer("m", "1", REQUEST)).replica == "v1"
+    router.add_replica("m", "2", "v2")  # deployed again: served again
+    assert (await router.infer("m", "2", REQUEST)).replica == "v2"
+    await router.close()
 
 
 async def test_control_plane_adds_and_removes_replicas_and_shares_connections() -> None:

@@ -181,9 +181,9 @@ class ReplicaPlacer:
             except OpmlError as error:
                 log.error("re-loading %s on restarted worker %s failed: %s", model, worker_id, error.message)
                 continue
+            self.router.add_replica(name, str(number), new)  # first: the version never goes without a replica
             with contextlib.suppress(NotFound):
                 await self.router.remove_replica(name, str(number), old)
-            self.router.add_replica(name, str(number), new)
 
     def policy(self, name: str) -> ModelPolicy:
         """The router's policy for ``name``: its newest config's SLO, limits sized to the planned replicas,

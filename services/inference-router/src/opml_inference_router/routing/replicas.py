@@ -108,6 +108,11 @@ class ReplicaSet:
         """An event set the next time a replica may have become routable (added or marked up)."""
         return self._changed
 
+    def retire(self) -> None:
+        """Wakes every request waiting for a replica of this set: its version is no longer served, so
+        they stop waiting (the router answers them NOT_FOUND)."""
+        self._announce()
+
     def _announce(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()

@@ -139,6 +139,7 @@ class Router:
         model = self._model(name)
         del self._models[name]
         for served in model.versions.values():
+            served.replicas.retire()
             for state in list(served.replicas):
                 await self._drop(served, state.name)
 
@@ -231,6 +232,7 @@ class Router:
         route.split = self._split(route, weights)
         if route.split.only is not None:
             route.stable = route.split.only
+        self._forget_retired(route)
 
     def start_canary(self, model: str, version: str, percent: float) -> None:
         """Send ``percent`` of the traffic to ``version``, the rest to the stable version.
@@ -245,6 +247,7 @@ class Router:
             raise FailedPrecondition(f"model {model!r} has no other stable version to keep serving "
                                      f"{100 - percent}% of its traffic; use promote instead")
         route.split = self._split(route, {route.stable: 100 - percent, version: percent})
+        self._forget_retired(route)
 
     def promote(self, model: str, version: str | None = None) -> str:
         """Give ``version`` (default: the canary) all traffic and make it the stable version.
@@ -261,6 +264,7 @@ class Router:
         self._version(route, version)
         route.split = self._split(route, {version: 1.0})
         route.stable = version
+        self._forget_retired(route)
         return version
 
     def rollback(self, model: str) -> str:
@@ -269,6 +273,7 @@ class Router:
         if route.stable is None:
             raise FailedPrecondition(f"model {model!r} has no stable version to roll back to")
         route.split = self._split(route, {route.stable: 1.0})
+        self._forget_retired(route)
         return route.stable
 
     def describe(self, model: str) -> dict[str, Any]:
@@ -414,6 +419,9 @@ class Router:
                                           "in rotation")
                     raise last_error
                 await self._wait_routable(route, served, deadline)
+                if self._models.get(route.name) is not route or route.versions.get(served.version) is not served:
+                    raise NotFound(f"model {route.name!r} version {served.version!r} is no longer served "
+                                   "(retired while this request waited for a replica)")
                 tried, attempts = [], 0
                 continue
             if tried:
@@ -552,4 +560,19 @@ class Router:
         if state is None:
             return
         served.metrics.untrack(state)
+        route = self._models.get(served.model)
+        if route is not None:
+            self._forget_retired(route)
         await self._give_back(address)
+
+    @staticmethod
+    def _forget_retired(route: _Model) -> None:
+        """Forgets the versions with neither a replica nor traffic, the stable one aside (retired: rolled
+        back, replaced, undeployed): a request naming one gets NOT_FOUND at once instead of waiting out its
+        deadline, holding an admission slot, for a replica that is not coming; and a model deployed many
+        times does not keep every old version. A version comes back with its next replica."""
+        weights = route.split.weights if route.split else {}
+        for version, served in list(route.versions.items()):
+            if not len(served.replicas) and weights.get(version, 0) <= 0 and version != route.stable:
+                del route.versions[version]
+                served.replicas.retire()
