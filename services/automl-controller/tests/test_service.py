@@ -17,6 +17,7 @@ from opml.automl.v1 import events_pb2
 from opml.jobs.v1 import jobs_pb2
 
 from opml_automl_controller.client import ExperimentClient
+from opml_automl_controller.jobs import JobView, OrchestratorJobs
 from opml_automl_controller.topics import EXPERIMENTS
 from opml_bundle_store.client import BundleStoreClient
 from opml_common.errors import InvalidArgument
@@ -123,6 +124,16 @@ def ended(client: ExperimentClient, name: str, *, timeout_s: float = 90) -> pb.E
     poll_until(lambda: client.get(name).status.state not in (pb.EXPERIMENT_STATE_RUNNING,),
                timeout_s=timeout_s, what=f"experiment {name} ends", every_s=0.2)
     return client.get(name)
+
+
+def test_cancelling_a_job_never_submitted_is_nothing_to_cancel(orchestrator) -> None:
+    """A trial killed or deleted before its job was submitted: the experiment's loop and
+    DeleteExperiment cancel it, and must not fail on the orchestrator's NotFound."""
+    jobs = OrchestratorJobs(orchestrator.target, token=TOKENS["writer"])
+    try:
+        assert jobs.cancel("never-abcdef-t0") == JobView("never-abcdef-t0", "cancelled", "never submitted")
+    finally:
+        jobs.close()
 
 
 def test_median_stop_cancels_bad_trials_jobs_and_the_best_is_found(controller, orchestrator, program,

@@ -51,7 +51,8 @@ class TrialJobs(ABC):
 
     @abstractmethod
     def cancel(self, job_id: str) -> JobView:
-        """Cancel the job if it has not ended (its resources are freed at once)."""
+        """Cancel the job if it has not ended (its resources are freed at once). A job that was
+        never submitted is nothing to cancel: it comes back cancelled, with that cause."""
 
     @abstractmethod
     def follow(self, job_id: str) -> Iterator[str]:
@@ -87,13 +88,16 @@ class OrchestratorJobs(TrialJobs):
         return _view(self._client.get(job_id))
 
     def cancel(self, job_id: str) -> JobView:
-        job = self._client.get(job_id)
-        if job.status.state in ENDED:
-            return _view(job)
         try:
-            return _view(self._client.cancel(job_id))
-        except FailedPrecondition:  # it ended between the two calls
-            return _view(self._client.get(job_id))
+            job = self._client.get(job_id)
+            if job.status.state in ENDED:
+                return _view(job)
+            try:
+                return _view(self._client.cancel(job_id))
+            except FailedPrecondition:  # it ended between the two calls
+                return _view(self._client.get(job_id))
+        except NotFound:  # a trial killed or deleted before its job was submitted
+            return JobView(job_id=job_id, state="cancelled", cause="never submitted")
 
     def follow(self, job_id: str) -> Iterator[str]:
         for chunk in self._client.logs(job_id, follow=True):
