@@ -28,6 +28,7 @@ from opml_common.errors import InvalidArgument, NotFound
 from opml_common.events import OutboxEmitter, RecordingEmitter, topic_of
 from opml_common.grpc.client import ServiceClient, pages
 from opml_common.grpc.server import GrpcServer, ServiceRegistration
+from opml_common.grpc.status import field_violations
 from opml_common.lifecycle import Component
 from opml_common.metrics import ServiceMetrics
 from opml_common.outbox import Outbox
@@ -49,6 +50,10 @@ class Jobs(jobs_pb2_grpc.JobServiceServicer):
 
     async def GetJob(self, request, context):
         raise NotFound(f"job {request.name!r} does not exist")
+
+    async def CancelJob(self, request, context):
+        raise InvalidArgument.of([(f"spec.roles.worker.env.VARIABLE_{n}", f"must be under 64 KiB, but got {'x' * 300!r}")
+                                  for n in range(60)])
 
     async def ListJobs(self, request, context):
         start = int(request.page_token or 0)
@@ -110,6 +115,26 @@ async def test_invalid_argument_carries_every_field_violation_as_bad_request(job
     assert status.details[0].Unpack(bad_request)
     assert [(v.field, v.description) for v in bad_request.field_violations] == [
         ("spec.name", "must not be empty"), ("spec.roles.worker.replicas", "must be >= 1, but got 0")]
+
+
+async def test_many_violations_or_a_long_message_stay_their_code_within_the_metadata_limit(jobs_target: str) -> None:
+    """60 violations of 350 characters each (21 KiB of text), or a 40 KiB name in a NotFound, would pass
+    gRPC's 16 KiB metadata limit (the client then gets RESOURCE_EXHAUSTED, naming nothing): the first
+    violations are sent whole and the rest counted, the code stays."""
+    async with grpc.aio.insecure_channel(jobs_target) as channel:
+        stub = jobs_pb2_grpc.JobServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as invalid:
+            await stub.CancelJob(jobs_pb2.CancelJobRequest(name="jobs/j"))
+        with pytest.raises(grpc.aio.AioRpcError) as missing:
+            await stub.GetJob(jobs_pb2.GetJobRequest(name="jobs/" + "n" * 40_000))
+    error = invalid.value
+    assert error.code() is grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert error.details().startswith("spec.roles.worker.env.VARIABLE_0: must be under 64 KiB")
+    violations = field_violations(error)
+    assert 1 <= len(violations) < 60 and violations[0][0] == "spec.roles.worker.env.VARIABLE_0"
+    assert error.details().endswith(f"; and {60 - error.details().count('VARIABLE_')} more")
+    assert missing.value.code() is grpc.StatusCode.NOT_FOUND
+    assert missing.value.details().startswith("job 'jobs/nnn") and missing.value.details().endswith("...")
 
 
 async def test_the_client_rebuilds_domain_errors_with_their_fields(jobs_target: str) -> None:

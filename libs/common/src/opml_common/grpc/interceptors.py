@@ -22,7 +22,7 @@ from grpc.aio import AbortError
 
 from opml_common.config import ROLES, TokenGrant
 from opml_common.errors import OpmlError
-from opml_common.grpc.status import trailing_details
+from opml_common.grpc.status import trailing_details, wire_message
 from opml_common.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
@@ -294,7 +294,8 @@ class _CallRecord:
             raise exc
         if isinstance(exc, OpmlError):
             self.code = exc.code
-            await self.context.abort(grpc.StatusCode[exc.code], exc.message, trailing_metadata=trailing_details(exc))
+            await self.context.abort(grpc.StatusCode[exc.code], wire_message(exc),
+                                     trailing_metadata=trailing_details(exc))
         if isinstance(exc, _REDIS_UNREACHABLE):  # Redis restarting or gone: the caller may retry, not a bug
             self.code = "UNAVAILABLE"
             log.warning("%s: Redis is unreachable (%s)", self.method, type(exc).__name__)
