@@ -265,6 +265,23 @@ async def test_canary_promote_and_rollback_through_the_rpcs(deployments, tmp_pat
             client.close()
 
 
+async def test_a_specific_version_policy_keeps_the_versions_it_names_that_serve(deployments, tmp_path: Path) -> None:
+    """``version_policy: specific`` may name versions not deployed yet: deploying version 1 of a model
+    that names versions 1 and 2 serves it, and version 2's deploy keeps version 1 serving beside it."""
+    manager = deployments.manager
+    for seed in (1, 2):
+        bundle = _bundle(tmp_path, "pinned", seed=seed)
+        config = yaml.safe_load((bundle / "model.yaml").read_text())
+        config["version_policy"] = {"specific": {"versions": [1, 2]}}
+        (bundle / "model.yaml").write_text(yaml.safe_dump(config))
+        record = await manager.deploy(Source(model_dir=str(bundle)))
+    assert {number: entry.state for number, entry in record.versions.items()} == {1: "SERVING", 2: "SERVING"}
+    assert record.stable == 2
+    assert {(await _infer(manager.router, "pinned", seed))[0] for seed in range(10)} == {"2"}
+    routed = await manager.router.infer("pinned", "1", _request("pinned", version="1"), timeout_s=10)
+    assert routed.version == "1"
+
+
 async def test_a_measured_p99_above_the_slo_re_places_the_model(deployments, tmp_path: Path) -> None:
     manager, emitted = deployments.manager, deployments.emitted
     model = ModelVersion("drifty", 1)

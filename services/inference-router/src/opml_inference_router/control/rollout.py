@@ -63,7 +63,7 @@ class Rollout:
         if record.stable is None or not serving:
             return []
         policy = record.versions[record.stable].config.version_policy  # type: ignore[union-attr]
-        keep = set(policy.select(serving)) | {record.stable} | {int(v) for v in self.percent(record.name)}
+        keep = policy.keeps(serving) | {record.stable} | {int(v) for v in self.percent(record.name)}
         return [number for number in serving if number not in keep]
 
     def record_split(self, record: ModelRecord) -> None:

@@ -177,6 +177,13 @@ class VersionPolicy(_Schema):
             return tuple(sorted(self.specific.versions))
         return tuple(versions)
 
+    def keeps(self, serving: Sequence[int]) -> set[int]:
+        """Which of the ``serving`` versions the policy keeps serving: unlike :meth:`select`, never
+        raises (``specific`` may name versions not deployed yet; the serving ones it names are kept)."""
+        if self.specific is not None:
+            return set(serving) & set(self.specific.versions)
+        return set(self.select(serving)) if serving else set()
+
 
 class ModelConfig(_Schema):
     """What a model needs to be served; the bundle holds it beside the ONNX file."""
