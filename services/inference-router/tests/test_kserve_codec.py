@@ -63,6 +63,17 @@ def test_typed_contents_are_decoded() -> None:
     assert decoded["x"].dtype == np.int32
 
 
+def test_typed_contents_out_of_range_for_the_datatype_name_the_input() -> None:
+    config = ModelConfig.from_dict({**UNBATCHED.model_dump(), "inputs": [
+        {"name": "x", "data_type": "int8", "dims": [2, -1]}]})
+    request = pb.ModelInferRequest(model_name="scalar")
+    tensor = request.inputs.add(name="x", datatype="INT8", shape=[2, 1])
+    tensor.contents.int_contents.extend([1, 1000])
+    with pytest.raises(InvalidArgument) as caught:
+        decode_inputs(request, config, max_batch=1)
+    assert str(caught.value) == "inputs[x]: contents.int_contents holds a value out of range for INT8"
+
+
 def test_wrong_datatype_names_the_input_and_the_expected_form() -> None:
     sent = image_inputs(1)
     sent["image"] = np.zeros((1, 3, 224, 224), dtype=np.int64)

@@ -224,7 +224,11 @@ def from_contents(contents: pb.InferTensorContents, datatype: Datatype, shape: S
         array = np.empty(count, dtype=np.object_)
         array[:] = list(values)
         return array.reshape(shape)
-    return np.asarray(values, dtype=datatype.numpy).reshape(shape)
+    try:
+        return np.asarray(values, dtype=datatype.numpy).reshape(shape)
+    except OverflowError:  # an INT8 value sent in the int32 field, a UINT16 one in uint32: numpy refuses
+        raise InvalidArgument(field, f"contents.{datatype.contents_field} holds a value out of range for "
+                                     f"{datatype.kserve}") from None
 
 
 def _decode_tensors(tensors, raw: Sequence[bytes], kind: str, message: str) -> dict[str, np.ndarray]:
