@@ -4,6 +4,7 @@ version or of an unknown one is rejected whole; predictions of other layouts in 
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,14 +33,17 @@ from opml_monitoring_scorer.synthetic import SyntheticWorld
 CONFIG = b"features: {x: [x0, x1, x2, x3]}\nwindow: {count: 100}\n"
 
 
-def prediction(i: int, rows: int = 1, *, version: str = "1", color: bool = True) -> events_pb2.PredictionMade:
+def prediction(i: int, rows: int = 1, *, version: str = "1", color: bool = True, text: bool = False,
+               classes: int = 2) -> events_pb2.PredictionMade:
+    """One-row (or ``rows``) request; ``text``: its x tensor BYTES; ``classes``: how many scores per row."""
     rng = np.random.default_rng(i)
     p = rng.uniform(size=(rows, 1)).astype(np.float32)
-    inputs = {"x": rng.normal(size=(rows, 4)).astype(np.float32)}
+    inputs = {"x": np.array([[b"a"] * 4] * rows, dtype=object) if text else rng.normal(size=(rows, 4)).astype(np.float32)}
     if color:
         inputs["color"] = np.array([[b"red"]] * rows, dtype=object)
     request = encode_request("m", inputs, request_id=f"r{i}")
-    response = encode_outputs(pb.ModelInferResponse(id=f"r{i}"), {"probabilities": np.hstack([1 - p, p])})
+    scores = np.hstack([1 - p, p, *[np.zeros_like(p)] * (classes - 2)])
+    response = encode_outputs(pb.ModelInferResponse(id=f"r{i}"), {"probabilities": scores})
     made = events_pb2.PredictionMade(request_id=f"r{i}", model_name="m", model_version=version,
                                      infer_request=request.SerializeToString(),
                                      infer_response=response.SerializeToString())
@@ -60,10 +64,13 @@ def batch_of(*predictions: events_pb2.PredictionMade) -> events_pb2.PredictionBa
 
 
 @pytest.fixture
-async def stream(tmp_path: Path):
+def files() -> dict[str, bytes]:
     world = SyntheticWorld(Task.BINARY, seed=5)
-    files = {"reference.npz": dump_reference(world.reference(500)), "monitoring.yaml": CONFIG}
+    return {"reference.npz": dump_reference(world.reference(500)), "monitoring.yaml": CONFIG}
 
+
+@pytest.fixture
+async def stream(tmp_path: Path, files: dict[str, bytes]):
     async def load(context: str, ref: str):
         return "uuid-1", files
 
@@ -145,3 +152,69 @@ def test_a_record_with_a_bad_prediction_or_of_other_versions_is_rejected_whole(s
                              for k, v in wrong.message.headers]
     (rejected,) = decode_records(stream, [wrong])
     assert isinstance(rejected, InvalidArgument) and rejected.field == "ce_type"
+
+
+def test_a_record_that_disagrees_with_the_reference_is_rejected_with_the_reason(stream) -> None:
+    """Text where the reference's features are numbers, or scores of three classes for a binary model,
+    decode; they are rejected when they come, not when their window's estimators fail."""
+    items = decode_records(stream, [record(prediction(0), 0), record(prediction(1, text=True), 1),
+                                    record(prediction(2, classes=3), 2),
+                                    record(batch_of(prediction(3), prediction(4, text=True)), 3),
+                                    record(prediction(5), 4)])
+    assert isinstance(items[1], InvalidArgument) and items[1].field == "features.x0"
+    assert "is categorical, but the reference's is numeric" in str(items[1])
+    assert isinstance(items[2], InvalidArgument) and items[2].field == "infer_response.outputs"
+    assert "scores of 3 classes, but the reference's have 2" in str(items[2])
+    assert isinstance(items[3], InvalidArgument) and items[3].field == "predictions[1].features.x0"
+    assert [rows_of(items[i]).request_ids for i in (0, 4)] == [["r0"], ["r5"]]
+
+
+class Table:
+    """The ``windows`` table as the stream's close uses it: a dict, and a changelog send."""
+
+    def __init__(self) -> None:
+        self.data: dict = {}
+        self.changelog_topic = self
+        self.key_serializer = self.value_serializer = None
+
+    def get(self, key: str):
+        return self.data.get(key)
+
+    async def send(self, **kwargs):
+        sent = asyncio.get_running_loop().create_future()
+        sent.set_result(None)
+        return sent
+
+
+class Publisher:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict]] = []
+
+    async def send_raw(self, topic: str, value: bytes, *, key: bytes, headers: list) -> None:
+        self.sent.append((topic, dict(headers)))
+
+
+@pytest.mark.parametrize("files", [{"monitoring.yaml": b"window: {count: 10}\n"}])
+async def test_a_window_that_cannot_be_scored_is_dead_lettered_and_the_version_scores_on(stream) -> None:
+    """No reference to check records against as they come: the first window mixes scores of two and
+    three classes, which no estimator can read. It used to raise at every close (the agent crashed, was
+    fed the same records again, and crashed again): now its records are dead-lettered with the reason
+    and the next window is scored."""
+    acked: list[int] = []
+    events = []
+    for i in range(20):
+        event = record(prediction(i, classes=3 if 5 <= i < 10 else 2), i)
+        event.message.generation_id = 1
+        event.ack = lambda offset=i: acked.append(offset)
+        events.append(event)
+    stream.app = SimpleNamespace(flow_control=SimpleNamespace(is_active=lambda: True), consumer_generation_id=1)
+    stream.windows = Table()
+    stream.publisher = publisher = Publisher()
+    await stream._on_batch(events)
+    assert [topic for topic, _ in publisher.sent] == ["opml.predictions.v1.dlq"] * 10
+    assert [int(h["opml_source_offset"]) for _, h in publisher.sent] == list(range(10))
+    assert all(b"window 0 of m/1 cannot be scored" in h["opml_error"] for _, h in publisher.sent)
+    assert await stream.scorer.store.get_window("m/1", 0) is None
+    assert (await stream.scorer.store.get_window("m/1", 1))["rows"] == 10, "the next window is scored"
+    assert stream.windows.data["m/1"] == {"index": 2, "partition": 0, "through": 19}
+    assert acked == list(range(20))

@@ -13,7 +13,8 @@ class ScorerMetrics:
         self.predictions = metrics.counter("predictions_total", "Predictions scored, per model version.", mv)
         self.rejected = metrics.counter(
             "predictions_rejected_total", "Predictions dead-lettered: unknown_model (no monitoring registered), "
-            "malformed (the event or its KServe v2 messages do not decode).", ("reason",))
+            "malformed (the event or its KServe v2 messages do not decode, or disagree with the reference), "
+            "unscorable (the records of a window the estimators failed on).", ("reason",))
         self.windows = metrics.counter("windows_total", "Windows closed and scored.", mv)
         self.score = metrics.gauge("window_score", "Quality score of the last closed window (0..1).", mv)
         self.estimate = metrics.gauge(
@@ -35,7 +36,7 @@ class ScorerMetrics:
                                       "prediction), duplicate, malformed.", ("outcome",))
         self.recalibrations = metrics.counter("mpp_recalibrations_total", "MPP refits from live labels.", mv)
         self.registered = metrics.gauge("models_monitored", "Model versions monitored.")
-        for reason in ("unknown_model", "malformed"):  # series at 0 from the start: a rate, not a gap
+        for reason in ("unknown_model", "malformed", "unscorable"):  # series at 0 from the start: a rate, not a gap
             self.rejected.labels(reason)
         for outcome in ("joined", "parked", "duplicate", "malformed"):
             self.labels.labels(outcome)

@@ -8,8 +8,9 @@ what is queued for a version as one record: faust's costs are per record, so thi
 one-row requests be scored at more than a few thousand per second). The predictions of one version
 in a batch of records are decoded together (their tensors stacked, one numpy call per tensor; if that
 fails, record by record, then prediction by prediction); a malformed record (one of its predictions
-does not decode, or is of another version than the first), or one of a model nobody registered, goes
-whole to the topic's dead-letter topic with the reason, and the stream flows on. Each record's rows
+does not decode, is of another version than the first, or disagrees with the version's reference), or
+one of a model nobody registered, goes whole to the topic's dead-letter topic with the reason, and the
+stream flows on; so do the records of a window the estimators cannot score (``Unscorable``). Each record's rows
 (ranges of its version's decode) are appended, whole, to its version's open window: **a record
 belongs to the window open when it comes**, and the window is closed and scored after the record
 that brings it to ``window.count`` rows (so a window holds ``count`` to ``count`` + the record's rows
@@ -70,9 +71,9 @@ from opml_common.bus import EventPublisher
 from opml_common.bus.cloudevents import CloudEvent
 from opml_common.bus.security import kafka_client_kwargs
 from opml_common.config import PlatformSettings
-from opml_common.errors import InvalidArgument
+from opml_common.errors import InvalidArgument, brief
 from opml_monitoring_scorer.core.decode import Batch
-from opml_monitoring_scorer.core.scorer import Joinable, Scorer, model_version
+from opml_monitoring_scorer.core.scorer import Joinable, Scorer, Unscorable, model_version
 from opml_monitoring_scorer.core.summary import PredictionSummary
 from opml_monitoring_scorer.metrics import ScorerMetrics
 from opml_monitoring_scorer.topics import LABELS, PREDICTIONS
@@ -190,6 +191,17 @@ class Held:
             event = order.popleft()[0]
             del self._by_offset[event.message.offset]
             event.ack()
+
+
+def _rows(key: str, window: OpenWindow) -> Batch:
+    """Raises: Unscorable: its records' tensors differ in layout (a version without a reference has
+    none to check them against as they come)."""
+    try:
+        return Batch.concat([batch.rows(start, stop) for batch, start, stop in window.parts],
+                            summary_only=window.summary_only, summaries=window.summaries)
+    except ValueError as exc:
+        raise Unscorable(f"window {window.index} of {key} cannot be scored: its records' tensors differ in "
+                         f"layout: {brief(str(exc), 300)}") from exc
 
 
 def _credentials(platform: PlatformSettings) -> Any:
@@ -606,9 +618,10 @@ class ScoringStream:
         and opens the next. A close replayed after a crash rewrites the same window (the scorer saves
         by index, steps rules once)."""
         await self._flush_joins()  # a label that came first is applied before the window reads its truth
-        rows = Batch.concat([batch.rows(start, stop) for batch, start, stop in window.parts],
-                            summary_only=window.summary_only, summaries=window.summaries)
-        await self.scorer.score_window(key, window.index, rows, window.first, window.last)
+        try:
+            await self.scorer.score_window(key, window.index, _rows(key, window), window.first, window.last)
+        except Unscorable as exc:
+            await self._unscorable(window, exc)
         progress = {"index": window.index + 1, "partition": window.partition, "through": window.last_offset}
         # Sent to the changelog and awaited (the broker has it, acks=all) before the window's events
         # are acked: faust's commit flushes its producer buffer for at most 0.1 s, so a table write
@@ -626,6 +639,16 @@ class ScoringStream:
         if self._open.get(key) is window:
             self._open[key] = following
         return following
+
+    async def _unscorable(self, window: OpenWindow, error: Unscorable) -> None:
+        """A window its estimators cannot score goes to the dead-letter topic, record by record, with the
+        reason, and is closed without a score: retried, it would fail on every close and replay, and
+        its version would never be scored again."""
+        log.error("%s; its %d records dead-lettered", error, len(window.events))
+        self.metrics.rejected.labels("unscorable").inc(len(window.events))
+        topic = PREDICTIONS.dead_letter(self.platform.topic_prefix)
+        for event in window.events:
+            await self._dead_letter(topic, event.message, error)
 
     async def _on_label(self, event: Any) -> None:
         message = event.message

@@ -23,13 +23,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from opml_common.errors import InvalidArgument
 from opml_monitoring_scorer.core.cbpe import ConfidenceEstimator
 from opml_monitoring_scorer.core.config import MonitoringConfig
 from opml_monitoring_scorer.core.decode import Batch
 from opml_monitoring_scorer.core.drift import ColumnDrift, DriftSuite, FeatureDrift
 from opml_monitoring_scorer.core.mpp import MPP
 from opml_monitoring_scorer.core.quality import DataQuality, QualityChecker
-from opml_monitoring_scorer.core.reference import ReferenceSet, Task, performance
+from opml_monitoring_scorer.core.reference import ReferenceSet, Task, is_categorical, performance
 from opml_monitoring_scorer.core.summary import SummaryDrift
 
 OUTPUT = "__output__"
@@ -95,6 +96,28 @@ class ModelMonitor:
         else:
             self.limitations.append("the reference has no labels: no performance estimate (MPP, CBPE), "
                                     "drift and data quality only")
+
+    def check(self, batch: Batch) -> None:
+        """Checks a prediction's rows against the reference when it arrives: a column of another kind
+        or scores of another width would pass the decode and break every estimator at the window's
+        close, again on every replay.
+
+        Raises:
+            InvalidArgument: a feature is categorical where the reference's is numeric, or the other
+                way, or the scores hold another number of classes than the reference's.
+        """
+        problems = []
+        for name, column in batch.features.items():
+            reference = self.reference.features.get(name)
+            if reference is not None and is_categorical(column) != is_categorical(reference):
+                kinds = ("categorical", "numeric") if is_categorical(column) else ("numeric", "categorical")
+                problems.append((f"features.{name}", f"is {kinds[0]}, but the reference's is {kinds[1]}"))
+        scores, expected = batch.outputs.class_scores(), self.reference.outputs.class_scores()
+        if scores is not None and expected is not None and scores.shape[1] != expected.shape[1]:
+            problems.append(("infer_response.outputs", f"hold scores of {scores.shape[1]} classes, but the "
+                                                      f"reference's have {expected.shape[1]}"))
+        if problems:
+            raise InvalidArgument.of(problems)
 
     def score(self, batch: Batch, *, index: int, first_time: float, last_time: float) -> WindowScore:
         """Scores one window's rows."""

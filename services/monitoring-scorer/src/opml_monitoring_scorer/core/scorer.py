@@ -119,6 +119,10 @@ class Monitored:
         return model_version(self.model, self.version)
 
 
+class Unscorable(Exception):
+    """A window the estimators cannot score: it would fail the same way on every retry."""
+
+
 class Scorer:
     """Side effects: ``restore()`` rebuilds every registered version's monitor from its bundle."""
 
@@ -255,21 +259,32 @@ class Scorer:
 
     # ------------------------------------------------------------------ the stream's calls
     def decode(self, monitored: Monitored, event: inference_events.PredictionMade) -> Batch:
-        """Raises: InvalidArgument: the KServe v2 messages do not decode (the stream dead-letters it)."""
+        """Raises: InvalidArgument: the KServe v2 messages do not decode, or their columns or scores
+        disagree with the reference (:meth:`ModelMonitor.check`); the stream dead-letters it."""
         config = monitored.config
         task = monitored.monitor.task if monitored.monitor else (config.task or Task.MULTICLASS)
-        return decode_prediction(event, task=task, feature_names=config.feature_names,
-                                 scores_output=config.scores_output, predicted_output=config.predicted_output)
+        return self._checked(monitored, decode_prediction(
+            event, task=task, feature_names=config.feature_names, scores_output=config.scores_output,
+            predicted_output=config.predicted_output))
 
     def decode_many(self, monitored: Monitored, events: Sequence[inference_events.PredictionMade],
                     ) -> tuple[Batch, list[int]]:
         """Events of one version decoded together: their rows, and each event's row count.
 
-        Raises: InvalidArgument: one does not decode, or their layouts differ (decode them one by one)."""
+        Raises: InvalidArgument: one does not decode or disagrees with the reference, or their layouts
+            differ (decode them one by one)."""
         config = monitored.config
         task = monitored.monitor.task if monitored.monitor else (config.task or Task.MULTICLASS)
-        return decode_predictions(events, task=task, feature_names=config.feature_names,
-                                  scores_output=config.scores_output, predicted_output=config.predicted_output)
+        batch, counts = decode_predictions(events, task=task, feature_names=config.feature_names,
+                                           scores_output=config.scores_output,
+                                           predicted_output=config.predicted_output)
+        return self._checked(monitored, batch), counts
+
+    @staticmethod
+    def _checked(monitored: Monitored, batch: Batch) -> Batch:
+        if monitored.monitor is not None:  # none yet: the first window becomes the reference
+            monitored.monitor.check(batch)
+        return batch
 
     async def close_window(self, key: str, index: int, events: list[bytes], first_time: float,
                            last_time: float) -> WindowScore | None:
@@ -286,17 +301,22 @@ class Scorer:
     async def score_window(self, key: str, index: int, batch: Batch, first_time: float | None,
                            last_time: float | None) -> WindowScore | None:
         """Scores a closed window (its events' rows, decoded as they arrived), saves it, steps the rules
-        (once per window: a replayed close does not step them again) and emits the alerts' changes."""
+        (once per window: a replayed close does not step them again) and emits the alerts' changes.
+
+        Raises: Unscorable: the estimators fail on its rows (what the store raises propagates)."""
         started = time.perf_counter()
         monitored = self.get(key)
-        if monitored.monitor is None:
-            if not len(batch):
-                return None
-            monitored.monitor = await asyncio.to_thread(_bootstrap_monitor, batch, monitored.config)
         first_time = first_time if first_time is not None else 0.0
         last_time = last_time if last_time is not None else first_time
-        score = await asyncio.to_thread(monitored.monitor.score, batch, index=index, first_time=first_time,
-                                        last_time=last_time)
+        try:
+            if monitored.monitor is None:
+                if not len(batch):
+                    return None
+                monitored.monitor = await asyncio.to_thread(_bootstrap_monitor, batch, monitored.config)
+            score = await asyncio.to_thread(monitored.monitor.score, batch, index=index, first_time=first_time,
+                                            last_time=last_time)
+        except Exception as exc:  # noqa: BLE001 - pure computation: it would fail again on a retry
+            raise Unscorable(f"window {index} of {key} cannot be scored: {brief(str(exc), 300)}") from exc
         labelled, total = await self.store.truth(key, index)
         if labelled:
             score.labelled, score.true = labelled, total / labelled
