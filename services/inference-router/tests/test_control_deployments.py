@@ -282,6 +282,25 @@ async def test_a_specific_version_policy_keeps_the_versions_it_names_that_serve(
     assert routed.version == "1"
 
 
+async def test_a_version_number_out_of_range_is_refused_and_reported(deployments, tmp_path: Path) -> None:
+    """A version past int32 (an autodeploy tag, a typo) would be given once and leave no next number:
+    refused naming ``version``, and DeployFailed still goes out (with no version: it was not valid)."""
+    manager, emitted = deployments.manager, deployments.emitted
+    for version in (2**31, 10**20):
+        with pytest.raises(InvalidArgument) as caught:
+            await manager.deploy(Source(model_dir=str(_bundle(tmp_path, "huge"))), version=version)
+        assert caught.value.field == "version" and str(2**31 - 1) in caught.value.message
+    failed = [m for _, m in emitted if isinstance(m, events.DeployFailed)]
+    assert [(m.code, m.version) for m in failed] == [("INVALID_ARGUMENT", 0)] * 2
+    assert "huge" not in manager.models
+    record = await manager.deploy(Source(model_dir=str(_bundle(tmp_path, "huge"))), version=2**31 - 1)
+    assert list(record.versions) == [2**31 - 1]
+    with pytest.raises(FailedPrecondition, match="every version number"):
+        await manager.deploy(Source(model_dir=str(_bundle(tmp_path, "huge", seed=1))))
+    last = [m for _, m in emitted if isinstance(m, events.DeployFailed)][-1]
+    assert last.code == "FAILED_PRECONDITION"
+
+
 async def test_a_measured_p99_above_the_slo_re_places_the_model(deployments, tmp_path: Path) -> None:
     manager, emitted = deployments.manager, deployments.emitted
     model = ModelVersion("drifty", 1)

@@ -171,7 +171,7 @@ class DeploymentManager:
         """
         problem = deploy_arguments(version, canary_percent)
         if problem is not None:
-            self.report_failure(source, problem, version=version)
+            self.report_failure(source, problem, version=version if problem.field != "version" else 0)
             raise problem
         async with self._lock:
             try:
@@ -184,7 +184,7 @@ class DeploymentManager:
             record = self.models.get(config.name) or ModelRecord(config.name)
             try:
                 number = self._versions.choose(record, version)
-            except InvalidArgument as error:
+            except (InvalidArgument, FailedPrecondition) as error:
                 self.report_failure(source, error, version=version)
                 raise
             await self._versions.give(config.name, number)

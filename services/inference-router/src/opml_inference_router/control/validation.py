@@ -6,11 +6,16 @@ from __future__ import annotations
 from opml_common.errors import FailedPrecondition, InvalidArgument
 from opml_inference_router.placement import Fleet, ModelConfig
 
+MAX_VERSION = 2**31 - 1
+"""The highest version number: a model's versions travel as int64 in events and requests, and the next
+one is always the highest given + 1, so an unbounded number given once would leave no next one."""
+
 
 def deploy_arguments(version: int, canary_percent: float) -> InvalidArgument | None:
     """The first problem with a deploy's arguments, or None."""
-    if version < 0:
-        return InvalidArgument("version", f"must be >= 1, or 0 for the next version, but got {version}")
+    if not 0 <= version <= MAX_VERSION:
+        return InvalidArgument("version", f"must be in [1, {MAX_VERSION}], or 0 for the next version, "
+                                          f"but got {version}")
     if not 0 <= canary_percent < 100:
         return InvalidArgument("canary_percent", f"must be in [0, 100) (0: all traffic), but got {canary_percent}")
     return None

@@ -4,8 +4,9 @@ written before the deploy acts."""
 
 from __future__ import annotations
 
-from opml_common.errors import AlreadyExists, InvalidArgument
+from opml_common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from opml_inference_router.control.state import SERVING, DeploymentStore, ModelRecord
+from opml_inference_router.control.validation import MAX_VERSION
 
 
 class VersionNumbers:
@@ -26,9 +27,13 @@ class VersionNumbers:
         Raises:
             AlreadyExists: that version serves.
             InvalidArgument: the number was given before (only a failed version may be deployed again).
+            FailedPrecondition: the model has given every version number.
         """
         last = max(self._last.get(record.name, 0), max(record.versions, default=0))
         number = requested or last + 1
+        if number > MAX_VERSION:
+            raise FailedPrecondition(f"models/{record.name} has given every version number up to {MAX_VERSION}; "
+                                     "deploy it under another name")
         existing = record.versions.get(number)
         if existing is not None and existing.state == SERVING:
             raise AlreadyExists(f"models/{record.name}/versions/{number} already serves; deploy another "
