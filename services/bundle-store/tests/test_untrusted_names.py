@@ -22,6 +22,7 @@ from opml.bundles.v1 import bundles_pb2 as pb
 
 from opml_bundle_store.client import BundleStoreClient
 from opml_bundle_store.core import BundleStore
+from opml_bundle_store.core.convert import bundle_to_proto
 from opml_bundle_store.core.model import FileEntry, RejectedManifest, compute_content_hash
 from opml_bundle_store.core.remote import S3Remote
 from opml_common.config import PlatformSettings
@@ -115,6 +116,40 @@ def test_forged_manifests_are_skipped_one_by_one_and_never_shadow_a_name(stores,
 
     rejected.clear()  # a second pull finds nothing new and reports the forgeries again
     assert b.pull("ctx", localize=localize) == [] and len(rejected) == len(expected)
+
+
+def test_manifests_with_sizes_or_ints_out_of_int64_are_skipped_and_the_context_still_reads(
+        stores, s3: Minio, remote_url: str) -> None:
+    """A size of 1e20 was recorded and then failed every List/Get of the context (INTERNAL: no int64
+    holds it); a size of Infinity failed the whole pull. Each such manifest is now skipped with why."""
+    a, b, rejected = stores
+    real = _add(a, "model", {"w.bin": b"real weights"})
+    a.push("ctx")
+    remote = S3Remote(s3, remote_url)
+    entry = real.to_manifest(local_state=False)["files"][0]
+
+    def forged(files: list[dict], values: dict | None = None) -> str:
+        """The key of a manifest planted with these files and int values, its content hash right
+        (sizes are not hashed)."""
+        u = str(uuid.uuid4())
+        doc = {**real.to_manifest(local_state=False), "uuid": u, "files": files,
+               "values": {k: {"int": v} for k, v in (values or {}).items()},
+               "content_hash": compute_content_hash([FileEntry(f["path"], f["sha256"], 0) for f in files],
+                                                    values or {})}
+        _put(s3, remote, remote.manifest_key("model", u), json.dumps(doc).encode())
+        return remote.manifest_key("model", u)
+
+    expected = {
+        forged([{**entry, "size": 1e20}]): "unreadable",
+        forged([{**entry, "size": float("inf")}]): "unreadable",  # json writes Infinity
+        forged([{**entry, "size": 2**64}]): "invalid",
+        forged([{**entry, "size": -1}]): "invalid",
+        forged([{**entry, "size": 2**62}, {**entry, "path": "v.bin", "size": 2**62}]): "invalid",
+        forged([entry], {"n": 2**70}): "invalid",
+    }
+    assert [p.uuid for p in b.pull("ctx")] == [real.uuid]
+    assert {r.key: r.reason for r in rejected} == expected
+    assert [bundle_to_proto(x).uuid for x in b.list_bundles("ctx")] == [real.uuid]
 
 
 def test_a_planted_local_manifest_with_a_non_canonical_uuid_is_never_loaded(tmp_path: Path) -> None:

@@ -175,7 +175,7 @@ class Bundle:
                 uuid=str(doc["uuid"]),
                 tags={str(k): str(v) for k, v in (doc.get("tags") or {}).items()},
                 files=tuple(
-                    FileEntry(str(f["path"]), str(f["sha256"]), int(f["size"]),
+                    FileEntry(str(f["path"]), str(f["sha256"]), _int_from_json(f["size"], "a file's size"),
                               str(f.get("media_type") or DEFAULT_MEDIA_TYPE))
                     for f in doc["files"]
                 ),
@@ -195,7 +195,7 @@ class Bundle:
                 remote_url=doc.get("remote_url") or None,
                 localized=bool(doc.get("localized", False)),
             )
-        except (KeyError, TypeError, AttributeError) as exc:
+        except (KeyError, TypeError, AttributeError, OverflowError) as exc:  # a float value of 400 digits
             raise ValueError(f"malformed manifest: {exc!r}") from exc
 
     @classmethod
@@ -248,7 +248,8 @@ class RejectedManifest:
 
 REJECT_REASONS = ("key", "unreadable", "invalid", "mismatch", "content_hash")
 """Why a remote manifest is refused: its key names no canonical UUID and valid bundle name; it
-is not a manifest (JSON, format, fields); its uuid, name, paths or hashes break the rules; it
+is not a manifest (JSON, format, fields); its uuid, name, paths, hashes, sizes or int values break
+the rules (a size or an int out of the int64 the API carries); it
 describes another bundle than its key names; its content_hash does not match its files and values."""
 
 
@@ -308,7 +309,7 @@ def _decode_value(doc: Any) -> Value:
     if kind == "bool":
         return bool(raw)
     if kind == "int":
-        return int(raw)
+        return _int_from_json(raw, "an int value")
     if kind == "float":
         return float(raw)
     if kind == "str":
@@ -316,6 +317,14 @@ def _decode_value(doc: Any) -> Value:
     if kind == "bytes":
         return base64.b64decode(raw)
     raise ValueError(f"unknown value type {kind!r}")
+
+
+def _int_from_json(raw: Any, what: str) -> int:
+    """An integer a manifest holds, as written (a number with a fraction or an exponent, 1e20 or
+    Infinity, is no integer, not even rounded). Its range is the reader's to check."""
+    if isinstance(raw, bool) or not isinstance(raw, int):
+        raise ValueError(f"{what} must be an integer, but got {_short(raw)}")
+    return raw
 
 
 def _time_to_json(value: datetime | None) -> str | None:

@@ -14,6 +14,8 @@ from typing import Any
 from opml_bundle_store.core.context import ContextState
 from opml_bundle_store.core.events import BundleEvents
 from opml_bundle_store.core.model import (
+    INT64_MAX,
+    INT64_MIN,
     Bundle,
     RejectedManifest,
     TransferProgress,
@@ -248,7 +250,8 @@ def _unique_blobs(bundles: list[Bundle]) -> list[BlobRef]:
 def _parse_remote_manifest(remote: S3Remote, item: Any, context_id: str) -> Bundle:
     """Fetch and verify one remote manifest: its key names a canonical UUID and a valid bundle
     name, the manifest is well-formed and describes that bundle, its paths follow the rules of
-    an add, its hashes are lowercase sha256 and its content hash is right.
+    an add, its hashes are lowercase sha256, its sizes and int values fit the API's int64 (a
+    bundle recorded with more would fail every later read of its context) and its content hash is right.
 
     Raises: _Rejected (a DataLoss saying why), Unavailable and the rest of what S3 may raise.
     """
@@ -277,6 +280,13 @@ def _parse_remote_manifest(remote: S3Remote, item: Any, context_id: str) -> Bund
                     if not _SHA256.fullmatch(entry.sha256))
     problems.extend(f"lineage.input_uuids has {uuid!r}, not a canonical UUID"
                     for uuid in bundle.lineage.input_uuids if not is_uuid(uuid))
+    problems.extend(f"files[{index}].size {entry.size} is not in [0, {INT64_MAX}]"
+                    for index, entry in enumerate(bundle.files) if not 0 <= entry.size <= INT64_MAX)
+    if bundle.size > INT64_MAX:
+        problems.append(f"its files total {bundle.size} bytes, more than {INT64_MAX}")
+    problems.extend(f"values[{key}] {value} does not fit in a signed 64-bit integer"
+                    for key, value in bundle.values.items()
+                    if type(value) is int and not INT64_MIN <= value <= INT64_MAX)
     if problems:
         raise _Rejected("invalid", f"{where} is corrupt: {'; '.join(problems[:5])}"
                                    + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
