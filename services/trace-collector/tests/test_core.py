@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import io
 import json
 import re
 from collections.abc import AsyncIterator
@@ -14,6 +15,7 @@ import redis.asyncio as aioredis
 
 from opml_common.bus import CloudEvent, MalformedEvent
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound
+from opml_common.storage import s3_client
 from opml_common.testing.bus import fresh_metrics, sample
 from opml_trace_collector import model
 from opml_trace_collector.aggregator import Aggregator
@@ -23,6 +25,7 @@ from opml_trace_collector.convert import event_to_proto
 from opml_trace_collector.store import BatchEffect, Keys, TraceStore
 from opml_trace_collector.summary import Summarizer
 from opml_trace_collector.topics import tracer_source
+from opml_trace_collector.tracefiles import TraceFiles
 
 JOB, BUCKET = "mnist", "traces-bucket"
 T0 = 1_700_000_000.0
@@ -46,7 +49,7 @@ class _Files:
     def __init__(self) -> None:
         self.reads = 0
 
-    def read(self, url: str) -> bytes:
+    def read(self, url: str, **bounds: int) -> bytes:
         self.reads += 1
         return gzip.compress(json.dumps(TRACE).encode())
 
@@ -188,3 +191,47 @@ async def test_the_aggregator_dead_letters_a_batch_with_numbers_out_of_range(cor
     assert await store.job_names() == []
     await aggregator.handle(event(good))
     assert [run.steps for run in await store.runs(JOB)] == [2]
+
+
+class _CountedFiles(TraceFiles):
+    """The real S3 TraceFiles; counts the objects read."""
+
+    reads = 0
+
+    def read(self, url: str, **bounds: int) -> bytes:
+        self.reads += 1
+        return super().read(url, **bounds)
+
+
+async def test_a_trace_too_big_to_summarize_is_refused_bounded_and_the_refusal_cached(
+        core, platform_settings, bucket: str) -> None:
+    """Any job writes under traces/: a gzip bomb, an object over the cap and a trace of too many events
+    are refused (FAILED_PRECONDITION, with the cap) without holding more than the cap, and once each."""
+    store, _, _, _, registry = core
+    files = _CountedFiles(s3_client(platform_settings), bucket)
+    files.ensure_bucket()
+    metrics, _ = fresh_metrics("trace-collector")
+    captures = CaptureManager(store.redis, store.keys, store, bucket=bucket, timeout_s=60, metrics=metrics)
+    summarizer = Summarizer(store.redis, store.keys, store, captures, files, sample_steps=100,
+                            max_trace_bytes=1 << 20, max_trace_events=1000)
+    many = {"traceEvents": [{"ph": "X", "cat": "op", "name": "op", "ts": i, "dur": 1} for i in range(1001)]}
+    objects = {"bomb": gzip.compress(b'{"traceEvents": [' + b" " * (16 << 20) + b"]}"),  # 16 KiB: 16 MiB inflated
+               "large": b'{"traceEvents": [' + b" " * (2 << 20) + b"]}",
+               "many": gzip.compress(json.dumps(many).encode())}
+    for worker in objects:
+        await store.apply_batch(_batch(f"s-{worker}", 0, 0.1, worker=worker), T0)
+    armed = await captures.arm(JOB, 1, [], "me")
+    for worker, data in objects.items():
+        key = f"traces/{JOB}/{armed.capture_id}/{worker}.trace.json.gz"
+        files.s3.put_object(bucket, key, io.BytesIO(data), len(data))
+        await captures.on_completed(model.TraceStored(job=JOB, worker=worker, capture_id=armed.capture_id,
+                                                      trace_url=f"s3://{bucket}/{key}"), T0 + 1)
+    workers = {w.worker: w for w in (await captures.get(armed.capture_id)).workers}
+    for worker, cap in (("bomb", "over the 1048576 bytes"), ("large", r"object is \d+ bytes, over the 1048576"),
+                        ("many", "1001 events, over the 1000")):
+        for _ in range(2):
+            with pytest.raises(FailedPrecondition, match=f"worker '{worker}'.*{cap}.*export"):
+                await summarizer.trace_breakdown(armed.capture_id, workers[worker])
+    assert files.reads == 3  # each trace read once: the refusal is cached like a breakdown
+    with pytest.raises(FailedPrecondition, match="worker 'bomb'"):
+        await summarizer.summary(JOB)

@@ -32,9 +32,11 @@ from __future__ import annotations
 import bisect
 import enum
 import gzip
+import io
 import json
 import math
 import re
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,15 +167,25 @@ class _Measure:
 
 # ---------------------------------------------------------------- traces
 
-def load_trace(source: Path | bytes) -> dict:
+class TraceTooBig(ValueError):
+    """A trace over the size or event count its reader analyzes; the message names the cap."""
+
+
+def load_trace(source: Path | bytes, *, max_bytes: int | None = None, max_events: int | None = None) -> dict:
     """A Chrome trace (gzip or plain JSON; an object with traceEvents, or a bare event array).
 
+    ``max_bytes`` caps the JSON (decompressed as a stream: never more than the cap is held), and
+    ``max_events`` the events; None: no cap (the CLI, on the user's own files).
+
     Raises:
+        TraceTooBig: past a cap.
         ValueError: the content is not a Chrome trace.
     """
     data = source.read_bytes() if isinstance(source, Path) else source
     if data[:2] == b"\x1f\x8b":
-        data = gzip.decompress(data)
+        data = _gunzip(data, max_bytes)
+    if max_bytes is not None and len(data) > max_bytes:
+        raise TraceTooBig(f"the trace is over the {max_bytes} bytes analyzed here")
     try:
         trace = json.loads(data)
     except json.JSONDecodeError as exc:
@@ -182,7 +194,19 @@ def load_trace(source: Path | bytes) -> dict:
         trace = {"traceEvents": trace}
     if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
         raise ValueError("not a Chrome trace: expected an object with a 'traceEvents' list")
+    if max_events is not None and len(trace["traceEvents"]) > max_events:
+        raise TraceTooBig(f"the trace has {len(trace['traceEvents'])} events, over the {max_events} events "
+                          "analyzed here")
     return trace
+
+
+def _gunzip(data: bytes, max_bytes: int | None) -> bytes:
+    """``data`` decompressed, stopping one byte past ``max_bytes`` (a gzip bomb inflates no further)."""
+    try:
+        with gzip.GzipFile(fileobj=io.BytesIO(data)) as stream:
+            return stream.read(-1 if max_bytes is None else max_bytes + 1)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise ValueError(f"not a Chrome trace: the gzip does not decompress ({exc})") from exc
 
 
 def analyze_trace(trace: dict, *, source: str = "", top_k: int = DEFAULT_TOP_K) -> Breakdown:

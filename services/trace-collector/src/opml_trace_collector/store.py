@@ -173,6 +173,9 @@ class Keys:
     def analysis(self, capture_id: str, worker: str) -> str:
         return f"{self.base}capture-record:{capture_id}:analysis:{worker}"
 
+    def refused_analysis(self, capture_id: str, worker: str) -> str:
+        return f"{self.base}capture-record:{capture_id}:refused-analysis:{worker}"
+
 
 def _text(value: bytes | None, default: str = "") -> str:
     return value.decode() if value is not None else default

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 from collections.abc import Iterator
@@ -10,8 +11,10 @@ from minio import Minio
 from minio.error import S3Error
 
 from opml_common.errors import NotFound
+from opml_trace_collector.analysis import TraceTooBig
 
 CHUNK_BYTES = 1024 * 1024
+_MISSING = ("NoSuchKey", "NoSuchBucket", "NoSuchObject", "NotFound")
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -56,7 +59,7 @@ class TraceFiles:
         try:
             self.s3.stat_object(self.bucket, self.armed_key(job, capture_id))
         except S3Error as exc:
-            if exc.code in ("NoSuchKey", "NoSuchBucket", "NoSuchObject", "NotFound"):
+            if exc.code in _MISSING:
                 return False
             raise
         return True
@@ -71,7 +74,7 @@ class TraceFiles:
         try:
             response = self.s3.get_object(bucket, key)
         except S3Error as exc:
-            if exc.code in ("NoSuchKey", "NoSuchBucket"):
+            if exc.code in _MISSING:
                 raise NotFound(f"trace {url} is not in S3 any more") from exc
             raise
         try:
@@ -80,6 +83,28 @@ class TraceFiles:
             response.close()
             response.release_conn()
 
-    def read(self, url: str) -> bytes:
-        """The whole object (a trace to analyze). Raises: NotFound, as :meth:`chunks`."""
-        return b"".join(self.chunks(url))
+    def read(self, url: str, *, max_bytes: int | None = None) -> bytes:
+        """The whole object (a trace to analyze), if it is at most ``max_bytes`` (None: any size).
+
+        Raises:
+            NotFound: as :meth:`chunks`.
+            TraceTooBig: the object is over ``max_bytes``: its size is checked before it is read,
+                and the read stops past it (the object may be replaced in between).
+        """
+        if max_bytes is not None:
+            bucket, key = parse_s3_url(url)
+            try:
+                size = self.s3.stat_object(bucket, key).size
+            except S3Error as exc:
+                if exc.code in _MISSING:
+                    raise NotFound(f"trace {url} is not in S3 any more") from exc
+                raise
+            if size is not None and size > max_bytes:
+                raise TraceTooBig(f"the trace object is {size} bytes, over the {max_bytes} bytes analyzed here")
+        data = bytearray()
+        with contextlib.closing(self.chunks(url)) as chunks:
+            for chunk in chunks:
+                data += chunk
+                if max_bytes is not None and len(data) > max_bytes:
+                    raise TraceTooBig(f"the trace object is over the {max_bytes} bytes analyzed here")
+        return bytes(data)
