@@ -67,6 +67,23 @@ def test_concept_shift_is_missed_without_labels_and_caught_after_mpp_recalibrati
     assert abs(after - truth) < 0.05, (before, after, truth)
 
 
+@pytest.mark.parametrize(("rows", "wrong"), [(500, 1), (500, 2), (12_000, 1), (12_000, 2)])
+def test_mpp_learns_from_a_reference_with_fewer_errors_than_calibration_folds(rows: int, wrong: int) -> None:
+    """A model wrong on one or two reference rows used to fail its registration (3-fold calibration
+    needs three of each outcome), and a refit with such labels failed at every label after."""
+    world = SyntheticWorld(Task.BINARY, seed=4)
+    reference = world.reference(rows)
+    labels = reference.outputs.predicted.copy()
+    labels[:wrong] = 1 - labels[:wrong]
+    reference.labels = labels
+    mpp = MPP(reference, min_labels=100)
+    live = world.rows(1000)
+    assert mpp.estimate(live.features, live.outputs) > 0.95
+    mpp.add_labels(live.features, live.outputs, live.outputs.predicted)  # right on every live row
+    assert mpp.recalibrate()
+    assert mpp.estimate(live.features, live.outputs) > 0.95
+
+
 def test_regression_mpp_estimates_the_mae_where_the_error_depends_on_the_inputs() -> None:
     world = SyntheticWorld(Task.REGRESSION, seed=4)
     reference = world.reference(4000)

@@ -1,6 +1,7 @@
 """The Model Performance Predictor (ParallelM): a secondary model of the primary model's error.
 
-Classification: a gradient-boosted classifier, calibrated (isotonic, 3-fold), learns P(the primary
+Classification: a gradient-boosted classifier, calibrated (isotonic, 3-fold; fewer folds, or none,
+when the model is right or wrong on fewer reference rows than that), learns P(the primary
 model is right | features, its class scores, its predicted class) on the reference; a window's
 estimated accuracy is the mean of that probability over its rows. Regression: a gradient-boosted
 regressor learns the primary model's absolute error, and the window's estimate is the mean: NannyML's
@@ -39,6 +40,8 @@ def _one_thread():  # noqa: ANN202 - threadpoolctl's context manager
 _BOOSTING = {"max_iter": 60, "max_leaf_nodes": 15, "min_samples_leaf": 30}
 """Small trees, few rounds: a refit from labels takes about a second on a reference of a few thousand
 rows (the MPP models P(correct), a smoother target than the primary model's)."""
+_FOLDS = 3
+"""Folds of the isotonic calibration, when each outcome (right, wrong) has that many rows."""
 
 
 class FeatureMatrix:
@@ -105,8 +108,15 @@ class MPP:
             return model
         if len(np.unique(y)) < 2:  # always right (or always wrong): nothing to learn but the rate
             return float(y.mean())
-        model = CalibratedClassifierCV(
-            HistGradientBoostingClassifier(**_BOOSTING, random_state=self.seed), method="isotonic", cv=3)
+        # A model wrong (or right) on fewer rows than the folds, common for a good model's reference,
+        # is calibrated on as many folds as the rarer outcome has rows, and not calibrated when it has
+        # one; the calibration refuses a fold without both outcomes. Boosting's early stopping (on
+        # above 10,000 rows) holds out a stratified split, which needs two rows of each outcome too.
+        rarest = int(np.bincount(y).min())
+        boosting = HistGradientBoostingClassifier(**_BOOSTING, random_state=self.seed,
+                                                  **({} if rarest >= _FOLDS else {"early_stopping": False}))
+        model = boosting if rarest < 2 else CalibratedClassifierCV(boosting, method="isotonic",
+                                                                   cv=min(_FOLDS, rarest))
         model.fit(x, y, sample_weight=weights)
         return model
 
