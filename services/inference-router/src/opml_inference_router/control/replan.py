@@ -176,6 +176,12 @@ class ReplicaPlacer:
             if worker != worker_id or not hosted:
                 continue
             name, number = model.name, model.version
+            record = self._models.get(name)
+            if record is None or number not in record.versions:  # retired, its moves not done (a failed
+                # re-plan): nothing to load it from; the router forgets the dead address, the next plan the rest
+                with contextlib.suppress(NotFound):
+                    await self.router.remove_replica(name, str(number), old)
+                continue
             try:
                 await self._load(worker, model)
             except OpmlError as error:
