@@ -79,6 +79,15 @@ surprise: 1
                       "rules[1].over", "rules[2].under"]
 
 
+@pytest.mark.parametrize("drift", ["{methods: [psi]}", "{methods: psi}", "{thresholds: [0.2]}"])
+def test_config_names_drift_settings_that_are_not_mappings(drift: str) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        MonitoringConfig.parse(f"drift: {drift}\nwindow: {{count: 3}}\n")
+    field = "drift.methods" if "methods" in drift else "drift.thresholds"
+    assert [f for f, _ in caught.value.violations] == ["window.count", field], "every wrong field at once"
+    assert "must map feature names (or *) to values" in str(caught.value)
+
+
 def test_config_syntax_errors_name_line_and_column() -> None:
     with pytest.raises(InvalidArgument, match=r"^monitoring.yaml: is not valid YAML: .* at line 3, column 1"):
         MonitoringConfig.parse("window:\n  count: [1, 2\n")

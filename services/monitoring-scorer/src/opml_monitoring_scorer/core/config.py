@@ -145,14 +145,23 @@ def _drift(drift: Any, problems: list) -> tuple[dict[str, str], dict[str, float]
             problems.append(("drift.method", f"must be one of {', '.join(METHODS)}, but got {brief(drift['method'])}"))
         else:
             methods["*"] = drift["method"]
-    for name, method in (drift.get("methods") or {}).items():
+    for name, method in _by_feature(drift, "methods", "drift.methods: {age: psi}", problems).items():
         if method not in METHODS:
             problems.append((f"drift.methods.{name}", f"must be one of {', '.join(METHODS)}, but got {brief(method)}"))
         else:
             methods[str(name)] = method
-    for name, value in (drift.get("thresholds") or {}).items():
+    for name, value in _by_feature(drift, "thresholds", "drift.thresholds: {age: 0.2}", problems).items():
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
             problems.append((f"drift.thresholds.{name}", f"must be a number > 0, but got {brief(value)}"))
         else:
             thresholds[str(name)] = float(value)
     return methods, thresholds
+
+
+def _by_feature(drift: Mapping, key: str, example: str, problems: list) -> Mapping:
+    value = drift.get(key) or {}
+    if not isinstance(value, Mapping):
+        problems.append((f"drift.{key}", f"must map feature names (or *) to values, as in {example}, "
+                                         f"but got {brief(value)}"))
+        return {}
+    return value
