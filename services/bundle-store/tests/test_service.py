@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf.timestamp_pb2 import Timestamp
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from opml.bundles.v1 import bundles_pb2 as pb
@@ -107,6 +108,10 @@ def test_ls_filters_latest_and_lineage(writer: BundleStoreClient) -> None:
     (lambda c: c.add("lab", "ok", {"../escape": b"1"}), "path"),
     (lambda c: c.stub.GarbageCollect(pb.GarbageCollectRequest(parent="contexts/lab", grace_seconds=-1)),
      "grace_seconds"),
+    (lambda c: c.add("lab", "ok", {"a": b"1"}, lineage=pb.Lineage(start_time=Timestamp(seconds=10**15))),
+     "header.lineage.start_time"),
+    (lambda c: c.add("lab", "ok", {"a": b"1"}, lineage=pb.Lineage(stop_time=Timestamp(nanos=-1))),
+     "header.lineage.stop_time"),
 ])
 def test_bad_arguments_are_invalid_argument_naming_the_field(admin: BundleStoreClient, call, field: str) -> None:
     admin.create_context("lab")

@@ -90,7 +90,8 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
         header = first.header
         context_id = parse_context_name("header.parent", header.parent)
         # The creator is who called, whatever the client wrote there.
-        lineage = dataclasses.replace(lineage_from_proto(header.lineage), creator=current_principal().name)
+        lineage = dataclasses.replace(lineage_from_proto(header.lineage, "header.lineage"),
+                                      creator=current_principal().name)
         validate_bundle_paths([spec.path for spec in header.files], "files")  # before any byte is staged
         values = {key: value_from_proto(value) for key, value in header.values.items()}
         for key, value in values.items():

@@ -1,4 +1,4 @@
-"""Conversions between the core's dataclasses and the opml.bundles.v1 messages (no logic here).
+"""Conversions between the core's dataclasses and the opml.bundles.v1 messages (no logic but a time's range).
 
 Protobuf only (no grpc): the servicer converts replies with it and the core builds its events with it.
 """
@@ -11,6 +11,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from opml.bundles.v1 import bundles_pb2 as pb
 
 from opml_bundle_store.core.model import Bundle, ContextInfo, FileEntry, Lineage, Value
+from opml_common.errors import InvalidArgument
 
 _VALUE_FIELDS = (("bool_value", bool), ("int_value", int), ("float_value", float),
                  ("string_value", str), ("bytes_value", bytes))
@@ -36,8 +37,15 @@ def _timestamp(moment: datetime | None) -> Timestamp | None:
     return stamp
 
 
-def _datetime(stamp: Timestamp, present: bool) -> datetime | None:
-    return stamp.ToDatetime(tzinfo=UTC) if present else None
+def _datetime(stamp: Timestamp, present: bool, field: str) -> datetime | None:
+    """Raises: InvalidArgument naming ``field``: the stamp is out of Timestamp's range (a datetime's)."""
+    if not present:
+        return None
+    try:
+        return stamp.ToDatetime(tzinfo=UTC)
+    except ValueError:
+        raise InvalidArgument(field, f"`{field}` must be a time from 0001-01-01 to 9999-12-31 UTC (nanos 0 to "
+                                     f"999999999), but got seconds={stamp.seconds}, nanos={stamp.nanos}.") from None
 
 
 def lineage_to_proto(lineage: Lineage) -> pb.Lineage:
@@ -46,12 +54,13 @@ def lineage_to_proto(lineage: Lineage) -> pb.Lineage:
                       start_time=_timestamp(lineage.start_time), stop_time=_timestamp(lineage.stop_time))
 
 
-def lineage_from_proto(message: pb.Lineage) -> Lineage:
+def lineage_from_proto(message: pb.Lineage, field: str) -> Lineage:
+    """Raises: InvalidArgument naming ``field``.start_time or .stop_time when out of range."""
     return Lineage(
         input_uuids=tuple(message.input_uuids), code_version=message.code_version,
         parameters=dict(message.parameters), creator=message.creator,
-        start_time=_datetime(message.start_time, message.HasField("start_time")),
-        stop_time=_datetime(message.stop_time, message.HasField("stop_time")),
+        start_time=_datetime(message.start_time, message.HasField("start_time"), f"{field}.start_time"),
+        stop_time=_datetime(message.stop_time, message.HasField("stop_time"), f"{field}.stop_time"),
     )
 
 
