@@ -31,6 +31,7 @@ from opml_common.bus import CloudEvent, ensure_topics
 from opml_common.config import PlatformSettings
 from opml_common.devinfra import free_port
 from opml_common.storage import s3_client
+from opml_common.testing.bus import poll_until
 from opml_trace_collector.inject import spool
 from opml_trace_collector.session import iter_session
 from opml_trace_collector.topics import TRACES
@@ -282,13 +283,16 @@ def test_capture_armed_from_outside_uploads_a_chrome_trace(traced, settings_env:
 def test_job_ending_mid_capture_announces_failure_not_a_trace(traced, settings_env: dict[str, str],
                                                              platform_settings: PlatformSettings,
                                                              tmp_path: Path) -> None:
-    go = tmp_path / "stop-now"
-    run = traced([sys.executable, str(PROGRAMS / "custom_loop.py"), "--wait-file", str(go)], job="cut")
+    go, job_tmp = tmp_path / "stop-now", tmp_path / "job-tmp"
+    job_tmp.mkdir()
+    run = traced([sys.executable, str(PROGRAMS / "custom_loop.py"), "--wait-file", str(go)], job="cut",
+                 env={"TMPDIR": str(job_tmp)})
     events_until(platform_settings, lambda events: any(b.steps for b in of(events, pb.StepMetricsBatch)))
     client = redis.Redis.from_url(settings_env["OPML_REDIS_URL"])
     client.set(f"{settings_env['OPML_REDIS_PREFIX']}traces:capture:cut",
                json.dumps({"capture_id": "big", "steps": 10**9, "workers": ["local"]}))
-    time.sleep(1.5)  # armed and profiling
+    # The capture made its profiler's folder (in the job's TMPDIR) at the first step after it was armed.
+    poll_until(lambda: list(job_tmp.glob("opml-capture-*")), timeout_s=180, what="the capture to start profiling")
     go.touch()
     assert run.wait() == 0, run.stderr
     events = run_events(platform_settings, "cut")
