@@ -5,11 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import uuid
 from datetime import UTC, datetime
 
 import pytest
 
 from opml_bundle_store.core.model import (
+    MAX_LINEAGE_INPUTS,
     Bundle,
     FileEntry,
     Lineage,
@@ -143,6 +145,16 @@ def test_lineage_validation() -> None:
     with pytest.raises(InvalidArgument) as caught:
         validate_lineage(Lineage(start_time=datetime(2024, 1, 2), stop_time=datetime(2024, 1, 1)))
     assert caught.value.field == "lineage.stop_time"
+
+
+def test_lineage_inputs_are_deduplicated_in_order_and_capped() -> None:
+    inputs = [str(uuid.UUID(int=n)) for n in range(MAX_LINEAGE_INPUTS - 2)]
+    lineage = validate_lineage(Lineage(input_uuids=[*inputs, inputs[0].upper(), inputs[1]]))  # at the cap
+    assert lineage.input_uuids == tuple(inputs)  # the first of each kept, in order
+    with pytest.raises(InvalidArgument, match=f"at most {MAX_LINEAGE_INPUTS} bundles, but got {len(inputs) * 2}") \
+            as caught:
+        validate_lineage(Lineage(input_uuids=inputs * 2))
+    assert caught.value.field == "lineage.input_uuids"
 
 
 # -- manifest JSON and content hash ---------------------------------------------------------------------

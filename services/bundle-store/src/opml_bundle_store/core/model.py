@@ -35,6 +35,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_PATH_LENGTH = 1024
 MAX_SEGMENT_BYTES = 255
 MAX_KEY_LENGTH = 256
+MAX_LINEAGE_INPUTS = 10_000  # ~400 KB of UUIDs in the manifest and in each event carrying the bundle (1 MiB at most)
 
 _CONTEXT_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 _BUNDLE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -657,16 +658,17 @@ def validate_values(value: Any, field: str = "values") -> dict[str, Value]:
 
 
 def validate_lineage(value: Any, field: str = "lineage") -> Lineage:
-    """A Lineage with canonical input UUIDs, UTC times and ``stop_time >= start_time``."""
+    """A Lineage with at most ``MAX_LINEAGE_INPUTS`` canonical input UUIDs (duplicates dropped, first
+    kept), UTC times and ``stop_time >= start_time``."""
     if value is None:
         return Lineage()
     if not isinstance(value, Lineage):
         raise InvalidArgument(field, f"`{field}` must be a Lineage, but got {_short(value)}.")
-    inputs: list[str] = []
-    for index, item in enumerate(value.input_uuids):
-        canonical = validate_uuid(item, f"{field}.input_uuids[{index}]")
-        if canonical not in inputs:
-            inputs.append(canonical)
+    if len(value.input_uuids) > MAX_LINEAGE_INPUTS:
+        raise InvalidArgument(f"{field}.input_uuids", f"`{field}.input_uuids` must hold at most {MAX_LINEAGE_INPUTS} "
+                                                      f"bundles, but got {len(value.input_uuids)}.")
+    inputs = dict.fromkeys(validate_uuid(item, f"{field}.input_uuids[{index}]")
+                           for index, item in enumerate(value.input_uuids))
     for name in ("code_version", "creator"):
         if not isinstance(getattr(value, name), str):
             raise InvalidArgument(
