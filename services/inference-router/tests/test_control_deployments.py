@@ -254,6 +254,8 @@ async def test_canary_promote_and_rollback_through_the_rpcs(deployments, tmp_pat
             assert split.versions[0].traffic_percent == 100
             with pytest.raises(Exception, match="does not serve"):
                 await call(client.set_traffic, "clf", {"7": 1})
+            with pytest.raises(InvalidArgument, match=r"weights\[²\]: keys must be version numbers"):
+                await call(client.set_traffic, "clf", {"²": 1})
             assert [d.model for d in await call(client.list)] == ["clf"]
             plan = await call(client.placement)
             assert sum(len(w.replicas) for w in plan.workers) == 1 and plan.cost_per_hour > 0

@@ -76,10 +76,31 @@ def test_a_graph_that_differs_from_its_config_is_refused() -> None:
 
 def test_versioned_bundle_serves_what_its_policy_picks(tmp_path: Path) -> None:
     config = mlp_config("m") | {"version_policy": {"latest": {"num_versions": 2}}}
-    bundle = load_bundle(write_model_dir(tmp_path / "m", config, versions=(1, 2, 3)))
+    directory = write_model_dir(tmp_path / "m", config, versions=(1, 2, 3))
+    (directory / "²").mkdir()  # "²".isdigit(), but no version number: ignored like any other folder
+    (directory / "²" / "model.onnx").write_bytes((directory / "3" / "model.onnx").read_bytes())
+    bundle = load_bundle(directory)
     assert sorted(bundle.select()) == [2, 3]
     with pytest.raises(NotFound, match="version 9 of model m is not in"):
         bundle.select(9)
+
+
+@pytest.mark.parametrize("version", ["²", "0", "-1", "1.0", "v1", "9" * 5000])
+def test_a_model_version_that_is_no_version_number_is_refused_naming_the_field(tmp_path: Path, version: str) -> None:
+    write_model_dir(tmp_path / "m", mlp_config("m"))
+
+    async def scenario() -> None:
+        repo = repository(CPU, tmp_path)
+        try:
+            await repo.load("m")
+            assert repo.get("m", "01").replica.model.version == 1
+            with pytest.raises(InvalidArgument) as caught:
+                repo.get("m", version)
+            assert caught.value.field == "model_version" and len(caught.value.message) < 200
+        finally:
+            await repo.close()
+
+    asyncio.run(scenario())
 
 
 def test_int8_on_fixed_shapes_agrees_with_fp32(tmp_path: Path) -> None:

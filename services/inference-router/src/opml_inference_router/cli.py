@@ -22,6 +22,7 @@ from opml_common.cligroup import ClientSession, output_console, pass_session, se
 from opml_common.perfmodel import ServingConfig, grid
 from opml_common.perfmodel.space import EXECUTION_MODES, OPT_LEVELS, PRECISIONS
 from opml_inference_router.client import DeploymentClient
+from opml_inference_router.placement.config import version_number
 
 console = output_console()
 _STATE = {pb.DEPLOYING: "DEPLOYING", pb.SERVING: "SERVING", pb.FAILED: "FAILED"}
@@ -95,7 +96,7 @@ def traffic(session: ClientSession, name: str, weights: tuple[str, ...]) -> None
             split[version] = float(weight)
         except ValueError:
             raise click.BadParameter(f"{item!r}: use VERSION=WEIGHT, e.g. v1=90", param_hint="WEIGHTS") from None
-        if not sep or not version.isdigit():
+        if not sep or version_number(version) is None:
             raise click.BadParameter(f"{item!r}: use VERSION=WEIGHT, e.g. v1=90", param_hint="WEIGHTS")
     with session.client() as client:
         _show(client.set_traffic(name, split))

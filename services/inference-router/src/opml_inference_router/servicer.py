@@ -19,6 +19,7 @@ from opml_common.errors import FailedPrecondition, InvalidArgument
 from opml_common.grpc.server import ServiceRegistration
 from opml_common.pagination import paginate
 from opml_inference_router.control import DeploymentManager, ServingModels, Source, convert
+from opml_inference_router.placement.config import version_number
 
 SERVICE = pb.DESCRIPTOR.services_by_name["DeploymentService"]
 METHOD_ROLES = {
@@ -105,12 +106,15 @@ class DeploymentServicer(deployments_pb2_grpc.DeploymentServiceServicer):
         name = parse_model_name(request.name)
         if not request.weights:
             raise InvalidArgument("weights", "must give at least one version a weight, e.g. {'2': 1}")
+        weights: dict[str, float] = {}
         for version, weight in request.weights.items():
-            if not version.isdigit() or int(version) < 1:
-                raise InvalidArgument(f"weights[{version}]", "keys must be version numbers >= 1")
+            number = version_number(version)
+            if number is None:
+                raise InvalidArgument(f"weights[{version[:40]}]", "keys must be version numbers >= 1")
             if not math.isfinite(weight) or weight < 0:
                 raise InvalidArgument(f"weights[{version}]", f"must be a finite weight >= 0, but got {weight}")
-        record = await self._manager.set_traffic(name, {str(int(v)): w for v, w in request.weights.items()})
+            weights[str(number)] = weight
+        record = await self._manager.set_traffic(name, weights)
         return convert.deployment(self._manager, record)
 
     async def Promote(self, request: pb.PromoteRequest, context) -> pb.Deployment:

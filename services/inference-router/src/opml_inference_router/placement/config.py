@@ -142,6 +142,17 @@ class SpecificVersions(_Schema):
         return versions
 
 
+_VERSION_NUMBER = re.compile(r"[0-9]{1,10}")
+
+
+def version_number(text: str) -> int | None:
+    """``text`` as a model version number (ASCII digits, >= 1), or None. Not ``str.isdigit``: it holds
+    for "²", which ``int`` refuses (a user's version string would have been an internal error)."""
+    if _VERSION_NUMBER.fullmatch(text) is None:
+        return None
+    return int(text) or None
+
+
 class VersionPolicy(_Schema):
     """Which versions of the model are served: exactly one of ``latest``, ``all``, ``specific``
     (Triton's ``version_policy`` oneof). Default: the latest version."""

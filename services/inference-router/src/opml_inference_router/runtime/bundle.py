@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from opml_common.errors import InvalidArgument, NotFound
-from opml_inference_router.placement.config import ModelConfig, load_model_config
+from opml_inference_router.placement.config import ModelConfig, load_model_config, version_number
 
 CONFIG_FILE = "model.yaml"
 MODEL_FILE = "model.onnx"
@@ -54,8 +54,9 @@ def load_bundle(directory: str | Path, *, flat_version: int = 1) -> ModelBundle:
         if flat_version < 1:
             raise InvalidArgument("version", f"must be >= 1, but got {flat_version}")
         return ModelBundle(directory, config, {flat_version: directory / MODEL_FILE})
-    files = {int(child.name): child / MODEL_FILE for child in directory.iterdir()
-             if child.is_dir() and child.name.isdigit() and int(child.name) >= 1 and (child / MODEL_FILE).is_file()}
+    files = {number: child / MODEL_FILE for child in directory.iterdir()
+             if child.is_dir() and (number := version_number(child.name)) is not None
+             and (child / MODEL_FILE).is_file()}
     if not files:
         raise NotFound(f"model directory {directory} holds neither {MODEL_FILE} nor <version>/{MODEL_FILE}")
     return ModelBundle(directory, config, files)

@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, OpmlError, ResourceExhausted
-from opml_inference_router.placement.config import ModelVersion, PoolKind
+from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, OpmlError, ResourceExhausted, brief
+from opml_inference_router.placement.config import ModelVersion, PoolKind, version_number
 from opml_inference_router.runtime.batcher import DynamicBatcher
 from opml_inference_router.runtime.bundle import ModelBundle, load_bundle
 from opml_inference_router.runtime.metrics import WorkerMetrics
@@ -116,10 +116,11 @@ class ModelRepository:
             raise NotFound(f"model {name!r} is not loaded on this worker (loaded: {loaded})")
         if not version:
             return versions[max(versions)]
-        if not version.isdigit() or int(version) < 1:
+        number = version_number(version)
+        if number is None:
             raise InvalidArgument("model_version", f"must be a positive integer or empty (the newest), "
-                                                   f"but got {version!r}")
-        served = versions.get(int(version))
+                                                   f"but got {brief(version)}")
+        served = versions.get(number)
         if served is None:
             raise NotFound(f"version {version} of model {name!r} is not loaded on this worker "
                            f"(loaded versions: {', '.join(map(str, sorted(versions)))})")
