@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import time
 import uuid
 
@@ -17,8 +18,9 @@ from opml_common.errors import InvalidArgument
 from opml_common.events import RecordingEmitter
 from opml_common.kserve_codec import encode_outputs, encode_request
 from opml_common.metrics import ServiceMetrics
+from opml_monitoring_scorer.core import scorer as scorer_module
 from opml_monitoring_scorer.core.reference import Task, performance
-from opml_monitoring_scorer.core.scorer import Scorer, dump_reference
+from opml_monitoring_scorer.core.scorer import Scorer, dump_reference, load_reference
 from opml_monitoring_scorer.metrics import ScorerMetrics
 from opml_monitoring_scorer.state import MonitorStore
 from opml_monitoring_scorer.synthetic import FEATURES, SyntheticWorld
@@ -120,3 +122,31 @@ async def test_a_replayed_window_close_steps_the_rules_once(scorer) -> None:
     assert [(m.rule, m.evidence.window) for m in raised] == [("always", 1)]
     assert (await scorer.store.rule_states("m/1"))["always"]["breach_run"] == 3
     assert await scorer.store.window_count("m/1") == 3
+
+
+def npz(rows: int) -> bytes:
+    """A valid reference of ``rows`` rows of zeros, compressed (about a thousandth of its size)."""
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, **{"feature.x": np.zeros(rows), "predicted": np.zeros(rows)})
+    return buffer.getvalue()
+
+
+def test_a_reference_is_refused_by_what_it_expands_to_before_it_is_loaded(monkeypatch) -> None:
+    """The size cap applied to the stored bytes only: a compressed npz of zeros passed it and expanded
+    about a thousand times in memory."""
+    monkeypatch.setattr(scorer_module, "MAX_REFERENCE_BYTES", 1024 * 1024)
+    bomb = npz(200_000)  # 3.2 MB of arrays in a few KB
+    assert len(bomb) < 64 * 1024
+    with pytest.raises(InvalidArgument, match=r"^reference.npz: expands to \d+ bytes, more than 1048576$"):
+        load_reference(bomb, task=Task.REGRESSION)
+    assert len(load_reference(npz(10_000), task=Task.REGRESSION)) == 10_000
+
+
+def test_a_reference_of_too_many_rows_is_refused_from_its_array_headers(monkeypatch) -> None:
+    monkeypatch.setattr(scorer_module, "MAX_REFERENCE_ROWS", 1000)
+    with pytest.raises(InvalidArgument) as caught:
+        load_reference(npz(1001), task=Task.REGRESSION)
+    assert list(caught.value.violations) == [("reference.npz.feature.x", "holds 1001 rows, more than 1000"),
+                                       ("reference.npz.predicted", "holds 1001 rows, more than 1000")]
+    with pytest.raises(InvalidArgument, match=r"^reference.npz: is not a numpy .npz of arrays"):
+        load_reference(b"PK\x03\x04 not a zip", task=Task.REGRESSION)

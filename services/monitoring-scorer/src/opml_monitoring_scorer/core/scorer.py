@@ -19,6 +19,7 @@ import io
 import logging
 import time
 import uuid
+import zipfile
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -42,6 +43,8 @@ log = logging.getLogger(__name__)
 REFERENCE_FILE = "reference.npz"
 CONFIG_FILE = "monitoring.yaml"
 MAX_REFERENCE_BYTES = 256 * 1024 * 1024
+"""The most ``reference.npz`` may hold, stored and expanded (its arrays as numpy reads them)."""
+MAX_REFERENCE_ROWS = 1_000_000
 MAX_RULES_BYTES = 64 * 1024
 BundleLoader = Callable[[str, str], Awaitable[tuple[str, dict[str, bytes]]]]
 """(context, bundle ref) -> (bundle uuid, {file name: bytes} of the files the scorer reads)."""
@@ -55,10 +58,12 @@ def load_reference(data: bytes, *, task: Task | None) -> ReferenceSet:
     """``reference.npz``: ``feature.<name>`` columns, ``predicted``, optional ``scores`` and ``labels``.
 
     Raises:
-        InvalidArgument: the file is too large, not an npz, or its arrays break the rules (all named).
+        InvalidArgument: the file is too large (stored or expanded), not an npz, an array holds more
+            than ``MAX_REFERENCE_ROWS`` rows, or its arrays break the rules (all named).
     """
     if len(data) > MAX_REFERENCE_BYTES:
         raise InvalidArgument(REFERENCE_FILE, f"holds {len(data)} bytes, more than {MAX_REFERENCE_BYTES}")
+    _check_sizes(data)
     try:
         arrays = dict(np.load(io.BytesIO(data), allow_pickle=False))
     except Exception as exc:  # noqa: BLE001 - zipfile/np raise many types for a bad file
@@ -72,6 +77,34 @@ def load_reference(data: bytes, *, task: Task | None) -> ReferenceSet:
                 else Task.MULTICLASS if scores.ndim == 2 and scores.shape[1] > 2 else Task.BINARY)
     return ReferenceSet.build(task=task, features=features, predicted=arrays["predicted"], scores=scores,
                               labels=arrays.get("labels"))
+
+
+def _check_sizes(data: bytes) -> None:
+    """What an npz expands to, from its zip directory and its arrays' .npy headers, before any array
+    is read: a compressed npz of zeros is about a thousandth of its arrays' size.
+
+    Raises: InvalidArgument: not an npz, expanded over ``MAX_REFERENCE_BYTES``, or an array of more
+        than ``MAX_REFERENCE_ROWS`` rows."""
+    problems = []
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            entries = archive.infolist()
+            expanded = sum(entry.file_size for entry in entries)
+            if expanded > MAX_REFERENCE_BYTES:
+                raise InvalidArgument(REFERENCE_FILE, f"expands to {expanded} bytes, more than {MAX_REFERENCE_BYTES}")
+            for entry in entries:
+                with archive.open(entry) as stream:
+                    version = np.lib.format.read_magic(stream)
+                    header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                              else np.lib.format.read_array_header_2_0)
+                    shape = header(stream)[0]
+                if shape and shape[0] > MAX_REFERENCE_ROWS:
+                    problems.append((f"{REFERENCE_FILE}.{entry.filename.removesuffix('.npy')}",
+                                     f"holds {shape[0]} rows, more than {MAX_REFERENCE_ROWS}"))
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
+        raise InvalidArgument(REFERENCE_FILE, f"is not a numpy .npz of arrays: {brief(str(exc))}") from None
+    if problems:
+        raise InvalidArgument.of(problems)
 
 
 def dump_reference(reference: ReferenceSet) -> bytes:
