@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 from pathlib import Path
 
 import pytest
@@ -148,10 +147,7 @@ def test_over_http_a_silent_worker_costs_one_timeout_and_the_rest_still_come() -
                      WorkerEndpoint("cpu-001", "cpu", f"http://127.0.0.1:{silent.getsockname()[1]}/metrics")]
         metrics = _router()
         WorkerMetricsCollector(lambda: endpoints, metrics, timeout_s=0.5).register()
-        started = time.monotonic()
-        families = _families(metrics.registry)
-        elapsed = time.monotonic() - started
-    assert elapsed < 3.0, f"a silent worker held the scrape for {elapsed:.1f}s"
+        families = _families(metrics.registry)  # without the timeout this never returns (the suite's own timeout)
     assert {s.labels["worker"] for s in families["opml_inference_router_worker_batch_size"].samples} == {"cpu-000"}
     errors = families["opml_inference_router_worker_scrape_errors"]
     assert _value(errors, "opml_inference_router_worker_scrape_errors_total", worker="cpu-001") == 1
