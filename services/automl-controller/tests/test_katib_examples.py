@@ -313,3 +313,44 @@ def test_a_grid_is_counted_and_refused_past_its_cap_before_it_is_listed(case: st
         parse_experiment(_grid(*spaces))
     ((got_path, rule),) = caught.value.violations
     assert got_path == path and keyword in rule, (got_path, rule)
+
+
+def _example(name: str, change) -> dict:
+    doc = yaml.safe_load((EXAMPLES / name).read_text())
+    change(doc["spec"])
+    return doc
+
+
+def _tfjob(change) -> dict:
+    def both(spec: dict) -> None:
+        del spec["metricsCollectorSpec"]  # TensorFlowEvent is refused; the template is what is checked
+        change(spec["trialTemplate"]["trialSpec"]["spec"]["tfReplicaSpecs"]["Worker"])
+    return _example("tfjob-mnist-with-summaries.yaml", both)
+
+
+WORKER = "spec.trialTemplate.trialSpec.spec.tfReplicaSpecs.Worker"
+# Values past what a field can hold: one violation each (path, keyword), never an INTERNAL error.
+OUT_OF_RANGE = {
+    "hyperband-r_l": (lambda: _example("hyperband.yaml", _set(["algorithm", "algorithmSettings", 2, "value"],
+                                                              "9" * 400)),
+                      "spec.algorithm.algorithmSettings[2].value", "r_l must fit in 64 bits"),
+    "tpe-prior_weight": (lambda: _example("tpe.yaml", lambda spec: spec["algorithm"].update(
+        algorithmSettings=[{"name": "prior_weight", "value": "1e400"}])),
+                         "spec.algorithm.algorithmSettings[0].value", "prior_weight must be finite"),
+    "tfjob-replicas": (lambda: _tfjob(lambda worker: worker.update(replicas=10_000_000_000)),
+                       f"{WORKER}.replicas", "must be an integer from 1 to 2147483647"),
+    "tfjob-resources": (lambda: _tfjob(lambda worker: worker["template"]["spec"]["containers"][0].update(
+        resources={"limits": [1]})), f"{WORKER}.template.spec.containers[0].resources.limits", "must be a mapping"),
+    "tfjob-gpu": (lambda: _tfjob(lambda worker: worker["template"]["spec"]["containers"][0].update(
+        resources={"limits": {"nvidia.com/gpu": float("inf")}})),
+                  f"{WORKER}.template.spec.containers[0].resources.nvidia.com/gpu", "must be a Kubernetes quantity"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OUT_OF_RANGE))
+def test_a_value_past_its_fields_range_is_a_violation_with_its_path(case: str) -> None:
+    make, path, keyword = OUT_OF_RANGE[case]
+    with pytest.raises(InvalidArgument) as caught:
+        parse_experiment(make())
+    ((got_path, rule),) = caught.value.violations
+    assert got_path == path and keyword in rule, (got_path, rule)

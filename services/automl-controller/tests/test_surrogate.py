@@ -91,6 +91,18 @@ def test_unknown_options_out_of_space_values_and_metrics_are_refused_with_their_
     assert [field for field, _ in caught.value.violations] == [f"{base}.model"]
 
 
+@pytest.mark.parametrize("batch", ["9" * 400, 2**31])
+def test_an_option_past_the_routers_int32_is_refused_with_its_path(batch) -> None:
+    config = {"batch": batch, "threads": "${trialParameters.threads}", "optLevel": "${trialParameters.optLevel}",
+              "executionMode": "${trialParameters.mode}"}
+    parameters = [p for p in yaml.safe_load(surrogate_yaml("big", max_trials=4))["spec"]["parameters"]
+                  if p["name"] != "batch"]
+    with pytest.raises(InvalidArgument) as caught:
+        parse_experiment(surrogate_yaml("big", max_trials=4, config=config, parameters=parameters))
+    ((path, rule),) = caught.value.violations
+    assert path == "spec.trialTemplate.trialSpec.spec.config.batch" and "must be at most 2147483647" in rule, rule
+
+
 @pytest.fixture
 def router(start_service: ServiceStarter, tmp_path: Path):
     """A router serving an MLP, its cpu configurations measured (a grid of 32) and 6 on accel."""

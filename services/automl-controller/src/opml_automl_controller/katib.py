@@ -63,6 +63,9 @@ ALGORITHM_SETTINGS: dict[str, dict[str, str]] = {
 }
 """The algorithmSettings each algorithm takes (Katib's names) and the rule its value follows."""
 
+MAX_SETTING_INT = 2**63 - 1
+"""The largest integer setting (Katib's suggestion services parse them as Go's 64-bit ints)."""
+
 UNMAPPED_SETTINGS = {
     "bayesianoptimization": ("base_estimator", "acq_func", "acq_optimizer"),
 }
@@ -292,6 +295,10 @@ def _setting_problem(rule: str, text: str) -> str | None:
         number = int(text) if kind == "int" else float(text)
     except ValueError:
         return f"must be {'an integer' if kind == 'int' else 'a number'}"
+    if kind == "int" and not -MAX_SETTING_INT - 1 <= number <= MAX_SETTING_INT:
+        return f"must fit in 64 bits (at most {MAX_SETTING_INT})"
+    if not math.isfinite(number):
+        return "must be finite"
     if rule.endswith("(0,1)"):
         return None if 0 < number < 1 else "must be in (0, 1)"
     if bound.startswith("="):
@@ -588,7 +595,7 @@ def _algorithm_checks(algorithm: Algorithm, parameters: list[Parameter],
                                                               f"parameter (a number of epochs or steps)"))
         try:
             need = hyperband_bracket_size(float(r_l or 0), int(eta or 3))
-        except (ValueError, ZeroDivisionError):
+        except (ValueError, ZeroDivisionError, OverflowError):  # a bad r_l or eta is reported with its setting
             need = None
         if need is not None and parallel is not None and parallel < need:
             found.append(("spec.parallelTrialCount", f"must be at least hyperband's bracket size (got {parallel} "

@@ -43,6 +43,8 @@ METRICS = ("latency_ms", "throughput_rps")
 OPTIONS = {"batch": "batch", "threads": "threads", "optLevel": "opt_level", "executionMode": "execution_mode",
            "precision": "precision"}
 """The template's serving options (camelCase, as Kubernetes objects spell them) -> ServingConfig's."""
+MAX_OPTION = 2**31 - 1
+"""The largest integer option (batch, threads): the router's fields are int32."""
 _CHOICES = {"opt_level": OPT_LEVELS, "execution_mode": EXECUTION_MODES, "precision": PRECISIONS}
 _VERSION = re.compile(r"^models/[^/]+/versions/[1-9][0-9]*$")
 _EXPANDED_INTS = 64  # an int parameter with at most this many values has each checked at admission
@@ -124,6 +126,8 @@ def build_surrogate_call(template: TrialTemplate, values: Mapping[str, str], *, 
                 number = _integer(value)
                 if number is None or number < 1:
                     found.append((where, f"must be an integer >= 1, but got {value!r}"))
+                elif number > MAX_OPTION:
+                    found.append((where, f"must be at most {MAX_OPTION} (the router's int32), but got {value!r}"))
                 else:
                     values_of[option] = number
     if found:
@@ -206,4 +210,4 @@ def _integer(value: Any) -> int | None:
     if isinstance(value, int):
         return value
     text = str(value).strip()  # discrete choices come as numbers: "4.0" is 4
-    return int(float(text)) if re.fullmatch(r"-?[0-9]+(\.0*)?", text) else None
+    return int(text.partition(".")[0]) if re.fullmatch(r"-?[0-9]+(\.0*)?", text) else None

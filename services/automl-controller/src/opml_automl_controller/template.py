@@ -38,6 +38,7 @@ SURROGATE_KIND = "jobs.opml.dev/v1 ServingConfigSurrogate"
 """Not a job: a trial evaluated by the inference-router's performance model (:mod:`.surrogate`)."""
 SUPPORTED_KINDS = ("batch/v1 Job", "kubeflow.org/v1 TFJob", "jobs.opml.dev/v1 OpmlJob", SURROGATE_KIND)
 TF_ROLES = {"Chief": "chief", "Master": "chief", "Worker": "worker", "PS": "ps", "Evaluator": "evaluator"}
+MAX_REPLICAS = 2**31 - 1
 DEFAULT_CPU_MILLIS = 500
 DEFAULT_MEMORY_MIB = 512
 _PLACEHOLDER = re.compile(r"\$\{trialParameters\.([^}]*)\}")
@@ -163,10 +164,14 @@ def build_trial_job(template: TrialTemplate, values: Mapping[str, str], *, trial
                     continue
                 replica = replica if isinstance(replica, Mapping) else {}
                 count = replica.get("replicas", 1)
+                if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_REPLICAS:
+                    found.append((f"{where}.replicas", f"must be an integer from 1 to {MAX_REPLICAS} (TFJob's "
+                                                       f"int32), but got {count!r}"))
+                    continue
                 pod = _pod_spec(replica, f"{where}.template.spec", ("template",), found)
                 if pod is not None:
-                    _role(spec, TF_ROLES[replica_type], count if isinstance(count, int) else 1, pod,
-                          template.primary_container, f"{where}.template.spec", found, notes)
+                    _role(spec, TF_ROLES[replica_type], count, pod, template.primary_container,
+                          f"{where}.template.spec", found, notes)
     elif kind == "jobs.opml.dev/v1 OpmlJob":
         job = body.get("spec")
         if not isinstance(job, Mapping):
@@ -242,7 +247,13 @@ def _role(spec: jobs_pb2.JobSpec, role: str, replicas: int, pod: Mapping[str, An
         else:
             notes.append(f"{where}.env.{item['name']}: valueFrom is not supported and the variable is not set")
     resources = container.get("resources") if isinstance(container.get("resources"), Mapping) else {}
-    amounts = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
+    amounts: dict[Any, Any] = {}
+    for part in ("limits", "requests"):  # requests win
+        given = resources.get(part) or {}
+        if isinstance(given, Mapping):
+            amounts.update(given)
+        else:
+            found.append((f"{where}.resources.{part}", f"must be a mapping of resource amounts, but got {given!r}"))
     for key, value in amounts.items():
         try:
             if key == "cpu":
@@ -253,7 +264,7 @@ def _role(spec: jobs_pb2.JobSpec, role: str, replicas: int, pod: Mapping[str, An
                 message.resources.gpu = int(value)
             else:
                 notes.append(f"{where}.resources: {key} has no counterpart in the orchestrator and is ignored")
-        except (InvalidArgument, ValueError):
+        except (InvalidArgument, ValueError, TypeError, OverflowError):  # ValueError: past the proto's int64 too
             found.append((f"{where}.resources.{key}", f"must be a Kubernetes quantity, but got {value!r}"))
     if not message.resources.cpu_millis and not message.resources.memory_mib and not message.resources.gpu:
         message.resources.cpu_millis = DEFAULT_CPU_MILLIS
