@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import optuna
@@ -24,6 +25,7 @@ from opml_automl_controller.collect import (
 from opml_automl_controller.experiment import CollectorKind, MetricsCollector
 from opml_automl_controller.katib import parse_experiment
 from opml_automl_controller.sdk import report
+from opml_common.errors import InvalidArgument
 
 EXAMPLES = Path(__file__).parent / "katib_examples"
 SAMPLERS = {
@@ -110,6 +112,21 @@ def test_reseeding_after_a_restart_draws_new_values() -> None:
     assert draw[0] == draw[1] != draw[2]
 
 
+def test_a_seed_stays_in_numpys_range_at_admission_and_after_a_restart() -> None:
+    doc = yaml.safe_load((EXAMPLES / "random.yaml").read_text())
+    doc["spec"]["algorithm"]["algorithmSettings"] = [{"name": "random_state", "value": str(2**32)}]
+    with pytest.raises(InvalidArgument) as caught:
+        parse_experiment(doc)
+    assert list(caught.value.violations) == [("spec.algorithm.algorithmSettings[0].value",
+                                              f"random_state must be at most {2**32 - 1} (numpy's 32-bit seeds), "
+                                              f"but got '{2**32}'")]
+    doc["spec"]["algorithm"]["algorithmSettings"][0]["value"] = str(2**32 - 1)
+    spec = parse_experiment(doc)
+    restarted = make_sampler(spec, trials_so_far=5)  # re-seeded past the trials so far: 2**32 + 4 wraps to 4
+    assert restarted._rng.rng.uniform() == make_sampler(replace(spec, algorithm=replace(
+        spec.algorithm, settings=(("random_state", "4"),))))._rng.rng.uniform()
+
+
 def test_stdout_default_filter_keeps_the_experiments_metrics() -> None:
     parser = MetricsParser(MetricsCollector(), ["loss", "accuracy"])
     got = parser.feed("epoch 1: loss=0.5 accuracy = 0.8 lr=0.1\nnoise=3\nloss=1e-3")
@@ -148,9 +165,6 @@ def test_a_json_integer_past_a_floats_range_is_a_bad_line_not_a_crash() -> None:
 
 
 def test_trace_kind_reads_epochs_in_order_not_log_lines() -> None:
-    import yaml
-
-    from opml_common.errors import InvalidArgument
     parser = MetricsParser(MetricsCollector(kind=CollectorKind.TRACE), ["loss"])
     assert parser.feed("epoch 1: loss=0.5\n") == [], "Trace reads no metric from the log"
     seen: set[tuple[int, int]] = set()

@@ -36,7 +36,7 @@ import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 
 from opml_automl_controller.experiment import Distribution, ExperimentSpec, Goal, Parameter, ParameterType
-from opml_automl_controller.katib import grid_values
+from opml_automl_controller.katib import MAX_SEED, grid_values
 
 MEDIANSTOP_DEFAULTS = {"min_trials_required": 3, "start_step": 4}
 """Katib's defaults (pkg/earlystopping/v1beta1/medianstop/service.py)."""
@@ -87,7 +87,7 @@ def make_sampler(spec: ExperimentSpec, *, trials_so_far: int = 0) -> optuna.samp
     settings = dict(spec.algorithm.settings)
     seed = _int(settings, "random_state")
     if seed is not None:
-        seed += trials_so_far
+        seed = (seed + trials_so_far) % (MAX_SEED + 1)  # still a numpy seed past 2**32 - 1
     name = spec.algorithm.name
     if name in ("random", "hyperband"):
         return optuna.samplers.RandomSampler(seed=seed)

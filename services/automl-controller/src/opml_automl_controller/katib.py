@@ -50,19 +50,21 @@ SUPPORTED_ALGORITHMS = ("random", "grid", "tpe", "multivariate-tpe", "cmaes", "s
 """What this controller runs, each on an Optuna sampler (or pruner, for hyperband)."""
 
 ALGORITHM_SETTINGS: dict[str, dict[str, str]] = {
-    "random": {"random_state": "int>=0"},
-    "grid": {"random_state": "int>=0"},
-    "tpe": {"random_state": "int>=0", "n_startup_trials": "int>=0", "n_EI_candidates": "int>0",
+    "random": {"random_state": "seed"},
+    "grid": {"random_state": "seed"},
+    "tpe": {"random_state": "seed", "n_startup_trials": "int>=0", "n_EI_candidates": "int>0",
             "n_ei_candidates": "int>0", "gamma": "float(0,1)", "prior_weight": "float>0"},
-    "multivariate-tpe": {"random_state": "int>=0", "n_startup_trials": "int>=0", "n_ei_candidates": "int>0",
+    "multivariate-tpe": {"random_state": "seed", "n_startup_trials": "int>=0", "n_ei_candidates": "int>0",
                          "n_EI_candidates": "int>0"},
-    "cmaes": {"random_state": "int>=0", "sigma": "float>0", "restart_strategy": "ipop|none"},
-    "sobol": {"random_state": "int>=0"},
-    "bayesianoptimization": {"random_state": "int>=0", "n_initial_points": "int>=0"},
+    "cmaes": {"random_state": "seed", "sigma": "float>0", "restart_strategy": "ipop|none"},
+    "sobol": {"random_state": "seed"},
+    "bayesianoptimization": {"random_state": "seed", "n_initial_points": "int>=0"},
     "hyperband": {"resource_name": "str", "eta": "int>1", "r_l": "int>0"},
 }
 """The algorithmSettings each algorithm takes (Katib's names) and the rule its value follows."""
 
+MAX_SEED = 2**32 - 1
+"""The largest random_state: Optuna's samplers seed numpy, whose seeds are 32-bit."""
 MAX_SETTING_INT = 2**63 - 1
 """The largest integer setting (Katib's suggestion services parse them as Go's 64-bit ints)."""
 
@@ -285,6 +287,9 @@ def _algorithm(value: Any, path: str, found: Violations, *, early: bool) -> Algo
 
 
 def _setting_problem(rule: str, text: str) -> str | None:
+    if rule == "seed":
+        problem = _setting_problem("int>=0", text)
+        return problem or (None if int(text) <= MAX_SEED else f"must be at most {MAX_SEED} (numpy's 32-bit seeds)")
     if rule == "str":
         return None if text else "must be set"
     if "|" in rule:
