@@ -22,8 +22,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from opml_common.bus import ensure_topics
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound
-from opml_common.testing.bus import poll_until
+from opml_common.testing.bus import poll_until, wait_until
 from opml_job_orchestrator.executor import (
     CheckpointEvent,
     JobEvent,
@@ -37,6 +38,7 @@ from opml_job_orchestrator.executor import (
     tony,
 )
 from opml_job_orchestrator.scheduler import JobClass, JobSpec, Resources, RoleSpec
+from opml_trace_collector.topics import TRACES
 
 CPU = Resources(cpu_millis=100)
 SLEEP = "import time; time.sleep(30)"
@@ -535,6 +537,35 @@ async def test_traced_job_runs_under_the_launcher_unchanged_and_the_executor_own
         shippers = [child for child in psutil.Process().children() if "fake_tracer.ship" in child.cmdline()]
         assert [child.pid for child in shippers] == [int(pid)]  # one for both jobs, this process's child
     assert not psutil.pid_exists(int(pid))  # stopped and reaped with the executor: no shipper outlives it
+
+
+def _live_shippers() -> list[psutil.Process]:
+    """This process's children running the real trace shipper (a zombie awaiting its reaper is not live)."""
+    live = []
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if child.status() != psutil.STATUS_ZOMBIE and local.TRACE_SHIPPER in child.cmdline():
+                live.append(child)
+    return live
+
+
+async def test_a_trace_shipper_goes_once_its_spool_is_shipped_and_a_later_traced_task_starts_another(
+        tmp_path: Path, settings_env: dict[str, str], platform_settings, until_job_event, job_event) -> None:
+    """Each automl trial sets its own OPML_TRACE_SPOOL_DIR: its shipper must not outlive it. The real
+    launcher, tracer and shipper, and the test broker."""
+    await ensure_topics(platform_settings, [TRACES])
+    trial_spool = tmp_path / "trial-spool"
+    program = JobProgram(commands={"worker": py("pass")}, env={"OPML_TRACE_SPOOL_DIR": str(trial_spool)}, trace=True)
+    shipper_log = tmp_path / "work" / "trace-shipper.log"
+    async with LocalExecutor(work_dir=tmp_path / "work", shutdown_grace_s=0.5, platform_env=settings_env,
+                             trace_shipper_idle_exit_s=0.2) as executor:
+        for number, job in enumerate((spec("trial-0", worker=1), spec("trial-1", worker=1)), start=1):
+            await executor.launch(job, program, placement(job), attempt=0)
+            assert job_event(await until_job_event(executor, job.job_id)).outcome is JobOutcome.SUCCEEDED
+            await wait_until(lambda n=number: shipper_log.read_text().count("shipper idle, exiting") == n,
+                             timeout_s=60, what=lambda: f"the shipper to exit idle: {shipper_log.read_text()[-2000:]}")
+            await wait_until(lambda: not _live_shippers(), what="the idle shipper's process to end")
+            assert not list(trial_spool.rglob("*.json"))  # it went once the trial's events were shipped
 
 
 async def test_tasks_get_the_platform_env_under_their_own(

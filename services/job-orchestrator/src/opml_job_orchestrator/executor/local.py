@@ -12,9 +12,12 @@ restarted orchestrator's new executor can stop what the old one left running (:m
 
 Traced tasks only write their events to the host's trace spool; the executor runs the shipper that
 publishes them (``opml_trace_collector.inject.ship``, one per spool folder its traced tasks use, started
-with the first such task, logging to ``{work_dir}/trace-shipper.log``, stopped with the executor), so no
-shipper outlives the executor. Where another shipper already holds the outlet (a job run by hand), that
-one publishes.
+with the first such task, logging to ``{work_dir}/trace-shipper.log``). A shipper exits once its spool
+has nothing left to ship for ``trace_shipper_idle_exit_s`` (a job that sets its own spool folder, an
+automl trial, leaves no shipper behind); each traced task starts it again as it starts and as it ends
+(what a task spooled after an early exit is shipped then), and the executor stops what still runs,
+so no shipper outlives the executor. Where another shipper already holds the outlet (a job run by
+hand), that one publishes.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -61,6 +65,7 @@ from opml_job_orchestrator.executor.tracked import TrackedRun, TrackedRunExecuto
 from opml_job_orchestrator.scheduler.model import JobSpec
 
 MANIFEST = "run.json"
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -84,6 +89,8 @@ class _Run(TrackedRun):
     """The steps already reported as CheckpointEvents: each once per run, whichever task reports it."""
     held_ports: list[socket.socket] = field(default_factory=list)
     """What holds TF_CONFIG's ports for the tasks until the run ends (see :meth:`LocalExecutor._cluster`)."""
+    trace_spool: str | None = None
+    """The spool folder of the run's traced tasks ("": the tracer's default); None: the run is not traced."""
 
 
 class LocalExecutor(TrackedRunExecutor[_Run]):
@@ -101,7 +108,8 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
     jobs: the broker, S3 endpoint and prefixes, and the jobs' own scoped credentials, so a traced
     task's tracer reports to the same broker; never the platform's secrets), then its own.
     ``trace_spool_dir`` is where traced tasks spool their events unless their job sets
-    ``OPML_TRACE_SPOOL_DIR`` (None: the tracer's default, ``~/.opml/trace-spool``).
+    ``OPML_TRACE_SPOOL_DIR`` (None: the tracer's default, ``~/.opml/trace-spool``);
+    ``trace_shipper_idle_exit_s`` is how long a trace shipper waits with nothing to ship before it exits.
 
     :meth:`launch` starts the tasks one by one, in the order of ``spec.replicas``; if one cannot
     start, the tasks after it are never started (and have no events) and the run fails.
@@ -111,7 +119,7 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
     def __init__(self, *, work_dir: str | os.PathLike[str], host: str = "127.0.0.1",
                  heartbeat_check_interval_s: float = 1.0, cleanup_grace_s: float = 10.0,
                  shutdown_grace_s: float = 10.0, platform_env: Mapping[str, str] | None = None,
-                 trace_spool_dir: str | os.PathLike[str] | None = None) -> None:
+                 trace_spool_dir: str | os.PathLike[str] | None = None, trace_shipper_idle_exit_s: float = 60.0) -> None:
         if not isinstance(work_dir, str | os.PathLike) or not str(work_dir):
             raise InvalidArgument("work_dir", f"`work_dir` must be a directory path, but got {work_dir!r}.")
         if not isinstance(host, str) or not host:
@@ -123,9 +131,11 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
             self._platform_env["OPML_TRACE_SPOOL_DIR"] = str(trace_spool_dir)
         self._check_interval_s = check_seconds(heartbeat_check_interval_s, "heartbeat_check_interval_s",
                                                positive=True)
+        self._shipper_idle_exit_s = check_seconds(trace_shipper_idle_exit_s, "trace_shipper_idle_exit_s",
+                                                  positive=True)
         super().__init__(cleanup_grace_s=cleanup_grace_s, shutdown_grace_s=shutdown_grace_s)
         self._watcher: asyncio.Task[None] | None = None
-        self._shippers: dict[str | None, subprocess.Popen[bytes]] = {}  # by the jobs' OPML_TRACE_SPOOL_DIR
+        self._shippers: dict[str, subprocess.Popen[bytes]] = {}  # by the jobs' OPML_TRACE_SPOOL_DIR ("": default)
 
     async def _open(self) -> None:
         """Create ``work_dir`` and start the heartbeat watcher."""
@@ -158,6 +168,9 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
                  for r in spec.replicas}
         run = _Run(RunTracker(spec.job_id, attempt, tasks, awaited_tasks(tasks)), placement, tasks,
                    program.heartbeat_timeout_s)
+        if program.trace:
+            run.trace_spool = program.env.get("OPML_TRACE_SPOOL_DIR",
+                                              self._platform_env.get("OPML_TRACE_SPOOL_DIR", ""))
         self._runs[spec.job_id] = run
         cluster = self._cluster(spec, run.held_ports)
         manifest: dict[str, Any] = {"job_id": spec.job_id, "attempt": attempt, "boot_id": _boot_id(),
@@ -265,9 +278,8 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
         try:  # OSError: no command, a full disk; ValueError: a NUL byte in argv or env (a job saved before the rule)
             task.heartbeat_path.write_bytes(b"")
             self._read_heartbeat(run, task)
-            if program.trace:
-                default = self._platform_env.get("OPML_TRACE_SPOOL_DIR")
-                self._ensure_shipper(program.env.get("OPML_TRACE_SPOOL_DIR", default))
+            if run.trace_spool is not None:
+                self._ensure_shipper(run.trace_spool)
             with task.log_path.open("wb") as log:
                 task.process = await asyncio.create_subprocess_exec(
                     *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
@@ -279,18 +291,18 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
         self._in_background(self._wait(run, task))
         return None
 
-    def _ensure_shipper(self, spool_dir: str | None) -> None:
-        """Start the trace shipper of ``spool_dir`` (None: the tracer's default) with the variables a task's
-        tracer gets, unless ours runs (one that found the outlet held by another exits at once; the next
-        traced task tries again)."""
-        running = self._shippers.get(spool_dir)
-        if running is not None and running.poll() is None:
+    def _ensure_shipper(self, spool_dir: str) -> None:
+        """Start the trace shipper of ``spool_dir`` ("": the tracer's default) with the variables a task's
+        tracer gets, unless ours runs (one that found the outlet held by another, or idled out, exits;
+        the next traced task tries again). Reaps the shippers that exited."""
+        self._shippers = {folder: shipper for folder, shipper in self._shippers.items() if shipper.poll() is None}
+        if spool_dir in self._shippers:
             return
         env = {**base_env(os.environ), **self._platform_env, **({"OPML_TRACE_SPOOL_DIR": spool_dir} if spool_dir else {})}
         with (self._work_dir / "trace-shipper.log").open("ab") as log:
             self._shippers[spool_dir] = subprocess.Popen(
-                [sys.executable, "-m", TRACE_SHIPPER], env=env, stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True)
+                [sys.executable, "-m", TRACE_SHIPPER, "--idle-exit-s", f"{self._shipper_idle_exit_s:g}"], env=env,
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     async def _wait(self, run: _Run, task: _Task) -> None:
         """Report the task's exit (after its last heartbeat write), and end the run if that decides it."""
@@ -298,6 +310,12 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
         code = await task.process.wait()
         _kill_group(task.process.pid, signal.SIGKILL)
         self._read_heartbeat(run, task)
+        if run.trace_spool is not None and self._started:  # its last events wait in the spool
+            try:
+                self._ensure_shipper(run.trace_spool)
+            except OSError:
+                logger.exception("could not start the trace shipper of %r; the spool keeps the events",
+                                 run.trace_spool)
         event, verdict = run.tracker.exited(task.key, code, how=_describe(code))
         if event is not None:
             self._events.put_nowait(event)
