@@ -388,3 +388,33 @@ async def test_rebalance_to_a_second_member_loses_nothing(platform_settings):
     assert len(owned_by_second) == 2 and not first.assignment()  # stopped: owns nothing
     assert set(handled) == set(ids)
     assert max(handled.values()) == 1, f"handled twice: {[i for i, n in handled.items() if n > 1]}"
+
+
+async def test_lag_shows_for_a_partition_stuck_on_its_first_record_and_for_an_idle_one(platform_settings):
+    """Lag was set only for partitions that had committed since their assignment: one whose first
+    record kept failing, and one with nothing to do, had no series at all."""
+    topic = Topic("opml.bustest.lag.v1", 2)
+    await ensure_topics(platform_settings, [topic])
+    metrics, registry = fresh_metrics()
+    released = asyncio.Event()
+    handled: list[str] = []
+
+    async def handler(event: CloudEvent) -> None:
+        if not released.is_set():
+            raise ConnectionError("the downstream service is away")  # retriable: the partition waits
+        handled.append(event.subject)
+
+    def lag(partition: int) -> float | None:
+        return registry.get_sample_value("opml_bus_test_consumer_lag", {"topic": topic.name, "partition": str(partition)})
+
+    async with EventPublisher(platform_settings, source="test", metrics=metrics) as publisher:
+        for n in range(3):
+            await publisher.publish_proto(topic, _committed(f"m{n}"), subject="one-key")  # one partition
+        consumer = EventConsumer(platform_settings, group_id="lag", topics=[topic], handler=handler,
+                                 metrics=metrics, publisher=publisher, max_attempts=1000, backoff_s=0.01)
+        async with running(consumer):
+            await wait_until(lambda: {lag(0), lag(1)} == {0, 3},
+                             what=lambda: f"lag 3 on the stuck partition, 0 on the idle one; got {lag(0)}, {lag(1)}")
+            released.set()
+            await wait_until(lambda: lag(0) == 0 and lag(1) == 0, what="lag 0 once handled")
+    assert handled == ["one-key"] * 3

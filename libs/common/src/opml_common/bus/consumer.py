@@ -10,7 +10,7 @@ from typing import Self
 
 import redis.exceptions
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import ConsumerStoppedError, KafkaError
+from aiokafka.errors import ConsumerStoppedError, IllegalStateError, KafkaError
 from aiokafka.structs import ConsumerRecord
 
 from opml_common.bus.cloudevents import CloudEvent
@@ -103,7 +103,7 @@ class EventConsumer:
         Metrics ``opml_<service>_events_handled_total{topic,type,outcome}`` (ok, duplicate, retried
         per retry, dead_lettered), ``opml_<service>_event_handler_duration_seconds{topic,type}``,
         ``opml_<service>_consumer_lag{topic,partition}`` (high watermark minus the next offset to
-        handle, after each poll).
+        handle, for every assigned partition, after each poll and while a record is retried).
 
     Sources: with ``sources`` (keyword-only; e.g. ``frozenset({"opml/bundle-store"})``) and/or
     ``source_prefixes`` (keyword-only; a family of sources, e.g.
@@ -326,11 +326,14 @@ class EventConsumer:
                     await self._sleep_unless_stopping(self._persistent_backoff.base_s)
                     continue
                 generation = self._generation
+                for tp, records in batch.items():  # known before any is handled: a stuck record's lag shows
+                    if tp not in self._next_offset and tp in consumer.assignment():
+                        self._next_offset[tp] = records[0].offset
                 for tp, records in batch.items():
                     await self._handle_partition(consumer, tp, records, generation)
                     if self._stopping.is_set():
                         break
-                self._update_lag(consumer)
+                await self._update_lag(consumer)
         finally:
             self._run_task = None
             try:
@@ -396,6 +399,8 @@ class EventConsumer:
                         log.warning("%s@%d/%d: attempt %d of %d failed (%s: %s); retrying in %.2fs",
                                     record.topic, record.partition, record.offset, attempt, self.max_attempts,
                                     type(exc).__name__, exc, delay)
+                    if self._consumer is not None:  # the partition waits: its lag says so
+                        await self._update_lag(self._consumer)
                     if await self._sleep_unless_stopping(delay):
                         return False
                     continue
@@ -475,12 +480,24 @@ class EventConsumer:
             return False
         return True
 
-    def _update_lag(self, consumer: AIOKafkaConsumer) -> None:
-        for tp, next_offset in list(self._next_offset.items()):
+    async def _update_lag(self, consumer: AIOKafkaConsumer) -> None:
+        """Set the lag of every assigned partition the consumer has fetched for. One that no record was
+        fetched for since its assignment starts from the consumer's position (its committed offset)."""
+        for tp in list(consumer.assignment()):
+            if tp not in consumer.assignment() or consumer.highwater(tp) is None:
+                continue  # revoked meanwhile, or not fetched for yet
+            if tp not in self._next_offset:
+                try:
+                    position = await consumer.position(tp)
+                except IllegalStateError:
+                    continue
+                if tp not in consumer.assignment():
+                    continue
+                self._next_offset[tp] = position
             highwater = consumer.highwater(tp)
             if highwater is not None:
                 topic = self.topics[tp.topic].name
-                self._lag.labels(topic=topic, partition=str(tp.partition)).set(max(highwater - next_offset, 0))
+                self._lag.labels(topic=topic, partition=str(tp.partition)).set(max(highwater - self._next_offset[tp], 0))
 
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
         async with self._processing:  # the record in hand is handled and committed first
