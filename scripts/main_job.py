@@ -21,13 +21,17 @@ import random
 import sys
 import tempfile
 import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import tritonclient.grpc as triton
 from aiokafka import AIOKafkaConsumer
 from inspection_data import CLASS_NAMES, inspection_patches
 from opml.bundles.v1 import bundles_pb2 as pb
+from opml.bundles.v1 import events_pb2 as bundle_events
 from opml.inference.v1 import deployments_pb2
+from opml.inference.v1 import events_pb2 as inference_events
 from opml.jobs.v1 import jobs_pb2
 
 from opml_bundle_store.client import BundleStoreClient
@@ -47,6 +51,10 @@ TRACES_TARGET = os.environ.get("OPML_TRACE_COLLECTOR_TARGET", "127.0.0.1:50054")
 REMOTE = os.environ.get("OPML_MAIN_JOB_REMOTE", "s3://opml-bundles/vision-inspection")
 TRAIN = Path(__file__).resolve().parent / "main_job_train.py"
 TERMINAL = {jobs_pb2.JOB_STATE_SUCCEEDED, jobs_pb2.JOB_STATE_FAILED, jobs_pb2.JOB_STATE_CANCELLED}
+EVENTS_TIMEOUT_S = 60.0
+"""How long in all a step waits for its events on a topic."""
+Ours = Callable[[str, str, bytes], bool]
+"""(ce_type, ce_subject, value) -> whether the event is this run's."""
 
 
 def ensure_context(client: BundleStoreClient, name: str) -> None:
@@ -67,22 +75,50 @@ def make_training_output(directory: Path) -> dict[str, Path]:
     return {"model/weights.bin": weights, "eval/confusion.json": confusion, "train-config.json": config}
 
 
-async def show_events(bootstrap: str, topic: str, expect: set[str]) -> None:
-    """Print the story's events on ``topic`` (subjects "defect-classifier", "defect-classifier/<version>")."""
+def of_bundle(bundle_uuid: str) -> Ours:
+    """This run's bundle events: of the bundle version it committed (the subject is the bundle name,
+    the same in every run)."""
+    messages = {"opml.bundles.v1.BundleCommitted": bundle_events.BundleCommitted,
+                "opml.bundles.v1.BundlePushed": bundle_events.BundlePushed}
+
+    def ours(kind: str, subject: str, value: bytes) -> bool:
+        return (subject == "defect-classifier" and kind in messages
+                and messages[kind].FromString(value).bundle.uuid == bundle_uuid)
+    return ours
+
+
+def of_request(version: int, request_id: str) -> Ours:
+    """This run's prediction: its request, of the version this run deployed."""
+    def ours(kind: str, subject: str, value: bytes) -> bool:
+        return (subject == f"defect-classifier/{version}" and kind == "opml.inference.v1.PredictionMade"
+                and inference_events.PredictionMade.FromString(value).request_id == request_id)
+    return ours
+
+
+async def show_events(bootstrap: str, topic: str, expect: set[str], ours: Ours, *,
+                      timeout_s: float = EVENTS_TIMEOUT_S) -> None:
+    """Print this run's events on ``topic`` until one of each type in ``expect`` came. The topic is read
+    from its start, so it holds earlier runs' events too: only those ``ours`` accepts count.
+
+    Raises: SystemExit: they did not all come within ``timeout_s`` in all (naming the missing)."""
     consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
                                 enable_auto_commit=False, group_id=None)
-    await consumer.start()
+    seen: set[str] = set()
     try:
-        seen: set[str] = set()
-        while not expect <= seen:
-            batch = await asyncio.wait_for(consumer.getmany(timeout_ms=1000), 30)
-            for records in batch.values():
-                for record in records:
-                    headers = {k: v.decode() for k, v in record.headers}
-                    if headers.get("ce_subject", "").startswith("defect-classifier"):
-                        seen.add(headers["ce_type"])
-                        print(f"  event {headers['ce_type']:<34} id={headers['ce_id'][:8]} "
-                              f"subject={headers['ce_subject']} partition={record.partition} offset={record.offset}")
+        async with asyncio.timeout(timeout_s):
+            await consumer.start()
+            while not expect <= seen:
+                for records in (await consumer.getmany(timeout_ms=1000)).values():
+                    for record in records:
+                        headers = {k: v.decode(errors="replace") for k, v in record.headers or ()}
+                        kind, subject = headers.get("ce_type", ""), headers.get("ce_subject", "")
+                        if kind in expect and ours(kind, subject, record.value or b""):
+                            seen.add(kind)
+                            print(f"  event {kind:<34} id={headers.get('ce_id', '')[:8]} subject={subject} "
+                                  f"partition={record.partition} offset={record.offset}")
+    except TimeoutError:
+        raise SystemExit(f"this run's {', '.join(sorted(expect - seen))} did not reach {topic} within "
+                         f"{timeout_s:.0f} s") from None
     finally:
         await consumer.stop()
 
@@ -157,8 +193,9 @@ def deployed(router: DeploymentClient, bundle_uuid: str) -> deployments_pb2.Mode
     return version
 
 
-def serve_model(client: BundleStoreClient, model_dir: Path) -> None:
-    """Steps 8-9: commit the model tagged for serving; the router deploys it; predict over KServe v2."""
+def serve_model(client: BundleStoreClient, model_dir: Path) -> Ours:
+    """Steps 8-9: commit the model tagged for serving; the router deploys it; predict over KServe v2.
+    Returns what tells this prediction's event."""
     files = {name: model_dir / name for name in ("model.onnx", "model.yaml", "metrics.json")}
     accuracy = json.loads(files["metrics.json"].read_text())["accuracy"]
     bundle = client.add("plant-a", "defect-classifier-onnx", files, commit=True, values={"accuracy": accuracy},
@@ -172,16 +209,18 @@ def serve_model(client: BundleStoreClient, model_dir: Path) -> None:
           f"predicted p99 {version.predicted_p99_ms:.1f} ms")
     print("9. predict through the router's inference port with tritonclient (KServe v2 gRPC)")
     images, labels = inspection_patches(8, seed=3)
+    request_id = f"main-job-{uuid.uuid4().hex}"
     with triton.InferenceServerClient(INFERENCE_TARGET) as kserve:
         request = triton.InferInput("image", list(images.shape), "FP32")
         request.set_data_from_numpy(images)
-        scores = kserve.infer("defect-classifier", [request], model_version=str(version.version)).as_numpy(
-            "defect_scores")
+        scores = kserve.infer("defect-classifier", [request], model_version=str(version.version),
+                              request_id=request_id).as_numpy("defect_scores")
     predicted = scores.argmax(axis=1)
     for truth, guess in zip(labels, predicted):
         print(f"   truth {CLASS_NAMES[truth]:<15} predicted {CLASS_NAMES[guess]:<15} "
               f"{'ok' if truth == guess else 'wrong'}")
     print(f"   {int((predicted == labels).sum())}/{len(labels)} right")
+    return of_request(version.version, request_id)
 
 
 def main() -> int:
@@ -217,15 +256,17 @@ def main() -> int:
         bootstrap, prefix = os.environ["OPML_KAFKA_BOOTSTRAP"], os.environ.get("OPML_TOPIC_PREFIX", "")
         print(f"5. events on {BUNDLES.name}")
         asyncio.run(show_events(bootstrap, BUNDLES.full_name(prefix),
-                                {"opml.bundles.v1.BundleCommitted", "opml.bundles.v1.BundlePushed"}))
+                                {"opml.bundles.v1.BundleCommitted", "opml.bundles.v1.BundlePushed"},
+                                of_bundle(added.uuid)))
         print("6. train the defect classifier as a traced TE job (job-orchestrator)")
         model_dir = Path(tmp) / "model"
         job_id = train_traced(model_dir)
         print("7. the job's step metrics (trace-collector)")
         show_trace(job_id)
-        serve_model(client, model_dir)
+        prediction = serve_model(client, model_dir)
         print(f"10. predictions on {PREDICTIONS.name}")
-        asyncio.run(show_events(bootstrap, PREDICTIONS.full_name(prefix), {"opml.inference.v1.PredictionMade"}))
+        asyncio.run(show_events(bootstrap, PREDICTIONS.full_name(prefix), {"opml.inference.v1.PredictionMade"},
+                                prediction))
     return 0
 
 

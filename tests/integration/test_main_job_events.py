@@ -1,0 +1,72 @@
+"""The main job's check of its events (scripts/main_job.py, steps 5 and 10) on the real broker.
+
+It reads each topic from its start, where earlier runs' events are too: it used to accept any event
+of the subject, so a run whose own event never came passed on an earlier run's, and it waited 30 s
+per poll with no overall bound, so `make up` could hang. Now only this run's events count, and a
+step fails after its deadline, naming what did not come."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from opml.bundles.v1 import bundles_pb2, events_pb2
+from opml.inference.v1 import events_pb2 as inference_events
+
+from opml_common.bus import EventPublisher
+from opml_common.config import PlatformSettings
+from opml_inference_router.topics import BUNDLES
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMITTED, PUSHED = "opml.bundles.v1.BundleCommitted", "opml.bundles.v1.BundlePushed"
+
+
+@pytest.fixture
+def main_job(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    return importlib.import_module("main_job")
+
+
+async def publish(settings: PlatformSettings, *messages) -> None:
+    publisher = EventPublisher(settings, source="opml/bundle-store", metrics=None)
+    await publisher.start()
+    try:
+        for message in messages:
+            await publisher.publish_proto(BUNDLES, message, subject="defect-classifier")
+    finally:
+        await publisher.stop()
+
+
+def bundle(uuid: str) -> bundles_pb2.Bundle:
+    return bundles_pb2.Bundle(uuid=uuid, bundle_name="defect-classifier")
+
+
+async def test_only_this_runs_bundle_events_count_and_a_missing_one_fails_in_time(
+        main_job: ModuleType, platform_settings: PlatformSettings, capsys: pytest.CaptureFixture) -> None:
+    topic = BUNDLES.full_name(platform_settings.topic_prefix)
+    bootstrap = platform_settings.kafka_bootstrap
+    await publish(platform_settings, events_pb2.BundleCommitted(bundle=bundle("earlier")),
+                  events_pb2.BundlePushed(bundle=bundle("earlier")), events_pb2.BundleCommitted(bundle=bundle("ours")))
+    with pytest.raises(SystemExit, match=rf"^this run's {PUSHED} did not reach {topic} within 5 s$"):
+        await main_job.show_events(bootstrap, topic, {COMMITTED, PUSHED}, main_job.of_bundle("ours"), timeout_s=5)
+    assert capsys.readouterr().out.count("  event ") == 1, "this run's commit only"
+
+    await publish(platform_settings, events_pb2.BundlePushed(bundle=bundle("ours")))
+    await main_job.show_events(bootstrap, topic, {COMMITTED, PUSHED}, main_job.of_bundle("ours"))
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in printed] == [COMMITTED, PUSHED]
+    assert [line.rsplit("offset=", 1)[1] for line in printed] == ["2", "3"], "not the earlier run's at 0 and 1"
+
+
+def test_this_runs_prediction_is_told_by_its_version_and_request_id(main_job: ModuleType) -> None:
+    ours = main_job.of_request(3, "main-job-abc")
+    made = "opml.inference.v1.PredictionMade"
+
+    def value(request_id: str) -> bytes:
+        return inference_events.PredictionMade(request_id=request_id).SerializeToString()
+
+    assert ours(made, "defect-classifier/3", value("main-job-abc"))
+    assert not ours(made, "defect-classifier/3", value("main-job-earlier")), "an earlier run's, same version"
+    assert not ours(made, "defect-classifier/2", value("main-job-abc"))
