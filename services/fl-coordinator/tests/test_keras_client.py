@@ -10,11 +10,11 @@ from opml_fl_coordinator.simulator import partition_digits
 from opml_fl_coordinator.weights import global_norm, subtract
 
 
-def client(seed=0) -> KerasClient:
+def client(seed=0, metrics=("accuracy",)) -> KerasClient:
     keras.utils.set_random_seed(seed)
     x, y = partition_digits(4, alpha=1.0).clients[0]
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10, activation="softmax")])
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy", metrics=list(metrics))
     return KerasClient(model, x, y, seed=seed)
 
 
@@ -38,5 +38,12 @@ def test_the_proximal_term_keeps_the_update_near_the_global_model():
 def test_no_time_left_means_no_work_done():
     member = client()
     start = member.get_weights({})
-    trained, examples, _ = member.fit(start, {"epochs": 5, "batch_size": 16, "time_budget_s": 0.0})
+    trained, examples, metrics = member.fit(start, {"epochs": 5, "batch_size": 16, "time_budget_s": 0.0})
     assert examples == 1 and all(np.array_equal(a, b) for a, b in zip(trained, start))
+    assert metrics == {}, "no NaN loss: the coordinator refuses an upload with a non-finite metric"
+
+
+def test_a_model_compiled_without_accuracy_reports_none():
+    member = client(metrics=())
+    loss, _, metrics = member.evaluate(member.get_weights({}), {})
+    assert np.isfinite(loss) and metrics == {}

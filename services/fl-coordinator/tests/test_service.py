@@ -118,6 +118,16 @@ def test_bad_configs_and_foreign_tokens_are_refused(coordinator, writer):
     assert writer.stop("two").state == pb.FEDERATION_STATE_STOPPED
 
 
+def test_a_member_leaves_out_a_non_finite_metric_and_keeps_taking_part(coordinator, writer):
+    """The coordinator refuses a whole upload for one NaN metric (a diverged loss): a member that sent
+    it would be refused as a caller and stop."""
+    writer.create("name: nanloss\nrounds: 2\nmin_clients: 2\nround_deadline_s: 30\n"
+                  "selection: {clients_per_round: 2}\n")
+    runs = members(writer, coordinator.target, "nanloss", 2, behaviours={1: "nan-metric"})()
+    assert runs[1].accepted >= 2 and not runs[1].rejected
+    assert writer.get("nanloss").state == pb.FEDERATION_STATE_COMPLETED
+
+
 def test_semi_async_over_grpc_makes_versions_from_buffered_updates(coordinator, writer):
     writer.create("name: buffered\nrounds: 6\nmin_clients: 3\nmode: semi_async\nround_deadline_s: 30\n"
                   "selection: {clients_per_round: 3}\nsemi_async: {buffer_size: 2, concurrency: 3}\n"

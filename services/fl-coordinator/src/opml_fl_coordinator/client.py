@@ -26,6 +26,7 @@ Failed calls raise domain errors, never ``grpc.RpcError``.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
@@ -255,7 +256,11 @@ def _take_part(member: FederatedClient, client: NumPyClient, run: ClientRun, wai
             log.warning("task %d failed: %s", header.task_id, error)
             member.report_failure(header.task_id, f"{type(error).__name__}: {error}")
             continue
-        reply = member.upload(header.task_id, [np.asarray(w) for w in update], int(examples), metrics)
+        unfit = sorted(k for k, v in metrics.items() if not math.isfinite(v))
+        if unfit:  # the coordinator refuses the whole upload for one (a loss that diverged, no accuracy compiled)
+            log.warning("task %d: metrics %s are not finite and are left out", header.task_id, unfit)
+        reply = member.upload(header.task_id, [np.asarray(w) for w in update], int(examples),
+                              {k: v for k, v in metrics.items() if k not in unfit})
         if reply.accepted:
             run.accepted += 1
         else:

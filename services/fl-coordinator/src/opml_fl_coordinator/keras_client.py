@@ -29,10 +29,11 @@ class KerasClient(NumPyClient):
         return [np.asarray(w) for w in self.model.get_weights()]
 
     def evaluate(self, weights: Weights, config: dict[str, float]) -> tuple[float, int, dict[str, float]]:
+        """The loss, and the accuracy when the model was compiled with an accuracy metric."""
         self.model.set_weights(weights)
         results = self.model.evaluate(self.x_val, self.y_val, verbose=0, return_dict=True)
-        accuracy = next((float(v) for k, v in results.items() if "acc" in k), float("nan"))
-        return float(results["loss"]), len(self.y_val), {"accuracy": accuracy}
+        accuracy = next((float(v) for k, v in results.items() if "acc" in k), None)
+        return float(results["loss"]), len(self.y_val), {} if accuracy is None else {"accuracy": accuracy}
 
     def fit(self, weights: Weights, config: dict[str, float]) -> tuple[Weights, int, dict[str, float]]:
         import keras
@@ -69,4 +70,5 @@ class KerasClient(NumPyClient):
         return self._result(done, last_loss)
 
     def _result(self, done: int, loss: float) -> tuple[Weights, int, dict[str, float]]:
-        return [np.asarray(w) for w in self.model.get_weights()], max(done, 1), {"train_loss": loss}
+        """No batch done (no time left): no training loss to report."""
+        return [np.asarray(w) for w in self.model.get_weights()], max(done, 1), {"train_loss": loss} if done else {}

@@ -46,7 +46,7 @@ class DigitsMember(NumPyClient):
             time.sleep(self.slow_s)
         if self.behaviour == "nan":
             trained = [np.full_like(w, np.nan) for w in trained]
-        return trained + list(weights[2:]), done, {}
+        return trained + list(weights[2:]), done, {"train_loss": float("nan")} if self.behaviour == "nan-metric" else {}
 
 
 class KerasDigitsMember(DigitsMember):
