@@ -276,6 +276,12 @@ def test_tifl_profiles_new_clients_in_a_round_of_their_own_before_tiering_them()
     assert tier in (0, 1) and len(chosen) == 2
 
 
+def test_tifl_profiling_hands_out_no_more_tasks_than_semi_async_has_free():
+    clients = [ClientProfile(f"new{i}", 0.0) for i in range(6)]
+    chosen, tier = TiflSelection(clients_per_round=2, tiers=2, seed=0, profile_batch=4).select(1, clients, count=1)
+    assert tier is None and len(chosen) == 1
+
+
 def test_a_client_that_fails_to_give_the_starting_model_is_not_asked_again_and_again():
     log = Log()
     fed = federation(log, weights=None, min_clients=1, selection={"clients_per_round": 1})

@@ -136,7 +136,8 @@ class TiflSelection(Selection):
             return [], None
         unprofiled = sorted(p.client_id for p in candidates if p.round_time_s is None and p.selected == 0)
         if unprofiled:  # TiFL's profiling phase, for whoever has not been timed yet
-            take = min(len(unprofiled), self.profile_batch)
+            # in semi-async mode ``count`` is the free training slots: no more tasks than that
+            take = min(len(unprofiled), self.profile_batch, count or self.profile_batch)
             return [str(i) for i in self.rng.choice(unprofiled, size=take, replace=False)], None
         known = {p.client_id for p in candidates}
         if (server_round - self._last_update >= self.tier_interval or not self.assignment
