@@ -9,8 +9,10 @@ API server or kubelet behaves as the fake does.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -193,6 +195,41 @@ async def test_an_evicted_or_vanished_pod_is_lost(
     event = job_event(events)
     assert event.outcome is JobOutcome.FAILED and event.retriable
     assert ("Evicted" if how == "evict" else "vanished") in event.message
+
+
+class _SlowCreates(FakeCoreV1Api):
+    """An API server taking its time: creating a pod says so (``creating``), then waits for ``release``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.creating, self.release = threading.Event(), threading.Event()
+
+    def create_namespaced_pod(self, namespace: str, body: dict) -> object:
+        self.creating.set()
+        self.release.wait()
+        return super().create_namespaced_pod(namespace, body)
+
+
+async def test_a_pod_still_being_created_when_the_pods_are_listed_is_not_lost(
+        tmp_path: Path, until_job_event, job_event, task_states) -> None:
+    """The orchestrator polls while it launches: a listing taken before a pod exists says nothing of it."""
+    api = _SlowCreates()
+    async with KubernetesExecutor(image="img", log_dir=tmp_path / "logs", api=api, poll_interval_s=0.02,
+                                  shutdown_grace_s=1, delete_timeout_s=1) as executor:
+        job = spec(worker=1)
+        launching = asyncio.create_task(executor.launch(job, PROGRAM, placement(job), attempt=0))
+        try:
+            assert await asyncio.to_thread(api.creating.wait, 30)
+            assert await executor.poll(0) == []  # listed while the pod is being created
+        finally:
+            api.release.set()
+            await launching
+        name = pod_name("mnist", 0, "worker", 0)
+        api.set_running(name)
+        api.set_exited(name, 0)
+        events = await until_job_event(executor, "mnist")
+    assert task_states(events) == {("worker", 0): [TaskState.RUNNING, TaskState.SUCCEEDED]}
+    assert job_event(events).outcome is JobOutcome.SUCCEEDED
 
 
 async def test_a_pod_that_cannot_start_fails_the_run_for_good(

@@ -202,6 +202,9 @@ def _digest(text: str) -> str:
 class _Run(TrackedRun):
     pods: dict[TaskKey, str]
     services: list[str]
+    created: bool = False
+    """Every pod of the run was created (or found, re-adopted): a listing taken since then that
+    lacks one means it is gone. Before, it may not exist yet."""
 
 
 class KubernetesExecutor(TrackedRunExecutor[_Run]):
@@ -280,6 +283,7 @@ class KubernetesExecutor(TrackedRunExecutor[_Run]):
                 self._events.put_nowait(event)
                 self._end_soon(run, verdict)
                 return
+        run.created = True
 
     async def _recover(self, job_id: str, attempt: int) -> Mapping[str, tuple[str, ...]] | None:
         """Re-adopt run ``attempt`` of ``job_id``: its pods outlive the executor, so they are only
@@ -301,7 +305,7 @@ class KubernetesExecutor(TrackedRunExecutor[_Run]):
         placement: dict[str, tuple[str, ...]] = {}
         for role, index in pods:
             placement[role] = (*placement.get(role, ()), nodes.get(pods[role, index]) or "")
-        run = _Run(RunTracker(job_id, attempt, pods, awaited_tasks(pods)), placement, pods, services)
+        run = _Run(RunTracker(job_id, attempt, pods, awaited_tasks(pods)), placement, pods, services, created=True)
         self._runs[job_id] = run
         unplaced = sorted(f"{role} {i}" for role, names in placement.items() for i, node in enumerate(names)
                           if not node)
@@ -360,7 +364,9 @@ class KubernetesExecutor(TrackedRunExecutor[_Run]):
     # -- internals -----------------------------------------------------------------------------
 
     async def _refresh(self) -> None:
-        """List the executor's pods once and report what changed for every run still going."""
+        """List the executor's pods once and report what changed for every run still going whose
+        pods were all created before the listing began (a launch may be creating them meanwhile)."""
+        runs = [run for run in self._runs.values() if run.created]
         try:
             listed = await self._call(self._api.list_namespaced_pod, self._namespace,
                                       label_selector=f"{MANAGED_BY[0]}={MANAGED_BY[1]}")
@@ -368,7 +374,7 @@ class KubernetesExecutor(TrackedRunExecutor[_Run]):
             logger.warning("listing pods failed, will retry: %s", _api_error(exc))
             return
         by_name = {pod.metadata.name: pod for pod in listed.items}
-        for run in list(self._runs.values()):
+        for run in runs:
             if run.tracker.outcome is not None:
                 continue
             for key, name in run.pods.items():
