@@ -48,6 +48,12 @@ def test_rules_between_fields_are_reported_together():
         parse_config({"name": "p", "min_clients": 2, "selection": {"clients_per_round": 3},
                       "strategy": {"name": "fedavg", "min_fit_results": 5}})
     assert [f for f, _ in caught.value.violations] == ["selection.clients_per_round", "strategy.min_fit_results"]
+    # semi-async: a version aggregates one buffer, so more results than it holds would never aggregate
+    with pytest.raises(InvalidArgument) as caught:
+        parse_config({"name": "p", "mode": "semi_async", "min_clients": 4, "semi_async": {"buffer_size": 2},
+                      "strategy": {"name": "fedavg", "min_fit_results": 3}})
+    assert [f for f, _ in caught.value.violations] == ["strategy.min_fit_results"]
+    assert "semi_async.buffer_size (2)" in caught.value.message
 
 
 def test_an_unknown_strategy_and_bad_yaml():

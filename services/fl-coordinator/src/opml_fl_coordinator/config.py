@@ -156,6 +156,10 @@ def _cross_field(config: FederationConfig) -> list[tuple[str, str]]:
     if config.strategy.min_fit_results > config.selection.clients_per_round and config.mode == "sync":
         problems.append(("strategy.min_fit_results", f"must be <= selection.clients_per_round "
                          f"({config.selection.clients_per_round}), but got {config.strategy.min_fit_results}"))
+    if config.strategy.min_fit_results > config.semi_async.buffer_size and config.mode == "semi_async":
+        problems.append(("strategy.min_fit_results", f"must be <= semi_async.buffer_size "
+                         f"({config.semi_async.buffer_size}): a version aggregates one buffer, but got "
+                         f"{config.strategy.min_fit_results}"))
     return problems
 
 
