@@ -98,6 +98,21 @@ def test_bad_updates_are_rejected_with_the_reason_and_left_out():
     assert fed.profiles.clients["c0"].rejected == 1
 
 
+def test_an_update_in_another_dtype_is_taken_in_the_models():
+    log = Log()
+    fed = federation(log, min_clients=3, selection={"clients_per_round": 3})
+    for i in range(3):
+        fed.join(f"c{i}", 0.0)
+    half = [np.full((3, 2), 1.0, np.float16), np.full(2, 1.0, np.float16)]
+    huge = [np.full((3, 2), 1e300), np.zeros(2)]  # float64 past float32's range
+    assert answer(fed, "c0", 1.0, weights=half) is None
+    assert "NaN or infinite values as float32, the model's dtype" in answer(fed, "c1", 1.0, weights=huge)
+    assert answer(fed, "c2", 1.0, value=3.0) is None
+    (record,) = log.completed
+    assert record.participants == ["c0", "c2"] and [w.dtype for w in fed.weights] == [np.float32, np.float32]
+    np.testing.assert_allclose(fed.weights[0], 2.0)
+
+
 def test_an_update_far_larger_than_the_others_is_an_outlier():
     log = Log()
     fed = federation(log, min_clients=5, selection={"clients_per_round": 5})

@@ -188,7 +188,7 @@ class Federation:
         if reason is not None:
             self._reject(client_id, reason)
         else:
-            update = [np.asarray(w) for w in weights]
+            update = cast_like(weights, task.weights)  # the model's dtypes, as the validator took it
             if staleness > 0:  # rebase a stale change on the current model, damped by its age
                 damp = (1.0 + staleness) ** -self.config.semi_async.staleness_exponent
                 update = cast_like(add(self.weights, subtract(update, task.weights), damp), update)

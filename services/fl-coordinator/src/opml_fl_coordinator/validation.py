@@ -1,6 +1,8 @@
 """Screening of client updates before aggregation: wrong shapes or dtypes, NaN/inf, an example
 count out of range, or a change far larger than others' are refused with the reason, and the
-update is left out of the round (the client's profile counts the rejection)."""
+update is left out of the round (the client's profile counts the rejection). An update in another
+floating dtype than the model's is taken in the model's (one float16 update must not make the
+model float16), and must be finite there."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from opml_fl_coordinator.weights import Weights, global_norm, subtract
+from opml_fl_coordinator.weights import Weights, cast_like, global_norm, subtract
 
 
 class UpdateValidator:
@@ -46,13 +48,16 @@ class UpdateValidator:
             return 0.0, f"weights have shapes {[g[0] for g in got]}, the model's are {[e[0] for e in expected]}"
         if any(not np.issubdtype(g[1], np.floating) for g in got):
             return 0.0, f"weights must be floating point, but got dtypes {sorted({str(g[1]) for g in got})}"
-        for index, array in enumerate(weights):
+        with np.errstate(over="ignore"):  # a value past the model's dtype becomes inf, refused below
+            taken = cast_like(weights, base)
+        for index, (array, (_, dtype), (_, model)) in enumerate(zip(taken, got, expected, strict=True)):
             if not np.all(np.isfinite(array)):
                 bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
-                return 0.0, f"array {index} holds {bad} NaN or infinite values"
+                where = "" if dtype == model else f" as {model}, the model's dtype"
+                return 0.0, f"array {index} holds {bad} NaN or infinite values{where}"
         if not 1 <= num_examples <= self.max_examples:
             return 0.0, f"num_examples must be in [1, {self.max_examples}], but got {num_examples}"
-        norm = global_norm(subtract(weights, base))
+        norm = global_norm(subtract(taken, base))
         if self.max_update_norm is not None and norm > self.max_update_norm:
             return norm, f"update norm {norm:.4g} exceeds max_update_norm {self.max_update_norm:g}"
         return norm, None
