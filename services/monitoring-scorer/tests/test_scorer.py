@@ -8,6 +8,7 @@ import uuid
 
 import numpy as np
 import pytest
+import redis
 import redis.asyncio as aioredis
 from opml.inference.v1 import events_pb2 as inference_events
 from opml.monitoring.v1 import label_events_pb2
@@ -48,15 +49,48 @@ def events_of(rows, start: int) -> list[tuple[str, bytes]]:
     return out
 
 
+class Outage:
+    """Redis going away: every command sent after the next ``commands`` fails (the client's own
+    retries too) until :meth:`end`."""
+
+    def __init__(self) -> None:
+        self.left: int | None = None
+
+    def after(self, commands: int) -> None:
+        self.left = commands
+
+    def end(self) -> None:
+        self.left = None
+
+    def client(self) -> aioredis.Redis:
+        outage = self
+
+        class Connection(aioredis.Connection):
+            async def send_packed_command(self, command, check_health: bool = True) -> None:
+                if outage.left is not None:
+                    if outage.left == 0:
+                        raise redis.exceptions.ConnectionError("Redis went away (the test's outage)")
+                    outage.left -= 1
+                await super().send_packed_command(command, check_health)
+
+        return aioredis.Redis(connection_pool=aioredis.ConnectionPool(connection_class=Connection,
+                                                                      host="127.0.0.1", port=6379))
+
+
 @pytest.fixture
-async def scorer():
+def outage() -> Outage:
+    return Outage()
+
+
+@pytest.fixture
+async def scorer(outage: Outage):
     world = SyntheticWorld(Task.BINARY, seed=21)
     files = {"reference.npz": dump_reference(world.reference(2000)), "monitoring.yaml": CONFIG}
 
     async def load(context: str, ref: str):
         return "uuid-1", files
 
-    client = aioredis.Redis.from_url("redis://127.0.0.1:6379")
+    client = outage.client()
     prefix = f"opml-test:{uuid.uuid4().hex[:8]}:"
     emitter = RecordingEmitter()
     scorer = Scorer(store=MonitorStore(client, prefix=prefix, retention_s=600), emitter=emitter,
@@ -92,6 +126,32 @@ async def test_late_labels_join_by_request_id_either_order_once_each(scorer) -> 
     with pytest.raises(InvalidArgument) as caught:
         await scorer.on_label(label_events_pb2.LabelObserved().SerializeToString())
     assert [f for f, _ in caught.value.violations] == ["request_id", "values"]
+
+
+async def test_a_label_whose_join_redis_interrupts_is_counted_once_when_it_comes_again(scorer, outage) -> None:
+    """Redis going away at each step of a join in turn, then the label delivered again (at least
+    once): the window's truth counts its row once. The join used to claim the label (SET NX) and add
+    its truth in a second step: interrupted between the two, the label came again as a duplicate and
+    was never counted."""
+    scorer, world, _ = scorer
+    rows = world.rows(40)
+    for window, (request_id, raw) in enumerate(events_of(rows, 0)):
+        await scorer.on_prediction_joinable("m/1", window, raw, request_id)
+        label = label_events_pb2.LabelObserved(request_id=request_id, values=[rows.labels[window]])
+        outage.after(window)  # the window-th command of the join is the first that fails
+        try:
+            outcome = await scorer.on_label(label.SerializeToString())
+        except redis.exceptions.ConnectionError:
+            outcome = None
+        outage.end()
+        again = await scorer.on_label(label.SerializeToString())
+        assert (outcome, again) in ((None, "joined"), (None, "duplicate"), ("joined", "duplicate"))
+        correct = float(rows.outputs.predicted[window] == rows.labels[window])
+        assert await scorer.store.truth("m/1", window) == (1, correct), f"interrupted at command {window}"
+        if outcome == "joined":  # the join got through: every step of it was interrupted once
+            break
+    else:
+        raise AssertionError("no join got through before the outage in 40 tries")
 
 
 async def test_a_batch_of_join_records_in_one_call_takes_the_labels_that_came_first(scorer) -> None:

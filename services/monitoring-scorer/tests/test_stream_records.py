@@ -11,8 +11,10 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import redis
 import redis.asyncio as aioredis
 from opml.inference.v1 import events_pb2
+from opml.monitoring.v1.label_events_pb2 import LabelObserved
 from prometheus_client import CollectorRegistry
 from tritonclient.grpc import service_pb2 as pb
 
@@ -218,3 +220,26 @@ async def test_a_window_that_cannot_be_scored_is_dead_lettered_and_the_version_s
     assert (await stream.scorer.store.get_window("m/1", 1))["rows"] == 10, "the next window is scored"
     assert stream.windows.data["m/1"] == {"index": 2, "partition": 0, "through": 19}
     assert acked == list(range(20))
+
+
+async def test_a_label_is_retried_while_redis_is_away_and_a_malformed_one_dead_lettered(stream) -> None:
+    """A label whose join failed for a reason that may pass (Redis unreachable) used to be dead-lettered
+    as malformed; now it is tried again until it is applied."""
+    stream.publisher = publisher = Publisher()
+    outcomes: list[object] = [redis.exceptions.ConnectionError("Redis went away"), TimeoutError(), "joined",
+                              InvalidArgument("values", "must hold 1-100000 values, but holds 0")]
+    calls: list[bytes] = []
+
+    async def on_label(raw: bytes) -> str:
+        calls.append(raw)
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    stream.scorer.on_label = on_label
+    label = LabelObserved(request_id="r1", values=[1.0])
+    await stream._on_label(record(label, 0))
+    assert len(calls) == 3 and publisher.sent == [], "applied on the third try, nothing dead-lettered"
+    await stream._on_label(record(label, 1))
+    assert [(topic, h["opml_error_type"]) for topic, h in publisher.sent] == [("opml.labels.v1.dlq", b"InvalidArgument")]

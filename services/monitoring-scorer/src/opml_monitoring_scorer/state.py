@@ -46,6 +46,19 @@ return found
 prediction its request id and record; returns [index (from 0), parked label, ...] for the labels that
 came first (and deletes them)."""
 
+_JOIN = """
+if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then
+  return false
+end
+local labelled = redis.call('HINCRBY', KEYS[2], 'labelled', ARGV[2])
+local total = redis.call('HINCRBYFLOAT', KEYS[2], 'total', ARGV[3])
+redis.call('EXPIRE', KEYS[2], ARGV[4])
+return {labelled, total}
+"""
+"""Applies a label once: claims its request id (KEYS[1], ARGV[1] its expiry) and adds its rows to
+the window's truth (KEYS[2]: ARGV[2] rows, ARGV[3] correct count or error sum, ARGV[4] expiry) in one
+step; returns the truth after it, or nil for a duplicate."""
+
 
 class MonitorStore:
     """Side effects: none until used; ``start``/``stop`` are no-ops (the Redis client is the service's)."""
@@ -55,6 +68,7 @@ class MonitorStore:
         self.prefix = prefix + "monitoring:"
         self.retention_s = retention_s
         self._remember: Any = None
+        self._join: Any = None
 
     def _k(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
@@ -151,7 +165,7 @@ class MonitorStore:
         arguments). The script builds its keys from the prefix it is given (one Redis, not a
         cluster: the platform's). Not a transaction in intent: each request's keys are its own, a
         replay after a crash writes the same values, and a label found twice is applied once
-        (:meth:`claim_join`)."""
+        (:meth:`join_truth`)."""
         if not items:
             return []
         headers: dict[tuple[str, int], bytes] = {}  # one per window: its events share it
@@ -183,18 +197,18 @@ class MonitorStore:
     async def park_label(self, request_id: str, label: bytes) -> None:
         await self.redis.set(self._k("label", request_id), label, ex=self.retention_s)
 
-    async def claim_join(self, request_id: str) -> bool:
-        """True the first time a request's label is applied; later duplicates get False."""
-        return bool(await self.redis.set(self._k("joined", request_id), b"1", nx=True, ex=self.retention_s))
-
-    async def add_truth(self, mv: str, window: int, labelled: int, total: float) -> tuple[int, float]:
-        key = self._k("truth", mv, str(window))
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hincrby(key, "labelled", labelled)
-            pipe.hincrbyfloat(key, "total", total)
-            pipe.expire(key, max(self.retention_s * 4, 86_400))
-            count, value, _ = await pipe.execute()
-        return int(count), float(value)
+    async def join_truth(self, request_id: str, mv: str, window: int, labelled: int,
+                         total: float) -> tuple[int, float] | None:
+        """Adds a request's labelled rows to its window's truth the first time its label is applied:
+        the window's labelled rows and total after it, or None for a duplicate. One script (``_JOIN``),
+        so the claim and the truth are made together: claimed first and then added, a failure between
+        the two (a crash, Redis going away) left the label claimed and never counted, and its replay
+        was taken for a duplicate."""
+        if self._join is None:
+            self._join = self.redis.register_script(_JOIN)
+        joined = await self._join(keys=[self._k("joined", request_id), self._k("truth", mv, str(window))],
+                                  args=[self.retention_s, labelled, total, max(self.retention_s * 4, 86_400)])
+        return None if joined is None else (int(joined[0]), float(joined[1]))
 
     async def truth(self, mv: str, window: int) -> tuple[int, float]:
         raw = await self.redis.hgetall(self._k("truth", mv, str(window)))

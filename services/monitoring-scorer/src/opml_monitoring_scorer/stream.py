@@ -67,7 +67,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from faust.types import TP
 from opml.inference.v1 import events_pb2 as inference_events
 
-from opml_common.bus import EventPublisher
+from opml_common.bus import EventPublisher, is_retriable
 from opml_common.bus.cloudevents import CloudEvent
 from opml_common.bus.security import kafka_client_kwargs
 from opml_common.config import PlatformSettings
@@ -88,6 +88,9 @@ BATCH_MAX = 2000
 """Most events the predictions agent takes at once (at most ``stream_buffer_maxsize``)."""
 BATCH_WITHIN_S = 0.25
 """How long the agent waits to fill a batch before it processes what it has."""
+LABEL_RETRY_S = 0.1
+LABEL_RETRY_MAX_S = 2.0
+"""Backoff of a label whose join failed for a reason that may pass (Redis unreachable)."""
 DECODE_PREDICTIONS = 4096
 """About the most predictions decoded together: a batch of records (up to ``BATCH_MAX`` records of up
 to the router's ``prediction_batch_max`` predictions each) is decoded and applied in chunks of whole
@@ -651,11 +654,25 @@ class ScoringStream:
             await self._dead_letter(topic, event.message, error)
 
     async def _on_label(self, event: Any) -> None:
+        """Applies a label; a malformed one is dead-lettered with the reason. An error that may pass
+        (Redis unreachable) is retried here, the partition waiting, however long it lasts: it used to
+        dead-letter a valid label as malformed, and raised out of the agent, faust would ack it."""
         message = event.message
-        try:
-            data = self._parse(message, (LABEL_TYPE,)).data
-            await self.scorer.on_label(data)
-        except Exception as exc:  # noqa: BLE001 - a malformed label is dead-lettered with the reason
-            log.warning("label at %s@%d/%d dead-lettered: %s", message.topic, message.partition, message.offset, exc)
-            self.metrics.labels.labels("malformed").inc()
-            await self._dead_letter(LABELS.dead_letter(self.platform.topic_prefix), message, exc)
+        delay = LABEL_RETRY_S
+        while True:
+            try:
+                data = self._parse(message, (LABEL_TYPE,)).data
+                await self.scorer.on_label(data)
+                return
+            except Exception as exc:  # noqa: BLE001 - retried, or dead-lettered with the reason
+                if is_retriable(exc):
+                    log.warning("label at %s@%d/%d not applied yet, retrying in %.1f s: %s", message.topic,
+                                message.partition, message.offset, delay, exc)
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, LABEL_RETRY_MAX_S)
+                    continue
+                log.warning("label at %s@%d/%d dead-lettered: %s", message.topic, message.partition, message.offset,
+                            exc)
+                self.metrics.labels.labels("malformed").inc()
+                await self._dead_letter(LABELS.dead_letter(self.platform.topic_prefix), message, exc)
+                return

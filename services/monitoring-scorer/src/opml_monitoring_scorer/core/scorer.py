@@ -472,14 +472,15 @@ class Scorer:
         monitor = monitored.monitor
         if monitor.task is not Task.REGRESSION and not np.all(values == np.round(values)):
             raise InvalidArgument("values", "must be class indexes for a classifier")
-        if not await self.store.claim_join(label.request_id):
-            self.metrics.labels.labels("duplicate").inc()
-            return "duplicate"
         if monitor.task is Task.REGRESSION:
             total = float(np.sum(np.abs(batch.outputs.predicted - values)))
         else:
             total = float(np.sum(batch.outputs.predicted == values))
-        labelled, sum_total = await self.store.add_truth(key, window, len(values), total)
+        joined = await self.store.join_truth(label.request_id, key, window, len(values), total)
+        if joined is None:
+            self.metrics.labels.labels("duplicate").inc()
+            return "duplicate"
+        labelled, sum_total = joined
         if monitor.mpp is not None:  # before the window shows the label: a reader that sees it sees the refit
             monitor.mpp.add_labels(batch.features, batch.outputs, values)
             if monitor.mpp.due and await asyncio.to_thread(monitor.mpp.recalibrate):
