@@ -6,6 +6,7 @@ import signal
 import sys
 from pathlib import Path
 
+from aiokafka.errors import KafkaTimeoutError
 from opml.bundles.v1 import events_pb2
 from prometheus_client import CollectorRegistry
 
@@ -115,6 +116,7 @@ RECORD_THEN_DIE = """
 import os, signal, sys
 from pathlib import Path
 from prometheus_client import CollectorRegistry
+from aiokafka.errors import KafkaTimeoutError
 from opml.bundles.v1 import events_pb2
 from opml_common.bus import CloudEvent, EventPublisher, ensure_topics
 from opml_common.config import PlatformSettings
@@ -255,3 +257,21 @@ async def test_an_unexpected_error_of_the_flush_loop_is_logged_counted_and_survi
     await outbox.stop()
     assert registry.get_sample_value("opml_test_outbox_flush_errors_total") == 1
     assert any("background flush failed" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+class BrokerAwayProducer:
+    """Stands in for aiokafka's producer when the broker is away: a send ends in KafkaTimeoutError."""
+
+    async def send_and_wait(self, *args, **kwargs) -> None:
+        raise KafkaTimeoutError()
+
+
+async def test_a_timeout_while_the_broker_is_away_is_retried_not_moved_aside(tmp_path: Path) -> None:
+    """aiokafka flags KafkaTimeoutError not retriable; the record was not refused, the broker was away:
+    the real publisher says so, and the outbox keeps the event, in order, for the next try."""
+    publisher = EventPublisher(PlatformSettings(), source="test", metrics=None)
+    publisher._producer = BrokerAwayProducer()
+    outbox = Outbox(tmp_path / "outbox", publisher, None)
+    assert not await outbox.publish(BUNDLES, _event(1))
+    assert len(list((tmp_path / "outbox").glob("*.json"))) == 1
+    assert not (tmp_path / "outbox.failed").exists()

@@ -123,7 +123,7 @@ class Outbox:
                 try:
                     await self._publisher.publish(topic, event)
                 except Exception as exc:  # noqa: BLE001 - the broker is down or slow: keep it for later
-                    if not _refused(exc):
+                    if not getattr(exc, "refused", False):  # PublishFailed.refused: the broker never takes it
                         log.warning("outbox: publish failed, will retry", extra={"error": str(exc), "event": event.id})
                         return False
                     if not self._set_aside(path, "refused", exc):
@@ -213,13 +213,6 @@ def _read(path: Path) -> tuple[Topic, CloudEvent]:
     event = CloudEvent.from_kafka(
         [(k, v.encode("latin-1")) for k, v in record["headers"]], bytes.fromhex(record["data"]))
     return _topic(record["topic"]), event
-
-
-def _refused(exc: Exception) -> bool:
-    """Whether the broker refused the event itself, so that every retry would fail alike (it is
-    too large, the topic is not authorized); a publisher that is down or not started is retried."""
-    from opml_common.bus.producer import PublishFailed  # aiokafka: imported only where a publisher runs
-    return isinstance(exc, PublishFailed) and not exc.retriable
 
 
 def _topic(recorded: dict | str) -> Topic:

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Self
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError
+from aiokafka.errors import InvalidTopicError, KafkaError, MessageSizeTooLargeError, RecordTooLargeError
 from google.protobuf.message import Message
 
 from opml_common.bus.cloudevents import CloudEvent
@@ -22,16 +22,23 @@ if TYPE_CHECKING:  # prometheus_client: not imported by a publisher built withou
 
 log = logging.getLogger(__name__)
 
+# Refusals of the record itself: sent again it fails alike, while other records still go through.
+# Not aiokafka's ``retriable`` flag, which is False for a timeout against a broker that is away too.
+_RECORD_REFUSED = (MessageSizeTooLargeError, RecordTooLargeError, InvalidTopicError)
+
 
 class PublishFailed(OpmlError):
     """The broker did not acknowledge a record. ``retriable`` tells whether trying again may succeed
-    (a broker or network problem) or not (the record is too large, the topic is not authorized...)."""
+    (a broker or network problem) or not (the record is too large, the topic is not authorized...).
+    ``refused``: the record itself was refused (too large, an invalid topic name), so it never will be
+    accepted while the records after it may (an outbox moves it aside instead of retrying it)."""
 
     code = "UNAVAILABLE"
 
-    def __init__(self, message: str, *, retriable: bool) -> None:
+    def __init__(self, message: str, *, retriable: bool, refused: bool = False) -> None:
         super().__init__(message)
         self.retriable = retriable
+        self.refused = refused
         if not retriable:
             self.code = "INTERNAL"
 
@@ -168,7 +175,8 @@ class EventPublisher:
         except KafkaError as exc:
             if self._failures is not None:
                 self._failures.labels(topic=self._metric_topic(topic_name)).inc()
-            raise PublishFailed(f"publishing {what} to {topic_name} failed: {exc}", retriable=exc.retriable) from exc
+            raise PublishFailed(f"publishing {what} to {topic_name} failed: {exc}", retriable=exc.retriable,
+                                refused=isinstance(exc, _RECORD_REFUSED)) from exc
 
     def _metric_topic(self, topic_name: str) -> str:
         prefix = self.settings.topic_prefix
