@@ -5,8 +5,8 @@ that announces it when the broker is down. It records the event here first; ``fl
 publishes what is pending, oldest first, and a background task keeps retrying. After a crash,
 the next start publishes what was left, so delivery is at least once; consumers deduplicate by
 event id, which stays the same across retries. An event the broker refuses for good (larger than
-it takes) is moved aside to the failed folder, logged and counted, so it never holds back the
-events after it.
+it takes), or a file that holds no event, is moved to ``<directory>.failed``, logged and counted,
+so it never holds back the events after it.
 
 ``publish`` records and flushes at once (an RPC that answers after the broker's ack, when it can).
 ``record`` only records, synchronously, and wakes the background task: for callers that must
@@ -40,17 +40,17 @@ class Outbox:
     """Events waiting for the broker's ack, one file each under ``directory``.
 
     ``start()`` begins a background flush loop; ``stop()`` ends it after one last flush attempt.
-    ``failed_dir`` (default ``<directory>.failed``, beside it: a spool's run folder is still removed
-    once empty) receives the events the broker refused for good, so the ones after them go out.
-    ``metrics`` None: no ``outbox_pending_events`` gauge nor ``outbox_failed_events_total`` counter
-    (a process nobody scrapes).
+    What cannot be published is moved to ``<directory>.failed``: beside the folder, not in it, so a
+    spool's run folder is still removed once empty (and its dotted name is no run folder).
+    ``metrics`` None: no ``outbox_pending_events`` gauge, ``outbox_failed_events_total`` or
+    ``outbox_flush_errors_total`` counter (a process nobody scrapes).
     """
 
     def __init__(self, directory: Path, publisher: EventPublisher, metrics: ServiceMetrics | None,
-                 *, retry_interval_s: float = 2.0, failed_dir: Path | None = None) -> None:
+                 *, retry_interval_s: float = 2.0) -> None:
         self._dir = directory
         self._dir.mkdir(parents=True, exist_ok=True)
-        self._failed_dir = failed_dir or directory.with_name(f"{directory.name}.failed")
+        self._failed_dir = directory.with_name(f"{directory.name}.failed")
         self._publisher = publisher
         self._retry_interval_s = retry_interval_s
         self._lock = asyncio.Lock()
