@@ -451,3 +451,35 @@ async def test_a_retry_the_scheduler_refuses_fails_that_job_and_the_loop_runs_on
         assert "cannot be packed" in refused.cause and refused.retries == 1
         orch.submit(spec("next"), program("pass"))
         await until(orch, "next", JobState.SUCCEEDED)
+
+
+class _BrokenSchedule(Scheduler):
+    """A scheduler with a bug: scheduling raises once a job waits."""
+
+    def schedule(self, *, now: float):
+        if self.pending_count:
+            raise RuntimeError("a scheduler bug")
+        return super().schedule(now=now)
+
+
+async def test_loop_ended_raises_what_killed_the_loop_and_returns_after_a_stop(tmp_path: Path) -> None:
+    """What the service waits on in the background: a dead loop must end the service, not hide."""
+    orch = Orchestrator(scheduler=_BrokenSchedule(Cluster([NodeSpec("n0", SLOT)]), te_be_policy()),
+                        executor=LocalExecutor(work_dir=tmp_path / "work", shutdown_grace_s=0.5), retry_policy=RETRIES,
+                        max_wait_s=0.05)
+    with pytest.raises(FailedPrecondition, match="not started"):
+        orch.loop_ended()
+    await orch.start()
+    ended = orch.loop_ended()
+    orch.submit(spec("any"), program("pass"))
+    with pytest.raises(RuntimeError, match="a scheduler bug"):
+        await ended
+    with pytest.raises(RuntimeError, match="a scheduler bug"):
+        await orch.stop()
+    healthy = Orchestrator(scheduler=Scheduler(Cluster([NodeSpec("n0", SLOT)]), te_be_policy()),
+                           executor=LocalExecutor(work_dir=tmp_path / "work2", shutdown_grace_s=0.5),
+                           retry_policy=RETRIES)
+    await healthy.start()
+    ended = healthy.loop_ended()
+    await healthy.stop()
+    assert await ended is None

@@ -72,6 +72,7 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
     await service.start(store)
     await orchestrator.restore(saved)
     await service.start(orchestrator)
+    service.run_in_background(orchestrator.loop_ended, name="job-orchestrator-loop")  # a dead loop ends the service
     servicer = JobServicer(orchestrator, executor, watch, durable=store.flushed, log_poll_s=settings.log_poll_s)
     return [ServiceRegistration(jobs_pb2.DESCRIPTOR.services_by_name["JobService"],
                                 jobs_pb2_grpc.add_JobServiceServicer_to_server, servicer, METHOD_ROLES)]

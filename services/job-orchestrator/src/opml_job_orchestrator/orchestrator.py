@@ -28,7 +28,7 @@ import dataclasses
 import enum
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from types import TracebackType
 
@@ -257,6 +257,22 @@ class Orchestrator:
             await self._executor.stop()
             for job in [j for j in self._jobs.values() if j.state is JobState.RUNNING]:
                 self._requeue(job, "the orchestrator stopped")
+
+    def loop_ended(self) -> Awaitable[None]:
+        """What returns once the loop task running now ends (:meth:`stop` ended it), or raises what
+        ended it if it died.
+
+        The service runs this in the background, so a loop dead of a bug takes the service down (and
+        a supervisor restarts it) instead of leaving a server that takes jobs and runs none.
+
+        Raises:
+            FailedPrecondition: the orchestrator is not started (raised at once).
+            Whatever ended the loop task, if it died of an error (raised by the awaitable).
+        """
+        task = self._loop_task
+        if task is None:
+            raise FailedPrecondition("the orchestrator is not started; call start() first.")
+        return _ended(task)
 
     async def __aenter__(self) -> Orchestrator:
         await self.start()
@@ -627,3 +643,10 @@ class Orchestrator:
                 listener(event)
             except Exception:
                 logger.exception("lifecycle listener %r failed on %s", listener, event)
+
+
+async def _ended(task: asyncio.Task[None]) -> None:
+    """Wait for ``task``; raise what it died of, if anything (its cancellation is a normal end)."""
+    await asyncio.wait({task})
+    if not task.cancelled() and task.exception() is not None:
+        raise task.exception()
