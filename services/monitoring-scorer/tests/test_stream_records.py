@@ -149,6 +149,11 @@ def test_a_record_with_a_bad_prediction_or_of_other_versions_is_rejected_whole(s
     assert isinstance(items[2], UnknownModel)
     assert isinstance(items[3], InvalidArgument) and items[3].field == "predictions"
     assert isinstance(items[4], DecodedRecord) and rows_of(items[4]).request_ids == ["r6", "r7"]
+    for key in (b"r8", None):  # keyed by request id, or not at all: the version's records spread over partitions
+        stray = record(prediction(8), 6)
+        stray.message.key = key
+        (rejected,) = decode_records(stream, [stray])
+        assert isinstance(rejected, InvalidArgument) and rejected.field == "key", rejected
     wrong = record(events_pb2.PredictionMade(), 5)
     wrong.message.headers = [(k, b"opml.inference.v1.Other" if k == "ce_type" else v)
                              for k, v in wrong.message.headers]

@@ -497,6 +497,11 @@ class ScoringStream:
         if key not in self.scorer.models:
             raise UnknownModel(f"model {first.model_name[:80]!r} version {first.model_version[:20]!r} is not "
                                "monitored (register it, or deploy it through the inference-router)")
+        if message.key != key.encode():
+            # a version's records on several partitions would each replace its open window (its rows
+            # lost, and its records never acked: that partition's commits held back for good)
+            raise InvalidArgument("key", f"must be the predictions' version {key[:120]!r}, so that one version's "
+                                         f"records come in order on one partition, but got {brief(message.key)}")
         return key, predictions, data
 
     def _decode_parsed(self, events: list[Any], parsed: list[Any]) -> list[DecodedRecord | Exception]:
