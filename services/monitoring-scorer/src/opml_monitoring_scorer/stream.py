@@ -3,39 +3,40 @@
 ``predictions`` agent, on opml.predictions.v1 (keyed ``<model>/<version>``, so one version's
 predictions arrive in order on one partition), in batches (``Stream.noack_take``: up to
 ``BATCH_MAX`` records, or what came within ``BATCH_WITHIN_S``). A record is one PredictionMade (an
-external producer's, or a quiet router's) or a PredictionBatch (the router's prediction log publishes
-what is queued for a version as one record: faust's costs are per record, so this is what lets
-one-row requests be scored at more than a few thousand per second). The predictions of one version
-in a batch of records are decoded together (their tensors stacked, one numpy call per tensor; if that
-fails, record by record, then prediction by prediction); a malformed record (one of its predictions
-does not decode, is of another version than the first, or disagrees with the version's reference), or
-one of a model nobody registered, goes whole to the topic's dead-letter topic with the reason, and the
-stream flows on; so do the records of a window the estimators cannot score (``Unscorable``). Each record's rows
-(ranges of its version's decode) are appended, whole, to its version's open window: **a record
-belongs to the window open when it comes**, and the window is closed and scored after the record
-that brings it to ``window.count`` rows (so a window holds ``count`` to ``count`` + the record's rows
-- 1), or when a record's first prediction's time is ``window.seconds`` past the window's first
-(a batch's later predictions may pass it by the time the router took to queue them). Windows close
-on record boundaries because a record is the unit of the offsets the stream commits. Window times are
-event times, so windows close the same way on a replay.
+external producer's, or a quiet router's) or a PredictionBatch (the router's prediction log
+publishes what is queued for a version as one record: faust's costs are per record, so this is what
+lets one-row requests be scored at more than a few thousand per second). The predictions of one
+version in a batch of records are decoded together (their tensors stacked, one numpy call per
+tensor; if that fails, record by record, then prediction by prediction); a malformed record (one of
+its predictions does not decode, is of another version than the first, or disagrees with the
+version's reference), one not keyed by its version, or one of a model nobody registered, goes whole
+to the topic's dead-letter topic with the reason, and the stream flows on; so do the records of a
+window the estimators cannot score (``Unscorable``). Each record's rows (ranges of its version's
+decode) are appended, whole, to its version's open window: **a record belongs to the window open
+when it comes**, and the window is closed and scored after the record that brings it to
+``window.count`` rows (so a window holds ``count`` to ``count`` + the record's rows - 1), or when a
+record's first prediction's time is ``window.seconds`` past the window's first (a batch's later
+predictions may pass it by the time the router took to queue them). Windows close on record
+boundaries because a record is the unit of the offsets the stream commits. Window times are event
+times, so windows close the same way on a replay.
 
 The source topic is the log of the open windows (as in Kafka Streams): an event (a record) is
 settled once the window it belongs to is closed and saved (or it is dead-lettered, or skipped as
 closed before), and acked (its offset may be committed) only once every record before it on its
-partition is settled too (``Held``: faust commits past an unacked offset that acks out of order leave
-behind), so the committed offset of a partition never passes the first event of a window still open
-there, whichever version's; a record is in one window only, so its offset is acked once. The open windows themselves
-live in memory only. A restarted scorer (or the new owner of a partition after a rebalance) is
-fed again from the committed offset and rebuilds the open windows from the same events, in the
-same order, with the same event times: the same windows (each partition's records are applied in
-offset order with no gap from the offset it was fed from; a gap faust leaves is sought back,
-``_in_order``). What it must not count again is a window it closed already: the ``windows`` table
-(a faust table with a changelog topic) holds per version the next window index and the offset of the
-last event of its last closed window, written once per closed window (not per event); an event at or
-below it is acked and skipped. faust flushes the
-changelog before it commits source offsets, and a window saved but not yet in the changelog when
-the process dies is closed again under the same index (the scorer saves windows by index and steps
-rules once per index), so a SIGKILL loses no window and counts none twice.
+partition is settled too (``Held``: faust commits past an unacked offset that acks out of order
+leave behind), so the committed offset of a partition never passes the first event of a window still
+open there, whichever version's; a record is in one window only, so its offset is acked once. The
+open windows themselves live in memory only. A restarted scorer (or the new owner of a partition
+after a rebalance) is fed again from the committed offset and rebuilds the open windows from the
+same events, in the same order, with the same event times: the same windows (each partition's
+records are applied in offset order with no gap from the offset it was fed from; a gap faust leaves
+is sought back, ``_in_order``). What it must not count again is a window it closed already: the
+``windows`` table (a faust table with a changelog topic) holds per version the next window index and
+the offset of the last event of its last closed window, written once per closed window (not per
+event); an event at or below it is settled and skipped. faust flushes the changelog before it commits
+source offsets, and a window saved but not yet in the changelog when the process dies is closed
+again under the same index (the scorer saves windows by index and steps rules once per index), so a
+SIGKILL loses no window and counts none twice.
 
 Per batch (in chunks of about ``DECODE_PREDICTIONS`` predictions): one Redis script call for the
 label-join records of its predictions (state.py; one record per prediction, a batch's predictions
@@ -191,9 +192,9 @@ class Held:
             entry[1] = True
         order = self._order
         while order and order[0][1]:
-            event = order.popleft()[0]
-            del self._by_offset[event.message.offset]
-            event.ack()
+            head = order.popleft()[0]
+            del self._by_offset[head.message.offset]
+            head.ack()
 
 
 def _rows(key: str, window: OpenWindow) -> Batch:
