@@ -6,11 +6,13 @@ import signal
 import sys
 from pathlib import Path
 
+import pytest
 from aiokafka.errors import KafkaTimeoutError
 from opml.bundles.v1 import events_pb2
 from prometheus_client import CollectorRegistry
 
-from opml_common.bus import CloudEvent, EventPublisher, ensure_topics
+from opml_common.bus import CloudEvent, EventPublisher, PublishFailed, ensure_topics
+from opml_common.bus.consumer import is_retriable
 from opml_common.config import PlatformSettings
 from opml_common.devinfra import free_port
 from opml_common.errors import Unavailable
@@ -275,3 +277,6 @@ async def test_a_timeout_while_the_broker_is_away_is_retried_not_moved_aside(tmp
     assert not await outbox.publish(BUNDLES, _event(1))
     assert len(list((tmp_path / "outbox").glob("*.json"))) == 1
     assert not (tmp_path / "outbox.failed").exists()
+    with pytest.raises(PublishFailed) as caught:  # a consumer's handler that publishes retries, not dead-letters
+        await publisher.publish(BUNDLES, _event(2))
+    assert caught.value.retriable and not caught.value.refused and is_retriable(caught.value)

@@ -8,7 +8,14 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Self
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import InvalidTopicError, KafkaError, MessageSizeTooLargeError, RecordTooLargeError
+from aiokafka.errors import (
+    BrokerNotAvailableError,
+    InvalidTopicError,
+    KafkaError,
+    KafkaTimeoutError,
+    MessageSizeTooLargeError,
+    RecordTooLargeError,
+)
 from google.protobuf.message import Message
 
 from opml_common.bus.cloudevents import CloudEvent
@@ -25,6 +32,9 @@ log = logging.getLogger(__name__)
 # Refusals of the record itself: sent again it fails alike, while other records still go through.
 # Not aiokafka's ``retriable`` flag, which is False for a timeout against a broker that is away too.
 _RECORD_REFUSED = (MessageSizeTooLargeError, RecordTooLargeError, InvalidTopicError)
+# The broker away or slow: aiokafka flags these not retriable (its own send gives up), but the same
+# record sent again once the broker is back goes through, so a consumer retries its handler.
+_BROKER_AWAY = (KafkaTimeoutError, BrokerNotAvailableError)
 
 
 class PublishFailed(OpmlError):
@@ -175,7 +185,8 @@ class EventPublisher:
         except KafkaError as exc:
             if self._failures is not None:
                 self._failures.labels(topic=self._metric_topic(topic_name)).inc()
-            raise PublishFailed(f"publishing {what} to {topic_name} failed: {exc}", retriable=exc.retriable,
+            raise PublishFailed(f"publishing {what} to {topic_name} failed: {exc}",
+                                retriable=exc.retriable or isinstance(exc, _BROKER_AWAY),
                                 refused=isinstance(exc, _RECORD_REFUSED)) from exc
 
     def _metric_topic(self, topic_name: str) -> str:
