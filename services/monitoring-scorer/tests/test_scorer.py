@@ -103,6 +103,37 @@ async def scorer(outage: Outage):
     await client.aclose()
 
 
+async def test_a_parked_label_of_a_version_without_a_monitor_yet_is_counted_not_raised() -> None:
+    """A version without a reference has no monitor until its first window closes: a label parked
+    before its prediction cannot join then. It is counted and logged; raised, it stopped the agent
+    that keeps predictions for the join (and the label, taken out of Redis, was gone anyway)."""
+    world = SyntheticWorld(Task.BINARY, seed=22)
+    files = {"monitoring.yaml": CONFIG}
+
+    async def load(context: str, ref: str):
+        return "uuid-2", files
+
+    client = aioredis.Redis(host="127.0.0.1", port=6379)
+    prefix = f"opml-test:{uuid.uuid4().hex[:8]}:"
+    registry = CollectorRegistry()
+    scorer = Scorer(store=MonitorStore(client, prefix=prefix, retention_s=600), emitter=RecordingEmitter(),
+                    metrics=ScorerMetrics(ServiceMetrics("monitoring-scorer", registry)), load_bundle=load)
+    try:
+        await scorer.register("m", "1", "ctx", "ref")
+        assert scorer.models["m/1"].monitor is None
+        rows = world.rows(1)
+        (rid, raw), = events_of(rows, 0)
+        label = label_events_pb2.LabelObserved(request_id=rid, values=[rows.labels[0]]).SerializeToString()
+        assert await scorer.on_label(label) == "parked"
+        await scorer.on_prediction_joinable("m/1", 0, raw, rid)
+        assert registry.get_sample_value("opml_monitoring_scorer_labels_total", {"outcome": "unjoinable"}) == 1
+    finally:
+        keys = await client.keys(prefix + "*")
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
+
+
 async def test_late_labels_join_by_request_id_either_order_once_each(scorer) -> None:
     scorer, world, _ = scorer
     rows = world.rows(100)

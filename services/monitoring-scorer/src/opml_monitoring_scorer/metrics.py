@@ -33,7 +33,8 @@ class ScorerMetrics:
             "window_close_seconds", "From a window's close to its score saved and its alerts emitted.", mv,
             buckets=WINDOW_CLOSE_BUCKETS)
         self.labels = metrics.counter("labels_total", "Labels by outcome: joined, parked (before its "
-                                      "prediction), duplicate, malformed.", ("outcome",))
+                                      "prediction), duplicate, malformed, unjoinable (its version had no "
+                                      "monitor yet).", ("outcome",))
         self.recalibrations = metrics.counter("mpp_recalibrations_total", "MPP refits from live labels.", mv)
         self.registered = metrics.gauge("models_monitored", "Model versions monitored.")
         for reason in ("unknown_model", "malformed", "unscorable"):  # series at 0 from the start: a rate, not a gap

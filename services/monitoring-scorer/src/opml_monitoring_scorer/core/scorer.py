@@ -459,6 +459,10 @@ class Scorer:
             except InvalidArgument as exc:
                 self.metrics.labels.labels("malformed").inc()
                 log.warning("parked label of %s dropped: %s", item.request_id, exc)
+            except FailedPrecondition as exc:  # no monitor yet (no reference, first window open): raised
+                # out of here it would stop the predictions agent, and the label is no longer parked
+                self.metrics.labels.labels("unjoinable").inc()
+                log.warning("parked label of %s dropped: %s", item.request_id, exc.message)
 
     async def _join(self, key: str, window: int, raw_event: bytes, label: label_events_pb2.LabelObserved) -> str:
         monitored = self.models.get(key)
