@@ -21,7 +21,7 @@ from minio import Minio
 from opml.bundles.v1 import bundles_pb2 as pb
 
 from opml_bundle_store.client import BundleStoreClient
-from opml_bundle_store.core import BundleStore
+from opml_bundle_store.core import BundleStore, sync
 from opml_bundle_store.core.convert import bundle_to_proto
 from opml_bundle_store.core.model import FileEntry, RejectedManifest, compute_content_hash
 from opml_bundle_store.core.remote import S3Remote
@@ -152,6 +152,22 @@ def test_manifests_with_sizes_or_ints_out_of_int64_are_skipped_and_the_context_s
     assert [bundle_to_proto(x).uuid for x in b.list_bundles("ctx")] == [real.uuid]
 
 
+def test_a_manifest_larger_than_any_the_store_writes_is_skipped_unread(stores, s3: Minio, remote_url: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """An object under a manifest key is read up to the cap, not whole (anyone with the bucket's
+    credentials may put gigabytes there); over it, the manifest is skipped as unreadable."""
+    a, b, rejected = stores
+    real = _add(a, "model", {"w.bin": b"real weights"})
+    a.push("ctx")
+    monkeypatch.setattr(sync, "MAX_MANIFEST_BYTES", 64 * 1024)
+    remote = S3Remote(s3, remote_url)
+    key = remote.manifest_key("model", str(uuid.uuid4()))
+    _put(s3, remote, key, b"{" + b" " * (1024 * 1024) + b"}")
+    assert [p.uuid for p in b.pull("ctx")] == [real.uuid]
+    assert [(r.key, r.reason) for r in rejected] == [(key, "unreadable")]
+    assert "holds more than 65536 bytes" in rejected[0].message
+
+
 def test_a_planted_local_manifest_with_a_non_canonical_uuid_is_never_loaded(tmp_path: Path) -> None:
     with BundleStore(tmp_path / "home", None) as store:
         store.create_context("ctx")
@@ -182,8 +198,8 @@ def test_service_pull_skips_forgeries_and_counts_them(bundle_store, admin: Bundl
     admin.create_context("plant-b", remote_url)
     real = admin.add("plant-a", "model", {"w.bin": b"real weights"}, commit=True)
     list(admin.push("plant-a"))
-    manifest = json.loads(S3Remote(s3, remote_url).get_bytes(S3Remote(s3, remote_url).manifest_key("model",
-                                                                                                   real.uuid)))
+    remote = S3Remote(s3, remote_url)
+    manifest = json.loads(remote.get_bytes(remote.manifest_key("model", real.uuid), max_bytes=sync.MAX_MANIFEST_BYTES))
     expected = plant_forgeries(s3, remote_url, manifest)
     assert set(_rejected_metric(bundle_store).values()) == {0.0}
 

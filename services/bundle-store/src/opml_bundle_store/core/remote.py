@@ -235,9 +235,20 @@ class S3Remote:
             response.release_conn()
         return total
 
-    def get_bytes(self, key: str) -> bytes:
+    def get_bytes(self, key: str, *, max_bytes: int) -> bytes:
+        """The whole object, read no further than ``max_bytes`` (anyone holding the bucket's credentials
+        may have put any size there).
+
+        Raises: DataLoss: the object holds more than ``max_bytes``.
+        """
         data = bytearray()
-        self.read_into(key, data.extend)
+
+        def sink(view: memoryview) -> None:
+            if len(data) + len(view) > max_bytes:
+                raise DataLoss(f"{key!r} holds more than {max_bytes} bytes; it was not read further")
+            data.extend(view)
+
+        self.read_into(key, sink)
         return bytes(data)
 
     # -- writing -------------------------------------------------------------------------------

@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[TransferProgress], None]
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+"""The largest remote manifest read (a bundle of ~300,000 files): a bigger object under a manifest key
+is no manifest this store wrote, and is not read into memory to find out."""
 RejectedCallback = Callable[[RejectedManifest], None]
 
 
@@ -262,7 +265,10 @@ def _parse_remote_manifest(remote: S3Remote, item: Any, context_id: str) -> Bund
         validate_bundle_name(item.bundle_name)
     except InvalidArgument as exc:
         raise _Rejected("key", f"{where} is not under a valid bundle name: {exc.message}") from None
-    data = remote.get_bytes(item.key)
+    try:
+        data = remote.get_bytes(item.key, max_bytes=MAX_MANIFEST_BYTES)
+    except DataLoss as exc:
+        raise _Rejected("unreadable", f"{where} is corrupt: {exc.message}") from None
     try:
         bundle = Bundle.from_json(data, context=context_id)
     except (ValueError, RecursionError) as exc:
