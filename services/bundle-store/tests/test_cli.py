@@ -53,7 +53,8 @@ def test_disdat_workflow(opml, remote_url: str, tmp_path: Path) -> None:
     assert "PERMISSION_DENIED" in denied and "admin" in denied
     assert uuid in opml("bundle", "rm", "classifier")
     assert "NOT_FOUND" in opml("bundle", "cat", uuid, expect_exit=1)
-    assert "would remove" in opml("bundle", "gc", "--grace", "0", "--dry-run")
+    assert "would remove 0 blobs" in opml("bundle", "gc", "--dry-run")  # the default grace keeps them an hour
+    assert "would remove 2 blobs" in opml("bundle", "gc", "--grace", "0", "--dry-run")  # classifier's two files
 
 
 def test_usage_errors_are_clear(opml) -> None:

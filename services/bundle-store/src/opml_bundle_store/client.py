@@ -156,8 +156,9 @@ class BundleStoreClient(ServiceClient):
             pb.DeleteBundleRequest(name=f"contexts/{context_id}/bundles/{ref}", remote=remote))
         return list(reply.deleted_uuids)
 
-    def gc(self, context_id: str, *, remote: bool = False, grace_seconds: int = 0,
+    def gc(self, context_id: str, *, remote: bool = False, grace_seconds: int | None = None,
            dry_run: bool = False) -> pb.GarbageCollectResponse:
+        """``grace_seconds`` None: the server's default (3600); 0: every unreferenced blob, now."""
         return self.stub.GarbageCollect(pb.GarbageCollectRequest(
             parent=f"contexts/{context_id}", remote=remote, grace_seconds=grace_seconds, dry_run=dry_run))
 

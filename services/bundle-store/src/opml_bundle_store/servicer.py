@@ -178,7 +178,8 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
         if request.grace_seconds < 0:
             raise InvalidArgument("grace_seconds", f"must be >= 0, but got {request.grace_seconds}")
         report = await asyncio.to_thread(self._store.gc, context_id, remote=request.remote,
-                                         grace_s=request.grace_seconds or 3600, dry_run=request.dry_run)
+                                         grace_s=request.grace_seconds if request.HasField("grace_seconds")
+                                         else 3600, dry_run=request.dry_run)
         return pb.GarbageCollectResponse(blobs_removed=report.blobs_removed, bytes_freed=report.bytes_freed,
                                          blobs_kept=report.blobs_kept)
 
