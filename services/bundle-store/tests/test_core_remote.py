@@ -20,6 +20,7 @@ from opml.bundles.v1 import events_pb2
 
 from opml_bundle_store.core import BundleStore, TransferProgress
 from opml_bundle_store.core import remote as remote_module
+from opml_bundle_store.core import sync as sync_module
 from opml_bundle_store.core.layout import ContextDir
 from opml_bundle_store.core.remote import S3Remote
 from opml_common.config import PlatformSettings
@@ -157,6 +158,31 @@ def test_metadata_only_pull_then_localize(stores) -> None:
     assert [(p.uuid, p.localized) for p in localized] == [(first.uuid, True)]
     assert read(b, "data", "big.bin") == data
     assert b.pull("ctx", localize=True)[0].uuid == second.uuid
+
+
+def test_a_blob_a_gc_removes_before_the_pull_records_it_leaves_the_bundle_not_localized(
+        stores, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gc (``--grace 0``) running between a pull's download and its record removes the downloaded,
+    still unreferenced blob: the pull must not record the bundle localized (its reads would then fail
+    DATA_LOSS); pulled again, it is."""
+    a, b = stores
+    first = add(a, "data", {"w.bin": b"weights", "c.txt": b"config"})
+    a.push("ctx")
+    download = sync_module.Downloader.download
+
+    def download_then_gc(self, needed):
+        stats = download(self, needed)
+        b.gc("ctx", grace_s=0)  # the blobs are referenced by no manifest here yet: removed
+        return stats
+
+    monkeypatch.setattr(sync_module.Downloader, "download", download_then_gc)
+    pulled = b.pull("ctx", localize=True)
+    assert [(p.uuid, p.localized) for p in pulled] == [(first.uuid, False)]
+    with pytest.raises(FailedPrecondition, match="not localized"):
+        b.open_file("ctx", "data", "w.bin")
+    monkeypatch.setattr(sync_module.Downloader, "download", download)
+    assert [(p.uuid, p.localized) for p in b.pull("ctx", localize=True)] == [(first.uuid, True)]
+    assert read(b, "data", "w.bin") == b"weights"
 
 
 def test_pull_into_the_store_that_pushed_needs_no_download(stores, monkeypatch) -> None:

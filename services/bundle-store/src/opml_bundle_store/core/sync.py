@@ -174,19 +174,27 @@ class RemoteSync:
             needed = self._blobs_to_fetch(ctx, to_localize)
             stats = Downloader(remote, ctx.dir, self._pool, self._settings, reporter).download(needed)
             changed: list[Bundle] = []
-            with ctx.lock:
+            with ctx.lock:  # gc removes blobs under this lock: what is present now stays until recorded
+
+                def present(bundle: Bundle) -> bool:
+                    """Its blobs are all here (a gc between the download and now may have removed some)."""
+                    return all(ctx.dir.blob_path(f.sha256).exists() for f in bundle.files)
+
                 for bundle in fresh:
-                    present = localize or all(ctx.dir.blob_path(f.sha256).exists() for f in bundle.files)
-                    record = bundle.with_state(context=ctx.id, remote_url=remote.url, localized=present)
+                    record = bundle.with_state(context=ctx.id, remote_url=remote.url, localized=present(bundle))
                     ctx.record(record)
                     changed.append(record)
                 if localize:
                     for old in to_localize[len(fresh):]:
                         current = ctx.bundles.get(old.uuid)
-                        if current is not None and not current.localized:
+                        if current is not None and not current.localized and present(current):
                             record = current.with_state(localized=True, remote_url=current.remote_url or remote.url)
                             ctx.record(record)
                             changed.append(record)
+                missed = [bundle.name for bundle in changed if localize and not bundle.localized]
+                if missed:
+                    log.warning("pull into %s: blobs of %s were removed (a gc ran meanwhile) before the pull "
+                                "recorded them; they stay not localized, pull again", ctx.id, ", ".join(missed))
             reporter.emit(force=True)
         log.info("pulled %d bundles into %s from %s: %s", len(changed), ctx.id, remote.url, stats)
         return sorted(changed, key=age, reverse=True)
