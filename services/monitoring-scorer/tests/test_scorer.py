@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import time
 import uuid
 
@@ -12,6 +13,7 @@ import redis
 import redis.asyncio as aioredis
 from opml.inference.v1 import events_pb2 as inference_events
 from opml.monitoring.v1 import label_events_pb2
+from opml.monitoring.v1.monitoring_pb2 import GetModelStatusRequest
 from prometheus_client import CollectorRegistry
 from tritonclient.grpc import service_pb2 as pb
 
@@ -23,6 +25,7 @@ from opml_monitoring_scorer.core import scorer as scorer_module
 from opml_monitoring_scorer.core.reference import Task, performance
 from opml_monitoring_scorer.core.scorer import Scorer, dump_reference, load_reference
 from opml_monitoring_scorer.metrics import ScorerMetrics
+from opml_monitoring_scorer.servicer import MonitoringServicer
 from opml_monitoring_scorer.state import MonitorStore
 from opml_monitoring_scorer.synthetic import FEATURES, SyntheticWorld
 
@@ -241,3 +244,36 @@ def test_a_reference_of_too_many_rows_is_refused_from_its_array_headers(monkeypa
                                        ("reference.npz.predicted", "holds 1001 rows, more than 1000")]
     with pytest.raises(InvalidArgument, match=r"^reference.npz: is not a numpy .npz of arrays"):
         load_reference(b"PK\x03\x04 not a zip", task=Task.REGRESSION)
+
+
+async def test_the_status_counts_each_window_s_rows_once_without_reading_the_windows(scorer) -> None:
+    """The status summed the rows of every window record it read (all of them, on each call): windows
+    never expire, so GetModelStatus, RegisterModel and ListModels grew with the history. The total is
+    kept as windows are saved; a window saved again (a replayed close, a label joined) adds nothing."""
+    scorer, world, _ = scorer
+    for index, rows in enumerate((100, 60)):
+        raws = [raw for _, raw in events_of(world.rows(rows), index * 100)]
+        await scorer.close_window("m/1", index, raws, 0.0, 1.0)
+        await scorer.close_window("m/1", index, raws, 0.0, 1.0)  # replayed after a crash
+    store, read = scorer.store, []
+    windows = store.windows
+
+    async def counted(mv, *, before, limit):
+        read.append(limit)
+        return await windows(mv, before=before, limit=limit)
+
+    store.windows = counted
+    status = await MonitoringServicer(scorer).GetModelStatus(GetModelStatusRequest(name="models/m/versions/1"), None)
+    assert (status.predictions, status.windows, read) == (160, 2, [1])
+
+
+async def test_the_rows_of_windows_saved_before_the_total_was_kept_are_summed_once(scorer) -> None:
+    scorer, _, _ = scorer
+    store = scorer.store
+    for index, rows in ((0, 30), (1, 40)):  # as windows were saved before
+        await store.redis.hset(store._k("windows", "m/1"), str(index), json.dumps({"index": index, "rows": rows}))
+        await store.redis.zadd(store._k("windex", "m/1"), {str(index): index})
+    await store.save_window("m/1", {"index": 2, "rows": 5})
+    assert await store.total_rows("m/1") == 75
+    await store.save_window("m/1", {"index": 2, "rows": 5})
+    assert await store.total_rows("m/1") == 75 and await store.total_rows("m/2") == 0

@@ -31,10 +31,7 @@ class MonitoringServicer(monitoring_pb2_grpc.MonitoringServiceServicer):
         monitored = await self._scorer.find(key)
         store = self._scorer.store
         last = await store.windows(key, before=None, limit=1)
-        total = 0
-        for record in await store.windows(key, before=None, limit=10**9):
-            total += record["rows"]
-        return status_to_proto(monitored, windows=await store.window_count(key), predictions=total,
+        return status_to_proto(monitored, windows=await store.window_count(key), predictions=await store.total_rows(key),
                                last=last[0] if last else None, firing=await store.firing(key))
 
     async def RegisterModel(self, request: pb.RegisterModelRequest, context) -> pb.ModelStatus:

@@ -7,6 +7,7 @@ Keys (under ``{redis_prefix}monitoring:``; ``{mv}`` is ``model/version``):
 | ``models`` (hash) | ``{mv}`` -> the registration (reference bundle, config YAML, how it was registered) |
 | ``rules:{mv}`` | the rules YAML set through SetRules (overrides the bundle's) |
 | ``windows:{mv}`` (hash) + ``windex:{mv}`` (zset) | window index -> its score record; the index for paging |
+| ``rows:{mv}`` | the rows of every window saved (a running total, so the status reads no window) |
 | ``rulestate:{mv}`` (hash) | rule -> run counts, firing, the last window applied (replays are skipped) |
 | ``alerts:{mv}`` (hash) + ``aindex:{mv}`` (zset) | ``{rule}@{window}`` -> the alert, newest first |
 | ``pred:{request id}`` | the prediction a late label joins to (a JSON line of model version and window, then the event's bytes), expires |
@@ -59,6 +60,29 @@ return {labelled, total}
 the window's truth (KEYS[2]: ARGV[2] rows, ARGV[3] correct count or error sum, ARGV[4] expiry) in one
 step; returns the truth after it, or nil for a duplicate."""
 
+_ROWS = """
+if redis.call('EXISTS', KEYS[3]) == 0 and redis.call('ZCARD', KEYS[2]) > 0 then
+  local rows = 0
+  for _, record in ipairs(redis.call('HVALS', KEYS[1])) do
+    rows = rows + cjson.decode(record)['rows']
+  end
+  redis.call('SET', KEYS[3], rows)
+end
+"""
+"""Sums the rows of windows saved before the running total (KEYS[3]) was kept, once: KEYS[1] the
+windows, KEYS[2] their index. Run first by the scripts below."""
+
+_SAVE_WINDOW = _ROWS + """
+if redis.call('ZADD', KEYS[2], ARGV[1], ARGV[1]) == 1 then
+  redis.call('INCRBY', KEYS[3], ARGV[3])
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+"""
+"""Saves window ARGV[1] (its record ARGV[2], of ARGV[3] rows) and adds its rows to the total the first
+time it is saved: a window saved again (a replayed close, a label joined) is not counted twice."""
+
+_TOTAL_ROWS = _ROWS + "return redis.call('GET', KEYS[3])"
+
 
 class MonitorStore:
     """Side effects: none until used; ``start``/``stop`` are no-ops (the Redis client is the service's)."""
@@ -69,6 +93,8 @@ class MonitorStore:
         self.retention_s = retention_s
         self._remember: Any = None
         self._join: Any = None
+        self._save_window: Any = None
+        self._total_rows: Any = None
 
     def _k(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
@@ -100,11 +126,18 @@ class MonitorStore:
 
     # windows
     async def save_window(self, mv: str, record: dict[str, Any]) -> None:
-        index = record["index"]
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self._k("windows", mv), str(index), json.dumps(record))
-            pipe.zadd(self._k("windex", mv), {str(index): index})
-            await pipe.execute()
+        if self._save_window is None:
+            self._save_window = self.redis.register_script(_SAVE_WINDOW)
+        await self._save_window(keys=self._window_keys(mv), args=[record["index"], json.dumps(record), record["rows"]])
+
+    def _window_keys(self, mv: str) -> list[str]:
+        return [self._k("windows", mv), self._k("windex", mv), self._k("rows", mv)]
+
+    async def total_rows(self, mv: str) -> int:
+        """The rows of every window saved, in O(1) (kept as windows are saved)."""
+        if self._total_rows is None:
+            self._total_rows = self.redis.register_script(_TOTAL_ROWS)
+        return int(await self._total_rows(keys=self._window_keys(mv), args=[]) or 0)
 
     async def get_window(self, mv: str, index: int) -> dict[str, Any] | None:
         raw = await self.redis.hget(self._k("windows", mv), str(index))
