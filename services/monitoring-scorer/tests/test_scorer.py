@@ -13,7 +13,7 @@ import redis
 import redis.asyncio as aioredis
 from opml.inference.v1 import events_pb2 as inference_events
 from opml.monitoring.v1 import label_events_pb2
-from opml.monitoring.v1.monitoring_pb2 import GetModelStatusRequest
+from opml.monitoring.v1.monitoring_pb2 import GetModelStatusRequest, ListAlertsRequest
 from prometheus_client import CollectorRegistry
 from tritonclient.grpc import service_pb2 as pb
 
@@ -22,6 +22,7 @@ from opml_common.events import RecordingEmitter
 from opml_common.kserve_codec import encode_outputs, encode_request
 from opml_common.metrics import ServiceMetrics
 from opml_monitoring_scorer.core import scorer as scorer_module
+from opml_monitoring_scorer.core.records import AlertRecord
 from opml_monitoring_scorer.core.reference import Task, performance
 from opml_monitoring_scorer.core.scorer import Scorer, dump_reference, load_reference
 from opml_monitoring_scorer.metrics import ScorerMetrics
@@ -277,3 +278,30 @@ async def test_the_rows_of_windows_saved_before_the_total_was_kept_are_summed_on
     assert await store.total_rows("m/1") == 75
     await store.save_window("m/1", {"index": 2, "rows": 5})
     assert await store.total_rows("m/1") == 75 and await store.total_rows("m/2") == 0
+
+
+async def test_list_alerts_pages_through_every_alert_of_every_version_in_order(scorer) -> None:
+    """ListAlerts read at most 10,000 alerts per version and paged over those: older ones were never
+    listed. Pages continue from the last alert's place (alerts of one window ordered by rule)."""
+    scorer, _, _ = scorer
+    await scorer.register("m", "2", "ctx", "ref")
+    saved = [AlertRecord("m", "1", rule, "drift", window, 0.5) for window in range(5001) for rule in ("b", "a")]
+    saved += [AlertRecord("m", "2", rule, "mpp", window, 0.1) for window in (0, 4999, 5000) for rule in ("c", "a")]
+    for alert in saved:
+        await scorer.store.save_alert(alert)
+    servicer = MonitoringServicer(scorer)
+
+    async def listed(name: str, size: int) -> list[tuple]:
+        got, token = [], ""
+        while True:
+            page = await servicer.ListAlerts(ListAlertsRequest(name=name, page_size=size, page_token=token), None)
+            assert len(page.alerts) <= size
+            got += [(-a.raised_at_window, a.name, a.rule) for a in page.alerts]
+            if not (token := page.next_page_token):
+                return got
+    expected = sorted((-a.raised_at_window, f"models/{a.model}/versions/{a.version}", a.rule) for a in saved)
+    assert await listed("", 1000) == expected
+    assert await listed("models/m/versions/2", 3) == [a for a in expected if a[1] == "models/m/versions/2"]
+    with pytest.raises(InvalidArgument, match="another name"):
+        first = await servicer.ListAlerts(ListAlertsRequest(page_size=1), None)
+        await servicer.ListAlerts(ListAlertsRequest(name="models/m/versions/1", page_token=first.next_page_token), None)

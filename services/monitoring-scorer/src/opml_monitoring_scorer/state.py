@@ -172,8 +172,23 @@ class MonitorStore:
             pipe.zadd(self._k("aindex", mv), {key: alert.raised_at_window})
             await pipe.execute()
 
-    async def alerts(self, mv: str, *, offset: int, limit: int) -> list[AlertRecord]:
-        keys = await self.redis.zrevrange(self._k("aindex", mv), offset, offset + limit - 1)
+    async def alerts(self, mv: str, *, below: int | None, limit: int) -> list[AlertRecord]:
+        """The newest ``limit`` alerts raised at a window below ``below`` (None: from the newest), and
+        every other alert raised at the oldest window of those: the API orders one window's alerts by
+        rule, the index by its member, so a page cut inside a window would skip some."""
+        top = "+inf" if below is None else f"({below}"
+        found = await self.redis.zrevrangebyscore(self._k("aindex", mv), top, "-inf", start=0, num=limit,
+                                                  withscores=True)
+        keys = [key for key, _ in found]
+        if len(found) == limit:
+            keys += await self.redis.zrangebyscore(self._k("aindex", mv), found[-1][1], found[-1][1])
+        return await self._alerts(mv, list(dict.fromkeys(keys)))
+
+    async def alerts_at(self, mv: str, window: int) -> list[AlertRecord]:
+        """The alerts raised at ``window`` (one per rule at most)."""
+        return await self._alerts(mv, await self.redis.zrangebyscore(self._k("aindex", mv), window, window))
+
+    async def _alerts(self, mv: str, keys: list[bytes]) -> list[AlertRecord]:
         if not keys:
             return []
         raws = await self.redis.hmget(self._k("alerts", mv), keys)
