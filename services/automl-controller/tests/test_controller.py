@@ -17,9 +17,10 @@ from opml.jobs.v1 import jobs_pb2
 
 from opml_automl_controller.controller import Controller
 from opml_automl_controller.jobs import JobView, TrialJobs
-from opml_automl_controller.state import ExperimentState, ExperimentStore, TrialState
+from opml_automl_controller.state import ExperimentRecord, ExperimentState, ExperimentStore, TrialState
 from opml_common.errors import FailedPrecondition, NotFound
 from opml_common.events import RecordingEmitter
+from opml_common.testing.bus import wait_until
 
 REDIS = "redis://127.0.0.1:6379/0"
 
@@ -461,3 +462,31 @@ async def test_a_trial_that_stops_reading_lets_go_of_its_log_stream(store: Exper
     await ctl.stop()  # the trial's task is cancelled; its job goes on writing
     jobs.lines.put("loss=1\n")
     assert await asyncio.to_thread(jobs.dropped.wait, 60)
+
+
+async def test_an_experiment_stored_under_older_rules_fails_alone(store: ExperimentStore) -> None:
+    # random_state 2^32 was admitted before numpy's seed bound became an admission rule
+    stale = ExperimentRecord(name="stale", uid="aa", katib_yaml=experiment("stale").replace("'7'", "'4294967296'"),
+                             max_trial_count=6)
+    assert "4294967296" in stale.katib_yaml
+    await store.put_experiment(stale, new=True)
+    emitter = RecordingEmitter()
+    ctl = Controller(store=store, jobs=ScriptedJobs(quadratic), emitter=emitter, redis_url=REDIS, retry_s=0.05)
+    await ctl.start()
+    await ctl.create(experiment("fresh", max_trials=1, parallel=1, max_failed=1))
+
+    async def failed() -> bool:
+        return (await store.experiment("stale")).state is ExperimentState.FAILED
+
+    await wait_until(failed, what="the stale experiment's run to fail it")
+    record = await store.experiment("stale")
+    assert record.reason == "SpecInvalid" and "random_state" in record.message
+    assert [v.record.name for v in await ctl.list()] == ["fresh"]
+    with pytest.raises(FailedPrecondition, match="random_state"):
+        await ctl.get("stale")
+    await ctl.delete("stale")
+    with pytest.raises(NotFound):
+        await store.experiment("stale")
+    deleted = [m.experiment.name for m in emitter.messages if getattr(m, "deleted", False)]
+    assert deleted == ["experiments/stale"]
+    await ctl.stop()

@@ -98,6 +98,11 @@ class ControllerMetrics:
     def trial_ended(self, state: TrialState, seconds: float | None) -> None: ...
     def asked(self, seconds: float) -> None: ...
     def experiments(self, counts: dict[ExperimentState, int]) -> None: ...
+    def spec_invalid(self) -> None: ...
+
+
+class SpecInvalid(FailedPrecondition):
+    """A stored experiment whose katib_yaml breaks an admission rule made after it was created."""
 
 
 @functools.lru_cache(maxsize=256)
@@ -107,7 +112,20 @@ def _parsed(katib_yaml: str) -> ExperimentSpec:
 
 
 def _spec_of(record: ExperimentRecord) -> ExperimentSpec:
-    return replace(_parsed(record.katib_yaml), max_trial_count=record.max_trial_count)
+    """Raises: SpecInvalid: the rules were tightened since the experiment was created."""
+    try:
+        parsed = _parsed(record.katib_yaml)
+    except InvalidArgument as error:
+        raise SpecInvalid(f"experiment {record.name!r} breaks admission rules made after it was created "
+                          f"({error.message}); delete it and create it again") from None
+    return replace(parsed, max_trial_count=record.max_trial_count)
+
+
+def _spec_or_none(record: ExperimentRecord) -> ExperimentSpec | None:
+    """The spec, or None for a record that no longer parses (its events then carry the record only)."""
+    with contextlib.suppress(SpecInvalid):
+        return _spec_of(record)
+    return None
 
 
 spec_of = _spec_of
@@ -213,13 +231,22 @@ class Controller:
         return ExperimentView(record, spec, ())
 
     async def get(self, name: str) -> ExperimentView:
-        """Raises: NotFound."""
+        """Raises: NotFound. SpecInvalid: it no longer parses."""
         record = await self._store.experiment(name)
         return ExperimentView(record, _spec_of(record), tuple(await self._store.trials(name)))
 
     async def list(self) -> list[ExperimentView]:
-        return [ExperimentView(r, _spec_of(r), tuple(await self._store.trials(r.name)))
-                for r in await self._store.experiments()]
+        """Every experiment but those that no longer parse (logged and counted: one must not hide the rest)."""
+        views = []
+        for record in await self._store.experiments():
+            try:
+                spec = _spec_of(record)
+            except SpecInvalid as error:
+                log.warning("ListExperiments skips %s: %s", record.name, error.message)
+                self._metrics.spec_invalid()
+                continue
+            views.append(ExperimentView(record, spec, tuple(await self._store.trials(record.name))))
+        return views
 
     async def trials(self, name: str) -> list[TrialRecord]:
         await self._store.experiment(name)
@@ -271,17 +298,20 @@ class Controller:
     async def delete(self, name: str) -> None:
         """Kill the running trials' jobs, then delete the experiment, its trials and its journal.
 
+        An experiment that no longer parses is deleted too (its trials' jobs cancelled as any others).
+
         Raises: NotFound.
         """
         record = await self._store.experiment(name)
+        spec = _spec_or_none(record)
         task = self._runs.pop(name, None)
         if task is not None:
             await _cancel([task])
         for trial in await self._store.trials(name):
-            if trial.state not in TERMINAL_TRIALS and not _surrogate(_spec_of(record)):
+            if trial.state not in TERMINAL_TRIALS and not (spec is not None and _surrogate(spec)):
                 await self._retrying(lambda t=trial: self._jobs.cancel(t.job_id), f"cancel {trial.job_id}")
         await self._store.delete(record)
-        self._emitter.emit(convert.experiment_event(record, _spec_of(record), (), deleted=True), subject=name)
+        self._emitter.emit(convert.experiment_event(record, spec, (), deleted=True), subject=name)
         await self._count()
 
     # -- the experiment's loop -------------------------------------------------------------------
@@ -296,7 +326,13 @@ class Controller:
 
     async def _experiment(self, name: str) -> None:
         record = await self._store.experiment(name)
-        spec = _spec_of(record)
+        try:
+            spec = _spec_of(record)
+        except SpecInvalid as error:
+            log.error("experiment %s: %s", name, error.message)
+            await self._change(name, functools.partial(_ended, state=ExperimentState.FAILED, reason="SpecInvalid",
+                                                       message=error.message, bundle=""))
+            return
         study = await asyncio.to_thread(ExperimentStudy, spec, redis_url=self._redis_url,
                                         journal_prefix=self._store.journal_prefix(record))
         runners: dict[int, asyncio.Task] = {}
@@ -695,7 +731,7 @@ class Controller:
 
     async def _save(self, record: ExperimentRecord, spec: ExperimentSpec | None = None) -> None:
         await self._store.put_experiment(record)
-        self._announce(record, spec or _spec_of(record), tuple(await self._store.trials(record.name)))
+        self._announce(record, spec or _spec_or_none(record), tuple(await self._store.trials(record.name)))
         await self._count()
 
     async def _save_trial(self, record: ExperimentRecord, spec: ExperimentSpec, trial: TrialRecord, *,
@@ -707,7 +743,7 @@ class Controller:
     def _announce_trial(self, record: ExperimentRecord, trial: TrialRecord) -> None:
         self._emitter.emit(convert.trial_event(trial), subject=record.name)
 
-    def _announce(self, record: ExperimentRecord, spec: ExperimentSpec, trials: tuple[TrialRecord, ...]) -> None:
+    def _announce(self, record: ExperimentRecord, spec: ExperimentSpec | None, trials: tuple[TrialRecord, ...]) -> None:
         self._emitter.emit(convert.experiment_event(record, spec, trials), subject=record.name)
 
     async def _count(self) -> None:

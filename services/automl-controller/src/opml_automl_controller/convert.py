@@ -53,8 +53,9 @@ def best_trial(spec: ExperimentSpec, trials: tuple[TrialRecord, ...] | list[Tria
     return pick(done, key=lambda t: t.objective_value or 0.0)
 
 
-def experiment_to_proto(record: ExperimentRecord, spec: ExperimentSpec, trials: tuple[TrialRecord, ...] | list[TrialRecord],
-                        *, with_yaml: bool = True) -> pb.Experiment:
+def experiment_to_proto(record: ExperimentRecord, spec: ExperimentSpec | None,
+                        trials: tuple[TrialRecord, ...] | list[TrialRecord], *, with_yaml: bool = True) -> pb.Experiment:
+    """``spec`` None: a stored experiment that no longer parses; only its record's fields are set."""
     count = {state: sum(1 for t in trials if t.state is state) for state in TrialState}
     status = pb.ExperimentStatus(
         state=EXPERIMENT_STATES[record.state], reason=record.reason, message=record.message, trials=len(trials),
@@ -62,15 +63,17 @@ def experiment_to_proto(record: ExperimentRecord, spec: ExperimentSpec, trials: 
         trials_succeeded=count[TrialState.SUCCEEDED], trials_failed=count[TrialState.FAILED],
         trials_early_stopped=count[TrialState.EARLY_STOPPED], trials_killed=count[TrialState.KILLED],
         create_time=_timestamp(record.created_at), completion_time=_timestamp(record.completed_at))
-    best = best_trial(spec, trials)
-    if best is not None:
-        status.current_optimal_trial.CopyFrom(trial_to_proto(best))
     message = pb.Experiment(
         name=experiment_name(record.name), katib_yaml=record.katib_yaml if with_yaml else "",
-        objective_metric=spec.objective.metric, objective_type=spec.objective.goal.value,
-        algorithm=spec.algorithm.name, max_trial_count=record.max_trial_count,
-        parallel_trial_count=spec.parallel_trial_count, resume_policy=spec.resume_policy.value, status=status,
-        best_model_bundle=record.best_model_bundle)
+        max_trial_count=record.max_trial_count, status=status, best_model_bundle=record.best_model_bundle)
+    if spec is None:
+        return message
+    best = best_trial(spec, trials)
+    if best is not None:
+        message.status.current_optimal_trial.CopyFrom(trial_to_proto(best))
+    message.objective_metric, message.objective_type = spec.objective.metric, spec.objective.goal.value
+    message.algorithm, message.parallel_trial_count = spec.algorithm.name, spec.parallel_trial_count
+    message.resume_policy = spec.resume_policy.value
     if spec.objective.target is not None:
         message.goal = spec.objective.target
     if spec.max_failed_trial_count is not None:
@@ -78,7 +81,7 @@ def experiment_to_proto(record: ExperimentRecord, spec: ExperimentSpec, trials: 
     return message
 
 
-def experiment_event(record: ExperimentRecord, spec: ExperimentSpec, trials: tuple[TrialRecord, ...] | list[TrialRecord],
+def experiment_event(record: ExperimentRecord, spec: ExperimentSpec | None, trials: tuple[TrialRecord, ...] | list[TrialRecord],
                      *, deleted: bool = False) -> events_pb2.ExperimentChanged:
     return events_pb2.ExperimentChanged(experiment=experiment_to_proto(record, spec, trials, with_yaml=False),
                                         deleted=deleted)

@@ -13,7 +13,7 @@ ASK_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5)
 
 class PrometheusControllerMetrics(ControllerMetrics):
     """``opml_automl_controller_trials_total{state}``, ``..._trial_duration_seconds{state}``,
-    ``..._suggestion_seconds`` (one ``study.ask``) and ``..._experiments{state}``."""
+    ``..._suggestion_seconds`` (one ``study.ask``), ``..._experiments{state}`` and ``..._spec_invalid_total``."""
 
     def __init__(self, metrics: ServiceMetrics) -> None:
         self._trials = metrics.counter("trials_total", "Trials that ended, by how.", ("state",))
@@ -23,6 +23,8 @@ class PrometheusControllerMetrics(ControllerMetrics):
                                       "included).", buckets=ASK_BUCKETS)
         self._experiments = metrics.gauge("experiments", "Experiments known to the controller, by state.",
                                           ("state",))
+        self._spec_invalid = metrics.counter("spec_invalid_total", "Stored experiments a list skipped: their "
+                                             "katib_yaml breaks an admission rule made after they were created.")
         for state in TrialState:
             self._trials.labels(state.value)
         for state in ExperimentState:
@@ -39,3 +41,6 @@ class PrometheusControllerMetrics(ControllerMetrics):
     def experiments(self, counts: dict[ExperimentState, int]) -> None:
         for state, count in counts.items():
             self._experiments.labels(state.value).set(count)
+
+    def spec_invalid(self) -> None:
+        self._spec_invalid.inc()
