@@ -107,21 +107,24 @@ async def scorer(outage: Outage):
     await client.aclose()
 
 
+def without_reference(client: aioredis.Redis, prefix: str, registry: CollectorRegistry) -> Scorer:
+    """A scorer whose bundles hold no reference.npz (the first window is the baseline)."""
+    async def load(context: str, ref: str):
+        return "uuid-2", {"monitoring.yaml": CONFIG}
+
+    return Scorer(store=MonitorStore(client, prefix=prefix, retention_s=600), emitter=RecordingEmitter(),
+                  metrics=ScorerMetrics(ServiceMetrics("monitoring-scorer", registry)), load_bundle=load)
+
+
 async def test_a_parked_label_of_a_version_without_a_monitor_yet_is_counted_not_raised() -> None:
     """A version without a reference has no monitor until its first window closes: a label parked
     before its prediction cannot join then. It is counted and logged; raised, it stopped the agent
     that keeps predictions for the join (and the label, taken out of Redis, was gone anyway)."""
     world = SyntheticWorld(Task.BINARY, seed=22)
-    files = {"monitoring.yaml": CONFIG}
-
-    async def load(context: str, ref: str):
-        return "uuid-2", files
-
     client = aioredis.Redis(host="127.0.0.1", port=6379)
     prefix = f"opml-test:{uuid.uuid4().hex[:8]}:"
     registry = CollectorRegistry()
-    scorer = Scorer(store=MonitorStore(client, prefix=prefix, retention_s=600), emitter=RecordingEmitter(),
-                    metrics=ScorerMetrics(ServiceMetrics("monitoring-scorer", registry)), load_bundle=load)
+    scorer = without_reference(client, prefix, registry)
     try:
         await scorer.register("m", "1", "ctx", "ref")
         assert scorer.models["m/1"].monitor is None
@@ -131,6 +134,34 @@ async def test_a_parked_label_of_a_version_without_a_monitor_yet_is_counted_not_
         assert await scorer.on_label(label) == "parked"
         await scorer.on_prediction_joinable("m/1", 0, raw, rid)
         assert registry.get_sample_value("opml_monitoring_scorer_labels_total", {"outcome": "unjoinable"}) == 1
+    finally:
+        keys = await client.keys(prefix + "*")
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
+
+
+async def test_the_first_window_stays_the_baseline_after_a_restart() -> None:
+    """Without a reference the first window is the baseline: it was kept in memory only, so a scorer
+    restarted (or another process adopting the version) took the first window it closed, maybe one
+    already drifted, and the drift was gone. Its rows are kept in Redis and the baseline rebuilt."""
+    world = SyntheticWorld(Task.BINARY, seed=23)
+    client = aioredis.Redis(host="127.0.0.1", port=6379)
+    prefix = f"opml-test:{uuid.uuid4().hex[:8]}:"
+    try:
+        first = without_reference(client, prefix, CollectorRegistry())
+        await first.register("m", "1", "ctx", "ref")
+        clean = [raw for _, raw in events_of(world.rows(300), 0)]
+        assert not any(d.drifted for d in (await first.close_window("m/1", 0, clean, 0.0, 1.0)).drift.values())
+        shift = np.array([2.0, 0, 0, 0])
+        for scorer in (without_reference(client, prefix, CollectorRegistry()),) * 2:  # restarted, then replayed
+            await scorer.start()
+            drifted = [raw for _, raw in events_of(world.rows(300, shift=shift), 300)]
+            score = await scorer.close_window("m/1", 1, drifted, 1.0, 2.0)
+            assert score.drift["x0"].drifted and score.drift["x0"].distance > 1.5  # x0 moved by 2 std
+        adopted = without_reference(client, prefix, CollectorRegistry())  # another process: no restore
+        assert (await adopted.adopt("m/1")).monitor.reference.features["x0"].tolist() == \
+            first.models["m/1"].monitor.reference.features["x0"].tolist()
     finally:
         keys = await client.keys(prefix + "*")
         if keys:

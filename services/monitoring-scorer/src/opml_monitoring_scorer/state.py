@@ -6,6 +6,7 @@ Keys (under ``{redis_prefix}monitoring:``; ``{mv}`` is ``model/version``):
 |---|---|
 | ``models`` (hash) | ``{mv}`` -> the registration (reference bundle, config YAML, how it was registered) |
 | ``rules:{mv}`` | the rules YAML set through SetRules (overrides the bundle's) |
+| ``baseline:{mv}`` | a version without a reference: its first window's rows (a reference.npz), the baseline |
 | ``windows:{mv}`` (hash) + ``windex:{mv}`` (zset) | window index -> its score record; the index for paging |
 | ``rows:{mv}`` | the rows of every window saved (a running total, so the status reads no window) |
 | ``rulestate:{mv}`` (hash) | rule -> run counts, firing, the last window applied (replays are skipped) |
@@ -123,6 +124,13 @@ class MonitorStore:
     async def get_rules(self, mv: str) -> str | None:
         value = await self.redis.get(self._k("rules", mv))
         return None if value is None else value.decode()
+
+    async def keep_baseline(self, mv: str, data: bytes) -> bytes | None:
+        """Keeps ``data`` as the version's baseline unless one is kept: None, or the one kept first."""
+        return await self.redis.set(self._k("baseline", mv), data, nx=True, get=True)
+
+    async def baseline(self, mv: str) -> bytes | None:
+        return await self.redis.get(self._k("baseline", mv))
 
     # windows
     async def save_window(self, mv: str, record: dict[str, Any]) -> None:

@@ -46,6 +46,9 @@ MAX_REFERENCE_BYTES = 256 * 1024 * 1024
 """The most ``reference.npz`` may hold, stored and expanded (its arrays as numpy reads them)."""
 MAX_REFERENCE_ROWS = 1_000_000
 MAX_RULES_BYTES = 64 * 1024
+MAX_BASELINE_ROWS = 10_000
+MAX_BASELINE_BYTES = 32 * 1024 * 1024
+"""The most of a first window kept as the baseline of a version without a reference (its first rows)."""
 BundleLoader = Callable[[str, str], Awaitable[tuple[str, dict[str, bytes]]]]
 """(context, bundle ref) -> (bundle uuid, {file name: bytes} of the files the scorer reads)."""
 
@@ -54,7 +57,7 @@ def model_version(model: str, version: str) -> str:
     return f"{model}/{version}"
 
 
-def load_reference(data: bytes, *, task: Task | None) -> ReferenceSet:
+def load_reference(data: bytes, *, task: Task | None, min_rows: int = 100) -> ReferenceSet:
     """``reference.npz``: ``feature.<name>`` columns, ``predicted``, optional ``scores`` and ``labels``.
 
     Raises:
@@ -76,7 +79,7 @@ def load_reference(data: bytes, *, task: Task | None) -> ReferenceSet:
         task = (Task.REGRESSION if scores is None
                 else Task.MULTICLASS if scores.ndim == 2 and scores.shape[1] > 2 else Task.BINARY)
     return ReferenceSet.build(task=task, features=features, predicted=arrays["predicted"], scores=scores,
-                              labels=arrays.get("labels"))
+                              labels=arrays.get("labels"), min_rows=min_rows)
 
 
 def _check_sizes(data: bytes) -> None:
@@ -213,6 +216,8 @@ class Scorer:
             limitations.append(f"the bundle has no {REFERENCE_FILE}: drift and data quality against the first "
                                "window, no performance estimate")
         key = model_version(model, version)
+        if monitor is None and (kept := await self.store.baseline(key)) is not None:
+            monitor = await asyncio.to_thread(_kept_monitor, kept, config)
         rules = config.rules
         override = await self.store.get_rules(key)
         if override is not None:
@@ -341,15 +346,15 @@ class Scorer:
         monitored = self.get(key)
         first_time = first_time if first_time is not None else 0.0
         last_time = last_time if last_time is not None else first_time
+        if monitored.monitor is None:
+            if not len(batch):
+                return None
+            monitored.monitor = await self._baseline(monitored, index, batch)
         try:
-            if monitored.monitor is None:
-                if not len(batch):
-                    return None
-                monitored.monitor = await asyncio.to_thread(_bootstrap_monitor, batch, monitored.config)
             score = await asyncio.to_thread(monitored.monitor.score, batch, index=index, first_time=first_time,
                                             last_time=last_time)
         except Exception as exc:  # noqa: BLE001 - pure computation: it would fail again on a retry
-            raise Unscorable(f"window {index} of {key} cannot be scored: {brief(str(exc), 300)}") from exc
+            raise _unscorable(key, index, exc) from exc
         labelled, total = await self.store.truth(key, index)
         if labelled:
             score.labelled, score.true = labelled, total / labelled
@@ -358,6 +363,20 @@ class Scorer:
         self._export(monitored, score)
         self.metrics.close_seconds.labels(monitored.model, monitored.version).observe(time.perf_counter() - started)
         return score
+
+    async def _baseline(self, monitored: Monitored, index: int, batch: Batch) -> ModelMonitor:
+        """No reference: the first window closed is the baseline. Its rows (the first, bounded) are kept
+        in Redis once a monitor is built from them, the first kept staying, so a restarted scorer, or
+        another process adopting the version, builds the same baseline (it took the first window it
+        closed, maybe one already drifted, and the drift was gone).
+
+        Raises: Unscorable: the rows make no baseline (what the store raises propagates)."""
+        try:
+            monitor, data = await asyncio.to_thread(_bootstrap_monitor, batch, monitored.config)
+        except Exception as exc:  # noqa: BLE001 - pure computation: it would fail again on a retry
+            raise _unscorable(monitored.key, index, exc) from exc
+        kept = await self.store.keep_baseline(monitored.key, data)
+        return monitor if kept is None else await asyncio.to_thread(_kept_monitor, kept, monitored.config)
 
     async def _apply_rules(self, monitored: Monitored, score: WindowScore) -> None:
         key = monitored.key
@@ -511,13 +530,34 @@ def _rules_of(text: str) -> tuple[Rule, ...]:
     return parse_rules(data or [], path="rules")
 
 
-def _bootstrap_monitor(batch: Batch, config: MonitoringConfig) -> ModelMonitor:
-    """No reference set: the first window is the baseline of drift and data quality (no labels)."""
+def _unscorable(key: str, index: int, exc: Exception) -> Unscorable:
+    return Unscorable(f"window {index} of {key} cannot be scored: {brief(str(exc), 300)}")
+
+
+def _bootstrap_monitor(batch: Batch, config: MonitoringConfig) -> tuple[ModelMonitor, bytes]:
+    """No reference set: the first window is the baseline of drift and data quality (no labels). Its
+    first rows, as many as fit ``MAX_BASELINE_ROWS`` and ``MAX_BASELINE_BYTES``: the monitor, and those
+    rows as a reference.npz to keep."""
     scores = batch.outputs.scores
     task = config.task or (Task.REGRESSION if scores is None else
                            Task.MULTICLASS if batch.outputs.class_scores().shape[1] > 2 else Task.BINARY)
-    reference = ReferenceSet.build(task=task, features=batch.features, predicted=batch.outputs.predicted,
-                                   scores=scores, min_rows=1)
+    rows = min(len(batch), MAX_BASELINE_ROWS)
+    while True:
+        baseline = batch.rows(0, rows)
+        reference = ReferenceSet.build(task=task, features=baseline.features, predicted=baseline.outputs.predicted,
+                                       scores=baseline.outputs.scores, min_rows=1)
+        data = dump_reference(reference)
+        if len(data) <= MAX_BASELINE_BYTES or rows == 1:
+            return _monitor_of_baseline(reference, config), data
+        rows = max(1, rows * MAX_BASELINE_BYTES // len(data))
+
+
+def _kept_monitor(data: bytes, config: MonitoringConfig) -> ModelMonitor:
+    """The monitor of a baseline kept by :func:`_bootstrap_monitor`."""
+    return _monitor_of_baseline(load_reference(data, task=config.task, min_rows=1), config)
+
+
+def _monitor_of_baseline(reference: ReferenceSet, config: MonitoringConfig) -> ModelMonitor:
     monitor = ModelMonitor(reference, config)
     monitor.limitations.append("no reference set: the first window is the baseline")
     return monitor
