@@ -18,7 +18,7 @@ from opml.jobs.v1 import jobs_pb2
 from opml_automl_controller.controller import Controller
 from opml_automl_controller.jobs import JobView, TrialJobs
 from opml_automl_controller.state import ExperimentRecord, ExperimentState, ExperimentStore, TrialState
-from opml_common.errors import FailedPrecondition, NotFound
+from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound
 from opml_common.events import RecordingEmitter
 from opml_common.testing.bus import wait_until
 
@@ -489,4 +489,32 @@ async def test_an_experiment_stored_under_older_rules_fails_alone(store: Experim
         await store.experiment("stale")
     deleted = [m.experiment.name for m in emitter.messages if getattr(m, "deleted", False)]
     assert deleted == ["experiments/stale"]
+    await ctl.stop()
+
+
+async def test_resuming_a_stopped_experiment_below_its_trials_is_refused(store: ExperimentStore) -> None:
+    jobs = ScriptedJobs(quadratic, hold=True)
+    ctl = controller(store, jobs)
+    await ctl.start()
+    await ctl.create(experiment("shrink", max_trials=4, parallel=2))
+    for _ in range(2):
+        await asyncio.to_thread(jobs.running.acquire)
+    await ctl.stop_experiment("shrink")
+
+    async def killed() -> bool:
+        return [t.state for t in (await ctl.get("shrink")).trials] == [TrialState.KILLED] * 2
+
+    await wait_until(killed, what="the stopped experiment's two trials killed")
+    with pytest.raises(InvalidArgument, match="at least the experiment's 2 trials") as refused:
+        await ctl.resume("shrink", 1)
+    assert refused.value.field == "max_trial_count"
+    assert (await ctl.get("shrink")).record.state is ExperimentState.STOPPED
+    await ctl.resume("shrink", 2)  # as many as it ran: it ends at once, with them
+
+    async def ended() -> bool:
+        return (await ctl.get("shrink")).record.state is not ExperimentState.RUNNING
+
+    await wait_until(ended, what="the resumed experiment's end")
+    view = await ctl.get("shrink")
+    assert view.record.reason == "MaxTrialsReached" and len(view.trials) == 2 == view.record.max_trial_count
     await ctl.stop()

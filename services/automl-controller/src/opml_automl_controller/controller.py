@@ -265,7 +265,8 @@ class Controller:
         return await self.get(name)
 
     async def resume(self, name: str, max_trial_count: int = 0) -> ExperimentView:
-        """Raises: NotFound. InvalidArgument: a smaller budget. FailedPrecondition: Katib's rule."""
+        """Raises: NotFound. InvalidArgument: a budget below the trials run (a STOPPED one), or not above
+        them (a restarted one). FailedPrecondition: Katib's rule."""
         record = await self._store.experiment(name)
         spec = _spec_of(record)
         trials = await self._store.trials(name)
@@ -274,6 +275,9 @@ class Controller:
         new_max = max_trial_count or record.max_trial_count
         if record.state is ExperimentState.RUNNING:
             raise FailedPrecondition(f"experiment {name!r} is running already")
+        if record.state is ExperimentState.STOPPED and new_max < len(trials):
+            raise InvalidArgument("max_trial_count", f"must be at least the experiment's {len(trials)} trials "
+                                                     f"already run, but got {new_max}")
         if record.state is not ExperimentState.STOPPED:
             restartable = (record.state is ExperimentState.SUCCEEDED and record.reason == "MaxTrialsReached"
                            and spec.resume_policy in (ResumePolicy.LONG_RUNNING, ResumePolicy.FROM_VOLUME))
