@@ -194,6 +194,21 @@ async def test_late_labels_join_by_request_id_either_order_once_each(scorer) -> 
     assert [f for f, _ in caught.value.violations] == ["request_id", "values"]
 
 
+async def test_a_label_joins_in_a_process_that_has_not_seen_its_version_yet(scorer) -> None:
+    """Labels are keyed by request id, predictions by version: the process owning a label's partition
+    may never have had the version's predictions. It dead-lettered a valid label as malformed; it
+    adopts the version (registered in Redis) and joins."""
+    scorer, world, _ = scorer
+    rows = world.rows(1)
+    ((rid, raw),) = events_of(rows, 0)
+    await scorer.on_prediction_joinable("m/1", 0, raw, rid)
+    other = Scorer(store=scorer.store, emitter=RecordingEmitter(), load_bundle=scorer.load_bundle,
+                   metrics=ScorerMetrics(ServiceMetrics("monitoring-scorer", CollectorRegistry())))
+    label = label_events_pb2.LabelObserved(request_id=rid, values=[rows.labels[0]]).SerializeToString()
+    assert await other.on_label(label) == "joined"
+    assert await scorer.store.truth("m/1", 0) == (1, float(rows.outputs.predicted[0] == rows.labels[0]))
+
+
 async def test_a_label_whose_join_redis_interrupts_is_counted_once_when_it_comes_again(scorer, outage) -> None:
     """Redis going away at each step of a join in turn, then the label delivered again (at least
     once): the window's truth counts its row once. The join used to claim the label (SET NX) and add

@@ -484,7 +484,9 @@ class Scorer:
                 log.warning("parked label of %s dropped: %s", item.request_id, exc.message)
 
     async def _join(self, key: str, window: int, raw_event: bytes, label: label_events_pb2.LabelObserved) -> str:
-        monitored = self.models.get(key)
+        """Raises: FailedPrecondition: ``key`` has no monitor (nobody registered it, or no reference
+        and its first window open); what :meth:`adopt` raises; InvalidArgument (see :meth:`on_label`)."""
+        monitored = await self.adopt(key)  # a label's partition may be another process's than its version's
         if monitored is None or monitored.monitor is None:
             raise FailedPrecondition(f"{key} has no monitor to join labels to")
         batch = self.decode(monitored, inference_events.PredictionMade.FromString(raw_event))
