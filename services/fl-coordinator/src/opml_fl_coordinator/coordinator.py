@@ -161,9 +161,13 @@ class Coordinator:
             raise AlreadyExists(f"federation {config.name!r} already exists")
         if len(self._hosted) >= self._max_federations:
             raise ResourceExhausted(f"{self._max_federations} federations are hosted (max_federations)")
-        hosted = self._host(config.name, config, config_yaml, created_at=self._clock())
+        hosted = self._host(config.name, config, config_yaml, created_at=self._clock())  # holds the name
         document, arrays = hosted.federation.snapshot()
-        await self._save(hosted, document, arrays)
+        try:
+            await self._save(hosted, document, arrays)
+        except BaseException:  # not created: the caller's retry must create it (and announce it)
+            del self._hosted[config.name]
+            raise
         self._emitter.emit(events_pb2.FederationCreated(federation=convert.federation_to_proto(hosted)),
                            subject=config.name)
         self._gauges()
