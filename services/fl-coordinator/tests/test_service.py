@@ -15,6 +15,7 @@ from opml.fl.v1 import fl_pb2 as pb
 from opml_common.bus import CloudEvent
 from opml_common.errors import AlreadyExists, InvalidArgument, PermissionDenied, Unauthenticated
 from opml_common.testing.bus import read_records
+from opml_common.testing.metrics import samples, scrape
 from opml_common.testing.services import TOKENS
 from opml_fl_coordinator.client import FederatedClient, FederationClient, run_client
 from opml_fl_coordinator.topics import FEDERATIONS
@@ -119,13 +120,33 @@ def test_bad_configs_and_foreign_tokens_are_refused(coordinator, writer):
 
 
 def test_a_member_leaves_out_a_non_finite_metric_and_keeps_taking_part(coordinator, writer):
-    """The coordinator refuses a whole upload for one NaN metric (a diverged loss): a member that sent
-    it would be refused as a caller and stop."""
+    """An older coordinator refused a whole upload for one NaN metric (a diverged loss): a member that
+    sent it was refused as a caller and stopped."""
     writer.create("name: nanloss\nrounds: 2\nmin_clients: 2\nround_deadline_s: 30\n"
                   "selection: {clients_per_round: 2}\n")
     runs = members(writer, coordinator.target, "nanloss", 2, behaviours={1: "nan-metric"})()
     assert runs[1].accepted >= 2 and not runs[1].rejected
     assert writer.get("nanloss").state == pb.FEDERATION_STATE_COMPLETED
+
+
+def test_a_non_finite_metric_from_a_client_without_the_sdk_is_left_out_of_its_update(coordinator, writer):
+    """The update is taken, the metric dropped (logged, counted): the call is not refused for it."""
+    writer.create("name: rawnan\nrounds: 1\nmin_clients: 1\nround_deadline_s: 30\n"
+                  "selection: {clients_per_round: 1}\n")
+    token = writer.register_client("rawnan", "raw").token
+    with FederatedClient(coordinator.target, "rawnan", token, token=TOKENS["reader"]) as raw:
+        raw.join()
+        header, _ = raw.pull()
+        assert header.kind == pb.TASK_KIND_INIT
+        assert raw.upload(header.task_id, [np.zeros((3, 2), np.float32)], 0, {"init_loss": float("inf")}).accepted
+        header, weights = raw.pull()
+        assert header.kind == pb.TASK_KIND_FIT
+        reply = raw.upload(header.task_id, weights, 10, {"train_loss": float("nan"), "eval_accuracy": 0.5})
+        assert reply.accepted, reply.reason
+    (round_,) = writer.rounds("rawnan")
+    assert "train_loss" not in round_.metrics and all(np.isfinite(v) for v in round_.metrics.values())
+    page = scrape(coordinator.env["OPML_FL_COORDINATOR_METRICS_PORT"])
+    assert any(s.name == "opml_fl_coordinator_update_metrics_dropped_total" and s.value == 2 for s in samples(page))
 
 
 def test_semi_async_over_grpc_makes_versions_from_buffered_updates(coordinator, writer):

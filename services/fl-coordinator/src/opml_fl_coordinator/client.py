@@ -257,7 +257,7 @@ def _take_part(member: FederatedClient, client: NumPyClient, run: ClientRun, wai
             member.report_failure(header.task_id, f"{type(error).__name__}: {error}")
             continue
         unfit = sorted(k for k, v in metrics.items() if not math.isfinite(v))
-        if unfit:  # the coordinator refuses the whole upload for one (a loss that diverged, no accuracy compiled)
+        if unfit:  # older coordinators refused the whole upload for one (a diverged loss, no accuracy compiled)
             log.warning("task %d: metrics %s are not finite and are left out", header.task_id, unfit)
         reply = member.upload(header.task_id, [np.asarray(w) for w in update], int(examples),
                               {k: v for k, v in metrics.items() if k not in unfit})

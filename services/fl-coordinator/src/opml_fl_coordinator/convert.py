@@ -150,11 +150,13 @@ class ArrayAssembler:
         return self.arrays
 
 
-def metrics_from_proto(metrics: Mapping[str, float]) -> dict[str, float]:
-    """At most 64 finite metrics with names of at most 64 characters."""
+def metrics_from_proto(metrics: Mapping[str, float]) -> tuple[dict[str, float], list[str]]:
+    """At most 64 metrics with names of at most 64 characters: the finite ones, and the names of
+    those that are not (a diverged loss: left out, the update itself is not refused for it)."""
     if len(metrics) > 64:
         raise InvalidArgument("header.metrics", f"at most 64 metrics, but got {len(metrics)}")
-    bad = [k for k, v in metrics.items() if len(k) > 64 or not math.isfinite(v)]
-    if bad:
-        raise InvalidArgument("header.metrics", f"names must be <= 64 characters and values finite: {bad[:3]}")
-    return dict(metrics)
+    long = [k[:100] for k in metrics if len(k) > 64]
+    if long:
+        raise InvalidArgument("header.metrics", f"names must be <= 64 characters: {long[:3]}")
+    finite = {k: v for k, v in metrics.items() if math.isfinite(v)}
+    return finite, sorted(set(metrics) - set(finite))

@@ -30,6 +30,8 @@ class FlMetrics:
                                                "aggregation.", ("mode",), buckets=ROUND_BUCKETS)
         self.updates = metrics.counter("updates_accepted_total", "Client updates accepted for aggregation.")
         self.rejected = metrics.counter("updates_rejected_total", "Client updates refused, by reason.", ("reason",))
+        self.metrics_dropped = metrics.counter("update_metrics_dropped_total", "Metrics of client updates left "
+                                               "out because they are not finite (the update is still taken).")
         self.dropped = metrics.counter("clients_dropped_total", "Selected clients whose update is not in their "
                                        "round, by reason.", ("reason",))
         self.federations = metrics.gauge("federations", "Federations by state.", ("state",))

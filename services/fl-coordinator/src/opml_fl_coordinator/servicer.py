@@ -7,6 +7,7 @@ refused. The platform's bearer-token roles (``METHOD_ROLES``) apply on top, to e
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 
 from opml.fl.v1 import fl_pb2 as pb
@@ -17,6 +18,8 @@ from opml_common.pagination import paginate
 from opml_fl_coordinator import convert
 from opml_fl_coordinator.coordinator import DONE, Coordinator
 from opml_fl_coordinator.metrics import FlMetrics
+
+log = logging.getLogger(__name__)
 
 CLIENT_TOKEN_HEADER = "x-opml-fl-client-token"
 MAX_WAIT_S = 60.0
@@ -138,7 +141,11 @@ class FederatedClientServicer(fl_pb2_grpc.FederatedClientServiceServicer):
             self._metrics.bytes_in.inc(len(message.chunk.data))
         if header is None or assembler is None or identity is None:
             raise InvalidArgument("header", "an upload needs a header")
-        metrics = convert.metrics_from_proto(header.metrics)
+        metrics, non_finite = convert.metrics_from_proto(header.metrics)
+        if non_finite:
+            log.warning("federation %s: client %s's update of task %d: non-finite metrics %s left out",
+                        *identity, header.task_id, non_finite[:3])
+            self._metrics.metrics_dropped.inc(len(non_finite))
         reason = await self._coordinator.upload(*identity, header.task_id, assembler.result(), header.num_examples,
                                                 metrics)
         return pb.UploadUpdateResponse(accepted=reason is None, reason=reason or "")
