@@ -37,8 +37,10 @@ def redis_client(settings: PlatformSettings) -> aioredis.Redis:
 
     A command that finds its pooled connection closed (Redis restarted since it was opened) is sent
     again on a new connection, twice at most, 50-100 ms apart: a restarted Redis costs the first
-    requests after it nothing. Only ConnectionError is retried (a command that timed out may have run).
+    requests after it nothing. Only ConnectionError is retried (a command that timed out may have run:
+    redis-py's Retry also retries timeouts unless told otherwise, which re-ran an INCR or an RPUSH).
     """
     return aioredis.from_url(settings.redis_url, decode_responses=False,
-                             retry=Retry(ExponentialBackoff(cap=0.1, base=0.05), 2),
+                             retry=Retry(ExponentialBackoff(cap=0.1, base=0.05), 2,
+                                         supported_errors=(redis_errors.ConnectionError,)),
                              retry_on_error=[redis_errors.ConnectionError])
