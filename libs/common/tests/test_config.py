@@ -51,6 +51,14 @@ def test_secrets_are_not_printed(monkeypatch) -> None:
     assert "hunter2" not in text and "s3cr3t" not in text
 
 
+@pytest.mark.parametrize("url", ["default:hunter2@redis.internal:6379/0", "redis:/u:hunter2@h:6379"])
+def test_a_redis_url_without_its_scheme_is_refused_without_its_password(monkeypatch, url: str) -> None:
+    monkeypatch.setenv("OPML_REDIS_URL", url)
+    with pytest.raises(ValidationError, match="redis_url") as caught:
+        PlatformSettings()
+    assert "hunter2" not in str(caught.value) and "must start with redis://" in str(caught.value)
+
+
 def test_token_roles() -> None:
     grants = parse_tokens("a=admin, b=reader+writer, ci-bot:c=inference")
     assert {token: grant.roles for token, grant in grants.items()} == {

@@ -126,8 +126,9 @@ class PlatformSettings(GrpcTlsSettings):
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, value: str) -> str:
-        if not value.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"must start with redis://, rediss:// or unix://, but got {mask_url(value)!r}")
+        if not value.startswith(("redis://", "rediss://", "unix://")):  # then mask_url cannot find a password
+            raise ValueError("must start with redis://, rediss:// or unix://, but starts with "
+                             f"{value.partition(':')[0][:16]!r}")
         return value
 
     @field_validator("s3_endpoint")
