@@ -15,9 +15,11 @@ import redis.asyncio as aioredis
 import yaml
 from opml.jobs.v1 import jobs_pb2
 
+from opml_automl_controller import controller as controller_module
 from opml_automl_controller.controller import Controller
 from opml_automl_controller.jobs import JobView, TrialJobs
 from opml_automl_controller.state import ExperimentRecord, ExperimentState, ExperimentStore, TrialState
+from opml_automl_controller.study import ExperimentStudy
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound
 from opml_common.events import RecordingEmitter
 from opml_common.testing.bus import wait_until
@@ -517,4 +519,33 @@ async def test_resuming_a_stopped_experiment_below_its_trials_is_refused(store: 
     await wait_until(ended, what="the resumed experiment's end")
     view = await ctl.get("shrink")
     assert view.record.reason == "MaxTrialsReached" and len(view.trials) == 2 == view.record.max_trial_count
+    await ctl.stop()
+
+
+async def test_an_experiments_run_and_its_entries_are_released_when_it_ends_or_is_deleted(
+        store: ExperimentStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    closed: list[str] = []
+
+    class Study(ExperimentStudy):
+        def close(self) -> None:
+            closed.append(self.spec.name)
+            super().close()
+
+    monkeypatch.setattr(controller_module, "ExperimentStudy", Study)
+    jobs = ScriptedJobs(quadratic, hold=True)
+    ctl = controller(store, jobs)
+    await ctl.start()
+    await ctl.create(experiment("gone", max_trials=2, parallel=2, max_failed=1))
+    for _ in range(2):
+        await asyncio.to_thread(jobs.running.acquire)
+    await ctl.delete("gone")
+    assert "gone" not in ctl._runs and "gone" not in ctl._wake and "gone" not in ctl._locks
+    assert closed == ["gone"]
+    jobs.gate.set()
+    await ctl.create(experiment("ends", max_trials=1, parallel=1, max_failed=1, resume="LongRunning"))
+    await wait_until(lambda: "ends" not in ctl._runs, what="the run of the experiment that ended to be released")
+    assert "ends" not in ctl._wake and closed == ["gone", "ends"]
+    await ctl.resume("ends", 2)  # a run of its own, and a study (a Redis pool) of its own
+    await wait_until(lambda: "ends" not in ctl._runs, what="the resumed run to be released")
+    assert closed == ["gone", "ends", "ends"] and len((await ctl.get("ends")).trials) == 2
     await ctl.stop()

@@ -308,9 +308,10 @@ class Controller:
         """
         record = await self._store.experiment(name)
         spec = _spec_or_none(record)
-        task = self._runs.pop(name, None)
+        task = self._runs.get(name)
         if task is not None:
-            await _cancel([task])
+            await _cancel([task])  # its end releases its entries
+        self._locks.pop(name, None)
         for trial in await self._store.trials(name):
             if trial.state not in TERMINAL_TRIALS and not (spec is not None and _surrogate(spec)):
                 await self._retrying(lambda t=trial: self._jobs.cancel(t.job_id), f"cancel {trial.job_id}")
@@ -327,6 +328,9 @@ class Controller:
             raise
         except Exception:
             log.exception("experiment %s: its run failed; it is retried at the next start", name)
+        finally:  # a later launch (resume, restart) makes its own
+            if self._runs.get(name) is asyncio.current_task():
+                del self._runs[name], self._wake[name]
 
     async def _experiment(self, name: str) -> None:
         record = await self._store.experiment(name)
@@ -344,6 +348,7 @@ class Controller:
             await self._loop(name, spec, study, runners)
         finally:  # the service stops: the trials' jobs go on, and are re-attached at the next start
             await _cancel(list(runners.values()))
+            study.close()
 
     async def _loop(self, name: str, spec: ExperimentSpec, study: ExperimentStudy,
                     runners: dict[int, asyncio.Task]) -> None:

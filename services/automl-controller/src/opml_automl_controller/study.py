@@ -29,13 +29,17 @@ JOB_ATTR = "opml_job"
 class ExperimentStudy:
     def __init__(self, spec: ExperimentSpec, *, redis_url: str, journal_prefix: str) -> None:
         self.spec = spec
-        storage = JournalStorage(JournalRedisBackend(redis_url, prefix=journal_prefix))
-        self.study = optuna.create_study(storage=storage, study_name=spec.name, direction=direction(spec),
+        self._backend = JournalRedisBackend(redis_url, prefix=journal_prefix)
+        self.study = optuna.create_study(storage=JournalStorage(self._backend), study_name=spec.name, direction=direction(spec),
                                          load_if_exists=True)
         self.study.sampler = make_sampler(spec, trials_so_far=len(self.trials()))
         self.study.pruner = make_pruner(spec)
         self._space = search_space(spec)
         self._fixed = fixed_parameters(spec)
+
+    def close(self) -> None:
+        """Disconnect the journal's Redis connections (each run of an experiment opens its own pool)."""
+        self._backend._redis.close()  # the backend has no close of its own
 
     def trials(self) -> list[FrozenTrial]:
         return self.study.get_trials(deepcopy=False)
