@@ -209,6 +209,7 @@ async def test_a_file_holding_no_event_is_moved_aside_and_the_loop_publishes_the
     assert list(directory.iterdir()) == []
     assert [p.name for p in (tmp_path / "outbox.failed").iterdir()] == ["0-garbage.json"]
     assert registry.get_sample_value("opml_test_outbox_failed_events_total", {"reason": "unreadable"}) == 1
+    assert registry.get_sample_value("opml_test_outbox_failed_events_total", {"reason": "refused"}) == 0  # from the start
     assert registry.get_sample_value("opml_test_outbox_pending_events") == 0
 
 

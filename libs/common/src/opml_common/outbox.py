@@ -62,6 +62,8 @@ class Outbox:
             self._failed = metrics.counter(
                 "outbox_failed_events", "Files moved to the outbox's failed folder, by reason: the broker refused "
                 "the event for good (refused) or the file holds no event (unreadable).", ("reason",))
+            for reason in ("refused", "unreadable"):  # exported as 0 from the start: a panel or alert sees 0, not nothing
+                self._failed.labels(reason)
             self._loop_errors = metrics.counter(
                 "outbox_flush_errors", "Unexpected errors of the background flush, which goes on after each.")
         self._wake = asyncio.Event()
