@@ -56,6 +56,7 @@ source).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -73,6 +74,7 @@ from opml_common.bus.cloudevents import CloudEvent
 from opml_common.bus.security import kafka_client_kwargs
 from opml_common.config import PlatformSettings
 from opml_common.errors import InvalidArgument, brief
+from opml_common.retry import Backoff
 from opml_monitoring_scorer.core.decode import Batch
 from opml_monitoring_scorer.core.scorer import Joinable, Scorer, Unscorable, model_version
 from opml_monitoring_scorer.core.summary import PredictionSummary
@@ -89,8 +91,7 @@ BATCH_MAX = 2000
 """Most events the predictions agent takes at once (at most ``stream_buffer_maxsize``)."""
 BATCH_WITHIN_S = 0.25
 """How long the agent waits to fill a batch before it processes what it has."""
-LABEL_RETRY_S = 0.1
-LABEL_RETRY_MAX_S = 2.0
+LABEL_RETRIES = Backoff(base_s=0.1, max_s=2.0)
 """Backoff of a label whose join failed for a reason that may pass (Redis unreachable)."""
 DECODE_PREDICTIONS = 4096
 """About the most predictions decoded together: a batch of records (up to ``BATCH_MAX`` records of up
@@ -664,18 +665,17 @@ class ScoringStream:
         (Redis unreachable) is retried here, the partition waiting, however long it lasts: it used to
         dead-letter a valid label as malformed, and raised out of the agent, faust would ack it."""
         message = event.message
-        delay = LABEL_RETRY_S
-        while True:
+        for attempt in itertools.count():
             try:
                 data = self._parse(message, (LABEL_TYPE,)).data
                 await self.scorer.on_label(data)
                 return
             except Exception as exc:  # noqa: BLE001 - retried, or dead-lettered with the reason
                 if is_retriable(exc):
+                    delay = LABEL_RETRIES.delay(attempt)
                     log.warning("label at %s@%d/%d not applied yet, retrying in %.1f s: %s", message.topic,
                                 message.partition, message.offset, delay, exc)
                     await asyncio.sleep(delay)
-                    delay = min(2 * delay, LABEL_RETRY_MAX_S)
                     continue
                 log.warning("label at %s@%d/%d dead-lettered: %s", message.topic, message.partition, message.offset,
                             exc)
