@@ -112,10 +112,10 @@ class ModelMonitor:
             if reference is not None and is_categorical(column) != is_categorical(reference):
                 kinds = ("categorical", "numeric") if is_categorical(column) else ("numeric", "categorical")
                 problems.append((f"features.{name}", f"is {kinds[0]}, but the reference's is {kinds[1]}"))
-        scores, expected = batch.outputs.class_scores(), self.reference.outputs.class_scores()
-        if scores is not None and expected is not None and scores.shape[1] != expected.shape[1]:
-            problems.append(("infer_response.outputs", f"hold scores of {scores.shape[1]} classes, but the "
-                                                      f"reference's have {expected.shape[1]}"))
+        classes, expected = batch.outputs.classes, self.reference.outputs.classes  # shapes: called per record
+        if classes is not None and expected is not None and classes != expected:
+            problems.append(("infer_response.outputs", f"hold scores of {classes} classes, but the "
+                                                      f"reference's have {expected}"))
         if problems:
             raise InvalidArgument.of(problems)
 

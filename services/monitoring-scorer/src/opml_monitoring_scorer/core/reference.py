@@ -50,6 +50,14 @@ class Outputs:
     def __len__(self) -> int:
         return len(self.predicted)
 
+    @property
+    def classes(self) -> int | None:
+        """How many classes :meth:`class_scores` holds, from the shape alone (nothing is copied)."""
+        if self.scores is None:
+            return None
+        shape = np.shape(self.scores)
+        return 2 if len(shape) == 1 or shape[1] == 1 else shape[1]
+
     def class_scores(self) -> np.ndarray | None:
         """Scores as [n, classes] (a binary model's single column becomes [1 - p, p])."""
         if self.scores is None:
