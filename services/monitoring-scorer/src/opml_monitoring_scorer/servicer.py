@@ -3,15 +3,12 @@ It holds no scoring logic and publishes no events (those come from core/scorer.p
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import json
-
 import yaml
 from opml.monitoring.v1 import monitoring_pb2 as pb
 from opml.monitoring.v1 import monitoring_pb2_grpc
 
 from opml_common.errors import InvalidArgument
+from opml_common.pagination import cursor_token, page_size_of, read_cursor
 from opml_monitoring_scorer.convert import (
     alert_to_proto,
     parse_name,
@@ -28,31 +25,11 @@ MAX_WINDOWS_PAGE = 1000
 MAX_ALERTS_PAGE = 1000
 AlertPlace = tuple[int, str, str, str]
 """An alert's place in ListAlerts: (-raised at window, model, version, rule)."""
+_PLACE_TYPES = (int, str, str, str)
 
 
 def _alert_order(alert: AlertRecord) -> AlertPlace:
     return -alert.raised_at_window, alert.model, alert.version, alert.rule
-
-
-def _fingerprint(query: str) -> str:
-    return hashlib.sha256(query.encode()).hexdigest()[:8]
-
-
-def _alerts_token(place: AlertPlace, query: str) -> str:
-    """The last alert's place, bound to the request's name (a token reused for another is refused)."""
-    return base64.urlsafe_b64encode(json.dumps([_fingerprint(query), *place]).encode()).decode()
-
-
-def _alerts_cursor(token: str, query: str) -> AlertPlace:
-    """Raises: InvalidArgument: not a token this API gave, or given for another name."""
-    try:
-        fingerprint, window, model, version, rule = json.loads(base64.urlsafe_b64decode(token.encode()))
-        place = (int(window), str(model), str(version), str(rule))
-    except (ValueError, TypeError):
-        raise InvalidArgument("page_token", "is not a token this API gave") from None
-    if fingerprint != _fingerprint(query):
-        raise InvalidArgument("page_token", "was given for another name; start from the first page")
-    return place
 
 
 class MonitoringServicer(monitoring_pb2_grpc.MonitoringServiceServicer):
@@ -98,10 +75,8 @@ class MonitoringServicer(monitoring_pb2_grpc.MonitoringServiceServicer):
         """Newest first, a page at a time from where the last ended (its token holds the last alert's
         place, not an offset: every alert is reached, however many a version raised)."""
         keys = [parse_name("name", request.name)] if request.name else sorted(self._scorer.models)
-        if request.page_size < 0:
-            raise InvalidArgument("page_size", f"must be >= 0, but got {request.page_size}")
-        size = min(request.page_size or 100, MAX_ALERTS_PAGE)
-        after = _alerts_cursor(request.page_token, request.name) if request.page_token else None
+        size = page_size_of(request.page_size, max_size=MAX_ALERTS_PAGE)
+        after = read_cursor(request.page_token, _PLACE_TYPES, request.name) if request.page_token else None
         store, alerts = self._scorer.store, []
         for key in keys:
             await self._scorer.find(key)
@@ -110,7 +85,7 @@ class MonitoringServicer(monitoring_pb2_grpc.MonitoringServiceServicer):
             alerts += await store.alerts(key, below=None if after is None else -after[0], limit=size + 1)
         alerts.sort(key=_alert_order)
         page = alerts[:size]
-        token = _alerts_token(_alert_order(page[-1]), request.name) if len(alerts) > size else ""
+        token = cursor_token(_alert_order(page[-1]), request.name) if len(alerts) > size else ""
         return pb.ListAlertsResponse(alerts=[alert_to_proto(a) for a in page], next_page_token=token)
 
     async def GetRules(self, request: pb.GetRulesRequest, context) -> pb.Rules:
