@@ -250,13 +250,19 @@ async def test_requests_that_cannot_make_their_deadline_in_the_queue_are_shed() 
     assert metric(registry, "shed_total", model="m", reason="deadline") >= 6
 
 
-async def test_canary_split_promote_and_rollback() -> None:
+def two_versions() -> tuple[Router, dict[str, FakeReplica], CollectorRegistry]:
+    """Model ``m``: version 1 on replica v1 (the stable one), version 2 on v2 (no traffic yet)."""
     replicas = {"v1": FakeReplica("v1", steady(0)), "v2": FakeReplica("v2", steady(0))}
-    metrics, _ = fresh_metrics("inference-router")
+    metrics, registry = fresh_metrics("inference-router")
     router = Router(connect=lambda address: replicas[address], metrics=metrics, rng=random.Random(5))
     router.set_model("m", ModelPolicy(hedge=False))
     router.add_replica("m", "1", "v1")
     router.add_replica("m", "2", "v2")
+    return router, replicas, registry
+
+
+async def test_canary_split_promote_and_rollback() -> None:
+    router, replicas, _ = two_versions()
     assert {(await router.infer("m", "", REQUEST)).version for _ in range(50)} == {"1"}  # new versions get nothing
     router.start_canary("m", "2", 25)
     counts = Counter([(await router.infer("m", "", REQUEST)).version for _ in range(2000)])
@@ -280,12 +286,7 @@ async def test_a_retired_version_is_not_found_at_once_and_its_waiting_requests_a
     """A canary rolled back and its replicas removed is no longer served: a request naming it gets
     NOT_FOUND at once, and one already waiting for its replica is answered NOT_FOUND then, not
     UNAVAILABLE when its deadline runs out (it held an admission slot all that time)."""
-    replicas = {"v1": FakeReplica("v1", steady(0)), "v2": FakeReplica("v2", steady(0))}
-    metrics, registry = fresh_metrics("inference-router")
-    router = Router(connect=lambda address: replicas[address], metrics=metrics, rng=random.Random(5))
-    router.set_model("m", ModelPolicy(hedge=False))
-    router.add_replica("m", "1", "v1")
-    router.add_replica("m", "2", "v2")
+    router, _, registry = two_versions()
     router.start_canary("m", "2", 10)
     router.replica_down("v2", "its worker restarts")
     waiting = asyncio.create_task(router.infer("m", "2", REQUEST, timeout_s=600.0))
