@@ -38,8 +38,8 @@ from opml_job_orchestrator.scheduler import (
     te_be_policy,
 )
 from opml_job_orchestrator.state import JobStore
-from opml_job_orchestrator.topics import JOBS
 from opml_job_orchestrator.watch import WatchHub
+from opml_job_orchestrator_contract.topics import JOBS
 
 SLOT = Resources(cpu_millis=1000)
 

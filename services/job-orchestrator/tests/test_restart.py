@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from opml.jobs.v1 import jobs_pb2 as pb
 
-from opml_job_orchestrator.client import JobClient
+from opml_job_orchestrator_contract.client import JobClient
 
 # Each run records its pid and which runs of earlier attempts were still alive when it started.
 SURVIVOR = """

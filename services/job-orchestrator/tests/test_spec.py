@@ -11,7 +11,8 @@ from opml_common.errors import InvalidArgument
 from opml_job_orchestrator.convert import saved_job_from_proto, status_from_proto, status_to_proto
 from opml_job_orchestrator.orchestrator import JobState, JobStatus
 from opml_job_orchestrator.scheduler import JobClass, Resources
-from opml_job_orchestrator.spec import definition_from_proto, definition_to_proto, load_spec
+from opml_job_orchestrator.spec import definition_from_proto, definition_to_proto
+from opml_job_orchestrator_contract.jobspec import load_spec
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

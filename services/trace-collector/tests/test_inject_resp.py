@@ -150,7 +150,7 @@ def test_the_tracers_setup_imports_no_pydantic_broker_client_or_redis_py() -> No
             "from opml_trace_collector.inject import config, spool, tracer\n"
             "from opml_trace_collector.inject.control import ControlPoller\n"
             "from opml_trace_collector.inject.spool import RunSpool\n"
-            "from opml_trace_collector.topics import TRACES, tracer_source\n"
+            "from opml_trace_collector_contract.topics import TRACES, tracer_source\n"
             "from opml_trace_collector.session import record_to_line\n"
             "from opml.traces.v1 import events_pb2\n"
             "config.read()\n"

@@ -22,6 +22,11 @@ from opml_common.outbox import Outbox
 from opml_common.topics import Topic
 
 
+def event_source_of(service: str) -> str:
+    """The CloudEvents ``source`` of every event ``service`` publishes (``opml/bundle-store``)."""
+    return f"opml/{service}"
+
+
 class EventEmitter(ABC):
     """The one way a core publishes domain events."""
 

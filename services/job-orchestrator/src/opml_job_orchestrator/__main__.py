@@ -18,8 +18,8 @@ from opml_job_orchestrator.scheduler import POLICY_PRESETS, Cluster, NodeSpec, R
 from opml_job_orchestrator.servicer import METHOD_ROLES, JobServicer
 from opml_job_orchestrator.settings import JobOrchestratorSettings, platform_env
 from opml_job_orchestrator.state import JobStore
-from opml_job_orchestrator.topics import JOBS
 from opml_job_orchestrator.watch import WatchHub
+from opml_job_orchestrator_contract.topics import JOBS
 
 SPEC = ServiceSpec(name="job-orchestrator", module="opml_job_orchestrator", settings=JobOrchestratorSettings,
                    topics=(JOBS,))

@@ -12,8 +12,8 @@ from opml.jobs.v1 import jobs_pb2 as pb
 from rich.table import Table
 
 from opml_common.cligroup import ClientSession, output_console, pass_session, service_group
-from opml_job_orchestrator.client import JobClient
-from opml_job_orchestrator.spec import load_spec
+from opml_job_orchestrator_contract.client import JobClient
+from opml_job_orchestrator_contract.jobspec import load_spec
 
 console = output_console()
 _STATES = [name.removeprefix("JOB_STATE_").lower() for name in pb.JobState.keys()[1:]]

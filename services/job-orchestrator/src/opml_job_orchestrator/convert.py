@@ -1,6 +1,7 @@
 """Conversions between the orchestrator's dataclasses and the opml.jobs.v1 messages (no logic here).
 
-Specs are converted in :mod:`opml_job_orchestrator.spec`, which also validates them.
+Specs are parsed and checked by the contract (:mod:`opml_job_orchestrator_contract.jobspec`) and turned into
+what the orchestrator runs by :mod:`opml_job_orchestrator.spec`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from opml.jobs.v1 import jobs_pb2 as pb
 
 from opml_job_orchestrator.orchestrator import EventKind, JobDefinition, JobState, JobStatus, LifecycleEvent, SavedJob
 from opml_job_orchestrator.spec import definition_from_proto, definition_to_proto
+from opml_job_orchestrator_contract.names import job_name
 
 STATES = {state: pb.JobState.Value(f"JOB_STATE_{state.name}") for state in JobState}
 STATES_FROM_PROTO = {value: state for state, value in STATES.items()}
@@ -21,10 +23,6 @@ KINDS = {kind: pb.ChangeKind.Value(f"CHANGE_KIND_{kind.name}") for kind in Event
 EVENT_MESSAGES: dict[EventKind, type[Message]] = {
     kind: getattr(events_pb2, f"Job{kind.name.capitalize()}") for kind in EventKind}
 """The CloudEvent data message of each lifecycle event (``opml.jobs.v1.JobSucceeded``...)."""
-
-
-def job_name(job_id: str) -> str:
-    return f"jobs/{job_id}"
 
 
 def _timestamp(seconds: float | None) -> Timestamp | None:

@@ -23,8 +23,8 @@ from opml_trace_collector.servicer import METHOD_ROLES, TraceCollectorServicer
 from opml_trace_collector.settings import TraceCollectorSettings
 from opml_trace_collector.store import Keys, TraceStore
 from opml_trace_collector.summary import Summarizer
-from opml_trace_collector.topics import TRACER_SOURCE_PREFIX, TRACES
 from opml_trace_collector.tracefiles import TraceFiles
+from opml_trace_collector_contract.topics import TRACER_SOURCE_PREFIX, TRACES
 
 SPEC = ServiceSpec(name="trace-collector", module="opml_trace_collector", settings=TraceCollectorSettings,
                    other_settings=(TracerSettings,), topics=(TRACES,))

@@ -29,7 +29,7 @@ from opml_trace_collector.captures import CaptureManager
 from opml_trace_collector.convert import EVENT_MESSAGES, event_from_proto
 from opml_trace_collector.model import CaptureFailed, StepBatch, TracerEvent, TracerStarted, TracerStopped, TraceStored
 from opml_trace_collector.store import TraceStore, check_batch, check_name
-from opml_trace_collector.topics import tracer_source
+from opml_trace_collector_contract.topics import tracer_source
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from rich.table import Table
 from opml_common.cligroup import ClientSession, output_console, pass_session, service_group
 from opml_common.config import PlatformSettings
 from opml_trace_collector import analysis, convert
-from opml_trace_collector.client import TraceCollectorClient
 from opml_trace_collector.plots import plot_step_times
 from opml_trace_collector.session import is_session_file, read_session, write_session
+from opml_trace_collector_contract.client import TraceCollectorClient
 
 console = output_console()
 

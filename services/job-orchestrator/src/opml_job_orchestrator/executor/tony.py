@@ -18,15 +18,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 from opml_job_orchestrator.executor.base import JobOutcome, JobProgram, TaskEvent, TaskState
+from opml_trace_collector_contract.names import LAUNCHER_MODULE, SHIPPER_MODULE
 
 CLUSTER_ROLES = ("chief", "worker", "ps")
 """Roles listed in TF_CONFIG's ``cluster``: TensorFlow wants the evaluator left out of it."""
 
-TRACE_LAUNCHER = "opml_trace_collector.inject.run"
-TRACE_SHIPPER = "opml_trace_collector.inject.ship"
+TRACE_LAUNCHER = LAUNCHER_MODULE
+"""The trace-collector's launcher: it patches TensorFlow at start-up, then runs the job's argv."""
+TRACE_SHIPPER = SHIPPER_MODULE
 """The host's shipper of traced tasks' events (they only write them to the spool); an executor whose tasks
 run on its own machine keeps one as its child, the launcher starts one elsewhere (a pod)."""
-"""The trace-collector's launcher: it patches TensorFlow at start-up, then runs the job's argv."""
 
 TaskKey = tuple[str, int]
 """``(role, index)`` of one task."""
@@ -41,8 +42,6 @@ INHERITED_VARIABLES = frozenset({"PATH", "HOME", "LANG", "TZ"})
 """What a local task takes from the service's environment, with every ``LC_*``: nothing else (no
 token, key or URL of the platform's), whatever the service was started with."""
 
-ORCHESTRATOR_VARIABLES = frozenset({"TF_CONFIG"})
-"""Variables the orchestrator sets itself besides ``OPML_*``: a spec's env may not set them."""
 
 
 def base_env(environ: Mapping[str, str]) -> dict[str, str]:

@@ -23,12 +23,7 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from opml_common.errors import InvalidArgument
-
-ROLE_NAMES = ("chief", "worker", "ps", "evaluator")
-"""TF_CONFIG task types, in the order placements and messages list them."""
-
-SINGLE_REPLICA_ROLES = frozenset({"chief", "evaluator"})
-"""TensorFlow runs at most one chief and one evaluator per job."""
+from opml_job_orchestrator_contract.jobspec import ROLE_NAMES, SINGLE_REPLICA_ROLES
 
 _JOB_ID = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
 

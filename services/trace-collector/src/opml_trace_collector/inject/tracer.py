@@ -140,7 +140,7 @@ class Tracer:
 
         from opml_trace_collector.inject.control import ControlPoller
         from opml_trace_collector.inject.spool import RunSpool
-        from opml_trace_collector.topics import TRACES, tracer_source
+        from opml_trace_collector_contract.topics import TRACES, tracer_source
         self.settings = settings
         self._process = psutil.Process()
         self._process.cpu_percent(None)  # primes the counter: the first sample is then meaningful

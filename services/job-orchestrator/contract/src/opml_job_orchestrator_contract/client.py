@@ -12,7 +12,7 @@ from opml.jobs.v1 import jobs_pb2 as pb
 from opml.jobs.v1 import jobs_pb2_grpc
 
 from opml_common.grpc.client import ServiceClient, pages
-from opml_job_orchestrator.convert import job_name
+from opml_job_orchestrator_contract.names import job_name
 
 
 class JobClient(ServiceClient):

@@ -1,4 +1,5 @@
-"""The topic traced jobs publish to and trace-collector consumes (protos/opml/traces/v1/events.proto)."""
+"""The topic traced jobs publish to and trace-collector consumes (protos/opml/traces/v1/events.proto), and
+the sources its events may come from."""
 
 from opml.traces.v1 import events_pb2
 

@@ -3,7 +3,7 @@
 Failed calls raise the platform's domain errors (``NotFound``, ``FailedPrecondition``...), never
 a bare ``grpc.RpcError`` (the :class:`ServiceClient` stub does it, the FetchTrace stream included).
 List calls follow the page tokens and return everything. Replies are the API's messages;
-:mod:`opml_trace_collector.convert` turns them into domain types where a caller wants those.
+the service's ``convert`` module turns them into domain types where a caller wants those.
 """
 
 from __future__ import annotations
