@@ -12,6 +12,28 @@ import asyncio
 from typing import Self
 
 
+async def cancel_and_wait(*tasks: asyncio.Task | None) -> None:
+    """Cancel ``tasks`` (None ones skipped) and wait until every one has ended.
+
+    The one way a part stops its background tasks. A task's own failure is re-raised once all have
+    ended (the first one's); a task that ended by its cancellation is not an error. A cancellation of
+    the *caller* while it waits still propagates: ``contextlib.suppress(CancelledError)`` around the
+    await would swallow it, and the caller would run on as if it had not been cancelled.
+    """
+    running = [task for task in tasks if task is not None]
+    for task in running:
+        task.cancel()
+    if not running:
+        return
+    try:
+        await asyncio.wait(running)
+    except asyncio.CancelledError:
+        raise  # the caller was cancelled: the tasks were cancelled too, and end on their own
+    for task in running:
+        if not task.cancelled() and task.exception() is not None:
+            raise task.exception()
+
+
 class Component:
     """A part with idempotent ``start()``/``stop()``; use as ``async with part:``.
 
