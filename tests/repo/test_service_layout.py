@@ -84,11 +84,19 @@ def test_settings_have_the_service_prefix_and_ports_of_their_own() -> None:
             ports[port] = f"{service.name}.{field}"
 
 
+def _contract(service: Path) -> str:
+    """The module of the service's contract package (services/<name>/contract)."""
+    return f"{_package(service).name}_contract"
+
+
 def test_topics_come_from_the_events_protos(service: Path) -> None:
-    module = importlib.import_module(f"{_package(service).name}.topics")
-    topics = [value for value in vars(module).values() if isinstance(value, Topic)]
-    assert topics, "topics.py names the topics the service publishes or consumes"
-    assert set(_spec(service).topics) == set(topics), "SPEC.topics (created at start-up) are topics.py's"
+    published = importlib.import_module(f"{_contract(service)}.topics")
+    topics = {value for value in vars(published).values() if isinstance(value, Topic)}
+    assert topics, "the contract's topics.py names the topics the service publishes"
+    if (_package(service) / "topics.py").exists():  # what it consumes, from the owners' contracts
+        consumed = importlib.import_module(f"{_package(service).name}.topics")
+        topics |= {value for value in vars(consumed).values() if isinstance(value, Topic)}
+    assert set(_spec(service).topics) == topics, "SPEC.topics (created at start-up) are the topics.py files'"
 
 
 def test_the_servicer_names_every_role_and_publishes_nothing(service: Path) -> None:
@@ -104,7 +112,7 @@ def test_the_servicer_names_every_role_and_publishes_nothing(service: Path) -> N
 def test_the_core_imports_no_grpc(service: Path) -> None:
     package = _package(service)
     allowed = set(TRANSPORT_MODULES.get(service.name, {}))
-    edge = {"__main__.py", "servicer.py", "client.py", "cli.py", "testing.py"}  # testing: fakes for other suites
+    edge = {"__main__.py", "servicer.py", "cli.py", "testing.py"}  # testing: fakes for other suites
     offenders = [str(path.relative_to(package)) for path in package.rglob("*.py")
                  if path.name not in edge and str(path.relative_to(package)) not in allowed
                  and GRPC_IMPORT.search(path.read_text())]
@@ -112,11 +120,10 @@ def test_the_core_imports_no_grpc(service: Path) -> None:
 
 
 def test_client_and_cli_are_built_on_the_template(service: Path) -> None:
-    package = _package(service)
-    client = importlib.import_module(f"{package.name}.client")
+    client = importlib.import_module(f"{_contract(service)}.client")
     assert any(inspect.isclass(value) and issubclass(value, ServiceClient) and value is not ServiceClient
-               for value in vars(client).values()), "client.py holds a ServiceClient subclass"
-    cli = (package / "cli.py").read_text()
+               for value in vars(client).values()), "the contract's client.py holds a ServiceClient subclass"
+    cli = (_package(service) / "cli.py").read_text()
     assert "@service_group(" in cli and "class _Session" not in cli
 
 
@@ -125,9 +132,8 @@ def test_readme_documents_every_rpc_and_event(service: Path) -> None:
     servicer = importlib.import_module(f"{_package(service).name}.servicer")
     missing = [rpc for rpc in servicer.METHOD_ROLES if rpc not in readme]
     assert not missing, f"{service.name}/README.md does not document {missing}"
-    topics = importlib.import_module(f"{_package(service).name}.topics")
-    published = [t for t in vars(topics).values() if isinstance(t, Topic)]
-    assert all(t.name in readme for t in published), "the README names every topic the service uses"
+    missing = [t.name for t in _spec(service).topics if t.name not in readme]
+    assert not missing, f"{service.name}/README.md does not name the topics it uses: {missing}"
 
 
 def test_dashboard_scrape_compose_and_kubernetes_know_the_service(service: Path) -> None:

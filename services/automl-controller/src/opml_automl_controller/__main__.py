@@ -14,8 +14,9 @@ from opml_automl_controller.servicer import METHOD_ROLES, ExperimentServicer
 from opml_automl_controller.settings import AutomlControllerSettings
 from opml_automl_controller.state import ExperimentStore
 from opml_automl_controller.surrogate import RouterPredictor
-from opml_automl_controller.topics import EXPERIMENTS, TRACES
+from opml_automl_controller.topics import TRACES
 from opml_automl_controller.tracing import GROUP, SOURCE_PREFIXES, TraceCollector
+from opml_automl_controller_contract.topics import EXPERIMENTS
 from opml_common.bus import EventConsumer
 from opml_common.grpc.server import ServiceRegistration
 from opml_common.process import ServiceSpec

@@ -13,8 +13,8 @@ from rich.live import Live
 from rich.table import Table
 
 from opml_automl_controller import report
-from opml_automl_controller.client import ExperimentClient
 from opml_automl_controller.katib import MAX_EXPERIMENT_BYTES, parse_experiment
+from opml_automl_controller_contract.client import ExperimentClient
 from opml_common.cligroup import ClientSession, output_console, pass_session, service_group
 
 console = output_console()

@@ -11,17 +11,10 @@ from opml.automl.v1 import events_pb2
 from opml_automl_controller.collect import summarize
 from opml_automl_controller.experiment import ExperimentSpec
 from opml_automl_controller.state import ExperimentRecord, ExperimentState, TrialRecord, TrialState
+from opml_automl_controller_contract.names import experiment_name, trial_name
 
 EXPERIMENT_STATES = {state: pb.ExperimentState.Value(f"EXPERIMENT_STATE_{state.name}") for state in ExperimentState}
 TRIAL_STATES = {state: pb.TrialState.Value(f"TRIAL_STATE_{state.name}") for state in TrialState}
-
-
-def experiment_name(name: str) -> str:
-    return f"experiments/{name}"
-
-
-def trial_name(experiment: str, number: int) -> str:
-    return f"experiments/{experiment}/trials/{number}"
 
 
 def _timestamp(seconds: float | None) -> Timestamp | None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from opml.jobs.v1 import jobs_pb2
 
 from opml_common.errors import AlreadyExists, FailedPrecondition, NotFound
-from opml_job_orchestrator.client import JobClient
+from opml_job_orchestrator_contract.client import JobClient
 
 ENDED = {jobs_pb2.JOB_STATE_SUCCEEDED: "succeeded", jobs_pb2.JOB_STATE_FAILED: "failed",
          jobs_pb2.JOB_STATE_CANCELLED: "cancelled"}

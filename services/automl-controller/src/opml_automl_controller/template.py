@@ -32,7 +32,7 @@ from opml.jobs.v1 import jobs_pb2
 
 from opml_automl_controller.experiment import TrialParameter, TrialTemplate
 from opml_common.errors import InvalidArgument
-from opml_job_orchestrator.spec import check_env, load_spec, parse_cpu_millis, parse_memory_mib
+from opml_job_orchestrator_contract.jobspec import check_env, load_spec, parse_cpu_millis, parse_memory_mib
 
 SURROGATE_KIND = "jobs.opml.dev/v1 ServingConfigSurrogate"
 """Not a job: a trial evaluated by the inference-router's performance model (:mod:`.surrogate`)."""

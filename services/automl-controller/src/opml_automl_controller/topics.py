@@ -1,10 +1,6 @@
-"""The topics automl-controller publishes (experiments) and consumes (traces: the Trace collector kind),
-as their events proto files declare them."""
+"""The topics automl-controller consumes (traces: the Trace collector kind), from their owners' contracts;
+what it publishes is its contract's (:mod:`opml_automl_controller_contract.topics`)."""
 
-from opml.automl.v1 import events_pb2
-from opml.traces.v1 import events_pb2 as trace_events_pb2
+from opml_trace_collector_contract.topics import TRACES
 
-from opml_common.topics import Topic
-
-EXPERIMENTS = Topic.of(events_pb2)
-TRACES = Topic.of(trace_events_pb2)
+__all__ = ["TRACES"]

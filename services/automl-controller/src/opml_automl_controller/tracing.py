@@ -32,7 +32,7 @@ from opml_automl_controller.experiment import CollectorKind, ExperimentSpec
 from opml_automl_controller.state import ExperimentState, ExperimentStore, TrialState
 from opml_common.bus import CloudEvent, MalformedEvent
 from opml_common.errors import NotFound
-from opml_trace_collector.topics import TRACER_SOURCE_PREFIX, tracer_source
+from opml_trace_collector_contract.topics import TRACER_SOURCE_PREFIX, tracer_source
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from opml.automl.v1 import automl_pb2 as pb
 from opml.automl.v1 import automl_pb2_grpc
 
-from opml_automl_controller.convert import experiment_name
+from opml_automl_controller_contract.names import experiment_name
 from opml_common.grpc.client import ServiceClient, pages
 
 
