@@ -67,8 +67,8 @@ from opml.inference.v1 import deployments_pb2
 from opml.traces.v1 import events_pb2 as trace_events
 from opml.traces.v1 import traces_pb2
 
-from opml_bundle_store.client import BundleStoreClient
-from opml_bundle_store.topics import BUNDLES
+from opml_bundle_store_contract.client import BundleStoreClient
+from opml_bundle_store_contract.topics import BUNDLES
 from opml_common.bus import CloudEvent, EventPublisher
 from opml_common.config import PlatformSettings
 from opml_common.devinfra import DevInfra, Endpoints

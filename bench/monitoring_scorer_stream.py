@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from monitoring_scorer_cbpe import throughput  # noqa: E402
 from opml.inference.v1 import events_pb2 as inference_events  # noqa: E402
 
-from opml_bundle_store.client import BundleStoreClient  # noqa: E402
+from opml_bundle_store_contract.client import BundleStoreClient  # noqa: E402
 from opml_common.bus import EventPublisher  # noqa: E402
 from opml_common.config import PlatformSettings  # noqa: E402
 from opml_common.devinfra import DevInfra  # noqa: E402

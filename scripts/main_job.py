@@ -34,10 +34,11 @@ from opml.inference.v1 import deployments_pb2
 from opml.inference.v1 import events_pb2 as inference_events
 from opml.jobs.v1 import jobs_pb2
 
-from opml_bundle_store.client import BundleStoreClient
+from opml_bundle_store_contract.client import BundleStoreClient
+from opml_bundle_store_contract.topics import BUNDLES
 from opml_common.errors import AlreadyExists, NotFound
 from opml_inference_router.client import DeploymentClient
-from opml_inference_router.topics import BUNDLES, PREDICTIONS
+from opml_inference_router.topics import PREDICTIONS
 from opml_job_orchestrator.client import JobClient
 from opml_job_orchestrator.spec import load_spec
 from opml_trace_collector.client import TraceCollectorClient

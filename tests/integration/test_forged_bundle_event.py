@@ -23,14 +23,15 @@ from opml.bundles.v1 import events_pb2 as bundle_events
 from opml.inference.v1 import deployments_pb2 as pb
 
 from opml_bundle_store.__main__ import SPEC as BUNDLE_STORE
-from opml_bundle_store.client import BundleStoreClient
+from opml_bundle_store_contract.client import BundleStoreClient
+from opml_bundle_store_contract.names import EVENT_SOURCE as BUNDLE_STORE_SOURCE
+from opml_bundle_store_contract.topics import BUNDLES
 from opml_common.bus import CloudEvent, EventPublisher
 from opml_common.errors import NotFound
 from opml_common.testing.bus import fresh_metrics, poll_until, read_records
 from opml_common.testing.services import TOKENS
 from opml_inference_router.client import DeploymentClient
-from opml_inference_router.control.autodeploy import BUNDLE_STORE_SOURCE, SOURCES
-from opml_inference_router.topics import BUNDLES
+from opml_inference_router.control.autodeploy import SOURCES
 
 
 def test_the_router_accepts_bundle_events_only_from_the_bundle_stores_source() -> None:

@@ -18,7 +18,7 @@ import yaml
 from opml.inference.v1 import deployments_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
-from opml_bundle_store.client import BundleStoreClient
+from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.config import GrpcTlsSettings
 from opml_common.errors import NotFound, Unavailable
 from opml_common.testing.bus import poll_until

@@ -15,9 +15,10 @@ import pytest
 from opml.bundles.v1 import bundles_pb2, events_pb2
 from opml.inference.v1 import events_pb2 as inference_events
 
+from opml_bundle_store_contract.names import EVENT_SOURCE as BUNDLE_STORE_SOURCE
+from opml_bundle_store_contract.topics import BUNDLES
 from opml_common.bus import EventPublisher
 from opml_common.config import PlatformSettings
-from opml_inference_router.topics import BUNDLES
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED, PUSHED = "opml.bundles.v1.BundleCommitted", "opml.bundles.v1.BundlePushed"
@@ -30,7 +31,7 @@ def main_job(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 
 
 async def publish(settings: PlatformSettings, *messages) -> None:
-    publisher = EventPublisher(settings, source="opml/bundle-store", metrics=None)
+    publisher = EventPublisher(settings, source=BUNDLE_STORE_SOURCE, metrics=None)
     await publisher.start()
     try:
         for message in messages:

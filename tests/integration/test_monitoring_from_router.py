@@ -11,7 +11,7 @@ import onnxruntime as ort
 import tritonclient.grpc as triton
 from opml.inference.v1 import deployments_pb2 as pb
 
-from opml_bundle_store.client import BundleStoreClient
+from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.errors import NotFound
 from opml_common.testing.bus import poll_until
 from opml_common.testing.services import TOKENS

@@ -25,8 +25,8 @@ import yaml
 from opml.bundles.v1 import events_pb2 as bundle_events
 from opml.jobs.v1 import jobs_pb2
 
-from opml_bundle_store.client import BundleStoreClient
-from opml_bundle_store.topics import BUNDLES
+from opml_bundle_store_contract.client import BundleStoreClient
+from opml_bundle_store_contract.topics import BUNDLES
 from opml_common.bus import CloudEvent
 from opml_common.devinfra import DevInfra
 from opml_common.testing.bus import poll_until, read_records

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import pytest
 from opml.traces.v1 import traces_pb2
 
-from opml_bundle_store.client import BundleStoreClient
+from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.devinfra import DevInfra, free_port
 from opml_common.errors import Unavailable
 from opml_common.testing.bus import poll_until

@@ -24,8 +24,8 @@ import yaml
 from opml.inference.v1 import deployments_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
-from opml_bundle_store.client import BundleStoreClient
-from opml_bundle_store.topics import BUNDLES
+from opml_bundle_store_contract.client import BundleStoreClient
+from opml_bundle_store_contract.topics import BUNDLES
 from opml_common.config import PlatformSettings, mask_url
 from opml_common.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from opml_common.testing.bus import poll_until, read_records

@@ -13,7 +13,7 @@ import tritonclient.grpc as triton
 from opml.inference.v1 import deployment_events_pb2 as events
 from opml.inference.v1 import deployments_pb2 as pb
 
-from opml_bundle_store.client import BundleStoreClient
+from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.bus import CloudEvent
 from opml_common.errors import NotFound
 from opml_common.testing.bus import poll_until, read_records

@@ -19,7 +19,7 @@ from opml.jobs.v1 import jobs_pb2
 from opml_automl_controller.client import ExperimentClient
 from opml_automl_controller.jobs import JobView, OrchestratorJobs
 from opml_automl_controller.topics import EXPERIMENTS
-from opml_bundle_store.client import BundleStoreClient
+from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.errors import InvalidArgument
 from opml_common.testing.bus import poll_until, read_records
 from opml_common.testing.services import TOKENS, ServiceStarter

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from opml_bundle_store.client import BundleStoreClient
+from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.process import ServiceProcess
 from opml_common.testing.services import TOKENS, ServiceStarter
 

@@ -9,7 +9,7 @@ import pytest
 from opml.bundles.v1 import events_pb2
 
 from opml_bundle_store.core import BundleStore
-from opml_bundle_store.topics import BUNDLES
+from opml_bundle_store_contract.topics import BUNDLES
 from opml_common.errors import NotFound
 from opml_common.events import RecordingEmitter
 

@@ -10,20 +10,17 @@ from datetime import UTC, datetime
 
 import pytest
 
-from opml_bundle_store.core.model import (
+from opml_bundle_store.core.manifest import Bundle, FileEntry, Lineage, compute_content_hash
+from opml_bundle_store.core.remote_url import parse_remote_url
+from opml_bundle_store.core.rules import (
     MAX_LINEAGE_INPUTS,
-    Bundle,
-    FileEntry,
-    Lineage,
-    compute_content_hash,
-    parse_remote_url,
     validate_bundle_name,
-    validate_bundle_path,
     validate_context_id,
     validate_lineage,
     validate_string_map,
     validate_values,
 )
+from opml_bundle_store_contract.paths import validate_bundle_path
 from opml_common.errors import InvalidArgument
 
 SHA_A = "a" * 64

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from opml.bundles.v1 import events_pb2
 
-from opml_bundle_store.client import BundleStoreClient
 from opml_bundle_store.core import BundleStore
-from opml_bundle_store.topics import BUNDLES
+from opml_bundle_store_contract.client import BundleStoreClient
+from opml_bundle_store_contract.topics import BUNDLES
 from opml_common.bus import CloudEvent
 from opml_common.events import RecordingEmitter
 from opml_common.storage import s3_client

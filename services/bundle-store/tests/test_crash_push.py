@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from opml_bundle_store.client import BundleStoreClient
+from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.errors import Unavailable
 from opml_common.testing.services import TOKENS
 

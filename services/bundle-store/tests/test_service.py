@@ -18,10 +18,10 @@ from opml.bundles.v1 import bundles_pb2_grpc, events_pb2
 from prometheus_client import CollectorRegistry
 
 from opml_bundle_store.__main__ import SPEC, build
-from opml_bundle_store.client import BundleStoreClient
 from opml_bundle_store.core.store import BundleStore
 from opml_bundle_store.settings import BundleStoreSettings
-from opml_bundle_store.topics import BUNDLES
+from opml_bundle_store_contract.client import BundleStoreClient
+from opml_bundle_store_contract.topics import BUNDLES
 from opml_common.bus import CloudEvent
 from opml_common.config import PlatformSettings
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unauthenticated

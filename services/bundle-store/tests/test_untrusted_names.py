@@ -20,11 +20,11 @@ import pytest
 from minio import Minio
 from opml.bundles.v1 import bundles_pb2 as pb
 
-from opml_bundle_store.client import BundleStoreClient
 from opml_bundle_store.core import BundleStore, sync
 from opml_bundle_store.core.convert import bundle_to_proto
-from opml_bundle_store.core.model import FileEntry, RejectedManifest, compute_content_hash
+from opml_bundle_store.core.manifest import FileEntry, RejectedManifest, compute_content_hash
 from opml_bundle_store.core.remote import S3Remote
+from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.config import PlatformSettings
 from opml_common.errors import InvalidArgument, NotFound
 from opml_common.storage import s3_client

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from opml_bundle_store.client import BundleStoreClient
-from opml_bundle_store.testing import PAYLOAD, HostileStore, files_under, serving
+from opml_bundle_store_contract.client import BundleStoreClient
+from opml_bundle_store_contract.testing import PAYLOAD, HostileStore, files_under, serving
 from opml_common.errors import DataLoss
 
 

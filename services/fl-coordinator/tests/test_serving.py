@@ -12,7 +12,7 @@ import yaml
 from member import DigitsMember
 from opml.inference.v1 import deployments_pb2 as dpb
 
-from opml_bundle_store.client import BundleStoreClient
+from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.errors import NotFound
 from opml_common.testing.bus import poll_until
 from opml_common.testing.services import TOKENS

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from opml_bundle_store.testing import HostileStore, files_under, serving
+from opml_bundle_store_contract.testing import HostileStore, files_under, serving
 from opml_common.errors import DataLoss
 from opml_inference_router.control.bundles import BundleFetcher
 from opml_inference_router.control.state import Source

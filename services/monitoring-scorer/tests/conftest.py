@@ -20,7 +20,7 @@ from opml.monitoring.v1 import label_events_pb2
 from prometheus_client import CollectorRegistry
 from tritonclient.grpc import service_pb2 as pb
 
-from opml_bundle_store.client import BundleStoreClient
+from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.bus import EventPublisher
 from opml_common.bus.cloudevents import CloudEvent
 from opml_common.bus.security import kafka_client_kwargs

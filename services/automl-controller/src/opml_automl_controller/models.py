@@ -22,7 +22,7 @@ from pathlib import Path
 from opml.bundles.v1 import bundles_pb2
 
 from opml_automl_controller.state import ExperimentRecord, TrialRecord
-from opml_bundle_store.client import BundleStoreClient, files_from_paths
+from opml_bundle_store_contract.client import BundleStoreClient, files_from_paths
 from opml_common.errors import FailedPrecondition, NotFound
 
 

@@ -6,16 +6,17 @@ import asyncio
 
 from opml.bundles.v1 import bundles_pb2, bundles_pb2_grpc
 
-from opml_bundle_store.core.model import REJECT_REASONS
+from opml_bundle_store.core.manifest import REJECT_REASONS
 from opml_bundle_store.core.store import BundleStore, lock_home
 from opml_bundle_store.servicer import METHOD_ROLES, BundleStoreServicer
 from opml_bundle_store.settings import BundleStoreSettings
-from opml_bundle_store.topics import BUNDLES
+from opml_bundle_store_contract.names import SERVICE
+from opml_bundle_store_contract.topics import BUNDLES
 from opml_common.grpc.server import ServiceRegistration
 from opml_common.process import ServiceSpec
 from opml_common.service import ServiceContext, run_service
 
-SPEC = ServiceSpec(name="bundle-store", module="opml_bundle_store", settings=BundleStoreSettings, topics=(BUNDLES,))
+SPEC = ServiceSpec(name=SERVICE, module="opml_bundle_store", settings=BundleStoreSettings, topics=(BUNDLES,))
 
 
 async def build(service: ServiceContext) -> list[ServiceRegistration]:

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, Trans
 from rich.table import Table
 from rich.tree import Tree
 
-from opml_bundle_store.client import BundleStoreClient, files_from_paths
+from opml_bundle_store_contract.client import BundleStoreClient, files_from_paths
 from opml_common.cligroup import ClientSession, output_console, pass_session, service_group
 
 console = output_console()

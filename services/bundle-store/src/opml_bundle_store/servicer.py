@@ -15,9 +15,11 @@ from collections.abc import AsyncIterator, Callable
 from opml.bundles.v1 import bundles_pb2 as pb
 from opml.bundles.v1 import bundles_pb2_grpc
 
-from opml_bundle_store.core.convert import bundle_to_proto, context_to_proto, lineage_from_proto, value_from_proto
-from opml_bundle_store.core.model import Bundle, TransferProgress, validate_bundle_paths
+from opml_bundle_store.core.convert import bundle_to_proto, context_to_proto, lineage_from_proto
+from opml_bundle_store.core.manifest import Bundle, TransferProgress
 from opml_bundle_store.core.store import BundleStore
+from opml_bundle_store_contract.paths import validate_bundle_paths
+from opml_bundle_store_contract.values import value_from_proto
 from opml_common.errors import InvalidArgument
 from opml_common.grpc.interceptors import current_principal
 from opml_common.metrics import ServiceMetrics

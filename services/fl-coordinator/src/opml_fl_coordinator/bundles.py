@@ -10,6 +10,7 @@ import logging
 
 from opml.bundles.v1 import bundles_pb2
 
+from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.errors import AlreadyExists
 from opml_fl_coordinator.federation import Federation, RoundRecord
 from opml_fl_coordinator.onnx_export import dense_classifier_onnx, serving_config
@@ -19,7 +20,7 @@ log = logging.getLogger(__name__)
 
 
 class BundlePublisher:
-    """Commits models to bundle-store (its client is imported only when one is configured)."""
+    """Commits models to bundle-store, through its contract's client."""
 
     def __init__(self, target: str, *, token: str | None, context: str, serve: bool = False) -> None:
         self.target, self._token, self.context = target, token or None, context
@@ -27,8 +28,6 @@ class BundlePublisher:
         self._context_made = False
 
     def _publish(self, federation: Federation, record: RoundRecord, weights: Weights, parent: str) -> str:
-        from opml_bundle_store.client import BundleStoreClient
-
         with BundleStoreClient(self.target, token=self._token) as client:
             if not self._context_made:
                 try:

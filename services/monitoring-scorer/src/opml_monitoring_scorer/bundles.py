@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from opml_bundle_store.client import BundleStoreClient
+from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.errors import InvalidArgument
 from opml_monitoring_scorer.core.scorer import CONFIG_FILE, MAX_REFERENCE_BYTES, REFERENCE_FILE
 

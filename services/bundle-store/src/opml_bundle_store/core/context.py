@@ -13,16 +13,9 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from opml_bundle_store.core.layout import ContextDir, atomic_write
-from opml_bundle_store.core.model import (
-    Bundle,
-    ContextInfo,
-    age,
-    is_uuid,
-    latest_version,
-    normalize_remote_url,
-    validate_bundle_name,
-    validate_context_id,
-)
+from opml_bundle_store.core.manifest import Bundle, ContextInfo, age, latest_version
+from opml_bundle_store.core.remote_url import normalize_remote_url
+from opml_bundle_store.core.rules import is_uuid, validate_bundle_name, validate_context_id
 from opml_common.errors import InvalidArgument, NotFound
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,7 @@
 """Conversions between the core's dataclasses and the opml.bundles.v1 messages (no logic but a time's range).
 
 Protobuf only (no grpc): the servicer converts replies with it and the core builds its events with it.
+A typed value's message is the contract's (:mod:`opml_bundle_store_contract.values`): clients build it too.
 """
 
 from __future__ import annotations
@@ -10,23 +11,9 @@ from datetime import UTC, datetime
 from google.protobuf.timestamp_pb2 import Timestamp
 from opml.bundles.v1 import bundles_pb2 as pb
 
-from opml_bundle_store.core.model import Bundle, ContextInfo, FileEntry, Lineage, Value
+from opml_bundle_store.core.manifest import Bundle, ContextInfo, FileEntry, Lineage
+from opml_bundle_store_contract.values import value_to_proto
 from opml_common.errors import InvalidArgument
-
-_VALUE_FIELDS = (("bool_value", bool), ("int_value", int), ("float_value", float),
-                 ("string_value", str), ("bytes_value", bytes))
-
-
-def value_to_proto(value: Value) -> pb.Value:
-    for field, kind in _VALUE_FIELDS:  # bool before int: True is an int in Python
-        if isinstance(value, kind):
-            return pb.Value(**{field: value})
-    raise TypeError(f"unsupported value type {type(value).__name__}")
-
-
-def value_from_proto(message: pb.Value) -> Value | None:
-    kind = message.WhichOneof("kind")
-    return getattr(message, kind) if kind else None
 
 
 def _timestamp(moment: datetime | None) -> Timestamp | None:

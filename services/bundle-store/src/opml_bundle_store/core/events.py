@@ -29,7 +29,7 @@ from opml.bundles.v1 import events_pb2
 
 from opml_bundle_store.core.convert import bundle_to_proto
 from opml_bundle_store.core.layout import TMP_SUFFIX, atomic_write
-from opml_bundle_store.core.model import Bundle
+from opml_bundle_store.core.manifest import Bundle
 from opml_common.events import EventEmitter
 
 log = logging.getLogger(__name__)

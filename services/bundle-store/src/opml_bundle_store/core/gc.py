@@ -9,7 +9,7 @@ from datetime import timedelta
 from typing import Any
 
 from opml_bundle_store.core.context import ContextState, now
-from opml_bundle_store.core.model import Bundle, GcReport
+from opml_bundle_store.core.manifest import Bundle, GcReport
 from opml_bundle_store.core.remote import S3Remote
 
 log = logging.getLogger(__name__)

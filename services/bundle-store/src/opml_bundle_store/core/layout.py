@@ -30,17 +30,6 @@ TMP_SUFFIX = ".tmp"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
-def contained(root: Path, relative: str) -> Path | None:
-    """``root / relative`` resolved (symlinks followed), or None when that lands outside the
-    resolved ``root``: an absolute ``relative``, a '..' climbing out, or a symlink under ``root``
-    pointing elsewhere. Every local write of a path someone else chose goes through this."""
-    base = root.resolve()
-    if not relative or Path(relative).is_absolute():
-        return None
-    target = (base / relative).resolve()
-    return target if target != base and target.is_relative_to(base) else None
-
-
 def fsync_dir(path: Path) -> None:
     """Make the directory entries of ``path`` (creations, renames) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from opml_bundle_store.core.model import Bundle, LineageGraph, age
+from opml_bundle_store.core.manifest import Bundle, LineageGraph, age
 
 
 def lineage_graph(bundles: Mapping[str, Bundle], start: Bundle, *, upstream: bool, downstream: bool,

@@ -37,7 +37,7 @@ from minio.deleteobjects import DeleteObject
 from minio.error import InvalidResponseError, MinioException, S3Error, ServerError
 from minio.signer import sign_v4_s3
 
-from opml_bundle_store.core.model import format_remote_url, parse_remote_url
+from opml_bundle_store.core.remote_url import format_remote_url, parse_remote_url
 from opml_common.errors import DataLoss, FailedPrecondition, NotFound, OpmlError, Unavailable
 
 log = logging.getLogger(__name__)

@@ -38,31 +38,33 @@ from opml_bundle_store.core.context import ContextState, load_context
 from opml_bundle_store.core.events import COMMITTED, DELETED, PUSHED, BundleEvents, Intent
 from opml_bundle_store.core.layout import ContextDir, atomic_write, fsync_dir
 from opml_bundle_store.core.lineage import lineage_graph
-from opml_bundle_store.core.model import (
+from opml_bundle_store.core.manifest import (
     Bundle,
     ContextInfo,
     FileEntry,
     GcReport,
     Lineage,
     LineageGraph,
-    Value,
     age,
-    check_int,
-    is_uuid,
     label,
     latest_version,
-    normalize_remote_url,
+)
+from opml_bundle_store.core.remote import S3Remote
+from opml_bundle_store.core.remote_url import normalize_remote_url
+from opml_bundle_store.core.rules import (
+    check_int,
+    is_uuid,
     validate_bundle_name,
-    validate_bundle_path,
     validate_context_id,
     validate_lineage,
     validate_string_map,
     validate_values,
 )
-from opml_bundle_store.core.remote import S3Remote
 from opml_bundle_store.core.sync import ProgressCallback, RejectedCallback, RemoteSync
 from opml_bundle_store.core.transfer import TransferSettings
 from opml_bundle_store.core.writer import READ_CHUNK, BundleWriter
+from opml_bundle_store_contract.paths import validate_bundle_path
+from opml_bundle_store_contract.values import Value
 from opml_common.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound, OpmlError
 from opml_common.events import EventEmitter
 

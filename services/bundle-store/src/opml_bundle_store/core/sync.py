@@ -13,20 +13,9 @@ from typing import Any
 
 from opml_bundle_store.core.context import ContextState
 from opml_bundle_store.core.events import BundleEvents
-from opml_bundle_store.core.model import (
-    INT64_MAX,
-    INT64_MIN,
-    Bundle,
-    RejectedManifest,
-    TransferProgress,
-    age,
-    compute_content_hash,
-    is_uuid,
-    label,
-    path_violations,
-    validate_bundle_name,
-)
+from opml_bundle_store.core.manifest import Bundle, RejectedManifest, TransferProgress, age, compute_content_hash, label
 from opml_bundle_store.core.remote import MANIFEST_CONTENT_TYPE, S3Remote
+from opml_bundle_store.core.rules import INT64_MAX, INT64_MIN, is_uuid, validate_bundle_name
 from opml_bundle_store.core.transfer import (
     BlobRef,
     Downloader,
@@ -35,6 +24,7 @@ from opml_bundle_store.core.transfer import (
     TransferSettings,
     Uploader,
 )
+from opml_bundle_store_contract.paths import path_violations
 from opml_common.errors import DataLoss, FailedPrecondition, InvalidArgument
 
 log = logging.getLogger(__name__)

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from opml_bundle_store.core.layout import ContextDir, atomic_write, fsync_dir, make_durable, start_writeback
-from opml_bundle_store.core.model import TransferProgress
+from opml_bundle_store.core.manifest import TransferProgress
 from opml_bundle_store.core.remote import BLOB_CONTENT_TYPE, S3Remote
 from opml_common.errors import DataLoss, NotFound, OpmlError
 

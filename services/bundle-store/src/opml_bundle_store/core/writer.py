@@ -14,20 +14,10 @@ from pathlib import Path
 from opml_bundle_store.core.context import ContextState
 from opml_bundle_store.core.events import BundleEvents
 from opml_bundle_store.core.layout import fsync_dir, make_durable
-from opml_bundle_store.core.model import (
-    COLLISION_RULE,
-    DEFAULT_MEDIA_TYPE,
-    Bundle,
-    FileEntry,
-    Lineage,
-    PathSet,
-    Value,
-    check_int,
-    compute_content_hash,
-    validate_bundle_path,
-    validate_media_type,
-    validate_sha256,
-)
+from opml_bundle_store.core.manifest import DEFAULT_MEDIA_TYPE, Bundle, FileEntry, Lineage, compute_content_hash
+from opml_bundle_store.core.rules import check_int, validate_media_type, validate_sha256
+from opml_bundle_store_contract.paths import COLLISION_RULE, PathSet, validate_bundle_path
+from opml_bundle_store_contract.values import Value
 from opml_common.errors import FailedPrecondition, InvalidArgument
 
 READ_CHUNK = 1024 * 1024

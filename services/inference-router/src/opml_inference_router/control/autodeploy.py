@@ -32,6 +32,7 @@ from typing import Protocol
 from opml.bundles.v1 import bundles_pb2
 from opml.bundles.v1 import events_pb2 as bundle_events
 
+from opml_bundle_store_contract.names import EVENT_SOURCE as BUNDLE_STORE_SOURCE
 from opml_common.bus import CloudEvent
 from opml_common.errors import InvalidArgument, NotFound, OpmlError
 from opml_inference_router.control.deployments import DeploymentManager
@@ -40,7 +41,6 @@ from opml_inference_router.control.state import Source
 log = logging.getLogger(__name__)
 
 GROUP = "inference-router-autodeploy"
-BUNDLE_STORE_SOURCE = "opml/bundle-store"  # the bundle-store's ServiceSpec.event_source
 SOURCES = frozenset({BUNDLE_STORE_SOURCE})  # the only ce_source autodeploy's consumer accepts
 SERVE_TAG, VERSION_TAG, CANARY_TAG = "serve", "version", "canary"
 _COMMITTED = bundle_events.BundleCommitted.DESCRIPTOR.full_name

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from opml.bundles.v1 import bundles_pb2
 
-from opml_bundle_store.client import BundleStoreClient
+from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.errors import InvalidArgument, NotFound
 from opml_inference_router.control.state import Source
 

@@ -1,4 +1,4 @@
-"""A hostile bundle-store for tests of the clients that trust one (bundle-store's own, the router's fetcher).
+"""A hostile bundle-store for tests of the clients that trust one (this contract's own, the router's fetcher).
 
 ``HostileStore`` answers GetBundle with whatever paths a test chooses and ReadBundleFile with a fixed
 payload; ``serving`` runs it on a real grpc.aio server. What must refuse is the real client code.

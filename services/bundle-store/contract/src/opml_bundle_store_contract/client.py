@@ -16,9 +16,8 @@ from pathlib import Path
 from opml.bundles.v1 import bundles_pb2 as pb
 from opml.bundles.v1 import bundles_pb2_grpc
 
-from opml_bundle_store.core.convert import value_to_proto
-from opml_bundle_store.core.layout import contained
-from opml_bundle_store.core.model import Value, path_violations
+from opml_bundle_store_contract.paths import contained, path_violations
+from opml_bundle_store_contract.values import Value, value_to_proto
 from opml_common.errors import DataLoss
 from opml_common.grpc.client import ServiceClient, pages
 
