@@ -5,9 +5,9 @@ trials going until ``maxTrialCount`` trials have been asked, and ends the experi
 (in this order: the objective's goal reached -> SUCCEEDED GoalReached; more failed trials than
 ``maxFailedTrialCount`` -> FAILED MaxFailedTrialsReached; ``maxTrialCount`` trials ended ->
 SUCCEEDED MaxTrialsReached; a grid with no combination left -> SUCCEEDED SuggestionEndReached).
-One task per trial (:meth:`Controller._trial`) submits the trial's job, follows its log through
-the metrics collector, reports each objective value to the study (so the pruner can stop it: its
-job is cancelled at once), and tells the study how it ended.
+One task per trial runs a :class:`~opml_automl_controller.trials.TrialRunner`: it submits the
+trial's job, follows its log through the metrics collector, reports each objective value to the
+study (so the pruner can stop it: its job is cancelled at once), and tells the study how it ended.
 
 Restart safety: the Optuna journal decides which trials exist. A trial is asked (durably, with its
 job id stored on it) before its job is submitted; submission re-reads the orchestrator first, so a
@@ -15,7 +15,8 @@ restart re-attaches to the job rather than running it again; a trial that ended 
 in our record is finished from Optuna's state. So a controller killed at any point and started
 again ends with exactly maxTrialCount trials, none run twice, none lost.
 
-Every change is saved to Redis, then announced once through the emitter (``opml.experiments.v1``).
+Every change is saved to Redis, then announced once through the emitter (``opml.experiments.v1``):
+:class:`~opml_automl_controller.records.Records`.
 """
 
 from __future__ import annotations
@@ -26,9 +27,8 @@ import functools
 import logging
 import secrets
 import sys
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -37,11 +37,12 @@ from optuna.trial import TrialState as OptunaState
 
 from opml_automl_controller import convert
 from opml_automl_controller.algorithms import fixed_parameters
-from opml_automl_controller.collect import MetricsParser, Observation, epoch_observations, summarize
-from opml_automl_controller.experiment import CollectorKind, ExperimentSpec, ResumePolicy, parameter_text
-from opml_automl_controller.jobs import JobView, TrialJobs
+from opml_automl_controller.experiment import ExperimentSpec, ResumePolicy, parameter_text
+from opml_automl_controller.jobs import TrialJobs
 from opml_automl_controller.katib import parse_experiment
+from opml_automl_controller.metrics import ControllerMetrics
 from opml_automl_controller.models import ModelStore
+from opml_automl_controller.records import Records
 from opml_automl_controller.state import (
     TERMINAL_TRIALS,
     ExperimentRecord,
@@ -52,15 +53,13 @@ from opml_automl_controller.state import (
 )
 from opml_automl_controller.study import END_ATTR, ERROR_ATTR, ExperimentStudy
 from opml_automl_controller.surrogate import ServingPredictor, SurrogateCall, build_surrogate_call
-from opml_automl_controller.template import SURROGATE_KIND, TrialJob, build_trial_job
+from opml_automl_controller.template import TrialJob
+from opml_automl_controller.trials import TrialRunner, TrialServices, build_job, is_surrogate, retrying
 from opml_common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, OpmlError
 from opml_common.events import EventEmitter
+from opml_common.lifecycle import Component, cancel_and_wait
 
 log = logging.getLogger(__name__)
-
-EXPERIMENT_LABEL = "opml.dev/experiment"
-TRIAL_LABEL = "opml.dev/trial"
-"""Labels every trial's job carries (ListJobs filters on them)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,15 +89,6 @@ class Validation:
                     f"{self.surrogate.model_version} on pool kind {self.surrogate.pool_kind} (the first: "
                     f"{self.surrogate.config})",)
         return self.trial_job.notes if self.trial_job is not None else ()
-
-
-class ControllerMetrics:
-    """Hooks the service's Prometheus metrics into the controller (no-ops in unit tests)."""
-
-    def trial_ended(self, state: TrialState, seconds: float | None) -> None: ...
-    def asked(self, seconds: float) -> None: ...
-    def experiments(self, counts: dict[ExperimentState, int]) -> None: ...
-    def spec_invalid(self) -> None: ...
 
 
 class SpecInvalid(FailedPrecondition):
@@ -131,11 +121,12 @@ def _spec_or_none(record: ExperimentRecord) -> ExperimentSpec | None:
 spec_of = _spec_of
 """A stored experiment's checked spec (the Trace collector's consumer reads it too)."""
 
-TRACE_EXIT_TIMEOUT = "OPML_TRACE_EXIT_TIMEOUT_S"
 
+class Controller(Component):
+    """A long-lived part: :meth:`start` runs again the experiments that had not ended, :meth:`stop`
+    stops their tasks (the trials' jobs go on, re-attached at the next start).
 
-class Controller:
-    """Args:
+    Args:
         store: experiments and trials in Redis.
         jobs: the orchestrator (blocking calls, run on threads).
         emitter: where experiment and trial changes are announced.
@@ -154,33 +145,35 @@ class Controller:
                  metrics: ControllerMetrics | None = None, trial_python: str = sys.executable,
                  retry_s: float = 1.0, models: ModelStore | None = None, trace_wait_s: float = 10.0,
                  serving: ServingPredictor | None = None) -> None:
-        self._store, self._jobs, self._emitter = store, jobs, emitter
+        super().__init__()
+        self._store, self._jobs = store, jobs
         self._serving = serving
         self._models = models
         self._redis_url = redis_url
         self._metrics = metrics or ControllerMetrics()
+        self._records = Records(store, emitter, self._metrics)
         self._trial_python = trial_python
         self._retry_s = retry_s
         self._trace_wait_s = trace_wait_s
-        self._trace_wakers: dict[str, Callable[[], None]] = {}
+        self._trial_services = TrialServices(jobs=jobs, records=self._records, metrics=self._metrics,
+                                             serving=serving, trial_python=trial_python, retry_s=retry_s,
+                                             trace_wait_s=trace_wait_s)
         self._runs: dict[str, asyncio.Task] = {}
         self._wake: dict[str, asyncio.Event] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        self._closing = False
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def on_start(self) -> None:
         """Run again every experiment that had not ended (and drain stopped ones of running trials)."""
         for record in await self._store.experiments():
             if record.state in (ExperimentState.RUNNING, ExperimentState.STOPPED):
                 self._launch(record.name)
-        await self._count()
+        await self._records.count()
 
-    async def stop(self) -> None:
+    async def on_stop(self) -> None:
         """Stop the experiments' tasks; trials' jobs keep running and are re-attached at the next start."""
-        self._closing = True
-        await _cancel(list(self._runs.values()))
+        await _cancel(self._runs.values())
 
     def _launch(self, name: str) -> None:
         if name in self._runs and not self._runs[name].done():
@@ -193,7 +186,7 @@ class Controller:
         """New trace data of ``job_id`` is stored (the Trace collector's consumer, on the loop): the
         trial's task reads it. A job whose trial runs no task here is ignored (its task reads the
         stored data when it starts)."""
-        waker = self._trace_wakers.get(job_id)
+        waker = self._trial_services.wakers.get(job_id)
         if waker is not None:
             waker()
 
@@ -208,13 +201,14 @@ class Controller:
         """
         spec = parse_experiment(katib_yaml, what="katib_yaml")
         values = {p.name: parameter_text(p.low if p.low is not None else p.choices[0]) for p in spec.parameters}
-        if _surrogate(spec):
+        if is_surrogate(spec):
             if self._serving is None:
                 raise FailedPrecondition("a ServingConfigSurrogate experiment needs the inference-router's "
                                          "predictions: set OPML_AUTOML_CONTROLLER_INFERENCE_ROUTER_TARGET")
             return Validation(spec, None, build_surrogate_call(spec.trial_template, values, trial_name="validate",
                                                                namespace=spec.namespace))
-        return Validation(spec, self._trial_job(spec, "validate", 0, values))
+        return Validation(spec, build_job(spec, "validate", 0, values, trial_python=self._trial_python,
+                                          trace_wait_s=self._trace_wait_s))
 
     async def create(self, katib_yaml: str) -> ExperimentView:
         """Raises: InvalidArgument: a rule broken. AlreadyExists: the name is taken."""
@@ -225,9 +219,9 @@ class Controller:
         if not await self._store.put_experiment(record, new=True):
             raise AlreadyExists(f"experiment {spec.name!r} exists already; delete it or choose another "
                                 f"metadata.name")
-        self._announce(record, spec, ())
+        self._records.announce(record, spec, ())
         self._launch(spec.name)
-        await self._count()
+        await self._records.count()
         return ExperimentView(record, spec, ())
 
     async def get(self, name: str) -> ExperimentView:
@@ -313,11 +307,11 @@ class Controller:
             await _cancel([task])  # its end releases its entries
         self._locks.pop(name, None)
         for trial in await self._store.trials(name):
-            if trial.state not in TERMINAL_TRIALS and not (spec is not None and _surrogate(spec)):
+            if trial.state not in TERMINAL_TRIALS and not (spec is not None and is_surrogate(spec)):
                 await self._retrying(lambda t=trial: self._jobs.cancel(t.job_id), f"cancel {trial.job_id}")
         await self._store.delete(record)
-        self._emitter.emit(convert.experiment_event(record, spec, (), deleted=True), subject=name)
-        await self._count()
+        self._records.announce(record, spec, (), deleted=True)
+        await self._records.count()
 
     # -- the experiment's loop -------------------------------------------------------------------
 
@@ -347,7 +341,7 @@ class Controller:
         try:
             await self._loop(name, spec, study, runners)
         finally:  # the service stops: the trials' jobs go on, and are re-attached at the next start
-            await _cancel(list(runners.values()))
+            await _cancel(runners.values())
             study.close()
 
     async def _loop(self, name: str, spec: ExperimentSpec, study: ExperimentStudy,
@@ -373,11 +367,11 @@ class Controller:
                     trial = await self._finished_from_optuna(record, spec, trial, ft)
                 trials[ft.number] = trial
                 if ft.state is OptunaState.RUNNING and ft.number not in runners:
-                    runners[ft.number] = asyncio.create_task(self._trial(record, spec, study, trial))
+                    runners[ft.number] = self._run_trial(spec, study, trial)
             if record.state is ExperimentState.STOPPED:
                 if not runners:
                     return
-                await self._kill(study, trials, runners, surrogate=_surrogate(spec))
+                await self._kill(study, trials, runners, surrogate=is_surrogate(spec))
             else:
                 ended = self._outcome(spec, list(trials.values()), len(frozen))
                 if ended is None and not runners and len(frozen) < spec.max_trial_count \
@@ -386,7 +380,7 @@ class Controller:
                              "Experiment has succeeded because the grid has no combination left")
                 if ended is not None:
                     if runners:
-                        await self._kill(study, trials, runners, surrogate=_surrogate(spec))
+                        await self._kill(study, trials, runners, surrogate=is_surrogate(spec))
                         continue
                     state, reason, message = ended
                     bundle, message = await self._commit_best(record, spec, list(trials.values()), message)
@@ -402,15 +396,15 @@ class Controller:
                     self._metrics.asked(time.perf_counter() - started)
                     trial = await self._adopt(record, spec, None, number=number, params=params)
                     trials[number] = trial
-                    runners[number] = asyncio.create_task(self._trial(record, spec, study, trial))
+                    runners[number] = self._run_trial(spec, study, trial)
                     asked += 1
                 if record.reason != "Running" and runners:
                     record = await self._change(name, lambda r: r.changed(
                         reason="Running", message="Experiment is running") if r.state is ExperimentState.RUNNING
                         and r.reason != "Running" else None, spec)
-            waiters = [asyncio.ensure_future(wake.wait()), *runners.values()]
-            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-            waiters[0].cancel()
+            woken = asyncio.ensure_future(wake.wait())
+            await asyncio.wait([woken, *runners.values()], return_when=asyncio.FIRST_COMPLETED)
+            await cancel_and_wait(woken)
 
     async def _commit_best(self, record: ExperimentRecord, spec: ExperimentSpec, trials: list[TrialRecord],
                            message: str) -> tuple[str, str]:
@@ -460,27 +454,11 @@ class Controller:
         await asyncio.gather(*runners.values(), return_exceptions=True)
         runners.clear()
 
-    # -- one trial -------------------------------------------------------------------------------
+    # -- trials ----------------------------------------------------------------------------------
 
     @staticmethod
     def _job_id(record: ExperimentRecord, number: int) -> str:
         return f"{record.name}-{record.uid}-t{number}"
-
-    def _trial_job(self, spec: ExperimentSpec, job_id: str, number: int, params: dict[str, str]) -> TrialJob:
-        job = build_trial_job(spec.trial_template, params, trial_name=job_id, namespace=spec.namespace)
-        job.spec.name = job_id
-        job.spec.labels.update({EXPERIMENT_LABEL: spec.name, TRIAL_LABEL: str(number)})
-        if spec.collector.kind is CollectorKind.FILE:
-            for role in job.spec.roles.values():
-                argv = list(role.command or job.spec.command)
-                del role.command[:]
-                role.command.extend([self._trial_python, "-m", "opml_automl_controller.filetail",
-                                     str(spec.collector.path), "--", *argv])
-        if spec.collector.kind is CollectorKind.TRACE:
-            job.spec.trace = True
-            if TRACE_EXIT_TIMEOUT not in job.spec.env:
-                job.spec.env[TRACE_EXIT_TIMEOUT] = f"{self._trace_wait_s:g}"
-        return job
 
     async def _adopt(self, record: ExperimentRecord, spec: ExperimentSpec, ft: FrozenTrial | None, *,
                      number: int | None = None, params: dict[str, Any] | None = None) -> TrialRecord:
@@ -490,7 +468,7 @@ class Controller:
         assert number is not None and params is not None
         trial = TrialRecord(experiment=record.name, number=number, job_id=self._job_id(record, number),
                             parameters={k: parameter_text(v) for k, v in params.items()})
-        await self._save_trial(record, spec, trial)
+        await self._records.save_trial(trial)
         return trial
 
     async def _finished_from_optuna(self, record: ExperimentRecord, spec: ExperimentSpec, trial: TrialRecord,
@@ -513,215 +491,17 @@ class Controller:
         trial = replace(trial, ended_at=trial.ended_at or time.time())
         stored = await self._store.put_trial_unless_ended(trial)
         if stored is trial:
-            self._announce_trial(record, trial)
+            self._records.announce_trial(trial)
         return stored
 
-    async def _trial(self, record: ExperimentRecord, spec: ExperimentSpec, study: ExperimentStudy,
-                     trial: TrialRecord) -> None:
-        if _surrogate(spec):
-            await self._surrogate_trial(record, spec, study, trial)
-            return
-        try:
-            job = self._trial_job(spec, trial.job_id, trial.number, trial.parameters)
-        except InvalidArgument as error:
-            await self._end(record, spec, study, trial, TrialState.FAILED, message=f"trial template: {error.message}")
-            return
-        try:
-            await self._retrying(lambda: self._jobs.ensure(job.spec), f"submit {trial.job_id}")
-        except InvalidArgument as error:
-            await self._end(record, spec, study, trial, TrialState.FAILED,
-                            message=f"job-orchestrator refused the job: {error.message}")
-            return
-        trial = replace(trial, state=TrialState.RUNNING, started_at=trial.started_at or time.time())
-        await self._save_trial(record, spec, trial)
-        objective = spec.objective.metric
-        metrics = (objective, *spec.objective.additional_metrics)
-        traced = spec.collector.kind is CollectorKind.TRACE
-        pruned_at: int | None = None
-
-        async def observe(observations: dict[str, list[float]], found: list[Observation], *,
-                          may_prune: bool = True) -> None:
-            """Add to the series; report each objective value as the next step (the pruner may stop it)."""
-            nonlocal pruned_at
-            for observation in found:
-                observations[observation.metric].append(observation.value)
-                if observation.metric != objective or pruned_at is not None:
-                    continue
-                step = len(observations[objective])
-                if await asyncio.to_thread(study.report, trial.number, observation.value, step) and may_prune:
-                    pruned_at = step
-                    if await asyncio.to_thread(study.mark, trial.number, END_ATTR, "pruned"):
-                        await self._retrying(lambda j=trial.job_id: self._jobs.cancel(j), "cancel")
-
-        inbox: list[asyncio.Queue] = [asyncio.Queue()]  # the queue a Trace wake-up goes to: the one being read
-        let_go = threading.Event()  # set as this task ends: its log follower stops at the next chunk
-        pending = [False]  # a wake-up is queued: more before it is read are one read of the store
-
-        def wake() -> None:
-            if not pending[0]:
-                pending[0] = True
-                inbox[0].put_nowait(("trace", None))
-
-        if traced:
-            self._trace_wakers[trial.job_id] = wake
-        try:
-            while True:  # the log (and the trace) is read from its start each time: each value counts once
-                parser = MetricsParser(spec.collector, metrics)
-                observations: dict[str, list[float]] = {m: [] for m in metrics}
-                seen: set[tuple[int, int]] = set()
-                saved_at = time.monotonic()
-                stream = inbox[0] = self._follow(trial.job_id, let_go)
-                if traced:
-                    pending[0] = False
-                    wake()  # what was stored before this task (a restart) or this re-read
-                try:
-                    while True:
-                        kind, text = await stream.get()
-                        if kind == "error":
-                            raise text
-                        if kind == "end":
-                            break
-                        if kind == "trace":
-                            pending[0] = False
-                            trace = await self._store.trace(record.name, trial.number)
-                            await observe(observations, epoch_observations(trace.epochs.items(), metrics, seen))
-                        else:
-                            await observe(observations, parser.feed(text))
-                        if time.monotonic() - saved_at > 1.0:
-                            trial = replace(trial, observations=observations)
-                            await self._save_trial(record, spec, trial, announce=False)
-                            saved_at = time.monotonic()
-                    for observation in parser.close():
-                        observations[observation.metric].append(observation.value)
-                except OpmlError as error:
-                    if not error.retriable:
-                        raise
-                    await asyncio.sleep(self._retry_s)
-                    continue
-                view: JobView = await self._retrying(lambda j=trial.job_id: self._jobs.get(j), "get")
-                if view.ended:
-                    break
-                await asyncio.sleep(self._retry_s)  # the stream broke before the job ended
-            frozen_end = await asyncio.to_thread(lambda: study.trials()[trial.number].user_attrs.get(END_ATTR))
-            if traced and frozen_end is None and view.state == "succeeded":
-                await observe(observations, await self._trace_tail(record, trial, metrics, seen, inbox, pending),
-                              may_prune=False)
-        finally:
-            let_go.set()
-            self._trace_wakers.pop(trial.job_id, None)
-        trial = replace(trial, observations=observations, model_dir=parser.model_dir)
-        if frozen_end == "pruned":
-            await self._end(record, spec, study, trial, TrialState.EARLY_STOPPED,
-                            message=f"stopped by the pruner at step {pruned_at or len(observations[objective])} "
-                                    f"({type(study.study.pruner).__name__}); its job was cancelled")
-        elif frozen_end == "killed":
-            await self._end(record, spec, study, trial, TrialState.KILLED,
-                            message="its job was cancelled because the experiment ended or was stopped")
-        elif view.state == "succeeded":
-            value = summarize(observations[objective], spec.objective.strategy(objective))
-            if value is None:
-                where = (f"no epoch logs with it arrived from the job's tracer within {self._trace_wait_s:g} s of "
-                         f"its end: does the trial fit a Keras model?" if traced else "")
-                await self._end(record, spec, study, trial, TrialState.FAILED,
-                                message=f"MetricsUnavailable: the job succeeded but reported no {objective!r} "
-                                        f"({spec.collector.kind.value} collector{'; ' + where if where else ''})")
-            else:
-                await self._end(record, spec, study, trial, TrialState.SUCCEEDED, value=value)
-        elif view.state == "failed":
-            await self._end(record, spec, study, trial, TrialState.FAILED, message=f"job failed: {view.cause}")
-        else:
-            await self._end(record, spec, study, trial, TrialState.FAILED,
-                            message=f"job was cancelled outside the controller: {view.cause}")
-
-    async def _surrogate_trial(self, record: ExperimentRecord, spec: ExperimentSpec, study: ExperimentStudy,
-                               trial: TrialRecord) -> None:
-        """A ServingConfigSurrogate trial: the router's prediction of its configuration is its one
-        observation of each metric (retried while the router is unavailable)."""
-        try:
-            call = build_surrogate_call(spec.trial_template, trial.parameters, trial_name=trial.job_id,
-                                        namespace=spec.namespace)
-        except InvalidArgument as error:
-            await self._end(record, spec, study, trial, TrialState.FAILED, message=f"trial template: {error.message}")
-            return
-        trial = replace(trial, state=TrialState.RUNNING, started_at=trial.started_at or time.time())
-        await self._save_trial(record, spec, trial)
-        assert self._serving is not None  # validate() refused the experiment otherwise
-        try:
-            predicted = await self._retrying(lambda: self._serving.predict(call), f"predict {trial.job_id}")
-        except OpmlError as error:
-            await self._end(record, spec, study, trial, TrialState.FAILED,
-                            message=f"inference-router: {error.message}")
-            return
-        metrics = (spec.objective.metric, *spec.objective.additional_metrics)
-        trial = replace(trial, observations={m: [predicted[m]] for m in metrics})
-        await self._end(record, spec, study, trial, TrialState.SUCCEEDED, value=predicted[spec.objective.metric])
-
-    async def _trace_tail(self, record: ExperimentRecord, trial: TrialRecord, metrics: tuple[str, ...],
-                          seen: set[tuple[int, int]], inbox: list[asyncio.Queue],
-                          pending: list[bool]) -> list[Observation]:
-        """After a Trace trial's job succeeded: its epochs not seen yet, once every tracer run of the
-        job has stopped (their last batches come before), or at most ``trace_wait_s`` later."""
-        queue: asyncio.Queue = asyncio.Queue()
-        inbox[0] = queue
-        deadline = time.monotonic() + self._trace_wait_s
-        found: list[Observation] = []
-        while True:
-            pending[0] = False
-            trace = await self._store.trace(record.name, trial.number)
-            found += epoch_observations(trace.epochs.items(), metrics, seen)
-            remaining = deadline - time.monotonic()
-            if trace.complete or remaining <= 0:
-                return found
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(queue.get(), remaining)
-
-    async def _end(self, record: ExperimentRecord, spec: ExperimentSpec, study: ExperimentStudy, trial: TrialRecord,
-                   state: TrialState, *, value: float | None = None, message: str = "") -> None:
-        """Tell Optuna (the durable decision), then save and announce the trial."""
-        if message and state is not TrialState.SUCCEEDED:
-            await asyncio.to_thread(study.mark, trial.number, ERROR_ATTR, message[:1000])
-        optuna_state = {TrialState.SUCCEEDED: OptunaState.COMPLETE, TrialState.EARLY_STOPPED: OptunaState.PRUNED}.get(
-            state, OptunaState.FAIL)
-        await asyncio.to_thread(study.tell, trial.number, value=value, state=optuna_state)
-        trial = replace(trial, state=state, objective_value=value, message=message, ended_at=time.time())
-        await self._save_trial(record, spec, trial)
-        self._metrics.trial_ended(state, trial.ended_at - trial.started_at if trial.started_at else None)
-
-    def _follow(self, job_id: str, let_go: threading.Event) -> asyncio.Queue[tuple[str, Any]]:
-        """The job's log as it is written: ("data", text)... then ("end", None) or ("error", exc),
-        read on a thread of its own (not the loop's executor: a stream blocks for the job's whole
-        run, and parallel trials would otherwise take every worker the Optuna calls need). Once
-        ``let_go`` is set (the reader has gone: a trial that failed and is re-attached, or cancelled),
-        the thread drops the stream at its next chunk instead of queueing the log for nobody."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-
-        def pump() -> None:
-            try:
-                for text in self._jobs.follow(job_id):
-                    if let_go.is_set():
-                        return
-                    loop.call_soon_threadsafe(queue.put_nowait, ("data", text))
-                loop.call_soon_threadsafe(queue.put_nowait, ("end", None))
-            except BaseException as error:  # noqa: BLE001 - carried to the reader
-                with contextlib.suppress(RuntimeError):  # the loop has closed
-                    loop.call_soon_threadsafe(queue.put_nowait, ("error", error))
-
-        threading.Thread(target=pump, name=f"follow {job_id}", daemon=True).start()
-        return queue
+    def _run_trial(self, spec: ExperimentSpec, study: ExperimentStudy, trial: TrialRecord) -> asyncio.Task:
+        runner = TrialRunner(self._trial_services, spec, study, trial)
+        return asyncio.create_task(runner.run(), name=f"trial {trial.job_id}")
 
     async def _retrying(self, call: Callable[[], Any], what: str) -> Any:
-        """``call()`` on a thread, again after ``retry_s`` while it fails with a retriable error."""
-        while True:
-            try:
-                return await asyncio.to_thread(call)
-            except OpmlError as error:
-                if not error.retriable:
-                    raise
-                log.warning("%s: %s; retrying in %.1f s", what, error.message, self._retry_s)
-                await asyncio.sleep(self._retry_s)
+        return await retrying(call, what, retry_s=self._retry_s)
 
-    # -- saving and announcing -------------------------------------------------------------------
+    # -- saving ----------------------------------------------------------------------------------
 
     async def _change(self, name: str, change: Callable[[ExperimentRecord], ExperimentRecord | None],
                       spec: ExperimentSpec | None = None) -> ExperimentRecord:
@@ -735,35 +515,8 @@ class Controller:
             changed = change(record)
             if changed is None:
                 return record
-            await self._save(changed, spec)
+            await self._records.save(changed, spec or _spec_or_none(changed))
             return changed
-
-    async def _save(self, record: ExperimentRecord, spec: ExperimentSpec | None = None) -> None:
-        await self._store.put_experiment(record)
-        self._announce(record, spec or _spec_or_none(record), tuple(await self._store.trials(record.name)))
-        await self._count()
-
-    async def _save_trial(self, record: ExperimentRecord, spec: ExperimentSpec, trial: TrialRecord, *,
-                          announce: bool = True) -> None:
-        await self._store.put_trial(trial)
-        if announce:
-            self._announce_trial(record, trial)
-
-    def _announce_trial(self, record: ExperimentRecord, trial: TrialRecord) -> None:
-        self._emitter.emit(convert.trial_event(trial), subject=record.name)
-
-    def _announce(self, record: ExperimentRecord, spec: ExperimentSpec | None, trials: tuple[TrialRecord, ...]) -> None:
-        self._emitter.emit(convert.experiment_event(record, spec, trials), subject=record.name)
-
-    async def _count(self) -> None:
-        counts = dict.fromkeys(ExperimentState, 0)
-        for record in await self._store.experiments():
-            counts[record.state] += 1
-        self._metrics.experiments(counts)
-
-
-def _surrogate(spec: ExperimentSpec) -> bool:
-    return f"{spec.trial_template.api_version} {spec.trial_template.kind}" == SURROGATE_KIND
 
 
 def _ended(record: ExperimentRecord, *, state: ExperimentState, reason: str, message: str,
@@ -775,13 +528,18 @@ def _ended(record: ExperimentRecord, *, state: ExperimentState, reason: str, mes
                           best_model_bundle=bundle or record.best_model_bundle)
 
 
-async def _cancel(tasks: list[asyncio.Task]) -> None:
-    """Cancel ``tasks`` and wait for them to end. The cancel is repeated while a task goes on: the
-    Redis client's timeouts (``asyncio.timeout``) can swallow a cancel that lands inside them."""
+async def _cancel(tasks: Iterable[asyncio.Task]) -> None:
+    """:func:`~opml_common.lifecycle.cancel_and_wait`, again every 0.5 s while a task goes on: the
+    Redis client's timeouts (``asyncio.timeout``) can swallow a cancel that lands inside them. A
+    task's own error is logged (each one's), not raised: the others are stopped all the same."""
+    tasks = list(tasks)
     while pending := [task for task in tasks if not task.done()]:
-        for task in pending:
-            task.cancel()
-        await asyncio.wait(pending, timeout=0.5)
+        try:
+            await asyncio.wait_for(cancel_and_wait(*pending), 0.5)
+        except TimeoutError:
+            continue  # one goes on: its cancel was swallowed
+        except Exception:  # a task's error: each one is logged below
+            pass
     for task in tasks:
         if not task.cancelled() and task.exception() is not None:
             log.error("%s ended with an error", task.get_name(), exc_info=task.exception())

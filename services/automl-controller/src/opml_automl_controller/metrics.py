@@ -1,14 +1,22 @@
-"""The controller's Prometheus metrics: trials by how they ended and how long they ran, the
-sampler's ask latency (the controller's own cost per trial), experiments by state."""
+"""The controller's metrics: trials by how they ended and how long they ran, the sampler's ask
+latency (the controller's own cost per trial), experiments by state."""
 
 from __future__ import annotations
 
-from opml_automl_controller.controller import ControllerMetrics
 from opml_automl_controller.state import ExperimentState, TrialState
 from opml_common.metrics import ServiceMetrics
 
 TRIAL_BUCKETS = (1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 24 * 3600)
 ASK_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5)
+
+
+class ControllerMetrics:
+    """The hooks the controller and its trial runners call (no-ops: unit tests, benchmarks)."""
+
+    def trial_ended(self, state: TrialState, seconds: float | None) -> None: ...
+    def asked(self, seconds: float) -> None: ...
+    def experiments(self, counts: dict[ExperimentState, int]) -> None: ...
+    def spec_invalid(self) -> None: ...
 
 
 class PrometheusControllerMetrics(ControllerMetrics):

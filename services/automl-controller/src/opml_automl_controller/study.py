@@ -44,6 +44,14 @@ class ExperimentStudy:
     def trials(self) -> list[FrozenTrial]:
         return self.study.get_trials(deepcopy=False)
 
+    def end_of(self, number: int) -> str | None:
+        """Why the trial's job was cancelled (:data:`END_ATTR`), if it was."""
+        return self.trials()[number].user_attrs.get(END_ATTR)
+
+    @property
+    def pruner_name(self) -> str:
+        return type(self.study.pruner).__name__
+
     def ask(self, job_id_of: Any) -> tuple[int, dict[str, Any]]:
         """A new trial: its number and parameters (sampled, plus the fixed ones); the job id it will
         have (``job_id_of(number)``) is stored on it before this returns."""
