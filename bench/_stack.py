@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from opml_common.devinfra import DevInfra
-from opml_common.testing.services import TOKENS, ServiceStarter
+from opml_devstack.devinfra import DevInfra
+from opml_devstack.testing.services import TOKENS, ServiceStarter
 
 
 @contextmanager

@@ -24,7 +24,7 @@ from _stack import automl_controller, bench_services
 from opml.automl.v1 import automl_pb2 as pb
 
 from opml_automl_controller.client import ExperimentClient
-from opml_common.testing.services import TOKENS
+from opml_devstack.testing.services import TOKENS
 
 TRIAL = textwrap.dedent("""
     import sys, time

@@ -34,8 +34,8 @@ from opml.automl.v1 import automl_pb2 as pb
 
 from opml_automl_controller.client import ExperimentClient
 from opml_common.perfmodel import ServingConfig, grid
-from opml_common.testing.bus import poll_until
-from opml_common.testing.services import TOKENS
+from opml_devstack.testing.bus import poll_until
+from opml_devstack.testing.services import TOKENS
 from opml_inference_router.client import DeploymentClient
 from opml_inference_router.testing import fleet_env, mlp_classifier, mlp_config, write_model_dir
 

@@ -38,9 +38,9 @@ from prometheus_client import CollectorRegistry
 
 from opml_common.bus import CloudEvent, EventPublisher, ensure_topics
 from opml_common.config import PlatformSettings
-from opml_common.devinfra import KAFKA_STORAGES, DevInfra
 from opml_common.metrics import ServiceMetrics
 from opml_common.topics import Topic
+from opml_devstack.devinfra import KAFKA_STORAGES, DevInfra
 
 SOURCE = "opml/bench-broker-storage"
 BUNDLES = Topic.of(bundle_events)

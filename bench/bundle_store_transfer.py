@@ -13,7 +13,7 @@ neither, so the large download is also compared with "fget_object + sha256 of th
 table shows the median over ``--repeat`` repetitions; the raw and our operation of each pair run
 back to back in alternating order, each after the same page-cache recycling.
 
-Starts its own embedded infrastructure (opml_common.devinfra.DevInfra) unless OPML_S3_ENDPOINT is
+Starts its own embedded infrastructure (opml_devstack.devinfra.DevInfra) unless OPML_S3_ENDPOINT is
 set, in which case that S3 endpoint (and OPML_S3_ACCESS_KEY / OPML_S3_SECRET_KEY) are used.
 
     .venv/bin/python bench/bundle_store_transfer.py                       # 256 MiB, 10,000 x 4 KiB
@@ -49,7 +49,7 @@ def s3_settings(workdir: Path) -> Iterator[PlatformSettings]:
     if os.environ.get("OPML_S3_ENDPOINT"):
         yield PlatformSettings()
         return
-    from opml_common.devinfra import DevInfra
+    from opml_devstack.devinfra import DevInfra
 
     with DevInfra(workdir=workdir / "infra") as endpoints:
         yield PlatformSettings(

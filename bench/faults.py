@@ -71,13 +71,13 @@ from opml_bundle_store_contract.client import BundleStoreClient
 from opml_bundle_store_contract.topics import BUNDLES
 from opml_common.bus import CloudEvent, EventPublisher
 from opml_common.config import PlatformSettings
-from opml_common.devinfra import DevInfra, Endpoints
 from opml_common.errors import NotFound, OpmlError
-from opml_common.process import ServiceProcess
 from opml_common.retry import Backoff
-from opml_common.stack import StackConfig, service_environment
-from opml_common.testing.bus import fresh_metrics
-from opml_common.testing.services import service_spec
+from opml_devstack.devinfra import DevInfra, Endpoints
+from opml_devstack.process import ServiceProcess
+from opml_devstack.stack import StackConfig, service_environment
+from opml_devstack.testing.bus import fresh_metrics
+from opml_devstack.testing.services import service_spec
 from opml_inference_router.client import DeploymentClient
 from opml_inference_router.testing import mlp_config, worker_processes, write_model_dir
 from opml_inference_router.topics import DEPLOYMENTS
@@ -636,7 +636,7 @@ def redis_restart(platform: Platform, outage_s: float) -> Row:
 
 
 def _free_port() -> int:
-    from opml_common.devinfra import free_port
+    from opml_devstack.devinfra import free_port
 
     return free_port()
 

@@ -35,7 +35,7 @@ import numpy as np
 import yaml
 from _stack import bench_services
 
-from opml_common.testing.services import TOKENS
+from opml_devstack.testing.services import TOKENS
 from opml_fl_coordinator.client import FederationClient, NumPyClient, run_client
 from opml_fl_coordinator.config import parse_config
 from opml_fl_coordinator.simulator import Simulator, SoftmaxModel, heterogeneous_traits, partition_digits

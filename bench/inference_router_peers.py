@@ -64,7 +64,7 @@ import tritonclient.grpc.aio as triton
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
-from opml_common.devinfra import free_port
+from opml_devstack.devinfra import free_port
 from opml_inference_router.kserve import decode_response, encode_request
 from opml_inference_router.testing import mlp_classifier, mlp_config, write_model_dir
 from opml_inference_router.worker.process import WorkerProcess

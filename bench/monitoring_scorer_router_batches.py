@@ -32,9 +32,9 @@ sys.path.insert(0, str(ROOT / "services" / "monitoring-scorer" / "src"))
 
 from opml_common.bus import EventPublisher, ensure_topics  # noqa: E402
 from opml_common.config import PlatformSettings  # noqa: E402
-from opml_common.devinfra import DevInfra  # noqa: E402
 from opml_common.kserve_codec import encode_outputs, encode_request  # noqa: E402
 from opml_common.metrics import ServiceMetrics  # noqa: E402
+from opml_devstack.devinfra import DevInfra  # noqa: E402
 from opml_inference_router.predictions import PredictionLog  # noqa: E402
 from opml_inference_router.routing import Routed  # noqa: E402
 from opml_inference_router.settings import RouterSettings  # noqa: E402

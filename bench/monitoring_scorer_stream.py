@@ -45,10 +45,10 @@ from opml.inference.v1 import events_pb2 as inference_events  # noqa: E402
 from opml_bundle_store_contract.client import BundleStoreClient  # noqa: E402
 from opml_common.bus import EventPublisher  # noqa: E402
 from opml_common.config import PlatformSettings  # noqa: E402
-from opml_common.devinfra import DevInfra  # noqa: E402
 from opml_common.kserve_codec import encode_outputs, encode_request  # noqa: E402
 from opml_common.metrics import ServiceMetrics  # noqa: E402
-from opml_common.testing.services import ServiceStarter  # noqa: E402
+from opml_devstack.devinfra import DevInfra  # noqa: E402
+from opml_devstack.testing.services import ServiceStarter  # noqa: E402
 from opml_inference_router.predictions import PredictionLog, _Entry  # noqa: E402
 from opml_inference_router.routing import Routed  # noqa: E402
 from opml_monitoring_scorer.__main__ import SPEC  # noqa: E402

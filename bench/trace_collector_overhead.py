@@ -55,7 +55,7 @@
    to that job's events delivered is reported apart (per job and per event), never in the job's. TensorFlow's import dominates the
    process CPU, so the thread clocks are the precise figure; the process difference checks them.
 
-Starts its own broker/S3/Redis (opml_common.devinfra). Usage:
+Starts its own broker/S3/Redis (opml_devstack.devinfra). Usage:
     .venv/bin/python bench/trace_collector_overhead.py [--pairs 3] [--steps 20] [--epochs 3]
         [--interleave 60] [--interleave-steps 5] [--capture-steps 10] [--out results.json]
     .venv/bin/python bench/trace_collector_overhead.py --whole [--short-pairs 8] [--long-pairs 4] [--tf-threads 1]
@@ -95,7 +95,7 @@ def _infra(tmp: str) -> Iterator[tuple[dict[str, str], PlatformSettings]]:
     """The bench's own broker/S3/Redis: the runs' environment and settings, the traces topic created."""
     from opml_common.bus import ensure_topics
     from opml_common.config import PlatformSettings
-    from opml_common.devinfra import DevInfra
+    from opml_devstack.devinfra import DevInfra
     from opml_trace_collector.topics import TRACES
 
     with DevInfra(Path(tmp) / "infra") as infra:

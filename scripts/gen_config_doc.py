@@ -12,7 +12,7 @@ from pathlib import Path
 from pydantic import SecretStr
 
 from opml_common.config import PlatformSettings
-from opml_common.stack import installed_services
+from opml_devstack.stack import installed_services
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from opml_common.process import ServiceProcess
-from opml_common.testing.services import TOKENS
+from opml_devstack.process import ServiceProcess
+from opml_devstack.testing.services import TOKENS
 from opml_inference_router.testing import mlp_config, write_model_dir
 
 ONE_CPU_WORKER = {

@@ -20,9 +20,9 @@ from opml.bundles.v1 import bundles_pb2, events_pb2
 from opml_common.bus import CloudEvent, EventPublisher, ensure_topics
 from opml_common.bus.producer import PublishFailed
 from opml_common.config import PlatformSettings
-from opml_common.devinfra import DevInfra, Endpoints
-from opml_common.testing.bus import fresh_metrics
 from opml_common.topics import Topic
+from opml_devstack.devinfra import DevInfra, Endpoints
+from opml_devstack.testing.bus import fresh_metrics
 
 pytestmark = pytest.mark.timeout(300)
 

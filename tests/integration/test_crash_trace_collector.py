@@ -19,8 +19,8 @@ from opml.traces.v1 import traces_pb2 as pb
 from opml_common.bus import CloudEvent, EventPublisher
 from opml_common.config import PlatformSettings
 from opml_common.errors import NotFound
-from opml_common.testing.bus import fresh_metrics, poll_until
-from opml_common.testing.services import TOKENS
+from opml_devstack.testing.bus import fresh_metrics, poll_until
+from opml_devstack.testing.services import TOKENS
 from opml_trace_collector.client import TraceCollectorClient
 from opml_trace_collector.topics import TRACES, tracer_source
 

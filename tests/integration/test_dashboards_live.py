@@ -1,7 +1,7 @@
 """Every Grafana panel shows data on a real Prometheus scraping the services after the platform's main job.
 
 The services run as `make up` runs them (real processes, auth off, the router's default fleet), a real
-Prometheus (:class:`opml_common.prometheus.PrometheusServer`) scrapes each one's /metrics port (the
+Prometheus (:class:`opml_devstack.prometheus.PrometheusServer`) scrapes each one's /metrics port (the
 inference-router's carries its workers' series), the main job runs, a second round repeats what it did
 once (:func:`second_round` says why), a traced job ships step metrics over two scrapes
 (:func:`traced_job_over_two_scrapes`), then serving load goes to the router over KServe v2. Each query of each panel of deploy/compose/grafana is then asked over the run as Grafana
@@ -29,10 +29,10 @@ from opml.inference.v1 import deployments_pb2
 from opml.jobs.v1 import jobs_pb2
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from opml_common.prometheus import PrometheusError, PrometheusServer, has_finite_value
-from opml_common.stack import installed_services
-from opml_common.testing.bus import poll_until
-from opml_common.testing.services import env_prefix
+from opml_devstack.prometheus import PrometheusError, PrometheusServer, has_finite_value
+from opml_devstack.stack import installed_services
+from opml_devstack.testing.bus import poll_until
+from opml_devstack.testing.services import env_prefix
 from opml_inference_router.client import DeploymentClient
 from opml_job_orchestrator.client import JobClient
 from opml_job_orchestrator.spec import load_spec

@@ -28,8 +28,8 @@ from opml_bundle_store_contract.names import EVENT_SOURCE as BUNDLE_STORE_SOURCE
 from opml_bundle_store_contract.topics import BUNDLES
 from opml_common.bus import CloudEvent, EventPublisher
 from opml_common.errors import NotFound
-from opml_common.testing.bus import fresh_metrics, poll_until, read_records
-from opml_common.testing.services import TOKENS
+from opml_devstack.testing.bus import fresh_metrics, poll_until, read_records
+from opml_devstack.testing.services import TOKENS
 from opml_inference_router.client import DeploymentClient
 from opml_inference_router.control.autodeploy import SOURCES
 

@@ -21,8 +21,8 @@ from tritonclient.utils import InferenceServerException
 from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.config import GrpcTlsSettings
 from opml_common.errors import NotFound, Unavailable
-from opml_common.testing.bus import poll_until
-from opml_common.testing.services import TOKENS
+from opml_devstack.testing.bus import poll_until
+from opml_devstack.testing.services import TOKENS
 from opml_inference_router.client import DeploymentClient
 from opml_inference_router.testing import mlp_config, write_model_dir
 

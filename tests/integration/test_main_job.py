@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from opml_common.stack import installed_services
+from opml_devstack.stack import installed_services
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,8 +13,8 @@ from opml.inference.v1 import deployments_pb2 as pb
 
 from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.errors import NotFound
-from opml_common.testing.bus import poll_until
-from opml_common.testing.services import TOKENS
+from opml_devstack.testing.bus import poll_until
+from opml_devstack.testing.services import TOKENS
 from opml_inference_router.client import DeploymentClient
 from opml_monitoring_scorer.client import MonitoringClient
 from opml_monitoring_scorer.core.reference import Outputs, ReferenceSet, Task

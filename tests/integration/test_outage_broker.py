@@ -28,9 +28,9 @@ from opml.jobs.v1 import jobs_pb2
 from opml_bundle_store_contract.client import BundleStoreClient
 from opml_bundle_store_contract.topics import BUNDLES
 from opml_common.bus import CloudEvent
-from opml_common.devinfra import DevInfra
-from opml_common.testing.bus import poll_until, read_records
-from opml_common.testing.services import TOKENS
+from opml_devstack.devinfra import DevInfra
+from opml_devstack.testing.bus import poll_until, read_records
+from opml_devstack.testing.services import TOKENS
 from opml_inference_router.client import DeploymentClient
 from opml_inference_router.testing import mlp_config, write_model_dir
 from opml_job_orchestrator.client import JobClient

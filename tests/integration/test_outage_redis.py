@@ -31,10 +31,10 @@ from opml.traces.v1 import events_pb2
 from opml.traces.v1 import traces_pb2 as pb
 
 from opml_common.bus import CloudEvent, EventPublisher
-from opml_common.devinfra import free_port
 from opml_common.errors import NotFound, Unavailable
-from opml_common.testing.bus import fresh_metrics, poll_until
-from opml_common.testing.services import TOKENS
+from opml_devstack.devinfra import free_port
+from opml_devstack.testing.bus import fresh_metrics, poll_until
+from opml_devstack.testing.services import TOKENS
 from opml_inference_router.client import DeploymentClient
 from opml_inference_router.testing import mlp_classifier, mlp_config, write_model_dir
 from opml_job_orchestrator.client import JobClient

@@ -8,7 +8,7 @@ S3 started again on the same port and data directory, nothing restarted: the rem
 manifest of the bundle, the retried push succeeds, and another context pulls every blob, verified.
 
 A traced job's capture while S3 cannot be reached from the job: the job reaches S3 through a relay
-(:class:`~opml_common.testing.relay.TcpRelay`) that is closed, so connections are refused as by a
+(:class:`~opml_devstack.testing.relay.TcpRelay`) that is closed, so connections are refused as by a
 stopped server, while the collector (which arms the capture and reads the trace) reaches S3 itself.
 The tracer keeps the finished trace on disk and retries; once the job's log says an upload failed,
 the relay opens on the same port, the next attempt stores the trace and the capture completes.
@@ -29,11 +29,11 @@ import pytest
 from opml.traces.v1 import traces_pb2
 
 from opml_bundle_store_contract.client import BundleStoreClient
-from opml_common.devinfra import DevInfra, free_port
 from opml_common.errors import Unavailable
-from opml_common.testing.bus import poll_until
-from opml_common.testing.relay import TcpRelay
-from opml_common.testing.services import TOKENS
+from opml_devstack.devinfra import DevInfra, free_port
+from opml_devstack.testing.bus import poll_until
+from opml_devstack.testing.relay import TcpRelay
+from opml_devstack.testing.services import TOKENS
 from opml_trace_collector.client import TraceCollectorClient
 
 KERAS_CNN = Path(__file__).resolve().parents[2] / "services" / "trace-collector" / "tests" / "programs" / "keras_cnn.py"

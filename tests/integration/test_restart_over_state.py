@@ -1,7 +1,7 @@
 """`make up` over an earlier run's state (issue 12, item 7): the same Redis keys, S3 data, broker log
 and service homes, after a crash.
 
-The whole supervised stack runs twice as `make up` runs it (``python -m opml_common.stack up
+The whole supervised stack runs twice as `make up` runs it (``python -m opml_devstack.stack up
 --main-job scripts/main_job.py``) over one state directory, Redis prefix, topic prefix and homes. The
 first run is crashed after its main job (SIGKILL of the stack and of the router: no shutdown of
 either); the router's Redis also holds a version of another model whose bundle is gone (what an
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from opml_common.testing.bus import poll_until
+from opml_devstack.testing.bus import poll_until
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -33,7 +33,7 @@ RESTORED = re.compile(r"restored deployments: (\{.*\})")
 
 
 def _up(root: Path, prefix: str, log_path: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "opml_common.stack", "up", "--main-job", str(ROOT / "scripts" / "main_job.py"),
+    command = [sys.executable, "-m", "opml_devstack.stack", "up", "--main-job", str(ROOT / "scripts" / "main_job.py"),
                "--state-dir", str(root / "state"), "--free-ports", "--no-prometheus", "--topic-prefix", prefix,
                "--redis-prefix", f"opml-test:{prefix}", "--homes", str(root / "homes"), "--backoff-base", "0.2",
                "--backoff-max", "2"]

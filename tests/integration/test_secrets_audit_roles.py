@@ -28,7 +28,7 @@ from opml_bundle_store_contract.client import BundleStoreClient
 from opml_bundle_store_contract.topics import BUNDLES
 from opml_common.config import PlatformSettings, mask_url
 from opml_common.errors import InvalidArgument, PermissionDenied, Unauthenticated
-from opml_common.testing.bus import poll_until, read_records
+from opml_devstack.testing.bus import poll_until, read_records
 from opml_inference_router.client import DeploymentClient
 from opml_inference_router.testing import mlp_config, write_model_dir
 

@@ -16,8 +16,8 @@ from opml.inference.v1 import deployments_pb2 as pb
 from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.bus import CloudEvent
 from opml_common.errors import NotFound
-from opml_common.testing.bus import poll_until, read_records
-from opml_common.testing.services import TOKENS
+from opml_devstack.testing.bus import poll_until, read_records
+from opml_devstack.testing.services import TOKENS
 from opml_inference_router.client import DeploymentClient
 from opml_inference_router.testing.models import write_broken_onnx
 from opml_inference_router.topics import DEPLOYMENTS

@@ -1,7 +1,7 @@
 """`make up`'s supervised stack: parts that die come back on their ports, and `opml status` tells.
 
 One whole stack (SeaweedFS, tansu on its durable engine, the four services, Prometheus) runs for the
-module as `make up` runs it (``python -m opml_common.stack up``), but hermetic: free ports, a topic
+module as `make up` runs it (``python -m opml_devstack.stack up``), but hermetic: free ports, a topic
 prefix, a Redis prefix and a state directory of its own, so it runs beside a real `make up`. Tests
 SIGKILL its parts and wait, by polling the state file and live health, until they are back;
 `opml status --json` (a subprocess) must then count each restart. Every process is stopped after.
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from opml_common.stack import installed_services, probe
-from opml_common.testing.bus import poll_until
+from opml_devstack.stack import installed_services, probe
+from opml_devstack.testing.bus import poll_until
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -71,7 +71,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("stack")
     prefix = f"t{uuid.uuid4().hex[:10]}-"
     log_path = root / "stack.log"
-    command = [sys.executable, "-m", "opml_common.stack", "up", "--state-dir", str(root / "state"), "--free-ports",
+    command = [sys.executable, "-m", "opml_devstack.stack", "up", "--state-dir", str(root / "state"), "--free-ports",
                "--topic-prefix", prefix, "--redis-prefix", f"opml-test:{prefix}", "--homes", str(root / "homes"),
                "--max-deaths", str(MAX_DEATHS), "--death-window", "3600", "--backoff-base", "0.2",
                "--backoff-max", "2"]

@@ -22,10 +22,10 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from opml_common.process import ServiceProcess
-from opml_common.stack import installed_services
-from opml_common.testing.metrics import scrape, scrape_router
-from opml_common.testing.services import env_prefix
+from opml_devstack.process import ServiceProcess
+from opml_devstack.stack import installed_services
+from opml_devstack.testing.metrics import scrape, scrape_router
+from opml_devstack.testing.services import env_prefix
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "deploy" / "compose" / "grafana"

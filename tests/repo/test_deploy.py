@@ -51,7 +51,7 @@ def _substituted(value: str) -> str:
 
 def test_every_compose_service_authenticates_to_kafka_with_its_own_sasl_user() -> None:
     from opml_common.config import PlatformSettings
-    from opml_common.stack import installed_services
+    from opml_devstack.stack import installed_services
 
     compose = yaml.safe_load(COMPOSE.read_text())
     services = _platform_services(compose)

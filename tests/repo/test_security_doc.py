@@ -6,7 +6,7 @@ import importlib
 import re
 from pathlib import Path
 
-from opml_common.stack import installed_services
+from opml_devstack.stack import installed_services
 from opml_inference_router.kserve.roles import INFERENCE_METHOD_ROLES
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "security.md"

@@ -21,8 +21,8 @@ from opml_common.bus import (
 from opml_common.config import PlatformSettings
 from opml_common.errors import FailedPrecondition, Unavailable
 from opml_common.storage import redis_client
-from opml_common.testing.bus import fresh_metrics, headers_of, read_records, running, sample, wait_until
 from opml_common.topics import Topic
+from opml_devstack.testing.bus import fresh_metrics, headers_of, read_records, running, sample, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 

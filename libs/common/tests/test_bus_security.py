@@ -15,8 +15,8 @@ from opml_common.bus import EventConsumer, EventPublisher, ensure_topics, kafka_
 from opml_common.bus.security import describe
 from opml_common.config import PlatformSettings
 from opml_common.errors import Unavailable
-from opml_common.testing.bus import fresh_metrics
 from opml_common.topics import Topic
+from opml_devstack.testing.bus import fresh_metrics
 
 PASSWORD = "s3cr3t-pa55word-for-the-test"
 

@@ -9,8 +9,8 @@ from opml.bundles.v1 import bundles_pb2, events_pb2
 
 from opml_common.bus import CloudEvent, EventConsumer, EventPublisher, RedisDeduplicator, ensure_topics
 from opml_common.storage import redis_client
-from opml_common.testing.bus import fresh_metrics, headers_of, read_records, running, sample, wait_until
 from opml_common.topics import Topic
+from opml_devstack.testing.bus import fresh_metrics, headers_of, read_records, running, sample, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 

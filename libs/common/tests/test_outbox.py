@@ -14,12 +14,12 @@ from prometheus_client import CollectorRegistry
 from opml_common.bus import CloudEvent, EventPublisher, PublishFailed, ensure_topics
 from opml_common.bus.consumer import is_retriable
 from opml_common.config import PlatformSettings
-from opml_common.devinfra import free_port
 from opml_common.errors import Unavailable
 from opml_common.metrics import ServiceMetrics
 from opml_common.outbox import Outbox
-from opml_common.testing.bus import read_records, wait_until
 from opml_common.topics import Topic
+from opml_devstack.devinfra import free_port
+from opml_devstack.testing.bus import read_records, wait_until
 
 BUNDLES = Topic.of(events_pb2)
 
@@ -122,11 +122,11 @@ from aiokafka.errors import KafkaTimeoutError
 from opml.bundles.v1 import events_pb2
 from opml_common.bus import CloudEvent, EventPublisher, ensure_topics
 from opml_common.config import PlatformSettings
-from opml_common.devinfra import free_port
+from opml_devstack.devinfra import free_port
 from opml_common.errors import Unavailable
 from opml_common.metrics import ServiceMetrics
 from opml_common.outbox import Outbox
-from opml_common.testing.bus import read_records, wait_until
+from opml_devstack.testing.bus import read_records, wait_until
 from opml_common.topics import Topic
 
 BUNDLES = Topic.of(events_pb2)

@@ -22,7 +22,7 @@ from opml_automl_controller.state import ExperimentRecord, ExperimentState, Expe
 from opml_automl_controller.study import ExperimentStudy
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound
 from opml_common.events import RecordingEmitter
-from opml_common.testing.bus import wait_until
+from opml_devstack.testing.bus import wait_until
 
 REDIS = "redis://127.0.0.1:6379/0"
 

@@ -21,8 +21,8 @@ from opml_automl_controller.jobs import JobView, OrchestratorJobs
 from opml_automl_controller.topics import EXPERIMENTS
 from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.errors import InvalidArgument
-from opml_common.testing.bus import poll_until, read_records
-from opml_common.testing.services import TOKENS, ServiceStarter
+from opml_devstack.testing.bus import poll_until, read_records
+from opml_devstack.testing.services import TOKENS, ServiceStarter
 from opml_job_orchestrator.client import JobClient
 
 # A trial: 4 epochs; with --slow-bad, a bad one (x > 0, from trial 2 on: trials 0 and 1 are good so

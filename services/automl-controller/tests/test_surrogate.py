@@ -17,8 +17,8 @@ from opml_automl_controller.client import ExperimentClient
 from opml_automl_controller.katib import parse_experiment
 from opml_common.errors import FailedPrecondition, InvalidArgument
 from opml_common.perfmodel import ServingConfig, grid
-from opml_common.testing.bus import poll_until
-from opml_common.testing.services import TOKENS, ServiceStarter
+from opml_devstack.testing.bus import poll_until
+from opml_devstack.testing.services import TOKENS, ServiceStarter
 from opml_inference_router.client import DeploymentClient
 from opml_inference_router.testing import fleet_env, mlp_classifier, mlp_config, write_model_dir
 

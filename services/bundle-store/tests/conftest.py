@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pytest
 
 from opml_bundle_store_contract.client import BundleStoreClient
-from opml_common.process import ServiceProcess
-from opml_common.testing.services import TOKENS, ServiceStarter
+from opml_devstack.process import ServiceProcess
+from opml_devstack.testing.services import TOKENS, ServiceStarter
 
 
 @pytest.fixture

@@ -461,7 +461,7 @@ def test_concurrent_pushes_and_pulls(stores, s3: Minio) -> None:
 
 
 def test_unreachable_s3_is_unavailable(tmp_path: Path) -> None:
-    from opml_common.devinfra import free_port
+    from opml_devstack.devinfra import free_port
 
     settings = PlatformSettings(s3_endpoint=f"http://127.0.0.1:{free_port()}")
     client = s3_client(settings)

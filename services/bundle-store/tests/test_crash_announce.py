@@ -25,8 +25,8 @@ from opml_bundle_store_contract.topics import BUNDLES
 from opml_common.bus import CloudEvent
 from opml_common.events import RecordingEmitter
 from opml_common.storage import s3_client
-from opml_common.testing.bus import read_records
-from opml_common.testing.services import TOKENS
+from opml_devstack.testing.bus import read_records
+from opml_devstack.testing.services import TOKENS
 
 HERE = Path(__file__).parent
 

@@ -16,7 +16,7 @@ import pytest
 
 from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.errors import Unavailable
-from opml_common.testing.services import TOKENS
+from opml_devstack.testing.services import TOKENS
 
 
 @pytest.mark.timeout(300)

@@ -28,7 +28,7 @@ from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, Pe
 from opml_common.metrics import ServiceMetrics
 from opml_common.outbox import write_event
 from opml_common.service import serve
-from opml_common.testing.bus import read_records
+from opml_devstack.testing.bus import read_records
 
 
 def _sha(data: bytes) -> str:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from opml_common.testing.services import TOKENS
+from opml_devstack.testing.services import TOKENS
 from opml_fl_coordinator.client import FederationClient
 
 PROGRAMS = Path(__file__).parent / "programs"

@@ -31,7 +31,7 @@ def test_unknown_federations_are_named(coordinator, opml_cli, monkeypatch, comma
 def test_rounds_and_the_accuracy_plot_of_a_finished_federation(coordinator, writer, opml_cli, tmp_path, monkeypatch):
     from member import DigitsMember
 
-    from opml_common.testing.services import TOKENS
+    from opml_devstack.testing.services import TOKENS
     from opml_fl_coordinator.client import run_client
 
     monkeypatch.setenv("OPML_FL_COORDINATOR_TARGET", coordinator.target)

@@ -8,7 +8,7 @@ from opml.fl.v1 import events_pb2
 from opml_common.errors import NotFound, Unavailable
 from opml_common.events import RecordingEmitter
 from opml_common.storage import redis_client, s3_client
-from opml_common.testing.bus import fresh_metrics
+from opml_devstack.testing.bus import fresh_metrics
 from opml_fl_coordinator.coordinator import Coordinator
 from opml_fl_coordinator.metrics import FlMetrics
 from opml_fl_coordinator.store import FederationStore

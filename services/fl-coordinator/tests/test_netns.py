@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from opml.fl.v1 import fl_pb2 as pb
 
-from opml_common.testing.relay import TcpRelay
-from opml_common.testing.services import TOKENS
+from opml_devstack.testing.relay import TcpRelay
+from opml_devstack.testing.services import TOKENS
 from opml_fl_coordinator.client import FederationClient
 
 PROGRAMS = Path(__file__).parent / "programs"

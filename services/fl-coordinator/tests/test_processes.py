@@ -16,7 +16,7 @@ import onnxruntime as ort
 from opml.fl.v1 import fl_pb2 as pb
 
 from opml_bundle_store_contract.client import BundleStoreClient
-from opml_common.testing.services import TOKENS
+from opml_devstack.testing.services import TOKENS
 from opml_fl_coordinator.client import FederationClient
 from opml_fl_coordinator.simulator import SoftmaxModel, partition_digits
 from opml_fl_coordinator.weights import from_bytes

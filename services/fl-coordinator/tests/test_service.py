@@ -14,9 +14,9 @@ from opml.fl.v1 import fl_pb2 as pb
 
 from opml_common.bus import CloudEvent
 from opml_common.errors import AlreadyExists, InvalidArgument, PermissionDenied, Unauthenticated
-from opml_common.testing.bus import read_records
-from opml_common.testing.metrics import samples, scrape
-from opml_common.testing.services import TOKENS
+from opml_devstack.testing.bus import read_records
+from opml_devstack.testing.metrics import samples, scrape
+from opml_devstack.testing.services import TOKENS
 from opml_fl_coordinator.client import FederatedClient, FederationClient, run_client
 from opml_fl_coordinator.topics import FEDERATIONS
 

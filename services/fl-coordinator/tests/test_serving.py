@@ -14,8 +14,8 @@ from opml.inference.v1 import deployments_pb2 as dpb
 
 from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.errors import NotFound
-from opml_common.testing.bus import poll_until
-from opml_common.testing.services import TOKENS
+from opml_devstack.testing.bus import poll_until
+from opml_devstack.testing.services import TOKENS
 from opml_fl_coordinator.client import FederationClient, run_client
 from opml_fl_coordinator.simulator import SoftmaxModel, partition_digits
 from opml_inference_router.client import DeploymentClient

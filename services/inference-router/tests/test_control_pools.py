@@ -20,7 +20,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from opml_common.errors import FailedPrecondition
 from opml_common.events import RecordingEmitter
 from opml_common.metrics import ServiceMetrics
-from opml_common.testing.bus import sample
+from opml_devstack.testing.bus import sample
 from opml_inference_router.control import DeploymentManager, Observer, PoolManager, Source
 from opml_inference_router.placement import FleetConfig, ModelDemand, ModelVersion
 from opml_inference_router.routing import Router

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from opml_common.testing.bus import fresh_metrics
+from opml_devstack.testing.bus import fresh_metrics
 from opml_inference_router.control.replan import ReplicaPlacer
 from opml_inference_router.control.state import SERVING, ModelRecord, Source, VersionRecord
 from opml_inference_router.placement import CostAwareSloPolicy, ModelVersion, Replica

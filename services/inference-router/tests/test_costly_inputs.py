@@ -32,9 +32,9 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
 from opml_common.errors import InvalidArgument
-from opml_common.process import ServiceProcess
-from opml_common.testing.metrics import samples, scrape_router
-from opml_common.testing.services import TOKENS, ServiceStarter
+from opml_devstack.process import ServiceProcess
+from opml_devstack.testing.metrics import samples, scrape_router
+from opml_devstack.testing.services import TOKENS, ServiceStarter
 from opml_inference_router.client import DeploymentClient
 from opml_inference_router.kserve import encode_request
 from opml_inference_router.testing import mlp_config, write_model_dir

@@ -25,8 +25,8 @@ import yaml
 from opml.inference.v1 import deployments_pb2 as pb
 
 from opml_common.errors import OpmlError, Unavailable
-from opml_common.testing.bus import poll_until
-from opml_common.testing.services import TOKENS, ServiceStarter
+from opml_devstack.testing.bus import poll_until
+from opml_devstack.testing.services import TOKENS, ServiceStarter
 from opml_inference_router.client import DeploymentClient
 from opml_inference_router.testing import mlp_config, worker_processes, write_model_dir
 

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
-from opml_common.testing.bus import fresh_metrics, sample, wait_until
+from opml_devstack.testing.bus import fresh_metrics, sample, wait_until
 from opml_inference_router.kserve import encode_request
 from opml_inference_router.routing import ModelPolicy, Router
 from opml_inference_router.routing.uds_replica import connect

@@ -24,9 +24,9 @@ from tritonclient.utils import InferenceServerException
 
 from opml_common.errors import FailedPrecondition
 from opml_common.metrics import ServiceMetrics
-from opml_common.process import ServiceProcess
-from opml_common.testing.bus import poll_until
-from opml_common.testing.services import TOKENS, ServiceStarter
+from opml_devstack.process import ServiceProcess
+from opml_devstack.testing.bus import poll_until
+from opml_devstack.testing.services import TOKENS, ServiceStarter
 from opml_inference_router.client import DeploymentClient
 from opml_inference_router.frontend import InferenceFrontend
 from opml_inference_router.native_front import FrontLink, NativeFront

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from opml_common.errors import InvalidArgument, OpmlError, Unavailable
-from opml_common.testing.bus import fresh_metrics, sample
+from opml_devstack.testing.bus import fresh_metrics, sample
 from opml_inference_router.placement import CostAwareSloPolicy, ModelConfig, ModelDemand, Planner
 from opml_inference_router.placement.config import FleetConfig
 from opml_inference_router.routing import ModelPolicy, Replica, ReplicaFailed, Router, wire

@@ -11,7 +11,7 @@ import pytest
 from opml_common.config import PlatformSettings, ServiceSettings
 from opml_common.errors import InvalidArgument
 from opml_common.grpc.server import MAX_MESSAGE_BYTES, GrpcServer
-from opml_common.testing.bus import fresh_metrics, sample
+from opml_devstack.testing.bus import fresh_metrics, sample
 from opml_inference_router.placement.config import ModelConfig
 from opml_inference_router.routing import ModelPolicy, Replica, Router, wire
 from opml_inference_router.routing.limits import (

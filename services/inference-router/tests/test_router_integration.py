@@ -29,7 +29,7 @@ from opml_common.bus import CloudEvent, EventPublisher, ensure_topics
 from opml_common.config import PlatformSettings, ServiceSettings
 from opml_common.grpc.server import GrpcServer
 from opml_common.metrics import ServiceMetrics
-from opml_common.testing.bus import read_records, sample, wait_until
+from opml_devstack.testing.bus import read_records, sample, wait_until
 from opml_inference_router.frontend import InferenceFrontend
 from opml_inference_router.placement.config import load_fleet_config
 from opml_inference_router.predictions import PredictionLog

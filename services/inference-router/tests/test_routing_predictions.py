@@ -12,7 +12,7 @@ from opml.inference.v1 import events_pb2
 from tritonclient.grpc import service_pb2 as pb
 
 from opml_common.bus import PublishFailed
-from opml_common.testing.bus import fresh_metrics, sample
+from opml_devstack.testing.bus import fresh_metrics, sample
 from opml_inference_router.kserve import encode_request
 from opml_inference_router.predictions import PredictionLog
 from opml_inference_router.routing import Routed

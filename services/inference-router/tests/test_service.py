@@ -23,9 +23,9 @@ from opml_common.bus import CloudEvent
 from opml_common.cli import main as opml
 from opml_common.config import PlatformSettings
 from opml_common.errors import InvalidArgument, PermissionDenied
-from opml_common.process import ServiceProcess
-from opml_common.testing.bus import read_records
-from opml_common.testing.services import TOKENS, ServiceStarter
+from opml_devstack.process import ServiceProcess
+from opml_devstack.testing.bus import read_records
+from opml_devstack.testing.services import TOKENS, ServiceStarter
 from opml_inference_router.client import DeploymentClient
 from opml_inference_router.testing import mlp_classifier, mlp_config, worker_processes, write_model_dir
 from opml_inference_router.topics import DEPLOYMENTS, PREDICTIONS

@@ -21,8 +21,8 @@ from opml.inference.v1 import deployments_pb2 as pb
 from opml_common.bus import CloudEvent
 from opml_common.config import PlatformSettings
 from opml_common.perfmodel import grid
-from opml_common.testing.bus import read_records
-from opml_common.testing.services import TOKENS, ServiceStarter
+from opml_devstack.testing.bus import read_records
+from opml_devstack.testing.services import TOKENS, ServiceStarter
 from opml_inference_router.client import DeploymentClient
 from opml_inference_router.placement import (
     CostAwareSloPolicy,

@@ -13,7 +13,7 @@ from opml.inference.v1 import deployments_pb2 as pb
 from opml_common.cli import main as opml
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from opml_common.perfmodel import ServingConfig, grid
-from opml_common.testing.services import TOKENS, ServiceStarter
+from opml_devstack.testing.services import TOKENS, ServiceStarter
 from opml_inference_router.client import DeploymentClient
 from opml_inference_router.control.serving_models import MIN_MEASURED
 from opml_inference_router.testing import fleet_env, mlp_classifier, mlp_config, write_model_dir

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from opml.jobs.v1 import jobs_pb2 as pb
 
-from opml_common.process import ServiceProcess
-from opml_common.testing.services import TOKENS, ServiceStarter
+from opml_devstack.process import ServiceProcess
+from opml_devstack.testing.services import TOKENS, ServiceStarter
 from opml_job_orchestrator.client import JobClient
 from opml_job_orchestrator.executor import Executor, ExecutorEvent, JobEvent, TaskEvent, TaskState
 from opml_job_orchestrator.orchestrator import JobState, JobStatus, Orchestrator

@@ -24,7 +24,7 @@ import pytest
 
 from opml_common.bus import ensure_topics
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound
-from opml_common.testing.bus import poll_until, wait_until
+from opml_devstack.testing.bus import poll_until, wait_until
 from opml_job_orchestrator.executor import (
     CheckpointEvent,
     JobEvent,

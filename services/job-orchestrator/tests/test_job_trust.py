@@ -17,8 +17,8 @@ from opml.jobs.v1 import jobs_pb2 as pb
 
 from opml_common.bus import CloudEvent
 from opml_common.errors import InvalidArgument, PermissionDenied
-from opml_common.testing.bus import read_records
-from opml_common.testing.services import TOKENS, ServiceStarter
+from opml_devstack.testing.bus import read_records
+from opml_devstack.testing.services import TOKENS, ServiceStarter
 from opml_job_orchestrator.client import JobClient
 from opml_job_orchestrator.convert import ENV_HIDDEN
 from opml_job_orchestrator.spec import load_spec

@@ -18,7 +18,7 @@ from opml_common.bus import CloudEvent
 from opml_common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from opml_common.grpc.client import open_channel
 from opml_common.grpc.status import field_violations
-from opml_common.testing.bus import read_records
+from opml_devstack.testing.bus import read_records
 from opml_job_orchestrator.client import JobClient
 from opml_job_orchestrator.topics import JOBS
 

@@ -19,7 +19,7 @@ from opml.jobs.v1 import jobs_pb2 as pb
 from opml.traces.v1 import events_pb2 as traces_pb
 
 from opml_common.bus import CloudEvent, ensure_topics
-from opml_common.testing.bus import read_records
+from opml_devstack.testing.bus import read_records
 from opml_job_orchestrator.client import JobClient
 from opml_job_orchestrator.spec import load_spec
 from opml_job_orchestrator.topics import JOBS

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from opml_common.devinfra import free_port
+from opml_devstack.devinfra import free_port
 from opml_job_orchestrator.executor import (
     CheckpointEvent,
     Executor,

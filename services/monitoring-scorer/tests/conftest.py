@@ -27,9 +27,9 @@ from opml_common.bus.security import kafka_client_kwargs
 from opml_common.config import PlatformSettings
 from opml_common.kserve_codec import encode_outputs, encode_request
 from opml_common.metrics import ServiceMetrics
-from opml_common.process import ServiceProcess
-from opml_common.testing.bus import sample
-from opml_common.testing.services import TOKENS, ServiceStarter, env_prefix
+from opml_devstack.process import ServiceProcess
+from opml_devstack.testing.bus import sample
+from opml_devstack.testing.services import TOKENS, ServiceStarter, env_prefix
 from opml_inference_router.predictions import PredictionLog, _Entry
 from opml_inference_router.routing import Routed
 from opml_monitoring_scorer.__main__ import SPEC

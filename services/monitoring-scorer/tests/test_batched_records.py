@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from opml_bundle_store_contract.client import BundleStoreClient
-from opml_common.testing.services import TOKENS
+from opml_devstack.testing.services import TOKENS
 from opml_monitoring_scorer.core.reference import performance
 from opml_monitoring_scorer.core.scorer import dump_reference
 

@@ -21,10 +21,10 @@ import pytest
 from aiokafka.partitioner import DefaultPartitioner
 
 from opml_common.config import PlatformSettings
-from opml_common.process import ServiceProcess
-from opml_common.testing.bus import poll_until, read_records
-from opml_common.testing.metrics import samples, scrape
-from opml_common.testing.services import env_prefix
+from opml_devstack.process import ServiceProcess
+from opml_devstack.testing.bus import poll_until, read_records
+from opml_devstack.testing.metrics import samples, scrape
+from opml_devstack.testing.services import env_prefix
 from opml_monitoring_scorer.__main__ import SPEC
 from opml_monitoring_scorer.topics import PREDICTIONS
 

@@ -14,8 +14,8 @@ from opml.monitoring.v1 import alert_events_pb2
 
 from opml_common.bus.cloudevents import CloudEvent
 from opml_common.errors import InvalidArgument, NotFound
-from opml_common.testing.bus import read_records
-from opml_common.testing.services import TOKENS
+from opml_devstack.testing.bus import read_records
+from opml_devstack.testing.services import TOKENS
 from opml_monitoring_scorer.cli import monitor
 from opml_monitoring_scorer.core.reference import performance
 from opml_monitoring_scorer.topics import ALERTS, LABELS, PREDICTIONS

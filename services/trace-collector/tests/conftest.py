@@ -20,10 +20,10 @@ from opml.traces.v1 import events_pb2
 from opml_common.bus import CloudEvent, EventPublisher
 from opml_common.config import PlatformSettings
 from opml_common.errors import NotFound
-from opml_common.process import ServiceProcess
 from opml_common.storage import s3_client
-from opml_common.testing.bus import fresh_metrics
-from opml_common.testing.services import TOKENS, ServiceStarter
+from opml_devstack.process import ServiceProcess
+from opml_devstack.testing.bus import fresh_metrics
+from opml_devstack.testing.services import TOKENS, ServiceStarter
 from opml_trace_collector.client import TraceCollectorClient
 from opml_trace_collector.topics import TRACES, tracer_source
 

@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from opml_common.bus import CloudEvent, MalformedEvent
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound
 from opml_common.storage import s3_client
-from opml_common.testing.bus import fresh_metrics, sample
+from opml_devstack.testing.bus import fresh_metrics, sample
 from opml_trace_collector import model
 from opml_trace_collector.aggregator import Aggregator
 from opml_trace_collector.analysis import Bound

@@ -9,7 +9,7 @@ import pytest
 from opml.traces.v1 import events_pb2
 from opml.traces.v1 import traces_pb2 as pb
 
-from opml_common.testing.bus import headers_of, read_records
+from opml_devstack.testing.bus import headers_of, read_records
 from opml_trace_collector.topics import TRACES, tracer_source
 
 JOB = "mnist-cnn"

@@ -29,9 +29,9 @@ from opml.traces.v1 import events_pb2 as pb
 
 from opml_common.bus import CloudEvent, ensure_topics
 from opml_common.config import PlatformSettings
-from opml_common.devinfra import free_port
 from opml_common.storage import s3_client
-from opml_common.testing.bus import poll_until
+from opml_devstack.devinfra import free_port
+from opml_devstack.testing.bus import poll_until
 from opml_trace_collector.inject import spool
 from opml_trace_collector.session import iter_session
 from opml_trace_collector.topics import TRACES

@@ -281,7 +281,7 @@ def test_control_poller_against_real_redis(settings_env: dict[str, str]) -> None
 
 
 def test_control_poller_without_redis_warns() -> None:
-    from opml_common.devinfra import free_port
+    from opml_devstack.devinfra import free_port
     from opml_trace_collector.inject.control import ControlPoller
 
     warned: list[str] = []

@@ -16,7 +16,7 @@ from opml.traces.v1 import traces_pb2 as pb
 
 from opml_common.bus import CloudEvent
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unauthenticated
-from opml_common.testing.bus import headers_of, read_records
+from opml_devstack.testing.bus import headers_of, read_records
 from opml_trace_collector.client import TraceCollectorClient
 from opml_trace_collector.topics import TRACES, tracer_source
 

@@ -1,13 +1,12 @@
 """The ``opml`` command. Services add their subcommands through the ``opml.cli`` entry point group
-(bundle-store adds ``opml bundle``), so the CLI grows with the installed services.
+(bundle-store adds ``opml bundle``), so the CLI grows with the installed packages: the development
+stack (opml-devstack, not in production images) adds ``opml infra`` and ``opml status`` the same way.
 """
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from importlib.metadata import entry_points
-from pathlib import Path
 
 import click
 
@@ -35,70 +34,6 @@ class _OpmlGroup(click.Group):
 @click.version_option(package_name="opml-common")
 def main() -> None:
     """OpML platform: bundles, jobs, experiments, serving, monitoring, federated learning."""
-
-
-@main.group()
-def infra() -> None:
-    """The embedded infrastructure (tansu broker, SeaweedFS S3, Redis) for development."""
-
-
-@infra.command("up")
-@click.option("--dir", "workdir", type=click.Path(path_type=Path), default=Path(".opml/infra"), show_default=True,
-              help="Where data and logs go.")
-@click.option("--kafka-port", default=9092, show_default=True, help="0 picks a free port.")
-@click.option("--s3-port", default=8333, show_default=True, help="0 picks a free port.")
-def infra_up(workdir: Path, kafka_port: int, s3_port: int) -> None:
-    """Start the infrastructure in the foreground; Ctrl-C stops it."""
-    from opml_common.devinfra import DevInfra
-    from opml_common.grpc.server import wait_for_signal
-
-    with DevInfra(workdir=workdir, kafka_port=kafka_port, s3_port=s3_port) as endpoints:
-        for key, value in endpoints.env().items():
-            click.echo(f"export {key}={value}")
-        asyncio.run(wait_for_signal())
-
-
-@main.command("status")
-@click.option("--state-dir", type=click.Path(path_type=Path), default=Path(".opml"), show_default=True,
-              help="The state directory of the stack (`make up` uses .opml).")
-@click.option("--json", "as_json", is_flag=True, help="The state as JSON, for scripts.")
-def status(state_dir: Path, as_json: bool) -> None:
-    """Every part of the `make up` stack: state, health (checked now), pid, restarts, ports, version, log.
-
-    Exits 1 when the stack is not running, a part is FAILED, or a part is not healthy.
-    """
-    import json
-
-    from opml_common.stack import status as stack_status
-
-    document = stack_status(state_dir)
-    if as_json:
-        click.echo(json.dumps(document, indent=2))
-        sys.exit(0 if document["ok"] else 1)
-    from rich.table import Table
-
-    from opml_common.cligroup import output_console
-
-    console = output_console()
-    if document.get("message"):
-        console.print(document["message"])
-    if document["parts"]:
-        table = Table(title=f"stack {document.get('pid')} (broker storage {document.get('kafka_storage')})")
-        for column in ("part", "kind", "state", "health", "pid", "restarts", "ports", "version", "log"):
-            table.add_column(column, no_wrap=column in ("part", "state", "health"))
-        good = {"RUNNING", "SERVING", "UP"}
-        for part in document["parts"]:
-            state, health = part["state"], part["health"]
-            exit_code = f" (exit {part['last_exit_code']})" if part.get("last_exit_code") is not None else ""
-            table.add_row(
-                part["name"], part["kind"],
-                f"[{'green' if state in good else 'red'}]{state}[/]{exit_code}",
-                f"[{'green' if health in good else 'red'}]{health}[/]",
-                str(part.get("pid") or "-"), str(part["restarts"]),
-                " ".join(f"{name}:{port}" for name, port in part.get("ports", {}).items()),
-                part.get("version", ""), part.get("log_path", ""))
-        console.print(table)
-    sys.exit(0 if document["ok"] else 1)
 
 
 def _load_plugins() -> None:

@@ -1,14 +1,15 @@
-"""Run a service as a child process and know when it is ready (used by the dev stack and tests)."""
+"""How a service is run (:class:`ServiceSpec`, each service's ``opml.services`` entry point) and the
+process helpers production code shares: wait until a started process serves, stop one gracefully.
+Running a service as a child process for the dev stack and tests is :mod:`opml_devstack.process`."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -132,55 +133,3 @@ class ServiceSpec:
         ``inference_port``) and their defaults: a stack or a test on free ports picks these free too."""
         return {name[:-len("_port")]: field.default for name, field in self.settings.model_fields.items()
                 if name.endswith("_port") and name not in ("grpc_port", "metrics_port")}
-
-
-@dataclass
-class ServiceProcess:
-    """``python -m <module>`` with extra environment; ``start()`` returns once gRPC health is SERVING.
-
-    ``stop()`` sends SIGTERM (graceful shutdown), then SIGKILL after ``stop_timeout_s``; ``kill()``
-    is the crash a test injects. Output goes to ``log_path``.
-    """
-
-    module: str
-    grpc_port: int
-    env: dict[str, str]
-    log_path: Path
-    startup_timeout_s: float = 60.0
-    stop_timeout_s: float = 10.0
-    process: subprocess.Popen | None = field(default=None, init=False)
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
-
-    def start(self) -> ServiceProcess:
-        if self.process is not None and self.process.poll() is None:
-            return self
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log_file:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", self.module], env={**os.environ, **self.env},
-                stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            wait_until_serving(self.target, timeout_s=self.startup_timeout_s, process=self.process,
-                               log_path=self.log_path, env={**os.environ, **self.env})
-        except BaseException:
-            self.kill()
-            raise
-        return self
-
-    def stop(self) -> None:
-        if self.process is not None:
-            terminate(self.process, timeout_s=self.stop_timeout_s)
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-
-    def __enter__(self) -> ServiceProcess:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

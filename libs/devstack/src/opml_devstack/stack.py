@@ -6,7 +6,7 @@ acknowledged event is lost, Redis when the machine has none), each service publi
 everything listens; runs the main job; and keeps running until Ctrl-C or ``down`` (SIGTERM to the
 pid in ``<state dir>/stack.pid``).
 
-Every part is supervised (:mod:`opml_common.supervisor`): one that dies is restarted on the same
+Every part is supervised (:mod:`opml_devstack.supervisor`): one that dies is restarted on the same
 ports after a capped backoff, each restart logged; one that died ``--max-deaths`` times within
 ``--death-window`` seconds is FAILED and left alone. The state of every part is written atomically
 to ``<state dir>/stack.json``, which ``opml status`` reads (checking each part's health live).
@@ -39,11 +39,12 @@ from functools import cache
 from importlib.metadata import PackageNotFoundError, entry_points, packages_distributions, version
 from pathlib import Path
 
-from opml_common.devinfra import KAFKA_STORAGES, DevInfra, Endpoints, InfraProcess, free_port
 from opml_common.grpc.server import wait_for_signal
-from opml_common.process import ServiceProcess, ServiceSpec
+from opml_common.process import ServiceSpec
 from opml_common.retry import Backoff
-from opml_common.supervisor import DEFAULT_MAX_DEATHS, DEFAULT_WINDOW_S, Part, PartStatus, RestartPolicy, Supervisor
+from opml_devstack.devinfra import KAFKA_STORAGES, DevInfra, Endpoints, InfraProcess, free_port
+from opml_devstack.process import ServiceProcess
+from opml_devstack.supervisor import DEFAULT_MAX_DEATHS, DEFAULT_WINDOW_S, Part, PartStatus, RestartPolicy, Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,7 @@ def infra_parts(infra: DevInfra) -> list[Part]:
 
 def prometheus_part(targets: Sequence[str], config: StackConfig) -> Part:
     """Prometheus scraping every service's metrics port, as job ``opml`` (the job deploy/compose uses)."""
-    from opml_common.prometheus import PrometheusServer
+    from opml_devstack.prometheus import PrometheusServer
 
     port = 0 if config.free_ports else config.prometheus_port
     server = PrometheusServer(workdir=config.state_dir / "prometheus", port=port, targets={"opml": list(targets)},
@@ -474,7 +475,7 @@ def _alive(pid: int) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m opml_common.stack", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m opml_devstack.stack", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     up_parser = commands.add_parser("up", help="start the supervised platform in the foreground")

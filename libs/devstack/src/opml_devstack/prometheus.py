@@ -22,8 +22,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Self
 
-from opml_common.devinfra import free_port
 from opml_common.process import terminate
+from opml_devstack.devinfra import free_port
 
 _TARGET = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
 _JOB = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")

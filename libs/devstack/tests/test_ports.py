@@ -19,11 +19,11 @@ from prometheus_client import CollectorRegistry
 from pydantic_settings import SettingsConfigDict
 
 from opml_common.config import PlatformSettings, ServiceSettings
-from opml_common.devinfra import free_port, release_ports
 from opml_common.grpc.server import GrpcServer
 from opml_common.metrics import ServiceMetrics
 from opml_common.process import ExitedBeforeServing, ServiceSpec, listens_on, wait_until_serving
-from opml_common.testing import services
+from opml_devstack.devinfra import free_port, release_ports
+from opml_devstack.testing import services
 
 # A service of nothing but the template: health, reflection and metrics on the ports its env gives.
 SERVICE_MAIN = """

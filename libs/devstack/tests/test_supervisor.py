@@ -11,8 +11,8 @@ import pytest
 
 from opml_common.errors import InvalidArgument
 from opml_common.retry import Backoff
-from opml_common.supervisor import Part, PartStatus, RestartPolicy, State, Supervisor
-from opml_common.testing.bus import poll_until
+from opml_devstack.supervisor import Part, PartStatus, RestartPolicy, State, Supervisor
+from opml_devstack.testing.bus import poll_until
 
 # -- the decision -------------------------------------------------------------------------------
 

@@ -14,8 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from opml_common.stack import stop_leftovers
-from opml_common.testing.bus import poll_until
+from opml_devstack.stack import stop_leftovers
+from opml_devstack.testing.bus import poll_until
 
 PART = ("import subprocess, sys, time; child = subprocess.Popen(['sleep', '600']); "
         "print(child.pid, flush=True); time.sleep(600)")

@@ -1,7 +1,7 @@
 """Pytest fixtures for the real infrastructure (registered as the ``opml_infra`` plugin).
 
 One broker, S3 server and Redis per test session: Docker images through testcontainers where a
-Docker engine answers, else the embedded binaries of :mod:`opml_common.devinfra` on free ports.
+Docker engine answers, else the embedded binaries of :mod:`opml_devstack.devinfra` on free ports.
 Every session gets a unique topic, bucket and Redis-key prefix, so runs never see each other's
 data (the machine's Redis is shared, and ``make up`` may be running beside the tests).
 ``start_service`` runs platform services as real processes on top (see :mod:`.services`).
@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 
 from opml_common.config import PlatformSettings
-from opml_common.devinfra import DevInfra, Endpoints
-from opml_common.testing.containers import docker_available, start_containers
-from opml_common.testing.services import TOKENS, ServiceStarter
+from opml_devstack.devinfra import DevInfra, Endpoints
+from opml_devstack.testing.containers import docker_available, start_containers
+from opml_devstack.testing.services import TOKENS, ServiceStarter
 
 
 @pytest.fixture(scope="session")

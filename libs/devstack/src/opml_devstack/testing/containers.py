@@ -1,7 +1,7 @@
 """Real infrastructure from Docker images (Apache Kafka, MinIO, Redis) through testcontainers.
 
 Used by the test fixtures only where a Docker engine answers; this project's machines have none,
-so there the embedded binaries are used instead (see :mod:`opml_common.devinfra`).
+so there the embedded binaries are used instead (see :mod:`opml_devstack.devinfra`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from opml_common.devinfra import Endpoints
+from opml_devstack.devinfra import Endpoints
 
 
 def docker_available() -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from importlib.metadata import EntryPoint
 
-from opml_common import stack
+from opml_devstack import stack
 
 
 def test_a_service_whose_package_does_not_load_is_reported_and_the_others_start(monkeypatch) -> None:

@@ -11,8 +11,9 @@ from collections.abc import Mapping
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from opml_common.devinfra import free_port, release_ports
-from opml_common.process import ExitedBeforeServing, ServiceProcess, ServiceSpec
+from opml_common.process import ExitedBeforeServing, ServiceSpec
+from opml_devstack.devinfra import free_port, release_ports
+from opml_devstack.process import ServiceProcess
 
 TOKENS = {"admin": "admin-token", "writer": "writer-token", "reader": "reader-token"}
 """Bearer token of each role the started services accept (``OPML_AUTH_TOKENS``)."""

@@ -13,7 +13,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from opml_common.testing.bus import poll_until
+from opml_devstack.testing.bus import poll_until
 
 WORKER_PREFIX = "opml_inference_router_worker_"
 SCRAPE_ERRORS = "opml_inference_router_worker_scrape_errors_total"

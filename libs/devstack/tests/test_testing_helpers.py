@@ -2,7 +2,7 @@
 
 import pytest
 
-from opml_common.testing.bus import poll_until
+from opml_devstack.testing.bus import poll_until
 
 
 def test_poll_until_returns_the_first_truthy_value() -> None:
@@ -16,7 +16,7 @@ def test_poll_until_names_what_never_happened() -> None:
 
 
 def test_every_worker_answered_needs_each_known_worker_on_the_page() -> None:
-    from opml_common.testing.metrics import every_worker_answered
+    from opml_devstack.testing.metrics import every_worker_answered
 
     errors = ('opml_inference_router_worker_scrape_errors_total{worker="cpu-000"} 0\n'
               'opml_inference_router_worker_scrape_errors_total{worker="cpu-001"} 0\n')
@@ -32,8 +32,8 @@ def test_a_test_that_wants_the_machine_to_itself_waits_for_those_beside_it_and_h
     import fcntl
     import threading
 
-    from opml_common.testing.bus import poll_until
-    from opml_common.testing.plugin import machine_share
+    from opml_devstack.testing.bus import poll_until
+    from opml_devstack.testing.plugin import machine_share
 
     def free(name: str, mode: int) -> bool:
         """Whether ``name`` could be locked in ``mode`` now (probed without waiting)."""
