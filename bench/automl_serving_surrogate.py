@@ -36,8 +36,8 @@ from opml_automl_controller.client import ExperimentClient
 from opml_common.perfmodel import ServingConfig, grid
 from opml_devstack.testing.bus import poll_until
 from opml_devstack.testing.services import TOKENS
-from opml_inference_router.client import DeploymentClient
 from opml_inference_router.testing import fleet_env, mlp_classifier, mlp_config, write_model_dir
+from opml_inference_router_contract.client import DeploymentClient
 
 VERSION = "models/mlp/versions/1"
 BATCHES, THREADS, LEVELS, MODES = (1, 2, 4, 8, 16, 32), (1, 2), ("disable", "basic", "extended", "all"), (

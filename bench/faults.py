@@ -78,9 +78,9 @@ from opml_devstack.process import ServiceProcess
 from opml_devstack.stack import StackConfig, service_environment
 from opml_devstack.testing.bus import fresh_metrics
 from opml_devstack.testing.services import service_spec
-from opml_inference_router.client import DeploymentClient
 from opml_inference_router.testing import mlp_config, worker_processes, write_model_dir
-from opml_inference_router.topics import DEPLOYMENTS
+from opml_inference_router_contract.client import DeploymentClient
+from opml_inference_router_contract.topics import DEPLOYMENTS
 from opml_trace_collector.client import TraceCollectorClient
 from opml_trace_collector.topics import TRACES, tracer_source
 

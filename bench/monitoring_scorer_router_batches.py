@@ -38,7 +38,8 @@ from opml_devstack.devinfra import DevInfra  # noqa: E402
 from opml_inference_router.predictions import PredictionLog  # noqa: E402
 from opml_inference_router.routing import Routed  # noqa: E402
 from opml_inference_router.settings import RouterSettings  # noqa: E402
-from opml_inference_router.topics import PREDICTIONS  # noqa: E402
+from opml_inference_router_contract.names import EVENT_SOURCE  # noqa: E402
+from opml_inference_router_contract.topics import PREDICTIONS  # noqa: E402
 
 
 def one_row_requests(n: int) -> list[tuple[bytes, bytes]]:
@@ -62,7 +63,7 @@ async def run_rate(settings: PlatformSettings, rate: int, seconds: float, messag
                    ) -> dict:
     router = RouterSettings.model_fields
     registry = CollectorRegistry()
-    publisher = EventPublisher(settings, source="opml/inference-router",
+    publisher = EventPublisher(settings, source=EVENT_SOURCE,
                                metrics=ServiceMetrics("bench-publisher", registry))
     log = PredictionLog(publisher, ServiceMetrics("inference-router", registry),
                         senders=router["prediction_senders"].default, batch_max=router["prediction_batch_max"].default,

@@ -7,8 +7,8 @@ bundle; then per case (a number of predictions per record), with its own topic a
 scorer: registers the model, stops the scorer, publishes N predictions (requests of one row each by
 default, KServe v2 bytes from the shared codec) as records of that many predictions (1: one
 PredictionMade a record, as an external producer or a quiet router publishes them; more: a
-PredictionBatch, as the router's prediction log publishes what is queued for a version, built by its
-own ``PredictionLog.record_of``), starts the scorer again and times it through the backlog, sampling
+PredictionBatch, as the router's prediction log publishes what is queued for a version, each prediction
+built by the router's contract), starts the scorer again and times it through the backlog, sampling
 its metrics and CPU time from the first prediction it counts to the last window saved (wall time, and
 the scorer process's CPU time: predictions per core), so neither the producer's rate nor the
 scorer's start-up is measured. The cases run one after the other in one run, on the same
@@ -49,8 +49,7 @@ from opml_common.kserve_codec import encode_outputs, encode_request  # noqa: E40
 from opml_common.metrics import ServiceMetrics  # noqa: E402
 from opml_devstack.devinfra import DevInfra  # noqa: E402
 from opml_devstack.testing.services import ServiceStarter  # noqa: E402
-from opml_inference_router.predictions import PredictionLog, _Entry  # noqa: E402
-from opml_inference_router.routing import Routed  # noqa: E402
+from opml_inference_router_contract.predictions import prediction_made  # noqa: E402
 from opml_monitoring_scorer.__main__ import SPEC  # noqa: E402
 from opml_monitoring_scorer.client import MonitoringClient  # noqa: E402
 from opml_monitoring_scorer.core.reference import Task  # noqa: E402
@@ -79,15 +78,20 @@ def events(world: SyntheticWorld, n: int, rows_per_event: int = 1) -> list[infer
 
 
 def records(messages: list[inference_events.PredictionMade], per_record: int) -> list:
-    """The predictions as the router's prediction log publishes them ``per_record`` at a time: one
-    PredictionMade, or a PredictionBatch (``PredictionLog.record_of`` on entries of the same requests)."""
+    """The predictions as the router publishes them ``per_record`` at a time: one PredictionMade, or a
+    PredictionBatch of them, each prediction built by the router's contract (``prediction_made``)."""
     if per_record == 1:
         return messages
-    log = PredictionLog(None, ServiceMetrics("bench-log", CollectorRegistry()), batch_max=per_record)
-    entries = [_Entry(m.request_id, m.model_name, m.time.ToNanoseconds() / 1e9, 0.001,
-                      Routed(b"", m.model_version, "127.0.0.1:1", 1, False), m.infer_request, m.infer_response)
-               for m in messages]
-    return [log.record_of(entries[i:i + per_record]) for i in range(0, len(entries), per_record)]
+    out = []
+    for i in range(0, len(messages), per_record):
+        batch = inference_events.PredictionBatch()
+        for m in messages[i:i + per_record]:
+            prediction_made(request_id=m.request_id, model=m.model_name, version=m.model_version,
+                            request=m.infer_request, response=m.infer_response,
+                            received=m.time.ToNanoseconds() / 1e9, latency_s=0.001, replica="127.0.0.1:1",
+                            into=batch.predictions.add())
+        out.append(batch)
+    return out
 
 
 async def publish(settings: PlatformSettings, messages: list) -> float:

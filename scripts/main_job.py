@@ -37,8 +37,8 @@ from opml.jobs.v1 import jobs_pb2
 from opml_bundle_store_contract.client import BundleStoreClient
 from opml_bundle_store_contract.topics import BUNDLES
 from opml_common.errors import AlreadyExists, NotFound
-from opml_inference_router.client import DeploymentClient
-from opml_inference_router.topics import PREDICTIONS
+from opml_inference_router_contract.client import DeploymentClient
+from opml_inference_router_contract.topics import PREDICTIONS
 from opml_job_orchestrator.client import JobClient
 from opml_job_orchestrator.spec import load_spec
 from opml_trace_collector.client import TraceCollectorClient

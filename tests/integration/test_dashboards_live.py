@@ -33,7 +33,7 @@ from opml_devstack.prometheus import PrometheusError, PrometheusServer, has_fini
 from opml_devstack.stack import installed_services
 from opml_devstack.testing.bus import poll_until
 from opml_devstack.testing.services import env_prefix
-from opml_inference_router.client import DeploymentClient
+from opml_inference_router_contract.client import DeploymentClient
 from opml_job_orchestrator.client import JobClient
 from opml_job_orchestrator.spec import load_spec
 from opml_trace_collector.client import TraceCollectorClient

@@ -30,8 +30,8 @@ from opml_common.bus import CloudEvent, EventPublisher
 from opml_common.errors import NotFound
 from opml_devstack.testing.bus import fresh_metrics, poll_until, read_records
 from opml_devstack.testing.services import TOKENS
-from opml_inference_router.client import DeploymentClient
 from opml_inference_router.control.autodeploy import SOURCES
+from opml_inference_router_contract.client import DeploymentClient
 
 
 def test_the_router_accepts_bundle_events_only_from_the_bundle_stores_source() -> None:

@@ -23,8 +23,8 @@ from opml_common.config import GrpcTlsSettings
 from opml_common.errors import NotFound, Unavailable
 from opml_devstack.testing.bus import poll_until
 from opml_devstack.testing.services import TOKENS
-from opml_inference_router.client import DeploymentClient
 from opml_inference_router.testing import mlp_config, write_model_dir
+from opml_inference_router_contract.client import DeploymentClient
 
 
 def _openssl(*args: str, cwd: Path) -> None:

@@ -15,7 +15,7 @@ from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.errors import NotFound
 from opml_devstack.testing.bus import poll_until
 from opml_devstack.testing.services import TOKENS
-from opml_inference_router.client import DeploymentClient
+from opml_inference_router_contract.client import DeploymentClient
 from opml_monitoring_scorer.client import MonitoringClient
 from opml_monitoring_scorer.core.reference import Outputs, ReferenceSet, Task
 from opml_monitoring_scorer.core.scorer import dump_reference

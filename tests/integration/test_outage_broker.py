@@ -31,8 +31,8 @@ from opml_common.bus import CloudEvent
 from opml_devstack.devinfra import DevInfra
 from opml_devstack.testing.bus import poll_until, read_records
 from opml_devstack.testing.services import TOKENS
-from opml_inference_router.client import DeploymentClient
 from opml_inference_router.testing import mlp_config, write_model_dir
+from opml_inference_router_contract.client import DeploymentClient
 from opml_job_orchestrator.client import JobClient
 from opml_job_orchestrator.spec import load_spec
 from opml_job_orchestrator.topics import JOBS

@@ -35,8 +35,8 @@ from opml_common.errors import NotFound, Unavailable
 from opml_devstack.devinfra import free_port
 from opml_devstack.testing.bus import fresh_metrics, poll_until
 from opml_devstack.testing.services import TOKENS
-from opml_inference_router.client import DeploymentClient
 from opml_inference_router.testing import mlp_classifier, mlp_config, write_model_dir
+from opml_inference_router_contract.client import DeploymentClient
 from opml_job_orchestrator.client import JobClient
 from opml_job_orchestrator.spec import load_spec
 from opml_trace_collector.client import TraceCollectorClient

@@ -27,8 +27,8 @@ from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.errors import NotFound
 from opml_devstack.testing.bus import poll_until
 from opml_devstack.testing.services import TOKENS
-from opml_inference_router.client import DeploymentClient
 from opml_inference_router.testing import mlp_classifier, mlp_config, write_model_dir
+from opml_inference_router_contract.client import DeploymentClient
 
 SLO_MS = 1000.0
 ROWS = 1024

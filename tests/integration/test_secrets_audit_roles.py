@@ -29,8 +29,8 @@ from opml_bundle_store_contract.topics import BUNDLES
 from opml_common.config import PlatformSettings, mask_url
 from opml_common.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from opml_devstack.testing.bus import poll_until, read_records
-from opml_inference_router.client import DeploymentClient
 from opml_inference_router.testing import mlp_config, write_model_dir
+from opml_inference_router_contract.client import DeploymentClient
 
 ADMIN, WRITER, READER = "adm-9f1c2e7d4b6a", "wrt-3b8e5d1a7c2f", "rdr-6c4a9e2b8d1f"
 INFER = "inf-2d7b4f9a1e6c"

@@ -18,9 +18,9 @@ from opml_common.bus import CloudEvent
 from opml_common.errors import NotFound
 from opml_devstack.testing.bus import poll_until, read_records
 from opml_devstack.testing.services import TOKENS
-from opml_inference_router.client import DeploymentClient
 from opml_inference_router.testing.models import write_broken_onnx
-from opml_inference_router.topics import DEPLOYMENTS
+from opml_inference_router_contract.client import DeploymentClient
+from opml_inference_router_contract.topics import DEPLOYMENTS
 
 
 def _serving(client: DeploymentClient, model: str, version: int) -> pb.Deployment | None:

@@ -18,7 +18,7 @@ from opml_devstack.testing.bus import poll_until
 from opml_devstack.testing.services import TOKENS
 from opml_fl_coordinator.client import FederationClient, run_client
 from opml_fl_coordinator.simulator import SoftmaxModel, partition_digits
-from opml_inference_router.client import DeploymentClient
+from opml_inference_router_contract.client import DeploymentClient
 
 ONE_CPU_WORKER = {
     "pool_kinds": [{"name": "cpu", "precisions": ["fp32"], "memory_mib": 2048, "slots": 2, "cost_per_hour": 0.4,

@@ -30,7 +30,6 @@ from opml_common.events import RecordingEmitter
 from opml_common.grpc.server import GrpcServer
 from opml_common.metrics import ServiceMetrics
 from opml_common.storage import redis_client
-from opml_inference_router.client import DeploymentClient
 from opml_inference_router.control import DeploymentManager, DeploymentStore, Observer, PoolManager, Source
 from opml_inference_router.control.autodeploy import AutoDeployer
 from opml_inference_router.control.convert import placement
@@ -41,6 +40,7 @@ from opml_inference_router.routing.metrics import RouterMetrics
 from opml_inference_router.servicer import DeploymentServicer
 from opml_inference_router.testing import mlp_classifier, mlp_config, write_model_dir
 from opml_inference_router.testing.models import write_broken_onnx
+from opml_inference_router_contract.client import DeploymentClient
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -35,9 +35,9 @@ from opml_common.errors import InvalidArgument
 from opml_devstack.process import ServiceProcess
 from opml_devstack.testing.metrics import samples, scrape_router
 from opml_devstack.testing.services import TOKENS, ServiceStarter
-from opml_inference_router.client import DeploymentClient
 from opml_inference_router.kserve import encode_request
 from opml_inference_router.testing import mlp_config, write_model_dir
+from opml_inference_router_contract.client import DeploymentClient
 
 FLEET = {
     "pool_kinds": [{"name": "cpu", "precisions": ["fp32"], "memory_mib": 2048, "slots": 2, "cost_per_hour": 0.4,

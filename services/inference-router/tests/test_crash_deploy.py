@@ -27,8 +27,8 @@ from opml.inference.v1 import deployments_pb2 as pb
 from opml_common.errors import OpmlError, Unavailable
 from opml_devstack.testing.bus import poll_until
 from opml_devstack.testing.services import TOKENS, ServiceStarter
-from opml_inference_router.client import DeploymentClient
 from opml_inference_router.testing import mlp_config, worker_processes, write_model_dir
+from opml_inference_router_contract.client import DeploymentClient
 
 FLEET = {
     "pool_kinds": [{"name": "cpu", "precisions": ["fp32"], "memory_mib": 2048, "slots": 2, "cost_per_hour": 0.4,

@@ -27,11 +27,11 @@ from opml_common.metrics import ServiceMetrics
 from opml_devstack.process import ServiceProcess
 from opml_devstack.testing.bus import poll_until
 from opml_devstack.testing.services import TOKENS, ServiceStarter
-from opml_inference_router.client import DeploymentClient
 from opml_inference_router.frontend import InferenceFrontend
 from opml_inference_router.native_front import FrontLink, NativeFront
 from opml_inference_router.routing import Router
 from opml_inference_router.testing import front_process, mlp_config, write_model_dir
+from opml_inference_router_contract.client import DeploymentClient
 
 FLEET = {
     "pool_kinds": [{"name": "cpu", "precisions": ["fp32"], "memory_mib": 2048, "slots": 2, "cost_per_hour": 0.4,

@@ -40,9 +40,9 @@ from opml_inference_router.routing.replicas import Replica
 from opml_inference_router.routing.uds_replica import connect as connect_replica
 from opml_inference_router.runtime import ModelRepository, WorkerMetrics
 from opml_inference_router.testing import mlp_classifier, mlp_config, write_model_dir
-from opml_inference_router.topics import PREDICTIONS
 from opml_inference_router.worker.process import WorkerProcess
 from opml_inference_router.worker.servicer import WorkerServicer
+from opml_inference_router_contract.topics import PREDICTIONS
 
 FLEET = Path(__file__).resolve().parents[1] / "examples" / "fleet.yaml"
 MODEL = "mlp"

@@ -26,9 +26,9 @@ from opml_common.errors import InvalidArgument, PermissionDenied
 from opml_devstack.process import ServiceProcess
 from opml_devstack.testing.bus import read_records
 from opml_devstack.testing.services import TOKENS, ServiceStarter
-from opml_inference_router.client import DeploymentClient
 from opml_inference_router.testing import mlp_classifier, mlp_config, worker_processes, write_model_dir
-from opml_inference_router.topics import DEPLOYMENTS, PREDICTIONS
+from opml_inference_router_contract.client import DeploymentClient
+from opml_inference_router_contract.topics import DEPLOYMENTS, PREDICTIONS
 
 FLEET = {
     "pool_kinds": [{"name": "cpu", "precisions": ["fp32"], "memory_mib": 2048, "slots": 2, "cost_per_hour": 0.4,

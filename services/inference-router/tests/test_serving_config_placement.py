@@ -23,7 +23,6 @@ from opml_common.config import PlatformSettings
 from opml_common.perfmodel import grid
 from opml_devstack.testing.bus import read_records
 from opml_devstack.testing.services import TOKENS, ServiceStarter
-from opml_inference_router.client import DeploymentClient
 from opml_inference_router.placement import (
     CostAwareSloPolicy,
     Fleet,
@@ -37,7 +36,8 @@ from opml_inference_router.placement import (
 )
 from opml_inference_router.runtime import thread_share
 from opml_inference_router.testing import mlp_classifier, mlp_config, write_model_dir
-from opml_inference_router.topics import DEPLOYMENTS
+from opml_inference_router_contract.client import DeploymentClient
+from opml_inference_router_contract.topics import DEPLOYMENTS
 
 VERSION = "models/mlp/versions/1"
 # One cpu worker of one slot: the slot has the machine's cores (2 here), so threads 1 and 2 are candidates.

@@ -14,9 +14,9 @@ from opml_common.cli import main as opml
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from opml_common.perfmodel import ServingConfig, grid
 from opml_devstack.testing.services import TOKENS, ServiceStarter
-from opml_inference_router.client import DeploymentClient
 from opml_inference_router.control.serving_models import MIN_MEASURED
 from opml_inference_router.testing import fleet_env, mlp_classifier, mlp_config, write_model_dir
+from opml_inference_router_contract.client import DeploymentClient
 
 VERSION = "models/mlp/versions/1"
 CPU_GRID = list(grid(batches=(1, 4, 16), threads=(1, 2), opt_levels=("disable", "all"), modes=("sequential",)))

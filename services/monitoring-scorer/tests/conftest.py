@@ -1,11 +1,10 @@
 """Fixtures: a real bundle-store holding a reference bundle, a real monitoring-scorer, and a producer of
-PredictionMade events built by the inference-router's own prediction log (``PredictionLog.event_of``),
-published to the real broker, or of one-row requests queued on that log and published by its own
-senders (batched per version as the router does: PredictionBatch records), and of LabelObserved events."""
+predictions published to the real broker as the inference-router publishes them (each built by the
+router's contract, ``prediction_made``, under its event source and subject): PredictionMade records of
+requests, or PredictionBatch records of one-row requests of one version, and of LabelObserved events."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from collections.abc import Iterator
@@ -28,10 +27,9 @@ from opml_common.config import PlatformSettings
 from opml_common.kserve_codec import encode_outputs, encode_request
 from opml_common.metrics import ServiceMetrics
 from opml_devstack.process import ServiceProcess
-from opml_devstack.testing.bus import sample
 from opml_devstack.testing.services import TOKENS, ServiceStarter, env_prefix
-from opml_inference_router.predictions import PredictionLog, _Entry
-from opml_inference_router.routing import Routed
+from opml_inference_router_contract.names import EVENT_SOURCE as ROUTER_SOURCE
+from opml_inference_router_contract.predictions import RECORD_CAP_BYTES, prediction_made, prediction_subject
 from opml_monitoring_scorer.__main__ import SPEC
 from opml_monitoring_scorer.client import MonitoringClient
 from opml_monitoring_scorer.core.reference import Task
@@ -103,68 +101,66 @@ def writer(process: ServiceProcess) -> MonitoringClient:
 
 
 class Producer:
-    """Publishes predictions as the router's PredictionLog makes them (``send``: requests of BATCH rows,
-    one PredictionMade record each; ``queue``: one-row requests queued on the log, whose senders publish
-    what is queued for the version as one record, up to ``batch_max``), and labels. ``record_cap_bytes``:
-    the log's record cap (0: every prediction carries summaries only, as large tensors do)."""
+    """Publishes predictions as the router does (``send``: requests of BATCH rows, one PredictionMade
+    record each; ``queue``: one-row requests, up to ``batch_max`` of them a record, as the router
+    publishes what is queued for a version), and labels. ``record_cap_bytes``: the router's record cap
+    (0: every prediction carries summaries only, as large tensors do)."""
 
     def __init__(self, settings: PlatformSettings, model: str = "fraud", version: str = "1", *,
-                 batch_max: int = 100, ids: str = "req", record_cap_bytes: int = 64 * 1024) -> None:
+                 batch_max: int = 100, ids: str = "req", record_cap_bytes: int = RECORD_CAP_BYTES) -> None:
         self.settings = settings
         self.model, self.version, self.ids = model, version, ids
-        self.registry = CollectorRegistry()
-        self.publisher = EventPublisher(settings, source="opml/inference-router",
-                                        metrics=ServiceMetrics("test", self.registry))
-        # named as the router's, so its counters are the router's (opml_inference_router_predictions_*)
-        self.log = PredictionLog(self.publisher, ServiceMetrics("inference-router", self.registry),
-                                 batch_max=batch_max, record_cap_bytes=record_cap_bytes)
+        self.batch_max, self.record_cap_bytes = batch_max, record_cap_bytes
+        self.publisher = EventPublisher(settings, source=ROUTER_SOURCE,
+                                        metrics=ServiceMetrics("test", CollectorRegistry()))
         self.sent = 0
         self.labels: dict[str, list[float]] = {}
 
     async def __aenter__(self) -> Producer:
         await self.publisher.start()
-        await self.log.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.log.stop()
         await self.publisher.stop()
 
+    def prediction(self, request_id: str, inputs: dict[str, np.ndarray], scores: np.ndarray, *,
+                   received: float | None = None, into: inference_events.PredictionMade | None = None,
+                   ) -> inference_events.PredictionMade:
+        """The PredictionMade of one request of this producer's version, as the router makes it."""
+        request = encode_request(self.model, inputs, version=self.version, request_id=request_id)
+        response = encode_outputs(pb.ModelInferResponse(model_name=self.model, model_version=self.version,
+                                                        id=request_id), {"probabilities": scores})
+        return prediction_made(request_id=request_id, model=self.model, version=self.version,
+                               request=request.SerializeToString(), response=response.SerializeToString(),
+                               received=time.time() if received is None else received, latency_s=0.001,
+                               replica="127.0.0.1:1", record_cap_bytes=self.record_cap_bytes, into=into)
+
+    async def publish(self, record: inference_events.PredictionMade | inference_events.PredictionBatch) -> None:
+        """One record under the router's source and subject (acknowledged by the broker)."""
+        await self.publisher.publish_proto(PREDICTIONS, record, subject=prediction_subject(self.model, self.version))
+
     async def queue(self, rows: Rows, *, times: np.ndarray | None = None, chunk: int | None = None) -> None:
-        """One-row requests queued on the log as the router's request path does (``times``: when each was
-        received; default now), ``chunk`` at a time (default all at once), each chunk published (the
-        broker acknowledged every prediction) before the next is queued."""
+        """One-row requests (``times``: when each was received; default now) published ``chunk`` at a
+        time (default all at once) in records of up to ``batch_max`` in the order served: a
+        PredictionBatch, or a PredictionMade when one is left."""
         n = len(rows.outputs)
         x = np.column_stack([rows.features[f] for f in FEATURES]).astype(np.float32)
         color = rows.features["color"].astype(object)
         scores = rows.outputs.class_scores().astype(np.float32)
-        routed = Routed(b"", self.version, "127.0.0.1:1", 1, False)
         chunk = chunk or n
         for begin in range(0, n, chunk):
-            for i in range(begin, min(begin + chunk, n)):
-                request_id = f"{self.ids}-{self.sent}"
-                request = encode_request(self.model, {"x": x[i:i + 1], "color": np.array([[color[i].encode()]],
-                                                                                          dtype=object)},
-                                         version=self.version, request_id=request_id)
-                response = encode_outputs(pb.ModelInferResponse(model_name=self.model, model_version=self.version,
-                                                                id=request_id), {"probabilities": scores[i:i + 1]})
-                self.log.record(request_id=request_id, model=self.model, routed=routed,
-                                request=request.SerializeToString(), response=response.SerializeToString(),
-                                received=time.time() if times is None else times[i], latency_s=0.001)
-                self.labels[request_id] = [float(rows.labels[i])]
-                self.sent += 1
-            deadline = time.monotonic() + 120
-            while self.published() < self.sent:  # the senders' publishes acknowledged (a failed one is dropped)
-                assert not self.dropped(), "the prediction log dropped predictions"
-                assert time.monotonic() < deadline, f"{self.published():.0f} of {self.sent} predictions published"
-                await asyncio.sleep(0.01)
-
-    def published(self) -> float:
-        return sample(self.registry, "opml_inference_router_predictions_published_total")
-
-    def dropped(self) -> float:
-        return sum(sample(self.registry, "opml_inference_router_predictions_dropped_total", reason=reason)
-                   for reason in ("queue_full", "publish_failed", "shutdown"))
+            end = min(begin + chunk, n)
+            for first in range(begin, end, self.batch_max):
+                batch = inference_events.PredictionBatch()
+                for i in range(first, min(first + self.batch_max, end)):
+                    request_id = f"{self.ids}-{self.sent}"
+                    self.prediction(request_id, {"x": x[i:i + 1], "color": np.array([[color[i].encode()]],
+                                                                                    dtype=object)},
+                                    scores[i:i + 1], received=None if times is None else float(times[i]),
+                                    into=batch.predictions.add())
+                    self.labels[request_id] = [float(rows.labels[i])]
+                    self.sent += 1
+                await self.publish(batch if len(batch.predictions) > 1 else batch.predictions[0])
 
     async def send(self, rows: Rows, *, start: int = 0) -> None:
         n = len(rows.outputs)
@@ -173,18 +169,10 @@ class Producer:
         scores = rows.outputs.class_scores().astype(np.float32)
         for i in range(0, n, BATCH):
             request_id = f"{self.ids}-{self.sent}"
-            request = encode_request(self.model, {"x": x[i:i + BATCH],
-                                                  "color": np.array([[c.encode()] for c in color[i:i + BATCH]],
-                                                                    dtype=object)},
-                                     version=self.version, request_id=request_id)
-            response = encode_outputs(pb.ModelInferResponse(model_name=self.model, model_version=self.version,
-                                                            id=request_id),
-                                      {"probabilities": scores[i:i + BATCH]})
-            entry = _Entry(request_id, self.model, time.time(), 0.001,
-                           Routed(b"", self.version, "127.0.0.1:1", 1, False),
-                           request.SerializeToString(), response.SerializeToString())
-            await self.publisher.publish_proto(PREDICTIONS, self.log.event_of(entry),
-                                               subject=f"{self.model}/{self.version}")
+            await self.publish(self.prediction(
+                request_id, {"x": x[i:i + BATCH],
+                             "color": np.array([[c.encode()] for c in color[i:i + BATCH]], dtype=object)},
+                scores[i:i + BATCH]))
             self.labels[request_id] = [float(v) for v in rows.labels[i:i + BATCH]]
             self.sent += 1
 

@@ -1,9 +1,9 @@
-"""Predictions the router's prediction log batches (one-row requests queued faster than its senders
-publish: PredictionBatch records of up to 7) scored by a real scorer on the real broker, bundle-store
-and Redis: each record lands whole in the window open when it comes, by count and by time (windows
-close on record boundaries, so a window by count holds 200 to 206 rows), late labels join each batched
-prediction to its window, and a scorer SIGKILLed mid-stream and restarted loses no window and counts
-none twice."""
+"""One-row predictions in PredictionBatch records of up to 7 (as the router publishes what is queued for a
+version when requests come faster than its senders publish) scored by a real scorer on the real broker,
+bundle-store and Redis: each record lands whole in the window open when it comes, by count and by time
+(windows close on record boundaries, so a window by count holds 200 to 206 rows), late labels join each
+batched prediction to its window, and a scorer SIGKILLed mid-stream and restarted loses no window and
+counts none twice."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ async def test_batched_one_row_predictions_land_whole_in_the_windows_their_recor
         timed_rows = world.rows(300)
         async with (Producer(platform_settings, batch_max=RECORD) as producer,
                     Producer(platform_settings, version="2", batch_max=RECORD, ids="timed") as timed_producer):
-            await producer.queue(rows)  # all at once: the senders take up to 7 each
+            await producer.queue(rows)  # all at once: records of 7 (the last of 3)
             # 50 ms apart in event time: a window of 2 s holds the records that start within its 2 s
             await timed_producer.queue(timed_rows, times=time.time() + 0.05 * np.arange(300))
             records = await read_predictions(platform_settings, len(rows.outputs) + 300)
@@ -89,7 +89,7 @@ async def test_sigkill_and_restart_with_batch_records_loses_no_window_and_counts
         client.register("fraud", "1", stack.context, "reference")
     total = WINDOW * 8
     async with Producer(platform_settings, batch_max=RECORD) as producer:
-        # 70 queued at a time: records of 7 keep coming while the scorer is killed
+        # 70 at a time: records of 7 keep coming while the scorer is killed
         sending = asyncio.create_task(producer.queue(world.rows(total), chunk=70))
         with writer(scorer) as client:
             await asyncio.to_thread(wait_windows, client, "fraud", "1", 2, process=scorer)

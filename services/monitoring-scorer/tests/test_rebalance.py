@@ -25,6 +25,7 @@ from opml_devstack.process import ServiceProcess
 from opml_devstack.testing.bus import poll_until, read_records
 from opml_devstack.testing.metrics import samples, scrape
 from opml_devstack.testing.services import env_prefix
+from opml_inference_router_contract.predictions import prediction_subject
 from opml_monitoring_scorer.__main__ import SPEC
 from opml_monitoring_scorer.topics import PREDICTIONS
 
@@ -43,7 +44,8 @@ def versions_on_every_partition(model: str = "fraud") -> list[str]:
     n = 0
     while len(chosen) < len(partitions):
         n += 1
-        chosen.setdefault(DefaultPartitioner()(f"{model}/{n}".encode(), partitions, partitions), str(n))
+        key = prediction_subject(model, str(n)).encode()  # the router's key of the version's records
+        chosen.setdefault(DefaultPartitioner()(key, partitions, partitions), str(n))
     return [chosen[p] for p in partitions]
 
 

@@ -1,8 +1,8 @@
 """The monitoring-scorer as a real process on the real broker, S3 (bundle-store) and Redis.
 
-Predictions are PredictionMade events built by the inference-router's own prediction log
-(``PredictionLog.event_of`` on KServe v2 messages encoded by the shared codec) and published to the
-real broker, as the router does; the serving path itself (router and workers) is not started here.
+Predictions are PredictionMade events built by the inference-router's contract (``prediction_made`` on
+KServe v2 messages encoded by the shared codec) and published to the real broker, as the router does;
+the serving path itself (router and workers) is not started here.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from opml_common.errors import InvalidArgument
 from opml_common.events import RecordingEmitter
 from opml_common.kserve_codec import encode_outputs, encode_request
 from opml_common.metrics import ServiceMetrics
+from opml_inference_router_contract.names import EVENT_SOURCE as ROUTER_SOURCE
 from opml_monitoring_scorer.core.decode import Batch
 from opml_monitoring_scorer.core.reference import Task
 from opml_monitoring_scorer.core.scorer import Scorer, dump_reference
@@ -55,7 +56,7 @@ def prediction(i: int, rows: int = 1, *, version: str = "1", color: bool = True,
 
 def record(message, offset: int) -> SimpleNamespace:
     """A faust event as the stream sees it: its message (headers, value, position)."""
-    event = CloudEvent.from_proto(message, source="opml/inference-router", subject="m/1")
+    event = CloudEvent.from_proto(message, source=ROUTER_SOURCE, subject="m/1")
     return SimpleNamespace(message=SimpleNamespace(
         value=event.data, headers=event.kafka_headers(), timestamp=1_700_000_000.0, partition=0, offset=offset,
         topic="opml.predictions.v1", key=b"m/1"))

@@ -1,4 +1,4 @@
-"""Drift and data quality of summary-only predictions (no broker): the router's own summaries of live
+"""Drift and data quality of summary-only predictions (no broker): the router's summaries of live
 requests compared with the reference summarised in groups of the requests' batch size."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from opml.inference.v1 import events_pb2
 from tritonclient.grpc import service_pb2 as pb
 
 from opml_common.kserve_codec import encode_outputs, encode_request
-from opml_inference_router.predictions import _summaries
+from opml_inference_router_contract.predictions import tensor_summaries
 from opml_monitoring_scorer.core.config import MonitoringConfig
 from opml_monitoring_scorer.core.decode import Batch, decode_prediction
 from opml_monitoring_scorer.core.monitor import ModelMonitor
@@ -40,8 +40,8 @@ def assert_clean(drift: dict) -> None:
 
 def summarised(world: SyntheticWorld, requests: int, rows: int, *, shift: np.ndarray | None = None,
                respond: bool = False) -> list[events_pb2.PredictionMade]:
-    """Summary-only PredictionMade events as the router makes them over its record cap (its own
-    ``_summaries``); ``respond``: the request recorded, only the response summarised."""
+    """Summary-only PredictionMade events as the router makes them over its record cap (its contract's
+    ``tensor_summaries``); ``respond``: the request recorded, only the response summarised."""
     live = world.rows(requests * rows, shift=shift)
     x = np.column_stack([live.features[f] for f in FEATURES]).astype(np.float32)
     color = np.array([[c.encode()] for c in live.features["color"]], dtype=object)
@@ -52,11 +52,11 @@ def summarised(world: SyntheticWorld, requests: int, rows: int, *, shift: np.nda
         request = encode_request("m", {"x": x[at], "color": color[at]}, request_id=f"r{i}")
         response = encode_outputs(pb.ModelInferResponse(id=f"r{i}"), {"probabilities": scores[at]})
         event = events_pb2.PredictionMade(request_id=f"r{i}", model_name="m", model_version="1")
-        event.output_summaries.extend(_summaries(response.outputs, response.raw_output_contents))
+        event.output_summaries.extend(tensor_summaries(response.outputs, response.raw_output_contents))
         if respond:
             event.infer_request = request.SerializeToString()
         else:
-            event.input_summaries.extend(_summaries(request.inputs, request.raw_input_contents))
+            event.input_summaries.extend(tensor_summaries(request.inputs, request.raw_input_contents))
         events.append(event)
     return events
 
@@ -80,7 +80,7 @@ def test_a_recorded_request_with_a_summarised_response_is_summarised_the_same(wo
     recorded = summarised(world, 5, 10, respond=True)
     for event in recorded:
         request = pb.ModelInferRequest.FromString(event.infer_request)
-        (by_router, _) = _summaries(request.inputs, request.raw_input_contents)
+        (by_router, _) = tensor_summaries(request.inputs, request.raw_input_contents)
         ours = summary_of(event).tensors["x"]
         assert ours.rows == 10
         assert [ours.value(s) for s in STATS] == pytest.approx([getattr(by_router, s) for s in STATS])

@@ -36,7 +36,7 @@ from opml_automl_controller.template import Violations, substitute
 from opml_common.errors import InvalidArgument
 from opml_common.perfmodel import ServingConfig
 from opml_common.perfmodel.space import EXECUTION_MODES, OPT_LEVELS, PRECISIONS
-from opml_inference_router.client import DeploymentClient
+from opml_inference_router_contract.client import DeploymentClient
 
 METRICS = ("latency_ms", "throughput_rps")
 """What a surrogate trial reports: the objective and additional metrics must be among them."""

@@ -29,10 +29,12 @@ from opml_inference_router.routing import Router
 from opml_inference_router.routing.uds_replica import connect
 from opml_inference_router.servicer import DeploymentServicer
 from opml_inference_router.settings import RouterSettings
-from opml_inference_router.topics import BUNDLES, DEPLOYMENTS, PREDICTIONS
+from opml_inference_router.topics import BUNDLES
 from opml_inference_router.worker.settings import WorkerSettings
+from opml_inference_router_contract.names import SERVICE
+from opml_inference_router_contract.topics import DEPLOYMENTS, PREDICTIONS
 
-SPEC = ServiceSpec(name="inference-router", module="opml_inference_router", settings=RouterSettings,
+SPEC = ServiceSpec(name=SERVICE, module="opml_inference_router", settings=RouterSettings,
                    other_settings=(WorkerSettings,), topics=(BUNDLES, PREDICTIONS, DEPLOYMENTS))
 
 

@@ -14,10 +14,12 @@ predictions are dropped and counted in ``opml_inference_router_predictions_dropp
 so memory stays bounded and the loss is visible. Delivery is therefore at most once, by design:
 monitoring samples, it does not audit.
 
-What is recorded: the KServe v2 request and response exactly as they crossed the router (wire
-bytes, decodable with tritonclient's ``service_pb2``) when each is at most ``record_cap_bytes``
-(default 64 KiB: a few thousand features, a small image); above the cap, per-tensor summaries
-(datatype, shape, mean, std, min, max), computed by the sender, not by the request.
+What is recorded (each prediction built by the contract's
+:func:`~opml_inference_router_contract.predictions.prediction_made`, so whoever publishes in the
+router's stead makes the same events): the KServe v2 request and response exactly as they crossed the
+router (wire bytes, decodable with tritonclient's ``service_pb2``) when each is at most
+``record_cap_bytes`` (default 64 KiB: a few thousand features, a small image); above the cap, per-tensor
+summaries (datatype, shape, mean, std, min, max), computed by the sender, not by the request.
 """
 
 from __future__ import annotations
@@ -28,15 +30,13 @@ import logging
 from collections import deque
 from typing import NamedTuple
 
-import numpy as np
 from opml.inference.v1 import events_pb2
-from tritonclient.grpc import service_pb2 as pb
 
 from opml_common.bus import EventPublisher
 from opml_common.metrics import ServiceMetrics
-from opml_inference_router.kserve import BY_KSERVE
 from opml_inference_router.routing import Routed
-from opml_inference_router.topics import PREDICTIONS
+from opml_inference_router_contract.predictions import RECORD_CAP_BYTES, prediction_made, prediction_subject
+from opml_inference_router_contract.topics import PREDICTIONS
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class PredictionLog:
     """
 
     def __init__(self, publisher: EventPublisher, metrics: ServiceMetrics, *, max_pending: int = 10_000,
-                 max_pending_bytes: int = 64 * 1024 * 1024, record_cap_bytes: int = 64 * 1024,
+                 max_pending_bytes: int = 64 * 1024 * 1024, record_cap_bytes: int = RECORD_CAP_BYTES,
                  senders: int = 8, batch_max: int = 100, batch_max_bytes: int = 512 * 1024,
                  in_flight_per_version: int = 4) -> None:
         if (max_pending < 1 or max_pending_bytes < 1 or record_cap_bytes < 0 or senders < 1 or batch_max < 1
@@ -146,7 +146,7 @@ class PredictionLog:
         if self._pending >= self.max_pending or self._pending_bytes + entry.size > self.max_pending_bytes:
             self._dropped.labels("queue_full").inc()
             return
-        key = f"{model}/{routed.version}"
+        key = prediction_subject(model, routed.version)
         queue = self._queues.get(key)
         if queue is None:
             queue = self._queues[key] = deque()
@@ -201,7 +201,7 @@ class PredictionLog:
     def sent(self, entries: list[_Entry]) -> None:
         """A record from :meth:`take` is published (or failed): its version may take another."""
         first = entries[0]
-        key = f"{first.model}/{first.routed.version}"
+        key = prediction_subject(first.model, first.routed.version)
         left = self._in_flight.pop(key) - 1
         if left:
             self._in_flight[key] = left
@@ -231,7 +231,7 @@ class PredictionLog:
             try:
                 first = entries[0]
                 await self._publisher.publish_proto(PREDICTIONS, self.record_of(entries),
-                                                    subject=f"{first.model}/{first.routed.version}")
+                                                    subject=prediction_subject(first.model, first.routed.version))
             except asyncio.CancelledError:
                 self._dropped.labels("shutdown").inc(len(entries))
                 raise
@@ -260,43 +260,7 @@ class PredictionLog:
 
     def _fill(self, event: events_pb2.PredictionMade, entry: _Entry) -> events_pb2.PredictionMade:
         routed = entry.routed
-        event.request_id, event.model_name, event.model_version = entry.request_id, entry.model, routed.version
-        event.latency_ms, event.replica = entry.latency_s * 1000.0, routed.replica
-        event.backup_won, event.attempts = routed.backup_won, routed.attempts
-        event.time.FromNanoseconds(int(entry.received * 1e9))
-        if len(entry.request) <= self.record_cap_bytes:
-            event.infer_request = entry.request
-        else:
-            request = pb.ModelInferRequest.FromString(entry.request)
-            event.input_summaries.extend(_summaries(request.inputs, request.raw_input_contents))
-        if len(entry.response) <= self.record_cap_bytes:
-            event.infer_response = entry.response
-        else:
-            response = pb.ModelInferResponse.FromString(entry.response)
-            event.output_summaries.extend(_summaries(response.outputs, response.raw_output_contents))
-        return event
-
-
-def _summaries(tensors, raw_contents) -> list[events_pb2.TensorSummary]:
-    """Per tensor: datatype, shape, and statistics of numeric values (raw or typed contents)."""
-    summaries = []
-    for index, tensor in enumerate(tensors):
-        summary = events_pb2.TensorSummary(name=tensor.name, datatype=tensor.datatype, shape=list(tensor.shape))
-        datatype = BY_KSERVE.get(tensor.datatype)
-        if datatype is not None and datatype.kserve != "BYTES":
-            try:
-                if index < len(raw_contents):
-                    values = np.frombuffer(raw_contents[index], dtype=datatype.numpy)
-                elif datatype.contents_field is not None:
-                    values = np.asarray(getattr(tensor.contents, datatype.contents_field), dtype=datatype.numpy)
-                else:
-                    values = np.empty(0)
-                values = values.astype(np.float64)
-            except ValueError:  # contents that do not match the datatype: no statistics
-                values = np.empty(0)
-            if values.size:
-                summary.has_stats = True
-                summary.mean, summary.std = float(values.mean()), float(values.std())
-                summary.min, summary.max = float(values.min()), float(values.max())
-        summaries.append(summary)
-    return summaries
+        return prediction_made(request_id=entry.request_id, model=entry.model, version=routed.version,
+                               request=entry.request, response=entry.response, received=entry.received,
+                               latency_s=entry.latency_s, replica=routed.replica, attempts=routed.attempts,
+                               backup_won=routed.backup_won, record_cap_bytes=self.record_cap_bytes, into=event)

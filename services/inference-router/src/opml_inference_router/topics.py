@@ -1,12 +1,6 @@
-"""The topics inference-router publishes (predictions, deployments) and consumes (bundles), as their
-events proto files declare them."""
-
-from opml.inference.v1 import deployment_events_pb2, events_pb2
+"""The topics inference-router consumes (bundles: it deploys committed bundles tagged to serve); those it
+publishes are its contract's (:mod:`opml_inference_router_contract.topics`)."""
 
 from opml_bundle_store_contract.topics import BUNDLES
-from opml_common.topics import Topic
 
-PREDICTIONS = Topic.of(events_pb2)
-DEPLOYMENTS = Topic.of(deployment_events_pb2)
-
-__all__ = ["BUNDLES", "DEPLOYMENTS", "PREDICTIONS"]
+__all__ = ["BUNDLES"]

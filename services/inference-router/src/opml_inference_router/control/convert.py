@@ -14,7 +14,6 @@ from opml.inference.v1 import deployments_pb2 as pb
 from opml_common.errors import InvalidArgument, OpmlError
 from opml_common.perfmodel import Sample, ServingConfig
 from opml_common.perfmodel.space import EXECUTION_MODES, OPT_LEVELS, PRECISIONS
-from opml_inference_router.client import serving_config
 from opml_inference_router.control.serving_models import Fit
 from opml_inference_router.control.state import DEPLOYING, FAILED, SERVING, ModelRecord, Source
 from opml_inference_router.control.view import DeploymentView
@@ -26,6 +25,7 @@ from opml_inference_router.placement import (
     SessionChoice,
     replicas_of,
 )
+from opml_inference_router_contract.client import serving_config
 
 _STATES = {DEPLOYING: pb.DEPLOYING, SERVING: pb.SERVING, FAILED: pb.FAILED}
 

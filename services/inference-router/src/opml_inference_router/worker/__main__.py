@@ -33,8 +33,8 @@ from opml_inference_router.worker import uds
 from opml_inference_router.worker.process import MAX_UDS_PATH
 from opml_inference_router.worker.servicer import WorkerServicer
 from opml_inference_router.worker.settings import WorkerSettings
+from opml_inference_router_contract.names import SERVICE
 
-SERVICE = "inference-router"
 METRICS_NAMESPACE = "inference-router-worker"  # opml_inference_router_worker_*: apart from the router's
 SERVER_NAME = "opml-inference-router-worker"
 
