@@ -51,11 +51,11 @@ from opml_devstack.devinfra import DevInfra  # noqa: E402
 from opml_devstack.testing.services import ServiceStarter  # noqa: E402
 from opml_inference_router_contract.predictions import prediction_made  # noqa: E402
 from opml_monitoring_scorer.__main__ import SPEC  # noqa: E402
-from opml_monitoring_scorer.client import MonitoringClient  # noqa: E402
 from opml_monitoring_scorer.core.reference import Task  # noqa: E402
 from opml_monitoring_scorer.core.scorer import dump_reference  # noqa: E402
 from opml_monitoring_scorer.synthetic import FEATURES, SyntheticWorld  # noqa: E402
 from opml_monitoring_scorer.topics import PREDICTIONS  # noqa: E402
+from opml_monitoring_scorer_contract.client import MonitoringClient  # noqa: E402
 
 
 def events(world: SyntheticWorld, n: int, rows_per_event: int = 1) -> list[inference_events.PredictionMade]:

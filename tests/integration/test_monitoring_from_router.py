@@ -16,9 +16,9 @@ from opml_common.errors import NotFound
 from opml_devstack.testing.bus import poll_until
 from opml_devstack.testing.services import TOKENS
 from opml_inference_router_contract.client import DeploymentClient
-from opml_monitoring_scorer.client import MonitoringClient
 from opml_monitoring_scorer.core.reference import Outputs, ReferenceSet, Task
 from opml_monitoring_scorer.core.scorer import dump_reference
+from opml_monitoring_scorer_contract.client import MonitoringClient
 
 WINDOW = 50
 FEATURES = [f"f{i}" for i in range(16)]

@@ -31,11 +31,11 @@ from opml_devstack.testing.services import TOKENS, ServiceStarter, env_prefix
 from opml_inference_router_contract.names import EVENT_SOURCE as ROUTER_SOURCE
 from opml_inference_router_contract.predictions import RECORD_CAP_BYTES, prediction_made, prediction_subject
 from opml_monitoring_scorer.__main__ import SPEC
-from opml_monitoring_scorer.client import MonitoringClient
 from opml_monitoring_scorer.core.reference import Task
 from opml_monitoring_scorer.core.scorer import dump_reference
 from opml_monitoring_scorer.synthetic import FEATURES, Rows, SyntheticWorld
 from opml_monitoring_scorer.topics import LABELS, PREDICTIONS
+from opml_monitoring_scorer_contract.client import MonitoringClient
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 WINDOW = 200

@@ -18,7 +18,8 @@ from opml_devstack.testing.bus import read_records
 from opml_devstack.testing.services import TOKENS
 from opml_monitoring_scorer.cli import monitor
 from opml_monitoring_scorer.core.reference import performance
-from opml_monitoring_scorer.topics import ALERTS, LABELS, PREDICTIONS
+from opml_monitoring_scorer.topics import LABELS, PREDICTIONS
+from opml_monitoring_scorer_contract.topics import ALERTS
 
 from .conftest import BATCH, WINDOW, Producer, wait_labelled, wait_windows, writer
 

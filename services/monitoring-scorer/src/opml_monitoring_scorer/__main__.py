@@ -16,9 +16,11 @@ from opml_monitoring_scorer.servicer import METHOD_ROLES, MonitoringServicer
 from opml_monitoring_scorer.settings import MonitoringScorerSettings
 from opml_monitoring_scorer.state import MonitorStore
 from opml_monitoring_scorer.stream import ScoringStream
-from opml_monitoring_scorer.topics import ALERTS, DEPLOYMENTS, LABELS, PREDICTIONS
+from opml_monitoring_scorer.topics import DEPLOYMENTS, LABELS, PREDICTIONS
+from opml_monitoring_scorer_contract.names import SERVICE
+from opml_monitoring_scorer_contract.topics import ALERTS
 
-SPEC = ServiceSpec(name="monitoring-scorer", module="opml_monitoring_scorer", settings=MonitoringScorerSettings,
+SPEC = ServiceSpec(name=SERVICE, module="opml_monitoring_scorer", settings=MonitoringScorerSettings,
                    topics=(ALERTS, LABELS, PREDICTIONS, DEPLOYMENTS))
 
 

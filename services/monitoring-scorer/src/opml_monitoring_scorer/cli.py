@@ -10,7 +10,7 @@ from opml.monitoring.v1 import monitoring_pb2 as pb
 from rich.table import Table
 
 from opml_common.cligroup import ClientSession, output_console, pass_session, service_group
-from opml_monitoring_scorer.client import MonitoringClient
+from opml_monitoring_scorer_contract.client import MonitoringClient
 
 console = output_console()
 

@@ -10,6 +10,7 @@ from opml.monitoring.v1 import monitoring_pb2 as pb
 from opml_common.errors import InvalidArgument
 from opml_monitoring_scorer.core.records import AlertRecord
 from opml_monitoring_scorer.core.scorer import Monitored
+from opml_monitoring_scorer_contract.names import version_name
 
 _NAME = re.compile(r"^models/([^/]+)/versions/([^/]+)$")
 
@@ -22,10 +23,6 @@ def parse_name(field: str, name: str) -> str:
     if not match or len(name) > 512:
         raise InvalidArgument(field, f"must look like models/{{model}}/versions/{{version}}, but got {name[:80]!r}")
     return f"{match.group(1)}/{match.group(2)}"
-
-
-def resource_name(model: str, version: str) -> str:
-    return f"models/{model}/versions/{version}"
 
 
 def _drift(data: dict[str, Any] | None) -> pb.FeatureDrift | None:
@@ -56,7 +53,7 @@ def status_to_proto(monitored: Monitored, *, windows: int, predictions: int, las
                     firing: list[str]) -> pb.ModelStatus:
     monitor = monitored.monitor
     status = pb.ModelStatus(
-        name=resource_name(monitored.model, monitored.version),
+        name=version_name(monitored.model, monitored.version),
         task=(monitor.task.value if monitor else (monitored.config.task.value if monitored.config.task else "")),
         reference=pb.BundleRef(context=monitored.context, bundle=monitored.bundle_uuid),
         reference_rows=len(monitor.reference) if monitor else 0,
@@ -69,6 +66,6 @@ def status_to_proto(monitored: Monitored, *, windows: int, predictions: int, las
 
 
 def alert_to_proto(alert: AlertRecord) -> pb.Alert:
-    return pb.Alert(name=resource_name(alert.model, alert.version), rule=alert.rule, firing=alert.firing,
+    return pb.Alert(name=version_name(alert.model, alert.version), rule=alert.rule, firing=alert.firing,
                     raised_at_window=alert.raised_at_window, resolved_at_window=alert.resolved_at_window or 0,
                     signal=alert.signal, value=alert.value or 0.0, features=alert.features)

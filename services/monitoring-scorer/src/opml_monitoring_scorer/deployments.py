@@ -14,11 +14,12 @@ from opml.inference.v1 import deployment_events_pb2
 
 from opml_common.bus.cloudevents import CloudEvent
 from opml_common.errors import OpmlError
+from opml_inference_router_contract.names import EVENT_SOURCE as ROUTER_SOURCE
 from opml_monitoring_scorer.core.scorer import Scorer
 
 log = logging.getLogger(__name__)
 GROUP = "monitoring-scorer-deployments"
-SOURCES = frozenset({"opml/inference-router"})
+SOURCES = frozenset({ROUTER_SOURCE})
 _DEPLOYED = "opml.inference.v1.ModelDeployed"
 
 

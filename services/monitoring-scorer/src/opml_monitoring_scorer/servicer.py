@@ -9,15 +9,10 @@ from opml.monitoring.v1 import monitoring_pb2_grpc
 
 from opml_common.errors import InvalidArgument
 from opml_common.pagination import cursor_token, page_size_of, read_cursor
-from opml_monitoring_scorer.convert import (
-    alert_to_proto,
-    parse_name,
-    resource_name,
-    status_to_proto,
-    window_to_proto,
-)
+from opml_monitoring_scorer.convert import alert_to_proto, parse_name, status_to_proto, window_to_proto
 from opml_monitoring_scorer.core.records import AlertRecord
 from opml_monitoring_scorer.core.scorer import Scorer
+from opml_monitoring_scorer_contract.names import version_name
 
 METHOD_ROLES = {"RegisterModel": "writer", "GetModelStatus": "reader", "ListModels": "reader",
                 "ListWindows": "reader", "ListAlerts": "reader", "GetRules": "reader", "SetRules": "writer"}
@@ -92,7 +87,7 @@ class MonitoringServicer(monitoring_pb2_grpc.MonitoringServiceServicer):
         key = parse_name("name", request.name)
         monitored = await self._scorer.find(key)
         text = yaml.safe_dump({"rules": [r.to_dict() for r in monitored.rules]}, sort_keys=False)
-        return pb.Rules(name=resource_name(monitored.model, monitored.version), yaml=text)
+        return pb.Rules(name=version_name(monitored.model, monitored.version), yaml=text)
 
     async def SetRules(self, request: pb.SetRulesRequest, context) -> pb.Rules:
         key = parse_name("name", request.name)

@@ -1,13 +1,7 @@
-"""The topics monitoring-scorer publishes (alerts) and consumes (predictions, labels, deployments),
-from their events protos."""
+"""The topics monitoring-scorer consumes: the router's predictions and deployments, and the labels of
+its own area (its contract's, as are the alerts it publishes: :mod:`opml_monitoring_scorer_contract.topics`)."""
 
-from opml.inference.v1 import deployment_events_pb2
-from opml.inference.v1 import events_pb2 as prediction_events_pb2
-from opml.monitoring.v1 import alert_events_pb2, label_events_pb2
+from opml_inference_router_contract.topics import DEPLOYMENTS, PREDICTIONS
+from opml_monitoring_scorer_contract.topics import LABELS
 
-from opml_common.topics import Topic
-
-ALERTS = Topic.of(alert_events_pb2)
-LABELS = Topic.of(label_events_pb2)
-PREDICTIONS = Topic.of(prediction_events_pb2)
-DEPLOYMENTS = Topic.of(deployment_events_pb2)
+__all__ = ["DEPLOYMENTS", "LABELS", "PREDICTIONS"]

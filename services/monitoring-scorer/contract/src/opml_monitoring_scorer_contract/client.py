@@ -9,10 +9,7 @@ from opml.monitoring.v1 import monitoring_pb2 as pb
 from opml.monitoring.v1 import monitoring_pb2_grpc
 
 from opml_common.grpc.client import ServiceClient, pages
-
-
-def version_name(model: str, version: str) -> str:
-    return f"models/{model}/versions/{version}"
+from opml_monitoring_scorer_contract.names import version_name
 
 
 class MonitoringClient(ServiceClient):
