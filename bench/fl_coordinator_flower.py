@@ -36,9 +36,9 @@ import yaml
 from _stack import bench_services
 
 from opml_devstack.testing.services import TOKENS
-from opml_fl_coordinator.client import FederationClient, NumPyClient, run_client
 from opml_fl_coordinator.config import parse_config
 from opml_fl_coordinator.simulator import Simulator, SoftmaxModel, heterogeneous_traits, partition_digits
+from opml_fl_coordinator_contract.client import FederationClient, NumPyClient, run_client
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".venv-peers-flower"

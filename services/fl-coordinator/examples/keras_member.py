@@ -7,9 +7,9 @@ import sys
 
 import keras
 
-from opml_fl_coordinator.client import run_client
-from opml_fl_coordinator.keras_client import KerasClient
 from opml_fl_coordinator.simulator import partition_digits
+from opml_fl_coordinator_contract.client import run_client
+from opml_fl_coordinator_contract.keras_client import KerasClient
 
 target, federation, index, shards = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 x, y = partition_digits(shards, alpha=0.5).clients[index]  # this plant's data; it never leaves

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from opml_devstack.testing.services import TOKENS
-from opml_fl_coordinator.client import FederationClient
+from opml_fl_coordinator_contract.client import FederationClient
 
 PROGRAMS = Path(__file__).parent / "programs"
 sys.path.insert(0, str(PROGRAMS))  # the member program doubles as the threads' member class

@@ -32,7 +32,7 @@ def test_rounds_and_the_accuracy_plot_of_a_finished_federation(coordinator, writ
     from member import DigitsMember
 
     from opml_devstack.testing.services import TOKENS
-    from opml_fl_coordinator.client import run_client
+    from opml_fl_coordinator_contract.client import run_client
 
     monkeypatch.setenv("OPML_FL_COORDINATOR_TARGET", coordinator.target)
     writer.create(CONFIG.replace("name: cli", "name: plotted"))

@@ -5,9 +5,9 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-from opml_fl_coordinator.keras_client import KerasClient
 from opml_fl_coordinator.simulator import partition_digits
 from opml_fl_coordinator.weights import global_norm, subtract
+from opml_fl_coordinator_contract.keras_client import KerasClient
 
 
 def client(seed=0, metrics=("accuracy",)) -> KerasClient:

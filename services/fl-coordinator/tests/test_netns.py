@@ -22,7 +22,7 @@ from opml.fl.v1 import fl_pb2 as pb
 
 from opml_devstack.testing.relay import TcpRelay
 from opml_devstack.testing.services import TOKENS
-from opml_fl_coordinator.client import FederationClient
+from opml_fl_coordinator_contract.client import FederationClient
 
 PROGRAMS = Path(__file__).parent / "programs"
 RATE_MBIT = 8

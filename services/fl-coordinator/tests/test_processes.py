@@ -17,9 +17,9 @@ from opml.fl.v1 import fl_pb2 as pb
 
 from opml_bundle_store_contract.client import BundleStoreClient
 from opml_devstack.testing.services import TOKENS
-from opml_fl_coordinator.client import FederationClient
 from opml_fl_coordinator.simulator import SoftmaxModel, partition_digits
 from opml_fl_coordinator.weights import from_bytes
+from opml_fl_coordinator_contract.client import FederationClient
 
 PROGRAMS = Path(__file__).parent / "programs"
 DEADLINE_S = 10.0  # generous: a loaded machine must not make the in-time members late

@@ -17,8 +17,8 @@ from opml_common.errors import AlreadyExists, InvalidArgument, PermissionDenied,
 from opml_devstack.testing.bus import read_records
 from opml_devstack.testing.metrics import samples, scrape
 from opml_devstack.testing.services import TOKENS
-from opml_fl_coordinator.client import FederatedClient, FederationClient, run_client
-from opml_fl_coordinator.topics import FEDERATIONS
+from opml_fl_coordinator_contract.client import FederatedClient, FederationClient, run_client
+from opml_fl_coordinator_contract.topics import FEDERATIONS
 
 CONFIG = """
 name: {name}

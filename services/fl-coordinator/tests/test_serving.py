@@ -16,8 +16,8 @@ from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.errors import NotFound
 from opml_devstack.testing.bus import poll_until
 from opml_devstack.testing.services import TOKENS
-from opml_fl_coordinator.client import FederationClient, run_client
 from opml_fl_coordinator.simulator import SoftmaxModel, partition_digits
+from opml_fl_coordinator_contract.client import FederationClient, run_client
 from opml_inference_router_contract.client import DeploymentClient
 
 ONE_CPU_WORKER = {

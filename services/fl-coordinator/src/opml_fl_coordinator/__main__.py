@@ -13,9 +13,10 @@ from opml_fl_coordinator.metrics import FlMetrics
 from opml_fl_coordinator.servicer import CLIENT_ROLES, FEDERATION_ROLES, FederatedClientServicer, FederationServicer
 from opml_fl_coordinator.settings import FlCoordinatorSettings
 from opml_fl_coordinator.store import FederationStore
-from opml_fl_coordinator.topics import FEDERATIONS
+from opml_fl_coordinator_contract.names import SERVICE
+from opml_fl_coordinator_contract.topics import FEDERATIONS
 
-SPEC = ServiceSpec(name="fl-coordinator", module="opml_fl_coordinator", settings=FlCoordinatorSettings,
+SPEC = ServiceSpec(name=SERVICE, module="opml_fl_coordinator", settings=FlCoordinatorSettings,
                    topics=(FEDERATIONS,))
 
 

@@ -14,7 +14,8 @@ from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.errors import AlreadyExists
 from opml_fl_coordinator.federation import Federation, RoundRecord
 from opml_fl_coordinator.onnx_export import dense_classifier_onnx, serving_config
-from opml_fl_coordinator.weights import Weights, to_bytes
+from opml_fl_coordinator.weights import to_bytes
+from opml_fl_coordinator_contract.weights import Weights
 
 log = logging.getLogger(__name__)
 

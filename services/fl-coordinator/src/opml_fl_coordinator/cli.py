@@ -12,8 +12,8 @@ from opml.fl.v1 import fl_pb2 as pb
 from rich.table import Table
 
 from opml_common.cligroup import ClientSession, output_console, pass_session, service_group
-from opml_fl_coordinator.client import FederationClient
 from opml_fl_coordinator.config import parse_config
+from opml_fl_coordinator_contract.client import FederationClient
 
 console = output_console()
 

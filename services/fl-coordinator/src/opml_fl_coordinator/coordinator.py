@@ -34,7 +34,7 @@ from opml_fl_coordinator.federation import Federation, FederationListener, Phase
 from opml_fl_coordinator.metrics import FlMetrics, kind_of
 from opml_fl_coordinator.store import FederationStore
 from opml_fl_coordinator.strategy.base import Scalar
-from opml_fl_coordinator.weights import Weights
+from opml_fl_coordinator_contract.weights import Weights
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,8 @@ from opml_fl_coordinator.selection import Selection
 from opml_fl_coordinator.strategy import Failure, FitRes, Strategy
 from opml_fl_coordinator.strategy.base import Config, Scalar
 from opml_fl_coordinator.validation import UpdateValidator
-from opml_fl_coordinator.weights import Weights, add, cast_like, subtract
+from opml_fl_coordinator.weights import add, cast_like, subtract
+from opml_fl_coordinator_contract.weights import Weights
 
 MAX_CONSECUTIVE_DROPS = 3
 """A client that missed this many tasks in a row counts as gone until it joins again."""

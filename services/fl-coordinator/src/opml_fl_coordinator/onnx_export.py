@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from opml_fl_coordinator.weights import Weights
+from opml_fl_coordinator_contract.weights import Weights
 
 ACTIVATIONS = {"relu": "Relu", "tanh": "Tanh", "sigmoid": "Sigmoid"}
 

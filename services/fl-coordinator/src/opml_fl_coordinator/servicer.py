@@ -1,6 +1,7 @@
 """The FederationService and FederatedClientService servicers: parse, call the coordinator, convert.
 
-Client calls are identified by the client's own token (metadata ``x-opml-fl-client-token``),
+Client calls are identified by the client's own token (metadata ``x-opml-fl-client-token``, the
+contract's ``CLIENT_TOKEN_HEADER``),
 which the coordinator maps to one (federation, client id); a request naming another federation is
 refused. The platform's bearer-token roles (``METHOD_ROLES``) apply on top, to every call.
 """
@@ -18,10 +19,11 @@ from opml_common.pagination import paginate
 from opml_fl_coordinator import convert
 from opml_fl_coordinator.coordinator import DONE, Coordinator
 from opml_fl_coordinator.metrics import FlMetrics
+from opml_fl_coordinator_contract.names import CLIENT_TOKEN_HEADER, federation_name
+from opml_fl_coordinator_contract.weights import ArrayAssembler, chunks
 
 log = logging.getLogger(__name__)
 
-CLIENT_TOKEN_HEADER = "x-opml-fl-client-token"
 MAX_WAIT_S = 60.0
 DEFAULT_WAIT_S = 10.0
 
@@ -68,12 +70,12 @@ class FederationServicer(fl_pb2_grpc.FederationServiceServicer):
     async def RegisterClient(self, request: pb.RegisterClientRequest, context) -> pb.ClientCredential:
         federation_id = convert.parse_federation_name("parent", request.parent)
         token = await self._coordinator.register_client(federation_id, request.client_id, dict(request.labels))
-        return pb.ClientCredential(federation=convert.federation_name(federation_id), client_id=request.client_id,
+        return pb.ClientCredential(federation=federation_name(federation_id), client_id=request.client_id,
                                    token=token)
 
     async def DownloadWeights(self, request: pb.DownloadWeightsRequest, context) -> AsyncIterator[pb.ArrayChunk]:
         federation = self._coordinator.get(convert.parse_federation_name("name", request.name)).federation
-        for chunk in convert.chunks(list(federation.weights or []), self._chunk_bytes):
+        for chunk in chunks(list(federation.weights or []), self._chunk_bytes):
             yield chunk
 
 
@@ -118,7 +120,7 @@ class FederatedClientServicer(fl_pb2_grpc.FederatedClientServiceServicer):
             yield pb.TaskChunk(header=convert.task_header(None))
             return
         yield pb.TaskChunk(header=convert.task_header(task))
-        for chunk in convert.chunks(list(task.weights or []), self._chunk_bytes):
+        for chunk in chunks(list(task.weights or []), self._chunk_bytes):
             self._metrics.bytes_out.inc(len(chunk.data))
             yield pb.TaskChunk(chunk=chunk)
 
@@ -132,7 +134,7 @@ class FederatedClientServicer(fl_pb2_grpc.FederatedClientServiceServicer):
                     raise InvalidArgument("header", "the first message of an upload must be its header")
                 header = message.header
                 identity = self._client(context, header.federation)  # before reading any weights
-                assembler = convert.ArrayAssembler(header.num_arrays, max_bytes=self._max_model_bytes)
+                assembler = ArrayAssembler(header.num_arrays, max_bytes=self._max_model_bytes)
                 continue
             if not message.HasField("chunk"):
                 raise InvalidArgument("header", "an upload has exactly one header, first")

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from minio import Minio
 
-from opml_fl_coordinator.weights import Weights
+from opml_fl_coordinator_contract.weights import Weights
 
 
 def _pack(arrays: dict[str, Weights]) -> bytes:

@@ -1,4 +1,5 @@
-"""Model weights as the coordinator handles them: a list of numpy arrays, in the model's layer order.
+"""Model weights as the coordinator handles them: a list of numpy arrays, in the model's layer order
+(:data:`~opml_fl_coordinator_contract.weights.Weights`, the contract's, as members send them).
 
 Everything here is pure numpy: shapes, norms, the difference between two models, and a
 self-describing byte form (``.npz``) for stores and bundles.
@@ -11,8 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-Weights = list[np.ndarray]
-"""One model's arrays (Flower's ``NDArrays``)."""
+from opml_fl_coordinator_contract.weights import Weights
 
 
 def shapes(weights: Sequence[np.ndarray]) -> list[tuple[int, ...]]:

@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-from opml_fl_coordinator.client import NumPyClient, run_client
 from opml_fl_coordinator.simulator import SoftmaxModel, partition_digits
+from opml_fl_coordinator_contract.client import NumPyClient, run_client
 
 
 class DigitsMember(NumPyClient):
@@ -56,7 +56,7 @@ class KerasDigitsMember(DigitsMember):
         super().__init__(index, shards, **kwargs)
         import keras
 
-        from opml_fl_coordinator.keras_client import KerasClient
+        from opml_fl_coordinator_contract.keras_client import KerasClient
 
         keras.utils.set_random_seed(index)
         model = keras.Sequential([keras.Input((self.x.shape[1],)), keras.layers.Dense(10, activation="softmax")])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from opml_fl_coordinator.weights import Weights
+from opml_fl_coordinator_contract.weights import Weights
 
 
 class SoftmaxModel:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from opml_fl_coordinator.weights import Weights
+from opml_fl_coordinator_contract.weights import Weights
 
 Scalar = bool | int | float | str
 Config = dict[str, Scalar]

@@ -11,7 +11,8 @@ from dataclasses import replace
 import numpy as np
 
 from opml_fl_coordinator.strategy.base import Failure, FitIns, FitRes, Scalar, Strategy
-from opml_fl_coordinator.weights import Weights, cast_like, global_norm, subtract
+from opml_fl_coordinator.weights import cast_like, global_norm, subtract
+from opml_fl_coordinator_contract.weights import Weights
 
 
 class DifferentialPrivacyFixedClipping(Strategy):

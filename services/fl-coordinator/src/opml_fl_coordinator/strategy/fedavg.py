@@ -17,7 +17,8 @@ from opml_fl_coordinator.strategy.base import (
     check_same_shapes,
     weighted_metrics,
 )
-from opml_fl_coordinator.weights import Weights, cast_like
+from opml_fl_coordinator.weights import cast_like
+from opml_fl_coordinator_contract.weights import Weights
 
 
 class FedAvg(Strategy):

@@ -10,7 +10,8 @@ import numpy as np
 
 from opml_fl_coordinator.strategy.base import Failure, FitRes, Scalar
 from opml_fl_coordinator.strategy.fedavg import FedAvg
-from opml_fl_coordinator.weights import Weights, cast_like
+from opml_fl_coordinator.weights import cast_like
+from opml_fl_coordinator_contract.weights import Weights
 
 
 def _number(name: str, value: object, *, low: float, high: float | None = None, low_open: bool = False) -> float:

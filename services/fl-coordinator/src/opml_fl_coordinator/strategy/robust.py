@@ -10,7 +10,7 @@ import numpy as np
 
 from opml_fl_coordinator.strategy.base import FitRes
 from opml_fl_coordinator.strategy.fedavg import FedAvg
-from opml_fl_coordinator.weights import Weights
+from opml_fl_coordinator_contract.weights import Weights
 
 
 class FedTrimmedAvg(FedAvg):

@@ -19,7 +19,7 @@ A member, in a dozen lines::
 
     run_client("coordinator:50057", "plants", os.environ["OPML_FL_CLIENT_TOKEN"], Plant())
 
-(:class:`~opml_fl_coordinator.keras_client.KerasClient` is that class, FedProx term included.)
+(:class:`~opml_fl_coordinator_contract.keras_client.KerasClient` is that class, FedProx term included.)
 Failed calls raise domain errors, never ``grpc.RpcError``.
 """
 
@@ -39,9 +39,8 @@ from opml.fl.v1 import fl_pb2_grpc
 from opml_common.errors import OpmlError
 from opml_common.grpc.client import ServiceClient, Tls, pages
 from opml_common.retry import Backoff
-from opml_fl_coordinator.convert import ArrayAssembler, chunks, federation_name
-from opml_fl_coordinator.servicer import CLIENT_TOKEN_HEADER
-from opml_fl_coordinator.weights import Weights
+from opml_fl_coordinator_contract.names import CLIENT_TOKEN_HEADER, federation_name
+from opml_fl_coordinator_contract.weights import ArrayAssembler, Weights, chunks
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20

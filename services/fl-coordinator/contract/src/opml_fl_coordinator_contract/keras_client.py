@@ -1,7 +1,10 @@
 """A federation member that trains a Keras model locally (TensorFlow is imported by the caller's
 model; this module only drives it). It applies FedProx's proximal term ``mu/2 ||w - w_global||^2``
 when the round's config carries ``proximal_mu``, and stops early with the work done so far when
-the config carries ``time_budget_s`` (partial work of a straggler)."""
+the config carries ``time_budget_s`` (partial work of a straggler).
+
+Part of the members' SDK, so of the contract; keras and TensorFlow are imported inside
+:meth:`KerasClient.fit` only, so the contract never depends on them."""
 
 from __future__ import annotations
 
@@ -10,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from opml_fl_coordinator.client import NumPyClient
-from opml_fl_coordinator.weights import Weights
+from opml_fl_coordinator_contract.client import NumPyClient
+from opml_fl_coordinator_contract.weights import Weights
 
 
 class KerasClient(NumPyClient):
