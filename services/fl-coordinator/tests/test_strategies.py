@@ -16,6 +16,7 @@ from opml_fl_coordinator.strategy import (
     FedYogi,
     FitRes,
 )
+from opml_fl_coordinator.strategy.fedopt import FedOpt
 from opml_fl_coordinator.weights import global_norm, subtract
 
 
@@ -66,6 +67,23 @@ def test_fedyogi_second_moment_differs_from_adam_after_two_steps():
     assert not np.allclose(adam.v_t[0], yogi.v_t[0])
     # Yogi: v1 = 0 - (1-b2) d^2 sign(0 - d^2) = (1-b2) d^2 > 0, as Adam's on the first step
     assert np.all(yogi.v_t[0] > 0)
+
+
+def _subclasses(cls: type) -> list[type]:
+    return [sub for direct in cls.__subclasses__() for sub in (direct, *_subclasses(direct))]
+
+
+def test_fedopt_is_abstract_and_every_server_optimizer_can_be_made():
+    """FedOpt has no second-moment rule, so it cannot be made (it used to be, and failed at its first
+    aggregation); each of its concrete subclasses can, with FedOpt's own arguments."""
+    with pytest.raises(TypeError, match="abstract"):
+        FedOpt(eta=0.1)
+    concrete = [cls for cls in _subclasses(FedOpt) if not getattr(cls, "__abstractmethods__", None)]
+    assert {FedAdam, FedYogi} <= set(concrete)
+    for cls in concrete:
+        strategy = cls(eta=0.1, beta_1=0.9, beta_2=0.99, tau=1e-3)
+        strategy.initialize([np.zeros(2)])
+        assert strategy.aggregate_fit(1, [res("a", 0.5, 1)], [])[0] is not None
 
 
 def test_dp_clips_every_update_and_adds_calibrated_noise():

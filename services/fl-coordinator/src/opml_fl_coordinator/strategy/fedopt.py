@@ -4,6 +4,7 @@ difference from the current model) that a server-side Adam or Yogi step applies.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -23,8 +24,12 @@ def _number(name: str, value: object, *, low: float, high: float | None = None, 
     return float(value)  # type: ignore[arg-type]
 
 
-class FedOpt(FedAvg):
+class FedOpt(FedAvg, ABC):
     """Base of the server optimizers: keeps the current model and the first and second moments.
+
+    Abstract: a server optimizer is its rule for the second moment (:meth:`second_moment`), so only
+    its subclasses (:class:`FedAdam`, :class:`FedYogi`) can be made; a bare ``FedOpt`` would fail at
+    its first aggregation.
 
     Args (keyword-only, with FedAvg's): ``eta`` server learning rate, ``beta_1``/``beta_2`` moment
     decays, ``tau`` adaptivity (added to the root of the second moment).
@@ -65,8 +70,9 @@ class FedOpt(FedAvg):
                         for c, m, v in zip(self.current, self.m_t, self.v_t, strict=True)]
         return cast_like(self.current, results[0].weights), metrics
 
+    @abstractmethod
     def second_moment(self, v: np.ndarray, delta: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
+        """The next second moment from the last one ``v`` and this round's pseudo-gradient ``delta``."""
 
     def state(self) -> dict[str, Weights]:
         return {} if self.m_t is None or self.v_t is None else {"m_t": list(self.m_t), "v_t": list(self.v_t)}
