@@ -7,7 +7,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q -c constraints.txt
 PROTOS := $(shell find protos/opml -name '*.proto')
 SERVICES := $(sort $(dir $(wildcard services/*/pyproject.toml)))
-PACKAGES := protos/python libs/common libs/devstack $(SERVICES)
+# Each service's contract (client, resource names, topics, event source): what other services depend on
+CONTRACTS := $(sort $(dir $(wildcard services/*/contract/pyproject.toml)))
+PACKAGES := protos/python libs/common libs/devstack $(CONTRACTS) $(SERVICES)
 # C sources of the packages' extension modules: the editable install builds them, so a change re-installs
 C_SOURCES := $(shell find services libs -name '*.c')
 STAMP := $(VENV)/.installed
@@ -21,7 +23,7 @@ install: $(STAMP) protos $(FRONT)
 	@# byte-compile the editable packages, as a wheel install does: with PYTHONDONTWRITEBYTECODE set (it is
 	@# on these machines) every process, a traced job's tracer included, would compile them from source
 	@# at each start (a traced job's CPU included). Up-to-date files are skipped.
-	$(PY) -m compileall -q -j 0 protos/python libs/common/src libs/devstack/src $(foreach s,$(SERVICES),$(s)src) > /dev/null
+	$(PY) -m compileall -q -j 0 protos/python libs/common/src libs/devstack/src $(foreach p,$(CONTRACTS) $(SERVICES),$(p)src) > /dev/null
 
 $(STAMP): constraints.txt $(foreach p,$(PACKAGES),$(p)/pyproject.toml) $(C_SOURCES)
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
@@ -37,7 +39,7 @@ $(STAMP): constraints.txt $(foreach p,$(PACKAGES),$(p)/pyproject.toml) $(C_SOURC
 	$(MAKE) protos
 	@# each service twice, plain and with its test extra: pip 23.2 finds no candidate for a package that
 	@# another depends on (automl-controller -> job-orchestrator) when it is named only as pkg[test]
-	$(PIP) -e protos/python -e libs/common -e 'libs/devstack[test]' $(foreach s,$(SERVICES),-e '$(s:/=)' -e '$(s:/=)[test]')
+	$(PIP) -e protos/python -e libs/common -e 'libs/devstack[test]' $(foreach c,$(CONTRACTS),-e '$(c:/=)') $(foreach s,$(SERVICES),-e '$(s:/=)' -e '$(s:/=)[test]')
 	touch $(STAMP)
 
 $(FRONT): services/inference-router/native/front.cc | $(STAMP)

@@ -37,8 +37,8 @@ from _stack import automl_controller, bench_services
 from opml.automl.v1 import automl_pb2 as pb
 
 from opml_automl_controller.algorithms import make_sampler, search_space
-from opml_automl_controller.client import ExperimentClient
 from opml_automl_controller.katib import parse_experiment
+from opml_automl_controller_contract.client import ExperimentClient
 from opml_devstack.testing.services import TOKENS
 
 TRIAL = textwrap.dedent("""

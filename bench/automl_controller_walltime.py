@@ -23,7 +23,7 @@ import yaml
 from _stack import automl_controller, bench_services
 from opml.automl.v1 import automl_pb2 as pb
 
-from opml_automl_controller.client import ExperimentClient
+from opml_automl_controller_contract.client import ExperimentClient
 from opml_devstack.testing.services import TOKENS
 
 TRIAL = textwrap.dedent("""

@@ -32,7 +32,7 @@ import yaml
 from _stack import bench_services
 from opml.automl.v1 import automl_pb2 as pb
 
-from opml_automl_controller.client import ExperimentClient
+from opml_automl_controller_contract.client import ExperimentClient
 from opml_common.perfmodel import ServingConfig, grid
 from opml_devstack.testing.bus import poll_until
 from opml_devstack.testing.services import TOKENS

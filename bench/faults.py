@@ -81,8 +81,8 @@ from opml_devstack.testing.services import service_spec
 from opml_inference_router.testing import mlp_config, worker_processes, write_model_dir
 from opml_inference_router_contract.client import DeploymentClient
 from opml_inference_router_contract.topics import DEPLOYMENTS
-from opml_trace_collector.client import TraceCollectorClient
-from opml_trace_collector.topics import TRACES, tracer_source
+from opml_trace_collector_contract.client import TraceCollectorClient
+from opml_trace_collector_contract.topics import TRACES, tracer_source
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE_CHILD = ROOT / "services" / "bundle-store" / "tests" / "core_child.py"

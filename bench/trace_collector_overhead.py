@@ -96,7 +96,7 @@ def _infra(tmp: str) -> Iterator[tuple[dict[str, str], PlatformSettings]]:
     from opml_common.bus import ensure_topics
     from opml_common.config import PlatformSettings
     from opml_devstack.devinfra import DevInfra
-    from opml_trace_collector.topics import TRACES
+    from opml_trace_collector_contract.topics import TRACES
 
     with DevInfra(Path(tmp) / "infra") as infra:
         prefix = f"bench{os.getpid()}-"
@@ -657,7 +657,7 @@ async def count_events(settings: PlatformSettings, job: str, quiet_s: float = 3.
     from aiokafka import AIOKafkaConsumer
 
     from opml_common.bus import CloudEvent
-    from opml_trace_collector.topics import TRACES
+    from opml_trace_collector_contract.topics import TRACES
     consumer = AIOKafkaConsumer(TRACES.full_name(settings.topic_prefix), bootstrap_servers=settings.kafka_bootstrap,
                                 group_id=None, auto_offset_reset="earliest", enable_auto_commit=False)
     await consumer.start()
@@ -680,7 +680,7 @@ async def job_events(settings: PlatformSettings, job: str, timeout_s: float = 60
     from opml.traces.v1 import events_pb2 as pb
 
     from opml_common.bus import CloudEvent
-    from opml_trace_collector.topics import TRACES
+    from opml_trace_collector_contract.topics import TRACES
     consumer = AIOKafkaConsumer(TRACES.full_name(settings.topic_prefix), bootstrap_servers=settings.kafka_bootstrap,
                                 group_id=None, auto_offset_reset="earliest", enable_auto_commit=False)
     await consumer.start()

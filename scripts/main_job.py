@@ -39,9 +39,9 @@ from opml_bundle_store_contract.topics import BUNDLES
 from opml_common.errors import AlreadyExists, NotFound
 from opml_inference_router_contract.client import DeploymentClient
 from opml_inference_router_contract.topics import PREDICTIONS
-from opml_job_orchestrator.client import JobClient
-from opml_job_orchestrator.spec import load_spec
-from opml_trace_collector.client import TraceCollectorClient
+from opml_job_orchestrator_contract.client import JobClient
+from opml_job_orchestrator_contract.jobspec import load_spec
+from opml_trace_collector_contract.client import TraceCollectorClient
 
 TARGET = os.environ.get("OPML_BUNDLE_STORE_TARGET", "127.0.0.1:50051")
 JOBS_TARGET = os.environ.get("OPML_JOB_ORCHESTRATOR_TARGET", "127.0.0.1:50052")

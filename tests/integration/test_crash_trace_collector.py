@@ -21,8 +21,8 @@ from opml_common.config import PlatformSettings
 from opml_common.errors import NotFound
 from opml_devstack.testing.bus import fresh_metrics, poll_until
 from opml_devstack.testing.services import TOKENS
-from opml_trace_collector.client import TraceCollectorClient
-from opml_trace_collector.topics import TRACES, tracer_source
+from opml_trace_collector_contract.client import TraceCollectorClient
+from opml_trace_collector_contract.topics import TRACES, tracer_source
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -34,9 +34,9 @@ from opml_devstack.stack import installed_services
 from opml_devstack.testing.bus import poll_until
 from opml_devstack.testing.services import env_prefix
 from opml_inference_router_contract.client import DeploymentClient
-from opml_job_orchestrator.client import JobClient
-from opml_job_orchestrator.spec import load_spec
-from opml_trace_collector.client import TraceCollectorClient
+from opml_job_orchestrator_contract.client import JobClient
+from opml_job_orchestrator_contract.jobspec import load_spec
+from opml_trace_collector_contract.client import TraceCollectorClient
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((ROOT / "deploy" / "compose" / "grafana" / "dashboards").glob("*.json"))

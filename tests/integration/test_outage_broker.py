@@ -33,9 +33,9 @@ from opml_devstack.testing.bus import poll_until, read_records
 from opml_devstack.testing.services import TOKENS
 from opml_inference_router.testing import mlp_config, write_model_dir
 from opml_inference_router_contract.client import DeploymentClient
-from opml_job_orchestrator.client import JobClient
-from opml_job_orchestrator.spec import load_spec
-from opml_job_orchestrator.topics import JOBS
+from opml_job_orchestrator_contract.client import JobClient
+from opml_job_orchestrator_contract.jobspec import load_spec
+from opml_job_orchestrator_contract.topics import JOBS
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -37,10 +37,10 @@ from opml_devstack.testing.bus import fresh_metrics, poll_until
 from opml_devstack.testing.services import TOKENS
 from opml_inference_router.testing import mlp_classifier, mlp_config, write_model_dir
 from opml_inference_router_contract.client import DeploymentClient
-from opml_job_orchestrator.client import JobClient
-from opml_job_orchestrator.spec import load_spec
-from opml_trace_collector.client import TraceCollectorClient
-from opml_trace_collector.topics import TRACES, tracer_source
+from opml_job_orchestrator_contract.client import JobClient
+from opml_job_orchestrator_contract.jobspec import load_spec
+from opml_trace_collector_contract.client import TraceCollectorClient
+from opml_trace_collector_contract.topics import TRACES, tracer_source
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -34,7 +34,7 @@ from opml_devstack.devinfra import DevInfra, free_port
 from opml_devstack.testing.bus import poll_until
 from opml_devstack.testing.relay import TcpRelay
 from opml_devstack.testing.services import TOKENS
-from opml_trace_collector.client import TraceCollectorClient
+from opml_trace_collector_contract.client import TraceCollectorClient
 
 KERAS_CNN = Path(__file__).resolve().parents[2] / "services" / "trace-collector" / "tests" / "programs" / "keras_cnn.py"
 

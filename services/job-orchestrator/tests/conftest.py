@@ -16,10 +16,10 @@ from opml.jobs.v1 import jobs_pb2 as pb
 
 from opml_devstack.process import ServiceProcess
 from opml_devstack.testing.services import TOKENS, ServiceStarter
-from opml_job_orchestrator.client import JobClient
 from opml_job_orchestrator.executor import Executor, ExecutorEvent, JobEvent, TaskEvent, TaskState
 from opml_job_orchestrator.orchestrator import JobState, JobStatus, Orchestrator
-from opml_job_orchestrator.spec import load_spec
+from opml_job_orchestrator_contract.client import JobClient
+from opml_job_orchestrator_contract.jobspec import load_spec
 
 NODE = {"name": "n0", "cpu_millis": 4000, "memory_mib": 4096, "gpu": 1}
 TERMINAL = {pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED}

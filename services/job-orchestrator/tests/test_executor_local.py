@@ -38,7 +38,7 @@ from opml_job_orchestrator.executor import (
     tony,
 )
 from opml_job_orchestrator.scheduler import JobClass, JobSpec, Resources, RoleSpec
-from opml_trace_collector.topics import TRACES
+from opml_trace_collector_contract.topics import TRACES
 
 CPU = Resources(cpu_millis=100)
 SLEEP = "import time; time.sleep(30)"

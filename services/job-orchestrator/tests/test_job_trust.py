@@ -19,10 +19,10 @@ from opml_common.bus import CloudEvent
 from opml_common.errors import InvalidArgument, PermissionDenied
 from opml_devstack.testing.bus import read_records
 from opml_devstack.testing.services import TOKENS, ServiceStarter
-from opml_job_orchestrator.client import JobClient
 from opml_job_orchestrator.convert import ENV_HIDDEN
-from opml_job_orchestrator.spec import load_spec
-from opml_job_orchestrator.topics import JOBS
+from opml_job_orchestrator_contract.client import JobClient
+from opml_job_orchestrator_contract.jobspec import load_spec
+from opml_job_orchestrator_contract.topics import JOBS
 
 PLATFORM_SECRETS = {
     "OPML_S3_ACCESS_KEY": "platform-access-7f3a9c",

@@ -19,8 +19,8 @@ from opml_common.errors import AlreadyExists, FailedPrecondition, InvalidArgumen
 from opml_common.grpc.client import open_channel
 from opml_common.grpc.status import field_violations
 from opml_devstack.testing.bus import read_records
-from opml_job_orchestrator.client import JobClient
-from opml_job_orchestrator.topics import JOBS
+from opml_job_orchestrator_contract.client import JobClient
+from opml_job_orchestrator_contract.topics import JOBS
 
 
 def _events(platform_settings, count: int) -> list[CloudEvent]:
@@ -106,7 +106,7 @@ def test_a_spec_with_four_mistakes_gets_all_four_paths_in_one_error(job_service,
 
 
 def test_unknown_command_fails_with_the_executors_error(writer: JobClient, wait_for) -> None:
-    from opml_job_orchestrator.spec import load_spec
+    from opml_job_orchestrator_contract.jobspec import load_spec
     writer.submit(load_spec({"name": "typo", "class": "TE", "command": ["opml-no-such-command", "--x"],
                              "roles": {"worker": {"resources": {"cpu": 1}}}}))
     job = wait_for(writer, "typo", pb.JOB_STATE_FAILED)

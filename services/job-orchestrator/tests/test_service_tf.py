@@ -20,10 +20,10 @@ from opml.traces.v1 import events_pb2 as traces_pb
 
 from opml_common.bus import CloudEvent, ensure_topics
 from opml_devstack.testing.bus import read_records
-from opml_job_orchestrator.client import JobClient
-from opml_job_orchestrator.spec import load_spec
-from opml_job_orchestrator.topics import JOBS
-from opml_trace_collector.topics import TRACES
+from opml_job_orchestrator_contract.client import JobClient
+from opml_job_orchestrator_contract.jobspec import load_spec
+from opml_job_orchestrator_contract.topics import JOBS
+from opml_trace_collector_contract.topics import TRACES
 
 pytestmark = pytest.mark.slow  # TensorFlow is in the test extra: these always run under make test
 

@@ -24,8 +24,8 @@ from opml_common.storage import s3_client
 from opml_devstack.process import ServiceProcess
 from opml_devstack.testing.bus import fresh_metrics
 from opml_devstack.testing.services import TOKENS, ServiceStarter
-from opml_trace_collector.client import TraceCollectorClient
-from opml_trace_collector.topics import TRACES, tracer_source
+from opml_trace_collector_contract.client import TraceCollectorClient
+from opml_trace_collector_contract.topics import TRACES, tracer_source
 
 CAPTURE_TIMEOUT_S = 4.0
 T0_US = 1_700_000_000_000_000  # start time of the synthetic steps

@@ -24,8 +24,8 @@ from opml_trace_collector.captures import CaptureManager, trace_prefix
 from opml_trace_collector.convert import event_to_proto
 from opml_trace_collector.store import BatchEffect, Keys, TraceStore
 from opml_trace_collector.summary import Summarizer
-from opml_trace_collector.topics import tracer_source
 from opml_trace_collector.tracefiles import TraceFiles
+from opml_trace_collector_contract.topics import tracer_source
 
 JOB, BUCKET = "mnist", "traces-bucket"
 T0 = 1_700_000_000.0

@@ -10,7 +10,7 @@ from opml.traces.v1 import events_pb2
 from opml.traces.v1 import traces_pb2 as pb
 
 from opml_devstack.testing.bus import headers_of, read_records
-from opml_trace_collector.topics import TRACES, tracer_source
+from opml_trace_collector_contract.topics import TRACES, tracer_source
 
 JOB = "mnist-cnn"
 TRACE_EVENTS = [{"ph": "X", "cat": "step", "name": "step 1", "ts": 0, "dur": 1000, "pid": 1, "tid": 1}]

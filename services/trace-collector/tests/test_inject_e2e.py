@@ -34,7 +34,7 @@ from opml_devstack.devinfra import free_port
 from opml_devstack.testing.bus import poll_until
 from opml_trace_collector.inject import spool
 from opml_trace_collector.session import iter_session
-from opml_trace_collector.topics import TRACES
+from opml_trace_collector_contract.topics import TRACES
 
 PROGRAMS = Path(__file__).parent / "programs"
 pytestmark = pytest.mark.slow

@@ -194,7 +194,8 @@ def test_the_tracer_imports_the_capture_code_only_when_a_capture_arrives() -> No
     capture's converter and upload code: a job that is never captured does not pay for importing it."""
     code = ("import sys\n"
             "from opml_trace_collector.inject import config, control, spool, tracer\n"
-            "from opml_trace_collector import session, topics\n"
+            "from opml_trace_collector import session\n"
+            "from opml_trace_collector_contract import topics\n"
             "print(sorted(m for m in sys.modules if m.endswith(('inject.capture', 'inject.xspace'))))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert result.stdout.strip() == "[]"

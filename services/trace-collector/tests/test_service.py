@@ -17,8 +17,8 @@ from opml.traces.v1 import traces_pb2 as pb
 from opml_common.bus import CloudEvent
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unauthenticated
 from opml_devstack.testing.bus import headers_of, read_records
-from opml_trace_collector.client import TraceCollectorClient
-from opml_trace_collector.topics import TRACES, tracer_source
+from opml_trace_collector_contract.client import TraceCollectorClient
+from opml_trace_collector_contract.topics import TRACES, tracer_source
 
 JOB = "mnist-cnn"
 # A two-step trace: step 1 waits 0.25 ms for input, then computes (MatMul); step 2 ends in an allreduce.
