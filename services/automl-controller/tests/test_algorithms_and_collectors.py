@@ -3,9 +3,13 @@ spaces), and the metrics collectors on the lines trials write."""
 
 from __future__ import annotations
 
+import importlib.abc
+import inspect
 import io
+import json
 import subprocess
 import sys
+import textwrap
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,7 +29,7 @@ from opml_automl_controller.collect import (
 from opml_automl_controller.experiment import CollectorKind, MetricsCollector
 from opml_automl_controller.katib import parse_experiment
 from opml_automl_controller.sdk import report
-from opml_common.errors import InvalidArgument
+from opml_common.errors import FailedPrecondition, InvalidArgument
 
 EXAMPLES = Path(__file__).parent / "katib_examples"
 SAMPLERS = {
@@ -51,6 +55,85 @@ def test_each_algorithm_runs_ask_and_tell_in_its_space(name: str) -> None:
                 assert parameter.low <= trial.params[parameter.name] <= parameter.high
         study.tell(trial, sum(float(v) for v in trial.params.values()))
     assert len(study.trials) == 4 and all(t.state.is_finished() for t in study.trials)
+
+
+def test_bayesianoptimization_fits_its_gaussian_process_on_pytorch() -> None:
+    """The gp extra installed (the test extra includes it): past n_initial_points, GPSampler fits."""
+    doc = yaml.safe_load((EXAMPLES / "bayesian-optimization.yaml").read_text())
+    doc["spec"]["algorithm"]["algorithmSettings"].append({"name": "n_initial_points", "value": "2"})
+    spec = parse_experiment(doc, runnable_here=True)
+    study = optuna.create_study(sampler=make_sampler(spec))
+    study.optimize(lambda trial: (trial.suggest_float("lr", 0.01, 0.05) - 0.03) ** 2
+                   + trial.suggest_float("momentum", 0.5, 0.9), n_trials=4)
+    assert len(study.trials) == 4 and "torch" in sys.modules
+
+
+ALL_BUT_GP = sorted(set(SAMPLERS) - {"bayesian-optimization.yaml"})
+
+
+class NoTorch(importlib.abc.MetaPathFinder):
+    """`import torch` fails, as where the gp extra is not installed (not ``sys.modules["torch"] = None``:
+    SciPy's array-API helpers take such an entry for the module)."""
+
+    def find_spec(self, name, path, target=None):
+        if name.partition(".")[0] == "torch":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+def test_bayesianoptimization_without_pytorch_is_refused_at_admission_naming_the_extra(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(sys.modules, "torch", raising=False)  # imported by the tests before: forgotten here
+    monkeypatch.setattr(sys, "meta_path", [NoTorch(), *sys.meta_path])
+    with pytest.raises(ModuleNotFoundError):
+        import torch  # noqa: F401
+    doc = yaml.safe_load((EXAMPLES / "bayesian-optimization.yaml").read_text())
+    doc["spec"]["parallelTrialCount"] = 20  # and another mistake: every one is reported at once
+    with pytest.raises(InvalidArgument) as refused:
+        parse_experiment(doc, runnable_here=True)
+    assert dict(refused.value.violations) == {
+        "spec.algorithm.algorithmName": "algorithm 'bayesianoptimization' needs PyTorch: install "
+                                        "opml-automl-controller[gp]",
+        "spec.parallelTrialCount": "must not exceed spec.maxTrialCount (got 20 > 12)"}
+    doc["spec"]["parallelTrialCount"] = 3
+    spec = parse_experiment(doc)  # a client's check of its file, or a stored experiment read back
+    with pytest.raises(FailedPrecondition, match=r"needs PyTorch: install opml-automl-controller\[gp\]"):
+        make_sampler(spec)  # its run fails, and is retried at the next start (the extra installed by then)
+    for name in ALL_BUT_GP:
+        assert make_sampler(parse_experiment((EXAMPLES / name).read_text(), runnable_here=True)) is not None
+
+
+def test_the_controller_imports_and_validates_without_pytorch() -> None:
+    """No module imports PyTorch (or Optuna's GP model) at import time: with `import torch` failing, every
+    module imports, and the API's validation refuses bayesianoptimization alone, by its field."""
+    program = "import importlib.abc, sys\n" + inspect.getsource(NoTorch) + textwrap.dedent("""
+        sys.meta_path.insert(0, NoTorch())
+        import importlib, json, pkgutil
+        import opml_automl_controller
+        for module in pkgutil.iter_modules(opml_automl_controller.__path__):
+            importlib.import_module(f"opml_automl_controller.{module.name}")
+        from opml_automl_controller.controller import Controller
+        from opml_common.errors import InvalidArgument
+        from opml_common.events import RecordingEmitter
+        controller = Controller(store=None, jobs=None, emitter=RecordingEmitter(), redis_url="redis://unused")
+        refused = {}
+        for path in sys.argv[1:]:
+            try:
+                controller.validate(open(path).read())
+                refused[path] = []
+            except InvalidArgument as error:
+                refused[path] = [list(violation) for violation in error.violations]
+        print(json.dumps({"refused": refused, "gp": sorted(m for m in sys.modules if m.startswith(("optuna._gp", "torch")))}))
+    """)
+    paths = [str(EXAMPLES / name) for name in ("bayesian-optimization.yaml", *ALL_BUT_GP)]
+    done = subprocess.run([sys.executable, "-c", program, *paths], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["refused"] == {path: [] for path in paths[1:]} | {paths[0]: [[
+        "spec.algorithm.algorithmName",
+        "algorithm 'bayesianoptimization' needs PyTorch: install opml-automl-controller[gp]"]]}
+    # optuna.samplers defines GPSampler without PyTorch; its model (optuna._gp) is what imports it
+    assert result["gp"] == [], "neither PyTorch nor Optuna's GP model was imported"
 
 
 def test_grid_visits_the_katib_grid() -> None:

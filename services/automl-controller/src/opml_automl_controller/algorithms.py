@@ -8,7 +8,7 @@
 | multivariate-tpe | ``TPESampler(multivariate=True)`` |
 | cmaes | ``CmaEsSampler`` (sigma -> sigma0, restart_strategy ipop) |
 | sobol | ``QMCSampler(qmc_type="sobol")`` |
-| bayesianoptimization | ``GPSampler`` (n_initial_points -> n_startup_trials) |
+| bayesianoptimization | ``GPSampler`` (n_initial_points -> n_startup_trials; needs the ``gp`` extra: PyTorch) |
 | hyperband | ``RandomSampler`` + ``HyperbandPruner(min_resource=1, max_resource=r_l, reduction_factor=eta)`` |
 | medianstop (early stopping) | ``MedianPruner(n_startup_trials=min_trials_required, n_warmup_steps=start_step)`` |
 
@@ -36,7 +36,8 @@ import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 
 from opml_automl_controller.experiment import Distribution, ExperimentSpec, Goal, Parameter, ParameterType
-from opml_automl_controller.katib import MAX_SEED, grid_values
+from opml_automl_controller.katib import MAX_SEED, grid_values, missing_extra
+from opml_common.errors import FailedPrecondition
 
 MEDIANSTOP_DEFAULTS = {"min_trials_required": 3, "start_step": 4}
 """Katib's defaults (pkg/earlystopping/v1beta1/medianstop/service.py)."""
@@ -83,7 +84,10 @@ def _int(settings: Mapping[str, str], key: str) -> int | None:
 
 def make_sampler(spec: ExperimentSpec, *, trials_so_far: int = 0) -> optuna.samplers.BaseSampler:
     """The sampler of the experiment's algorithm (settings as :mod:`opml_automl_controller.katib`
-    checked them), re-seeded past ``trials_so_far``."""
+    checked them), re-seeded past ``trials_so_far``. PyTorch is imported here, by GPSampler, only.
+
+    Raises: FailedPrecondition: the algorithm's optional extra is not installed.
+    """
     settings = dict(spec.algorithm.settings)
     seed = _int(settings, "random_state")
     if seed is not None:
@@ -119,6 +123,8 @@ def make_sampler(spec: ExperimentSpec, *, trials_so_far: int = 0) -> optuna.samp
         return optuna.samplers.QMCSampler(qmc_type="sobol", scramble=seed is not None, seed=seed,
                                           warn_independent_sampling=False)
     if name == "bayesianoptimization":
+        if missing := missing_extra(name):  # admitted elsewhere, or the extra uninstalled since
+            raise FailedPrecondition(missing)
         return optuna.samplers.GPSampler(seed=seed, n_startup_trials=_int(settings, "n_initial_points") or 10)
     raise ValueError(f"algorithm {name!r} has no sampler; the Katib checks should have refused it")
 

@@ -196,10 +196,11 @@ class Controller(Component):
         """The dry run: the checks, and the first trial's job (parameters at their lowest).
 
         Raises:
-            InvalidArgument: every rule the experiment breaks.
+            InvalidArgument: every rule the experiment breaks (an algorithm whose optional extra this
+                install lacks among them).
             FailedPrecondition: a ServingConfigSurrogate experiment, and no inference-router configured.
         """
-        spec = parse_experiment(katib_yaml, what="katib_yaml")
+        spec = parse_experiment(katib_yaml, what="katib_yaml", runnable_here=True)
         values = {p.name: parameter_text(p.low if p.low is not None else p.choices[0]) for p in spec.parameters}
         if is_surrogate(spec):
             if self._serving is None:

@@ -14,6 +14,7 @@ trial-template checks that need the previous one to pass stop there (rules 19, 2
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 from collections.abc import Mapping
@@ -68,6 +69,10 @@ MAX_SEED = 2**32 - 1
 MAX_SETTING_INT = 2**63 - 1
 """The largest integer setting (Katib's suggestion services parse them as Go's 64-bit ints)."""
 
+OPTIONAL_ALGORITHMS = {"bayesianoptimization": ("torch", "PyTorch", "gp")}
+"""Algorithms whose sampler needs a package of an optional extra: (its module, its name, the extra).
+Optuna's GPSampler runs on PyTorch, a large install only those who ask for the algorithm get."""
+
 UNMAPPED_SETTINGS = {
     "bayesianoptimization": ("base_estimator", "acq_func", "acq_optimizer"),
 }
@@ -87,25 +92,44 @@ _TWO_GROUPS = re.compile(r".*\(.*\).*\(.*\).*")
 Violations = list[tuple[str, str]]
 
 
-def parse_experiment(source: str | bytes | Mapping[str, Any], *, what: str = "experiment") -> ExperimentSpec:
+def parse_experiment(source: str | bytes | Mapping[str, Any], *, what: str = "experiment",
+                     runnable_here: bool = False) -> ExperimentSpec:
     """Check a Katib Experiment and return it with Katib's defaults applied.
 
     Args:
         source: the YAML (one document), or the mapping it loads to.
         what: where the YAML came from (a file's path); a syntax error names it with line and column.
+        runnable_here: also refuse an algorithm this process lacks the optional extra of
+            (:data:`OPTIONAL_ALGORITHMS`): the controller's admission. A client checking a file before
+            sending it, or a stored experiment read back, is not refused for what this install lacks.
 
     Raises:
         InvalidArgument: every rule the experiment breaks, one (YAML path, rule) violation each.
     """
     document = load_yaml(source, what=what, max_bytes=MAX_EXPERIMENT_BYTES) if not isinstance(source, Mapping) \
         else source
-    spec, violations = _parse(document)
+    spec, violations = _parse(document, runnable_here=runnable_here)
     if violations or spec is None:
         raise InvalidArgument.of(violations or [(what, "is not a Katib Experiment")])
     return spec
 
 
-def _parse(doc: Any) -> tuple[ExperimentSpec | None, Violations]:
+def missing_extra(algorithm: str) -> str | None:
+    """Why this process cannot run ``algorithm`` (the package of its extra is not installed), or None.
+    The package is looked up, not imported: admission does not load PyTorch."""
+    needs = OPTIONAL_ALGORITHMS.get(algorithm)
+    if needs is None:
+        return None
+    module, package, extra = needs
+    try:
+        if importlib.util.find_spec(module) is not None:
+            return None
+    except (ImportError, ValueError):  # an import hook refused it; sys.modules holds None for it
+        pass
+    return f"algorithm {algorithm!r} needs {package}: install opml-automl-controller[{extra}]"
+
+
+def _parse(doc: Any, *, runnable_here: bool = False) -> tuple[ExperimentSpec | None, Violations]:
     found: Violations = []
     if not isinstance(doc, Mapping):
         return None, [("experiment", f"must be a mapping (a Katib Experiment), but got {type(doc).__name__}")]
@@ -129,6 +153,8 @@ def _parse(doc: Any) -> tuple[ExperimentSpec | None, Violations]:
     if objective is None:  # Katib returns right after an invalid objective
         return None, found
     algorithm = _algorithm(spec.get("algorithm"), "spec.algorithm", found, early=False)
+    if runnable_here and algorithm is not None and (missing := missing_extra(algorithm.name)):
+        found.append(("spec.algorithm.algorithmName", missing))
     early = None
     if spec.get("earlyStopping") is not None:
         early = _algorithm(spec.get("earlyStopping"), "spec.earlyStopping", found, early=True)
