@@ -1,4 +1,4 @@
-"""cancel_and_wait: the one way a part stops its background tasks."""
+"""cancel_and_wait, the one way a part stops its background tasks; Component, started and stopped once each time."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from opml_common.lifecycle import cancel_and_wait
+from opml_common.lifecycle import Component, cancel_and_wait
 
 
 async def _forever(started: asyncio.Event) -> None:
@@ -75,3 +75,35 @@ async def test_the_callers_own_cancellation_propagates() -> None:
         await stopper
     release.set()
     await asyncio.wait([inner])
+
+
+class _Counted(Component):
+    def __init__(self, *, fail_start: bool = False) -> None:
+        super().__init__()
+        self.fail_start, self.starts, self.stops = fail_start, 0, 0
+
+    async def on_start(self) -> None:
+        if self.fail_start:
+            raise RuntimeError("cannot start")
+        self.starts += 1
+
+    async def on_stop(self) -> None:
+        self.stops += 1
+
+
+async def test_a_stopped_component_starts_again() -> None:
+    """A publisher or an executor is started again after a stop: on_start runs again."""
+    part = _Counted()
+    async with part:
+        pass
+    async with part:
+        assert part.running
+    assert (part.starts, part.stops, part.running) == (2, 2, False)
+
+
+async def test_a_component_that_failed_to_start_is_not_stopped() -> None:
+    part = _Counted(fail_start=True)
+    with pytest.raises(RuntimeError, match="cannot start"):
+        await part.start()
+    await part.stop()
+    assert (part.running, part.stops) == (False, 0)

@@ -1,4 +1,4 @@
-"""Long-lived parts (a consumer, a pool of workers, a flush loop): started once, stopped once.
+"""Long-lived parts (a consumer, a pool of workers, a flush loop): each start matched by one stop.
 
 :class:`Component` gives a part idempotent ``start()``/``stop()`` and ``async with``, as aiokafka's
 consumer and faust's ``mode.Service`` do, so whoever owns it (``run_service``'s exit stack, a test)
@@ -40,16 +40,24 @@ class Component:
     ``start()`` runs :meth:`on_start` once (a second call, or one while starting, waits and
     returns); ``stop()`` runs :meth:`on_stop` once, only if the part started, and a part that
     failed to start is stopped by nobody: ``on_start`` cleans up after itself before raising.
+    ``running`` is False from the moment ``stop()`` begins, so work the part refuses while stopping
+    can check it from inside ``on_stop``.
+
+    A stopped part may be started again (``on_start`` runs again), as a publisher or an executor is;
+    a part that cannot be (a gRPC server) raises ``FailedPrecondition`` from its ``on_start``. A stop
+    that takes a setting (a grace period) keeps its ``stop(...)``, stores the setting and calls
+    ``super().stop()``; a part whose stop must also reach a loop that is still joining (a consumer's
+    ``run()``) sets its own flag before ``super().stop()``, since ``stop()`` waits for a start in progress.
     """
 
     def __init__(self) -> None:
-        self._lifecycle_lock = asyncio.Lock()
-        self._running = False
+        self._component_lock = asyncio.Lock()
+        self._component_running = False
 
     @property
     def running(self) -> bool:
         """True between a successful ``start()`` and the next ``stop()``."""
-        return self._running
+        return self._component_running
 
     async def on_start(self) -> None:
         """Called by the first ``start()``: connect, spawn, begin background tasks."""
@@ -58,15 +66,15 @@ class Component:
         """Called by the first ``stop()`` after a start: finish what is in hand, release everything."""
 
     async def start(self) -> None:
-        async with self._lifecycle_lock:
-            if not self._running:
+        async with self._component_lock:
+            if not self._component_running:
                 await self.on_start()
-                self._running = True
+                self._component_running = True
 
     async def stop(self) -> None:
-        async with self._lifecycle_lock:
-            if self._running:
-                self._running = False
+        async with self._component_lock:
+            if self._component_running:
+                self._component_running = False
                 await self.on_stop()
 
     async def __aenter__(self) -> Self:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from opml_common.bus.cloudevents import CloudEvent
+from opml_common.lifecycle import Component, cancel_and_wait
 from opml_common.topics import Topic
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class Outbox:
+class Outbox(Component):
     """Events waiting for the broker's ack, one file each under ``directory``.
 
     ``start()`` begins a background flush loop; ``stop()`` ends it after one last flush attempt.
@@ -48,6 +49,7 @@ class Outbox:
 
     def __init__(self, directory: Path, publisher: EventPublisher, metrics: ServiceMetrics | None,
                  *, retry_interval_s: float = 2.0) -> None:
+        super().__init__()
         self._dir = directory
         self._dir.mkdir(parents=True, exist_ok=True)
         self._failed_dir = directory.with_name(f"{directory.name}.failed")
@@ -71,19 +73,16 @@ class Outbox:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
 
-    async def start(self) -> None:
-        if self._task is None:
-            self._loop, self._loop_thread = asyncio.get_running_loop(), threading.get_ident()
-            if self._files():
-                self._wake.set()  # what an earlier run left goes out now, not after the first interval
-            self._task = asyncio.create_task(self._flush_loop(), name="outbox-flush")
+    async def on_start(self) -> None:
+        self._loop, self._loop_thread = asyncio.get_running_loop(), threading.get_ident()
+        if self._files():
+            self._wake.set()  # what an earlier run left goes out now, not after the first interval
+        self._task = asyncio.create_task(self._flush_loop(), name="outbox-flush")
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-            await self.flush()
+    async def on_stop(self) -> None:
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
+        await self.flush()
 
     async def publish(self, topic: Topic, event: CloudEvent) -> bool:
         """Record ``event`` durably, then try to publish it now. False: it stays pending for the loop."""

@@ -24,6 +24,7 @@ from opml_common.bus import EventPublisher, ensure_topics
 from opml_common.config import PlatformSettings, ServiceSettings
 from opml_common.events import EventEmitter, OutboxEmitter
 from opml_common.grpc.server import GrpcServer, ServiceRegistration, wait_for_signal
+from opml_common.lifecycle import cancel_and_wait
 from opml_common.logging import configure_logging
 from opml_common.metrics import ServiceMetrics
 from opml_common.outbox import Outbox
@@ -110,12 +111,12 @@ class ServiceContext:
         self._background.append(task)
 
         async def finish() -> None:
-            if stop is not None:
-                await stop()
-            else:
-                task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task  # a failure is re-raised: the exit stack carries it out of run_service
+            try:
+                if stop is not None:
+                    await stop()
+                    await asyncio.wait([task])  # it finishes what it has in hand, uncancelled
+            finally:
+                await cancel_and_wait(task)  # a failure is re-raised: the exit stack carries it out of run_service
 
         self._stack.push_async_callback(finish)
         return task

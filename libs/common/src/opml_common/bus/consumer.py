@@ -6,7 +6,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Self
 
 import redis.exceptions
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
@@ -19,6 +18,7 @@ from opml_common.bus.producer import EventPublisher
 from opml_common.bus.security import describe, kafka_client_kwargs
 from opml_common.config import PlatformSettings
 from opml_common.errors import FailedPrecondition, Unavailable
+from opml_common.lifecycle import Component
 from opml_common.metrics import ServiceMetrics
 from opml_common.retry import Backoff
 from opml_common.topics import Topic
@@ -68,7 +68,7 @@ class _Outcome:
     DEAD_LETTERED = "dead_lettered"
 
 
-class EventConsumer:
+class EventConsumer(Component):
     """At-least-once consumer group over CloudEvents topics.
 
     For each record, in offset order per partition: decode the CloudEvent; skip it if ``dedup``
@@ -156,6 +156,7 @@ class EventConsumer:
                 a string, an empty set or holds an empty string, or ``source_prefixes`` is a string, an
                 empty set or holds a prefix that does not end with ``/`` (or is only ``/``).
         """
+        super().__init__()
         if not group_id:
             raise ValueError("EventConsumer `group_id` must be non-empty, but got ''")
         if not topics:
@@ -209,7 +210,6 @@ class EventConsumer:
             "consumer_lag", "Records not yet handled: high watermark minus the next offset.", ("topic", "partition")
         )
         self._consumer: AIOKafkaConsumer | None = None
-        self._lifecycle = asyncio.Lock()
         self._processing = asyncio.Lock()  # held while one record is handled and committed
         self._stopping = asyncio.Event()
         self._run_done = asyncio.Event()
@@ -220,45 +220,42 @@ class EventConsumer:
 
     # ---------------------------------------------------------------- lifecycle
 
-    async def start(self) -> None:
-        """Start the dead-letter publisher and join the consumer group (no-op when started).
+    async def on_start(self) -> None:
+        """Start the dead-letter publisher and join the consumer group.
+
+        A ``start()`` of the caller's clears an earlier ``stop()``; the one ``run()`` makes does not,
+        so a ``stop()`` that came while ``run()`` was joining still ends it.
 
         Raises:
             Unavailable: the broker cannot be reached.
         """
-        await self._start(clear_stop=True)
-
-    async def _start(self, *, clear_stop: bool) -> None:
-        async with self._lifecycle:
-            if self._consumer is not None:
-                return
-            if clear_stop:
-                self._stopping.clear()
-            await self._publisher.start()
-            consumer = AIOKafkaConsumer(
-                **kafka_client_kwargs(self.settings),
-                group_id=self.group_id,
-                client_id=f"opml-consumer-{self.group_id}",
-                enable_auto_commit=False,
-                auto_offset_reset="earliest",
-                session_timeout_ms=self.settings.kafka_session_timeout_ms,
-                heartbeat_interval_ms=self.settings.kafka_heartbeat_interval_ms,
-                max_poll_records=self.max_poll_records,
-            )
-            consumer.subscribe(list(self.topics), listener=_RebalanceListener(self))
-            try:
-                await consumer.start()  # returns once the group assigned partitions
-            except BaseException as exc:
-                await consumer.stop()
-                if self._own_publisher:
-                    await self._publisher.stop()
-                if isinstance(exc, Exception):
-                    raise Unavailable(
-                        f"consumer group {self.group_id} could not join at {describe(self.settings)}: {exc}"
-                    ) from exc
-                raise
-            self._consumer = consumer
-            log.info("consumer group %s joined; assigned %s", self.group_id, sorted(consumer.assignment()))
+        if asyncio.current_task() is not self._run_task:
+            self._stopping.clear()
+        await self._publisher.start()
+        consumer = AIOKafkaConsumer(
+            **kafka_client_kwargs(self.settings),
+            group_id=self.group_id,
+            client_id=f"opml-consumer-{self.group_id}",
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            session_timeout_ms=self.settings.kafka_session_timeout_ms,
+            heartbeat_interval_ms=self.settings.kafka_heartbeat_interval_ms,
+            max_poll_records=self.max_poll_records,
+        )
+        consumer.subscribe(list(self.topics), listener=_RebalanceListener(self))
+        try:
+            await consumer.start()  # returns once the group assigned partitions
+        except BaseException as exc:
+            await consumer.stop()
+            if self._own_publisher:
+                await self._publisher.stop()
+            if isinstance(exc, Exception):
+                raise Unavailable(
+                    f"consumer group {self.group_id} could not join at {describe(self.settings)}: {exc}"
+                ) from exc
+            raise
+        self._consumer = consumer
+        log.info("consumer group %s joined; assigned %s", self.group_id, sorted(consumer.assignment()))
 
     def assignment(self) -> set[TopicPartition]:
         """The partitions this member owns now (empty when stopped or during a rebalance)."""
@@ -272,26 +269,19 @@ class EventConsumer:
             await self._run_done.wait()
         elif current is self._run_task:
             return  # called from the handler: run() closes when the record in hand is done
-        await self._close()
+        await super().stop()
 
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
-
-    async def _close(self) -> None:
-        async with self._lifecycle:
-            consumer, self._consumer = self._consumer, None
-            try:
-                if consumer is not None:
-                    await consumer.stop()  # leaves the group
-            finally:
-                for tp in list(self._next_offset):
-                    self._forget(tp)
-                if self._own_publisher:
-                    await self._publisher.stop()
+    async def on_stop(self) -> None:
+        """Leave the group and stop the internal publisher."""
+        consumer, self._consumer = self._consumer, None
+        try:
+            if consumer is not None:
+                await consumer.stop()  # leaves the group
+        finally:
+            for tp in list(self._next_offset):
+                self._forget(tp)
+            if self._own_publisher:
+                await self._publisher.stop()
 
     # ---------------------------------------------------------------- the loop
 
@@ -310,7 +300,7 @@ class EventConsumer:
         self._run_task = asyncio.current_task()
         self._run_done.clear()
         try:
-            await self._start(clear_stop=False)
+            await self.start()
             while not self._stopping.is_set():
                 consumer = self._consumer
                 if consumer is None:
@@ -337,7 +327,7 @@ class EventConsumer:
         finally:
             self._run_task = None
             try:
-                await self._close()
+                await super().stop()
             finally:
                 self._run_done.set()
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import (
@@ -22,6 +21,7 @@ from opml_common.bus.cloudevents import CloudEvent
 from opml_common.bus.security import describe, kafka_client_kwargs
 from opml_common.config import PlatformSettings
 from opml_common.errors import FailedPrecondition, OpmlError, Unavailable
+from opml_common.lifecycle import Component
 from opml_common.topics import Topic
 
 if TYPE_CHECKING:  # prometheus_client: not imported by a publisher built without metrics
@@ -53,7 +53,7 @@ class PublishFailed(OpmlError):
             self.code = "INTERNAL"
 
 
-class EventPublisher:
+class EventPublisher(Component):
     """Publishes CloudEvents (binary mode, ``ce_*`` headers) and waits for the broker's ack.
 
     The producer uses ``acks=all`` and ``enable_idempotence=settings.kafka_idempotence`` (on for
@@ -74,10 +74,10 @@ class EventPublisher:
     def __init__(self, settings: PlatformSettings, *, source: str, metrics: ServiceMetrics | None) -> None:
         if not source:
             raise ValueError("EventPublisher `source` must be non-empty (a URI-reference naming the service)")
+        super().__init__()
         self.settings = settings
         self.source = source
         self._producer: AIOKafkaProducer | None = None
-        self._lock = asyncio.Lock()
         self._published = self._failures = None
         if metrics is not None:
             self._published = metrics.counter(
@@ -91,41 +91,30 @@ class EventPublisher:
     def started(self) -> bool:
         return self._producer is not None
 
-    async def start(self) -> None:
-        """Connect the producer (no-op when started).
+    async def on_start(self) -> None:
+        """Connect the producer.
 
         Raises:
             Unavailable: no broker in ``settings.kafka_bootstrap`` answered.
         """
-        async with self._lock:
-            if self._producer is not None:
-                return
-            producer = AIOKafkaProducer(
-                **kafka_client_kwargs(self.settings),
-                acks="all",
-                enable_idempotence=self.settings.kafka_idempotence,
-                client_id=f"opml-publisher-{self.source}",
-            )
-            try:
-                await producer.start()
-            except Exception as exc:
-                await producer.stop()
-                raise Unavailable(f"cannot reach the Kafka broker at {describe(self.settings)}: {exc}") from exc
-            self._producer = producer
+        producer = AIOKafkaProducer(
+            **kafka_client_kwargs(self.settings),
+            acks="all",
+            enable_idempotence=self.settings.kafka_idempotence,
+            client_id=f"opml-publisher-{self.source}",
+        )
+        try:
+            await producer.start()
+        except Exception as exc:
+            await producer.stop()
+            raise Unavailable(f"cannot reach the Kafka broker at {describe(self.settings)}: {exc}") from exc
+        self._producer = producer
 
-    async def stop(self) -> None:
-        """Flush what is in flight and close (no-op when stopped)."""
-        async with self._lock:
-            producer, self._producer = self._producer, None
-            if producer is not None:
-                await producer.stop()
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
+    async def on_stop(self) -> None:
+        """Flush what is in flight and close."""
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            await producer.stop()
 
     async def publish(self, topic: Topic, event: CloudEvent, *, key: str | None = None) -> None:
         """Publish ``event`` to ``topic`` and wait until the broker acknowledged it (acks=all).

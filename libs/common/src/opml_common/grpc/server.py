@@ -14,7 +14,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from opml_common.config import GrpcTlsSettings, PlatformSettings, ServiceSettings
+from opml_common.errors import FailedPrecondition
 from opml_common.grpc.interceptors import ROLE_RANK, AuthInterceptor, ObservabilityInterceptor
+from opml_common.lifecycle import Component
 from opml_common.metrics import ServiceMetrics, serve_metrics
 
 log = logging.getLogger(__name__)
@@ -63,12 +65,13 @@ class ServiceRegistration:
         return {f"/{self.full_name}/{method}": role for method, role in self.method_roles.items()}
 
 
-class GrpcServer:
+class GrpcServer(Component):
     """A service's gRPC server and its /metrics endpoint.
 
     ``start()`` binds the ports (0 = pick free), registers the servicers, the standard health
     service (SERVING once started) and server reflection. ``stop()`` marks health NOT_SERVING,
-    lets in-flight RPCs finish within ``settings.shutdown_grace_s``, then stops. Both are idempotent.
+    lets in-flight RPCs finish within ``settings.shutdown_grace_s``, then stops. Both are idempotent;
+    a stopped server is not started again (grpc.aio cannot): ``start()`` then raises FailedPrecondition.
 
     With ``OPML_GRPC_TLS_CERT``/``_KEY`` set the port speaks TLS only (a plaintext client fails its
     handshake); with ``OPML_GRPC_TLS_CLIENT_CA`` as well, a client must present a certificate that CA
@@ -82,6 +85,7 @@ class GrpcServer:
 
     def __init__(self, *, settings: ServiceSettings, platform: PlatformSettings, metrics: ServiceMetrics,
                  registrations: Sequence[ServiceRegistration], max_receive_message_bytes: int | None = None) -> None:
+        super().__init__()
         self.settings = settings
         self.metrics = metrics
         self._registrations = registrations
@@ -105,12 +109,12 @@ class GrpcServer:
         )
         self.port: int | None = None
         self.metrics_port: int | None = None
-        self._stopped = False
         self._tls = platform if isinstance(platform, GrpcTlsSettings) else None
 
-    async def start(self) -> None:
+    async def on_start(self) -> None:
         if self.port is not None:
-            return
+            raise FailedPrecondition("a GrpcServer started once cannot be started again (grpc.aio cannot): "
+                                     "make a new one")
         for registration in self._registrations:
             registration.add_to_server(registration.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -123,27 +127,21 @@ class GrpcServer:
         self.port = (self._server.add_secure_port(address, credentials) if credentials is not None
                      else self._server.add_insecure_port(address))
         await self._server.start()
-        self.metrics_port = serve_metrics(self.settings.host, self.settings.metrics_port, self.metrics.registry)
-        for name in ("", *names):
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        try:
+            self.metrics_port = serve_metrics(self.settings.host, self.settings.metrics_port, self.metrics.registry)
+            for name in ("", *names):
+                await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        except BaseException:  # not started: nobody calls stop(), so the bound port is released here
+            await self._server.stop(None)
+            raise
         log.info("serving", extra={"grpc": f"{self.settings.host}:{self.port}",
                                    "tls": "mtls" if self._tls and self._tls.grpc_tls_client_ca else
                                    "tls" if credentials is not None else "off",
                                    "metrics": f"http://{self.settings.host}:{self.metrics_port}/metrics"})
 
-    async def stop(self) -> None:
-        if self._stopped or self.port is None:
-            return
-        self._stopped = True
+    async def on_stop(self) -> None:
         await self._health.enter_graceful_shutdown()
         await self._server.stop(self.settings.shutdown_grace_s)
-
-    async def __aenter__(self) -> GrpcServer:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
 
 
 def server_credentials(tls: GrpcTlsSettings) -> grpc.ServerCredentials | None:
