@@ -27,6 +27,7 @@ from opml.fl.v1 import events_pb2
 
 from opml_common.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated
 from opml_common.events import EventEmitter
+from opml_common.lifecycle import Component, cancel_and_wait
 from opml_fl_coordinator import convert
 from opml_fl_coordinator.bundles import BundlePublisher
 from opml_fl_coordinator.config import FederationConfig, parse_config
@@ -96,7 +97,7 @@ class _Bridge(FederationListener):
         self._hosted().pending.append(("ended", document, arrays))
 
 
-class Coordinator:
+class Coordinator(Component):
     """Hosts federations (see the module's docstring).
 
     Args:
@@ -112,6 +113,7 @@ class Coordinator:
                  publisher: BundlePublisher | None = None, publish_every_round: bool = False,
                  max_federations: int = 100, max_clients: int = 10_000,
                  clock: Callable[[], float] = time.time) -> None:
+        super().__init__()
         self._store, self._emitter, self._metrics = store, emitter, metrics
         self._publisher, self._publish_every_round = publisher, publish_every_round
         self._max_federations, self._max_clients = max_federations, max_clients
@@ -123,11 +125,9 @@ class Coordinator:
 
     # --- lifecycle -----------------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def on_start(self) -> None:
         """Restores every saved federation (each continues after its last completed round once
         its clients join again) and the client credentials, then starts the deadline timer."""
-        if self._timer is not None:
-            return
         for document, arrays in await self._store.load_all():
             config = FederationConfig.model_validate(document["config"])
             hosted = self._host(document["federation_id"], config, document.get("config_yaml", ""),
@@ -140,13 +140,10 @@ class Coordinator:
         self._gauges()
         self._timer = asyncio.create_task(self._tick_loop(), name="fl-deadlines")
 
-    async def stop(self) -> None:
+    async def on_stop(self) -> None:
         """Stops the timer; federations stay as last saved (a restart continues them)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._timer
-            self._timer = None
+        timer, self._timer = self._timer, None
+        await cancel_and_wait(timer)
 
     # --- operators -----------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 from minio import Minio
 
+from opml_common.lifecycle import Component
 from opml_fl_coordinator_contract.weights import Weights
 
 
@@ -38,25 +39,26 @@ def _unpack(data: bytes) -> dict[str, Weights]:
     return {name: [parts[i] for i in sorted(parts)] for name, parts in grouped.items()}
 
 
-class FederationStore:
-    """Redis (documents, credentials) + S3 (arrays), under the platform's prefixes."""
+class FederationStore(Component):
+    """Redis (documents, credentials) + S3 (arrays), under the platform's prefixes.
+
+    ``start()`` creates the bucket if it is missing; ``stop()`` does nothing (the clients are the service's).
+    """
 
     def __init__(self, redis: Any, s3: Minio, *, bucket: str, prefix: str) -> None:
+        super().__init__()
         self._redis, self._s3, self._bucket = redis, s3, bucket
         self._federations = f"{prefix}fl:federations"
         self._history = f"{prefix}fl:history:"  # + federation id: one JSON round record per entry
         self._credentials = f"{prefix}fl:credentials"
         self._object_prefix = f"{prefix}federations"
 
-    async def start(self) -> None:
+    async def on_start(self) -> None:
         """Creates the bucket if it is missing."""
         def ensure() -> None:
             if not self._s3.bucket_exists(self._bucket):
                 self._s3.make_bucket(self._bucket)
         await asyncio.to_thread(ensure)
-
-    async def stop(self) -> None:
-        return None
 
     async def save(self, document: dict[str, Any], arrays: dict[str, Weights]) -> None:
         """Arrays to S3 first, then the new history records and the document (pointing at the arrays)
