@@ -39,6 +39,7 @@ from tritonclient.grpc import service_pb2 as pb
 from opml_common.config import GrpcTlsSettings, TokenGrant
 from opml_common.errors import FailedPrecondition, InvalidArgument, OpmlError
 from opml_common.grpc.interceptors import UNAUTHENTICATED_MESSAGE, Principal, bearer_principal, missing_role_message
+from opml_common.lifecycle import Component, cancel_and_wait
 from opml_common.metrics import ServiceMetrics
 from opml_common.retry import Backoff
 from opml_inference_router.frames import CODE_NUMBERS, KINDS, METHODS, CallCounter, FrameServerConnection, as_status
@@ -128,17 +129,18 @@ def _typed(method: Callable[[object, None], Awaitable[object]], message: type) -
     return call
 
 
-class NativeFront:
+class NativeFront(Component):
     """Runs the native front on ``host:port`` (0: a free port, kept across restarts) for ``link``.
 
     ``start()`` raises FailedPrecondition when the binary is missing or exits before serving;
-    ``port`` is the bound port afterwards. ``stop()`` is idempotent. Metrics:
+    ``port`` is the bound port afterwards. Both are idempotent. Metrics:
     ``opml_inference_router_front_restarts_total``.
     """
 
     def __init__(self, link: FrontLink, *, host: str, port: int, binary: Path = DEFAULT_BINARY,
                  max_receive_bytes: int, grace_s: float, tls: GrpcTlsSettings | None, control_hint: str,
                  metrics: ServiceMetrics, startup_timeout_s: float = 30.0) -> None:
+        super().__init__()
         self._link = link
         self._host, self.port = host, port
         self._binary = binary
@@ -152,23 +154,17 @@ class NativeFront:
         self._process: asyncio.subprocess.Process | None = None
         self._connection: FrameServerConnection | None = None
         self._supervisor: asyncio.Task | None = None
-        self._stopping = False
 
-    async def start(self) -> None:
+    async def on_start(self) -> None:
         if not os.access(self._binary, os.X_OK):
             raise FailedPrecondition(f"the native inference front {self._binary} is missing (run `make install`, "
                                      "which builds it), or set OPML_INFERENCE_ROUTER_NATIVE_FRONT=false")
         await self._spawn()
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise(), name="native-front")
 
-    async def stop(self) -> None:
-        if self._stopping:
-            return
-        self._stopping = True
-        if self._supervisor is not None:
-            self._supervisor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._supervisor
+    async def on_stop(self) -> None:
+        supervisor, self._supervisor = self._supervisor, None
+        await cancel_and_wait(supervisor)
         process = self._process
         if process is not None and process.returncode is None:
             _signal(process, signal.SIGTERM)

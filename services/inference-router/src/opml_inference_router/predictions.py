@@ -33,6 +33,7 @@ from typing import NamedTuple
 from opml.inference.v1 import events_pb2
 
 from opml_common.bus import EventPublisher
+from opml_common.lifecycle import Component, cancel_and_wait
 from opml_common.metrics import ServiceMetrics
 from opml_inference_router.routing import Routed
 from opml_inference_router_contract.predictions import RECORD_CAP_BYTES, prediction_made, prediction_subject
@@ -60,7 +61,7 @@ class _Entry(NamedTuple):
         return len(self.request) + len(self.response)
 
 
-class PredictionLog:
+class PredictionLog(Component):
     """The bounded queue and its senders.
 
     Side effects:
@@ -80,6 +81,7 @@ class PredictionLog:
                              f"batch_max >= 1, batch_max_bytes >= 1, in_flight_per_version >= 1, but got "
                              f"{max_pending}, {max_pending_bytes}, {record_cap_bytes}, {senders}, {batch_max}, "
                              f"{batch_max_bytes}, {in_flight_per_version}")
+        super().__init__()
         self._publisher = publisher
         self.max_pending = max_pending
         self.max_pending_bytes = max_pending_bytes
@@ -97,6 +99,7 @@ class PredictionLog:
         self._sending = 0  # entries taken off the queue whose publish has not finished
         self._idle: list[asyncio.Future] = []  # senders waiting for something to take, each woken alone
         self._tasks: list[asyncio.Task] = []
+        self._drain_s = 5.0  # what the running stop() was given
         self._dropped = metrics.counter("predictions_dropped_total",
                                         "Predictions not published: queue_full, publish_failed, shutdown.",
                                         ("reason",))
@@ -108,36 +111,25 @@ class PredictionLog:
     def pending(self) -> int:
         return self._pending
 
-    async def start(self) -> None:
-        if self._tasks:
-            return
+    async def on_start(self) -> None:
         self._tasks = [asyncio.create_task(self._send_forever(), name=f"predictions-sender-{i}")
                        for i in range(self._senders)]
 
     async def stop(self, *, drain_s: float = 5.0) -> None:
-        if not self._tasks:
-            return
+        self._drain_s = drain_s
+        await super().stop()
+
+    async def on_stop(self) -> None:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + drain_s
+        deadline = loop.time() + self._drain_s
         while (self._pending or self._sending) and loop.time() < deadline:
             await asyncio.sleep(0.02)
         tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*tasks)
         if self._pending:
             self._dropped.labels("shutdown").inc(self._pending)
             self._queues.clear()
             self._pending = self._pending_bytes = 0
-
-    async def __aenter__(self) -> PredictionLog:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
 
     def record(self, *, request_id: str, model: str, routed: Routed, request: bytes, response: bytes,
                received: float, latency_s: float) -> None:

@@ -38,6 +38,7 @@ from google.protobuf.message import Message
 
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, OpmlError
 from opml_common.events import EventEmitter
+from opml_common.lifecycle import Component, cancel_and_wait
 from opml_inference_router.control import convert
 from opml_inference_router.control.bundles import BundleFetcher, local_directory
 from opml_inference_router.control.observe import Observer
@@ -73,7 +74,7 @@ from opml_inference_router.runtime import load_bundle
 log = logging.getLogger(__name__)
 
 
-class DeploymentManager:
+class DeploymentManager(Component):
     """The deployed models, the current plan and the profiles, and every change to them.
 
     Side effects: ``start()`` rebuilds what ``store`` remembers and starts the re-placement tick
@@ -88,6 +89,7 @@ class DeploymentManager:
                  replan_interval_s: float = 30.0) -> None:
         if replan_interval_s < 0:
             raise InvalidArgument("replan_interval_s", f"must be >= 0, but got {replan_interval_s}")
+        super().__init__()
         self.pools = pools
         self.router = router
         self.models: dict[str, ModelRecord] = {}
@@ -110,18 +112,13 @@ class DeploymentManager:
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    async def start(self) -> None:
-        if self._task is not None:
-            return
+    async def on_start(self) -> None:
         await self._restore()
         self._task = asyncio.create_task(self._tick(), name="replan-tick")
 
-    async def stop(self) -> None:
+    async def on_stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     # -- queries (a DeploymentView, which convert reads) -----------------------------------------
 

@@ -24,7 +24,6 @@ re-loaded; before any, its first start), so the router stops sending there and c
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import shutil
@@ -37,6 +36,7 @@ from pathlib import Path
 import onnxruntime as ort
 
 from opml_common.errors import FailedPrecondition, NotFound
+from opml_common.lifecycle import Component, cancel_and_wait
 from opml_common.metrics import ServiceMetrics
 from opml_common.retry import Backoff
 from opml_inference_router.control.workers import WorkerClient
@@ -80,7 +80,7 @@ class PoolWorker:
         return self.process.process is not None and self.process.process.poll() is None
 
 
-class PoolManager:
+class PoolManager(Component):
     """Starts, watches and restarts the worker processes of the fleet's runnable pools.
 
     Side effects:
@@ -98,6 +98,7 @@ class PoolManager:
                  watch_interval_s: float = 0.5, providers: Sequence[str] | None = None,
                  route_over_uds: bool = False) -> None:
         """Raises: FailedPrecondition when no pool of the fleet can run on this machine."""
+        super().__init__()
         available = set(providers if providers is not None else ort.get_available_providers())
         runnable = {kind.name for kind in config.pool_kinds if kind.execution_provider in available}
         self.unavailable_kinds = sorted(kind.name for kind in config.pool_kinds if kind.name not in runnable)
@@ -131,9 +132,7 @@ class PoolManager:
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    async def start(self) -> None:
-        if self._task is not None:
-            return
+    async def on_start(self) -> None:
         results = await asyncio.gather(*(asyncio.to_thread(self._timed_start, w) for w in self._workers.values()),
                                        return_exceptions=True)
         errors = [result for result in results if isinstance(result, BaseException)]
@@ -145,22 +144,12 @@ class PoolManager:
         log.info("workers started: %s", {w.worker.id: w.address for w in self._workers.values()})
         self._task = asyncio.create_task(self._watch(), name="pool-watch")
 
-    async def stop(self) -> None:
+    async def on_stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
         await self._stop_workers()
         if self._short_sockets is not None:
             shutil.rmtree(self._short_sockets, ignore_errors=True)
-
-    async def __aenter__(self) -> PoolManager:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
 
     # -- queries ---------------------------------------------------------------------------------
 

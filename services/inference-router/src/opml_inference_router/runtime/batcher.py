@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from opml_common.errors import Unavailable
+from opml_common.errors import FailedPrecondition, Unavailable
+from opml_common.lifecycle import Component, cancel_and_wait
 from opml_inference_router.runtime.metrics import BatchStats, ReplicaMetrics
 from opml_inference_router.runtime.replica import Replica, Tensors
 
@@ -50,16 +51,18 @@ class _Pending:
     taken: bool = False  # in a batch: a cancel no longer looks for it in the queue
 
 
-class DynamicBatcher:
+class DynamicBatcher(Component):
     """Queues requests for one replica and runs them in batches on its instances (``replica`` first;
     :meth:`add_instance` and :meth:`retire` change how many, :meth:`set_max_batch` the batch cap,
     all while it serves).
 
     ``start()`` starts the dispatch task and the instances' threads; ``stop()`` refuses new
-    requests, lets the queued ones finish, then ends both. Both are idempotent.
+    requests, lets the queued ones finish, then ends both. Both are idempotent; a stopped batcher is
+    not started again (its threads are shut down).
     """
 
     def __init__(self, replica: Replica, metrics: ReplicaMetrics) -> None:
+        super().__init__()
         self.replica = replica
         self.metrics = metrics
         config = replica.config
@@ -74,7 +77,7 @@ class DynamicBatcher:
         self._threads: dict[Replica, ThreadPoolExecutor] = {}  # each instance's one thread
         self._runs: dict[Replica, asyncio.Task] = {}  # the batch an instance runs now
         self._task: asyncio.Task | None = None
-        self._closed = False
+        self._closed = False  # stopping: infer() refuses new requests
         self._mean_run_s = float("inf")  # unknown until the first run: use the thread
 
     @property
@@ -121,25 +124,23 @@ class DynamicBatcher:
                                                          thread_name_prefix=f"replica-{instance.model.name}")
         return self._threads[instance]
 
-    async def start(self) -> None:
-        if self._task is not None:
-            return
+    async def on_start(self) -> None:
+        if self._closed:
+            raise FailedPrecondition(f"the batcher of {self.replica.model} was stopped; make a new one")
         for instance in self._instances:
             self._thread(instance)
         self._task = asyncio.create_task(self._dispatch(), name=f"batcher {self.replica.model}")
 
-    async def stop(self) -> None:
-        if self._closed:
-            return
+    async def on_stop(self) -> None:
         self._closed = True
         while self._queue and self._task is not None and not self._task.done():
             await asyncio.sleep(0.005)
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        await asyncio.gather(*self._runs.values(), return_exceptions=True)
-        for thread in self._threads.values():
-            thread.shutdown(wait=True)
+        try:
+            await cancel_and_wait(self._task)
+        finally:
+            await asyncio.gather(*self._runs.values(), return_exceptions=True)  # a failed run failed its callers
+            for thread in self._threads.values():
+                thread.shutdown(wait=True)
 
     async def infer(self, inputs: Tensors) -> dict[str, np.ndarray]:
         """The replica's outputs for one request (already validated: shapes fit, batch <= the cap).

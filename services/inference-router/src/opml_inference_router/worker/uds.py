@@ -27,6 +27,7 @@ from pathlib import Path
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
+from opml_common.lifecycle import Component
 from opml_common.metrics import ServiceMetrics
 from opml_inference_router.frames import CODE_NUMBERS, KINDS, METHODS, CallCounter, FrameServerConnection, as_status
 
@@ -40,17 +41,19 @@ _REQUEST_TYPES = {KINDS["ModelInfer"]: pb.ModelInferRequest, KINDS["ModelMetadat
 Handler = Callable[[object, None], Awaitable[object]]
 
 
-class UdsServer:
+class UdsServer(Component):
     """Serves a worker servicer's KServe methods (:data:`~opml_inference_router.frames.KINDS`) on ``path``.
 
     Side effects: ``start()`` binds the socket (replacing a stale file of a killed worker), owner-only;
     ``stop(grace_s)`` refuses new calls (UNAVAILABLE, so the router retries elsewhere), lets the
-    running ones finish within ``grace_s``, cancels the rest and removes the socket file. Metrics
-    ``opml_inference_router_worker_uds_requests_total{method,code}``.
+    running ones finish within ``grace_s`` (default: the constructor's), cancels the rest and removes
+    the socket file. Both idempotent. Metrics ``opml_inference_router_worker_uds_requests_total{method,code}``.
     """
 
-    def __init__(self, servicer: object, path: Path, *, metrics: ServiceMetrics) -> None:
+    def __init__(self, servicer: object, path: Path, *, metrics: ServiceMetrics, grace_s: float = 0.0) -> None:
+        super().__init__()
         self.path = path
+        self.grace_s = grace_s
         self._handlers: dict[int, Handler] = {kind: getattr(servicer, method) for method, kind in KINDS.items()
                                               if hasattr(servicer, method)}
         self.count = CallCounter(metrics, "uds_requests_total", "Calls served on the Unix socket (a local router), "
@@ -59,7 +62,8 @@ class UdsServer:
         self._connections: set[FrameServerConnection] = set()
         self.stopping = False
 
-    async def start(self) -> None:
+    async def on_start(self) -> None:
+        self.stopping = False
         self.path.unlink(missing_ok=True)
         loop = asyncio.get_running_loop()
         old_umask = os.umask(0o177)  # created 0600: no window where others could connect
@@ -69,13 +73,18 @@ class UdsServer:
         finally:
             os.umask(old_umask)
 
-    async def stop(self, grace_s: float) -> None:
+    async def stop(self, grace_s: float | None = None) -> None:
+        if grace_s is not None:
+            self.grace_s = grace_s
+        await super().stop()
+
+    async def on_stop(self) -> None:
         self.stopping = True
         if self._server is not None:
             self._server.close()
         running = [task for connection in self._connections for task in connection.calls.values()]
         if running:
-            _done, late = await asyncio.wait(running, timeout=grace_s)
+            _done, late = await asyncio.wait(running, timeout=self.grace_s)
             for task in late:
                 task.cancel()
         for connection in list(self._connections):
@@ -122,9 +131,5 @@ class _PeerCheckedConnection(FrameServerConnection):
 @contextlib.asynccontextmanager
 async def serving(servicer: object, path: Path, *, metrics: ServiceMetrics, grace_s: float):
     """``UdsServer`` for the body of an ``async with``; stopped (gracefully) on exit."""
-    server = UdsServer(servicer, path, metrics=metrics)
-    await server.start()
-    try:
+    async with UdsServer(servicer, path, metrics=metrics, grace_s=grace_s) as server:
         yield server
-    finally:
-        await server.stop(grace_s)
