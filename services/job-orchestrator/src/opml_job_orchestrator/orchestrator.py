@@ -23,16 +23,15 @@ every resume after a preemption, so a resumed run knows to load its checkpoint.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from types import TracebackType
 
 from opml_common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, OpmlError
+from opml_common.lifecycle import Component, cancel_and_wait
 from opml_job_orchestrator.executor.base import (
     CheckpointEvent,
     Executor,
@@ -186,7 +185,7 @@ class _Job:
                 setattr(self, field.name, getattr(status, field.name))
 
 
-class Orchestrator:
+class Orchestrator(Component):
     """Runs submitted jobs on ``executor`` in the order and places ``scheduler`` decides.
 
     Keyword-only settings, checked here: ``scheduler`` (the orchestrator is its only caller from
@@ -210,6 +209,7 @@ class Orchestrator:
             raise InvalidArgument("retry_policy", f"`retry_policy` must be a RetryPolicy, but got {retry_policy!r}.")
         if isinstance(listeners, str) or not isinstance(listeners, Sequence) or not all(map(callable, listeners)):
             raise InvalidArgument("listeners", f"`listeners` must be a list of callables, but got {listeners!r}.")
+        super().__init__()
         self._scheduler = scheduler
         self._executor = executor
         self._retry_policy = retry_policy
@@ -227,32 +227,26 @@ class Orchestrator:
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    async def start(self) -> None:
-        """Start the executor, then the loop task. Idempotent.
+    async def on_start(self) -> None:
+        """Start the executor, then the loop task.
 
         Jobs submitted before, or preempted by a previous :meth:`stop`, start from the first step.
         """
-        if self._loop_task is not None:
-            return
         await self._executor.start()
         self._loop_task = asyncio.create_task(self._loop(), name="job-orchestrator-loop")
 
-    async def stop(self) -> None:
+    async def on_stop(self) -> None:
         """Stop the loop task, then the executor: every run still going gets SIGTERM, then a kill
         after the executor's grace. Those jobs go back to the queue as PREEMPTED (a later
-        :meth:`start` resumes them); jobs waiting stay queued. Idempotent.
+        :meth:`start` resumes them); jobs waiting stay queued.
 
         Raises:
             Whatever ended the loop task, if it died of an error (a bug): it is logged as well.
         """
         task, self._loop_task = self._loop_task, None
-        if task is None:
-            return
         try:
             async with self._lock:  # never cancel the loop halfway through a terminate or a launch
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await cancel_and_wait(task)
         finally:
             await self._executor.stop()
             for job in [j for j in self._jobs.values() if j.state is JobState.RUNNING]:
@@ -273,14 +267,6 @@ class Orchestrator:
         if task is None:
             raise FailedPrecondition("the orchestrator is not started; call start() first.")
         return _ended(task)
-
-    async def __aenter__(self) -> Orchestrator:
-        await self.start()
-        return self
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
-        await self.stop()
 
     # -- requests ------------------------------------------------------------------------------
 

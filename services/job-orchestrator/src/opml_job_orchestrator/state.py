@@ -25,6 +25,7 @@ from opml.jobs.v1 import jobs_pb2 as pb
 from redis.exceptions import RedisError
 
 from opml_common.errors import DataLoss
+from opml_common.lifecycle import Component, cancel_and_wait
 from opml_common.retry import Backoff
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ logger = logging.getLogger(__name__)
 _BACKOFF = Backoff(base_s=0.1, max_s=5.0)
 
 
-class JobStore:
+class JobStore(Component):
     """Job snapshots in Redis. ``redis`` is an asyncio client (``opml_common.storage.redis_client``).
 
     Long-lived: ``start()`` begins the writer task, ``stop()`` drains the queue and ends it; both
@@ -40,6 +41,7 @@ class JobStore:
     """
 
     def __init__(self, redis: Any, *, prefix: str) -> None:
+        super().__init__()
         self._redis = redis
         self._jobs_key = f"{prefix}job-orchestrator:jobs"
         self._order_key = f"{prefix}job-orchestrator:order"
@@ -88,20 +90,15 @@ class JobStore:
         """Return once every snapshot queued so far is written (waits while Redis is away)."""
         await self._queue.join()
 
-    async def start(self) -> None:
-        if self._writer is None:
-            self._writer = asyncio.create_task(self._write_loop(), name="job-store-writer")
+    async def on_start(self) -> None:
+        self._writer = asyncio.create_task(self._write_loop(), name="job-store-writer")
 
-    async def stop(self) -> None:
+    async def on_stop(self) -> None:
         """Write what is queued (while Redis answers), then end the writer task."""
-        if self._writer is None:
-            return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._queue.join(), timeout=10)
-        self._writer.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._writer
-        self._writer = None
+        writer, self._writer = self._writer, None
+        await cancel_and_wait(writer)
 
     async def _write_loop(self) -> None:
         while True:

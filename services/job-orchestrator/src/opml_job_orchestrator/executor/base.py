@@ -24,10 +24,11 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType, TracebackType
+from types import MappingProxyType
 from typing import Any
 
 from opml_common.errors import InvalidArgument
+from opml_common.lifecycle import Component
 from opml_job_orchestrator.scheduler.model import ROLE_NAMES, JobSpec
 
 # The executors check a placement as the scheduler does when it adopts a run.
@@ -163,27 +164,25 @@ class JobProgram:
                                                           f"has no entry for it; it has {sorted(self.commands)}.")
 
 
-class Executor(abc.ABC):
+class Executor(Component, abc.ABC):
     """Runs the tasks of jobs and reports what happens to them.
 
-    A long-lived component: ``async with executor:`` or :meth:`start` / :meth:`stop`, both
-    idempotent. All methods are called from one asyncio event loop.
+    A :class:`~opml_common.lifecycle.Component`: ``async with executor:`` or :meth:`start` /
+    :meth:`stop`, both idempotent, and started again after a stop. All methods are called from one
+    asyncio event loop.
     """
 
-    @abc.abstractmethod
-    async def start(self) -> None:
-        """Get ready to launch: called once by the orchestrator before its first :meth:`launch`.
+    async def on_start(self) -> None:
+        """Get ready to launch: the orchestrator starts the executor before its first :meth:`launch`.
 
-        Idempotent. Side effects are the implementation's (the local executor creates its work
-        directory and starts its heartbeat watcher).
+        Side effects are the implementation's (the local executor creates its work directory and
+        starts its heartbeat watcher).
         """
 
-    @abc.abstractmethod
-    async def stop(self) -> None:
+    async def on_stop(self) -> None:
         """Terminate every run still going and release everything: called at orchestrator shutdown.
 
-        Idempotent. Each run still going ends with a ``JobEvent`` of outcome STOPPED, still
-        readable with :meth:`poll`.
+        Each run still going ends with a ``JobEvent`` of outcome STOPPED, still readable with :meth:`poll`.
         """
 
     @abc.abstractmethod
@@ -267,13 +266,6 @@ class Executor(abc.ABC):
             NotFound: the job, that run of it, or that task does not exist.
         """
 
-    async def __aenter__(self) -> Executor:
-        await self.start()
-        return self
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
-        await self.stop()
 
 
 def check_seconds(value: Any, field: str, *, positive: bool, hint: str = "") -> float:

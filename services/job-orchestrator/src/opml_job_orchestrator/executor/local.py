@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from opml_common.errors import InvalidArgument, NotFound
+from opml_common.lifecycle import cancel_and_wait
 from opml_common.ports import hold_free_port
 from opml_job_orchestrator.executor.base import (
     CheckpointEvent,
@@ -144,11 +145,8 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
 
     async def _close(self) -> None:
         """Stop the heartbeat watcher and the trace shippers (what they have not published stays in the spool)."""
-        if self._watcher is not None:
-            self._watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watcher
-            self._watcher = None
+        watcher, self._watcher = self._watcher, None
+        await cancel_and_wait(watcher)
         shippers, self._shippers = list(self._shippers.values()), {}
         for shipper in shippers:
             shipper.terminate()
@@ -310,7 +308,7 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
         code = await task.process.wait()
         _kill_group(task.process.pid, signal.SIGKILL)
         self._read_heartbeat(run, task)
-        if run.trace_spool is not None and self._started:  # its last events wait in the spool
+        if run.trace_spool is not None and self.running:  # its last events wait in the spool
             try:
                 self._ensure_shipper(run.trace_spool)
             except OSError:

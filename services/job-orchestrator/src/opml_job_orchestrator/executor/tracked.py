@@ -3,7 +3,7 @@
 :class:`TrackedRunExecutor` owns the bookkeeping both backends need whatever a task is (a
 process, a pod): the runs by job, the event queue, the background tasks, the argument and state
 checks of :meth:`~Executor.launch` and :meth:`~Executor.recover`, :meth:`~Executor.terminate`,
-the :meth:`~Executor.stop` skeleton, and ending a run exactly once (decide, stop what still runs,
+the :meth:`~Executor.on_stop` skeleton, and ending a run exactly once (decide, stop what still runs,
 then report the ``JobEvent``). A backend says only how it starts and stops, launches, polls,
 stops tasks, reads logs and recovers.
 """
@@ -71,23 +71,17 @@ class TrackedRunExecutor(Executor, Generic[RunT]):
         self._runs: dict[str, RunT] = {}
         self._events: asyncio.Queue[ExecutorEvent] = asyncio.Queue()
         self._background: set[asyncio.Task[None]] = set()
-        self._started = False
+        super().__init__()
 
-    async def start(self) -> None:
-        """Get the backend ready (:meth:`_open`). Idempotent."""
-        if self._started:
-            return
+    async def on_start(self) -> None:
+        """Get the backend ready (:meth:`_open`)."""
         await self._open()
-        self._started = True
 
-    async def stop(self) -> None:
+    async def on_stop(self) -> None:
         """End every run still going (grace ``shutdown_grace_s``), then release the backend (:meth:`_close`).
 
-        Idempotent. Unread events stay readable with :meth:`poll`.
+        Unread events stay readable with :meth:`poll`; :meth:`launch` is refused from the moment it begins.
         """
-        if not self._started:
-            return
-        self._started = False
         await asyncio.gather(*(self._end(run, Verdict(JobOutcome.STOPPED, "the executor stopped", False),
                                          grace_s=self._shutdown_grace_s) for run in list(self._runs.values())))
         await self._close()
@@ -150,7 +144,7 @@ class TrackedRunExecutor(Executor, Generic[RunT]):
 
     def _check_free(self, job_id: str, attempt: int) -> None:
         """Raise FailedPrecondition unless the executor is started and no run of ``job_id`` goes."""
-        if not self._started:
+        if not self.running:
             raise FailedPrecondition("the executor is not started; call start() or use `async with` first.")
         previous = self._runs.get(job_id)
         if previous is not None and previous.tracker.outcome is None:
