@@ -27,6 +27,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from opml_common.lifecycle import Component
 from opml_monitoring_scorer.core.records import AlertRecord
 
 _REMEMBER = """
@@ -85,10 +86,12 @@ time it is saved: a window saved again (a replayed close, a label joined) is not
 _TOTAL_ROWS = _ROWS + "return redis.call('GET', KEYS[3])"
 
 
-class MonitorStore:
-    """Side effects: none until used; ``start``/``stop`` are no-ops (the Redis client is the service's)."""
+class MonitorStore(Component):
+    """Side effects: none until used; ``start()`` checks that Redis answers, ``stop()`` does nothing (the
+    Redis client is the service's)."""
 
     def __init__(self, redis: aioredis.Redis, *, prefix: str, retention_s: int) -> None:
+        super().__init__()
         self.redis = redis
         self.prefix = prefix + "monitoring:"
         self.retention_s = retention_s
@@ -100,11 +103,8 @@ class MonitorStore:
     def _k(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
 
-    async def start(self) -> None:
+    async def on_start(self) -> None:
         await self.redis.ping()
-
-    async def stop(self) -> None:
-        return None
 
     # registrations
     async def save_registration(self, mv: str, registration: dict[str, Any]) -> None:

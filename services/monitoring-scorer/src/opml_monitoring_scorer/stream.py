@@ -74,6 +74,7 @@ from opml_common.bus.cloudevents import CloudEvent
 from opml_common.bus.security import kafka_client_kwargs
 from opml_common.config import PlatformSettings
 from opml_common.errors import InvalidArgument, brief
+from opml_common.lifecycle import Component
 from opml_common.retry import Backoff
 from opml_monitoring_scorer.core.decode import Batch
 from opml_monitoring_scorer.core.scorer import Joinable, Scorer, Unscorable, model_version
@@ -256,7 +257,7 @@ def _seek_uncommitted_to_earliest(consumer: Any, topics: set[str],
     consumer.seek_to_committed = seek_to_committed_or_earliest
 
 
-class ScoringStream:
+class ScoringStream(Component):
     """Side effects:
         ``start()``: creates the internal topics, starts the faust app (joins the consumer group,
         recovers the table from its changelog, then consumes). Idempotent.
@@ -265,6 +266,7 @@ class ScoringStream:
 
     def __init__(self, platform: PlatformSettings, scorer: Scorer, metrics: ScorerMetrics, *,
                  publisher: EventPublisher, datadir: Path, app_id: str = "monitoring-scorer") -> None:
+        super().__init__()
         self.platform = platform
         self.scorer = scorer
         self.metrics = metrics
@@ -295,9 +297,7 @@ class ScoringStream:
         finally:
             await admin.close()
 
-    async def start(self) -> None:
-        if self.app is not None:
-            return
+    async def on_start(self) -> None:
         await self._create_topics()
         self.datadir.mkdir(parents=True, exist_ok=True)
         platform = self.platform
@@ -337,13 +337,17 @@ class ScoringStream:
         self._source = predictions.get_topic_name()
         _seek_uncommitted_to_earliest(app.consumer, {self._source, labels.get_topic_name()}, self._fed_from)
         self.app = app
-        await app.start()
+        try:
+            await app.start()
+        except BaseException:  # not started: nobody calls stop(), so what it began is stopped here
+            self.app = None
+            await app.stop()
+            raise
 
-    async def stop(self) -> None:
-        if self.app is None:
-            return
+    async def on_stop(self) -> None:
         app, self.app = self.app, None
-        await app.stop()
+        if app is not None:
+            await app.stop()
 
     def _fed_from(self, positions: dict[Any, int]) -> None:
         """faust sought the source partitions to their committed offsets (after an assignment, or when

@@ -29,6 +29,7 @@ from opml.monitoring.v1 import alert_events_pb2, label_events_pb2
 
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, brief
 from opml_common.events import EventEmitter
+from opml_common.lifecycle import Component
 from opml_monitoring_scorer.core.config import MonitoringConfig
 from opml_monitoring_scorer.core.decode import Batch, decode_prediction, decode_predictions
 from opml_monitoring_scorer.core.monitor import ModelMonitor, WindowScore
@@ -159,11 +160,13 @@ class Unscorable(Exception):
     """A window the estimators cannot score: it would fail the same way on every retry."""
 
 
-class Scorer:
-    """Side effects: ``restore()`` rebuilds every registered version's monitor from its bundle."""
+class Scorer(Component):
+    """Side effects: ``restore()`` rebuilds every registered version's monitor from its bundle;
+    ``start()`` restores, ``stop()`` does nothing."""
 
     def __init__(self, *, store: MonitorStore, emitter: EventEmitter, metrics: ScorerMetrics,
                  load_bundle: BundleLoader, seed: int = 0) -> None:
+        super().__init__()
         self.store = store
         self.emitter = emitter
         self.metrics = metrics
@@ -172,11 +175,8 @@ class Scorer:
         self.models: dict[str, Monitored] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
-    async def start(self) -> None:
+    async def on_start(self) -> None:
         await self.restore()
-
-    async def stop(self) -> None:
-        return None
 
     async def restore(self) -> None:
         for key, saved in (await self.store.registrations()).items():
