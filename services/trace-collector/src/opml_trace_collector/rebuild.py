@@ -19,20 +19,20 @@ the same group, and a replica that restarts mid-rebuild resumes the rebuild wher
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
 import redis.exceptions
 
 from opml_common.bus import EventConsumer
+from opml_common.lifecycle import Component, cancel_and_wait
 from opml_common.metrics import ServiceMetrics
 from opml_trace_collector.store import TraceStore
 
 log = logging.getLogger(__name__)
 
 
-class RebuildingConsumer:
+class RebuildingConsumer(Component):
     """Runs ``make_consumer(group)`` for the state's current generation; starts over when it changes.
 
     Side effects:
@@ -40,7 +40,8 @@ class RebuildingConsumer:
         group (see :meth:`EventConsumer.start`). Idempotent.
         ``run()``: handles events until ``stop()``; meanwhile checks the generation every
         ``check_interval_s`` and, when the state is gone, moves to a new generation's group.
-        ``stop()``: stops the current consumer (the event in hand is finished). Idempotent and final.
+        ``stop()``: stops the current consumer (the event in hand is finished). Idempotent and final:
+        ``start()`` after it joins no group, and ``run()`` returns at once.
         Metric ``opml_<service>_state_rebuilds_total``: times this process began building the state
         from the beginning of the topic.
     """
@@ -49,6 +50,7 @@ class RebuildingConsumer:
                  metrics: ServiceMetrics, check_interval_s: float = 5.0) -> None:
         if check_interval_s <= 0:
             raise ValueError(f"RebuildingConsumer `check_interval_s` must be > 0, but got {check_interval_s}")
+        super().__init__()
         self.store = store
         self.make_consumer = make_consumer
         self.base_group = base_group
@@ -59,10 +61,13 @@ class RebuildingConsumer:
         self._rebuilds = metrics.counter("state_rebuilds_total", "Times this process began building its Redis "
                                          "state from the beginning of the topic (the state was missing).")
 
-    async def start(self) -> None:
+    async def on_start(self) -> None:
+        """Join the group of the state's generation (nothing once stopped: a stop is final)."""
+        if not self._stopping.is_set():
+            await self._join()
+
+    async def _join(self) -> None:
         """Join the group of the state's generation (a new one when the state is missing)."""
-        if self._consumer is not None:
-            return
         generation, created = await self.store.generation()
         group = f"{self.base_group}.{generation}"
         if created:
@@ -84,9 +89,7 @@ class RebuildingConsumer:
             consuming = asyncio.create_task(consumer.run())
             watching = asyncio.create_task(self._until_state_lost())
             await asyncio.wait({consuming, watching}, return_when=asyncio.FIRST_COMPLETED)
-            watching.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watching
+            await cancel_and_wait(watching)
             lost = not consuming.done() and not self._stopping.is_set()
             await consumer.stop()
             await consuming  # re-raises the failure of a consumer that died
@@ -94,13 +97,20 @@ class RebuildingConsumer:
                 return
             log.warning("the trace-collector state (generation %s) is gone from Redis; starting over", self.generation)
             self._consumer = None
-            await self.start()
+            await self._join()
         if self._consumer is not None:
             await self._consumer.stop()  # stop() came while a new generation's group was being joined
 
     async def stop(self) -> None:
-        """Stop consuming (the event in hand is finished first). Final: a stopped one is not started again."""
+        """Stop consuming (the event in hand is finished first). Final: a stopped one is not started again.
+
+        The flag is set before the part's own stop, which waits for a join in progress: ``run()``
+        sees it as soon as that join is done.
+        """
         self._stopping.set()
+        await super().stop()
+
+    async def on_stop(self) -> None:
         if self._consumer is not None:
             await self._consumer.stop()
 
