@@ -18,6 +18,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from opml_common.errors import NotFound
+from opml_common.lifecycle import Component
 
 
 class ExperimentState(enum.Enum):
@@ -118,22 +119,26 @@ class TraceRecord:
         return bool(self.started) and self.started <= self.stopped
 
 
-class ExperimentStore:
+class ExperimentStore(Component):
     """Redis keys (all under ``prefix``): ``automl:experiments`` (a sorted set: names by creation),
     ``automl:experiment:{name}`` (the record, JSON), ``automl:trials:{name}`` (a hash: number ->
     trial JSON), ``automl:trace:{name}:{number}`` (a hash: a Trace trial's epochs ``e:{fit}:{epoch}``
     -> logs JSON, ``started:{session}``, ``stopped:{session}``). Trials and experiments are small
-    (KiBs); an experiment's trials are read whole, a trial's trace too."""
+    (KiBs); an experiment's trials are read whole, a trial's trace too.
+
+    A part the service starts (Redis answers before anything reads it) and stops; the client is the
+    service's, closed by it after every part that uses it."""
 
     def __init__(self, redis: aioredis.Redis, *, prefix: str) -> None:
+        super().__init__()
         self._redis = redis
         self._prefix = f"{prefix}automl:"
         self._put_unless_ended = redis.register_script(_PUT_UNLESS_ENDED)
 
-    async def start(self) -> None:
+    async def on_start(self) -> None:
         await self._redis.ping()
 
-    async def stop(self) -> None:
+    async def on_stop(self) -> None:
         """Nothing to flush: every write is awaited where it is made."""
 
     def journal_prefix(self, record: ExperimentRecord) -> str:
