@@ -83,7 +83,7 @@ async def serve_router(worker: str, native: bool) -> None:
     from opml_common.metrics import ServiceMetrics
     from opml_inference_router.frontend import InferenceFrontend
     from opml_inference_router.native_front import FrontLink, NativeFront
-    from opml_inference_router.placement.config import load_fleet_config
+    from opml_inference_router.placement.fleet_config import load_fleet_config
     from opml_inference_router.routing import ModelPolicy, Router
     from opml_inference_router.routing.local_replica import LocalReplica
     from opml_inference_router.routing.uds_replica import connect

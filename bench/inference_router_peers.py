@@ -131,9 +131,9 @@ async def serve_router(workers: list[str], bundle: Path, hedge: bool, native: bo
     from opml_common.metrics import ServiceMetrics
     from opml_inference_router.frontend import InferenceFrontend
     from opml_inference_router.native_front import FrontLink, NativeFront
-    from opml_inference_router.placement import load_model_config
     from opml_inference_router.routing import ModelPolicy, Router
     from opml_inference_router.routing.uds_replica import connect
+    from opml_inference_router_contract.model_config import load_model_config
 
     metrics = ServiceMetrics("inference-router")
     router = Router(connect=connect, metrics=metrics)

@@ -54,7 +54,6 @@ from opml_inference_router.placement import (
     CostAwareSloPolicy,
     Fleet,
     FleetConfig,
-    ModelConfig,
     ModelDemand,
     Profile,
     ServiceCurve,
@@ -67,6 +66,7 @@ from opml_inference_router.runtime.perfsample import measure
 from opml_inference_router.runtime.profiler import synthetic_inputs
 from opml_inference_router.runtime.session import thread_share
 from opml_inference_router.testing import mlp_classifier, mlp_config, write_model_dir
+from opml_inference_router_contract.model_config import ModelConfig
 
 FLEET = {"pool_kinds": [
     {"name": "cpu", "precisions": ["fp32"], "memory_mib": 4096, "slots": 1, "cost_per_hour": 0.4,

@@ -50,10 +50,11 @@ from opml_common.perfmodel import (
 from opml_common.perfmodel.learn import tree_learner
 from opml_common.perfmodel.space import encode
 from opml_inference_router.placement import Fleet, ModelDemand, ModelVersion, Profile, ProfileBook, ProfilePredictor
-from opml_inference_router.placement.config import ModelConfig, load_fleet_config
+from opml_inference_router.placement.fleet_config import load_fleet_config
 from opml_inference_router.runtime.perfsample import measure
 from opml_inference_router.settings import LOCAL_FLEET
 from opml_inference_router.testing.models import mlp_classifier, mlp_config
+from opml_inference_router_contract.model_config import ModelConfig
 
 MODELS = {"mlp-w64-d2": (64, 2), "mlp-w256-d2": (256, 2), "mlp-w1024-d2": (1024, 2), "mlp-w2048-d3": (2048, 3)}
 BATCHES = (1, 2, 4, 8, 16, 32)

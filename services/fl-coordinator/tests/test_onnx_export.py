@@ -44,9 +44,21 @@ def test_the_serving_config_is_one_the_inference_router_accepts():
     import yaml
 
     from opml_fl_coordinator.onnx_export import serving_config
-    from opml_inference_router.placement.config import ModelConfig
+    from opml_inference_router_contract.model_config import ModelConfig
 
     weights = [np.zeros((64, 32)), np.zeros(32), np.zeros((32, 10)), np.zeros(10)]
     config = ModelConfig.from_dict(yaml.safe_load(serving_config("fl-plants", weights)))
     assert config.name == "fl-plants" and config.max_batch_size == 32
     assert [tuple(i.dims) for i in config.inputs] == [(64,)] and [tuple(o.dims) for o in config.outputs] == [(10,)]
+
+
+def test_a_serving_config_the_inference_router_would_refuse_is_never_written():
+    from opml_common.errors import InvalidArgument
+    from opml_fl_coordinator.onnx_export import serving_config
+
+    weights = [np.zeros((4, 2)), np.zeros(2)]
+    with pytest.raises(InvalidArgument) as caught:
+        serving_config("fl plants", weights)
+    assert caught.value.field == "name"
+    with pytest.raises(InvalidArgument, match="pool kinds must be unique"):
+        serving_config("fl-plants", weights, pool_kinds=("cpu", "cpu"))

@@ -8,14 +8,8 @@ from pathlib import Path
 import pytest
 
 from opml_common.errors import InvalidArgument, NotFound
-from opml_inference_router.placement import (
-    Fleet,
-    FleetConfig,
-    ModelConfig,
-    demands_for,
-    load_fleet_config,
-    load_model_config,
-)
+from opml_inference_router.placement import Fleet, FleetConfig, demands_for, load_fleet_config
+from opml_inference_router_contract.model_config import ModelConfig, load_model_config
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

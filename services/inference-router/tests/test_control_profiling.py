@@ -17,11 +17,11 @@ from opml_inference_router.control import Source
 from opml_inference_router.control.profiling import request_path_profile
 from opml_inference_router.control.state import VersionRecord
 from opml_inference_router.control.workers import WorkerClient
-from opml_inference_router.placement import ModelConfig
 from opml_inference_router.routing import Router
 from opml_inference_router.routing.uds_replica import connect
 from opml_inference_router.testing import mlp_config, write_model_dir
 from opml_inference_router.worker import WorkerProcess
+from opml_inference_router_contract.model_config import ModelConfig
 
 FLEET = {"pool_kinds": [{"name": "cpu", "precisions": ["fp32"], "memory_mib": 4096, "slots": 2,
                          "cost_per_hour": 1.0, "execution_provider": "CPUExecutionProvider"}],

@@ -16,7 +16,7 @@ from opml_inference_router.kserve import (
     encode_response,
     serialize_bytes,
 )
-from opml_inference_router.placement.config import ModelConfig
+from opml_inference_router_contract.model_config import ModelConfig
 
 IMAGE_MODEL = ModelConfig.from_dict({
     "name": "defect-classifier", "max_batch_size": 32,

@@ -7,9 +7,10 @@ import pytest
 
 from opml_common.errors import FailedPrecondition
 from opml_common.perfmodel import ServingConfig
-from opml_inference_router.placement import ModelConfig, PoolKind
+from opml_inference_router.placement import PoolKind
 from opml_inference_router.runtime.perfsample import measure, mlp_mflop_per_row
 from opml_inference_router.testing.models import mlp_classifier, mlp_config
+from opml_inference_router_contract.model_config import ModelConfig
 
 CPU = PoolKind(name="cpu", precisions=("fp32", "int8"), memory_mib=1024, slots=1, cost_per_hour=1.0,
                execution_provider="CPUExecutionProvider")

@@ -11,11 +11,12 @@ import pytest
 
 from opml_common.errors import InvalidArgument, OpmlError, Unavailable
 from opml_devstack.testing.bus import fresh_metrics, sample
-from opml_inference_router.placement import CostAwareSloPolicy, ModelConfig, ModelDemand, Planner
-from opml_inference_router.placement.config import FleetConfig
+from opml_inference_router.placement import CostAwareSloPolicy, ModelDemand, Planner
+from opml_inference_router.placement.fleet_config import FleetConfig
 from opml_inference_router.routing import ModelPolicy, Replica, ReplicaFailed, Router, wire
 from opml_inference_router.routing.replicas import ReplicaSet
 from opml_inference_router.testing.placement import CPU, GPU, book, config, demand, fleet
+from opml_inference_router_contract.model_config import ModelConfig
 
 REQUEST = wire.encode_field(wire.MODEL_NAME, "m")
 

@@ -12,7 +12,6 @@ from opml_common.config import PlatformSettings, ServiceSettings
 from opml_common.errors import InvalidArgument
 from opml_common.grpc.server import MAX_MESSAGE_BYTES, GrpcServer
 from opml_devstack.testing.bus import fresh_metrics, sample
-from opml_inference_router.placement.config import ModelConfig
 from opml_inference_router.routing import ModelPolicy, Replica, Router, wire
 from opml_inference_router.routing.limits import (
     DEFAULT_GRPC_MAX_RECEIVE_BYTES,
@@ -24,6 +23,7 @@ from opml_inference_router.routing.limits import (
 )
 from opml_inference_router.settings import RouterSettings
 from opml_inference_router.testing import mlp_config
+from opml_inference_router_contract.model_config import ModelConfig
 
 
 def config(**changes: object) -> ModelConfig:

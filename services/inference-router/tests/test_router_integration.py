@@ -31,7 +31,7 @@ from opml_common.grpc.server import GrpcServer
 from opml_common.metrics import ServiceMetrics
 from opml_devstack.testing.bus import read_records, sample, wait_until
 from opml_inference_router.frontend import InferenceFrontend
-from opml_inference_router.placement.config import load_fleet_config
+from opml_inference_router.placement.fleet_config import load_fleet_config
 from opml_inference_router.predictions import PredictionLog
 from opml_inference_router.routing import ModelPolicy, Router
 from opml_inference_router.routing.grpc_replica import GrpcReplica

@@ -13,9 +13,9 @@ from prometheus_client import CollectorRegistry
 
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from opml_devstack.testing.bus import fresh_metrics, sample, wait_until
-from opml_inference_router.placement.config import ModelConfig
 from opml_inference_router.routing import DeadlineExceeded, ModelPolicy, Replica, ReplicaFailed, Router, wire
 from opml_inference_router.testing import mlp_config
+from opml_inference_router_contract.model_config import ModelConfig
 
 REQUEST = wire.encode_field(wire.MODEL_NAME, "m")
 

@@ -14,10 +14,11 @@ from onnx import TensorProto, helper
 from prometheus_client import CollectorRegistry
 
 from opml_common.metrics import ServiceMetrics
-from opml_inference_router.placement.config import ModelConfig, ModelVersion, PoolKind
+from opml_inference_router.placement.fleet_config import ModelVersion, PoolKind
 from opml_inference_router.runtime import DynamicBatcher, Replica, WorkerMetrics, build_session, to_profile
 from opml_inference_router.runtime.profiler import profile_replica
 from opml_inference_router.testing import mlp_classifier, mlp_config
+from opml_inference_router_contract.model_config import ModelConfig
 
 CPU = PoolKind(name="cpu", precisions=("fp32",), memory_mib=4096, slots=4, cost_per_hour=1.0,
                execution_provider="CPUExecutionProvider")

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from opml_common.metrics import ServiceMetrics
-from opml_inference_router.placement.config import ModelConfig, PoolKind
+from opml_inference_router.placement.fleet_config import PoolKind
 from opml_inference_router.runtime import (
     ModelRepository,
     WorkerMetrics,
@@ -27,6 +27,7 @@ from opml_inference_router.runtime import (
 )
 from opml_inference_router.runtime.bundle import write_bundle
 from opml_inference_router.testing import mlp_classifier, mlp_config, write_broken_onnx, write_model_dir
+from opml_inference_router_contract.model_config import ModelConfig
 
 CPU = PoolKind(name="cpu", precisions=("fp32",), memory_mib=4096, slots=3, cost_per_hour=1.0,
                execution_provider="CPUExecutionProvider")

@@ -27,7 +27,6 @@ from opml_inference_router.placement import (
     CostAwareSloPolicy,
     Fleet,
     FleetConfig,
-    ModelConfig,
     ModelDemand,
     ModelVersion,
     Profile,
@@ -37,6 +36,7 @@ from opml_inference_router.placement import (
 from opml_inference_router.runtime import thread_share
 from opml_inference_router.testing import mlp_classifier, mlp_config, write_model_dir
 from opml_inference_router_contract.client import DeploymentClient
+from opml_inference_router_contract.model_config import ModelConfig
 from opml_inference_router_contract.topics import DEPLOYMENTS
 
 VERSION = "models/mlp/versions/1"

@@ -11,7 +11,7 @@ import logging
 from opml.bundles.v1 import bundles_pb2
 
 from opml_bundle_store_contract.client import BundleStoreClient
-from opml_common.errors import AlreadyExists
+from opml_common.errors import AlreadyExists, InvalidArgument
 from opml_fl_coordinator.federation import Federation, RoundRecord
 from opml_fl_coordinator.onnx_export import dense_classifier_onnx, serving_config
 from opml_fl_coordinator.weights import to_bytes
@@ -47,7 +47,7 @@ class BundlePublisher:
             try:  # a dense classifier also goes as ONNX, for the inference-router
                 files["model.onnx"] = dense_classifier_onnx(weights)
                 files["model.yaml"] = serving_config(f"fl-{federation.federation_id}", weights).encode()
-            except ValueError as why:
+            except (ValueError, InvalidArgument) as why:
                 log.info("federation %s: model not exported to ONNX (%s)", federation.federation_id, why)
             tags = {"federation": federation.federation_id, "round": str(record.number)}
             if self.serve and "model.onnx" in files:

@@ -63,14 +63,23 @@ def dense_classifier_onnx(weights: Weights, *, hidden_activation: str = "relu", 
 def serving_config(name: str, weights: Weights, *, max_batch_size: int = 32, p99_ms: float = 25.0,
                    expected_rate_rps: float = 50.0, pool_kinds: Sequence[str] = ("cpu",)) -> str:
     """The inference-router's ``model.yaml`` (Triton's field names) for :func:`dense_classifier_onnx`'s
-    model: a dynamic batch dimension, fp32, served on ``pool_kinds`` within ``p99_ms``."""
+    model: a dynamic batch dimension, fp32, served on ``pool_kinds`` within ``p99_ms``. Checked with the
+    router's contract before it is written, so a bundle never carries a config the router refuses.
+
+    Raises:
+        InvalidArgument: the config breaks a rule of the router's (the field is its path, e.g. ``name``).
+    """
     import yaml
 
+    # Imported here: the contract brings the router's client and its performance models (scikit-learn),
+    # which only an export needs.
+    from opml_inference_router_contract.model_config import ModelConfig
+
     features, classes = int(weights[0].shape[0]), int(weights[-2].shape[1])
-    return yaml.safe_dump({"name": name, "max_batch_size": max_batch_size,
-                           "inputs": [{"name": "input", "data_type": "fp32", "dims": [features]}],
-                           "outputs": [{"name": "probabilities", "data_type": "fp32", "dims": [classes]}],
-                           "dynamic_batching": {"max_queue_delay_us": 2000}, "slo": {"p99_ms": p99_ms},
-                           "expected_rate_rps": expected_rate_rps, "pool_kinds": list(pool_kinds),
-                           "precisions": ["fp32"]},
-                          sort_keys=False)
+    document = {"name": name, "max_batch_size": max_batch_size,
+                "inputs": [{"name": "input", "data_type": "fp32", "dims": [features]}],
+                "outputs": [{"name": "probabilities", "data_type": "fp32", "dims": [classes]}],
+                "dynamic_batching": {"max_queue_delay_us": 2000}, "slo": {"p99_ms": p99_ms},
+                "expected_rate_rps": expected_rate_rps, "pool_kinds": list(pool_kinds), "precisions": ["fp32"]}
+    ModelConfig.from_dict(document)
+    return yaml.safe_dump(document, sort_keys=False)

@@ -21,8 +21,8 @@ from rich.table import Table
 from opml_common.cligroup import ClientSession, output_console, pass_session, service_group
 from opml_common.perfmodel import ServingConfig, grid
 from opml_common.perfmodel.space import EXECUTION_MODES, OPT_LEVELS, PRECISIONS
-from opml_inference_router.placement.config import version_number
 from opml_inference_router_contract.client import DeploymentClient
+from opml_inference_router_contract.model_config import version_number
 
 console = output_console()
 _STATE = {pb.DEPLOYING: "DEPLOYING", pb.SERVING: "SERVING", pb.FAILED: "FAILED"}

@@ -19,7 +19,7 @@ from opml_common.errors import FailedPrecondition, InvalidArgument
 from opml_common.grpc.server import ServiceRegistration
 from opml_common.pagination import paginate
 from opml_inference_router.control import DeploymentManager, ServingModels, Source, convert
-from opml_inference_router.placement.config import version_number
+from opml_inference_router_contract.model_config import version_number
 
 SERVICE = pb.DESCRIPTOR.services_by_name["DeploymentService"]
 METHOD_ROLES = {

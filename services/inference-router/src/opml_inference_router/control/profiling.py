@@ -26,9 +26,10 @@ from opml_common.kserve_codec import encode_request
 from opml_inference_router.control.pools import PoolManager
 from opml_inference_router.control.state import VersionRecord
 from opml_inference_router.control.workers import WorkerClient
-from opml_inference_router.placement import ModelConfig, ModelVersion, Plan, Profile, ProfileBook
+from opml_inference_router.placement import ModelVersion, Plan, Profile, ProfileBook
 from opml_inference_router.routing import Replica, Router
 from opml_inference_router.runtime.profiler import synthetic_inputs
+from opml_inference_router_contract.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from opml_inference_router.placement import ModelConfig
+from opml_inference_router_contract.model_config import ModelConfig
 
 DEPLOYING, SERVING, FAILED = "DEPLOYING", "SERVING", "FAILED"
 

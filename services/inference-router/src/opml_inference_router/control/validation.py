@@ -4,7 +4,8 @@ allows against the fleet this router runs."""
 from __future__ import annotations
 
 from opml_common.errors import FailedPrecondition, InvalidArgument
-from opml_inference_router.placement import Fleet, ModelConfig
+from opml_inference_router.placement import Fleet
+from opml_inference_router_contract.model_config import ModelConfig
 
 MAX_VERSION = 2**31 - 1
 """The highest version number: a model's versions travel as int64 in events and requests, and the next

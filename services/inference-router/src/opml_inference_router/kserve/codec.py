@@ -27,7 +27,7 @@ from opml_common.kserve_codec import (  # noqa: F401 - the generic half, re-expo
     serialize_bytes,
 )
 from opml_inference_router.kserve.validation import check_input, check_input_names, check_output_names
-from opml_inference_router.placement.config import ModelConfig
+from opml_inference_router_contract.model_config import ModelConfig
 
 
 def decode_inputs(request: pb.ModelInferRequest, config: ModelConfig, *, max_batch: int) -> dict[str, np.ndarray]:

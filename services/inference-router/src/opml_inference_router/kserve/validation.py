@@ -19,7 +19,7 @@ from opml_common.kserve_codec import (  # noqa: F401 - re-exported: the router's
     kserve_name,
     tensor_field,
 )
-from opml_inference_router.placement.config import ModelConfig, TensorSpec
+from opml_inference_router_contract.model_config import ModelConfig, TensorSpec
 
 
 def expected_shape(spec: TensorSpec, config: ModelConfig) -> list[int]:

@@ -1,25 +1,21 @@
 """Transport-free placement core (the DLIS "model master"): no grpc, Kafka or onnxruntime here.
 
-The deploy API reads a bundle's :class:`ModelConfig`, the profiler stores a :class:`Profile` per
-allowed pool kind, the :class:`Planner` turns demands into a :class:`Plan` with a
-:class:`PlacementPolicy`, and the :class:`Replanner` turns serving measurements into a new plan
-and the capacity-safe actions (:func:`plan_moves`) an executor carries out on the workers.
+The deploy API reads a bundle's ``ModelConfig`` (the router's contract, since model producers write
+it: :mod:`opml_inference_router_contract.model_config`) and places it on the pools of a
+:class:`FleetConfig`; the profiler stores a :class:`Profile` per allowed pool kind, the
+:class:`Planner` turns demands into a :class:`Plan` with a :class:`PlacementPolicy`, and the
+:class:`Replanner` turns serving measurements into a new plan and the capacity-safe actions
+(:func:`plan_moves`) an executor carries out on the workers.
 """
 
-from opml_inference_router.placement.config import (
-    DynamicBatching,
+from opml_inference_router.placement.fleet import Fleet, Occupancy, Worker, WorkerRoom
+from opml_inference_router.placement.fleet_config import (
     FleetConfig,
-    LatencySlo,
-    ModelConfig,
     ModelVersion,
     PoolConfig,
     PoolKind,
-    TensorSpec,
-    VersionPolicy,
     load_fleet_config,
-    load_model_config,
 )
-from opml_inference_router.placement.fleet import Fleet, Occupancy, Worker, WorkerRoom
 from opml_inference_router.placement.latency import (
     Batching,
     BatchQueueModel,
@@ -60,14 +56,11 @@ __all__ = [
     "BatchQueueModel",
     "Batching",
     "CostAwareSloPolicy",
-    "DynamicBatching",
     "Fleet",
     "FleetConfig",
     "GreedyFirstFitPolicy",
     "KindUsage",
     "LatencyModel",
-    "LatencySlo",
-    "ModelConfig",
     "ModelDemand",
     "ModelVersion",
     "Observation",
@@ -91,8 +84,6 @@ __all__ = [
     "ServingConfigChooser",
     "ServingTable",
     "SessionChoice",
-    "TensorSpec",
-    "VersionPolicy",
     "WaitReady",
     "Worker",
     "WorkerRoom",
@@ -101,7 +92,6 @@ __all__ = [
     "check_moves",
     "demands_for",
     "load_fleet_config",
-    "load_model_config",
     "plan_moves",
     "replicas_of",
 ]

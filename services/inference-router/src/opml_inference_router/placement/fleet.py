@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from opml_common.errors import FailedPrecondition, NotFound
-from opml_inference_router.placement.config import FleetConfig, ModelVersion, PoolKind
+from opml_inference_router.placement.fleet_config import FleetConfig, ModelVersion, PoolKind
 
 
 @dataclass(frozen=True)

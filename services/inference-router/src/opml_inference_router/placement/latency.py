@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from opml_common.errors import InvalidArgument
-from opml_inference_router.placement.config import PoolKind
+from opml_inference_router.placement.fleet_config import PoolKind
 from opml_inference_router.placement.profile import Profile
 
 _SCAN_STEPS = 16  # max_rate_rps scans this many rates below capacity for the first miss...

@@ -20,8 +20,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
 
 from opml_common.errors import FailedPrecondition, OpmlError
-from opml_inference_router.placement.config import ModelVersion
 from opml_inference_router.placement.fleet import Fleet, Occupancy
+from opml_inference_router.placement.fleet_config import ModelVersion
 from opml_inference_router.placement.plan import Plan, SessionChoice
 
 _EPSILON = 1e-9

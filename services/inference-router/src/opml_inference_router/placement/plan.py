@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from opml_common.errors import InvalidArgument
-from opml_inference_router.placement.config import ModelConfig, ModelVersion, Precision
 from opml_inference_router.placement.fleet import Fleet
+from opml_inference_router.placement.fleet_config import ModelVersion
+from opml_inference_router_contract.model_config import ModelConfig, Precision
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from opml_common.errors import InvalidArgument, OpmlError
-from opml_inference_router.placement.config import ModelVersion
 from opml_inference_router.placement.fleet import Fleet, Occupancy
+from opml_inference_router.placement.fleet_config import ModelVersion
 from opml_inference_router.placement.latency import (
     Batching,
     BatchQueueModel,

@@ -13,8 +13,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 
 from opml_common.errors import InvalidArgument
-from opml_inference_router.placement.config import ModelVersion, PoolKind
 from opml_inference_router.placement.fleet import Fleet, WorkerRoom
+from opml_inference_router.placement.fleet_config import ModelVersion, PoolKind
 from opml_inference_router.placement.latency import Batching, BatchQueueModel, LatencyModel, ServiceCurve, batch_caps
 from opml_inference_router.placement.plan import ModelDemand, Option
 from opml_inference_router.placement.profile import Profile

@@ -17,10 +17,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from opml_common.perfmodel import ModelShift, Sample, ServingConfig
-from opml_inference_router.placement.config import ModelConfig, ModelVersion, PoolKind
 from opml_inference_router.placement.fleet import Fleet
+from opml_inference_router.placement.fleet_config import ModelVersion, PoolKind
 from opml_inference_router.placement.plan import ModelDemand
 from opml_inference_router.placement.profile import Profile, ProfileBook
+from opml_inference_router_contract.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,8 @@ from types import MappingProxyType
 from typing import Any
 
 from opml_common.errors import AlreadyExists, InvalidArgument
-from opml_inference_router.placement.config import PRECISIONS, ModelVersion, Precision
+from opml_inference_router.placement.fleet_config import ModelVersion
+from opml_inference_router_contract.model_config import PRECISIONS, Precision
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ from types import MappingProxyType
 from opml_common.errors import InvalidArgument
 from opml_common.perfmodel import ServingConfig
 from opml_common.perfmodel.space import EXECUTION_MODES, OPT_LEVELS, PRECISIONS
-from opml_inference_router.placement.config import ModelVersion, PoolKind
 from opml_inference_router.placement.fleet import Fleet
+from opml_inference_router.placement.fleet_config import ModelVersion, PoolKind
 from opml_inference_router.placement.plan import ModelDemand, Option, SessionChoice
 from opml_inference_router.placement.predicted import kind_sizes
 from opml_inference_router.placement.profile import Profile

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from opml_inference_router.placement.config import ModelConfig
+from opml_inference_router_contract.model_config import ModelConfig
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 """Limit of a model whose config fixes no size (a BYTES input or a dynamic dim) and sets no

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from opml_common.errors import InvalidArgument
-from opml_inference_router.placement.config import ModelConfig
 from opml_inference_router.routing.limits import DEFAULT_MAX_REQUEST_BYTES, RequestLimit, request_limit
+from opml_inference_router_contract.model_config import ModelConfig
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from opml_common.errors import InvalidArgument, NotFound
-from opml_inference_router.placement.config import ModelConfig, load_model_config, version_number
+from opml_inference_router_contract.model_config import ModelConfig, load_model_config, version_number
 
 CONFIG_FILE = "model.yaml"
 MODEL_FILE = "model.onnx"

@@ -18,10 +18,11 @@ import numpy as np
 
 from opml_common.errors import FailedPrecondition
 from opml_common.perfmodel import Sample, ServingConfig
-from opml_inference_router.placement.config import ModelConfig, ModelVersion, PoolKind
+from opml_inference_router.placement.fleet_config import ModelVersion, PoolKind
 from opml_inference_router.runtime.profiler import synthetic_inputs
 from opml_inference_router.runtime.replica import Replica
 from opml_inference_router.runtime.session import build_session, convert
+from opml_inference_router_contract.model_config import ModelConfig
 
 
 def mlp_mflop_per_row(path: Path) -> float:

@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 
 from opml_inference_router.kserve.datatypes import DATATYPES
-from opml_inference_router.placement.config import ModelConfig, ModelVersion
+from opml_inference_router.placement.fleet_config import ModelVersion
 from opml_inference_router.placement.profile import Profile
 from opml_inference_router.runtime.replica import Replica
+from opml_inference_router_contract.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
-from opml_inference_router.placement.config import ModelConfig, ModelVersion, PoolKind
+from opml_inference_router.placement.fleet_config import ModelVersion, PoolKind
 from opml_inference_router.runtime.session import SessionSettings
+from opml_inference_router_contract.model_config import ModelConfig
 
 Tensors = Mapping[str, np.ndarray]
 

@@ -28,7 +28,7 @@ import numpy as np
 import psutil
 
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, OpmlError, ResourceExhausted, brief
-from opml_inference_router.placement.config import ModelVersion, PoolKind, version_number
+from opml_inference_router.placement.fleet_config import ModelVersion, PoolKind
 from opml_inference_router.runtime.batcher import DynamicBatcher
 from opml_inference_router.runtime.bundle import ModelBundle, load_bundle
 from opml_inference_router.runtime.metrics import WorkerMetrics
@@ -44,6 +44,7 @@ from opml_inference_router.runtime.session import (
     choose_precision,
     convert,
 )
+from opml_inference_router_contract.model_config import version_number
 
 log = logging.getLogger(__name__)
 MIB = 1024 * 1024

@@ -24,7 +24,8 @@ import onnxruntime as ort
 from opml_common.errors import FailedPrecondition, InvalidArgument
 from opml_inference_router.kserve.datatypes import BY_ONNX
 from opml_inference_router.kserve.validation import expected_form, expected_shape
-from opml_inference_router.placement.config import ModelConfig, PoolKind
+from opml_inference_router.placement.fleet_config import PoolKind
+from opml_inference_router_contract.model_config import ModelConfig
 
 CALIBRATION_FILE = "calibration.npz"
 PREFERENCE = ("int8", "fp16", "fp32")

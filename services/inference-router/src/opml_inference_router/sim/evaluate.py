@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from opml_inference_router.placement.config import ModelVersion
+from opml_inference_router.placement.fleet_config import ModelVersion
 from opml_inference_router.placement.latency import ServiceCurve
 from opml_inference_router.placement.moves import AddReplica, RemoveReplica, check_moves
 from opml_inference_router.placement.plan import KindUsage, Plan

@@ -18,19 +18,11 @@ import math
 import random
 from dataclasses import dataclass
 
-from opml_inference_router.placement.config import (
-    DynamicBatching,
-    FleetConfig,
-    LatencySlo,
-    ModelConfig,
-    ModelVersion,
-    PoolConfig,
-    PoolKind,
-    TensorSpec,
-)
 from opml_inference_router.placement.fleet import Fleet
+from opml_inference_router.placement.fleet_config import FleetConfig, ModelVersion, PoolConfig, PoolKind
 from opml_inference_router.placement.plan import ModelDemand
 from opml_inference_router.placement.profile import Profile, ProfileBook
+from opml_inference_router_contract.model_config import DynamicBatching, LatencySlo, ModelConfig, TensorSpec
 
 POOL_KINDS = (
     PoolKind(name="cpu", precisions=("fp32",), memory_mib=65536, slots=16, cost_per_hour=1.6,

@@ -4,19 +4,16 @@ policies (the planner's tests and the policy conformance suite share them)."""
 from __future__ import annotations
 
 from opml_inference_router.placement import (
-    DynamicBatching,
     Fleet,
     FleetConfig,
-    LatencySlo,
-    ModelConfig,
     ModelDemand,
     ModelVersion,
     PoolConfig,
     PoolKind,
     Profile,
     ProfileBook,
-    TensorSpec,
 )
+from opml_inference_router_contract.model_config import DynamicBatching, LatencySlo, ModelConfig, TensorSpec
 
 CPU = PoolKind(name="cpu", precisions=("fp32",), memory_mib=65536, slots=16, cost_per_hour=1.6,
                execution_provider="CPUExecutionProvider")  # 0.10 per replica-hour

@@ -27,7 +27,7 @@ from opml_common.logging import configure_logging
 from opml_common.metrics import ServiceMetrics
 from opml_inference_router import package_version
 from opml_inference_router.kserve.roles import INFERENCE_METHOD_ROLES
-from opml_inference_router.placement.config import PoolKind, load_fleet_config
+from opml_inference_router.placement.fleet_config import PoolKind, load_fleet_config
 from opml_inference_router.runtime import ModelRepository, WorkerMetrics, require_provider, thread_share
 from opml_inference_router.worker import uds
 from opml_inference_router.worker.process import MAX_UDS_PATH

@@ -1,21 +1,23 @@
-"""Declarative configuration: what a model needs (``ModelConfig``) and what a fleet offers
-(``FleetConfig``: pool kinds and pools), in the spirit of Triton's ``model_config.proto``.
+"""The model config a bundle carries beside its ONNX file (``model.yaml``): what a model needs to be
+served (``ModelConfig``), in the spirit of Triton's ``model_config.proto``.
 
-A model bundle carries its ONNX file and a ``ModelConfig`` (YAML or JSON). Pool kinds are declared
-by their capabilities (precisions, memory, model slots, cost, ONNX Runtime execution provider,
-fixed batch shapes), so a new kind of worker is configuration, not code. A proto version of these
-schemas will mirror the field names and defaults documented here.
+It is the router's contract: whoever produces a model (an export, a training pipeline) writes a config
+these rules accept and can check it with :func:`load_model_config` / ``ModelConfig.from_dict`` without
+installing the router, which reads every bundle with the same schema. What a fleet offers (pool kinds
+by their capabilities, pools of workers) is the router's own configuration
+(``opml_inference_router.placement.fleet_config``), built on the rules here: a model names the pool
+kinds it may run on, the fleet declares them. A proto version of these schemas will mirror the field
+names and defaults documented here.
 
 Every loader raises :class:`~opml_common.errors.InvalidArgument` whose field is the path of the
-offending value (``inputs[0].dims[1]``, ``pool_kinds[2].slots``) and whose message states the
-rule and shows the value; unknown fields and unknown enum values are refused, never ignored.
+offending value (``inputs[0].dims[1]``, ``pool_kinds[2]``) and whose message states the rule and
+shows the value; unknown fields and unknown enum values are refused, never ignored.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self, TypeVar, get_args
 
@@ -55,13 +57,16 @@ MAX_CONFIG_DEPTH = 32
 _MODEL_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 _TENSOR_NAME = r"^[A-Za-z_][A-Za-z0-9_./:-]{0,127}$"
 _KIND_NAME = r"^[a-z][a-z0-9-]{0,31}$"
-_EXECUTION_PROVIDER = r"^[A-Z][A-Za-z0-9]*ExecutionProvider$"
 
 KindName = Annotated[StrictStr, Field(pattern=_KIND_NAME)]
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
 
 
-class _RuleError(ValueError):
+# ----------------------------------------------------------------------------------------------
+# Rules every config the router reads follows (its fleet config is built on them too)
+
+
+class RuleError(ValueError):
     """A rule broken by a value below the one being validated; ``subpath`` extends the error's path."""
 
     def __init__(self, subpath: Sequence[str | int], message: str) -> None:
@@ -70,18 +75,21 @@ class _RuleError(ValueError):
         self.message = message
 
 
-class _Schema(BaseModel):
+class Schema(BaseModel):
+    """A config schema: unknown fields are refused and a parsed config is immutable."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-_S = TypeVar("_S", bound=_Schema)
+_S = TypeVar("_S", bound=Schema)
 
 
-def _unique(values: Sequence[Any], what: str) -> None:
+def unique(values: Sequence[Any], what: str) -> None:
+    """Raises: RuleError at the index of the first value seen before."""
     seen: set[Any] = set()
     for index, value in enumerate(values):
         if value in seen:
-            raise _RuleError([index], f"{what} must be unique, but {brief(value)} appears twice")
+            raise RuleError([index], f"{what} must be unique, but {brief(value)} appears twice")
         seen.add(value)
 
 
@@ -89,7 +97,7 @@ def _unique(values: Sequence[Any], what: str) -> None:
 # Model configuration
 
 
-class TensorSpec(_Schema):
+class TensorSpec(Schema):
     """One input or output tensor. ``dims`` excludes the batch dimension when the model batches."""
 
     name: Annotated[StrictStr, Field(pattern=_TENSOR_NAME)]
@@ -103,11 +111,11 @@ class TensorSpec(_Schema):
     def _dims_positive_or_dynamic(cls, dims: tuple[int, ...]) -> tuple[int, ...]:
         for index, dim in enumerate(dims):
             if dim != -1 and dim < 1:
-                raise _RuleError([index], f"must be >= 1, or -1 for a dynamic size, but got {dim}")
+                raise RuleError([index], f"must be >= 1, or -1 for a dynamic size, but got {dim}")
         return dims
 
 
-class DynamicBatching(_Schema):
+class DynamicBatching(Schema):
     """Server-side batching: a batch is dispatched when it is full or its oldest request has waited
     ``max_queue_delay_us``. Absent from a config: requests are served one by one."""
 
@@ -118,27 +126,27 @@ class DynamicBatching(_Schema):
         return self.max_queue_delay_us / 1000.0
 
 
-class LatencySlo(_Schema):
+class LatencySlo(Schema):
     """The latency a model's callers are promised, measured at the server."""
 
     p99_ms: StrictFloat = Field(gt=0, description="99th percentile latency bound in milliseconds. Required.")
 
 
-class LatestVersions(_Schema):
+class LatestVersions(Schema):
     num_versions: PositiveInt = 1
 
 
-class AllVersions(_Schema):
+class AllVersions(Schema):
     pass
 
 
-class SpecificVersions(_Schema):
+class SpecificVersions(Schema):
     versions: tuple[PositiveInt, ...] = Field(min_length=1)
 
     @field_validator("versions")
     @classmethod
     def _versions_unique(cls, versions: tuple[int, ...]) -> tuple[int, ...]:
-        _unique(versions, "versions")
+        unique(versions, "versions")
         return versions
 
 
@@ -153,7 +161,7 @@ def version_number(text: str) -> int | None:
     return int(text) or None
 
 
-class VersionPolicy(_Schema):
+class VersionPolicy(Schema):
     """Which versions of the model are served: exactly one of ``latest``, ``all``, ``specific``
     (Triton's ``version_policy`` oneof). Default: the latest version."""
 
@@ -196,7 +204,7 @@ class VersionPolicy(_Schema):
         return set(self.select(serving)) if serving else set()
 
 
-class ModelConfig(_Schema):
+class ModelConfig(Schema):
     """What a model needs to be served; the bundle holds it beside the ONNX file."""
 
     name: Annotated[StrictStr, Field(pattern=_MODEL_NAME)]
@@ -232,26 +240,26 @@ class ModelConfig(_Schema):
     def _tensor_names_unique(cls, tensors: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
         for index, tensor in enumerate(tensors):
             if any(other.name == tensor.name for other in tensors[:index]):
-                raise _RuleError([index, "name"],
-                                 f"tensor names must be unique, but {brief(tensor.name)} appears twice")
+                raise RuleError([index, "name"],
+                                f"tensor names must be unique, but {brief(tensor.name)} appears twice")
         return tensors
 
     @field_validator("pool_kinds")
     @classmethod
     def _kinds_unique(cls, kinds: tuple[str, ...]) -> tuple[str, ...]:
-        _unique(kinds, "pool kinds")
+        unique(kinds, "pool kinds")
         return kinds
 
     @field_validator("precisions")
     @classmethod
     def _precisions_unique(cls, precisions: tuple[str, ...]) -> tuple[str, ...]:
-        _unique(precisions, "precisions")
+        unique(precisions, "precisions")
         return precisions
 
     @model_validator(mode="after")
     def _batching_needs_a_batch_dimension(self) -> Self:
         if self.dynamic_batching is not None and self.max_batch_size < 1:
-            raise _RuleError(
+            raise RuleError(
                 ["dynamic_batching"], "needs max_batch_size >= 1, but max_batch_size is 0 (no batch dimension)"
             )
         return self
@@ -268,123 +276,7 @@ class ModelConfig(_Schema):
     @classmethod
     def from_dict(cls, data: Any) -> ModelConfig:
         """Raises: InvalidArgument naming the path of the first bad field."""
-        return _validate(cls, data)
-
-
-# ----------------------------------------------------------------------------------------------
-# Fleet configuration
-
-
-class PoolKind(_Schema):
-    """A kind of worker, declared by what it can do. Every worker of a kind is alike."""
-
-    name: KindName
-    precisions: tuple[Precision, ...] = Field(min_length=1, description="Precisions the hardware runs. Required.")
-    memory_mib: PositiveInt = Field(description="Memory of one worker for model replicas. Required.")
-    slots: PositiveInt = Field(
-        description="Model replicas one worker can host, each on its own isolated share "
-        "(cores, a GPU partition, an accelerator context). Required."
-    )
-    cost_per_hour: StrictFloat = Field(gt=0, description="Cost of one worker per hour. Required.")
-    execution_provider: Annotated[StrictStr, Field(pattern=_EXECUTION_PROVIDER)] = Field(
-        description="ONNX Runtime execution provider, e.g. CPUExecutionProvider. Required."
-    )
-    batch_sizes: tuple[PositiveInt, ...] = Field(
-        (), description="Fixed batch shapes the hardware runs (a batch is padded up to one); () : any size. Default ()."
-    )
-
-    @field_validator("precisions")
-    @classmethod
-    def _precisions_unique(cls, precisions: tuple[str, ...]) -> tuple[str, ...]:
-        _unique(precisions, "precisions")
-        return precisions
-
-    @field_validator("batch_sizes")
-    @classmethod
-    def _batch_sizes_ascending(cls, sizes: tuple[int, ...]) -> tuple[int, ...]:
-        for index in range(1, len(sizes)):
-            if sizes[index] <= sizes[index - 1]:
-                raise _RuleError([index], f"must be strictly ascending, but {sizes[index]} follows {sizes[index - 1]}")
-        return sizes
-
-    @property
-    def slot_cost_per_hour(self) -> float:
-        """What one replica costs: its share of the worker."""
-        return self.cost_per_hour / self.slots
-
-    def padded_batch(self, size: int) -> int:
-        """The batch shape a batch of ``size`` runs as (itself when the kind has no fixed shapes).
-
-        Raises:
-            InvalidArgument: ``size`` exceeds the kind's largest fixed shape.
-        """
-        if not self.batch_sizes:
-            return size
-        for shape in self.batch_sizes:
-            if shape >= size:
-                return shape
-        raise InvalidArgument(
-            "batch_size", f"{self.name} runs batches of at most {self.batch_sizes[-1]}, but got {size}"
-        )
-
-
-class PoolConfig(_Schema):
-    """A group of identical workers of one kind. A ``gpu`` pool exists only where GPUs do."""
-
-    name: KindName
-    kind: KindName
-    workers: StrictInt = Field(ge=0, description="Number of workers. Required.")
-
-
-class FleetConfig(_Schema):
-    """The pool kinds a deployment knows and the pools of workers it has."""
-
-    pool_kinds: tuple[PoolKind, ...] = Field(min_length=1)
-    pools: tuple[PoolConfig, ...] = Field(min_length=1)
-    min_replicas: StrictInt = Field(
-        2, ge=1, description="Fewest replicas of each model version whose config sets no min_replicas, on distinct "
-        "workers while slots allow (DLIS's N+1). 1: as many as the load needs. Default 2.")
-
-    @field_validator("pool_kinds")
-    @classmethod
-    def _kind_names_unique(cls, kinds: tuple[PoolKind, ...]) -> tuple[PoolKind, ...]:
-        for index, kind in enumerate(kinds):
-            if any(other.name == kind.name for other in kinds[:index]):
-                raise _RuleError([index, "name"],
-                                 f"pool kind names must be unique, but {brief(kind.name)} appears twice")
-        return kinds
-
-    @model_validator(mode="after")
-    def _pools_valid(self) -> Self:
-        known = [kind.name for kind in self.pool_kinds]
-        for index, pool in enumerate(self.pools):
-            if pool.kind not in known:
-                raise _RuleError(["pools", index, "kind"], f"must be a declared pool kind ({', '.join(known)}), "
-                                                           f"but got {brief(pool.kind)}")
-            if any(other.name == pool.name for other in self.pools[:index]):
-                raise _RuleError(["pools", index, "name"],
-                                 f"pool names must be unique, but {brief(pool.name)} appears twice")
-        return self
-
-    @classmethod
-    def from_dict(cls, data: Any) -> FleetConfig:
-        """Raises: InvalidArgument naming the path of the first bad field."""
-        return _validate(cls, data)
-
-
-# ----------------------------------------------------------------------------------------------
-# Identity of what is placed
-
-
-@dataclass(frozen=True, order=True)
-class ModelVersion:
-    """One served version of a model: the unit placement sizes and places."""
-
-    name: str
-    version: int
-
-    def __str__(self) -> str:
-        return f"models/{self.name}/versions/{self.version}"
+        return validate(cls, data)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -398,20 +290,10 @@ def load_model_config(path: str | Path) -> ModelConfig:
         NotFound: the file does not exist.
         InvalidArgument: the file is not YAML/JSON, or a field breaks a rule (field = its path).
     """
-    return ModelConfig.from_dict(_read_document(Path(path)))
+    return ModelConfig.from_dict(read_document(Path(path)))
 
 
-def load_fleet_config(path: str | Path) -> FleetConfig:
-    """Reads pool kinds and pools from a YAML or JSON file.
-
-    Raises:
-        NotFound: the file does not exist.
-        InvalidArgument: the file is not YAML/JSON, or a field breaks a rule (field = its path).
-    """
-    return FleetConfig.from_dict(_read_document(Path(path)))
-
-
-def _read_document(path: Path) -> Any:
+def read_document(path: Path) -> Any:
     """The file's value, read and parsed within :data:`MAX_CONFIG_BYTES`, :data:`MAX_CONFIG_NODES`
     and :data:`MAX_CONFIG_DEPTH` (a YAML alias bomb or a 50,000-deep document is refused while
     composing, before anything is built or validated)."""
@@ -432,7 +314,12 @@ _MAX_LISTED = 5
 """Further problems a config error names besides the first (their count is always given)."""
 
 
-def _validate(schema: type[_S], data: Any) -> _S:
+def validate(schema: type[_S], data: Any) -> _S:
+    """``data`` as a ``schema``.
+
+    Raises:
+        InvalidArgument: naming the path of the first bad field, and how many more there are.
+    """
     if not isinstance(data, Mapping):
         raise InvalidArgument(schema.__name__, f"must be a mapping of fields, but got {type(data).__name__}")
     try:
@@ -455,7 +342,7 @@ def _describe(detail: Mapping[str, Any]) -> tuple[str, str]:
     """The path and a person-readable rule of one pydantic error."""
     location = list(detail["loc"])
     cause = detail.get("ctx", {}).get("error")
-    if isinstance(cause, _RuleError):
+    if isinstance(cause, RuleError):
         return _path(location + list(cause.subpath)), cause.message
     kind = detail["type"]
     if kind == "missing":
