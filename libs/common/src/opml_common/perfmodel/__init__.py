@@ -4,17 +4,25 @@ which places and sizes models on kinds it has not fully profiled, and the automl
 
 Needs scikit-learn (the ``perfmodel`` extra of opml-common)."""
 
-from opml_common.perfmodel.influence import Influence, influential_terms
-from opml_common.perfmodel.learn import PerformanceModel, mape
-from opml_common.perfmodel.space import OPTIONS, Sample, ServingConfig, grid
-from opml_common.perfmodel.transfer import (
-           FromScratch,
-           InfluenceTransfer,
-           ModelShift,
-           ScaleShift,
-           SourceModel,
-           TargetModel,
-)
+import importlib
+from typing import Any
 
-__all__ = ["OPTIONS", "FromScratch", "Influence", "InfluenceTransfer", "ModelShift", "PerformanceModel", "Sample",
-           "ScaleShift", "ServingConfig", "SourceModel", "TargetModel", "grid", "influential_terms", "mape"]
+# Names are imported on first use (PEP 562): a client that only builds a ServingConfig (the
+# inference-router's contract) loads numpy, not scikit-learn, which the models need.
+_EXPORTS = {
+    "Influence": "influence", "influential_terms": "influence",
+    "PerformanceModel": "learn", "mape": "learn",
+    "OPTIONS": "space", "Sample": "space", "ServingConfig": "space", "grid": "space",
+    "FromScratch": "transfer", "InfluenceTransfer": "transfer", "ModelShift": "transfer", "ScaleShift": "transfer",
+    "SourceModel": "transfer", "TargetModel": "transfer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
