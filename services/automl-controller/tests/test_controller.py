@@ -372,7 +372,7 @@ async def test_trace_collector_feeds_trials_from_tracer_events(store: Experiment
     from opml_automl_controller.controller import spec_of
     from opml_automl_controller.tracing import SourceMismatch, TraceCollector
     from opml_common.bus import CloudEvent
-    from opml_trace_collector.topics import tracer_source
+    from opml_trace_collector_contract.topics import tracer_source
 
     jobs = ScriptedJobs(lambda x, n: ["no metric in the log: loss=99"], hold=True)
     ctl = Controller(store=store, jobs=jobs, emitter=RecordingEmitter(), redis_url=REDIS, retry_s=0.05,
@@ -422,7 +422,7 @@ async def test_trace_epochs_stored_before_a_restart_count_after_it(store: Experi
     from opml_automl_controller.controller import spec_of
     from opml_automl_controller.tracing import TraceCollector
     from opml_common.bus import CloudEvent
-    from opml_trace_collector.topics import tracer_source
+    from opml_trace_collector_contract.topics import tracer_source
 
     def event(message, job: str) -> CloudEvent:
         return CloudEvent.from_proto(message, source=tracer_source(job, "worker-0"), subject=f"{job}/worker-0")

@@ -16,14 +16,14 @@ from opml.automl.v1 import automl_pb2 as pb
 from opml.automl.v1 import events_pb2
 from opml.jobs.v1 import jobs_pb2
 
-from opml_automl_controller.client import ExperimentClient
 from opml_automl_controller.jobs import JobView, OrchestratorJobs
-from opml_automl_controller.topics import EXPERIMENTS
+from opml_automl_controller_contract.client import ExperimentClient
+from opml_automl_controller_contract.topics import EXPERIMENTS
 from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.errors import InvalidArgument
 from opml_devstack.testing.bus import poll_until, read_records
 from opml_devstack.testing.services import TOKENS, ServiceStarter
-from opml_job_orchestrator.client import JobClient
+from opml_job_orchestrator_contract.client import JobClient
 
 # A trial: 4 epochs; with --slow-bad, a bad one (x > 0, from trial 2 on: trials 0 and 1 are good so
 # the median rule has its 2 completed trials) would train for 600 epochs unless stopped.

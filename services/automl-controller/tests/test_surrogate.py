@@ -13,8 +13,8 @@ import pytest
 import yaml
 from opml.automl.v1 import automl_pb2 as pb
 
-from opml_automl_controller.client import ExperimentClient
 from opml_automl_controller.katib import parse_experiment
+from opml_automl_controller_contract.client import ExperimentClient
 from opml_common.errors import FailedPrecondition, InvalidArgument
 from opml_common.perfmodel import ServingConfig, grid
 from opml_devstack.testing.bus import poll_until
