@@ -25,6 +25,7 @@ from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound
 from opml_job_orchestrator.executor import JobOutcome, JobProgram, TaskEvent, TaskState
 from opml_job_orchestrator.executor.fake_kubernetes import FakeCoreV1Api
 from opml_job_orchestrator.executor.kubernetes import (
+    WORK_DIR,
     KubernetesExecutor,
     label_value,
     pod_name,
@@ -97,6 +98,25 @@ def test_chief_workers_ps_evaluator_render_to_valid_services_and_pods() -> None:
     assert "ports" not in evaluator["spec"]["containers"][0]
 
 
+def test_every_pod_is_sandboxed_non_root_read_only_no_capabilities_no_token() -> None:
+    job = spec(chief=1, worker=2)
+    objects = render_run(job, PROGRAM, placement(job), attempt=0, image="img", namespace="ml", run_as_user=4242)
+    validate(objects)
+    for pod in (o for o in objects if o["kind"] == "Pod"):
+        assert pod["spec"]["securityContext"] == {"runAsNonRoot": True, "runAsUser": 4242, "runAsGroup": 4242,
+                                                  "fsGroup": 4242, "seccompProfile": {"type": "RuntimeDefault"}}
+        assert pod["spec"]["automountServiceAccountToken"] is False and "serviceAccountName" not in pod["spec"]
+        container = pod["spec"]["containers"][0]
+        assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                                "capabilities": {"drop": ["ALL"]}}
+        # the root filesystem is read-only: the working directory, HOME and /tmp are the pod's own emptyDirs
+        assert pod["spec"]["volumes"] == [{"name": "work", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
+        assert container["volumeMounts"] == [{"name": "work", "mountPath": WORK_DIR},
+                                             {"name": "tmp", "mountPath": "/tmp"}]
+        assert container["workingDir"] == WORK_DIR
+        assert (env_of(pod)["HOME"], env_of(pod)["TMPDIR"]) == (WORK_DIR, "/tmp")
+
+
 def test_gpu_job_with_a_checkpoint_volume_and_tracing_renders_valid_pods() -> None:
     job = spec("resnet", GPU, worker=2)
     program = JobProgram(commands={"worker": ["python", "train.py"]}, checkpoint_dir="/ckpt", trace=True)
@@ -108,8 +128,8 @@ def test_gpu_job_with_a_checkpoint_volume_and_tracing_renders_valid_pods() -> No
     assert container["resources"] == {"requests": {"cpu": "4000m", "memory": "16384Mi", "nvidia.com/gpu": "2"},
                                       "limits": {"memory": "16384Mi", "nvidia.com/gpu": "2"}}
     assert "nodeSelector" not in pod["spec"]
-    assert pod["spec"]["volumes"] == [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": "checkpoints"}}]
-    assert container["volumeMounts"] == [{"name": "checkpoints", "mountPath": "/ckpt"}]
+    assert pod["spec"]["volumes"][-1] == {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "checkpoints"}}
+    assert container["volumeMounts"][-1] == {"name": "checkpoints", "mountPath": "/ckpt"}
     assert container["command"] == ["python", "-m", "opml_trace_collector.inject.run", "--job", "resnet",
                                     "--worker", "worker-0", "--", "python", "train.py"]
     assert container["ports"] == [{"name": "tf", "containerPort": 5000}]
@@ -408,6 +428,7 @@ def test_pods_get_the_service_account_the_platform_env_and_the_secret() -> None:
     validate(objects)
     pod = objects[-1]
     assert pod["spec"]["serviceAccountName"] == "trainer"
+    assert pod["spec"]["automountServiceAccountToken"] is True  # given to jobs on purpose: its token is theirs
     container = pod["spec"]["containers"][0]
     assert container["envFrom"] == [{"secretRef": {"name": "opml-platform"}}]
     env = env_of(pod)

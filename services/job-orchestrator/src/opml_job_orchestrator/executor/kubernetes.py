@@ -32,6 +32,15 @@ endpoint... that the trace collector's tracer reads) as plain variables, and the
 credentials (a bucket-limited S3 identity, a read-only Redis user; never the platform's) from a
 Secret (``env_from_secret``) through ``envFrom``, so no credential is ever written into a pod spec.
 Nothing of the orchestrator's own environment reaches a pod.
+
+Every pod is sandboxed by its ``securityContext`` (:func:`sandboxed`): it runs as a non-root uid and
+gid (``run_as_user``; ``fsGroup`` the same, so the checkpoint claim is writable), with no privilege
+escalation, every capability dropped, the runtime's default seccomp profile and a read-only root
+filesystem; its writable places are two emptyDirs, its working directory and ``HOME``
+(:data:`WORK_DIR`) and ``/tmp``, and the checkpoint claim. It gets no service account token
+(``automountServiceAccountToken: false``) unless ``service_account`` names one: an operator who
+gives jobs a service account does so for them to use it (a cloud identity for a checkpoint bucket
+through workload identity), so that one is mounted.
 """
 
 from __future__ import annotations
@@ -77,6 +86,8 @@ logger = logging.getLogger(__name__)
 
 MANAGED_BY = ("app.kubernetes.io/managed-by", "opml-job-orchestrator")
 CONTAINER = "tensorflow"
+WORK_DIR = "/opml-job"
+"""The task's working directory and ``HOME`` in its pod (an emptyDir: the root filesystem is read-only)."""
 TASKS_ANNOTATION = "opml.io/tasks"
 """Every task of the run (``chief-0,worker-0,worker-1``), so a restarted executor can re-adopt it."""
 JOB_ID_ANNOTATION = "opml.io/job-id"
@@ -115,8 +126,8 @@ def run_selector(job_id: str, attempt: int) -> str:
 def render_run(spec: JobSpec, program: JobProgram, placement: Mapping[str, Sequence[str]], *, attempt: int,
                image: str, namespace: str, port: int = 2222, node_label: str | None = "kubernetes.io/hostname",
                checkpoint_claim: str | None = None, python: str = "python", service_account: str | None = None,
-               env_from_secret: str | None = None, platform_env: Mapping[str, str] | None = None
-               ) -> list[dict[str, Any]]:
+               env_from_secret: str | None = None, platform_env: Mapping[str, str] | None = None,
+               run_as_user: int = 1000) -> list[dict[str, Any]]:
     """The run's objects as API dicts, Services first: one headless Service per role, one Pod per replica.
 
     ``placement`` pins each pod to its node through ``nodeSelector`` on ``node_label`` (None leaves
@@ -127,7 +138,8 @@ def render_run(spec: JobSpec, program: JobProgram, placement: Mapping[str, Seque
     ``python`` is the image's interpreter, which runs the trace launcher of traced programs.
     ``service_account`` names the pods' service account; every pod gets ``platform_env`` (under
     the program's own ``env``) and, with ``env_from_secret``, that Secret's keys as variables (the
-    jobs' scoped credentials, never the platform's).
+    jobs' scoped credentials, never the platform's). Every pod is sandboxed as :func:`sandboxed` says,
+    as ``run_as_user``.
     """
     base = run_name(spec.job_id, attempt)
     tasks = ",".join(f"{r.role}-{r.index}" for r in spec.replicas)
@@ -151,12 +163,15 @@ def render_run(spec: JobSpec, program: JobProgram, placement: Mapping[str, Seque
     for replica in spec.replicas:
         role, index = replica.role, replica.index
         env = {**(platform_env or {}),
-               **task_env(program, job_id=spec.job_id, attempt=attempt, role=role, index=index, cluster=cluster)}
+               **task_env(program, job_id=spec.job_id, attempt=attempt, role=role, index=index, cluster=cluster),
+               "HOME": WORK_DIR, "TMPDIR": "/tmp"}
         container: dict[str, Any] = {
             "name": CONTAINER, "image": image,
             "command": task_argv(program, job_id=spec.job_id, role=role, index=index, python=python),
             "env": [{"name": k, "value": v} for k, v in env.items()],
             "resources": _resources(replica.resources),
+            "workingDir": WORK_DIR,
+            "volumeMounts": [{"name": "work", "mountPath": WORK_DIR}, {"name": "tmp", "mountPath": "/tmp"}],
         }
         if env_from_secret is not None:
             container["envFrom"] = [{"secretRef": {"name": env_from_secret}}]
@@ -164,14 +179,15 @@ def render_run(spec: JobSpec, program: JobProgram, placement: Mapping[str, Seque
             container["ports"] = [{"name": "tf", "containerPort": port}]
         pod_spec: dict[str, Any] = {"restartPolicy": "Never", "hostname": f"{role}-{index}",
                                     "subdomain": f"{base}-{role}", "enableServiceLinks": False,
-                                    "containers": [container]}
-        if service_account is not None:
-            pod_spec["serviceAccountName"] = service_account
+                                    "containers": [container],
+                                    "volumes": [{"name": "work", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]}
+        sandboxed(pod_spec, container, run_as_user=run_as_user, service_account=service_account)
         if node_label is not None:
             pod_spec["nodeSelector"] = {node_label: placement[role][index]}
         if checkpoint_claim is not None and program.checkpoint_dir is not None:
-            pod_spec["volumes"] = [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": checkpoint_claim}}]
-            container["volumeMounts"] = [{"name": "checkpoints", "mountPath": program.checkpoint_dir}]
+            pod_spec["volumes"].append({"name": "checkpoints",
+                                        "persistentVolumeClaim": {"claimName": checkpoint_claim}})
+            container["volumeMounts"].append({"name": "checkpoints", "mountPath": program.checkpoint_dir})
         objects.append({
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": pod_name(spec.job_id, attempt, role, index), "namespace": namespace,
@@ -180,6 +196,18 @@ def render_run(spec: JobSpec, program: JobProgram, placement: Mapping[str, Seque
             "spec": pod_spec,
         })
     return objects
+
+
+def sandboxed(pod_spec: dict[str, Any], container: dict[str, Any], *, run_as_user: int,
+              service_account: str | None) -> None:
+    """Set what sandboxes a job's pod (see the module's docstring) on ``pod_spec`` and its ``container``."""
+    pod_spec["securityContext"] = {"runAsNonRoot": True, "runAsUser": run_as_user, "runAsGroup": run_as_user,
+                                   "fsGroup": run_as_user, "seccompProfile": {"type": "RuntimeDefault"}}
+    container["securityContext"] = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                    "capabilities": {"drop": ["ALL"]}}
+    pod_spec["automountServiceAccountToken"] = service_account is not None
+    if service_account is not None:
+        pod_spec["serviceAccountName"] = service_account
 
 
 def _resources(resources: Resources) -> dict[str, dict[str, str]]:
@@ -216,8 +244,8 @@ class KubernetesExecutor(TrackedRunExecutor[_Run]):
     ``namespace``, ``api`` (a ``kubernetes.client.CoreV1Api``; None: built at :meth:`start` from
     ``kubeconfig`` and its ``context`` when given, else from the in-cluster service account; the
     ``kubernetes`` package is imported only then), ``port`` (TensorFlow's gRPC port in every
-    pod), ``node_label``, ``checkpoint_claim``, ``python``, ``service_account``, ``env_from_secret``
-    and ``platform_env`` (see :func:`render_run`),
+    pod), ``node_label``, ``checkpoint_claim``, ``python``, ``service_account``, ``env_from_secret``,
+    ``platform_env`` and ``run_as_user`` (see :func:`render_run`),
     ``poll_interval_s`` (how often :meth:`poll` lists pods), ``cleanup_grace_s`` and
     ``shutdown_grace_s`` (as the local executor's), and ``delete_timeout_s`` (how long past the
     grace a deletion may take before the pods are deleted with no grace).
@@ -231,7 +259,7 @@ class KubernetesExecutor(TrackedRunExecutor[_Run]):
                  kubeconfig: str | Path | None = None, context: str | None = None, port: int = 2222,
                  node_label: str | None = "kubernetes.io/hostname", checkpoint_claim: str | None = None,
                  python: str = "python", service_account: str | None = None, env_from_secret: str | None = None,
-                 platform_env: Mapping[str, str] | None = None, poll_interval_s: float = 2.0,
+                 platform_env: Mapping[str, str] | None = None, run_as_user: int = 1000, poll_interval_s: float = 2.0,
                  cleanup_grace_s: float = 10.0, shutdown_grace_s: float = 10.0, delete_timeout_s: float = 60.0
                  ) -> None:
         for name, value in (("image", image), ("namespace", namespace)):
@@ -249,7 +277,7 @@ class KubernetesExecutor(TrackedRunExecutor[_Run]):
         self._render = functools.partial(render_run, image=image, namespace=namespace, port=port,
                                          node_label=node_label, checkpoint_claim=checkpoint_claim, python=python,
                                          service_account=service_account, env_from_secret=env_from_secret,
-                                         platform_env=dict(platform_env or {}))
+                                         platform_env=dict(platform_env or {}), run_as_user=run_as_user)
         self._node_label = node_label
         self._poll_interval_s = check_seconds(poll_interval_s, "poll_interval_s", positive=True)
         super().__init__(cleanup_grace_s=cleanup_grace_s, shutdown_grace_s=shutdown_grace_s)
