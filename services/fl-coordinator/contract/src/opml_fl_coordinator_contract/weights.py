@@ -4,7 +4,10 @@ messages of at most ``chunk_bytes`` of data each, array after array, so no messa
 In the contract because both ends send and receive them: the coordinator its global model and tasks,
 a member its updates. :class:`ArrayAssembler` rebuilds arrays from chunks and bounds everything before
 it allocates: the number of arrays, each array's dtype (floating only where asked; never an object
-array) and shape, the total bytes, and that chunks come in order without gaps or overlap.
+array) and shape (the model's exactly, where the receiver knows them), the total bytes, and that
+chunks come in order without gaps or overlap. Each chunk's data is copied into its array as it
+arrives, so an upload costs the receiver its arrays' bytes once, and a chunk past what the shapes
+allow is refused before the next one is read.
 """
 
 from __future__ import annotations
@@ -37,59 +40,79 @@ def chunks(weights: Sequence[np.ndarray], chunk_bytes: int) -> Iterator[pb.Array
 class ArrayAssembler:
     """Rebuilds ``num_arrays`` arrays from chunks, refusing what breaks the bounds.
 
-    Raises (from :meth:`add` and :meth:`result`):
-        InvalidArgument: field ``chunk`` or ``header.num_arrays``: a chunk out of order, a
-            non-floating or unknown dtype, a shape out of bounds, more than ``max_bytes`` in all,
-            or missing data.
+    Args:
+        num_arrays: arrays the sender announced.
+        max_bytes: most bytes of all arrays together.
+        floating_only: accept float16, float32 and float64 only (else also integers and bools).
+        shapes: the shapes the arrays must have (the model's, when the receiver knows it): then
+            ``num_arrays`` must be their count, each array's shape must be its own, and the bytes
+            are bounded by the shapes (8 bytes an element at most, float64).
+
+    Raises (from the constructor, :meth:`add` and :meth:`result`):
+        InvalidArgument: field ``header.num_arrays``, ``chunk`` or ``chunk.*``: a count or a shape
+            not the model's, a chunk out of order, a non-floating or unknown dtype, a shape out of
+            bounds, more than ``max_bytes`` in all, more data than an array holds, or missing data.
     """
 
-    def __init__(self, num_arrays: int, *, max_bytes: int, floating_only: bool = True) -> None:
+    def __init__(self, num_arrays: int, *, max_bytes: int, floating_only: bool = True,
+                 shapes: Sequence[Sequence[int]] | None = None) -> None:
         if not 0 < num_arrays <= MAX_ARRAYS:
             raise InvalidArgument("header.num_arrays", f"must be in [1, {MAX_ARRAYS}], but got {num_arrays}")
+        if shapes is not None and num_arrays != len(shapes):
+            raise InvalidArgument("header.num_arrays", f"the model has {len(shapes)} arrays, but got {num_arrays}")
         self.num_arrays, self.max_bytes, self.floating_only = num_arrays, max_bytes, floating_only
+        self.shapes = None if shapes is None else [tuple(int(d) for d in shape) for shape in shapes]
         self.arrays: list[np.ndarray] = []
-        self._current: bytearray | None = None
-        self._spec: tuple[np.dtype, tuple[int, ...], int] | None = None
+        self._current: np.ndarray | None = None  # the bytes of the array being filled
+        self._filled = 0
         self._total = 0
 
     def _start(self, chunk: pb.ArrayChunk) -> None:
-        if chunk.array_index != len(self.arrays) or chunk.array_index >= self.num_arrays:
-            raise InvalidArgument("chunk.array_index", f"expected array {len(self.arrays)}, but got "
-                                                       f"{chunk.array_index}")
+        index = len(self.arrays)
+        if chunk.array_index != index or chunk.array_index >= self.num_arrays:
+            raise InvalidArgument("chunk.array_index", f"expected array {index}, but got {chunk.array_index}")
         try:
             dtype = np.dtype(chunk.dtype)
         except TypeError:
             raise InvalidArgument("chunk.dtype", f"is not a numpy dtype: {chunk.dtype[:40]!r}") from None
-        if dtype.hasobject or dtype.kind not in ("f" if self.floating_only else "fiub"):
-            raise InvalidArgument("chunk.dtype", f"must be a floating point dtype, but got {dtype.str}")
+        if self.floating_only and (dtype.kind != "f" or dtype.itemsize > 8):
+            raise InvalidArgument("chunk.dtype", f"must be a floating point dtype of at most 8 bytes (float16, "
+                                                 f"float32, float64), but got {dtype.str}")
+        if dtype.hasobject or dtype.kind not in "fiub":
+            raise InvalidArgument("chunk.dtype", f"must be a numeric dtype, but got {dtype.str}")
         if len(chunk.shape) > MAX_DIMS or any(d < 0 for d in chunk.shape):
             raise InvalidArgument("chunk.shape", f"must have at most {MAX_DIMS} dimensions >= 0, but got "
                                                  f"{list(chunk.shape)[:10]}")
-        size = math.prod(chunk.shape) * dtype.itemsize
+        shape = tuple(chunk.shape)
+        if self.shapes is not None and shape != self.shapes[index]:
+            raise InvalidArgument("chunk.shape", f"array {index} of the model has shape {list(self.shapes[index])}, "
+                                                 f"but got {list(shape)[:10]}")
+        size = math.prod(shape) * dtype.itemsize
         if self._total + size > self.max_bytes:
             raise InvalidArgument("chunk", f"the model exceeds {self.max_bytes} bytes (max_model_bytes)")
         self._total += size
-        self._spec = (dtype, tuple(chunk.shape), size)
-        self._current = bytearray()
+        array = np.empty(shape, dtype)  # pages are taken as chunks fill them, not here
+        self.arrays.append(array)
+        self._current, self._filled = array.reshape(-1).view(np.uint8), 0
 
     def add(self, chunk: pb.ArrayChunk) -> None:
         if self._current is None:
             self._start(chunk)
-        assert self._spec is not None and self._current is not None
-        dtype, shape, size = self._spec
-        if chunk.array_index != len(self.arrays) or chunk.offset != len(self._current):
-            raise InvalidArgument("chunk.offset", f"expected array {len(self.arrays)} at offset "
-                                                  f"{len(self._current)}, but got array {chunk.array_index} at "
-                                                  f"{chunk.offset}")
-        if len(self._current) + len(chunk.data) > size:
-            raise InvalidArgument("chunk.data", f"array {chunk.array_index} has more than its {size} bytes")
-        self._current += chunk.data
-        if len(self._current) == size:
-            self.arrays.append(np.frombuffer(bytes(self._current), dtype=dtype).reshape(shape).copy())
-            self._current, self._spec = None, None
+        assert self._current is not None
+        index = len(self.arrays) - 1
+        if chunk.array_index != index or chunk.offset != self._filled:
+            raise InvalidArgument("chunk.offset", f"expected array {index} at offset {self._filled}, but got "
+                                                  f"array {chunk.array_index} at {chunk.offset}")
+        end = self._filled + len(chunk.data)
+        if end > len(self._current):
+            raise InvalidArgument("chunk.data", f"array {index} has more than its {len(self._current)} bytes")
+        self._current[self._filled:end] = np.frombuffer(chunk.data, np.uint8)
+        self._filled = end
+        if end == len(self._current):
+            self._current = None
 
     def result(self) -> Weights:
         if len(self.arrays) != self.num_arrays or self._current is not None:
-            raise InvalidArgument("chunk", f"the stream ended after {len(self.arrays)} of {self.num_arrays} "
-                                           "complete arrays")
+            complete = len(self.arrays) - (self._current is not None)
+            raise InvalidArgument("chunk", f"the stream ended after {complete} of {self.num_arrays} complete arrays")
         return self.arrays
