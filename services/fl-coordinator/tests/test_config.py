@@ -7,7 +7,7 @@ import pytest
 from opml_common.errors import InvalidArgument
 from opml_fl_coordinator.config import build_selection, build_strategy, parse_config
 from opml_fl_coordinator.selection import TiflSelection
-from opml_fl_coordinator.strategy import DifferentialPrivacyFixedClipping, FedYogi
+from opml_fl_coordinator.strategy import BoundedInfluence, DifferentialPrivacyFixedClipping, FedAvg, FedYogi
 
 GOOD = """
 name: plants
@@ -21,9 +21,25 @@ selection: {policy: tifl, clients_per_round: 3, tiers: 2}
 def test_a_good_config_builds_its_strategy_and_selection():
     config = parse_config(GOOD)
     strategy = build_strategy(config)
-    assert isinstance(strategy, DifferentialPrivacyFixedClipping) and isinstance(strategy.strategy, FedYogi)
-    assert strategy.num_sampled_clients == 3
+    assert isinstance(strategy, BoundedInfluence)  # untrusted unless the config says otherwise
+    assert (strategy.clip_factor, strategy.weight_factor) == (2.0, 3.0)
+    private = strategy.strategy
+    assert isinstance(private, DifferentialPrivacyFixedClipping) and isinstance(private.strategy, FedYogi)
+    assert private.num_sampled_clients == 3
     assert isinstance(build_selection(config), TiflSelection)
+
+
+def test_only_a_trusted_federation_aggregates_without_bounds_on_each_update():
+    small = {"name": "p", "selection": {"clients_per_round": 2}}
+    assert type(build_strategy(parse_config({**small, "trust": "trusted"}))) is FedAvg
+    tuned = build_strategy(parse_config({**small, "robust": {"clip_factor": 1.5, "weight_factor": 1.0}}))
+    assert isinstance(tuned, BoundedInfluence) and (tuned.clip_factor, tuned.weight_factor) == (1.5, 1.0)
+    with pytest.raises(InvalidArgument) as caught:
+        parse_config({**small, "trust": "trusted", "robust": {"clip_factor": 3}})
+    assert caught.value.violations == (("robust", "applies to untrusted federations only, but trust is 'trusted'"),)
+    with pytest.raises(InvalidArgument) as caught:
+        parse_config({**small, "trust": "some", "robust": {"clip_factor": 0.5, "weight_factor": 0}})
+    assert {f for f, _ in caught.value.violations} == {"trust", "robust.clip_factor", "robust.weight_factor"}
 
 
 def test_every_wrong_field_is_named_at_once():

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from opml_fl_coordinator.strategy import (
+    BoundedInfluence,
     DifferentialPrivacyFixedClipping,
     Failure,
     FedAdam,
@@ -16,6 +17,7 @@ from opml_fl_coordinator.strategy import (
     FedYogi,
     FitRes,
 )
+from opml_fl_coordinator.strategy.bounded import lower_median
 from opml_fl_coordinator.strategy.fedopt import FedOpt
 from opml_fl_coordinator.weights import global_norm, subtract
 
@@ -101,3 +103,44 @@ def test_dp_clips_every_update_and_adds_calibrated_noise():
     aggregated, metrics = noisy.aggregate_fit(1, [FitRes("a", [np.zeros(1000)], num_examples=1)], [])
     assert metrics["dp_noise_stddev"] == pytest.approx(0.5)
     assert np.std(aggregated[0]) == pytest.approx(0.5, rel=0.1)
+
+
+def test_bounded_influence_holds_a_member_claiming_ten_million_examples_to_its_share_of_the_clip():
+    """The attack of a security review: one member of five shifts every weight by +0.03 and claims
+    10,000,000 examples. FedAvg moved the model by +0.03 a weight. Bounded, the member's change is
+    clipped to 2x the round's median change and its count capped at 3x the median count, so it
+    moves the model at most its share, 3*100 / (3*100 + 4*100), of the clip bound; the honest
+    members' round aggregates as FedAvg's."""
+    rng = np.random.default_rng(7)
+    base = [np.zeros(1000)]
+    honest = [FitRes(f"h{i}", [base[0] + rng.normal(0.0, 0.01, 1000)], num_examples=100) for i in range(4)]
+    attacker = FitRes("a", [base[0] + 0.03], num_examples=10_000_000)
+    plain, _ = FedAvg().aggregate_fit(1, [*honest, attacker], [])
+    assert np.mean(plain[0]) > 0.0299  # the attack, unbounded
+
+    bounded = BoundedInfluence(FedAvg(), clip_factor=2.0, weight_factor=3.0)
+    bounded.configure_fit(1, base, ["h0", "h1", "h2", "h3", "a"])
+    attacked, metrics = bounded.aggregate_fit(1, [*honest, attacker], [])
+    clean, clean_metrics = bounded.aggregate_fit(1, honest, [])
+    assert (metrics["updates_clipped"], metrics["examples_capped"]) == (1, 1)
+    assert (clean_metrics["updates_clipped"], clean_metrics["examples_capped"]) == (0, 0)
+    np.testing.assert_allclose(clean[0], FedAvg().aggregate_fit(1, honest, [])[0][0])
+
+    clip = 2.0 * lower_median([global_norm(subtract(r.weights, base)) for r in [*honest, attacker]])
+    share = 3 * 100 / (3 * 100 + 4 * 100)
+    # the attacked aggregate is the honest one moved towards the clipped update by the member's share
+    assert global_norm(subtract(attacked, clean)) <= share * (clip + global_norm(subtract(clean, base))) + 1e-12
+    per_weight = float(np.mean(attacked[0] - base[0]))
+    assert per_weight <= share * clip / np.sqrt(1000) + abs(float(np.mean(clean[0] - base[0])))
+    assert per_weight < 0.01  # from +0.03
+
+
+def test_bounded_influence_takes_the_lower_median_so_one_of_two_cannot_set_its_own_bound():
+    base = [np.zeros(4)]
+    bounded = BoundedInfluence(FedAvg(), clip_factor=2.0, weight_factor=3.0)
+    bounded.configure_fit(1, base, ["h", "a"])
+    results = [FitRes("h", [np.full(4, 0.1)], num_examples=10), FitRes("a", [np.full(4, 50.0)], num_examples=10**7)]
+    (honest, attacker), clipped, capped = bounded.bound(results)
+    assert (clipped, capped) == (1, 1) and honest is results[0]
+    np.testing.assert_allclose(attacker.weights[0], 0.2)  # 2x the smaller change
+    assert attacker.num_examples == 30

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from opml_fl_coordinator.strategy import (
+    BoundedInfluence,
     DifferentialPrivacyFixedClipping,
     Failure,
     FedAdam,
@@ -28,6 +29,8 @@ FACTORIES = {
     "median": lambda: FedMedian(),
     "dp(fedavg)": lambda: DifferentialPrivacyFixedClipping(FedAvg(), noise_multiplier=0.0, clipping_norm=100.0,
                                                            num_sampled_clients=5, seed=0),
+    "bounded(fedavg)": lambda: BoundedInfluence(FedAvg(), clip_factor=2.0, weight_factor=3.0),
+    "bounded(fedadam)": lambda: BoundedInfluence(FedAdam(eta=0.05), clip_factor=2.0, weight_factor=3.0),
 }
 BAD_CONFIG = {
     "fedavg": lambda: FedAvg(min_fit_results=0),
@@ -38,6 +41,8 @@ BAD_CONFIG = {
     "median": lambda: FedMedian(on_fit_config_fn=3),
     "dp(fedavg)": lambda: DifferentialPrivacyFixedClipping(FedAvg(), noise_multiplier=1.0, clipping_norm=0.0,
                                                            num_sampled_clients=5),
+    "bounded(fedavg)": lambda: BoundedInfluence(FedAvg(), clip_factor=0.5, weight_factor=3.0),
+    "bounded(fedadam)": lambda: BoundedInfluence(FedAdam(eta=0.05), clip_factor=2.0, weight_factor=float("inf")),
 }
 
 

@@ -20,6 +20,7 @@ from opml_common.errors import InvalidArgument
 from opml_common.yamlsafe import load_yaml
 from opml_fl_coordinator.selection import RandomSelection, Selection, TiflSelection
 from opml_fl_coordinator.strategy import (
+    BoundedInfluence,
     DifferentialPrivacyFixedClipping,
     FedAdam,
     FedAvg,
@@ -110,6 +111,13 @@ class ValidationConfig(_Strict):
     max_examples: int = Field(10_000_000, ge=1, description="Largest example count a client may claim.")
 
 
+class RobustConfig(_Strict):
+    clip_factor: float = Field(2.0, ge=1, description="Each update's change is clipped to this many times the "
+                               "round's median change.")
+    weight_factor: float = Field(3.0, ge=1, description="Each update's example count is capped at this many "
+                                 "times the round's median count.")
+
+
 class FederationConfig(_Strict):
     name: str = Field(description="Federation name: lowercase letters, digits and '-', at most 63.",
                       pattern=NAME.pattern)
@@ -125,6 +133,9 @@ class FederationConfig(_Strict):
     selection: SelectionConfig = SelectionConfig()
     local: LocalTraining = LocalTraining()
     validation: ValidationConfig = ValidationConfig()
+    trust: Literal["untrusted", "trusted"] = Field("untrusted", description="untrusted: every update's influence "
+                                                   "is bounded (robust); trusted: the strategy alone.")
+    robust: RobustConfig = RobustConfig()
     target_accuracy: float | None = Field(None, gt=0, le=1, description="Stop once the global model reaches it.")
     seed: int = Field(0, ge=0, description="Seed of selection (and DP noise).")
 
@@ -156,6 +167,8 @@ def _cross_field(config: FederationConfig) -> list[tuple[str, str]]:
     if config.strategy.min_fit_results > config.selection.clients_per_round and config.mode == "sync":
         problems.append(("strategy.min_fit_results", f"must be <= selection.clients_per_round "
                          f"({config.selection.clients_per_round}), but got {config.strategy.min_fit_results}"))
+    if config.trust == "trusted" and "robust" in config.model_fields_set:
+        problems.append(("robust", "applies to untrusted federations only, but trust is 'trusted'"))
     if config.strategy.min_fit_results > config.semi_async.buffer_size and config.mode == "semi_async":
         problems.append(("strategy.min_fit_results", f"must be <= semi_async.buffer_size "
                          f"({config.semi_async.buffer_size}): a version aggregates one buffer, but got "
@@ -185,7 +198,9 @@ def parse_config(source: str | bytes | Mapping[str, Any], *, what: str = "config
 
 
 def build_strategy(config: FederationConfig, *, evaluate_fn: EvaluateFn | None = None) -> Strategy:
-    """The strategy the config names, with the local-training settings as each round's client config."""
+    """The strategy the config names, with the local-training settings as each round's client config;
+    in an untrusted federation (the default) wrapped in :class:`BoundedInfluence`, outermost, so
+    differential privacy's fixed clipping sees updates already bounded."""
     spec = config.strategy
     local = config.local
 
@@ -212,6 +227,9 @@ def build_strategy(config: FederationConfig, *, evaluate_fn: EvaluateFn | None =
         strategy = DifferentialPrivacyFixedClipping(
             strategy, noise_multiplier=spec.differential_privacy.noise_multiplier,
             clipping_norm=spec.differential_privacy.clipping_norm, num_sampled_clients=per_round, seed=config.seed)
+    if config.trust == "untrusted":
+        strategy = BoundedInfluence(strategy, clip_factor=config.robust.clip_factor,
+                                    weight_factor=config.robust.weight_factor)
     return strategy
 
 
