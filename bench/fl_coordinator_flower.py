@@ -62,7 +62,8 @@ def federation(policy: str, args, seed: int, name: str = "bench") -> dict:
                 "local": {"epochs": args.epochs, "batch_size": 16, "learning_rate": args.lr},
                 "mode": "semi_async" if policy == "semi_async" else "sync",
                 "semi_async": {"buffer_size": args.per_round, "concurrency": 2 * args.per_round,
-                               "max_staleness": 20}}
+                               "max_staleness": 20},
+                "trust": "trusted"}  # aggregation as Flower's FedAvg: no bound on each update's influence
 
 
 def ours(policy: str, args, partition, traits, seed: int):
@@ -86,6 +87,9 @@ class SleepingMember(NumPyClient):
         self.time_scale = args.time_scale
         self.rng = np.random.default_rng([seed, index])
         self.stop = threading.Event()
+
+    def num_examples(self):
+        return len(self.y)
 
     def get_weights(self, config):
         return self.model.initial_weights()

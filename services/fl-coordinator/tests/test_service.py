@@ -13,12 +13,14 @@ from opml.fl.v1 import events_pb2
 from opml.fl.v1 import fl_pb2 as pb
 
 from opml_common.bus import CloudEvent
-from opml_common.errors import AlreadyExists, InvalidArgument, PermissionDenied, Unauthenticated
+from opml_common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, PermissionDenied, Unauthenticated
 from opml_devstack.testing.bus import read_records
 from opml_devstack.testing.metrics import samples, scrape
 from opml_devstack.testing.services import TOKENS
 from opml_fl_coordinator_contract.client import FederatedClient, FederationClient, run_client
+from opml_fl_coordinator_contract.names import CLIENT_TOKEN_HEADER
 from opml_fl_coordinator_contract.topics import FEDERATIONS
+from opml_fl_coordinator_contract.weights import chunks
 
 CONFIG = """
 name: {name}
@@ -103,15 +105,15 @@ def test_bad_configs_and_foreign_tokens_are_refused(coordinator, writer):
     token = writer.register_client("one", "plant-1").token
     with FederatedClient(coordinator.target, "two", token, token=TOKENS["reader"]) as wrong, \
             pytest.raises(PermissionDenied, match="another federation"):
-        wrong.join()
+        wrong.join(10)
     with FederatedClient(coordinator.target, "one", "flc_forged", token=TOKENS["reader"]) as forged, \
             pytest.raises(Unauthenticated, match="client token"):
-        forged.join()
+        forged.join(10)
     # registering again replaces the token: the old one stops working
     writer.register_client("one", "plant-1")
     with FederatedClient(coordinator.target, "one", token, token=TOKENS["reader"]) as stale, \
             pytest.raises(Unauthenticated):
-        stale.join()
+        stale.join(10)
     with FederationClient(coordinator.target, token=TOKENS["reader"]) as reader:
         with pytest.raises(PermissionDenied, match="writer"):
             reader.create(CONFIG.format(name="three"))
@@ -135,7 +137,7 @@ def test_a_non_finite_metric_from_a_client_without_the_sdk_is_left_out_of_its_up
                   "selection: {clients_per_round: 1}\n")
     token = writer.register_client("rawnan", "raw").token
     with FederatedClient(coordinator.target, "rawnan", token, token=TOKENS["reader"]) as raw:
-        raw.join()
+        raw.join(10)
         header, _ = raw.pull()
         assert header.kind == pb.TASK_KIND_INIT
         assert raw.upload(header.task_id, [np.zeros((3, 2), np.float32)], 0, {"init_loss": float("inf")}).accepted
@@ -159,3 +161,104 @@ def test_semi_async_over_grpc_makes_versions_from_buffered_updates(coordinator, 
     assert all(len(r.participants) == 2 for r in history)  # each version: a buffer of two updates
     assert sum(run.accepted for run in runs.values()) >= 12  # 12 in versions (+ the starting weights)
     assert writer.get("buffered").state == pb.FEDERATION_STATE_COMPLETED
+
+
+def test_a_member_claims_no_more_examples_than_it_declared_when_it_joined(coordinator, writer):
+    """A security review's member claimed 10,000,000 examples and was accepted: the claim is now
+    bounded by the member's declaration at Join (itself at most validation.max_examples) times the
+    task's epochs, and a larger one is INVALID_ARGUMENT naming the field and both numbers."""
+    writer.create("name: claims\nrounds: 2\nmin_clients: 1\nround_deadline_s: 30\nselection: {clients_per_round: 1}\n"
+                  "local: {epochs: 2}\nvalidation: {max_examples: 1000}\n")
+    token = writer.register_client("claims", "m").token
+    with FederatedClient(coordinator.target, "claims", token, token=TOKENS["reader"]) as member:
+        for undeclared in (0, 1001):
+            with pytest.raises(InvalidArgument) as caught:
+                member.join(undeclared)
+            assert caught.value.violations == (("num_examples", "the examples a client trains on must be in [1, 1000] "
+                                                f"(validation.max_examples), but got {undeclared}"),)
+        with pytest.raises(FailedPrecondition, match="must join before it pulls"):
+            member.pull(1.0)
+        member.join(100)
+        header, _ = member.pull()
+        assert header.kind == pb.TASK_KIND_INIT and member.upload(header.task_id, [np.zeros(4, np.float32)], 0, {}).accepted
+        header, weights = member.pull()
+        with pytest.raises(InvalidArgument) as caught:
+            member.upload(header.task_id, weights, 10_000_000, {})
+        assert caught.value.violations == (("header.num_examples", "must be in [1, 200] (100 declared at join x 2 "
+                                                                   "epochs), but got 10000000"),)
+        header, weights = member.pull()  # the refusal closed round 1 at once
+        assert header.round == 2 and member.upload(header.task_id, weights, 200, {}).accepted
+    first, second = writer.rounds("claims")
+    assert first.rejected == {"m": "num_examples must be in [1, 200] (100 declared at join x 2 epochs), but got "
+                                    "10000000"} and not first.aggregated
+    assert second.participants == ["m"] and second.num_examples == 200
+
+
+def _memory_kib(pid: int, field: str) -> int:
+    """VmRSS (now) or VmHWM (the peak since the last reset) of a process, in KiB."""
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(f"{field}:"))
+
+
+def _received_bytes(coordinator) -> float:
+    page = scrape(coordinator.env["OPML_FL_COORDINATOR_METRICS_PORT"])
+    return next(s.value for s in samples(page) if s.name == "opml_fl_coordinator_weights_received_bytes_total")
+
+
+def test_an_upload_past_the_models_shapes_is_refused_as_it_arrives(coordinator, writer):
+    """A security review uploaded 512 MiB of 'update' and the coordinator held it all (93 -> 1,109
+    MiB). Now each chunk is checked against the task's model as it arrives: 256 MiB sent against an
+    8 MiB model is refused at its first chunk, and the coordinator's peak memory rises by less than
+    4x the model's size (peak RSS reset just before, read after); a member has one upload open at a
+    time, so that bound is per member with a task."""
+    model = [np.zeros(2 << 20, np.float32)]  # 8 MiB
+    writer.create("name: big\nrounds: 1\nmin_clients: 2\nround_deadline_s: 60\nselection: {clients_per_round: 2}\n")
+    tokens = {m: writer.register_client("big", m).token for m in ("m0", "m1")}
+    with FederatedClient(coordinator.target, "big", tokens["m0"], token=TOKENS["reader"]) as attacker, \
+            FederatedClient(coordinator.target, "big", tokens["m1"], token=TOKENS["reader"]) as honest:
+        attacker.join(100)
+        honest.join(100)
+        header, _ = attacker.pull()
+        assert header.kind == pb.TASK_KIND_INIT and attacker.upload(header.task_id, model, 0, {}).accepted
+        header, weights = attacker.pull()
+        honest_task, honest_weights = honest.pull()  # round 1 waits for m1's answer: nothing is saved meanwhile
+
+        pid, received = coordinator.process.pid, _received_bytes(coordinator)
+        before = _memory_kib(pid, "VmRSS")
+        with open(f"/proc/{pid}/clear_refs", "w") as clear:
+            clear.write("5")  # the peak RSS starts again from now
+        with pytest.raises(InvalidArgument) as caught:
+            attacker.upload(header.task_id, [np.zeros(64 << 20, np.float32)], 100, {})  # 256 MiB
+        assert caught.value.field == "chunk.shape" and "has shape [2097152], but got [67108864]" in caught.value.message
+        risen = (_memory_kib(pid, "VmHWM") - before) * 1024
+        assert risen < 4 * model[0].nbytes, f"the coordinator's peak RSS rose {risen / 2**20:.0f} MiB"
+        assert _received_bytes(coordinator) == received  # not one byte of it went into an array
+
+        # one upload per member at a time: a second stream while the first is open is refused
+        opened, release = threading.Event(), threading.Event()
+        metadata = ((CLIENT_TOKEN_HEADER, tokens["m1"]),)
+        update = pb.UpdateHeader(federation="federations/big", task_id=honest_task.task_id, num_examples=100,
+                                 num_arrays=1)
+
+        def slow_upload():
+            pieces = chunks(honest_weights, 128 << 10)
+            yield pb.UpdateChunk(header=update)
+            yield pb.UpdateChunk(chunk=next(pieces))
+            opened.set()
+            release.wait()
+            yield from (pb.UpdateChunk(chunk=piece) for piece in pieces)
+
+        replies = []
+        first = threading.Thread(target=lambda: replies.append(honest.stub.UploadUpdate(slow_upload(),
+                                                                                         metadata=metadata)))
+        first.start()
+        opened.wait()
+        while _received_bytes(coordinator) == received and first.is_alive():  # until it reads the first stream
+            first.join(0.05)
+        with pytest.raises(FailedPrecondition, match="already uploading"):
+            honest.upload(honest_task.task_id, honest_weights, 100, {})
+        release.set()
+        first.join()
+        assert replies[0].accepted, replies[0].reason
+    (round_,) = writer.rounds("big")
+    assert round_.participants == ["m1"] and "upload refused: chunk.shape" in round_.rejected["m0"]

@@ -108,7 +108,8 @@ class ValidationConfig(_Strict):
     max_update_norm: float | None = Field(None, gt=0, description="Refuse updates whose change is larger.")
     norm_outlier_factor: float = Field(5.0, gt=1, description="Refuse updates whose change exceeds this many "
                                        "times the median of recent ones.")
-    max_examples: int = Field(10_000_000, ge=1, description="Largest example count a client may claim.")
+    max_examples: int = Field(10_000_000, ge=1, description="Largest example count (dataset size) a client may "
+                              "declare when it joins; an update may claim its declaration times the epochs.")
 
 
 class RobustConfig(_Strict):

@@ -25,7 +25,14 @@ from typing import Any
 
 from opml.fl.v1 import events_pb2
 
-from opml_common.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated
+from opml_common.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unauthenticated,
+)
 from opml_common.events import EventEmitter
 from opml_common.lifecycle import Component, cancel_and_wait
 from opml_fl_coordinator import convert
@@ -249,9 +256,19 @@ class Coordinator(Component):
                                   "issued by RegisterClient)")
         return identity
 
-    async def join(self, federation_id: str, client_id: str) -> Hosted:
+    async def join(self, federation_id: str, client_id: str, num_examples: int) -> Hosted:
+        """The client is present, declaring the examples it trains on.
+
+        Raises:
+            NotFound: no such federation.
+            InvalidArgument: ``num_examples`` outside [1, the federation's validation.max_examples].
+        """
         hosted = self.get(federation_id)
-        hosted.federation.join(client_id, self._clock(), hosted.labels.get(client_id))
+        cap = hosted.federation.config.validation.max_examples
+        if not 1 <= num_examples <= cap:
+            raise InvalidArgument("num_examples", f"the examples a client trains on must be in [1, {cap}] "
+                                                  f"(validation.max_examples), but got {num_examples}")
+        hosted.federation.join(client_id, self._clock(), hosted.labels.get(client_id), num_examples=num_examples)
         await self._settle(hosted)
         return hosted
 
@@ -262,14 +279,21 @@ class Coordinator(Component):
 
     async def pull(self, federation_id: str, client_id: str, wait_s: float) -> Task | str | None:
         """The client's task, :data:`DONE` when the federation has ended, or None after ``wait_s``
-        without one."""
+        without one.
+
+        Raises:
+            FailedPrecondition: the client never joined (a join declares its example count).
+        """
         hosted = self.get(federation_id)
+        if client_id not in hosted.federation.profiles.clients:
+            raise FailedPrecondition(f"client {client_id!r} must join before it pulls tasks (Join declares the "
+                                     "examples it trains on)")
         deadline = time.monotonic() + wait_s
         while True:
             federation = hosted.federation
             if federation.phase in (Phase.COMPLETED, Phase.STOPPED):
                 return DONE
-            if client_id not in federation.profiles.clients or not federation.profiles.clients[client_id].present:
+            if not federation.profiles.clients[client_id].present:
                 federation.join(client_id, self._clock(), hosted.labels.get(client_id))  # pulling is being there
                 await self._settle(hosted)
             task = federation.task_for(client_id)
@@ -281,6 +305,33 @@ class Coordinator(Component):
             changed = hosted.changed
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), remaining)
+
+    async def admit(self, federation_id: str, client_id: str, task_id: int, num_examples: int) -> Task | str:
+        """The task whose update the client starts to upload, so that its arrays can be bounded by
+        the task's model as they arrive; or why the update is not taken (late), answered at once.
+
+        Raises:
+            InvalidArgument: field ``header.num_examples``: more examples than the client may claim
+                (:meth:`Federation.examples_problem`); the task is refused with that reason.
+        """
+        federation = self.get(federation_id).federation
+        task = federation.current_task(client_id, task_id)
+        if task is None:
+            reason = f"task {task_id} is not {client_id!r}'s current task (late, or the round closed)"
+            self._metrics.rejected.labels(kind_of(reason)).inc()
+            return reason
+        problem = federation.examples_problem(client_id, task, num_examples)
+        if problem is not None:
+            await self.refuse(federation_id, client_id, task_id, f"num_examples {problem}")
+            raise InvalidArgument("header.num_examples", problem)
+        return task
+
+    async def refuse(self, federation_id: str, client_id: str, task_id: int, reason: str) -> None:
+        """The upload of task ``task_id`` was refused before it was read whole: the task ends, its
+        update rejected with ``reason`` (the round need not wait for its deadline)."""
+        hosted = self.get(federation_id)
+        hosted.federation.refuse(client_id, task_id, reason, self._clock())
+        await self._settle(hosted)
 
     async def upload(self, federation_id: str, client_id: str, task_id: int, weights: Weights, num_examples: int,
                      metrics: dict[str, Scalar]) -> str | None:

@@ -121,7 +121,7 @@ class Federation:
         self.selection = selection
         self.validator = validator or UpdateValidator(
             max_update_norm=config.validation.max_update_norm,
-            norm_outlier_factor=config.validation.norm_outlier_factor, max_examples=config.validation.max_examples)
+            norm_outlier_factor=config.validation.norm_outlier_factor)
         self.listener = listener or FederationListener()
         self.created_at = created_at
         self.profiles = ProfileBook()
@@ -142,9 +142,12 @@ class Federation:
 
     # --- clients -------------------------------------------------------------------------------
 
-    def join(self, client_id: str, now: float, labels: dict[str, str] | None = None) -> None:
-        """A client is ready for tasks (again). Joining twice is harmless."""
-        self.profiles.join(client_id, now, labels)
+    def join(self, client_id: str, now: float, labels: dict[str, str] | None = None, *,
+             num_examples: int | None = None) -> None:
+        """A client is ready for tasks (again). Joining twice is harmless. ``num_examples`` is the
+        example count it declares (its dataset's size; None keeps its earlier declaration): its
+        updates may claim at most that times their task's epochs (:meth:`examples_problem`)."""
+        self.profiles.join(client_id, now, labels, num_examples)
         self._drop_streak[client_id] = 0
         self.poll(now)
 
@@ -161,13 +164,49 @@ class Federation:
         """The client's outstanding task (None: nothing for it now; ask again later)."""
         return self._tasks.get(client_id)
 
+    def current_task(self, client_id: str, task_id: int) -> Task | None:
+        """The client's task ``task_id`` while an update of it is awaited (None: late, or not its)."""
+        task = self._tasks.get(client_id)
+        return task if task is not None and task.task_id == task_id else None
+
+    def examples_problem(self, client_id: str, task: Task, num_examples: int) -> str | None:
+        """Why an update of ``task`` may not claim ``num_examples``, a rule about the field (None:
+        it may). A count is of
+        examples processed, each epoch passing once over the data, so a fit may claim from 1 to
+        what the client declared when it joined (at most ``validation.max_examples``) times the
+        task's epochs: a member cannot outweigh the others by saying it trained on more."""
+        if task.kind != "fit":
+            return None  # the starting weights are nobody's training
+        declared = self.profiles.clients[client_id].num_examples
+        if declared is None:
+            return f"must be declared when the client joins, but {client_id!r} declared none"
+        declared = min(declared, self.config.validation.max_examples)
+        epochs = max(1, int(task.config.get("epochs", 1)))
+        if not 1 <= num_examples <= declared * epochs:
+            return (f"must be in [1, {declared * epochs}] ({declared} declared at join x {epochs} epochs), but "
+                    f"got {num_examples}")
+        return None
+
+    def refuse(self, client_id: str, task_id: int, reason: str, now: float) -> None:
+        """The update of the client's current task ``task_id`` is refused before it was read whole
+        (too many examples claimed, arrays not the model's): the task ends, rejected with ``reason``."""
+        if self.current_task(client_id, task_id) is not None:
+            del self._tasks[client_id]
+            self._reject(client_id, reason)
+            self.poll(now)
+
     def submit(self, client_id: str, task_id: int, weights: Weights, num_examples: int,
                metrics: dict[str, Scalar], now: float) -> str | None:
         """Hand in the update of task ``task_id``. Returns None when accepted, else why not (the
         update is then left out; the client's profile counts the rejection)."""
-        task = self._tasks.get(client_id)
-        if task is None or task.task_id != task_id:
+        task = self.current_task(client_id, task_id)
+        if task is None:
             return f"task {task_id} is not {client_id!r}'s current task (late, or the round closed)"
+        examples_problem = self.examples_problem(client_id, task, num_examples)
+        if examples_problem is not None:
+            reason = f"num_examples {examples_problem}"
+            self.refuse(client_id, task_id, reason, now)
+            return reason
         del self._tasks[client_id]
         if task.kind == "init":
             reason = self._initial_problem(weights)
@@ -178,7 +217,7 @@ class Federation:
             self.poll(now)
             return reason
         assert task.weights is not None
-        norm, reason = self.validator.check(weights, task.weights, num_examples)
+        norm, reason = self.validator.check(weights, task.weights)
         staleness = self.version - task.version
         if reason is None and staleness > self.config.semi_async.max_staleness:
             reason = f"update is {staleness} versions stale (max_staleness {self.config.semi_async.max_staleness})"

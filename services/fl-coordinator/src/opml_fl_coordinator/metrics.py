@@ -9,11 +9,11 @@ from __future__ import annotations
 from opml_common.metrics import ServiceMetrics
 
 ROUND_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900, 3600)
-_KINDS = (("deadline", "deadline"), ("left the federation", "left"), ("client reported", "failed"),
-          ("shapes", "shape"), ("floating point", "dtype"), ("NaN", "nonfinite"), ("num_examples", "examples"),
+_KINDS = (("upload refused", "upload"), ("deadline", "deadline"), ("left the federation", "left"),
+          ("client reported", "failed"), ("shapes", "shape"), ("floating point", "dtype"), ("NaN", "nonfinite"), ("num_examples", "examples"),
           ("max_update_norm", "norm"), ("median", "outlier"), ("stale", "stale"), ("current task", "late"))
 DROP_KINDS = ("deadline", "left", "failed")
-REJECT_KINDS = ("shape", "dtype", "nonfinite", "examples", "norm", "outlier", "stale", "late", "other")
+REJECT_KINDS = ("shape", "dtype", "nonfinite", "examples", "norm", "outlier", "stale", "late", "upload", "other")
 
 
 def kind_of(reason: str) -> str:

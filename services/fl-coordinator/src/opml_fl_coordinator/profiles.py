@@ -2,7 +2,8 @@
 
 TiFL (Chai et al., HPDC '20) tiers clients by these profiles; the profile is updated from every
 round the client is asked to do (a completed update, a drop-out, a rejection), never from what the
-client says of itself.
+client says of itself. The one thing it says, the examples it trains on (declared when it joins),
+only bounds what its updates may claim.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class ClientProfile:
     accuracy: float | None = None
     last_reason: str = ""
     labels: dict[str, str] = field(default_factory=dict)
+    num_examples: int | None = None  # declared at its last join (None: never declared)
 
     @property
     def availability(self) -> float:
@@ -40,13 +42,17 @@ class ProfileBook:
     def __init__(self) -> None:
         self.clients: dict[str, ClientProfile] = {}
 
-    def join(self, client_id: str, now: float, labels: dict[str, str] | None = None) -> ClientProfile:
+    def join(self, client_id: str, now: float, labels: dict[str, str] | None = None,
+             num_examples: int | None = None) -> ClientProfile:
+        """The client is present; ``num_examples`` (when given) replaces its declared example count."""
         profile = self.clients.get(client_id)
         if profile is None:
             profile = self.clients[client_id] = ClientProfile(client_id, joined_at=now)
         profile.present = True
         if labels:
             profile.labels = dict(labels)
+        if num_examples is not None:
+            profile.num_examples = int(num_examples)
         return profile
 
     def leave(self, client_id: str) -> None:

@@ -4,6 +4,10 @@ Client calls are identified by the client's own token (metadata ``x-opml-fl-clie
 contract's ``CLIENT_TOKEN_HEADER``),
 which the coordinator maps to one (federation, client id); a request naming another federation is
 refused. The platform's bearer-token roles (``METHOD_ROLES``) apply on top, to every call.
+
+An upload is read chunk by chunk into arrays of the task's model's shapes, and refused as soon as
+a chunk goes past them; a client has one upload open at a time. So the coordinator holds at most
+its arrays' bytes (float64 at most) per member with a task, whatever a member sends.
 """
 
 from __future__ import annotations
@@ -11,16 +15,18 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 
+import numpy as np
 from opml.fl.v1 import fl_pb2 as pb
 from opml.fl.v1 import fl_pb2_grpc
 
-from opml_common.errors import InvalidArgument, PermissionDenied
+from opml_common.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from opml_common.pagination import paginate
 from opml_fl_coordinator import convert
 from opml_fl_coordinator.coordinator import DONE, Coordinator
+from opml_fl_coordinator.federation import Task
 from opml_fl_coordinator.metrics import FlMetrics
 from opml_fl_coordinator_contract.names import CLIENT_TOKEN_HEADER, federation_name
-from opml_fl_coordinator_contract.weights import ArrayAssembler, chunks
+from opml_fl_coordinator_contract.weights import ArrayAssembler, Weights, chunks
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +90,7 @@ class FederatedClientServicer(fl_pb2_grpc.FederatedClientServiceServicer):
                  metrics: FlMetrics) -> None:
         self._coordinator, self._chunk_bytes, self._max_model_bytes = coordinator, chunk_bytes, max_model_bytes
         self._metrics = metrics
+        self._uploading: set[tuple[str, str]] = set()
 
     def _client(self, context, federation: str) -> tuple[str, str]:
         """(federation id, client id) of the caller's token, which must be of ``federation``.
@@ -101,7 +108,7 @@ class FederatedClientServicer(fl_pb2_grpc.FederatedClientServiceServicer):
 
     async def Join(self, request: pb.JoinRequest, context) -> pb.JoinResponse:
         federation_id, client_id = self._client(context, request.federation)
-        hosted = await self._coordinator.join(federation_id, client_id)
+        hosted = await self._coordinator.join(federation_id, client_id, request.num_examples)
         return pb.JoinResponse(client_id=client_id, state=convert.STATES[hosted.federation.phase],
                                chunk_bytes=self._chunk_bytes)
 
@@ -125,32 +132,45 @@ class FederatedClientServicer(fl_pb2_grpc.FederatedClientServiceServicer):
             yield pb.TaskChunk(chunk=chunk)
 
     async def UploadUpdate(self, request_iterator, context) -> pb.UploadUpdateResponse:
-        header: pb.UpdateHeader | None = None
-        assembler = None
-        identity = None
-        async for message in request_iterator:
-            if header is None:
-                if not message.HasField("header"):
-                    raise InvalidArgument("header", "the first message of an upload must be its header")
-                header = message.header
-                identity = self._client(context, header.federation)  # before reading any weights
-                assembler = ArrayAssembler(header.num_arrays, max_bytes=self._max_model_bytes)
-                continue
-            if not message.HasField("chunk"):
-                raise InvalidArgument("header", "an upload has exactly one header, first")
-            assert assembler is not None
-            assembler.add(message.chunk)
-            self._metrics.bytes_in.inc(len(message.chunk.data))
-        if header is None or assembler is None or identity is None:
-            raise InvalidArgument("header", "an upload needs a header")
+        messages = aiter(request_iterator)
+        first = await anext(messages, None)
+        if first is None or not first.HasField("header"):
+            raise InvalidArgument("header", "the first message of an upload must be its header")
+        header = first.header
+        identity = self._client(context, header.federation)  # before reading any weights
+        if identity in self._uploading:
+            raise FailedPrecondition(f"client {identity[1]!r} is already uploading an update; one at a time")
+        self._uploading.add(identity)
+        try:
+            task = await self._coordinator.admit(*identity, header.task_id, header.num_examples)
+            if isinstance(task, str):
+                return pb.UploadUpdateResponse(accepted=False, reason=task)  # late: the arrays are not read
+            weights = await self._receive(messages, header, task)
+        except InvalidArgument as error:
+            if error.field != "header.num_examples":  # admit refused the task itself
+                await self._coordinator.refuse(*identity, header.task_id, f"upload refused: {error.message}")
+            raise
+        finally:
+            self._uploading.discard(identity)
         metrics, non_finite = convert.metrics_from_proto(header.metrics)
         if non_finite:
             log.warning("federation %s: client %s's update of task %d: non-finite metrics %s left out",
                         *identity, header.task_id, non_finite[:3])
             self._metrics.metrics_dropped.inc(len(non_finite))
-        reason = await self._coordinator.upload(*identity, header.task_id, assembler.result(), header.num_examples,
-                                                metrics)
+        reason = await self._coordinator.upload(*identity, header.task_id, weights, header.num_examples, metrics)
         return pb.UploadUpdateResponse(accepted=reason is None, reason=reason or "")
+
+    async def _receive(self, messages: AsyncIterator[pb.UpdateChunk], header: pb.UpdateHeader, task: Task) -> Weights:
+        """The update's arrays, each chunk checked against the task's model (its starting weights,
+        whose shapes nobody knows yet, against ``max_model_bytes``) as it arrives."""
+        shapes = None if task.weights is None else [np.shape(w) for w in task.weights]
+        assembler = ArrayAssembler(header.num_arrays, max_bytes=self._max_model_bytes, shapes=shapes)
+        async for message in messages:
+            if not message.HasField("chunk"):
+                raise InvalidArgument("header", "an upload has exactly one header, first")
+            assembler.add(message.chunk)
+            self._metrics.bytes_in.inc(len(message.chunk.data))
+        return assembler.result()
 
     async def ReportFailure(self, request: pb.ReportFailureRequest, context) -> pb.ReportFailureResponse:
         federation_id, client_id = self._client(context, request.federation)

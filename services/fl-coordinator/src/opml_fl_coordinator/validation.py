@@ -1,8 +1,9 @@
-"""Screening of client updates before aggregation: wrong shapes or dtypes, NaN/inf, an example
-count out of range, or a change far larger than others' are refused with the reason, and the
-update is left out of the round (the client's profile counts the rejection). An update in another
-floating dtype than the model's is taken in the model's (one float16 update must not make the
-model float16), and must be finite there."""
+"""Screening of client updates' weights before aggregation: wrong shapes or dtypes, NaN/inf, or a
+change far larger than others' are refused with the reason, and the update is left out of the round
+(the client's profile counts the rejection). An update in another floating dtype than the model's
+is taken in the model's (one float16 update must not make the model float16), and must be finite
+there. The example count an update claims is the federation's to bound, against what the client
+declared when it joined (``Federation.examples_problem``)."""
 
 from __future__ import annotations
 
@@ -22,26 +23,24 @@ class UpdateValidator:
         max_update_norm: refuse a change (L2 norm of the difference) above this (None: no bound).
         norm_outlier_factor: refuse a change above this many times the median of the last
             ``history`` accepted changes (once at least three are known).
-        max_examples: largest example count a client may claim.
 
     Raises:
         ValueError: a bound out of range.
     """
 
     def __init__(self, *, max_update_norm: float | None = None, norm_outlier_factor: float = 5.0,
-                 max_examples: int = 10_000_000, history: int = 50) -> None:
+                 history: int = 50) -> None:
         if max_update_norm is not None and not max_update_norm > 0:
             raise ValueError(f"max_update_norm must be > 0 or None, but got {max_update_norm!r}")
         if not norm_outlier_factor > 1:
             raise ValueError(f"norm_outlier_factor must be > 1, but got {norm_outlier_factor!r}")
-        if max_examples < 1 or history < 3:
-            raise ValueError("max_examples must be >= 1 and history >= 3")
+        if history < 3:
+            raise ValueError(f"history must be >= 3, but got {history!r}")
         self.max_update_norm = max_update_norm
         self.norm_outlier_factor = norm_outlier_factor
-        self.max_examples = max_examples
         self.norms: deque[float] = deque(maxlen=history)
 
-    def check(self, weights: Sequence[np.ndarray], base: Weights, num_examples: int) -> tuple[float, str | None]:
+    def check(self, weights: Sequence[np.ndarray], base: Weights) -> tuple[float, str | None]:
         """The update's change norm and, when it must be refused, why (None: acceptable so far)."""
         expected = [(tuple(w.shape), w.dtype) for w in base]
         got = [(tuple(np.shape(w)), np.asarray(w).dtype) for w in weights]
@@ -56,8 +55,6 @@ class UpdateValidator:
                 bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
                 where = "" if dtype == model else f" as {model}, the model's dtype"
                 return 0.0, f"array {index} holds {bad} NaN or infinite values{where}"
-        if not 1 <= num_examples <= self.max_examples:
-            return 0.0, f"num_examples must be in [1, {self.max_examples}], but got {num_examples}"
         norm = global_norm(subtract(taken, base))
         if self.max_update_norm is not None and norm > self.max_update_norm:
             return norm, f"update norm {norm:.4g} exceeds max_update_norm {self.max_update_norm:g}"

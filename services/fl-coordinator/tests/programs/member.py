@@ -27,6 +27,9 @@ class DigitsMember(NumPyClient):
         self.behaviour, self.slow_s, self.crash_round, self.pad = behaviour, slow_s, crash_round, pad
         self.rng = np.random.default_rng(index)
 
+    def num_examples(self):
+        return len(self.y)
+
     def get_weights(self, config):
         weights = self.model.initial_weights()
         return weights + ([np.zeros(self.pad, np.float32)] if self.pad else [])

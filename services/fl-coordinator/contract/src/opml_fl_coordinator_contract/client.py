@@ -6,6 +6,8 @@ streams weights in chunks both ways, and reports failures, until the federation 
 A member, in a dozen lines::
 
     class Plant(NumPyClient):
+        def num_examples(self):
+            return len(x)
         def get_weights(self, config):
             return model.get_weights()
         def fit(self, weights, config):
@@ -106,12 +108,18 @@ class NumPyClient(ABC):
     """A federation member, as Flower's NumPyClient: weights are lists of numpy arrays."""
 
     @abstractmethod
+    def num_examples(self) -> int:
+        """How many examples the member trains on (its local dataset's size), declared when it
+        joins: each update may claim at most this many times the round's epochs."""
+
+    @abstractmethod
     def get_weights(self, config: dict[str, float]) -> Weights:
         """The member's starting weights (asked once, when the federation has no model yet)."""
 
     @abstractmethod
     def fit(self, weights: Weights, config: dict[str, float]) -> tuple[Weights, int, dict[str, float]]:
-        """Train from ``weights`` on local data; returns (new weights, examples used, metrics).
+        """Train from ``weights`` on local data; returns (new weights, examples processed: at most
+        ``num_examples()`` times ``config["epochs"]``, metrics).
         ``config`` holds epochs, batch_size, learning_rate, server_round, and, as the strategy
         says, proximal_mu (FedProx) and time_budget_s (send partial work by then).
 
@@ -150,9 +158,11 @@ class FederatedClient(ServiceClient):
         self._metadata = ((CLIENT_TOKEN_HEADER, client_token),)
         self.chunk_bytes = chunk_bytes
 
-    def join(self) -> pb.JoinResponse:
-        """Join; uploads then use chunks no larger than the coordinator accepts."""
-        reply = self.stub.Join(pb.JoinRequest(federation=self.federation), metadata=self._metadata)
+    def join(self, num_examples: int) -> pb.JoinResponse:
+        """Join, declaring the examples the member trains on; uploads then use chunks no larger
+        than the coordinator accepts."""
+        reply = self.stub.Join(pb.JoinRequest(federation=self.federation, num_examples=num_examples),
+                               metadata=self._metadata)
         if reply.chunk_bytes:
             self.chunk_bytes = min(self.chunk_bytes, reply.chunk_bytes)
         return reply
@@ -212,7 +222,7 @@ def run_client(target: str, federation: str, client_token: str, client: NumPyCli
         retries = 0
         while True:
             try:
-                member.join()
+                member.join(int(client.num_examples()))
                 if _take_part(member, client, run, wait_s):
                     return run
             except OpmlError as error:

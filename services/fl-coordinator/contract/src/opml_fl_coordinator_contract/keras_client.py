@@ -28,6 +28,9 @@ class KerasClient(NumPyClient):
         self.y_val = y if y_val is None else y_val
         self._rng = np.random.default_rng(seed)
 
+    def num_examples(self) -> int:
+        return len(self.y)
+
     def get_weights(self, config: dict[str, float]) -> Weights:
         return [np.asarray(w) for w in self.model.get_weights()]
 

@@ -100,8 +100,8 @@ class Simulator:
         order = itertools.count()
         dispatched: set[int] = set()
         now = 0.0
-        for client_id in client_ids:
-            federation.join(client_id, now)
+        for client_id, (_, y) in zip(client_ids, self.partition.clients, strict=True):
+            federation.join(client_id, now, num_examples=len(y))
         while federation.phase not in (Phase.COMPLETED, Phase.STOPPED) and now <= max_virtual_s:
             for index, client_id in enumerate(client_ids):
                 task = federation.task_for(client_id)
