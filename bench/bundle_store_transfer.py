@@ -28,6 +28,7 @@ import hashlib
 import io
 import os
 import platform
+import secrets
 import shutil
 import statistics
 import sys
@@ -38,6 +39,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from opml_bundle_store.core import BundleStore
+from opml_bundle_store.core.signing import ManifestKeys
 from opml_common.config import PlatformSettings
 from opml_common.storage import s3_client
 
@@ -98,6 +100,7 @@ class Bench:
             "transfer_workers": args.workers, "part_size": args.part_mib * MIB,
             "multipart_threshold": args.threshold_mib * MIB, "range_size": args.range_mib * MIB,
             "upload_streams": args.upload_streams, "download_streams": args.download_streams,
+            "manifest_keys": ManifestKeys([secrets.token_hex(32)]),  # the pushing and the pulling store share it
         }
 
     def record(self, name: str, seconds: float) -> None:

@@ -23,6 +23,7 @@ from opml_bundle_store.core import remote as remote_module
 from opml_bundle_store.core import sync as sync_module
 from opml_bundle_store.core.layout import ContextDir
 from opml_bundle_store.core.remote import S3Remote
+from opml_bundle_store.core.signing import ManifestKeys
 from opml_common.config import PlatformSettings
 from opml_common.errors import DataLoss, FailedPrecondition, NotFound, Unavailable
 from opml_common.events import RecordingEmitter
@@ -30,7 +31,9 @@ from opml_common.storage import s3_client
 
 HERE = Path(__file__).parent
 MIB = 1024 * 1024
-SMALL_STORE = {"part_size": 5 * MIB, "multipart_threshold": 5 * MIB, "range_size": 4 * MIB, "transfer_workers": 8}
+KEYS = ManifestKeys(["k" * 64])  # what every store sharing a remote holds
+SMALL_STORE = {"part_size": 5 * MIB, "multipart_threshold": 5 * MIB, "range_size": 4 * MIB, "transfer_workers": 8,
+               "manifest_keys": KEYS}
 
 
 @pytest.fixture
@@ -225,12 +228,12 @@ def test_corrupted_or_missing_remote_manifest_and_blob(stores, s3: Minio, remote
     remote = S3Remote(s3, remote_url)
     key = remote.manifest_key("model", bundle.uuid)
     tampered = bundle.to_json(local_state=False).replace(b'"content_hash": "', b'"content_hash": "0')
-    s3.put_object(remote.bucket, key, io.BytesIO(tampered), len(tampered))
+    remote.put_manifest(key, tampered, signature=KEYS.sign("model", bundle.uuid, tampered))  # by a key holder
     assert b.pull("ctx") == [] and b.list_bundles("ctx") == []  # the tampered manifest is skipped
     with pytest.raises(DataLoss, match="content_hash"):  # a remote gc removes nothing on its word
         b.gc("ctx", remote=True, grace_s=0)
     data = bundle.to_json(local_state=False)
-    s3.put_object(remote.bucket, key, io.BytesIO(data), len(data))
+    remote.put_manifest(key, data, signature=KEYS.sign("model", bundle.uuid, data))
     s3.remove_object(remote.bucket, remote.blob_key(bundle.files[0].sha256))
     with pytest.raises(DataLoss, match="has no object"):
         b.pull("ctx", localize=True)

@@ -1,8 +1,10 @@
 """Names a store trusts (issue 16, items 4 and 5): forged remote manifests in the real S3, bundle
 paths that collide on other file systems, and the creator a client claims.
 
-Remote manifests are written with the real minio client the way anyone holding the bucket's
-credentials could; the pulls, adds and the service are the real code on the session's S3.
+The forged manifests here are signed with the stores' manifest key, as a store holding it (a buggy
+or a compromised one) could sign them: each is still verified on its own and skipped. Manifests
+that no store signed are refused before that (tests/test_signed_manifests.py). They are written
+to the session's real S3; the pulls, adds and the service are the real code.
 """
 
 from __future__ import annotations
@@ -24,13 +26,16 @@ from opml_bundle_store.core import BundleStore, sync
 from opml_bundle_store.core.convert import bundle_to_proto
 from opml_bundle_store.core.manifest import FileEntry, RejectedManifest, compute_content_hash
 from opml_bundle_store.core.remote import S3Remote
+from opml_bundle_store.core.signing import ManifestKeys
 from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.config import PlatformSettings
 from opml_common.errors import InvalidArgument, NotFound
 from opml_common.storage import s3_client
 
 MIB = 1024 * 1024
-SMALL = {"part_size": 5 * MIB, "multipart_threshold": 5 * MIB, "range_size": 4 * MIB, "transfer_workers": 4}
+KEYS = ManifestKeys(["k" * 64])
+SMALL = {"part_size": 5 * MIB, "multipart_threshold": 5 * MIB, "range_size": 4 * MIB, "transfer_workers": 4,
+         "manifest_keys": KEYS}
 
 
 @pytest.fixture
@@ -42,8 +47,15 @@ def _put(s3: Minio, remote: S3Remote, key: str, data: bytes) -> None:
     s3.put_object(remote.bucket, key, io.BytesIO(data), len(data))
 
 
-def plant_forgeries(s3: Minio, remote_url: str, real: dict) -> dict[str, str]:
-    """Forged manifests beside the real bundle ``model`` (manifest ``real``); returns key -> expected reason."""
+def _put_signed(remote: S3Remote, keys: ManifestKeys, key: str, data: bytes) -> None:
+    """Put ``data`` under the manifest key ``key``, signed with ``keys`` for the name and uuid that key names."""
+    name, _, file_name = key[len(remote.bundles_prefix):].partition("/")
+    remote.put_manifest(key, data, signature=keys.sign(name, file_name.removesuffix(".json"), data))
+
+
+def plant_forgeries(s3: Minio, remote_url: str, real: dict, keys: ManifestKeys) -> dict[str, str]:
+    """Forged manifests beside the real bundle ``model`` (manifest ``real``), signed with ``keys``;
+    returns key -> expected reason."""
     remote = S3Remote(s3, remote_url)
     evil = b"evil weights"
     evil_sha = hashlib.sha256(evil).hexdigest()
@@ -73,7 +85,7 @@ def plant_forgeries(s3: Minio, remote_url: str, real: dict) -> dict[str, str]:
         remote.manifest_key("model", str(uuid.uuid4())): ("unreadable", None),
     }
     for key, (_, doc) in plan.items():
-        _put(s3, remote, key, b"{not json" if doc is None else json.dumps(doc).encode())
+        _put_signed(remote, keys, key, b"{not json" if doc is None else json.dumps(doc).encode())
     return {key: reason for key, (reason, _) in plan.items()}
 
 
@@ -101,7 +113,7 @@ def test_forged_manifests_are_skipped_one_by_one_and_never_shadow_a_name(stores,
     real = _add(a, "model", {"w.bin": b"real weights"})
     other = _add(a, "other", {"x": b"x"})
     a.push("ctx")
-    expected = plant_forgeries(s3, remote_url, real.to_manifest(local_state=False))
+    expected = plant_forgeries(s3, remote_url, real.to_manifest(local_state=False), KEYS)
 
     pulled = b.pull("ctx", localize=localize)
     assert {p.uuid for p in pulled} == {real.uuid, other.uuid}  # the good ones pull
@@ -136,7 +148,7 @@ def test_manifests_with_sizes_or_ints_out_of_int64_are_skipped_and_the_context_s
                "values": {k: {"int": v} for k, v in (values or {}).items()},
                "content_hash": compute_content_hash([FileEntry(f["path"], f["sha256"], 0) for f in files],
                                                     values or {})}
-        _put(s3, remote, remote.manifest_key("model", u), json.dumps(doc).encode())
+        _put_signed(remote, KEYS, remote.manifest_key("model", u), json.dumps(doc).encode())
         return remote.manifest_key("model", u)
 
     expected = {
@@ -162,7 +174,7 @@ def test_a_manifest_larger_than_any_the_store_writes_is_skipped_unread(stores, s
     monkeypatch.setattr(sync, "MAX_MANIFEST_BYTES", 64 * 1024)
     remote = S3Remote(s3, remote_url)
     key = remote.manifest_key("model", str(uuid.uuid4()))
-    _put(s3, remote, key, b"{" + b" " * (1024 * 1024) + b"}")
+    _put_signed(remote, KEYS, key, b"{" + b" " * (1024 * 1024) + b"}")
     assert [p.uuid for p in b.pull("ctx")] == [real.uuid]
     assert [(r.key, r.reason) for r in rejected] == [(key, "unreadable")]
     assert "holds more than 65536 bytes" in rejected[0].message
@@ -199,8 +211,10 @@ def test_service_pull_skips_forgeries_and_counts_them(bundle_store, admin: Bundl
     real = admin.add("plant-a", "model", {"w.bin": b"real weights"}, commit=True)
     list(admin.push("plant-a"))
     remote = S3Remote(s3, remote_url)
-    manifest = json.loads(remote.get_bytes(remote.manifest_key("model", real.uuid), max_bytes=sync.MAX_MANIFEST_BYTES))
-    expected = plant_forgeries(s3, remote_url, manifest)
+    manifest = json.loads(remote.get_manifest(remote.manifest_key("model", real.uuid),
+                                              max_bytes=sync.MAX_MANIFEST_BYTES).data)
+    kept = ManifestKeys.from_file(Path(bundle_store.env["OPML_BUNDLE_STORE_HOME"]) / "manifest.key")  # dev: its own
+    expected = plant_forgeries(s3, remote_url, manifest, kept)
     assert set(_rejected_metric(bundle_store).values()) == {0.0}
 
     final = list(admin.pull("plant-b", localize=True))[-1]

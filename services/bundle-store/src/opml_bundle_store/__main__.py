@@ -23,8 +23,13 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
     """The store over the local home and S3, announcing its changes through the outbox (events
     unpublished at exit stay there for the next start); closed after the server, before the outbox.
     The home's lock is taken first and released last: a second instance on the same home stops
-    before it opens the outbox there, whose pending events the first one publishes."""
+    before it opens the outbox there, whose pending events the first one publishes. Without the
+    manifest keys it needs (prod) or can read, it refuses to start, naming the setting."""
     settings: BundleStoreSettings = service.settings
+    try:
+        manifest_keys = settings.manifest_signing_keys(service.platform.env)
+    except ValueError as exc:
+        raise SystemExit(f"{SERVICE}: refusing to start: {exc}") from None
     home_lock = lock_home(settings.home)
     service.on_stop(lambda: asyncio.to_thread(home_lock.close))
     rejected = service.metrics.counter(
@@ -33,7 +38,7 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
         rejected.labels(reason)
     store = BundleStore(settings.home, service.s3(max_connections=settings.transfer_workers * 2),
                         transfer_workers=settings.transfer_workers, events=await service.emitter(),
-                        on_rejected_manifest=lambda manifest: rejected.labels(manifest.reason).inc(),
+                        manifest_keys=manifest_keys, on_rejected_manifest=lambda manifest: rejected.labels(manifest.reason).inc(),
                         home_lock=home_lock)
     service.on_stop(lambda: asyncio.to_thread(store.close))
     servicer = BundleStoreServicer(store, service.metrics)

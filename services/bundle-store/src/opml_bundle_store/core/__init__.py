@@ -6,6 +6,7 @@ The gRPC servicer converts messages to and from these dataclasses and calls :cla
 Modules: ``store`` (the facade: opening a home, contexts, reads, commit, delete), ``context``
 (one context's index and locks), ``writer`` (adding a bundle), ``sync`` (push and pull),
 ``gc``, ``lineage``, ``events`` (the domain events), ``manifest`` (the dataclasses and their JSON),
+``signing`` (the keys that sign and verify remote manifests),
 ``rules`` (what an input must be), ``remote_url`` (``s3://bucket/prefix``), ``convert`` (to and from
 the protobuf messages), ``layout``, ``remote`` and ``transfer`` (disk and S3). A typed value and the
 rules of a bundle's file paths are the contract's (``opml_bundle_store_contract``): clients use them too.

@@ -230,8 +230,9 @@ class RejectedManifest:
     message: str
 
 
-REJECT_REASONS = ("key", "unreadable", "invalid", "mismatch", "content_hash")
-"""Why a remote manifest is refused: its key names no canonical UUID and valid bundle name; it
+REJECT_REASONS = ("key", "signature", "unreadable", "invalid", "mismatch", "content_hash")
+"""Why a remote manifest is refused: its key names no canonical UUID and valid bundle name; it has
+no signature, or one that none of the store's keys made for it under its key's name and uuid; it
 is not a manifest (JSON, format, fields); its uuid, name, paths, hashes, sizes or int values break
 the rules (a size or an int out of the int64 the API carries); it
 describes another bundle than its key names; its content_hash does not match its files and values."""

@@ -6,7 +6,9 @@ Under ``s3://bucket/prefix``::
     prefix/bundles/<name>/<uuid>.json       one manifest per pushed bundle version
 
 A manifest is written only after every blob it names is in place, so a reader that sees a
-manifest can fetch all of its files; a push that dies halfway leaves blobs but no manifest.
+manifest can fetch all of its files; a push that dies halfway leaves blobs but no manifest. Its
+signature (:mod:`.signing`) is stored with it, in the object's metadata (``x-amz-meta-opml-hmac-sha256``):
+one PUT writes both, and one GET reads both.
 
 Most requests go through the public minio API. Uploads use minio's signer directly so the payload
 hash need not be recomputed: a whole-blob PUT is signed with the sha256 the manifest already holds
@@ -21,6 +23,7 @@ refused credentials), :class:`DataLoss` (the server saw a body that does not mat
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -45,6 +48,7 @@ log = logging.getLogger(__name__)
 UNSIGNED_PAYLOAD = "UNSIGNED-PAYLOAD"
 BLOB_CONTENT_TYPE = "application/octet-stream"
 MANIFEST_CONTENT_TYPE = "application/json"
+MANIFEST_SIGNATURE_HEADER = "x-amz-meta-opml-hmac-sha256"
 _RETRIABLE_CODES = {"InternalError", "SlowDown", "ServiceUnavailable", "RequestTimeout", "RequestTimeTooSkewed"}
 _REFUSED_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled"}
 _DIGEST_CODES = {"XAmzContentSHA256Mismatch", "BadDigest", "InvalidDigest"}
@@ -117,6 +121,14 @@ class RemoteManifest:
     bundle_name: str
     uuid: str
     key: str
+
+
+@dataclass(frozen=True)
+class StoredManifest:
+    """A manifest's bytes as read from S3, and the signature stored with it (None: it has none)."""
+
+    data: bytes
+    signature: str | None
 
 
 @dataclass(frozen=True)
@@ -220,7 +232,9 @@ class S3Remote:
         ``readinto`` from the connection: no allocation per chunk, and a fully read response
         leaves its connection in the pool for the next request.
         """
-        response = self.open(key, offset, length)
+        return self._drain(self.open(key, offset, length), key, sink)
+
+    def _drain(self, response: Any, key: str, sink: Callable[[memoryview], object]) -> int:
         total = 0
         consumed = False
         try:
@@ -235,9 +249,9 @@ class S3Remote:
             response.release_conn()
         return total
 
-    def get_bytes(self, key: str, *, max_bytes: int) -> bytes:
-        """The whole object, read no further than ``max_bytes`` (anyone holding the bucket's credentials
-        may have put any size there).
+    def get_manifest(self, key: str, *, max_bytes: int) -> StoredManifest:
+        """A manifest and its signature from one GET, read no further than ``max_bytes`` (anyone
+        holding the bucket's credentials may have put any size there).
 
         Raises: DataLoss: the object holds more than ``max_bytes``.
         """
@@ -248,8 +262,10 @@ class S3Remote:
                 raise DataLoss(f"{key!r} holds more than {max_bytes} bytes; it was not read further")
             data.extend(view)
 
-        self.read_into(key, sink)
-        return bytes(data)
+        response = self.open(key)
+        signature = response.headers.get(MANIFEST_SIGNATURE_HEADER)
+        self._drain(response, key, sink)
+        return StoredManifest(bytes(data), signature)
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -262,6 +278,12 @@ class S3Remote:
         with translate_errors(f"upload {key!r}"):
             response = self._signed_put(key, data, sha256 or UNSIGNED_PAYLOAD, headers, None)
         return response.headers.get("etag", "").replace('"', "")
+
+    def put_manifest(self, key: str, data: bytes, *, signature: str) -> None:
+        """PUT a manifest with its signature in the object's metadata."""
+        headers = {"Content-Type": MANIFEST_CONTENT_TYPE, MANIFEST_SIGNATURE_HEADER: signature}
+        with translate_errors(f"upload {key!r}"):
+            self._signed_put(key, data, hashlib.sha256(data).hexdigest(), headers, None)
 
     def create_multipart(self, key: str) -> str:
         with translate_errors(f"start a multipart upload of {key!r}"):

@@ -10,6 +10,8 @@ threads at once. Failures are platform errors (:mod:`opml_common.errors`):
 * :class:`FailedPrecondition` - the state forbids the call (push without a remote, push of an
   uncommitted bundle, reading a file that was not pulled, a home used by another process);
 * :class:`DataLoss` - stored bytes do not match their sha256 (locally or on the remote);
+  remote manifests that fail verification (a missing or invalid signature among them) are skipped
+  and reported, not raised;
 * :class:`Unavailable` - S3 cannot be reached right now (retriable).
 
 Durability: a bundle becomes visible only when its manifest is renamed into place, after its
@@ -60,6 +62,7 @@ from opml_bundle_store.core.rules import (
     validate_string_map,
     validate_values,
 )
+from opml_bundle_store.core.signing import ManifestKeys
 from opml_bundle_store.core.sync import ProgressCallback, RejectedCallback, RemoteSync
 from opml_bundle_store.core.transfer import TransferSettings
 from opml_bundle_store.core.writer import READ_CHUNK, BundleWriter
@@ -113,6 +116,9 @@ class BundleStore:
         range_size: pulls fetch blobs larger than this as parallel range GETs of this size.
         events: where the store announces commits, pushes and deletes (the service's outbox
             emitter); None announces nothing (a tool or benchmark using the store directly).
+        manifest_keys: the keys that sign the manifests a push writes (the first) and verify those a
+            pull reads (any); every store sharing a remote holds the same. None: the key the store
+            keeps in ``home/manifest.key``, made at the first open (:meth:`ManifestKeys.kept_in`).
         on_rejected_manifest: called (on the pulling thread) with each remote manifest a pull
             refused and skipped, after it is logged; the service counts them in a metric.
         home_lock: the lock on ``home`` (:func:`lock_home`) when the caller took it first (the service,
@@ -121,7 +127,7 @@ class BundleStore:
 
     Raises:
         InvalidArgument: a setting is out of range.
-        FailedPrecondition: another process holds ``home``.
+        FailedPrecondition: another process holds ``home``, or its ``manifest.key`` is not a key.
     """
 
     def __init__(
@@ -136,6 +142,7 @@ class BundleStore:
         download_streams: int = 4,
         range_size: int = 32 * MIB,
         events: EventEmitter | None = None,
+        manifest_keys: ManifestKeys | None = None,
         on_rejected_manifest: RejectedCallback | None = None,
         home_lock: BinaryIO | None = None,
     ) -> None:
@@ -162,12 +169,13 @@ class BundleStore:
         self._events = BundleEvents(events, self.home / "announcing")
         self._closed = False
         try:
+            keys = manifest_keys or ManifestKeys.kept_in(self.home)
             self._open_contexts()
         except BaseException:
             self._release_home()
             raise
         self._pool = ThreadPoolExecutor(transfer_workers, thread_name_prefix="bundle-store-xfer")
-        self._sync = RemoteSync(self._pool, self._settings, self._events, on_rejected_manifest)
+        self._sync = RemoteSync(self._pool, self._settings, self._events, keys, on_rejected_manifest)
         try:
             self._events.recover(self._shows_change)
         except BaseException:
@@ -434,9 +442,10 @@ class BundleStore:
         self, context_id: str, ref: str | None = None, progress: ProgressCallback | None = None,
     ) -> list[Bundle]:
         """Push committed bundles to the context's remote: their blobs (missing ones only, in
-        parallel, big ones as resumable multipart uploads), then their manifests.
+        parallel, big ones as resumable multipart uploads), then their manifests, signed.
 
-        With ``ref``, that bundle is pushed (again, if it was: missing blobs are restored). Without,
+        With ``ref``, that bundle is pushed (again, if it was: missing blobs are restored and its
+        manifest is signed again, which is how a manifest pushed before signatures gets one). Without,
         every committed bundle not yet on the current remote is pushed (except bundles pulled
         without their files from another remote: skipped with a warning). ``progress`` is called on
         the calling thread with blobs and bytes confirmed on the remote. Each pushed bundle is
@@ -463,8 +472,9 @@ class BundleStore:
         """Pull bundle manifests from the context's remote (all, or the versions of one name);
         with ``localize``, also download and verify their files (and those of bundles pulled
         earlier without files). Nothing is recorded unless every blob verified. A remote manifest
-        that fails verification (a non-canonical UUID, a name, path or hash breaking the rules, a
-        wrong content hash) is logged, passed to ``on_rejected_manifest`` and skipped; the rest pull.
+        that fails verification (a non-canonical UUID, a missing or invalid signature, a name, path
+        or hash breaking the rules, a wrong content hash) is logged, passed to ``on_rejected_manifest``
+        and skipped; the rest pull.
 
         Returns the bundles this pull added or localized, newest first.
 

@@ -1,9 +1,9 @@
-"""Moving bundles between a context and its S3 remote: push (blobs, then manifests) and pull
-(manifests, then, to localize, blobs verified against their sha256 before anything is recorded)."""
+"""Moving bundles between a context and its S3 remote: push (blobs, then signed manifests) and pull
+(manifests, each verified against its signature first, then, to localize, blobs verified against
+their sha256 before anything is recorded)."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -14,8 +14,9 @@ from typing import Any
 from opml_bundle_store.core.context import ContextState
 from opml_bundle_store.core.events import BundleEvents
 from opml_bundle_store.core.manifest import Bundle, RejectedManifest, TransferProgress, age, compute_content_hash, label
-from opml_bundle_store.core.remote import MANIFEST_CONTENT_TYPE, S3Remote
+from opml_bundle_store.core.remote import S3Remote
 from opml_bundle_store.core.rules import INT64_MAX, INT64_MIN, is_uuid, validate_bundle_name
+from opml_bundle_store.core.signing import ManifestKeys
 from opml_bundle_store.core.transfer import (
     BlobRef,
     Downloader,
@@ -49,22 +50,25 @@ class RemoteSync:
     """Pushes and pulls of every context of one store, on the store's shared transfer threads.
 
     The store checks the arguments and finds the context and its remote; these methods take the
-    context's push or pull lock for the whole transfer.
+    context's push or pull lock for the whole transfer. ``keys`` sign the manifests a push writes
+    and verify those a pull reads.
     """
 
     def __init__(self, pool: ThreadPoolExecutor, settings: TransferSettings, events: BundleEvents,
-                 on_rejected: RejectedCallback | None = None) -> None:
+                 keys: ManifestKeys, on_rejected: RejectedCallback | None = None) -> None:
         self._pool = pool
         self._settings = settings
         self._events = events
+        self._keys = keys
         self._on_rejected = on_rejected
 
     def push(self, ctx: ContextState, remote: S3Remote, ref: str | None = None,
              progress: ProgressCallback | None = None) -> list[Bundle]:
         """Push committed bundles to the context's remote: their blobs (missing ones only, in
-        parallel, big ones as resumable multipart uploads), then their manifests.
+        parallel, big ones as resumable multipart uploads), then their manifests, signed.
 
-        With ``ref``, that bundle is pushed (again, if it was: missing blobs are restored). Without,
+        With ``ref``, that bundle is pushed (again, if it was: missing blobs are restored and the
+        manifest is signed again with the current key). Without,
         every committed bundle not yet on the current remote is pushed (except bundles pulled
         without their files from another remote: skipped with a warning). ``progress`` is called on
         the calling thread with blobs and bytes confirmed on the remote. Each pushed bundle is
@@ -128,9 +132,9 @@ class RemoteSync:
         runner = TaskRunner(self._pool, max_in_flight=self._settings.max_in_flight, max_heavy=1)
         for bundle in bundles:
             data = bundle.to_json(local_state=False)
-            runner.add(lambda bundle=bundle, data=data: remote.put_bytes(
+            runner.add(lambda bundle=bundle, data=data: remote.put_manifest(
                 remote.manifest_key(bundle.name, bundle.uuid), data,
-                sha256=hashlib.sha256(data).hexdigest(), content_type=MANIFEST_CONTENT_TYPE,
+                signature=self._keys.sign(bundle.name, bundle.uuid, data),
             ))
         runner.run()
 
@@ -141,9 +145,10 @@ class RemoteSync:
         earlier without files). Nothing is recorded unless every blob verified.
 
         Every remote manifest is verified on its own (its key names a canonical UUID and a valid
-        name, it parses, its uuid and name are the key's, its paths and hashes follow the rules
-        of an add, its content_hash matches): one that fails is logged, reported to the store's
-        ``on_rejected`` and skipped, and the others are pulled.
+        name, one of the store's keys signed it under that name and uuid, it parses, its uuid and
+        name are the key's, its paths and hashes follow the rules of an add, its content_hash
+        matches): one that fails is logged, reported to the store's ``on_rejected`` and skipped,
+        and the others are pulled.
 
         Returns the bundles this pull added or localized, newest first.
 
@@ -190,12 +195,13 @@ class RemoteSync:
         return sorted(changed, key=age, reverse=True)
 
     def fetch_manifests(self, ctx: ContextState, remote: S3Remote, listed: list[Any]) -> list[Bundle]:
-        """Every listed manifest, verified; the first that fails raises DataLoss (remote gc:
-        nothing may be removed on the word of a partial listing)."""
+        """Every listed manifest, verified but for its signature; the first that fails raises
+        DataLoss (remote gc: nothing may be removed on the word of a partial listing, and a manifest,
+        signed or not, only keeps the blobs it names)."""
         fetched: list[Bundle] = []
         runner = TaskRunner(self._pool, max_in_flight=self._settings.max_in_flight, max_heavy=1)
         for item in listed:
-            runner.add(lambda item=item: _parse_remote_manifest(remote, item, ctx.id), on_done=fetched.append)
+            runner.add(lambda item=item: _parse_remote_manifest(remote, item, ctx.id, None), on_done=fetched.append)
         runner.run()
         return fetched
 
@@ -206,7 +212,7 @@ class RemoteSync:
 
         def one(item: Any) -> Bundle | _Rejected:
             try:
-                return _parse_remote_manifest(remote, item, ctx.id)
+                return _parse_remote_manifest(remote, item, ctx.id, self._keys)
             except _Rejected as rejected:
                 return rejected
 
@@ -248,11 +254,13 @@ def _unique_blobs(bundles: list[Bundle]) -> list[BlobRef]:
     return list(blobs.values())
 
 
-def _parse_remote_manifest(remote: S3Remote, item: Any, context_id: str) -> Bundle:
+def _parse_remote_manifest(remote: S3Remote, item: Any, context_id: str, keys: ManifestKeys | None) -> Bundle:
     """Fetch and verify one remote manifest: its key names a canonical UUID and a valid bundle
-    name, the manifest is well-formed and describes that bundle, its paths follow the rules of
-    an add, its hashes are lowercase sha256, its sizes and int values fit the API's int64 (a
-    bundle recorded with more would fail every later read of its context) and its content hash is right.
+    name, one of ``keys`` signed it under that name and uuid (checked before anything in it is
+    read; None: not checked), the manifest is well-formed and describes that bundle, its paths
+    follow the rules of an add, its hashes are lowercase sha256, its sizes and int values fit the
+    API's int64 (a bundle recorded with more would fail every later read of its context) and its
+    content hash is right.
 
     Raises: _Rejected (a DataLoss saying why), Unavailable and the rest of what S3 may raise.
     """
@@ -264,11 +272,18 @@ def _parse_remote_manifest(remote: S3Remote, item: Any, context_id: str) -> Bund
     except InvalidArgument as exc:
         raise _Rejected("key", f"{where} is not under a valid bundle name: {exc.message}") from None
     try:
-        data = remote.get_bytes(item.key, max_bytes=MAX_MANIFEST_BYTES)
+        stored = remote.get_manifest(item.key, max_bytes=MAX_MANIFEST_BYTES)
     except DataLoss as exc:
         raise _Rejected("unreadable", f"{where} is corrupt: {exc.message}") from None
+    if keys is not None and stored.signature is None:
+        raise _Rejected("signature", f"{where} is refused: signature missing (it was not pushed by a bundle-store "
+                                     "holding the manifest keys, or was pushed before manifests were signed: "
+                                     "push it again from a store that holds it)")
+    if keys is not None and not keys.verify(item.bundle_name, item.uuid, stored.data, stored.signature or ""):
+        raise _Rejected("signature", f"{where} is refused: signature invalid (signed with another key, "
+                                     "changed after it was signed, or copied from another name or uuid)")
     try:
-        bundle = Bundle.from_json(data, context=context_id)
+        bundle = Bundle.from_json(stored.data, context=context_id)
     except (ValueError, RecursionError) as exc:
         raise _Rejected("unreadable", f"{where} is corrupt: {exc}") from None
     problems = []

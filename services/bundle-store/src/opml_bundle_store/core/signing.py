@@ -1,0 +1,104 @@
+"""Signatures of remote manifests: an HMAC-SHA256 with a key that only bundle-stores hold.
+
+Anyone who can write a context's bucket can put a well-formed manifest there (a canonical uuid, a
+right content hash): the content hash says what a bundle holds, not who made it. A push signs each
+manifest it writes; a pull verifies the signature before it parses the manifest, and refuses one
+without a valid signature. The signature covers the manifest's exact bytes and the bundle name and
+uuid of its key, so a signed manifest copied under another name or uuid does not verify.
+
+Keys rotate: the first key signs, every key verifies. Every store that pushes to or pulls from a
+remote holds the same keys. A store given none keeps one of its own in its home
+(:meth:`ManifestKeys.kept_in`), which is enough for one store and for pulls back into it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+from collections.abc import Sequence
+from pathlib import Path
+
+from opml_bundle_store.core.layout import fsync_dir, tmp_name
+from opml_common.errors import FailedPrecondition
+
+MIN_KEY_CHARS = 32
+KEY_FILE_NAME = "manifest.key"
+_PURPOSE = "opml.bundles.v1.manifest"
+
+
+class ManifestKeys:
+    """The keys that sign (the first) and verify (any) remote manifests. Never shown in a repr.
+
+    Raises:
+        ValueError: no key, or a key shorter than MIN_KEY_CHARS (named by position, never shown).
+    """
+
+    def __init__(self, keys: Sequence[str]) -> None:
+        if not keys:
+            raise ValueError("no manifest key is given")
+        for index, key in enumerate(keys, 1):
+            if len(key) < MIN_KEY_CHARS or any(char.isspace() or char == "," for char in key):
+                raise ValueError(f"manifest key {index} must be at least {MIN_KEY_CHARS} characters without "
+                                 "spaces or commas (make one with `openssl rand -hex 32`)")
+        self._keys = tuple(key.encode() for key in keys)
+
+    def __repr__(self) -> str:
+        return f"ManifestKeys({len(self._keys)} keys)"
+
+    @classmethod
+    def parse(cls, text: str) -> ManifestKeys:
+        """Keys separated by commas or line breaks (blank entries ignored), the signing key first."""
+        return cls([key.strip() for line in text.splitlines() for key in line.split(",") if key.strip()])
+
+    @classmethod
+    def from_file(cls, path: Path) -> ManifestKeys:
+        """The keys in ``path`` (as :meth:`parse` reads them). Raises ValueError, OSError."""
+        return cls.parse(path.read_text(encoding="utf-8"))
+
+    @classmethod
+    def kept_in(cls, home: Path) -> ManifestKeys:
+        """The key a store keeps in ``home/manifest.key``: made once (mode 0600), then read at every
+        open. The caller holds the home's lock.
+
+        Raises: FailedPrecondition (the file holds no valid key), OSError.
+        """
+        path = home / KEY_FILE_NAME
+        if not path.exists():
+            tmp = tmp_name(path)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                    handle.write(secrets.token_hex(32) + "\n")
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            fsync_dir(home)
+        try:
+            return cls.from_file(path)
+        except ValueError as exc:
+            raise FailedPrecondition(f"{path} holds no valid manifest key ({exc}): remove it and a new one is "
+                                     "made, but manifests signed with the old one no longer verify") from None
+
+    def sign(self, bundle_name: str, bundle_uuid: str, data: bytes) -> str:
+        """The signature (hex) of the manifest ``data`` stored under ``bundle_name`` and ``bundle_uuid``."""
+        return _mac(self._keys[0], bundle_name, bundle_uuid, data)
+
+    def verify(self, bundle_name: str, bundle_uuid: str, data: bytes, signature: str) -> bool:
+        """Whether any key signed exactly this manifest under this name and uuid (compared in constant time)."""
+        given = signature.encode("ascii", "replace")
+        return any(hmac.compare_digest(_mac(key, bundle_name, bundle_uuid, data).encode(), given)
+                   for key in self._keys)
+
+
+def _mac(key: bytes, bundle_name: str, bundle_uuid: str, data: bytes) -> str:
+    # The JSON header is unambiguous (its strings are escaped, it holds no raw line break), so no name
+    # and uuid can be shifted into the manifest's bytes or back.
+    mac = hmac.new(key, json.dumps([_PURPOSE, bundle_name, bundle_uuid]).encode() + b"\n", hashlib.sha256)
+    mac.update(data)
+    return mac.hexdigest()
