@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -24,12 +25,14 @@ CPU = PoolKind(name="cpu", precisions=("fp32",), memory_mib=4096, slots=4, cost_
                execution_provider="CPUExecutionProvider")
 ACCEL = PoolKind(name="accel", precisions=("int8",), memory_mib=512, slots=2, cost_per_hour=0.5,
                  execution_provider="CPUExecutionProvider", batch_sizes=(1, 4, 8))
+IN_MEMORY = Path(__file__).parent
+"""The external-data folder of the models built here: they hold all their data, so it is never read."""
 
 
 def replica(kind: PoolKind, *, delay_us: int | None, width: int = 64, depth: int = 2) -> tuple[Replica, bytes]:
     model = mlp_classifier(width=width, depth=depth).SerializeToString()
     config = ModelConfig.from_dict(mlp_config("mlp", max_queue_delay_us=delay_us))
-    session = build_session(model, kind, threads=1, source="mlp")
+    session = build_session(model, kind, threads=1, source="mlp", folder=IN_MEMORY)
     return Replica(ModelVersion("mlp", 1), config, kind, "fp32", session), model
 
 
@@ -98,7 +101,7 @@ def two_input_replica() -> Replica:
         **mlp_config("two", max_queue_delay_us=50_000),
         "inputs": [{"name": "a", "data_type": "fp32", "dims": [-1]}, {"name": "b", "data_type": "fp32", "dims": [-1]}],
         "outputs": [{"name": "sums", "data_type": "fp32", "dims": [2]}]})
-    session = build_session(model.SerializeToString(), CPU, threads=1, source="two")
+    session = build_session(model.SerializeToString(), CPU, threads=1, source="two", folder=IN_MEMORY)
     return Replica(ModelVersion("two", 1), config, CPU, "fp32", session)
 
 
@@ -206,8 +209,8 @@ class CountingReplica(Replica):
 def counting_instances(count: int) -> list[Replica]:
     model = mlp_classifier(width=16, depth=1).SerializeToString()
     config = ModelConfig.from_dict(mlp_config("mlp", max_queue_delay_us=None))
-    return [CountingReplica(ModelVersion("mlp", 1), config, CPU, "fp32", build_session(model, CPU, threads=1,
-                                                                                       source="mlp"))
+    return [CountingReplica(ModelVersion("mlp", 1), config, CPU, "fp32",
+                            build_session(model, CPU, threads=1, source="mlp", folder=IN_MEMORY))
             for _ in range(count)]
 
 

@@ -66,8 +66,9 @@ def test_a_kind_whose_provider_is_missing_is_refused() -> None:
         require_provider(fpga)
 
 
-def test_a_graph_that_differs_from_its_config_is_refused() -> None:
-    session = build_session(mlp_classifier(features=8).SerializeToString(), CPU, threads=1, source="m")
+def test_a_graph_that_differs_from_its_config_is_refused(tmp_path: Path) -> None:
+    session = build_session(mlp_classifier(features=8).SerializeToString(), CPU, threads=1, source="m",
+                            folder=tmp_path)
     with pytest.raises(InvalidArgument, match=r"^inputs\[features\]: the config declares FP32 \[-1,16\], but the "
                                               r"ONNX graph has FP32 \[-1, 8\]"):
         check_signature(session, ModelConfig.from_dict(mlp_config("m", features=16)))

@@ -3,6 +3,8 @@
 Two layouts: flat (``model.yaml`` + ``model.onnx``, one version, numbered by whoever loads it, as
 a bundle from bundle-store holds it) and Triton's repository layout (``model.yaml`` +
 ``<version>/model.onnx``, the config's ``version_policy`` choosing which versions are served).
+Every ONNX file's external data must lie in that file's folder (:mod:`.external_data`), checked
+before anything loads it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from opml_common.errors import InvalidArgument, NotFound
+from opml_inference_router.runtime.external_data import check_external_data
 from opml_inference_router_contract.model_config import ModelConfig, load_model_config, version_number
 
 CONFIG_FILE = "model.yaml"
@@ -44,7 +47,9 @@ def load_bundle(directory: str | Path, *, flat_version: int = 1) -> ModelBundle:
 
     Raises:
         NotFound: the directory, its model.yaml, or any ONNX file is missing.
-        InvalidArgument: model.yaml breaks a rule (field = its path in the config).
+        InvalidArgument: model.yaml breaks a rule (field = its path in the config); an ONNX file is not
+            readable, or names external data that is not a regular file in its folder (field = its path
+            in the bundle, e.g. ``model.onnx``, the message naming each tensor and location).
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -53,12 +58,15 @@ def load_bundle(directory: str | Path, *, flat_version: int = 1) -> ModelBundle:
     if (directory / MODEL_FILE).is_file():
         if flat_version < 1:
             raise InvalidArgument("version", f"must be >= 1, but got {flat_version}")
-        return ModelBundle(directory, config, {flat_version: directory / MODEL_FILE})
-    files = {number: child / MODEL_FILE for child in directory.iterdir()
-             if child.is_dir() and (number := version_number(child.name)) is not None
-             and (child / MODEL_FILE).is_file()}
+        files = {flat_version: directory / MODEL_FILE}
+    else:
+        files = {number: child / MODEL_FILE for child in directory.iterdir()
+                 if child.is_dir() and (number := version_number(child.name)) is not None
+                 and (child / MODEL_FILE).is_file()}
     if not files:
         raise NotFound(f"model directory {directory} holds neither {MODEL_FILE} nor <version>/{MODEL_FILE}")
+    for file in files.values():
+        check_external_data(file, name=file.relative_to(directory).as_posix())
     return ModelBundle(directory, config, files)
 
 

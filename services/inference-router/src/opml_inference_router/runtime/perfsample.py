@@ -19,6 +19,7 @@ import numpy as np
 from opml_common.errors import FailedPrecondition
 from opml_common.perfmodel import Sample, ServingConfig
 from opml_inference_router.placement.fleet_config import ModelVersion, PoolKind
+from opml_inference_router.runtime.external_data import check_external_data
 from opml_inference_router.runtime.profiler import synthetic_inputs
 from opml_inference_router.runtime.replica import Replica
 from opml_inference_router.runtime.session import build_session, convert
@@ -29,7 +30,7 @@ def mlp_mflop_per_row(path: Path) -> float:
     """The work of one row of an ONNX model: 2 x the weights of its MatMuls (MLPs, dense layers), in MFLOP."""
     import onnx
 
-    graph = onnx.load(path).graph
+    graph = onnx.load(path, load_external_data=False).graph
     sizes = {init.name: int(np.prod(init.dims)) for init in graph.initializer}
     return sum(2.0 * sizes.get(name, 0) for node in graph.node if node.op_type in ("MatMul", "Gemm")
                for name in node.input) / 1e6
@@ -44,8 +45,10 @@ def measure(path: Path, config: ModelConfig, kind: PoolKind, configs: Sequence[S
 
     Raises:
         FailedPrecondition: a configuration's precision is not one the kind runs.
-        InvalidArgument: the model cannot be converted or loaded (as :func:`convert`).
+        InvalidArgument: the model names external data outside its folder (as
+            :func:`~.external_data.check_external_data`), or cannot be converted or loaded (as :func:`convert`).
     """
+    check_external_data(path, name=path.name)
     for serving in configs:
         if serving.precision not in kind.precisions:
             raise FailedPrecondition(f"pool kind {kind.name} runs {', '.join(kind.precisions)}, "
@@ -65,8 +68,8 @@ def measure(path: Path, config: ModelConfig, kind: PoolKind, configs: Sequence[S
         precision, threads, level, mode = key
         if precision not in converted:
             converted[precision] = convert(path, precision, config, calibration=path.parent / "calibration.npz")
-        session = build_session(converted[precision], kind, threads=threads, source=str(path), opt_level=level,
-                                execution_mode=mode)
+        session = build_session(converted[precision], kind, threads=threads, source=str(path), folder=path.parent,
+                                opt_level=level, execution_mode=mode)
         replica = Replica(ModelVersion(config.name, 1), config, kind, precision, session)
         for index, serving in group:
             inputs = synthetic_inputs(config, serving.batch, rng)

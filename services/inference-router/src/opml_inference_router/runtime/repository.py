@@ -301,7 +301,7 @@ class ModelRepository:
         """Builds, checks and warms one instance from the converted model, measuring the memory it added
         (blocking)."""
         before = _resident_mib()
-        session = build_session(data, self.kind, threads=settings.threads, source=str(file),
+        session = build_session(data, self.kind, threads=settings.threads, source=str(file), folder=file.parent,
                                 opt_level=settings.opt_level, execution_mode=settings.execution_mode)
         check_signature(session, bundle.config)
         replica = Replica(model, bundle.config, self.kind, precision, session)

@@ -172,15 +172,23 @@ def _quantize_int8(model: onnx.ModelProto, calibration: Path | None, config: Mod
         return output.read_bytes()
 
 
-def build_session(model: bytes, kind: PoolKind, *, threads: int, source: str, opt_level: str = "all",
+EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
+"""onnxruntime's session entry for where a model built from bytes finds its external data (without
+it, relative locations resolve against the process's working directory)."""
+
+
+def build_session(model: bytes, kind: PoolKind, *, threads: int, source: str, folder: Path, opt_level: str = "all",
                   execution_mode: str = "sequential") -> ort.InferenceSession:
-    """An InferenceSession on the kind's execution provider (options as :func:`session_options`).
+    """An InferenceSession on the kind's execution provider (options as :func:`session_options`);
+    the model's external data, if any, is read from ``folder`` (the model file's folder, where
+    :func:`~.external_data.check_external_data` confined it), never from the working directory.
 
     Raises:
         InvalidArgument: onnxruntime refuses the model; field = ``source``, message = its reason.
     """
     try:
         options = session_options(kind, threads=threads, opt_level=opt_level, execution_mode=execution_mode)
+        options.add_session_config_entry(EXTERNAL_DATA_FOLDER, str(folder))
         return ort.InferenceSession(model, sess_options=options, providers=[kind.execution_provider])
     except Exception as error:  # noqa: BLE001 - onnxruntime raises its own pybind types; its reason is what matters
         raise InvalidArgument(source, f"onnxruntime cannot load it: {error}") from None

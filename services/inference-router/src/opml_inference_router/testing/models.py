@@ -2,7 +2,8 @@
 
 ``mlp_classifier`` is a ReLU MLP with a dynamic batch dimension whose width and depth set how much
 work one batch is; ``write_model_dir`` lays out a bundle the worker loads (``model.yaml`` and
-``model.onnx``); ``write_broken_onnx`` writes a file onnxruntime refuses to load.
+``model.onnx``); ``write_broken_onnx`` writes a file onnxruntime refuses to load;
+``external_weights_model`` keeps its weights in a file it names, as large models do.
 """
 
 from __future__ import annotations
@@ -100,3 +101,22 @@ def write_broken_onnx(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, path)
     return path
+
+
+def external_weights_model(location: str, *, features: int = 16, classes: int = 4) -> onnx.ModelProto:
+    """``scores = features @ W1``, the weights ``W1`` (float32[features, classes]) kept as external data
+    in the file ``location`` names (relative to the model's file, as onnx saves them), from its first
+    byte. Fed the identity matrix it answers ``W1`` itself: the file's first ``features * classes * 4``
+    bytes, so a test sees exactly which file a session read. Matches :func:`mlp_config` (no checker:
+    it would refuse the locations tests give on purpose)."""
+    weights = TensorProto(name="W1", data_type=TensorProto.FLOAT, dims=[features, classes],
+                          data_location=TensorProto.EXTERNAL)
+    weights.external_data.add(key="location", value=location)
+    weights.external_data.add(key="length", value=str(features * classes * 4))
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["features", "W1"], ["scores"])], "external_weights",
+        [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", features])],
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["batch", classes])], [weights])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="opml-testing")
+    model.ir_version = 8
+    return model
