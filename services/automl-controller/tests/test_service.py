@@ -20,8 +20,9 @@ from opml_automl_controller.jobs import JobView, OrchestratorJobs
 from opml_automl_controller_contract.client import ExperimentClient
 from opml_automl_controller_contract.topics import EXPERIMENTS
 from opml_bundle_store_contract.client import BundleStoreClient
-from opml_common.errors import InvalidArgument
+from opml_common.errors import InvalidArgument, NotFound
 from opml_devstack.testing.bus import poll_until, read_records
+from opml_devstack.testing.metrics import samples, scrape
 from opml_devstack.testing.services import TOKENS, ServiceStarter
 from opml_job_orchestrator_contract.client import JobClient
 
@@ -34,7 +35,7 @@ TRIAL = textwrap.dedent("""
     p.add_argument("--mode", default="stdout")
     p.add_argument("--slow-bad", action="store_true")
     p.add_argument("--name", default="t-t0")
-    p.add_argument("--model-dir", default="")
+    p.add_argument("--save-model", action="store_true")
     a = p.parse_args()
     if a.slow_bad and int(a.name.rsplit("-t", 1)[1]) < 2:
         a.x = -abs(a.x)
@@ -50,13 +51,31 @@ TRIAL = textwrap.dedent("""
         else:
             print(f"epoch {epoch}: loss={loss:.6f} accuracy={1 / (1 + loss):.6f}", flush=True)
         time.sleep(0.05)
-    if a.model_dir:
-        import pathlib
-        from opml_automl_controller.sdk import save_model
-        out = pathlib.Path(a.model_dir) / a.name
-        out.mkdir(parents=True)
-        (out / "weights.txt").write_text(str(a.x))
-        save_model(out)
+    if a.save_model:
+        from opml_automl_controller.sdk import model_dir, save_model
+        (model_dir() / "weights.txt").write_text(str(a.x))
+        save_model()
+""")
+
+# A trial that names, as its model, what is not its own (each trial number one way), as an attacker
+# would: its folder holding symlinks to the controller's s3.json and to another trial's job log; that
+# file by its absolute path; another trial's model folder by ".."; another job's run folder by its
+# absolute path. Its loss is its number, so trial 0 is the best.
+ATTACKER = textwrap.dedent("""
+    import json, os, pathlib, sys
+    name, secret, runs = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])  # runs: the orchestrator's job folders
+    number = int(name.rsplit("-t", 1)[1])
+    other = name.rsplit("-t", 1)[0] + "-t" + str((number + 1) % 4)
+    folder = pathlib.Path(os.environ["AUTOML_MODEL_DIR"])
+    (folder / "weights.txt").write_text("mine")
+    if number == 0:
+        os.symlink(secret, folder / "s3.json")
+        os.symlink(runs / other / "attempt-0" / "worker-0.log", folder / "job.log")
+        path = str(folder)
+    else:
+        path = {1: secret, 2: "../" + other, 3: str(runs / other / "attempt-0")}[number]
+    print(f"loss={number}")
+    print("[opml-automl-model] " + json.dumps({"path": path}), flush=True)
 """)
 
 NODE = {"name": "n0", "cpu_millis": 8000, "memory_mib": 8192, "gpu": 0}
@@ -64,7 +83,7 @@ NODE = {"name": "n0", "cpu_millis": 8000, "memory_mib": 8192, "gpu": 0}
 
 def experiment_yaml(name: str, program: Path, *, max_trials: int, parallel: int = 3, goal: float | None = None,
                     early: bool = False, mode: str = "stdout", max_failed: int = 3, collector: str = "StdOut",
-                    model_dir: str = "") -> str:
+                    save_model: bool = False, argv: list[str] | None = None) -> str:
     spec: dict = {
         "objective": {"type": "minimize", "objectiveMetricName": "loss", "additionalMetricNames": ["accuracy"],
                       **({"goal": goal} if goal is not None else {})},
@@ -78,9 +97,9 @@ def experiment_yaml(name: str, program: Path, *, max_trials: int, parallel: int 
                                 {"name": "trialName", "reference": "${trialSpec.Name}"}],
             "trialSpec": {"apiVersion": "batch/v1", "kind": "Job", "spec": {"template": {"spec": {"containers": [{
                 "name": "main", "image": "python:3.11",
-                "command": [sys.executable, str(program), "--x=${trialParameters.x}", f"--mode={mode}",
-                            "--name=${trialParameters.trialName}", f"--model-dir={model_dir}",
-                            *(["--slow-bad"] if early else [])],
+                "command": [sys.executable, str(program), *(argv if argv is not None else [
+                    "--x=${trialParameters.x}", f"--mode={mode}", "--name=${trialParameters.trialName}",
+                    *(["--save-model"] if save_model else []), *(["--slow-bad"] if early else [])])],
                 "resources": {"requests": {"cpu": "500m", "memory": "128Mi"}}}]}}}},
         },
     }
@@ -249,17 +268,21 @@ def test_validate_reports_every_violation_and_the_cli(controller, program, opml_
 
 
 
-def test_the_best_trials_model_is_committed_as_a_bundle_with_lineage(start_service, orchestrator, program,
-                                                                    tmp_path: Path) -> None:
-    store = start_service("bundle-store")
+def modelling_controller(start_service: ServiceStarter, orchestrator, store) -> tuple:
+    """A controller that commits best models to ``store``, and its environment."""
     env = start_service.env("automl-controller", extra_env={
         "OPML_AUTOML_CONTROLLER_JOB_ORCHESTRATOR_TARGET": orchestrator.target,
         "OPML_AUTOML_CONTROLLER_JOB_ORCHESTRATOR_TOKEN": TOKENS["writer"],
         "OPML_AUTOML_CONTROLLER_BUNDLE_STORE_TARGET": store.target,
         "OPML_AUTOML_CONTROLLER_BUNDLE_STORE_TOKEN": TOKENS["writer"]})
-    controller = start_service("automl-controller", env=env)
+    return start_service("automl-controller", env=env), env
+
+
+def test_the_best_trials_model_is_committed_as_a_bundle_with_lineage(start_service, orchestrator, program) -> None:
+    store = start_service("bundle-store")
+    controller, _ = modelling_controller(start_service, orchestrator, store)
     with ExperimentClient(controller.target, token=TOKENS["writer"]) as client:
-        client.create(experiment_yaml("modelled", program, max_trials=3, model_dir=str(tmp_path / "models")))
+        client.create(experiment_yaml("modelled", program, max_trials=3, save_model=True))
         done = ended(client, "modelled")
     assert done.best_model_bundle.startswith("contexts/automl/bundles/"), done
     best = done.status.current_optimal_trial
@@ -274,6 +297,46 @@ def test_the_best_trials_model_is_committed_as_a_bundle_with_lineage(start_servi
         weights = b"".join(bundles.read_file("automl", bundle.name.rsplit("/", 1)[1],
                                              f"{best.job_id}/weights.txt"))
         assert float(weights) == float(best.parameters["x"])
+
+
+def test_a_trial_naming_what_is_not_in_its_own_folder_commits_nothing_and_says_why(start_service, orchestrator,
+                                                                                   tmp_path: Path) -> None:
+    """Symlinks to the controller's s3.json and to another job's log, that file by its absolute path,
+    another trial's folder by '..', another job's run folder: no model committed (the bundle-store
+    never hears of one), each trial's and the experiment's message say why, the metric counts them,
+    and deleting the experiment removes the trials' folders."""
+    store = start_service("bundle-store")
+    controller, env = modelling_controller(start_service, orchestrator, store)
+    attacker = tmp_path / "attacker.py"
+    attacker.write_text(ATTACKER)
+    secret = tmp_path / "s3.json"
+    secret.write_text('{"identities": [{"credentials": [{"accessKey": "opml", "secretKey": "s3cr3t-key"}]}]}')
+    runs = Path(orchestrator.env["OPML_JOB_ORCHESTRATOR_HOME"]) / "work"
+    argv = ["${trialParameters.trialName}", str(secret), str(runs), "--x=${trialParameters.x}"]
+    with ExperimentClient(controller.target, token=TOKENS["writer"]) as client:
+        client.create(experiment_yaml("attacked", attacker, max_trials=4, parallel=4, argv=argv))
+        done = ended(client, "attacked")
+        trials = {t.number: t for t in client.trials("attacked")}
+    outside = "resolves outside the trial's model folder (AUTOML_MODEL_DIR); only what the trial wrote there is committed"
+    others = {n: trials[(n + 1) % 4].job_id for n in range(4)}
+    assert {n: (t.state, t.message) for n, t in trials.items()} == {
+        0: (pb.TRIAL_STATE_SUCCEEDED, "its model was refused: the model holds a symlink, 'job.log'; a model is "
+                                      "regular files only"),
+        1: (pb.TRIAL_STATE_SUCCEEDED, f"its model was refused: the model path {str(secret)!r} {outside}"),
+        2: (pb.TRIAL_STATE_SUCCEEDED, f"its model was refused: the model path '../{others[2]}' {outside}"),
+        3: (pb.TRIAL_STATE_SUCCEEDED, f"its model was refused: the model path "
+                                      f"{str(runs / others[3] / 'attempt-0')!r} {outside}")}
+    assert done.status.state == pb.EXPERIMENT_STATE_SUCCEEDED and done.best_model_bundle == ""
+    assert done.status.message.endswith(f"; the best trial's model was refused: {trials[0].message.split(': ', 1)[1]}")
+    with BundleStoreClient(store.target, token=TOKENS["reader"]) as bundles, pytest.raises(NotFound):
+        bundles.get_context("automl")  # made by the first commit: none happened
+    page = samples(scrape(env["OPML_AUTOML_CONTROLLER_METRICS_PORT"]))
+    assert [s.value for s in page if s.name == "opml_automl_controller_models_refused_total"] == [4.0]
+    folders = Path(env["OPML_AUTOML_CONTROLLER_HOME"]) / "trials"
+    assert sorted(p.name for p in folders.iterdir()) == sorted(t.job_id for t in trials.values())
+    with ExperimentClient(controller.target, token=TOKENS["admin"]) as client:
+        client.delete("attacked")
+    assert list(folders.iterdir()) == []
 
 
 KERAS_TRIAL = textwrap.dedent("""

@@ -5,14 +5,17 @@ real controller, Optuna and Redis are test_controller.py's."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import yaml
 from opml.jobs.v1 import jobs_pb2
 from optuna.trial import TrialState as OptunaState
 
+from opml_automl_controller.collect import MODEL_MARKER
 from opml_automl_controller.jobs import JobView, TrialJobs
 from opml_automl_controller.katib import parse_experiment
 from opml_automl_controller.metrics import ControllerMetrics
@@ -20,6 +23,7 @@ from opml_automl_controller.records import Records
 from opml_automl_controller.state import TraceRecord, TrialRecord, TrialState
 from opml_automl_controller.study import END_ATTR, ERROR_ATTR
 from opml_automl_controller.surrogate import SurrogateCall
+from opml_automl_controller.trialmodel import MODEL_DIR_VARIABLE, TrialFolders
 from opml_automl_controller.trials import TrialRunner, TrialServices
 from opml_common.errors import InvalidArgument, NotFound, Unavailable
 from opml_common.events import RecordingEmitter
@@ -163,9 +167,13 @@ class FakeStore:
 class Metrics(ControllerMetrics):
     def __init__(self) -> None:
         self.ended: list[TrialState] = []
+        self.models_refused = 0
 
     def trial_ended(self, state: TrialState, seconds: float | None) -> None:
         self.ended.append(state)
+
+    def model_refused(self) -> None:
+        self.models_refused += 1
 
 
 class Predictor:
@@ -182,11 +190,13 @@ class Predictor:
 
 class Harness:
     def __init__(self, jobs: TrialJobs, *, study: FakeStudy | None = None, collector: str | None = None,
-                 kind: str = "Job", serving: Predictor | None = None, trace_wait_s: float = 5.0) -> None:
+                 kind: str = "Job", serving: Predictor | None = None, trace_wait_s: float = 5.0,
+                 folders: TrialFolders | None = None) -> None:
         self.jobs, self.study = jobs, study or FakeStudy()
         self.store, self.emitter, self.metrics = FakeStore(), RecordingEmitter(), Metrics()
         self.services = TrialServices(jobs=jobs, records=Records(self.store, self.emitter, self.metrics),  # type: ignore[arg-type]
-                                      metrics=self.metrics, serving=serving, retry_s=0.01, trace_wait_s=trace_wait_s)
+                                      metrics=self.metrics, serving=serving, retry_s=0.01, trace_wait_s=trace_wait_s,
+                                      folders=folders)
         self.spec = parse_experiment(experiment(collector=collector, kind=kind))
         self.runner = TrialRunner(self.services, self.spec, self.study,
                                   TrialRecord(experiment="exp", number=0, parameters={"x": "1"}, job_id=JOB))
@@ -221,6 +231,28 @@ async def test_a_trial_that_succeeds_reports_its_objective() -> None:
     [spec] = jobs.submitted
     assert spec.name == JOB and dict(spec.labels) == {"opml.dev/experiment": "exp", "opml.dev/trial": "0"}
     assert jobs.cancelled == []
+
+
+def model_line(path: str) -> str:
+    return MODEL_MARKER + json.dumps({"path": path}) + "\n"
+
+
+async def test_a_trial_keeps_a_model_only_from_its_own_folder_and_says_why_not(tmp_path: Path) -> None:
+    folders = TrialFolders(tmp_path / "trials")
+    (folders.make(JOB) / "weights.bin").write_bytes(b"w")
+    (tmp_path / "s3.json").write_text("secret")
+    h = Harness(FakeJobs(["loss=1\n", model_line(".")]), folders=folders)
+    trial = await h.run()
+    assert (trial.state, trial.model_dir, trial.model_refused, trial.message) == (TrialState.SUCCEEDED, ".", "", "")
+    assert dict(h.jobs.submitted[0].env) == {MODEL_DIR_VARIABLE: str(folders.of(JOB))}
+    for named in (str(tmp_path / "s3.json"), "../../s3.json"):
+        h = Harness(FakeJobs(["loss=1\n", model_line(named)]), folders=folders)
+        trial = await h.run()
+        assert trial.state is TrialState.SUCCEEDED and trial.objective_value == 1.0 and trial.model_dir is None
+        assert trial.model_refused == (f"the model path {named!r} resolves outside the trial's model folder "
+                                       f"(AUTOML_MODEL_DIR); only what the trial wrote there is committed")
+        assert trial.message == f"its model was refused: {trial.model_refused}"
+        assert h.metrics.models_refused == 1
 
 
 async def test_a_trial_whose_job_fails_is_failed_with_the_reason() -> None:

@@ -16,6 +16,7 @@ from opml_automl_controller.state import ExperimentStore
 from opml_automl_controller.surrogate import RouterPredictor
 from opml_automl_controller.topics import TRACES
 from opml_automl_controller.tracing import GROUP, SOURCE_PREFIXES, TraceCollector
+from opml_automl_controller.trialmodel import TrialFolders
 from opml_automl_controller_contract.topics import EXPERIMENTS
 from opml_common.bus import EventConsumer
 from opml_common.grpc.server import ServiceRegistration
@@ -51,7 +52,7 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
         store=store, jobs=jobs, emitter=await service.emitter(), redis_url=service.platform.redis_url,
         metrics=PrometheusControllerMetrics(service.metrics), trial_python=settings.trial_python or sys.executable,
         retry_s=settings.retry_s, models=models, trace_wait_s=settings.trace_wait_s,
-        serving=serving))
+        serving=serving, folders=TrialFolders(settings.home / "trials")))
     if settings.trace_metrics:
         consumer = EventConsumer(service.platform, group_id=GROUP, topics=[TRACES], source_prefixes=SOURCE_PREFIXES,
                                  handler=TraceCollector(store, spec_of=spec_of, wake=controller.wake_trace).handle,

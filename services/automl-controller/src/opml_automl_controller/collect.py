@@ -56,7 +56,8 @@ class MetricsParser:
         self._metrics = frozenset(metrics)
         self._partial = ""
         self.model_dir: str | None = None
-        """Where the trial saved its model (:func:`opml_automl_controller.sdk.save_model`), if it did."""
+        """The path the trial named for its model (:func:`opml_automl_controller.sdk.save_model`), if it
+        did: the trial's word, which :func:`~opml_automl_controller.trialmodel.confine` checks."""
 
     def feed(self, text: str) -> list[Observation]:
         """Observations in the complete lines of ``text`` (a chunk of the log; a line cut between

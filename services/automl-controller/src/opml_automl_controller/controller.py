@@ -54,6 +54,7 @@ from opml_automl_controller.state import (
 from opml_automl_controller.study import END_ATTR, ERROR_ATTR, ExperimentStudy
 from opml_automl_controller.surrogate import ServingPredictor, SurrogateCall, build_surrogate_call
 from opml_automl_controller.template import TrialJob
+from opml_automl_controller.trialmodel import ModelRefused, TrialFolders
 from opml_automl_controller.trials import TrialRunner, TrialServices, build_job, is_surrogate, retrying
 from opml_common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, OpmlError
 from opml_common.events import EventEmitter
@@ -139,16 +140,19 @@ class Controller(Component):
             exit bound (``OPML_TRACE_EXIT_TIMEOUT_S``) in the job, unless its template sets one.
         serving: the inference-router's predictions, for ServingConfigSurrogate trials (None:
             such experiments are refused).
+        folders: where each trial's own model folder is made (None: trials get none, so no model is
+            committed); an experiment's are removed with it.
     """
 
     def __init__(self, *, store: ExperimentStore, jobs: TrialJobs, emitter: EventEmitter, redis_url: str,
                  metrics: ControllerMetrics | None = None, trial_python: str = sys.executable,
                  retry_s: float = 1.0, models: ModelStore | None = None, trace_wait_s: float = 10.0,
-                 serving: ServingPredictor | None = None) -> None:
+                 serving: ServingPredictor | None = None, folders: TrialFolders | None = None) -> None:
         super().__init__()
         self._store, self._jobs = store, jobs
         self._serving = serving
         self._models = models
+        self._folders = folders
         self._redis_url = redis_url
         self._metrics = metrics or ControllerMetrics()
         self._records = Records(store, emitter, self._metrics)
@@ -157,7 +161,7 @@ class Controller(Component):
         self._trace_wait_s = trace_wait_s
         self._trial_services = TrialServices(jobs=jobs, records=self._records, metrics=self._metrics,
                                              serving=serving, trial_python=trial_python, retry_s=retry_s,
-                                             trace_wait_s=trace_wait_s)
+                                             trace_wait_s=trace_wait_s, folders=folders)
         self._runs: dict[str, asyncio.Task] = {}
         self._wake: dict[str, asyncio.Event] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -295,7 +299,8 @@ class Controller(Component):
         return await self.get(name)
 
     async def delete(self, name: str) -> None:
-        """Kill the running trials' jobs, then delete the experiment, its trials and its journal.
+        """Kill the running trials' jobs, then delete the experiment, its trials and its journal, then
+        the trials' model folders.
 
         An experiment that no longer parses is deleted too (its trials' jobs cancelled as any others).
 
@@ -307,10 +312,13 @@ class Controller(Component):
         if task is not None:
             await _cancel([task])  # its end releases its entries
         self._locks.pop(name, None)
-        for trial in await self._store.trials(name):
+        trials = await self._store.trials(name)
+        for trial in trials:
             if trial.state not in TERMINAL_TRIALS and not (spec is not None and is_surrogate(spec)):
                 await self._retrying(lambda t=trial: self._jobs.cancel(t.job_id), f"cancel {trial.job_id}")
         await self._store.delete(record)
+        if self._folders is not None:
+            await asyncio.to_thread(self._folders.remove, [trial.job_id for trial in trials])
         self._records.announce(record, spec, (), deleted=True)
         await self._records.count()
 
@@ -409,14 +417,24 @@ class Controller(Component):
 
     async def _commit_best(self, record: ExperimentRecord, spec: ExperimentSpec, trials: list[TrialRecord],
                            message: str) -> tuple[str, str]:
-        """Commit the best trial's model, if it saved one and a model store is configured: the
-        bundle's name ('' when none) and the experiment's message saying so."""
+        """Commit the best trial's model, if it saved one in its model folder and a model store is
+        configured: the bundle's name ('' when none) and the experiment's message saying so (or why
+        its model was refused)."""
         best = convert.best_trial(spec, trials)
-        if self._models is None or best is None or not best.model_dir or record.best_model_bundle:
+        if self._models is None or best is None or record.best_model_bundle:
+            return record.best_model_bundle, message
+        if best.model_refused:
+            return "", f"{message}; the best trial's model was refused: {best.model_refused}"
+        folders = self._folders
+        if not best.model_dir or folders is None:
             return record.best_model_bundle, message
         try:
             bundle = await self._retrying(lambda: self._models.commit_best(  # type: ignore[union-attr]
-                record, best, objective=spec.objective.metric, algorithm=spec.algorithm.name), "commit the model")
+                record, best, folders.of(best.job_id), objective=spec.objective.metric,
+                algorithm=spec.algorithm.name), "commit the model")
+        except ModelRefused as error:
+            self._metrics.model_refused()
+            return "", f"{message}; the best trial's model was refused: {error.message}"
         except OpmlError as error:
             return "", f"{message}; the best trial's model was not committed: {error.message}"
         return bundle, f"{message}; best model committed as {bundle}"

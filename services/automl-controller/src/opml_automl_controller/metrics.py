@@ -1,5 +1,5 @@
 """The controller's metrics: trials by how they ended and how long they ran, the sampler's ask
-latency (the controller's own cost per trial), experiments by state."""
+latency (the controller's own cost per trial), experiments by state, trials' models refused."""
 
 from __future__ import annotations
 
@@ -17,11 +17,13 @@ class ControllerMetrics:
     def asked(self, seconds: float) -> None: ...
     def experiments(self, counts: dict[ExperimentState, int]) -> None: ...
     def spec_invalid(self) -> None: ...
+    def model_refused(self) -> None: ...
 
 
 class PrometheusControllerMetrics(ControllerMetrics):
     """``opml_automl_controller_trials_total{state}``, ``..._trial_duration_seconds{state}``,
-    ``..._suggestion_seconds`` (one ``study.ask``), ``..._experiments{state}`` and ``..._spec_invalid_total``."""
+    ``..._suggestion_seconds`` (one ``study.ask``), ``..._experiments{state}``, ``..._spec_invalid_total`` and
+    ``..._models_refused_total``."""
 
     def __init__(self, metrics: ServiceMetrics) -> None:
         self._trials = metrics.counter("trials_total", "Trials that ended, by how.", ("state",))
@@ -33,6 +35,9 @@ class PrometheusControllerMetrics(ControllerMetrics):
                                           ("state",))
         self._spec_invalid = metrics.counter("spec_invalid_total", "Stored experiments a list skipped: their "
                                              "katib_yaml breaks an admission rule made after they were created.")
+        self._models_refused = metrics.counter("models_refused_total", "Trials' models refused, not committed: "
+                                               "a path outside the trial's model folder, a symlink or a file that "
+                                               "is not regular in it, too many files or bytes.")
         for state in TrialState:
             self._trials.labels(state.value)
         for state in ExperimentState:
@@ -52,3 +57,6 @@ class PrometheusControllerMetrics(ControllerMetrics):
 
     def spec_invalid(self) -> None:
         self._spec_invalid.inc()
+
+    def model_refused(self) -> None:
+        self._models_refused.inc()

@@ -1,13 +1,14 @@
 """The best trial's model, committed as a bundle with its lineage (bundle-store).
 
 A trial says where it saved its model with :func:`opml_automl_controller.sdk.save_model` (one
-marked line in its log, as the Push metrics travel). When the experiment ends with a best trial
-that saved one, the controller commits that directory as bundle ``{experiment}-best`` in the
-configured context: its files, values (the parameters, the objective and every metric's latest),
-tags that say what it is, and lineage (the trial's parameters, the job that made it). The
-directory is read from the controller's filesystem, so this works where trials run on the
-controller's machine (the orchestrator's local executor); on the Kubernetes executor a trial would
-push its model to a volume the controller mounts.
+marked line in its log, as the Push metrics travel), a path in its own model folder
+(:mod:`.trialmodel`). When the experiment ends with a best trial that saved one, the controller
+commits it as bundle ``{experiment}-best`` in the configured context: its files (copied out of the
+trial's folder without following any symlink, :func:`~.trialmodel.copy_model`), values (the
+parameters, the objective and every metric's latest), tags that say what it is, and lineage (the
+trial's parameters, the job that made it). The folder is read from the controller's filesystem, so
+this works where trials run on the controller's machine (the orchestrator's local executor); on the
+Kubernetes executor a trial would push its model to a volume the controller mounts.
 
 :class:`ModelStore` is the port; :class:`BundleStoreModels` the real one. Idempotent: a bundle
 already tagged with the experiment's uid is returned, not added again (a restart between the
@@ -16,24 +17,28 @@ commit and the experiment's record).
 
 from __future__ import annotations
 
+import tempfile
 from abc import ABC, abstractmethod
 from pathlib import Path
 
 from opml.bundles.v1 import bundles_pb2
 
 from opml_automl_controller.state import ExperimentRecord, TrialRecord
-from opml_bundle_store_contract.client import BundleStoreClient, files_from_paths
-from opml_common.errors import FailedPrecondition, NotFound
+from opml_automl_controller.trialmodel import copy_model
+from opml_bundle_store_contract.client import BundleStoreClient
+from opml_common.errors import NotFound
 
 
 class ModelStore(ABC):
     @abstractmethod
-    def commit_best(self, experiment: ExperimentRecord, trial: TrialRecord, *, objective: str,
+    def commit_best(self, experiment: ExperimentRecord, trial: TrialRecord, folder: Path, *, objective: str,
                     algorithm: str) -> str:
-        """Commit ``trial.model_dir`` as the experiment's best model; return the bundle's name.
+        """Commit the model at ``trial.model_dir`` in the trial's model ``folder`` as the experiment's
+        best model; return the bundle's name.
 
         Raises:
-            FailedPrecondition: the directory does not exist or holds no file.
+            ModelRefused: the model is not (or no longer) regular files inside ``folder``
+                (:func:`~.trialmodel.copy_model`).
         """
 
 
@@ -45,7 +50,7 @@ class BundleStoreModels(ModelStore):
     async def aclose(self) -> None:
         self._client.close()
 
-    def commit_best(self, experiment: ExperimentRecord, trial: TrialRecord, *, objective: str,
+    def commit_best(self, experiment: ExperimentRecord, trial: TrialRecord, folder: Path, *, objective: str,
                     algorithm: str) -> str:
         tags = {"kind": "model", "source": "automl-controller", "experiment": experiment.name,
                 "experiment-uid": experiment.uid, "trial": str(trial.number), "algorithm": algorithm}
@@ -56,10 +61,6 @@ class BundleStoreModels(ModelStore):
         done = self._client.list_bundles(self._context, tags={"experiment-uid": experiment.uid})
         if done:
             return done[0].name
-        directory = Path(trial.model_dir or "")
-        files = files_from_paths([directory]) if directory.is_dir() else {}
-        if not files:
-            raise FailedPrecondition(f"trial {trial.number}'s model directory {str(directory)!r} holds no file")
         values: dict[str, float | str] = {f"param.{k}": v for k, v in trial.parameters.items()}
         values[f"objective.{objective}"] = float(trial.objective_value or 0.0)
         for metric, series in trial.observations.items():
@@ -67,6 +68,8 @@ class BundleStoreModels(ModelStore):
                 values[f"metric.{metric}"] = float(series[-1])
         lineage = bundles_pb2.Lineage(parameters=trial.parameters, creator="automl-controller",
                                       code_version=f"jobs/{trial.job_id}")
-        bundle = self._client.add(self._context, f"{experiment.name}-best", files, values=values, tags=tags,
-                                  lineage=lineage, commit=True)
+        with tempfile.TemporaryDirectory(prefix="opml-automl-model-") as copies:
+            files = copy_model(folder, trial.model_dir or "", Path(copies))
+            bundle = self._client.add(self._context, f"{experiment.name}-best", files, values=values, tags=tags,
+                                      lineage=lineage, commit=True)
         return bundle.name

@@ -6,17 +6,25 @@
 Each call writes one line to stdout, which reaches the controller through the job's log stream
 (so a trial needs no credentials nor a network path to the controller). Only this module's
 lines count under ``collector.kind: Push``; anything else the trial prints is ignored.
+
+A trial that saves a model writes it in its own model folder, ``$AUTOML_MODEL_DIR``, and says so:
+
+    from opml_automl_controller.sdk import model_dir, save_model
+    model.save(model_dir() / "model.keras")
+    save_model()  # the whole folder; or save_model("sub/folder")
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import TextIO
 
 from opml_automl_controller.collect import MODEL_MARKER, PUSH_MARKER
+from opml_automl_controller.trialmodel import MODEL_DIR_VARIABLE
 
 
 def report(*, stream: TextIO | None = None, **metrics: float) -> None:
@@ -35,16 +43,32 @@ def report(*, stream: TextIO | None = None, **metrics: float) -> None:
     out.flush()
 
 
-def save_model(path: str | Path, *, stream: TextIO | None = None) -> None:
-    """Say where this trial saved its model (a directory): if the trial is the experiment's best,
-    the controller commits it as a bundle.
+def model_dir() -> Path:
+    """This trial's own model folder (the controller makes one per trial and names it in the job's
+    ``AUTOML_MODEL_DIR``): only a model saved in it can be committed.
 
     Raises:
-        ValueError: ``path`` is not an existing directory.
+        ValueError: the variable is not set (not a trial of the automl-controller).
     """
-    directory = Path(path).resolve()
-    if not directory.is_dir():
-        raise ValueError(f"save_model() needs an existing directory, but got {str(path)!r}")
+    folder = os.environ.get(MODEL_DIR_VARIABLE)
+    if not folder:
+        raise ValueError(f"{MODEL_DIR_VARIABLE} is not set: the automl-controller sets it in each trial's job")
+    return Path(folder)
+
+
+def save_model(path: str | Path = ".", *, stream: TextIO | None = None) -> None:
+    """Say where this trial saved its model: a directory (or file) inside :func:`model_dir`, the whole
+    folder by default; if the trial is the experiment's best, the controller commits it as a bundle.
+
+    Raises:
+        ValueError: not a trial (:func:`model_dir`), or ``path`` is not an existing directory or file
+            inside the trial's model folder.
+    """
+    folder = model_dir().resolve()
+    target = (folder / path).resolve()
+    if not target.is_relative_to(folder) or not target.exists():
+        raise ValueError(f"save_model() needs a directory or file inside this trial's model folder "
+                         f"({MODEL_DIR_VARIABLE}={str(folder)!r}), but got {str(path)!r}")
     out = stream or sys.stdout
-    out.write(MODEL_MARKER + json.dumps({"path": str(directory)}) + "\n")
+    out.write(MODEL_MARKER + json.dumps({"path": target.relative_to(folder).as_posix()}) + "\n")
     out.flush()

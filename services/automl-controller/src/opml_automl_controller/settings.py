@@ -15,7 +15,8 @@ class AutomlControllerSettings(ServiceSettings):
 
     grpc_port: int = Field(50055, ge=0, le=65535, description="gRPC port (0 picks a free one).")
     metrics_port: int = Field(9155, ge=0, le=65535, description="Prometheus /metrics port (0 picks a free one).")
-    home: Path = Field(Path.home() / ".opml" / "automl-controller", description="Directory of the event outbox.")
+    home: Path = Field(Path.home() / ".opml" / "automl-controller", description="Directory of the event outbox and of each "
+                      "trial's own model folder (trials/{job id}, kept until its experiment is deleted).")
     job_orchestrator_target: str = Field("127.0.0.1:50052", min_length=1,
                                          description="The job-orchestrator every trial's job is submitted to.")
     job_orchestrator_token: SecretStr | None = Field(None, description="Bearer token the controller calls the "

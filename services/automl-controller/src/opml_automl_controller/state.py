@@ -66,6 +66,9 @@ class TrialRecord:
     started_at: float | None = None
     ended_at: float | None = None
     model_dir: str | None = None
+    """Where the trial's model is, relative to its model folder (checked as it ended), if it saved one."""
+    model_refused: str = ""
+    """Why the model the trial named was refused ('': it was not)."""
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "state": self.state.value})

@@ -5,9 +5,11 @@ inference-router). The runner submits the job (idempotently: a restarted control
 it), follows its log through the metrics collector (a Trace trial: the epochs the Trace collector's
 consumer stores, woken by :meth:`TrialRunner.wake`), reports each objective value to the study (the
 pruner may stop it: its job is cancelled at once), and tells the study how it ended, then saves and
-announces the trial. Which way it ended is read from the study: the pruner's and the controller's
-cancels mark the trial (:data:`~opml_automl_controller.study.END_ATTR`) before they cancel its job,
-so a job cancelled by either is told apart from one cancelled outside the controller.
+announces the trial. Each trial's job gets a model folder of its own (:mod:`.trialmodel`); a trial
+that succeeds having named its model keeps it only if it lies there (else the reason is on the
+trial). Which way it ended is read from the study: the pruner's and the controller's cancels mark
+the trial (:data:`~opml_automl_controller.study.END_ATTR`) before they cancel its job, so a job
+cancelled by either is told apart from one cancelled outside the controller.
 
 The experiment's loop (:mod:`opml_automl_controller.controller`) runs one runner per running trial;
 a runner whose task fails (Redis, the orchestrator) is replaced by a new one that re-attaches.
@@ -23,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Protocol
 
 from optuna.trial import TrialState as OptunaState
@@ -36,6 +39,7 @@ from opml_automl_controller.state import TrialRecord, TrialState
 from opml_automl_controller.study import END_ATTR, ERROR_ATTR
 from opml_automl_controller.surrogate import ServingPredictor, build_surrogate_call
 from opml_automl_controller.template import SURROGATE_KIND, TrialJob, build_trial_job
+from opml_automl_controller.trialmodel import MODEL_DIR_VARIABLE, ModelRefused, TrialFolders, confine
 from opml_common.errors import InvalidArgument, OpmlError
 
 log = logging.getLogger(__name__)
@@ -67,15 +71,18 @@ def is_surrogate(spec: ExperimentSpec) -> bool:
 
 
 def build_job(spec: ExperimentSpec, job_id: str, number: int, params: dict[str, str], *, trial_python: str,
-              trace_wait_s: float) -> TrialJob:
+              trace_wait_s: float, model_dir: Path | None = None) -> TrialJob:
     """The trial's job: the template's, named and labelled, wrapped for the File collector, traced for
-    the Trace collector (its tracer's exit bound ``trace_wait_s`` unless the template sets one).
+    the Trace collector (its tracer's exit bound ``trace_wait_s`` unless the template sets one), told
+    its own model folder ``model_dir`` (:data:`~.trialmodel.MODEL_DIR_VARIABLE`) when there is one.
 
     Raises: InvalidArgument: the template does not make a job with these parameters.
     """
     job = build_trial_job(spec.trial_template, params, trial_name=job_id, namespace=spec.namespace)
     job.spec.name = job_id
     job.spec.labels.update({EXPERIMENT_LABEL: spec.name, TRIAL_LABEL: str(number)})
+    if model_dir is not None:
+        job.spec.env[MODEL_DIR_VARIABLE] = str(model_dir)
     if spec.collector.kind is CollectorKind.FILE:
         for role in job.spec.roles.values():
             argv = list(role.command or job.spec.command)
@@ -116,6 +123,8 @@ class TrialServices:
             tracer's last epochs.
         wakers: each running Trace trial's :meth:`TrialRunner.wake`, by job id (the controller's
             ``wake_trace`` looks it up).
+        folders: where each trial's model folder is made (None: trials get none, and a model a trial
+            names is refused).
     """
 
     jobs: TrialJobs
@@ -126,6 +135,7 @@ class TrialServices:
     retry_s: float = 1.0
     trace_wait_s: float = 10.0
     wakers: dict[str, Callable[[], None]] = field(default_factory=dict)
+    folders: TrialFolders | None = None
 
     async def retrying(self, call: Callable[[], Any], what: str) -> Any:
         return await retrying(call, what, retry_s=self.retry_s)
@@ -171,9 +181,16 @@ class TrialRunner:
         if is_surrogate(self._spec):
             await self._predict()
             return
+        folders = self._services.folders
+        try:
+            model_dir = await asyncio.to_thread(folders.make, self.trial.job_id) if folders is not None else None
+        except OSError as error:
+            await self._end(TrialState.FAILED, message=f"its model folder could not be made: {error}")
+            return
         try:
             job = build_job(self._spec, self.trial.job_id, self.trial.number, self.trial.parameters,
-                            trial_python=self._services.trial_python, trace_wait_s=self._services.trace_wait_s)
+                            trial_python=self._services.trial_python, trace_wait_s=self._services.trace_wait_s,
+                            model_dir=model_dir)
         except InvalidArgument as error:
             await self._end(TrialState.FAILED, message=f"trial template: {error.message}")
             return
@@ -196,7 +213,7 @@ class TrialRunner:
             self._let_go.set()
             if wakers.get(self.trial.job_id) == self.wake:
                 del wakers[self.trial.job_id]
-        self.trial = replace(self.trial, observations=self._observations, model_dir=self._parser.model_dir)
+        self.trial = replace(self.trial, observations=self._observations)
         await self._finish(end, view)
 
     def wake(self) -> None:
@@ -326,11 +343,30 @@ class TrialRunner:
                                 message=f"MetricsUnavailable: the job succeeded but reported no {self._objective!r} "
                                         f"({self._spec.collector.kind.value} collector{'; ' + where if where else ''})")
             else:
-                await self._end(TrialState.SUCCEEDED, value=value)
+                await self._end(TrialState.SUCCEEDED, value=value, message=await self._keep_model())
         elif view.state == "failed":
             await self._end(TrialState.FAILED, message=f"job failed: {view.cause}")
         else:
             await self._end(TrialState.FAILED, message=f"job was cancelled outside the controller: {view.cause}")
+
+    async def _keep_model(self) -> str:
+        """The model the trial named (if it did), checked in its own folder: kept on the trial as a path
+        there, or refused, the reason on the trial and counted. Returns what the trial's message says of it."""
+        named = self._parser.model_dir
+        if named is None:
+            return ""
+        folders = self._services.folders
+        try:
+            if folders is None:
+                raise ModelRefused("this controller gives trials no model folder")
+            relative = await asyncio.to_thread(confine, folders.of(self.trial.job_id), named)
+        except ModelRefused as error:
+            log.warning("trial %s: its model is refused: %s", self.trial.job_id, error.message)
+            self._services.metrics.model_refused()
+            self.trial = replace(self.trial, model_dir=None, model_refused=error.message)
+            return f"its model was refused: {error.message}"
+        self.trial = replace(self.trial, model_dir=relative)
+        return ""
 
     async def _predict(self) -> None:
         """A ServingConfigSurrogate trial: the router's prediction of its configuration is its one
