@@ -28,6 +28,7 @@ from opml_common.lifecycle import cancel_and_wait
 from opml_common.logging import configure_logging
 from opml_common.metrics import ServiceMetrics
 from opml_common.outbox import Outbox
+from opml_common.private import private_dir
 from opml_common.process import ServiceSpec
 from opml_common.storage import redis_client, s3_client
 
@@ -144,9 +145,12 @@ class ServiceContext:
 async def serve(spec: ServiceSpec, build: Build, *, settings: ServiceSettings, platform: PlatformSettings,
                 metrics: ServiceMetrics | None = None, until: Awaitable[object] | None = None) -> None:
     """Start the service, serve until ``until`` is done (default: SIGINT or SIGTERM) or a background
-    part ends, then stop everything in reverse."""
+    part ends, then stop everything in reverse. The service's ``home`` (when its settings have one) is
+    made mode 0700 first: what a service keeps there is not for the jobs that run on its machine."""
     async with contextlib.AsyncExitStack() as stack:
         metrics = metrics or ServiceMetrics(spec.name)
+        if isinstance(home := getattr(settings, "home", None), Path):
+            private_dir(home)
         await ensure_topics(platform, spec.topics)
         context = ServiceContext(spec, settings, platform, metrics, stack)
         registrations = await build(context)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from opml_common.config import DEV_S3_SECRET
 from opml_common.ports import hold_free_port
+from opml_common.private import private_dir, write_private_file
 from opml_common.process import terminate
 
 log = logging.getLogger(__name__)
@@ -211,7 +212,7 @@ class DevInfra:
     def start(self) -> Endpoints:
         if self.endpoints is not None:
             return self.endpoints
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.workdir)  # S3 identities, every bucket's data, the broker's log: the platform's alone
         try:
             s3 = self._start_seaweedfs()  # first: tansu's s3 engine stores in it
             kafka = self._start_tansu(s3)
@@ -261,11 +262,11 @@ class DevInfra:
     def _start_seaweedfs(self) -> str:
         port = self.s3_port or free_port()
         config = self.workdir / "s3.json"
-        config.write_text(json.dumps({"identities": [{
+        write_private_file(config, json.dumps({"identities": [{
             "name": "admin",
             "credentials": [{"accessKey": self.s3_access_key, "secretKey": self.s3_secret_key}],
             "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-        }]}))
+        }]}).encode())
         data = self.workdir / "seaweedfs"
         data.mkdir(exist_ok=True)
         ports = {name: free_port() for name in (

@@ -40,6 +40,7 @@ from importlib.metadata import PackageNotFoundError, entry_points, packages_dist
 from pathlib import Path
 
 from opml_common.grpc.server import wait_for_signal
+from opml_common.private import private_dir
 from opml_common.process import ServiceSpec
 from opml_common.retry import Backoff
 from opml_devstack.devinfra import KAFKA_STORAGES, DevInfra, Endpoints, InfraProcess, free_port
@@ -322,7 +323,7 @@ def up(main_job: Path | None, config: StackConfig = StackConfig()) -> int:
     if config.pid_file.exists() and _alive(int(config.pid_file.read_text() or 0)):
         print(f"the stack already runs (pid {config.pid_file.read_text()}); `make down` stops it")
         return 1
-    config.state_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(config.state_dir)  # the services' logs, the S3 server's identities and data: not for jobs
     stopped = stop_leftovers(config.state_dir)
     if stopped:
         print(f"stopped what an earlier stack left running: {', '.join(stopped)}")
