@@ -118,8 +118,8 @@ async def test_a_crash_fails_the_run_retriably_and_stops_the_rest(
 
 
 async def test_terminate_sends_sigterm_first_and_ends_the_run_stopped(
-        executor: Executor, tmp_path: Path, until_job_event, job_event, task_states) -> None:
-    saved = tmp_path / "saved"
+        executor: Executor, job_dir: Path, until_job_event, job_event, task_states) -> None:
+    saved = job_dir / "saved"
     code = ("import pathlib, signal, sys, time\n"
             f"save = lambda *_: (pathlib.Path({str(saved)!r}).write_text('ckpt'), sys.exit(0))\n"
             "signal.signal(signal.SIGTERM, save)\n"

@@ -3,7 +3,9 @@ completion, start failures, heartbeats and checkpoint reports, recovery after a 
 and the retry policy.
 
 Tasks are small ``python -c`` scripts. The ``executor`` fixture stops the executor at the end of
-every test, which kills every task still running, failed test or not.
+every test, which kills every task still running, failed test or not. It sandboxes tasks where the
+tests run as root (CI does), as the service does: what a task writes for the test to read goes in
+``job_dir``, which the task's own user may write (``test_sandbox.py`` covers the sandbox itself).
 """
 
 from __future__ import annotations
@@ -65,9 +67,8 @@ async def executor(tmp_path: Path) -> AsyncIterator[LocalExecutor]:
 
 
 async def test_tf_config_and_env_for_chief_workers_ps_evaluator(
-        executor: LocalExecutor, tmp_path: Path, until_job_event, job_event) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
+        executor: LocalExecutor, job_dir: Path, until_job_event, job_event) -> None:
+    out = job_dir
     dump = ("import json, os, pathlib; t = json.loads(os.environ['TF_CONFIG'])['task']; "
             f"pathlib.Path({str(out)!r}, f\"{{t['type']}}-{{t['index']}}.json\").write_text(json.dumps("
             "{k: os.environ.get(k) for k in ('TF_CONFIG', 'OPML_JOB_ATTEMPT', 'OPML_CHECKPOINT_DIR', 'OPML_JOB_ID', "
@@ -76,7 +77,7 @@ async def test_tf_config_and_env_for_chief_workers_ps_evaluator(
     chief = dump + f"\nimport time\nwhile len(list(pathlib.Path({str(out)!r}).glob('*.json'))) < 5: time.sleep(0.02)"
     job = spec("tf", chief=1, worker=2, ps=1, evaluator=1)
     program = JobProgram(commands={**dict.fromkeys(("worker", "ps", "evaluator"), py(dump)), "chief": py(chief)},
-                         env={"EXTRA": "x"}, checkpoint_dir=str(tmp_path / "ckpt"))
+                         env={"EXTRA": "x"}, checkpoint_dir=str(job_dir / "ckpt"))
     await executor.launch(job, program, placement(job), attempt=2)
     event = job_event(await until_job_event(executor, "tf"))
     assert event.outcome is JobOutcome.SUCCEEDED
@@ -85,7 +86,7 @@ async def test_tf_config_and_env_for_chief_workers_ps_evaluator(
     for role, index in [("chief", 0), ("worker", 0), ("worker", 1), ("ps", 0), ("evaluator", 0)]:
         env = json.loads((out / f"{role}-{index}.json").read_text())
         assert env["OPML_JOB_ATTEMPT"] == "2"
-        assert env["OPML_CHECKPOINT_DIR"] == str(tmp_path / "ckpt")
+        assert env["OPML_CHECKPOINT_DIR"] == str(job_dir / "ckpt")
         assert env["OPML_JOB_ID"] == "tf" and env["EXTRA"] == "x"
         tf_config = json.loads(env["TF_CONFIG"])
         assert tf_config["task"] == {"type": role, "index": index}
@@ -99,11 +100,11 @@ async def test_tf_config_and_env_for_chief_workers_ps_evaluator(
 
 
 async def test_each_cluster_port_is_kept_for_its_task_until_the_run_ends(
-        executor: LocalExecutor, tmp_path: Path, until_job_event, job_event) -> None:
+        executor: LocalExecutor, job_dir: Path, until_job_event, job_event) -> None:
     """Between launch and the task's own bind (seconds of importing TensorFlow), nothing else may take
     its port: a plain bind is refused, while a server that binds as gRPC's do (SO_REUSEADDR) gets it
     and listens; once the run ended, the port is free."""
-    report = tmp_path / "report.json"
+    report = job_dir / "report.json"
     task = ("import errno, json, os, socket; t = json.loads(os.environ['TF_CONFIG']); "
             "port = int(t['cluster']['worker'][t['task']['index']].rsplit(':', 1)[1]); out = {'port': port}\n"
             "with socket.socket() as plain:\n"
@@ -140,8 +141,8 @@ async def test_logs_are_captured_per_task(executor: LocalExecutor, until_job_eve
 
 
 async def test_terminate_sends_sigterm_so_a_task_can_checkpoint(
-        executor: LocalExecutor, tmp_path: Path, until_job_event, job_event, task_states) -> None:
-    ckpt = tmp_path / "ckpt"
+        executor: LocalExecutor, job_dir: Path, until_job_event, job_event, task_states) -> None:
+    ckpt = job_dir / "ckpt"  # made for the job
     code = ("import os, pathlib, signal, sys, time\n"
             "def save(*_):\n"
             "    pathlib.Path(os.environ['OPML_CHECKPOINT_DIR'], 'model.ckpt').write_text('step 7')\n"
@@ -152,7 +153,6 @@ async def test_terminate_sends_sigterm_so_a_task_can_checkpoint(
     job = spec("be")
     await executor.launch(job, JobProgram(commands={"worker": py(code)}, checkpoint_dir=str(ckpt)),
                           placement(job), attempt=0)
-    ckpt.mkdir()
     while "ready" not in await executor.logs("be", "worker", 0):
         await asyncio.sleep(0.02)
     grace_s = 60.0  # the task exits on SIGTERM at once: terminate must return then, not at the end of the grace
@@ -168,8 +168,8 @@ async def test_terminate_sends_sigterm_so_a_task_can_checkpoint(
 
 
 async def test_terminate_kills_a_task_that_ignores_sigterm_and_its_children(
-        executor: LocalExecutor, tmp_path: Path, until_job_event, alive) -> None:
-    child_pid = tmp_path / "child.pid"
+        executor: LocalExecutor, job_dir: Path, until_job_event, alive) -> None:
+    child_pid = job_dir / "child.pid"
     code = ("import signal, subprocess, sys, time, pathlib\n"
             "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
             f"child = subprocess.Popen([sys.executable, '-c', {SLEEP!r}])\n"
@@ -413,9 +413,8 @@ asyncio.run(main())
 
 
 async def test_recover_stops_what_a_crashed_executor_left_running(
-        tmp_path: Path, until_job_event, job_event, task_states, alive) -> None:
-    work, out = tmp_path / "work", tmp_path / "out"
-    out.mkdir()
+        tmp_path: Path, job_dir: Path, until_job_event, job_event, task_states, alive) -> None:
+    work, out = tmp_path / "work", job_dir
     crashed = await asyncio.create_subprocess_exec(sys.executable, "-c", ORPHANING_LAUNCHER, str(work), str(out))
     assert await asyncio.wait_for(crashed.wait(), 30) == 0
     pids = [int(p) for i in (0, 1) for p in (out / f"pids-{i}").read_text().split()]
@@ -497,7 +496,9 @@ async def test_traced_job_runs_under_the_launcher_unchanged_and_the_executor_own
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, until_job_event, job_event) -> None:
     """Stand-in launcher and shipper modules (the trace-collector's command lines): the launcher records
     how it was called and runs the job's argv, which sees its usual environment; the shipper, started by
-    the executor with the platform's variables for the job's tracer, lives until the executor stops."""
+    the executor with the platform's variables for the job's tracer, lives until the executor stops.
+    Unsandboxed, where jobs share the platform's spool and one shipper (``test_sandbox.py`` has the
+    sandboxed runs' own spools and shippers)."""
     package = tmp_path / "lib" / "fake_tracer"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
@@ -523,7 +524,7 @@ async def test_traced_job_runs_under_the_launcher_unchanged_and_the_executor_own
                          trace=True)
     spool = tmp_path / "spool"  # the executor's, not the tracer's default in the home directory
     async with LocalExecutor(work_dir=tmp_path / "work", shutdown_grace_s=0.5, trace_spool_dir=spool,
-                             platform_env={"OPML_TOPIC_PREFIX": "platform-"}) as executor:
+                             platform_env={"OPML_TOPIC_PREFIX": "platform-"}, sandbox="off") as executor:
         await executor.launch(job, program, placement(job), attempt=0)
         assert job_event(await until_job_event(executor, "traced")).outcome is JobOutcome.SUCCEEDED
         log = await executor.logs("traced", "worker", 0)
@@ -551,22 +552,25 @@ def _live_shippers() -> list[psutil.Process]:
 
 async def test_a_trace_shipper_goes_once_its_spool_is_shipped_and_a_later_traced_task_starts_another(
         tmp_path: Path, settings_env: dict[str, str], platform_settings, until_job_event, job_event) -> None:
-    """Each automl trial sets its own OPML_TRACE_SPOOL_DIR: its shipper must not outlive it. The real
-    launcher, tracer and shipper, and the test broker."""
+    """Every sandboxed run has a spool of its own (an automl trial's among them): its shipper, which runs
+    as the job's user, must not outlive it. The real launcher, tracer and shipper, and the test broker."""
     await ensure_topics(platform_settings, [TRACES])
-    trial_spool = tmp_path / "trial-spool"
-    program = JobProgram(commands={"worker": py("pass")}, env={"OPML_TRACE_SPOOL_DIR": str(trial_spool)}, trace=True)
-    shipper_log = tmp_path / "work" / "trace-shipper.log"
-    async with LocalExecutor(work_dir=tmp_path / "work", shutdown_grace_s=0.5, platform_env=settings_env,
-                             trace_shipper_idle_exit_s=0.2) as executor:
+    program = JobProgram(commands={"worker": py("pass")}, trace=True)
+    work = tmp_path / "work"
+    async with LocalExecutor(work_dir=work, shutdown_grace_s=0.5, platform_env=settings_env,
+                             trace_shipper_idle_exit_s=0.2, sandbox="required") as executor:
         for job in (spec("trial-0", worker=1), spec("trial-1", worker=1)):
-            exits_before = shipper_log.read_text().count("shipper idle, exiting") if shipper_log.exists() else 0
+            run_dir = work / job.job_id / "attempt-0"
             await executor.launch(job, program, placement(job), attempt=0)
             assert job_event(await until_job_event(executor, job.job_id)).outcome is JobOutcome.SUCCEEDED
+            shipper_log = run_dir / "trace-shipper.log"
             await wait_until(lambda: not _live_shippers(), timeout_s=60,
-                             what=lambda: f"the trial's shipper to exit idle: {shipper_log.read_text()[-2000:]}")
-            assert shipper_log.read_text().count("shipper idle, exiting") > exits_before
-            assert not list(trial_spool.rglob("*.json"))  # it went once the trial's events were shipped
+                             what=lambda log=shipper_log: f"the trial's shipper to exit idle: {log.read_text()[-2000:]}")
+            assert "shipper idle, exiting" in shipper_log.read_text()
+            spool = run_dir / "sandbox" / "trace-spool"
+            assert not list(spool.rglob("*.json"))  # it went once the trial's events were shipped
+            uid = int((work / job.job_id / "sandbox-uid").read_text())
+            assert {p.stat().st_uid for p in spool.rglob("*")} == {uid}  # the tracer's and the shipper's files
 
 
 async def test_tasks_get_the_platform_env_under_their_own(

@@ -10,6 +10,11 @@ job identity's S3 key, the allow-listed variables).
 from __future__ import annotations
 
 import asyncio
+import json
+import stat
+import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 from opml.jobs.v1 import events_pb2
@@ -65,12 +70,34 @@ def test_a_writers_env_job_reads_no_platform_secret_and_a_reader_cannot_read_it(
         for value in values:
             assert value not in log, f"the job's log shows {what}: {value!r}"
     assert not {"OPML_AUTH_TOKENS", "OPML_REDIS_URL", "OPML_ENV", "AWS_SECRET_ACCESS_KEY", "VAULT_TOKEN"} & set(printed)
-    # what a job is given: the job identity, the broker, its own variables, PATH and HOME
+    # what a job is given: the job identity, the broker, its own variables, PATH, HOME and TMPDIR (its own)
     assert printed["OPML_S3_ACCESS_KEY"] == JOB_IDENTITY["OPML_JOB_ORCHESTRATOR_JOB_S3_ACCESS_KEY"]
     assert printed["OPML_S3_SECRET_KEY"] == JOB_IDENTITY["OPML_JOB_ORCHESTRATOR_JOB_S3_SECRET_KEY"]
     assert printed["OPML_KAFKA_BOOTSTRAP"] == env["OPML_KAFKA_BOOTSTRAP"] and printed["OPML_JOB_ID"] == "printenv"
-    allowed = {"PATH", "HOME", "LANG", "TZ", "TF_CONFIG"}
+    allowed = {"PATH", "HOME", "TMPDIR", "LANG", "TZ", "TF_CONFIG"}
     assert {n for n in printed if not n.startswith(("OPML_", "LC_"))} <= allowed, sorted(printed)
+
+
+def test_a_writers_job_runs_as_a_user_of_its_own_and_reads_no_services_environ(secret_service, wait_for) -> None:
+    """The attack as filed, through the service: a job read the services' ``/proc/<pid>/environ`` and
+    ran as their user, in the orchestrator's working directory. ``test_sandbox.py`` has every other
+    read and write of it."""
+    service, env = secret_service
+    home = Path(env["OPML_JOB_ORCHESTRATOR_HOME"])
+    targets = {"environ_pids": {"the job-orchestrator": service.process.pid}, "read": {},
+               "list": {"its home": str(home)}, "write": {"site-packages": sysconfig.get_paths()["purelib"]}}
+    attacker = str(Path(__file__).parent / "programs" / "attacker.py")
+    with _client(service, "writer") as writer:
+        writer.submit(load_spec({"name": "snoop", "class": "TE", "command": [sys.executable, attacker, json.dumps(targets)],
+                                 "roles": {"worker": {"resources": {"cpu": 1, "memory": "64Mi"}}}}))
+        wait_for(writer, "snoop", pb.JOB_STATE_SUCCEEDED)
+        found = json.loads(_log(writer, "snoop").splitlines()[-1])
+    assert found["managed"] == {}, found["managed"]
+    assert found["uid"] != 0 and found["listed_uids"] == [found["uid"]]
+    assert set(found["refused"]) >= {"environ of the job-orchestrator", "list its home", "write site-packages"}
+    environ = Path(f"/proc/{service.process.pid}/environ").read_bytes()  # the control: the secrets are there
+    assert all(value.encode() in environ for value in PLATFORM_SECRETS.values())
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700  # the service made its home its own
 
 
 def test_the_spec_env_cannot_override_the_platforms_every_offender_named(job_service, writer: JobClient) -> None:

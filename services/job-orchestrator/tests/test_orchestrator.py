@@ -98,8 +98,8 @@ async def test_job_runs_to_success_with_events_in_order(
 
 
 async def test_crash_is_retried_with_the_attempt_visible_then_fails(orch: Orchestrator, events: list[LifecycleEvent],
-                                                                   tmp_path: Path, until) -> None:
-    seen = tmp_path / "attempts"
+                                                                   job_dir: Path, until) -> None:
+    seen = job_dir / "attempts"
     orch.submit(spec("crash"), program(
         f"import os, sys; open({str(seen)!r}, 'a').write(os.environ['OPML_JOB_ATTEMPT'] + '\\n'); sys.exit(3)"))
     status = await until(orch, "crash", JobState.FAILED)
@@ -142,9 +142,8 @@ open(os.path.join(os.environ["OPML_CHECKPOINT_DIR"], "result"), "w").write(
 
 
 async def test_be_job_is_preempted_for_a_te_job_and_resumes_from_its_checkpoint(
-        orch: Orchestrator, events: list[LifecycleEvent], tmp_path: Path, until) -> None:
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
+        orch: Orchestrator, events: list[LifecycleEvent], job_dir: Path, until) -> None:
+    ckpt = job_dir / "ckpt"  # made for the job
     orch.submit(spec("be"), program(BE_TRAINER, checkpoint_dir=str(ckpt)))
     assert await until_file(ckpt / "progress") == "5"  # it made progress (and holds until preempted)
     orch.submit(spec("te", te=True), program("import time; time.sleep(0.2)"))
@@ -177,8 +176,8 @@ async def test_admin_preempt_requeues_the_job_to_resume(
 
 
 async def test_cancel_stops_a_running_job(
-        orch: Orchestrator, events: list[LifecycleEvent], tmp_path: Path, until) -> None:
-    pid_file = tmp_path / "pid"
+        orch: Orchestrator, events: list[LifecycleEvent], job_dir: Path, until) -> None:
+    pid_file = job_dir / "pid"
     orch.submit(spec("sleepy"), program(f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
                                         "time.sleep(30)"))
     pid = int(await until_file(pid_file))
@@ -245,9 +244,9 @@ async def test_a_jobs_own_retry_budget(orch: Orchestrator, until) -> None:
 RETRIES = RetryPolicy(max_retries=2, base_delay_s=0.05, max_delay_s=0.1)
 
 
-async def test_restore_after_a_crash(tmp_path: Path, events: list[LifecycleEvent], until) -> None:
+async def test_restore_after_a_crash(tmp_path: Path, job_dir: Path, events: list[LifecycleEvent], until) -> None:
     """A first orchestrator 'dies' (is dropped, its run left going); a second one restores its jobs."""
-    pid_file = tmp_path / "pid"
+    pid_file = job_dir / "pid"
     code = (f"import os, time; os.environ['OPML_JOB_ATTEMPT'] == '0' and (open({str(pid_file)!r}, 'w')"
             ".write(str(os.getpid())), time.sleep(30))")
     first = Orchestrator(scheduler=Scheduler(Cluster([NodeSpec("n0", SLOT)]), te_be_policy()),

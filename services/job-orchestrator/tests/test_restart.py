@@ -30,11 +30,9 @@ time.sleep(60 if attempt == "0" else 0.5)
 
 
 @pytest.fixture
-def ckpt(tmp_path: Path) -> Path:
-    """The checkpoint directory where SURVIVOR's runs record themselves."""
-    path = tmp_path / "ckpt"
-    path.mkdir()
-    return path
+def ckpt(job_dir: Path) -> Path:
+    """The checkpoint directory where SURVIVOR's runs record themselves (made for the job's user)."""
+    return job_dir / "ckpt"
 
 
 def test_killed_orchestrator_recovers_without_duplicates(service_process, tokens, job_spec, wait_for, file_written,

@@ -162,8 +162,8 @@ def test_logs_follow_and_watch(writer: JobClient, job_spec, wait_for) -> None:
         list(writer.logs("talker", role="chief"))
 
 
-def test_cancel_stops_the_run(writer: JobClient, job_spec, wait_for, file_written, tmp_path: Path) -> None:
-    pid_file = tmp_path / "pid"
+def test_cancel_stops_the_run(writer: JobClient, job_spec, wait_for, file_written, job_dir: Path) -> None:
+    pid_file = job_dir / "pid"
     writer.submit(job_spec("sleepy", f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
                                      "time.sleep(60)"))
     pid = int(file_written(pid_file))
@@ -178,8 +178,8 @@ def test_cancel_stops_the_run(writer: JobClient, job_spec, wait_for, file_writte
 
 
 def test_preempt_needs_admin_and_the_job_resumes(job_service, writer: JobClient, admin: JobClient, tokens,
-                                                 job_spec, wait_for, file_written, tmp_path: Path) -> None:
-    started = tmp_path / "started"
+                                                 job_spec, wait_for, file_written, job_dir: Path) -> None:
+    started = job_dir / "started"
     code = (f"import os, time; open({str(started)!r}, 'a').write(os.environ['OPML_JOB_ATTEMPT']); "
             "os.environ['OPML_JOB_ATTEMPT'] == '0' and time.sleep(60)")
     writer.submit(job_spec("long", code))

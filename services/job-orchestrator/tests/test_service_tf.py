@@ -56,14 +56,14 @@ def test_two_worker_job_through_the_api(writer: JobClient, wait_for, platform_se
     assert all(e.subject == "mwms" for e in events)
 
 
-def test_traced_job_reports_to_the_platforms_broker(writer: JobClient, wait_for, platform_settings,
-                                                    tmp_path: Path) -> None:
+def test_traced_job_reports_to_the_platforms_broker(writer: JobClient, wait_for, platform_settings, service_env,
+                                                    job_dir: Path) -> None:
+    """Sandboxed (the tests run as root), the job's tracer spools in its run's own folder, and its
+    shipper, running as the job's user, publishes from there."""
     asyncio.run(ensure_topics(platform_settings, [TRACES]))  # the trace collector's service creates it in production
-    env = {**TF_ENV, "OPML_TRACE_SPOOL_DIR": str(tmp_path / "spool"), "OPML_TRACE_SESSION_DIR": str(tmp_path / "s"),
-           "OPML_TRACE_FLUSH_INTERVAL_S": "0.5"}
-    (tmp_path / "ckpt").mkdir()
+    env = {**TF_ENV, "OPML_TRACE_SESSION_DIR": str(job_dir / "s"), "OPML_TRACE_FLUSH_INTERVAL_S": "0.5"}
     writer.submit(load_spec({
-        "name": "traced", "class": "TE", "env": env, "trace": True, "checkpoint": {"dir": str(tmp_path / "ckpt")},
+        "name": "traced", "class": "TE", "env": env, "trace": True, "checkpoint": {"dir": str(job_dir / "ckpt")},
         "max_retries": 0,
         "command": [sys.executable, str(PROGRAMS / "resumable_train.py"), "--steps", "20", "--step-seconds", "0.05"],
         "roles": {"worker": {"resources": {"cpu": 1, "memory": "1Gi"}}}}))
@@ -80,4 +80,5 @@ def test_traced_job_reports_to_the_platforms_broker(writer: JobClient, wait_for,
     batches = [e.parse(traces_pb.StepMetricsBatch) for e in events if e.type.endswith("StepMetricsBatch")]
     assert all(b.job == "traced" for b in batches)
     assert sum(len(b.steps) for b in batches) >= 20, [len(b.steps) for b in batches]  # every training step
-    assert not list((tmp_path / "spool").rglob("*.json"))  # all delivered, nothing left waiting in the spool
+    spool = Path(service_env["OPML_JOB_ORCHESTRATOR_HOME"]) / "work" / "traced" / "attempt-0" / "sandbox" / "trace-spool"
+    assert spool.is_dir() and not list(spool.rglob("*.json"))  # all delivered, nothing left waiting in the spool

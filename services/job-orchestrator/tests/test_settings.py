@@ -47,6 +47,17 @@ def test_the_local_executor_is_the_default_and_gets_the_platform_env(env) -> Non
     assert "s3cret" not in scoped._platform_env.values()
 
 
+def test_the_sandbox_settings_reach_the_local_executor_and_are_validated(env, tmp_path: Path) -> None:
+    assert build_executor(env(), PLATFORM)._sandbox_settings == ("auto", 2_000_000, 100_000, (tmp_path / "home",))
+    executor = build_executor(env(SANDBOX="required", SANDBOX_UID_BASE="500000", SANDBOX_UID_COUNT="10"), PLATFORM)
+    assert executor._sandbox_settings == ("required", 500_000, 10, (tmp_path / "home",))  # its home is protected
+    for (mode, base, count), error in ((("on", "1", "1"), "sandbox"), (("off", "0", "1"), "sandbox_uid_base"),
+                                       (("off", str(2**32 - 10), "100"),
+                                        r"sandbox_uid_base \+ sandbox_uid_count - 1 must be at most 4294967294")):
+        with pytest.raises(ValidationError, match=error):  # each variable set anew: they stay set
+            env(SANDBOX=mode, SANDBOX_UID_BASE=base, SANDBOX_UID_COUNT=count)
+
+
 @pytest.mark.parametrize(("values", "error"), [
     ({"EXECUTOR": "kubernetes", "NODES": NODES}, "k8s_image must be set"),
     ({"EXECUTOR": "kubernetes", "K8S_IMAGE": "trainer:1"}, "nodes must list the Kubernetes nodes"),
@@ -62,7 +73,7 @@ def test_kubernetes_settings_are_validated(env, values: dict[str, str], error: s
 async def test_kubernetes_is_selected_by_settings_and_pods_follow_them(env, tmp_path: Path) -> None:
     settings = env(EXECUTOR="kubernetes", K8S_IMAGE="registry.example.com/trainer:1", K8S_NAMESPACE="ml",
                    K8S_SERVICE_ACCOUNT="trainer", K8S_CHECKPOINT_CLAIM="checkpoints", K8S_ENV_SECRET="opml-platform",
-                   K8S_KUBECONFIG=str(tmp_path / "kubeconfig"), K8S_NODE_LABEL="", NODES=NODES)
+                   K8S_KUBECONFIG=str(tmp_path / "kubeconfig"), K8S_NODE_LABEL="", NODES=NODES, K8S_RUN_AS_USER="4242")
     assert settings.k8s_node_label is None
     api = FakeCoreV1Api()
     executor = build_executor(settings, PLATFORM, kubernetes_api=api)
@@ -74,7 +85,8 @@ async def test_kubernetes_is_selected_by_settings_and_pods_follow_them(env, tmp_
         pod = api.pods[pod_name("mnist", 0, "worker", 0)]
     assert pod["metadata"]["namespace"] == "ml" and "nodeSelector" not in pod["spec"]
     assert pod["spec"]["serviceAccountName"] == "trainer"
-    assert pod["spec"]["volumes"] == [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": "checkpoints"}}]
+    assert pod["spec"]["volumes"][-1] == {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "checkpoints"}}
+    assert pod["spec"]["securityContext"]["runAsUser"] == 4242 and pod["spec"]["securityContext"]["runAsNonRoot"]
     container = pod["spec"]["containers"][0]
     assert container["image"] == "registry.example.com/trainer:1"
     assert container["envFrom"] == [{"secretRef": {"name": "opml-platform"}}]

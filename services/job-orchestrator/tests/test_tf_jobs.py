@@ -2,8 +2,9 @@
 preempted for a TE job and resumed from its checkpoint, a retry after an injected crash, and a job
 traced by the trace collector's launcher.
 
-The jobs are the example programs in ``programs/`` (CPU TensorFlow, a few seconds each); the
-preemption and the retry go through the real Orchestrator and Scheduler. A cluster of one 1-CPU
+The jobs are the example programs in ``programs/`` (CPU TensorFlow, a few seconds each), sandboxed
+where the tests run as root, as the service runs them (their checkpoint folders are made for the
+job's user in ``job_dir``); the preemption and the retry go through the real Orchestrator and Scheduler. A cluster of one 1-CPU
 node holds one job at a time, so a TE job can only start by preempting the BE job.
 """
 
@@ -153,10 +154,8 @@ async def test_two_worker_multi_worker_mirrored_strategy_job(executor: Recording
 
 
 async def test_be_job_preempted_for_a_te_job_resumes_from_its_tensorflow_checkpoint(
-        orch: Orchestrator, executor: Recording, lifecycle: list[LifecycleEvent], tmp_path: Path, until) -> None:
-    be_dir, te_dir = tmp_path / "be", tmp_path / "te"
-    be_dir.mkdir()
-    te_dir.mkdir()
+        orch: Orchestrator, executor: Recording, lifecycle: list[LifecycleEvent], job_dir: Path, until) -> None:
+    be_dir, te_dir = job_dir / "be", job_dir / "te"
     total = 60
     orch.submit(job("be"), program("resumable_train.py", "--steps", str(total), "--step-seconds", "0.1",
                                    checkpoint_dir=be_dir))
@@ -193,10 +192,11 @@ async def test_be_job_preempted_for_a_te_job_resumes_from_its_tensorflow_checkpo
 
 
 async def test_crashed_job_is_retried_and_resumes_from_its_checkpoint(
-        orch: Orchestrator, executor: Recording, lifecycle: list[LifecycleEvent], tmp_path: Path, until) -> None:
+        orch: Orchestrator, executor: Recording, lifecycle: list[LifecycleEvent], job_dir: Path, until) -> None:
     total = 40
+    ckpt = job_dir / "crashy"
     orch.submit(job("crashy"), program("resumable_train.py", "--steps", str(total), "--crash-at-step", "20",
-                                       "--step-seconds", "0.05", checkpoint_dir=tmp_path))
+                                       "--step-seconds", "0.05", checkpoint_dir=ckpt))
     status = await until(orch, "crashy", JobState.SUCCEEDED, JobState.FAILED, timeout_s=JOB_WAIT_S)
     retry_log = await executor.logs("crashy", "worker", 0, attempt=1)
     assert status.state is JobState.SUCCEEDED, retry_log
@@ -207,7 +207,7 @@ async def test_crashed_job_is_retried_and_resumes_from_its_checkpoint(
     assert failure.retriable and failure.message == "worker 0 exited with code 3"
     assert "injected crash" in await executor.logs("crashy", "worker", 0, attempt=0)
     assert f"attempt 1 starts at step 20 of {total}" in retry_log
-    rows = metrics(tmp_path)
+    rows = metrics(ckpt)
     assert [r["step"] for r in rows] == list(range(1, total + 1))
     assert [(r["attempt"], r["step"]) for r in rows if r["step"] in (20, 21)] == [(0, 20), (1, 21)]
     reported = [(e.attempt, e.step) for e in executor.events if isinstance(e, CheckpointEvent)]
@@ -215,13 +215,13 @@ async def test_crashed_job_is_retried_and_resumes_from_its_checkpoint(
 
 
 async def test_a_traced_job_runs_unchanged_under_the_trace_collector(
-        executor: Recording, tmp_path: Path, until_job_event, job_event) -> None:
+        executor: Recording, job_dir: Path, until_job_event, job_event) -> None:
     nowhere = f"127.0.0.1:{free_port()}"  # a broker address where none listens: the tracer spools its events
-    sessions = tmp_path / "sessions"
-    env = {**TF_ENV, "OPML_KAFKA_BOOTSTRAP": nowhere, "OPML_TRACE_SPOOL_DIR": str(tmp_path / "spool"),
-           "OPML_TRACE_SESSION_DIR": str(sessions), "OPML_TRACE_EXIT_TIMEOUT_S": "1"}
+    sessions = job_dir / "sessions"
+    env = {**TF_ENV, "OPML_KAFKA_BOOTSTRAP": nowhere, "OPML_TRACE_SPOOL_DIR": str(job_dir / "spool"),
+           "OPML_TRACE_SESSION_DIR": str(sessions), "OPML_TRACE_EXIT_TIMEOUT_S": "1"}  # sandboxed: the run's spool
     traced = JobProgram(commands={"worker": [sys.executable, str(PROGRAMS / "resumable_train.py"), "--steps", "5"]},
-                        env=env, checkpoint_dir=str(tmp_path), trace=True)
+                        env=env, checkpoint_dir=str(job_dir / "ckpt"), trace=True)
     async with executor:
         await executor.launch(job("traced"), traced, {"worker": ("n0",)}, attempt=0)
         event = job_event(await until_job_event(executor, "traced", timeout_s=JOB_WAIT_S))

@@ -30,15 +30,18 @@ def build_executor(settings: JobOrchestratorSettings, platform: PlatformSettings
     """The executor ``settings.executor`` names. The Kubernetes one (and the ``kubernetes`` client)
     is imported only when selected; it connects at start, from ``k8s_kubeconfig`` or the in-cluster
     service account, unless ``kubernetes_api`` (a ``CoreV1Api``, or a test's fake) is given. Logs
-    and run manifests go under ``{home}/work`` either way, local tasks' trace spool under
+    and run manifests go under ``{home}/work`` either way, unsandboxed local tasks' trace spool under
     ``{home}/trace-spool``. Tasks get what :func:`platform_env` gives
     jobs, never the service's own environment or credentials: local tasks the job credentials
-    from the settings as variables, pods from the ``k8s_env_secret`` Secret."""
+    from the settings as variables, pods from the ``k8s_env_secret`` Secret. Local tasks run
+    sandboxed as ``sandbox`` says, and a job's checkpoint folder is never made in ``home``."""
     work_dir = settings.home / "work"
     if settings.executor == "local":
         return LocalExecutor(work_dir=work_dir, shutdown_grace_s=settings.shutdown_grace_s,
                              platform_env=platform_env(platform, settings),
-                             trace_spool_dir=settings.home / "trace-spool")
+                             trace_spool_dir=settings.home / "trace-spool", sandbox=settings.sandbox,
+                             sandbox_uid_base=settings.sandbox_uid_base, sandbox_uid_count=settings.sandbox_uid_count,
+                             protected_dirs=[settings.home])
     from opml_job_orchestrator.executor.kubernetes import KubernetesExecutor
 
     assert settings.k8s_image is not None  # the settings' validator requires it
@@ -47,7 +50,8 @@ def build_executor(settings: JobOrchestratorSettings, platform: PlatformSettings
         kubeconfig=settings.k8s_kubeconfig, context=settings.k8s_context, node_label=settings.k8s_node_label,
         checkpoint_claim=settings.k8s_checkpoint_claim, service_account=settings.k8s_service_account,
         env_from_secret=settings.k8s_env_secret, platform_env=platform_env(platform, settings, credentials=False),
-        poll_interval_s=settings.k8s_poll_interval_s, shutdown_grace_s=settings.shutdown_grace_s)
+        run_as_user=settings.k8s_run_as_user, poll_interval_s=settings.k8s_poll_interval_s,
+        shutdown_grace_s=settings.shutdown_grace_s)
 
 
 async def build(service: ServiceContext) -> list[ServiceRegistration]:

@@ -7,6 +7,8 @@ node, this machine, with its cores and memory and no GPU.
 ``EXECUTOR`` picks what runs the tasks: ``local`` processes (the embedded default) or
 ``kubernetes`` pods, configured by the ``K8S_*`` settings (an image is required, and ``NODES``
 must name the Kubernetes nodes, since jobs are pinned to the nodes the scheduler picks).
+``SANDBOX`` and ``SANDBOX_UID_*`` say how local tasks are sandboxed (each job as a user of its own;
+see ``executor/sandbox.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pydantic import BaseModel, Field, SecretStr, field_validator, model_validat
 from pydantic_settings import SettingsConfigDict
 
 from opml_common.config import PlatformSettings, ServiceSettings
+from opml_job_orchestrator.executor.sandbox import DEFAULT_UID_BASE, DEFAULT_UID_COUNT, MAX_UID
 
 
 class NodeConfig(BaseModel):
@@ -77,6 +80,18 @@ class JobOrchestratorSettings(ServiceSettings):
     k8s_node_label: str | None = Field("kubernetes.io/hostname", description="Node label that pins each pod to "
                                        "the node the scheduler chose (empty: let Kubernetes place pods).")
     k8s_poll_interval_s: float = Field(2.0, gt=0, description="How often the executor lists the jobs' pods.")
+    k8s_run_as_user: int = Field(1000, ge=1, le=MAX_UID, description="Non-root uid (and gid) the jobs' "
+                                 "containers run as; the image's Python and the job's code must be readable "
+                                 "by it, and the checkpoint claim writable (the pod's fsGroup).")
+    sandbox: Literal["auto", "required", "off"] = Field(
+        "auto", description="Local tasks run sandboxed: each job as a uid of its own (no_new_privs, umask 077), "
+        "its /proc listing only its own processes, in folders of its own. `auto`: when the service runs as "
+        "root and the sandbox works here, else unsandboxed with a warning; `required`: refuse to start "
+        "without it; `off`: as the service's user (development only).")
+    sandbox_uid_base: int = Field(DEFAULT_UID_BASE, ge=1, le=MAX_UID, description="First uid (and gid) given "
+                                  "to jobs' tasks; the range must hold no user of the machine.")
+    sandbox_uid_count: int = Field(DEFAULT_UID_COUNT, ge=1, description="How many uids jobs get: one per job, "
+                                   "kept for every attempt of it.")
     job_s3_access_key: SecretStr | None = Field(None, description="Access key of the S3 identity jobs get (as "
                                                 "OPML_S3_ACCESS_KEY): a dedicated identity limited to the trace "
                                                 "bucket (and a checkpoint bucket, if jobs use one), never the "
@@ -104,6 +119,8 @@ class JobOrchestratorSettings(ServiceSettings):
             raise ValueError(f"nodes must have unique names, but got {names}")
         if self.retry_max_delay_s < self.retry_base_delay_s:
             raise ValueError("retry_max_delay_s must be >= retry_base_delay_s")
+        if self.sandbox_uid_base + self.sandbox_uid_count - 1 > MAX_UID:
+            raise ValueError(f"sandbox_uid_base + sandbox_uid_count - 1 must be at most {MAX_UID}")
         if (self.job_s3_access_key is None) != (self.job_s3_secret_key is None):
             raise ValueError("job_s3_access_key and job_s3_secret_key must be set together (the job identity)")
         if (self.job_kafka_sasl_username is None) != (self.job_kafka_sasl_password is None):

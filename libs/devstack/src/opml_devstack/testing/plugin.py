@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -78,6 +80,18 @@ def platform_settings(settings_env: dict[str, str], monkeypatch: pytest.MonkeyPa
 def tokens() -> dict[str, str]:
     """Bearer token of each role (admin, writer, reader) the ``start_service`` processes accept."""
     return dict(TOKENS)
+
+
+@pytest.fixture
+def job_dir() -> Iterator[Path]:
+    """A folder any user may read and write (mode 0777), removed after the test: what a job reads (its
+    program) or writes (its outputs; the folder its checkpoint folder is made in) goes here. A job the
+    job-orchestrator runs sandboxed (its default where it runs as root) runs as a user of its own, and
+    ``tmp_path`` is private to the test's user."""
+    folder = Path(tempfile.mkdtemp(prefix="opml-job-"))
+    folder.chmod(0o777)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

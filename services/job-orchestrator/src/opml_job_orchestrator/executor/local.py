@@ -6,7 +6,8 @@ runs in its own process group (its own session), so stopping it stops its childr
 stdout and stderr going to ``{work_dir}/{job_id}/attempt-{n}/{role}-{index}.log``.
 
 Each task also gets a heartbeat file (``OPML_HEARTBEAT_FILE``): touching it is a heartbeat, and
-writing ``{"checkpoint_step": N}`` to it reports a checkpoint. Each run leaves a manifest,
+writing ``{"checkpoint_step": N}`` to it reports a checkpoint (the executor reads at most
+:data:`MAX_HEARTBEAT_BYTES` of a regular file, never following a link). Each run leaves a manifest,
 ``run.json`` beside its logs (every task's process group, start time, address and log), so a
 restarted orchestrator's new executor can stop what the old one left running (:meth:`recover`).
 
@@ -18,6 +19,15 @@ automl trial, leaves no shipper behind); each traced task starts it again as it 
 (what a task spooled after an early exit is shipped then), and the executor stops what still runs,
 so no shipper outlives the executor. Where another shipper already holds the outlet (a job run by
 hand), that one publishes.
+
+Sandboxed (``sandbox``, :mod:`~opml_job_orchestrator.executor.sandbox`; the default where the executor
+runs as root), each job's tasks run as a user of their own in a mount namespace of their own: its
+``/proc`` lists only that user's processes, and the run's sandbox folder (``{run}/sandbox``: each
+task's working directory, ``HOME`` and ``TMPDIR``, its heartbeat file, the run's trace spool) is at
+``/run/opml-job``. The run's trace spool is its own (``OPML_TRACE_SPOOL_DIR``, whatever the job's env
+says: a folder the job chose would have the shipper read where the job points) and its shipper runs
+as the job's user, logging to ``{run}/trace-shipper.log``. Signals, process groups, exit codes and
+logs are the same either way: the sandbox is entered by the task's own process before its command.
 """
 
 from __future__ import annotations
@@ -29,12 +39,12 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from stat import S_ISREG
 from typing import Any
 
 from opml_common.errors import InvalidArgument, NotFound
@@ -49,6 +59,15 @@ from opml_job_orchestrator.executor.base import (
     check_offset,
     check_seconds,
     read_log,
+)
+from opml_job_orchestrator.executor.sandbox import (
+    DEFAULT_UID_BASE,
+    DEFAULT_UID_COUNT,
+    MOUNT_POINT,
+    CouldNotStart,
+    RunSandbox,
+    Sandbox,
+    check_settings,
 )
 from opml_job_orchestrator.executor.tony import (
     CLUSTER_ROLES,
@@ -66,6 +85,8 @@ from opml_job_orchestrator.executor.tracked import TrackedRun, TrackedRunExecuto
 from opml_job_orchestrator.scheduler.model import JobSpec
 
 MANIFEST = "run.json"
+MAX_HEARTBEAT_BYTES = 4096
+"""The most of a heartbeat file read: a checkpoint report is a few bytes, and the task writes the file."""
 logger = logging.getLogger(__name__)
 
 
@@ -92,6 +113,8 @@ class _Run(TrackedRun):
     """What holds TF_CONFIG's ports for the tasks until the run ends (see :meth:`LocalExecutor._cluster`)."""
     trace_spool: str | None = None
     """The spool folder of the run's traced tasks ("": the tracer's default); None: the run is not traced."""
+    sandbox: RunSandbox | None = None
+    """The run's sandbox; None: its tasks run as the executor's user."""
 
 
 class LocalExecutor(TrackedRunExecutor[_Run]):
@@ -109,8 +132,14 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
     jobs: the broker, S3 endpoint and prefixes, and the jobs' own scoped credentials, so a traced
     task's tracer reports to the same broker; never the platform's secrets), then its own.
     ``trace_spool_dir`` is where traced tasks spool their events unless their job sets
-    ``OPML_TRACE_SPOOL_DIR`` (None: the tracer's default, ``~/.opml/trace-spool``);
+    ``OPML_TRACE_SPOOL_DIR`` (None: the tracer's default, ``~/.opml/trace-spool``; sandboxed, each
+    run has a spool of its own instead);
     ``trace_shipper_idle_exit_s`` is how long a trace shipper waits with nothing to ship before it exits.
+    ``sandbox`` (``auto``, ``required`` or ``off``), ``sandbox_uid_base`` and ``sandbox_uid_count`` say
+    whether and as which users tasks run sandboxed, and ``protected_dirs`` adds the service's own
+    folders to those a job's checkpoint folder may not be in (see
+    :mod:`~opml_job_orchestrator.executor.sandbox`); :meth:`start` raises FailedPrecondition when the
+    sandbox is ``required`` and cannot be had.
 
     :meth:`launch` starts the tasks one by one, in the order of ``spec.replicas``; if one cannot
     start, the tasks after it are never started (and have no events) and the run fails.
@@ -120,7 +149,10 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
     def __init__(self, *, work_dir: str | os.PathLike[str], host: str = "127.0.0.1",
                  heartbeat_check_interval_s: float = 1.0, cleanup_grace_s: float = 10.0,
                  shutdown_grace_s: float = 10.0, platform_env: Mapping[str, str] | None = None,
-                 trace_spool_dir: str | os.PathLike[str] | None = None, trace_shipper_idle_exit_s: float = 60.0) -> None:
+                 trace_spool_dir: str | os.PathLike[str] | None = None, trace_shipper_idle_exit_s: float = 60.0,
+                 sandbox: str = "auto", sandbox_uid_base: int = DEFAULT_UID_BASE,
+                 sandbox_uid_count: int = DEFAULT_UID_COUNT,
+                 protected_dirs: Sequence[str | os.PathLike[str]] = ()) -> None:
         if not isinstance(work_dir, str | os.PathLike) or not str(work_dir):
             raise InvalidArgument("work_dir", f"`work_dir` must be a directory path, but got {work_dir!r}.")
         if not isinstance(host, str) or not host:
@@ -134,13 +166,24 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
                                                positive=True)
         self._shipper_idle_exit_s = check_seconds(trace_shipper_idle_exit_s, "trace_shipper_idle_exit_s",
                                                   positive=True)
+        check_settings(sandbox, sandbox_uid_base, sandbox_uid_count)
+        self._sandbox_settings = (sandbox, sandbox_uid_base, sandbox_uid_count, tuple(protected_dirs))
+        self._sandbox: Sandbox | None = None
         super().__init__(cleanup_grace_s=cleanup_grace_s, shutdown_grace_s=shutdown_grace_s)
         self._watcher: asyncio.Task[None] | None = None
-        self._shippers: dict[str, subprocess.Popen[bytes]] = {}  # by the jobs' OPML_TRACE_SPOOL_DIR ("": default)
+        self._shippers: dict[str, asyncio.subprocess.Process] = {}  # by spool folder ("": the tracer's default)
+
+    @property
+    def sandboxed(self) -> bool:
+        """Whether tasks run sandboxed (known once started)."""
+        return self._sandbox is not None
 
     async def _open(self) -> None:
-        """Create ``work_dir`` and start the heartbeat watcher."""
+        """Create ``work_dir``, set the sandbox up (or find why not), start the heartbeat watcher."""
         self._work_dir.mkdir(parents=True, exist_ok=True)
+        mode, uid_base, uid_count, protected = self._sandbox_settings
+        self._sandbox = await asyncio.to_thread(Sandbox.open, mode, work_dir=self._work_dir, uid_base=uid_base,
+                                                uid_count=uid_count, protected=protected)
         self._watcher = asyncio.create_task(self._watch_heartbeats())
 
     async def _close(self) -> None:
@@ -149,33 +192,37 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
         await cancel_and_wait(watcher)
         shippers, self._shippers = list(self._shippers.values()), {}
         for shipper in shippers:
-            shipper.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                shipper.terminate()
         for shipper in shippers:
             try:
-                await asyncio.to_thread(shipper.wait, self._shutdown_grace_s)
-            except subprocess.TimeoutExpired:
-                shipper.kill()
-                await asyncio.to_thread(shipper.wait)
+                await asyncio.wait_for(shipper.wait(), self._shutdown_grace_s)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    shipper.kill()
+                await shipper.wait()
 
     async def _launch(self, spec: JobSpec, program: JobProgram, placement: dict[str, tuple[str, ...]], *,
                       attempt: int) -> None:
         run_dir = self._run_dir(spec.job_id, attempt)
         run_dir.mkdir(parents=True, exist_ok=True)
-        tasks = {(r.role, r.index): _Task((r.role, r.index), run_dir / f"{r.role}-{r.index}.log",
-                                          run_dir / f"{r.role}-{r.index}.heartbeat")
-                 for r in spec.replicas}
+        keys = [(r.role, r.index) for r in spec.replicas]
+        jail, unmade = await self._prepare_sandbox(spec.job_id, run_dir, keys, program)
+        tasks = {(role, index): _Task((role, index), run_dir / f"{role}-{index}.log",
+                                      jail.heartbeat(role, index) if jail else run_dir / f"{role}-{index}.heartbeat")
+                 for role, index in keys}
         run = _Run(RunTracker(spec.job_id, attempt, tasks, awaited_tasks(tasks)), placement, tasks,
-                   program.heartbeat_timeout_s)
+                   program.heartbeat_timeout_s, sandbox=jail)
         if program.trace:
-            run.trace_spool = program.env.get("OPML_TRACE_SPOOL_DIR",
-                                              self._platform_env.get("OPML_TRACE_SPOOL_DIR", ""))
+            run.trace_spool = str(jail.trace_spool) if jail else program.env.get(
+                "OPML_TRACE_SPOOL_DIR", self._platform_env.get("OPML_TRACE_SPOOL_DIR", ""))
         self._runs[spec.job_id] = run
         cluster = self._cluster(spec, run.held_ports)
         manifest: dict[str, Any] = {"job_id": spec.job_id, "attempt": attempt, "boot_id": _boot_id(),
                                     "cluster": cluster, "tasks": []}
         launcher_missing = trace_launcher_missing() if program.trace else None
         for task in tasks.values():
-            failure = launcher_missing or await self._spawn(run, task, program, cluster)
+            failure = launcher_missing or unmade or await self._spawn(run, task, program, cluster)
             if failure is None:
                 manifest["tasks"].append(_manifest_entry(task))
                 _write_json(run_dir / MANIFEST, manifest)
@@ -188,6 +235,19 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
                     unstarted.exited.set()
             self._end_soon(run, verdict)
             return
+
+    async def _prepare_sandbox(self, job_id: str, run_dir: Path, keys: list[TaskKey],
+                               program: JobProgram) -> tuple[RunSandbox | None, str | None]:
+        """The run's sandbox (None when unsandboxed), or why it could not be made (then no task starts)."""
+        if self._sandbox is None:
+            return None, None
+        try:
+            return await asyncio.to_thread(self._sandbox.prepare, job_id, run_dir, keys,
+                                           checkpoint_dir=program.checkpoint_dir), None
+        except CouldNotStart as exc:
+            return None, f"the job's sandbox could not be made: {exc}"
+        except OSError as exc:
+            return None, f"the job's sandbox could not be made: {exc.strerror}: {exc.filename!r}"
 
     async def _recover(self, job_id: str, attempt: int) -> Mapping[str, tuple[str, ...]] | None:
         """Stop what run ``attempt`` of ``job_id`` left running (read from its manifest), then
@@ -271,17 +331,21 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
         env.update(task_env(program, job_id=run.job_id, attempt=run.attempt, role=role, index=index,
                             cluster=cluster))
         env["OPML_HEARTBEAT_FILE"] = str(task.heartbeat_path)
+        if run.sandbox is not None:
+            env.update(run.sandbox.task_env(role, index))
         argv = task_argv(program, job_id=run.job_id, role=role, index=index, python=sys.executable,
                          shipped=program.trace)
         try:  # OSError: no command, a full disk; ValueError: a NUL byte in argv or env (a job saved before the rule)
-            task.heartbeat_path.write_bytes(b"")
+            if run.sandbox is None:
+                task.heartbeat_path.write_bytes(b"")  # sandboxed, the sandbox made it, the job's user's
             self._read_heartbeat(run, task)
             if run.trace_spool is not None:
-                self._ensure_shipper(run.trace_spool)
-            with task.log_path.open("wb") as log:
-                task.process = await asyncio.create_subprocess_exec(
-                    *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
-                    env=env, start_new_session=True)
+                await self._ensure_shipper(run)
+            with task.log_path.open("ab") as log:  # append-only: the task cannot seek back over what it wrote
+                task.process = await self._start(run, argv, env, stdout=log,
+                                                 cwd=run.sandbox.task_cwd(role, index) if run.sandbox else None)
+        except CouldNotStart as exc:
+            return f"{role} {index} could not start: {exc}"
         except (OSError, ValueError) as exc:
             reason = f"{exc.strerror}: {exc.filename!r}" if getattr(exc, "filename", None) else str(exc)
             return f"{role} {index} could not start: {reason}"
@@ -289,18 +353,42 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
         self._in_background(self._wait(run, task))
         return None
 
-    def _ensure_shipper(self, spool_dir: str) -> None:
-        """Start the trace shipper of ``spool_dir`` ("": the tracer's default) with the variables a task's
-        tracer gets, unless ours runs (one that found the outlet held by another, or idled out, exits;
-        the next traced task tries again). Reaps the shippers that exited."""
-        self._shippers = {folder: shipper for folder, shipper in self._shippers.items() if shipper.poll() is None}
+    async def _start(self, run: _Run, argv: Sequence[str], env: Mapping[str, str], *, stdout: Any,
+                     cwd: str | None) -> asyncio.subprocess.Process:
+        """Start ``argv`` in a session of its own: in the run's sandbox, or as this process's user in its
+        working directory (``cwd`` is the sandbox's).
+
+        Raises:
+            CouldNotStart: sandboxed, the command could not run (why); OSError, ValueError: unsandboxed.
+        """
+        if run.sandbox is not None:
+            assert cwd is not None
+            return await run.sandbox.spawn(argv, env, cwd=cwd, stdout=stdout)
+        return await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=stdout, stderr=asyncio.subprocess.STDOUT, env=env,
+            start_new_session=True)
+
+    async def _ensure_shipper(self, run: _Run) -> None:
+        """Start the trace shipper of the run's spool folder ("": the tracer's default) with the variables a
+        task's tracer gets, unless ours runs (one that found the outlet held by another, or idled out, exits;
+        the next traced task tries again); sandboxed, as the job's user, in its sandbox. Forgets the
+        shippers that exited."""
+        assert run.trace_spool is not None
+        spool_dir = run.trace_spool
+        self._shippers = {folder: shipper for folder, shipper in self._shippers.items() if shipper.returncode is None}
         if spool_dir in self._shippers:
             return
-        env = {**base_env(os.environ), **self._platform_env, **({"OPML_TRACE_SPOOL_DIR": spool_dir} if spool_dir else {})}
-        with (self._work_dir / "trace-shipper.log").open("ab") as log:
-            self._shippers[spool_dir] = subprocess.Popen(
-                [sys.executable, "-m", TRACE_SHIPPER, "--idle-exit-s", f"{self._shipper_idle_exit_s:g}"], env=env,
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        env = {**base_env(os.environ), **self._platform_env}
+        log_path = self._work_dir / "trace-shipper.log"
+        if run.sandbox is not None:
+            env.update(run.sandbox.shipper_env())
+            log_path = self._run_dir(run.job_id, run.attempt) / "trace-shipper.log"
+        elif spool_dir:
+            env["OPML_TRACE_SPOOL_DIR"] = spool_dir
+        argv = [sys.executable, "-m", TRACE_SHIPPER, "--idle-exit-s", f"{self._shipper_idle_exit_s:g}"]
+        with log_path.open("ab") as log:
+            self._shippers[spool_dir] = await self._start(run, argv, env, stdout=log,
+                                                          cwd=str(MOUNT_POINT) if run.sandbox else None)
 
     async def _wait(self, run: _Run, task: _Task) -> None:
         """Report the task's exit (after its last heartbeat write), and end the run if that decides it."""
@@ -310,8 +398,8 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
         self._read_heartbeat(run, task)
         if run.trace_spool is not None and self.running:  # its last events wait in the spool
             try:
-                self._ensure_shipper(run.trace_spool)
-            except OSError:
+                await self._ensure_shipper(run)
+            except (OSError, CouldNotStart):
                 logger.exception("could not start the trace shipper of %r; the spool keeps the events",
                                  run.trace_spool)
         event, verdict = run.tracker.exited(task.key, code, how=_describe(code))
@@ -356,15 +444,22 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
                         break
 
     def _read_heartbeat(self, run: _Run, task: _Task) -> None:
-        """Note the time of the task's last heartbeat; if it wrote a new checkpoint step, report it."""
+        """Note the time of the task's last heartbeat; if it wrote a new checkpoint step, report it.
+
+        The task owns the file (and, sandboxed, the folder it is in): a link, a FIFO or anything but a
+        regular file is no heartbeat, and only its first :data:`MAX_HEARTBEAT_BYTES` are read."""
         try:
-            stat = task.heartbeat_path.stat()
-            signature = (stat.st_mtime_ns, stat.st_size)
-            if signature == task.beat:
-                return
-            text = task.heartbeat_path.read_text(encoding="utf-8", errors="replace")
-        except FileNotFoundError:
+            fd = os.open(task.heartbeat_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:  # missing, or a link
             return
+        try:
+            stat = os.fstat(fd)
+            signature = (stat.st_mtime_ns, stat.st_size)
+            if not S_ISREG(stat.st_mode) or signature == task.beat:
+                return
+            text = os.read(fd, MAX_HEARTBEAT_BYTES).decode("utf-8", errors="replace")
+        finally:
+            os.close(fd)
         task.beat, task.beat_at = signature, stat.st_mtime
         try:
             step = json.loads(text)["checkpoint_step"]
