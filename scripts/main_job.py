@@ -135,9 +135,11 @@ def wait_for(what: str, check, timeout_s: float = 180.0, every_s: float = 1.0):
 
 
 def train_traced(model_dir: Path) -> str:
-    """Step 6: the training program as a traced TE job; returns the job id."""
+    """Step 6: the training program as a traced TE job; returns the job id. ``model_dir`` (not made yet)
+    is the job's checkpoint folder: the orchestrator makes it for the job's own user (a sandboxed job
+    may write nothing else of ours), and this script reads the model from it."""
     job_id = f"defect-classifier-train-{int(time.time())}"
-    spec = load_spec({"name": job_id, "class": "TE", "trace": True,
+    spec = load_spec({"name": job_id, "class": "TE", "trace": True, "checkpoint": {"dir": str(model_dir)},
                       "command": [sys.executable, str(TRAIN), "--out", str(model_dir)],
                       "roles": {"worker": {"replicas": 1, "resources": {"cpu": "1000m", "memory": "2Gi"}}}})
     with JobClient(JOBS_TARGET) as jobs:
@@ -260,6 +262,7 @@ def main() -> int:
                                 {"opml.bundles.v1.BundleCommitted", "opml.bundles.v1.BundlePushed"},
                                 of_bundle(added.uuid)))
         print("6. train the defect classifier as a traced TE job (job-orchestrator)")
+        os.chmod(tmp, 0o711)  # the job's user may pass through to its model folder, and list nothing here
         model_dir = Path(tmp) / "model"
         job_id = train_traced(model_dir)
         print("7. the job's step metrics (trace-collector)")

@@ -235,7 +235,8 @@ def traced_job_over_two_scrapes(env: dict[str, str], prometheus: PrometheusServe
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_every_panel_shows_data_after_the_main_job_and_serving_load(start_service, settings_env: dict[str, str],
-                                                                   unique_prefix: str, tmp_path: Path) -> None:
+                                                                   unique_prefix: str, tmp_path: Path,
+                                                                   job_dir: Path) -> None:
     started = time.time()
     env = {"OPML_MAIN_JOB_REMOTE": f"s3://{unique_prefix.rstrip('-')}/vision-inspection"}
     targets = {}
@@ -252,7 +253,7 @@ def test_every_panel_shows_data_after_the_main_job_and_serving_load(start_servic
         assert result.returncode == 0, result.stdout + result.stderr
         prometheus.wait_for_targets_up(since=time.time(), timeout_s=60)  # what the main job did is scraped
         second_round(env, name=f"{unique_prefix}second-job")
-        traced_job_over_two_scrapes(env, prometheus, name=f"{unique_prefix}traced-job", workdir=tmp_path)
+        traced_job_over_two_scrapes(env, prometheus, name=f"{unique_prefix}traced-job", workdir=job_dir)
         # The load in two halves with a scrape between: a version's series are born with its first request,
         # so a load that ends within one scrape interval would show Prometheus no increase at all.
         # Half on the router's own port, half on its native front's (each port's panels need calls).

@@ -129,7 +129,7 @@ def _serves(target: str, name: str) -> bool:
 
 
 def test_redis_restarted_under_running_services(start_service, platform_settings, unique_prefix: str,
-                                                tmp_path: Path) -> None:
+                                                tmp_path: Path, job_dir: Path) -> None:
     private = PrivateRedis(tmp_path / "redis")
     private.start()
     try:
@@ -144,8 +144,8 @@ def test_redis_restarted_under_running_services(start_service, platform_settings
             "OPML_INFERENCE_ROUTER_WORKER_THREADS_PER_REPLICA": "1"})
         router = start_service("inference-router", env=router_env)
         orchestrator = start_service("job-orchestrator", extra_env=on_private)
-        release = tmp_path / "release"
-        ended = tmp_path / "ended"
+        release = job_dir / "release"  # where the job's own user reads and writes
+        ended = job_dir / "ended"
         waiter = ("import pathlib, time\n"
                   f"while not pathlib.Path({str(release)!r}).exists():\n    time.sleep(0.05)\n"
                   f"pathlib.Path({str(ended)!r}).touch()\n")

@@ -111,8 +111,8 @@ def experiment_yaml(name: str, program: Path, *, max_trials: int, parallel: int 
 
 
 @pytest.fixture
-def program(tmp_path: Path) -> Path:
-    path = tmp_path / "trial.py"
+def program(job_dir: Path) -> Path:
+    path = job_dir / "trial.py"  # a trial's job runs as a user of its own: tmp_path is the test's alone
     path.write_text(TRIAL)
     return path
 
@@ -300,14 +300,14 @@ def test_the_best_trials_model_is_committed_as_a_bundle_with_lineage(start_servi
 
 
 def test_a_trial_naming_what_is_not_in_its_own_folder_commits_nothing_and_says_why(start_service, orchestrator,
-                                                                                   tmp_path: Path) -> None:
+                                                                                   tmp_path: Path, job_dir: Path) -> None:
     """Symlinks to the controller's s3.json and to another job's log, that file by its absolute path,
     another trial's folder by '..', another job's run folder: no model committed (the bundle-store
     never hears of one), each trial's and the experiment's message say why, the metric counts them,
     and deleting the experiment removes the trials' folders."""
     store = start_service("bundle-store")
     controller, env = modelling_controller(start_service, orchestrator, store)
-    attacker = tmp_path / "attacker.py"
+    attacker = job_dir / "attacker.py"
     attacker.write_text(ATTACKER)
     secret = tmp_path / "s3.json"
     secret.write_text('{"identities": [{"credentials": [{"accessKey": "opml", "secretKey": "s3cr3t-key"}]}]}')
@@ -354,8 +354,8 @@ KERAS_TRIAL = textwrap.dedent("""
 """)
 
 
-def test_an_unchanged_keras_trial_is_read_with_a_katib_filter(controller, tmp_path: Path) -> None:
-    program = tmp_path / "keras_trial.py"
+def test_an_unchanged_keras_trial_is_read_with_a_katib_filter(controller, job_dir: Path) -> None:
+    program = job_dir / "keras_trial.py"
     program.write_text(KERAS_TRIAL)
     doc = yaml.safe_load(experiment_yaml("keras", program, max_trials=2, parallel=2, max_failed=0))
     container = doc["spec"]["trialTemplate"]["trialSpec"]["spec"]["template"]["spec"]["containers"][0]
@@ -378,14 +378,14 @@ def test_an_unchanged_keras_trial_is_read_with_a_katib_filter(controller, tmp_pa
         assert trial.objective_value == metrics["loss"].min
 
 
-def test_trials_preempt_a_running_best_effort_job(controller, orchestrator, program, tmp_path: Path) -> None:
+def test_trials_preempt_a_running_best_effort_job(controller, orchestrator, program, job_dir: Path) -> None:
     """The cluster (8 cores) is full with a BE job; the experiment's TE trials preempt it, run, and the
     BE job resumes afterwards from its checkpoint (its second run ends at once)."""
-    started = tmp_path / "be-started"
+    started = job_dir / "be-started"
     code = (f"import os, time; open({str(started)!r}, 'a').write(os.environ['OPML_JOB_ATTEMPT']); "
             "os.environ['OPML_JOB_ATTEMPT'] == '0' and time.sleep(120)")
     be = jobs_pb2.JobSpec(name="training-be", job_class=jobs_pb2.JOB_CLASS_BE, command=[sys.executable, "-c", code],
-                          checkpoint=jobs_pb2.Checkpoint(dir=str(tmp_path / "ckpt"), interval_seconds=1))
+                          checkpoint=jobs_pb2.Checkpoint(dir=str(job_dir / "ckpt"), interval_seconds=1))
     be.roles["worker"].replicas = 1
     be.roles["worker"].resources.cpu_millis = NODE["cpu_millis"]
     with JobClient(orchestrator.target, token=TOKENS["writer"]) as jobs, \
@@ -450,11 +450,11 @@ def keras_median_yaml(name: str, program: Path, *, kind: str, max_trials: int, s
     return yaml.safe_dump(doc)
 
 
-def test_keras_median_stop_with_stdout_push_and_trace_collectors(controller, orchestrator, tmp_path: Path) -> None:
+def test_keras_median_stop_with_stdout_push_and_trace_collectors(controller, orchestrator, job_dir: Path) -> None:
     """Issue 13's must-show: 12 Keras trials, 3 in parallel, medianstop, metrics from the tracer (Trace);
     the same with 4 trials read from stdout (StdOut) and from the SDK (Push). Bad trials end
     EARLY_STOPPED at once, their TE jobs cancelled long before their 2000 epochs."""
-    program = tmp_path / "keras_median.py"
+    program = job_dir / "keras_median.py"
     program.write_text(KERAS_MEDIAN_TRIAL)
     runs = {"trace": ("Trace", 12, 7), "stdout": ("StdOut", 4, 5), "push": ("Push", 4, 11)}  # bad: 3-6, 10, 11 / 3 / 3
     with ExperimentClient(controller.target, token=TOKENS["writer"]) as client, \
