@@ -5,10 +5,12 @@ requests, or PredictionBatch records of one-row requests of one version, and of 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -36,10 +38,13 @@ from opml_monitoring_scorer.core.scorer import dump_reference
 from opml_monitoring_scorer.synthetic import FEATURES, Rows, SyntheticWorld
 from opml_monitoring_scorer.topics import LABELS, PREDICTIONS
 from opml_monitoring_scorer_contract.client import MonitoringClient
+from opml_monitoring_scorer_contract.names import LABEL_SOURCE
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 WINDOW = 200
 BATCH = 10
+QA_SOURCE = "plant-3/qa"
+"""A label producer the model's monitoring.yaml names (besides the platform's label tools)."""
 CONFIG = f"""
 features: {{x: [{", ".join(FEATURES)}]}}
 outputs: {{scores: probabilities}}
@@ -47,6 +52,7 @@ window: {{count: {WINDOW}}}
 rules:
   - {{name: drift, signal: drift, over: 0.25, for: 2, clear_after: 2, margin: 0.05}}
   - {{name: accuracy, signal: mpp, under: 0.7, for: 2}}
+labels: {{producers: [{QA_SOURCE}]}}
 """
 
 
@@ -176,11 +182,19 @@ class Producer:
             self.labels[request_id] = [float(v) for v in rows.labels[i:i + BATCH]]
             self.sent += 1
 
-    async def send_labels(self, request_ids: list[str]) -> None:
+    async def send_labels(self, request_ids: list[str], *, source: str = LABEL_SOURCE) -> None:
+        """The true labels of these requests, from ``source`` (default: the platform's label tools)."""
         for request_id in request_ids:
-            label = label_events_pb2.LabelObserved(request_id=request_id, values=self.labels[request_id])
-            await self.publisher.publish(LABELS, CloudEvent.from_proto(label, source="opml/test-labels",
-                                                                       subject=request_id), key=request_id)
+            await self.send_label(request_id, self.labels[request_id], source=source)
+
+    async def send_label(self, request_id: str, values: list[float], *, source: str = LABEL_SOURCE,
+                         at: datetime | None = None) -> None:
+        """One LabelObserved from ``source``, its event time ``at`` (default: now)."""
+        label = label_events_pb2.LabelObserved(request_id=request_id, values=values)
+        event = CloudEvent.from_proto(label, source=source, subject=request_id)
+        if at is not None:
+            event = dataclasses.replace(event, time=at)
+        await self.publisher.publish(LABELS, event, key=request_id)
 
 
 def wait_windows(client: MonitoringClient, model: str, version: str, count: int, *, timeout_s: float = 180.0,

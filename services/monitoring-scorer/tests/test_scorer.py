@@ -6,6 +6,7 @@ import io
 import json
 import time
 import uuid
+from datetime import UTC, datetime, timedelta
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from opml.monitoring.v1.monitoring_pb2 import GetModelStatusRequest, ListAlertsR
 from prometheus_client import CollectorRegistry
 from tritonclient.grpc import service_pb2 as pb
 
+from opml_common.bus import UntrustedSource
 from opml_common.errors import InvalidArgument
 from opml_common.events import RecordingEmitter
 from opml_common.kserve_codec import encode_outputs, encode_request
@@ -27,14 +29,24 @@ from opml_monitoring_scorer.core.reference import Task, performance
 from opml_monitoring_scorer.core.scorer import Scorer, dump_reference, load_reference
 from opml_monitoring_scorer.metrics import ScorerMetrics
 from opml_monitoring_scorer.servicer import MonitoringServicer
-from opml_monitoring_scorer.state import MonitorStore
+from opml_monitoring_scorer.state import LabelOrigin, MonitorStore
 from opml_monitoring_scorer.synthetic import FEATURES, SyntheticWorld
+from opml_monitoring_scorer_contract.names import LABEL_SOURCE
 
 CONFIG = b"""
 features: {x: [x0, x1, x2, x3]}
 window: {count: 100}
 rules: [{name: low, signal: mpp, under: 0.6, for: 2}]
 """
+QA = "plant-3/qa"
+QA_CONFIG = CONFIG + f"labels: {{producers: [{QA}]}}\n".encode()
+"""The config of bundle ``qa``: its model also accepts the labels of ``plant-3/qa``."""
+
+
+def origin(event_id: str, *, producer: str = LABEL_SOURCE, seconds: float = 0.0) -> LabelOrigin:
+    """A label event's origin: ``producer`` (default: the platform's label tools), at ``seconds`` past a
+    fixed time."""
+    return LabelOrigin(producer, datetime(2026, 1, 1, tzinfo=UTC) + timedelta(seconds=seconds), event_id)
 
 
 def events_of(rows, start: int) -> list[tuple[str, bytes]]:
@@ -92,7 +104,7 @@ async def scorer(outage: Outage):
     files = {"reference.npz": dump_reference(world.reference(2000)), "monitoring.yaml": CONFIG}
 
     async def load(context: str, ref: str):
-        return "uuid-1", files
+        return "uuid-1", {**files, "monitoring.yaml": QA_CONFIG} if ref == "qa" else files
 
     client = outage.client()
     prefix = f"opml-test:{uuid.uuid4().hex[:8]}:"
@@ -131,7 +143,7 @@ async def test_a_parked_label_of_a_version_without_a_monitor_yet_is_counted_not_
         rows = world.rows(1)
         (rid, raw), = events_of(rows, 0)
         label = label_events_pb2.LabelObserved(request_id=rid, values=[rows.labels[0]]).SerializeToString()
-        assert await scorer.on_label(label) == "parked"
+        assert await scorer.on_label(label, origin("e0")) == "parked"
         await scorer.on_prediction_joinable("m/1", 0, raw, rid)
         assert registry.get_sample_value("opml_monitoring_scorer_labels_total", {"outcome": "unjoinable"}) == 1
     finally:
@@ -174,23 +186,24 @@ async def test_late_labels_join_by_request_id_either_order_once_each(scorer) -> 
     rows = world.rows(100)
     events = events_of(rows, 0)
     early = label_events_pb2.LabelObserved(request_id="r0", values=[rows.labels[0]]).SerializeToString()
-    assert await scorer.on_label(early) == "parked"
+    assert await scorer.on_label(early, origin("e0")) == "parked"
     for rid, raw in events:
         await scorer.on_prediction_joinable("m/1", 0, raw, rid)
     score = await scorer.close_window("m/1", 0, [raw for _, raw in events], time.time(), time.time())
     assert score.rows == 100 and score.labelled == 1
     for i in range(1, 100):
         label = label_events_pb2.LabelObserved(request_id=f"r{i}", values=[rows.labels[i]])
-        assert await scorer.on_label(label.SerializeToString()) == "joined"
+        assert await scorer.on_label(label.SerializeToString(), origin(f"e{i}")) == "joined"
     again = label_events_pb2.LabelObserved(request_id="r5", values=[rows.labels[5]]).SerializeToString()
-    assert await scorer.on_label(again) == "duplicate"
+    assert await scorer.on_label(again, origin("e5")) == "duplicate", "the same event again"
     (record,) = await scorer.store.windows("m/1", before=None, limit=10)
     assert record["labelled"] == 100
     assert record["true"] == pytest.approx(performance(Task.BINARY, rows.outputs.predicted, rows.labels))
     with pytest.raises(InvalidArgument, match="holds 2 values"):
-        await scorer.on_label(label_events_pb2.LabelObserved(request_id="r7", values=[1, 0]).SerializeToString())
+        await scorer.on_label(label_events_pb2.LabelObserved(request_id="r7", values=[1, 0]).SerializeToString(),
+                              origin("e7"))
     with pytest.raises(InvalidArgument) as caught:
-        await scorer.on_label(label_events_pb2.LabelObserved().SerializeToString())
+        await scorer.on_label(label_events_pb2.LabelObserved().SerializeToString(), origin("e"))
     assert [f for f, _ in caught.value.violations] == ["request_id", "values"]
 
 
@@ -205,7 +218,7 @@ async def test_a_label_joins_in_a_process_that_has_not_seen_its_version_yet(scor
     other = Scorer(store=scorer.store, emitter=RecordingEmitter(), load_bundle=scorer.load_bundle,
                    metrics=ScorerMetrics(ServiceMetrics("monitoring-scorer", CollectorRegistry())))
     label = label_events_pb2.LabelObserved(request_id=rid, values=[rows.labels[0]]).SerializeToString()
-    assert await other.on_label(label) == "joined"
+    assert await other.on_label(label, origin("e0")) == "joined"
     assert await scorer.store.truth("m/1", 0) == (1, float(rows.outputs.predicted[0] == rows.labels[0]))
 
 
@@ -221,11 +234,11 @@ async def test_a_label_whose_join_redis_interrupts_is_counted_once_when_it_comes
         label = label_events_pb2.LabelObserved(request_id=request_id, values=[rows.labels[window]])
         outage.after(window)  # the window-th command of the join is the first that fails
         try:
-            outcome = await scorer.on_label(label.SerializeToString())
+            outcome = await scorer.on_label(label.SerializeToString(), origin(request_id))
         except redis.exceptions.ConnectionError:
             outcome = None
         outage.end()
-        again = await scorer.on_label(label.SerializeToString())
+        again = await scorer.on_label(label.SerializeToString(), origin(request_id))
         assert (outcome, again) in ((None, "joined"), (None, "duplicate"), ("joined", "duplicate"))
         correct = float(rows.outputs.predicted[window] == rows.labels[window])
         assert await scorer.store.truth("m/1", window) == (1, correct), f"interrupted at command {window}"
@@ -241,15 +254,89 @@ async def test_a_batch_of_join_records_in_one_call_takes_the_labels_that_came_fi
     events = events_of(rows, 0)
     for i in (3, 7):  # labels before their predictions: parked
         label = label_events_pb2.LabelObserved(request_id=f"r{i}", values=[rows.labels[i]]).SerializeToString()
-        assert await scorer.on_label(label) == "parked"
+        assert await scorer.on_label(label, origin(f"e{i}")) == "parked"
     store = scorer.store
     labels = await store.remember_predictions([(rid, "m/1", 4, raw) for rid, raw in events])
-    assert [i for i, label in enumerate(labels) if label is not None] == [3, 7]
-    assert label_events_pb2.LabelObserved.FromString(labels[7]).request_id == "r7"
-    assert await store.remember_predictions([(rid, "m/1", 4, raw) for rid, raw in events]) == [None] * 10, \
+    assert [i for i, parked in enumerate(labels) if parked] == [3, 7]
+    (parked,) = labels[7]
+    assert label_events_pb2.LabelObserved.FromString(parked.data).request_id == "r7" and parked.origin == origin("e7")
+    assert await store.remember_predictions([(rid, "m/1", 4, raw) for rid, raw in events]) == [[]] * 10, \
         "a parked label is taken once"
     assert await store.find_prediction("r9") == ("m/1", 4, events[9][1])
     assert 0 < await store.redis.ttl(store._k("pred", "r9")) <= store.retention_s
+
+
+def observed(request_id: str, value: float) -> bytes:
+    return label_events_pb2.LabelObserved(request_id=request_id, values=[value]).SerializeToString()
+
+
+def counted(scorer: Scorer, outcome: str) -> float:
+    """The scorer's opml_monitoring_scorer_labels_total{outcome}."""
+    (metric,) = scorer.metrics.labels.collect()
+    return next((s.value for s in metric.samples if s.name.endswith("_total") and s.labels == {"outcome": outcome}),
+                0.0)
+
+
+async def test_labels_are_applied_only_from_the_producers_the_model_accepts(scorer) -> None:
+    """Labels from anyone were joined (and a true label after them was dropped as a duplicate). A label
+    is applied only from the platform's producers or one its model's monitoring.yaml names; before its
+    prediction it is parked only from a producer some model names, each producer's apart, and checked
+    against the prediction's model when it comes."""
+    scorer, world, _ = scorer
+    await scorer.register("n", "1", "ctx", "qa")  # n/1 accepts plant-3/qa; m/1 only the platform's
+    rows = world.rows(3)
+    (r0, raw0), (r1, raw1), (r2, raw2) = events_of(rows, 0)
+    right = [float(v) for v in rows.outputs.predicted]
+    with pytest.raises(UntrustedSource, match="'evil/anyone' is not a label producer of any monitored model"):
+        await scorer.on_label(observed(r0, 1 - right[0]), origin("x0", producer="evil/anyone"))
+    assert await scorer.store.redis.exists(scorer.store._k("labels", r0)) == 0, "nothing parked"
+    assert await scorer.on_label(observed(r0, 1 - right[0]), origin("q0", producer=QA)) == "parked"
+    assert await scorer.on_label(observed(r0, right[0]), origin("p0")) == "parked"
+    await scorer.on_prediction_joinable("m/1", 0, raw0, r0)
+    assert counted(scorer, "untrusted") == 1, "n/1's producer's label of an m/1 request is dropped when it comes"
+    assert await scorer.store.truth("m/1", 0) == (1, 1.0), "the platform's label joined, parked after it"
+
+    await scorer.on_prediction_joinable("m/1", 1, raw1, r1)
+    for producer in ("evil/anyone", QA):
+        with pytest.raises(UntrustedSource, match=f"'{producer}' is not a label producer of m/1"):
+            await scorer.on_label(observed(r1, 1 - right[1]), origin(f"x-{producer}", producer=producer))
+    assert await scorer.store.truth("m/1", 1) == (0, 0.0)
+    assert await scorer.on_label(observed(r1, right[1]), origin("p1")) == "joined"
+    await scorer.on_prediction_joinable("n/1", 0, raw2, r2)
+    assert await scorer.on_label(observed(r2, right[2]), origin("q2", producer=QA)) == "joined"
+    assert await scorer.store.truth("n/1", 0) == (1, 1.0)
+
+
+async def test_a_label_is_replaced_only_by_its_producer_with_a_newer_time(scorer) -> None:
+    """The first label of a request stays; its producer's later one (a newer event time) corrects it,
+    an older one or the same event again does not, nor does another producer's (counted as
+    other_producer). So is a parked one, per producer."""
+    scorer, world, _ = scorer
+    await scorer.register("n", "1", "ctx", "qa")
+    rows = world.rows(2)
+    (r0, raw0), (r1, raw1) = events_of(rows, 0)
+    right = [float(v) for v in rows.outputs.predicted]
+    await scorer.on_prediction_joinable("n/1", 0, raw0, r0)
+    steps = [(1 - right[0], origin("a"), "joined", 0.0), (right[0], origin("b", seconds=10), "corrected", 1.0),
+             (1 - right[0], origin("c", seconds=5), "duplicate", 1.0), (right[0], origin("b", seconds=10),
+                                                                      "duplicate", 1.0),
+             (1 - right[0], origin("d", producer=QA, seconds=20), "other_producer", 1.0),
+             (1 - right[0], origin("e", seconds=30), "corrected", 0.0)]
+    for value, by, outcome, correct in steps:
+        assert await scorer.on_label(observed(r0, value), by) == outcome, by
+        assert await scorer.store.truth("n/1", 0) == (1, correct), by
+
+    assert await scorer.on_label(observed(r1, 1 - right[1]), origin("f", producer=QA)) == "parked"
+    assert await scorer.on_label(observed(r1, right[1]), origin("g", producer=QA, seconds=-5)) == "duplicate"
+    assert await scorer.on_label(observed(r1, right[1]), origin("h", producer=QA, seconds=5)) == "parked"
+    assert await scorer.on_label(observed(r1, 1 - right[1]), origin("i", seconds=9)) == "parked"
+    await scorer.on_prediction_joinable("n/1", 1, raw1, r1)
+    assert await scorer.store.truth("n/1", 1) == (1, 1.0), "plant-3/qa's correction, parked first, is applied"
+    assert counted(scorer, "other_producer") == 2
+
+    await scorer.store.redis.set(scorer.store._k("joined", "r9"), "1")  # applied before producers were kept
+    await scorer.on_prediction_joinable("n/1", 1, events_of(world.rows(1), 9)[0][1], "r9")
+    assert await scorer.on_label(observed("r9", 1.0), origin("j")) == "other_producer"
 
 
 async def test_a_replayed_window_close_steps_the_rules_once(scorer) -> None:

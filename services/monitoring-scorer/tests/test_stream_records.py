@@ -18,6 +18,7 @@ from opml.monitoring.v1.label_events_pb2 import LabelObserved
 from prometheus_client import CollectorRegistry
 from tritonclient.grpc import service_pb2 as pb
 
+from opml_common.bus import UntrustedSource
 from opml_common.bus.cloudevents import CloudEvent
 from opml_common.config import PlatformSettings
 from opml_common.errors import InvalidArgument
@@ -29,7 +30,7 @@ from opml_monitoring_scorer.core.decode import Batch
 from opml_monitoring_scorer.core.reference import Task
 from opml_monitoring_scorer.core.scorer import Scorer, dump_reference
 from opml_monitoring_scorer.metrics import ScorerMetrics
-from opml_monitoring_scorer.state import MonitorStore
+from opml_monitoring_scorer.state import LabelOrigin, MonitorStore
 from opml_monitoring_scorer.stream import DecodedRecord, ScoringStream, UnknownModel
 from opml_monitoring_scorer.synthetic import SyntheticWorld
 
@@ -230,14 +231,16 @@ async def test_a_window_that_cannot_be_scored_is_dead_lettered_and_the_version_s
 
 async def test_a_label_is_retried_while_redis_is_away_and_a_malformed_one_dead_lettered(stream) -> None:
     """A label whose join failed for a reason that may pass (Redis unreachable) used to be dead-lettered
-    as malformed; now it is tried again until it is applied."""
+    as malformed; now it is tried again until it is applied. It is applied as its event's source's; one
+    the scorer refuses as untrusted is dead-lettered as such and counted apart from malformed ones."""
     stream.publisher = publisher = Publisher()
     outcomes: list[object] = [redis.exceptions.ConnectionError("Redis went away"), TimeoutError(), "joined",
-                              InvalidArgument("values", "must hold 1-100000 values, but holds 0")]
-    calls: list[bytes] = []
+                              InvalidArgument("values", "must hold 1-100000 values, but holds 0"),
+                              UntrustedSource("label source 'evil/anyone' is not a label producer of m/1")]
+    calls: list[tuple[bytes, LabelOrigin]] = []
 
-    async def on_label(raw: bytes) -> str:
-        calls.append(raw)
+    async def on_label(raw: bytes, origin: LabelOrigin) -> str:
+        calls.append((raw, origin))
         outcome = outcomes.pop(0)
         if isinstance(outcome, Exception):
             raise outcome
@@ -247,5 +250,11 @@ async def test_a_label_is_retried_while_redis_is_away_and_a_malformed_one_dead_l
     label = LabelObserved(request_id="r1", values=[1.0])
     await stream._on_label(record(label, 0))
     assert len(calls) == 3 and publisher.sent == [], "applied on the third try, nothing dead-lettered"
+    assert calls[0][1].producer == ROUTER_SOURCE, "as its event's source's"
     await stream._on_label(record(label, 1))
-    assert [(topic, h["opml_error_type"]) for topic, h in publisher.sent] == [("opml.labels.v1.dlq", b"InvalidArgument")]
+    await stream._on_label(record(label, 2))
+    assert [(topic, h["opml_error_type"]) for topic, h in publisher.sent] == [
+        ("opml.labels.v1.dlq", b"InvalidArgument"), ("opml.labels.v1.dlq", b"UntrustedSource")]
+    (metric,) = stream.metrics.labels.collect()
+    counted = {s.labels["outcome"]: s.value for s in metric.samples if s.name.endswith("_total")}
+    assert (counted["malformed"], counted["untrusted"]) == (1, 1)

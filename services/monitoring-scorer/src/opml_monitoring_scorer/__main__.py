@@ -34,7 +34,8 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
                                              retention_s=settings.label_retention_s))
     reader = BundleReader(settings.bundle_store_target, token=settings.bundle_store_token.get_secret_value() or None)
     scorer = await service.start(Scorer(store=store, emitter=await service.emitter(), metrics=metrics,
-                                        load_bundle=reader, seed=settings.seed))
+                                        load_bundle=reader, seed=settings.seed,
+                                        label_sources=frozenset(settings.label_sources)))
     await service.start(ScoringStream(platform, scorer, metrics, publisher=await service.publisher(),
                                       datadir=settings.home / "faust"))
     if settings.autoregister:

@@ -33,11 +33,14 @@ class ScorerMetrics:
             "window_close_seconds", "From a window's close to its score saved and its alerts emitted.", mv,
             buckets=WINDOW_CLOSE_BUCKETS)
         self.labels = metrics.counter("labels_total", "Labels by outcome: joined, parked (before its "
-                                      "prediction), duplicate, malformed, unjoinable (its version had no "
-                                      "monitor yet).", ("outcome",))
+                                      "prediction), corrected (its producer's again with a newer time: "
+                                      "replaced), duplicate (the same event again, or not newer), other_producer "
+                                      "(the request was labelled by another producer: the first kept), untrusted "
+                                      "(from a producer the model does not accept: dead-lettered), malformed, "
+                                      "unjoinable (its version had no monitor yet).", ("outcome",))
         self.recalibrations = metrics.counter("mpp_recalibrations_total", "MPP refits from live labels.", mv)
         self.registered = metrics.gauge("models_monitored", "Model versions monitored.")
         for reason in ("unknown_model", "malformed", "unscorable"):  # series at 0 from the start: a rate, not a gap
             self.rejected.labels(reason)
-        for outcome in ("joined", "parked", "duplicate", "malformed"):
+        for outcome in ("joined", "parked", "corrected", "duplicate", "other_producer", "untrusted", "malformed"):
             self.labels.labels(outcome)

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated, Any
 
-from pydantic import AliasChoices, Field, SecretStr
-from pydantic_settings import SettingsConfigDict
+from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic_settings import NoDecode, SettingsConfigDict
 
 from opml_common.config import ServiceSettings
+from opml_monitoring_scorer_contract.names import LABEL_SOURCE
+
+MAX_SOURCE_CHARS = 256
 
 
 class MonitoringScorerSettings(ServiceSettings):
@@ -27,6 +31,23 @@ class MonitoringScorerSettings(ServiceSettings):
     label_retention_s: int = Field(7 * 86_400, ge=60, le=90 * 86_400,
                                    description="How long a prediction waits for its label (and a label for its "
                                    "prediction) before the join forgets it.")
+    label_sources: Annotated[tuple[str, ...], NoDecode] = Field(
+        (LABEL_SOURCE,), description="CloudEvents sources whose labels (opml.labels.v1) are accepted for every model, "
+        "comma separated (empty: none); a model's monitoring.yaml adds its own (labels.producers). A label from any "
+        f"other source is dead-lettered as UntrustedSource. {LABEL_SOURCE}: the source of the platform's own label "
+        "tools.")
     autoregister: bool = Field(True, description="Monitor every version the inference-router deploys from a "
                                "bundle (opml.deployments.v1), from that bundle's reference.npz and monitoring.yaml.")
     seed: int = Field(0, description="Seed of the MPP's secondary models (reproducible estimates).")
+
+    @field_validator("label_sources", mode="before")
+    @classmethod
+    def _split_sources(cls, value: Any) -> Any:
+        """A comma-separated list, each source 1-256 characters."""
+        if isinstance(value, str):
+            value = tuple(source.strip() for source in value.split(",") if source.strip())
+        if isinstance(value, (list, tuple, set, frozenset)):
+            for source in value:
+                if not isinstance(source, str) or not 0 < len(source) <= MAX_SOURCE_CHARS:
+                    raise ValueError(f"each source must hold 1-{MAX_SOURCE_CHARS} characters")
+        return value

@@ -12,17 +12,23 @@ Keys (under ``{redis_prefix}monitoring:``; ``{mv}`` is ``model/version``):
 | ``rulestate:{mv}`` (hash) | rule -> run counts, firing, the last window applied (replays are skipped) |
 | ``alerts:{mv}`` (hash) + ``aindex:{mv}`` (zset) | ``{rule}@{window}`` -> the alert, newest first |
 | ``pred:{request id}`` | the prediction a late label joins to (a JSON line of model version and window, then the event's bytes), expires |
-| ``label:{request id}`` | a label that came before its prediction, expires |
-| ``joined:{request id}`` | a label applied once (duplicate labels are ignored), expires |
+| ``labels:{request id}`` (hash) | producer -> its label that came before its prediction (the newest by event time), expires |
+| ``joined:{request id}`` (hash) | the label applied: its producer, event time, event id and truth (correct count or error sum), expires |
 | ``truth:{mv}:{window}`` (hash) | labelled rows and their correct count (or absolute error sum) |
+| ``labelproducers`` (set) | the label producers some model's monitoring.yaml names (a label may be parked only from one of them, or from the platform's) |
 
-Everything is written idempotently (by window index, rule and request id), so a replay after a
-crash rewrites the same values instead of counting twice.
+Everything is written idempotently (by window index, rule, request id and label event), so a replay
+after a crash rewrites the same values instead of counting twice. Keys of the older forms:
+``label:{request id}`` (a parked label whose producer was not recorded) is not read (it expires);
+``joined:{request id}`` as a string (a label applied before producers were recorded) keeps its request
+labelled (a later label is from another producer).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -31,36 +37,73 @@ from opml_common.lifecycle import Component
 from opml_monitoring_scorer.core.records import AlertRecord
 
 _REMEMBER = """
-local ttl, pred, label = ARGV[1], ARGV[2], ARGV[3]
+local ttl, pred, parked = ARGV[1], ARGV[2], ARGV[3]
 local found = {}
 for i = 4, #ARGV, 2 do
   local id = ARGV[i]
   redis.call('SET', pred .. id, ARGV[i + 1], 'EX', ttl)
-  local parked = redis.call('GET', label .. id)
-  if parked then
-    redis.call('DEL', label .. id)
-    found[#found + 1] = (i - 4) / 2
-    found[#found + 1] = parked
+  local labels = redis.call('HVALS', parked .. id)
+  if #labels > 0 then
+    redis.call('DEL', parked .. id)
+    for _, label in ipairs(labels) do
+      found[#found + 1] = (i - 4) / 2
+      found[#found + 1] = label
+    end
   end
 end
 return found
 """
-"""Keeps predictions for the label join: ARGV retention, the pred: and label: key prefixes, then per
+"""Keeps predictions for the label join: ARGV retention, the pred: and labels: key prefixes, then per
 prediction its request id and record; returns [index (from 0), parked label, ...] for the labels that
-came first (and deletes them)."""
+came first, each producer's (and deletes them)."""
+
+_PARK = """
+local held = redis.call('HGET', KEYS[1], ARGV[2])
+local seq = redis.call('HLEN', KEYS[1])
+if held then
+  local order, time = string.match(held, '^(%d+) (%d+)\\n')
+  if ARGV[3] <= time then
+    return 0
+  end
+  seq = order
+end
+redis.call('HSET', KEYS[1], ARGV[2], seq .. ' ' .. ARGV[3] .. '\\n' .. ARGV[4])
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+"""Parks a label that came before its prediction (KEYS[1], ARGV[1] its expiry) as its producer's
+(ARGV[2]) unless that producer's parked one is as new (event times ARGV[3], fixed width, compare as
+strings); the record (ARGV[4]) is kept after its arrival order among the producers and its time.
+Returns 1 when parked, 0 when not newer."""
 
 _JOIN = """
-if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then
-  return false
+local kind = redis.call('TYPE', KEYS[1])['ok']
+local rows, delta, outcome = ARGV[2], ARGV[3], 'joined'
+if kind == 'string' then
+  return {'other_producer'}
+elseif kind == 'hash' then
+  local claim = redis.call('HMGET', KEYS[1], 'producer', 'time', 'id', 'total')
+  if claim[1] ~= ARGV[5] then
+    return {'other_producer'}
+  end
+  if claim[3] == ARGV[7] or ARGV[6] <= claim[2] then
+    return {'duplicate'}
+  end
+  rows, delta, outcome = 0, string.format('%.17g', tonumber(ARGV[3]) - tonumber(claim[4])), 'corrected'
 end
-local labelled = redis.call('HINCRBY', KEYS[2], 'labelled', ARGV[2])
-local total = redis.call('HINCRBYFLOAT', KEYS[2], 'total', ARGV[3])
+redis.call('HSET', KEYS[1], 'producer', ARGV[5], 'time', ARGV[6], 'id', ARGV[7], 'total', ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+local labelled = redis.call('HINCRBY', KEYS[2], 'labelled', rows)
+local total = redis.call('HINCRBYFLOAT', KEYS[2], 'total', delta)
 redis.call('EXPIRE', KEYS[2], ARGV[4])
-return {labelled, total}
+return {outcome, labelled, total}
 """
-"""Applies a label once: claims its request id (KEYS[1], ARGV[1] its expiry) and adds its rows to
-the window's truth (KEYS[2]: ARGV[2] rows, ARGV[3] correct count or error sum, ARGV[4] expiry) in one
-step; returns the truth after it, or nil for a duplicate."""
+"""Applies a label to its request's window: claims the request id (KEYS[1], ARGV[1] its expiry) for
+the label's producer (ARGV[5]), event time (ARGV[6], fixed width) and event id (ARGV[7]), and adds its
+rows to the window's truth (KEYS[2]: ARGV[2] rows, ARGV[3] correct count or error sum, ARGV[4] expiry)
+in one step. A request already claimed keeps its label unless this one is its producer's with a newer
+time (a correction: the truth takes the difference, its rows counted once). Returns [outcome, the
+truth after it]: joined, corrected; or [duplicate] (that event again, or not newer), [other_producer]."""
 
 _ROWS = """
 if redis.call('EXISTS', KEYS[3]) == 0 and redis.call('ZCARD', KEYS[2]) > 0 then
@@ -84,6 +127,31 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 time it is saved: a window saved again (a replayed close, a label joined) is not counted twice."""
 
 _TOTAL_ROWS = _ROWS + "return redis.call('GET', KEYS[3])"
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+@dataclass(frozen=True)
+class LabelOrigin:
+    """Who sent a label and when: its event's source (the producer), time and id. A request's label is
+    replaced only by its producer's with a newer time (a correction)."""
+
+    producer: str
+    time: datetime
+    event_id: str
+
+    @property
+    def stamp(self) -> str:
+        """The time as fixed-width microseconds since the epoch (0 before it): the scripts compare
+        these as strings (a Lua number, a double, has no exact nanoseconds)."""
+        return f"{max(0, (self.time - _EPOCH) // timedelta(microseconds=1)):020d}"
+
+
+@dataclass(frozen=True)
+class ParkedLabel:
+    """A label that came before its prediction, as parked: its origin and LabelObserved bytes."""
+
+    origin: LabelOrigin
+    data: bytes
 
 
 class MonitorStore(Component):
@@ -97,6 +165,7 @@ class MonitorStore(Component):
         self.retention_s = retention_s
         self._remember: Any = None
         self._join: Any = None
+        self._park: Any = None
         self._save_window: Any = None
         self._total_rows: Any = None
 
@@ -207,25 +276,20 @@ class MonitorStore(Component):
         return sorted(rule for rule, state in states.items() if state.get("firing"))
 
     # label join
-    async def remember_prediction(self, request_id: str, mv: str, window: int, event: bytes) -> bytes | None:
-        """Keeps the prediction for a late label; returns a label that came first (and drops it)."""
-        (label,) = await self.remember_predictions([(request_id, mv, window, event)])
-        return label
-
-    async def remember_predictions(self, items: list[tuple[str, str, int, bytes]]) -> list[bytes | None]:
-        """:meth:`remember_prediction` for (request id, model version, window, event) each, in one
-        round trip: one script call (``_REMEMBER``) that SETs each prediction's record with its expiry
-        and takes the labels that came first; returns them in order (None where none did). A script,
-        not a pipeline of a SET per prediction and an MGET: redis-py's cost is per command and per
-        reply (~25 µs of the scorer's CPU per prediction in a pipeline, ~2 µs as a script's
-        arguments). The script builds its keys from the prefix it is given (one Redis, not a
+    async def remember_predictions(self, items: list[tuple[str, str, int, bytes]]) -> list[list[ParkedLabel]]:
+        """Keeps each (request id, model version, window, event) for a late label, in one round trip:
+        one script call (``_REMEMBER``) that SETs each prediction's record with its expiry and takes the
+        labels that came first; returns them in order (each producer's, in the order they came; none
+        where none did). A script, not a pipeline of a SET per prediction and an MGET: redis-py's cost
+        is per command and per reply (~25 µs of the scorer's CPU per prediction in a pipeline, ~2 µs as
+        a script's arguments). The script builds its keys from the prefix it is given (one Redis, not a
         cluster: the platform's). Not a transaction in intent: each request's keys are its own, a
         replay after a crash writes the same values, and a label found twice is applied once
         (:meth:`join_truth`)."""
         if not items:
             return []
         headers: dict[tuple[str, int], bytes] = {}  # one per window: its events share it
-        args: list[Any] = [self.retention_s, self._k("pred", ""), self._k("label", "")]
+        args: list[Any] = [self.retention_s, self._k("pred", ""), self._k("labels", "")]
         for request_id, mv, window, event in items:
             header = headers.get((mv, window))
             if header is None:
@@ -234,10 +298,15 @@ class MonitorStore(Component):
         if self._remember is None:
             self._remember = self.redis.register_script(_REMEMBER)
         found = await self._remember(keys=[], args=args)
-        labels: list[bytes | None] = [None] * len(items)
+        parked: list[list[tuple[int, ParkedLabel]]] = [[] for _ in items]
         for at in range(0, len(found), 2):
-            labels[int(found[at])] = found[at + 1]
-        return labels
+            order, _, rest = found[at + 1].partition(b" ")
+            _, _, rest = rest.partition(b"\n")
+            head, _, data = rest.partition(b"\n")
+            origin = json.loads(head)
+            parked[int(found[at])].append((int(order), ParkedLabel(LabelOrigin(
+                origin["producer"], datetime.fromisoformat(origin["time"]), origin["id"]), data)))
+        return [[label for _, label in sorted(labels, key=lambda item: item[0])] for labels in parked]
 
     async def find_prediction(self, request_id: str) -> tuple[str, int, bytes] | None:
         """The record is a JSON line (model version, window) then the event's bytes as they are (no
@@ -250,21 +319,46 @@ class MonitorStore(Component):
         data = json.loads(head)
         return data["mv"], int(data["window"]), bytes.fromhex(data["event"]) if "event" in data else event
 
-    async def park_label(self, request_id: str, label: bytes) -> None:
-        await self.redis.set(self._k("label", request_id), label, ex=self.retention_s)
+    async def park_label(self, request_id: str, label: ParkedLabel) -> bool:
+        """Parks a label that came before its prediction as its producer's, unless that producer's
+        parked one is as new (then False). Each producer's is kept apart, so whether a label is
+        trusted for the request's model is decided when its prediction comes, and one producer's
+        label never displaces another's."""
+        if self._park is None:
+            self._park = self.redis.register_script(_PARK)
+        origin = label.origin
+        head = json.dumps({"producer": origin.producer, "time": origin.time.isoformat(), "id": origin.event_id})
+        return bool(await self._park(keys=[self._k("labels", request_id)],
+                                     args=[self.retention_s, origin.producer, origin.stamp,
+                                           head.encode() + b"\n" + label.data]))
 
-    async def join_truth(self, request_id: str, mv: str, window: int, labelled: int,
-                         total: float) -> tuple[int, float] | None:
-        """Adds a request's labelled rows to its window's truth the first time its label is applied:
-        the window's labelled rows and total after it, or None for a duplicate. One script (``_JOIN``),
-        so the claim and the truth are made together: claimed first and then added, a failure between
-        the two (a crash, Redis going away) left the label claimed and never counted, and its replay
-        was taken for a duplicate."""
+    async def join_truth(self, request_id: str, mv: str, window: int, labelled: int, total: float,
+                         origin: LabelOrigin) -> tuple[str, tuple[int, float] | None]:
+        """Applies a request's label to its window's truth: (outcome, the window's labelled rows and
+        total after it). ``joined``: the request's first label; ``corrected``: its producer's again
+        with a newer event time, which replaces it (the truth takes the difference); ``duplicate``
+        (that event again, or its producer's, not newer) and ``other_producer`` (the request was
+        labelled by another producer, whose label stays) change nothing (None). One script
+        (``_JOIN``), so the claim and the truth are made together: claimed first and then added, a
+        failure between the two (a crash, Redis going away) left the label claimed and never
+        counted, and its replay was taken for a duplicate."""
         if self._join is None:
             self._join = self.redis.register_script(_JOIN)
         joined = await self._join(keys=[self._k("joined", request_id), self._k("truth", mv, str(window))],
-                                  args=[self.retention_s, labelled, total, max(self.retention_s * 4, 86_400)])
-        return None if joined is None else (int(joined[0]), float(joined[1]))
+                                  args=[self.retention_s, labelled, repr(float(total)),
+                                        max(self.retention_s * 4, 86_400), origin.producer, origin.stamp,
+                                        origin.event_id])
+        outcome = joined[0].decode()
+        return outcome, (int(joined[1]), float(joined[2])) if len(joined) == 3 else None
+
+    async def add_label_producers(self, producers: frozenset[str]) -> None:
+        """Records producers a model names, so that any scorer process may park their labels."""
+        if producers:
+            await self.redis.sadd(self._k("labelproducers"), *sorted(producers))
+
+    async def is_label_producer(self, producer: str) -> bool:
+        """Whether some model's monitoring.yaml names ``producer`` (:meth:`add_label_producers`)."""
+        return bool(await self.redis.sismember(self._k("labelproducers"), producer))
 
     async def truth(self, mv: str, window: int) -> tuple[int, float]:
         raw = await self.redis.hgetall(self._k("truth", mv, str(window)))

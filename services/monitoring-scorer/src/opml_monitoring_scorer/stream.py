@@ -46,7 +46,9 @@ rows and the faust events, unacked), one window per monitored version.
 ``labels`` agent, on opml.labels.v1: each LabelObserved is joined to its prediction by request id in
 Redis with expiry (the retention bound; see state.py), because labels are keyed by request id and
 predictions by model version: a faust-table join would need both streams repartitioned by request
-id first (two more internal topics); the Redis join is one lookup per label either way.
+id first (two more internal topics); the Redis join is one lookup per label either way. A label is
+applied only from a producer (its event's source) the prediction's model accepts; any other is
+dead-lettered as ``UntrustedSource``.
 
 Every internal topic is created at start-up with the predictions topic's partition count (tansu
 gives auto-created topics 4 partitions, and faust refuses a table whose changelog differs from its
@@ -69,7 +71,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from faust.types import TP
 from opml.inference.v1 import events_pb2 as inference_events
 
-from opml_common.bus import EventPublisher, is_retriable
+from opml_common.bus import EventPublisher, UntrustedSource, is_retriable
 from opml_common.bus.cloudevents import CloudEvent
 from opml_common.bus.security import kafka_client_kwargs
 from opml_common.config import PlatformSettings
@@ -80,6 +82,7 @@ from opml_monitoring_scorer.core.decode import Batch
 from opml_monitoring_scorer.core.scorer import Joinable, Scorer, Unscorable, model_version
 from opml_monitoring_scorer.core.summary import PredictionSummary
 from opml_monitoring_scorer.metrics import ScorerMetrics
+from opml_monitoring_scorer.state import LabelOrigin
 from opml_monitoring_scorer.topics import LABELS, PREDICTIONS
 
 log = logging.getLogger(__name__)
@@ -665,14 +668,16 @@ class ScoringStream(Component):
             await self._dead_letter(topic, event.message, error)
 
     async def _on_label(self, event: Any) -> None:
-        """Applies a label; a malformed one is dead-lettered with the reason. An error that may pass
-        (Redis unreachable) is retried here, the partition waiting, however long it lasts: it used to
-        dead-letter a valid label as malformed, and raised out of the agent, faust would ack it."""
+        """Applies a label, as its event's source's (the producer) at its event time; a malformed one,
+        or one from a producer its model does not accept (``UntrustedSource``), is dead-lettered with
+        the reason. An error that may pass (Redis unreachable) is retried here, the partition waiting,
+        however long it lasts: it used to dead-letter a valid label as malformed, and raised out of the
+        agent, faust would ack it."""
         message = event.message
         for attempt in itertools.count():
             try:
-                data = self._parse(message, (LABEL_TYPE,)).data
-                await self.scorer.on_label(data)
+                label = self._parse(message, (LABEL_TYPE,))
+                await self.scorer.on_label(label.data, LabelOrigin(label.source, label.time, label.id))
                 return
             except Exception as exc:  # noqa: BLE001 - retried, or dead-lettered with the reason
                 if is_retriable(exc):
@@ -683,6 +688,6 @@ class ScoringStream(Component):
                     continue
                 log.warning("label at %s@%d/%d dead-lettered: %s", message.topic, message.partition, message.offset,
                             exc)
-                self.metrics.labels.labels("malformed").inc()
+                self.metrics.labels.labels("untrusted" if isinstance(exc, UntrustedSource) else "malformed").inc()
                 await self._dead_letter(LABELS.dead_letter(self.platform.topic_prefix), message, exc)
                 return

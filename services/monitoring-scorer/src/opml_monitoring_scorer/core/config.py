@@ -11,6 +11,8 @@ outputs:
 window: {count: 500, seconds: 300}   # a window closes at `count` predictions or `seconds` of event time
 drift: {method: auto, methods: {age: psi}, thresholds: {age: 0.2}}
 rules: [...]                # see rules.py
+labels: {producers: [plant-3/qa]}   # CloudEvents sources whose labels of this model are accepted, besides
+                                    #   the platform's (OPML_MONITORING_SCORER_LABEL_SOURCES)
 ```
 """
 
@@ -27,7 +29,9 @@ from opml_monitoring_scorer.core.reference import Task
 from opml_monitoring_scorer.core.rules import Rule, parse_rules
 
 MAX_CONFIG_BYTES = 256 * 1024
-_KEYS = {"task", "features", "outputs", "window", "drift", "rules"}
+MAX_PRODUCERS = 64
+MAX_PRODUCER_CHARS = 256
+_KEYS = {"task", "features", "outputs", "window", "drift", "rules", "labels"}
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,8 @@ class MonitoringConfig:
     drift_methods: dict[str, str] = field(default_factory=dict)
     drift_thresholds: dict[str, float] = field(default_factory=dict)
     rules: tuple[Rule, ...] = ()
+    label_producers: frozenset[str] = frozenset()
+    """Sources (``ce_source``) whose labels of this model are accepted, besides the platform's."""
 
     @classmethod
     def parse(cls, text: str | bytes, *, what: str = "monitoring.yaml") -> MonitoringConfig:
@@ -83,6 +89,7 @@ class MonitoringConfig:
             elif not isinstance(value, str) or not value:
                 problems.append((f"outputs.{key}", f"must be a tensor name, but got {brief(value)}"))
         window = _window(data.get("window"), problems)
+        producers = _producers(data.get("labels"), problems)
         methods, thresholds = _drift(data.get("drift") or {}, problems)
         rules: tuple[Rule, ...] = ()
         try:
@@ -93,7 +100,28 @@ class MonitoringConfig:
             raise InvalidArgument.of(problems)
         return cls(task=task, feature_names=feature_names, scores_output=outputs.get("scores"),
                    predicted_output=outputs.get("predicted"), window=window, drift_methods=methods,
-                   drift_thresholds=thresholds, rules=rules)
+                   drift_thresholds=thresholds, rules=rules, label_producers=producers)
+
+
+def _producers(labels: Any, problems: list) -> frozenset[str]:
+    if labels is None:
+        return frozenset()
+    if not isinstance(labels, Mapping):
+        problems.append(("labels", f"must be a mapping with producers, but got {brief(labels)}"))
+        return frozenset()
+    for key in labels:
+        if key != "producers":
+            problems.append((f"labels.{key}", "is not a setting; use producers"))
+    producers = labels.get("producers") or []
+    if not isinstance(producers, list) or len(producers) > MAX_PRODUCERS:
+        problems.append(("labels.producers", f"must be a list of at most {MAX_PRODUCERS} CloudEvents sources, "
+                                             f"but got {brief(producers)}"))
+        return frozenset()
+    for i, producer in enumerate(producers):
+        if not isinstance(producer, str) or not 0 < len(producer) <= MAX_PRODUCER_CHARS:
+            problems.append((f"labels.producers[{i}]", f"must be a source of 1-{MAX_PRODUCER_CHARS} characters, "
+                                                       f"but got {brief(producer)}"))
+    return frozenset(p for p in producers if isinstance(p, str) and 0 < len(p) <= MAX_PRODUCER_CHARS)
 
 
 def _names(features: Any, problems: list) -> dict[str, list[str]]:

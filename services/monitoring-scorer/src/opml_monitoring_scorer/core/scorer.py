@@ -27,6 +27,7 @@ import numpy as np
 from opml.inference.v1 import events_pb2 as inference_events
 from opml.monitoring.v1 import alert_events_pb2, label_events_pb2
 
+from opml_common.bus import UntrustedSource
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, brief
 from opml_common.events import EventEmitter
 from opml_common.lifecycle import Component
@@ -37,7 +38,8 @@ from opml_monitoring_scorer.core.records import AlertRecord, window_record
 from opml_monitoring_scorer.core.reference import ReferenceSet, Task
 from opml_monitoring_scorer.core.rules import Rule, RuleState, Transition, observe, parse_rules, step
 from opml_monitoring_scorer.metrics import ScorerMetrics
-from opml_monitoring_scorer.state import MonitorStore
+from opml_monitoring_scorer.state import LabelOrigin, MonitorStore, ParkedLabel
+from opml_monitoring_scorer_contract.names import LABEL_SOURCE
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,8 @@ MAX_REFERENCE_ROWS = 1_000_000
 MAX_RULES_BYTES = 64 * 1024
 MAX_BASELINE_ROWS = 10_000
 MAX_BASELINE_BYTES = 32 * 1024 * 1024
+MAX_SOURCE_SHOWN = 200
+"""Characters of a refused label's source quoted in the dead-letter reason."""
 """The most of a first window kept as the baseline of a version without a reference (its first rows)."""
 BundleLoader = Callable[[str, str], Awaitable[tuple[str, dict[str, bytes]]]]
 """(context, bundle ref) -> (bundle uuid, {file name: bytes} of the files the scorer reads)."""
@@ -162,12 +166,17 @@ class Unscorable(Exception):
 
 class Scorer(Component):
     """Side effects: ``restore()`` rebuilds every registered version's monitor from its bundle;
-    ``start()`` restores, ``stop()`` does nothing."""
+    ``start()`` restores, ``stop()`` does nothing.
+
+    ``label_sources``: the producers whose labels are accepted for every model (besides the ones each
+    model's monitoring.yaml names)."""
 
     def __init__(self, *, store: MonitorStore, emitter: EventEmitter, metrics: ScorerMetrics,
-                 load_bundle: BundleLoader, seed: int = 0) -> None:
+                 load_bundle: BundleLoader, seed: int = 0,
+                 label_sources: frozenset[str] = frozenset({LABEL_SOURCE})) -> None:
         super().__init__()
         self.store = store
+        self.label_sources = frozenset(label_sources)
         self.emitter = emitter
         self.metrics = metrics
         self.load_bundle = load_bundle
@@ -218,6 +227,7 @@ class Scorer(Component):
         key = model_version(model, version)
         if monitor is None and (kept := await self.store.baseline(key)) is not None:
             monitor = await asyncio.to_thread(_kept_monitor, kept, config)
+        await self.store.add_label_producers(config.label_producers)
         rules = config.rules
         override = await self.store.get_rules(key)
         if override is not None:
@@ -436,10 +446,14 @@ class Scorer(Component):
         self.metrics.data_quality.labels(m, v).set(score.data_quality.bad_rows_share)
 
     # ------------------------------------------------------------------ labels
-    async def on_label(self, raw: bytes) -> str:
-        """Joins a LabelObserved to its prediction; returns the outcome (joined, parked, duplicate).
+    async def on_label(self, raw: bytes, origin: LabelOrigin) -> str:
+        """Joins a LabelObserved from ``origin`` to its prediction; returns the outcome: joined,
+        corrected, duplicate, other_producer (see :meth:`MonitorStore.join_truth`), or parked (before its
+        prediction; not newer than its producer's parked one: duplicate).
 
         Raises:
+            UntrustedSource: the producer is not one the prediction's model accepts (the platform's,
+                or one its monitoring.yaml names); before its prediction: one that no model accepts.
             InvalidArgument: the label is malformed (no request id, no values, wrong count for the
                 prediction's batch, a non-finite or non-class value): the stream dead-letters it.
         """
@@ -455,40 +469,62 @@ class Scorer(Component):
             raise InvalidArgument.of(problems)
         found = await self.store.find_prediction(label.request_id)
         if found is None:
-            await self.store.park_label(label.request_id, raw)
+            # whether the model accepts it is known once the prediction comes; parked only from a
+            # producer some model accepts, so nobody else can fill Redis with labels
+            if origin.producer not in self.label_sources and not await self.store.is_label_producer(origin.producer):
+                raise UntrustedSource(f"label source {origin.producer[:MAX_SOURCE_SHOWN]!r} is not a label producer "
+                                      f"of any monitored model; accepted for every model: "
+                                      f"{', '.join(sorted(self.label_sources)) or 'none'}, and the producers a "
+                                      "model's monitoring.yaml names (labels.producers)")
+            if not await self.store.park_label(label.request_id, ParkedLabel(origin, raw)):
+                self.metrics.labels.labels("duplicate").inc()
+                return "duplicate"
             self.metrics.labels.labels("parked").inc()
             return "parked"
         key, window, event = found
-        return await self._join(key, window, event, label)
+        return await self._join(key, window, event, label, origin)
 
     async def on_prediction_joinable(self, key: str, window: int, raw_event: bytes, request_id: str) -> None:
-        """Keeps a prediction for the label join; applies a label that came before it."""
+        """Keeps a prediction for the label join; applies the labels that came before it."""
         await self.on_predictions_joinable([Joinable(key, window, raw_event, request_id)])
 
     async def on_predictions_joinable(self, items: Sequence[Joinable]) -> None:
         """Keeps predictions for the label join (one Redis round trip for all); applies the labels
-        that came before them."""
+        that came before them, each producer's in the order they came (the first applied is kept)."""
         parked = await self.store.remember_predictions(
             [(item.request_id, item.key, item.window, item.raw_event) for item in items])
-        for item, label in zip(items, parked, strict=True):
-            if label is None:
-                continue
-            try:
-                await self._join(item.key, item.window, item.raw_event, label_events_pb2.LabelObserved.FromString(label))
-            except InvalidArgument as exc:
-                self.metrics.labels.labels("malformed").inc()
-                log.warning("parked label of %s dropped: %s", item.request_id, exc)
-            except FailedPrecondition as exc:  # no monitor yet (no reference, first window open): raised
-                # out of here it would stop the predictions agent, and the label is no longer parked
-                self.metrics.labels.labels("unjoinable").inc()
-                log.warning("parked label of %s dropped: %s", item.request_id, exc.message)
+        for item, labels in zip(items, parked, strict=True):
+            for label in labels:
+                try:
+                    await self._join(item.key, item.window, item.raw_event,
+                                     label_events_pb2.LabelObserved.FromString(label.data), label.origin)
+                except UntrustedSource as exc:  # a producer another model names: counted, not dead-lettered
+                    self.metrics.labels.labels("untrusted").inc()
+                    log.warning("parked label of %s dropped: %s", item.request_id, exc)
+                except InvalidArgument as exc:
+                    self.metrics.labels.labels("malformed").inc()
+                    log.warning("parked label of %s dropped: %s", item.request_id, exc)
+                except FailedPrecondition as exc:  # no monitor yet (no reference, first window open): raised
+                    # out of here it would stop the predictions agent, and the label is no longer parked
+                    self.metrics.labels.labels("unjoinable").inc()
+                    log.warning("parked label of %s dropped: %s", item.request_id, exc.message)
 
-    async def _join(self, key: str, window: int, raw_event: bytes, label: label_events_pb2.LabelObserved) -> str:
+    def _check_producer(self, monitored: Monitored, producer: str) -> None:
+        """Raises: UntrustedSource: ``producer`` is neither the platform's nor one the model names."""
+        accepted = self.label_sources | monitored.config.label_producers
+        if producer not in accepted:
+            raise UntrustedSource(f"label source {producer[:MAX_SOURCE_SHOWN]!r} is not a label producer of "
+                                  f"{monitored.key}; accepted: {', '.join(sorted(accepted)) or 'none'}")
+
+    async def _join(self, key: str, window: int, raw_event: bytes, label: label_events_pb2.LabelObserved,
+                    origin: LabelOrigin) -> str:
         """Raises: FailedPrecondition: ``key`` has no monitor (nobody registered it, or no reference
-        and its first window open); what :meth:`adopt` raises; InvalidArgument (see :meth:`on_label`)."""
+        and its first window open); what :meth:`adopt` raises; UntrustedSource, InvalidArgument (see
+        :meth:`on_label`)."""
         monitored = await self.adopt(key)  # a label's partition may be another process's than its version's
         if monitored is None or monitored.monitor is None:
             raise FailedPrecondition(f"{key} has no monitor to join labels to")
+        self._check_producer(monitored, origin.producer)
         batch = self.decode(monitored, inference_events.PredictionMade.FromString(raw_event))
         values = np.asarray(label.values, dtype=np.float64)
         if len(values) != len(batch):
@@ -501,12 +537,14 @@ class Scorer(Component):
             total = float(np.sum(np.abs(batch.outputs.predicted - values)))
         else:
             total = float(np.sum(batch.outputs.predicted == values))
-        joined = await self.store.join_truth(label.request_id, key, window, len(values), total)
+        outcome, joined = await self.store.join_truth(label.request_id, key, window, len(values), total, origin)
         if joined is None:
-            self.metrics.labels.labels("duplicate").inc()
-            return "duplicate"
+            self.metrics.labels.labels(outcome).inc()
+            return outcome
         labelled, sum_total = joined
-        if monitor.mpp is not None:  # before the window shows the label: a reader that sees it sees the refit
+        # before the window shows the label: a reader that sees it sees the refit. A correction is not
+        # learned again: the MPP's live rows hold the request's first label and cannot be taken back
+        if outcome == "joined" and monitor.mpp is not None:
             monitor.mpp.add_labels(batch.features, batch.outputs, values)
             if monitor.mpp.due and await asyncio.to_thread(monitor.mpp.recalibrate):
                 self.metrics.recalibrations.labels(monitored.model, monitored.version).inc()
@@ -519,8 +557,8 @@ class Scorer(Component):
                 if record.get(name) is not None:
                     self.metrics.estimate_error.labels(monitored.model, monitored.version, name).set(
                         abs(record[name] - record["true"]))
-        self.metrics.labels.labels("joined").inc()
-        return "joined"
+        self.metrics.labels.labels(outcome).inc()  # once the window shows it
+        return outcome
 
 
 def _rules_of(text: str) -> tuple[Rule, ...]:
