@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 import importlib
 import re
+import subprocess
+import sys
 import tomllib
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
@@ -99,6 +101,17 @@ def test_no_copy_of_an_event_source() -> None:
                  for service in SERVICES for path in sorted((service / "src").rglob("*.py"))
                  for number, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert not offenders, "use the owner's contract names.EVENT_SOURCE:\n" + "\n".join(offenders)
+
+
+def test_names_and_topics_import_no_transport(service: Path) -> None:
+    """A transport-free core or a traced job imports a contract's names and topics without its client's
+    grpc or the settings' pydantic; every exported name still resolves."""
+    contract = f"{_module(service)}_contract"
+    code = (f"import sys, {contract} as c, {contract}.names, {contract}.topics\n"
+            "heavy = sorted(m for m in ('grpc', 'pydantic', 'sklearn', 'opml_common.config') if m in sys.modules)\n"
+            "assert not heavy, heavy\n"
+            "assert all(getattr(c, name) is not None for name in c.__all__)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def _production_closure(name: str) -> set[str]:

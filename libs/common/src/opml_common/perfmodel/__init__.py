@@ -4,11 +4,10 @@ which places and sizes models on kinds it has not fully profiled, and the automl
 
 Needs scikit-learn (the ``perfmodel`` extra of opml-common)."""
 
-import importlib
-from typing import Any
+from opml_common.lazy import lazy_exports
 
-# Names are imported on first use (PEP 562): a client that only builds a ServingConfig (the
-# inference-router's contract) loads numpy, not scikit-learn, which the models need.
+# Imported on first use: a client that only builds a ServingConfig (the inference-router's contract)
+# loads numpy, not scikit-learn, which the models need.
 _EXPORTS = {
     "Influence": "influence", "influential_terms": "influence",
     "PerformanceModel": "learn", "mape": "learn",
@@ -18,11 +17,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)

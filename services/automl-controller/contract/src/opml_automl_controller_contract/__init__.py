@@ -3,8 +3,18 @@
 Its gRPC client, experiment and trial resource names, the experiments topic and its event source.
 """
 
-from opml_automl_controller_contract.client import ExperimentClient
-from opml_automl_controller_contract.names import EVENT_SOURCE, SERVICE, experiment_name, trial_name
-from opml_automl_controller_contract.topics import EXPERIMENTS
+from opml_common.lazy import lazy_exports
 
-__all__ = ["EVENT_SOURCE", "EXPERIMENTS", "SERVICE", "ExperimentClient", "experiment_name", "trial_name"]
+# Imported on first use: a core or a traced job that needs only names or topics stays free of the
+# client's grpc (and whatever else a submodule needs).
+_EXPORTS = {
+    "EVENT_SOURCE": "names",
+    "EXPERIMENTS": "topics",
+    "ExperimentClient": "client",
+    "SERVICE": "names",
+    "experiment_name": "names",
+    "trial_name": "names",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

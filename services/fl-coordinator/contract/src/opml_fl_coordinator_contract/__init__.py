@@ -7,16 +7,25 @@ topic and its event source. ``KerasClient`` is not re-exported here: its module 
 members that train with Keras.
 """
 
-from opml_fl_coordinator_contract.client import (
-    ClientRun,
-    FederatedClient,
-    FederationClient,
-    NumPyClient,
-    run_client,
-)
-from opml_fl_coordinator_contract.names import CLIENT_TOKEN_HEADER, EVENT_SOURCE, SERVICE, federation_name
-from opml_fl_coordinator_contract.topics import FEDERATIONS
-from opml_fl_coordinator_contract.weights import ArrayAssembler, Weights, chunks
+from opml_common.lazy import lazy_exports
 
-__all__ = ["CLIENT_TOKEN_HEADER", "EVENT_SOURCE", "FEDERATIONS", "SERVICE", "ArrayAssembler", "ClientRun",
-           "FederatedClient", "FederationClient", "NumPyClient", "Weights", "chunks", "federation_name", "run_client"]
+# Imported on first use: a core or a traced job that needs only names or topics stays free of the
+# client's grpc (and whatever else a submodule needs).
+_EXPORTS = {
+    "ArrayAssembler": "weights",
+    "CLIENT_TOKEN_HEADER": "names",
+    "ClientRun": "client",
+    "EVENT_SOURCE": "names",
+    "FEDERATIONS": "topics",
+    "FederatedClient": "client",
+    "FederationClient": "client",
+    "NumPyClient": "client",
+    "SERVICE": "names",
+    "Weights": "weights",
+    "chunks": "weights",
+    "federation_name": "names",
+    "run_client": "client",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

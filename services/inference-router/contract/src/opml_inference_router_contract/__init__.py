@@ -7,17 +7,24 @@ carries (:mod:`.model_config`: ``model.yaml``, which whoever produces a model wr
 here). Inference itself goes through any KServe v2 client at the router's address.
 """
 
-from opml_inference_router_contract.client import DeploymentClient, serving_config
-from opml_inference_router_contract.model_config import ModelConfig, load_model_config
-from opml_inference_router_contract.names import EVENT_SOURCE, SERVICE
-from opml_inference_router_contract.predictions import (
-    RECORD_CAP_BYTES,
-    prediction_made,
-    prediction_subject,
-    tensor_summaries,
-)
-from opml_inference_router_contract.topics import DEPLOYMENTS, PREDICTIONS
+from opml_common.lazy import lazy_exports
 
-__all__ = ["DEPLOYMENTS", "EVENT_SOURCE", "PREDICTIONS", "RECORD_CAP_BYTES", "SERVICE", "DeploymentClient",
-           "ModelConfig", "load_model_config", "prediction_made", "prediction_subject", "serving_config",
-           "tensor_summaries"]
+# Imported on first use: a core or a traced job that needs only names or topics stays free of the
+# client's grpc (and whatever else a submodule needs).
+_EXPORTS = {
+    "DEPLOYMENTS": "topics",
+    "DeploymentClient": "client",
+    "EVENT_SOURCE": "names",
+    "ModelConfig": "model_config",
+    "PREDICTIONS": "topics",
+    "RECORD_CAP_BYTES": "predictions",
+    "SERVICE": "names",
+    "load_model_config": "model_config",
+    "prediction_made": "predictions",
+    "prediction_subject": "predictions",
+    "serving_config": "client",
+    "tensor_summaries": "predictions",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -4,16 +4,22 @@ Its gRPC client, job resource names, the job spec (YAML -> ``JobSpec``, and the 
 client reports every mistake before it submits), the jobs topic and its event source.
 """
 
-from opml_job_orchestrator_contract.client import JobClient
-from opml_job_orchestrator_contract.jobspec import (
-    check_env,
-    load_spec,
-    parse_cpu_millis,
-    parse_memory_mib,
-    rule_violations,
-)
-from opml_job_orchestrator_contract.names import EVENT_SOURCE, SERVICE, job_name
-from opml_job_orchestrator_contract.topics import JOBS
+from opml_common.lazy import lazy_exports
 
-__all__ = ["EVENT_SOURCE", "JOBS", "SERVICE", "JobClient", "check_env", "job_name", "load_spec", "parse_cpu_millis",
-           "parse_memory_mib", "rule_violations"]
+# Imported on first use: a core or a traced job that needs only names or topics stays free of the
+# client's grpc (and whatever else a submodule needs).
+_EXPORTS = {
+    "EVENT_SOURCE": "names",
+    "JOBS": "topics",
+    "JobClient": "client",
+    "SERVICE": "names",
+    "check_env": "jobspec",
+    "job_name": "names",
+    "load_spec": "jobspec",
+    "parse_cpu_millis": "jobspec",
+    "parse_memory_mib": "jobspec",
+    "rule_violations": "jobspec",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -5,8 +5,19 @@ it publishes, the labels others publish for it to join to predictions), its even
 the platform's own labels.
 """
 
-from opml_monitoring_scorer_contract.client import MonitoringClient
-from opml_monitoring_scorer_contract.names import EVENT_SOURCE, LABEL_SOURCE, SERVICE, version_name
-from opml_monitoring_scorer_contract.topics import ALERTS, LABELS
+from opml_common.lazy import lazy_exports
 
-__all__ = ["ALERTS", "EVENT_SOURCE", "LABEL_SOURCE", "LABELS", "SERVICE", "MonitoringClient", "version_name"]
+# Imported on first use: a core or a traced job that needs only names or topics stays free of the
+# client's grpc (and whatever else a submodule needs).
+_EXPORTS = {
+    "ALERTS": "topics",
+    "EVENT_SOURCE": "names",
+    "LABELS": "topics",
+    "LABEL_SOURCE": "names",
+    "MonitoringClient": "client",
+    "SERVICE": "names",
+    "version_name": "names",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

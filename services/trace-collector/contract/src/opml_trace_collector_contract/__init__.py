@@ -4,9 +4,20 @@ Its gRPC client, the topic traced jobs publish to with the sources the collector
 event source, and the programs a job runner starts to trace a job without changing its code.
 """
 
-from opml_trace_collector_contract.client import TraceCollectorClient
-from opml_trace_collector_contract.names import EVENT_SOURCE, LAUNCHER_MODULE, SERVICE, SHIPPER_MODULE
-from opml_trace_collector_contract.topics import TRACER_SOURCE_PREFIX, TRACES, tracer_source
+from opml_common.lazy import lazy_exports
 
-__all__ = ["EVENT_SOURCE", "LAUNCHER_MODULE", "SERVICE", "SHIPPER_MODULE", "TRACER_SOURCE_PREFIX", "TRACES",
-           "TraceCollectorClient", "tracer_source"]
+# Imported on first use: a core or a traced job that needs only names or topics stays free of the
+# client's grpc (and whatever else a submodule needs).
+_EXPORTS = {
+    "EVENT_SOURCE": "names",
+    "LAUNCHER_MODULE": "names",
+    "SERVICE": "names",
+    "SHIPPER_MODULE": "names",
+    "TRACER_SOURCE_PREFIX": "topics",
+    "TRACES": "topics",
+    "TraceCollectorClient": "client",
+    "tracer_source": "topics",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
