@@ -4,7 +4,8 @@ read what it publishes.
 Its DeploymentService client, the topics it publishes (predictions, deployment events) with its event
 source, how its prediction events are made (:mod:`.predictions`), and the model config a bundle
 carries (:mod:`.model_config`: ``model.yaml``, which whoever produces a model writes and can validate
-here). Inference itself goes through any KServe v2 client at the router's address.
+here) with its rollout spec (:mod:`.rollout_spec`: ``rollout.yaml``). Inference itself goes through
+any KServe v2 client at the router's address.
 """
 
 from opml_common.lazy import lazy_exports
@@ -18,8 +19,10 @@ _EXPORTS = {
     "ModelConfig": "model_config",
     "PREDICTIONS": "topics",
     "RECORD_CAP_BYTES": "predictions",
+    "RolloutSpec": "rollout_spec",
     "SERVICE": "names",
     "load_model_config": "model_config",
+    "load_rollout_spec": "rollout_spec",
     "prediction_made": "predictions",
     "prediction_subject": "predictions",
     "serving_config": "client",
