@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from opml_common.config import ServiceSettings
@@ -27,9 +27,11 @@ class AutomlControllerSettings(ServiceSettings):
                                      "collector's wrapper (`-m opml_automl_controller.filetail`) in a trial's "
                                      "job; unset: the controller's own (jobs on this machine); where the "
                                      "orchestrator runs pods, the image's python.")
-    bundle_store_target: str | None = Field(None, min_length=1, description="The bundle-store the best trial's "
-                                            "model is committed to when an experiment ends; unset: models are "
-                                            "not committed.")
+    bundle_store_target: str | None = Field(
+        None, min_length=1,
+        validation_alias=AliasChoices("OPML_AUTOML_CONTROLLER_BUNDLE_STORE_TARGET", "OPML_BUNDLE_STORE_TARGET"),
+        description="The bundle-store the best trial's model is committed to when an experiment ends (also read "
+        "from OPML_BUNDLE_STORE_TARGET, which `make up` sets); unset: models are not committed.")
     bundle_store_token: SecretStr | None = Field(None, description="Bearer token (writer) for the bundle-store.")
     model_context: str = Field("automl", min_length=1, description="The bundle-store context of the best models.")
     trace_wait_s: float = Field(10.0, gt=0, description="Trace collector: how long after a trial's job "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from opml_common.config import ServiceSettings
@@ -26,8 +26,10 @@ class FlCoordinatorSettings(ServiceSettings):
     max_model_bytes: int = Field(1 << 30, ge=1024, description="Largest model (sum of its arrays' bytes) a "
                                  "client may upload; larger uploads are refused as they arrive.")
     chunk_bytes: int = Field(1 << 20, ge=1024, le=4 << 20, description="Bytes of array data per chunk sent.")
-    bundle_store_target: str = Field("", description="host:port of bundle-store: each completed round's model "
-                                     "is committed there as a bundle with lineage (empty: not published).")
+    bundle_store_target: str = Field(
+        "", validation_alias=AliasChoices("OPML_FL_COORDINATOR_BUNDLE_STORE_TARGET", "OPML_BUNDLE_STORE_TARGET"),
+        description="host:port of bundle-store: each completed round's model is committed there as a bundle with "
+        "lineage (also read from OPML_BUNDLE_STORE_TARGET, which `make up` sets; empty: not published).")
     bundle_store_token: SecretStr = Field(SecretStr(""), description="Bearer token for bundle-store (writer).")
     bundle_context: str = Field("federated", min_length=1, description="bundle-store context of the models.")
     serve_models: bool = Field(False, description="Tag published ONNX models serve=true, so the inference-router "
