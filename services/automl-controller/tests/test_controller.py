@@ -363,6 +363,14 @@ async def test_file_collector_wraps_the_command(store: ExperimentStore) -> None:
     assert argv[5:] == ["python", "train.py", "--x=-2.0"]
 
 
+async def test_validate_warns_of_a_field_katib_does_not_have(store: ExperimentStore) -> None:
+    doc = yaml.safe_load(experiment("typo"))
+    doc["spec"]["paralelTrialCount"] = 1
+    checked = controller(store, ScriptedJobs(quadratic)).validate(yaml.safe_dump(doc))
+    assert checked.warnings == ("spec.paralelTrialCount: unknown field, ignored (did you mean parallelTrialCount?)",)
+    assert checked.spec.parallel_trial_count == 3
+
+
 async def test_trace_collector_feeds_trials_from_tracer_events(store: ExperimentStore) -> None:
     """Trace kind: the job runs traced; only the tracer events of a running trial's primary task count
     (others are ignored, a forged source is refused); after the job succeeded the trial waits for its

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from opml_automl_controller.experiment import CollectorKind
-from opml_automl_controller.katib import parse_experiment
+from opml_automl_controller.katib import check_experiment, parse_experiment
 from opml_automl_controller.template import build_trial_job
 from opml_common.errors import InvalidArgument
 
@@ -163,7 +163,8 @@ INVALID = {
         "spec.trialTemplate.trialParameters[0].reference", "'learning_rate' is not a parameter"),
     "06-duplicate-trialparameter-name": (_dup_trial_parameter, "spec.trialTemplate.trialParameters[1].name",
                                          "duplicate trialParameter name 'learningRate'"),
-    "07-template-placeholder-undeclared": (_undeclared, "spec.trialTemplate.trialSpec",
+    "07-template-placeholder-undeclared": (_undeclared, "spec.trialTemplate.trialSpec.spec.template.spec."
+                                                        "containers[0].command[6]",
                                            "undeclared placeholder ${trialParameters.batchSize}"),
     "08-unsupported-parameter-type": (_set(["parameters", 0, "parameterType"], "float"),
                                       "spec.parameters[0].parameterType", "parameterType 'float' is not supported"),
@@ -204,6 +205,63 @@ def test_every_violation_at_once() -> None:
         "spec.parameters[1].feasibleSpace": "min must not exceed max (got 2 > 0.9)",
     }
     assert caught.value.message.startswith("spec.maxFailedTrialCount: must be >= 0 (got -1); ")
+
+
+def test_an_invalid_objective_does_not_hide_the_other_mistakes() -> None:
+    def three(spec: dict) -> None:
+        spec["objective"]["type"] = "minimise"
+        spec["parameters"][0]["feasibleSpace"] = {"min": "0.5", "max": "0.1"}
+        spec["parallelTrialCount"] = 0
+    with pytest.raises(InvalidArgument) as caught:
+        parse_experiment(_changed(three))
+    assert dict(caught.value.violations) == {
+        "spec.objective.type": "must be minimize or maximize, but got 'minimise'",
+        "spec.parameters[0].feasibleSpace": "min must not exceed max (got 0.5 > 0.1)",
+        "spec.parallelTrialCount": "must be greater than 0 (got 0)",
+    }
+
+
+def test_an_unknown_field_is_a_warning_with_the_nearest_name() -> None:
+    def misspelt(spec: dict) -> None:
+        spec["paralelTrialCount"] = 5
+        spec["parameters"][0]["feasibleSpace"]["maximum"] = "0.9"
+    checked = check_experiment(_changed(misspelt))
+    assert checked.warnings == (
+        "spec.parameters[0].feasibleSpace.maximum: unknown field, ignored (did you mean max?)",
+        "spec.paralelTrialCount: unknown field, ignored (did you mean parallelTrialCount?)",
+    )
+    assert checked.spec.parallel_trial_count == 3  # Katib's CRD keeps and ignores it: the default applies
+
+
+@pytest.mark.parametrize("name", sorted(ACCEPTED))
+def test_the_upstream_examples_have_no_unknown_field(name: str) -> None:
+    assert check_experiment((EXAMPLES / name).read_text()).warnings == ()
+
+
+_COMMAND = "spec.trialTemplate.trialSpec.spec.template.spec.containers[0].command[6]"
+
+
+@pytest.mark.parametrize(("placeholder", "rule"), [
+    ("${trialParameters.batchSize}", "undeclared placeholder ${trialParameters.batchSize}"),
+    ("${trialParameter.momentum}", "unresolved placeholder ${trialParameter.momentum}"),
+    ("${momentum}", "unresolved placeholder ${momentum}"),
+    ("${trialParameters.momentum", "unclosed placeholder '${trialParameters.momentum'"),
+])
+def test_a_placeholder_left_unresolved_is_refused_with_its_field(placeholder: str, rule: str) -> None:
+    def add(spec: dict) -> None:
+        spec["trialTemplate"]["trialSpec"]["spec"]["template"]["spec"]["containers"][0]["command"].append(
+            f"--x={placeholder}")
+    with pytest.raises(InvalidArgument) as caught:
+        parse_experiment(_changed(add))
+    ((path, message),) = caught.value.violations
+    assert path == _COMMAND and message.startswith(rule), (path, message)
+
+
+def test_a_shell_variable_in_a_trial_command_is_left_alone() -> None:
+    def add(spec: dict) -> None:
+        spec["trialTemplate"]["trialSpec"]["spec"]["template"]["spec"]["containers"][0]["command"].append(
+            "--home=${HOME}")
+    parse_experiment(_changed(add))
 
 
 def test_katib_defaults_apply() -> None:
@@ -263,6 +321,29 @@ def test_the_platforms_own_job_spec_is_a_trial_template() -> None:
     job = build_trial_job(spec.trial_template, {"lr": "0.01", "momentum": "0.5"}, trial_name="t", namespace="k")
     assert list(job.spec.command) == ["python", "train.py", "--lr=0.01", "--m=0.5"]
     assert job.spec.roles["worker"].resources.cpu_millis == 500 and job.notes == ()
+
+
+def test_a_template_naming_the_trials_model_or_checkpoint_folder_is_refused_at_admission() -> None:
+    """Both are the trial's own model folder, which the controller names and the orchestrator makes for
+    the trial's job: every such field is named at once; a checkpoint interval stays the template's."""
+    doc = _random()
+    doc["spec"]["trialTemplate"]["trialSpec"] = {
+        "apiVersion": "jobs.opml.dev/v1", "kind": "OpmlJob",
+        "spec": {"command": ["python", "train.py", "--lr=${trialParameters.learningRate}",
+                             "--m=${trialParameters.momentum}"],
+                 "env": {"AUTOML_MODEL_DIR": "/tmp/mine"},
+                 "checkpoint": {"dir": "/tmp/ckpt", "interval_seconds": 30},
+                 "roles": {"worker": {"replicas": 1}}}}
+    with pytest.raises(InvalidArgument) as caught:
+        parse_experiment(doc)
+    assert [path for path, _ in caught.value.violations] == ["spec.trialTemplate.trialSpec.spec.checkpoint.dir",
+                                                             "spec.trialTemplate.trialSpec.env.AUTOML_MODEL_DIR"]
+    assert "each trial's own model folder ($AUTOML_MODEL_DIR)" in caught.value.violations[0][1]
+    del doc["spec"]["trialTemplate"]["trialSpec"]["spec"]["checkpoint"]["dir"]
+    del doc["spec"]["trialTemplate"]["trialSpec"]["spec"]["env"]
+    spec = parse_experiment(doc)
+    job = build_trial_job(spec.trial_template, {"lr": "0.01", "momentum": "0.5"}, trial_name="t", namespace="k")
+    assert job.spec.checkpoint.interval_seconds == 30 and job.spec.checkpoint.dir == ""
 
 
 def test_a_job_env_overriding_the_platform_is_refused_at_admission() -> None:

@@ -13,7 +13,7 @@ from rich.live import Live
 from rich.table import Table
 
 from opml_automl_controller import report
-from opml_automl_controller.katib import MAX_EXPERIMENT_BYTES, parse_experiment
+from opml_automl_controller.katib import MAX_EXPERIMENT_BYTES, check_experiment, parse_experiment
 from opml_automl_controller_contract.client import ExperimentClient
 from opml_common.cligroup import ClientSession, output_console, pass_session, service_group
 
@@ -75,7 +75,9 @@ def _watch(session: ClientSession, name: str, interval: float) -> pb.Experiment:
 def create(session: ClientSession, path: Path, watch: bool, interval: float) -> None:
     """Create (and start) an experiment."""
     text = _read(path)
-    parse_experiment(text, what=str(path))  # every mistake, with the file's line and column, before a request
+    # every mistake, with the file's line and column, before a request; unknown fields are ignored, and said
+    for warning in check_experiment(text, what=str(path)).warnings:
+        click.echo(f"warning: {warning}", err=True)
     with session.client() as client:
         created = client.create(text)
     console.print(f"created {created.name} ({created.algorithm}, {created.max_trial_count} trials, "
@@ -96,6 +98,8 @@ def validate(session: ClientSession, path: Path) -> None:
         click.echo(json.dumps(MessageToDict(checked.trial_job), indent=2))
     for note in checked.notes:
         console.print(f"note: {note}", markup=False)
+    for warning in checked.warnings:
+        click.echo(f"warning: {warning}", err=True)
 
 
 @experiment.command("get")

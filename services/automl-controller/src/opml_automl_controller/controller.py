@@ -39,7 +39,7 @@ from opml_automl_controller import convert
 from opml_automl_controller.algorithms import fixed_parameters
 from opml_automl_controller.experiment import ExperimentSpec, ResumePolicy, parameter_text
 from opml_automl_controller.jobs import TrialJobs
-from opml_automl_controller.katib import parse_experiment
+from opml_automl_controller.katib import check_experiment, parse_experiment
 from opml_automl_controller.metrics import ControllerMetrics
 from opml_automl_controller.models import ModelStore
 from opml_automl_controller.records import Records
@@ -82,6 +82,7 @@ class Validation:
     spec: ExperimentSpec
     trial_job: TrialJob | None
     surrogate: SurrogateCall | None = None
+    warnings: tuple[str, ...] = ()
 
     @property
     def notes(self) -> tuple[str, ...]:
@@ -204,16 +205,17 @@ class Controller(Component):
                 install lacks among them).
             FailedPrecondition: a ServingConfigSurrogate experiment, and no inference-router configured.
         """
-        spec = parse_experiment(katib_yaml, what="katib_yaml", runnable_here=True)
+        checked = check_experiment(katib_yaml, what="katib_yaml", runnable_here=True)
+        spec = checked.spec
         values = {p.name: parameter_text(p.low if p.low is not None else p.choices[0]) for p in spec.parameters}
         if is_surrogate(spec):
             if self._serving is None:
                 raise FailedPrecondition("a ServingConfigSurrogate experiment needs the inference-router's "
                                          "predictions: set OPML_AUTOML_CONTROLLER_INFERENCE_ROUTER_TARGET")
             return Validation(spec, None, build_surrogate_call(spec.trial_template, values, trial_name="validate",
-                                                               namespace=spec.namespace))
+                                                               namespace=spec.namespace), checked.warnings)
         return Validation(spec, build_job(spec, "validate", 0, values, trial_python=self._trial_python,
-                                          trace_wait_s=self._trace_wait_s))
+                                          trace_wait_s=self._trace_wait_s), warnings=checked.warnings)
 
     async def create(self, katib_yaml: str) -> ExperimentView:
         """Raises: InvalidArgument: a rule broken. AlreadyExists: the name is taken."""

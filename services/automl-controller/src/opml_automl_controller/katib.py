@@ -8,16 +8,21 @@ executor here, collectors that need a sidecar), then Katib's defaults. Like Kati
 every violation rather than stopping at the first, and reports each with its YAML path:
 ``spec.parallelTrialCount: must not exceed spec.maxTrialCount (got 20 > 12)``.
 
-Two Katib early returns are kept: an invalid objective stops validation after the objective, and
-trial-template checks that need the previous one to pass stop there (rules 19, 20, 26).
+One Katib early return is dropped: an invalid objective does not stop the other checks (a user
+fixes every mistake in one pass). Trial-template checks that need the previous one to pass still
+stop there (rules 19, 20, 26). Beyond Katib: a field Katib does not know is a warning (Katib's CRD
+keeps unknown fields and ignores them, so a misspelt ``paralelTrialCount`` would run with the
+default), and a ``${...}`` the trial's substitution leaves unresolved is refused with its field.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import math
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from opml_automl_controller.experiment import (
@@ -92,9 +97,23 @@ _TWO_GROUPS = re.compile(r".*\(.*\).*\(.*\).*")
 Violations = list[tuple[str, str]]
 
 
+@dataclass(frozen=True)
+class CheckedExperiment:
+    """An experiment that passed every rule, and what it holds that is ignored (unknown fields)."""
+
+    spec: ExperimentSpec
+    warnings: tuple[str, ...]
+
+
 def parse_experiment(source: str | bytes | Mapping[str, Any], *, what: str = "experiment",
                      runnable_here: bool = False) -> ExperimentSpec:
-    """Check a Katib Experiment and return it with Katib's defaults applied.
+    """Check a Katib Experiment and return it with Katib's defaults applied (see :func:`check_experiment`)."""
+    return check_experiment(source, what=what, runnable_here=runnable_here).spec
+
+
+def check_experiment(source: str | bytes | Mapping[str, Any], *, what: str = "experiment",
+                     runnable_here: bool = False) -> CheckedExperiment:
+    """Check a Katib Experiment: its spec with Katib's defaults applied, and a warning per unknown field.
 
     Args:
         source: the YAML (one document), or the mapping it loads to.
@@ -111,7 +130,7 @@ def parse_experiment(source: str | bytes | Mapping[str, Any], *, what: str = "ex
     spec, violations = _parse(document, runnable_here=runnable_here)
     if violations or spec is None:
         raise InvalidArgument.of(violations or [(what, "is not a Katib Experiment")])
-    return spec
+    return CheckedExperiment(spec=spec, warnings=tuple(unknown_fields(document)))
 
 
 def missing_extra(algorithm: str) -> str | None:
@@ -150,8 +169,6 @@ def _parse(doc: Any, *, runnable_here: bool = False) -> tuple[ExperimentSpec | N
 
     counts = _counts(spec, found)
     objective = _objective(spec, found)
-    if objective is None:  # Katib returns right after an invalid objective
-        return None, found
     algorithm = _algorithm(spec.get("algorithm"), "spec.algorithm", found, early=False)
     if runnable_here and algorithm is not None and (missing := missing_extra(algorithm.name)):
         found.append(("spec.algorithm.algorithmName", missing))
@@ -169,12 +186,13 @@ def _parse(doc: Any, *, runnable_here: bool = False) -> tuple[ExperimentSpec | N
     if early is not None and algorithm is not None and algorithm.name == "hyperband":
         found.append(("spec.earlyStopping", "cannot be combined with algorithm hyperband: hyperband stops trials "
                                             "itself (one Optuna pruner per study)"))
-    if _is_surrogate(spec):
+    if _is_surrogate(spec) and objective is not None:
         found.extend(check_objective(objective.metric, objective.additional_metrics))
         if spec.get("metricsCollectorSpec") is not None:
             found.append(("spec.metricsCollectorSpec", "must not be set: a ServingConfigSurrogate trial runs no job; "
                                                        "its metrics come from the inference-router's prediction"))
-    if found or algorithm is None or parameters is None or template is None or collector is None:
+    if found or objective is None or algorithm is None or parameters is None or template is None \
+            or collector is None:
         return None, found
     max_trials, parallel, max_failed = counts
     assert isinstance(name, str) and max_trials is not None
@@ -531,7 +549,11 @@ def _trial_template(spec: Mapping[str, Any], parameters: list[Parameter] | None,
     if not isinstance(body, Mapping):
         found.append((f"{base}.trialSpec", "must be a mapping (a Kubernetes object)"))
         return None
-    found.extend(check_template(body, declared, f"{base}.trialSpec", str(primary or "")))
+    unresolved = unresolved_placeholders(body, declared, parameter_names, f"{base}.trialSpec")
+    found.extend(unresolved)
+    # an undeclared ${trialParameters.X} is reported above with its field, not again for the whole template
+    found.extend(v for v in check_template(body, declared, f"{base}.trialSpec", str(primary or ""))
+                 if not (unresolved and v[1].startswith("undeclared placeholder")))
     if len(found) > start:
         return None
     checked = TrialTemplate(api_version=str(body.get("apiVersion")), kind=str(body.get("kind")), spec=dict(body),
@@ -541,6 +563,105 @@ def _trial_template(spec: Mapping[str, Any], parameters: list[Parameter] | None,
         if len(found) > start:
             return None
     return checked
+
+
+_OPENING = re.compile(r"\$\{([^}]*)(\}?)")
+_SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def unresolved_placeholders(body: Mapping[str, Any], declared: list[TrialParameter], parameter_names: set[Any],
+                            path: str) -> Violations:
+    """Every ``${...}`` in the template that a trial's substitution would leave as it is, with its field.
+
+    Only ``${trialParameters.<declared name>}`` is substituted. An unclosed ``${``, a misspelt prefix
+    (``${trialParameter.lr}``), a dotted name or a bare parameter name (``${lr}``) would reach the
+    trial's command as literal text, so they are refused. Any other ``${NAME}`` is a shell variable of
+    an ``sh -c`` script and is left alone.
+    """
+    names = {p.name for p in declared}
+    bare = names | {n for n in parameter_names if isinstance(n, str)}
+    found: Violations = []
+
+    def walk(node: Any, where: str) -> None:
+        if isinstance(node, Mapping):
+            for key, value in node.items():
+                walk(value, f"{where}.{key}")
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                walk(value, f"{where}[{i}]")
+        elif isinstance(node, str):
+            for match in _OPENING.finditer(node):
+                inner, closed = match.group(1), bool(match.group(2))
+                written = match.group(0)
+                if not closed:
+                    found.append((where, f"unclosed placeholder {written!r}: write ${{trialParameters.<name>}}"))
+                elif inner.startswith("trialParameters."):
+                    if inner.removeprefix("trialParameters.") not in names:
+                        found.append((where, f"undeclared placeholder {written}: declare it in "
+                                             f"spec.trialTemplate.trialParameters (declared: {sorted(names)})"))
+                elif inner in bare or not _SHELL_NAME.fullmatch(inner):
+                    found.append((where, f"unresolved placeholder {written}: only ${{trialParameters.<name>}} is "
+                                         f"substituted (declared: {sorted(names)})"))
+
+    walk(body, path)
+    return found
+
+
+_KNOWN_FIELDS: dict[str, frozenset[str]] = {
+    "": frozenset({"apiVersion", "kind", "metadata", "spec", "status"}),
+    "metadata": frozenset({"name", "namespace", "labels", "annotations", "generateName", "uid", "resourceVersion",
+                           "generation", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds",
+                           "ownerReferences", "finalizers", "managedFields", "selfLink"}),
+    "spec": frozenset({"parameters", "objective", "algorithm", "trialTemplate", "parallelTrialCount",
+                       "maxTrialCount", "maxFailedTrialCount", "metricsCollectorSpec", "nasConfig", "resumePolicy",
+                       "earlyStopping"}),
+    "spec.objective": frozenset({"type", "goal", "objectiveMetricName", "additionalMetricNames",
+                                 "metricStrategies"}),
+    "spec.objective.metricStrategies[]": frozenset({"name", "value"}),
+    "spec.algorithm": frozenset({"algorithmName", "algorithmSettings"}),
+    "spec.algorithm.algorithmSettings[]": frozenset({"name", "value"}),
+    "spec.earlyStopping": frozenset({"algorithmName", "algorithmSettings"}),
+    "spec.earlyStopping.algorithmSettings[]": frozenset({"name", "value"}),
+    "spec.parameters[]": frozenset({"name", "parameterType", "feasibleSpace"}),
+    "spec.parameters[].feasibleSpace": frozenset({"max", "min", "list", "step", "distribution"}),
+    "spec.trialTemplate": frozenset({"retain", "trialSpec", "configMap", "trialParameters", "primaryPodLabels",
+                                     "primaryContainerName", "successCondition", "failureCondition"}),
+    "spec.trialTemplate.configMap": frozenset({"configMapName", "configMapNamespace", "templatePath"}),
+    "spec.trialTemplate.trialParameters[]": frozenset({"name", "description", "reference"}),
+    "spec.metricsCollectorSpec": frozenset({"source", "collector"}),
+    "spec.metricsCollectorSpec.source": frozenset({"filter", "fileSystemPath", "httpGet"}),
+    "spec.metricsCollectorSpec.source.filter": frozenset({"metricsFormat"}),
+    "spec.metricsCollectorSpec.source.fileSystemPath": frozenset({"path", "kind", "format"}),
+    "spec.metricsCollectorSpec.collector": frozenset({"kind", "customCollector"}),
+}
+"""The fields of Katib's v1beta1 Experiment types (and Kubernetes' ObjectMeta), by their place in the
+document ("[]": each item of a list). The trial template and nasConfig are not listed: the template is
+checked as the Kubernetes object it is (rule 31), and a NAS experiment is refused for its algorithm."""
+
+
+def unknown_fields(document: Mapping[str, Any]) -> list[str]:
+    """A warning for each field Katib's Experiment does not have (with the nearest known name)."""
+    warnings: list[str] = []
+
+    def walk(node: Any, shape: str, where: str) -> None:
+        if isinstance(node, list):
+            for i, item in enumerate(node):
+                walk(item, f"{shape}[]", f"{where}[{i}]")
+            return
+        known = _KNOWN_FIELDS.get(shape)
+        if known is None or not isinstance(node, Mapping):
+            return
+        for key, value in node.items():
+            path = f"{where}.{key}" if where else str(key)
+            if key not in known:
+                near = difflib.get_close_matches(str(key), sorted(known), n=1)
+                hint = f" (did you mean {near[0]}?)" if near else ""
+                warnings.append(f"{path}: unknown field, ignored{hint}")
+                continue
+            walk(value, f"{shape}.{key}" if shape else str(key), path)
+
+    walk(document, "", "")
+    return warnings
 
 
 _METADATA_REFERENCE = re.compile(r"^\$\{trialSpec\.(Name|Namespace|Kind|APIVersion|Labels\[[^\]]+\]|"

@@ -48,7 +48,7 @@ class ExperimentServicer(automl_pb2_grpc.ExperimentServiceServicer):
                                   max_trial_count=spec.max_trial_count, reason="Validated")
         experiment = experiment_to_proto(record, spec, ())
         experiment.ClearField("status")
-        return pb.ValidateExperimentResponse(experiment=experiment, notes=list(checked.notes),
+        return pb.ValidateExperimentResponse(experiment=experiment, notes=list(checked.notes), warnings=list(checked.warnings),
                                              trial_job=checked.trial_job.spec if checked.trial_job else None)
 
     async def GetExperiment(self, request: pb.GetExperimentRequest, context) -> pb.Experiment:
