@@ -33,11 +33,29 @@ def infra_up(workdir: Path, kafka_port: int, s3_port: int) -> None:
         asyncio.run(wait_for_signal())
 
 
+def find_state_dir(start: Path) -> tuple[Path | None, list[Path]]:
+    """The `make up` state directory of the checkout that holds ``start``, and the folders looked in.
+
+    `make up` keeps the stack's state in ``.opml/`` at the checkout's root, so ``opml status`` run in
+    any folder of the checkout looks from there upward, through the checkout's root (the folder with
+    ``.git``) and no further: a stack of another checkout above this one is not this checkout's.
+    """
+    looked: list[Path] = []
+    for folder in (start, *start.parents):
+        looked.append(folder)
+        if (folder / ".opml" / "stack.json").is_file():
+            return folder / ".opml", looked
+        if (folder / ".git").exists():
+            break
+    return None, looked
+
+
 @click.command("status")
-@click.option("--state-dir", type=click.Path(path_type=Path), default=Path(".opml"), show_default=True,
-              help="The state directory of the stack (`make up` uses .opml).")
+@click.option("--state-dir", type=click.Path(path_type=Path), default=None,
+              help="The state directory of the stack (default: the .opml of `make up`, looked for from "
+                   "this folder up to the checkout's root).")
 @click.option("--json", "as_json", is_flag=True, help="The state as JSON, for scripts.")
-def status(state_dir: Path, as_json: bool) -> None:
+def status(state_dir: Path | None, as_json: bool) -> None:
     """Every part of the `make up` stack: state, health (checked now), pid, restarts, ports, version, log.
 
     Exits 1 when the stack is not running, a part is FAILED, or a part is not healthy.
@@ -46,6 +64,17 @@ def status(state_dir: Path, as_json: bool) -> None:
 
     from opml_devstack.stack import status as stack_status
 
+    if state_dir is None:
+        state_dir, looked = find_state_dir(Path.cwd().resolve())
+        if state_dir is None:
+            message = (f"the stack is not running: no .opml/stack.json in {looked[0]} nor any folder above it up to "
+                       f"{looked[-1]}; `make up` at the checkout's root starts it")
+            if as_json:
+                click.echo(json.dumps({"running": False, "ok": False, "parts": [], "message": message,
+                                       "looked_in": [str(folder) for folder in looked]}, indent=2))
+            else:
+                click.echo(message, err=True)
+            sys.exit(1)
     document = stack_status(state_dir)
     if as_json:
         click.echo(json.dumps(document, indent=2))
