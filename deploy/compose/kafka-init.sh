@@ -4,7 +4,7 @@
 # from the broker's JAAS config); idempotent, so `docker compose up` may run it on every start.
 set -euo pipefail
 BOOTSTRAP=kafka:9092
-BIN=/opt/kafka/bin
+BIN=${KAFKA_BIN:-/opt/kafka/bin}  # the Kafka CLI (the image's; tests/repo/test_kafka_acls.py runs the script on stand-ins)
 CONFIG=$(mktemp)
 trap 'rm -f "$CONFIG"' EXIT
 cat > "$CONFIG" <<PROPS
@@ -60,6 +60,7 @@ owns automl-controller opml.experiments.v1
 reads inference-router opml.bundles.v1 inference-router-autodeploy
 acl tracer --operation Write --operation Describe --topic opml.traces.v1
 reads trace-collector opml.traces.v1 trace-collector. prefixed  # groups trace-collector.<generation>
+reads automl-controller opml.traces.v1 automl-controller-traces  # the Trace metrics collector
 owns monitoring-scorer opml.alerts.v1
 reads monitoring-scorer opml.deployments.v1 monitoring-scorer-deployments
 # the faust app (group monitoring-scorer) reads predictions and labels, and owns its changelog topics
