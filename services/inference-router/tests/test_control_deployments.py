@@ -223,6 +223,21 @@ async def test_broken_onnx_fails_with_the_loaders_reason_and_other_models_serve(
         await manager.deploy(Source(model_dir=str(_bundle(tmp_path, "tpu", kinds=("tpu",)))))
 
 
+async def test_a_failed_deploy_gives_its_version_number_back(deployments, tmp_path: Path) -> None:
+    """The FAILED version keeps its reason until the next deploy, which takes its number (no gap)."""
+    manager = deployments.manager
+    assert (await manager.deploy(Source(model_dir=str(_bundle(tmp_path, "clf", seed=1))))).stable == 1
+    broken = _bundle(tmp_path, "clf", seed=2)
+    write_broken_onnx(broken / "model.onnx")
+    with pytest.raises(InvalidArgument):
+        await manager.deploy(Source(model_dir=str(broken)), canary_percent=10)
+    assert manager.models["clf"].versions[2].state == "FAILED"
+    record = await manager.deploy(Source(model_dir=str(_bundle(tmp_path, "clf", seed=3))), canary_percent=10)
+    assert {v: e.state for v, e in record.versions.items()} == {1: "SERVING", 2: "SERVING"}
+    assert record.versions[2].source.model_dir.endswith("clf-3")
+    assert (await manager.deploy(Source(model_dir=str(_bundle(tmp_path, "clf", seed=4))))).stable == 3
+
+
 async def test_canary_promote_and_rollback_through_the_rpcs(deployments, tmp_path: Path) -> None:
     manager, emitted = deployments.manager, deployments.emitted
     servicer = DeploymentServicer(manager)

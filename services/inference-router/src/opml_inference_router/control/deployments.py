@@ -15,7 +15,8 @@ best (:attr:`serving_models`, :mod:`~opml_inference_router.placement.serving`); 
 version's configurations re-places it at once when that changes the choice (:meth:`serving_measured`).
 
 Version numbers only grow per model: a number once given (served, retired, rolled back or
-undeployed) is never given again (:mod:`.versions`).
+undeployed) is never given again, but a deploy that fails before its version serves gives its
+number back (:mod:`.versions`).
 
 One deploy, move or re-placement runs at a time (a lock): each starts from the plan the last left.
 
@@ -184,7 +185,7 @@ class DeploymentManager(Component):
             except (InvalidArgument, FailedPrecondition) as error:
                 self.report_failure(source, error, version=version)
                 raise
-            await self._versions.give(config.name, number)
+            previous = await self._versions.give(config.name, number)
             entry = VersionRecord(number, source, str(directory), bundle_uuid=bundle_uuid, config=config)
             record.versions[number] = entry
             self.models[config.name] = record
@@ -196,6 +197,7 @@ class DeploymentManager(Component):
             except OpmlError as error:
                 entry.state, entry.reason = FAILED, error.message
                 await self._save(record)
+                await self._versions.release(config.name, number, previous)
                 self._failed(config.name, number, source, error)
                 raise
             entry.state = SERVING
