@@ -131,3 +131,12 @@ def test_reference_build_reports_every_problem_at_once() -> None:
                            predicted=np.zeros(10), labels=np.zeros(8))
     fields = [field for field, _ in caught.value.violations]
     assert fields == ["reference.features[b]", "reference.outputs", "reference.labels", "reference.scores"]
+
+
+def test_reference_build_names_class_names_where_class_indexes_belong() -> None:
+    names = np.array(["cat", "dog"] * 60)
+    with pytest.raises(InvalidArgument) as caught:
+        ReferenceSet.build(task=Task.BINARY, features={"a": np.zeros(120)}, predicted=names,
+                           scores=np.full((120, 2), 0.5), labels=names)
+    assert [field for field, _ in caught.value.violations] == ["reference.predicted", "reference.labels"]
+    assert "class names" in caught.value.message

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from opml_common.errors import InvalidArgument
+from opml_common.errors import InvalidArgument, brief
 
 
 class Task(enum.Enum):
@@ -96,7 +96,8 @@ class ReferenceSet:
 
         Raises:
             InvalidArgument: every wrong part at once: columns of different lengths, fewer than
-                ``min_rows`` rows, no features, classifier without scores, regression with scores.
+                ``min_rows`` rows, no features, classifier without scores, regression with scores,
+                outputs, scores or labels that are not numbers (class names: it takes class indexes).
         """
         problems: list[tuple[str, str]] = []
         rows = len(predicted)
@@ -113,13 +114,20 @@ class ReferenceSet:
             problems.append(("reference.scores", f"a {task.value} model's reference needs its class scores"))
         if scores is not None and len(scores) != rows:
             problems.append(("reference.scores", f"has {len(scores)} rows, but the outputs have {rows}"))
+        numbers = {}
+        for name, column in (("predicted", predicted), ("scores", scores), ("labels", labels)):
+            if column is None:
+                continue
+            try:
+                numbers[name] = np.asarray(column, dtype=np.float64)
+            except (TypeError, ValueError):
+                what = "class indexes (0, 1, ...), not class names," if task is not Task.REGRESSION else "numbers"
+                problems.append((f"reference.{name}", f"must hold {what} but holds {brief(str(column[:3]))}..."))
         if problems:
             raise InvalidArgument.of(problems)
         columns = {name: as_column(column) for name, column in features.items()}
-        return cls(task=task, features=columns,
-                   outputs=Outputs(np.asarray(predicted, dtype=np.float64),
-                                   None if scores is None else np.asarray(scores, dtype=np.float64)),
-                   labels=None if labels is None else np.asarray(labels, dtype=np.float64),
+        return cls(task=task, features=columns, outputs=Outputs(numbers["predicted"], numbers.get("scores")),
+                   labels=numbers.get("labels"),
                    categorical=frozenset(n for n, c in columns.items() if is_categorical(c)))
 
     def __len__(self) -> int:
