@@ -148,7 +148,7 @@ def test_a_record_with_a_bad_prediction_or_of_other_versions_is_rejected_whole(s
         record(batch_of(prediction(6), prediction(7)), 4)])               # fine, beside them
     assert isinstance(items[0], InvalidArgument) and items[0].field.startswith("predictions[1].infer_request")
     assert isinstance(items[1], InvalidArgument) and items[1].field == "predictions[1]"
-    assert isinstance(items[2], UnknownModel)
+    assert isinstance(items[2], UnknownModel) and items[2].predictions == 2  # counted as skipped, not dead-lettered
     assert isinstance(items[3], InvalidArgument) and items[3].field == "predictions"
     assert isinstance(items[4], DecodedRecord) and rows_of(items[4]).request_ids == ["r6", "r7"]
     for key in (b"r8", None):  # keyed by request id, or not at all: the version's records spread over partitions

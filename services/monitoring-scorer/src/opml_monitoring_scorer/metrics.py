@@ -12,9 +12,12 @@ class ScorerMetrics:
         mv = ("model", "version")
         self.predictions = metrics.counter("predictions_total", "Predictions scored, per model version.", mv)
         self.rejected = metrics.counter(
-            "predictions_rejected_total", "Predictions dead-lettered: unknown_model (no monitoring registered), "
+            "predictions_rejected_total", "Predictions dead-lettered: "
             "malformed (the event or its KServe v2 messages do not decode, or disagree with the reference), "
             "unscorable (the records of a window the estimators failed on).", ("reason",))
+        self.skipped = metrics.counter(
+            "predictions_skipped_total", "Valid predictions not scored: unknown_model (a version nobody registered: "
+            "served outside the platform, or its deployment not seen yet).", ("reason",))
         self.windows = metrics.counter("windows_total", "Windows closed and scored.", mv)
         self.score = metrics.gauge("window_score", "Quality score of the last closed window (0..1).", mv)
         self.estimate = metrics.gauge(
@@ -40,7 +43,8 @@ class ScorerMetrics:
                                       "unjoinable (its version had no monitor yet).", ("outcome",))
         self.recalibrations = metrics.counter("mpp_recalibrations_total", "MPP refits from live labels.", mv)
         self.registered = metrics.gauge("models_monitored", "Model versions monitored.")
-        for reason in ("unknown_model", "malformed", "unscorable"):  # series at 0 from the start: a rate, not a gap
+        for reason in ("malformed", "unscorable"):  # series at 0 from the start: a rate, not a gap
             self.rejected.labels(reason)
+        self.skipped.labels("unknown_model")
         for outcome in ("joined", "parked", "corrected", "duplicate", "other_producer", "untrusted", "malformed"):
             self.labels.labels(outcome)

@@ -36,8 +36,9 @@ class MonitoringScorerSettings(ServiceSettings):
         "comma separated (empty: none); a model's monitoring.yaml adds its own (labels.producers). A label from any "
         f"other source is dead-lettered as UntrustedSource. {LABEL_SOURCE}: the source of the platform's own label "
         "tools.")
-    autoregister: bool = Field(True, description="Monitor every version the inference-router deploys from a "
-                               "bundle (opml.deployments.v1), from that bundle's reference.npz and monitoring.yaml.")
+    autoregister: bool = Field(True, description="Monitor every version the inference-router deploys "
+                               "(opml.deployments.v1): from its bundle's reference.npz and monitoring.yaml, or, "
+                               "deployed from a directory, with its first window as the baseline.")
     seed: int = Field(0, description="Seed of the MPP's secondary models (reproducible estimates).")
 
     @field_validator("label_sources", mode="before")

@@ -9,9 +9,12 @@ lets one-row requests be scored at more than a few thousand per second). The pre
 version in a batch of records are decoded together (their tensors stacked, one numpy call per
 tensor; if that fails, record by record, then prediction by prediction); a malformed record (one of
 its predictions does not decode, is of another version than the first, or disagrees with the
-version's reference), one not keyed by its version, or one of a model nobody registered, goes whole
-to the topic's dead-letter topic with the reason, and the stream flows on; so do the records of a
-window the estimators cannot score (``Unscorable``). Each record's rows (ranges of its version's
+version's reference), or one not keyed by its version, goes whole to the topic's dead-letter topic
+with the reason, and the stream flows on; so do the records of a window the estimators cannot score
+(``Unscorable``). A valid record of a version nobody registered (a model served outside the platform,
+or one whose deployment the scorer has not seen yet) is counted as skipped (its predictions) and
+settled, with a log line per version at most every ``UNKNOWN_LOG_INTERVAL_S``: it is not malformed,
+and a dead-letter write per record buried the topic under one model's valid predictions. Each record's rows (ranges of its version's
 decode) are appended, whole, to its version's open window: **a record belongs to the window open
 when it comes**, and the window is closed and scored after the record that brings it to
 ``window.count`` rows (so a window holds ``count`` to ``count`` + the record's rows - 1), or when a
@@ -60,6 +63,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -103,8 +107,19 @@ to the router's ``prediction_batch_max`` predictions each) is decoded and applie
 records of about this many, so its transient decode stays bounded."""
 
 
+UNKNOWN_LOG_INTERVAL_S = 300.0
+"""How often the skipping of one unknown version's predictions is logged."""
+UNKNOWN_LOGGED_MAX = 10_000
+"""Most versions whose last log time is kept (the names come from producers: bounded)."""
+
+
 class UnknownModel(Exception):
-    """A prediction of a model version nobody registered for monitoring."""
+    """A valid prediction of a model version nobody registered for monitoring: skipped, not dead-lettered."""
+
+    def __init__(self, key: str, predictions: int) -> None:
+        super().__init__(f"{key[:120]!r} is not monitored")
+        self.key = key
+        self.predictions = predictions
 
 
 @dataclass
@@ -284,6 +299,7 @@ class ScoringStream(Component):
         self._next: dict[int, int] = {}  # source partition -> the offset the stream applies next
         self._rewound: dict[int, int] = {}  # source partition -> the record that showed a gap, while sought back
         self._held: dict[int, Held] = {}  # source partition -> its applied records not acked yet
+        self._unknown_logged: dict[str, float] = {}  # unknown version -> when its skipping was last logged
 
     def _internal_topics(self) -> dict[str, int]:
         return {f"{self.app_id}-windows-changelog": PREDICTIONS.partitions, f"{self.app_id}-__assignor-__leader": 1}
@@ -438,13 +454,13 @@ class ScoringStream(Component):
 
     async def _adopt_unknown(self, events: list[Any]) -> None:
         """Versions in these records (by their Kafka key) that another scorer process registered are
-        adopted before the records are read, so they are scored here, not dead-lettered as unknown."""
+        adopted before the records are read, so they are scored here, not skipped as unknown."""
         models = self.scorer.models
         keys = {key.decode("utf-8", "replace") for e in events if (key := e.message.key)} - models.keys()
         for key in keys:
             try:
                 await self.scorer.adopt(key)
-            except Exception as exc:  # noqa: BLE001 - its records are dead-lettered as unknown, the stream flows
+            except Exception as exc:  # noqa: BLE001 - its records are skipped as unknown, the stream flows
                 log.error("monitoring of %s registered elsewhere not adopted: %s", key[:200], exc)
 
     async def _on_batch(self, events: list[Any]) -> None:
@@ -504,8 +520,7 @@ class ScoringStream(Component):
                                       f"{prediction.model_version[:20]!r}, but the record's first is of {key!r}: "
                                       "a batch holds one version's predictions")
         if key not in self.scorer.models:
-            raise UnknownModel(f"model {first.model_name[:80]!r} version {first.model_version[:20]!r} is not "
-                               "monitored (register it, or deploy it through the inference-router)")
+            raise UnknownModel(key, len(predictions))
         if message.key != key.encode():
             # a version's records on several partitions would each replace its open window (its rows
             # lost, and its records never acked: that partition's commits held back for good)
@@ -564,12 +579,28 @@ class ScoringStream(Component):
             summaries.extend(one.summaries)
         return DecodedRecord.of(key, predictions, data, decodes, message, summaries)
 
+    def _skip_unknown(self, event: Any, unknown: UnknownModel) -> None:
+        """Counts and settles a valid record of a version nobody registered; logs it once a while per version."""
+        self.metrics.skipped.labels("unknown_model").inc(unknown.predictions)
+        now = time.monotonic()
+        last = self._unknown_logged.get(unknown.key)
+        if last is None or now - last >= UNKNOWN_LOG_INTERVAL_S:
+            if len(self._unknown_logged) >= UNKNOWN_LOGGED_MAX:
+                self._unknown_logged.clear()
+            self._unknown_logged[unknown.key] = now
+            log.warning("predictions of %r skipped: it is not monitored (register it with RegisterModel, or deploy "
+                        "it through the inference-router); counted in opml_monitoring_scorer_predictions_skipped_total"
+                        ", logged again in %.0f s at most", unknown.key[:120], UNKNOWN_LOG_INTERVAL_S)
+        self._settle([event])
+
     async def _reject(self, event: Any, error: Exception) -> None:
-        reason = "unknown_model" if isinstance(error, UnknownModel) else "malformed"
-        self.metrics.rejected.labels(reason).inc()
+        if isinstance(error, UnknownModel):
+            self._skip_unknown(event, error)
+            return
+        self.metrics.rejected.labels("malformed").inc()
         message = event.message
-        log.warning("record %s[%d]@%d dead-lettered (%s): %s", message.topic, message.partition, message.offset,
-                    reason, str(error)[:300])
+        log.warning("record %s[%d]@%d dead-lettered (malformed): %s", message.topic, message.partition,
+                    message.offset, str(error)[:300])
         await self._dead_letter(PREDICTIONS.dead_letter(self.platform.topic_prefix), event.message, error)
         self._settle([event])
 

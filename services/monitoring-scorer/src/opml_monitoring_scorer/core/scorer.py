@@ -210,9 +210,18 @@ class Scorer(Component):
             raise InvalidArgument.of(problems)
         return await self._build(model, version, context, bundle, source=source, save=True)
 
+    async def monitor_unreferenced(self, model: str, version: str, *, source: str = "deployment") -> Monitored:
+        """Monitors ``model`` ``version`` with no bundle (the router deployed it from a directory, which
+        is on the router's machine, not the scorer's): the default config, the first window as the baseline."""
+        key = model_version(model, version)
+        if key in self.models:
+            return self.models[key]
+        return await self._build(model, version, "", "", source=source, save=True)
+
     async def _build(self, model: str, version: str, context: str, bundle: str, *, source: str,
                      save: bool) -> Monitored:
-        bundle_uuid, files = await self.load_bundle(context, bundle)
+        """``bundle`` empty: no bundle to read (see :meth:`monitor_unreferenced`)."""
+        bundle_uuid, files = await self.load_bundle(context, bundle) if bundle else ("", {})
         config = MonitoringConfig()
         if CONFIG_FILE in files:
             config = MonitoringConfig.parse(files[CONFIG_FILE], what=CONFIG_FILE)
@@ -221,6 +230,9 @@ class Scorer(Component):
             reference = load_reference(files[REFERENCE_FILE], task=config.task)
             monitor = await asyncio.to_thread(ModelMonitor, reference, config, seed=self.seed)
             limitations = list(monitor.limitations)
+        elif not bundle:
+            limitations.append("deployed without a bundle (from a directory): default monitoring config, drift "
+                               "and data quality against the first window, no performance estimate")
         else:
             limitations.append(f"the bundle has no {REFERENCE_FILE}: drift and data quality against the first "
                                "window, no performance estimate")
@@ -239,7 +251,8 @@ class Scorer(Component):
         if save:
             await self.store.save_registration(key, {"model": model, "version": version, "context": context,
                                                      "bundle": bundle, "bundle_uuid": bundle_uuid, "source": source})
-        log.info("monitoring %s from bundle %s/%s (%s)", key, context, bundle_uuid, "; ".join(limitations) or "full")
+        log.info("monitoring %s from %s (%s)", key, f"bundle {context}/{bundle_uuid}" if bundle else "no bundle",
+                 "; ".join(limitations) or "full")
         return monitored
 
     async def adopt(self, key: str) -> Monitored | None:
@@ -276,12 +289,16 @@ class Scorer(Component):
             monitored.rules, monitored.rules_text = _rules_of(override), override
 
     async def on_deployed(self, event: inference_events.PredictionMade | object) -> Monitored | None:
-        """A ModelDeployed: monitors the deployed version from its bundle (a model_dir deploy has none)."""
+        """A ModelDeployed: monitors the deployed version from its bundle; a model_dir deploy's directory
+        is a path on the router's machine, so that version is monitored with its first window as baseline."""
         deployment, version = event.deployment, event.version
         status = next((v for v in deployment.versions if v.version == version), None)
-        if status is None or not status.HasField("bundle"):
-            log.info("deployment of %s version %s has no bundle to monitor from", deployment.model, version)
+        if status is None:
+            log.warning("deployment of %s names no status of its version %s: not monitored", deployment.model,
+                        version)
             return None
+        if not status.HasField("bundle"):
+            return await self.monitor_unreferenced(deployment.model, str(version))
         key = model_version(deployment.model, str(version))
         if key in self.models and self.models[key].bundle_uuid == status.bundle_uuid:
             return self.models[key]

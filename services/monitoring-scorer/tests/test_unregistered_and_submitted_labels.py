@@ -1,0 +1,78 @@
+"""Versions the scorer was not told about, on the real broker, bundle-store and Redis with a real scorer.
+
+A model deployed with ``opml model deploy --dir`` was never monitored and every prediction of it was
+dead-lettered as UnknownModel (48,259 of one model in one run). Now a version the router deployed from
+a directory is monitored with its first window as the baseline, and the valid predictions of a version
+nobody registered are counted as skipped, never dead-lettered; malformed records still are."""
+
+from __future__ import annotations
+
+import pytest
+from opml.inference.v1 import deployment_events_pb2, deployments_pb2
+from opml.inference.v1 import events_pb2 as inference_events
+
+from opml_common.errors import NotFound
+from opml_devstack.process import ServiceProcess
+from opml_devstack.testing.bus import poll_until, read_records
+from opml_devstack.testing.metrics import samples, scrape
+from opml_devstack.testing.services import env_prefix
+from opml_inference_router_contract.predictions import prediction_subject
+from opml_monitoring_scorer.__main__ import SPEC
+from opml_monitoring_scorer.topics import DEPLOYMENTS, PREDICTIONS
+
+from .conftest import Producer, wait_windows, writer
+
+pytestmark = pytest.mark.timeout(480)
+DEFAULT_WINDOW = 1000
+"""The default config's window count (a version deployed from a directory has no monitoring.yaml)."""
+
+
+def skipped(process: ServiceProcess) -> float:
+    page = samples(scrape(process.env[f"{env_prefix(SPEC)}METRICS_PORT"]))
+    return sum(s.value for s in page if s.name == "opml_monitoring_scorer_predictions_skipped_total"
+               and s.labels.get("reason") == "unknown_model")
+
+
+def deployed_from_directory(model: str, version: int) -> deployment_events_pb2.ModelDeployed:
+    """The router's ModelDeployed of a ``--dir`` deploy: its version's source is a path, no bundle."""
+    status = deployments_pb2.ModelVersionStatus(name=f"models/{model}/versions/{version}", version=version,
+                                                model_dir="/srv/models/churn", traffic_percent=100.0)
+    return deployment_events_pb2.ModelDeployed(
+        deployment=deployments_pb2.Deployment(name=f"models/{model}", model=model, versions=[status],
+                                              stable_version=version), version=version)
+
+
+async def test_a_directory_deploy_is_monitored_and_an_unknown_version_is_skipped_not_dead_lettered(
+        stack, world, platform_settings) -> None:
+    scorer = stack.scorer().start()
+    with writer(scorer) as client:
+        async with Producer(platform_settings, model="churn") as router:
+            await router.publisher.publish_proto(DEPLOYMENTS, deployed_from_directory("churn", 1), subject="churn")
+            status = poll_until(lambda: _status_or_none(client, "churn", "1"), timeout_s=120.0,
+                                what="churn version 1 monitored from its ModelDeployed")
+            assert any("without a bundle" in note for note in status.limitations), status.limitations
+            await router.queue(world.rows(DEFAULT_WINDOW * 2))
+            windows = wait_windows(client, "churn", "1", 2, process=scorer)
+            assert [w.rows for w in windows] == [DEFAULT_WINDOW, DEFAULT_WINDOW]
+            baseline = client.status("churn", "1")  # the first window's rows are its reference now
+            assert (baseline.task, baseline.reference_rows) == ("binary", DEFAULT_WINDOW)
+
+        async with Producer(platform_settings, model="ghost", ids="ghost") as ghost:
+            await ghost.queue(world.rows(300))  # three records of 100 one-row predictions
+            # then a malformed record of the same version, on the same partition after them
+            await ghost.publisher.publish_proto(PREDICTIONS, inference_events.PredictionBatch(),
+                                                subject=prediction_subject("ghost", "1"))
+        (dead,) = await read_records(platform_settings, PREDICTIONS.dead_letter(platform_settings.topic_prefix), 1)
+        headers = dict(dead.headers)
+        assert headers["opml_error_type"] == b"InvalidArgument" and headers["opml_error"].startswith(b"predictions:")
+        poll_until(lambda: skipped(scorer) == 300, timeout_s=60.0, what="300 predictions of ghost skipped")
+        assert "ghost/1" not in {m.name for m in client.list_models()}
+        log = scorer.log_path.read_text()
+        assert log.count("predictions of 'ghost/1' skipped") == 1, "one line per version, not one per record"
+
+
+def _status_or_none(client, model: str, version: str):
+    try:
+        return client.status(model, version)
+    except NotFound:
+        return None
