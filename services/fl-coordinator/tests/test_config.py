@@ -80,3 +80,14 @@ def test_an_unknown_strategy_and_bad_yaml():
         parse_config("name: p\nrounds: [1,\n", what="fed.yaml")
     with pytest.raises(InvalidArgument, match="at most"):
         parse_config("name: " + "x" * 70_000)
+
+
+def test_the_model_and_serve_fields_default_to_a_relu_stack_and_the_services_choice():
+    small = {"name": "p", "selection": {"clients_per_round": 2}}
+    config = parse_config(small)
+    assert config.model.hidden_activation == "relu" and config.serve is None
+    chosen = parse_config({**small, "model": {"hidden_activation": "tanh"}, "serve": False})
+    assert chosen.model.hidden_activation == "tanh" and chosen.serve is False
+    with pytest.raises(InvalidArgument) as caught:
+        parse_config({**small, "model": {"hidden_activation": "gelu"}, "serve": "sometimes"})
+    assert [field for field, _ in caught.value.violations] == ["model.hidden_activation", "serve"]

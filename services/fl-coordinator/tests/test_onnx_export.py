@@ -7,7 +7,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from opml_fl_coordinator.onnx_export import dense_classifier_onnx
+from opml_fl_coordinator.onnx_export import ACTIVATIONS, dense_classifier_onnx
 from opml_fl_coordinator.simulator import SoftmaxModel
 
 
@@ -62,3 +62,39 @@ def test_a_serving_config_the_inference_router_would_refuse_is_never_written():
     assert caught.value.field == "name"
     with pytest.raises(InvalidArgument, match="pool kinds must be unique"):
         serving_config("fl-plants", weights, pool_kinds=("cpu", "cpu"))
+
+
+def _forward(weights, x, activation):
+    """numpy's forward pass of a dense classifier: ``activation`` on the hidden layers, softmax last."""
+    hidden = {"relu": lambda z: np.maximum(z, 0), "tanh": np.tanh, "sigmoid": lambda z: 1 / (1 + np.exp(-z)),
+              "linear": lambda z: z}[activation]
+    for index in range(0, len(weights), 2):
+        x = x @ weights[index] + weights[index + 1]
+        if index < len(weights) - 2:
+            x = hidden(x)
+    e = np.exp(x - x.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+def test_every_activation_a_federation_may_name_is_exported_as_numpy_computes_it(activation):
+    from typing import get_args
+
+    from opml_fl_coordinator.config import ModelSpec
+
+    assert set(get_args(ModelSpec.model_fields["hidden_activation"].annotation)) == set(ACTIVATIONS)
+    rng = np.random.default_rng(2)
+    weights = [rng.normal(size=shape).astype(np.float32) for shape in ((12, 8), (8,), (8, 6), (6,), (6, 3), (3,))]
+    x = rng.normal(size=(9, 12)).astype(np.float32)
+    np.testing.assert_allclose(run(dense_classifier_onnx(weights, hidden_activation=activation), x),
+                               _forward(weights, x, activation), rtol=1e-5, atol=1e-6)
+
+
+def test_an_activation_with_no_export_is_refused_by_name():
+    from opml_common.errors import InvalidArgument
+
+    weights = [np.zeros((4, 3), np.float32), np.zeros(3, np.float32), np.zeros((3, 2), np.float32), np.zeros(2)]
+    with pytest.raises(InvalidArgument) as caught:
+        dense_classifier_onnx(weights, hidden_activation="gelu")
+    assert caught.value.field == "model.hidden_activation"
+    assert "layer 0" in str(caught.value) and "'gelu'" in str(caught.value)

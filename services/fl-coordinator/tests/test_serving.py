@@ -37,8 +37,8 @@ def test_the_federated_model_is_served_by_the_inference_router(start_service, tm
         "OPML_INFERENCE_ROUTER_WORKER_THREADS_PER_REPLICA": "1"})
     coordinator = start_service("fl-coordinator", extra_env={
         "OPML_FL_COORDINATOR_BUNDLE_STORE_TARGET": store.target,
-        "OPML_FL_COORDINATOR_BUNDLE_STORE_TOKEN": TOKENS["writer"], "OPML_FL_COORDINATOR_PUBLISH_EVERY_ROUND": "true",
-        "OPML_FL_COORDINATOR_SERVE_MODELS": "true"})
+        "OPML_FL_COORDINATOR_BUNDLE_STORE_TOKEN": TOKENS["writer"], "OPML_FL_COORDINATOR_PUBLISH_EVERY_ROUND": "true"})
+    # served by default: neither the service nor the federation says serve
     with FederationClient(coordinator.target, token=TOKENS["writer"]) as writer:
         writer.create("name: served\nrounds: 3\nmin_clients: 2\nselection: {clients_per_round: 2}\n"
                       "local: {epochs: 2, batch_size: 16, learning_rate: 0.2}\n")

@@ -1,7 +1,9 @@
 """Publishing a federation's global model to bundle-store: a committed bundle ``fl-{federation}``
 holding ``weights.npz`` with lineage (federation, round, clients, strategy, metrics as values and
-parameters), and, when the model is a dense classifier, ``model.onnx`` (:mod:`onnx_export`), so
-flow 3 (train across plants -> bundle -> served by the inference-router) continues from it."""
+parameters), and, when the model is a dense classifier, ``model.onnx`` (:mod:`onnx_export`) with its
+``model.yaml`` and default ``monitoring.yaml`` (:mod:`monitoring`), so flow 3 (train across plants ->
+bundle -> served by the inference-router -> monitored) continues from it. A federation's ``serve``
+(else the service's SERVE_MODELS) tags the ONNX bundles serve=true: the router deploys them."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from opml.bundles.v1 import bundles_pb2
 from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.errors import AlreadyExists, InvalidArgument
 from opml_fl_coordinator.federation import Federation, RoundRecord
+from opml_fl_coordinator.monitoring import monitoring_config
 from opml_fl_coordinator.onnx_export import dense_classifier_onnx, serving_config
 from opml_fl_coordinator.weights import to_bytes
 from opml_fl_coordinator_contract.weights import Weights
@@ -25,7 +28,7 @@ class BundlePublisher:
 
     def __init__(self, target: str, *, token: str | None, context: str, serve: bool = False) -> None:
         self.target, self._token, self.context = target, token or None, context
-        self.serve = serve  # tag the ONNX bundles serve=true: the inference-router deploys them
+        self.serve = serve  # for federations whose config does not say
         self._context_made = False
 
     def _publish(self, federation: Federation, record: RoundRecord, weights: Weights, parent: str) -> str:
@@ -44,13 +47,18 @@ class BundlePublisher:
             values = {"round": record.number, "federation": federation.federation_id,
                       **{f"metrics.{k}": float(v) for k, v in record.metrics.items()}}
             files = {"weights.npz": to_bytes(weights)}
+            serve = self.serve if federation.config.serve is None else federation.config.serve
             try:  # a dense classifier also goes as ONNX, for the inference-router
-                files["model.onnx"] = dense_classifier_onnx(weights)
-                files["model.yaml"] = serving_config(f"fl-{federation.federation_id}", weights).encode()
+                files.update({  # all or none: a model.onnx without its model.yaml is not served
+                    "model.onnx": dense_classifier_onnx(
+                        weights, hidden_activation=federation.config.model.hidden_activation),
+                    "model.yaml": serving_config(f"fl-{federation.federation_id}", weights).encode(),
+                    "monitoring.yaml": monitoring_config().encode()})
             except (ValueError, InvalidArgument) as why:
-                log.info("federation %s: model not exported to ONNX (%s)", federation.federation_id, why)
+                log.log(logging.WARNING if serve else logging.INFO, "federation %s: model not exported to "
+                        "ONNX, so not served (%s)", federation.federation_id, why)
             tags = {"federation": federation.federation_id, "round": str(record.number)}
-            if self.serve and "model.onnx" in files:
+            if serve and "model.onnx" in files:
                 tags["serve"] = "true"
             bundle = client.add(self.context, f"fl-{federation.federation_id}", files, values=values, tags=tags,
                                 lineage=lineage, commit=True)

@@ -119,6 +119,12 @@ class RobustConfig(_Strict):
                                  "times the round's median count.")
 
 
+class ModelSpec(_Strict):
+    hidden_activation: Literal["relu", "tanh", "sigmoid", "linear"] = Field(
+        "relu", description="Activation of the members' hidden dense layers (the last is a softmax): the "
+        "global model is exported to ONNX with it.")
+
+
 class FederationConfig(_Strict):
     name: str = Field(description="Federation name: lowercase letters, digits and '-', at most 63.",
                       pattern=NAME.pattern)
@@ -139,6 +145,10 @@ class FederationConfig(_Strict):
     robust: RobustConfig = RobustConfig()
     target_accuracy: float | None = Field(None, gt=0, le=1, description="Stop once the global model reaches it.")
     seed: int = Field(0, ge=0, description="Seed of selection (and DP noise).")
+    model: ModelSpec = ModelSpec()
+    serve: bool | None = Field(None, description="Tag the published ONNX models serve=true, so the "
+                               "inference-router deploys each as it is committed; unset: the service's "
+                               "SERVE_MODELS.")
 
 
 def _path(loc: tuple[Any, ...]) -> str:

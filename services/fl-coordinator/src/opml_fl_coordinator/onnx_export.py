@@ -1,8 +1,8 @@
 """The global model as ONNX, for the inference-router: a dense classifier (the Keras members'
 ``Dense`` stack, or the simulator's softmax regression) written straight from its weights.
 
-Weights come as (kernel, bias) pairs in layer order; hidden layers use ``hidden_activation``, the
-last a softmax. The graph takes ``input`` [batch, features] float32 and gives ``probabilities``
+Weights come as (kernel, bias) pairs in layer order; hidden layers use ``hidden_activation`` (one of
+:data:`ACTIVATIONS`: what a federation's ``model.hidden_activation`` may name), the last a softmax. The graph takes ``input`` [batch, features] float32 and gives ``probabilities``
 [batch, classes], with a dynamic batch dimension, so the router can batch it.
 """
 
@@ -12,23 +12,24 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from opml_common.errors import InvalidArgument
 from opml_fl_coordinator_contract.weights import Weights
 
-ACTIVATIONS = {"relu": "Relu", "tanh": "Tanh", "sigmoid": "Sigmoid"}
+ACTIVATIONS = {"relu": "Relu", "tanh": "Tanh", "sigmoid": "Sigmoid", "linear": None}
+"""Keras activation name -> ONNX operator (None: the layer's output as it is)."""
 
 
 def dense_classifier_onnx(weights: Weights, *, hidden_activation: str = "relu", opset: int = 17) -> bytes:
     """The serialized ONNX model of a dense classifier with these weights.
 
     Raises:
-        ValueError: the weights are not (kernel [in, out], bias [out]) pairs that chain, or the
-            activation is unknown.
+        ValueError: the weights are not (kernel [in, out], bias [out]) pairs that chain.
+        InvalidArgument: ``model.hidden_activation``: the hidden layers' activation has no export here
+            (the message names the first hidden layer and the activation).
     """
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    if hidden_activation not in ACTIVATIONS:
-        raise ValueError(f"hidden_activation must be one of {sorted(ACTIVATIONS)}, but got {hidden_activation!r}")
     if not weights or len(weights) % 2:
         raise ValueError(f"weights must be (kernel, bias) pairs, but got {len(weights)} arrays")
     layers: Sequence[tuple[np.ndarray, np.ndarray]] = list(zip(weights[0::2], weights[1::2], strict=True))
@@ -38,6 +39,9 @@ def dense_classifier_onnx(weights: Weights, *, hidden_activation: str = "relu", 
         if index and kernel.shape[0] != layers[index - 1][0].shape[1]:
             raise ValueError(f"layer {index} takes {kernel.shape[0]} inputs, the layer before gives "
                              f"{layers[index - 1][0].shape[1]}")
+    if len(layers) > 1 and hidden_activation not in ACTIVATIONS:
+        raise InvalidArgument("model.hidden_activation", f"layer 0 (dense, hidden) has activation "
+                              f"{hidden_activation!r}, which has no ONNX export; exported: {sorted(ACTIVATIONS)}")
     nodes, initializers, current = [], [], "input"
     for index, (kernel, bias) in enumerate(layers):
         initializers += [numpy_helper.from_array(np.asarray(kernel, np.float32), f"kernel_{index}"),
@@ -45,7 +49,7 @@ def dense_classifier_onnx(weights: Weights, *, hidden_activation: str = "relu", 
         nodes += [helper.make_node("MatMul", [current, f"kernel_{index}"], [f"matmul_{index}"]),
                   helper.make_node("Add", [f"matmul_{index}", f"bias_{index}"], [f"dense_{index}"])]
         current = f"dense_{index}"
-        if index < len(layers) - 1:
+        if index < len(layers) - 1 and ACTIVATIONS[hidden_activation] is not None:
             nodes.append(helper.make_node(ACTIVATIONS[hidden_activation], [current], [f"act_{index}"]))
             current = f"act_{index}"
     nodes.append(helper.make_node("Softmax", [current], ["probabilities"], axis=-1))

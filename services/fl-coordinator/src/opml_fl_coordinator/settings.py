@@ -32,8 +32,9 @@ class FlCoordinatorSettings(ServiceSettings):
         "lineage (also read from OPML_BUNDLE_STORE_TARGET, which `make up` sets; empty: not published).")
     bundle_store_token: SecretStr = Field(SecretStr(""), description="Bearer token for bundle-store (writer).")
     bundle_context: str = Field("federated", min_length=1, description="bundle-store context of the models.")
-    serve_models: bool = Field(False, description="Tag published ONNX models serve=true, so the inference-router "
-                               "deploys each as it is committed (flow 3).")
+    serve_models: bool = Field(True, description="Tag published ONNX models serve=true, so the inference-router "
+                               "deploys each as it is committed (flow 3), for federations whose config does not "
+                               "set `serve`.")
     publish_every_round: bool = Field(False, description="Publish every round's model (else only the last, when "
                                       "the federation ends).")
 
