@@ -66,5 +66,7 @@ reads monitoring-scorer opml.deployments.v1 monitoring-scorer-deployments
 # the faust app (group monitoring-scorer) reads predictions and labels, and owns its changelog topics
 reads monitoring-scorer opml.predictions.v1 monitoring-scorer
 reads monitoring-scorer opml.labels.v1 monitoring-scorer
+# and writes the labels users send through SubmitLabels (opml monitor label), as the platform's label source
+acl monitoring-scorer --operation Write --topic opml.labels.v1
 acl monitoring-scorer --operation All --topic monitoring-scorer- --resource-pattern-type prefixed
 echo "kafka users and ACLs are in place"

@@ -50,6 +50,7 @@ def _consumer_groups() -> dict[str, list[tuple[str, str]]]:
 
 
 def _expected() -> Grants:
+    from opml_monitoring_scorer_contract.topics import LABELS
     from opml_trace_collector_contract.topics import TRACES
 
     grants: Grants = {}
@@ -78,6 +79,7 @@ def _expected() -> Grants:
             add(spec.name, "group", group, "Read", "Describe", pattern=pattern)
     add("tracer", "topic", TRACES.name, "Write", "Describe")
     add("monitoring-scorer", "topic", f"{_faust_app()}-", "All", pattern="prefixed")  # its changelog topics
+    add("monitoring-scorer", "topic", LABELS.name, "Write")  # the labels users send through SubmitLabels
     return grants
 
 

@@ -1,26 +1,34 @@
-"""Versions the scorer was not told about, on the real broker, bundle-store and Redis with a real scorer.
+"""Versions the scorer was not told about, and labels sent through its API, on the real broker,
+bundle-store and Redis with a real scorer.
 
 A model deployed with ``opml model deploy --dir`` was never monitored and every prediction of it was
 dead-lettered as UnknownModel (48,259 of one model in one run). Now a version the router deployed from
 a directory is monitored with its first window as the baseline, and the valid predictions of a version
-nobody registered are counted as skipped, never dead-lettered; malformed records still are."""
+nobody registered are counted as skipped, never dead-lettered; malformed records still are.
+Labels could be sent only by writing a Kafka producer: SubmitLabels (``opml monitor label``) publishes
+them under the platform's label source."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from click.testing import CliRunner
 from opml.inference.v1 import deployment_events_pb2, deployments_pb2
 from opml.inference.v1 import events_pb2 as inference_events
 
-from opml_common.errors import NotFound
+from opml_common.errors import InvalidArgument, NotFound
 from opml_devstack.process import ServiceProcess
 from opml_devstack.testing.bus import poll_until, read_records
 from opml_devstack.testing.metrics import samples, scrape
-from opml_devstack.testing.services import env_prefix
+from opml_devstack.testing.services import TOKENS, env_prefix
 from opml_inference_router_contract.predictions import prediction_subject
 from opml_monitoring_scorer.__main__ import SPEC
+from opml_monitoring_scorer.cli import monitor
+from opml_monitoring_scorer.core.reference import performance
 from opml_monitoring_scorer.topics import DEPLOYMENTS, PREDICTIONS
 
-from .conftest import Producer, wait_windows, writer
+from .conftest import WINDOW, Producer, wait_labelled, wait_windows, writer
 
 pytestmark = pytest.mark.timeout(480)
 DEFAULT_WINDOW = 1000
@@ -76,3 +84,58 @@ def _status_or_none(client, model: str, version: str):
         return client.status(model, version)
     except NotFound:
         return None
+
+
+async def test_labels_submitted_through_the_api_and_the_cli_are_joined_and_bad_rows_refused_at_once(
+        stack, world, platform_settings, tmp_path) -> None:
+    scorer = stack.scorer().start()
+    rows = world.rows(WINDOW * 2)
+    with writer(scorer) as client:
+        client.register("fraud", "1", stack.context, "reference")
+        async with Producer(platform_settings) as producer:
+            await producer.queue(rows)  # one-row requests req-0..399
+        wait_windows(client, "fraud", "1", 2, process=scorer)
+
+        with pytest.raises(InvalidArgument) as caught:
+            client.submit_labels("fraud", [("", [1.0], None), ("req-0", [], None), ("req-1", [0.5], None),
+                                           ("req-2", [float("nan")], None), ("req-3", [1.0], None),
+                                           ("req-3", [0.0], None)], version="1")
+        assert [f for f, _ in caught.value.violations] == [
+            "labels[0].request_id", "labels[1].values", "labels[2].values", "labels[3].values",
+            "labels[5].request_id"]
+        with pytest.raises(InvalidArgument) as caught:
+            client.submit_labels("fraud", [(f"r-{i}", [1.0], None) for i in range(1001)])
+        assert caught.value.field == "labels"
+        with pytest.raises(NotFound):
+            client.submit_labels("nobody", [("req-0", [1.0], None)])
+        with pytest.raises(NotFound):
+            client.submit_labels("fraud", [("req-0", [1.0], None)], version="9")
+
+        # window 0 through the API, window 1 through the CLI (a CSV for half, a JSONL for the rest)
+        assert client.submit_labels("fraud", [(f"req-{i}", producer.labels[f"req-{i}"], None)
+                                              for i in range(WINDOW)], version="1") == WINDOW
+        csv_file, jsonl_file = tmp_path / "labels.csv", tmp_path / "labels.jsonl"
+        csv_file.write_text("request_id,label\n" + "".join(f"req-{i},{int(producer.labels[f'req-{i}'][0])}\n"
+                                                           for i in range(WINDOW, WINDOW + 100)))
+        jsonl_file.write_text("".join(json.dumps({"request_id": f"req-{i}", "label": producer.labels[f"req-{i}"],
+                                                  "time": "2026-01-02T03:04:05+00:00"}) + "\n"
+                                      for i in range(WINDOW + 100, WINDOW * 2)))
+        cli = CliRunner()
+        base = ["--target", scorer.target, "--token", TOKENS["writer"]]
+        for path in (csv_file, jsonl_file):
+            sent = cli.invoke(monitor, [*base, "label", "fraud", "--file", str(path), "--version", "1"])
+            assert sent.exit_code == 0 and "sent 100 labels of fraud" in sent.output, sent.output
+
+        labelled = wait_labelled(client, "fraud", "1", [0, 1])
+        for w in labelled:
+            window = slice(w.index * WINDOW, (w.index + 1) * WINDOW)
+            assert w.true_value == pytest.approx(performance(world.task, rows.outputs.predicted[window],
+                                                             rows.labels[window]))
+
+        bad = tmp_path / "bad.csv"
+        bad.write_text("request_id,label\nreq-0,cat\n,1\nreq-2,1\nreq-3,inf\n")
+        refused = cli.invoke(monitor, [*base, "label", "fraud", "--file", str(bad)])
+        assert refused.exit_code != 0
+        for line in ("line 2: label 'cat' is not a number", "line 3: request_id", "line 5: label 'inf'"):
+            assert line in refused.output, refused.output
+        assert "nothing sent, 3 problems" in refused.output

@@ -69,6 +69,11 @@ class OutboxEmitter(EventEmitter):
         self._outbox.record(topic_of(message), event)
         return event
 
+    def with_source(self, source: str) -> OutboxEmitter:
+        """An emitter into the same outbox under another source (a service that publishes on behalf of
+        a role of its own, e.g. the platform's label tools)."""
+        return OutboxEmitter(self._outbox, source=source)
+
 
 class RecordingEmitter(EventEmitter):
     """Keeps emitted events in memory, in order, for unit tests of a core (``events``, ``messages``)."""
@@ -83,3 +88,7 @@ class RecordingEmitter(EventEmitter):
         self.events.append((topic_of(message), event))
         self.messages.append(message)
         return event
+
+    def with_source(self, source: str) -> RecordingEmitter:
+        """A recorder of its own under another source."""
+        return RecordingEmitter(source=source)

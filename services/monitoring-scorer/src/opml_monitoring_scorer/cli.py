@@ -3,6 +3,11 @@ and a plot of estimated against true quality."""
 
 from __future__ import annotations
 
+import csv
+import json
+import math
+import re
+from datetime import datetime
 from pathlib import Path
 
 import click
@@ -10,6 +15,7 @@ from opml.monitoring.v1 import monitoring_pb2 as pb
 from rich.table import Table
 
 from opml_common.cligroup import ClientSession, output_console, pass_session, service_group
+from opml_common.errors import InvalidArgument
 from opml_monitoring_scorer_contract.client import MonitoringClient
 
 console = output_console()
@@ -110,6 +116,132 @@ def alerts(session: ClientSession, model: str, version: str) -> None:
                       str(a.resolved_at_window) if not a.firing else "-", a.signal, f"{a.value:.3f}",
                       ", ".join(f"{k}={v:.2f}" for k, v in a.features.items()) or "-")
     console.print(table)
+
+
+LABELS_PER_CALL = 1000
+"""Labels sent per SubmitLabels call (the most the service takes)."""
+MAX_PROBLEMS_SHOWN = 50
+Label = tuple[str, list[float], float | None]
+
+
+def _label_values(raw: object) -> list[float]:
+    """A label cell: a number, a list of numbers (one per row of the request), or "1;0;1" in a CSV.
+
+    Raises: ValueError: not numbers (a class name: the service takes class indexes)."""
+    items = raw if isinstance(raw, list) else str(raw).split(";") if isinstance(raw, str) else [raw]
+    values = []
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, int | float | str):
+            raise ValueError(f"{item!r} is not a number")
+        try:
+            value = float(item)
+        except ValueError:
+            raise ValueError(f"{item!r} is not a number (send the class index, not the class name)") from None
+        if not math.isfinite(value):
+            raise ValueError(f"{item!r} is not a finite number")
+        values.append(value)
+    if not values:
+        raise ValueError("holds no value")
+    return values
+
+
+def _label_time(raw: object) -> float | None:
+    """Epoch seconds, or an ISO 8601 time with its zone; empty: now. Raises: ValueError."""
+    if raw in (None, ""):
+        return None
+    if isinstance(raw, int | float) and not isinstance(raw, bool):
+        return float(raw)
+    text = str(raw)
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return float(text)
+    moment = datetime.fromisoformat(text)
+    if moment.tzinfo is None:
+        raise ValueError(f"{text!r} names no time zone")
+    return moment.timestamp()
+
+
+def read_labels(path: Path) -> list[Label]:
+    """The labels of a .csv (a header with ``request_id`` and ``label``, optional ``time``) or a .jsonl
+    file (objects with the same keys); every bad line is named at once.
+
+    Raises: click.ClickException: the file's problems, by line."""
+    rows: list[tuple[int, dict]] = []
+    problems: list[str] = []
+    if path.suffix.lower() == ".csv":
+        with path.open(newline="") as file:
+            reader = csv.DictReader(file)
+            missing = {"request_id", "label"} - set(reader.fieldnames or ())
+            if missing:
+                raise click.ClickException(f"{path}: the header must name request_id and label (missing: "
+                                           f"{', '.join(sorted(missing))})")
+            rows = [(reader.line_num, row) for row in reader]
+    elif path.suffix.lower() in (".jsonl", ".ndjson"):
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                problems.append(f"line {number}: not JSON: {exc.msg}")
+                continue
+            if not isinstance(row, dict):
+                problems.append(f"line {number}: must be an object with request_id and label")
+                continue
+            rows.append((number, row))
+    else:
+        raise click.ClickException(f"{path}: must be a .csv or a .jsonl file")
+    labels: list[Label] = []
+    for number, row in rows:
+        request_id = row.get("request_id")
+        if not isinstance(request_id, str) or not request_id:
+            problems.append(f"line {number}: request_id must be a non-empty string")
+        try:
+            values = _label_values(row.get("label"))
+        except ValueError as exc:
+            problems.append(f"line {number}: label {exc}")
+        try:
+            moment = _label_time(row.get("time"))
+        except ValueError as exc:
+            problems.append(f"line {number}: time {exc}")
+        if not problems:
+            labels.append((request_id, values, moment))
+    if problems:
+        shown = problems[:MAX_PROBLEMS_SHOWN]
+        more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
+        raise click.ClickException(f"{path}: nothing sent, {len(problems)} problems:\n  " + "\n  ".join(shown) + more)
+    if not labels:
+        raise click.ClickException(f"{path}: holds no label")
+    return labels
+
+
+def _in_file(field: str, offset: int) -> str:
+    """A refused field of a call (labels[i]) as the file's label it came from (its 1-based position)."""
+    return re.sub(r"^labels\[(\d+)\]", lambda found: f"label {offset + int(found[1]) + 1}", field)
+
+
+@monitor.command("label")
+@click.argument("model")
+@click.option("-f", "--file", "path", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
+              help="A .csv (request_id,label[,time]) or .jsonl ({request_id, label, time}) of true labels.")
+@click.option("--version", default="", help="Check that this version of MODEL is monitored (and its label type).")
+@pass_session
+def label(session: ClientSession, model: str, path: Path, version: str) -> None:
+    """Send the true labels of MODEL's served requests (the class index, or the value for regression;
+    several values "1;0;1" for a request of several rows); the scorer joins each to its prediction."""
+    labels = read_labels(path)
+    sent = 0
+    with session.client() as client, console.status(f"sending {len(labels)} labels...") as shown:
+        for begin in range(0, len(labels), LABELS_PER_CALL):
+            chunk = labels[begin:begin + LABELS_PER_CALL]
+            try:
+                sent += client.submit_labels(model, chunk, version=version)
+            except InvalidArgument as error:
+                raise click.ClickException(f"{sent} labels sent; the service refused the next {len(chunk)}:\n  "
+                                           + "\n  ".join(f"{_in_file(field, begin)}: {rule}"
+                                                          for field, rule in error.violations)) from None
+            shown.update(f"sending labels: {sent} of {len(labels)}")
+    console.print(f"sent {sent} labels of {model}; each is joined to its prediction when the scorer sees it "
+                  f"(see `opml monitor windows {model} VERSION`, column true)")
 
 
 @monitor.group("rules")

@@ -41,6 +41,8 @@ class ScorerMetrics:
                                       "(the request was labelled by another producer: the first kept), untrusted "
                                       "(from a producer the model does not accept: dead-lettered), malformed, "
                                       "unjoinable (its version had no monitor yet).", ("outcome",))
+        self.labels_submitted = metrics.counter("labels_submitted_total", "Labels published through SubmitLabels "
+                                                "(opml monitor label), under the platform's label source.")
         self.recalibrations = metrics.counter("mpp_recalibrations_total", "MPP refits from live labels.", mv)
         self.registered = metrics.gauge("models_monitored", "Model versions monitored.")
         for reason in ("malformed", "unscorable"):  # series at 0 from the start: a rate, not a gap

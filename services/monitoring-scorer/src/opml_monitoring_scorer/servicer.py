@@ -11,11 +11,12 @@ from opml_common.errors import InvalidArgument
 from opml_common.pagination import cursor_token, page_size_of, read_cursor
 from opml_monitoring_scorer.convert import alert_to_proto, parse_name, status_to_proto, window_to_proto
 from opml_monitoring_scorer.core.records import AlertRecord
-from opml_monitoring_scorer.core.scorer import Scorer
+from opml_monitoring_scorer.core.scorer import Scorer, SubmittedLabel
 from opml_monitoring_scorer_contract.names import version_name
 
 METHOD_ROLES = {"RegisterModel": "writer", "GetModelStatus": "reader", "ListModels": "reader",
-                "ListWindows": "reader", "ListAlerts": "reader", "GetRules": "reader", "SetRules": "writer"}
+                "ListWindows": "reader", "ListAlerts": "reader", "GetRules": "reader", "SetRules": "writer",
+                "SubmitLabels": "writer"}
 MAX_WINDOWS_PAGE = 1000
 MAX_ALERTS_PAGE = 1000
 AlertPlace = tuple[int, str, str, str]
@@ -93,3 +94,10 @@ class MonitoringServicer(monitoring_pb2_grpc.MonitoringServiceServicer):
         key = parse_name("name", request.name)
         await self._scorer.set_rules(key, request.yaml)
         return await self.GetRules(pb.GetRulesRequest(name=request.name), context)
+
+    async def SubmitLabels(self, request: pb.SubmitLabelsRequest, context) -> pb.SubmitLabelsResponse:
+        labels = [SubmittedLabel(row.request_id, tuple(row.values),
+                                 row.time.ToNanoseconds() / 1e9 if row.HasField("time") else None)
+                  for row in request.labels]
+        return pb.SubmitLabelsResponse(published=await self._scorer.submit_labels(request.model, request.version,
+                                                                                 labels))

@@ -3,7 +3,7 @@ platform's domain errors (``NotFound``, ``InvalidArgument``...), never a bare ``
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from opml.monitoring.v1 import monitoring_pb2 as pb
 from opml.monitoring.v1 import monitoring_pb2_grpc
@@ -42,3 +42,15 @@ class MonitoringClient(ServiceClient):
 
     def set_rules(self, model: str, version: str, text: str) -> pb.Rules:
         return self.stub.SetRules(pb.SetRulesRequest(name=version_name(model, version), yaml=text))
+
+    def submit_labels(self, model: str, labels: Iterable[tuple[str, list[float], float | None]], *,
+                      version: str = "") -> int:
+        """Publishes (request id, values, time in epoch seconds or None: now) labels, at most 1000 a call;
+        returns how many were published."""
+        rows = []
+        for request_id, values, time in labels:
+            row = pb.SubmittedLabel(request_id=request_id, values=values)
+            if time is not None:
+                row.time.FromNanoseconds(int(time * 1e9))
+            rows.append(row)
+        return self.stub.SubmitLabels(pb.SubmitLabelsRequest(model=model, version=version, labels=rows)).published

@@ -51,9 +51,13 @@ MAX_REFERENCE_ROWS = 1_000_000
 MAX_RULES_BYTES = 64 * 1024
 MAX_BASELINE_ROWS = 10_000
 MAX_BASELINE_BYTES = 32 * 1024 * 1024
+"""The most of a first window kept as the baseline of a version without a reference (its first rows)."""
 MAX_SOURCE_SHOWN = 200
 """Characters of a refused label's source quoted in the dead-letter reason."""
-"""The most of a first window kept as the baseline of a version without a reference (its first rows)."""
+MAX_SUBMITTED_LABELS = 1000
+"""Most labels one SubmitLabels call publishes."""
+MAX_REQUEST_ID_CHARS = 256
+MAX_LABEL_VALUES = 100_000
 BundleLoader = Callable[[str, str], Awaitable[tuple[str, dict[str, bytes]]]]
 """(context, bundle ref) -> (bundle uuid, {file name: bytes} of the files the scorer reads)."""
 
@@ -129,6 +133,16 @@ def dump_reference(reference: ReferenceSet) -> bytes:
 
 
 @dataclass(frozen=True)
+class SubmittedLabel:
+    """The truth of one served request, as a user submits it: its values (one per row), known at
+    ``time`` (epoch seconds; None: when submitted)."""
+
+    request_id: str
+    values: tuple[float, ...]
+    time: float | None = None
+
+
+@dataclass(frozen=True)
 class Joinable:
     """A prediction a late label may join: its version, window index, PredictionMade bytes, request id
     (and the source partition it came from, for the stream's bookkeeping)."""
@@ -169,15 +183,18 @@ class Scorer(Component):
     ``start()`` restores, ``stop()`` does nothing.
 
     ``label_sources``: the producers whose labels are accepted for every model (besides the ones each
-    model's monitoring.yaml names)."""
+    model's monitoring.yaml names). ``label_emitter``: where :meth:`submit_labels` publishes, under the
+    platform's label source (default: ``emitter`` under :data:`LABEL_SOURCE`)."""
 
     def __init__(self, *, store: MonitorStore, emitter: EventEmitter, metrics: ScorerMetrics,
                  load_bundle: BundleLoader, seed: int = 0,
-                 label_sources: frozenset[str] = frozenset({LABEL_SOURCE})) -> None:
+                 label_sources: frozenset[str] = frozenset({LABEL_SOURCE}),
+                 label_emitter: EventEmitter | None = None) -> None:
         super().__init__()
         self.store = store
         self.label_sources = frozenset(label_sources)
         self.emitter = emitter
+        self.label_emitter = label_emitter if label_emitter is not None else emitter.with_source(LABEL_SOURCE)
         self.metrics = metrics
         self.load_bundle = load_bundle
         self.seed = seed
@@ -476,10 +493,11 @@ class Scorer(Component):
         """
         label = label_events_pb2.LabelObserved.FromString(raw)
         problems = []
-        if not label.request_id or len(label.request_id) > 256:
-            problems.append(("request_id", f"must hold 1-256 characters, but got {brief(label.request_id)}"))
-        if not label.values or len(label.values) > 100_000:
-            problems.append(("values", f"must hold 1-100000 values, but holds {len(label.values)}"))
+        if not label.request_id or len(label.request_id) > MAX_REQUEST_ID_CHARS:
+            problems.append(("request_id", f"must hold 1-{MAX_REQUEST_ID_CHARS} characters, but got "
+                                           f"{brief(label.request_id)}"))
+        if not label.values or len(label.values) > MAX_LABEL_VALUES:
+            problems.append(("values", f"must hold 1-{MAX_LABEL_VALUES} values, but holds {len(label.values)}"))
         elif not np.all(np.isfinite(np.asarray(label.values))):
             problems.append(("values", "must all be finite numbers"))
         if problems:
@@ -500,6 +518,47 @@ class Scorer(Component):
             return "parked"
         key, window, event = found
         return await self._join(key, window, event, label, origin)
+
+    async def submit_labels(self, model: str, version: str, labels: Sequence[SubmittedLabel]) -> int:
+        """Publishes these labels (LabelObserved, under the platform's label source) for the stream to
+        join like any producer's; returns how many. Each event's id is derived from the label (request
+        id, values, time), so a call sent again publishes the same events and the join counts them once.
+
+        Raises:
+            InvalidArgument: every wrong field at once: no model, 0 or more than
+                ``MAX_SUBMITTED_LABELS`` labels, a row's request id empty, too long or repeated, its
+                values none, too many or not finite, or not class indexes for a classifier version.
+            NotFound: ``version`` (when set) is not monitored, or no version of ``model`` is.
+        """
+        problems: list[tuple[str, str]] = []
+        if not model:
+            problems.append(("model", "must not be empty"))
+        if not labels or len(labels) > MAX_SUBMITTED_LABELS:
+            problems.append(("labels", f"must hold 1-{MAX_SUBMITTED_LABELS} labels, but holds {len(labels)}"))
+        if problems:
+            raise InvalidArgument.of(problems)
+        monitored = await self.find(model_version(model, version)) if version else None
+        if monitored is None and not any(saved["model"] == model for saved in
+                                         (await self.store.registrations()).values()):
+            raise NotFound(f"no version of model {model[:120]!r} is monitored")
+        classifier = monitored is not None and monitored.monitor is not None and monitored.monitor.task is not \
+            Task.REGRESSION
+        seen: dict[str, int] = {}
+        for i, label in enumerate(labels):
+            problems.extend(_label_problems(f"labels[{i}]", label, classifier=classifier))
+            if label.request_id in seen:
+                problems.append((f"labels[{i}].request_id", f"repeats labels[{seen[label.request_id]}]'s"))
+            seen.setdefault(label.request_id, i)
+        if problems:
+            raise InvalidArgument.of(problems)
+        for label in labels:
+            event = label_events_pb2.LabelObserved(request_id=label.request_id, values=label.values)
+            event.time.FromNanoseconds(int((label.time if label.time is not None else time.time()) * 1e9))
+            event_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"opml-monitoring/label/{label.request_id}/"
+                                                         f"{event.time.ToNanoseconds()}/{list(label.values)}"))
+            self.label_emitter.emit(event, subject=label.request_id, id=event_id)
+        self.metrics.labels_submitted.inc(len(labels))
+        return len(labels)
 
     async def on_prediction_joinable(self, key: str, window: int, raw_event: bytes, request_id: str) -> None:
         """Keeps a prediction for the label join; applies the labels that came before it."""
@@ -576,6 +635,22 @@ class Scorer(Component):
                         abs(record[name] - record["true"]))
         self.metrics.labels.labels(outcome).inc()  # once the window shows it
         return outcome
+
+
+def _label_problems(field: str, label: SubmittedLabel, *, classifier: bool) -> list[tuple[str, str]]:
+    """What is wrong with one submitted label (the rules :meth:`Scorer.on_label` applies to a LabelObserved)."""
+    problems = []
+    if not label.request_id or len(label.request_id) > MAX_REQUEST_ID_CHARS:
+        problems.append((f"{field}.request_id", f"must hold 1-{MAX_REQUEST_ID_CHARS} characters, but got "
+                                                f"{brief(label.request_id)}"))
+    values = np.asarray(label.values, dtype=np.float64)
+    if not len(values) or len(values) > MAX_LABEL_VALUES:
+        problems.append((f"{field}.values", f"must hold 1-{MAX_LABEL_VALUES} values, but holds {len(values)}"))
+    elif not np.all(np.isfinite(values)):
+        problems.append((f"{field}.values", "must all be finite numbers"))
+    elif classifier and not np.all((values == np.round(values)) & (values >= 0)):
+        problems.append((f"{field}.values", "must be class indexes (0, 1, ...) for a classifier"))
+    return problems
 
 
 def _rules_of(text: str) -> tuple[Rule, ...]:
