@@ -3,7 +3,8 @@
 ``mlp_classifier`` is a ReLU MLP with a dynamic batch dimension whose width and depth set how much
 work one batch is; ``write_model_dir`` lays out a bundle the worker loads (``model.yaml`` and
 ``model.onnx``); ``write_broken_onnx`` writes a file onnxruntime refuses to load;
-``external_weights_model`` keeps its weights in a file it names, as large models do.
+``external_weights_model`` keeps its weights in a file it names, as large models do; ``poisoned_mlp``
+fails at run time on a request that holds :data:`POISON` (a version whose requests fail).
 """
 
 from __future__ import annotations
@@ -88,6 +89,36 @@ def write_model_dir(directory: Path, config: dict[str, Any], model: onnx.ModelPr
     else:
         onnx.save(model, directory / "model.onnx")
     return directory
+
+
+POISON = 1000.0
+"""A feature value :func:`poisoned_mlp` fails on (the profiler's normal inputs never hold one)."""
+
+
+def poisoned_mlp(*, seed: int = 0) -> onnx.ModelProto:
+    """:func:`mlp_classifier` behind a Reshape to ``[-1, 16 + any(x > 100)]``: a request holding
+    :data:`POISON` fails in onnxruntime at run time; every other input (the profiler's too) is answered
+    as the plain MLP answers it."""
+    model = mlp_classifier(seed=seed)
+    graph = model.graph
+    for node in graph.node:
+        node.input[:] = ["checked" if name == "features" else name for name in node.input]
+    guard = [
+        helper.make_node("Greater", ["features", "hundred"], ["big"]),
+        helper.make_node("Cast", ["big"], ["big_int"], to=TensorProto.INT64),
+        helper.make_node("ReduceMax", ["big_int"], ["any_big"], keepdims=0),
+        helper.make_node("Mul", ["any_big", "zero_one"], ["extra"]),
+        helper.make_node("Add", ["base_shape", "extra"], ["shape"]),
+        helper.make_node("Reshape", ["features", "shape"], ["checked"]),
+    ]
+    graph.initializer.extend([helper.make_tensor("hundred", TensorProto.FLOAT, [], [100.0]),
+                              helper.make_tensor("zero_one", TensorProto.INT64, [2], [0, 1]),
+                              helper.make_tensor("base_shape", TensorProto.INT64, [2], [-1, 16])])
+    nodes = guard + list(graph.node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    onnx.checker.check_model(model)
+    return model
 
 
 def write_broken_onnx(path: Path) -> Path:

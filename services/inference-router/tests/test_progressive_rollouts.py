@@ -1,0 +1,340 @@
+"""Progressive rollouts over REAL worker processes: a bundle with rollout.yaml takes traffic step by
+step, and analyses of its requests against the stable version's promote it, roll it back, or pause it.
+Each test drives the router with requests of its own and syncs on the rollout's events."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import pytest_asyncio
+import yaml
+from click.testing import CliRunner
+from opml.inference.v1 import deployment_events_pb2 as events
+from prometheus_client import CollectorRegistry
+from tritonclient.grpc import service_pb2
+
+from opml_common.cli import main as opml
+from opml_common.config import PlatformSettings, ServiceSettings
+from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, OpmlError
+from opml_common.events import RecordingEmitter
+from opml_common.grpc.server import GrpcServer
+from opml_common.metrics import ServiceMetrics
+from opml_common.storage import redis_client
+from opml_inference_router.control import DeploymentManager, DeploymentStore, Observer, PoolManager, Source
+from opml_inference_router.control.progressive import ProgressiveRollouts, RolloutStore
+from opml_inference_router.placement import FleetConfig
+from opml_inference_router.routing import Router
+from opml_inference_router.routing.grpc_replica import GrpcReplica
+from opml_inference_router.servicer import DeploymentServicer
+from opml_inference_router.testing import mlp_classifier, mlp_config, write_model_dir
+from opml_inference_router.testing.models import POISON, poisoned_mlp
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+FLEET = {
+    "pool_kinds": [{"name": "cpu", "precisions": ["fp32"], "memory_mib": 4096, "slots": 4, "cost_per_hour": 0.4,
+                    "execution_provider": "CPUExecutionProvider"}],
+    "pools": [{"name": "cpu", "kind": "cpu", "workers": 2}],
+    "min_replicas": 1,
+}
+
+
+def analysis(*, interval_s: float = 0.3, count: int = 2, min_requests: int = 20, inconclusive_limit: int = 3,
+             max_ratio: float = 5.0) -> dict:
+    return {"analysis": {"interval_s": interval_s, "count": count, "failure_limit": 0,
+                         "inconclusive_limit": inconclusive_limit,
+                         "checks": {"error_rate": {"max_increase": 0.05, "min_requests": min_requests},
+                                    "p99_latency": {"max_ratio": max_ratio, "min_requests": min_requests}}}}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pools(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[PoolManager]:
+    root = tmp_path_factory.mktemp("pools")
+    fleet_path = root / "fleet.yaml"
+    fleet_path.write_text(yaml.safe_dump(FLEET))
+    metrics = ServiceMetrics("inference-router", registry=CollectorRegistry())
+    manager = PoolManager(FleetConfig.from_dict(FLEET), fleet_path, work_dir=root, metrics=metrics,
+                          token="worker-secret", threads_per_replica=1)
+    async with manager:
+        yield manager
+
+
+class WaitingRecorder(RecordingEmitter):
+    """Also wakes those waiting for an event of a type."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._changed = asyncio.Event()
+
+    def emit(self, message, *, subject: str, id: str | None = None):
+        event = super().emit(message, subject=subject, id=id)
+        self._changed.set()
+        return event
+
+    def of(self, kind: type) -> list:
+        return [m for m in self.messages if isinstance(m, kind)]
+
+    async def first(self, kind: type, *, after: int = 0):
+        """The first ``kind`` event emitted after the ``after``-th message (waits for it)."""
+        while True:
+            found = [m for m in self.messages[after:] if isinstance(m, kind)]
+            if found:
+                return found[0]
+            self._changed.clear()
+            await self._changed.wait()
+
+
+@dataclass
+class Plane:
+    manager: DeploymentManager
+    rollouts: ProgressiveRollouts
+    recorder: WaitingRecorder
+
+
+@contextlib.asynccontextmanager
+async def control_plane(pools: PoolManager, *, redis=None, prefix: str = "",
+                        undeploy: bool = True) -> AsyncIterator[Plane]:
+    metrics = ServiceMetrics("inference-router", registry=CollectorRegistry())
+    router = Router(connect=lambda address: GrpcReplica(address, token="worker-secret"), metrics=metrics,
+                    rng=random.Random(5))
+    recorder = WaitingRecorder()
+    store = DeploymentStore(redis, prefix=prefix) if redis is not None else None
+    manager = DeploymentManager(pools=pools, router=router, observer=Observer(metrics.registry), events=recorder,
+                                replan_interval_s=0, store=store)
+    rollouts = ProgressiveRollouts(manager, store=RolloutStore(redis, prefix=prefix) if redis is not None else None,
+                                   events=recorder)
+    await manager.start()
+    await rollouts.start()
+    try:
+        yield Plane(manager, rollouts, recorder)
+    finally:
+        await rollouts.stop()
+        await manager.stop()
+        for name in list(manager.models) if undeploy else []:
+            await manager.undeploy(name)
+        await router.close()
+
+
+@dataclass
+class Traffic:
+    """Requests sent one after another until stopped: answers per version, failures counted."""
+
+    answered: dict[str, int] = field(default_factory=dict)
+    failed: list[str] = field(default_factory=list)
+
+
+@contextlib.asynccontextmanager
+async def traffic(router: Router, name: str, *, poison: bool = False) -> AsyncIterator[Traffic]:
+    seen = Traffic()
+    data = np.random.default_rng(0).standard_normal((1, 16)).astype(np.float32)
+    if poison:
+        data[0, 0] = POISON
+    request = service_pb2.ModelInferRequest(model_name=name)
+    request.inputs.add(name="features", datatype="FP32", shape=[1, 16])
+    request.raw_input_contents.append(data.tobytes())
+    wire = request.SerializeToString()
+
+    async def send() -> None:
+        while True:
+            try:
+                routed = await router.infer(name, "", wire, timeout_s=10)
+                seen.answered[routed.version] = seen.answered.get(routed.version, 0) + 1
+            except OpmlError as error:
+                seen.failed.append(error.message)
+
+    task = asyncio.create_task(send())
+    try:
+        yield seen
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def bundle(root: Path, name: str, seed: int, *, rollout: dict | None = None, model: onnx.ModelProto | None = None,
+           ) -> Source:
+    config = {**mlp_config(name, pool_kinds=("cpu",), precisions=("fp32",), max_queue_delay_us=None,
+                           p99_ms=2000.0), "expected_rate_rps": 1.0}
+    directory = write_model_dir(root / f"{name}-{seed}", config, model or mlp_classifier(seed=seed))
+    if rollout is not None:
+        (directory / "rollout.yaml").write_text(yaml.safe_dump(rollout))
+    return Source(model_dir=str(directory))
+
+
+async def test_a_healthy_version_passes_each_analysis_and_is_promoted(pools, tmp_path: Path) -> None:
+    spec = {"steps": [{"weight": 30}, analysis(), {"weight": 60}, analysis()]}
+    async with control_plane(pools) as plane:
+        manager, recorder = plane.manager, plane.recorder
+        await manager.deploy(bundle(tmp_path, "calm", 1))
+        async with traffic(manager.router, "calm") as seen:
+            record = await manager.deploy(bundle(tmp_path, "calm", 2, rollout=spec))
+            assert record.stable == 1 and manager.traffic_percent("calm") == {"1": 100.0}
+            promoted = await recorder.first(events.RolloutPromoted)
+        assert (promoted.model, promoted.version) == ("calm", 2)
+        assert seen.failed == [] and seen.answered.get("2", 0) > 0  # no request failed for the rollout
+        assert [(s.step, s.spec.kind) for s in recorder.of(events.RolloutStepStarted)] == [
+            (0, "weight"), (1, "analysis"), (2, "weight"), (3, "analysis")]
+        analyses = recorder.of(events.RolloutAnalysisCompleted)
+        assert [a.verdict for a in analyses if a.verdict != "INCONCLUSIVE"] == ["PASSED"] * 4
+        assert {c.check for c in analyses[-1].checks} == {"error_rate", "p99_latency"}
+        splits = [dict(m.traffic_percent) for m in recorder.of(events.TrafficChanged)
+                  if m.model == "calm" and m.cause == "rollout"]
+        assert splits == [{"1": 100.0}, {"1": 70.0, "2": 30.0}, {"1": 40.0, "2": 60.0}]
+        assert manager.record("calm").stable == 2 and manager.traffic_percent("calm") == {"2": 100.0}
+        state = plane.rollouts.get("calm")
+        assert (state.phase, state.step) == ("PROMOTED", 4)
+
+
+async def test_a_version_whose_requests_fail_is_rolled_back_at_its_first_measurement(pools, tmp_path: Path) -> None:
+    spec = {"steps": [{"weight": 50}, analysis(count=3)]}
+    async with control_plane(pools) as plane:
+        manager, recorder = plane.manager, plane.recorder
+        await manager.deploy(bundle(tmp_path, "poisoned", 1))
+        async with traffic(manager.router, "poisoned", poison=True) as seen:
+            await manager.deploy(bundle(tmp_path, "poisoned", 2, rollout=spec, model=poisoned_mlp(seed=2)))
+            aborted = await recorder.first(events.RolloutAborted)
+            answered_after = dict(seen.answered)
+        measured = [a for a in recorder.of(events.RolloutAnalysisCompleted) if a.verdict != "INCONCLUSIVE"]
+        assert [a.verdict for a in measured] == ["FAILED"]  # the first measurement that counted decided
+        failing = {c.check: c for c in aborted.checks}["error_rate"]
+        assert failing.verdict == "FAILED" and failing.new_value == 1.0 and failing.stable_value == 0.0
+        assert failing.bound == 0.05 and failing.new_requests >= 20
+        assert (aborted.version, aborted.stable_version) == (2, 1) and "max_increase=0.05" in aborted.reason
+        assert answered_after.get("2", 0) == 0 and seen.failed  # v2 answered nothing; v1 answered all the rest
+        assert manager.traffic_percent("poisoned") == {"1": 100.0} and sorted(manager.record("poisoned").versions) == [1]
+        state = plane.rollouts.get("poisoned")
+        assert state.phase == "ABORTED" and state.checks[0].verdict == "FAILED"
+
+
+async def test_a_slower_version_is_rolled_back_on_its_p99(pools, tmp_path: Path) -> None:
+    spec = {"steps": [{"weight": 50}, analysis(count=3, max_ratio=2.0)]}
+    slow = mlp_classifier(seed=2, width=1024, depth=12)  # ~10x the work of the stable MLP per request
+    async with control_plane(pools) as plane:
+        manager, recorder = plane.manager, plane.recorder
+        await manager.deploy(bundle(tmp_path, "slow", 1))
+        async with traffic(manager.router, "slow") as seen:
+            await manager.deploy(bundle(tmp_path, "slow", 2, rollout=spec, model=slow))
+            aborted = await recorder.first(events.RolloutAborted)
+        latency = {c.check: c for c in aborted.checks}["p99_latency"]
+        assert latency.verdict == "FAILED" and latency.new_value > 2.0 * latency.stable_value and latency.bound == 2.0
+        assert seen.failed == []
+        assert manager.traffic_percent("slow") == {"1": 100.0}
+
+
+async def test_too_little_traffic_pauses_the_rollout_saying_why_and_it_resumes(pools, tmp_path: Path) -> None:
+    spec = {"steps": [{"weight": 50}, analysis(inconclusive_limit=0)]}
+    async with control_plane(pools) as plane:
+        manager, recorder, rollouts = plane.manager, plane.recorder, plane.rollouts
+        await manager.deploy(bundle(tmp_path, "quiet", 1))
+        await manager.deploy(bundle(tmp_path, "quiet", 2, rollout=spec))  # and no request at all
+        paused = await recorder.first(events.RolloutPaused)
+        assert paused.step == 1 and "too little traffic" in paused.reason and "min_requests=20" in paused.reason
+        assert rollouts.get("quiet").phase == "PAUSED" and manager.traffic_percent("quiet") == {"1": 50.0, "2": 50.0}
+        with pytest.raises(FailedPrecondition, match="has a PAUSED rollout of version 2"):
+            await manager.deploy(bundle(tmp_path, "quiet", 3, rollout=spec))
+        mark = len(recorder.messages)
+        await rollouts.resume("quiet", skip_analysis=True)
+        await recorder.first(events.RolloutPromoted, after=mark)
+        assert manager.traffic_percent("quiet") == {"2": 100.0}
+        with pytest.raises(FailedPrecondition, match="has ended"):
+            await rollouts.abort("quiet")
+
+
+async def test_an_abort_by_hand_rolls_back_at_once(pools, tmp_path: Path) -> None:
+    spec = {"steps": [{"weight": 20}, {"pause": {}}, analysis()]}
+    async with control_plane(pools) as plane:
+        manager, recorder, rollouts = plane.manager, plane.recorder, plane.rollouts
+        await manager.deploy(bundle(tmp_path, "manual", 1))
+        await manager.deploy(bundle(tmp_path, "manual", 2, rollout=spec))
+        assert "waits until the rollout is resumed" in (await recorder.first(events.RolloutPaused)).reason
+        with pytest.raises(FailedPrecondition, match="not an analysis"):
+            await rollouts.resume("manual", skip_analysis=True)
+        state = await rollouts.abort("manual")
+        assert (state.phase, state.reason) == ("ABORTED", "aborted by hand")
+        assert manager.traffic_percent("manual") == {"1": 100.0}
+        assert (await recorder.first(events.RolloutAborted)).reason == "aborted by hand"
+        with pytest.raises(NotFound):
+            rollouts.get("nothing")
+
+
+async def test_a_bad_spec_fails_the_deploy_naming_every_mistake(pools, tmp_path: Path) -> None:
+    async with control_plane(pools) as plane:
+        manager = plane.manager
+        await manager.deploy(bundle(tmp_path, "strict", 1))
+        with pytest.raises(InvalidArgument) as caught:
+            await manager.deploy(bundle(tmp_path, "strict", 2, rollout={"steps": [{"weight": 120}, {"wait": 1}]}))
+        assert [f for f, _ in caught.value.violations] == ["steps[0].weight", "steps[1]"]
+        failed = plane.recorder.of(events.DeployFailed)[-1]
+        assert failed.code == "INVALID_ARGUMENT" and "steps[0].weight" in failed.reason
+        assert sorted(manager.record("strict").versions) == [1]
+
+
+async def test_a_restarted_router_resumes_the_rollout_where_it_was(pools, platform_settings, tmp_path: Path) -> None:
+    spec = {"steps": [{"weight": 40}, {"pause": {"duration_s": 0.5}}, analysis()]}
+    redis = redis_client(platform_settings)
+    prefix = platform_settings.redis_prefix
+    try:
+        async with control_plane(pools, redis=redis, prefix=prefix, undeploy=False) as plane:
+            await plane.manager.deploy(bundle(tmp_path, "durable", 1))
+            await plane.manager.deploy(bundle(tmp_path, "durable", 2, rollout=spec))
+            while not [s for s in plane.recorder.of(events.RolloutStepStarted) if s.step == 1]:
+                await plane.recorder.first(events.RolloutStepStarted, after=len(plane.recorder.messages))
+        for worker in pools.workers():  # a restart's fresh workers start empty
+            for version in (1, 2):
+                with contextlib.suppress(NotFound):
+                    await pools.client(worker.worker.id).unload("durable", version)
+        async with control_plane(pools, redis=redis, prefix=prefix) as plane:  # the restarted router
+            manager, recorder = plane.manager, plane.recorder
+            assert manager.traffic_percent("durable") == {"1": 60.0, "2": 40.0}
+            async with traffic(manager.router, "durable") as seen:
+                promoted = await recorder.first(events.RolloutPromoted)
+            assert promoted.version == 2 and seen.failed == []
+            assert [s.step for s in recorder.of(events.RolloutStepStarted)] == [2]  # steps 0 and 1 not redone
+            assert manager.traffic_percent("durable") == {"2": 100.0}
+    finally:
+        await redis.aclose()
+
+
+async def test_the_rollout_rpcs_and_cli_show_resume_and_abort_it(pools, tmp_path: Path) -> None:
+    spec = {"steps": [{"weight": 20}, {"pause": {}}, analysis(inconclusive_limit=1000)]}
+    async with control_plane(pools) as plane:
+        manager, recorder = plane.manager, plane.recorder
+        servicer = DeploymentServicer(manager, rollouts=plane.rollouts)
+        server = GrpcServer(settings=ServiceSettings(host="127.0.0.1", grpc_port=0, metrics_port=0),
+                            platform=PlatformSettings(auth_tokens=""),
+                            metrics=ServiceMetrics("inference-router", registry=CollectorRegistry()),
+                            registrations=[servicer.registration()])
+        async with server:
+            cli = ["model", "--target", f"127.0.0.1:{server.port}", "rollout"]
+
+            async def run(*args: str) -> str:
+                result = await asyncio.to_thread(CliRunner().invoke, opml, [*cli, *args])
+                assert result.exit_code == 0, result.output
+                return result.output
+
+            await manager.deploy(bundle(tmp_path, "shown", 1))
+            await manager.deploy(bundle(tmp_path, "shown", 2, rollout=spec))
+            await recorder.first(events.RolloutPaused)
+            shown = await run("shown")
+            assert "version 2 against stable 1: PAUSED at step 1" in shown and "until resumed" in shown
+            assert "20% of the traffic" in shown and "<- here" in shown
+            mark = len(recorder.messages)
+            assert "RUNNING at step 2" in await run("shown", "--resume")
+            measured = await recorder.first(events.RolloutAnalysisCompleted, after=mark)
+            assert measured.verdict == "INCONCLUSIVE"  # no traffic here
+            shown = await run("shown")
+            assert "too little traffic" in shown and "error_rate" in shown and "INCONCLUSIVE" in shown
+            assert "ABORTED at step 2 (aborted by hand)" in await run("shown", "--abort")
+            assert manager.traffic_percent("shown") == {"1": 100.0}
+            refused = await asyncio.to_thread(CliRunner().invoke, opml, [*cli, "shown", "--resume"])
+            assert refused.exit_code != 0 and "has ended" in refused.output
+            missing = await asyncio.to_thread(CliRunner().invoke, opml, [*cli, "nothing"])
+            assert missing.exit_code != 0 and "has had no rollout" in missing.output
