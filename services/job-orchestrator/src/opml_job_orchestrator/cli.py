@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -85,14 +87,28 @@ def ls(session: ClientSession, state: str | None, as_json: bool) -> None:
 @click.option("-f", "--follow", is_flag=True, help="Keep printing until the job ends.")
 @pass_session
 def logs(session: ClientSession, job_id: str, role: str, index: int, attempt: int | None, follow: bool) -> None:
-    """Print what a task of a job wrote to stdout and stderr."""
-    with session.client() as client:
-        shown = None
+    """Print what a task of a job wrote to stdout and stderr (with -f, across restarts of the service)."""
+    printed: dict[int, int] = {}  # bytes printed per attempt
+
+    def read(client) -> Iterator[tuple[int, bytes]]:
+        """The chunks not printed yet: each stream sends every attempt from its first byte."""
+        received: dict[int, int] = {}
         for chunk in client.logs(job_id, role=role, index=index, attempt=attempt, follow=follow):
-            if follow and chunk.attempt != shown:
-                click.echo(f"--- attempt {chunk.attempt} ---", err=True)
-                shown = chunk.attempt
-            sys.stdout.write(chunk.data.decode("utf-8", errors="replace"))
+            start = received.get(chunk.attempt, 0)
+            received[chunk.attempt] = end = start + len(chunk.data)
+            new = chunk.data[max(printed.get(chunk.attempt, 0) - start, 0):]
+            if new:
+                printed[chunk.attempt] = end
+                yield chunk.attempt, new
+
+    shown = None
+    with contextlib.ExitStack() as stack:  # without -f: one read, failing at once if the service is down
+        chunks = session.follow(read) if follow else read(stack.enter_context(session.client()))
+        for run, data in chunks:
+            if follow and run != shown:
+                click.echo(f"--- attempt {run} ---", err=True)
+                shown = run
+            sys.stdout.write(data.decode("utf-8", errors="replace"))
             sys.stdout.flush()
 
 
@@ -120,11 +136,21 @@ def preempt(session: ClientSession, job_id: str) -> None:
 @click.argument("job_id", required=False, default="")
 @pass_session
 def watch(session: ClientSession, job_id: str) -> None:
-    """Print state changes as they happen: of one job until it ends, or of every job until Ctrl-C."""
-    with session.client() as client:
+    """Print state changes as they happen: of one job until it ends, or of every job until Ctrl-C.
+    A restart of the service is reconnected to; a job's current status is not printed again."""
+    shown: dict[str, bytes] = {}  # the last status printed per job
+
+    def read(client) -> Iterator[pb.JobChange]:
         for change in client.watch(job_id):
-            status = change.status
-            kind = pb.ChangeKind.Name(change.kind).removeprefix("CHANGE_KIND_").lower()
-            kind = "now" if kind == "unspecified" else kind
-            click.echo(f"{_time(status, 'update_time')}  {status.job_id}  {kind:<10} {_state(status.state):<10} "
-                       f"attempt {status.attempt}  {change.message or status.cause}".rstrip())
+            status = change.status.SerializeToString(deterministic=True)
+            if change.kind == pb.CHANGE_KIND_UNSPECIFIED and shown.get(change.status.job_id) == status:
+                continue  # a reconnect's current status, printed already
+            shown[change.status.job_id] = status
+            yield change
+
+    for change in session.follow(read):
+        status = change.status
+        kind = pb.ChangeKind.Name(change.kind).removeprefix("CHANGE_KIND_").lower()
+        kind = "now" if kind == "unspecified" else kind
+        click.echo(f"{_time(status, 'update_time')}  {status.job_id}  {kind:<10} {_state(status.state):<10} "
+                   f"attempt {status.attempt}  {change.message or status.cause}".rstrip())
