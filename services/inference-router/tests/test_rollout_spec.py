@@ -48,7 +48,7 @@ def test_every_mistake_is_named_at_once():
                       "steps[2].analysis.checks.accuracy", "steps[2].analysis.checks.p99_latency.max_ratio",
                       "steps[2].analysis.checks.error_rate.extra", "steps[4]", "steps[0].analysis", "steps[3].pause"]
     assert "is not a check (checks: error_rate, p99_latency)" in caught.value.message
-    assert "must be a percent in (0, 100], but got 150" in caught.value.message
+    assert "must be a percent in (0, 100) (all traffic is the promotion after the last step), but got 150" in caught.value.message
 
 
 @pytest.mark.parametrize(("data", "field"), [
@@ -57,6 +57,7 @@ def test_every_mistake_is_named_at_once():
     ({"steps": []}, "steps"),
     ({"steps": [{"weight": True}]}, "steps[0].weight"),
     ({"steps": [{"weight": 0}]}, "steps[0].weight"),
+    ({"steps": [{"weight": 100}]}, "steps[0].weight"),
     ({"steps": [{"weight": 10}, {"pause": {"duration_s": -1}}]}, "steps[1].pause.duration_s"),
     ({"steps": [{"weight": 10}, {"analysis": {"interval_s": 1, "checks": {}}}]}, "steps[1].analysis.checks"),
     ({"steps": [{"weight": 10}, {"analysis": {"interval_s": 1, "checks": {"error_rate": {"max_increase": 2}}}}]},

@@ -21,6 +21,7 @@ from opml_inference_router import frontend
 from opml_inference_router.control import DeploymentManager, DeploymentStore, Observer, PoolManager
 from opml_inference_router.control.autodeploy import GROUP, SOURCES, AutoDeployer
 from opml_inference_router.control.bundles import BundleFetcher
+from opml_inference_router.control.progressive import ProgressiveRollouts, RolloutStore
 from opml_inference_router.control.worker_metrics import register_worker_metrics  # workers' metrics on ours
 from opml_inference_router.native_front import FrontLink, NativeFront
 from opml_inference_router.placement import load_fleet_config
@@ -64,6 +65,8 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
         pools=pools, router=router, observer=Observer(metrics.registry), fetcher=fetcher,
         store=DeploymentStore(service.redis(), prefix=platform.redis_prefix), events=await service.emitter(),
         replan_interval_s=settings.replan_interval_s))
+    rollouts = await service.start(ProgressiveRollouts(  # after the deployments are restored: resumes rollouts
+        manager, store=RolloutStore(service.redis(), prefix=platform.redis_prefix), events=await service.emitter()))
     if settings.autodeploy:
         consumer = EventConsumer(platform, group_id=GROUP, topics=[BUNDLES], sources=SOURCES,
                                  handler=AutoDeployer(manager, bundles=fetcher),
@@ -79,7 +82,7 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
             grace_s=settings.shutdown_grace_s, tls=platform, metrics=metrics,
             control_hint=f"DeploymentService and the rest are on port {settings.grpc_port}"))
     deployments = DeploymentServicer(manager, allow_model_dir=platform.env == "dev",
-                                     serving_models=manager.serving_models)  # measurements re-place what they change
+                                     serving_models=manager.serving_models, rollouts=rollouts)  # measurements re-place what they change
     return [inference.registration(), deployments.registration()]
 
 

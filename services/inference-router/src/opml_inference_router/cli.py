@@ -4,6 +4,7 @@ where replicas run.
     opml model deploy --bundle NAME [--context C] | --dir DIR [--version N] [--canary PCT]
     opml model ls | get MODEL | traffic MODEL v1=90 v2=10 | promote MODEL | rollback MODEL
     opml model undeploy MODEL | placement
+    opml model rollout MODEL [--abort | --resume [--skip-analysis]] [--json]
     opml model measure MODEL VERSION --kind K [--batch 1,8 --threads 1,2 --opt-level ... --sample N]
     opml model predict MODEL VERSION --kind K [the same grid options]
 """
@@ -119,6 +120,58 @@ def rollback(session: ClientSession, name: str) -> None:
     """Send all traffic back to the stable version and retire the canary."""
     with session.client() as client:
         _show(client.rollback(name))
+
+
+@model.command()
+@click.argument("name")
+@click.option("--abort", is_flag=True, help="Abort it: all traffic back to the stable version (admin role).")
+@click.option("--resume", is_flag=True, help="Resume a paused rollout (admin role).")
+@click.option("--skip-analysis", is_flag=True, help="With --resume: pass the analysis it is paused at.")
+@click.option("--json", "as_json", is_flag=True, help="Print the Rollout message as JSON.")
+@pass_session
+def rollout(session: ClientSession, name: str, abort: bool, resume: bool, skip_analysis: bool,
+            as_json: bool) -> None:
+    """A model's progressive rollout (rollout.yaml): its steps, where it is, each check's numbers."""
+    if abort and resume:
+        raise click.UsageError("--abort and --resume exclude each other")
+    if skip_analysis and not resume:
+        raise click.UsageError("--skip-analysis goes with --resume")
+    with session.client() as client:
+        if abort:
+            reply = client.abort_rollout(name)
+        elif resume:
+            reply = client.resume_rollout(name, skip_analysis=skip_analysis)
+        else:
+            reply = client.get_rollout(name)
+    if as_json:
+        click.echo(json.dumps(MessageToDict(reply), indent=2))
+        return
+    _show_rollout(reply)
+
+
+def _show_rollout(reply: pb.Rollout) -> None:
+    console.print(f"models/{reply.model}: version {reply.version} against stable {reply.stable_version}: "
+                  f"[bold]{reply.phase}[/bold] at step {reply.step}" + (f" ({reply.reason})" if reply.reason else ""))
+    steps = Table("step", "kind", "spec", "")
+    for index, step in enumerate(reply.steps):
+        if step.kind == "weight":
+            spec = f"{step.weight_percent:g}% of the traffic"
+        elif step.kind == "pause":
+            spec = f"{step.pause_s:g} s" if step.pause_s else "until resumed"
+        else:
+            spec = (f"{step.count} x {step.interval_s:g} s, failure_limit {step.failure_limit}, "
+                    f"inconclusive_limit {step.inconclusive_limit}: {', '.join(step.checks)}")
+        here = "<- here" if index == reply.step and reply.phase in ("RUNNING", "PAUSED") else ""
+        steps.add_row(str(index), step.kind, spec, here)
+    console.print(steps)
+    if reply.checks:
+        console.print(f"last measurement ({reply.measurements} taken, {reply.failed} failed, "
+                      f"{reply.inconclusive} inconclusive in this analysis):")
+        checks = Table("check", "verdict", "new", "stable", "bound", "requests (new/stable)", "why")
+        for check in reply.checks:
+            checks.add_row(check.check, check.verdict, f"{check.new_value:.4g}", f"{check.stable_value:.4g}",
+                           f"{check.bound:g}", f"{check.new_requests}/{check.stable_requests}", check.reason)
+        console.print(checks)
 
 
 @model.command()

@@ -4,7 +4,9 @@ Domain errors raised by the manager become status codes in the shared intercepto
 need ``reader``; deploying, traffic changes, promote and rollback need ``writer`` (what a person who
 ships models does every day, like adding bundles); so does ``MeasureServingConfigs`` (it takes the
 machine's cores for seconds), while ``PredictServingPerformance`` reads; ``Undeploy`` removes a
-model from serving altogether and needs ``admin`` (DESIGN: deletion is an admin API).
+model from serving altogether and needs ``admin`` (DESIGN: deletion is an admin API). ``GetRollout``
+reads; ``AbortRollout`` and ``ResumeRollout`` override what a rollout's analyses decided (or skip them)
+and need ``admin``.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ from opml_common.errors import FailedPrecondition, InvalidArgument
 from opml_common.grpc.server import ServiceRegistration
 from opml_common.pagination import paginate
 from opml_inference_router.control import DeploymentManager, ServingModels, Source, convert
+from opml_inference_router.control.progressive import ProgressiveRollouts, rollout_message
 from opml_inference_router_contract.model_config import version_number
 
 SERVICE = pb.DESCRIPTOR.services_by_name["DeploymentService"]
 METHOD_ROLES = {
     "ListDeployments": "reader", "GetDeployment": "reader", "GetPlacement": "reader",
     "PredictServingPerformance": "reader", "MeasureServingConfigs": "writer", "Deploy": "writer", "SetTraffic": "writer", "Promote": "writer", "Rollback": "writer",
-    "Undeploy": "admin",
+    "Undeploy": "admin", "GetRollout": "reader", "AbortRollout": "admin", "ResumeRollout": "admin",
 }
 _MODEL_NAME = re.compile(r"^models/([^/]+)$")
 _VERSION_NAME = re.compile(r"^models/([^/]+)/versions/([1-9][0-9]*)$")
@@ -60,8 +63,9 @@ class DeploymentServicer(deployments_pb2_grpc.DeploymentServiceServicer):
     only: in production a caller must not make the router read arbitrary paths)."""
 
     def __init__(self, manager: DeploymentManager, *, allow_model_dir: bool = True,
-                 serving_models: ServingModels | None = None) -> None:
+                 serving_models: ServingModels | None = None, rollouts: ProgressiveRollouts | None = None) -> None:
         self._manager = manager
+        self._rollouts = rollouts
         self._serving_models = serving_models or ServingModels(models=manager.models, fleet=manager.fleet)
         self._allow_model_dir = allow_model_dir
 
@@ -149,3 +153,18 @@ class DeploymentServicer(deployments_pb2_grpc.DeploymentServiceServicer):
         configs = convert.serving_configs(request.configs, most=MAX_PREDICTED_CONFIGS)
         predictions, fit = await self._serving_models.predict(model, version, kind, configs)
         return convert.serving_performance(request.name, kind, predictions, fit)
+
+    async def GetRollout(self, request: pb.GetRolloutRequest, context) -> pb.Rollout:
+        return rollout_message(self._progressive().get(parse_model_name(request.name)))
+
+    async def AbortRollout(self, request: pb.AbortRolloutRequest, context) -> pb.Rollout:
+        return rollout_message(await self._progressive().abort(parse_model_name(request.name)))
+
+    async def ResumeRollout(self, request: pb.ResumeRolloutRequest, context) -> pb.Rollout:
+        state = await self._progressive().resume(parse_model_name(request.name), skip_analysis=request.skip_analysis)
+        return rollout_message(state)
+
+    def _progressive(self) -> ProgressiveRollouts:
+        if self._rollouts is None:
+            raise FailedPrecondition("this router runs no progressive rollouts")
+        return self._rollouts

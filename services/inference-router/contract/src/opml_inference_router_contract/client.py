@@ -53,6 +53,18 @@ class DeploymentClient(ServiceClient):
     def rollback(self, model: str) -> pb.Deployment:
         return self.stub.Rollback(pb.RollbackRequest(name=f"models/{model}"), timeout=DEPLOY_TIMEOUT_S)
 
+    def get_rollout(self, model: str) -> pb.Rollout:
+        return self.stub.GetRollout(pb.GetRolloutRequest(name=f"models/{model}"), timeout=CALL_TIMEOUT_S)
+
+    def abort_rollout(self, model: str) -> pb.Rollout:
+        """All traffic back to the stable version; the rollout's version is retired (admin role)."""
+        return self.stub.AbortRollout(pb.AbortRolloutRequest(name=f"models/{model}"), timeout=DEPLOY_TIMEOUT_S)
+
+    def resume_rollout(self, model: str, *, skip_analysis: bool = False) -> pb.Rollout:
+        """Continue a paused rollout, past the analysis it is at with ``skip_analysis`` (admin role)."""
+        return self.stub.ResumeRollout(pb.ResumeRolloutRequest(name=f"models/{model}", skip_analysis=skip_analysis),
+                                       timeout=CALL_TIMEOUT_S)
+
     def placement(self) -> pb.Placement:
         return self.stub.GetPlacement(pb.GetPlacementRequest(), timeout=CALL_TIMEOUT_S)
 

@@ -156,8 +156,9 @@ def _step(data: Any, path: str, problems: list[tuple[str, str]]) -> Step:
         return Step(pause=True, pause_s=0.0)
     kind, value = next(iter(data.items()))
     if kind == "weight":
-        if not _number(value) or not 0 < value <= 100:
-            problems.append((f"{path}.weight", f"must be a percent in (0, 100], but got {brief(value)}"))
+        if not _number(value) or not 0 < value < 100:
+            problems.append((f"{path}.weight", f"must be a percent in (0, 100) (all traffic is the promotion after "
+                                               f"the last step), but got {brief(value)}"))
             return Step(weight=0.0)
         return Step(weight=float(value))
     if kind == "pause":

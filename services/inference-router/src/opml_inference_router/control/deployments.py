@@ -23,7 +23,8 @@ One deploy, move or re-placement runs at a time (a lock): each starts from the p
 The manager coordinates; each step lives in a module of its own: :mod:`.validation` (arguments,
 pool kinds), :mod:`.versions` (numbering), :mod:`.profiling`, :mod:`.replan` (the plan and the
 moves that carry it out), :mod:`.rollout` (traffic: canary, promote, rollback, retiring),
-:mod:`.state` (what Redis keeps). Each change emits one event through the service's
+:mod:`.state` (what Redis keeps), :mod:`.progressive` (a bundle's rollout.yaml: traffic step by step,
+decided by analyses). Each change emits one event through the service's
 :class:`~opml_common.events.EventEmitter`, built by :mod:`.convert`.
 """
 
@@ -45,6 +46,7 @@ from opml_inference_router.control.bundles import BundleFetcher, local_directory
 from opml_inference_router.control.observe import Observer
 from opml_inference_router.control.pools import PoolManager
 from opml_inference_router.control.profiling import profile_version
+from opml_inference_router.control.progressive import ProgressiveRollouts, read_rollout_spec
 from opml_inference_router.control.replan import ReplicaPlacer
 from opml_inference_router.control.rollout import Rollout
 from opml_inference_router.control.serving_models import ServingModels
@@ -108,6 +110,7 @@ class DeploymentManager(Component):
         self._replan_interval_s = replan_interval_s
         self._lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
+        self.rollouts: ProgressiveRollouts | None = None  # set by ProgressiveRollouts: deploys with rollout.yaml
         pools.on_restart = self.worker_restarted
         pools.on_down = self.worker_down
 
@@ -176,6 +179,9 @@ class DeploymentManager(Component):
                 directory, bundle_uuid = await self._materialize(source)
                 config = (await asyncio.to_thread(load_bundle, directory)).config
                 check_pool_kinds(config, self.fleet, self.pools.unavailable_kinds)
+                spec = await asyncio.to_thread(read_rollout_spec, directory) if self.rollouts else None
+                if spec is not None:
+                    self.rollouts.check_free(config.name)  # type: ignore[union-attr]
             except OpmlError as error:
                 self.report_failure(source, error, version=version)
                 raise
@@ -201,12 +207,19 @@ class DeploymentManager(Component):
                 self._failed(config.name, number, source, error)
                 raise
             entry.state = SERVING
-            cause = self._rollout.route_new(record, number, canary_percent)
+            stable = record.stable if spec is not None and record.stable not in (None, number) else None
+            if stable is not None:  # the rollout gives it traffic, step by step
+                self._rollout.set(record, {str(stable): 100.0})
+                cause = "rollout"
+            else:
+                cause = self._rollout.route_new(record, number, canary_percent)
             if cause == "deploy":
                 await self._retire(record)
             self._retire_failed(record)
             await self._traffic_changed(record, cause)
             self._emit(convert.deployed_event(self, record, number), config.name)
+            if stable is not None:
+                await self.rollouts.begin(config.name, number, stable, spec)  # type: ignore[union-attr,arg-type]
             log.info("deployed models/%s/versions/%d (%s)", config.name, number, cause)
             return record
 
@@ -227,12 +240,12 @@ class DeploymentManager(Component):
 
     # -- traffic ---------------------------------------------------------------------------------
 
-    async def set_traffic(self, name: str, weights: Mapping[str, float]) -> ModelRecord:
+    async def set_traffic(self, name: str, weights: Mapping[str, float], *, cause: str = "set_traffic") -> ModelRecord:
         """Raises: NotFound (model or a weighted version that does not serve), InvalidArgument."""
         async with self._lock:
             record = self.record(name)
             self._rollout.set(record, weights)
-            await self._traffic_changed(record, "set_traffic")
+            await self._traffic_changed(record, cause)
             return record
 
     async def promote(self, name: str, version: int = 0) -> ModelRecord:

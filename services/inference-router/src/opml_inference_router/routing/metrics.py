@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from opml_common.metrics import ServiceMetrics
 from opml_inference_router.routing.replicas import ReplicaState
+from opml_inference_router.routing.window import OutcomeWindow
 
 
 class RouterMetrics:
@@ -36,7 +37,8 @@ class RouterMetrics:
 
 
 class VersionMetrics:
-    """The children of one model version, looked up once."""
+    """The children of one model version, looked up once, and its :class:`OutcomeWindow` (what a
+    progressive rollout reads)."""
 
     def __init__(self, owner: RouterMetrics, model: str, version: str) -> None:
         self._owner, self.model, self.version = owner, model, version
@@ -46,9 +48,16 @@ class VersionMetrics:
         self.backup_wins = owner.backup_wins.labels(model, version)
         self.retries = owner.retries.labels(model, version)
         self.waits = owner.waits.labels(model, version)
+        self.window = OutcomeWindow()
+
+    def answered(self, seconds: float) -> None:
+        self.ok.inc()
+        self.duration.observe(seconds)
+        self.window.answered(seconds)
 
     def failed(self, code: str) -> None:
         self._owner.requests.labels(self.model, self.version, code).inc()
+        self.window.failed(code)
 
     def ejected(self, replica: str) -> None:
         self._owner.ejections.labels(self.model, self.version, replica).inc()

@@ -37,6 +37,7 @@ from opml_inference_router.routing.limits import DEFAULT_GRPC_MAX_RECEIVE_BYTES,
 from opml_inference_router.routing.metrics import RouterMetrics, VersionMetrics
 from opml_inference_router.routing.policy import ModelPolicy
 from opml_inference_router.routing.replicas import Clock, Replica, ReplicaSet, ReplicaState
+from opml_inference_router.routing.window import Measures
 
 log = logging.getLogger(__name__)
 
@@ -297,6 +298,11 @@ class Router:
             },
         }
 
+    def take_measures(self, model: str) -> dict[str, Measures]:
+        """Version -> what its requests did since the last take (all versions over the same interval:
+        what a progressive rollout compares). Raises: NotFound."""
+        return {version: served.metrics.window.take() for version, served in self._model(model).versions.items()}
+
     def models(self) -> list[str]:
         return sorted(self._models)
 
@@ -382,8 +388,7 @@ class Router:
             raise
         finally:
             limiter.release(service_s)
-        served.metrics.ok.inc()
-        served.metrics.duration.observe(self._clock() - start)
+        served.metrics.answered(self._clock() - start)
         return routed
 
     async def forward(self, method: str, model: str, version: str, request: bytes, *, timeout_s: float) -> bytes:
