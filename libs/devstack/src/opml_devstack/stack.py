@@ -119,7 +119,11 @@ def service_environment(specs: Sequence[ServiceSpec], endpoints: Endpoints,
                         config: StackConfig) -> tuple[dict[str, str], dict[str, dict[str, int]]]:
     """The environment every service runs with (infrastructure, prefixes, each service's ports and
     target, homes) and each service's ports by name (``grpc``, ``metrics``, and its others, such as the
-    router's ``inference``). Ports are fixed here once, so a restarted service listens where it did."""
+    router's ``inference``). Ports are fixed here once, so a restarted service listens where it did.
+
+    Each service's ``<PREFIX>TARGET`` is also how the others reach it: every service that reads or commits
+    bundles takes ``OPML_BUNDLE_STORE_TARGET`` as its bundle-store target (a settings alias), so the
+    producers' models reach the bundle-store and, from it, the router and the scorer."""
     env = {**endpoints.env(), "OPML_LOG_FORMAT": "text"}
     if config.topic_prefix:
         env["OPML_TOPIC_PREFIX"] = config.topic_prefix
