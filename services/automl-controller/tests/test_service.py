@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import stat
 import sys
 import textwrap
 from pathlib import Path
@@ -66,7 +67,8 @@ ATTACKER = textwrap.dedent("""
     name, secret, runs = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])  # runs: the orchestrator's job folders
     number = int(name.rsplit("-t", 1)[1])
     other = name.rsplit("-t", 1)[0] + "-t" + str((number + 1) % 4)
-    folder = pathlib.Path(os.environ["AUTOML_MODEL_DIR"])
+    from opml_automl_controller.sdk import model_dir
+    folder = model_dir()
     (folder / "weights.txt").write_text("mine")
     if number == 0:
         os.symlink(secret, folder / "s3.json")
@@ -125,12 +127,13 @@ def orchestrator(start_service: ServiceStarter):
 
 
 @pytest.fixture
-def controller_env(start_service: ServiceStarter, orchestrator) -> dict[str, str]:
-    """One controller's environment (ports, home, Redis prefix), reused by a restarted process."""
+def controller_env(start_service: ServiceStarter, orchestrator, trials_dir: Path) -> dict[str, str]:
+    """One controller's environment (ports, home, trials' folder, Redis prefix), reused by a restarted process."""
     return start_service.env("automl-controller", extra_env={
         "OPML_AUTOML_CONTROLLER_JOB_ORCHESTRATOR_TARGET": orchestrator.target,
         "OPML_AUTOML_CONTROLLER_JOB_ORCHESTRATOR_TOKEN": TOKENS["writer"],
         "OPML_AUTOML_CONTROLLER_RETRY_S": "0.2",
+        "OPML_AUTOML_CONTROLLER_TRIALS_DIR": str(trials_dir),
     })
 
 
@@ -268,19 +271,23 @@ def test_validate_reports_every_violation_and_the_cli(controller, program, opml_
 
 
 
-def modelling_controller(start_service: ServiceStarter, orchestrator, store) -> tuple:
+def modelling_controller(start_service: ServiceStarter, orchestrator, store, trials_dir: Path) -> tuple:
     """A controller that commits best models to ``store``, and its environment."""
     env = start_service.env("automl-controller", extra_env={
         "OPML_AUTOML_CONTROLLER_JOB_ORCHESTRATOR_TARGET": orchestrator.target,
         "OPML_AUTOML_CONTROLLER_JOB_ORCHESTRATOR_TOKEN": TOKENS["writer"],
         "OPML_AUTOML_CONTROLLER_BUNDLE_STORE_TARGET": store.target,
-        "OPML_AUTOML_CONTROLLER_BUNDLE_STORE_TOKEN": TOKENS["writer"]})
+        "OPML_AUTOML_CONTROLLER_BUNDLE_STORE_TOKEN": TOKENS["writer"],
+        "OPML_AUTOML_CONTROLLER_TRIALS_DIR": str(trials_dir)})
     return start_service("automl-controller", env=env), env
 
 
-def test_the_best_trials_model_is_committed_as_a_bundle_with_lineage(start_service, orchestrator, program) -> None:
+def test_the_best_trials_model_is_committed_as_a_bundle_with_lineage(start_service, orchestrator, program,
+                                                                     trials_dir: Path) -> None:
+    """The trial's job writes its model folder as its own user (sandboxed where the orchestrator runs as
+    root), and the controller commits it from there."""
     store = start_service("bundle-store")
-    controller, _ = modelling_controller(start_service, orchestrator, store)
+    controller, _ = modelling_controller(start_service, orchestrator, store, trials_dir)
     with ExperimentClient(controller.target, token=TOKENS["writer"]) as client:
         client.create(experiment_yaml("modelled", program, max_trials=3, save_model=True))
         done = ended(client, "modelled")
@@ -297,16 +304,18 @@ def test_the_best_trials_model_is_committed_as_a_bundle_with_lineage(start_servi
         weights = b"".join(bundles.read_file("automl", bundle.name.rsplit("/", 1)[1],
                                              f"{best.job_id}/weights.txt"))
         assert float(weights) == float(best.parameters["x"])
+    assert stat.S_IMODE(trials_dir.stat().st_mode) == 0o711  # job users pass through, list nothing
 
 
 def test_a_trial_naming_what_is_not_in_its_own_folder_commits_nothing_and_says_why(start_service, orchestrator,
-                                                                                   tmp_path: Path, job_dir: Path) -> None:
+                                                                                   tmp_path: Path, job_dir: Path,
+                                                                                   trials_dir: Path) -> None:
     """Symlinks to the controller's s3.json and to another job's log, that file by its absolute path,
     another trial's folder by '..', another job's run folder: no model committed (the bundle-store
     never hears of one), each trial's and the experiment's message say why, the metric counts them,
     and deleting the experiment removes the trials' folders."""
     store = start_service("bundle-store")
-    controller, env = modelling_controller(start_service, orchestrator, store)
+    controller, env = modelling_controller(start_service, orchestrator, store, trials_dir)
     attacker = job_dir / "attacker.py"
     attacker.write_text(ATTACKER)
     secret = tmp_path / "s3.json"
@@ -332,11 +341,10 @@ def test_a_trial_naming_what_is_not_in_its_own_folder_commits_nothing_and_says_w
         bundles.get_context("automl")  # made by the first commit: none happened
     page = samples(scrape(env["OPML_AUTOML_CONTROLLER_METRICS_PORT"]))
     assert [s.value for s in page if s.name == "opml_automl_controller_models_refused_total"] == [4.0]
-    folders = Path(env["OPML_AUTOML_CONTROLLER_HOME"]) / "trials"
-    assert sorted(p.name for p in folders.iterdir()) == sorted(t.job_id for t in trials.values())
+    assert sorted(p.name for p in trials_dir.iterdir()) == sorted(t.job_id for t in trials.values())
     with ExperimentClient(controller.target, token=TOKENS["admin"]) as client:
         client.delete("attacked")
-    assert list(folders.iterdir()) == []
+    assert list(trials_dir.iterdir()) == []
 
 
 KERAS_TRIAL = textwrap.dedent("""

@@ -121,11 +121,11 @@ def router(start_service: ServiceStarter, tmp_path: Path):
 
 
 @pytest.fixture
-def controller_env(start_service: ServiceStarter, router) -> dict[str, str]:
+def controller_env(start_service: ServiceStarter, router, trials_dir: Path) -> dict[str, str]:
     return start_service.env("automl-controller", extra_env={
         "OPML_AUTOML_CONTROLLER_INFERENCE_ROUTER_TARGET": router.target,
         "OPML_AUTOML_CONTROLLER_INFERENCE_ROUTER_TOKEN": TOKENS["reader"],
-        "OPML_AUTOML_CONTROLLER_RETRY_S": "0.2"})
+        "OPML_AUTOML_CONTROLLER_RETRY_S": "0.2", "OPML_AUTOML_CONTROLLER_TRIALS_DIR": str(trials_dir)})
 
 
 def ended(client: ExperimentClient, name: str) -> pb.Experiment:
@@ -188,7 +188,8 @@ def test_trials_fail_with_the_routers_reason_and_no_router_refuses_the_kind(star
         trials = client.trials("unmeasured")
     assert trials and all(t.state == pb.TRIAL_STATE_FAILED for t in trials)
     assert "inference-router: models/mlp/versions/9 is not deployed" in trials[0].message
-    bare = start_service("automl-controller")  # no router configured
+    bare = start_service("automl-controller",  # no router configured
+                         extra_env={"OPML_AUTOML_CONTROLLER_TRIALS_DIR": controller_env["OPML_AUTOML_CONTROLLER_TRIALS_DIR"]})
     with ExperimentClient(bare.target, token=TOKENS["writer"]) as client, \
             pytest.raises(FailedPrecondition, match="OPML_AUTOML_CONTROLLER_INFERENCE_ROUTER_TARGET"):
         client.create(surrogate_yaml("nowhere", max_trials=2, parallel=1))

@@ -237,14 +237,25 @@ def model_line(path: str) -> str:
     return MODEL_MARKER + json.dumps({"path": path}) + "\n"
 
 
+async def test_a_trials_model_folder_is_its_jobs_checkpoint_folder_made_by_the_orchestrator(tmp_path: Path) -> None:
+    """The orchestrator makes a job's checkpoint folder for the job's user (a sandboxed job runs as a
+    user of its own): a folder the controller made first would be the controller's, and refused."""
+    folders = TrialFolders.open(tmp_path / "trials")
+    h = Harness(FakeJobs(["loss=1\n"]), folders=folders)
+    await h.run()
+    [spec] = h.jobs.submitted
+    assert dict(spec.env) == {MODEL_DIR_VARIABLE: str(folders.of(JOB))} and spec.checkpoint.dir == str(folders.of(JOB))
+    assert not folders.of(JOB).exists()
+
+
 async def test_a_trial_keeps_a_model_only_from_its_own_folder_and_says_why_not(tmp_path: Path) -> None:
-    folders = TrialFolders(tmp_path / "trials")
-    (folders.make(JOB) / "weights.bin").write_bytes(b"w")
+    folders = TrialFolders.open(tmp_path / "trials")
+    folders.of(JOB).mkdir()  # as the orchestrator makes it
+    (folders.of(JOB) / "weights.bin").write_bytes(b"w")
     (tmp_path / "s3.json").write_text("secret")
     h = Harness(FakeJobs(["loss=1\n", model_line(".")]), folders=folders)
     trial = await h.run()
     assert (trial.state, trial.model_dir, trial.model_refused, trial.message) == (TrialState.SUCCEEDED, ".", "", "")
-    assert dict(h.jobs.submitted[0].env) == {MODEL_DIR_VARIABLE: str(folders.of(JOB))}
     for named in (str(tmp_path / "s3.json"), "../../s3.json"):
         h = Harness(FakeJobs(["loss=1\n", model_line(named)]), folders=folders)
         trial = await h.run()

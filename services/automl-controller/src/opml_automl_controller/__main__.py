@@ -32,8 +32,9 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
     saved, then announced on opml.experiments.v1; Trace trials' epoch logs consumed from
     opml.traces.v1 (tracers' sources only). At shutdown the server drains, then the consumer and
     the experiments' tasks stop; the trials' jobs go on in the orchestrator and are re-attached at
-    the next start."""
+    the next start. The trials' folder is made (or refused) first."""
     settings: AutomlControllerSettings = service.settings
+    folders = TrialFolders.open(settings.trials_dir)
     token = settings.job_orchestrator_token.get_secret_value() if settings.job_orchestrator_token else None
     jobs = OrchestratorJobs(settings.job_orchestrator_target, token=token)
     service.on_stop(jobs.aclose)
@@ -52,7 +53,7 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
         store=store, jobs=jobs, emitter=await service.emitter(), redis_url=service.platform.redis_url,
         metrics=PrometheusControllerMetrics(service.metrics), trial_python=settings.trial_python or sys.executable,
         retry_s=settings.retry_s, models=models, trace_wait_s=settings.trace_wait_s,
-        serving=serving, folders=TrialFolders(settings.home / "trials")))
+        serving=serving, folders=folders))
     if settings.trace_metrics:
         consumer = EventConsumer(service.platform, group_id=GROUP, topics=[TRACES], source_prefixes=SOURCE_PREFIXES,
                                  handler=TraceCollector(store, spec_of=spec_of, wake=controller.wake_trace).handle,

@@ -141,8 +141,9 @@ class Controller(Component):
             exit bound (``OPML_TRACE_EXIT_TIMEOUT_S``) in the job, unless its template sets one.
         serving: the inference-router's predictions, for ServingConfigSurrogate trials (None:
             such experiments are refused).
-        folders: where each trial's own model folder is made (None: trials get none, so no model is
-            committed); an experiment's are removed with it.
+        folders: where each trial's own model folder is (its job's checkpoint folder, made by the
+            orchestrator; None: trials get none, so no model is committed); an experiment's are removed
+            with it.
     """
 
     def __init__(self, *, store: ExperimentStore, jobs: TrialJobs, emitter: EventEmitter, redis_url: str,

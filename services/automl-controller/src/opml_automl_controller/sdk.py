@@ -44,16 +44,21 @@ def report(*, stream: TextIO | None = None, **metrics: float) -> None:
 
 
 def model_dir() -> Path:
-    """This trial's own model folder (the controller makes one per trial and names it in the job's
-    ``AUTOML_MODEL_DIR``): only a model saved in it can be committed.
+    """This trial's own model folder (the controller names one per trial in the job's
+    ``AUTOML_MODEL_DIR``): only a model saved in it can be committed. It is the job's checkpoint
+    folder, which a sandboxed job finds made for its user; a job the orchestrator runs unsandboxed (as
+    the controller's user) is given no folder, so it is made here (mode 0700) when it is not there.
 
     Raises:
         ValueError: the variable is not set (not a trial of the automl-controller).
+        OSError: the folder is not there and cannot be made.
     """
     folder = os.environ.get(MODEL_DIR_VARIABLE)
     if not folder:
         raise ValueError(f"{MODEL_DIR_VARIABLE} is not set: the automl-controller sets it in each trial's job")
-    return Path(folder)
+    path = Path(folder)
+    path.mkdir(mode=0o700, exist_ok=True)
+    return path
 
 
 def save_model(path: str | Path = ".", *, stream: TextIO | None = None) -> None:

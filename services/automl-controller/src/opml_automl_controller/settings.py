@@ -15,8 +15,12 @@ class AutomlControllerSettings(ServiceSettings):
 
     grpc_port: int = Field(50055, ge=0, le=65535, description="gRPC port (0 picks a free one).")
     metrics_port: int = Field(9155, ge=0, le=65535, description="Prometheus /metrics port (0 picks a free one).")
-    home: Path = Field(Path.home() / ".opml" / "automl-controller", description="Directory of the event outbox and of each "
-                      "trial's own model folder (trials/{job id}, kept until its experiment is deleted).")
+    home: Path = Field(Path.home() / ".opml" / "automl-controller", description="Directory of the event outbox.")
+    trials_dir: Path = Field(Path("/var/tmp/opml-automl-trials"), description="Where each trial's own model folder "
+                             "is ({job id}: the trial's job's checkpoint.dir, made by the job-orchestrator for the "
+                             "job's user; kept until its experiment is deleted). Outside HOME, which no job's user "
+                             "may enter. Made mode 0711 at start (a job's user reaches its own folder and lists "
+                             "none); refused if it is a symlink, another user's, or in a folder others may change.")
     job_orchestrator_target: str = Field("127.0.0.1:50052", min_length=1,
                                          description="The job-orchestrator every trial's job is submitted to.")
     job_orchestrator_token: SecretStr | None = Field(None, description="Bearer token the controller calls the "
@@ -47,6 +51,13 @@ class AutomlControllerSettings(ServiceSettings):
                                                      "inference-router.")
     retry_s: float = Field(1.0, gt=0, description="Pause before retrying an orchestrator call that failed "
                            "with a retriable error (UNAVAILABLE).")
+
+    @field_validator("trials_dir")
+    @classmethod
+    def _absolute(cls, value: Path) -> Path:
+        if not value.is_absolute():
+            raise ValueError("must be an absolute path (the orchestrator refuses a relative checkpoint.dir)")
+        return value
 
     @field_validator("job_orchestrator_token", "trial_python", "bundle_store_target", "bundle_store_token",
                      "inference_router_target", "inference_router_token", mode="before")

@@ -189,6 +189,11 @@ def build_trial_job(template: TrialTemplate, values: Mapping[str, str], *, trial
                 spec = jobs_pb2.JobSpec()
             if spec.job_class != jobs_pb2.JOB_CLASS_TE:
                 found.append((f"{path}.spec.class", "must be TE: a trial is trial-and-error work"))
+            if spec.checkpoint.dir:
+                found.append((f"{path}.spec.checkpoint.dir", f"is set by the controller: each trial's own model "
+                                                             f"folder (${MODEL_DIR_VARIABLE}), which the "
+                                                             f"orchestrator makes for the trial's job; keep the "
+                                                             f"trial's checkpoints in it"))
     else:
         raise InvalidArgument(f"{path}.kind", f"trial kind {kind} is not supported; supported kinds: "
                                               f"{', '.join(SUPPORTED_KINDS)}")

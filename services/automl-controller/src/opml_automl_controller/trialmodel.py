@@ -4,19 +4,25 @@ A trial says where its model is with one line of its log (:func:`opml_automl_con
 and a log line is the trial's to write: it could name the controller's own ``s3.json``, a symlink to
 it, or another job's folder, and the controller, which reads what it commits with its own rights,
 would upload that file for any reader of the bundle-store. So every trial gets a folder of its own,
-``{root}/{job id}``, made (mode 0700) before its job is submitted and named to it in
-:data:`MODEL_DIR_VARIABLE`; the path a trial names is taken relative to that folder, and its model is
-only what lies inside it: the named path must resolve inside the folder (an absolute path elsewhere, a
-``..`` out, a symlink leading out are refused), and the tree under it is walked without following
-any symlink (directories opened with ``O_NOFOLLOW`` relative to their parent, files with
-``O_NOFOLLOW``, each checked regular with ``fstat``): a symlink anywhere in it, a FIFO, socket or
-device, a file with another hard link (which is that other file), more than :data:`MAX_MODEL_FILES` files or :data:`MAX_MODEL_BYTES` bytes refuse the model
-(:class:`ModelRefused`, naming why). What is committed is copied from the descriptors so opened into
-a folder of the controller's, so nothing the trial changes after the check is read.
+``{root}/{job id}``: the trial's job's checkpoint folder, which the job-orchestrator makes for the
+job's user (a sandboxed job runs as a user of its own, who must be able to write it), named to the
+trial in :data:`MODEL_DIR_VARIABLE`. The root (:meth:`TrialFolders.open`) is the controller's, outside
+its home (mode 0700: no job's user may enter it), mode 0711, so a job's user passes through it to its
+own folder, lists no other, and makes nothing in it. The path a trial names is taken relative to its
+folder, and its model is only what lies inside it: the named path must resolve inside the folder (an
+absolute path elsewhere, a ``..`` out, a symlink leading out are refused), and the tree under it is
+walked without following any symlink (directories opened with ``O_NOFOLLOW`` relative to their
+parent, files with ``O_NOFOLLOW``, each checked regular with ``fstat``): a symlink anywhere in it, a
+FIFO, socket or device, a file with another hard link (which is that other file), more than
+:data:`MAX_MODEL_FILES` files or :data:`MAX_MODEL_BYTES` bytes refuse the model (:class:`ModelRefused`,
+naming why). What is committed is copied from the descriptors so opened into
+a folder of the controller's, so nothing the trial changes after the check is read. The folder and its
+files belong to the job's user; that is expected, and changes none of these checks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
@@ -26,6 +32,9 @@ from pathlib import Path
 
 from opml_common.errors import FailedPrecondition
 
+TRIALS_DIR_SETTING = "OPML_AUTOML_CONTROLLER_TRIALS_DIR"
+ROOT_MODE = 0o711
+"""The trials' root: a job's user may pass through it to its own folder, and neither list it nor make anything in it."""
 MODEL_DIR_VARIABLE = "AUTOML_MODEL_DIR"
 """The variable that names a trial's model folder in its job (the orchestrator keeps ``OPML_*`` its own)."""
 MAX_MODEL_FILES = 10_000
@@ -42,20 +51,51 @@ class ModelRefused(FailedPrecondition):
 
 
 class TrialFolders:
-    """Where each trial's model folder is: ``{root}/{job id}`` (a job id holds no ``/``)."""
+    """Where each trial's model folder is: ``{root}/{job id}`` (a job id holds no ``/``), made by the
+    job-orchestrator as the trial's job's checkpoint folder, not by the controller."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
 
+    @classmethod
+    def open(cls, root: Path) -> TrialFolders:
+        """The trials' ``root``, made if it is not there, and made mode :data:`ROOT_MODE`.
+
+        Raises:
+            FailedPrecondition: ``root`` is a symlink or no folder, belongs to another user (a job's user
+                who made it first would own every trial's folder), or a folder above it may be changed by
+                a user other than root and this process's (who could put another folder in its place).
+        """
+        root.parent.mkdir(parents=True, exist_ok=True)
+        parent = Path(os.path.realpath(root.parent))
+        for above in (parent, *parent.parents):
+            info = os.stat(above)
+            if info.st_uid not in (0, os.geteuid()) or (info.st_mode & stat.S_IWOTH
+                                                        and not info.st_mode & stat.S_ISVTX):
+                raise FailedPrecondition(f"the trials' folder {str(root)!r} ({TRIALS_DIR_SETTING}) is in "
+                                         f"{str(above)!r} (uid {info.st_uid}, mode "
+                                         f"{stat.S_IMODE(info.st_mode):04o}), which a user other than root "
+                                         f"and this process's may change")
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(root, ROOT_MODE)
+        try:
+            fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as error:  # ELOOP: a symlink; ENOTDIR: a file
+            raise FailedPrecondition(f"the trials' folder {str(root)!r} ({TRIALS_DIR_SETTING}) cannot be "
+                                     f"opened as a folder without following a symlink "
+                                     f"({os.strerror(error.errno or 0)})") from None
+        try:
+            owner = os.fstat(fd).st_uid
+            if owner != os.geteuid():
+                raise FailedPrecondition(f"the trials' folder {str(root)!r} ({TRIALS_DIR_SETTING}) belongs to "
+                                         f"uid {owner}, not to this process's user (uid {os.geteuid()})")
+            os.fchmod(fd, ROOT_MODE)
+        finally:
+            os.close(fd)
+        return cls(root)
+
     def of(self, job_id: str) -> Path:
         return self.root / job_id
-
-    def make(self, job_id: str) -> Path:
-        """The trial's folder, made if it is not there (mode 0700; a restarted controller finds it)."""
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        folder = self.of(job_id)
-        folder.mkdir(mode=0o700, exist_ok=True)
-        return folder
 
     def remove(self, job_ids: list[str]) -> None:
         """The folders of these trials and what is in them (their experiment was deleted)."""

@@ -5,11 +5,12 @@ inference-router). The runner submits the job (idempotently: a restarted control
 it), follows its log through the metrics collector (a Trace trial: the epochs the Trace collector's
 consumer stores, woken by :meth:`TrialRunner.wake`), reports each objective value to the study (the
 pruner may stop it: its job is cancelled at once), and tells the study how it ended, then saves and
-announces the trial. Each trial's job gets a model folder of its own (:mod:`.trialmodel`); a trial
-that succeeds having named its model keeps it only if it lies there (else the reason is on the
-trial). Which way it ended is read from the study: the pruner's and the controller's cancels mark
-the trial (:data:`~opml_automl_controller.study.END_ATTR`) before they cancel its job, so a job
-cancelled by either is told apart from one cancelled outside the controller.
+announces the trial. Each trial's job gets a model folder of its own (:mod:`.trialmodel`): its
+checkpoint folder, which the orchestrator makes for the job's user; a trial that succeeds having
+named its model keeps it only if it lies there (else the reason is on the trial). Which way it
+ended is read from the study: the pruner's and the controller's cancels mark the trial
+(:data:`~opml_automl_controller.study.END_ATTR`) before they cancel its job, so a job cancelled by
+either is told apart from one cancelled outside the controller.
 
 The experiment's loop (:mod:`opml_automl_controller.controller`) runs one runner per running trial;
 a runner whose task fails (Redis, the orchestrator) is replaced by a new one that re-attaches.
@@ -74,7 +75,10 @@ def build_job(spec: ExperimentSpec, job_id: str, number: int, params: dict[str, 
               trace_wait_s: float, model_dir: Path | None = None) -> TrialJob:
     """The trial's job: the template's, named and labelled, wrapped for the File collector, traced for
     the Trace collector (its tracer's exit bound ``trace_wait_s`` unless the template sets one), told
-    its own model folder ``model_dir`` (:data:`~.trialmodel.MODEL_DIR_VARIABLE`) when there is one.
+    its own model folder ``model_dir`` (:data:`~.trialmodel.MODEL_DIR_VARIABLE`) when there is one,
+    which is also its checkpoint folder: the orchestrator makes it for the job's user (a sandboxed job
+    runs as a user of its own; a folder the controller made would be root's), so the controller makes
+    none.
 
     Raises: InvalidArgument: the template does not make a job with these parameters.
     """
@@ -83,6 +87,7 @@ def build_job(spec: ExperimentSpec, job_id: str, number: int, params: dict[str, 
     job.spec.labels.update({EXPERIMENT_LABEL: spec.name, TRIAL_LABEL: str(number)})
     if model_dir is not None:
         job.spec.env[MODEL_DIR_VARIABLE] = str(model_dir)
+        job.spec.checkpoint.dir = str(model_dir)
     if spec.collector.kind is CollectorKind.FILE:
         for role in job.spec.roles.values():
             argv = list(role.command or job.spec.command)
@@ -123,8 +128,8 @@ class TrialServices:
             tracer's last epochs.
         wakers: each running Trace trial's :meth:`TrialRunner.wake`, by job id (the controller's
             ``wake_trace`` looks it up).
-        folders: where each trial's model folder is made (None: trials get none, and a model a trial
-            names is refused).
+        folders: where each trial's model folder is (None: trials get none, and a model a trial names
+            is refused).
     """
 
     jobs: TrialJobs
@@ -182,11 +187,7 @@ class TrialRunner:
             await self._predict()
             return
         folders = self._services.folders
-        try:
-            model_dir = await asyncio.to_thread(folders.make, self.trial.job_id) if folders is not None else None
-        except OSError as error:
-            await self._end(TrialState.FAILED, message=f"its model folder could not be made: {error}")
-            return
+        model_dir = folders.of(self.trial.job_id) if folders is not None else None
         try:
             job = build_job(self._spec, self.trial.job_id, self.trial.number, self.trial.parameters,
                             trial_python=self._services.trial_python, trace_wait_s=self._services.trace_wait_s,
