@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -57,13 +58,19 @@ def experiment() -> None:
 
 
 def _watch(session: ClientSession, name: str, interval: float) -> pb.Experiment:
-    with session.client() as client, Live(console=console, refresh_per_second=4) as live:
+    """Refreshes the trials table until the experiment ends, reconnecting when the service restarts."""
+    def read(client: ExperimentClient) -> Iterator[tuple[pb.Experiment, list[pb.Trial]]]:
         while True:
             shown = client.get(name)
-            live.update(trials_table(shown, client.trials(name)))
+            yield shown, client.trials(name)
             if shown.status.state in _ENDED:
-                return shown
+                return
             time.sleep(interval)
+
+    with Live(console=console, refresh_per_second=4) as live:
+        for shown, trials in session.follow(read):
+            live.update(trials_table(shown, trials))
+    return shown
 
 
 @experiment.command("create")

@@ -4,6 +4,7 @@ and plot accuracy against time."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -94,10 +95,16 @@ def rounds(session: ClientSession, federation: str) -> None:
 @click.argument("federation")
 @pass_session
 def watch(session: ClientSession, federation: str) -> None:
-    """Print each round as it completes, until the federation ends."""
-    with session.client() as client:
-        for r in client.watch(federation):
-            click.echo(_round_line(r))
+    """Print each round as it completes, until the federation ends (across restarts of the service:
+    a reconnect's rounds so far are not printed again)."""
+    last = 0
+
+    def read(client) -> Iterator[pb.Round]:
+        return (r for r in client.watch(federation) if r.number > last)
+
+    for r in session.follow(read):
+        last = r.number
+        click.echo(_round_line(r))
 
 
 @fl.command("stop")

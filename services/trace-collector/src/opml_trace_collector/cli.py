@@ -12,6 +12,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -230,13 +231,20 @@ def capture(session: ClientSession, job: str, steps: int, workers: tuple[str, ..
     """Arm a full op-level trace of JOB's next N steps (admin)."""
     with session.client() as client:
         armed = client.capture(job, steps, workers)
-        console.print(f"capture {armed.capture_id} armed for {', '.join(w.worker for w in armed.workers)}")
-        current = armed
-        if wait:
-            with console.status(f"waiting for {steps} steps to be traced..."):
-                while current.state == pb.CAPTURE_STATE_PENDING:
-                    time.sleep(0.5)
-                    current = client.get_capture(armed.capture_id)
+    console.print(f"capture {armed.capture_id} armed for {', '.join(w.worker for w in armed.workers)}")
+
+    def read(client) -> Iterator[pb.Capture]:
+        """The capture, every half second while it is pending (across restarts of the service)."""
+        while True:
+            time.sleep(0.5)
+            yield (polled := client.get_capture(armed.capture_id))
+            if polled.state != pb.CAPTURE_STATE_PENDING:
+                return
+
+    current = armed
+    if wait and current.state == pb.CAPTURE_STATE_PENDING:
+        with console.status(f"waiting for {steps} steps to be traced..."):
+            *_, current = session.follow(read)  # the last poll: the capture ended
     console.print(_captures_table(f"capture {armed.capture_id}", [current]))
     if current.state in (pb.CAPTURE_STATE_FAILED, pb.CAPTURE_STATE_EXPIRED):
         sys.exit(1)
