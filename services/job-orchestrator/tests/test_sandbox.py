@@ -273,3 +273,15 @@ async def test_off_runs_jobs_as_before(tmp_path: Path, until_job_event, job_even
         await ex.launch(spec, JobProgram(commands={"worker": py(code)}), on_nodes(spec), attempt=0)
         assert job_event(await until_job_event(ex, "plain")).outcome is JobOutcome.SUCCEEDED
         assert json.loads(await ex.logs("plain", "worker", 0)) == [os.getuid(), os.getcwd(), os.environ["HOME"]]
+
+
+async def test_off_makes_a_missing_checkpoint_folder_too(tmp_path: Path, until_job_event, job_event) -> None:
+    """A trial writes its model into its checkpoint folder whether or not the job runs sandboxed."""
+    folder = tmp_path / "checkpoints" / "trial-1"
+    code = f"open({str(folder / 'model.txt')!r}, 'w').write('ok')"
+    async with LocalExecutor(work_dir=tmp_path / "work", sandbox="off") as ex:
+        spec = job("ckpt")
+        await ex.launch(spec, JobProgram(commands={"worker": py(code)}, checkpoint_dir=str(folder)), on_nodes(spec),
+                        attempt=0)
+        assert job_event(await until_job_event(ex, "ckpt")).outcome is JobOutcome.SUCCEEDED
+    assert (folder / "model.txt").read_text() == "ok"

@@ -238,8 +238,17 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
 
     async def _prepare_sandbox(self, job_id: str, run_dir: Path, keys: list[TaskKey],
                                program: JobProgram) -> tuple[RunSandbox | None, str | None]:
-        """The run's sandbox (None when unsandboxed), or why it could not be made (then no task starts)."""
+        """The run's sandbox (None when unsandboxed), or why it could not be made (then no task starts).
+
+        Unsandboxed, a missing checkpoint folder is made as the service's user, who is the job's: a job
+        finds its checkpoint folder made whether or not it runs sandboxed."""
         if self._sandbox is None:
+            if program.checkpoint_dir is not None:
+                try:
+                    await asyncio.to_thread(Path(program.checkpoint_dir).mkdir, mode=0o700, parents=True,
+                                            exist_ok=True)
+                except OSError as exc:
+                    return None, f"checkpoint.dir could not be made: {exc.strerror}: {exc.filename!r}"
             return None, None
         try:
             return await asyncio.to_thread(self._sandbox.prepare, job_id, run_dir, keys,
