@@ -55,6 +55,10 @@ def analysis(*, interval_s: float = 0.3, count: int = 2, min_requests: int = 20,
                                     "p99_latency": {"max_ratio": max_ratio, "min_requests": min_requests}}}}
 
 
+ENDS = (events.RolloutPromoted, events.RolloutAborted, events.RolloutPaused)
+"""Where a rollout stops (tests wait for any of them, then say which they expected)."""
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pools(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[PoolManager]:
     root = tmp_path_factory.mktemp("pools")
@@ -82,10 +86,10 @@ class WaitingRecorder(RecordingEmitter):
     def of(self, kind: type) -> list:
         return [m for m in self.messages if isinstance(m, kind)]
 
-    async def first(self, kind: type, *, after: int = 0):
-        """The first ``kind`` event emitted after the ``after``-th message (waits for it)."""
+    async def first(self, *kinds: type, after: int = 0):
+        """The first event of one of ``kinds`` emitted after the ``after``-th message (waits for it)."""
         while True:
-            found = [m for m in self.messages[after:] if isinstance(m, kind)]
+            found = [m for m in self.messages[after:] if isinstance(m, kinds)]
             if found:
                 return found[0]
             self._changed.clear()
@@ -177,7 +181,8 @@ async def test_a_healthy_version_passes_each_analysis_and_is_promoted(pools, tmp
         async with traffic(manager.router, "calm") as seen:
             record = await manager.deploy(bundle(tmp_path, "calm", 2, rollout=spec))
             assert record.stable == 1 and manager.traffic_percent("calm") == {"1": 100.0}
-            promoted = await recorder.first(events.RolloutPromoted)
+            promoted = await recorder.first(*ENDS)
+        assert isinstance(promoted, events.RolloutPromoted), promoted
         assert (promoted.model, promoted.version) == ("calm", 2)
         assert seen.failed == [] and seen.answered.get("2", 0) > 0  # no request failed for the rollout
         assert [(s.step, s.spec.kind) for s in recorder.of(events.RolloutStepStarted)] == [
@@ -200,7 +205,8 @@ async def test_a_version_whose_requests_fail_is_rolled_back_at_its_first_measure
         await manager.deploy(bundle(tmp_path, "poisoned", 1))
         async with traffic(manager.router, "poisoned", poison=True) as seen:
             await manager.deploy(bundle(tmp_path, "poisoned", 2, rollout=spec, model=poisoned_mlp(seed=2)))
-            aborted = await recorder.first(events.RolloutAborted)
+            aborted = await recorder.first(*ENDS)
+            assert isinstance(aborted, events.RolloutAborted), aborted
             answered_after = dict(seen.answered)
         measured = [a for a in recorder.of(events.RolloutAnalysisCompleted) if a.verdict != "INCONCLUSIVE"]
         assert [a.verdict for a in measured] == ["FAILED"]  # the first measurement that counted decided
@@ -215,14 +221,15 @@ async def test_a_version_whose_requests_fail_is_rolled_back_at_its_first_measure
 
 
 async def test_a_slower_version_is_rolled_back_on_its_p99(pools, tmp_path: Path) -> None:
-    spec = {"steps": [{"weight": 50}, analysis(count=3, max_ratio=2.0)]}
+    spec = {"steps": [{"weight": 50}, analysis(count=3, max_ratio=2.0, inconclusive_limit=100)]}
     slow = mlp_classifier(seed=2, width=1024, depth=12)  # ~10x the work of the stable MLP per request
     async with control_plane(pools) as plane:
         manager, recorder = plane.manager, plane.recorder
         await manager.deploy(bundle(tmp_path, "slow", 1))
         async with traffic(manager.router, "slow") as seen:
             await manager.deploy(bundle(tmp_path, "slow", 2, rollout=spec, model=slow))
-            aborted = await recorder.first(events.RolloutAborted)
+            aborted = await recorder.first(*ENDS)
+        assert isinstance(aborted, events.RolloutAborted), aborted
         latency = {c.check: c for c in aborted.checks}["p99_latency"]
         assert latency.verdict == "FAILED" and latency.new_value > 2.0 * latency.stable_value and latency.bound == 2.0
         assert seen.failed == []
@@ -242,7 +249,7 @@ async def test_too_little_traffic_pauses_the_rollout_saying_why_and_it_resumes(p
             await manager.deploy(bundle(tmp_path, "quiet", 3, rollout=spec))
         mark = len(recorder.messages)
         await rollouts.resume("quiet", skip_analysis=True)
-        await recorder.first(events.RolloutPromoted, after=mark)
+        assert isinstance(await recorder.first(*ENDS, after=mark), events.RolloutPromoted)
         assert manager.traffic_percent("quiet") == {"2": 100.0}
         with pytest.raises(FailedPrecondition, match="has ended"):
             await rollouts.abort("quiet")
@@ -295,7 +302,8 @@ async def test_a_restarted_router_resumes_the_rollout_where_it_was(pools, platfo
             manager, recorder = plane.manager, plane.recorder
             assert manager.traffic_percent("durable") == {"1": 60.0, "2": 40.0}
             async with traffic(manager.router, "durable") as seen:
-                promoted = await recorder.first(events.RolloutPromoted)
+                promoted = await recorder.first(*ENDS)
+            assert isinstance(promoted, events.RolloutPromoted), promoted
             assert promoted.version == 2 and seen.failed == []
             assert [s.step for s in recorder.of(events.RolloutStepStarted)] == [2]  # steps 0 and 1 not redone
             assert manager.traffic_percent("durable") == {"2": 100.0}
