@@ -62,6 +62,8 @@ def test_defaults_are_the_documented_ones() -> None:
     assert config.precisions == ("fp32",)
     assert config.batch_limit == 1 and config.queue_delay_ms == 0.0  # no dynamic batching: one request per batch
     assert config.version_policy.select([1, 3, 2]) == (3,)
+    assert config.default_timeout_ms is None  # the router's default: 4 x slo.p99_ms
+    assert ModelConfig.from_dict(changed(MODEL, ["default_timeout_ms"], 2000)).default_timeout_ms == 2000.0
 
 
 @pytest.mark.parametrize(
@@ -85,6 +87,10 @@ def test_defaults_are_the_documented_ones() -> None:
          "exactly one of latest, all, specific"),
         (["version_policy"], {"specific": {"versions": [2, 2]}}, "version_policy.specific.versions[1]",
          "appears twice"),
+        (["default_timeout_ms"], 0, "default_timeout_ms", "greater than 0, but got 0"),
+        (["default_timeout_ms"], -200, "default_timeout_ms", "greater than 0, but got -200"),
+        (["default_timeout_ms"], "200ms", "default_timeout_ms", "valid number, but got '200ms'"),
+        (["default_timeout_ms"], 600_001, "default_timeout_ms", "less than or equal to 600000"),
         (["shape"], [1], "shape", "is not a field"),
     ],
 )

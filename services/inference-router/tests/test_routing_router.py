@@ -226,6 +226,37 @@ async def test_deadline_bounds_the_request() -> None:
     assert sum(r.completed for r in held.values()) == 0
 
 
+async def test_a_request_without_a_deadline_gets_the_models_default_timeout_and_is_told_so() -> None:
+    def policy(**setting: float) -> ModelPolicy:
+        config = ModelConfig.from_dict({**mlp_config("m", p99_ms=10), **setting})
+        return ModelPolicy.for_model(config, hedge=False)
+
+    def slow() -> dict[str, FakeReplica]:  # answers in 0.5 s: past a 50 ms default, within a 60 s one
+        return {"a": FakeReplica("a", steady(0.5))}
+
+    router, registry = make_router(slow(), policy(default_timeout_ms=50))
+    with pytest.raises(DeadlineExceeded) as error:  # a bound on a hang only: 30 s
+        await asyncio.wait_for(router.infer("m", "", REQUEST), 30)
+    assert error.value.code == "DEADLINE_EXCEEDED"
+    assert error.value.message.startswith(
+        "model 'm': no deadline from the caller: the model's default_timeout_ms (50 ms, from model.yaml) passed; "
+        "set a deadline on the request or default_timeout_ms in model.yaml")
+    assert metric(registry, "requests_total", model="m", version="1", code="DEADLINE_EXCEEDED") == 1
+
+    router, _ = make_router(slow(), policy())  # unset: 4 x the SLO's 10 ms
+    with pytest.raises(DeadlineExceeded) as error:
+        await asyncio.wait_for(router.infer("m", "", REQUEST), 30)
+    assert "the model's default_timeout_ms (40 ms, 4 x its p99 SLO of 10 ms) passed" in error.value.message
+
+    router, _ = make_router(slow(), policy(default_timeout_ms=60_000))
+    assert (await asyncio.wait_for(router.infer("m", "", REQUEST), 30)).replica == "a"
+
+    router, _ = make_router(slow(), policy(default_timeout_ms=60_000))  # the caller's deadline: its own message
+    with pytest.raises((DeadlineExceeded, ReplicaFailed)) as error:
+        await asyncio.wait_for(router.infer("m", "", REQUEST, timeout_s=0.05), 30)
+    assert error.value.code == "DEADLINE_EXCEEDED" and "caller" not in error.value.message
+
+
 async def test_burst_over_capacity_is_shed_with_resource_exhausted() -> None:
     replica = FakeReplica("a", steady(0.05))
     router, registry = make_router({"a": replica}, ModelPolicy(slo_p99_ms=1000, hedge=False, max_concurrency=2,
@@ -351,6 +382,8 @@ async def test_a_model_without_versions_is_unavailable_and_policies_derive_from_
                                    hedge=False)
     assert (policy.slo_p99_ms, policy.max_concurrency, policy.max_queue, policy.hedge) == (30.0, 64, 256, False)
     assert policy.default_timeout_s == pytest.approx(0.12)
+    configured = ModelConfig.from_dict({**mlp_config("m", p99_ms=30), "default_timeout_ms": 5000})
+    assert ModelPolicy.for_model(configured).default_timeout_s == pytest.approx(5.0)
     with pytest.raises(InvalidArgument) as error:
         ModelPolicy(max_concurrency=0)
     assert error.value.field == "max_concurrency"

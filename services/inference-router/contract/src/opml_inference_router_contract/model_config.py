@@ -54,6 +54,9 @@ MAX_CONFIG_NODES = 100_000
 MAX_CONFIG_DEPTH = 32
 """Deepest nesting of a config (its schemas nest 4 levels)."""
 
+MAX_DEFAULT_TIMEOUT_MS = 600_000
+"""Longest implicit deadline a model may set (10 minutes: longer is a hang, not a deadline)."""
+
 _MODEL_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 _TENSOR_NAME = r"^[A-Za-z_][A-Za-z0-9_./:-]{0,127}$"
 _KIND_NAME = r"^[a-z][a-z0-9-]{0,31}$"
@@ -234,6 +237,10 @@ class ModelConfig(Schema):
         "ones are refused (INVALID_ARGUMENT) before any copy. Default: computed when every input has a fixed size "
         "(max_batch_size x dims x item size, + 64 KiB), else OPML_INFERENCE_ROUTER_MAX_REQUEST_BYTES (a BYTES "
         "input or a -1 dim); never above OPML_INFERENCE_ROUTER_GRPC_MAX_RECEIVE_BYTES.")
+    default_timeout_ms: StrictFloat | None = Field(
+        None, gt=0, le=MAX_DEFAULT_TIMEOUT_MS, description="Deadline of a request whose caller sets none, in "
+        "milliseconds (a backend that answers slowly under load needs more than its SLO suggests). Default: "
+        "4 x slo.p99_ms.")
 
     @field_validator("inputs", "outputs")
     @classmethod

@@ -20,7 +20,8 @@ class ModelPolicy:
     slo_p99_ms: float = 100.0
     """The latency promised to callers; the source of the defaults below."""
     default_timeout_ms: float | None = None
-    """Deadline of a request whose caller set none. Default: 4 x ``slo_p99_ms``."""
+    """Deadline of a request whose caller set none (``model.yaml``'s ``default_timeout_ms``). Default:
+    4 x ``slo_p99_ms``."""
     max_concurrency: int = 64
     """Requests of the model in flight across its replicas; more wait in the queue."""
     max_queue: int = 256
@@ -62,18 +63,27 @@ class ModelPolicy:
     def default_timeout_s(self) -> float:
         return (self.default_timeout_ms if self.default_timeout_ms is not None else 4 * self.slo_p99_ms) / 1000.0
 
+    def default_deadline_passed(self) -> str:
+        """Why a request whose caller set no deadline ran out of time: the model's default, and its source
+        (a caller told only "deadline exceeded" would look for a deadline it never set)."""
+        source = ("from model.yaml" if self.default_timeout_ms is not None
+                  else f"4 x its p99 SLO of {self.slo_p99_ms:g} ms")
+        return (f"no deadline from the caller: the model's default_timeout_ms ({self.default_timeout_s * 1000:g} ms, "
+                f"{source}) passed; set a deadline on the request or default_timeout_ms in model.yaml")
+
     @classmethod
     def for_model(cls, config: ModelConfig, *, replicas: int = 1,
                   default_max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, **overrides: object) -> ModelPolicy:
-        """Defaults for a model: its SLO, a concurrency limit of what its replicas can batch, two
-        batches each (``replicas x batch_limit x 2``: one running, one forming; at least 8), a queue
+        """Defaults for a model: its SLO and default deadline, a concurrency limit of what its replicas
+        can batch, two batches each (``replicas x batch_limit x 2``: one running, one forming; at least 8), a queue
         at the router of at least 256 (four times the limit when that is more), and the request size
         its config allows (``default_max_request_bytes`` where the config fixes none).
 
         The queue's length only bounds memory: admission prices each wait against the SLO and the
         deadline, and sheds the requests that would miss them."""
         concurrency = in_flight_limit(replicas * config.batch_limit)
-        settings: dict[str, object] = {"slo_p99_ms": float(config.slo.p99_ms), "max_concurrency": concurrency,
+        settings: dict[str, object] = {"slo_p99_ms": float(config.slo.p99_ms),
+                                       "default_timeout_ms": config.default_timeout_ms, "max_concurrency": concurrency,
                                        "max_queue": queue_limit(concurrency),
                                        "max_request": request_limit(config, default=default_max_request_bytes)}
         settings.update(overrides)

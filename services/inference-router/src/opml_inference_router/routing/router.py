@@ -333,7 +333,7 @@ class Router:
 
         ``version`` empty: the traffic split chooses (by ``request_id`` when sticky), and the
         forwarded request carries the chosen version. ``timeout_s``: the caller's deadline
-        (default: the model's ``default_timeout_s``).
+        (default: the model's ``default_timeout_s``, which a DEADLINE_EXCEEDED then names as the source).
 
         Raises:
             NotFound: the model or version is not served.
@@ -382,6 +382,8 @@ class Router:
             service_s = self._clock() - granted
         except OpmlError as exc:
             served.metrics.failed(exc.code)
+            if timeout_s is None and exc.code == "DEADLINE_EXCEEDED":
+                raise DeadlineExceeded(f"model {model!r}: {policy.default_deadline_passed()} ({exc.message})") from exc
             raise
         except asyncio.CancelledError:
             served.metrics.failed("CANCELLED")
