@@ -27,7 +27,7 @@ SERVICE_MODULES = {f"opml_{s.name.replace('-', '_')}": s.name for s in SERVICES}
 # A contract's own dependencies besides opml-common and opml-protos, each with why.
 CONTRACT_THIRD_PARTY = {
     "PyYAML": "the job spec is YAML (job-orchestrator)",
-    "numpy": "federated weights are arrays (fl-coordinator)",
+    "numpy": "federated weights are arrays (fl-coordinator); a reference set is arrays (monitoring-scorer)",
 }
 
 

@@ -40,14 +40,16 @@ from opml_monitoring_scorer.core.rules import Rule, RuleState, Transition, obser
 from opml_monitoring_scorer.metrics import ScorerMetrics
 from opml_monitoring_scorer.state import LabelOrigin, MonitorStore, ParkedLabel
 from opml_monitoring_scorer_contract.names import LABEL_SOURCE
+from opml_monitoring_scorer_contract.reference import (
+    MAX_REFERENCE_BYTES,
+    MAX_REFERENCE_ROWS,
+    REFERENCE_FILE,
+    reference_npz,
+)
+from opml_monitoring_scorer_contract.reference import MONITORING_FILE as CONFIG_FILE
 
 log = logging.getLogger(__name__)
 
-REFERENCE_FILE = "reference.npz"
-CONFIG_FILE = "monitoring.yaml"
-MAX_REFERENCE_BYTES = 256 * 1024 * 1024
-"""The most ``reference.npz`` may hold, stored and expanded (its arrays as numpy reads them)."""
-MAX_REFERENCE_ROWS = 1_000_000
 MAX_RULES_BYTES = 64 * 1024
 MAX_BASELINE_ROWS = 10_000
 MAX_BASELINE_BYTES = 32 * 1024 * 1024
@@ -120,16 +122,9 @@ def _check_sizes(data: bytes) -> None:
 
 
 def dump_reference(reference: ReferenceSet) -> bytes:
-    """The inverse of :func:`load_reference` (tests, benches, and producers writing a bundle)."""
-    arrays = {f"feature.{k}": (v.astype(str) if v.dtype == object else v) for k, v in reference.features.items()}
-    arrays["predicted"] = reference.outputs.predicted
-    if reference.outputs.scores is not None:
-        arrays["scores"] = reference.outputs.scores
-    if reference.labels is not None:
-        arrays["labels"] = reference.labels
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
-    return buffer.getvalue()
+    """The inverse of :func:`load_reference` (tests and benches)."""
+    return reference_npz(reference.features, predicted=reference.outputs.predicted, scores=reference.outputs.scores,
+                         labels=reference.labels)
 
 
 @dataclass(frozen=True)
