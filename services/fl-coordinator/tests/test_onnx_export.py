@@ -98,3 +98,17 @@ def test_an_activation_with_no_export_is_refused_by_name():
         dense_classifier_onnx(weights, hidden_activation="gelu")
     assert caught.value.field == "model.hidden_activation"
     assert "layer 0" in str(caught.value) and "'gelu'" in str(caught.value)
+
+
+@pytest.mark.parametrize("activation", ["relu", "tanh", "sigmoid", "linear"])
+def test_the_holdouts_numpy_forward_pass_is_the_exported_graph(activation):
+    from opml_fl_coordinator.holdout import probabilities
+
+    rng = np.random.default_rng(7)
+    weights = [rng.normal(size=(5, 8)).astype(np.float32), rng.normal(size=8).astype(np.float32),
+               rng.normal(size=(8, 3)).astype(np.float32), rng.normal(size=3).astype(np.float32)]
+    x = rng.normal(size=(64, 5)).astype(np.float32)
+    session = ort.InferenceSession(dense_classifier_onnx(weights, hidden_activation=activation),
+                                   providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(probabilities(weights, x, hidden_activation=activation),
+                               session.run(None, {"input": x})[0], rtol=1e-4, atol=1e-6)

@@ -125,6 +125,12 @@ class ModelSpec(_Strict):
         "global model is exported to ONNX with it.")
 
 
+class HoldoutRef(_Strict):
+    context: str = Field(min_length=1, description="bundle-store context of the held-out set's bundle.")
+    bundle: str = Field(min_length=1, description="The bundle (name: its newest committed version, or UUID) "
+                        "holding holdout.npz: x [rows, features] numbers, y [rows] class indices.")
+
+
 class FederationConfig(_Strict):
     name: str = Field(description="Federation name: lowercase letters, digits and '-', at most 63.",
                       pattern=NAME.pattern)
@@ -146,6 +152,9 @@ class FederationConfig(_Strict):
     target_accuracy: float | None = Field(None, gt=0, le=1, description="Stop once the global model reaches it.")
     seed: int = Field(0, ge=0, description="Seed of selection (and DP noise).")
     model: ModelSpec = ModelSpec()
+    holdout: HoldoutRef | None = Field(None, description="Held-out rows the operator holds: each published "
+                                       "model carries its outputs on them as the scorer's reference set (so it "
+                                       "is monitored with a performance estimate) and its accuracy on them.")
     serve: bool | None = Field(None, description="Tag the published ONNX models serve=true, so the "
                                "inference-router deploys each as it is committed; unset: the service's "
                                "SERVE_MODELS.")

@@ -1,10 +1,12 @@
 """The ``monitoring.yaml`` a served federated model's bundle carries, so the monitoring-scorer watches
 it from its first prediction with no one registering rules.
 
-The coordinator holds no data of its own (members evaluate on theirs, locally), so the bundle has no
-``reference.npz``: the scorer takes the model's first window as the baseline, and with no labelled
-reference there is no performance estimate. The rules are therefore on what it can see without one:
-drift from that baseline and the share of bad input rows.
+The coordinator holds no training data (members evaluate on theirs, locally). Without a federation
+``holdout`` the bundle has no ``reference.npz``: the scorer takes the model's first window as the
+baseline, and with no labelled reference there is no performance estimate, so the rules are on what
+it can see without one: drift from that baseline and the share of bad input rows. With a holdout
+(:mod:`holdout`) the bundle carries a labelled reference, and a rule on the estimated accuracy is
+added: it alerts when the estimate falls ``ACCURACY_DROP`` below the model's accuracy on the holdout.
 """
 
 from __future__ import annotations
@@ -16,13 +18,18 @@ DRIFT_OVER = 0.3
 the alert, two windows running."""
 BAD_ROWS_OVER = 0.05
 """Share of a window's rows with missing, NaN or out-of-range inputs that raises the alert."""
+ACCURACY_DROP = 0.10
+"""Fall of the estimated accuracy below the holdout accuracy that raises the alert, three windows running."""
 
 
-def monitoring_config(window_count: int = 500) -> str:
+def monitoring_config(window_count: int = 500, *, holdout_accuracy: float | None = None) -> str:
     """The default ``monitoring.yaml`` of a dense classifier exported by :mod:`onnx_export`: its class
-    scores are the ``probabilities`` output, and a window closes every ``window_count`` predictions."""
-    return yaml.safe_dump({
-        "task": "multiclass", "outputs": {"scores": "probabilities"}, "window": {"count": window_count},
-        "rules": [{"name": "input-drift", "signal": "drift", "over": DRIFT_OVER, "for": 2},
-                  {"name": "bad-input", "signal": "data_quality", "over": BAD_ROWS_OVER}],
-    }, sort_keys=False)
+    scores are the ``probabilities`` output, and a window closes every ``window_count`` predictions;
+    with ``holdout_accuracy`` (the bundle carries a labelled reference) a rule on the estimated accuracy."""
+    rules = [{"name": "input-drift", "signal": "drift", "over": DRIFT_OVER, "for": 2},
+             {"name": "bad-input", "signal": "data_quality", "over": BAD_ROWS_OVER}]
+    if holdout_accuracy is not None:
+        rules.append({"name": "accuracy-low", "signal": "mpp", "under": round(max(0.0, holdout_accuracy - ACCURACY_DROP), 4),
+                      "for": 3, "clear_after": 3})
+    return yaml.safe_dump({"task": "multiclass", "outputs": {"scores": "probabilities"},
+                           "window": {"count": window_count}, "rules": rules}, sort_keys=False)
