@@ -9,25 +9,32 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 
+from google.protobuf.timestamp_pb2 import Timestamp
 from opml.bundles.v1 import bundles_pb2 as pb
 from opml.bundles.v1 import bundles_pb2_grpc
 
+from opml_bundle_store.core import grants
 from opml_bundle_store.core.convert import bundle_to_proto, context_to_proto, lineage_from_proto
+from opml_bundle_store.core.grants import GrantKeys, UploadGrant
 from opml_bundle_store.core.manifest import Bundle, TransferProgress
+from opml_bundle_store.core.rules import validate_bundle_name
 from opml_bundle_store.core.store import BundleStore
 from opml_bundle_store_contract.paths import validate_bundle_paths
 from opml_bundle_store_contract.values import value_from_proto
-from opml_common.errors import InvalidArgument
-from opml_common.grpc.interceptors import current_principal
+from opml_common.errors import InvalidArgument, NotFound, PermissionDenied
+from opml_common.grpc.interceptors import Principal, Scope, current_principal
 from opml_common.metrics import ServiceMetrics
 from opml_common.pagination import paginate
 
 _CONTEXT_NAME = re.compile(r"^contexts/([^/]+)$")
 _BUNDLE_NAME = re.compile(r"^contexts/([^/]+)/bundles/([^/]+)$")
 _PROGRESS_INTERVAL_S = 0.2
+log = logging.getLogger(__name__)
 
 # The role each RPC needs (checked against the service descriptor at start-up).
 METHOD_ROLES = {
@@ -35,8 +42,12 @@ METHOD_ROLES = {
     "ReadBundleFile": "reader", "GetLineage": "reader",
     "CreateContext": "writer", "UpdateContextRemote": "writer", "AddBundle": "writer", "CommitBundle": "writer",
     "PushBundles": "writer", "PullBundles": "writer",
+    "CreateUploadGrant": "writer",
     "DeleteBundle": "admin", "GarbageCollect": "admin",
 }
+
+GRANT_METHODS = frozenset({"AddBundle", "GetBundle", "ListBundles"})
+"""What an upload grant's holder may call (each call then checked against the grant's context and name)."""
 
 
 def parse_context_name(field: str, name: str) -> str:
@@ -58,10 +69,58 @@ TRANSFER_DIRECTIONS = ("upload", "read", "push", "pull")
 
 
 class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
-    def __init__(self, store: BundleStore, metrics: ServiceMetrics) -> None:
+    """``grant_keys`` sign the upload grants it issues and verify those presented (:meth:`verify_token`,
+    the server's token verifier); ``max_grant_bytes`` bounds what one grant may allow."""
+
+    def __init__(self, store: BundleStore, metrics: ServiceMetrics, *, grant_keys: GrantKeys,
+                 max_grant_bytes: int = 4 * 1024**3, clock: Callable[[], float] = time.time) -> None:
         self._store = store
+        self._grant_keys = grant_keys
+        self._max_grant_bytes = max_grant_bytes
+        self._clock = clock
         moved = metrics.counter("transfer_bytes_total", "Bytes moved, by direction.", ("direction",))
         self._bytes = {direction: moved.labels(direction) for direction in TRANSFER_DIRECTIONS}
+        self._grants = metrics.counter("upload_grants_total", "Upload grants issued.")
+
+    # -- upload grants ----------------------------------------------------------------------
+
+    def verify_token(self, token: str) -> Principal | None:
+        """The scoped principal of an upload grant (None: ``token`` is no grant). Raises Unauthenticated
+        for a grant that does not verify or expired."""
+        grant = grants.verify(self._grant_keys, token, now=self._clock())
+        if grant is None:
+            return None
+        return Principal(grant.principal_name, frozenset({"writer"}),
+                         Scope(grant.describe(), GRANT_METHODS, grant))
+
+    async def CreateUploadGrant(self, request: pb.CreateUploadGrantRequest, context) -> pb.UploadGrant:
+        violations: list[tuple[str, str]] = []
+        context_id = ""
+        try:
+            context_id = parse_context_name("parent", request.parent)
+        except InvalidArgument as error:
+            violations.extend(error.violations)
+        try:
+            validate_bundle_name(request.bundle_name, "bundle_name")
+        except InvalidArgument as error:
+            violations.extend(error.violations)
+        if not 1 <= request.ttl_seconds <= grants.MAX_TTL_S:
+            violations.append(("ttl_seconds", f"must be in [1, {grants.MAX_TTL_S}] seconds, but got "
+                                              f"{request.ttl_seconds}"))
+        if not 1 <= request.max_bytes <= self._max_grant_bytes:
+            violations.append(("max_bytes", f"must be in [1, {self._max_grant_bytes}] (this store's "
+                                            f"OPML_BUNDLE_STORE_MAX_GRANT_BYTES), but got {request.max_bytes}"))
+        if violations:
+            raise InvalidArgument.of(violations)
+        await asyncio.to_thread(self._store.get_context, context_id)  # NotFound: grant nothing into nowhere
+        token, grant = grants.issue(self._grant_keys, context_id=context_id, bundle_name=request.bundle_name,
+                                    max_bytes=request.max_bytes, ttl_s=request.ttl_seconds, now=self._clock())
+        self._grants.inc()
+        log.info("upload grant issued", extra={"grant": grant.grant_id, "context": context_id,
+                                               "bundle_name": grant.bundle_name, "max_bytes": grant.max_bytes,
+                                               "principal": current_principal().name})
+        return pb.UploadGrant(token=token, grant_id=grant.grant_id,
+                              expire_time=Timestamp(seconds=int(grant.expires_at)))
 
     # -- contexts ---------------------------------------------------------------------------
 
@@ -91,6 +150,12 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
             raise InvalidArgument("header", "the first AddBundleRequest must carry the header")
         header = first.header
         context_id = parse_context_name("header.parent", header.parent)
+        if (grant := _grant()) is not None:
+            _check_grant(grant, context_id, header.bundle_name)
+            declared = sum(max(spec.size_bytes, 0) for spec in header.files)
+            if declared > grant.max_bytes:
+                raise PermissionDenied(f"the bundle declares {declared} bytes, more than the {grant.max_bytes} "
+                                       f"{grant.describe()} allows")
         # The creator is who called, whatever the client wrote there.
         lineage = dataclasses.replace(lineage_from_proto(header.lineage, "header.lineage"),
                                       creator=current_principal().name)
@@ -128,6 +193,10 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
 
     async def ListBundles(self, request: pb.ListBundlesRequest, context) -> pb.ListBundlesResponse:
         context_id = parse_context_name("parent", request.parent)
+        if (grant := _grant()) is not None:
+            if not request.bundle_name:
+                raise PermissionDenied(f"{grant.describe()} lists only its own bundle name: set bundle_name")
+            _check_grant(grant, context_id, request.bundle_name)
         bundles = await asyncio.to_thread(
             self._store.list_bundles, context_id, bundle_name=request.bundle_name or None,
             tags=dict(request.tags) or None, committed_only=request.committed_only, latest_only=request.latest_only)
@@ -138,7 +207,18 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
 
     async def GetBundle(self, request: pb.GetBundleRequest, context) -> pb.Bundle:
         context_id, ref = parse_bundle_name("name", request.name)
-        return bundle_to_proto(await asyncio.to_thread(self._store.get_bundle, context_id, ref))
+        grant = _grant()
+        if grant is not None:
+            _check_grant(grant, context_id, grant.bundle_name)
+        try:
+            bundle = await asyncio.to_thread(self._store.get_bundle, context_id, ref)
+        except NotFound:
+            if grant is not None and ref != grant.bundle_name:
+                _check_grant(grant, context_id, ref)  # a uuid it cannot see: not even whether it exists
+            raise
+        if grant is not None:
+            _check_grant(grant, context_id, bundle.name)
+        return bundle_to_proto(bundle)
 
     async def ReadBundleFile(self, request: pb.ReadBundleFileRequest, context) -> AsyncIterator[pb.FileChunk]:
         context_id, ref = parse_bundle_name("name", request.name)
@@ -196,6 +276,18 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
             downstream=direction in (pb.GetLineageRequest.DOWNSTREAM, pb.GetLineageRequest.BOTH))
         return pb.LineageGraph(bundles=[bundle_to_proto(b) for b in graph.bundles],
                                edges=[pb.LineageEdge(input_uuid=i, output_uuid=o) for i, o in graph.edges])
+
+
+def _grant() -> UploadGrant | None:
+    """The upload grant the caller holds, if it called with one (the interceptor checked its method)."""
+    scope = current_principal().scope
+    return scope.grant if scope is not None and isinstance(scope.grant, UploadGrant) else None
+
+
+def _check_grant(grant: UploadGrant, context_id: str, bundle_name: str) -> None:
+    if context_id != grant.context_id or bundle_name != grant.bundle_name:
+        raise PermissionDenied(f"{grant.describe()} allows bundle {grant.bundle_name!r} in context "
+                               f"{grant.context_id!r} only")
 
 
 class _ChunkBridge:

@@ -21,7 +21,7 @@ import redis.exceptions
 from grpc.aio import AbortError
 
 from opml_common.config import ROLES, TokenGrant
-from opml_common.errors import OpmlError
+from opml_common.errors import OpmlError, Unauthenticated
 from opml_common.grpc.status import trailing_details, wire_message
 from opml_common.metrics import ServiceMetrics
 
@@ -32,11 +32,24 @@ AUDITED_ROLES = frozenset({"writer", "admin"})  # calls needing these are logged
 
 
 @dataclass(frozen=True)
+class Scope:
+    """What a scoped bearer token (one a service issues itself, e.g. an upload grant) allows beyond its
+    roles: only ``methods`` (short names, ``AddBundle``), each call then checked by the servicer against
+    ``grant`` (the service's own description of what the token allows). ``what`` names the token in
+    messages and audit logs (its id, never the token)."""
+
+    what: str
+    methods: frozenset[str]
+    grant: object
+
+
+@dataclass(frozen=True)
 class Principal:
-    """The authenticated caller of the current RPC."""
+    """The authenticated caller of the current RPC; ``scope`` restricts a scoped token's holder."""
 
     name: str
     roles: frozenset[str]
+    scope: Scope | None = None
 
     def has(self, role: str) -> bool:
         return any(ROLE_RANK[r] >= ROLE_RANK[role] for r in self.roles)
@@ -104,6 +117,23 @@ def missing_role_message(method: str, needed: str, principal: Principal) -> str:
     return f"{method} needs the {needed} role; the caller has {sorted(principal.roles)}"
 
 
+TokenVerifier = Callable[[str], Principal | None]
+"""Maps a bearer token the configured tokens do not know to the scoped :class:`Principal` it stands for,
+or None when it is no token of the verifier's kind. It raises
+:class:`~opml_common.errors.Unauthenticated` for a token of its kind that does not verify (tampered,
+expired), with a message that never quotes the token."""
+
+
+def _bearer(authorization: str) -> str | None:
+    scheme, _, token = authorization.partition(" ")
+    return token if scheme.lower() == "bearer" and token else None
+
+
+def out_of_scope_message(method: str, scope: Scope) -> str:
+    return (f"{method} is not allowed with {scope.what}; it allows only "
+            f"{', '.join(sorted(scope.methods))}")
+
+
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Bearer-token auth with roles (reader < inference < writer < admin).
 
@@ -115,31 +145,50 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     :class:`~opml_common.grpc.server.ServiceRegistration`), and any other needs ``default_role``.
     With no tokens configured (dev), every caller is an anonymous admin. Health and reflection are
     always open so probes and tools work.
+
+    ``token_verifier`` (:data:`TokenVerifier`) knows the scoped tokens a service issues itself: a
+    bearer token the configured ones do not know is given to it, and the :class:`Principal` it returns
+    may call only its scope's methods (PERMISSION_DENIED naming them otherwise); the servicer checks the
+    rest of the scope. A presented scoped token always restricts its holder, with tokens configured or
+    not (dev): whoever holds one was handed it to do that one thing. Scoped principals are not cached
+    (each call checks the token's expiry again).
     """
 
     OPEN_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
 
     def __init__(self, tokens: Mapping[str, TokenGrant], *, method_roles: Mapping[str, str],
-                 default_role: str = "writer") -> None:
+                 default_role: str = "writer", token_verifier: TokenVerifier | None = None) -> None:
         unknown = {r for r in (*method_roles.values(), default_role) if r not in ROLE_RANK}
         if unknown:
             raise ValueError(f"method_roles must use roles {sorted(ROLE_RANK)}, but got {sorted(unknown)}")
         self._tokens = dict(tokens)
         self._method_roles = dict(method_roles)
         self._default_role = default_role
+        self._token_verifier = token_verifier
         # (method, token) -> (handler, wrapped): tokens and methods are few, and wrapping per call
         # costs more than the rest of the check.
         self._wrapped: dict[tuple[str, str], tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or not self._tokens or handler_call_details.method.startswith(self.OPEN_PREFIXES):
+        if handler is None or handler_call_details.method.startswith(self.OPEN_PREFIXES):
+            return handler
+        if not self._tokens and self._token_verifier is None:
             return handler
         metadata = dict(handler_call_details.invocation_metadata or ())
         authorization = str(metadata.get("authorization", ""))
         principal = bearer_principal(self._tokens, authorization)
         method = _method_name(handler_call_details.method)
         needed = self._method_roles.get(handler_call_details.method, self._default_role)
+        if principal is None and self._token_verifier is not None and (token := _bearer(authorization)):
+            try:
+                principal = self._token_verifier(token)
+            except Unauthenticated as error:
+                return _wrap(handler, _reject(grpc.StatusCode.UNAUTHENTICATED, error.message, None, needed))
+            if principal is not None:
+                return self._scoped(handler, method, needed, principal)
+        if principal is None and not self._tokens:
+            return handler  # dev: no token configured, and no scoped token presented
         if principal is None:
             return _wrap(handler, _reject(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE, None, needed))
         cached = self._wrapped.get((handler_call_details.method, authorization))
@@ -152,6 +201,18 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             wrapped = _wrap(handler, _with_principal(principal, needed))
         self._wrapped[(handler_call_details.method, authorization)] = (handler, wrapped)
         return wrapped
+
+    @staticmethod
+    def _scoped(handler: grpc.RpcMethodHandler, method: str, needed: str,
+                principal: Principal) -> grpc.RpcMethodHandler:
+        scope = principal.scope
+        if scope is not None and method not in scope.methods:
+            return _wrap(handler, _reject(grpc.StatusCode.PERMISSION_DENIED, out_of_scope_message(method, scope),
+                                          principal, needed))
+        if not principal.has(needed):
+            return _wrap(handler, _reject(grpc.StatusCode.PERMISSION_DENIED,
+                                          missing_role_message(method, needed, principal), principal, needed))
+        return _wrap(handler, _with_principal(principal, needed))
 
 
 def _reject(code: grpc.StatusCode, message: str, principal: Principal | None,

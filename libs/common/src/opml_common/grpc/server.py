@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection
 
 from opml_common.config import GrpcTlsSettings, PlatformSettings, ServiceSettings
 from opml_common.errors import FailedPrecondition
-from opml_common.grpc.interceptors import ROLE_RANK, AuthInterceptor, ObservabilityInterceptor
+from opml_common.grpc.interceptors import ROLE_RANK, AuthInterceptor, ObservabilityInterceptor, TokenVerifier
 from opml_common.lifecycle import Component
 from opml_common.metrics import ServiceMetrics, serve_metrics
 
@@ -34,6 +34,10 @@ class ServiceRegistration:
     silently need the default role, a misspelt one would protect nothing, so either stops the
     service at start-up with a message naming it.
 
+    ``token_verifier``: the scoped bearer tokens the service issues itself (see
+    :class:`~opml_common.grpc.interceptors.AuthInterceptor`); at most one registration of a server
+    brings one.
+
     Raises:
         ValueError: ``method_roles`` misses an RPC, names one ``service`` does not have, or uses an
             unknown role.
@@ -43,6 +47,7 @@ class ServiceRegistration:
     add_to_server: Callable[[object, grpc.aio.Server], None]
     servicer: object
     method_roles: Mapping[str, str]
+    token_verifier: TokenVerifier | None = None
 
     def __post_init__(self) -> None:
         methods = {method.name for method in self.service.methods}
@@ -98,9 +103,13 @@ class GrpcServer(Component):
         if max_receive_message_bytes is None:
             max_receive_message_bytes = getattr(settings, "grpc_max_receive_bytes", None) or MAX_MESSAGE_BYTES
         self.max_receive_message_bytes = max_receive_message_bytes
+        verifiers = [r.token_verifier for r in registrations if r.token_verifier is not None]
+        if len(verifiers) > 1:
+            raise ValueError("at most one registration of a server may bring a token verifier")
         self._server = grpc.aio.server(
             interceptors=[observability, AuthInterceptor(
-                tokens, method_roles={k: v for r in registrations for k, v in r.full_method_roles().items()})],
+                tokens, method_roles={k: v for r in registrations for k, v in r.full_method_roles().items()},
+                token_verifier=verifiers[0] if verifiers else None)],
             # so_reuseport off: a port another process listens on is a bind error, not a port two
             # servers share (the kernel would then split the calls between them).
             options=[("grpc.max_receive_message_length", max_receive_message_bytes),

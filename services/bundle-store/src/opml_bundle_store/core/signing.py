@@ -20,6 +20,7 @@ import os
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Self
 
 from opml_bundle_store.core.layout import fsync_dir, tmp_name
 from opml_common.errors import FailedPrecondition
@@ -29,43 +30,47 @@ KEY_FILE_NAME = "manifest.key"
 _PURPOSE = "opml.bundles.v1.manifest"
 
 
-class ManifestKeys:
-    """The keys that sign (the first) and verify (any) remote manifests. Never shown in a repr.
+class SigningKeys:
+    """HMAC keys: the first signs, any verifies. Never shown in a repr. Subclasses say what they sign
+    (``what``, in messages) and the file a store keeps its own key in (``file_name``).
 
     Raises:
         ValueError: no key, or a key shorter than MIN_KEY_CHARS (named by position, never shown).
     """
 
+    what = "key"
+    file_name = "signing.key"
+
     def __init__(self, keys: Sequence[str]) -> None:
         if not keys:
-            raise ValueError("no manifest key is given")
+            raise ValueError(f"no {self.what} is given")
         for index, key in enumerate(keys, 1):
             if len(key) < MIN_KEY_CHARS or any(char.isspace() or char == "," for char in key):
-                raise ValueError(f"manifest key {index} must be at least {MIN_KEY_CHARS} characters without "
+                raise ValueError(f"{self.what} {index} must be at least {MIN_KEY_CHARS} characters without "
                                  "spaces or commas (make one with `openssl rand -hex 32`)")
         self._keys = tuple(key.encode() for key in keys)
 
     def __repr__(self) -> str:
-        return f"ManifestKeys({len(self._keys)} keys)"
+        return f"{type(self).__name__}({len(self._keys)} keys)"
 
     @classmethod
-    def parse(cls, text: str) -> ManifestKeys:
+    def parse(cls, text: str) -> Self:
         """Keys separated by commas or line breaks (blank entries ignored), the signing key first."""
         return cls([key.strip() for line in text.splitlines() for key in line.split(",") if key.strip()])
 
     @classmethod
-    def from_file(cls, path: Path) -> ManifestKeys:
+    def from_file(cls, path: Path) -> Self:
         """The keys in ``path`` (as :meth:`parse` reads them). Raises ValueError, OSError."""
         return cls.parse(path.read_text(encoding="utf-8"))
 
     @classmethod
-    def kept_in(cls, home: Path) -> ManifestKeys:
-        """The key a store keeps in ``home/manifest.key``: made once (mode 0600), then read at every
+    def kept_in(cls, home: Path) -> Self:
+        """The key a store keeps in ``home/{file_name}``: made once (mode 0600), then read at every
         open. The caller holds the home's lock.
 
         Raises: FailedPrecondition (the file holds no valid key), OSError.
         """
-        path = home / KEY_FILE_NAME
+        path = home / cls.file_name
         if not path.exists():
             tmp = tmp_name(path)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -82,23 +87,39 @@ class ManifestKeys:
         try:
             return cls.from_file(path)
         except ValueError as exc:
-            raise FailedPrecondition(f"{path} holds no valid manifest key ({exc}): remove it and a new one is "
-                                     "made, but manifests signed with the old one no longer verify") from None
+            raise FailedPrecondition(f"{path} holds no valid {cls.what} ({exc}): remove it and a new one is "
+                                     f"made, but what the old one signed no longer verifies") from None
+
+    def mac(self, header: Sequence[str], data: bytes) -> str:
+        """The HMAC-SHA256 (hex), with the signing key, of ``data`` under the JSON ``header`` (its
+        purpose and what names the data)."""
+        return _mac(self._keys[0], header, data)
+
+    def verifies(self, header: Sequence[str], data: bytes, signature: str) -> bool:
+        """Whether any key made ``signature`` of exactly this header and data (constant-time compare)."""
+        given = signature.encode("ascii", "replace")
+        return any(hmac.compare_digest(_mac(key, header, data).encode(), given) for key in self._keys)
+
+
+class ManifestKeys(SigningKeys):
+    """The keys that sign (the first) and verify (any) remote manifests."""
+
+    what = "manifest key"
+    file_name = KEY_FILE_NAME
 
     def sign(self, bundle_name: str, bundle_uuid: str, data: bytes) -> str:
         """The signature (hex) of the manifest ``data`` stored under ``bundle_name`` and ``bundle_uuid``."""
-        return _mac(self._keys[0], bundle_name, bundle_uuid, data)
+        return self.mac((_PURPOSE, bundle_name, bundle_uuid), data)
 
     def verify(self, bundle_name: str, bundle_uuid: str, data: bytes, signature: str) -> bool:
         """Whether any key signed exactly this manifest under this name and uuid (compared in constant time)."""
-        given = signature.encode("ascii", "replace")
-        return any(hmac.compare_digest(_mac(key, bundle_name, bundle_uuid, data).encode(), given)
-                   for key in self._keys)
+        return self.verifies((_PURPOSE, bundle_name, bundle_uuid), data, signature)
 
 
-def _mac(key: bytes, bundle_name: str, bundle_uuid: str, data: bytes) -> str:
+def _mac(key: bytes, header: Sequence[str], data: bytes) -> str:
     # The JSON header is unambiguous (its strings are escaped, it holds no raw line break), so no name
-    # and uuid can be shifted into the manifest's bytes or back.
-    mac = hmac.new(key, json.dumps([_PURPOSE, bundle_name, bundle_uuid]).encode() + b"\n", hashlib.sha256)
+    # and uuid can be shifted into the data's bytes or back, and its purpose keeps one kind of
+    # signature from passing for another.
+    mac = hmac.new(key, json.dumps(list(header)).encode() + b"\n", hashlib.sha256)
     mac.update(data)
     return mac.hexdigest()
