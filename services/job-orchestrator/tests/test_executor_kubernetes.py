@@ -448,3 +448,13 @@ async def test_logs_from_an_offset(executor: KubernetesExecutor, api: FakeCoreV1
     assert await executor.logs("mnist", "worker", 0, offset=len("héllo\n".encode())) == "world\n"
     with pytest.raises(InvalidArgument, match=r"^offset: "):
         await executor.logs("mnist", "worker", 0, offset=-1)
+
+
+def test_a_secret_env_is_refused_rather_than_written_into_a_pod_spec() -> None:
+    job = spec(worker=1)
+    program = JobProgram(commands={"worker": ["python", "train.py"]}, secret_env={"GRANT": "secret-grant-7d1"})
+    assert not KubernetesExecutor.accepts_secret_env  # the service refuses such a job at its submit
+    with pytest.raises(FailedPrecondition, match="secret_env, which the Kubernetes executor does not hand to pods") \
+            as caught:
+        render_run(job, program, placement(job), attempt=0, image="img", namespace="ml")
+    assert "secret-grant-7d1" not in caught.value.message and "secret-grant-7d1" not in repr(program)

@@ -10,6 +10,7 @@ job identity's S3 key, the allow-listed variables).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import stat
 import sys
@@ -161,6 +162,56 @@ def test_job_events_on_the_broker_carry_no_env_values(writer: JobClient, job_spe
     events = {e.type: e for e in (CloudEvent.from_kafka(r.headers, r.value) for r in records)}
     submitted = events["opml.jobs.v1.JobSubmitted"].parse(events_pb2.JobSubmitted)
     assert dict(submitted.spec.env) == {"MY_API_KEY": ""}  # the name, not the value
+
+
+def test_a_secret_env_reaches_every_run_and_no_reply_event_or_log(service_process, job_spec, wait_for,
+                                                                   platform_settings) -> None:
+    """A secret env value (a scoped credential the submitter hands its job) is in the task's environment,
+    on its first run and on a retry after the service restarted, and nowhere else: not in any reply (the
+    submitter's and an admin's included), not on the jobs topic, not in the service's log."""
+    secret = "scoped-upload-grant-5e0c91"
+    digest = hashlib.sha256(secret.encode()).hexdigest()  # what the job prints: the log shows no secret
+    code = ("import hashlib, os, sys, time; print(hashlib.sha256(os.environ['GRANT'].encode()).hexdigest()); "
+            "sys.stdout.flush(); os.environ['OPML_JOB_ATTEMPT'] == '0' and time.sleep(60)")
+    spec = job_spec("secretive", code, job_class="TE", env={"MODE": "plain"}, secret_env={"GRANT": secret})
+    first = service_process().start()
+    with _client(first, "writer") as writer, _client(first, "admin") as admin:
+        submitted = writer.submit(spec)
+        running = wait_for(writer, "secretive", pb.JOB_STATE_RUNNING)
+        replies = [submitted, running, admin.get("secretive"), *writer.list(), *admin.list()]
+        watched = next(writer.watch("secretive"))
+        assert all(dict(job.spec.secret_env) == {} for job in replies)
+        assert all(dict(job.spec.env) == {"MODE": "plain"} for job in (submitted, running))
+        assert secret not in str(watched) and all(secret not in str(job) for job in replies)
+        while digest not in _log(writer, "secretive"):  # the first run got it
+            pass
+    first.stop()  # the running attempt is stopped; the restarted service runs it again from Redis
+    second = service_process().start()
+    with _client(second, "writer") as writer:
+        done = wait_for(writer, "secretive", pb.JOB_STATE_SUCCEEDED)
+        assert done.status.attempt >= 1 and dict(done.spec.secret_env) == {}
+        assert b"".join(c.data for c in writer.logs("secretive", attempt=done.status.attempt)).decode() \
+            == digest + "\n"  # the retry got it too, from what the store kept
+    records = asyncio.run(read_records(platform_settings, JOBS.full_name(platform_settings.topic_prefix), 3))
+    assert records and all(secret.encode() not in r.value and all(secret.encode() not in v for _, v in r.headers)
+                           for r in records)
+    submitted_event = next(CloudEvent.from_kafka(r.headers, r.value) for r in records
+                           if CloudEvent.from_kafka(r.headers, r.value).type == "opml.jobs.v1.JobSubmitted")
+    assert dict(submitted_event.parse(events_pb2.JobSubmitted).spec.secret_env) == {}
+    for process in (first, second):
+        assert secret not in process.log_path.read_text()
+
+
+def test_a_secret_env_breaks_the_env_rules_every_offender_named(job_service, writer: JobClient) -> None:
+    spec = load_spec({"name": "bad-secrets", "class": "BE", "command": ["true"], "env": {"TOKEN": "a"},
+                      "secret_env": {"TOKEN": "b", "OPML_AUTH_TOKENS": "c", "LD_PRELOAD": "d", "NUL": "x\0y"},
+                      "roles": {"worker": {"resources": {"cpu": 1}}}})
+    with pytest.raises(InvalidArgument) as caught:
+        writer.submit(spec)
+    assert sorted(field for field, _ in caught.value.violations) == [
+        "secret_env.LD_PRELOAD", "secret_env.NUL", "secret_env.OPML_AUTH_TOKENS", "secret_env.TOKEN"]
+    assert all(value not in caught.value.message for value in ('"b"', "'b'", "x\0y"))
+    assert writer.list() == []
 
 
 SECOND_WRITER_TOKEN = "second-writer-token"

@@ -69,11 +69,14 @@ def hide_env_values(spec: pb.JobSpec, marker: str = ENV_HIDDEN) -> None:
         spec.env[name] = marker
 
 
-def job_to_proto(definition: JobDefinition, status: JobStatus, *, env_values: bool = True) -> pb.Job:
+def job_to_proto(definition: JobDefinition, status: JobStatus, *, env_values: bool = True,
+                 secret_env: bool = False) -> pb.Job:
     """The job as the API and the store show it; without ``env_values``, each env value is
     :data:`ENV_HIDDEN` (the servicer decides who sees them; the store and events get every value,
-    and events drop them themselves)."""
-    job = pb.Job(name=job_name(status.job_id), spec=definition_to_proto(definition), status=status_to_proto(status))
+    and events drop them themselves). The secret env is in it only with ``secret_env``: the store's
+    copy, which nothing shows (no reply, no event, no watcher)."""
+    job = pb.Job(name=job_name(status.job_id), spec=definition_to_proto(definition, secret_env=secret_env),
+                 status=status_to_proto(status))
     if not env_values:
         hide_env_values(job.spec)
     return job
@@ -94,9 +97,10 @@ def event_to_proto(event: LifecycleEvent, job: pb.Job) -> Message:
     """The CloudEvent data of one lifecycle event of ``job`` (as :func:`job_to_proto` made it, so a
     transition converts its status and spec once); ``JobSubmitted`` also carries the spec, with the
     names of its env but not their values (anyone who reads the topic reads the event; a value may
-    be a credential of the submitter's)."""
+    be a credential of the submitter's), and nothing of its secret env."""
     message = EVENT_MESSAGES[event.kind](status=job.status, message=event.message)
     if event.kind is EventKind.SUBMITTED:
         message.spec.CopyFrom(job.spec)
         hide_env_values(message.spec, "")
+        message.spec.ClearField("secret_env")
     return message

@@ -67,8 +67,9 @@ class JobRecorder:
             Whatever a part raises other than the emitter's ``OSError`` (a bug; the orchestrator logs it).
         """
         definition = event.job.definition
-        job = job_to_proto(definition, event.job.status)  # converted once, for store, event and watchers
-        self._store.save(job, submitter=definition.submitter if event.kind is EventKind.SUBMITTED else None)
+        job = job_to_proto(definition, event.job.status)  # converted once, for event and watchers
+        stored = job_to_proto(definition, event.job.status, secret_env=True) if definition.program.secret_env else job
+        self._store.save(stored, submitter=definition.submitter if event.kind is EventKind.SUBMITTED else None)
         try:
             self._emitter.emit(event_to_proto(event, job), subject=event.job_id)
         except OSError:  # the disk is full or gone: say so loudly, keep the orchestrator going

@@ -6,7 +6,8 @@ else gets PERMISSION_DENIED. Preempting needs admin (the role table). The same t
 values in every reply that holds its spec (GetJob, ListJobs, and the Job that SubmitJob, CancelJob
 and PreemptJob answer with): everyone else sees each env name with the value ``(hidden)``
 (:func:`may_act_on`, applied in :meth:`JobServicer._job`, per job and per caller). WatchJobs'
-changes carry the status and a message, never the spec.
+changes carry the status and a message, never the spec. A job's ``secret_env`` is shown to no one:
+no reply holds it, its submitter's and admins' included.
 
 It holds no scheduling logic: that is the :class:`~opml_job_orchestrator.orchestrator.Orchestrator`'s,
 which imports no grpc. It builds and publishes no events: each change's event comes from the core
@@ -71,6 +72,10 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         if not request.HasField("spec"):
             raise InvalidArgument("spec", "is required")
         definition = definition_from_proto(request.spec)
+        if definition.program.secret_env and not self._executor.accepts_secret_env:
+            raise InvalidArgument("secret_env", f"cannot be given to this orchestrator's jobs: its executor "
+                                                f"({type(self._executor).__name__}) has no private way to hand "
+                                                f"them to a task; submit the job without it")
         job_id = self._orchestrator.submit(definition.spec, definition.program, max_retries=definition.max_retries,
                                            submitter=current_principal().name, labels=definition.labels)
         status = self._orchestrator.get(job_id)  # the answer is the job as queued

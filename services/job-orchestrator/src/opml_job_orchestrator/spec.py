@@ -44,14 +44,16 @@ def definition_from_proto(spec: pb.JobSpec, *, submitter: str | None = None, che
     scheduler_spec = JobSpec(job_id=spec.name, job_class=job_class, roles=roles, priority=spec.priority,
                              checkpoint_interval_s=interval or None,
                              restart_overhead_s=spec.checkpoint.restart_overhead_seconds)
-    program = JobProgram(commands=commands, env=dict(spec.env), checkpoint_dir=spec.checkpoint.dir or None,
+    program = JobProgram(commands=commands, env=dict(spec.env), secret_env=dict(spec.secret_env),
+                         checkpoint_dir=spec.checkpoint.dir or None,
                          heartbeat_timeout_s=spec.heartbeat_timeout_seconds or None, trace=spec.trace)
     return JobDefinition(scheduler_spec, program, spec.max_retries if spec.HasField("max_retries") else None,
                          submitter, dict(spec.labels))
 
 
-def definition_to_proto(definition: JobDefinition) -> pb.JobSpec:
-    """The inverse of :func:`definition_from_proto`, every role with its own command."""
+def definition_to_proto(definition: JobDefinition, *, secret_env: bool = False) -> pb.JobSpec:
+    """The inverse of :func:`definition_from_proto`, every role with its own command; the secret env's
+    values only with ``secret_env`` (the job store's copy, from which a restart runs the job again)."""
     spec, program = definition.spec, definition.program
     message = pb.JobSpec(
         name=spec.job_id, job_class=pb.JOB_CLASS_TE if spec.job_class is JobClass.TE else pb.JOB_CLASS_BE,
@@ -68,4 +70,6 @@ def definition_to_proto(definition: JobDefinition) -> pb.JobSpec:
     if definition.max_retries is not None:
         message.max_retries = definition.max_retries
     message.labels.update(definition.labels)
+    if secret_env:
+        message.secret_env.update(program.secret_env)
     return message

@@ -1,6 +1,10 @@
 """Job specs as other services and users write them: a YAML document (or a dict) -> the
 ``opml.jobs.v1.JobSpec`` message, and the rules of a job that the orchestrator applies to every submit.
 
+``secret_env`` is ``env`` whose values are secrets (a scoped credential the submitter hands the job):
+the orchestrator gives them to the job's tasks and shows them to nobody (no reply, event or log line
+holds them); no error here quotes an env value either.
+
 The YAML mirrors the message, with three spellings people expect: ``class`` (``job_class``),
 ``cpu`` in cores or millicores (``2``, ``0.5``, ``500m``) and ``memory`` with a unit (``512Mi``,
 ``2Gi``; a bare number is MiB). Every error is an ``InvalidArgument`` naming the field path,
@@ -34,8 +38,8 @@ ORCHESTRATOR_VARIABLES = frozenset({"TF_CONFIG"})
 _JOB_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
 _MEMORY_UNITS = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024, "Ti": 1024 ** 2,
                  "K": 1000 / 1024 ** 2, "M": 1000 ** 2 / 1024 ** 2, "G": 1000 ** 3 / 1024 ** 2}
-_TOP_KEYS = {"name", "class", "priority", "command", "roles", "env", "max_retries", "checkpoint", "trace",
-             "heartbeat_timeout_seconds", "labels"}
+_TOP_KEYS = {"name", "class", "priority", "command", "roles", "env", "secret_env", "max_retries", "checkpoint",
+             "trace", "heartbeat_timeout_seconds", "labels"}
 _LABEL_KEY = re.compile(r"[a-z0-9][a-z0-9./_-]{0,62}")
 MAX_LABELS = 16
 _ROLE_KEYS = {"replicas", "resources", "command"}
@@ -82,10 +86,12 @@ def load_spec(source: str | Mapping[str, Any], *, what: str = "spec") -> pb.JobS
             spec.job_class = _CLASSES[job_class.upper()]
     if "max_retries" in doc:
         spec.max_retries = found.check(_integer, doc["max_retries"], "max_retries", default=0)
-    for key, value in found.mapping(doc.get("env", {}), "env", None).items():
-        spec.env[str(key)] = found.check(
-            _string, value if not isinstance(value, int | float) or isinstance(value, bool) else str(value),
-            f"env.{key}", default="")
+    for field in ("env", "secret_env"):
+        target = getattr(spec, field)
+        for key, value in found.mapping(doc.get(field, {}), field, None).items():
+            target[str(key)] = found.check(
+                _string, value if not isinstance(value, int | float) or isinstance(value, bool) else str(value),
+                f"{field}.{key}", default="")
     for key, value in found.mapping(doc.get("labels", {}), "labels", None).items():
         spec.labels[str(key)] = found.check(_string, value if not isinstance(value, int | float) or isinstance(
             value, bool) else str(value), f"labels.{key}", default="")
@@ -160,10 +166,13 @@ def rule_violations(spec: pb.JobSpec, *, check_job_env: bool = True) -> list[tup
     restores a job saved before these rules without them."""
     violations: list[tuple[str, str]] = []
     if check_job_env:
-        try:
-            check_env(spec.env)
-        except InvalidArgument as error:
-            violations.extend(error.violations)
+        for field in ("env", "secret_env"):
+            try:
+                check_env(getattr(spec, field), field)
+            except InvalidArgument as error:
+                violations.extend(error.violations)
+        violations.extend((f"secret_env.{name}", "is also in env; a variable is set in one of them")
+                          for name in sorted(set(spec.env) & set(spec.secret_env)))
         violations.extend(_nul_violations(spec))
     if len(spec.labels) > MAX_LABELS:
         violations.append(("labels", f"must hold at most {MAX_LABELS} labels, but has {len(spec.labels)}"))
@@ -215,6 +224,7 @@ def _nul_violations(spec: pb.JobSpec) -> list[tuple[str, str]]:
     """The fields of what a task's process is given (argv, environment) that hold a NUL byte, which
     no process can be given (its value is not shown: an env value may be a credential)."""
     given = [(f"env.{name}", (value,)) for name, value in sorted(spec.env.items())]
+    given += [(f"secret_env.{name}", (value,)) for name, value in sorted(spec.secret_env.items())]
     given += [("checkpoint.dir", (spec.checkpoint.dir,)), ("command", spec.command)]
     given += [(f"roles.{role}.command", spec.roles[role].command) for role in sorted(spec.roles)]
     return [(field, "must not contain a NUL byte (\\x00): no process can be given one")

@@ -115,7 +115,9 @@ class JobProgram:
     """What each task of a job runs, beside the scheduler's :class:`JobSpec`.
 
     ``commands`` maps each role of the spec to its argv (any program: TF_CONFIG is an environment
-    variable, no TensorFlow is needed). ``env`` is added to every task's environment.
+    variable, no TensorFlow is needed). ``env`` is added to every task's environment, and so is
+    ``secret_env``, whose values are secrets: kept out of this object's repr, and handed to tasks only
+    by executors that can do so privately (:attr:`Executor.accepts_secret_env`).
     ``checkpoint_dir``, when set, is passed as ``OPML_CHECKPOINT_DIR`` so a resumed run finds its
     checkpoint. ``heartbeat_timeout_s``, when set, makes the executor declare a task LOST once
     it has not touched the file named by ``OPML_HEARTBEAT_FILE`` for that long (None: no
@@ -126,6 +128,7 @@ class JobProgram:
 
     commands: Mapping[str, Sequence[str]]
     env: Mapping[str, str] = field(default_factory=dict)
+    secret_env: Mapping[str, str] = field(default_factory=dict, repr=False)
     checkpoint_dir: str | None = None
     heartbeat_timeout_s: float | None = None
     trace: bool = False
@@ -147,6 +150,10 @@ class JobProgram:
                 isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()):
             raise InvalidArgument("env", f"`env` must map strings to strings, but got {self.env!r}.")
         object.__setattr__(self, "env", MappingProxyType(dict(self.env)))
+        if not isinstance(self.secret_env, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in self.secret_env.items()):
+            raise InvalidArgument("secret_env", "`secret_env` must map strings to strings (values not shown).")
+        object.__setattr__(self, "secret_env", MappingProxyType(dict(self.secret_env)))
         if self.checkpoint_dir is not None and (not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir):
             raise InvalidArgument("checkpoint_dir", "`checkpoint_dir` must be a non-empty path or None, "
                                                     f"but got {self.checkpoint_dir!r}.")
@@ -171,6 +178,10 @@ class Executor(Component, abc.ABC):
     :meth:`stop`, both idempotent, and started again after a stop. All methods are called from one
     asyncio event loop.
     """
+
+    accepts_secret_env: bool = True
+    """Whether it hands a program's ``secret_env`` to its tasks privately (the service refuses a job
+    with one otherwise, at its submit)."""
 
     async def on_start(self) -> None:
         """Get ready to launch: the orchestrator starts the executor before its first :meth:`launch`.

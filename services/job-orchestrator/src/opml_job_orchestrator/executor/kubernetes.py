@@ -141,6 +141,9 @@ def render_run(spec: JobSpec, program: JobProgram, placement: Mapping[str, Seque
     jobs' scoped credentials, never the platform's). Every pod is sandboxed as :func:`sandboxed` says,
     as ``run_as_user``.
     """
+    if program.secret_env:
+        raise FailedPrecondition(f"job {spec.job_id!r} has a secret_env, which the Kubernetes executor does not "
+                                 f"hand to pods (their env is in their spec, readable by whoever reads pods)")
     base = run_name(spec.job_id, attempt)
     tasks = ",".join(f"{r.role}-{r.index}" for r in spec.replicas)
     cluster = {role: [f"{role}-{i}.{base}-{role}.{namespace}.svc:{port}" for i in range(spec.roles[role].replicas)]
@@ -254,6 +257,10 @@ class KubernetesExecutor(TrackedRunExecutor[_Run]):
     polling is logged and the next poll tries again; one while creating a run's objects fails
     the run (retriable when the API server was at fault: 5xx, 429, no answer).
     """
+
+    accepts_secret_env = False
+    """A pod's env is in its spec, which whoever may read pods reads; the executor makes no per-job
+    Secret, so a job's ``secret_env`` is refused at its submit (and by :func:`render_run`)."""
 
     def __init__(self, *, image: str, log_dir: str | Path, namespace: str = "default", api: Any = None,
                  kubeconfig: str | Path | None = None, context: str | None = None, port: int = 2222,
