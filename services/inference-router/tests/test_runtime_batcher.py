@@ -140,32 +140,109 @@ def test_fixed_shapes_pad_and_drop_the_padding() -> None:
                                rtol=1e-5, atol=1e-6)
 
 
+class GatedReplica(Replica):
+    """A real replica whose first batch runs only once ``gate`` is set: the replica is busy until then."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+        self.started = threading.Event()
+        self.ran: list[int] = []  # requests per batch run, in order
+
+    def run_batch(self, requests):
+        self.started.set()
+        self.gate.wait()
+        self.ran.append(len(requests))
+        return super().run_batch(requests)
+
+
+def gated_replica(*, delay_us: int) -> GatedReplica:
+    model = mlp_classifier(width=64, depth=2).SerializeToString()
+    config = ModelConfig.from_dict(mlp_config("mlp", max_queue_delay_us=delay_us))
+    return GatedReplica(ModelVersion("mlp", 1), config, CPU, "fp32",
+                        build_session(model, CPU, threads=1, source="mlp", folder=IN_MEMORY))
+
+
+async def until(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0.001)
+
+
 def test_a_cancelled_request_leaves_the_queue_at_once_and_never_runs() -> None:
     """A hedged request that lost (or a caller past its deadline) frees its place in the forming
     batch when it is cancelled, not when the batch is taken."""
-    served, _ = replica(CPU, delay_us=10_000_000)  # the batch would wait 10 s to fill: it must not matter
+    served = gated_replica(delay_us=10_000_000)  # the batch would wait 10 s to fill: it must not matter
     batcher = batcher_for(served)
     depth = batcher.metrics.queue_depth._value
 
     async def scenario() -> None:
         await batcher.start()
         try:
-            doomed = asyncio.create_task(batcher.infer({"features": rows(3)}))
-            while depth.get() < 1:
-                await asyncio.sleep(0)  # until it is queued
+            busy = asyncio.create_task(batcher.infer({"features": rows(1)}))  # the replica was idle: it runs
+            await until(served.started.is_set)
+            doomed = asyncio.create_task(batcher.infer({"features": rows(3)}))  # behind it: a batch forms
+            await until(lambda: depth.get() >= 1)
             doomed.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await doomed
             assert depth.get() == 0 and batcher._queued_rows == 0
+            served.gate.set()
+            await busy
             batcher.set_max_batch(2)  # a live request of 2 rows fills the batch: it runs at once
             kept = await batcher.infer({"features": rows(2)})
             assert kept["scores"].shape == (2, 4)
         finally:
+            served.gate.set()
             await batcher.stop()
 
     asyncio.run(scenario())
-    assert batcher.metrics.inference_count == 2 and batcher.metrics.execution_count == 1
+    assert served.ran == [1, 1]  # the busy request, then the kept one: the cancelled one never ran
+    assert batcher.metrics.inference_count == 3 and batcher.metrics.execution_count == 2
     assert depth.get() == 0
+
+
+def test_a_request_finding_the_replica_idle_runs_without_waiting_the_delay() -> None:
+    """Nothing queued, nothing running: there is no batch to wait for, so the queue delay (a minute
+    here) is not paid; the request takes whatever arrived with it."""
+    served, _ = replica(CPU, delay_us=60_000_000)
+    batcher = batcher_for(served)
+
+    async def scenario() -> None:
+        await batcher.start()
+        try:
+            alone = await asyncio.wait_for(batcher.infer({"features": rows(1)}), timeout=30)
+            assert alone["scores"].shape == (1, 4)
+            together = await asyncio.wait_for(asyncio.gather(
+                *[batcher.infer({"features": rows(1, seed)}) for seed in range(3)]), timeout=30)
+            assert len(together) == 3
+        finally:
+            await batcher.stop()
+
+    asyncio.run(scenario())
+    assert batcher.metrics.execution_count == 2 and sorted(batcher.metrics.batches) == [1, 3]
+
+
+def test_requests_arriving_while_the_replica_runs_form_one_batch() -> None:
+    """Under load the delay still does its work: what queues behind a running batch is taken together."""
+    served = gated_replica(delay_us=20_000)
+    batcher = batcher_for(served)
+    depth = batcher.metrics.queue_depth._value
+
+    async def scenario() -> None:
+        await batcher.start()
+        try:
+            first = asyncio.create_task(batcher.infer({"features": rows(1)}))
+            await until(served.started.is_set)
+            behind = [asyncio.create_task(batcher.infer({"features": rows(1, seed)})) for seed in range(5)]
+            await until(lambda: depth.get() == 5)
+            served.gate.set()
+            await asyncio.gather(first, *behind)
+        finally:
+            served.gate.set()
+            await batcher.stop()
+
+    asyncio.run(scenario())
+    assert served.ran == [1, 5]
 
 
 def test_profile_grows_with_batch_size_and_converts_to_placement_profile() -> None:

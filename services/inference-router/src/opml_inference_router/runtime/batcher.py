@@ -6,8 +6,11 @@ whose non-batch shapes match while their rows fit. Each *instance* of the replic
 session, as Triton's ``instance_group`` count) runs one batch at a time on its own thread (the
 event loop stays free to decode and queue), and a batch goes to a free instance, so ``k``
 instances run ``k`` batches at once; requests that arrive while every instance runs form the next
-batch: under load, batches fill without waiting. Without dynamic batching every request runs
-alone. A cancelled request (its caller's deadline passed, or it was a hedged request that lost)
+batch: under load, batches fill without waiting. A request that finds the replica idle (nothing
+queued, no instance running) does not wait the delay either: it runs at once, with whatever arrived
+in the same turn of the event loop, and the requests that come while it runs form the next batch; the
+delay is paid only to grow a batch behind other work, so a lone caller never pays it for nothing.
+Without dynamic batching every request runs alone. A cancelled request (its caller's deadline passed, or it was a hedged request that lost)
 leaves the queue at once: it neither costs a run nor holds rows of the batch that is filling.
 
 A batch that takes less than ``INLINE_BELOW_S`` (a running average of the replica's runs) runs on
@@ -48,6 +51,7 @@ class _Pending:
     shapes: tuple[tuple[str, tuple[int, ...]], ...]
     future: asyncio.Future
     enqueued: float
+    idle: bool  # it found nothing queued and no instance running: it need not wait for a batch to fill
     taken: bool = False  # in a batch: a cancel no longer looks for it in the queue
 
 
@@ -152,7 +156,8 @@ class DynamicBatcher(Component):
             raise Unavailable(f"{self.replica.model} is being unloaded; retry on another replica")
         loop = asyncio.get_running_loop()
         rows = len(next(iter(inputs.values()))) if self.replica.batches else 1
-        pending = _Pending(inputs, rows, _shapes_by_name(inputs), loop.create_future(), loop.time())
+        idle = not self._queue and len(self._idle) == len(self._instances)
+        pending = _Pending(inputs, rows, _shapes_by_name(inputs), loop.create_future(), loop.time(), idle)
         self._queue.append(pending)
         self._queued_rows += rows
         self.metrics.queue_depth.inc()
@@ -180,7 +185,7 @@ class DynamicBatcher(Component):
             while not self._queue:
                 self._wake.clear()
                 await self._wake.wait()
-            if self._delay_s and self._queued_rows < self._max_rows:
+            if self._delay_s and self._queued_rows < self._max_rows and not self._queue[0].idle:
                 await self._fill(loop, self._queue[0].enqueued + self._delay_s)
                 if not self._queue:  # every caller left while it formed
                     continue
