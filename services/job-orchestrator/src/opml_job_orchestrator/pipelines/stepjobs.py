@@ -20,8 +20,8 @@ evaluate
     inputs: ``candidate/`` and ``baseline/`` (absent on the first run), each ``model.onnx`` +
     ``model.yaml``; ``span/*.csv`` (the newest labelled span).
     step: :mod:`~opml_job_orchestrator.pipelines.evaluation`'s config.
-    outputs: ``result.json`` (``blessed``, ``baseline``, ``reasons``, ``metrics``), and
-    ``reference/reference.npz`` + ``reference/monitoring.yaml`` for the monitoring-scorer.
+    outputs: ``result.json`` (``blessed``, ``baseline``, ``reference``, ``reasons``, ``metrics``), and
+    ``reference/reference.npz`` + ``reference/monitoring.yaml`` for the monitoring-scorer (from 100 rows).
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ MAX_SPANS = 1_000
 """Most spans one validate step names."""
 MAX_REFERENCE_ROWS = 10_000
 """Most rows of the reference set written for the monitoring-scorer (a seeded sample beyond)."""
+MIN_REFERENCE_ROWS = 100
+"""Fewest rows of a reference set the monitoring-scorer accepts (fewer: none is written, and the result says so)."""
 BATCH_ROWS = 4_096
 """Rows per onnxruntime call."""
 WINDOW_COUNT = 1_000
@@ -347,9 +349,15 @@ def run_evaluate(step: Any, inputs: Path, outputs: Path) -> dict[str, Any]:
         reason_dicts.insert(0, {"metric": None, "slice": None, "value": None, "threshold": None,
                                 "baseline_value": None, "passed": None, "message": why})
 
-    _write_reference(outputs / "reference", config, task, candidate, output.name, features, labels, predictions,
-                     metrics["candidate"][evaluation.OVERALL])
-    result = {"blessed": blessed, "baseline": baseline_metrics is not None, "task": task,
+    reference = len(labels) >= MIN_REFERENCE_ROWS
+    if reference:
+        _write_reference(outputs / "reference", config, task, candidate, output.name, features, labels, predictions,
+                         metrics["candidate"][evaluation.OVERALL])
+    else:
+        reason_dicts.append({"metric": None, "slice": None, "value": None, "threshold": None, "baseline_value": None,
+                             "passed": None, "message": f"no reference set written: {len(labels)} rows, the "
+                                                        f"monitoring-scorer needs {MIN_REFERENCE_ROWS}"})
+    result = {"blessed": blessed, "baseline": baseline_metrics is not None, "reference": reference, "task": task,
               "rows": int(rows.sum()), "rows_skipped": int(table.rows - rows.sum()),
               "reasons": reason_dicts, "metrics": metrics}
     write_json(outputs / "result.json", result)
