@@ -164,10 +164,10 @@ def _typed(name: str, text: tuple[str | None, ...]) -> Column:
     numbers = None
     if kind in NUMERIC_TYPES or kind == "bool":
         numbers = np.full(len(text), np.nan)
-        convert = (lambda v: 1.0 if _BOOL_VALUES[v.lower()] else 0.0) if kind == "bool" else float
-        for row, value in enumerate(text):
-            if value is not None:
-                numbers[row] = convert(value)
+        if kind == "bool":
+            numbers[~missing] = [1.0 if v.lower() == "true" else 0.0 for v in present]
+        else:
+            numbers[~missing] = np.asarray(present, dtype=np.float64)  # numpy parses the text (nan, inf too)
     return Column(name, kind, text, missing, numbers)
 
 
