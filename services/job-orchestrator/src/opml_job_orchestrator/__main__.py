@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from opml.jobs.v1 import jobs_pb2, jobs_pb2_grpc
+from opml.jobs.v1 import jobs_pb2, jobs_pb2_grpc, pipelines_pb2, pipelines_pb2_grpc
 
+from opml_bundle_store_contract.names import EVENT_SOURCE as BUNDLE_STORE_SOURCE
+from opml_common.bus import EventConsumer
 from opml_common.config import PlatformSettings
 from opml_common.grpc.server import ServiceRegistration
 from opml_common.process import ServiceSpec
@@ -13,16 +15,34 @@ from opml_common.service import ServiceContext, run_service
 from opml_job_orchestrator.executor import Executor, LocalExecutor, RetryPolicy
 from opml_job_orchestrator.metrics import JobMetrics, TimedScheduler
 from opml_job_orchestrator.orchestrator import Orchestrator
+from opml_job_orchestrator.pipelines.bundles import BundleStoreIO
+from opml_job_orchestrator.pipelines.engine import PipelineEngine
+from opml_job_orchestrator.pipelines.metrics import PipelineMetrics
+from opml_job_orchestrator.pipelines.runner import Runner
+from opml_job_orchestrator.pipelines.servicer import METHOD_ROLES as PIPELINE_METHOD_ROLES
+from opml_job_orchestrator.pipelines.servicer import PipelineServicer
+from opml_job_orchestrator.pipelines.steps import StepJobs
+from opml_job_orchestrator.pipelines.store import RunStore
+from opml_job_orchestrator.pipelines.triggers import (
+    ALERTS_GROUP,
+    SPANS_GROUP,
+    AlertTrigger,
+    ScheduleTrigger,
+    ScorerAlerts,
+    SpanTrigger,
+)
 from opml_job_orchestrator.recorder import JobRecorder
 from opml_job_orchestrator.scheduler import POLICY_PRESETS, Cluster, NodeSpec, Resources
 from opml_job_orchestrator.servicer import METHOD_ROLES, JobServicer
 from opml_job_orchestrator.settings import JobOrchestratorSettings, platform_env
 from opml_job_orchestrator.state import JobStore
+from opml_job_orchestrator.topics import ALERTS, BUNDLES
 from opml_job_orchestrator.watch import WatchHub
-from opml_job_orchestrator_contract.topics import JOBS
+from opml_job_orchestrator_contract.topics import JOBS, PIPELINES
+from opml_monitoring_scorer_contract.names import EVENT_SOURCE as MONITORING_SOURCE
 
 SPEC = ServiceSpec(name="job-orchestrator", module="opml_job_orchestrator", settings=JobOrchestratorSettings,
-                   topics=(JOBS,))
+                   topics=(JOBS, PIPELINES, BUNDLES, ALERTS))
 
 
 def build_executor(settings: JobOrchestratorSettings, platform: PlatformSettings, *,
@@ -68,18 +88,59 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
     cluster = Cluster([NodeSpec(n.name, Resources(n.cpu_millis, n.memory_mib, n.gpu))
                        for n in settings.cluster_nodes()])
     executor = build_executor(settings, service.platform)
+    step_jobs = StepJobs(durable=store.flushed)
     orchestrator = Orchestrator(
         scheduler=TimedScheduler(cluster, POLICY_PRESETS[settings.policy](), service.metrics), executor=executor,
         retry_policy=RetryPolicy(max_retries=settings.max_retries, base_delay_s=settings.retry_base_delay_s,
                                  max_delay_s=settings.retry_max_delay_s),
-        listeners=[recorder], terminate_grace_s=settings.terminate_grace_s)
+        listeners=[recorder, step_jobs.on_lifecycle], terminate_grace_s=settings.terminate_grace_s)
+    step_jobs.bind(orchestrator)
     await service.start(store)
     await orchestrator.restore(saved)
     await service.start(orchestrator)
     service.run_in_background(orchestrator.loop_ended, name="job-orchestrator-loop")  # a dead loop ends the service
     servicer = JobServicer(orchestrator, executor, watch, durable=store.flushed, log_poll_s=settings.log_poll_s)
+    engine = await build_pipelines(service, step_jobs)
     return [ServiceRegistration(jobs_pb2.DESCRIPTOR.services_by_name["JobService"],
-                                jobs_pb2_grpc.add_JobServiceServicer_to_server, servicer, METHOD_ROLES)]
+                                jobs_pb2_grpc.add_JobServiceServicer_to_server, servicer, METHOD_ROLES),
+            ServiceRegistration(pipelines_pb2.DESCRIPTOR.services_by_name["Pipelines"],
+                                pipelines_pb2_grpc.add_PipelinesServicer_to_server, PipelineServicer(engine),
+                                PIPELINE_METHOD_ROLES)]
+
+
+async def build_pipelines(service: ServiceContext, step_jobs: StepJobs) -> PipelineEngine:
+    """The pipelines' engine, started after the orchestrator (its runs resume and re-attach to their
+    steps' jobs), its schedules, and its consumers of committed spans and alerts (stopped first)."""
+    settings: JobOrchestratorSettings = service.settings
+    bundles = BundleStoreIO(settings.bundle_store_target,
+                            token=settings.bundle_store_token.get_secret_value() or None)
+    service.on_stop(bundles.aclose)
+    settings.pipeline_dir.mkdir(parents=True, exist_ok=True)
+    settings.pipeline_dir.chmod(0o755)
+    metrics = PipelineMetrics(service.metrics)
+    emitter = await service.emitter()
+    runner = Runner(store=(run_store := RunStore(service.redis(), prefix=service.platform.redis_prefix)),
+                    bundles=bundles, jobs=step_jobs, emitter=emitter, metrics=metrics,
+                    work_dir=settings.pipeline_dir, staging_dir=settings.home / "pipeline-staging",
+                    step_resources=Resources(settings.pipeline_step_cpu_millis, settings.pipeline_step_memory_mib, 0))
+    schedules: list[ScheduleTrigger] = []  # made after the engine it watches, told of every change
+    engine = PipelineEngine(store=run_store, runner=runner, emitter=emitter, metrics=metrics,
+                            changed=lambda: [s.changed() for s in schedules])
+    schedules.append(ScheduleTrigger(engine))
+    await service.start(engine)
+    await service.start(schedules[0])
+    if settings.pipeline_triggers:
+        alerts = ScorerAlerts(settings.monitoring_scorer_target,
+                              token=settings.monitoring_scorer_token.get_secret_value() or None)
+        service.on_stop(alerts.aclose)
+        publisher = await service.publisher()
+        for group, topic, source, handler in (
+                (SPANS_GROUP, BUNDLES, BUNDLE_STORE_SOURCE, SpanTrigger(engine, bundles, metrics).handle),
+                (ALERTS_GROUP, ALERTS, MONITORING_SOURCE, AlertTrigger(engine, alerts, metrics).handle)):
+            consumer = EventConsumer(service.platform, group_id=group, topics=[topic], sources=frozenset({source}),
+                                     handler=handler, metrics=service.metrics, publisher=publisher)
+            service.run_in_background(consumer.run, stop=consumer.stop, name=f"pipeline triggers ({group})")
+    return engine
 
 
 def main() -> None:

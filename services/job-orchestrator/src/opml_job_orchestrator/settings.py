@@ -14,10 +14,11 @@ see ``executor/sandbox.py``).
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from opml_common.config import PlatformSettings, ServiceSettings
@@ -107,6 +108,28 @@ class JobOrchestratorSettings(ServiceSettings):
                                                 "passed only where the platform's settings have a "
                                                 "`kafka_sasl_username`. Unset: jobs get no Kafka credential.")
     job_kafka_sasl_password: SecretStr | None = Field(None, description="Password of that SASL user.")
+
+    bundle_store_target: str = Field(
+        "127.0.0.1:50051", min_length=1,
+        validation_alias=AliasChoices("OPML_JOB_ORCHESTRATOR_BUNDLE_STORE_TARGET", "OPML_BUNDLE_STORE_TARGET"),
+        description="host:port of the bundle-store, where pipelines read spans and write their steps' outputs "
+        "(also read from OPML_BUNDLE_STORE_TARGET).")
+    bundle_store_token: SecretStr = Field(SecretStr(""), description="Bearer token (writer role) pipelines call "
+                                          "the bundle-store with; empty: none (dev). Never given to jobs.")
+    monitoring_scorer_target: str = Field(
+        "127.0.0.1:50056", min_length=1,
+        validation_alias=AliasChoices("OPML_JOB_ORCHESTRATOR_MONITORING_SCORER_TARGET", "OPML_MONITORING_SCORER_TARGET"),
+        description="host:port of the monitoring-scorer, where an alert that would start a pipeline run is "
+        "re-read (also read from OPML_MONITORING_SCORER_TARGET).")
+    monitoring_scorer_token: SecretStr = Field(SecretStr(""), description="Bearer token (reader role) for the "
+                                               "monitoring-scorer; empty: none (dev).")
+    pipeline_dir: Path = Field(Path(tempfile.gettempdir()) / "opml-pipelines", description="Folder of the "
+                               "pipeline steps' folders, which their sandboxed jobs read and write (outside "
+                               "`home`, which jobs cannot enter).")
+    pipeline_triggers: bool = Field(True, description="Start pipeline runs on committed spans (opml.bundles.v1) "
+                                    "and alerts (opml.alerts.v1); off: by the API and schedules only.")
+    pipeline_step_cpu_millis: int = Field(1000, ge=1, description="CPU of a validate or evaluate step's job.")
+    pipeline_step_memory_mib: int = Field(1024, ge=1, description="Memory of a validate or evaluate step's job.")
 
     def cluster_nodes(self) -> list[NodeConfig]:
         """The configured nodes, or this machine."""

@@ -1,6 +1,6 @@
 """The job-orchestrator's contract: what other services and users need to run jobs on it.
 
-Its gRPC client, job resource names, the job spec (YAML -> ``JobSpec``, and the rules of a job, so a
+Its gRPC clients (jobs, pipelines), resource names, the job spec and the pipeline spec (YAML -> ``JobSpec``, and the rules of a job, so a
 client reports every mistake before it submits), the jobs topic and its event source.
 """
 
@@ -11,6 +11,13 @@ from opml_common.lazy import lazy_exports
 _EXPORTS = {
     "EVENT_SOURCE": "names",
     "JOBS": "topics",
+    "PIPELINES": "topics",
+    "PipelineClient": "pipelineclient",
+    "load_pipeline": "pipelinespec",
+    "parse_schedule": "schedule",
+    "pipeline_name": "names",
+    "pipeline_violations": "pipelinespec",
+    "run_name": "names",
     "JobClient": "client",
     "SERVICE": "names",
     "check_env": "jobspec",

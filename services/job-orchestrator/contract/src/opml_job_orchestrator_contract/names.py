@@ -12,3 +12,13 @@ EVENT_SOURCE = event_source_of(SERVICE)
 def job_name(job_id: str) -> str:
     """The resource name of job ``job_id`` (``jobs/<id>``), as the API's requests take it."""
     return f"jobs/{job_id}"
+
+
+def pipeline_name(pipeline: str) -> str:
+    """The resource name of a pipeline (``pipelines/<name>``)."""
+    return f"pipelines/{pipeline}"
+
+
+def run_name(pipeline: str, run: int) -> str:
+    """The resource name of run ``run`` of a pipeline (``pipelines/<name>/runs/<run>``)."""
+    return f"pipelines/{pipeline}/runs/{run}"
