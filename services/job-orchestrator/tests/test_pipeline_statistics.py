@@ -103,3 +103,9 @@ def test_statistics_read_back_are_checked() -> None:
         statistics.check(broken, "s")
     with pytest.raises(StatisticsError, match="format must be 1"):
         statistics.check({"format": 0, "num_examples": 1, "features": {}}, "s")
+
+
+def test_long_values_go_to_other_so_statistics_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(statistics, "MAX_TOP_CHARS", 10)
+    stats = compute(from_rows(["c"], [["aaaa"], ["aaaa"], ["bbbbbb"], ["cccccccc"]]))
+    assert stats["features"]["c"]["categorical"] == {"unique": 3, "top": [["aaaa", 2], ["bbbbbb", 1]], "other": 1}

@@ -245,7 +245,7 @@ def _shares(name: str, stats: Mapping[str, Any], rules: Mapping[str, Any], rows:
         total = sum(c for _, c in categorical["top"]) + categorical["other"]
         share = unseen / total if total else 0.0
         if share > limit:
-            examples = ", ".join(repr(v) for v, _ in unseen_values[:5])
+            examples = ", ".join(repr(v[:40]) for v, _ in unseen_values[:5])
             found.append(Anomaly("ENUM_TYPE_UNEXPECTED_STRING_VALUES", name, "unseen_share", share, limit,
                                  f"{share:.2%} of {name!r}'s values are outside its domain (threshold {limit}): "
                                  f"{examples}"))

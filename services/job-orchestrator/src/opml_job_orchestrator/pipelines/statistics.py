@@ -5,7 +5,8 @@ Per column: its type, how many rows hold a value (``count``), are empty (``missi
 values, quantiles, and a histogram on fixed bin edges (the schema's, so that any two spans'
 histograms compare bin for bin; a span computed without a schema uses its own deciles, which is
 what a schema inferred from it takes); categorical columns (strings, bools) add the frequencies of
-their :data:`MAX_TOP_VALUES` most frequent values and the count of all the others.
+their :data:`MAX_TOP_VALUES` most frequent values (within :data:`MAX_TOP_CHARS`) and the count of all
+the others.
 
 The document is plain JSON, versioned by ``format``; :func:`check` validates one read back.
 """
@@ -25,6 +26,10 @@ FORMAT = 1
 """Version of the statistics document."""
 MAX_TOP_VALUES = 1_000
 """Most values whose frequency a categorical column keeps (the rest are counted in ``other``)."""
+MAX_TOP_CHARS = 32 * 1024
+"""Most characters of the values a categorical column keeps (long texts go to ``other``), so a span of
+:data:`~opml_job_orchestrator.pipelines.table.MAX_COLUMNS` columns has statistics that are read back
+within the step's limit."""
 DISCRETE_VALUES = 20
 """A numeric column with at most this many distinct values keeps their frequencies too (``top``), so
 a schema inferred from it bins each value alone instead of merging them in deciles."""
@@ -70,7 +75,12 @@ def column_statistics(column: Column, rows: int, schema_type: str | None = None,
 
 def _categorical(values: list[str]) -> dict[str, Any]:
     counts = Counter(values)
-    top = counts.most_common(MAX_TOP_VALUES)
+    top, chars = [], 0
+    for value, count in counts.most_common(MAX_TOP_VALUES):
+        chars += len(value)
+        if chars > MAX_TOP_CHARS:
+            break
+        top.append((value, count))
     kept = sum(count for _, count in top)
     return {"unique": len(counts), "top": [[value, count] for value, count in top], "other": len(values) - kept}
 

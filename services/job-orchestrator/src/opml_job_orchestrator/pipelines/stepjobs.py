@@ -46,8 +46,8 @@ MAX_STEP_BYTES = 1 << 20
 """Largest step.json read (1 MiB)."""
 MAX_STATISTICS_BYTES = 64 << 20
 """Largest statistics.json read (64 MiB: 1,000 columns with 1,000 top values each fit)."""
-MAX_SCHEMA_BYTES = 16 << 20
-"""Largest schema.json read."""
+MAX_SCHEMA_BYTES = 64 << 20
+"""Largest schema.json read (domains come from the kept values: at most 32 KiB of text a column)."""
 MAX_MODEL_BYTES = 2 << 30
 """Largest model.onnx run (2 GiB, protobuf's own limit)."""
 MAX_SPANS = 1_000
