@@ -49,6 +49,7 @@ from opml_inference_router.placement.policy import CostAwareSloPolicy, GreedyFir
 from opml_inference_router.placement.predicted import ProfilePredictor
 from opml_inference_router.placement.profile import Profile, ProfileBook
 from opml_inference_router.placement.serving import ServingConfigChooser, ServingTable
+from opml_inference_router.placement.sites import LOCAL_LINK, Link, SiteRule, WorkerCheck, site_distance
 
 __all__ = [
     "Action",
@@ -60,7 +61,9 @@ __all__ = [
     "FleetConfig",
     "GreedyFirstFitPolicy",
     "KindUsage",
+    "LOCAL_LINK",
     "LatencyModel",
+    "Link",
     "ModelDemand",
     "ModelVersion",
     "Observation",
@@ -84,13 +87,16 @@ __all__ = [
     "ServingConfigChooser",
     "ServingTable",
     "SessionChoice",
+    "SiteRule",
     "WaitReady",
     "Worker",
+    "WorkerCheck",
     "WorkerRoom",
     "batch_caps",
     "calibration_factor",
     "check_moves",
     "demands_for",
+    "site_distance",
     "load_fleet_config",
     "plan_moves",
     "replicas_of",

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from opml_common.errors import FailedPrecondition, NotFound
-from opml_inference_router.placement.fleet_config import FleetConfig, ModelVersion, PoolKind
+from opml_inference_router.placement.fleet_config import LOCAL_SITE, FleetConfig, ModelVersion, PoolKind
 
 
 @dataclass(frozen=True)
@@ -17,6 +17,7 @@ class Worker:
     id: str
     pool: str
     kind: PoolKind
+    site: str = LOCAL_SITE
 
 
 class Fleet:
@@ -26,7 +27,7 @@ class Fleet:
         self.config = config
         self.kinds: Mapping[str, PoolKind] = {kind.name: kind for kind in config.pool_kinds}
         self.workers: tuple[Worker, ...] = tuple(
-            Worker(f"{pool.name}-{index:03d}", pool.name, self.kinds[pool.kind])
+            Worker(f"{pool.name}-{index:03d}", pool.name, self.kinds[pool.kind], pool.site)
             for pool in config.pools
             for index in range(pool.workers)
         )

@@ -33,6 +33,9 @@ from opml_inference_router_contract.model_config import (
     validate,
 )
 
+LOCAL_SITE = "local"
+"""The router's own site: its pools' workers are processes the router starts."""
+
 _EXECUTION_PROVIDER = r"^[A-Z][A-Za-z0-9]*ExecutionProvider$"
 
 
@@ -99,6 +102,9 @@ class PoolConfig(Schema):
     name: KindName
     kind: KindName
     workers: StrictInt = Field(ge=0, description="Number of workers. Required.")
+    site: KindName = Field(LOCAL_SITE, description="Where the workers are: ``local`` (the router's machine, whose "
+                           "processes the router starts), or a site whose host agents register into the pool "
+                           "(:mod:`opml_inference_router.hosts`). Default local.")
 
 
 class FleetConfig(Schema):

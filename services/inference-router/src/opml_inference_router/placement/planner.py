@@ -28,6 +28,7 @@ from opml_inference_router.placement.policy import PlacementPolicy
 from opml_inference_router.placement.predicted import ProfilePredictor
 from opml_inference_router.placement.profile import Profile, ProfileBook
 from opml_inference_router.placement.serving import ServingConfigChooser
+from opml_inference_router.placement.sites import WorkerCheck
 
 
 class Planner:
@@ -44,14 +45,25 @@ class Planner:
     kind is "not profiled". With a ``chooser``, each option's replicas load with the serving
     configuration (session options, precision) the chooser predicts best on its kind, and the
     policy sizes the option on the profile that configuration is predicted to have (:mod:`.serving`);
-    without one, with the worker's defaults."""
+    without one, with the worker's defaults.
+
+    With ``usable`` (:data:`~.sites.WorkerCheck`), a worker it gives a reason against (its host is
+    lost, its site's link cannot carry the model: :mod:`.sites`) gets no replica of that model."""
 
     def __init__(self, *, fleet: Fleet, policy: PlacementPolicy, predictor: ProfilePredictor | None = None,
-                 chooser: ServingConfigChooser | None = None) -> None:
+                 chooser: ServingConfigChooser | None = None, usable: WorkerCheck | None = None) -> None:
         self.fleet = fleet
         self.policy = policy
         self.predictor = predictor
         self.chooser = chooser
+        self.usable = usable
+
+    def refusals(self, demand: ModelDemand) -> dict[str, str]:
+        """The workers ``usable`` keeps the demand off, each with the reason (none without ``usable``)."""
+        if self.usable is None:
+            return {}
+        reasons = {worker.id: self.usable(demand.config, worker) for worker in self.fleet.workers}
+        return {worker: reason for worker, reason in reasons.items() if reason}
 
     def min_replicas(self, demand: ModelDemand) -> int:
         """The replica floor of a demand: its config's ``min_replicas``, else the fleet's."""
@@ -113,6 +125,7 @@ class Planner:
             raise OpmlError(f"{type(self.policy).__name__}.order must return every model version to place exactly once")
 
         unplaced: dict[ModelVersion, str] = {}
+        barred = {model: frozenset(self.refusals(by_model[model])) for model in order}
         for model in order:
             demand = by_model[model]
             if not options[model]:
@@ -121,7 +134,8 @@ class Planner:
             now = current.placements.get(model) if current is not None else None
             for option in options[model]:
                 same_kind = now is not None and now.option.pool_kind == option.pool_kind
-                workers = self._claim(occupancy, model, option, frozenset(now.workers) if same_kind else frozenset())
+                workers = self._claim(occupancy, model, option, frozenset(now.workers) if same_kind else frozenset(),
+                                      barred[model])
                 if workers is not None:
                     placements[model] = ReplicaSet(model, option, workers, demand.rate_rps)
                     break
@@ -139,7 +153,7 @@ class Planner:
                     break
                 for worker_id in placed.workers:
                     occupancy.remove(worker_id, model, placed.option.memory_mib)
-                workers = self._claim(occupancy, model, option, frozenset(placed.workers))
+                workers = self._claim(occupancy, model, option, frozenset(placed.workers), barred[model])
                 if workers is not None:
                     placements[model] = ReplicaSet(model, option, workers, placed.rate_rps)
                     break
@@ -159,7 +173,7 @@ class Planner:
         return sessions
 
     def _claim(self, occupancy: Occupancy, model: ModelVersion, option: Option,
-               current: frozenset[str]) -> tuple[str, ...] | None:
+               current: frozenset[str], barred: frozenset[str] = frozenset()) -> tuple[str, ...] | None:
         """Takes workers for the option's replicas in ``occupancy`` (nothing when they do not all fit).
 
         Replicas of a model spread over as many workers as possible: at most one per worker while
@@ -168,7 +182,8 @@ class Planner:
         per_worker = math.ceil(option.replicas / len(self.fleet.workers_of(option.pool_kind)))
         chosen: list[str] = []
         while len(chosen) < option.replicas:
-            rooms = occupancy.rooms(option.pool_kind, option.memory_mib, model, per_worker=per_worker)
+            rooms = [room for room in occupancy.rooms(option.pool_kind, option.memory_mib, model, per_worker=per_worker)
+                     if room.worker.id not in barred]
             if not rooms:
                 break
             ranked = self.policy.rank_workers(option, rooms, current)
@@ -202,10 +217,14 @@ class Planner:
     def _screen(self, demand: ModelDemand, profiles: ProfileBook) -> tuple[dict[str, Profile], dict[str, str]]:
         """The kinds that can host the model (with their profiles), and why each other allowed kind cannot."""
         usable, rejected = {}, {}
+        refusals = self.refusals(demand)
         for name in demand.config.pool_kinds:
             kind, profile = self.fleet.kinds[name], profiles.get(demand.model, name)
-            if not self.fleet.workers_of(name):
+            workers = self.fleet.workers_of(name)
+            if not workers:
                 rejected[name] = "the fleet has no workers of this kind"
+            elif all(worker.id in refusals for worker in workers):
+                rejected[name] = "; ".join(f"{worker.id}: {refusals[worker.id]}" for worker in workers)
             elif profile is None:
                 rejected[name] = "not profiled"
             elif profile.precision not in kind.precisions:
@@ -284,6 +303,11 @@ class Replanner:
             placed, seen = plan.placements.get(model), observations.get(model)
             if placed is None:
                 reasons[model] = "was not placed" if model in plan.unplaced else "new"
+                updated.append(demand)
+                continue
+            refusals = self.planner.refusals(demand)
+            if lost := [f"{worker}: {refusals[worker]}" for worker in placed.workers if worker in refusals]:
+                reasons[model] = "; ".join(lost)
                 updated.append(demand)
                 continue
             if seen is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from opml_common.errors import InvalidArgument
 from opml_inference_router.placement.fleet import Fleet, WorkerRoom
@@ -72,15 +72,18 @@ class CostAwareSloPolicy(PlacementPolicy):
     do not get their cheapest kind, as in Vogel's approximation), so scarce cheap capacity such as
     accelerator slots goes where it saves most; a model with a single option goes first. Replicas
     go on the workers the model already uses, then on the fullest workers (best fit), so fewer
-    workers are kept busy.
+    workers are kept busy. With ``site_rtt_ms`` (a site's round trip from the router,
+    :func:`~.sites.site_distance`), on the nearest site first, then as above.
     """
 
-    def __init__(self, *, latency_model: LatencyModel | None = None, slo_headroom: float = 0.9) -> None:
+    def __init__(self, *, latency_model: LatencyModel | None = None, slo_headroom: float = 0.9,
+                 site_rtt_ms: Callable[[str], float] | None = None) -> None:
         """Raises: InvalidArgument when ``slo_headroom`` is not in (0, 1]."""
         if not 0 < slo_headroom <= 1:
             raise InvalidArgument("slo_headroom", f"must be in (0, 1], but got {slo_headroom}")
         self.latency_model = latency_model or BatchQueueModel()
         self.slo_headroom = slo_headroom
+        self.site_rtt_ms = site_rtt_ms
 
     def options(self, demand: ModelDemand, profiles: Mapping[str, Profile], fleet: Fleet) -> list[Option]:
         target_ms = demand.config.slo.p99_ms * self.slo_headroom
@@ -129,7 +132,9 @@ class CostAwareSloPolicy(PlacementPolicy):
         return sorted(options, key=regret, reverse=True)
 
     def rank_workers(self, option: Option, rooms: Sequence[WorkerRoom], current: frozenset[str]) -> list[WorkerRoom]:
-        return sorted(rooms, key=lambda room: (room.worker.id not in current, room.free_slots, room.free_memory_mib))
+        distance = self.site_rtt_ms or (lambda site: 0.0)
+        return sorted(rooms, key=lambda room: (distance(room.worker.site), room.worker.id not in current,
+                                               room.free_slots, room.free_memory_mib))
 
 
 class GreedyFirstFitPolicy(PlacementPolicy):
