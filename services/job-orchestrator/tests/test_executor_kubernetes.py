@@ -31,6 +31,7 @@ from opml_job_orchestrator.executor.kubernetes import (
     pod_name,
     render_run,
     run_name,
+    secret_name,
 )
 from opml_job_orchestrator.scheduler import JobClass, JobSpec, Resources, RoleSpec
 
@@ -450,11 +451,26 @@ async def test_logs_from_an_offset(executor: KubernetesExecutor, api: FakeCoreV1
         await executor.logs("mnist", "worker", 0, offset=-1)
 
 
-def test_a_secret_env_is_refused_rather_than_written_into_a_pod_spec() -> None:
-    job = spec(worker=1)
-    program = JobProgram(commands={"worker": ["python", "train.py"]}, secret_env={"GRANT": "secret-grant-7d1"})
-    assert not KubernetesExecutor.accepts_secret_env  # the service refuses such a job at its submit
-    with pytest.raises(FailedPrecondition, match="secret_env, which the Kubernetes executor does not hand to pods") \
-            as caught:
-        render_run(job, program, placement(job), attempt=0, image="img", namespace="ml")
-    assert "secret-grant-7d1" not in caught.value.message and "secret-grant-7d1" not in repr(program)
+async def test_a_secret_env_goes_into_a_secret_of_the_run_never_a_pod_spec_and_goes_with_the_run(
+        executor: KubernetesExecutor, api: FakeCoreV1Api, until_job_event, job_event) -> None:
+    job = spec(worker=2)
+    program = JobProgram(commands={"worker": ["python", "train.py"]}, env={"EPOCHS": "3"},
+                         secret_env={"GRANT": "secret-grant-7d1"})
+    objects = render_run(job, program, placement(job), attempt=0, image="img", namespace="ml",
+                         env_from_secret="opml-platform")
+    validate(objects)
+    secret, pods = objects[0], [o for o in objects if o["kind"] == "Pod"]
+    assert (secret["kind"], secret["metadata"]["name"], secret["stringData"]) == (
+        "Secret", secret_name("mnist", 0), {"GRANT": "secret-grant-7d1"})  # created before the pods
+    for pod in pods:
+        assert pod["spec"]["containers"][0]["envFrom"] == [{"secretRef": {"name": "opml-platform"}},
+                                                          {"secretRef": {"name": secret_name("mnist", 0)}}]
+        assert "secret-grant-7d1" not in json.dumps(pod) and env_of(pod)["EPOCHS"] == "3"
+    assert "secret-grant-7d1" not in repr(program)
+    await executor.launch(job, program, placement(job), attempt=0)
+    assert list(api.secrets) == [secret_name("mnist", 0)]
+    for i in (0, 1):
+        api.set_running(pod_name("mnist", 0, "worker", i))
+        api.set_exited(pod_name("mnist", 0, "worker", i), 0)
+    assert job_event(await until_job_event(executor, "mnist")).outcome is JobOutcome.SUCCEEDED
+    assert not api.pods and not api.secrets  # deleted with the run

@@ -72,10 +72,6 @@ class JobServicer(jobs_pb2_grpc.JobServiceServicer):
         if not request.HasField("spec"):
             raise InvalidArgument("spec", "is required")
         definition = definition_from_proto(request.spec)
-        if definition.program.secret_env and not self._executor.accepts_secret_env:
-            raise InvalidArgument("secret_env", f"cannot be given to this orchestrator's jobs: its executor "
-                                                f"({type(self._executor).__name__}) has no private way to hand "
-                                                f"them to a task; submit the job without it")
         job_id = self._orchestrator.submit(definition.spec, definition.program, max_retries=definition.max_retries,
                                            submitter=current_principal().name, labels=definition.labels)
         status = self._orchestrator.get(job_id)  # the answer is the job as queued

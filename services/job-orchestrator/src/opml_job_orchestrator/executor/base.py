@@ -116,8 +116,9 @@ class JobProgram:
 
     ``commands`` maps each role of the spec to its argv (any program: TF_CONFIG is an environment
     variable, no TensorFlow is needed). ``env`` is added to every task's environment, and so is
-    ``secret_env``, whose values are secrets: kept out of this object's repr, and handed to tasks only
-    by executors that can do so privately (:attr:`Executor.accepts_secret_env`).
+    ``secret_env``, whose values are secrets: kept out of this object's repr, and handed to tasks
+    privately (the local executor in the process's environment, the Kubernetes one through a Secret
+    of the run, never in a pod spec).
     ``checkpoint_dir``, when set, is passed as ``OPML_CHECKPOINT_DIR`` so a resumed run finds its
     checkpoint. ``heartbeat_timeout_s``, when set, makes the executor declare a task LOST once
     it has not touched the file named by ``OPML_HEARTBEAT_FILE`` for that long (None: no
@@ -178,10 +179,6 @@ class Executor(Component, abc.ABC):
     :meth:`stop`, both idempotent, and started again after a stop. All methods are called from one
     asyncio event loop.
     """
-
-    accepts_secret_env: bool = True
-    """Whether it hands a program's ``secret_env`` to its tasks privately (the service refuses a job
-    with one otherwise, at its submit)."""
 
     async def on_start(self) -> None:
         """Get ready to launch: the orchestrator starts the executor before its first :meth:`launch`.

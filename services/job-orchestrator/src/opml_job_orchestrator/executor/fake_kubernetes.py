@@ -34,6 +34,7 @@ class FakeCoreV1Api:
     def __init__(self, *, run_commands_in: Path | None = None, node: str = "node-0") -> None:
         self.pods: dict[str, dict[str, Any]] = {}
         self.services: dict[str, dict[str, Any]] = {}
+        self.secrets: dict[str, dict[str, Any]] = {}
         self.deletions: list[tuple[str, int | None]] = []
         """``(pod name, grace_period_seconds)`` of every pod deletion asked for."""
         self.reject: dict[str, ApiException] = {}
@@ -52,6 +53,17 @@ class FakeCoreV1Api:
             name = self._admit(body, self.services)
             self.services[name] = copy.deepcopy(body)
             return self._model(self.services[name], "V1Service")
+
+    def create_namespaced_secret(self, namespace: str, body: dict[str, Any]) -> Any:
+        with self._lock:
+            name = self._admit(body, self.secrets)
+            self.secrets[name] = copy.deepcopy(body)
+            return self._model({**self.secrets[name], "stringData": None}, "V1Secret")
+
+    def delete_namespaced_secret(self, name: str, namespace: str) -> None:
+        with self._lock:
+            if self.secrets.pop(name, None) is None:
+                raise _error(404, "Not Found", f'secrets "{name}" not found')
 
     def create_namespaced_pod(self, namespace: str, body: dict[str, Any]) -> Any:
         with self._lock:
@@ -175,6 +187,8 @@ class FakeCoreV1Api:
         self._log_dir.mkdir(parents=True, exist_ok=True)
         container = pod["spec"]["containers"][0]
         env = dict(os.environ)
+        for source in container.get("envFrom", []):  # a Secret's keys, under the container's own env
+            env.update(self.secrets.get(source["secretRef"]["name"], {}).get("stringData", {}))
         env.update({e["name"]: e["value"] for e in container.get("env", [])})
         with (self._log_dir / f"{name}.log").open("wb") as log:
             process = subprocess.Popen(container["command"], env=env, stdin=subprocess.DEVNULL, stdout=log,

@@ -30,7 +30,9 @@ local-executor feature; a pod's liveness is the kubelet's).
 Pods get the platform's non-secret settings (``platform_env``: the broker, topic prefix, S3
 endpoint... that the trace collector's tracer reads) as plain variables, and the jobs' own scoped
 credentials (a bucket-limited S3 identity, a read-only Redis user; never the platform's) from a
-Secret (``env_from_secret``) through ``envFrom``, so no credential is ever written into a pod spec.
+Secret (``env_from_secret``) through ``envFrom``, so no credential is ever written into a pod spec; a
+job's own ``secret_env`` goes the same way, through a Secret of each run (:func:`secret_name`, created
+before its pods, deleted after them).
 Nothing of the orchestrator's own environment reaches a pod.
 
 Every pod is sandboxed by its ``securityContext`` (:func:`sandboxed`): it runs as a non-root uid and
@@ -123,6 +125,11 @@ def run_selector(job_id: str, attempt: int) -> str:
     return f"opml.io/job={label_value(job_id)},opml.io/attempt={attempt}"
 
 
+def secret_name(job_id: str, attempt: int) -> str:
+    """The Secret that holds a run's ``secret_env`` (its pods read it with ``envFrom``)."""
+    return f"{run_name(job_id, attempt)}-env"
+
+
 def render_run(spec: JobSpec, program: JobProgram, placement: Mapping[str, Sequence[str]], *, attempt: int,
                image: str, namespace: str, port: int = 2222, node_label: str | None = "kubernetes.io/hostname",
                checkpoint_claim: str | None = None, python: str = "python", service_account: str | None = None,
@@ -141,9 +148,6 @@ def render_run(spec: JobSpec, program: JobProgram, placement: Mapping[str, Seque
     jobs' scoped credentials, never the platform's). Every pod is sandboxed as :func:`sandboxed` says,
     as ``run_as_user``.
     """
-    if program.secret_env:
-        raise FailedPrecondition(f"job {spec.job_id!r} has a secret_env, which the Kubernetes executor does not "
-                                 f"hand to pods (their env is in their spec, readable by whoever reads pods)")
     base = run_name(spec.job_id, attempt)
     tasks = ",".join(f"{r.role}-{r.index}" for r in spec.replicas)
     cluster = {role: [f"{role}-{i}.{base}-{role}.{namespace}.svc:{port}" for i in range(spec.roles[role].replicas)]
@@ -163,6 +167,14 @@ def render_run(spec: JobSpec, program: JobProgram, placement: Mapping[str, Seque
         "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": labels(role),
                  "ports": [{"name": "tf", "port": port, "targetPort": port}]},
     } for role in spec.roles]
+    if program.secret_env:  # created first: a pod that names a Secret not there yet does not start
+        objects.insert(0, {
+            "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": secret_name(spec.job_id, attempt), "namespace": namespace,
+                         "labels": {MANAGED_BY[0]: MANAGED_BY[1], "opml.io/job": label_value(spec.job_id),
+                                    "opml.io/attempt": str(attempt)},
+                         "annotations": {JOB_ID_ANNOTATION: spec.job_id}},
+            "stringData": dict(program.secret_env)})
     for replica in spec.replicas:
         role, index = replica.role, replica.index
         env = {**(platform_env or {}),
@@ -178,6 +190,8 @@ def render_run(spec: JobSpec, program: JobProgram, placement: Mapping[str, Seque
         }
         if env_from_secret is not None:
             container["envFrom"] = [{"secretRef": {"name": env_from_secret}}]
+        if program.secret_env:
+            container.setdefault("envFrom", []).append({"secretRef": {"name": secret_name(spec.job_id, attempt)}})
         if role in CLUSTER_ROLES:
             container["ports"] = [{"name": "tf", "containerPort": port}]
         pod_spec: dict[str, Any] = {"restartPolicy": "Never", "hostname": f"{role}-{index}",
@@ -258,10 +272,6 @@ class KubernetesExecutor(TrackedRunExecutor[_Run]):
     the run (retriable when the API server was at fault: 5xx, 429, no answer).
     """
 
-    accepts_secret_env = False
-    """A pod's env is in its spec, which whoever may read pods reads; the executor makes no per-job
-    Secret, so a job's ``secret_env`` is refused at its submit (and by :func:`render_run`)."""
-
     def __init__(self, *, image: str, log_dir: str | Path, namespace: str = "default", api: Any = None,
                  kubeconfig: str | Path | None = None, context: str | None = None, port: int = 2222,
                  node_label: str | None = "kubernetes.io/hostname", checkpoint_claim: str | None = None,
@@ -303,14 +313,16 @@ class KubernetesExecutor(TrackedRunExecutor[_Run]):
         services = [o["metadata"]["name"] for o in objects if o["kind"] == "Service"]
         run = _Run(RunTracker(spec.job_id, attempt, pods, awaited_tasks(pods)), placement, pods, services)
         self._runs[spec.job_id] = run
+        creators = {"Secret": self._api.create_namespaced_secret, "Service": self._api.create_namespaced_service,
+                    "Pod": self._api.create_namespaced_pod}
         for obj in objects:
-            create = (self._api.create_namespaced_service if obj["kind"] == "Service"
-                      else self._api.create_namespaced_pod)
             try:
-                await self._call(create, self._namespace, obj)
+                await self._call(creators[obj["kind"]], self._namespace, obj)
             except Exception as exc:  # noqa: BLE001 - any failure to create fails the run, retriable or not
                 labels = obj["metadata"]["labels"]
-                key = (labels["opml.io/role"], int(labels.get("opml.io/index", 0)))
+                first = spec.replicas[0]
+                key = ((labels["opml.io/role"], int(labels.get("opml.io/index", 0))) if "opml.io/role" in labels
+                       else (first.role, first.index))  # the Secret: the run's first task could not start
                 what = f"{obj['kind'].lower()} {obj['metadata']['name']}"
                 event, verdict = run.tracker.could_not_start(
                     key, f"{key[0]} {key[1]} could not start: creating {what} failed: {_api_error(exc)}",
@@ -477,7 +489,7 @@ class KubernetesExecutor(TrackedRunExecutor[_Run]):
 
     async def _stop_tasks(self, run: _Run, grace_s: float) -> None:
         """Keep the pods' logs, delete the pods with ``grace_s``, wait until they are gone (no grace
-        at all after ``delete_timeout_s`` more), delete the Services."""
+        at all after ``delete_timeout_s`` more), delete the Services and the run's Secret."""
         selector = run_selector(run.job_id, run.attempt)
         with contextlib.suppress(Exception):  # a last look, so tasks that ended are not reported stopped
             listed = await self._call(self._api.list_namespaced_pod, self._namespace, label_selector=selector)
@@ -503,6 +515,9 @@ class KubernetesExecutor(TrackedRunExecutor[_Run]):
             await asyncio.sleep(min(self._poll_interval_s, 0.5))
         for service in run.services:
             await self._ignore_missing(self._api.delete_namespaced_service, service, self._namespace)
+        # a run with no secret_env has none: a 404, ignored (a re-adopted run cannot tell)
+        await self._ignore_missing(self._api.delete_namespaced_secret, secret_name(run.job_id, run.attempt),
+                                   self._namespace)
         for key in run.tracker.running():
             self._events.put_nowait(run.tracker.stopped(key, "stopped: its pod was deleted"))
 

@@ -339,6 +339,7 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
         env = {**base_env(os.environ), **self._platform_env}
         env.update(task_env(program, job_id=run.job_id, attempt=run.attempt, role=role, index=index,
                             cluster=cluster))
+        env.update(program.secret_env)  # straight into the process: the sandbox's config pipe is private too
         env["OPML_HEARTBEAT_FILE"] = str(task.heartbeat_path)
         if run.sandbox is not None:
             env.update(run.sandbox.task_env(role, index))

@@ -51,8 +51,9 @@ def base_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 def task_env(program: JobProgram, *, job_id: str, attempt: int, role: str, index: int,
              cluster: Mapping[str, Sequence[str]]) -> dict[str, str]:
-    """The variables every executor sets for one task, on top of ``program.env`` and ``program.secret_env``."""
-    env = {**program.env, **program.secret_env}
+    """The variables every executor sets for one task, on top of ``program.env`` (not its secret env,
+    which each executor hands over its own private way)."""
+    env = dict(program.env)
     env.update({
         "TF_CONFIG": tf_config(cluster, role, index),
         "OPML_JOB_ID": job_id,
