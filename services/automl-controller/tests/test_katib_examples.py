@@ -324,23 +324,28 @@ def test_the_platforms_own_job_spec_is_a_trial_template() -> None:
 
 
 def test_a_template_naming_the_trials_model_or_checkpoint_folder_is_refused_at_admission() -> None:
-    """Both are the trial's own model folder, which the controller names and the orchestrator makes for
-    the trial's job: every such field is named at once; a checkpoint interval stays the template's."""
+    """Both are the trial's own folder, which the controller names and the orchestrator makes for the
+    trial's job, and AUTOML_* and secret_env say where and with what grant a trial uploads its model:
+    every such field is named at once; a checkpoint interval stays the template's."""
     doc = _random()
     doc["spec"]["trialTemplate"]["trialSpec"] = {
         "apiVersion": "jobs.opml.dev/v1", "kind": "OpmlJob",
         "spec": {"command": ["python", "train.py", "--lr=${trialParameters.learningRate}",
                              "--m=${trialParameters.momentum}"],
-                 "env": {"AUTOML_MODEL_DIR": "/tmp/mine"},
+                 "env": {"AUTOML_MODEL_DIR": "/tmp/mine", "AUTOML_MODEL_GRANT": "mine"},
+                 "secret_env": {"TOKEN": "mine"},
                  "checkpoint": {"dir": "/tmp/ckpt", "interval_seconds": 30},
                  "roles": {"worker": {"replicas": 1}}}}
     with pytest.raises(InvalidArgument) as caught:
         parse_experiment(doc)
     assert [path for path, _ in caught.value.violations] == ["spec.trialTemplate.trialSpec.spec.checkpoint.dir",
-                                                             "spec.trialTemplate.trialSpec.env.AUTOML_MODEL_DIR"]
+                                                             "spec.trialTemplate.trialSpec.env.AUTOML_MODEL_DIR",
+                                                             "spec.trialTemplate.trialSpec.env.AUTOML_MODEL_GRANT",
+                                                             "spec.trialTemplate.trialSpec.spec.secret_env"]
     assert "each trial's own model folder ($AUTOML_MODEL_DIR)" in caught.value.violations[0][1]
     del doc["spec"]["trialTemplate"]["trialSpec"]["spec"]["checkpoint"]["dir"]
     del doc["spec"]["trialTemplate"]["trialSpec"]["spec"]["env"]
+    del doc["spec"]["trialTemplate"]["trialSpec"]["spec"]["secret_env"]
     spec = parse_experiment(doc)
     job = build_trial_job(spec.trial_template, {"lr": "0.01", "momentum": "0.5"}, trial_name="t", namespace="k")
     assert job.spec.checkpoint.interval_seconds == 30 and job.spec.checkpoint.dir == ""

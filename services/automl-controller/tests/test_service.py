@@ -4,13 +4,14 @@ processes, auth on): trials are real TE jobs running a small Python program that
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import signal
-import stat
 import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from opml.automl.v1 import automl_pb2 as pb
@@ -21,10 +22,11 @@ from opml_automl_controller.jobs import JobView, OrchestratorJobs
 from opml_automl_controller_contract.client import ExperimentClient
 from opml_automl_controller_contract.topics import EXPERIMENTS
 from opml_bundle_store_contract.client import BundleStoreClient
-from opml_common.errors import InvalidArgument, NotFound
+from opml_common.errors import InvalidArgument
 from opml_devstack.testing.bus import poll_until, read_records
 from opml_devstack.testing.metrics import samples, scrape
 from opml_devstack.testing.services import TOKENS, ServiceStarter
+from opml_inference_router_contract.rollout_spec import RolloutSpec
 from opml_job_orchestrator_contract.client import JobClient
 
 # A trial: 4 epochs; with --slow-bad, a bad one (x > 0, from trial 2 on: trials 0 and 1 are good so
@@ -53,31 +55,38 @@ TRIAL = textwrap.dedent("""
             print(f"epoch {epoch}: loss={loss:.6f} accuracy={1 / (1 + loss):.6f}", flush=True)
         time.sleep(0.05)
     if a.save_model:
+        import numpy as np
         from opml_automl_controller.sdk import model_dir, save_model
         (model_dir() / "weights.txt").write_text(str(a.x))
-        save_model()
+        (model_dir() / "model.yaml").write_text("name: quadratic\\n")
+        x = np.linspace(-1, 1, 64)
+        save_model(model_dir(), reference={"features": {"x": x}, "predicted": (x > a.x).astype(np.int64),
+                                           "labels": (x > 0.25).astype(np.int64)})
 """)
 
-# A trial that names, as its model, what is not its own (each trial number one way), as an attacker
-# would: its folder holding symlinks to the controller's s3.json and to another trial's job log; that
-# file by its absolute path; another trial's model folder by ".."; another job's run folder by its
-# absolute path. Its loss is its number, so trial 0 is the best.
-ATTACKER = textwrap.dedent("""
-    import json, os, pathlib, sys
-    name, secret, runs = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])  # runs: the orchestrator's job folders
+# A trial that uses its upload grant for what it does not allow: another trial's bundle, the
+# experiment's best bundle, another context, a read of the committed models; each refusal is printed
+# (the grant itself never is). Its loss is its number, and it uploads nothing of its own.
+GRANT_ABUSER = textwrap.dedent("""
+    import os, sys
+    from opml_bundle_store_contract.client import BundleStoreClient
+    from opml_common.errors import OpmlError
+    name = sys.argv[1]
     number = int(name.rsplit("-t", 1)[1])
-    other = name.rsplit("-t", 1)[0] + "-t" + str((number + 1) % 4)
-    from opml_automl_controller.sdk import model_dir
-    folder = model_dir()
-    (folder / "weights.txt").write_text("mine")
-    if number == 0:
-        os.symlink(secret, folder / "s3.json")
-        os.symlink(runs / other / "attempt-0" / "worker-0.log", folder / "job.log")
-        path = str(folder)
-    else:
-        path = {1: secret, 2: "../" + other, 3: str(runs / other / "attempt-0")}[number]
-    print(f"loss={number}")
-    print("[opml-automl-model] " + json.dumps({"path": path}), flush=True)
+    other = name.rsplit("-t", 1)[0] + "-t" + str((number + 1) % 2)
+    grant = os.environ["AUTOML_MODEL_GRANT"]
+    with BundleStoreClient(os.environ["AUTOML_BUNDLE_STORE_TARGET"], token=grant) as store:
+        for what, call in (("other", lambda: store.add("automl", other, {"m": b"x"})),
+                           ("best", lambda: store.add("automl", "abused-best", {"m": b"x"})),
+                           ("context", lambda: store.add("elsewhere", name, {"m": b"x"})),
+                           ("list", lambda: store.list_bundles("automl")),
+                           ("grant", lambda: store.create_upload_grant("automl", other, ttl_s=60, max_bytes=1))):
+            try:
+                call()
+                print(f"allowed {what}")
+            except OpmlError as error:
+                print(f"refused {what}: {error.code}", flush=True)
+    print(f"loss={number}", flush=True)
 """)
 
 NODE = {"name": "n0", "cpu_millis": 8000, "memory_mib": 8192, "gpu": 0}
@@ -85,7 +94,7 @@ NODE = {"name": "n0", "cpu_millis": 8000, "memory_mib": 8192, "gpu": 0}
 
 def experiment_yaml(name: str, program: Path, *, max_trials: int, parallel: int = 3, goal: float | None = None,
                     early: bool = False, mode: str = "stdout", max_failed: int = 3, collector: str = "StdOut",
-                    save_model: bool = False, argv: list[str] | None = None) -> str:
+                    save_model: bool = False, argv: list[str] | None = None, model: dict | None = None) -> str:
     spec: dict = {
         "objective": {"type": "minimize", "objectiveMetricName": "loss", "additionalMetricNames": ["accuracy"],
                       **({"goal": goal} if goal is not None else {})},
@@ -105,6 +114,8 @@ def experiment_yaml(name: str, program: Path, *, max_trials: int, parallel: int 
                 "resources": {"requests": {"cpu": "500m", "memory": "128Mi"}}}]}}}},
         },
     }
+    if model is not None:
+        spec["model"] = model
     if early:
         spec["earlyStopping"] = {"algorithmName": "medianstop", "algorithmSettings": [
             {"name": "min_trials_required", "value": "2"}, {"name": "start_step", "value": "2"}]}
@@ -282,69 +293,86 @@ def modelling_controller(start_service: ServiceStarter, orchestrator, store, tri
     return start_service("automl-controller", env=env), env
 
 
-def test_the_best_trials_model_is_committed_as_a_bundle_with_lineage(start_service, orchestrator, program,
-                                                                     trials_dir: Path) -> None:
-    """The trial's job writes its model folder as its own user (sandboxed where the orchestrator runs as
-    root), and the controller commits it from there."""
+ROLLOUT = {"steps": [{"weight": 10}, {"analysis": {"interval_s": 5, "count": 1,
+                                                    "checks": {"error_rate": {"max_increase": 0.01}}}}]}
+MONITORING = {"window": {"count": 100}, "rules": [{"name": "accuracy-low", "signal": "mpp", "under": 0.8}]}
+
+
+def test_each_trial_uploads_its_model_with_its_own_grant_and_the_best_is_committed_servable(
+        start_service, orchestrator, program, trials_dir: Path) -> None:
+    """Trials upload their models themselves (the files at the bundle's root, the reference set as
+    reference.npz); the controller never reads their folders, reads the best one's bundle back from the
+    store and commits it with the experiment's serving files, tags and lineage. The grant reaches the
+    trial's process and no reply of the orchestrator."""
     store = start_service("bundle-store")
     controller, _ = modelling_controller(start_service, orchestrator, store, trials_dir)
+    model = {"serve": True, "rollout": ROLLOUT, "monitoring": MONITORING, "maxBytes": "1Mi"}
     with ExperimentClient(controller.target, token=TOKENS["writer"]) as client:
-        client.create(experiment_yaml("modelled", program, max_trials=3, save_model=True))
+        client.create(experiment_yaml("modelled", program, max_trials=3, save_model=True, model=model))
         done = ended(client, "modelled")
+        trials = client.trials("modelled")
     assert done.best_model_bundle.startswith("contexts/automl/bundles/"), done
     best = done.status.current_optimal_trial
     with BundleStoreClient(store.target, token=TOKENS["reader"]) as bundles:
+        uploads = {t.job_id: bundles.get_bundle("automl", t.job_id) for t in trials}  # one per trial, its own name
+        assert all(b.committed and b.lineage.creator.startswith("upload-grant:") for b in uploads.values())
         bundle = bundles.get_bundle("automl", done.best_model_bundle.rsplit("/", 1)[1])
         assert bundle.committed and bundle.bundle_name == "modelled-best"
         assert dict(bundle.tags) | {"experiment-uid": "-"} == {
             "kind": "model", "source": "automl-controller", "experiment": "modelled", "experiment-uid": "-",
-            "trial": str(best.number), "algorithm": "random"}
+            "trial": str(best.number), "algorithm": "random", "serve": "true"}
+        assert list(bundle.lineage.input_uuids) == [uploads[best.job_id].uuid]
         assert dict(bundle.lineage.parameters)["x"] == best.parameters["x"]
         assert bundle.lineage.code_version == f"jobs/{best.job_id}"
-        weights = b"".join(bundles.read_file("automl", bundle.name.rsplit("/", 1)[1],
-                                             f"{best.job_id}/weights.txt"))
-        assert float(weights) == float(best.parameters["x"])
-    assert stat.S_IMODE(trials_dir.stat().st_mode) == 0o711  # job users pass through, list nothing
+        assert sorted(f.path for f in bundle.files) == ["model.yaml", "monitoring.yaml", "reference.npz",
+                                                        "rollout.yaml", "weights.txt"]  # at the root
+
+        def read(path: str) -> bytes:
+            return b"".join(bundles.read_file("automl", bundle.uuid, path))
+
+        assert float(read("weights.txt")) == float(best.parameters["x"])
+        assert yaml.safe_load(read("rollout.yaml")) == RolloutSpec.from_dict(ROLLOUT).to_dict()
+        assert yaml.safe_load(read("monitoring.yaml")) == MONITORING
+        with np.load(io.BytesIO(read("reference.npz"))) as reference:
+            assert sorted(reference.files) == ["feature.x", "labels", "predicted"] and len(reference["predicted"]) == 64
+    with JobClient(orchestrator.target, token=TOKENS["admin"]) as jobs:
+        job = jobs.get(best.job_id)
+        assert dict(job.spec.secret_env) == {} and job.spec.env["AUTOML_MODEL_BUNDLE"] == best.job_id
+        log = b"".join(chunk.data for chunk in jobs.logs(best.job_id)).decode()
+    assert "opmlgrant1." not in log and f'"uuid": "{uploads[best.job_id].uuid}"' in log
+    assert "opmlgrant1." not in (controller.log_path.read_text() + orchestrator.log_path.read_text())
 
 
-def test_a_trial_naming_what_is_not_in_its_own_folder_commits_nothing_and_says_why(start_service, orchestrator,
-                                                                                   tmp_path: Path, job_dir: Path,
-                                                                                   trials_dir: Path) -> None:
-    """Symlinks to the controller's s3.json and to another job's log, that file by its absolute path,
-    another trial's folder by '..', another job's run folder: no model committed (the bundle-store
-    never hears of one), each trial's and the experiment's message say why, the metric counts them,
-    and deleting the experiment removes the trials' folders."""
+def test_a_trials_grant_allows_its_own_bundle_only_and_a_best_trial_that_uploaded_nothing_commits_nothing(
+        start_service, orchestrator, job_dir: Path, trials_dir: Path) -> None:
+    """A trial using its grant on another trial's bundle, the best bundle, another context, a listing,
+    a grant of its own: each refused by the bundle-store. It uploaded nothing: no model is committed,
+    the experiment's message says why and the metric counts it."""
     store = start_service("bundle-store")
     controller, env = modelling_controller(start_service, orchestrator, store, trials_dir)
-    attacker = job_dir / "attacker.py"
-    attacker.write_text(ATTACKER)
-    secret = tmp_path / "s3.json"
-    secret.write_text('{"identities": [{"credentials": [{"accessKey": "opml", "secretKey": "s3cr3t-key"}]}]}')
-    runs = Path(orchestrator.env["OPML_JOB_ORCHESTRATOR_HOME"]) / "work"
-    argv = ["${trialParameters.trialName}", str(secret), str(runs), "--x=${trialParameters.x}"]
+    abuser = job_dir / "abuser.py"
+    abuser.write_text(GRANT_ABUSER)
+    argv = ["${trialParameters.trialName}", "--x=${trialParameters.x}"]
     with ExperimentClient(controller.target, token=TOKENS["writer"]) as client:
-        client.create(experiment_yaml("attacked", attacker, max_trials=4, parallel=4, argv=argv))
-        done = ended(client, "attacked")
-        trials = {t.number: t for t in client.trials("attacked")}
-    outside = "resolves outside the trial's model folder (AUTOML_MODEL_DIR); only what the trial wrote there is committed"
-    others = {n: trials[(n + 1) % 4].job_id for n in range(4)}
-    assert {n: (t.state, t.message) for n, t in trials.items()} == {
-        0: (pb.TRIAL_STATE_SUCCEEDED, "its model was refused: the model holds a symlink, 'job.log'; a model is "
-                                      "regular files only"),
-        1: (pb.TRIAL_STATE_SUCCEEDED, f"its model was refused: the model path {str(secret)!r} {outside}"),
-        2: (pb.TRIAL_STATE_SUCCEEDED, f"its model was refused: the model path '../{others[2]}' {outside}"),
-        3: (pb.TRIAL_STATE_SUCCEEDED, f"its model was refused: the model path "
-                                      f"{str(runs / others[3] / 'attempt-0')!r} {outside}")}
+        client.create(experiment_yaml("abused", abuser, max_trials=2, parallel=2, max_failed=1, argv=argv,
+                                      model={}))
+        done = ended(client, "abused")
+        trials = {t.number: t for t in client.trials("abused")}
+    with JobClient(orchestrator.target, token=TOKENS["admin"]) as jobs:
+        for trial in trials.values():
+            log = b"".join(chunk.data for chunk in jobs.logs(trial.job_id)).decode()
+            assert [line for line in log.splitlines() if "allowed" in line or "refused" in line] == [
+                "refused other: PERMISSION_DENIED", "refused best: PERMISSION_DENIED",
+                "refused context: PERMISSION_DENIED", "refused list: PERMISSION_DENIED",
+                "refused grant: PERMISSION_DENIED"]
     assert done.status.state == pb.EXPERIMENT_STATE_SUCCEEDED and done.best_model_bundle == ""
-    assert done.status.message.endswith(f"; the best trial's model was refused: {trials[0].message.split(': ', 1)[1]}")
-    with BundleStoreClient(store.target, token=TOKENS["reader"]) as bundles, pytest.raises(NotFound):
-        bundles.get_context("automl")  # made by the first commit: none happened
+    assert done.status.message.endswith(
+        f"; the best trial's model was refused: the trial uploaded no committed bundle {trials[0].job_id!r} to "
+        f"context 'automl' (does it call opml_automl_controller.sdk.save_model?)")
+    with BundleStoreClient(store.target, token=TOKENS["reader"]) as bundles:
+        assert bundles.list_bundles("automl") == []
     page = samples(scrape(env["OPML_AUTOML_CONTROLLER_METRICS_PORT"]))
-    assert [s.value for s in page if s.name == "opml_automl_controller_models_refused_total"] == [4.0]
-    assert sorted(p.name for p in trials_dir.iterdir()) == sorted(t.job_id for t in trials.values())
-    with ExperimentClient(controller.target, token=TOKENS["admin"]) as client:
-        client.delete("attacked")
-    assert list(trials_dir.iterdir()) == []
+    assert [s.value for s in page if s.name == "opml_automl_controller_models_refused_total"] == [1.0]
 
 
 KERAS_TRIAL = textwrap.dedent("""

@@ -19,12 +19,20 @@ from opml_automl_controller.collect import MODEL_MARKER
 from opml_automl_controller.jobs import JobView, TrialJobs
 from opml_automl_controller.katib import parse_experiment
 from opml_automl_controller.metrics import ControllerMetrics
+from opml_automl_controller.models import ModelStore, TrialUpload
+from opml_automl_controller.modelspec import ModelPolicy
 from opml_automl_controller.records import Records
 from opml_automl_controller.state import TraceRecord, TrialRecord, TrialState
 from opml_automl_controller.study import END_ATTR, ERROR_ATTR
 from opml_automl_controller.surrogate import SurrogateCall
 from opml_automl_controller.trialmodel import MODEL_DIR_VARIABLE, TrialFolders
 from opml_automl_controller.trials import TrialRunner, TrialServices
+from opml_automl_controller.uploadenv import (
+    BUNDLE_VARIABLE,
+    CONTEXT_VARIABLE,
+    GRANT_VARIABLE,
+    TARGET_VARIABLE,
+)
 from opml_common.errors import InvalidArgument, NotFound, Unavailable
 from opml_common.events import RecordingEmitter
 
@@ -35,7 +43,7 @@ BREAK = object()
 """In a job's log: the stream ends here the first time it is read (the job still running)."""
 
 
-def experiment(*, collector: str | None = None, kind: str = "Job") -> str:
+def experiment(*, collector: str | None = None, kind: str = "Job", model: dict | None = None) -> str:
     template: dict = {"apiVersion": "batch/v1", "kind": "Job", "spec": {"template": {"spec": {"containers": [
         {"name": "main", "image": "python:3.11", "command": ["python", "train.py", "--x=${trialParameters.x}"]}]}}}}
     parameters = [{"name": "x", "parameterType": "double", "feasibleSpace": {"min": "-2", "max": "2"}}]
@@ -53,6 +61,8 @@ def experiment(*, collector: str | None = None, kind: str = "Job") -> str:
                           "trialSpec": template}}
     if collector:
         spec["metricsCollectorSpec"] = {"collector": {"kind": collector}}
+    if model is not None:
+        spec["model"] = model
     return yaml.safe_dump({"apiVersion": "kubeflow.org/v1beta1", "kind": "Experiment", "metadata": {"name": "exp"},
                            "spec": spec})
 
@@ -188,16 +198,32 @@ class Predictor:
         return self.answer
 
 
+class Grants(ModelStore):
+    """Upload grants as the bundle-store makes them (a token per call), each call recorded."""
+
+    def __init__(self) -> None:
+        self.granted: list[tuple[str, int, int]] = []
+
+    def grant_upload(self, trial: TrialRecord, policy: ModelPolicy, ttl_s: int) -> TrialUpload:
+        self.granted.append((trial.job_id, policy.max_bytes, ttl_s))
+        return TrialUpload(env={CONTEXT_VARIABLE: "automl", BUNDLE_VARIABLE: trial.job_id},
+                           secret_env={TARGET_VARIABLE: "store:50051", GRANT_VARIABLE: f"grant-{len(self.granted)}"})
+
+    def commit_best(self, *args, **kwargs) -> str:
+        raise AssertionError("a runner commits nothing")
+
+
 class Harness:
     def __init__(self, jobs: TrialJobs, *, study: FakeStudy | None = None, collector: str | None = None,
                  kind: str = "Job", serving: Predictor | None = None, trace_wait_s: float = 5.0,
-                 folders: TrialFolders | None = None) -> None:
+                 folders: TrialFolders | None = None, models: ModelStore | None = None,
+                 model: dict | None = None) -> None:
         self.jobs, self.study = jobs, study or FakeStudy()
         self.store, self.emitter, self.metrics = FakeStore(), RecordingEmitter(), Metrics()
         self.services = TrialServices(jobs=jobs, records=Records(self.store, self.emitter, self.metrics),  # type: ignore[arg-type]
                                       metrics=self.metrics, serving=serving, retry_s=0.01, trace_wait_s=trace_wait_s,
-                                      folders=folders)
-        self.spec = parse_experiment(experiment(collector=collector, kind=kind))
+                                      folders=folders, models=models, upload_ttl_s=600)
+        self.spec = parse_experiment(experiment(collector=collector, kind=kind, model=model))
         self.runner = TrialRunner(self.services, self.spec, self.study,
                                   TrialRecord(experiment="exp", number=0, parameters={"x": "1"}, job_id=JOB))
 
@@ -233,11 +259,14 @@ async def test_a_trial_that_succeeds_reports_its_objective() -> None:
     assert jobs.cancelled == []
 
 
-def model_line(path: str) -> str:
-    return MODEL_MARKER + json.dumps({"path": path}) + "\n"
+UPLOADED = "0b9e6f3c-5a4d-4c1e-9f7a-2d8b1c3e4f5a"
 
 
-async def test_a_trials_model_folder_is_its_jobs_checkpoint_folder_made_by_the_orchestrator(tmp_path: Path) -> None:
+def model_line(**said: object) -> str:
+    return MODEL_MARKER + json.dumps(said) + "\n"
+
+
+async def test_a_trials_own_folder_is_its_jobs_checkpoint_folder_made_by_the_orchestrator(tmp_path: Path) -> None:
     """The orchestrator makes a job's checkpoint folder for the job's user (a sandboxed job runs as a
     user of its own): a folder the controller made first would be the controller's, and refused."""
     folders = TrialFolders.open(tmp_path / "trials")
@@ -245,25 +274,24 @@ async def test_a_trials_model_folder_is_its_jobs_checkpoint_folder_made_by_the_o
     await h.run()
     [spec] = h.jobs.submitted
     assert dict(spec.env) == {MODEL_DIR_VARIABLE: str(folders.of(JOB))} and spec.checkpoint.dir == str(folders.of(JOB))
+    assert dict(spec.secret_env) == {}  # no spec.model: no grant
     assert not folders.of(JOB).exists()
 
 
-async def test_a_trial_keeps_a_model_only_from_its_own_folder_and_says_why_not(tmp_path: Path) -> None:
-    folders = TrialFolders.open(tmp_path / "trials")
-    folders.of(JOB).mkdir()  # as the orchestrator makes it
-    (folders.of(JOB) / "weights.bin").write_bytes(b"w")
-    (tmp_path / "s3.json").write_text("secret")
-    h = Harness(FakeJobs(["loss=1\n", model_line(".")]), folders=folders)
+async def test_a_trial_of_a_modelled_experiment_gets_a_grant_in_its_secret_env_and_its_upload_is_a_hint() -> None:
+    grants = Grants()
+    h = Harness(FakeJobs(["loss=1\n", model_line(bundle=JOB, uuid=UPLOADED)]), models=grants,
+                model={"serve": True, "maxBytes": "2Mi"})
     trial = await h.run()
-    assert (trial.state, trial.model_dir, trial.model_refused, trial.message) == (TrialState.SUCCEEDED, ".", "", "")
-    for named in (str(tmp_path / "s3.json"), "../../s3.json"):
-        h = Harness(FakeJobs(["loss=1\n", model_line(named)]), folders=folders)
+    [spec] = h.jobs.submitted
+    assert grants.granted == [(JOB, 2 * 1024**2, 600)]
+    assert dict(spec.secret_env) == {TARGET_VARIABLE: "store:50051", GRANT_VARIABLE: "grant-1"}
+    assert dict(spec.env) == {CONTEXT_VARIABLE: "automl", BUNDLE_VARIABLE: JOB}  # the grant is in no plain env
+    assert (trial.state, trial.model_bundle, trial.message) == (TrialState.SUCCEEDED, UPLOADED, "")
+    for said in ({"uuid": "../../s3.json"}, {"path": "."}, {"uuid": 7}):  # not a bundle's uuid: no hint
+        h = Harness(FakeJobs(["loss=1\n", model_line(**said)]), models=Grants(), model={})
         trial = await h.run()
-        assert trial.state is TrialState.SUCCEEDED and trial.objective_value == 1.0 and trial.model_dir is None
-        assert trial.model_refused == (f"the model path {named!r} resolves outside the trial's model folder "
-                                       f"(AUTOML_MODEL_DIR); only what the trial wrote there is committed")
-        assert trial.message == f"its model was refused: {trial.model_refused}"
-        assert h.metrics.models_refused == 1
+        assert trial.state is TrialState.SUCCEEDED and trial.model_bundle is None
 
 
 async def test_a_trial_whose_job_fails_is_failed_with_the_reason() -> None:

@@ -41,7 +41,8 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
     models = None
     if settings.bundle_store_target is not None:
         bundle_token = settings.bundle_store_token.get_secret_value() if settings.bundle_store_token else None
-        models = BundleStoreModels(settings.bundle_store_target, token=bundle_token, context=settings.model_context)
+        models = BundleStoreModels(settings.bundle_store_target, token=bundle_token, context=settings.model_context,
+                                   trial_target=settings.bundle_store_trial_target)
         service.on_stop(models.aclose)
     serving = None
     if settings.inference_router_target is not None:
@@ -53,7 +54,7 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
         store=store, jobs=jobs, emitter=await service.emitter(), redis_url=service.platform.redis_url,
         metrics=PrometheusControllerMetrics(service.metrics), trial_python=settings.trial_python or sys.executable,
         retry_s=settings.retry_s, models=models, trace_wait_s=settings.trace_wait_s,
-        serving=serving, folders=folders))
+        serving=serving, folders=folders, upload_ttl_s=settings.upload_grant_ttl_s))
     if settings.trace_metrics:
         consumer = EventConsumer(service.platform, group_id=GROUP, topics=[TRACES], source_prefixes=SOURCE_PREFIXES,
                                  handler=TraceCollector(store, spec_of=spec_of, wake=controller.wake_trace).handle,

@@ -36,6 +36,7 @@ DEFAULT_FILTER = r"([\w|-]+)\s*=\s*([+-]?\d*(\.\d+)?([Ee][+-]?\d+)?)"
 PUSH_MARKER = "[opml-automl-push] "
 FILE_MARKER = "[opml-automl-file] "
 MODEL_MARKER = "[opml-automl-model] "
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 MAX_LINE_CHARS = 64 * 1024
 """Longer lines are cut before matching (a trial printing a huge line costs no more than this)."""
 
@@ -55,9 +56,9 @@ class MetricsParser:
         self._filters = [re.compile(f) for f in (collector.filters or (DEFAULT_FILTER,))]
         self._metrics = frozenset(metrics)
         self._partial = ""
-        self.model_dir: str | None = None
-        """The path the trial named for its model (:func:`opml_automl_controller.sdk.save_model`), if it
-        did: the trial's word, which :func:`~opml_automl_controller.trialmodel.confine` checks."""
+        self.model_bundle: str | None = None
+        """The uuid of the bundle the trial said it uploaded (:func:`opml_automl_controller.sdk.save_model`),
+        if it did: the trial's word, a hint; the controller asks the bundle-store before it commits."""
 
     def feed(self, text: str) -> list[Observation]:
         """Observations in the complete lines of ``text`` (a chunk of the log; a line cut between
@@ -75,11 +76,11 @@ class MetricsParser:
         line = line[:MAX_LINE_CHARS].rstrip("\r")
         if line.startswith(MODEL_MARKER):
             try:
-                path = json.loads(line[len(MODEL_MARKER):]).get("path")
+                uuid = json.loads(line[len(MODEL_MARKER):]).get("uuid")
             except (ValueError, AttributeError):
-                path = None
-            if isinstance(path, str) and path:
-                self.model_dir = path
+                uuid = None
+            if isinstance(uuid, str) and _UUID.fullmatch(uuid):
+                self.model_bundle = uuid
             return
         if self._kind is CollectorKind.TRACE:
             return

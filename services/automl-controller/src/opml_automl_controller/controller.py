@@ -41,7 +41,7 @@ from opml_automl_controller.experiment import ExperimentSpec, ResumePolicy, para
 from opml_automl_controller.jobs import TrialJobs
 from opml_automl_controller.katib import check_experiment, parse_experiment
 from opml_automl_controller.metrics import ControllerMetrics
-from opml_automl_controller.models import ModelStore
+from opml_automl_controller.models import ModelRefused, ModelStore
 from opml_automl_controller.records import Records
 from opml_automl_controller.state import (
     TERMINAL_TRIALS,
@@ -54,7 +54,7 @@ from opml_automl_controller.state import (
 from opml_automl_controller.study import END_ATTR, ERROR_ATTR, ExperimentStudy
 from opml_automl_controller.surrogate import ServingPredictor, SurrogateCall, build_surrogate_call
 from opml_automl_controller.template import TrialJob
-from opml_automl_controller.trialmodel import ModelRefused, TrialFolders
+from opml_automl_controller.trialmodel import TrialFolders
 from opml_automl_controller.trials import TrialRunner, TrialServices, build_job, is_surrogate, retrying
 from opml_common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, OpmlError
 from opml_common.events import EventEmitter
@@ -135,21 +135,23 @@ class Controller(Component):
         redis_url: the Optuna journals' Redis.
         trial_python: the interpreter that runs the File collector's wrapper in a trial's job.
         retry_s: pause before retrying an orchestrator call that failed with a retriable error.
-        models: where the best trial's model is committed (None: nowhere).
+        models: the bundle-store trials upload their models to, with a grant each, and the best one is
+            committed in (None: experiments with ``spec.model`` are refused).
+        upload_ttl_s: how long a trial's upload grant is valid.
         trace_wait_s: Trace collector: how long after a trial's job succeeded the controller waits
             for its tracer's last epochs (every tracer run's TracerStopped); also the tracer's
             exit bound (``OPML_TRACE_EXIT_TIMEOUT_S``) in the job, unless its template sets one.
         serving: the inference-router's predictions, for ServingConfigSurrogate trials (None:
             such experiments are refused).
-        folders: where each trial's own model folder is (its job's checkpoint folder, made by the
-            orchestrator; None: trials get none, so no model is committed); an experiment's are removed
-            with it.
+        folders: where each trial's own folder is (its job's checkpoint folder, made by the
+            orchestrator; None: trials get none); an experiment's are removed with it.
     """
 
     def __init__(self, *, store: ExperimentStore, jobs: TrialJobs, emitter: EventEmitter, redis_url: str,
                  metrics: ControllerMetrics | None = None, trial_python: str = sys.executable,
                  retry_s: float = 1.0, models: ModelStore | None = None, trace_wait_s: float = 10.0,
-                 serving: ServingPredictor | None = None, folders: TrialFolders | None = None) -> None:
+                 serving: ServingPredictor | None = None, folders: TrialFolders | None = None,
+                 upload_ttl_s: int = 24 * 3600) -> None:
         super().__init__()
         self._store, self._jobs = store, jobs
         self._serving = serving
@@ -163,7 +165,8 @@ class Controller(Component):
         self._trace_wait_s = trace_wait_s
         self._trial_services = TrialServices(jobs=jobs, records=self._records, metrics=self._metrics,
                                              serving=serving, trial_python=trial_python, retry_s=retry_s,
-                                             trace_wait_s=trace_wait_s, folders=folders)
+                                             trace_wait_s=trace_wait_s, folders=folders, models=models,
+                                             upload_ttl_s=upload_ttl_s)
         self._runs: dict[str, asyncio.Task] = {}
         self._wake: dict[str, asyncio.Event] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -204,10 +207,14 @@ class Controller(Component):
         Raises:
             InvalidArgument: every rule the experiment breaks (an algorithm whose optional extra this
                 install lacks among them).
-            FailedPrecondition: a ServingConfigSurrogate experiment, and no inference-router configured.
+            FailedPrecondition: a ServingConfigSurrogate experiment, and no inference-router configured;
+                an experiment asking for a model, and no bundle-store configured.
         """
         checked = check_experiment(katib_yaml, what="katib_yaml", runnable_here=True)
         spec = checked.spec
+        if spec.model is not None and spec.model.commit and self._models is None:
+            raise FailedPrecondition("an experiment with spec.model needs a bundle-store its trials upload their "
+                                     "models to: set OPML_AUTOML_CONTROLLER_BUNDLE_STORE_TARGET")
         values = {p.name: parameter_text(p.low if p.low is not None else p.choices[0]) for p in spec.parameters}
         if is_surrogate(spec):
             if self._serving is None:
@@ -420,21 +427,16 @@ class Controller(Component):
 
     async def _commit_best(self, record: ExperimentRecord, spec: ExperimentSpec, trials: list[TrialRecord],
                            message: str) -> tuple[str, str]:
-        """Commit the best trial's model, if it saved one in its model folder and a model store is
-        configured: the bundle's name ('' when none) and the experiment's message saying so (or why
-        its model was refused)."""
+        """Commit the model the best trial uploaded, when the experiment asks for one (``spec.model``):
+        the bundle's name ('' when none) and the experiment's message saying so (or why it was not)."""
         best = convert.best_trial(spec, trials)
-        if self._models is None or best is None or record.best_model_bundle:
-            return record.best_model_bundle, message
-        if best.model_refused:
-            return "", f"{message}; the best trial's model was refused: {best.model_refused}"
-        folders = self._folders
-        if not best.model_dir or folders is None:
+        policy = spec.model
+        if self._models is None or policy is None or not policy.commit or best is None or record.best_model_bundle:
             return record.best_model_bundle, message
         try:
             bundle = await self._retrying(lambda: self._models.commit_best(  # type: ignore[union-attr]
-                record, best, folders.of(best.job_id), objective=spec.objective.metric,
-                algorithm=spec.algorithm.name), "commit the model")
+                record, best, policy, objective=spec.objective.metric, algorithm=spec.algorithm.name),
+                "commit the model")
         except ModelRefused as error:
             self._metrics.model_refused()
             return "", f"{message}; the best trial's model was refused: {error.message}"

@@ -11,6 +11,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from opml_automl_controller.modelspec import ModelPolicy
+
 
 class Goal(enum.Enum):
     MINIMIZE = "minimize"
@@ -127,6 +129,8 @@ class ExperimentSpec:
     early_stopping: Algorithm | None = None
     collector: MetricsCollector = field(default_factory=MetricsCollector)
     resume_policy: ResumePolicy = ResumePolicy.NEVER
+    model: ModelPolicy | None = None
+    """``spec.model``: the best trial's model is uploaded and committed (:mod:`.modelspec`); None: no model."""
 
     def parameter(self, name: str) -> Parameter:
         return next(p for p in self.parameters if p.name == name)

@@ -39,6 +39,7 @@ from opml_automl_controller.experiment import (
     TrialParameter,
     TrialTemplate,
 )
+from opml_automl_controller.modelspec import parse_model_policy
 from opml_automl_controller.surrogate import check_objective, check_surrogate
 from opml_automl_controller.template import SURROGATE_KIND, check_template
 from opml_common.errors import InvalidArgument
@@ -181,6 +182,7 @@ def _parse(doc: Any, *, runnable_here: bool = False) -> tuple[ExperimentSpec | N
     parameters = _parameters(spec, found)
     template = _trial_template(spec, parameters, found)
     collector = _collector(spec.get("metricsCollectorSpec"), found)
+    model = parse_model_policy(spec.get("model"), found)
     if algorithm is not None and parameters is not None:
         _algorithm_checks(algorithm, parameters, counts, found)
     if early is not None and algorithm is not None and algorithm.name == "hyperband":
@@ -191,6 +193,9 @@ def _parse(doc: Any, *, runnable_here: bool = False) -> tuple[ExperimentSpec | N
         if spec.get("metricsCollectorSpec") is not None:
             found.append(("spec.metricsCollectorSpec", "must not be set: a ServingConfigSurrogate trial runs no job; "
                                                        "its metrics come from the inference-router's prediction"))
+        if spec.get("model") is not None:
+            found.append(("spec.model", "must not be set: a ServingConfigSurrogate trial runs no job, so it "
+                                        "trains no model"))
     if found or objective is None or algorithm is None or parameters is None or template is None \
             or collector is None:
         return None, found
@@ -200,7 +205,7 @@ def _parse(doc: Any, *, runnable_here: bool = False) -> tuple[ExperimentSpec | N
         name=name, namespace=str(namespace), objective=objective, algorithm=algorithm, parameters=tuple(parameters),
         trial_template=template, max_trial_count=max_trials, parallel_trial_count=parallel or 3,
         max_failed_trial_count=max_failed, early_stopping=early, collector=collector,
-        resume_policy=ResumePolicy(resume)), found
+        resume_policy=ResumePolicy(resume), model=model), found
 
 
 def _mapping(value: Any, path: str, found: Violations) -> Mapping[str, Any]:
@@ -614,7 +619,7 @@ _KNOWN_FIELDS: dict[str, frozenset[str]] = {
                            "ownerReferences", "finalizers", "managedFields", "selfLink"}),
     "spec": frozenset({"parameters", "objective", "algorithm", "trialTemplate", "parallelTrialCount",
                        "maxTrialCount", "maxFailedTrialCount", "metricsCollectorSpec", "nasConfig", "resumePolicy",
-                       "earlyStopping"}),
+                       "earlyStopping", "model"}),
     "spec.objective": frozenset({"type", "goal", "objectiveMetricName", "additionalMetricNames",
                                  "metricStrategies"}),
     "spec.objective.metricStrategies[]": frozenset({"name", "value"}),

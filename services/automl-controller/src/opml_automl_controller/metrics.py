@@ -35,9 +35,9 @@ class PrometheusControllerMetrics(ControllerMetrics):
                                           ("state",))
         self._spec_invalid = metrics.counter("spec_invalid_total", "Stored experiments a list skipped: their "
                                              "katib_yaml breaks an admission rule made after they were created.")
-        self._models_refused = metrics.counter("models_refused_total", "Trials' models refused, not committed: "
-                                               "a path outside the trial's model folder, a symlink or a file that "
-                                               "is not regular in it, too many files or bytes.")
+        self._models_refused = metrics.counter("models_refused_total", "Best trials' models refused, not "
+                                               "committed: no committed upload in the bundle-store, or one that is "
+                                               "incomplete or over spec.model.maxBytes.")
         for state in TrialState:
             self._trials.labels(state.value)
         for state in ExperimentState:

@@ -21,8 +21,11 @@ class AutomlControllerSettings(ServiceSettings):
                              "job's user; kept until its experiment is deleted). Outside HOME, which no job's user "
                              "may enter. Made mode 0711 at start (a job's user reaches its own folder and lists "
                              "none); refused if it is a symlink, another user's, or in a folder others may change.")
-    job_orchestrator_target: str = Field("127.0.0.1:50052", min_length=1,
-                                         description="The job-orchestrator every trial's job is submitted to.")
+    job_orchestrator_target: str = Field(
+        "127.0.0.1:50052", min_length=1,
+        validation_alias=AliasChoices("OPML_AUTOML_CONTROLLER_JOB_ORCHESTRATOR_TARGET", "OPML_JOB_ORCHESTRATOR_TARGET"),
+        description="The job-orchestrator every trial's job is submitted to (also read from "
+        "OPML_JOB_ORCHESTRATOR_TARGET, which `make up` sets).")
     job_orchestrator_token: SecretStr | None = Field(None, description="Bearer token the controller calls the "
                                                      "orchestrator with (the writer role: it submits and cancels "
                                                      "the trials' jobs). Unset: no token (an orchestrator with "
@@ -34,9 +37,18 @@ class AutomlControllerSettings(ServiceSettings):
     bundle_store_target: str | None = Field(
         None, min_length=1,
         validation_alias=AliasChoices("OPML_AUTOML_CONTROLLER_BUNDLE_STORE_TARGET", "OPML_BUNDLE_STORE_TARGET"),
-        description="The bundle-store the best trial's model is committed to when an experiment ends (also read "
-        "from OPML_BUNDLE_STORE_TARGET, which `make up` sets); unset: models are not committed.")
-    bundle_store_token: SecretStr | None = Field(None, description="Bearer token (writer) for the bundle-store.")
+        description="The bundle-store trials upload their models to (each with an upload grant of its own) and the "
+        "best one is committed to when an experiment ends (also read from OPML_BUNDLE_STORE_TARGET, which `make up` "
+        "sets); unset: experiments with spec.model are refused.")
+    bundle_store_token: SecretStr | None = Field(None, description="Bearer token (writer) for the bundle-store: the "
+                                                 "controller's own, never given to a trial (a trial gets an upload "
+                                                 "grant for its own bundle).")
+    bundle_store_trial_target: str | None = Field(None, min_length=1, description="The bundle-store's address as "
+                                                  "trials' jobs reach it (another network, a service name); unset: "
+                                                  "BUNDLE_STORE_TARGET.")
+    upload_grant_ttl_s: int = Field(24 * 3600, ge=60, le=7 * 24 * 3600, description="How long a trial's upload "
+                                    "grant is valid from its job's submit (a trial queued or training longer "
+                                    "cannot upload its model).")
     model_context: str = Field("automl", min_length=1, description="The bundle-store context of the best models.")
     trace_wait_s: float = Field(10.0, gt=0, description="Trace collector: how long after a trial's job "
                                 "succeeded the controller waits for its tracer's last epoch logs (every tracer "
@@ -44,9 +56,12 @@ class AutomlControllerSettings(ServiceSettings):
                                 "(OPML_TRACE_EXIT_TIMEOUT_S) unless the trial template sets one.")
     trace_metrics: bool = Field(True, description="Consume opml.traces.v1 for the Trace collector kind (off: "
                                 "experiments with collector kind Trace get no metrics).")
-    inference_router_target: str | None = Field(None, min_length=1, description="The inference-router whose "
-                                                "PredictServingPerformance evaluates ServingConfigSurrogate "
-                                                "trials; unset: experiments of that kind are refused.")
+    inference_router_target: str | None = Field(
+        None, min_length=1,
+        validation_alias=AliasChoices("OPML_AUTOML_CONTROLLER_INFERENCE_ROUTER_TARGET", "OPML_INFERENCE_ROUTER_TARGET"),
+        description="The inference-router whose PredictServingPerformance evaluates ServingConfigSurrogate trials "
+        "(also read from OPML_INFERENCE_ROUTER_TARGET, which `make up` sets); unset: experiments of that kind are "
+        "refused.")
     inference_router_token: SecretStr | None = Field(None, description="Bearer token (reader) for the "
                                                      "inference-router.")
     retry_s: float = Field(1.0, gt=0, description="Pause before retrying an orchestrator call that failed "
@@ -60,6 +75,7 @@ class AutomlControllerSettings(ServiceSettings):
         return value
 
     @field_validator("job_orchestrator_token", "trial_python", "bundle_store_target", "bundle_store_token",
+                     "bundle_store_trial_target",
                      "inference_router_target", "inference_router_token", mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:

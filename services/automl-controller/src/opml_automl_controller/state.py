@@ -65,10 +65,11 @@ class TrialRecord:
     message: str = ""
     started_at: float | None = None
     ended_at: float | None = None
-    model_dir: str | None = None
-    """Where the trial's model is, relative to its model folder (checked as it ended), if it saved one."""
+    model_bundle: str | None = None
+    """The uuid of the bundle the trial said it uploaded (its log's word: a hint the bundle-store is
+    asked about before anything is committed), if it said so."""
     model_refused: str = ""
-    """Why the model the trial named was refused ('': it was not)."""
+    """Why the trial's model was refused ('': it was not)."""
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "state": self.state.value})
@@ -76,6 +77,7 @@ class TrialRecord:
     @classmethod
     def from_json(cls, text: str | bytes) -> TrialRecord:
         data = json.loads(text)
+        data.pop("model_dir", None)  # a path in the trial's folder, kept before trials uploaded their models
         return cls(**{**data, "state": TrialState(data["state"])})
 
 

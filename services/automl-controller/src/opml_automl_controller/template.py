@@ -32,6 +32,7 @@ from opml.jobs.v1 import jobs_pb2
 
 from opml_automl_controller.experiment import TrialParameter, TrialTemplate
 from opml_automl_controller.trialmodel import MODEL_DIR_VARIABLE
+from opml_automl_controller.uploadenv import RESERVED_PREFIX
 from opml_common.errors import InvalidArgument
 from opml_job_orchestrator_contract.jobspec import check_env, load_spec, parse_cpu_millis, parse_memory_mib
 
@@ -201,9 +202,11 @@ def build_trial_job(template: TrialTemplate, values: Mapping[str, str], *, trial
         check_env(spec.env, f"{path}.env")
     except InvalidArgument as error:
         found.extend(error.violations)
-    if MODEL_DIR_VARIABLE in spec.env:
-        found.append((f"{path}.env.{MODEL_DIR_VARIABLE}", "is set by the controller: each trial's own model "
-                                                          "folder, where its model must be saved"))
+    found.extend((f"{path}.env.{name}", "is set by the controller (AUTOML_*: the trial's own folder, and where "
+                                        "and with what grant it uploads its model)")
+                 for name in sorted(spec.env) if name.upper().startswith(RESERVED_PREFIX))
+    if spec.secret_env:
+        found.append((f"{path}.spec.secret_env", "is the controller's to set (the trial's upload grant)"))
     if found:
         raise InvalidArgument.of(found)
     return TrialJob(spec=spec, notes=tuple(notes))

@@ -35,12 +35,13 @@ from opml_automl_controller.collect import MetricsParser, Observation, epoch_obs
 from opml_automl_controller.experiment import CollectorKind, ExperimentSpec
 from opml_automl_controller.jobs import JobView, TrialJobs
 from opml_automl_controller.metrics import ControllerMetrics
+from opml_automl_controller.models import ModelStore, TrialUpload
 from opml_automl_controller.records import Records
 from opml_automl_controller.state import TrialRecord, TrialState
 from opml_automl_controller.study import END_ATTR, ERROR_ATTR
 from opml_automl_controller.surrogate import ServingPredictor, build_surrogate_call
 from opml_automl_controller.template import SURROGATE_KIND, TrialJob, build_trial_job
-from opml_automl_controller.trialmodel import MODEL_DIR_VARIABLE, ModelRefused, TrialFolders, confine
+from opml_automl_controller.trialmodel import MODEL_DIR_VARIABLE, TrialFolders
 from opml_common.errors import InvalidArgument, OpmlError
 
 log = logging.getLogger(__name__)
@@ -72,13 +73,14 @@ def is_surrogate(spec: ExperimentSpec) -> bool:
 
 
 def build_job(spec: ExperimentSpec, job_id: str, number: int, params: dict[str, str], *, trial_python: str,
-              trace_wait_s: float, model_dir: Path | None = None) -> TrialJob:
+              trace_wait_s: float, model_dir: Path | None = None, upload: TrialUpload | None = None) -> TrialJob:
     """The trial's job: the template's, named and labelled, wrapped for the File collector, traced for
     the Trace collector (its tracer's exit bound ``trace_wait_s`` unless the template sets one), told
-    its own model folder ``model_dir`` (:data:`~.trialmodel.MODEL_DIR_VARIABLE`) when there is one,
-    which is also its checkpoint folder: the orchestrator makes it for the job's user (a sandboxed job
-    runs as a user of its own; a folder the controller made would be root's), so the controller makes
-    none.
+    its own folder ``model_dir`` (:data:`~.trialmodel.MODEL_DIR_VARIABLE`) when there is one, which is
+    also its checkpoint folder: the orchestrator makes it for the job's user (a sandboxed job runs as a
+    user of its own; a folder the controller made would be root's), so the controller makes none; and,
+    with ``upload``, where and with what grant it uploads its model (the grant in the job's secret env,
+    which the orchestrator shows no one).
 
     Raises: InvalidArgument: the template does not make a job with these parameters.
     """
@@ -88,6 +90,9 @@ def build_job(spec: ExperimentSpec, job_id: str, number: int, params: dict[str, 
     if model_dir is not None:
         job.spec.env[MODEL_DIR_VARIABLE] = str(model_dir)
         job.spec.checkpoint.dir = str(model_dir)
+    if upload is not None:
+        job.spec.env.update(upload.env)
+        job.spec.secret_env.update(upload.secret_env)
     if spec.collector.kind is CollectorKind.FILE:
         for role in job.spec.roles.values():
             argv = list(role.command or job.spec.command)
@@ -128,8 +133,10 @@ class TrialServices:
             tracer's last epochs.
         wakers: each running Trace trial's :meth:`TrialRunner.wake`, by job id (the controller's
             ``wake_trace`` looks it up).
-        folders: where each trial's model folder is (None: trials get none, and a model a trial names
-            is refused).
+        folders: where each trial's own folder is (None: trials get none).
+        models: the bundle-store trials upload their models to (None: experiments with ``spec.model``
+            are refused).
+        upload_ttl_s: how long a trial's upload grant is valid (from its job's submit).
     """
 
     jobs: TrialJobs
@@ -141,6 +148,8 @@ class TrialServices:
     trace_wait_s: float = 10.0
     wakers: dict[str, Callable[[], None]] = field(default_factory=dict)
     folders: TrialFolders | None = None
+    models: ModelStore | None = None
+    upload_ttl_s: int = 24 * 3600
 
     async def retrying(self, call: Callable[[], Any], what: str) -> Any:
         return await retrying(call, what, retry_s=self.retry_s)
@@ -186,12 +195,19 @@ class TrialRunner:
         if is_surrogate(self._spec):
             await self._predict()
             return
-        folders = self._services.folders
+        folders, models, policy = self._services.folders, self._services.models, self._spec.model
         model_dir = folders.of(self.trial.job_id) if folders is not None else None
+        upload = None
+        if policy is not None and policy.commit and models is not None:
+            # A grant per submit: stateless in the bundle-store, so one made for a job that turns out
+            # to exist already (a restart re-attaching) is simply never used.
+            upload = await self._services.retrying(
+                lambda: models.grant_upload(self.trial, policy, self._services.upload_ttl_s),
+                f"upload grant for {self.trial.job_id}")
         try:
             job = build_job(self._spec, self.trial.job_id, self.trial.number, self.trial.parameters,
                             trial_python=self._services.trial_python, trace_wait_s=self._services.trace_wait_s,
-                            model_dir=model_dir)
+                            model_dir=model_dir, upload=upload)
         except InvalidArgument as error:
             await self._end(TrialState.FAILED, message=f"trial template: {error.message}")
             return
@@ -344,30 +360,13 @@ class TrialRunner:
                                 message=f"MetricsUnavailable: the job succeeded but reported no {self._objective!r} "
                                         f"({self._spec.collector.kind.value} collector{'; ' + where if where else ''})")
             else:
-                await self._end(TrialState.SUCCEEDED, value=value, message=await self._keep_model())
+                if self._parser.model_bundle is not None:
+                    self.trial = replace(self.trial, model_bundle=self._parser.model_bundle)
+                await self._end(TrialState.SUCCEEDED, value=value)
         elif view.state == "failed":
             await self._end(TrialState.FAILED, message=f"job failed: {view.cause}")
         else:
             await self._end(TrialState.FAILED, message=f"job was cancelled outside the controller: {view.cause}")
-
-    async def _keep_model(self) -> str:
-        """The model the trial named (if it did), checked in its own folder: kept on the trial as a path
-        there, or refused, the reason on the trial and counted. Returns what the trial's message says of it."""
-        named = self._parser.model_dir
-        if named is None:
-            return ""
-        folders = self._services.folders
-        try:
-            if folders is None:
-                raise ModelRefused("this controller gives trials no model folder")
-            relative = await asyncio.to_thread(confine, folders.of(self.trial.job_id), named)
-        except ModelRefused as error:
-            log.warning("trial %s: its model is refused: %s", self.trial.job_id, error.message)
-            self._services.metrics.model_refused()
-            self.trial = replace(self.trial, model_dir=None, model_refused=error.message)
-            return f"its model was refused: {error.message}"
-        self.trial = replace(self.trial, model_dir=relative)
-        return ""
 
     async def _predict(self) -> None:
         """A ServingConfigSurrogate trial: the router's prediction of its configuration is its one
