@@ -62,6 +62,8 @@ acl tracer --operation Write --operation Describe --topic opml.traces.v1
 reads trace-collector opml.traces.v1 trace-collector. prefixed  # groups trace-collector.<generation>
 reads automl-controller opml.traces.v1 automl-controller-traces  # the Trace metrics collector
 owns monitoring-scorer opml.alerts.v1
+owns monitoring-scorer opml.quality.v1
+reads inference-router opml.quality.v1 inference-router-quality  # the rollouts' quality checks
 reads monitoring-scorer opml.deployments.v1 monitoring-scorer-deployments
 # the faust app (group monitoring-scorer) reads predictions and labels, and owns its changelog topics
 reads monitoring-scorer opml.predictions.v1 monitoring-scorer

@@ -33,7 +33,8 @@ KAFKA_INIT = ROOT / "deploy" / "compose" / "kafka-init.sh"
 TOPIC_WRITERS = {"opml.bundles.v1": "bundle-store", "opml.jobs.v1": "job-orchestrator",
                  "opml.predictions.v1": "inference-router", "opml.deployments.v1": "inference-router",
                  "opml.traces.v1": "tracer", "opml.federations.v1": "fl-coordinator",
-                 "opml.alerts.v1": "monitoring-scorer", "opml.labels.v1": "monitoring-scorer",
+                 "opml.alerts.v1": "monitoring-scorer", "opml.quality.v1": "monitoring-scorer",
+                 "opml.labels.v1": "monitoring-scorer",
                  "opml.experiments.v1": "automl-controller"}
 
 

@@ -13,7 +13,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 from opml.inference.v1 import events_pb2 as inference_events
-from opml.monitoring.v1 import label_events_pb2
+from opml.monitoring.v1 import label_events_pb2, quality_events_pb2
 from opml.monitoring.v1.monitoring_pb2 import GetModelStatusRequest, ListAlertsRequest
 from prometheus_client import CollectorRegistry
 from tritonclient.grpc import service_pb2 as pb
@@ -182,7 +182,7 @@ async def test_the_first_window_stays_the_baseline_after_a_restart() -> None:
 
 
 async def test_late_labels_join_by_request_id_either_order_once_each(scorer) -> None:
-    scorer, world, _ = scorer
+    scorer, world, emitter = scorer
     rows = world.rows(100)
     events = events_of(rows, 0)
     early = label_events_pb2.LabelObserved(request_id="r0", values=[rows.labels[0]]).SerializeToString()
@@ -199,6 +199,13 @@ async def test_late_labels_join_by_request_id_either_order_once_each(scorer) -> 
     (record,) = await scorer.store.windows("m/1", before=None, limit=10)
     assert record["labelled"] == 100
     assert record["true"] == pytest.approx(performance(Task.BINARY, rows.outputs.predicted, rows.labels))
+    # the window's quality is announced at its close, then again as each label joins it
+    scored = [m for m in emitter.messages if isinstance(m, quality_events_pb2.WindowScored)]
+    assert [m.labelled for m in scored] == list(range(1, 101))
+    first, last = scored[0], scored[-1]
+    assert (first.model, first.version, first.window, first.rows, first.task) == ("m", "1", 0, 100, "binary")
+    assert first.estimator in ("cbpe", "mpp") and first.HasField("estimate") and first.estimate == record[first.estimator]
+    assert last.true_value == pytest.approx(record["true"]) and last.last_time.ToNanoseconds() > 0
     with pytest.raises(InvalidArgument, match="holds 2 values"):
         await scorer.on_label(label_events_pb2.LabelObserved(request_id="r7", values=[1, 0]).SerializeToString(),
                               origin("e7"))

@@ -18,10 +18,10 @@ from opml_monitoring_scorer.state import MonitorStore
 from opml_monitoring_scorer.stream import ScoringStream
 from opml_monitoring_scorer.topics import DEPLOYMENTS, LABELS, PREDICTIONS
 from opml_monitoring_scorer_contract.names import SERVICE
-from opml_monitoring_scorer_contract.topics import ALERTS
+from opml_monitoring_scorer_contract.topics import ALERTS, QUALITY
 
 SPEC = ServiceSpec(name=SERVICE, module="opml_monitoring_scorer", settings=MonitoringScorerSettings,
-                   topics=(ALERTS, LABELS, PREDICTIONS, DEPLOYMENTS))
+                   topics=(ALERTS, QUALITY, LABELS, PREDICTIONS, DEPLOYMENTS))
 
 
 async def build(service: ServiceContext) -> list[ServiceRegistration]:

@@ -1,8 +1,8 @@
 """The monitoring-scorer's contract: what other services and users need to talk to it.
 
 Its gRPC client, the name of a monitored model version, the topics of the monitoring area (the alerts
-it publishes, the labels others publish for it to join to predictions), its event source, the source of
-the platform's own labels, and the reference set a model bundle carries to be monitored.
+and the windows' quality it publishes, the labels others publish for it to join to predictions), its
+event source, the source of the platform's own labels, and the reference set a model bundle carries to be monitored.
 """
 
 from opml_common.lazy import lazy_exports
@@ -16,6 +16,7 @@ _EXPORTS = {
     "LABEL_SOURCE": "names",
     "MONITORING_FILE": "reference",
     "MonitoringClient": "client",
+    "QUALITY": "topics",
     "REFERENCE_FILE": "reference",
     "SERVICE": "names",
     "reference_npz": "reference",

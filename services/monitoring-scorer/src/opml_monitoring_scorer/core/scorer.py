@@ -10,6 +10,9 @@ set through any process apply wherever the version's partition is scored.
 Every change is announced here, once: an alert raised or resolved is saved, then emitted through the
 outbox (at least once; the event id is derived from the model version, rule, change and window, so a
 replay after a crash re-announces it under the same id and consumers that deduplicate apply it once).
+Each window saved, at its close and each time labels join it, is announced as WindowScored on
+``opml.quality.v1`` (its id derived from the version, window and labels joined), which a progressive
+rollout of the inference-router compares versions with.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from opml.inference.v1 import events_pb2 as inference_events
-from opml.monitoring.v1 import alert_events_pb2, label_events_pb2
+from opml.monitoring.v1 import alert_events_pb2, label_events_pb2, quality_events_pb2
 
 from opml_common.bus import UntrustedSource
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, brief
@@ -398,6 +401,7 @@ class Scorer(Component):
         if labelled:
             score.labelled, score.true = labelled, total / labelled
         await self.store.save_window(key, window_record(score))
+        self._announce_window(monitored, window_record(score))
         await self._apply_rules(monitored, score)
         self._export(monitored, score)
         self.metrics.close_seconds.labels(monitored.model, monitored.version).observe(time.perf_counter() - started)
@@ -461,6 +465,24 @@ class Scorer(Component):
         self.metrics.alerts.labels(monitored.model, monitored.version, rule.name, kind).inc()
         log.warning("alert %s %s on %s at window %d: %s=%s", rule.name, kind, monitored.key, score.index,
                     rule.signal, obs.value)
+
+    def _announce_window(self, monitored: Monitored, record: dict) -> None:
+        """WindowScored for a window as saved (``record``: :func:`window_record`'s)."""
+        task = monitored.monitor.task if monitored.monitor is not None else None
+        estimator = "cbpe" if record.get("cbpe") is not None else "mpp" if record.get("mpp") is not None else ""
+        message = quality_events_pb2.WindowScored(
+            model=monitored.model, version=monitored.version, window=record["index"], rows=record["rows"],
+            task=task.value if task is not None else "", estimator=estimator, labelled=record.get("labelled", 0),
+            score=record["score"])
+        message.first_time.FromNanoseconds(int(record["first_time"] * 1e9))
+        message.last_time.FromNanoseconds(int(record["last_time"] * 1e9))
+        if estimator:
+            message.estimate = record[estimator]
+        if record.get("true") is not None:
+            message.true_value = record["true"]
+        event_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"opml-monitoring/{monitored.key}/window/{record['index']}/"
+                                                      f"{message.labelled}"))
+        self.emitter.emit(message, subject=f"models/{monitored.model}/versions/{monitored.version}", id=event_id)
 
     def _export(self, monitored: Monitored, score: WindowScore) -> None:
         m, v = monitored.model, monitored.version
@@ -623,6 +645,7 @@ class Scorer(Component):
         if record is not None:
             record["labelled"], record["true"] = labelled, sum_total / labelled
             await self.store.save_window(key, record)
+            self._announce_window(monitored, record)
             self.metrics.estimate.labels(monitored.model, monitored.version, "true").set(record["true"])
             for name in ("mpp", "cbpe"):
                 if record.get(name) is not None:
