@@ -81,7 +81,7 @@ class BundleStoreIO(BundleIO):
             found = await asyncio.to_thread(self._client.list_bundles, context, tags=dict(tags))
         except NotFound:
             return None
-        return found[-1] if found else None
+        return max(found, key=lambda b: b.create_time.ToNanoseconds()) if found else None
 
     async def add(self, context: str, bundle_name: str, files: Mapping[str, Path | bytes], *,
                   values: Mapping[str, str | float] | None = None, tags: Mapping[str, str],
