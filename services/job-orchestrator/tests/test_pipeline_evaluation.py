@@ -156,3 +156,12 @@ def test_an_undefined_metric_on_a_slice_is_reported_not_failed() -> None:
     blessed, reasons = judge(config, candidate, None, no_baseline_why="first run")
     assert blessed is True
     assert any(r.slice == "line=a" and r.passed is None and "not defined" in r.message for r in reasons)
+
+
+def test_a_long_slice_value_is_named_by_its_start_and_a_hash() -> None:
+    long_a, long_b = "x" * 100 + "a", "x" * 100 + "b"
+    masks, _ = slice_masks({"note": [long_a, long_b, long_a]})
+    keys = sorted(masks)
+    assert len(keys) == 2 and all(len(k) == len("note=") + 64 for k in keys) and keys[0] != keys[1]
+    assert [m.tolist() for m in (masks[k] for k in keys)] in ([[True, False, True], [False, True, False]],
+                                                             [[False, True, False], [True, False, True]])

@@ -74,3 +74,8 @@ def test_numeric_matrix_marks_rows_with_a_missing_or_nan_feature() -> None:
     assert usable.tolist() == [True, False, False, True]
     with pytest.raises(TableError, match=r"'s' holds text \(string\), not numbers; column 'nope' is not in"):
         numeric_matrix(span, ["s", "nope"])
+
+
+def test_a_column_name_is_bounded() -> None:
+    with pytest.raises(TableError, match="column 2's name has 257 characters, more than 256"):
+        read_csv_text("a," + "n" * 257 + "\n1,2\n")

@@ -33,6 +33,7 @@ The step's config (``step.json`` of ``evaluate``)::
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -48,10 +49,13 @@ HIGHER_IS_BETTER = {"accuracy", "auc"}
 DIRECTIONS = ("higher_is_better", "lower_is_better")
 DEFAULT_MIN_ROWS = 30
 MAX_FEATURES = 1_000
-MAX_SLICE_COLUMNS = 16
-MAX_SLICE_VALUES = 100
+MAX_SLICE_COLUMNS = 8
+MAX_SLICE_VALUES = 50
 """Most values of one slicing column judged (the most frequent; the others are named as skipped)."""
-MAX_THRESHOLDS = 100
+MAX_THRESHOLDS = 20
+"""Most thresholds (with the slice bounds: at most 20 x 401 reasons, a result.json well under 4 MiB)."""
+MAX_SLICE_KEY_VALUE_CHARS = 64
+"""A slice value longer than this is named by its start and a hash of the whole."""
 OVERALL = "overall"
 NO_THRESHOLDS = "no thresholds: blessed on the candidate's metrics alone"
 _LOG_LOSS_EPS = 1e-15
@@ -309,8 +313,15 @@ def slice_masks(columns: Mapping[str, Sequence[str | None]]) -> tuple[dict[str, 
             notes.append(f"slice column {column!r} has {len(distinct)} values; the {MAX_SLICE_VALUES} most frequent "
                          "are judged")
         for index in sorted(order[:MAX_SLICE_VALUES], key=lambda i: distinct[i]):
-            masks[f"{column}={distinct[index]}"] = present & (array == distinct[index])
+            masks[f"{column}={_shown_value(distinct[index])}"] = present & (array == distinct[index])
     return masks, notes
+
+
+def _shown_value(value: str) -> str:
+    if len(value) <= MAX_SLICE_KEY_VALUE_CHARS:
+        return value
+    digest = hashlib.sha256(value.encode()).hexdigest()[:12]
+    return f"{value[:MAX_SLICE_KEY_VALUE_CHARS - 15]}...{digest}"  # 64 characters in all
 
 
 # ----------------------------------------------------------------------------------------------

@@ -29,7 +29,9 @@ MAX_ROWS = 5_000_000
 MAX_COLUMNS = 1_000
 """Most columns of a span's header."""
 MAX_CELL_CHARS = 64 * 1024
-"""Longest cell (and column name) in characters."""
+"""Longest cell in characters."""
+MAX_NAME_CHARS = 256
+"""Longest column name (names are quoted in anomalies and results)."""
 
 TYPES = ("bool", "int", "float", "string")
 NUMERIC_TYPES = ("int", "float")
@@ -120,6 +122,8 @@ def _parse_csv(text: str, name: str, *, limit: int) -> tuple[list[str], list[lis
             raise TableError(f"{name}: {len(header)} columns, more than {MAX_COLUMNS}")
         header = [h.strip() for h in header]
         problems = [f"column {i + 1} has no name" for i, h in enumerate(header) if not h]
+        problems += [f"column {i + 1}'s name has {len(h)} characters, more than {MAX_NAME_CHARS}"
+                     for i, h in enumerate(header) if len(h) > MAX_NAME_CHARS]
         seen: set[str] = set()
         for column in header:
             if column in seen:
