@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,10 +18,16 @@ import pytest
 import pytest_asyncio
 import yaml
 from click.testing import CliRunner
+from opml.bundles.v1 import bundles_pb2
 from opml.inference.v1 import deployment_events_pb2 as events
+from opml.monitoring.v1 import quality_events_pb2
 from prometheus_client import CollectorRegistry
 from tritonclient.grpc import service_pb2
 
+from opml_bundle_store_contract.client import BundleStoreClient
+from opml_bundle_store_contract.values import value_from_proto
+from opml_common.bus import EventConsumer, EventPublisher
+from opml_common.bus.admin import ensure_topics
 from opml_common.cli import main as opml
 from opml_common.config import PlatformSettings, ServiceSettings
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, OpmlError
@@ -28,14 +35,23 @@ from opml_common.events import RecordingEmitter
 from opml_common.grpc.server import GrpcServer
 from opml_common.metrics import ServiceMetrics
 from opml_common.storage import redis_client
+from opml_devstack.testing.bus import fresh_metrics, running, sample
+from opml_devstack.testing.services import TOKENS
 from opml_inference_router.control import DeploymentManager, DeploymentStore, Observer, PoolManager, Source
+from opml_inference_router.control.bundles import BundleFetcher
+from opml_inference_router.control.decisions import Decision, DecisionLedger
 from opml_inference_router.control.progressive import ProgressiveRollouts, RolloutStore
+from opml_inference_router.control.quality import GROUP as QUALITY_GROUP
+from opml_inference_router.control.quality import SOURCES as QUALITY_SOURCES
+from opml_inference_router.control.quality import QualityBook, QualityConsumer
 from opml_inference_router.placement import FleetConfig
 from opml_inference_router.routing import Router
 from opml_inference_router.routing.grpc_replica import GrpcReplica
 from opml_inference_router.servicer import DeploymentServicer
 from opml_inference_router.testing import mlp_classifier, mlp_config, write_model_dir
 from opml_inference_router.testing.models import POISON, poisoned_mlp
+from opml_monitoring_scorer_contract.names import EVENT_SOURCE as SCORER_SOURCE
+from opml_monitoring_scorer_contract.topics import QUALITY
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -104,17 +120,18 @@ class Plane:
 
 
 @contextlib.asynccontextmanager
-async def control_plane(pools: PoolManager, *, redis=None, prefix: str = "",
-                        undeploy: bool = True) -> AsyncIterator[Plane]:
+async def control_plane(pools: PoolManager, *, redis=None, prefix: str = "", undeploy: bool = True,
+                        quality: QualityBook | None = None, ledger: DecisionLedger | None = None,
+                        fetcher: BundleFetcher | None = None) -> AsyncIterator[Plane]:
     metrics = ServiceMetrics("inference-router", registry=CollectorRegistry())
     router = Router(connect=lambda address: GrpcReplica(address, token="worker-secret"), metrics=metrics,
                     rng=random.Random(5))
     recorder = WaitingRecorder()
     store = DeploymentStore(redis, prefix=prefix) if redis is not None else None
     manager = DeploymentManager(pools=pools, router=router, observer=Observer(metrics.registry), events=recorder,
-                                replan_interval_s=0, store=store)
+                                replan_interval_s=0, store=store, fetcher=fetcher)
     rollouts = ProgressiveRollouts(manager, store=RolloutStore(redis, prefix=prefix) if redis is not None else None,
-                                   events=recorder)
+                                   events=recorder, quality=quality, ledger=ledger)
     await manager.start()
     await rollouts.start()
     try:
@@ -354,3 +371,188 @@ async def test_the_rollout_rpcs_and_cli_show_resume_and_abort_it(pools, tmp_path
             assert refused.exit_code != 0 and "has ended" in refused.output
             missing = await asyncio.to_thread(CliRunner().invoke, opml, [*cli, "nothing"])
             assert missing.exit_code != 0 and "has had no rollout" in missing.output
+
+
+def shadow_analysis(*, max_share: float = 0.0, count: int = 2) -> dict:
+    return {"analysis": {"interval_s": 0.5, "count": count, "inconclusive_limit": 20, "checks": {
+        "disagreement": {"max_share": max_share, "min_requests": 20},
+        "error_rate": {"max_increase": 0.05, "min_requests": 20}}}}
+
+
+async def test_a_shadow_step_mirrors_requests_and_a_version_that_agrees_goes_on_to_take_traffic(pools,
+                                                                                                tmp_path: Path) -> None:
+    # seeds 1 and 3 score the traffic's request differently but pick the same class: they agree
+    spec = {"steps": [{"shadow": {"percent": 100}}, shadow_analysis(), {"weight": 50}]}
+    async with control_plane(pools) as plane:
+        manager, recorder = plane.manager, plane.recorder
+        await manager.deploy(bundle(tmp_path, "twin", 1))
+        async with traffic(manager.router, "twin") as seen:
+            await manager.deploy(bundle(tmp_path, "twin", 3, rollout=spec))
+            mark = 0
+            while not [s for s in recorder.of(events.RolloutStepStarted) if s.step == 2]:
+                found = await recorder.first(events.RolloutStepStarted, *ENDS, after=mark)
+                if isinstance(found, ENDS):
+                    break
+                mark = recorder.messages.index(found) + 1
+            answered_while_shadowed = dict(seen.answered)  # the weight step has not changed the split yet
+            promoted = await recorder.first(*ENDS)
+        assert isinstance(promoted, events.RolloutPromoted), promoted
+        assert answered_while_shadowed.get("2", 0) == 0 and answered_while_shadowed.get("1", 0) > 0
+        assert seen.failed == []
+        started = recorder.of(events.RolloutStepStarted)
+        assert [(s.step, s.spec.kind) for s in started] == [(0, "shadow"), (1, "analysis"), (2, "weight")]
+        assert (started[0].spec.shadow_percent, started[0].spec.shadow_output) == (100.0, "scores")
+        counted = [a for a in recorder.of(events.RolloutAnalysisCompleted) if a.verdict != "INCONCLUSIVE"]
+        assert [a.verdict for a in counted] == ["PASSED", "PASSED"]
+        checks = {c.check: c for c in counted[-1].checks}
+        assert checks["disagreement"].new_value == 0.0 and checks["disagreement"].new_requests >= 20
+        assert checks["error_rate"].new_requests >= 20  # the mirrored requests were the new version's
+        assert manager.traffic_percent("twin") == {"2": 100.0}
+
+
+async def test_a_shadowed_version_whose_classes_differ_is_rolled_back_and_no_caller_sees_it(pools,
+                                                                                           tmp_path: Path) -> None:
+    # seeds 1 and 2 pick different classes for the traffic's request
+    spec = {"steps": [{"shadow": {"percent": 50}}, shadow_analysis(max_share=0.05, count=3), {"weight": 50}]}
+    async with control_plane(pools) as plane:
+        manager, recorder = plane.manager, plane.recorder
+        await manager.deploy(bundle(tmp_path, "rival", 1))
+        async with traffic(manager.router, "rival") as seen:
+            await manager.deploy(bundle(tmp_path, "rival", 2, rollout=spec))
+            aborted = await recorder.first(*ENDS)
+        assert isinstance(aborted, events.RolloutAborted), aborted
+        disagreement = {c.check: c for c in aborted.checks}["disagreement"]
+        assert disagreement.verdict == "FAILED" and disagreement.new_value == 1.0 and disagreement.bound == 0.05
+        assert disagreement.new_requests >= 20 and "max_share=0.05" in aborted.reason
+        assert set(seen.answered) == {"1"} and seen.failed == []  # callers got the stable answers only
+        assert manager.traffic_percent("rival") == {"1": 100.0} and sorted(manager.record("rival").versions) == [1]
+        assert manager.router.take_shadow_measures("rival") is None  # the mirror ended with the rollout
+        assert plane.rollouts.get("rival").phase == "ABORTED"
+
+
+async def test_a_shadow_step_on_outputs_that_cannot_be_compared_fails_the_deploy(pools, tmp_path: Path) -> None:
+    async with control_plane(pools) as plane:
+        manager = plane.manager
+        await manager.deploy(bundle(tmp_path, "blind", 1))
+        spec = {"steps": [{"shadow": {"percent": 10, "output": "probabilities"}}, {"weight": 120}]}
+        with pytest.raises(InvalidArgument) as caught:
+            await manager.deploy(bundle(tmp_path, "blind", 2, rollout=spec))
+        assert [f for f, _ in caught.value.violations] == ["steps[0].shadow.output", "steps[1].weight"]
+        assert "is not an output of model blind (outputs: scores)" in caught.value.message
+        assert sorted(manager.record("blind").versions) == [1]
+
+
+async def test_the_scorers_windows_decide_the_quality_checks_and_only_the_scorers_count(pools, platform_settings,
+                                                                                     tmp_path: Path) -> None:
+    """The monitoring-scorer's WindowScored events on the real broker, consumed as the router consumes
+    them: the new version's true accuracy is 0.20 below the stable one's, so the rollout aborts with the
+    scorer's numbers. An event from another source that would have passed it is dead-lettered, unread."""
+    spec = {"steps": [{"weight": 50}, {"analysis": {"interval_s": 0.3, "count": 1, "inconclusive_limit": 1000,
+                                                    "checks": {"accuracy": {"max_drop": 0.05, "min_labels": 50},
+                                                               "estimated_accuracy": {"max_drop": 0.05,
+                                                                                      "min_predictions": 100}}}}]}
+    redis = redis_client(platform_settings)
+    book = QualityBook(redis, prefix=platform_settings.redis_prefix)
+    metrics, registry = fresh_metrics("inference-router")
+    await ensure_topics(platform_settings, [QUALITY])
+    consumer = EventConsumer(platform_settings, group_id=QUALITY_GROUP, topics=[QUALITY], sources=QUALITY_SOURCES,
+                             handler=QualityConsumer(book), metrics=metrics, backoff_s=0.01)
+    scorer = EventPublisher(platform_settings, source=SCORER_SOURCE, metrics=None)
+    forger = EventPublisher(platform_settings, source="opml/somebody-else", metrics=None)
+
+    def window(version: int, *, truth: float, labelled: int, estimate: float = 0.9):
+        event = quality_events_pb2.WindowScored(model="judged", version=str(version), window=0, rows=400,
+                                                task="multiclass", estimate=estimate, estimator="cbpe",
+                                                labelled=labelled, true_value=truth)
+        event.last_time.FromNanoseconds(time.time_ns())
+        return event
+
+    try:
+        async with scorer, forger, running(consumer), control_plane(pools, quality=book) as plane:
+            manager, recorder = plane.manager, plane.recorder
+            await manager.deploy(bundle(tmp_path, "judged", 1))
+            await manager.deploy(bundle(tmp_path, "judged", 2, rollout=spec))
+            while not [s for s in recorder.of(events.RolloutStepStarted) if s.step == 1]:
+                await recorder.first(events.RolloutStepStarted, after=len(recorder.messages))
+            measured = await recorder.first(events.RolloutAnalysisCompleted)
+            assert measured.verdict == "INCONCLUSIVE" and "too little evidence from the monitoring-scorer" in \
+                measured.checks[0].reason  # nothing from the scorer yet
+            subject = "models/judged/versions/{}"
+            await forger.publish_proto(QUALITY, window(2, truth=0.99, labelled=1000), subject=subject.format(2))
+            await scorer.publish_proto(QUALITY, window(1, truth=0.90, labelled=100), subject=subject.format(1))
+            await scorer.publish_proto(QUALITY, window(2, truth=0.70, labelled=100, estimate=0.88),
+                                       subject=subject.format(2))
+            aborted = await recorder.first(*ENDS)
+        assert isinstance(aborted, events.RolloutAborted), aborted
+        checks = {c.check: c for c in aborted.checks}
+        accuracy, estimated = checks["accuracy"], checks["estimated_accuracy"]
+        assert (accuracy.verdict, accuracy.new_value, accuracy.stable_value, accuracy.bound) == (
+            "FAILED", 0.70, 0.90, 0.05)
+        assert (accuracy.new_requests, accuracy.stable_requests) == (100, 100)  # labels: not the forged 1000
+        assert estimated.verdict == "PASSED" and (estimated.new_value, estimated.stable_value) == (0.88, 0.9)
+        assert "true accuracy 0.7000 against 0.9000" in aborted.reason
+        assert sample(registry, "opml_inference_router_events_untrusted_total", topic=QUALITY.name) == 1
+    finally:
+        await redis.aclose()
+
+
+async def test_each_decision_is_in_the_bundles_lineage_once_even_after_a_restart(
+        pools, platform_settings, start_service, tmp_path: Path) -> None:
+    """Deployed from the real bundle-store: the analysis's decision and the promotion are bundles whose
+    lineage input is the new version's bundle, with their evidence as values; a router that restarts with
+    those decisions still pending writes none of them twice."""
+    store_service = start_service("bundle-store")
+    spec = {"steps": [{"weight": 50}, analysis(interval_s=0.5, count=1, inconclusive_limit=20, max_ratio=20.0)]}
+    redis = redis_client(platform_settings)
+    prefix = platform_settings.redis_prefix
+    ledger = DecisionLedger(store_service.target, token=TOKENS["writer"])
+    fetcher = BundleFetcher(store_service.target, tmp_path / "home", token=TOKENS["writer"])
+
+    def files_of(source: Source) -> dict[str, Path]:
+        return {path.name: path for path in Path(source.model_dir).iterdir()}
+
+    try:
+        with BundleStoreClient(store_service.target, token=TOKENS["writer"]) as store:
+            store.create_context("rollouts")
+            old = store.add("rollouts", "ledgered", files_of(bundle(tmp_path, "ledgered", 1)), commit=True)
+            new = store.add("rollouts", "ledgered", files_of(bundle(tmp_path, "ledgered", 2, rollout=spec)),
+                            commit=True)
+        async with control_plane(pools, redis=redis, prefix=prefix, ledger=ledger, fetcher=fetcher) as plane:
+            manager, recorder = plane.manager, plane.recorder
+            await manager.deploy(Source(context="rollouts", bundle=old.uuid))
+            async with traffic(manager.router, "ledgered"):
+                await manager.deploy(Source(context="rollouts", bundle=new.uuid))
+                promoted = await recorder.first(*ENDS)
+            assert isinstance(promoted, events.RolloutPromoted), promoted
+            await plane.rollouts.written("ledgered")
+            state = plane.rollouts.get("ledgered")
+            assert state.pending == [] and state.decided >= 2
+        with BundleStoreClient(store_service.target, token=TOKENS["reader"]) as store:
+            graph = store.lineage("rollouts", new.uuid, direction=bundles_pb2.GetLineageRequest.DOWNSTREAM)
+        decisions = sorted(b.bundle_name for b in graph.bundles if b.uuid != new.uuid)
+        assert decisions[-1] == f"ledgered.v2.rollout.{state.decided:02d}.promoted"
+        assert [d.rsplit(".", 1)[1] for d in decisions[:-1]][-1] == "passed"
+        assert {(e.input_uuid, e.output_uuid) for e in graph.edges} == {
+            (new.uuid, b.uuid) for b in graph.bundles if b.uuid != new.uuid}
+        passed = next(b for b in graph.bundles if b.bundle_name.endswith(".passed"))
+        values = {k: value_from_proto(v) for k, v in passed.values.items()}
+        assert values["verdict"] == "PASSED" and values["error_rate.verdict"] == "PASSED"
+        assert values["error_rate.new_requests"] >= 20 and values["p99_latency.bound"] == 20.0
+        assert passed.lineage.parameters["stable_version"] == "1" and passed.committed
+
+        # a restart with every decision still pending (written, but the router stopped before it said so)
+        stored = RolloutStore(redis, prefix=prefix)
+        (state,) = [s for s in await stored.load() if s.model == "ledgered"]
+        state.pending = [Decision(model="ledgered", version=2, stable=1, context="rollouts", bundle_uuid=new.uuid,
+                                  kind=kind, verdict=verdict, step=1, sequence=sequence).to_dict()
+                         for sequence, kind, verdict in ((state.decided - 1, "analysis", "PASSED"),
+                                                         (state.decided, "promoted", "PROMOTED"))]
+        await stored.save(state)
+        async with control_plane(pools, redis=redis, prefix=prefix, ledger=ledger, fetcher=fetcher) as plane:
+            await plane.rollouts.written("ledgered")
+            assert plane.rollouts.get("ledgered").pending == []
+        with BundleStoreClient(store_service.target, token=TOKENS["reader"]) as store:
+            again = store.lineage("rollouts", new.uuid, direction=bundles_pb2.GetLineageRequest.DOWNSTREAM)
+        assert sorted(b.bundle_name for b in again.bundles if b.uuid != new.uuid) == decisions
+    finally:
+        await redis.aclose()

@@ -1,10 +1,17 @@
-"""A rollout's measurement: the router's per-version window and the checks that judge it."""
+"""A rollout's measurement: the router's per-version window, the shadow comparisons, the scorer's windows,
+and the checks that judge them."""
 
 from __future__ import annotations
 
-import pytest
+import asyncio
 
+import pytest
+from opml.monitoring.v1 import quality_events_pb2
+
+from opml_common.errors import InvalidArgument
 from opml_inference_router.control.analysis import measure
+from opml_inference_router.control.quality import Quality, QualityBook
+from opml_inference_router.routing.shadow import ShadowMeasures
 from opml_inference_router.routing.window import Measures, OutcomeWindow
 from opml_inference_router_contract.rollout_spec import Analysis, Check
 
@@ -41,3 +48,68 @@ def test_a_measurement_passes_fails_or_is_inconclusive_with_its_evidence():
 
     verdict, results = measure(ANALYSIS, Measures(20, 20, None), stable)  # every request failed: no latency
     assert verdict == "FAILED" and results[1].verdict == "INCONCLUSIVE"
+
+
+def test_disagreement_passes_fails_or_is_inconclusive_on_the_mirrored_comparisons():
+    analysis = Analysis(interval_s=1, checks=(Check("disagreement", 0.05, min_requests=20),))
+    idle = Measures(0, 0, None)
+    verdict, (result,) = measure(analysis, idle, idle, shadow=ShadowMeasures(mirrored=30, compared=30, rows=60,
+                                                                             disagreed_rows=2))
+    assert verdict == "PASSED" and result.new_value == pytest.approx(2 / 60) and result.new_requests == 30
+    verdict, (result,) = measure(analysis, idle, idle, shadow=ShadowMeasures(mirrored=40, compared=40, rows=40,
+                                                                             disagreed_rows=8))
+    assert verdict == "FAILED" and "a share of 0.2000 > max_share=0.05" in result.reason
+    verdict, (result,) = measure(analysis, idle, idle, shadow=ShadowMeasures(mirrored=25, shed=6, compared=19,
+                                                                             rows=19))
+    assert verdict == "INCONCLUSIVE" and "19 (of 25 mirrored, 6 shed, 0 failed)" in result.reason
+    verdict, _ = measure(analysis, idle, idle)  # no mirror at all
+    assert verdict == "INCONCLUSIVE"
+
+
+def test_the_scorers_quality_checks_need_their_minimum_and_compare_in_the_tasks_direction():
+    analysis = Analysis(interval_s=1, checks=(Check("estimated_accuracy", 0.02, min_requests=100),
+                                              Check("accuracy", 0.02, min_requests=10)))
+    idle = Measures(0, 0, None)
+    stable = Quality(predictions=500, estimate=0.90, labels=40, accuracy=0.91)
+    verdict, (estimated, true) = measure(analysis, idle, idle, stable_quality=stable,
+                                         new_quality=Quality(predictions=300, estimate=0.89, labels=20, accuracy=0.80))
+    assert verdict == "FAILED" and estimated.verdict == "PASSED" and true.verdict == "FAILED"
+    assert (true.new_value, true.stable_value, true.new_requests, true.stable_requests) == (0.80, 0.91, 20, 40)
+    assert "worse by 0.1100 > max_drop=0.02" in true.reason
+    verdict, (estimated, true) = measure(analysis, idle, idle, stable_quality=stable,
+                                         new_quality=Quality(predictions=99, estimate=0.95, labels=9, accuracy=0.95))
+    assert verdict == "INCONCLUSIVE" and "min_predictions=100" in estimated.reason and "min_labels=10" in true.reason
+    # a regressor's values are MAE: higher is worse
+    mae = Analysis(interval_s=1, checks=(Check("accuracy", 0.5, min_requests=10),))
+    verdict, (result,) = measure(mae, idle, idle, stable_quality=Quality(labels=50, accuracy=2.0, higher_is_better=False),
+                                 new_quality=Quality(labels=50, accuracy=2.7, higher_is_better=False))
+    assert verdict == "FAILED" and "true MAE 2.7000 against 2.0000" in result.reason
+
+
+def test_the_quality_book_keeps_each_window_with_the_most_labels_and_pools_by_rows():
+    book = QualityBook()
+
+    def scored(window: int, rows: int, estimate: float, labelled: int = 0, truth: float | None = None,
+               last: float = 100.0, version: str = "2") -> quality_events_pb2.WindowScored:
+        event = quality_events_pb2.WindowScored(model="m", version=version, window=window, rows=rows,
+                                                task="multiclass", estimate=estimate, estimator="cbpe",
+                                                labelled=labelled)
+        event.last_time.FromNanoseconds(int(last * 1e9))
+        if truth is not None:
+            event.true_value = truth
+        return event
+
+    async def run() -> None:
+        assert await book.record(scored(0, 100, 0.9))
+        assert await book.record(scored(1, 300, 0.8))
+        assert await book.record(scored(1, 300, 0.8, labelled=30, truth=0.7))  # labels joined the window
+        assert not await book.record(scored(1, 300, 0.8, labelled=10, truth=0.6))  # an older event of it
+        assert await book.record(scored(2, 50, 0.1, last=10.0))  # before the analysis began
+        quality = await book.since("m", 2, 50.0)
+        assert (quality.predictions, quality.labels, quality.windows) == (400, 30, 2)
+        assert quality.estimate == pytest.approx((0.9 * 100 + 0.8 * 300) / 400) and quality.accuracy == 0.7
+        assert (await book.since("m", 1, 0.0)).windows == 0
+        with pytest.raises(InvalidArgument):
+            await book.record(quality_events_pb2.WindowScored(window=1, rows=3))
+
+    asyncio.run(run())

@@ -4,7 +4,8 @@ One gRPC server carries the KServe v2 inference API (tritonclient and other KSer
 it) and the DeploymentService; the native front (:mod:`.native_front`) serves the inference API
 alone on ``inference_port`` for a fraction of the CPU per call. The router starts its worker processes (the fleet file's pools that
 this machine can run), rebuilds the deployments Redis remembers, publishes predictions and
-deployment events, and deploys committed bundles tagged ``serve=true`` from the bundles topic.
+deployment events, deploys committed bundles tagged ``serve=true`` from the bundles topic, and keeps
+the monitoring-scorer's window quality (``opml.quality.v1``) for the rollouts' quality checks.
 SIGTERM: the server drains, then the consumer, the predictions and the workers stop.
 """
 
@@ -21,7 +22,11 @@ from opml_inference_router import frontend
 from opml_inference_router.control import DeploymentManager, DeploymentStore, Observer, PoolManager
 from opml_inference_router.control.autodeploy import GROUP, SOURCES, AutoDeployer
 from opml_inference_router.control.bundles import BundleFetcher
+from opml_inference_router.control.decisions import DecisionLedger
 from opml_inference_router.control.progressive import ProgressiveRollouts, RolloutStore
+from opml_inference_router.control.quality import GROUP as QUALITY_GROUP
+from opml_inference_router.control.quality import SOURCES as QUALITY_SOURCES
+from opml_inference_router.control.quality import QualityBook, QualityConsumer
 from opml_inference_router.control.worker_metrics import register_worker_metrics  # workers' metrics on ours
 from opml_inference_router.native_front import FrontLink, NativeFront
 from opml_inference_router.placement import load_fleet_config
@@ -34,6 +39,7 @@ from opml_inference_router.topics import BUNDLES
 from opml_inference_router.worker.settings import WorkerSettings
 from opml_inference_router_contract.names import SERVICE
 from opml_inference_router_contract.topics import DEPLOYMENTS, PREDICTIONS
+from opml_monitoring_scorer_contract.topics import QUALITY
 
 SPEC = ServiceSpec(name=SERVICE, module="opml_inference_router", settings=RouterSettings,
                    other_settings=(WorkerSettings,), topics=(BUNDLES, PREDICTIONS, DEPLOYMENTS))

@@ -24,6 +24,7 @@ from opml_common.perfmodel import ServingConfig, grid
 from opml_common.perfmodel.space import EXECUTION_MODES, OPT_LEVELS, PRECISIONS
 from opml_inference_router_contract.client import DeploymentClient
 from opml_inference_router_contract.model_config import version_number
+from opml_inference_router_contract.rollout_spec import BOUNDS
 
 console = output_console()
 _STATE = {pb.DEPLOYING: "DEPLOYING", pb.SERVING: "SERVING", pb.FAILED: "FAILED"}
@@ -156,6 +157,9 @@ def _show_rollout(reply: pb.Rollout) -> None:
     for index, step in enumerate(reply.steps):
         if step.kind == "weight":
             spec = f"{step.weight_percent:g}% of the traffic"
+        elif step.kind == "shadow":
+            spec = (f"a copy of {step.shadow_percent:g}% of the stable version's requests, output "
+                    f"{step.shadow_output or '(first)'} compared")
         elif step.kind == "pause":
             spec = f"{step.pause_s:g} s" if step.pause_s else "until resumed"
         else:
@@ -167,11 +171,17 @@ def _show_rollout(reply: pb.Rollout) -> None:
     if reply.checks:
         console.print(f"last measurement ({reply.measurements} taken, {reply.failed} failed, "
                       f"{reply.inconclusive} inconclusive in this analysis):")
-        checks = Table("check", "verdict", "new", "stable", "bound", "requests (new/stable)", "why")
+        checks = Table("check", "verdict", "new", "stable", "bound", "evidence (new/stable)", "why")
         for check in reply.checks:
-            checks.add_row(check.check, check.verdict, f"{check.new_value:.4g}", f"{check.stable_value:.4g}",
-                           f"{check.bound:g}", f"{check.new_requests}/{check.stable_requests}", check.reason)
+            stable = "-" if check.check == "disagreement" else f"{check.stable_value:.4g}"
+            checks.add_row(check.check, check.verdict, f"{check.new_value:.4g}", stable,
+                           f"{BOUNDS.get(check.check, '')} {check.bound:g}",
+                           f"{check.new_requests}/{check.stable_requests} {_EVIDENCE.get(check.check, 'requests')}",
+                           check.reason)
         console.print(checks)
+
+
+_EVIDENCE = {"disagreement": "compared", "estimated_accuracy": "predictions", "accuracy": "labels"}
 
 
 @model.command()

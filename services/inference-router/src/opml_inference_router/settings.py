@@ -35,8 +35,13 @@ class RouterSettings(ServiceSettings):
                                                          "OPML_BUNDLE_STORE_TARGET"),
         description="host:port of the bundle-store service (also read from OPML_BUNDLE_STORE_TARGET, which "
                     "the CLI uses).")
-    bundle_store_token: SecretStr = Field(SecretStr(""), description="Bearer token for the bundle-store "
-                                                                     "(reader role); empty: none.")
+    bundle_store_token: SecretStr = Field(SecretStr(""), description="Bearer token for the bundle-store: the "
+                                          "reader role fetches bundles; the writer role also records each rollout "
+                                          "decision in the deployed bundle's lineage (with a reader token those "
+                                          "writes are refused and logged); empty: none.")
+    rollout_quality: bool = Field(True, description="Consume the monitoring-scorer's window quality "
+                                  "(opml.quality.v1, group inference-router-quality) for the rollouts' "
+                                  "estimated_accuracy and accuracy checks; false: those checks stay inconclusive.")
     native_front: bool = Field(
         True, description="Serve KServe v2 inference also on `inference_port` from the native gRPC front "
         "(native/front.cc, built by `make install`), which costs a fraction of the router's Python gRPC server "

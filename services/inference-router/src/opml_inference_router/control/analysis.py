@@ -1,18 +1,32 @@
-"""One measurement of a rollout's analysis: the new version against the stable one over the same
-interval, check by check (:mod:`opml_inference_router_contract.rollout_spec`), from the router's own
-measures (:class:`~opml_inference_router.routing.window.Measures`).
+"""One measurement of a rollout's analysis: the new version against the stable one, check by check
+(:mod:`opml_inference_router_contract.rollout_spec`), from the router's own measures over the same
+interval (:class:`~opml_inference_router.routing.window.Measures`), a shadow step's comparisons
+(:class:`~opml_inference_router.routing.shadow.ShadowMeasures`) and the monitoring-scorer's windows
+(:class:`~opml_inference_router.control.quality.Quality`).
 
-A check is INCONCLUSIVE when either version served fewer than its ``min_requests`` (or, for p99, no
-request succeeded to read a latency from), FAILED when the new version is beyond its bound, else
-PASSED. A measurement fails when any check fails, is inconclusive when any is (and none failed).
+A check is INCONCLUSIVE below its minimum (``min_requests`` to either version, compared requests for
+disagreement, ``min_predictions`` / ``min_labels`` of either version for the scorer's checks; or, for
+p99, no request succeeded to read a latency from), FAILED when the new version is beyond its bound,
+else PASSED. A measurement fails when any check fails, is inconclusive when any is (and none failed).
+For the scorer's checks, ``new_requests``/``stable_requests`` of a result are the predictions (or
+labels) each version's value rests on; for disagreement, the compared requests (stable: the same).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from opml_inference_router.control.quality import Quality
+from opml_inference_router.routing.shadow import ShadowMeasures
 from opml_inference_router.routing.window import Measures
-from opml_inference_router_contract.rollout_spec import ERROR_RATE, Analysis, Check
+from opml_inference_router_contract.rollout_spec import (
+    ACCURACY,
+    DISAGREEMENT,
+    ERROR_RATE,
+    QUALITY_CHECKS,
+    Analysis,
+    Check,
+)
 
 PASSED, FAILED, INCONCLUSIVE = "PASSED", "FAILED", "INCONCLUSIVE"
 
@@ -34,12 +48,64 @@ class CheckResult:
         return dict(self.__dict__)
 
 
-def measure(analysis: Analysis, new: Measures, stable: Measures) -> tuple[str, list[CheckResult]]:
-    """The measurement's verdict and each check's result."""
-    results = [_check(check, new, stable) for check in analysis.checks]
+_NO_QUALITY = Quality()
+
+
+def measure(analysis: Analysis, new: Measures, stable: Measures, *, shadow: ShadowMeasures | None = None,
+            new_quality: Quality = _NO_QUALITY, stable_quality: Quality = _NO_QUALITY,
+            ) -> tuple[str, list[CheckResult]]:
+    """The measurement's verdict and each check's result (``shadow``: None without a mirror)."""
+    results = []
+    for check in analysis.checks:
+        if check.name == DISAGREEMENT:
+            results.append(_disagreement(check, shadow or ShadowMeasures()))
+        elif check.name in QUALITY_CHECKS:
+            results.append(_quality(check, new_quality, stable_quality))
+        else:
+            results.append(_check(check, new, stable))
     verdicts = {result.verdict for result in results}
     verdict = FAILED if FAILED in verdicts else INCONCLUSIVE if INCONCLUSIVE in verdicts else PASSED
     return verdict, results
+
+
+def _disagreement(check: Check, shadow: ShadowMeasures) -> CheckResult:
+    counts = {"check": check.name, "bound": check.bound, "new_requests": shadow.compared,
+              "stable_requests": shadow.compared}
+    if shadow.compared < check.min_requests:
+        return CheckResult(verdict=INCONCLUSIVE, new_value=shadow.disagreement, stable_value=0.0, **counts,
+                           reason=f"too few mirrored requests compared: {shadow.compared} (of {shadow.mirrored} "
+                                  f"mirrored, {shadow.shed} shed, {shadow.failed} failed), fewer than "
+                                  f"min_requests={check.min_requests}")
+    share = shadow.disagreement
+    verdict = FAILED if share > check.bound else PASSED
+    extra = f", mean relative difference {shadow.mean_difference:.4f}" if shadow.mean_difference else ""
+    return CheckResult(verdict=verdict, new_value=share, stable_value=0.0, **counts,
+                       reason=f"outputs differ on {shadow.disagreed_rows} of {shadow.rows} rows of {shadow.compared} "
+                              f"mirrored requests{extra}: a share of {share:.4f} "
+                              f"{'>' if verdict == FAILED else '<='} max_share={check.bound:g}")
+
+
+def _quality(check: Check, new: Quality, stable: Quality) -> CheckResult:
+    """The scorer's estimate (estimated_accuracy) or truth (accuracy) of each version: the new one may
+    be worse by ``max_drop`` (lower accuracy; for a regressor, higher MAE)."""
+    truth = check.name == ACCURACY
+    what, minimum = ("labels", "min_labels") if truth else ("scored predictions", "min_predictions")
+    new_count, stable_count = (new.labels, stable.labels) if truth else (new.predictions, stable.predictions)
+    new_value, stable_value = (new.accuracy, stable.accuracy) if truth else (new.estimate, stable.estimate)
+    counts = {"check": check.name, "bound": check.bound, "new_requests": new_count, "stable_requests": stable_count}
+    if min(new_count, stable_count) < check.min_requests or new_value is None or stable_value is None:
+        return CheckResult(verdict=INCONCLUSIVE, new_value=new_value or 0.0, stable_value=stable_value or 0.0,
+                           **counts, reason=f"too little evidence from the monitoring-scorer: {new_count} {what} of "
+                                            f"the new version and {stable_count} of the stable one, fewer than "
+                                            f"{minimum}={check.min_requests}")
+    unit = "accuracy" if new.higher_is_better else "MAE"
+    drop = (stable_value - new_value) if new.higher_is_better else (new_value - stable_value)
+    verdict = FAILED if drop > check.bound else PASSED
+    label = "true" if truth else "estimated"
+    return CheckResult(verdict=verdict, new_value=new_value, stable_value=stable_value, **counts,
+                       reason=f"{label} {unit} {new_value:.4f} against {stable_value:.4f} ({new_count} and "
+                              f"{stable_count} {what}): worse by {drop:.4f} "
+                              f"{'>' if verdict == FAILED else '<='} max_drop={check.bound:g}")
 
 
 def _check(check: Check, new: Measures, stable: Measures) -> CheckResult:

@@ -179,7 +179,7 @@ class DeploymentManager(Component):
                 directory, bundle_uuid = await self._materialize(source)
                 config = (await asyncio.to_thread(load_bundle, directory)).config
                 check_pool_kinds(config, self.fleet, self.pools.unavailable_kinds)
-                spec = await asyncio.to_thread(read_rollout_spec, directory) if self.rollouts else None
+                spec = await asyncio.to_thread(read_rollout_spec, directory, config) if self.rollouts else None
                 if spec is not None:
                     self.rollouts.check_free(config.name)  # type: ignore[union-attr]
             except OpmlError as error:

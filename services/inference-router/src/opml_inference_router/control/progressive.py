@@ -6,16 +6,23 @@ A deploy of such a bundle beside a stable version routes it no traffic and start
 (:meth:`ProgressiveRollouts.begin`); one task per rollout walks the steps:
 
 * ``weight``: the new version gets that share of the traffic (TrafficChanged, cause ``rollout``);
+* ``shadow``: the router mirrors that share of the requests the stable version answers to the new
+  version (:mod:`~opml_inference_router.routing.shadow`), until a weight step or the rollout's end;
 * ``pause``: waits its duration, or until :meth:`resume` (PAUSED);
 * ``analysis``: measurements, one per ``interval_s``, of both versions over the same interval
-  (the router's :meth:`~opml_inference_router.routing.Router.take_measures`), judged by
-  :mod:`.analysis`. More failed measurements than ``failure_limit``: ABORTED at once (all traffic back
-  to the stable version, the new one retired as Rollback does, the failing checks with their values
-  and bounds in RolloutAborted and in :meth:`get`). More inconclusive than ``inconclusive_limit``:
-  PAUSED, saying why. Once ``count`` measurements passed, the next step.
+  (the router's :meth:`~opml_inference_router.routing.Router.take_measures` and, under a shadow step,
+  its mirror's comparisons) and of the monitoring-scorer's windows since the step began
+  (:mod:`.quality`), judged by :mod:`.analysis`. More failed measurements than ``failure_limit``:
+  ABORTED at once (all traffic back to the stable version, the new one retired as Rollback does, the
+  failing checks with their values and bounds in RolloutAborted and in :meth:`get`). More
+  inconclusive than ``inconclusive_limit``: PAUSED, saying why. Once ``count`` measurements passed,
+  the next step.
 
-After the last step the new version is promoted (as Promote does; RolloutPromoted). One rollout per
-model at a time. A rollout's state is in Redis beside the deployments
+After the last step the new version is promoted (as Promote does; RolloutPromoted). Each analysis's
+decision (passed, failed, inconclusive) and the outcome (promoted, aborted) are written, with their
+evidence, to the deployed bundle's lineage in the bundle-store (:mod:`.decisions`): saved in the
+rollout's state as pending first, then written by a task of their own, so a restart writes what was
+pending and the store's idempotence adds each once. One rollout per model at a time. A rollout's state is in Redis beside the deployments
 (``<prefix>inference-router:rollouts``) and written at every change, so a restarted router resumes a
 RUNNING rollout where it was (an analysis restarts the measurement it was in; a pause keeps its end).
 Traffic changed by hand while a rollout runs (Promote, Rollback, another deploy) ends it: the rollout
@@ -39,10 +46,23 @@ from opml.inference.v1 import deployments_pb2 as pb
 from opml_common.errors import FailedPrecondition, NotFound, OpmlError
 from opml_common.events import EventEmitter
 from opml_common.lifecycle import Component, cancel_and_wait
-from opml_inference_router.control.analysis import FAILED, INCONCLUSIVE, CheckResult, measure
+from opml_inference_router.control.analysis import FAILED, INCONCLUSIVE, PASSED, CheckResult, measure
+from opml_inference_router.control.decisions import Decision, DecisionLedger
+from opml_inference_router.control.quality import Quality, QualityBook
 from opml_inference_router.control.state import SERVING
+from opml_inference_router.routing.shadow import Comparison
 from opml_inference_router.routing.window import Measures
-from opml_inference_router_contract.rollout_spec import ROLLOUT_FILE, Analysis, RolloutSpec, Step, load_rollout_spec
+from opml_inference_router_contract.model_config import ModelConfig
+from opml_inference_router_contract.rollout_spec import (
+    QUALITY_CHECKS,
+    ROLLOUT_FILE,
+    Analysis,
+    RolloutSpec,
+    Shadow,
+    Step,
+    comparison_of,
+    load_rollout_spec,
+)
 
 if TYPE_CHECKING:
     from opml_inference_router.control.deployments import DeploymentManager
@@ -52,12 +72,15 @@ log = logging.getLogger(__name__)
 RUNNING, PAUSED, ABORTED, PROMOTED = "RUNNING", "PAUSED", "ABORTED", "PROMOTED"
 ACTIVE = (RUNNING, PAUSED)
 _NOTHING = Measures(0, 0, None)
+_RETRY_S = (1.0, 30.0)
+"""First and longest wait before writing a pending decision again (the bundle-store unavailable)."""
 
 
-def read_rollout_spec(directory: Path) -> RolloutSpec | None:
-    """The bundle's ``rollout.yaml``, or None when it has none. Raises: InvalidArgument (every bad field)."""
+def read_rollout_spec(directory: Path, model: ModelConfig | None = None) -> RolloutSpec | None:
+    """The bundle's ``rollout.yaml`` (checked against the bundle's ``model`` config: a shadow step's
+    output must be comparable), or None when it has none. Raises: InvalidArgument (every bad field)."""
     path = Path(directory) / ROLLOUT_FILE
-    return load_rollout_spec(path) if path.is_file() else None
+    return load_rollout_spec(path, model=model) if path.is_file() else None
 
 
 @dataclass
@@ -77,12 +100,18 @@ class RolloutState:
     failed: int = 0
     inconclusive: int = 0
     checks: list[CheckResult] = field(default_factory=list)  # the last measurement's
+    context: str = ""                 # the new version's bundle (its lineage gets the decisions)
+    bundle_uuid: str = ""
+    decided: int = 0                  # decisions taken so far (numbers them)
+    pending: list[dict] = field(default_factory=list)  # decisions not yet in the bundle-store
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "version": self.version, "stable": self.stable, "spec": self.spec.to_dict(),
                 "phase": self.phase, "reason": self.reason, "step": self.step, "step_started": self.step_started,
                 "announced": self.announced, "measurements": self.measurements, "failed": self.failed,
-                "inconclusive": self.inconclusive, "checks": [c.to_dict() for c in self.checks]}
+                "inconclusive": self.inconclusive, "checks": [c.to_dict() for c in self.checks],
+                "context": self.context, "bundle_uuid": self.bundle_uuid, "decided": self.decided,
+                "pending": self.pending}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RolloutState:
@@ -109,19 +138,26 @@ class ProgressiveRollouts(Component):
     """The rollouts of the ``manager``'s models (it calls :meth:`begin` on a deploy with a spec).
 
     Side effects: ``start()`` resumes the RUNNING rollouts ``store`` remembers (call it after the
-    manager restored its deployments); ``stop()`` ends their tasks (their state stays, to resume).
-    Each decision emits one event through ``events``, keyed by the model.
+    manager restored its deployments) and writes their pending decisions; ``stop()`` ends their tasks
+    (their state stays, to resume). Each decision emits one event through ``events``, keyed by the
+    model, and is written to the bundle's lineage through ``ledger`` (None: not written). ``quality``:
+    the monitoring-scorer's windows (None: the estimated_accuracy and accuracy checks stay inconclusive).
     """
 
     def __init__(self, manager: DeploymentManager, *, store: RolloutStore | None = None,
-                 events: EventEmitter | None = None, clock: Callable[[], float] = time.time) -> None:
+                 events: EventEmitter | None = None, quality: QualityBook | None = None,
+                 ledger: DecisionLedger | None = None, clock: Callable[[], float] = time.time) -> None:
         super().__init__()
         self._manager = manager
         self._store = store
         self._events = events
+        self._quality = quality
+        self._ledger = ledger
         self._clock = clock
         self._states: dict[str, RolloutState] = {}
         self._tasks: dict[str, asyncio.Task] = {}
+        self._writers: dict[str, asyncio.Task] = {}
+        self._mirrors: dict[str, tuple[int, Shadow]] = {}  # model -> the mirror this component started
         manager.rollouts = self
 
     async def on_start(self) -> None:
@@ -133,10 +169,13 @@ class ProgressiveRollouts(Component):
                 log.info("models/%s: resuming the rollout of version %d at step %d", state.model, state.version,
                          state.step)
                 self._spawn(state)
+            if state.pending:
+                self._write_pending(state)
 
     async def on_stop(self) -> None:
         tasks, self._tasks = list(self._tasks.values()), {}
-        for task in tasks:
+        writers, self._writers = list(self._writers.values()), {}
+        for task in [*tasks, *writers]:
             await cancel_and_wait(task)
 
     # -- the API ----------------------------------------------------------------------------------
@@ -157,7 +196,11 @@ class ProgressiveRollouts(Component):
 
     async def begin(self, model: str, version: int, stable: int, spec: RolloutSpec) -> None:
         """Starts the rollout of ``version`` against ``stable`` (which takes all traffic now)."""
-        state = RolloutState(model, version, stable, spec, step_started=self._clock())
+        record = self._manager.models.get(model)
+        entry = record.versions.get(version) if record is not None else None
+        state = RolloutState(model, version, stable, spec, step_started=self._clock(),
+                             context=entry.source.context if entry is not None else "",
+                             bundle_uuid=entry.bundle_uuid if entry is not None else "")
         self._states[model] = state
         await self._save(state)
         self._spawn(state)
@@ -189,6 +232,12 @@ class ProgressiveRollouts(Component):
         self._spawn(state)
         return state
 
+    async def written(self, model: str) -> None:
+        """Returns once the model's pending decisions are in the bundle-store (or given up: logged)."""
+        task = self._writers.get(model)
+        if task is not None:
+            await asyncio.shield(task)
+
     def _active(self, model: str) -> RolloutState:
         state = self.get(model)
         if state.phase not in ACTIVE:
@@ -219,6 +268,7 @@ class ProgressiveRollouts(Component):
         while state.step < len(state.spec.steps):
             if await self._ended_outside(state):
                 return
+            await self._mirror(state)
             step = state.spec.steps[state.step]
             if not state.announced:
                 state.announced = True
@@ -228,6 +278,8 @@ class ProgressiveRollouts(Component):
             if step.weight is not None:
                 await self._manager.set_traffic(state.model, {str(state.stable): 100.0 - step.weight,
                                                               str(state.version): step.weight}, cause="rollout")
+            elif step.shadow is not None:
+                pass  # the mirror was started above, and stays until a weight step or the end
             elif step.pause and step.pause_s is None:
                 await self._pause(state, f"step {state.step} waits until the rollout is resumed")
                 return
@@ -239,9 +291,13 @@ class ProgressiveRollouts(Component):
             await self._save(state)
         if await self._ended_outside(state):
             return
+        await self._stop_mirror(state.model)
         await self._manager.promote(state.model, state.version)
         state.phase = PROMOTED
+        self._decide(state, "promoted", PROMOTED, f"every step passed; version {state.version} takes all traffic",
+                     [])
         await self._save(state)
+        self._write_pending(state)
         self._emit(events.RolloutPromoted(model=state.model, version=state.version), state.model)
         log.info("models/%s: rollout promoted version %d", state.model, state.version)
 
@@ -249,13 +305,17 @@ class ProgressiveRollouts(Component):
         """Measures until ``count`` measurements passed (True) or the limits stop the rollout (False)."""
         router = self._manager.router
         router.take_measures(state.model)  # the first interval starts now
+        router.take_shadow_measures(state.model)
         while state.measurements - state.failed - state.inconclusive < analysis.count:
             await asyncio.sleep(analysis.interval_s)
             if await self._ended_outside(state):
                 return False
             measures = router.take_measures(state.model)
+            new_quality, stable_quality = await self._quality_of(state, analysis)
             verdict, checks = measure(analysis, measures.get(str(state.version), _NOTHING),
-                                      measures.get(str(state.stable), _NOTHING))
+                                      measures.get(str(state.stable), _NOTHING),
+                                      shadow=router.take_shadow_measures(state.model),
+                                      new_quality=new_quality, stable_quality=stable_quality)
             state.measurements += 1
             state.failed += verdict == FAILED
             state.inconclusive += verdict == INCONCLUSIVE
@@ -266,17 +326,101 @@ class ProgressiveRollouts(Component):
                 verdict=verdict, checks=[check_message(c) for c in checks]), state.model)
             if state.failed > analysis.failure_limit:
                 failing = [c for c in checks if c.verdict == FAILED]
-                await self._abort(state, f"analysis at step {state.step} failed {state.failed} of "
-                                         f"{state.measurements} measurements (failure_limit="
-                                         f"{analysis.failure_limit}): " + "; ".join(c.reason for c in failing), checks)
+                reason = (f"analysis at step {state.step} failed {state.failed} of {state.measurements} "
+                          f"measurements (failure_limit={analysis.failure_limit}): "
+                          + "; ".join(f"{c.check}: {c.reason}" for c in failing))
+                self._decide(state, "analysis", FAILED, reason, checks)
+                await self._abort(state, reason, checks)
                 return False
             if state.inconclusive > analysis.inconclusive_limit:
                 unsure = [c for c in checks if c.verdict == INCONCLUSIVE]
-                await self._pause(state, f"analysis at step {state.step} was inconclusive {state.inconclusive} "
-                                         f"times (inconclusive_limit={analysis.inconclusive_limit}): "
-                                         + "; ".join(f"{c.check}: {c.reason}" for c in unsure))
+                reason = (f"analysis at step {state.step} was inconclusive {state.inconclusive} times "
+                          f"(inconclusive_limit={analysis.inconclusive_limit}): "
+                          + "; ".join(f"{c.check}: {c.reason}" for c in unsure))
+                self._decide(state, "analysis", INCONCLUSIVE, reason, checks)
+                await self._pause(state, reason)
                 return False
+        self._decide(state, "analysis", PASSED, f"analysis at step {state.step}: {analysis.count} measurements "
+                                                f"passed of {state.measurements}", state.checks)
+        await self._save(state)
+        self._write_pending(state)
         return True
+
+    async def _quality_of(self, state: RolloutState, analysis: Analysis) -> tuple[Quality, Quality]:
+        """The scorer's windows of each version since the analysis step began (when a check reads them)."""
+        if self._quality is None or not any(c.name in QUALITY_CHECKS for c in analysis.checks):
+            return Quality(), Quality()
+        return (await self._quality.since(state.model, state.version, state.step_started),
+                await self._quality.since(state.model, state.stable, state.step_started))
+
+    # -- the mirror (shadow steps) ---------------------------------------------------------------
+
+    async def _mirror(self, state: RolloutState) -> None:
+        """Starts, changes or stops the router's mirror to what the current step has in force."""
+        shadow = state.spec.shadow_at(state.step)
+        if shadow is None:
+            await self._stop_mirror(state.model)
+            return
+        if self._mirrors.get(state.model) == (state.version, shadow):
+            return
+        record = self._manager.models.get(state.model)
+        entry = record.versions.get(state.version) if record is not None else None
+        config = entry.config if entry is not None else None
+        output = next((o for o in config.outputs if o.name == shadow.output), config.outputs[0]) if config else None
+        kind = comparison_of(output, config.max_batch_size) if config is not None and output is not None else None
+        if kind is None:  # checked when deployed; a config that changed since cannot be mirrored
+            raise FailedPrecondition(f"version {state.version}'s output {shadow.output or '(first)'} cannot be "
+                                     f"compared, so it cannot be mirrored")
+        await self._manager.router.start_shadow(state.model, str(state.version), shadow.percent,
+                                                Comparison(output.name, kind, shadow.tolerance))  # type: ignore[union-attr]
+        self._mirrors[state.model] = (state.version, shadow)
+        log.info("models/%s: mirroring %g%% of the stable version's requests to version %d", state.model,
+                 shadow.percent, state.version)
+
+    async def _stop_mirror(self, model: str) -> None:
+        if self._mirrors.pop(model, None) is not None:
+            await self._manager.router.stop_shadow(model)
+
+    # -- decisions in the lineage ----------------------------------------------------------------
+
+    def _decide(self, state: RolloutState, kind: str, verdict: str, reason: str, checks: list[CheckResult]) -> None:
+        """Adds a decision to the state's pending ones (the caller saves the state, then writes them)."""
+        state.decided += 1
+        if self._ledger is None or not state.bundle_uuid:
+            return
+        decision = Decision(model=state.model, version=state.version, stable=state.stable, context=state.context,
+                            bundle_uuid=state.bundle_uuid, kind=kind, verdict=verdict, step=state.step,
+                            sequence=state.decided, measurement=state.measurements, reason=reason,
+                            checks=[c.to_dict() for c in checks], time=self._clock())
+        state.pending.append(decision.to_dict())
+
+    def _write_pending(self, state: RolloutState) -> None:
+        """Writes the state's pending decisions in a task of its own (the rollout never waits for the
+        bundle-store), in order, retrying while the store is unavailable."""
+        if self._ledger is None or not state.pending:
+            return
+        running = self._writers.get(state.model)
+        if running is not None and not running.done():
+            return  # its loop writes what was added, in order (it ends only once none is left)
+        self._writers[state.model] = asyncio.create_task(self._write(state), name=f"decisions-{state.model}")
+
+    async def _write(self, state: RolloutState) -> None:
+        wait = _RETRY_S[0]
+        while state.pending:
+            decision = Decision(**state.pending[0])
+            try:
+                await self._ledger.write(decision)  # type: ignore[union-attr]
+            except OpmlError as error:
+                if error.retriable:
+                    log.warning("models/%s: writing rollout decision %s to the bundle-store failed, retrying in "
+                                "%.0f s: %s", state.model, decision.bundle_name, wait, error.message)
+                    await asyncio.sleep(wait)
+                    wait = min(wait * 2, _RETRY_S[1])
+                    continue
+                log.error("models/%s: rollout decision %s cannot be written to the lineage of bundle %s: %s",
+                          state.model, decision.bundle_name, decision.bundle_uuid, error.message)
+            state.pending.pop(0)
+            await self._save(state)
 
     def _advance(self, state: RolloutState) -> None:
         state.step += 1
@@ -298,8 +442,11 @@ class ProgressiveRollouts(Component):
                 reason = f"version {state.version} was made the stable one outside the rollout"
             else:
                 return False
+        await self._stop_mirror(state.model)
         state.phase, state.reason = ABORTED, reason
+        self._decide(state, "aborted", ABORTED, reason, [])
         await self._save(state)
+        self._write_pending(state)
         self._emit(events.RolloutAborted(model=state.model, version=state.version, stable_version=state.stable,
                                          step=state.step, reason=reason), state.model)
         log.warning("models/%s: rollout of version %d ended: %s", state.model, state.version, reason)
@@ -307,12 +454,15 @@ class ProgressiveRollouts(Component):
 
     async def _abort(self, state: RolloutState, reason: str, checks: list[CheckResult]) -> None:
         """All traffic back to the stable version at once, the new one retired; then the record."""
+        await self._stop_mirror(state.model)
         try:
             await self._manager.rollback(state.model)
         except OpmlError as error:  # the versions changed meanwhile: say so beside the reason
             reason += f" (rolling back: {error.message})"
         state.phase, state.reason = ABORTED, reason
+        self._decide(state, "aborted", ABORTED, reason, checks)
         await self._save(state)
+        self._write_pending(state)
         self._emit(events.RolloutAborted(model=state.model, version=state.version, stable_version=state.stable,
                                          step=state.step, reason=reason,
                                          checks=[check_message(c) for c in checks]), state.model)
@@ -321,6 +471,7 @@ class ProgressiveRollouts(Component):
     async def _pause(self, state: RolloutState, reason: str) -> None:
         state.phase, state.reason = PAUSED, reason
         await self._save(state)
+        self._write_pending(state)
         self._emit(events.RolloutPaused(model=state.model, version=state.version, step=state.step, reason=reason),
                    state.model)
         log.info("models/%s: rollout of version %d paused: %s", state.model, state.version, reason)
@@ -341,6 +492,8 @@ def step_message(step: Step) -> pb.RolloutStep:
     message = pb.RolloutStep(kind=step.kind)
     if step.weight is not None:
         message.weight_percent = step.weight
+    elif step.shadow is not None:
+        message.shadow_percent, message.shadow_output = step.shadow.percent, step.shadow.output
     elif step.pause:
         message.pause_s = step.pause_s or 0.0
     elif step.analysis is not None:

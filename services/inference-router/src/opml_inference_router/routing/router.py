@@ -37,6 +37,13 @@ from opml_inference_router.routing.limits import DEFAULT_GRPC_MAX_RECEIVE_BYTES,
 from opml_inference_router.routing.metrics import RouterMetrics, VersionMetrics
 from opml_inference_router.routing.policy import ModelPolicy
 from opml_inference_router.routing.replicas import Clock, Replica, ReplicaSet, ReplicaState
+from opml_inference_router.routing.shadow import (
+    DEFAULT_MAX_IN_FLIGHT,
+    Comparison,
+    ShadowMeasures,
+    ShadowMetrics,
+    ShadowMirror,
+)
 from opml_inference_router.routing.window import Measures
 
 log = logging.getLogger(__name__)
@@ -106,6 +113,8 @@ class Router:
         self._rng = rng or random.Random()
         self._models: dict[str, _Model] = {}
         self._connections: dict[str, tuple[Replica, int]] = {}  # address -> (replica, users)
+        self._shadows: dict[str, ShadowMirror] = {}  # model -> its mirror to a rollout's new version
+        self._shadow_metrics = ShadowMetrics(metrics)
 
     # ------------------------------------------------------------------------------------------
     # Control plane
@@ -139,6 +148,7 @@ class Router:
         """
         model = self._model(name)
         del self._models[name]
+        await self.stop_shadow(name)
         for served in model.versions.values():
             served.replicas.retire()
             for state in list(served.replicas):
@@ -306,8 +316,42 @@ class Router:
     def models(self) -> list[str]:
         return sorted(self._models)
 
+    # -- shadow traffic (:mod:`.shadow`) ---------------------------------------------------------
+
+    async def start_shadow(self, model: str, version: str, percent: float, comparison: Comparison, *,
+                           max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> None:
+        """Mirror ``percent`` of the requests the stable version answers to ``version``, at most
+        ``max_in_flight`` copies at a time (replacing the model's mirror, if any).
+        Raises: NotFound, InvalidArgument (percent outside (0, 100])."""
+        route = self._model(model)
+        served = self._version(route, version)
+        if not 0 < percent <= 100:
+            raise InvalidArgument("percent", f"must be in (0, 100], but got {percent!r}")
+        await self.stop_shadow(model)
+
+        async def call(request: bytes, deadline: float) -> bytes:
+            return (await self._dispatch(route, served, request, deadline)).response
+
+        self._shadows[model] = ShadowMirror(model=model, version=version, percent=percent, comparison=comparison,
+                                            call=call, outcomes=served.metrics.window, metrics=self._shadow_metrics,
+                                            timeout_s=route.policy.default_timeout_s, clock=self._clock,
+                                            rng=self._rng, max_in_flight=max_in_flight)
+
+    async def stop_shadow(self, model: str) -> None:
+        """Stops mirroring the model's requests (copies in flight are cancelled); idempotent."""
+        mirror = self._shadows.pop(model, None)
+        if mirror is not None:
+            await mirror.close()
+
+    def take_shadow_measures(self, model: str) -> ShadowMeasures | None:
+        """What the model's mirror did since the last take (None: it has none)."""
+        mirror = self._shadows.get(model)
+        return mirror.window.take() if mirror is not None else None
+
     async def close(self) -> None:
         """Close every replica connection (idempotent)."""
+        for model in list(self._shadows):
+            await self.stop_shadow(model)
         connections, self._connections = self._connections, {}
         self._models.clear()
         for replica, _users in connections.values():
@@ -391,7 +435,16 @@ class Router:
         finally:
             limiter.release(service_s)
         served.metrics.answered(self._clock() - start)
+        if self._shadows:
+            self._mirror(model, request, routed)
         return routed
+
+    def _mirror(self, model: str, request: bytes, routed: Routed) -> None:
+        """A copy of an answered request to the model's shadow version, if it has one (:mod:`.shadow`:
+        started here, never awaited)."""
+        mirror = self._shadows.get(model)
+        if mirror is not None:
+            mirror.mirror(request, routed.version, routed.response)
 
     async def forward(self, method: str, model: str, version: str, request: bytes, *, timeout_s: float) -> bytes:
         """Pass a per-model call (``ModelMetadata``, ``ModelReady``: name = field 1, version = field 2)
