@@ -71,8 +71,16 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
         pools=pools, router=router, observer=Observer(metrics.registry), fetcher=fetcher,
         store=DeploymentStore(service.redis(), prefix=platform.redis_prefix), events=await service.emitter(),
         replan_interval_s=settings.replan_interval_s))
+    quality = QualityBook(service.redis(), prefix=platform.redis_prefix)
     rollouts = await service.start(ProgressiveRollouts(  # after the deployments are restored: resumes rollouts
-        manager, store=RolloutStore(service.redis(), prefix=platform.redis_prefix), events=await service.emitter()))
+        manager, store=RolloutStore(service.redis(), prefix=platform.redis_prefix), events=await service.emitter(),
+        quality=quality, ledger=DecisionLedger(settings.bundle_store_target, token=bundle_token)))
+    if settings.rollout_quality:
+        scores = EventConsumer(platform, group_id=QUALITY_GROUP, topics=[QUALITY], sources=QUALITY_SOURCES,
+                               handler=QualityConsumer(quality), metrics=metrics, publisher=await service.publisher(),
+                               dedup=RedisDeduplicator(service.redis(), prefix=platform.redis_prefix,
+                                                       group=QUALITY_GROUP))
+        service.run_in_background(scores.run, stop=scores.stop, name="rollout-quality")
     if settings.autodeploy:
         consumer = EventConsumer(platform, group_id=GROUP, topics=[BUNDLES], sources=SOURCES,
                                  handler=AutoDeployer(manager, bundles=fetcher),
