@@ -53,11 +53,14 @@ user tracer "$KAFKA_TRACER_PASSWORD"  # the tracers inside jobs (the job-orchest
 
 owns bundle-store opml.bundles.v1
 owns job-orchestrator opml.jobs.v1
+owns job-orchestrator opml.pipelines.v1
 owns inference-router opml.predictions.v1
 owns inference-router opml.deployments.v1
 owns fl-coordinator opml.federations.v1
 owns automl-controller opml.experiments.v1
 reads inference-router opml.bundles.v1 inference-router-autodeploy
+reads job-orchestrator opml.bundles.v1 job-orchestrator-pipeline-spans  # committed spans start pipeline runs
+reads job-orchestrator opml.alerts.v1 job-orchestrator-pipeline-alerts  # alerts of the models pipelines push
 acl tracer --operation Write --operation Describe --topic opml.traces.v1
 reads trace-collector opml.traces.v1 trace-collector. prefixed  # groups trace-collector.<generation>
 reads automl-controller opml.traces.v1 automl-controller-traces  # the Trace metrics collector
