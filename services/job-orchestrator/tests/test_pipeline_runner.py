@@ -392,3 +392,91 @@ async def test_a_run_interrupted_during_a_job_resumes_and_reattaches_to_it(harne
     assert run.state == pb.RUN_STATE_SUCCEEDED
     assert harness.jobs.started == ["pl-churn-1-check", "pl-churn-1-fit", "pl-churn-1-judge"]
     assert len(harness.bundles.of(**{"pipeline-output": "serving"})) == 1
+
+
+class FakeAlerts:
+    def __init__(self) -> None:
+        self.firing: set[tuple[str, str, str]] = set()
+
+    async def alerts(self, model: str, version: str) -> list:
+        from opml.monitoring.v1 import monitoring_pb2
+
+        return [monitoring_pb2.Alert(name=f"models/{m}/versions/{v}", rule=r, firing=True)
+                for m, v, r in self.firing if (m, v) == (model, version)]
+
+
+async def with_triggers(harness: Harness) -> None:
+    spec = load_pipeline({**SPEC, "triggers": {"on_span": True, "on_alert": True}})
+    await harness.engine.apply(spec, principal="writer")
+
+
+async def test_a_span_event_is_a_hint_the_store_confirms_before_a_run(harness: Harness) -> None:
+    from opml.bundles.v1 import events_pb2 as bundle_events
+
+    from opml_common.bus import CloudEvent
+    from opml_job_orchestrator.pipelines.triggers import SpanTrigger
+
+    await with_triggers(harness)
+    trigger = SpanTrigger(harness.engine, harness.bundles, harness.metrics)
+    harness.bundles.put("data", "churn-span", {"a.csv": b"x,y\n1,0\n"}, tags={"span": "1"}, commit=False)
+    uncommitted = next(iter(harness.bundles.bundles.values()))
+    forged = bundles_pb2.Bundle(context="data", bundle_name="churn-span", uuid=uncommitted.uuid,
+                                tags={"span": "1"}, committed=True)  # the event claims committed: the store says not
+    await trigger.handle(CloudEvent.from_proto(bundle_events.BundleCommitted(bundle=forged), source="opml/bundle-store"))
+    unknown = bundles_pb2.Bundle(context="data", bundle_name="churn-span", uuid="f" * 32, tags={"span": "2"})
+    await trigger.handle(CloudEvent.from_proto(bundle_events.BundleCommitted(bundle=unknown), source="opml/bundle-store"))
+    other = harness.bundles.put("data", "other-name", {"a.csv": b"x,y\n"}, tags={"span": "3"})
+    await trigger.handle(CloudEvent.from_proto(bundle_events.BundleCommitted(bundle=other), source="opml/bundle-store"))
+    assert harness.engine.get("churn").last_run == 0, "no run from what the store does not confirm"
+
+    harness.span(1, b"1,0\n")
+    [real] = [b for b in harness.bundles.bundles.values() if b.committed and b.bundle_name == "churn-span"]
+    await trigger.handle(CloudEvent.from_proto(bundle_events.BundleCommitted(bundle=real), source="opml/bundle-store"))
+    run = await harness.ended(1)
+    assert run.triggers == [f"span: data/churn-span span 1 ({real.uuid})"]
+
+
+async def test_an_alert_starts_a_run_only_while_the_scorer_says_it_fires(harness: Harness) -> None:
+    from opml.monitoring.v1 import alert_events_pb2
+
+    from opml_common.bus import CloudEvent
+    from opml_job_orchestrator.pipelines.triggers import AlertTrigger
+
+    await with_triggers(harness)
+    harness.span(1, b"1,0\n")
+    alerts = FakeAlerts()
+    trigger = AlertTrigger(harness.engine, alerts, harness.metrics)
+    raised = alert_events_pb2.AlertRaised(model="churn", version="3", rule="quality")
+    await trigger.handle(CloudEvent.from_proto(raised, source="opml/monitoring-scorer"))
+    assert harness.engine.get("churn").last_run == 0, "resolved meanwhile: no run"
+    other = alert_events_pb2.AlertRaised(model="fraud", version="1", rule="quality")
+    alerts.firing = {("fraud", "1", "quality"), ("churn", "3", "quality")}
+    await trigger.handle(CloudEvent.from_proto(other, source="opml/monitoring-scorer"))
+    assert harness.engine.get("churn").last_run == 0, "another model's alert"
+    await trigger.handle(CloudEvent.from_proto(raised, source="opml/monitoring-scorer"))
+    run = await harness.ended(1)
+    assert run.triggers == ["alert: churn version 3 rule quality"] and run.state == pb.RUN_STATE_SUCCEEDED
+
+
+async def test_a_schedule_fires_at_its_next_minute(harness: Harness) -> None:
+    import datetime as dt
+
+    from opml_job_orchestrator.pipelines.triggers import ScheduleTrigger
+
+    await harness.engine.apply(load_pipeline({**SPEC, "triggers": {"schedule": "30 4 * * *"}}), principal="writer")
+    harness.span(1, b"1,0\n")
+    slept: list[float] = []
+    fired = asyncio.Event()
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        if len(slept) > 1:  # the second wait: the first minute fired already
+            fired.set()
+            await asyncio.Event().wait()
+
+    now = dt.datetime(2026, 12, 6, 4, 0, 15, tzinfo=dt.UTC)
+    async with ScheduleTrigger(harness.engine, now=lambda: now, sleep=sleep):
+        await fired.wait()
+    assert slept[0] == 29 * 60 + 45
+    run = await harness.ended(1)
+    assert run.triggers == ["schedule: 2026-12-06T04:30Z"]

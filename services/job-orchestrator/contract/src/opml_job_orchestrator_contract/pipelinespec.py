@@ -113,7 +113,7 @@ def _step(found: _Violations, body: Any, field: str) -> pb.PipelineStep:
     step.kind = KINDS[kind]
     for other in KINDS:
         if other != kind and other in body:
-            found.add(f"{field}.{other}", f"is the settings of a {other} step, but this step is a {kind} step")
+            found.add(f"{field}.{other}", f"is the settings of {_a(other)} step, but this step is {_a(kind)} step")
     config = found.mapping(body.get(kind, {}), f"{field}.{kind}",
                            {"ingest": _INGEST_KEYS, "validate": _VALIDATE_KEYS, "train": _TRAIN_KEYS,
                             "evaluate": None, "bless": set(), "push": _PUSH_KEYS}[kind])
@@ -266,14 +266,14 @@ def _step_violations(spec: pb.PipelineSpec, index: int, step: pb.PipelineStep,
             input_kind = spec.steps[index_of[name]].kind
             if input_kind not in INPUT_RULES[step.kind]:
                 allowed = [KIND_NAMES[k] for k in INPUT_RULES[step.kind]] or "nothing"
-                violations.append((f"{field}.inputs[{position}]", f"a {kind} step reads {allowed}, but "
-                                   f"{name!r} is a {KIND_NAMES.get(input_kind, 'unknown')} step"))
+                violations.append((f"{field}.inputs[{position}]", f"{_a(kind)} step reads {allowed}, but "
+                                   f"{name!r} is {_a(KIND_NAMES.get(input_kind, 'unknown'))} step"))
             read[input_kind] = read.get(input_kind, 0) + 1
     for input_kind, (least, most) in INPUT_RULES[step.kind].items():
         count = read.get(input_kind, 0)
         if not least <= count <= most:
             wanted = f"exactly {least}" if least == most else f"{least} to {most}"
-            violations.append((f"{field}.inputs", f"a {kind} step reads {wanted} {KIND_NAMES[input_kind]} "
+            violations.append((f"{field}.inputs", f"{_a(kind)} step reads {wanted} {KIND_NAMES[input_kind]} "
                                                   f"step(s), but names {count}"))
     where = f"{field}.{kind}"
     if step.kind == pb.STEP_KIND_INGEST:
@@ -312,6 +312,10 @@ def _step_violations(spec: pb.PipelineSpec, index: int, step: pb.PipelineStep,
         if step.push.bundle_name and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", step.push.bundle_name):
             violations.append((f"{where}.bundle_name", f"must be a bundle name, but got {step.push.bundle_name!r}"))
     return violations
+
+
+def _a(kind: str) -> str:
+    return f"an {kind}" if kind[:1] in "aeiou" else f"a {kind}"
 
 
 def find_cycle(spec: pb.PipelineSpec) -> list[str]:
