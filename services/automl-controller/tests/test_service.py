@@ -80,6 +80,7 @@ GRANT_ABUSER = textwrap.dedent("""
                            ("best", lambda: store.add("automl", "abused-best", {"m": b"x"})),
                            ("context", lambda: store.add("elsewhere", name, {"m": b"x"})),
                            ("list", lambda: store.list_bundles("automl")),
+                           ("commit", lambda: store.add("automl", name, {"m": b"x"}, commit=True)),
                            ("grant", lambda: store.create_upload_grant("automl", other, ttl_s=60, max_bytes=1))):
             try:
                 call()
@@ -315,7 +316,7 @@ def test_each_trial_uploads_its_model_with_its_own_grant_and_the_best_is_committ
     best = done.status.current_optimal_trial
     with BundleStoreClient(store.target, token=TOKENS["reader"]) as bundles:
         uploads = {t.job_id: bundles.get_bundle("automl", t.job_id) for t in trials}  # one per trial, its own name
-        assert all(b.committed and b.lineage.creator.startswith("upload-grant:") for b in uploads.values())
+        assert all(not b.committed and b.lineage.creator.startswith("upload-grant:") for b in uploads.values())
         bundle = bundles.get_bundle("automl", done.best_model_bundle.rsplit("/", 1)[1])
         assert bundle.committed and bundle.bundle_name == "modelled-best"
         assert dict(bundle.tags) | {"experiment-uid": "-"} == {
@@ -364,10 +365,10 @@ def test_a_trials_grant_allows_its_own_bundle_only_and_a_best_trial_that_uploade
             assert [line for line in log.splitlines() if "allowed" in line or "refused" in line] == [
                 "refused other: PERMISSION_DENIED", "refused best: PERMISSION_DENIED",
                 "refused context: PERMISSION_DENIED", "refused list: PERMISSION_DENIED",
-                "refused grant: PERMISSION_DENIED"]
+                "refused commit: PERMISSION_DENIED", "refused grant: PERMISSION_DENIED"]
     assert done.status.state == pb.EXPERIMENT_STATE_SUCCEEDED and done.best_model_bundle == ""
     assert done.status.message.endswith(
-        f"; the best trial's model was refused: the trial uploaded no committed bundle {trials[0].job_id!r} to "
+        f"; the best trial's model was refused: the trial uploaded no bundle {trials[0].job_id!r} to "
         f"context 'automl' (does it call opml_automl_controller.sdk.save_model?)")
     with BundleStoreClient(store.target, token=TOKENS["reader"]) as bundles:
         assert bundles.list_bundles("automl") == []

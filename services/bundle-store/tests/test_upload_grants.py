@@ -88,14 +88,17 @@ def test_a_grant_adds_gets_and_lists_its_bundle_and_nothing_else(bundle_store: S
     token = _grant(writer)
     with BundleStoreClient(bundle_store.target, token=token) as holder:
         added = holder.add("automl", "exp-trial-1", {"model.bin": b"w" * 100, "model.yaml": b"name: m\n"},
-                           values={"loss": 0.5}, commit=True)
+                           values={"loss": 0.5}, tags={"serve": "true"})
         assert added.lineage.creator.startswith("upload-grant:") and token not in added.lineage.creator
+        assert not added.committed  # nothing the platform acts on
         assert holder.get_bundle("automl", "exp-trial-1").uuid == added.uuid
         assert holder.get_bundle("automl", added.uuid).uuid == added.uuid
         assert [b.uuid for b in holder.list_bundles("automl", bundle_name="exp-trial-1")] == [added.uuid]
 
         denied = {
             "another name": lambda: holder.add("automl", "exp-best", {"m": b"x"}),
+            "committing in the add": lambda: holder.add("automl", "exp-trial-1", {"m": b"x"}, commit=True),
+            "committing after": lambda: holder.commit("automl", added.uuid),
             "another context": lambda: holder.add("other", "exp-trial-1", {"m": b"x"}),
             "over max_bytes": lambda: holder.add("automl", "exp-trial-1", {"m": b"x" * 1001}),
             "another bundle by name": lambda: holder.get_bundle("automl", "exp-best"),
@@ -118,6 +121,7 @@ def test_a_grant_adds_gets_and_lists_its_bundle_and_nothing_else(bundle_store: S
         assert "allows only AddBundle, GetBundle, ListBundles" in messages["reading a file"]
         assert "allows bundle 'exp-trial-1' in context 'automl' only" in messages["another name"]
         assert "more than the 1000" in messages["over max_bytes"]
+        assert "adds uncommitted versions only" in messages["committing in the add"]
     assert [b.bundle_name for b in admin.list_bundles("automl")].count("exp-best") == 1
     assert token not in bundle_store.log_path.read_text()
 
@@ -153,7 +157,7 @@ def test_replicas_sharing_the_key_accept_each_others_grants_and_dev_mode_still_r
     with BundleStoreClient(dev.target) as anyone:
         anyone.create_context("automl")
     with BundleStoreClient(dev.target, token=token) as holder:
-        assert holder.add("automl", "exp-trial-1", {"m": b"x"}, commit=True).bundle_name == "exp-trial-1"
+        assert holder.add("automl", "exp-trial-1", {"m": b"x"}).bundle_name == "exp-trial-1"
         with pytest.raises(PermissionDenied, match="DeleteBundle is not allowed with upload grant"):
             holder.delete("automl", "exp-trial-1")
         with pytest.raises(PermissionDenied, match="allows bundle 'exp-trial-1'"):

@@ -36,7 +36,7 @@ class PrometheusControllerMetrics(ControllerMetrics):
         self._spec_invalid = metrics.counter("spec_invalid_total", "Stored experiments a list skipped: their "
                                              "katib_yaml breaks an admission rule made after they were created.")
         self._models_refused = metrics.counter("models_refused_total", "Best trials' models refused, not "
-                                               "committed: no committed upload in the bundle-store, or one that is "
+                                               "committed: no upload in the bundle-store, or one that is "
                                                "incomplete or over spec.model.maxBytes.")
         for state in TrialState:
             self._trials.labels(state.value)

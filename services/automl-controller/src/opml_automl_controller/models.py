@@ -9,7 +9,8 @@ the store's address), never its own token; the trial uploads its model through t
 
 When the experiment ends, :meth:`ModelStore.commit_best` re-reads the best trial's bundle from the
 bundle-store (the trial's log line naming it is a hint: the store is the truth), checks it is there,
-committed, complete and within the experiment's bound, and commits its files with the experiment's
+complete and within the experiment's bound (a trial's versions are uncommitted: its grant cannot commit,
+so nothing serves or monitors a trial's model by itself), and commits its files with the experiment's
 serving files as ``{experiment}-best``: ``rollout.yaml`` and ``monitoring.yaml`` from ``spec.model``
 (over the trial's own, if it uploaded them), the ``serve``/``canary`` tags, values (the parameters,
 the objective, each metric's latest), and lineage (the trial's bundle as its input, the trial's
@@ -69,8 +70,8 @@ class ModelStore(ABC):
         """Commit the model ``trial`` uploaded as the experiment's best; return the bundle's name.
 
         Raises:
-            ModelRefused: the trial uploaded no committed bundle, or one that is not complete (a file
-                not stored here, none at all, no ``model.yaml`` for a served model) or over the bound.
+            ModelRefused: the trial uploaded no bundle, or one that is not complete (a file not stored
+                here, none at all, no ``model.yaml`` for a served model) or over the bound.
         """
 
 
@@ -135,11 +136,11 @@ class BundleStoreModels(ModelStore):
 
     def _uploaded(self, trial: TrialRecord, policy: ModelPolicy) -> bundles_pb2.Bundle:
         """The trial's bundle as the store has it: the version its log named, if the store has that one
-        committed under the trial's name, else the trial's latest committed version."""
+        under the trial's name, else the trial's latest version."""
         name = trial_bundle_name(trial)
-        versions = self._client.list_bundles(self._context, bundle_name=name, committed_only=True)
+        versions = self._client.list_bundles(self._context, bundle_name=name)
         if not versions:
-            raise ModelRefused(f"the trial uploaded no committed bundle {name!r} to context {self._context!r} "
+            raise ModelRefused(f"the trial uploaded no bundle {name!r} to context {self._context!r} "
                                f"(does it call opml_automl_controller.sdk.save_model?)")
         bundle = next((b for b in versions if b.uuid == trial.model_bundle), versions[0])
         size = sum(entry.size_bytes for entry in bundle.files)

@@ -86,7 +86,8 @@ def save_model(path: str | Path, *, reference: Mapping[str, Any] | None = None,
     """Upload this trial's model to the bundle-store with the trial's upload grant: the files of the
     folder ``path`` at the bundle's root, keeping their layout below it (or the one file ``path``), and
     ``reference`` as ``reference.npz``. If the trial is the experiment's best, the controller commits
-    it. Returns the uploaded bundle's uuid, and says it in the log (one marked line).
+    it (the trial's own version stays uncommitted: nothing serves or monitors it). Returns the uploaded
+    bundle's uuid, and says it in the log (one marked line).
 
     ``reference``: the keyword arguments of the monitoring-scorer's ``reference_npz``: ``features``
     (name -> one value per row), ``predicted`` (the model's output per row), optional ``scores`` and
@@ -121,7 +122,7 @@ def save_model(path: str | Path, *, reference: Mapping[str, Any] | None = None,
         raise ValueError(f"the model holds {size} bytes, more than the {max_bytes} the experiment allows "
                          f"(spec.model.maxBytes)")
     with BundleStoreClient(target, token=grant) as client:
-        uploaded = client.add(context, bundle, files, tags={"kind": "trial-model"}, commit=True)
+        uploaded = client.add(context, bundle, files, tags={"kind": "trial-model"})  # the controller commits
     out = stream or sys.stdout
     out.write(MODEL_MARKER + json.dumps({"bundle": uploaded.bundle_name, "uuid": uploaded.uuid}) + "\n")
     out.flush()

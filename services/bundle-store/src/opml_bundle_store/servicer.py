@@ -152,6 +152,9 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
         context_id = parse_context_name("header.parent", header.parent)
         if (grant := _grant()) is not None:
             _check_grant(grant, context_id, header.bundle_name)
+            if header.commit:  # a commit is what the platform acts on (autodeploy, monitoring): not the holder's
+                raise PermissionDenied(f"{grant.describe()} adds uncommitted versions only; whoever issued it "
+                                       f"commits what it accepts")
             declared = sum(max(spec.size_bytes, 0) for spec in header.files)
             if declared > grant.max_bytes:
                 raise PermissionDenied(f"the bundle declares {declared} bytes, more than the {grant.max_bytes} "

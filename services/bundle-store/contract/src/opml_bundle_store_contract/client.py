@@ -162,9 +162,10 @@ class BundleStoreClient(ServiceClient):
             parent=f"contexts/{context_id}", remote=remote, grace_seconds=grace_seconds, dry_run=dry_run))
 
     def create_upload_grant(self, context_id: str, bundle_name: str, *, ttl_s: int, max_bytes: int) -> str:
-        """A bearer token letting its holder add versions of ``bundle_name`` into ``context_id`` (each
-        at most ``max_bytes``, for ``ttl_s`` seconds) and get and list them, nothing else: hand it to a
-        job instead of a writer token (``BundleStoreClient(target, token=grant)``). A secret: never log it."""
+        """A bearer token letting its holder add uncommitted versions of ``bundle_name`` into ``context_id``
+        (each at most ``max_bytes``, for ``ttl_s`` seconds) and get and list them, nothing else: hand it
+        to a job instead of a writer token (``BundleStoreClient(target, token=grant)``). A secret: never
+        log it."""
         return self.stub.CreateUploadGrant(pb.CreateUploadGrantRequest(
             parent=f"contexts/{context_id}", bundle_name=bundle_name, ttl_seconds=ttl_s, max_bytes=max_bytes)).token
 

@@ -4,7 +4,9 @@ A job that makes a bundle (an automl trial's model) must not hold the platform's
 could overwrite or read every context. Its submitter asks the store for a grant instead
 (``CreateUploadGrant``) and hands the job only that. A grant names one context, one bundle name, the
 most bytes one upload may declare, and when it expires; with it, its holder may ``AddBundle`` that
-name into that context, and ``GetBundle``/``ListBundles`` versions of it, nothing else.
+name into that context, uncommitted (a commit is what the platform acts on: autodeploy, monitoring;
+the grant's issuer commits what it accepts), and ``GetBundle``/``ListBundles`` versions of it,
+nothing else.
 
 The token is self-contained: ``opmlgrant1.<payload>.<signature>``, the payload the grant as compact
 JSON (base64url, no padding), the signature an HMAC-SHA256 of the payload with :class:`GrantKeys`
