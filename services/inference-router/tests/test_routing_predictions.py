@@ -231,3 +231,37 @@ async def test_a_version_has_at_most_its_in_flight_records_at_the_broker_so_its_
     for _, message, subject in publisher.published:
         by_version.setdefault(subject, []).append([p.request_id for p in predictions(message)])
     assert by_version == {"m/3": [["a0"], ["a1", "a2", "a3", "a4", "a5"]], "m/4": [["b0"]]}
+
+
+async def test_lingering_predictions_leave_together_when_their_batch_is_full_when_due_or_when_stopping() -> None:
+    """With ``linger_s`` a version's predictions wait to share a record (one producer send, one broker
+    write, one ack): a full batch leaves at once, a part batch when its oldest has waited ``linger_s``
+    or when the log stops; every prediction is published once, in order."""
+    metrics, registry = fresh_metrics("inference-router")
+    publisher = FakePublisher()
+    publisher.gate.set()
+    log = PredictionLog(publisher, metrics, senders=2, batch_max=4, linger_s=3600.0)
+    request = encode_request("m", {"x": np.ones((1, 4), np.float32)}).SerializeToString()
+    async with log:
+        for i in range(6):
+            record(log, request, f"a{i}")
+        while log.pending > 2:  # four fill a record: it leaves without lingering
+            await asyncio.sleep(0)
+        for _ in range(10):  # idle senders, yet the other two wait for their hour (or the stop)
+            await asyncio.sleep(0)
+        assert log.pending == 2
+    assert [[p.request_id for p in predictions(message)] for _, message, _ in publisher.published] == [
+        ["a0", "a1", "a2", "a3"], ["a4", "a5"]]
+    assert sample(registry, "opml_inference_router_predictions_published_total") == 6
+    assert sample(registry, "opml_inference_router_predictions_dropped_total", reason="shutdown") == 0
+
+    metrics, registry = fresh_metrics("inference-router")
+    quiet = FakePublisher()
+    quiet.gate.set()
+    soon = PredictionLog(quiet, metrics, senders=1, linger_s=0.005)
+    async with soon:
+        record(soon, request, "alone")
+        while sample(registry, "opml_inference_router_predictions_published_total") < 1:  # due: it leaves alone
+            await asyncio.sleep(0.001)
+    assert [(type(message).__name__, message.request_id) for _, message, _ in quiet.published] == [
+        ("PredictionMade", "alone")]

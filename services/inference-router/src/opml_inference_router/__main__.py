@@ -64,7 +64,8 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
                                                      senders=settings.prediction_senders,
                                                      batch_max=settings.prediction_batch_max,
                                                      batch_max_bytes=settings.prediction_batch_max_bytes,
-                                                     in_flight_per_version=settings.prediction_in_flight_per_version))
+                                                     in_flight_per_version=settings.prediction_in_flight_per_version,
+                                                     linger_s=settings.prediction_linger_ms / 1000.0))
     bundle_token = settings.bundle_store_token.get_secret_value() or None
     fetcher = BundleFetcher(settings.bundle_store_target, settings.home, token=bundle_token)
     manager = await service.start(DeploymentManager(

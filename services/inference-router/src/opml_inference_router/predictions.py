@@ -1,15 +1,20 @@
 """Every prediction to the predictions topic, off the request path: a slow bus never slows a request.
 
 The request path only appends to a bounded in-memory queue (:meth:`PredictionLog.record`, no await),
-one line per model version. Background senders each take what is queued for one version at that
-moment (the version queued longest that has fewer than ``in_flight_per_version`` records at the
-broker, its oldest first; at most ``batch_max`` predictions and ``batch_max_bytes`` of recorded
-messages; never waiting for more) and publish it as one record to
+one line per model version. A version's line may be taken once its oldest prediction has waited
+``linger_s`` (the service's default: 50 ms) or it holds ``batch_max`` predictions, as Kafka's
+``linger.ms`` does: without it, a router below a few thousand requests a second published about one
+record per request (every record a producer send, a broker write and an ack on the cores that serve),
+about a third of the router's event loop at 8 callers (docs/benchmarks.md, serving tail). Background
+senders each take what is queued for one version at that moment (the version queued longest that may
+be taken and has fewer than ``in_flight_per_version`` records at the broker, its oldest first; at most
+``batch_max`` predictions and ``batch_max_bytes`` of recorded messages) and publish it as one record to
 ``PREDICTIONS``, keyed by ``<model>/<version>``: an ``opml.inference.v1.PredictionMade`` CloudEvent
 when they took one, an ``opml.inference.v1.PredictionBatch`` of them when they took several. A
-consumer's costs are per record, so batches form by themselves when a version's predictions come
-faster than its ``in_flight_per_version`` records are acknowledged (about rate x ack latency /
-in-flight predictions a record), and a quiet router still publishes one PredictionMade per request. When the queue is full (by entries or by bytes held) or the broker refuses a record, its
+consumer's costs are per record, so records carry about rate x ``linger_s`` predictions, more when a
+version's predictions come faster than its ``in_flight_per_version`` records are acknowledged (about
+rate x ack latency / in-flight), and a quiet router still publishes a request's PredictionMade within
+``linger_s``. When the queue is full (by entries or by bytes held) or the broker refuses a record, its
 predictions are dropped and counted in ``opml_inference_router_predictions_dropped_total{reason}``,
 so memory stays bounded and the loss is visible. Delivery is therefore at most once, by design:
 monitoring samples, it does not audit.
@@ -27,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from typing import NamedTuple
 
@@ -67,20 +73,20 @@ class PredictionLog(Component):
     Side effects:
         ``start()``: starts ``senders`` background tasks (the publisher must be started by its
         owner). Idempotent.
-        ``stop()``: lets the senders publish what is queued for up to ``drain_s``, then cancels
-        them and counts what is left as dropped (``reason="shutdown"``). Idempotent.
+        ``stop()``: lets the senders publish what is queued (lingering no more) for up to ``drain_s``,
+        then cancels them and counts what is left as dropped (``reason="shutdown"``). Idempotent.
     """
 
     def __init__(self, publisher: EventPublisher, metrics: ServiceMetrics, *, max_pending: int = 10_000,
                  max_pending_bytes: int = 64 * 1024 * 1024, record_cap_bytes: int = RECORD_CAP_BYTES,
                  senders: int = 8, batch_max: int = 100, batch_max_bytes: int = 512 * 1024,
-                 in_flight_per_version: int = 4) -> None:
+                 in_flight_per_version: int = 4, linger_s: float = 0.0) -> None:
         if (max_pending < 1 or max_pending_bytes < 1 or record_cap_bytes < 0 or senders < 1 or batch_max < 1
-                or batch_max_bytes < 1 or in_flight_per_version < 1):
+                or batch_max_bytes < 1 or in_flight_per_version < 1 or not linger_s >= 0):
             raise ValueError(f"need max_pending >= 1, max_pending_bytes >= 1, record_cap_bytes >= 0, senders >= 1, "
-                             f"batch_max >= 1, batch_max_bytes >= 1, in_flight_per_version >= 1, but got "
-                             f"{max_pending}, {max_pending_bytes}, {record_cap_bytes}, {senders}, {batch_max}, "
-                             f"{batch_max_bytes}, {in_flight_per_version}")
+                             f"batch_max >= 1, batch_max_bytes >= 1, in_flight_per_version >= 1, linger_s >= 0, but "
+                             f"got {max_pending}, {max_pending_bytes}, {record_cap_bytes}, {senders}, {batch_max}, "
+                             f"{batch_max_bytes}, {in_flight_per_version}, {linger_s}")
         super().__init__()
         self._publisher = publisher
         self.max_pending = max_pending
@@ -89,10 +95,13 @@ class PredictionLog(Component):
         self.batch_max = batch_max
         self.batch_max_bytes = batch_max_bytes
         self.in_flight_per_version = in_flight_per_version
+        self.linger_s = linger_s
         self._senders = senders
         # "<model>/<version>" -> its queued entries, oldest first; in the order the versions are served
         # (a version taken from goes to the back if it has more)
         self._queues: dict[str, deque[_Entry]] = {}
+        self._due: dict[str, float] = {}  # "<model>/<version>" -> when its line may be taken (time.monotonic)
+        self._lingering = linger_s > 0  # False while stopping: what is queued leaves at once
         self._in_flight: dict[str, int] = {}  # "<model>/<version>" -> its records being published
         self._pending = 0
         self._pending_bytes = 0
@@ -122,6 +131,9 @@ class PredictionLog(Component):
     async def on_stop(self) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._drain_s
+        self._lingering = False
+        for _ in self._queues:
+            self._wake_one()
         while (self._pending or self._sending) and loop.time() < deadline:
             await asyncio.sleep(0.02)
         tasks, self._tasks = self._tasks, []
@@ -129,6 +141,7 @@ class PredictionLog(Component):
         if self._pending:
             self._dropped.labels("shutdown").inc(self._pending)
             self._queues.clear()
+            self._due.clear()
             self._pending = self._pending_bytes = 0
 
     def record(self, *, request_id: str, model: str, routed: Routed, request: bytes, response: bytes,
@@ -145,9 +158,15 @@ class PredictionLog(Component):
         queue.append(entry)
         self._pending += 1
         self._pending_bytes += entry.size
-        # one sender woken when the version has something to take for the first time; while it has,
-        # a sender was woken for it already, or one of its own returns for more (see sent())
-        if len(queue) == 1 and self._in_flight.get(key, 0) < self.in_flight_per_version:
+        if len(queue) == 1 and self._lingering:  # its line may be taken in linger_s: a sender is woken then
+            self._due[key] = time.monotonic() + self.linger_s
+            asyncio.get_running_loop().call_later(self.linger_s, self._wake_one)
+            return
+        # one sender woken when the version has something to take for the first time (or, lingering, a
+        # full batch); while it has, a sender was woken for it already, or one of its own returns for
+        # more (see sent())
+        if ((len(queue) == 1 or (self._lingering and len(queue) == self.batch_max))
+                and self._in_flight.get(key, 0) < self.in_flight_per_version):
             self._wake_one()
 
     def _wake_one(self) -> None:
@@ -168,9 +187,15 @@ class PredictionLog(Component):
         The in-flight bound is what makes batches form: while a version's records are at the broker,
         its new predictions queue up and the next record takes them all (about rate x ack latency /
         ``in_flight_per_version`` a record), where free senders would otherwise publish them one by
-        one (a consumer pays per record)."""
+        one (a consumer pays per record). With ``linger_s``, a version's line is taken only once its
+        oldest prediction waited that long or it holds ``batch_max`` (or while stopping)."""
         cap = self.in_flight_per_version
-        key = next((k for k in self._queues if self._in_flight.get(k, 0) < cap), None)
+        if self._lingering:
+            now = time.monotonic()
+            key = next((k for k, queue in self._queues.items() if self._in_flight.get(k, 0) < cap
+                        and (self._due.get(k, 0.0) <= now or len(queue) >= self.batch_max)), None)
+        else:
+            key = next((k for k in self._queues if self._in_flight.get(k, 0) < cap), None)
         if key is None:
             return []
         self._in_flight[key] = self._in_flight.get(key, 0) + 1
@@ -183,8 +208,10 @@ class PredictionLog(Component):
                 break
             taken.append(queue.popleft())
             size += following
-        if queue:
+        if queue:  # a backlog keeps its line's due time
             self._queues[key] = queue
+        else:
+            self._due.pop(key, None)
         self._pending -= len(taken)
         if self._queues:  # more to take, maybe: the next idle sender looks (at most one wake a take)
             self._wake_one()

@@ -67,7 +67,7 @@ class RouterSettings(ServiceSettings):
     prediction_batch_max: int = Field(
         100, ge=1, le=10_000, description="Most predictions of one model version a prediction sender publishes in "
         "one record (an opml.inference.v1.PredictionBatch): what is queued for the version when a sender takes it, "
-        "never waiting for more (one queued: a PredictionMade). A consumer's costs are per record, so this is what "
+        "after `prediction_linger_ms` or at once when this many are queued (one queued: a PredictionMade). A consumer's costs are per record, so this is what "
         "lets the monitoring-scorer keep up with one-row requests above a few thousand per second "
         "(docs/benchmarks.md, monitoring-scorer); 1: one PredictionMade per request.")
     prediction_batch_max_bytes: int = Field(
@@ -79,6 +79,12 @@ class RouterSettings(ServiceSettings):
         "the next record takes them all, so records carry about rate x ack latency / this many predictions; "
         "higher: smaller records, more of them (a consumer's cost is per record). A version's throughput is at "
         "most this x `prediction_batch_max` / the ack latency.")
+    prediction_linger_ms: float = Field(
+        50.0, ge=0, le=10_000, description="How long a model version's queued predictions wait for others to share "
+        "their record, unless `prediction_batch_max` of them are queued (Kafka's linger.ms). Each record costs a "
+        "producer send, a broker write and an ack on the cores that serve; without it a router below a few thousand "
+        "requests a second published about one record a request, a third of its event loop (docs/benchmarks.md, "
+        "serving tail). 0: publish at once.")
 
     max_request_bytes: int = Field(
         DEFAULT_MAX_REQUEST_BYTES, ge=1, description="Longest ModelInferRequest (serialized bytes) the router "
