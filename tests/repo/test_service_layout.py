@@ -55,8 +55,8 @@ def test_the_package_publishes_the_service_and_its_cli(service: Path) -> None:
     package = _package(service).name
     assert project["name"] == f"opml-{service.name}"
     assert project["entry-points"]["opml.services"] == {service.name: f"{package}.__main__"}
-    (cli,) = project["entry-points"]["opml.cli"].values()
-    assert cli.startswith(f"{package}.cli:")
+    groups = project["entry-points"]["opml.cli"].values()  # `opml <noun>`: one or more per service
+    assert groups and all(cli.startswith(f"{package}.") and cli.partition(":")[0].endswith(".cli") for cli in groups)
     assert "test" in project["optional-dependencies"]
     assert list((service / "tests").glob("test_*.py")), "unit and service tests live next to the service"
 
