@@ -50,6 +50,7 @@ from opml_inference_router.routing.grpc_replica import GrpcReplica
 from opml_inference_router.servicer import DeploymentServicer
 from opml_inference_router.testing import mlp_classifier, mlp_config, write_model_dir
 from opml_inference_router.testing.models import POISON, poisoned_mlp
+from opml_inference_router_contract.client import DeploymentClient
 from opml_monitoring_scorer_contract.names import EVENT_SOURCE as SCORER_SOURCE
 from opml_monitoring_scorer_contract.topics import QUALITY
 
@@ -534,6 +535,11 @@ async def test_each_decision_is_in_the_bundles_lineage_once_even_after_a_restart
         assert [d.rsplit(".", 1)[1] for d in decisions[:-1]][-1] == "passed"
         assert {(e.input_uuid, e.output_uuid) for e in graph.edges} == {
             (new.uuid, b.uuid) for b in graph.bundles if b.uuid != new.uuid}
+        shown = await asyncio.to_thread(CliRunner().invoke, opml, [
+            "bundle", "--target", store_service.target, "--token", TOKENS["reader"], "--context", "rollouts",
+            "lineage", new.uuid, "--direction", "down"])
+        assert shown.exit_code == 0, shown.output
+        assert all(name in shown.output for name in decisions)  # what a user reading the lineage finds
         passed = next(b for b in graph.bundles if b.bundle_name.endswith(".passed"))
         values = {k: value_from_proto(v) for k, v in passed.values.items()}
         assert values["verdict"] == "PASSED" and values["error_rate.verdict"] == "PASSED"
@@ -556,3 +562,41 @@ async def test_each_decision_is_in_the_bundles_lineage_once_even_after_a_restart
         assert sorted(b.bundle_name for b in again.bundles if b.uuid != new.uuid) == decisions
     finally:
         await redis.aclose()
+
+
+async def test_the_cli_shows_a_shadow_step_and_the_new_checks_and_deploy_names_every_mistake(pools,
+                                                                                            tmp_path: Path) -> None:
+    spec = {"steps": [{"shadow": {"percent": 100}}, {"analysis": {
+        "interval_s": 0.3, "count": 1, "inconclusive_limit": 0, "checks": {
+            "disagreement": {"max_share": 0.01, "min_requests": 10},
+            "estimated_accuracy": {"max_drop": 0.03, "min_predictions": 200},
+            "accuracy": {"max_drop": 0.02, "min_labels": 30}}}}, {"weight": 10}]}
+    async with control_plane(pools) as plane:
+        manager, recorder = plane.manager, plane.recorder
+        servicer = DeploymentServicer(manager, rollouts=plane.rollouts)
+        server = GrpcServer(settings=ServiceSettings(host="127.0.0.1", grpc_port=0, metrics_port=0),
+                            platform=PlatformSettings(auth_tokens=""),
+                            metrics=ServiceMetrics("inference-router", registry=CollectorRegistry()),
+                            registrations=[servicer.registration()])
+        async with server:
+            await manager.deploy(bundle(tmp_path, "shown", 1))
+            await manager.deploy(bundle(tmp_path, "shown", 2, rollout=spec))  # and no request: inconclusive
+            paused = await recorder.first(events.RolloutPaused)
+            assert "disagreement: too few mirrored requests compared: 0" in paused.reason
+            result = await asyncio.to_thread(CliRunner().invoke, opml, [
+                "model", "--target", f"127.0.0.1:{server.port}", "rollout", "shown"])
+            assert result.exit_code == 0, result.output
+            shown = result.output
+            assert "a copy of 100% of the stable version's requests, output scores compared" in shown
+            for row in ("disagreement", "max_share 0.01", "0/0 compared", "estimated_accuracy", "max_drop 0.03",
+                        "0/0 predictions", "accuracy", "max_drop 0.02", "0/0 labels", "min_labels=30"):
+                assert row in shown, row
+
+            bad = {"steps": [{"shadow": {"percent": 10, "output": "probabilities"}}, {"weight": 150},
+                             {"analysis": {"interval_s": 1, "checks": {"latency": {"max_ratio": 2}}}},
+                             {"pause": {}}]}
+            directory = bundle(tmp_path, "shown", 3, rollout=bad).model_dir
+            with DeploymentClient(f"127.0.0.1:{server.port}") as client, pytest.raises(InvalidArgument) as caught:
+                await asyncio.to_thread(client.deploy, model_dir=directory)
+            assert [f for f, _ in caught.value.violations] == [
+                "steps[0].shadow.output", "steps[1].weight", "steps[2].analysis.checks.latency", "steps[3].pause"]

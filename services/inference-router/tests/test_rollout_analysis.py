@@ -111,5 +111,9 @@ def test_the_quality_book_keeps_each_window_with_the_most_labels_and_pools_by_ro
         assert (await book.since("m", 1, 0.0)).windows == 0
         with pytest.raises(InvalidArgument):
             await book.record(quality_events_pb2.WindowScored(window=1, rows=3))
+        with pytest.raises(InvalidArgument):
+            await book.record(quality_events_pb2.WindowScored(model="m" * 257, version="2", window=1, rows=3))
+        with pytest.raises(InvalidArgument):
+            await book.record(quality_events_pb2.WindowScored(model="m", version="2", window=1, rows=-3))
 
     asyncio.run(run())

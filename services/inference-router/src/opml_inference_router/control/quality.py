@@ -32,6 +32,8 @@ GROUP = "inference-router-quality"
 SOURCES = frozenset({SCORER_SOURCE})
 MAX_WINDOWS = 1024
 """Windows kept per model version (the newest by index)."""
+MAX_NAME = 256
+"""The longest model or version name an event may give (they name Redis keys)."""
 _WINDOW_SCORED = quality_events_pb2.WindowScored.DESCRIPTOR.full_name
 
 
@@ -85,9 +87,12 @@ class QualityBook:
     async def record(self, event: quality_events_pb2.WindowScored) -> bool:
         """Keeps the window unless one with as many labels is kept; whether it was kept.
         Raises: InvalidArgument (no model, version or rows)."""
-        if not event.model or not event.version or event.rows < 0 or event.window < 0:
-            raise InvalidArgument("data", f"a WindowScored must name a model, a version and a window, but got "
-                                          f"model={event.model!r} version={event.version!r} window={event.window}")
+        if not 0 < len(event.model) <= MAX_NAME or not 0 < len(event.version) <= MAX_NAME:
+            raise InvalidArgument("data", f"a WindowScored must name a model and a version of 1 to {MAX_NAME} "
+                                          f"characters, but got {len(event.model)} and {len(event.version)}")
+        if event.rows < 0 or event.window < 0 or event.labelled < 0:
+            raise InvalidArgument("data", f"a WindowScored's window, rows and labelled must be >= 0, but got "
+                                          f"{event.window}, {event.rows} and {event.labelled}")
         window = Window(index=event.window, rows=event.rows, last_time=event.last_time.ToNanoseconds() / 1e9,
                         estimate=event.estimate if event.HasField("estimate") else None, labelled=event.labelled,
                         true_value=event.true_value if event.HasField("true_value") else None,
