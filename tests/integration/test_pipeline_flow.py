@@ -61,7 +61,7 @@ def pipeline_spec(*, window: dict, on_span: bool = True, env: dict | None = None
             {"name": "gate", "kind": "bless", "inputs": ["judge"]},
             {"name": "ship", "kind": "push", "inputs": ["gate"], "push": {
                 "context": "serving", "model": "quality",
-                "rollout": {"steps": [{"weight": 20, "pause_s": 1}]}}},
+                "rollout": {"steps": [{"weight": 20}, {"pause": {"duration_s": 1}}]}}},
         ],
     })
 
@@ -129,7 +129,7 @@ def test_a_committed_span_is_trained_evaluated_blessed_and_pushed_and_the_cache_
         assert {f.path for f in serving.files} >= {"model.onnx", "model.yaml", "rollout.yaml", "reference.npz",
                                                   "monitoring.yaml"}
         rollout = yaml.safe_load(b"".join(store.read_file("serving", serving.uuid, "rollout.yaml")))
-        assert rollout == {"steps": [{"weight": 20, "pause_s": 1}]}
+        assert rollout == {"steps": [{"weight": 20}, {"pause": {"duration_s": 1}}]}
         assert sorted(pipeline_jobs(jobs, 1)) == ["pl-quality-1-check", "pl-quality-1-fit", "pl-quality-1-judge"]
 
         commit_span(store, 2, span_csv(2))

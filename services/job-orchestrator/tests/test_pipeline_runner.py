@@ -5,6 +5,7 @@ from blessed models only, blessing records, forced blessings, coalesced triggers
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import json
 import time
@@ -191,7 +192,7 @@ SPEC = {
          "evaluate": {"label": "y", "thresholds": {"accuracy": {"lower_bound": 0.5}}}},
         {"name": "gate", "kind": "bless", "inputs": ["judge"]},
         {"name": "ship", "kind": "push", "inputs": ["gate"],
-         "push": {"context": "serving", "model": "churn", "rollout": {"steps": [{"weight": 10}]}}},
+         "push": {"context": "serving", "model": "churn", "rollout": {"steps": [{"weight": 10}, {"pause": {"duration_s": 60}}]}}},
     ],
 }
 
@@ -480,3 +481,12 @@ async def test_a_schedule_fires_at_its_next_minute(harness: Harness) -> None:
     assert slept[0] == 29 * 60 + 45
     run = await harness.ended(1)
     assert run.triggers == ["schedule: 2026-12-06T04:30Z"]
+
+
+async def test_a_rollout_the_router_would_refuse_is_refused_at_apply(harness: Harness) -> None:
+    bad = copy.deepcopy(SPEC)
+    bad["steps"][5]["push"]["rollout"] = {"steps": [{"weight": 150}, {"analysis": {"interval_s": -1}}]}
+    with pytest.raises(InvalidArgument) as raised:
+        await harness.engine.apply(load_pipeline(bad), principal="writer")
+    assert all(field.startswith("steps[5].push.rollout.steps[") for field, _ in raised.value.violations)
+    assert len(raised.value.violations) >= 2

@@ -23,7 +23,7 @@ from opml_common.lifecycle import Component, cancel_and_wait
 from opml_common.retry import Backoff
 from opml_job_orchestrator.pipelines.dag import Plan
 from opml_job_orchestrator.pipelines.metrics import PipelineMetrics
-from opml_job_orchestrator.pipelines.runner import ENDED, PASSED, Runner
+from opml_job_orchestrator.pipelines.runner import ENDED, PASSED, Runner, plain
 from opml_job_orchestrator.pipelines.store import RunStore
 from opml_job_orchestrator_contract.names import pipeline_name, run_name
 from opml_job_orchestrator_contract.pipelinespec import pipeline_violations
@@ -32,6 +32,29 @@ logger = logging.getLogger(__name__)
 
 _BACKOFF = Backoff(base_s=0.5, max_s=30.0)
 MAX_REASON = 500
+
+
+def rollout_violations(spec: pb.PipelineSpec) -> list[tuple[str, str]]:
+    """A push step's rollout checked with the inference-router's own rules (its contract, in the
+    ``pipelines`` extra), so a rollout the router would refuse is refused at apply, not after a run.
+
+    Raises:
+        FailedPrecondition: a push step has a rollout and the router's contract is not installed.
+    """
+    violations: list[tuple[str, str]] = []
+    for index, step in enumerate(spec.steps):
+        if step.kind != pb.STEP_KIND_PUSH or not step.push.rollout.fields:
+            continue
+        try:
+            from opml_inference_router_contract.rollout_spec import RolloutSpec
+        except ImportError:
+            raise FailedPrecondition("a push step's rollout is checked with the inference-router's contract, "
+                                     "which is not installed here: install opml-job-orchestrator[pipelines]") from None
+        try:
+            RolloutSpec.from_dict(plain(step.push.rollout))
+        except InvalidArgument as error:
+            violations += [(f"steps[{index}].push.rollout.{field}", rule) for field, rule in error.violations]
+    return violations
 
 
 def spec_hash(spec: pb.PipelineSpec) -> str:
@@ -83,7 +106,7 @@ class PipelineEngine(Component):
         Raises:
             InvalidArgument: every rule the spec breaks, at once.
         """
-        violations = pipeline_violations(spec)
+        violations = pipeline_violations(spec) + rollout_violations(spec)
         if violations:
             raise InvalidArgument.of(violations)
         async with self._lock(spec.name):

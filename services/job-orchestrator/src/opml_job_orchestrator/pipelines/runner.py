@@ -225,7 +225,7 @@ class Runner:
                                              inputs / "schema")
             label = spec.validate.label or None
             folders.write_json(folder / "step.json", {"spans": [o.key for o in span_outputs], "label": label,
-                                                      "thresholds": _plain(spec.validate.thresholds)})
+                                                      "thresholds": plain(spec.validate.thresholds)})
 
         outputs, result = await self._platform_job(state, step, "validate", prepare)
         context = run_context(state.pipeline.spec)
@@ -376,7 +376,7 @@ class Runner:
             if baseline is not None:
                 await self._bundles.download(baseline.context, baseline.uuid, inputs / "baseline")
             await self._bundles.download(span.context, span.uuid, inputs / "span")
-            folders.write_json(folder / "step.json", _plain(spec.evaluate.config))
+            folders.write_json(folder / "step.json", plain(spec.evaluate.config))
 
         outputs, result = await self._platform_job(state, step, "evaluate", prepare)
         files = {"result.json": outputs["result.json"], **{p: f for p, f in outputs.items() if p.startswith("reference/")}}
@@ -460,7 +460,7 @@ class Runner:
                 if (staging / "evaluation" / "reference" / name).is_file():
                     files[name] = staging / "evaluation" / "reference" / name
             if push.HasField("rollout") and push.rollout.fields:
-                files["rollout.yaml"] = yaml.safe_dump(_plain(push.rollout), sort_keys=False).encode()
+                files["rollout.yaml"] = yaml.safe_dump(plain(push.rollout), sort_keys=False).encode()
             tags = dict(push.tags) or {"serve": "true"}
             tags["pipeline-cache-key"] = key
             blessing = state.outputs(bless, "blessing-forced") or state.outputs(bless, "blessing")
@@ -538,18 +538,18 @@ def _open_parents(folder: Path, root: Path) -> None:
             return
 
 
-def _plain(struct: Any) -> Any:
+def plain(struct: Any) -> Any:
     """A spec's pass-through section as the YAML said it: a Struct holds every number as a double, so
     whole numbers (``min_rows: 30``) become ints again."""
-    def plain(value: Any) -> Any:
+    def whole(value: Any) -> Any:
         if isinstance(value, float) and value.is_integer():
             return int(value)
         if isinstance(value, dict):
-            return {k: plain(v) for k, v in value.items()}
+            return {k: whole(v) for k, v in value.items()}
         if isinstance(value, list):
-            return [plain(v) for v in value]
+            return [whole(v) for v in value]
         return value
-    return plain(MessageToDict(struct))
+    return whole(MessageToDict(struct))
 
 
 def _digest(hashes: list[str]) -> str:
