@@ -61,7 +61,7 @@ def test_replicas_go_to_the_nearest_sites_the_rule_allows() -> None:
     links = {"cloud": CLOUD, "edge-a": EDGE, "edge-b": Link(rtt_ms=20.0, bandwidth_mbps=10.0)}
     rule = SiteRule()
     planner = Planner(fleet=fleet, policy=CostAwareSloPolicy(site_rtt_ms=site_distance(links)),
-                      usable=lambda model, worker: rule.refusal(model, 1_000_000, worker.site, links.get(worker.site)))
+                      usable=lambda want, worker: rule.refusal(want.config, 1_000_000, worker.site, links.get(worker.site)))
     plan = planner.plan([demand("near", rate=10, slo=200.0)], book("near"))
     assert sorted(plan.placements[demand("near", rate=10).model].workers) == ["cloud-000", "edge-b-000"]
     # a tight SLO keeps the model off both edges (their round trips): one replica, in the cloud

@@ -28,8 +28,11 @@ from opml_inference_router.control.quality import GROUP as QUALITY_GROUP
 from opml_inference_router.control.quality import SOURCES as QUALITY_SOURCES
 from opml_inference_router.control.quality import QualityBook, QualityConsumer
 from opml_inference_router.control.worker_metrics import register_worker_metrics  # workers' metrics on ours
+from opml_inference_router.hosts.registry import HostRegistry
+from opml_inference_router.hosts.service import HostServicer
+from opml_inference_router.hosts.wiring import bundle_bytes, connect_hosts
 from opml_inference_router.native_front import FrontLink, NativeFront
-from opml_inference_router.placement import load_fleet_config
+from opml_inference_router.placement import CostAwareSloPolicy, SiteRule, load_fleet_config
 from opml_inference_router.predictions import PredictionLog
 from opml_inference_router.routing import Router
 from opml_inference_router.routing.uds_replica import connect
@@ -68,10 +71,19 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
                                                      linger_s=settings.prediction_linger_ms / 1000.0))
     bundle_token = settings.bundle_store_token.get_secret_value() or None
     fetcher = BundleFetcher(settings.bundle_store_target, settings.home, token=bundle_token)
+    hosts = HostRegistry(pools.fleet, worker_token=token, metrics=metrics,
+                         bundle_bytes=lambda model: bundle_bytes(manager.models, model),  # the site rule weighs them
+                         rule=SiteRule(settings.site_transfer_slo_factor, settings.site_route_slo_fraction),
+                         heartbeat_interval_s=settings.host_heartbeat_interval_s,
+                         host_timeout_s=settings.host_timeout_s, probe_interval_s=settings.site_probe_interval_s)
+    pools.attach_hosts(hosts)
     manager = await service.start(DeploymentManager(
         pools=pools, router=router, observer=Observer(metrics.registry), fetcher=fetcher,
         store=DeploymentStore(service.redis(), prefix=platform.redis_prefix), events=await service.emitter(),
-        replan_interval_s=settings.replan_interval_s))
+        replan_interval_s=settings.replan_interval_s, usable=hosts.refusal,
+        policy=CostAwareSloPolicy(site_rtt_ms=hosts.site_rtt_ms)))
+    connect_hosts(hosts, manager)
+    await service.start(hosts)
     quality = QualityBook(service.redis(), prefix=platform.redis_prefix)
     rollouts = await service.start(ProgressiveRollouts(  # after the deployments are restored: resumes rollouts
         manager, store=RolloutStore(service.redis(), prefix=platform.redis_prefix), events=await service.emitter(),
@@ -98,7 +110,9 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
             control_hint=f"DeploymentService and the rest are on port {settings.grpc_port}"))
     deployments = DeploymentServicer(manager, allow_model_dir=platform.env == "dev",
                                      serving_models=manager.serving_models, rollouts=rollouts)  # measurements re-place what they change
-    return [inference.registration(), deployments.registration()]
+    host_service = HostServicer(hosts, await service.publisher(), host_tokens=[
+        t.strip() for t in settings.host_tokens.get_secret_value().split(",") if t.strip()])
+    return [inference.registration(), deployments.registration(), host_service.registration()]
 
 
 def main() -> None:

@@ -98,6 +98,20 @@ class RouterSettings(ServiceSettings):
         "holds the router's event loop ~1.5 ms per MB, so this bounds what one request can stall the other "
         "models by; raise it only for models whose requests need it.")
 
+    host_tokens: SecretStr = Field(SecretStr(""), description="Comma-separated bearer tokens of worker host agents "
+                                   "(opml-inference-host): each may register a host, heartbeat and forward its "
+                                   "predictions, nothing else. Empty: only admin tokens may (dev: anyone).")
+    host_heartbeat_interval_s: float = Field(1.0, gt=0, description="How often a host agent heartbeats.")
+    host_timeout_s: float = Field(3.0, gt=0, description="A host silent this long is lost: its replicas are marked "
+                                  "down at once and re-placed on other workers. More than the heartbeat interval.")
+    site_probe_interval_s: float = Field(30.0, gt=0, description="How often the router measures each host's link "
+                                         "(round trip, bandwidth) for placement.")
+    site_transfer_slo_factor: float = Field(400.0, gt=0, description="A model goes to a site only if its bundle "
+                                            "arrives within this x its p99 SLO (400: 10 s for a 25 ms SLO); "
+                                            "see placement/sites.py.")
+    site_route_slo_fraction: float = Field(0.5, gt=0, description="A model goes to a site only if the round trip "
+                                           "to it is at most this x its p99 SLO.")
+
     @property
     def fleet_path(self) -> Path:
         return self.fleet or LOCAL_FLEET

@@ -70,6 +70,7 @@ from opml_inference_router.placement import (
     Planner,
     ProfileBook,
     Replan,
+    WorkerCheck,
 )
 from opml_inference_router.routing import Router
 from opml_inference_router.runtime import load_bundle
@@ -89,7 +90,7 @@ class DeploymentManager(Component):
     def __init__(self, *, pools: PoolManager, router: Router, observer: Observer,
                  fetcher: BundleFetcher | None = None, store: DeploymentStore | None = None,
                  events: EventEmitter | None = None, policy: PlacementPolicy | None = None,
-                 replan_interval_s: float = 30.0) -> None:
+                 replan_interval_s: float = 30.0, usable: WorkerCheck | None = None) -> None:
         if replan_interval_s < 0:
             raise InvalidArgument("replan_interval_s", f"must be >= 0, but got {replan_interval_s}")
         super().__init__()
@@ -100,7 +101,7 @@ class DeploymentManager(Component):
                                             unavailable=pools.unavailable_kinds)
         self.serving_models.on_measured = self.serving_measured
         self._placer = ReplicaPlacer(pools=pools, router=router, policy=policy or CostAwareSloPolicy(),
-                                     models=self.models, serving=self.serving_models)
+                                     models=self.models, serving=self.serving_models, usable=usable)
         self._rollout = Rollout(router)
         self._versions = VersionNumbers(store)
         self._observer = observer

@@ -19,6 +19,11 @@ file is removed), and ``on_restart`` is awaited with its id and old and new addr
 replicas and re-route. Before that, as soon as the death is seen, ``on_down`` is called with its id, its old
 address and the seconds it is expected to take to come back (its last recovery, from death seen to replicas
 re-loaded; before any, its first start), so the router stops sending there and can say when it expects it.
+
+Pools at another site than ``local`` are served by host agents (:mod:`opml_inference_router.hosts`):
+they are in :attr:`PoolManager.fleet` whatever this machine runs, no process is started for them, and
+:meth:`PoolManager.get` hands out the host registry's :class:`~opml_inference_router.hosts.remote.HostedWorker`
+for their workers once :meth:`PoolManager.attach_hosts` is called.
 """
 
 from __future__ import annotations
@@ -32,17 +37,23 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import onnxruntime as ort
 
-from opml_common.errors import FailedPrecondition, NotFound
+from opml_common.errors import FailedPrecondition, NotFound, Unavailable
 from opml_common.lifecycle import Component, cancel_and_wait
 from opml_common.metrics import ServiceMetrics
 from opml_common.retry import Backoff
 from opml_inference_router.control.workers import WorkerClient
 from opml_inference_router.placement import Fleet, FleetConfig, Worker
+from opml_inference_router.placement.fleet_config import LOCAL_SITE
 from opml_inference_router.runtime.session import thread_share
 from opml_inference_router.worker.process import MAX_UDS_PATH, WorkerProcess
+
+if TYPE_CHECKING:
+    from opml_inference_router.hosts.registry import HostRegistry
+    from opml_inference_router.hosts.remote import HostedWorker, HostedWorkerClient
 
 _RESTART_BACKOFF = Backoff(base_s=1.0, max_s=30.0)  # after the n-th failed restart in a row: 1, 2, 4 .. 30 s
 
@@ -102,7 +113,8 @@ class PoolManager(Component):
         available = set(providers if providers is not None else ort.get_available_providers())
         runnable = {kind.name for kind in config.pool_kinds if kind.execution_provider in available}
         self.unavailable_kinds = sorted(kind.name for kind in config.pool_kinds if kind.name not in runnable)
-        pools = tuple(pool for pool in config.pools if pool.kind in runnable and pool.workers > 0)
+        pools = tuple(pool for pool in config.pools
+                      if (pool.kind in runnable or pool.site != LOCAL_SITE) and pool.workers > 0)
         if not pools:
             raise FailedPrecondition(f"no pool of {fleet_path} can run here: its kinds need providers this "
                                      f"onnxruntime lacks (available: {', '.join(sorted(available))})")
@@ -121,12 +133,13 @@ class PoolManager(Component):
                                                         work_dir / "workers" / f"{worker.id}.log", env=env,
                                                         extra_args=extra, startup_timeout_s=startup_timeout_s,
                                                         uds=self._socket(worker.id, 0)))
-            for worker in self.fleet.workers}
+            for worker in self.fleet.workers if worker.site == LOCAL_SITE}
+        self.hosts: HostRegistry | None = None
         self._task: asyncio.Task | None = None
         self._restarts = metrics.counter("worker_restarts_total", "Worker processes restarted after they died.",
                                          ("worker",))
         alive = metrics.gauge("workers_alive", "Worker processes running, by pool kind.", ("pool_kind",))
-        for kind in {worker.kind.name for worker in self.fleet.workers}:
+        for kind in {worker.kind.name for worker in self.fleet.workers if worker.site == LOCAL_SITE}:
             alive.labels(kind).set_function(
                 lambda kind=kind: sum(1 for w in self._workers.values() if w.worker.kind.name == kind and w.alive))
 
@@ -153,25 +166,37 @@ class PoolManager(Component):
 
     # -- queries ---------------------------------------------------------------------------------
 
-    def get(self, worker_id: str) -> PoolWorker:
+    def attach_hosts(self, hosts: HostRegistry) -> None:
+        """Serves the workers of pools at other sites from ``hosts`` (see the module)."""
+        self.hosts = hosts
+
+    def get(self, worker_id: str) -> PoolWorker | HostedWorker:
         """Raises: NotFound for a worker the fleet does not run."""
-        try:
-            return self._workers[worker_id]
-        except KeyError:
-            raise NotFound(f"worker {worker_id!r} is not running in this router's pools") from None
+        local = self._workers.get(worker_id)
+        if local is not None:
+            return local
+        if self.hosts is not None and worker_id in self.hosts.workers:
+            return self.hosts.workers[worker_id]
+        raise NotFound(f"worker {worker_id!r} is not running in this router's pools")
 
     def slot_threads(self, kind: str) -> int:
         """Intra-op threads one slot of ``kind`` has on its workers (what a replica gets by default, and
         the most a serving configuration may give it): ``threads_per_replica``, else cores / slots."""
         return self._threads_per_replica or thread_share(self.fleet.kinds[kind])
 
-    def client(self, worker_id: str) -> WorkerClient:
+    def client(self, worker_id: str) -> WorkerClient | HostedWorkerClient:
+        """Raises: Unavailable for a worker whose host is lost or has not registered."""
         pool_worker = self.get(worker_id)
+        if worker_id not in self._workers:  # a host's worker
+            if pool_worker.client is None or not pool_worker.alive:
+                raise Unavailable(f"worker {worker_id} has no live host (its host is lost or has not registered)")
+            return pool_worker.client
         assert pool_worker.client is not None, "the pools are not started"
         return pool_worker.client
 
-    def workers(self) -> list[PoolWorker]:
-        return list(self._workers.values())
+    def workers(self) -> list[PoolWorker | HostedWorker]:
+        hosted = list(self.hosts.workers.values()) if self.hosts is not None else []
+        return [*self._workers.values(), *hosted]
 
     # -- watching --------------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from opml_inference_router.control.pools import PoolManager
 from opml_inference_router.control.state import VersionRecord
 from opml_inference_router.control.workers import WorkerClient
 from opml_inference_router.placement import ModelVersion, Plan, Profile, ProfileBook
+from opml_inference_router.placement.fleet_config import LOCAL_SITE
 from opml_inference_router.routing import Replica, Router
 from opml_inference_router.runtime.profiler import synthetic_inputs
 from opml_inference_router_contract.model_config import ModelConfig
@@ -59,7 +60,8 @@ async def profile_version(pools: PoolManager, plan: Plan, profiles: ProfileBook,
         if not workers:
             continue
         used = Counter(worker_id for _, worker_id in plan.replicas())
-        worker = min(workers, key=lambda w: (used[w.id], w.id))
+        # the router's own site first: a profile taken across a link would carry its round trip
+        worker = min(workers, key=lambda w: (w.site != LOCAL_SITE, used[w.id], w.id))
         client = pools.client(worker.id)
         try:
             await client.load(config.name, path=Path(entry.directory), version=entry.version, profile=True)

@@ -43,6 +43,7 @@ from opml_inference_router.placement import (
     ResizeReplica,
     ServingConfigChooser,
     ServingTable,
+    WorkerCheck,
     check_moves,
 )
 from opml_inference_router.routing import ModelPolicy, Router
@@ -58,7 +59,8 @@ class ReplicaPlacer:
     the manager runs one change at a time."""
 
     def __init__(self, *, pools: PoolManager, router: Router, policy: PlacementPolicy,
-                 models: Mapping[str, ModelRecord], serving: ServingModels | None = None) -> None:
+                 models: Mapping[str, ModelRecord], serving: ServingModels | None = None,
+                 usable: WorkerCheck | None = None) -> None:
         self.pools = pools
         self.router = router
         # a kind a version could not be profiled on (no room, or its workers down then) is planned by
@@ -69,7 +71,8 @@ class ReplicaPlacer:
         self._tables: dict[tuple[ModelVersion, str], ServingTable] = {}
         self.chooser = ServingConfigChooser(fleet=pools.fleet, policy=policy, slot_threads=pools.slot_threads,
                                             tables=lambda model, kind: self._tables.get((model, kind)))
-        self.planner = Planner(fleet=pools.fleet, policy=policy, predictor=predictor, chooser=self.chooser)
+        self.planner = Planner(fleet=pools.fleet, policy=policy, predictor=predictor, chooser=self.chooser,
+                               usable=usable)
         self.replanner = Replanner(planner=self.planner)
         self.plan = Plan({})
         self.profiles = ProfileBook()

@@ -54,6 +54,8 @@ def pool_endpoints(pools) -> Callable[[], list[WorkerEndpoint]]:
     def endpoints() -> list[WorkerEndpoint]:
         found = []
         for pool_worker in pools.workers():
+            if pool_worker.process is None:  # a host's worker: its host exposes its metrics
+                continue
             port = pool_worker.process.metrics_port
             if pool_worker.alive and port:
                 found.append(WorkerEndpoint(pool_worker.worker.id, pool_worker.worker.kind.name,

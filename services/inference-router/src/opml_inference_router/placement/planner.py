@@ -62,7 +62,7 @@ class Planner:
         """The workers ``usable`` keeps the demand off, each with the reason (none without ``usable``)."""
         if self.usable is None:
             return {}
-        reasons = {worker.id: self.usable(demand.config, worker) for worker in self.fleet.workers}
+        reasons = {worker.id: self.usable(demand, worker) for worker in self.fleet.workers}
         return {worker: reason for worker, reason in reasons.items() if reason}
 
     def min_replicas(self, demand: ModelDemand) -> int:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from opml_common.errors import InvalidArgument
 from opml_inference_router.placement.fleet import Worker
 from opml_inference_router.placement.fleet_config import LOCAL_SITE
+from opml_inference_router.placement.plan import ModelDemand
 from opml_inference_router_contract.model_config import ModelConfig
 
 
@@ -92,5 +93,5 @@ def site_distance(links: Mapping[str, Link]) -> Callable[[str], float]:
     return rtt_ms
 
 
-WorkerCheck = Callable[[ModelConfig, Worker], str]
+WorkerCheck = Callable[[ModelDemand, Worker], str]
 """Why a worker may not host a model ('' when it may): what :class:`~.planner.Planner` takes as ``usable``."""

@@ -1,0 +1,330 @@
+"""Worker hosts at sites of their own, on test hosts: each host agent runs in a network namespace
+behind its own link (opml_devstack.testing.netem: veth pairs; the edge sites' links carry 10 Mbit/s,
+25 ms each way (a 50 ms round trip) and 1% loss, made by a userspace wire since this kernel has no
+netem), with real processes everywhere: the router (its own site, ``local``, one worker), two hosts
+of a ``cloud`` pool and one host at each of two edge sites, with the real broker and Redis.
+
+One stack for the module. Needs root and iproute2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+import yaml
+from aiokafka import AIOKafkaConsumer
+from opml.inference.v1 import events_pb2
+
+from opml_common.bus import CloudEvent
+from opml_common.bus.security import kafka_client_kwargs
+from opml_common.config import PlatformSettings
+from opml_devstack.devinfra import Endpoints
+from opml_devstack.process import ServiceProcess
+from opml_devstack.testing.bus import wait_until
+from opml_devstack.testing.netem import EmulatedHost, cut, emulated_hosts, restore
+from opml_devstack.testing.relay import TcpRelay
+from opml_devstack.testing.services import TOKENS, ServiceStarter
+from opml_inference_router.testing import mlp_classifier, mlp_config, write_model_dir
+from opml_inference_router_contract.client import DeploymentClient
+from opml_inference_router_contract.topics import PREDICTIONS
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+
+PROGRAMS = Path(__file__).parent / "programs"
+HOST_TOKEN = "host-token-for-sites"
+AGENT_PORT = 8500  # each agent in a namespace of its own: the same port everywhere
+EDGE_LINK = {"rate_mbit": 10, "delay_ms": 25, "loss": 0.01}
+HOSTS = {"cloud-1": ("cloud", {}), "cloud-2": ("cloud", {}), "edge-a": ("edge-a", EDGE_LINK),
+         "edge-b": ("edge-b", EDGE_LINK)}
+KIND = {"name": "cpu", "precisions": ["fp32"], "memory_mib": 4096, "slots": 2, "cost_per_hour": 0.4,
+        "execution_provider": "CPUExecutionProvider"}
+FLEET = {"pool_kinds": [KIND], "pools": [
+    {"name": "cpu", "kind": "cpu", "workers": 1},
+    {"name": "cloud", "kind": "cpu", "workers": 2, "site": "cloud"},
+    {"name": "edge-a", "kind": "cpu", "workers": 1, "site": "edge-a"},
+    {"name": "edge-b", "kind": "cpu", "workers": 1, "site": "edge-b"}]}
+TRANSFER_SLO_FACTOR = 20  # a 200 ms SLO: its bundle must arrive within 4 s
+BIG_WIDTH = 1400  # ~7.9 MB of weights: 6.3 s at 10 Mbit/s, too long for an edge; milliseconds to the cloud
+
+
+@dataclass
+class Stack:
+    router: ServiceProcess
+    metrics_port: int
+    hosts: dict[str, EmulatedHost]
+    relay: TcpRelay
+    settings: PlatformSettings
+    home: Path
+    fleet: Path
+    agents: dict[str, subprocess.Popen] = field(default_factory=dict)
+    places: dict[str, list[str]] = field(default_factory=dict)
+
+    def start_agent(self, name: str) -> None:
+        """Starts the host's agent in its namespace and waits for its line (registered with the router)."""
+        host, (site, _) = self.hosts[name], HOSTS[name]
+        env = {**os.environ, "OPML_AUTH_TOKENS": ",".join(f"{t}={r}" for r, t in TOKENS.items()),
+               "OPML_LOG_FORMAT": "text", "OPML_INFERENCE_HOST_NAME": name,
+               "OPML_INFERENCE_HOST_ROUTER_TARGET": f"{host.gateway}:{self.relay.listen(host.gateway)}",
+               "OPML_INFERENCE_HOST_TOKEN": HOST_TOKEN, "OPML_INFERENCE_HOST_FLEET": str(self.fleet),
+               "OPML_INFERENCE_HOST_POOLS": site if site != "cloud" else "cloud",
+               "OPML_INFERENCE_HOST_HOST": "0.0.0.0", "OPML_INFERENCE_HOST_ADVERTISE": host.address,
+               "OPML_INFERENCE_HOST_GRPC_PORT": str(AGENT_PORT), "OPML_INFERENCE_HOST_METRICS_PORT": "0",
+               "OPML_INFERENCE_HOST_HOME": str(self.home / name),
+               "OPML_INFERENCE_HOST_WORKER_THREADS_PER_REPLICA": "1"}
+        log = (self.home / f"{name}.log").open("a")
+        agent = subprocess.Popen(host.exec(sys.executable, "-m", "opml_inference_router.host"), env=env,
+                                 stdout=subprocess.PIPE, stderr=log, text=True)
+        self.agents[name] = agent
+        ready, _, _ = select.select([agent.stdout], [], [], 120)
+        line = agent.stdout.readline() if ready else ""
+        assert line, f"agent {name} did not register: {(self.home / f'{name}.log').read_text()[-3000:]}"
+        self.places[name] = json.loads(line)["workers"]
+
+    def stop_agents(self) -> None:
+        for agent in self.agents.values():
+            if agent.poll() is None:
+                agent.terminate()
+        for agent in self.agents.values():
+            try:
+                agent.wait(15)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+                agent.wait()
+
+    def placement(self) -> dict[str, list[str]]:
+        """Model -> the workers its replicas are on."""
+        with DeploymentClient(self.router.target, token=TOKENS["reader"]) as client:
+            placed: dict[str, list[str]] = {}
+            for worker in client.placement().workers:
+                for replica in worker.replicas:
+                    placed.setdefault(replica.model, []).append(worker.worker)
+        return placed
+
+    def holder(self, worker: str) -> str:
+        """The host whose agent serves ``worker`` (from the agent's line: the workers it became)."""
+        return next(name for name, workers in self.places.items() if worker in workers)
+
+    def workers_alive(self) -> dict[str, bool]:
+        with DeploymentClient(self.router.target, token=TOKENS["reader"]) as client:
+            return {worker.worker: worker.alive for worker in client.placement().workers}
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        page = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        wanted = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
+        for line in page.splitlines():
+            if line.startswith(wanted + " "):
+                value = float(line.rsplit(" ", 1)[1])
+                return None if value != value else value  # NaN: not measured yet
+        return None
+
+    def wait(self, predicate, what: str, timeout_s: float = 60.0) -> None:
+        asyncio.run(wait_until(predicate, timeout_s=timeout_s, what=what))
+
+
+def site_of(worker: str) -> str:
+    return {"cpu": "local", "cloud": "cloud", "edge": f"edge-{worker.split('-')[1]}"}[worker.split("-")[0]]
+
+
+@pytest.fixture(scope="module")
+def stack(infra: Endpoints, run_id: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    home = tmp_path_factory.mktemp("sites")
+    prefix = f"t{run_id}-{uuid.uuid4().hex[:6]}-"
+    env = {**infra.env(), "OPML_TOPIC_PREFIX": prefix, "OPML_REDIS_PREFIX": f"opml-test:{prefix}",
+           "OPML_KAFKA_SESSION_TIMEOUT_MS": "2000", "OPML_KAFKA_HEARTBEAT_INTERVAL_MS": "500",
+           "OPML_LOG_FORMAT": "text"}
+    fleet = home / "fleet.yaml"
+    fleet.write_text(yaml.safe_dump(FLEET))
+    starter = ServiceStarter(env, home)
+    with contextlib.ExitStack() as stack_exit:
+        stack_exit.callback(starter.stop_all)
+        router_env = starter.env("inference-router", extra_env={
+            "OPML_INFERENCE_ROUTER_FLEET": str(fleet), "OPML_INFERENCE_ROUTER_WORKER_THREADS_PER_REPLICA": "1",
+            "OPML_INFERENCE_ROUTER_HOST_TOKENS": HOST_TOKEN, "OPML_INFERENCE_ROUTER_HOST_HEARTBEAT_INTERVAL_S": "0.5",
+            "OPML_INFERENCE_ROUTER_HOST_TIMEOUT_S": "2", "OPML_INFERENCE_ROUTER_REPLAN_INTERVAL_S": "0",
+            "OPML_INFERENCE_ROUTER_SITE_TRANSFER_SLO_FACTOR": str(TRANSFER_SLO_FACTOR),
+            "OPML_INFERENCE_ROUTER_AUTODEPLOY": "false"})
+        router = starter("inference-router", env=router_env)
+        hosts = stack_exit.enter_context(emulated_hosts([link for _, link in HOSTS.values()]))
+        relay = stack_exit.enter_context(TcpRelay(("127.0.0.1", int(router.target.rsplit(":", 1)[1]))))
+        with pytest.MonkeyPatch.context() as patch:
+            for key, value in env.items():
+                patch.setenv(key, value)
+            settings = PlatformSettings()
+        stack = Stack(router, int(router_env["OPML_INFERENCE_ROUTER_METRICS_PORT"]), dict(zip(HOSTS, hosts)),
+                      relay, settings, home, fleet)
+        stack_exit.callback(stack.stop_agents)
+        for name in HOSTS:
+            stack.start_agent(name)
+        stack.wait(lambda: all(stack.workers_alive().values()), "every host's worker serving")
+        stack.wait(lambda: all(stack.metric("opml_inference_router_site_rtt_ms", site=site) is not None
+                               for site in ("cloud", "edge-a", "edge-b")), "every site's link measured")
+        small = write_model_dir(home / "small", {**mlp_config("small", pool_kinds=("cpu",), precisions=("fp32",),
+                                                              p99_ms=200.0), "min_replicas": 4})
+        big_config = {**mlp_config("big", pool_kinds=("cpu",), precisions=("fp32",), p99_ms=200.0), "min_replicas": 2}
+        big = write_model_dir(home / "big", big_config, mlp_classifier(width=BIG_WIDTH))
+        with DeploymentClient(router.target, token=TOKENS["writer"]) as client:
+            client.deploy(model_dir=str(small))
+            client.deploy(model_dir=str(big))
+        yield stack
+
+
+def infer(target: str, model: str, request_id: str, timeout_s: float = 10.0) -> None:
+    tensor = triton.InferInput("features", [1, 16], "FP32")
+    tensor.set_data_from_numpy(np.ones((1, 16), np.float32))
+    with triton.InferenceServerClient(target) as client:
+        client.infer(model, [tensor], request_id=request_id, client_timeout=timeout_s,
+                     headers={"authorization": f"Bearer {TOKENS['writer']}"})
+
+
+class Traffic:
+    """Requests to the router on a thread, one after another, each with a deadline that leaves time to
+    retry elsewhere; what each took and every failure are kept."""
+
+    def __init__(self, target: str, model: str) -> None:
+        self.target, self.model = target, model
+        self.latencies: list[tuple[float, float]] = []  # (sent at, seconds)
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        tensor = triton.InferInput("features", [1, 16], "FP32")
+        tensor.set_data_from_numpy(np.ones((1, 16), np.float32))
+        with triton.InferenceServerClient(self.target) as client:
+            index = 0
+            while not self._stop.is_set():
+                began = time.monotonic()
+                try:
+                    client.infer(self.model, [tensor], request_id=f"router-{index}", client_timeout=5.0,
+                                 headers={"authorization": f"Bearer {TOKENS['writer']}"})
+                    self.latencies.append((began, time.monotonic() - began))
+                except Exception as error:  # noqa: BLE001 - every failure is counted and shown
+                    self.failures.append(str(error))
+                index += 1
+
+    def __enter__(self) -> Traffic:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+async def prediction_ids(settings: PlatformSettings, wanted: set[str], timeout_s: float) -> set[str]:
+    """The request ids of ``wanted`` found on the predictions topic, read from its start until all are
+    there or ``timeout_s`` passed (then what was found)."""
+    consumer = AIOKafkaConsumer(PREDICTIONS.full_name(settings.topic_prefix), **kafka_client_kwargs(settings),
+                                group_id=None, auto_offset_reset="earliest", enable_auto_commit=False)
+    await consumer.start()
+    found: set[str] = set()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not wanted <= found and time.monotonic() < deadline:
+            for records in (await consumer.getmany(timeout_ms=500)).values():
+                for record in records:
+                    event = CloudEvent.from_kafka(record.headers, record.value)
+                    made = (event.parse(events_pb2.PredictionBatch).predictions
+                            if event.type.endswith("PredictionBatch") else [event.parse(events_pb2.PredictionMade)])
+                    found |= {p.request_id for p in made} & wanted
+    finally:
+        await consumer.stop()
+    return found
+
+
+def test_models_are_placed_across_sites_by_their_links(stack: Stack) -> None:
+    placed = stack.placement()
+    small_sites = {site_of(worker) for worker in placed["small"]}
+    assert len(placed["small"]) == 4 and "local" in small_sites and small_sites & {"edge-a", "edge-b"}, placed
+    # the big one's 7.9 MB take ~6.3 s to an edge, more than its 4 s budget: never placed there
+    assert placed["big"] and not {site_of(worker) for worker in placed["big"]} & {"edge-a", "edge-b"}, placed
+    for site in ("edge-a", "edge-b"):
+        rtt = stack.metric("opml_inference_router_site_rtt_ms", site=site)
+        assert 45 < rtt < 200, rtt  # the wire's 2 x 25 ms
+    cloud_rtt = stack.metric("opml_inference_router_site_rtt_ms", site="cloud")
+    print(f"\nmeasured round trips: cloud {cloud_rtt:.1f} ms, edges "
+          f"{stack.metric('opml_inference_router_site_rtt_ms', site='edge-a'):.1f} / "
+          f"{stack.metric('opml_inference_router_site_rtt_ms', site='edge-b'):.1f} ms; bandwidth to edge-a "
+          f"{stack.metric('opml_inference_router_site_bandwidth_mbps', site='edge-a'):.1f} Mbit/s")
+    infer(stack.router.target, "small", "placed-1")
+    infer(stack.router.target, "big", "placed-2")
+
+
+def test_a_cut_edge_serves_its_clients_and_the_router_serves_around_it(stack: Stack) -> None:
+    placed = stack.placement()
+    edge = next(site_of(w) for w in placed["small"] if site_of(w).startswith("edge"))
+    worker = f"{edge}-000"
+    host = stack.hosts[edge]
+    count, prefix = 40, f"edge-{uuid.uuid4().hex[:6]}"
+    with Traffic(stack.router.target, "small") as traffic:
+        stack.wait(lambda: len(traffic.latencies) >= 20, "traffic through the router")
+        cut_at = time.monotonic()
+        cut(host)
+        try:
+            # the edge's own clients are served during the cut, by its agent, with what it last had placed
+            client = subprocess.run(host.exec(sys.executable, str(PROGRAMS / "edge_client.py"),
+                                              f"127.0.0.1:{AGENT_PORT}", "small", str(count), prefix,
+                                              TOKENS["writer"]), capture_output=True, text=True, timeout=120)
+            served = json.loads(client.stdout.strip().splitlines()[-1])
+            stack.wait(lambda: not stack.workers_alive()[worker], f"{worker} marked down", timeout_s=30)
+            down_s = time.monotonic() - cut_at
+            stack.wait(lambda: worker not in stack.placement()["small"] and len(stack.placement()["small"]) == 4,
+                       f"small re-placed off {worker}", timeout_s=60)
+            replaced_s = time.monotonic() - cut_at
+            during = [seconds for began, seconds in traffic.latencies if began >= cut_at]
+            stack.wait(lambda: len([b for b, _ in traffic.latencies if b >= cut_at + replaced_s]) >= 10,
+                       "traffic after the re-placement")
+        finally:
+            restore(host)
+        restored_at = time.monotonic()
+        stack.wait(lambda: stack.workers_alive()[worker], f"{worker} back", timeout_s=30)
+        back_s = time.monotonic() - restored_at
+    assert served["failed"] == [] and served["ok"] == count, served
+    assert traffic.failures == [], traffic.failures[:5]
+    print(f"\ncut of {edge}: its replica marked down after {down_s:.2f} s, small re-placed after {replaced_s:.2f} s; "
+          f"{len(during)} router requests during the cut, none failed, slowest {max(during) * 1000:.0f} ms "
+          f"(p50 before the cut {np.median([s for b, s in traffic.latencies if b < cut_at]) * 1000:.1f} ms); "
+          f"{edge} back {back_s:.2f} s after the link")
+    # every prediction the edge served while cut off arrives, from its outbox, once the link is back
+    wanted = {f"{prefix}-{index}" for index in range(count)}
+    began = time.monotonic()
+    found = asyncio.run(prediction_ids(stack.settings, wanted, timeout_s=120))
+    assert found == wanted, f"{len(wanted - found)} of {count} edge predictions missing"
+    print(f"all {count} predictions served at {edge} during the cut read back from the broker "
+          f"{time.monotonic() - began:.2f} s after the link returned")
+
+
+def test_a_host_killed_with_sigkill_is_drained_and_its_replicas_re_placed(stack: Stack) -> None:
+    before = stack.placement()
+    worker = next(w for w in ("cloud-000", "cloud-001") if any(w in workers for workers in before.values()))
+    holder = stack.holder(worker)
+    killed_at = time.monotonic()
+    stack.agents[holder].send_signal(signal.SIGKILL)
+    stack.agents[holder].wait(10)
+    stack.wait(lambda: not stack.workers_alive()[worker], f"{worker} marked down", timeout_s=30)
+    stack.wait(lambda: all(worker not in workers for workers in stack.placement().values()),
+               f"every replica re-placed off {worker}", timeout_s=60)
+    after = stack.placement()
+    print(f"\nhost {holder} killed: {worker}'s replicas re-placed in {time.monotonic() - killed_at:.2f} s: "
+          f"{before} -> {after}")
+    assert len(after["small"]) == len(before["small"]), after
+    infer(stack.router.target, "small", "after-kill")
+    stack.start_agent(holder)  # it comes back under its name and gets its place again
+    stack.wait(lambda: stack.workers_alive()[worker], f"{worker} back")
