@@ -419,6 +419,8 @@ class ProgressiveRollouts(Component):
                     continue
                 log.error("models/%s: rollout decision %s cannot be written to the lineage of bundle %s: %s",
                           state.model, decision.bundle_name, decision.bundle_uuid, error.message)
+            except Exception:  # noqa: BLE001 - a bug must not end the writer with the rest unwritten
+                log.exception("models/%s: rollout decision %s was not written", state.model, decision.bundle_name)
             state.pending.pop(0)
             await self._save(state)
 
