@@ -35,3 +35,19 @@ def test_a_services_own_bundle_store_target_wins_over_the_platforms(name, monkey
     monkeypatch.setenv("OPML_BUNDLE_STORE_TARGET", "platform:1")
     monkeypatch.setenv(f"{spec.env_prefix}BUNDLE_STORE_TARGET", "own:2")
     assert spec.settings().bundle_store_target == "own:2"
+
+
+def test_the_automl_controller_finds_the_stacks_orchestrator_and_router(monkeypatch, tmp_path) -> None:
+    """Its trials' jobs go to the stack's orchestrator, and ServingConfigSurrogate trials are the stack's
+    router's predictions (unset, such experiments would be refused under `make up`)."""
+    specs = stack.installed_services()
+    (automl,) = [spec for spec in specs if spec.name == "automl-controller"]
+    for name in ("JOB_ORCHESTRATOR_TARGET", "INFERENCE_ROUTER_TARGET", "BUNDLE_STORE_TARGET"):
+        monkeypatch.delenv(f"{automl.env_prefix}{name}", raising=False)
+    env, _ = stack.service_environment(specs, ENDPOINTS, stack.StackConfig(state_dir=tmp_path, homes=tmp_path,
+                                                                          free_ports=True))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    settings = automl.settings()
+    assert (settings.job_orchestrator_target, settings.inference_router_target, settings.bundle_store_target) == (
+        env["OPML_JOB_ORCHESTRATOR_TARGET"], env["OPML_INFERENCE_ROUTER_TARGET"], env["OPML_BUNDLE_STORE_TARGET"])
