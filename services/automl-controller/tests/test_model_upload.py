@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from opml_automl_controller import sdk
+from opml_automl_controller.controller import Controller
 from opml_automl_controller.katib import parse_experiment
 from opml_automl_controller.modelspec import DEFAULT_MAX_BYTES
 from opml_automl_controller.uploadenv import (
@@ -20,7 +21,8 @@ from opml_automl_controller.uploadenv import (
     MAX_BYTES_VARIABLE,
     TARGET_VARIABLE,
 )
-from opml_common.errors import InvalidArgument
+from opml_common.errors import FailedPrecondition, InvalidArgument
+from opml_common.events import RecordingEmitter
 
 
 def experiment(model: object, *, kind: str = "Job") -> str:
@@ -111,3 +113,12 @@ def test_save_model_refuses_symlinks_empty_folders_oversized_models_and_two_refe
     (folder / "reference.npz").write_bytes(b"r")
     with pytest.raises(ValueError, match="holds a reference.npz too"):
         sdk.save_model(folder, reference={"features": {"x": [1.0]}, "predicted": [1]})
+
+
+def test_an_experiment_asking_for_a_model_needs_a_bundle_store_to_upload_to() -> None:
+    """Admission, before anything is stored: no store or job is touched (none is given)."""
+    controller = Controller(store=None, jobs=None, emitter=RecordingEmitter(), redis_url="redis://unused")  # type: ignore[arg-type]
+    with pytest.raises(FailedPrecondition, match="spec.model needs a bundle-store its trials upload their models to: "
+                                                 "set OPML_AUTOML_CONTROLLER_BUNDLE_STORE_TARGET"):
+        controller.validate(experiment({"serve": True}))
+    assert controller.validate(experiment({"commit": False})).spec.model is not None  # asks for no upload
