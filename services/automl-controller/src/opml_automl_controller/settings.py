@@ -49,7 +49,8 @@ class AutomlControllerSettings(ServiceSettings):
     upload_grant_ttl_s: int = Field(24 * 3600, ge=60, le=7 * 24 * 3600, description="How long a trial's upload "
                                     "grant is valid from its job's submit (a trial queued or training longer "
                                     "cannot upload its model).")
-    model_context: str = Field("automl", min_length=1, description="The bundle-store context of the best models.")
+    model_context: str = Field("automl", min_length=1, description="The bundle-store context of the trials' uploaded "
+                               "models and of the best ones.")
     trace_wait_s: float = Field(10.0, gt=0, description="Trace collector: how long after a trial's job "
                                 "succeeded the controller waits for its tracer's last epoch logs (every tracer "
                                 "run's TracerStopped); also the tracer's exit bound in the trial's job "
