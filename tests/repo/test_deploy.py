@@ -31,6 +31,7 @@ COMPOSE = ROOT / "deploy" / "compose" / "docker-compose.yml"
 KAFKA_INIT = ROOT / "deploy" / "compose" / "kafka-init.sh"
 # Who alone may write each topic (docs/security.md); the tracers inside jobs publish as `tracer`.
 TOPIC_WRITERS = {"opml.bundles.v1": "bundle-store", "opml.jobs.v1": "job-orchestrator",
+                 "opml.pipelines.v1": "job-orchestrator",
                  "opml.predictions.v1": "inference-router", "opml.deployments.v1": "inference-router",
                  "opml.traces.v1": "tracer", "opml.federations.v1": "fl-coordinator",
                  "opml.alerts.v1": "monitoring-scorer", "opml.quality.v1": "monitoring-scorer",
