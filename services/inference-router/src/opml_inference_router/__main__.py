@@ -60,7 +60,13 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
         token=token, threads_per_replica=settings.worker_threads_per_replica,
         startup_timeout_s=settings.worker_startup_timeout_s, route_over_uds=settings.worker_transport == "uds"))
     register_worker_metrics(pools, metrics)  # workers' /metrics re-exported on the router's (control/worker_metrics.py)
-    router = Router(connect=partial(connect, token=token), metrics=metrics,
+    hosts = HostRegistry(pools.fleet, worker_token=token, metrics=metrics,
+                         bundle_bytes=lambda model: bundle_bytes(manager.models, model),  # the site rule weighs them
+                         rule=SiteRule(settings.site_transfer_slo_factor, settings.site_route_slo_fraction),
+                         heartbeat_interval_s=settings.host_heartbeat_interval_s,
+                         host_timeout_s=settings.host_timeout_s, probe_interval_s=settings.site_probe_interval_s)
+    pools.attach_hosts(hosts)
+    router = Router(connect=hosts.connector(partial(connect, token=token)), metrics=metrics,
                     max_request_bytes=settings.max_request_bytes, max_receive_bytes=settings.grpc_max_receive_bytes)
     service.on_stop(router.close)
     predictions = await service.start(PredictionLog(await service.publisher(), metrics,
@@ -71,12 +77,6 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
                                                      linger_s=settings.prediction_linger_ms / 1000.0))
     bundle_token = settings.bundle_store_token.get_secret_value() or None
     fetcher = BundleFetcher(settings.bundle_store_target, settings.home, token=bundle_token)
-    hosts = HostRegistry(pools.fleet, worker_token=token, metrics=metrics,
-                         bundle_bytes=lambda model: bundle_bytes(manager.models, model),  # the site rule weighs them
-                         rule=SiteRule(settings.site_transfer_slo_factor, settings.site_route_slo_fraction),
-                         heartbeat_interval_s=settings.host_heartbeat_interval_s,
-                         host_timeout_s=settings.host_timeout_s, probe_interval_s=settings.site_probe_interval_s)
-    pools.attach_hosts(hosts)
     manager = await service.start(DeploymentManager(
         pools=pools, router=router, observer=Observer(metrics.registry), fetcher=fetcher,
         store=DeploymentStore(service.redis(), prefix=platform.redis_prefix), events=await service.emitter(),

@@ -30,8 +30,8 @@ from opml_common.lifecycle import Component, cancel_and_wait
 from opml_common.metrics import ServiceMetrics
 from opml_inference_router.control.workers import WorkerClient
 from opml_inference_router.hosts.remote import AgentClient, HostedWorker, HostedWorkerClient, Transfer
+from opml_inference_router.hosts.replicas import HostReplicas
 from opml_inference_router.placement import (
-    LOCAL_LINK,
     Fleet,
     Link,
     ModelDemand,
@@ -49,6 +49,7 @@ MAX_POOLS = 64
 
 DownHook = Callable[[str, str, str, float], None]
 BackHook = Callable[[str, str, str], Awaitable[None]]
+UpHook = Callable[[str], object]
 ChangeHook = Callable[[], Awaitable[object]]
 
 
@@ -96,8 +97,10 @@ class HostRegistry(Component):
         self.heartbeat_interval_s = heartbeat_interval_s
         self.host_timeout_s = host_timeout_s
         self.on_down: DownHook | None = None
+        self.on_up: UpHook | None = None
         self.on_back: BackHook | None = None
         self.on_change: ChangeHook | None = None
+        self.replicas = HostReplicas()
         self.worker_token = worker_token
         self._bundle_bytes = bundle_bytes
         self._probe_interval_s = probe_interval_s
@@ -169,6 +172,11 @@ class HostRegistry(Component):
                     else "no host serves it")
         site_link = self.links().get(worker.site)
         return self.rule.refusal(demand.config, self._bundle_bytes(demand.model), worker.site, site_link)
+
+    def connector(self, connect):
+        """The router's ``connect`` with the calls to a lost host's workers failed at once (:mod:`.replicas`)."""
+        return self.replicas.connector(connect, lambda address: any(
+            hosted.address == address for hosted in self.workers.values()))
 
     def worker(self, worker_id: str) -> HostedWorker:
         """Raises: NotFound for a worker no host pool declares."""
@@ -262,8 +270,15 @@ class HostRegistry(Component):
             if not address:
                 self._down(hosted, f"worker {worker_id} on host {name} is not serving")
                 continue
-            await self._connect(hosted, host, address)
             changed = True
+            if old == address:  # the same process, back after a cut: its replicas take traffic again
+                hosted.alive = True
+                self.replicas.mend(address)
+                if self.on_up is not None:
+                    self.on_up(address)
+                log.info("worker %s serves again at %s", worker_id, address)
+                continue
+            await self._connect(hosted, host, address)
             if old and self.on_back is not None:
                 try:
                     await self.on_back(worker_id, old, address)
@@ -319,7 +334,8 @@ class HostRegistry(Component):
         if not hosted.alive:
             return
         hosted.alive = False
-        log.warning("%s: its replicas are marked down", reason)
+        severed = self.replicas.sever(hosted.address, reason) if hosted.address else 0
+        log.warning("%s: its replicas are marked down (%d connections' calls failed over)", reason, severed)
         if self.on_down is not None and hosted.address:
             try:
                 self.on_down(hosted.worker.id, hosted.address, reason, self.host_timeout_s)
@@ -378,4 +394,4 @@ class HostRegistry(Component):
             self._changed()
 
 
-__all__ = ["LOCAL_LINK", "Host", "HostRegistry", "RequestedPool"]
+__all__ = ["Host", "HostRegistry", "RequestedPool"]

@@ -16,6 +16,7 @@ def connect_hosts(hosts: HostRegistry, manager: DeploymentManager) -> None:
     """A lost host's replicas are marked down at once; its workers' changes re-place (off a lost host,
     onto a new or returning one); a worker back at a new address gets its planned replicas again."""
     hosts.on_down = manager.worker_down
+    hosts.on_up = manager.router.replica_up
     hosts.on_back = manager.worker_restarted
     hosts.on_change = manager.replan_once
 

@@ -1,0 +1,85 @@
+"""Replicas on a host that can be severed: when the host is lost, the calls in flight to it fail at once.
+
+A host cut off from the router does not close its connections: calls to its workers hang until
+their deadlines, and marking its replicas down only keeps new requests away. Severing fails the
+hanging calls with a retriable UNAVAILABLE, so the router retries each on another replica while the
+request's deadline still allows (a backup request covers only a share of requests). Once the host
+heartbeats again its replicas are whole again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Callable
+
+from opml_inference_router.routing import Replica
+from opml_inference_router.routing.errors import ReplicaFailed
+
+
+class SeverableReplica(Replica):
+    """A host worker's replica (wrapping the router's own transport) whose calls :meth:`sever` fails."""
+
+    def __init__(self, inner: Replica) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self._severed: asyncio.Future[str] | None = None
+        self._reason = ""
+
+    async def call(self, method: str, request: bytes, *, timeout_s: float) -> bytes:
+        if self._reason:
+            raise ReplicaFailed("UNAVAILABLE", self._reason, retriable=True, eject=True, replica=self.name)
+        if self._severed is None:
+            self._severed = asyncio.get_running_loop().create_future()
+        severed = self._severed
+        call = asyncio.ensure_future(self.inner.call(method, request, timeout_s=timeout_s))
+        try:
+            await asyncio.wait((call, severed), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not call.done():
+                call.cancel()  # severed, or the router cancelled us (a backup won): the worker drops it
+        if call.done() and not call.cancelled():
+            return call.result()
+        raise ReplicaFailed("UNAVAILABLE", severed.result(), retriable=True, eject=True, replica=self.name)
+
+    def sever(self, reason: str) -> None:
+        """Fails the calls in flight and every call until :meth:`mend`."""
+        self._reason = reason
+        if self._severed is not None and not self._severed.done():
+            self._severed.set_result(reason)
+        self._severed = None
+
+    def mend(self) -> None:
+        self._reason = ""
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+class HostReplicas:
+    """The severable replicas the router made for each host worker address."""
+
+    def __init__(self) -> None:
+        self._by_address: dict[str, weakref.WeakSet[SeverableReplica]] = {}
+
+    def connector(self, connect: Callable[[str], Replica], hosted: Callable[[str], bool]) -> Callable[[str], Replica]:
+        """The router's ``connect``: ``connect``'s replica, made severable for an address ``hosted`` says
+        is a host worker's."""
+        def make(address: str) -> Replica:
+            replica = connect(address)
+            if not hosted(address):
+                return replica
+            severable = SeverableReplica(replica)
+            self._by_address.setdefault(address, weakref.WeakSet()).add(severable)
+            return severable
+        return make
+
+    def sever(self, address: str, reason: str) -> int:
+        replicas = list(self._by_address.get(address, ()))
+        for replica in replicas:
+            replica.sever(reason)
+        return len(replicas)
+
+    def mend(self, address: str) -> None:
+        for replica in list(self._by_address.get(address, ())):
+            replica.mend()
