@@ -8,9 +8,11 @@ from pathlib import Path
 
 from opml_devstack.stack import installed_services
 from opml_inference_router.kserve.roles import INFERENCE_METHOD_ROLES
+from opml_job_orchestrator.pipelines.servicer import METHOD_ROLES as PIPELINE_METHOD_ROLES
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "security.md"
 KSERVE = "inference-router (KServe v2, router and workers)"
+PIPELINES = "job-orchestrator (Pipelines)"
 
 
 def _documented() -> dict[str, dict[str, str]]:
@@ -26,4 +28,5 @@ def test_the_roles_table_is_every_rpc_with_its_role() -> None:
     expected = {spec.name: dict(importlib.import_module(f"{spec.module}.servicer").METHOD_ROLES)
                 for spec in installed_services()}
     expected[KSERVE] = dict(INFERENCE_METHOD_ROLES)
+    expected[PIPELINES] = dict(PIPELINE_METHOD_ROLES)  # the job-orchestrator's second gRPC service
     assert _documented() == expected
