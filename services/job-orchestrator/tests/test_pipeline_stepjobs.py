@@ -207,8 +207,9 @@ def test_evaluate_refuses_a_candidate_worse_than_the_baseline(tmp_path: Path) ->
     assert done.returncode == 0, done.stderr
     result = _result(outputs)
     assert result["blessed"] is False and result["baseline"] is True
-    (reason,) = [r for r in result["reasons"] if r["metric"] == "auc"]
-    assert reason["passed"] is False and reason["baseline_value"] == 1.0 and reason["value"] < 0.7
+    reason = result["reasons"][0]
+    assert reason["metric"] == "auc" and reason["passed"] is False, "the failed check comes first"
+    assert reason["baseline_value"] == 1.0 and reason["value"] < 0.7
     assert result["metrics"]["baseline"]["overall"]["accuracy"] == 1.0
 
     swapped = tmp_path / "swapped"

@@ -357,6 +357,7 @@ def run_evaluate(step: Any, inputs: Path, outputs: Path) -> dict[str, Any]:
         reason_dicts.append({"metric": None, "slice": None, "value": None, "threshold": None, "baseline_value": None,
                              "passed": None, "message": f"no reference set written: {len(labels)} rows, the "
                                                         f"monitoring-scorer needs {MIN_REFERENCE_ROWS}"})
+    reason_dicts.sort(key=lambda r: r["passed"] is not False)  # the failed checks first: why, at a glance
     result = {"blessed": blessed, "baseline": baseline_metrics is not None, "reference": reference, "task": task,
               "rows": int(rows.sum()), "rows_skipped": int(table.rows - rows.sum()),
               "reasons": reason_dicts, "metrics": metrics}
