@@ -13,9 +13,11 @@ idle but for their turn).
 One load generator, this process: tritonclient's aio client (one client per system, an InferInput
 built per request, one row, a 5 s client deadline), closed-loop callers. Per round and caller count
 the two systems take turns (the order flips each time), each ``--warmup`` s then ``--duration`` s.
-Reported per system and caller count: req/s, p50 and p99 (their range over the rounds, and the p99
-of all rounds' latencies pooled), errors, and CPU seconds per 1,000 requests of the server's whole
-process tree (router, native front, workers; MLServer and its pool), read from /proc (psutil).
+Reported per system and caller count: req/s and p50/p99 of the calls that succeeded (their range over
+the rounds, and the p99 of all rounds' latencies pooled), failed calls by status code (the router's
+admission refuses with RESOURCE_EXHAUSTED what it expects to miss the model's SLO), and CPU seconds per
+1,000 answered requests of the server's whole process tree (router, native front, workers; MLServer and
+its pool), read from /proc (psutil).
 
 Where the time goes, for ours: the router's /metrics (its own and its workers') read around each
 level give the mean time in the router (admission to answer), in the worker's batcher (queue wait +
@@ -85,6 +87,7 @@ class Level:
     errors: int
     latencies_ms: list[float] = field(repr=False)
     infra_per_1000_s: float = 0.0  # the broker, its S3 server, Redis: CPU s per 1,000 requests
+    codes: dict[str, int] = field(default_factory=dict)  # failed calls by status code
     by_process: dict[str, float] = field(default_factory=dict)  # process label -> CPU s per 1,000
     stages: dict[str, float] = field(default_factory=dict)  # ours: from the router's /metrics
 
@@ -213,6 +216,7 @@ async def measure(system: System, rows: np.ndarray, callers: int, warmup_s: floa
     assert client is not None
     latencies: list[float] = []
     errors = 0
+    codes: collections.Counter[str] = collections.Counter()
     stop_at = 0.0
     recording = True
 
@@ -226,8 +230,9 @@ async def measure(system: System, rows: np.ndarray, callers: int, warmup_s: floa
             began = time.perf_counter()
             try:
                 await client.infer(MODEL, [tensor], headers=system.headers, client_timeout=DEADLINE_S)
-            except triton.InferenceServerException:
+            except triton.InferenceServerException as exc:
                 errors += recording
+                codes[str(exc.status()).removeprefix("StatusCode.")] += recording
             else:
                 if recording:
                     latencies.append((time.perf_counter() - began) * 1000.0)
@@ -253,7 +258,8 @@ async def measure(system: System, rows: np.ndarray, callers: int, warmup_s: floa
     ordered = sorted(latencies) or [float("nan")]
     return Level(callers, len(latencies) / elapsed, statistics.median(ordered),
                  ordered[int(0.99 * (len(ordered) - 1))], sum(by_process.values()) / done * 1000, errors, latencies,
-                 infra / done * 1000, {label: seconds / done * 1000 for label, seconds in by_process.items()}, stages)
+                 infra / done * 1000, {k: v for k, v in codes.items() if v},
+                 {label: seconds / done * 1000 for label, seconds in by_process.items()}, stages)
 
 
 def start_profiles(system: System, duration_s: float, directory: Path) -> list[subprocess.Popen]:
@@ -340,6 +346,17 @@ def span(values: list[float], digits: int = 0) -> str:
     return f"{low:,.{digits}f}" if round(low, digits) == round(high, digits) else f"{low:,.{digits}f}-{high:,.{digits}f}"
 
 
+def failures(levels: list[Level]) -> str:
+    """Failed calls over the rounds, by status code, and their share of all calls."""
+    codes = collections.Counter()
+    for level in levels:
+        codes.update(level.codes)
+    if not codes:
+        return "0"
+    calls = sum(len(level.latencies_ms) + level.errors for level in levels)
+    return ", ".join(f"{count} {code}" for code, count in codes.most_common()) + f" ({sum(codes.values()) / calls:.1%})"
+
+
 def pooled_p99(levels: list[Level]) -> float:
     pooled = sorted(ms for level in levels for ms in level.latencies_ms)
     return pooled[int(0.99 * (len(pooled) - 1))] if pooled else float("nan")
@@ -355,7 +372,7 @@ def report(results: dict[str, dict[int, list[Level]]], peer_settings: dict[int, 
             label = OURS if name == OURS else peer_settings[count]
             print(f"| {count} | {label} | {span([lv.rate for lv in levels])} | {span([lv.p50_ms for lv in levels], 1)} "
                   f"| {span([lv.p99_ms for lv in levels], 1)} | {pooled_p99(levels):.1f} "
-                  f"| {span([lv.cpu_per_1000_s for lv in levels], 2)} | {sum(lv.errors for lv in levels)} |")
+                  f"| {span([lv.cpu_per_1000_s for lv in levels], 2)} | {failures(levels)} |")
     print("\n| callers | req/s ours ÷ peer | p99 ours - peer ms (pooled) | per CPU-s ours ÷ peer |")
     print("|---:|---:|---:|---:|")
     for count in callers:
@@ -492,7 +509,7 @@ def main() -> None:
                         results[OURS if system is ours else PEER][count].append(level)
                         print(f"| {round_number + 1} | {count} | {system.name} | {level.rate:.0f} | "
                               f"{level.p50_ms:.1f} | {level.p99_ms:.1f} | {level.cpu_per_1000_s:.2f} | "
-                              f"{level.errors} |", flush=True)
+                              f"{failures([level])} |", flush=True)
             for system in {ours, *peers.values()}:
                 await system.client.close()
             report(results, {count: peer.name for count, peer in peers.items()}, callers)
