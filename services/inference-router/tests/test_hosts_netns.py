@@ -296,12 +296,16 @@ def test_a_cut_edge_serves_its_clients_and_the_router_serves_around_it(stack: St
         restored_at = time.monotonic()
         stack.wait(lambda: stack.workers_alive()[worker], f"{worker} back", timeout_s=30)
         back_s = time.monotonic() - restored_at
+        # what the site served before its cut returns to it, and its substitute's slot is free again
+        stack.wait(lambda: sorted(stack.placement()["small"]) == sorted(placed["small"]), "small moved back",
+                   timeout_s=60)
+        moved_back_s = time.monotonic() - restored_at
     assert served["failed"] == [] and served["ok"] == count, served
     assert traffic.failures == [], traffic.failures[:5]
     print(f"\ncut of {edge}: its replica marked down after {down_s:.2f} s, small re-placed after {replaced_s:.2f} s; "
           f"{len(during)} router requests during the cut, none failed, slowest {max(during) * 1000:.0f} ms "
           f"(p50 before the cut {np.median([s for b, s in traffic.latencies if b < cut_at]) * 1000:.1f} ms); "
-          f"{edge} back {back_s:.2f} s after the link")
+          f"{edge} back {back_s:.2f} s after the link, small back on it after {moved_back_s:.2f} s")
     # every prediction the edge served while cut off arrives, from its outbox, once the link is back
     wanted = {f"{prefix}-{index}" for index in range(count)}
     began = time.monotonic()
@@ -326,5 +330,7 @@ def test_a_host_killed_with_sigkill_is_drained_and_its_replicas_re_placed(stack:
           f"{before} -> {after}")
     assert len(after["small"]) == len(before["small"]), after
     infer(stack.router.target, "small", "after-kill")
-    stack.start_agent(holder)  # it comes back under its name and gets its place again
+    stack.start_agent(holder)  # it comes back under its name, gets its place again, and its replicas return
     stack.wait(lambda: stack.workers_alive()[worker], f"{worker} back")
+    stack.wait(lambda: {m: sorted(w) for m, w in stack.placement().items()} == {m: sorted(w) for m, w in before.items()},
+               "the replicas back where they were", timeout_s=60)

@@ -299,6 +299,15 @@ class DeploymentManager(Component):
             if replan.moves:
                 self._placement_changed(replan)
 
+    async def move_replica(self, model: ModelVersion, old: str, new: str, reason: str) -> Replan | None:
+        """Moves one replica of a version between workers (:meth:`ReplicaPlacer.move`), announced with
+        PlacementChanged; None when there is nothing to move. Raises: what the move raises."""
+        async with self._lock:
+            replan = await self._placer.move(model, old, new, reason)
+            if replan is not None:
+                self._placement_changed(replan)
+            return replan
+
     def worker_down(self, worker_id: str, address: str, reason: str, back_in_s: float) -> None:
         """Marks the replicas on a dead worker down in the router at once (no lock: a deploy in progress
         must not delay it), so no request is sent there and those that find no other replica wait for

@@ -17,6 +17,7 @@ version on each kind it may run on (none where nothing is measured: the defaults
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections import defaultdict
 from collections.abc import Mapping
@@ -45,6 +46,7 @@ from opml_inference_router.placement import (
     ServingTable,
     WorkerCheck,
     check_moves,
+    plan_moves,
 )
 from opml_inference_router.routing import ModelPolicy, Router
 from opml_inference_router.routing.limits import largest, request_limit
@@ -134,6 +136,23 @@ class ReplicaPlacer:
                                                   self.chooser.candidates(demand, kind))
                 if table is not None:
                     self._tables[demand.model, name] = table
+
+    async def move(self, model: ModelVersion, old: str, new: str, reason: str) -> Replan | None:
+        """Moves one replica of ``model`` from worker ``old`` to ``new`` (same option), capacity-safe: loaded
+        and ready on ``new`` before ``old`` unloads. None when the plan no longer has it on ``old``, already
+        has it on ``new``, or ``new`` may not host it (:attr:`Planner.usable`).
+        Raises: FailedPrecondition (``new`` lacks the room), what loading raises (the moves undone)."""
+        placed = self.plan.placements.get(model)
+        if placed is None or old not in placed.workers or new in placed.workers:
+            return None
+        demand = next((d for d in self.demands() if d.model == model), None)
+        if demand is None or new in self.planner.refusals(demand):
+            return None
+        workers = tuple(new if worker == old else worker for worker in placed.workers)
+        target = Plan({**self.plan.placements, model: dataclasses.replace(placed, workers=workers)}, self.plan.unplaced)
+        replan = Replan(target, plan_moves(self.plan, target, self.pools.fleet), {model: reason}, self.profiles)
+        await self.apply(replan)
+        return replan
 
     def forget(self, model: ModelVersion) -> None:
         """Drops a retired version's profiles (the next re-plan unloads it)."""

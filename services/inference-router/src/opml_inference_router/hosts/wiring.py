@@ -1,24 +1,68 @@
-"""How the router's deployments and its host registry are joined (the few lines ``__main__`` calls)."""
+"""How the router's deployments and its host registry are joined (the few lines ``__main__`` calls), and
+the replicas a lost site's workers gave up, moved back when the site returns."""
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 
+from opml_common.errors import OpmlError
 from opml_inference_router.control.deployments import DeploymentManager
 from opml_inference_router.control.state import ModelRecord
 from opml_inference_router.hosts.registry import HostRegistry
 from opml_inference_router.placement import ModelVersion
 
+log = logging.getLogger(__name__)
 
-def connect_hosts(hosts: HostRegistry, manager: DeploymentManager) -> None:
-    """A lost host's replicas are marked down at once; its workers' changes re-place (off a lost host,
-    onto a new or returning one); a worker back at a new address gets its planned replicas again."""
+
+class SiteFailover:
+    """Re-places on every host change (:meth:`DeploymentManager.replan_once`: off a lost host's workers,
+    onto new ones) and remembers, per lost worker, where each of its replicas went; once the worker is
+    usable again, each goes back there (:meth:`DeploymentManager.move_replica`), so a site that returns
+    serves what it served before its cut, and the substitute's slot is free again."""
+
+    def __init__(self, hosts: HostRegistry, manager: DeploymentManager) -> None:
+        self.hosts = hosts
+        self.manager = manager
+        self.displaced: dict[str, dict[ModelVersion, str]] = {}  # lost worker -> version -> its substitute
+
+    async def changed(self) -> None:
+        before = self.manager.plan
+        await self.manager.replan_once()
+        after = self.manager.plan
+        lost = {worker_id for worker_id, hosted in self.hosts.workers.items() if not hosted.alive}
+        for model, placed in before.placements.items():
+            now = after.placements.get(model)
+            for worker_id in set(placed.workers) & lost:
+                if now is None or worker_id in now.workers:
+                    continue
+                substitutes = sorted(set(now.workers) - set(placed.workers))
+                if substitutes:
+                    self.displaced.setdefault(worker_id, {})[model] = substitutes[0]
+        for worker_id in [w for w in self.displaced if self.hosts.workers[w].alive]:
+            for model, substitute in self.displaced.pop(worker_id).items():
+                try:
+                    moved = await self.manager.move_replica(
+                        model, substitute, worker_id, f"{worker_id} is back: its replica returns from {substitute}")
+                except OpmlError as error:
+                    log.warning("%s stays on %s: moving it back to %s failed: %s", model, substitute, worker_id,
+                                error.message)
+                    continue
+                if moved is not None:
+                    log.info("%s moved back from %s to %s", model, substitute, worker_id)
+
+
+def connect_hosts(hosts: HostRegistry, manager: DeploymentManager) -> SiteFailover:
+    """A lost host's replicas are marked down at once (and up when it heartbeats again); its workers'
+    changes re-place (:class:`SiteFailover`); a worker back at a new address gets its planned replicas."""
+    failover = SiteFailover(hosts, manager)
     hosts.on_down = manager.worker_down
     hosts.on_up = manager.router.replica_up
     hosts.on_back = manager.worker_restarted
-    hosts.on_change = manager.replan_once
+    hosts.on_change = failover.changed
+    return failover
 
 
 def bundle_bytes(models: Mapping[str, ModelRecord], model: ModelVersion) -> int:
