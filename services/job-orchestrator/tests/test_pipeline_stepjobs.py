@@ -289,3 +289,16 @@ def test_evaluate_a_regressor(tmp_path: Path) -> None:
     assert monitoring["rules"][0]["signal"] == "mpp" and monitoring["rules"][0]["over"] == pytest.approx(0.525, 1e-3)
     done = _run("evaluate", step | {"metrics": ["accuracy"], "thresholds": []}, inputs, tmp_path / "again")
     assert done.returncode == 2 and "step_invalid: step.metrics: ['accuracy'] are not defined for a regression" in done.stderr
+
+
+def test_evaluate_skips_a_baseline_that_no_longer_runs(tmp_path: Path) -> None:
+    inputs, outputs = tmp_path / "inputs", tmp_path / "outputs"
+    _write_span(inputs / "span", _columns(200, seed=9))
+    _model_dir(inputs / "candidate", GOOD)
+    _model_dir(inputs / "baseline", GOOD)
+    (inputs / "baseline" / "model.onnx").write_bytes(b"not a model")
+    done = _run("evaluate", STEP, inputs, outputs)
+    assert done.returncode == 0, done.stderr
+    result = _result(outputs)
+    assert result["blessed"] is True and result["baseline"] is False
+    assert result["reasons"][0]["message"].startswith("baseline comparison skipped: baseline: onnxruntime:")

@@ -370,12 +370,17 @@ def _baseline(folder: Path, candidate: _Model, config: evaluation.EvalConfig, ta
     """The baseline's metrics on the same rows, or None and why not."""
     if not folder.is_dir() or not any(folder.iterdir()):
         return None, "no baseline: the first run is judged on value thresholds only"
-    baseline = _Model(folder, "baseline")
-    if baseline.signature != candidate.signature:
-        return None, (f"baseline comparison skipped: the candidate's input signature {_show(candidate.signature)} "
-                      f"differs from the baseline's {_show(baseline.signature)}; judged on value thresholds only")
-    output = baseline.output_spec(config.output)
-    predictions = baseline.run(features, output.name)
+    try:
+        baseline = _Model(folder, "baseline")
+        if baseline.signature != candidate.signature:
+            return None, (f"baseline comparison skipped: the candidate's input signature "
+                          f"{_show(candidate.signature)} differs from the baseline's {_show(baseline.signature)}; "
+                          "judged on value thresholds only")
+        predictions = baseline.run(features, baseline.output_spec(config.output).name)
+    except StepError as error:
+        # The blessed model no longer runs (a runtime it was made for is gone): the candidate is still
+        # judged, on its own values, rather than every later candidate failing on the baseline.
+        return None, f"baseline comparison skipped: {error.message}; judged on value thresholds only"
     return evaluation.sliced_metrics(task, config.metrics, labels, predictions, slices), None
 
 
