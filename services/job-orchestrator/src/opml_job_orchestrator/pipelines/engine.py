@@ -17,6 +17,7 @@ from collections.abc import Callable
 from opml.jobs.v1 import pipeline_events_pb2 as events
 from opml.jobs.v1 import pipelines_pb2 as pb
 
+from opml_common.bus import is_retriable
 from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, OpmlError
 from opml_common.events import EventEmitter
 from opml_common.lifecycle import Component, cancel_and_wait
@@ -258,8 +259,9 @@ class PipelineEngine(Component):
         self._tasks[name] = task
 
     async def _drive(self, name: str, number: int) -> None:
-        """Carry run ``number`` to its end (retrying while the bundle-store or Redis is away), then start
-        the coalesced next run, if one was asked for."""
+        """Carry run ``number`` to its end (waiting and trying again, from where its record stands, while
+        the bundle-store or Redis is away: a retriable error), then start the coalesced next run, if
+        one was asked for. Anything else ends the run, failed, with its cause."""
         try:
             failures = 0
             while True:
@@ -272,17 +274,14 @@ class PipelineEngine(Component):
                     break
                 except asyncio.CancelledError:
                     raise
-                except OpmlError as exc:
-                    if not exc.retriable:
+                except Exception as exc:  # noqa: BLE001 - what is not retriable ends the run, with its cause
+                    if not is_retriable(exc):
                         logger.exception("run %d of pipeline %s cannot go on", number, name)
-                        await self._fail(name, number, str(exc))
+                        cause = str(exc) if isinstance(exc, OpmlError) else (
+                            f"the engine failed ({type(exc).__name__}); see its log")
+                        await self._fail(name, number, cause)
                         break
-                    logger.warning("run %d of pipeline %s waits: %s", number, name, exc)
-                except Exception as exc:  # noqa: BLE001 - Redis away, or a bug: the run waits and tries again
-                    logger.exception("run %d of pipeline %s failed unexpectedly; trying again", number, name)
-                    if failures >= 5:
-                        await self._fail(name, number, f"the engine failed ({type(exc).__name__}); see its log")
-                        break
+                    logger.warning("run %d of pipeline %s waits for the bundle-store or Redis: %s", number, name, exc)
                 await asyncio.sleep(_BACKOFF.delay(failures))
                 failures += 1
             async with self._lock(name):
