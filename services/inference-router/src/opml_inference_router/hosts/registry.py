@@ -109,6 +109,7 @@ class HostRegistry(Component):
         self.workers: dict[str, HostedWorker] = {
             worker.id: HostedWorker(worker) for worker in fleet.workers if worker.site != LOCAL_SITE}
         self._task: asyncio.Task | None = None
+        self._probes: set[asyncio.Task] = set()
         self._changes: asyncio.Task | None = None
         self._pending_change = False
         sites = sorted({worker.worker.site for worker in self.workers.values()})
@@ -138,7 +139,7 @@ class HostRegistry(Component):
     async def on_stop(self) -> None:
         task, self._task = self._task, None
         changes, self._changes = self._changes, None
-        await cancel_and_wait(task, changes)
+        await cancel_and_wait(task, changes, *self._probes)
         for host in self.hosts.values():
             await host.agent.close()
         for hosted in self.workers.values():
@@ -363,20 +364,27 @@ class HostRegistry(Component):
     async def _watch(self) -> None:
         tick_s = min(self.heartbeat_interval_s, self.host_timeout_s / 4)
         while True:
-            now = time.monotonic()
-            for host in list(self.hosts.values()):
-                if not host.lost and now - host.last_seen > self.host_timeout_s:
-                    host.lost = True
-                    self._lost.labels(host.site).inc()
-                    log.warning("host %s at site %s lost: no heartbeat for %.1f s", host.name, host.site,
-                                now - host.last_seen)
-                    for worker_id in host.workers:
-                        self._down(self.workers[worker_id], f"host {host.name} (site {host.site}) lost")
-                    self._changed()
-                elif not host.lost and now - host.probed >= self._probe_interval_s:
-                    host.probed = now
-                    asyncio.get_running_loop().create_task(self._probe(host), name=f"probe-{host.name}")
+            self.check(time.monotonic())
             await asyncio.sleep(tick_s)
+
+    def check(self, now: float) -> list[str]:
+        """One watch round at ``now``: hosts silent past the timeout are lost (their replicas marked down
+        and severed, a re-placement started), links due a measurement are probed. Returns the hosts lost."""
+        lost = []
+        for host in list(self.hosts.values()):
+            if not host.lost and now - host.last_seen > self.host_timeout_s:
+                host.lost = True
+                lost.append(host.name)
+                self._lost.labels(host.site).inc()
+                log.warning("host %s at site %s lost: no heartbeat for %.1f s", host.name, host.site,
+                            now - host.last_seen)
+                for worker_id in host.workers:
+                    self._down(self.workers[worker_id], f"host {host.name} (site {host.site}) lost")
+                self._changed()
+            elif not host.lost and now - host.probed >= self._probe_interval_s:
+                host.probed = now
+                self._probes.add(asyncio.get_running_loop().create_task(self._probe(host), name=f"probe-{host.name}"))
+        return lost
 
     async def _probe(self, host: Host) -> None:
         """Measures the host's link; a measurement that changes what placement may do re-places."""
@@ -386,6 +394,8 @@ class HostRegistry(Component):
         except OpmlError as error:
             log.info("probing host %s failed: %s", host.name, error.message)
             return
+        finally:
+            self._probes.discard(asyncio.current_task())  # type: ignore[arg-type]
         bandwidth = self._probe_bytes * 8 / max(padded_s - rtt_s, 1e-6) / 1e6
         first = host.link is None
         host.link = Link(rtt_ms=rtt_s * 1000, bandwidth_mbps=bandwidth)
