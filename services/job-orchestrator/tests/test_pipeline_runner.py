@@ -281,6 +281,8 @@ async def test_a_run_pushes_a_blessed_model_with_its_reference_set_rollout_and_l
     kinds = [name for name, _ in harness.emitter.events]
     assert kinds[0] == "PipelineRunStarted" and kinds[-1] == "PipelineRunFinished"
     assert kinds.count("PipelineStepFinished") == 6
+    assert not (harness.tmp_path / "work" / "churn" / "1").exists(), "a run's folders go when it ends"
+    assert not (harness.tmp_path / "staging" / "churn" / "1").exists()
 
 
 async def test_a_byte_identical_span_reruns_nothing_and_one_changed_byte_reruns_exactly_its_dependents(

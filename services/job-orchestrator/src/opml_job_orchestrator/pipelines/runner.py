@@ -151,6 +151,8 @@ class Runner:
         run.message = f"step {failed[0]!r} failed: {state.step(failed[0]).message}" if failed else "done"
         run.end_time.GetCurrentTime()
         await self._store.save_run(run)
+        for root in (self._work_dir, self._staging_dir):  # what the steps made is in bundles now
+            shutil.rmtree(root / state.name / str(run.number), ignore_errors=True)
         self._metrics.runs.labels("failed" if failed else "succeeded").inc()
         self._emitter.emit(events.PipelineRunFinished(run=run), subject=state.name)
         return run
