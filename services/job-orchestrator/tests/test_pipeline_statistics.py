@@ -61,9 +61,12 @@ def test_categorical_frequencies_are_capped_with_an_other_count(monkeypatch: pyt
 
 def test_a_string_column_in_the_schema_stays_categorical_when_a_span_holds_digits() -> None:
     zips = {"format": 1, "features": {"zip": {"type": "string", "required": True}}}
-    stats = compute(read_csv_text("zip\n10115\n10115\n80331\n"), zips)
+    assert statistics.text_columns(zips) == {"zip"}
+    stats = compute(read_csv_text("zip\n01099\n01099\n80331\n", keep_text={"zip"}), zips)
     assert stats["features"]["zip"]["type"] == "int"
-    assert stats["features"]["zip"]["categorical"]["top"] == [["10115", 2], ["80331", 1]]
+    assert stats["features"]["zip"]["categorical"]["top"] == [["01099", 2], ["80331", 1]], "leading zeros kept"
+    with pytest.raises(ValueError, match="keep_text"):
+        compute(read_csv_text("zip\n01099\n"), zips)
 
 
 def test_schema_inference_required_domains_ranges() -> None:

@@ -27,7 +27,9 @@ def test_missing_cells_are_apart_from_nans() -> None:
     assert x.type == "float"
     assert x.missing.tolist() == [False, True, False]
     assert x.numbers[0] == 1.5 and np.isnan(x.numbers[1]) and np.isnan(x.numbers[2])
-    assert span.column("name").text == ("a", "b", None)
+    assert span.column("name").text == ["a", "b", None]
+    assert x.text is None, "a numeric column keeps its numbers, not its text"
+    assert read_csv_text("x\n1.50\n", keep_text={"x"}).column("x").text == ["1.50"]
     assert span.rows == 3
 
 

@@ -56,14 +56,28 @@ def compute(table: Table, schema: Mapping[str, Any] | None = None) -> dict[str, 
     return {"format": FORMAT, "num_examples": table.rows, "features": features}
 
 
+def text_columns(schema: Mapping[str, Any] | None) -> set[str]:
+    """The columns whose text a span must be read with (``keep_text``) for :func:`compute` under
+    ``schema``: those it types as strings or bools, whatever a span's values look like (zip codes)."""
+    return {name for name, rules in (schema or {}).get("features", {}).items()
+            if rules.get("type") in ("string", "bool")}
+
+
 def column_statistics(column: Column, rows: int, schema_type: str | None = None,
                       bins: Sequence[float] | None = None) -> dict[str, Any]:
     missing = int(column.missing.sum())
     stats: dict[str, Any] = {"type": column.type, "count": rows - missing, "missing": missing, "nan": 0,
                              "nan_share": 0.0}
     categorical = column.type in ("string", "bool") or schema_type in ("string", "bool")
-    if categorical:
+    if categorical and column.text is not None:
         stats["categorical"] = _categorical([v for v in column.text if v is not None])
+    elif categorical and column.type == "bool":
+        assert column.numbers is not None
+        values = column.numbers[~column.missing]
+        stats["categorical"] = _categorical(["true"] * int((values == 1.0).sum()) + ["false"] * int((values == 0.0).sum()))
+    elif categorical:
+        raise ValueError(f"column {column.name!r} is categorical in the schema: read the span with "
+                         "keep_text=text_columns(schema)")
     elif column.numbers is not None:
         values = column.numbers[~column.missing]
         nan = int(np.isnan(values).sum())

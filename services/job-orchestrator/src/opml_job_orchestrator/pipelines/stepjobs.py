@@ -32,7 +32,7 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -123,9 +123,9 @@ def write_json(path: Path, document: Any) -> None:
     write_atomically(path, lambda file: json.dump(_finite(document), file, indent=1, allow_nan=False))
 
 
-def _span(directory: Path) -> Table:
+def _span(directory: Path, keep_text: Collection[str] = ()) -> Table:
     try:
-        return read_span(directory)
+        return read_span(directory, keep_text=keep_text)
     except TableError as error:
         raise StepError("span_unreadable", str(error)) from None
 
@@ -186,7 +186,7 @@ def run_validate(step: Any, inputs: Path, outputs: Path) -> dict[str, Any]:
             except statistics.StatisticsError as error:
                 raise StepError("statistics_invalid", str(error)) from None
         computed.append(span)
-        return statistics.compute(_span(raw[span]), current_schema)
+        return statistics.compute(_span(raw[span], statistics.text_columns(current_schema)), current_schema)
 
     schema_inferred = current_schema is None
     if current_schema is None:
@@ -299,7 +299,7 @@ def run_evaluate(step: Any, inputs: Path, outputs: Path) -> dict[str, Any]:
         raise StepError("step_invalid", str(error)) from None
     if not (inputs / "span").is_dir():
         raise StepError("span_missing", "the inputs have no span/ folder")
-    table = _span(inputs / "span")
+    table = _span(inputs / "span", keep_text=config.slices)
     label = table.columns.get(config.label)
     if label is None or label.type is None:
         raise StepError("label_missing", f"span has no {'value in its ' if label else ''}label column "
