@@ -110,9 +110,11 @@ def pipeline_jobs(jobs: JobClient, run: int) -> list[str]:
     return [j.status.job_id for j in jobs.list(labels={"pipeline": "quality", "pipeline-run": str(run)})]
 
 
-def test_a_committed_span_is_trained_evaluated_blessed_and_pushed_and_the_cache_follows_content(stack) -> None:
+def test_a_committed_span_is_trained_evaluated_blessed_and_pushed_and_the_cache_follows_content(
+        stack, opml_cli, monkeypatch: pytest.MonkeyPatch) -> None:
     store_process, _, make = stack
     orchestrator = make().start()
+    monkeypatch.setenv("OPML_JOB_ORCHESTRATOR_TARGET", orchestrator.target)
     with BundleStoreClient(store_process.target, token=TOKENS["writer"]) as store, \
             PipelineClient(orchestrator.target, token=TOKENS["writer"]) as pipelines, \
             JobClient(orchestrator.target, token=TOKENS["reader"]) as jobs:
@@ -157,6 +159,12 @@ def test_a_committed_span_is_trained_evaluated_blessed_and_pushed_and_the_cache_
                           if b.tags["pipeline-output"].startswith("statistics-"))
         assert computed == [("statistics-1", "1"), ("statistics-2", "2"), ("statistics-2", "4")], \
             "statistics are computed once per span content"
+
+    # `opml pipeline run` follows a run to its end; the same content again: every job step is cached
+    followed = opml_cli("pipeline", "run", "quality", "--reason", "by hand")
+    assert "fit              cached" in followed and followed.rstrip().endswith("run 5 succeeded: done")
+    shown = opml_cli("pipeline", "runs", "quality", "--run", "5")
+    assert "run 5" in shown and "pl-quality-4-fit" not in shown and "cached: run 4" in shown
 
 
 def test_a_run_whose_service_is_killed_during_training_resumes_and_the_job_completes_once(stack, job_dir) -> None:

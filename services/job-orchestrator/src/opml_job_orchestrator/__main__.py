@@ -7,7 +7,7 @@ from typing import Any
 from opml.jobs.v1 import jobs_pb2, jobs_pb2_grpc, pipelines_pb2, pipelines_pb2_grpc
 
 from opml_bundle_store_contract.names import EVENT_SOURCE as BUNDLE_STORE_SOURCE
-from opml_common.bus import EventConsumer
+from opml_common.bus import EventConsumer, RedisDeduplicator
 from opml_common.config import PlatformSettings
 from opml_common.grpc.server import ServiceRegistration
 from opml_common.process import ServiceSpec
@@ -138,7 +138,9 @@ async def build_pipelines(service: ServiceContext, step_jobs: StepJobs) -> Pipel
                 (SPANS_GROUP, BUNDLES, BUNDLE_STORE_SOURCE, SpanTrigger(engine, bundles, metrics).handle),
                 (ALERTS_GROUP, ALERTS, MONITORING_SOURCE, AlertTrigger(engine, alerts, metrics).handle)):
             consumer = EventConsumer(service.platform, group_id=group, topics=[topic], sources=frozenset({source}),
-                                     handler=handler, metrics=service.metrics, publisher=publisher)
+                                     handler=handler, metrics=service.metrics, publisher=publisher,
+                                     dedup=RedisDeduplicator(service.redis(), prefix=service.platform.redis_prefix,
+                                                             group=group))  # a redelivered event asks for no run
             service.run_in_background(consumer.run, stop=consumer.stop, name=f"pipeline triggers ({group})")
     return engine
 
