@@ -31,6 +31,10 @@ TRANSPORT_MODULES = {
         "control/workers.py": "asks each worker process for its health over gRPC",
         "routing/grpc_replica.py": "the gRPC replica: one of the router's transports to a worker",
         "frames.py": "the frame protocol of the workers' Unix sockets and the native front's link (gRPC status codes)",
+        "hosts/service.py": "the router's HostService servicer: host agents register, heartbeat, forward predictions",
+        "hosts/remote.py": "the router's calls to a host's agent (bundles, link probes) and its workers",
+        "hosts/forwarding.py": "a host agent forwards the predictions of its outbox to the router",
+        "hosts/agent.py": "the host agent process: registers and heartbeats, serves bundles and KServe v2",
     },
 }
 

@@ -45,8 +45,6 @@ from opml_inference_router.testing import mlp_classifier, mlp_config, write_mode
 from opml_inference_router_contract.client import DeploymentClient
 from opml_inference_router_contract.topics import PREDICTIONS
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
-
 PROGRAMS = Path(__file__).parent / "programs"
 HOST_TOKEN = "host-token-for-sites"
 AGENT_PORT = 8500  # each agent in a namespace of its own: the same port everywhere
@@ -144,6 +142,7 @@ def site_of(worker: str) -> str:
 
 @pytest.fixture(scope="module")
 def stack(infra: Endpoints, run_id: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    assert os.geteuid() == 0, "network namespaces need root"
     home = tmp_path_factory.mktemp("sites")
     prefix = f"t{run_id}-{uuid.uuid4().hex[:6]}-"
     env = {**infra.env(), "OPML_TOPIC_PREFIX": prefix, "OPML_REDIS_PREFIX": f"opml-test:{prefix}",
