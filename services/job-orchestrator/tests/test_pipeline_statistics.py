@@ -104,6 +104,12 @@ def test_statistics_read_back_are_checked() -> None:
     broken["features"]["x"]["count"] = -1
     with pytest.raises(StatisticsError, match=r"features.x.count must be a count.*histogram must hold"):
         statistics.check(broken, "s")
+    broken = json.loads(json.dumps(good))
+    del broken["features"]["x"]["nan_share"]
+    broken["features"]["x"]["numeric"]["quantiles"] = [[0.5]]
+    broken["features"]["x"]["numeric"]["max"] = "big"
+    with pytest.raises(StatisticsError, match=r"nan_share must be a number.*min, max, mean and std.*quantiles must"):
+        statistics.check(broken, "s")
     with pytest.raises(StatisticsError, match="format must be 1"):
         statistics.check({"format": 0, "num_examples": 1, "features": {}}, "s")
 

@@ -174,6 +174,9 @@ def check(document: Any, what: str) -> dict[str, Any]:
         for key in ("count", "missing", "nan"):
             if not _count(stats.get(key)):
                 problems.append(f"{where}.{key} must be a count, but got {stats.get(key)!r}")
+        share = stats.get("nan_share")
+        if not (_number(share) and 0 <= share <= 1):
+            problems.append(f"{where}.nan_share must be a number in [0, 1], but got {share!r}")
         problems += _check_parts(stats, where)
     if problems:
         raise StatisticsError(f"{what}: " + "; ".join(problems[:20]) + (" ..." if len(problems) > 20 else ""))
@@ -187,14 +190,24 @@ def _check_parts(stats: Mapping[str, Any], where: str) -> list[str]:
         top = categorical.get("top") if isinstance(categorical, dict) else None
         if not (isinstance(top, list) and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
                                               and _count(p[1]) for p in top)
-                and _count(categorical.get("other"))):
-            problems.append(f"{where}.categorical must hold top: [[value, count], ...] and other: count")
+                and _count(categorical.get("other")) and _count(categorical.get("unique"))):
+            problems.append(f"{where}.categorical must hold unique: count, top: [[value, count], ...] and "
+                            "other: count")
     numeric = stats.get("numeric")
     if numeric is not None:
-        hist = numeric.get("histogram") if isinstance(numeric, dict) else None
+        if not isinstance(numeric, dict):
+            return [*problems, f"{where}.numeric must be an object"]
+        hist = numeric.get("histogram")
         if hist is not None and not _histogram_ok(hist):
             problems.append(f"{where}.numeric.histogram must hold increasing edges, one count per bin, below "
                             "and above")
+        if not all(numeric.get(key) is None or _number(numeric[key]) for key in ("min", "max", "mean", "std")):
+            problems.append(f"{where}.numeric: min, max, mean and std must be numbers or null")
+        for key in ("quantiles", "top"):
+            pairs = numeric.get(key, [])
+            if not (isinstance(pairs, list) and all(isinstance(p, list) and len(p) == 2 and all(map(_number, p))
+                                                    for p in pairs)):
+                problems.append(f"{where}.numeric.{key} must be a list of [number, number] pairs")
     if stats.get("type") in NUMERIC_TYPES and categorical is None and numeric is None and stats.get("count"):
         problems.append(f"{where}: a numeric column with values needs numeric statistics")
     return problems
@@ -211,6 +224,10 @@ def _histogram_ok(hist: Any) -> bool:
         return False
     return (all(a < b for a, b in zip(edges, edges[1:], strict=False)) and all(_count(c) for c in counts)
             and _count(hist.get("below")) and _count(hist.get("above")))
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _count(value: Any) -> bool:
