@@ -519,3 +519,21 @@ async def test_a_run_waits_while_the_bundle_store_is_away_and_goes_on_from_where
     run = await harness.run()
     assert away.is_set() and run.state == pb.RUN_STATE_SUCCEEDED
     assert harness.jobs.started == ["pl-churn-1-check", "pl-churn-1-fit", "pl-churn-1-judge"], "no job ran twice"
+
+
+async def test_a_run_keeps_the_spec_it_started_with_when_another_is_applied_meanwhile(harness: Harness) -> None:
+    harness.span(1, b"1,0\n")
+    harness.jobs.gate = asyncio.Event()
+    number, _ = await harness.engine.trigger("churn", "rpc")
+    await harness.jobs.running.wait()
+    shorter = copy.deepcopy(SPEC)
+    shorter["steps"] = shorter["steps"][:3]  # ingest, validate, train only
+    await harness.engine.apply(load_pipeline(shorter), principal="writer")
+    await harness.engine.stop()  # and the service restarts: the resumed run still has its own spec
+    harness.jobs.gate.set()
+    harness.engine = harness.new_engine()
+    await harness.engine.start()
+    run = await harness.ended(number)
+    assert list(states(run)) == ["spans", "check", "fit", "judge", "gate", "ship"]
+    assert run.state == pb.RUN_STATE_SUCCEEDED and len(run.spec.steps) == 6
+    assert [s.name for s in harness.engine.get("churn").spec.steps] == ["spans", "check", "fit"]

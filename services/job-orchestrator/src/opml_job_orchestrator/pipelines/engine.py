@@ -198,7 +198,8 @@ class PipelineEngine(Component):
                                          "blessing once it ended")
             if run.blessed:
                 raise FailedPrecondition(f"run {number} of pipeline {name!r} is blessed already")
-            plan = Plan.of(pipeline.spec)
+            planned = _planned(pipeline, run)
+            plan = Plan.of(planned.spec)
             bless = plan.step_of(pb.STEP_KIND_BLESS)
             steps = {s.step: s for s in run.steps}
             evaluate = plan.input_of(bless, pb.STEP_KIND_EVALUATE) if bless else None
@@ -206,7 +207,7 @@ class PipelineEngine(Component):
                 raise FailedPrecondition(f"run {number} of pipeline {name!r} has no evaluated model to bless "
                                          f"(its evaluate step did not succeed)")
             record = await self._runner.write_blessing(
-                _copy(pipeline), run, steps[bless], blessed=True, reasons=[f"forced by {principal}: {reason}"],
+                planned, run, steps[bless], blessed=True, reasons=[f"forced by {principal}: {reason}"],
                 metrics={}, update=self._update, forced={"principal": principal, "reason": reason})
             steps[bless].state = pb.STEP_STATE_SUCCEEDED
             steps[bless].decision = f"blessed by {principal} (forced): {reason}"
@@ -238,7 +239,8 @@ class PipelineEngine(Component):
         pipeline = self._pipelines[name]
         number = await self._store.next_run_number(name)
         run = pb.PipelineRun(name=run_name(name, number), pipeline=name, number=number, state=pb.RUN_STATE_RUNNING,
-                             triggers=await self._store.pending(name), spec_hash=spec_hash(pipeline.spec))
+                             triggers=await self._store.pending(name), spec_hash=spec_hash(pipeline.spec),
+                             spec=pipeline.spec)
         run.create_time.GetCurrentTime()
         plan = Plan.of(pipeline.spec)
         for step_name in plan.order:
@@ -266,10 +268,10 @@ class PipelineEngine(Component):
             failures = 0
             while True:
                 try:
-                    pipeline = _copy(self._pipelines[name])
                     run = await self._store.run(name, number)
                     if run is None or run.state != pb.RUN_STATE_RUNNING:
                         break
+                    pipeline = _planned(self._pipelines[name], run)
                     await self._runner.execute(pipeline, run, update=self._update)
                     break
                 except asyncio.CancelledError:
@@ -321,7 +323,9 @@ class PipelineEngine(Component):
         self._emitter.emit(events.PipelineRunFinished(run=run), subject=name)
 
 
-def _copy(pipeline: pb.Pipeline) -> pb.Pipeline:
+def _planned(pipeline: pb.Pipeline, run: pb.PipelineRun) -> pb.Pipeline:
+    """A copy of ``pipeline`` for ``run`` to work on, with the spec the run was planned from."""
     copy = pb.Pipeline()
     copy.CopyFrom(pipeline)
+    copy.spec.CopyFrom(run.spec)
     return copy
