@@ -190,7 +190,8 @@ SPEC = {
         {"name": "fit", "kind": "train", "inputs": ["spans", "check"],
          "train": {"class": "TE", "command": ["python", "train.py"], "warm_start": True}},
         {"name": "judge", "kind": "evaluate", "inputs": ["fit", "spans"],
-         "evaluate": {"label": "y", "thresholds": {"accuracy": {"lower_bound": 0.5}}}},
+         "evaluate": {"label": "y", "features": ["x"], "metrics": ["accuracy"],
+                      "thresholds": [{"metric": "accuracy", "lower": 0.5}]}},
         {"name": "gate", "kind": "bless", "inputs": ["judge"]},
         {"name": "ship", "kind": "push", "inputs": ["gate"],
          "push": {"context": "serving", "model": "churn", "rollout": {"steps": [{"weight": 10}, {"pause": {"duration_s": 60}}]}}},
@@ -537,3 +538,15 @@ async def test_a_run_keeps_the_spec_it_started_with_when_another_is_applied_mean
     assert list(states(run)) == ["spans", "check", "fit", "judge", "gate", "ship"]
     assert run.state == pb.RUN_STATE_SUCCEEDED and len(run.spec.steps) == 6
     assert [s.name for s in harness.engine.get("churn").spec.steps] == ["spans", "check", "fit"]
+
+
+async def test_settings_the_step_program_would_refuse_are_refused_at_apply(harness: Harness) -> None:
+    bad = copy.deepcopy(SPEC)
+    bad["steps"][1]["validate"]["thresholds"] = {"default": {"jensen_shannon_divergence": -1}, "colour": 1}
+    bad["steps"][3]["evaluate"] = {"label": "y", "metrics": ["accuracy", "speed"]}
+    with pytest.raises(InvalidArgument) as raised:
+        await harness.engine.apply(load_pipeline(bad), principal="writer")
+    fields = {field for field, _ in raised.value.violations}
+    assert {"steps[1].validate.thresholds.colour", "steps[3].evaluate.features",
+            "steps[3].evaluate.metrics[1]"} <= fields
+    assert any(f.startswith("steps[1].validate.thresholds.default") for f in fields)

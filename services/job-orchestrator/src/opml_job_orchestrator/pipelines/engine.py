@@ -22,6 +22,7 @@ from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, Op
 from opml_common.events import EventEmitter
 from opml_common.lifecycle import Component, cancel_and_wait
 from opml_common.retry import Backoff
+from opml_job_orchestrator.pipelines import anomalies, evaluation
 from opml_job_orchestrator.pipelines.dag import Plan
 from opml_job_orchestrator.pipelines.metrics import PipelineMetrics
 from opml_job_orchestrator.pipelines.runner import ENDED, PASSED, Runner, plain
@@ -33,6 +34,18 @@ logger = logging.getLogger(__name__)
 
 _BACKOFF = Backoff(base_s=0.5, max_s=30.0)
 MAX_REASON = 500
+
+
+def step_program_violations(spec: pb.PipelineSpec) -> list[tuple[str, str]]:
+    """The validate steps' thresholds and the evaluate steps' configs checked with the step program's
+    own rules, so a setting it would refuse is refused at apply, every one with its path."""
+    problems: list[str] = []
+    for index, step in enumerate(spec.steps):
+        if step.kind == pb.STEP_KIND_VALIDATE and step.validate.thresholds.fields:
+            problems += anomalies.threshold_errors(plain(step.validate.thresholds), f"steps[{index}].validate.thresholds")
+        elif step.kind == pb.STEP_KIND_EVALUATE:
+            problems += evaluation.config_errors(plain(step.evaluate.config), f"steps[{index}].evaluate")
+    return [tuple(problem.split(": ", 1)) if ": " in problem else ("steps", problem) for problem in problems]
 
 
 def rollout_violations(spec: pb.PipelineSpec) -> list[tuple[str, str]]:
@@ -107,7 +120,7 @@ class PipelineEngine(Component):
         Raises:
             InvalidArgument: every rule the spec breaks, at once.
         """
-        violations = pipeline_violations(spec) + rollout_violations(spec)
+        violations = pipeline_violations(spec) + step_program_violations(spec) + rollout_violations(spec)
         if violations:
             raise InvalidArgument.of(violations)
         async with self._lock(spec.name):
