@@ -38,7 +38,8 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
     return [
         ServiceRegistration(fl_pb2.DESCRIPTOR.services_by_name["FederationService"],
                             fl_pb2_grpc.add_FederationServiceServicer_to_server,
-                            FederationServicer(coordinator, chunk_bytes=settings.chunk_bytes, metrics=metrics),
+                            FederationServicer(coordinator, chunk_bytes=settings.chunk_bytes,
+                                               max_model_bytes=settings.max_model_bytes, metrics=metrics),
                             FEDERATION_ROLES),
         ServiceRegistration(fl_pb2.DESCRIPTOR.services_by_name["FederatedClientService"],
                             fl_pb2_grpc.add_FederatedClientServiceServicer_to_server,

@@ -39,7 +39,7 @@ class FlMetrics:
         self.accuracy = metrics.gauge("global_accuracy_ratio", "Accuracy of each federation's latest global "
                                       "model.", ("federation",))
         self.bytes_in = metrics.counter("weights_received_bytes_total", "Array bytes uploaded by clients.")
-        self.bytes_out = metrics.counter("weights_sent_bytes_total", "Array bytes sent to clients.")
+        self.bytes_out = metrics.counter("weights_sent_bytes_total", "Array bytes sent: tasks to members, DownloadWeights.")
         self.save_seconds = metrics.histogram("state_save_seconds", "Time to save a completed round (S3 + Redis).")
         for mode in ("sync", "semi_async"):
             self.rounds.labels(mode)

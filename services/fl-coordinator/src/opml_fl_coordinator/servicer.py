@@ -43,8 +43,10 @@ METHOD_ROLES = {**FEDERATION_ROLES, **CLIENT_ROLES}
 
 
 class FederationServicer(fl_pb2_grpc.FederationServiceServicer):
-    def __init__(self, coordinator: Coordinator, *, chunk_bytes: int, metrics: FlMetrics) -> None:
+    def __init__(self, coordinator: Coordinator, *, chunk_bytes: int, max_model_bytes: int,
+                 metrics: FlMetrics) -> None:
         self._coordinator, self._chunk_bytes, self._metrics = coordinator, chunk_bytes, metrics
+        self._max_model_bytes = max_model_bytes
 
     async def CreateFederation(self, request: pb.CreateFederationRequest, context) -> pb.Federation:
         return convert.federation_to_proto(await self._coordinator.create(request.config_yaml))
@@ -80,8 +82,19 @@ class FederationServicer(fl_pb2_grpc.FederationServiceServicer):
                                    token=token)
 
     async def DownloadWeights(self, request: pb.DownloadWeightsRequest, context) -> AsyncIterator[pb.ArrayChunk]:
+        """The global model as it is when the call comes (a round completing meanwhile replaces the
+        list, not its arrays), in messages of at most ``chunk_bytes`` of data, ``max_model_bytes`` in all.
+
+        Raises: FailedPrecondition: the model is larger than ``max_model_bytes`` (a model the
+        coordinator would not take from a member is not sent either)."""
         federation = self._coordinator.get(convert.parse_federation_name("name", request.name)).federation
-        for chunk in chunks(list(federation.weights or []), self._chunk_bytes):
+        weights = list(federation.weights or [])
+        total = sum(np.asarray(array).nbytes for array in weights)
+        if total > self._max_model_bytes:
+            raise FailedPrecondition(f"the global model holds {total} bytes, more than max_model_bytes "
+                                     f"({self._max_model_bytes})")
+        for chunk in chunks(weights, self._chunk_bytes):
+            self._metrics.bytes_out.inc(len(chunk.data))
             yield chunk
 
 

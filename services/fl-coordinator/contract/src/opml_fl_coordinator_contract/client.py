@@ -42,7 +42,7 @@ from opml_common.errors import OpmlError
 from opml_common.grpc.client import ServiceClient, Tls, pages
 from opml_common.retry import Backoff
 from opml_fl_coordinator_contract.names import CLIENT_TOKEN_HEADER, federation_name
-from opml_fl_coordinator_contract.weights import ArrayAssembler, Weights, chunks
+from opml_fl_coordinator_contract.weights import MAX_ARRAYS, ArrayAssembler, Weights, chunks
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20
@@ -87,21 +87,15 @@ class FederationClient(ServiceClient):
         return _weights_by_index(stream)
 
 
-def _weights_by_index(stream: Iterator[pb.ArrayChunk]) -> Weights:
-    """Arrays from chunks that come array after array (DownloadWeights sends no count first)."""
-    arrays: list[np.ndarray] = []
-    current: bytearray | None = None
-    spec: tuple[np.dtype, tuple[int, ...]] | None = None
+def _weights_by_index(stream: Iterator[pb.ArrayChunk], *, max_bytes: int = MAX_MODEL_BYTES) -> Weights:
+    """Arrays from chunks that come array after array (DownloadWeights sends no count first), bounded
+    as a task's are: at most ``MAX_ARRAYS`` arrays and ``max_bytes`` in all, in order, numeric dtypes.
+
+    Raises: InvalidArgument: the stream breaks a bound (see :class:`ArrayAssembler`)."""
+    assembler = ArrayAssembler(MAX_ARRAYS, max_bytes=max_bytes, floating_only=False)
     for chunk in stream:
-        if current is None:
-            spec = (np.dtype(chunk.dtype), tuple(chunk.shape))
-            current = bytearray()
-        current += chunk.data
-        assert spec is not None
-        if len(current) >= int(np.prod(spec[1])) * spec[0].itemsize:
-            arrays.append(np.frombuffer(bytes(current), dtype=spec[0]).reshape(spec[1]).copy())
-            current = None
-    return arrays
+        assembler.add(chunk)
+    return assembler.received()
 
 
 class NumPyClient(ABC):

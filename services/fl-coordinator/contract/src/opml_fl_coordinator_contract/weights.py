@@ -111,6 +111,13 @@ class ArrayAssembler:
         if end == len(self._current):
             self._current = None
 
+    def received(self) -> Weights:
+        """The arrays of a stream that announced no count (``num_arrays`` is then its bound): every
+        array begun must be complete."""
+        if self._current is not None:
+            raise InvalidArgument("chunk", f"the stream ended inside array {len(self.arrays) - 1}")
+        return self.arrays
+
     def result(self) -> Weights:
         if len(self.arrays) != self.num_arrays or self._current is not None:
             complete = len(self.arrays) - (self._current is not None)
