@@ -7,8 +7,10 @@ The vision-inspection story:
 6.   job-orchestrator: a defect classifier is trained as a TE job, its TensorFlow traced with no
      change to its code (``main_job_train.py`` is plain Keras), and exported to ONNX.
 7.   trace-collector: the job's always-on step metrics, as the service aggregated them.
-8-9. The model is committed as a bundle tagged ``serve=true``; the inference-router deploys it from
-     the bundles topic, serves it over KServe v2 (tritonclient), and publishes each prediction.
+8-9. The model is committed as a bundle tagged ``serve=true``, with a reference set and monitoring
+     rules (so the monitoring-scorer estimates its accuracy and alerts from its first window); the
+     inference-router deploys it from the bundles topic, serves it over KServe v2 (tritonclient),
+     and publishes each prediction.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+import onnxruntime
 import tritonclient.grpc as triton
+import yaml
 from aiokafka import AIOKafkaConsumer
 from inspection_data import CLASS_NAMES, inspection_patches
 from opml.bundles.v1 import bundles_pb2 as pb
@@ -41,6 +46,7 @@ from opml_inference_router_contract.client import DeploymentClient
 from opml_inference_router_contract.topics import PREDICTIONS
 from opml_job_orchestrator_contract.client import JobClient
 from opml_job_orchestrator_contract.jobspec import load_spec
+from opml_monitoring_scorer_contract.reference import MONITORING_FILE, REFERENCE_FILE, reference_npz
 from opml_trace_collector_contract.client import TraceCollectorClient
 
 TARGET = os.environ.get("OPML_BUNDLE_STORE_TARGET", "127.0.0.1:50051")
@@ -56,6 +62,9 @@ EVENTS_TIMEOUT_S = 60.0
 """How long in all a step waits for its events on a topic."""
 Ours = Callable[[str, str, bytes], bool]
 """(ce_type, ce_subject, value) -> whether the event is this run's."""
+REFERENCE_ROWS = 1000
+ACCURACY_DROP = 0.10
+"""Fall of the estimated accuracy below the reference's that raises the deployed model's alert."""
 
 
 def ensure_context(client: BundleStoreClient, name: str) -> None:
@@ -196,10 +205,38 @@ def deployed(router: DeploymentClient, bundle_uuid: str) -> deployments_pb2.Mode
     return version
 
 
+def write_monitoring_files(model_dir: Path) -> None:
+    """The deployed model's ``reference.npz`` (held-out patches, not trained or tested on: the model's
+    scores on them, run from its ONNX file as it is served, and their labels) and ``monitoring.yaml``
+    (window, drift, data-quality and estimated-accuracy rules), in the scorer's format. The image
+    tensor is wider than the scorer monitors column by column, so its features are the per-row
+    statistics the scorer takes of it: ``image.mean``, ``.std``, ``.min``, ``.max``."""
+    images, labels = inspection_patches(REFERENCE_ROWS, seed=4)
+    session = onnxruntime.InferenceSession(str(model_dir / "model.onnx"), providers=["CPUExecutionProvider"])
+    scores = session.run(["defect_scores"], {"image": images.astype(np.float32)})[0]
+    predicted = scores.argmax(axis=1)
+    flat = images.reshape(len(images), -1).astype(np.float64)
+    features = {f"image.{name}": getattr(flat, name)(axis=1) for name in ("mean", "std", "min", "max")}
+    (model_dir / REFERENCE_FILE).write_bytes(reference_npz(features, predicted=predicted, scores=scores,
+                                                           labels=labels))
+    accuracy = float((predicted == labels).mean())
+    rules = [{"name": "input-drift", "signal": "drift", "over": 0.3, "for": 2},
+             {"name": "bad-input", "signal": "data_quality", "over": 0.05},
+             {"name": "accuracy-low", "signal": "mpp", "under": round(max(0.0, accuracy - ACCURACY_DROP), 4),
+              "for": 3, "clear_after": 3}]
+    (model_dir / MONITORING_FILE).write_text(yaml.safe_dump(
+        {"task": "multiclass", "outputs": {"scores": "defect_scores"}, "window": {"count": 200}, "rules": rules},
+        sort_keys=False))
+    print(f"   reference set: {REFERENCE_ROWS} held-out patches, accuracy {accuracy:.3f}; alert under "
+          f"{rules[-1]['under']:.3f} estimated")
+
+
 def serve_model(client: BundleStoreClient, model_dir: Path) -> Ours:
-    """Steps 8-9: commit the model tagged for serving; the router deploys it; predict over KServe v2.
-    Returns what tells this prediction's event."""
-    files = {name: model_dir / name for name in ("model.onnx", "model.yaml", "metrics.json")}
+    """Steps 8-9: commit the model tagged for serving, with its reference set and monitoring rules; the
+    router deploys it; predict over KServe v2. Returns what tells this prediction's event."""
+    write_monitoring_files(model_dir)
+    files = {name: model_dir / name
+             for name in ("model.onnx", "model.yaml", "metrics.json", REFERENCE_FILE, MONITORING_FILE)}
     accuracy = json.loads(files["metrics.json"].read_text())["accuracy"]
     bundle = client.add("plant-a", "defect-classifier-onnx", files, commit=True, values={"accuracy": accuracy},
                         tags={"task": "vision-inspection", "serve": "true"})
