@@ -107,6 +107,7 @@ class FakeStepJobs:
         self.validate_ok = True
         self.blessed = True
         self.gate: asyncio.Event | None = None
+        self.plant_symlink = False
         self.running = asyncio.Event()
 
     def known(self, job_id: str) -> bool:
@@ -160,6 +161,8 @@ class FakeStepJobs:
         (folder / "outputs" / "reference").mkdir()
         (folder / "outputs" / "reference" / "reference.npz").write_bytes(b"npz")
         (folder / "outputs" / "reference" / "monitoring.yaml").write_text("rules: []\n")
+        if self.plant_symlink:  # a job that tries to make the service upload a file of its choosing
+            (folder / "outputs" / "reference" / "secrets.txt").symlink_to("/etc/hostname")
 
     def _train(self, env: Mapping[str, str]) -> None:
         spans = Path(env[SPANS_VARIABLE])
@@ -550,3 +553,12 @@ async def test_settings_the_step_program_would_refuse_are_refused_at_apply(harne
     assert {"steps[1].validate.thresholds.colour", "steps[3].evaluate.features",
             "steps[3].evaluate.metrics[1]"} <= fields
     assert any(f.startswith("steps[1].validate.thresholds.default") for f in fields)
+
+
+async def test_what_a_job_wrote_is_read_as_plain_files_only(harness: Harness) -> None:
+    harness.jobs.plant_symlink = True
+    harness.span(1, b"1,0\n")
+    run = await harness.run()
+    judge = step(run, "judge")
+    assert judge.state == pb.STEP_STATE_FAILED and "'reference/secrets.txt' is not a regular file" in judge.message
+    assert not harness.bundles.of(**{"pipeline-output": "evaluation"}), "nothing of that step was uploaded"
