@@ -264,6 +264,14 @@ def test_validate_reports_every_violation_and_the_cli(controller, program, opml_
         assert any("image" in note for note in checked.notes)
         with pytest.raises(Exception, match="PERMISSION_DENIED|needs the writer|role"):
             client.create(experiment_yaml("ok", program, max_trials=3))
+    typo = yaml.safe_load(experiment_yaml("typo", program, max_trials=3))
+    typo["spec"]["paralelTrialCount"] = 1
+    with ExperimentClient(controller.target, token=TOKENS["admin"]) as client:
+        created = client.create(yaml.safe_dump(typo))  # the API's caller hears of the misspelt field too
+        assert list(created.warnings) == [
+            "spec.paralelTrialCount: unknown field, ignored (did you mean parallelTrialCount?)"]
+        assert not client.get("typo").warnings  # said once, at creation
+        client.delete("typo")
     monkeypatch.setenv("OPML_AUTOML_CONTROLLER_TARGET", controller.target)
     path = tmp_path / "exp.yaml"
     path.write_text(experiment_yaml("cli", program, max_trials=3, parallel=3))

@@ -70,6 +70,7 @@ class ExperimentView:
     record: ExperimentRecord
     spec: ExperimentSpec
     trials: tuple[TrialRecord, ...]
+    warnings: tuple[str, ...] = ()  # unknown fields of the spec, ignored (set when it is created)
 
     def best(self) -> TrialRecord | None:
         return convert.best_trial(self.spec, self.trials)
@@ -227,7 +228,8 @@ class Controller(Component):
 
     async def create(self, katib_yaml: str) -> ExperimentView:
         """Raises: InvalidArgument: a rule broken. AlreadyExists: the name is taken."""
-        spec = self.validate(katib_yaml).spec
+        checked = self.validate(katib_yaml)
+        spec = checked.spec
         record = ExperimentRecord(name=spec.name, uid=secrets.token_hex(3), katib_yaml=katib_yaml,
                                   max_trial_count=spec.max_trial_count, reason="Created",
                                   message="Experiment is created")
@@ -237,7 +239,7 @@ class Controller(Component):
         self._records.announce(record, spec, ())
         self._launch(spec.name)
         await self._records.count()
-        return ExperimentView(record, spec, ())
+        return ExperimentView(record, spec, (), checked.warnings)
 
     async def get(self, name: str) -> ExperimentView:
         """Raises: NotFound. SpecInvalid: it no longer parses."""

@@ -38,7 +38,9 @@ class ExperimentServicer(automl_pb2_grpc.ExperimentServiceServicer):
 
     async def CreateExperiment(self, request: pb.CreateExperimentRequest, context) -> pb.Experiment:
         view = await self._controller.create(request.katib_yaml)
-        return experiment_to_proto(view.record, view.spec, view.trials)
+        created = experiment_to_proto(view.record, view.spec, view.trials)
+        created.warnings.extend(view.warnings)
+        return created
 
     async def ValidateExperiment(self, request: pb.ValidateExperimentRequest, context
                                  ) -> pb.ValidateExperimentResponse:
