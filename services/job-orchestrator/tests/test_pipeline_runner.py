@@ -562,3 +562,13 @@ async def test_what_a_job_wrote_is_read_as_plain_files_only(harness: Harness) ->
     judge = step(run, "judge")
     assert judge.state == pb.STEP_STATE_FAILED and "'reference/secrets.txt' is not a regular file" in judge.message
     assert not harness.bundles.of(**{"pipeline-output": "evaluation"}), "nothing of that step was uploaded"
+
+
+async def test_a_model_served_under_another_name_than_the_push_step_says_is_not_pushed(harness: Harness) -> None:
+    other = copy.deepcopy(SPEC)
+    other["steps"][5]["push"]["model"] = "fraud"
+    await harness.engine.apply(load_pipeline(other), principal="writer")
+    harness.span(1, b"1,0\n")
+    run = await harness.run()
+    assert step(run, "ship").state == pb.STEP_STATE_FAILED and "names it 'churn'" in step(run, "ship").message
+    assert not harness.bundles.of(**{"pipeline-output": "serving"})

@@ -458,6 +458,8 @@ class Runner:
             await self._bundles.download(model.context, model.uuid, staging / "model")
             await self._bundles.download(evaluation.context, evaluation.uuid, staging / "evaluation")
             files: dict[str, Path | bytes] = {p.name: p for p in (staging / "model").iterdir() if p.is_file()}
+            if push.model:
+                _check_model_name(staging / "model" / "model.yaml", push.model)
             for name in ("reference.npz", "monitoring.yaml"):
                 if (staging / "evaluation" / "reference" / name).is_file():
                     files[name] = staging / "evaluation" / "reference" / name
@@ -530,6 +532,25 @@ class Runner:
 
     _STEPS = {pb.STEP_KIND_INGEST: _ingest, pb.STEP_KIND_VALIDATE: _validate, pb.STEP_KIND_TRAIN: _train,
               pb.STEP_KIND_EVALUATE: _evaluate, pb.STEP_KIND_BLESS: _bless, pb.STEP_KIND_PUSH: _push}
+
+
+def _check_model_name(config: Path, expected: str) -> None:
+    """The model is served (and monitored, and alerted on) under model.yaml's ``name``: it must be the
+    push step's ``model``, or the pipeline would never hear of its alerts.
+
+    Raises:
+        StepFailed: it is not, or model.yaml is not a YAML mapping (of at most 1 MiB).
+    """
+    if config.stat().st_size > 1024 * 1024:
+        raise StepFailed("the model's model.yaml is larger than 1 MiB")
+    try:
+        document = yaml.safe_load(config.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise StepFailed(f"the model's model.yaml is not YAML: {exc}") from None
+    name = document.get("name") if isinstance(document, dict) else None
+    if name != expected:
+        raise StepFailed(f"the model's model.yaml names it {name!r}, but the push step's `model` is {expected!r}: "
+                         "it would be served under another name than the one whose alerts reach this pipeline")
 
 
 def _open_parents(folder: Path, root: Path) -> None:
