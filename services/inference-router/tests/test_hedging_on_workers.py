@@ -35,9 +35,11 @@ FLEET = {"pool_kinds": [{"name": "cpu", "precisions": ["fp32"], "memory_mib": 40
 HOLD_US = 60_000_000  # A's batch waits this long to fill: a dropped call shows long before
 
 
-def _start(root: Path, name: str, delay_us: int) -> WorkerProcess:
+def _start(root: Path, name: str, delay_us: int, *, wait_when_idle: bool = False) -> WorkerProcess:
     models = root / name / "models"
-    write_model_dir(models / "m", mlp_config("m", max_queue_delay_us=delay_us), mlp_classifier(width=32, seed=3))
+    config = mlp_config("m", max_queue_delay_us=delay_us)
+    config["dynamic_batching"]["wait_when_idle"] = wait_when_idle
+    write_model_dir(models / "m", config, mlp_classifier(width=32, seed=3))
     worker = WorkerProcess("cpu", root / "fleet.yaml", root / f"{name}.log", models_dir=models,
                            env={"OPML_LOG_FORMAT": "text"}, uds=root / f"{name}.sock").start()
     with grpc.insecure_channel(worker.target) as channel:
@@ -50,7 +52,7 @@ def _start(root: Path, name: str, delay_us: int) -> WorkerProcess:
 def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
     root = tmp_path_factory.mktemp("hedging")
     (root / "fleet.yaml").write_text(yaml.safe_dump(FLEET))
-    slow = _start(root, "slow", HOLD_US)
+    slow = _start(root, "slow", HOLD_US, wait_when_idle=True)  # a lone request waits out the delay too
     try:
         fast = _start(root, "fast", 1000)
         try:

@@ -222,6 +222,30 @@ def test_a_request_finding_the_replica_idle_runs_without_waiting_the_delay() -> 
     assert batcher.metrics.execution_count == 2 and sorted(batcher.metrics.batches) == [1, 3]
 
 
+def test_wait_when_idle_holds_a_lone_request_for_its_batch_as_triton_does() -> None:
+    config = ModelConfig.from_dict({**mlp_config("mlp"),
+                                    "dynamic_batching": {"max_queue_delay_us": 60_000_000, "wait_when_idle": True}})
+    session = build_session(mlp_classifier().SerializeToString(), CPU, threads=1, source="mlp", folder=IN_MEMORY)
+    batcher = batcher_for(Replica(ModelVersion("mlp", 1), config, CPU, "fp32", session))
+    depth = batcher.metrics.queue_depth._value
+
+    async def scenario() -> None:
+        await batcher.start()
+        try:
+            held = asyncio.create_task(batcher.infer({"features": rows(1)}))
+            await until(lambda: depth.get() == 1)
+            for _ in range(20):  # the dispatcher runs, and waits for the batch to fill
+                await asyncio.sleep(0)
+            assert depth.get() == 1 and batcher.metrics.execution_count == 0
+            batcher.set_max_batch(1)  # now the one row fills it
+            assert (await held)["scores"].shape == (1, 4)
+        finally:
+            await batcher.stop()
+
+    asyncio.run(scenario())
+    assert batcher.metrics.execution_count == 1
+
+
 def test_requests_arriving_while_the_replica_runs_form_one_batch() -> None:
     """Under load the delay still does its work: what queues behind a running batch is taken together."""
     served = gated_replica(delay_us=20_000)

@@ -25,6 +25,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     StrictFloat,
     StrictInt,
     StrictStr,
@@ -120,9 +121,13 @@ class TensorSpec(Schema):
 
 class DynamicBatching(Schema):
     """Server-side batching: a batch is dispatched when it is full or its oldest request has waited
-    ``max_queue_delay_us``. Absent from a config: requests are served one by one."""
+    ``max_queue_delay_us``; a request that finds its replica idle runs at once unless ``wait_when_idle``.
+    Absent from a config: requests are served one by one."""
 
     max_queue_delay_us: StrictInt = Field(0, ge=0, description="Longest wait to fill a batch. Default 0.")
+    wait_when_idle: StrictBool = Field(False, description="Wait up to max_queue_delay_us even when nothing is "
+                                       "queued and no batch runs (Triton's dynamic batcher). Default false: such a "
+                                       "request runs at once, and requests arriving meanwhile form the next batch.")
 
     @property
     def max_queue_delay_ms(self) -> float:

@@ -9,8 +9,9 @@ instances run ``k`` batches at once; requests that arrive while every instance r
 batch: under load, batches fill without waiting. A request that finds the replica idle (nothing
 queued, no instance running) does not wait the delay either: it runs at once, with whatever arrived
 in the same turn of the event loop, and the requests that come while it runs form the next batch; the
-delay is paid only to grow a batch behind other work, so a lone caller never pays it for nothing.
-Without dynamic batching every request runs alone. A cancelled request (its caller's deadline passed, or it was a hedged request that lost)
+delay is paid only to grow a batch behind other work, so a lone caller never pays it for nothing
+(``dynamic_batching.wait_when_idle`` waits anyway, as Triton does). Without dynamic batching every
+request runs alone. A cancelled request (its caller's deadline passed, or it was a hedged request that lost)
 leaves the queue at once: it neither costs a run nor holds rows of the batch that is filling.
 
 A batch that takes less than ``INLINE_BELOW_S`` (a running average of the replica's runs) runs on
@@ -73,6 +74,7 @@ class DynamicBatcher(Component):
         self._batching = config.dynamic_batching is not None and replica.batches
         self._max_rows = replica.max_batch if self._batching else 1
         self._delay_s = config.queue_delay_ms / 1000.0 if self._batching else 0.0
+        self._wait_when_idle = self._batching and config.dynamic_batching.wait_when_idle
         self._queue: deque[_Pending] = deque()
         self._queued_rows = 0
         self._wake = asyncio.Event()
@@ -156,7 +158,7 @@ class DynamicBatcher(Component):
             raise Unavailable(f"{self.replica.model} is being unloaded; retry on another replica")
         loop = asyncio.get_running_loop()
         rows = len(next(iter(inputs.values()))) if self.replica.batches else 1
-        idle = not self._queue and len(self._idle) == len(self._instances)
+        idle = not self._wait_when_idle and not self._queue and len(self._idle) == len(self._instances)
         pending = _Pending(inputs, rows, _shapes_by_name(inputs), loop.create_future(), loop.time(), idle)
         self._queue.append(pending)
         self._queued_rows += rows
