@@ -67,6 +67,7 @@ class HostWorker:
     process: WorkerProcess
     worker_id: str = ""
     routed: set[tuple[str, str]] = field(default_factory=set)  # (model, version) in the local router
+    channel: tuple[str, grpc.aio.Channel] | None = field(default=None, repr=False)  # (target, its admin channel)
 
 
 def pools_of(settings: HostAgentSettings, fleet: FleetConfig) -> list[pb.HostPool]:
@@ -243,6 +244,9 @@ class HostAgent(Component):
         await self.predictions.stop()
         await self.outbox.stop()
         await asyncio.gather(*(asyncio.to_thread(w.process.stop) for w in self.workers))
+        for worker in self.workers:
+            if worker.channel is not None:
+                await worker.channel[1].close()
         await self.router.close()
         await self._channel.close()
         for worker in self.workers:
@@ -345,13 +349,14 @@ class HostAgent(Component):
                 worker.routed.discard((model, version))
 
     async def _index(self, worker: HostWorker) -> set[tuple[str, str]]:
-        channel = open_aio_channel(worker.process.target)
-        try:
-            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-            reply = await self._call(stub.RepositoryIndex, service_pb2.RepositoryIndexRequest(ready=True),
-                                     metadata=(("authorization", f"Bearer {self.worker_token}"),))
-        finally:
-            await channel.close()
+        """What the worker serves now (its repository index), on a channel kept while it runs."""
+        if worker.channel is None or worker.channel[0] != worker.process.target:
+            if worker.channel is not None:
+                await worker.channel[1].close()
+            worker.channel = (worker.process.target, open_aio_channel(worker.process.target))
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(worker.channel[1])
+        reply = await self._call(stub.RepositoryIndex, service_pb2.RepositoryIndexRequest(ready=True),
+                                 metadata=(("authorization", f"Bearer {self.worker_token}"),))
         return {(model.name, model.version) for model in reply.models}
 
     async def _call(self, method, request, metadata=None):

@@ -146,7 +146,3 @@ class HostedWorker:
     restarts: int = 0
     client: HostedWorkerClient | None = field(default=None, repr=False)
     process: None = None  # no local process: its metrics are its host's to expose
-
-    @property
-    def expected_recovery_s(self) -> float:
-        return 0.0
