@@ -54,7 +54,9 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "fleet.yaml").write_text(yaml.safe_dump(FLEET))
     models = root / "models"
     write_model_dir(models / "mlp", mlp_config("mlp", max_queue_delay_us=5000), mlp_classifier(width=64, seed=1))
-    write_model_dir(models / "slow", mlp_config("slow", max_queue_delay_us=300_000))
+    slow = mlp_config("slow", max_queue_delay_us=300_000)
+    slow["dynamic_batching"]["wait_when_idle"] = True  # even the first request waits: all sit queued
+    write_model_dir(models / "slow", slow)
     write_model_dir(models / "broken", mlp_config("broken"))
     write_broken_onnx(models / "broken" / "model.onnx")
     for name in ("q1", "q2", "q3"):
