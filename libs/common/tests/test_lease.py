@@ -2,6 +2,7 @@
 refuses a deposed leader's write even while it still believes it leads."""
 
 import asyncio
+import signal
 import subprocess
 
 import pytest
@@ -107,3 +108,43 @@ async def test_a_leader_cut_off_from_redis_stops_leading_by_its_own_clock(tmp_pa
         server.kill()
         server.wait()
         await client.aclose()
+
+
+async def test_a_leader_whose_redis_stops_answering_steps_down_when_its_tenure_ends(tmp_path):
+    """A stalled Redis (SIGSTOP: connections stay open, nothing answers) and a client with no socket
+    timeout: the renewal is abandoned at the tenure's end, and on_change(False) comes then."""
+    port = free_port()
+    server = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no",
+                               "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+    client = aioredis.from_url(f"redis://127.0.0.1:{port}/0")
+    changes: asyncio.Queue[bool] = asyncio.Queue()
+    lease = LeaderLease(client, "scheduler", "a", ttl_s=0.9, on_change=changes.put_nowait)
+    try:
+        while True:
+            try:
+                await client.ping()
+                break
+            except aioredis.ConnectionError:
+                await asyncio.sleep(0.05)
+        async with lease:
+            assert await changes.get() is True
+            server.send_signal(signal.SIGSTOP)
+            assert await changes.get() is False
+            assert not lease.leading
+            server.send_signal(signal.SIGCONT)
+            assert await changes.get() is True  # it answers again: the expired lease is taken anew
+    finally:
+        server.send_signal(signal.SIGCONT)
+        server.kill()
+        server.wait()
+        await client.aclose()
+
+
+async def test_the_fence_names_the_tenures_token_for_a_stores_own_script(redis, platform_settings):
+    lease = _lease(redis, platform_settings, "a", ttl_s=30)
+    with pytest.raises(NotLeader):
+        _ = lease.fence
+    async with lease:
+        await lease.wait_leading()
+        fence = lease.fence
+        assert int(await redis.get(fence.key)) == fence.token == lease.token

@@ -11,7 +11,13 @@ after that renewal, so two replicas never both believe they lead while clocks ru
 Belief is not enough when a leader stalls (a GC pause, a SIGSTOP) past its lease and then writes:
 :meth:`LeaderLease.fenced` runs a Redis transaction that commits only while the fence still holds
 this tenure's token (WATCH on the fence key), so a deposed leader's late write is refused rather
-than applied over its successor's. Stores a leader writes to take their writes through it.
+than applied over its successor's. Stores a leader writes to take their writes through it, or check
+:attr:`LeaderLease.fence` inside their own Lua script (one round trip, with their own conditions).
+
+Every Redis call of the lease is bounded by the time its tenure has left: a Redis that stops
+answering (a partition, a stalled server) without closing the connection cannot hold the lease's
+task past the end of the tenure, so ``on_change(False)`` comes when the tenure ends, not when the
+connection finally breaks.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, WatchError
@@ -48,6 +55,14 @@ return 0
 
 class NotLeader(FailedPrecondition):
     """This replica does not hold the lease (any more): the write was not made."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """A tenure's fence, for a store's own Lua script: write only while ``GET key`` is ``token``."""
+
+    key: str
+    token: int
 
 
 class LeaderLease(Component):
@@ -90,6 +105,13 @@ class LeaderLease(Component):
         if not self.leading:
             raise NotLeader(f"{self.holder} does not hold the {self.name} lease")
         return self._token  # type: ignore[return-value]
+
+    @property
+    def fence(self) -> Fence:
+        """This tenure's fence, for a check inside a store's own script.
+
+        Raises: NotLeader: not leading."""
+        return Fence(self._fence, self.token)
 
     async def wait_leading(self) -> None:
         await self._leading.wait()
@@ -135,20 +157,24 @@ class LeaderLease(Component):
     async def _hold(self) -> None:
         while True:
             started = time.monotonic()
+            # A call that outlives the tenure is abandoned: a renewal that late keeps nothing.
+            bound = self._valid_until - started if self._token is not None else self._interval_s
             try:
                 if self._token is None:
-                    token = int(await self._acquire(keys=[self._key, self._fence], args=[self.holder, self._ttl_ms]))
+                    token = int(await asyncio.wait_for(
+                        self._acquire(keys=[self._key, self._fence], args=[self.holder, self._ttl_ms]), bound))
                     if token:
                         self._valid_until = started + self._ttl_ms / 1000 - self._margin_s
                         self._set(token)
-                elif await self._renew(keys=[self._key], args=[f"{self.holder}:{self._token}", self._ttl_ms]):
+                elif bound > 0 and await asyncio.wait_for(
+                        self._renew(keys=[self._key], args=[f"{self.holder}:{self._token}", self._ttl_ms]), bound):
                     self._valid_until = started + self._ttl_ms / 1000 - self._margin_s
-                else:
+                elif bound > 0:
                     log.warning("lease %s: lost by %s (token %d)", self.name, self.holder, self._token)
                     self._set(None)
                     continue  # try to take it again at once: it may be free
-            except RedisError as error:
-                log.warning("lease %s: Redis unreachable (%s)", self.name, error)
+            except (RedisError, TimeoutError) as error:
+                log.warning("lease %s: Redis unreachable (%s)", self.name, str(error) or "no answer in time")
             if self._token is not None and not self.leading:
                 log.warning("lease %s: %s could not renew in time; no longer leading", self.name, self.holder)
                 self._set(None)
@@ -163,4 +189,7 @@ class LeaderLease(Component):
             self._leading.set()
             log.info("lease %s: held by %s (token %d)", self.name, self.holder, token)
         if was != (token is not None) and self._on_change is not None:
-            self._on_change(token is not None)
+            try:
+                self._on_change(token is not None)
+            except Exception:  # the holder's bug must not stop the lease's renewals
+                log.exception("lease %s: on_change failed", self.name)
