@@ -1,11 +1,9 @@
-"""Members on hosts of their own: each in a network namespace behind a veth pair whose two ends are
-rate-limited by a token bucket (``tc ... tbf``), and whose traffic to the coordinator crosses a relay
-on the host side that holds every chunk for DELAY_S each way, so every model and update crosses a
-real, slow, distant link. Needs root, ``ip`` and ``tc`` (iproute2; `make install` installs it).
-
-The delay is a userspace relay, not netem: this machine's kernel has no ``netem`` qdisc ("Specified
-qdisc kind is unknown"). The relay delays each chunk it reads by a constant, in order, so it adds
-latency without changing the rate the token bucket allows.
+"""Members on hosts of their own: each in a network namespace behind a link of 8 Mbit/s (``tc ... tbf``)
+and DELAY_S each way (``opml_devstack.testing.netem``: this machine's kernel has no ``netem`` qdisc, so a
+userspace wire in a namespace of its own holds every frame that long), so every model and update crosses a
+real, slow, distant link. The coordinator listens on 127.0.0.1 only: a relay on each link's host side
+forwards the members' connections to it. Needs root and ``ip`` and ``tc`` (iproute2; `make install`
+installs it).
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ from pathlib import Path
 import pytest
 from opml.fl.v1 import fl_pb2 as pb
 
+from opml_devstack.testing.netem import emulated_hosts
 from opml_devstack.testing.relay import TcpRelay
 from opml_devstack.testing.services import TOKENS
 from opml_fl_coordinator_contract.client import FederationClient
@@ -31,38 +30,13 @@ MEMBERS = 3
 DELAY_S = 0.2  # one way, each direction: a 400 ms round trip
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-
 @pytest.fixture
 def hosts():
-    """``MEMBERS`` namespaces, each with a veth to the host; yields [(namespace, host-side IP)]."""
+    """``MEMBERS`` namespaces, each behind its own link; yields [(namespace, host-side IP)]."""
     assert os.geteuid() == 0, "network namespaces need root"
     assert shutil.which("ip") and shutil.which("tc"), "iproute2 (ip, tc) is missing: `make install` installs it"
-    tag = f"{os.getpid() % 10000:04d}"
-    made = []
-    try:
-        for index in range(MEMBERS):
-            namespace, host_if, member_if = f"fl{tag}n{index}", f"flh{tag}{index}", f"flm{tag}{index}"
-            subnet = f"10.{200 + index}.{int(tag) % 250}"
-            _ip("netns", "add", namespace)
-            made.append((namespace, host_if))
-            _ip("link", "add", host_if, "type", "veth", "peer", "name", member_if)
-            _ip("link", "set", member_if, "netns", namespace)
-            _ip("addr", "add", f"{subnet}.1/24", "dev", host_if)
-            _ip("link", "set", host_if, "up")
-            _ip("netns", "exec", namespace, "ip", "addr", "add", f"{subnet}.2/24", "dev", member_if)
-            _ip("netns", "exec", namespace, "ip", "link", "set", member_if, "up")
-            _ip("netns", "exec", namespace, "ip", "link", "set", "lo", "up")
-            for prefix, device in (((), host_if), (("ip", "netns", "exec", namespace), member_if)):
-                subprocess.run([*prefix, "tc", "qdisc", "add", "dev", device, "root", "tbf", "rate", f"{RATE_MBIT}mbit",
-                                "burst", "32kbit", "latency", "400ms"], check=True, capture_output=True)
-        yield [(namespace, f"10.{200 + i}.{int(tag) % 250}.1") for i, (namespace, _) in enumerate(made)]
-    finally:
-        for namespace, host_if in made:
-            subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
-            subprocess.run(["ip", "link", "del", host_if], capture_output=True)
+    with emulated_hosts([{"rate_mbit": RATE_MBIT, "delay_ms": DELAY_S * 1000}] * MEMBERS) as made:
+        yield [(host.namespace, host.gateway) for host in made]
 
 
 @pytest.fixture
@@ -72,9 +46,9 @@ def coordinator(start_service):
 
 @pytest.fixture
 def relay(coordinator) -> Iterator[TcpRelay]:
-    """The members' way to the coordinator (which listens on 127.0.0.1 only): DELAY_S each way."""
+    """The members' way to the coordinator (which listens on 127.0.0.1 only); the links add the delay."""
     host, _, port = coordinator.target.rpartition(":")
-    with TcpRelay((host, int(port)), DELAY_S) as relay:
+    with TcpRelay((host, int(port))) as relay:
         yield relay
 
 
