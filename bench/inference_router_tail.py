@@ -462,19 +462,21 @@ def main() -> None:
                 port = mlserver_settings(root, onnx_path, int(workers_text), batching == "on")
                 process, _ = start([str(mlserver_bin), "start", str(root)], log, env={"PYTHONPATH": str(BENCH)},
                                    announce=False)
-                wait_model_ready(f"127.0.0.1:{port}", process, log)
-                name = (f"MLServer ({int(workers_text)} parallel workers" if int(workers_text) else
-                        "MLServer (in-process") + f", adaptive batching {batching})"
-                system = System(name, f"127.0.0.1:{port}", process.pid)
-                await connect(system, rows, expected)
-                measured[name], settings[name] = [], (int(workers_text), batching == "on")
-                for count in callers:
-                    level = await measure(system, rows, count, args.warmup, args.select_duration)
-                    measured[name].append(level)
-                    print(f"| {name} | {count} | {level.rate:.0f} | {level.p50_ms:.1f} | {level.p99_ms:.1f} | "
-                          f"{level.cpu_per_1000_s:.2f} |", flush=True)
-                await system.client.close()
-                stop(process)
+                try:
+                    wait_model_ready(f"127.0.0.1:{port}", process, log)
+                    name = (f"MLServer ({int(workers_text)} parallel workers" if int(workers_text) else
+                            "MLServer (in-process") + f", adaptive batching {batching})"
+                    system = System(name, f"127.0.0.1:{port}", process.pid)
+                    await connect(system, rows, expected)
+                    measured[name], settings[name] = [], (int(workers_text), batching == "on")
+                    for count in callers:
+                        level = await measure(system, rows, count, args.warmup, args.select_duration)
+                        measured[name].append(level)
+                        print(f"| {name} | {count} | {level.rate:.0f} | {level.p50_ms:.1f} | {level.p99_ms:.1f} | "
+                              f"{level.cpu_per_1000_s:.2f} |", flush=True)
+                    await system.client.close()
+                finally:
+                    stop(process)  # also when a setting fails: no server outlives the bench
             best = {count: rank_best(measured, index) for index, count in enumerate(callers)}
             started: dict[str, System] = {}
             for count, name in best.items():
