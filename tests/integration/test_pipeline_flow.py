@@ -4,10 +4,12 @@ evaluate, a user's training program), on the real broker, S3 and Redis.
 
 A committed span starts a run that ends with a serving bundle; a byte-identical span re-runs no job
 and one changed byte re-runs what reads it; a run whose service is SIGKILLed during training resumes
-and its training job completes once; spans committed during a run coalesce into one more run."""
+and its training job completes once; spans committed during a run coalesce into one more run; forged
+span and alert events start nothing (the bundle-store and the monitoring-scorer are asked first)."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import sys
@@ -16,18 +18,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from opml.bundles.v1 import events_pb2 as bundle_events
 from opml.jobs.v1 import jobs_pb2 as jobs_pb
 from opml.jobs.v1 import pipelines_pb2 as pb
+from opml.monitoring.v1 import alert_events_pb2
 
 from opml_bundle_store_contract.client import BundleStoreClient
+from opml_bundle_store_contract.names import EVENT_SOURCE as BUNDLE_STORE_SOURCE
+from opml_bundle_store_contract.topics import BUNDLES
+from opml_common.bus import CloudEvent, EventPublisher
 from opml_common.errors import NotFound
 from opml_devstack.process import ServiceProcess
-from opml_devstack.testing.bus import poll_until
+from opml_devstack.testing.bus import fresh_metrics, poll_until
 from opml_devstack.testing.metrics import samples, scrape
 from opml_devstack.testing.services import TOKENS
 from opml_job_orchestrator_contract.client import JobClient
 from opml_job_orchestrator_contract.pipelineclient import PipelineClient
 from opml_job_orchestrator_contract.pipelinespec import load_pipeline
+from opml_monitoring_scorer_contract.names import EVENT_SOURCE as MONITORING_SOURCE
+from opml_monitoring_scorer_contract.topics import ALERTS
 
 TRAIN = Path(__file__).parent / "programs" / "pipeline_train.py"
 NODE = {"name": "n0", "cpu_millis": 8000, "memory_mib": 8192, "gpu": 0}
@@ -44,10 +53,11 @@ def span_csv(seed: int, rows: int = 300) -> bytes:
     return out.getvalue().encode()
 
 
-def pipeline_spec(*, window: dict, on_span: bool = True, env: dict | None = None) -> pb.PipelineSpec:
+def pipeline_spec(*, window: dict, on_span: bool = True, on_alert: bool = False,
+                  env: dict | None = None) -> pb.PipelineSpec:
     return load_pipeline({
         "name": "quality",
-        "triggers": {"on_span": on_span},
+        "triggers": {"on_span": on_span, "on_alert": on_alert},
         "steps": [
             {"name": "spans", "kind": "ingest", "ingest": {"context": "data", "bundle_name": "inspections", **window}},
             {"name": "check", "kind": "validate", "inputs": ["spans"], "validate": {
@@ -221,3 +231,48 @@ def test_spans_committed_during_a_run_coalesce_into_one_more_run(stack, job_dir)
             "span: data/inspections span 2", "span: data/inspections span 3", "span: data/inspections span 4"]
         assert next(s for s in second.steps if s.step == "spans").outputs[0].key == "4"
         assert [r.number for r in pipelines.runs("quality")] == [2, 1], "never a queue of runs"
+
+
+def triggers_counted(orchestrator: ServiceProcess, source: str, outcome: str) -> float:
+    return sum(s.value for s in samples(scrape(orchestrator.env["OPML_JOB_ORCHESTRATOR_METRICS_PORT"]))
+               if s.name == "opml_job_orchestrator_pipeline_triggers_total"
+               and s.labels == {"source": source, "outcome": outcome})
+
+
+async def publish(settings, topic, message, *, source: str, subject: str) -> None:
+    """Straight to the broker, as anyone who can write to it could."""
+    metrics, _ = fresh_metrics("forger")
+    async with EventPublisher(settings, source=source, metrics=metrics) as publisher:
+        await publisher.publish(topic, CloudEvent.from_proto(message, source=source, subject=subject), key=subject)
+
+
+def test_forged_span_and_alert_events_start_nothing(stack, start_service, platform_settings) -> None:
+    store_process, env, make = stack
+    scorer = start_service("monitoring-scorer", extra_env={
+        "OPML_MONITORING_SCORER_BUNDLE_STORE_TARGET": store_process.target,
+        "OPML_MONITORING_SCORER_BUNDLE_STORE_TOKEN": TOKENS["reader"]})
+    env["OPML_JOB_ORCHESTRATOR_MONITORING_SCORER_TARGET"] = scorer.target
+    env["OPML_JOB_ORCHESTRATOR_MONITORING_SCORER_TOKEN"] = TOKENS["reader"]
+    orchestrator = make().start()
+    with BundleStoreClient(store_process.target, token=TOKENS["writer"]) as store, \
+            PipelineClient(orchestrator.target, token=TOKENS["writer"]) as pipelines:
+        store.create_context("data")
+        pipelines.apply(pipeline_spec(window={"latest": True}, on_alert=True))
+        draft = store.add("data", "inspections", {"part-0.csv": span_csv(1)}, tags={"span": "1"})  # not committed
+        claimed = type(draft)()
+        claimed.CopyFrom(draft)
+        claimed.committed = True
+        for source in ("evil/anyone", BUNDLE_STORE_SOURCE):  # the wrong source; the right one, and a lie
+            asyncio.run(publish(platform_settings, BUNDLES, bundle_events.BundleCommitted(bundle=claimed),
+                                source=source, subject="inspections"))
+        # no alert of model `quality` fires at the monitoring-scorer
+        asyncio.run(publish(platform_settings, ALERTS, alert_events_pb2.AlertRaised(
+            model="quality", version="1", rule="accuracy-low"), source=MONITORING_SOURCE, subject="quality"))
+        poll_until(lambda: triggers_counted(orchestrator, "alert", "ignored") == 1, timeout_s=60,
+                   what="the alert re-read and ignored")
+
+        genuine = commit_span(store, 2, span_csv(2))  # same subject, same partition: after the forged ones
+        run = ended_run(pipelines, 1)
+        assert run.triggers == [f"span: data/inspections span 2 ({genuine})"], run.triggers
+        assert [r.number for r in pipelines.runs("quality")] == [1]
+        assert triggers_counted(orchestrator, "span", "started") == 1

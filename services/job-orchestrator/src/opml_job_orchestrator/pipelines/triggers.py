@@ -99,8 +99,11 @@ class AlertTrigger:
                     and any(s.kind == pb.STEP_KIND_PUSH and s.push.model == raised.model for s in p.spec.steps)]
         if not watching:
             return
-        firing = [a for a in await self._alerts.alerts(raised.model, raised.version)
-                  if a.rule == raised.rule and a.firing]
+        try:
+            known = await self._alerts.alerts(raised.model, raised.version)
+        except NotFound:  # the scorer does not monitor that version (any more): nothing of it fires
+            known = []
+        firing = [a for a in known if a.rule == raised.rule and a.firing]
         if not firing:
             self._metrics.triggers.labels("alert", "ignored").inc()
             logger.info("an alert was announced but is not firing now; no run",
