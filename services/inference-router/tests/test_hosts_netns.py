@@ -35,6 +35,7 @@ from opml.inference.v1 import events_pb2
 from opml_common.bus import CloudEvent
 from opml_common.bus.security import kafka_client_kwargs
 from opml_common.config import PlatformSettings
+from opml_common.errors import PermissionDenied
 from opml_devstack.devinfra import Endpoints
 from opml_devstack.process import ServiceProcess
 from opml_devstack.testing.bus import wait_until
@@ -333,3 +334,19 @@ def test_a_host_killed_with_sigkill_is_drained_and_its_replicas_re_placed(stack:
     stack.wait(lambda: stack.workers_alive()[worker], f"{worker} back")
     stack.wait(lambda: {m: sorted(w) for m, w in stack.placement().items()} == {m: sorted(w) for m, w in before.items()},
                "the replicas back where they were", timeout_s=60)
+
+
+def test_a_host_token_registers_hosts_and_nothing_else_and_a_refused_agent_exits_saying_why(stack: Stack) -> None:
+    with DeploymentClient(stack.router.target, token=HOST_TOKEN) as client, pytest.raises(PermissionDenied) as denied:
+        client.list()
+    assert "host token" in denied.value.message and "RegisterHost" in denied.value.message
+    host = stack.hosts["cloud-1"]
+    env = {**os.environ, "OPML_LOG_FORMAT": "text", "OPML_INFERENCE_HOST_NAME": "intruder",
+           "OPML_INFERENCE_HOST_ROUTER_TARGET": f"{host.gateway}:{stack.relay.listen(host.gateway)}",
+           "OPML_INFERENCE_HOST_TOKEN": TOKENS["writer"], "OPML_INFERENCE_HOST_FLEET": str(stack.fleet),
+           "OPML_INFERENCE_HOST_POOLS": "cloud", "OPML_INFERENCE_HOST_GRPC_PORT": str(AGENT_PORT + 1),
+           "OPML_INFERENCE_HOST_HOME": str(stack.home / "intruder")}
+    refused = subprocess.run(host.exec(sys.executable, "-m", "opml_inference_router.host"), env=env,
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "RegisterHost needs the admin role" in refused.stderr, refused.stderr[-2000:]
+

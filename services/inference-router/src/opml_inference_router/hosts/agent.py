@@ -34,7 +34,7 @@ from opml.inference.v1 import hosts_pb2_grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from opml_common.config import PlatformSettings
-from opml_common.errors import InvalidArgument, NotFound, OpmlError
+from opml_common.errors import InvalidArgument, NotFound, OpmlError, PermissionDenied, Unauthenticated
 from opml_common.grpc.client import domain_error, open_aio_channel
 from opml_common.grpc.interceptors import Principal, Scope
 from opml_common.grpc.server import GrpcServer, ServiceRegistration
@@ -284,8 +284,8 @@ class HostAgent(Component):
             try:
                 reply = await self._call(self._stub.RegisterHost, request)
                 break
-            except InvalidArgument:
-                raise  # a configuration the router refuses: fix it, retrying cannot help
+            except (InvalidArgument, PermissionDenied, Unauthenticated):
+                raise  # a configuration or token the router refuses: fix it, retrying cannot help
             except OpmlError as error:
                 delay = _REGISTER_BACKOFF.delay(attempt)
                 attempt += 1
