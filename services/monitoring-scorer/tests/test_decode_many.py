@@ -48,3 +48,24 @@ def test_a_bad_event_fails_the_group_so_the_stream_decodes_one_by_one() -> None:
         decode_predictions([_event(0, 1), bad], task=Task.BINARY, feature_names=NAMES)
     with pytest.raises(InvalidArgument):
         decode_prediction(bad, task=Task.BINARY, feature_names=NAMES)
+
+
+def test_class_names_as_the_predicted_output_are_refused_naming_the_tensor() -> None:
+    """A model serving its class names (a BYTES tensor) where monitoring.yaml points outputs.predicted
+    used to raise a plain ValueError (float of b'scratch'), dead-lettered without a field; the scorer
+    takes class indexes, as the reference holds them."""
+    event = _event(0, 3)
+    response = encode_outputs(pb.ModelInferResponse(), {
+        "probabilities": np.array([[0.9, 0.1], [0.2, 0.8], [0.6, 0.4]], np.float32),
+        "label": np.array([[b"ok"], [b"scratch"], [b"ok"]], dtype=object)})
+    event.infer_response = response.SerializeToString()
+    for decode in (lambda: decode_prediction(event, task=Task.BINARY, feature_names=NAMES, predicted_output="label"),
+                   lambda: decode_predictions([event], task=Task.BINARY, feature_names=NAMES,
+                                              predicted_output="label"),
+                   lambda: decode_prediction(event, task=Task.BINARY, feature_names=NAMES, scores_output="label"),
+                   lambda: decode_prediction(event, task=Task.REGRESSION, feature_names=NAMES,
+                                             predicted_output="label")):
+        with pytest.raises(InvalidArgument) as caught:
+            decode()
+        assert [field for field, _ in caught.value.violations] == ["infer_response.outputs[label]"]
+        assert "class names" in str(caught.value)

@@ -186,17 +186,30 @@ def _outputs(outputs: Mapping[str, np.ndarray], task: Task, scores_name: str | N
     if not outputs:
         raise InvalidArgument("infer_response.outputs", "is empty")
     if task is Task.REGRESSION:
-        array = outputs[predicted_name or next(iter(outputs))]
-        return Outputs(array.reshape(array.shape[0], -1)[:, 0].astype(np.float64))
+        name = predicted_name or next(iter(outputs))
+        array = _numbers(outputs[name], name, "predicted values")
+        return Outputs(array.reshape(array.shape[0], -1)[:, 0])
     name = scores_name or next((n for n, a in outputs.items() if a.dtype.kind == "f"), None)
     if name is None:
         raise InvalidArgument("infer_response.outputs", "hold no float tensor of class scores")
-    scores = outputs[name].astype(np.float64)
+    scores = _numbers(outputs[name], name, "class scores")
     scores = scores.reshape(scores.shape[0], -1)
     probs = Outputs(np.zeros(len(scores)), scores).class_scores()
     assert probs is not None
     if predicted_name is not None:
-        predicted = outputs[predicted_name].reshape(len(scores), -1)[:, 0].astype(np.float64)
+        predicted = _numbers(outputs[predicted_name], predicted_name, "class indexes (0, 1, ...)")
+        predicted = predicted.reshape(len(scores), -1)[:, 0]
     else:
         predicted = np.argmax(probs, axis=1).astype(np.float64)
     return Outputs(predicted, scores)
+
+
+def _numbers(array: np.ndarray, name: str, what: str) -> np.ndarray:
+    """An output tensor as float64. Raises: InvalidArgument: it holds text (class names, in a BYTES
+    tensor): the scorer compares predictions with labels by class index, as the reference holds them."""
+    if array.dtype.kind in "OSU":
+        raise InvalidArgument(f"infer_response.outputs[{name}]",
+                              f"must hold {what}, but holds text (class names?): the scorer takes class indexes, "
+                              "as the reference holds them; without outputs.predicted in monitoring.yaml the "
+                              "class is the scores' argmax")
+    return array.astype(np.float64)
