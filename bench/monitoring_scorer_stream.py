@@ -49,6 +49,7 @@ from opml_common.kserve_codec import encode_outputs, encode_request  # noqa: E40
 from opml_common.metrics import ServiceMetrics  # noqa: E402
 from opml_devstack.devinfra import DevInfra  # noqa: E402
 from opml_devstack.testing.services import ServiceStarter  # noqa: E402
+from opml_inference_router_contract.names import EVENT_SOURCE as ROUTER_SOURCE  # noqa: E402
 from opml_inference_router_contract.predictions import prediction_made  # noqa: E402
 from opml_monitoring_scorer.__main__ import SPEC  # noqa: E402
 from opml_monitoring_scorer.core.reference import Task  # noqa: E402
@@ -95,7 +96,8 @@ def records(messages: list[inference_events.PredictionMade], per_record: int) ->
 
 
 async def publish(settings: PlatformSettings, messages: list) -> float:
-    publisher = EventPublisher(settings, source="opml/bench", metrics=ServiceMetrics("bench", CollectorRegistry()))
+    # under the router's source: the scorer scores no other producer's predictions
+    publisher = EventPublisher(settings, source=ROUTER_SOURCE, metrics=ServiceMetrics("bench", CollectorRegistry()))
     await publisher.start()
     started = time.perf_counter()
     try:

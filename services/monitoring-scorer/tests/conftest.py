@@ -110,15 +110,16 @@ class Producer:
     """Publishes predictions as the router does (``send``: requests of BATCH rows, one PredictionMade
     record each; ``queue``: one-row requests, up to ``batch_max`` of them a record, as the router
     publishes what is queued for a version), and labels. ``record_cap_bytes``: the router's record cap
-    (0: every prediction carries summaries only, as large tensors do)."""
+    (0: every prediction carries summaries only, as large tensors do). ``source``: whose predictions they
+    claim to be (default the router's)."""
 
     def __init__(self, settings: PlatformSettings, model: str = "fraud", version: str = "1", *,
-                 batch_max: int = 100, ids: str = "req", record_cap_bytes: int = RECORD_CAP_BYTES) -> None:
+                 batch_max: int = 100, ids: str = "req", record_cap_bytes: int = RECORD_CAP_BYTES,
+                 source: str = ROUTER_SOURCE) -> None:
         self.settings = settings
         self.model, self.version, self.ids = model, version, ids
         self.batch_max, self.record_cap_bytes = batch_max, record_cap_bytes
-        self.publisher = EventPublisher(settings, source=ROUTER_SOURCE,
-                                        metrics=ServiceMetrics("test", CollectorRegistry()))
+        self.publisher = EventPublisher(settings, source=source, metrics=ServiceMetrics("test", CollectorRegistry()))
         self.sent = 0
         self.labels: dict[str, list[float]] = {}
 
@@ -142,7 +143,7 @@ class Producer:
                                replica="127.0.0.1:1", record_cap_bytes=self.record_cap_bytes, into=into)
 
     async def publish(self, record: inference_events.PredictionMade | inference_events.PredictionBatch) -> None:
-        """One record under the router's source and subject (acknowledged by the broker)."""
+        """One record under this producer's source and the router's subject (acknowledged by the broker)."""
         await self.publisher.publish_proto(PREDICTIONS, record, subject=prediction_subject(self.model, self.version))
 
     async def queue(self, rows: Rows, *, times: np.ndarray | None = None, chunk: int | None = None) -> None:

@@ -37,7 +37,8 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
                                         load_bundle=reader, seed=settings.seed,
                                         label_sources=frozenset(settings.label_sources)))
     await service.start(ScoringStream(platform, scorer, metrics, publisher=await service.publisher(),
-                                      datadir=settings.home / "faust"))
+                                      datadir=settings.home / "faust",
+                                      prediction_sources=frozenset(settings.prediction_sources)))
     if settings.autoregister:
         consumer = EventConsumer(platform, group_id=GROUP, topics=[DEPLOYMENTS], sources=SOURCES,
                                  handler=DeploymentWatcher(scorer), metrics=service.metrics,

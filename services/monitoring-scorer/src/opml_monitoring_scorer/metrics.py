@@ -14,6 +14,7 @@ class ScorerMetrics:
         self.rejected = metrics.counter(
             "predictions_rejected_total", "Predictions dead-lettered: "
             "malformed (the event or its KServe v2 messages do not decode, or disagree with the reference), "
+            "untrusted (its event source is not a prediction producer: OPML_MONITORING_SCORER_PREDICTION_SOURCES), "
             "unscorable (the records of a window the estimators failed on).", ("reason",))
         self.skipped = metrics.counter(
             "predictions_skipped_total", "Valid predictions not scored: unknown_model (a version nobody registered: "
@@ -43,9 +44,10 @@ class ScorerMetrics:
                                       "unjoinable (its version had no monitor yet).", ("outcome",))
         self.labels_submitted = metrics.counter("labels_submitted_total", "Labels published through SubmitLabels "
                                                 "(opml monitor label), under the platform's label source.")
-        self.recalibrations = metrics.counter("mpp_recalibrations_total", "MPP refits from live labels.", mv)
+        self.recalibrations = metrics.counter("mpp_recalibrations_total", "MPP recalibrations from live labels that "
+                                                   "changed its secondary model (a refit better out of fold).", mv)
         self.registered = metrics.gauge("models_monitored", "Model versions monitored.")
-        for reason in ("malformed", "unscorable"):  # series at 0 from the start: a rate, not a gap
+        for reason in ("malformed", "untrusted", "unscorable"):  # series at 0 from the start: a rate, not a gap
             self.rejected.labels(reason)
         self.skipped.labels("unknown_model")
         for outcome in ("joined", "parked", "corrected", "duplicate", "other_producer", "untrusted", "malformed"):

@@ -9,6 +9,7 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
 from opml_common.config import ServiceSettings
+from opml_inference_router_contract.names import EVENT_SOURCE as ROUTER_SOURCE
 from opml_monitoring_scorer_contract.names import LABEL_SOURCE
 
 MAX_SOURCE_CHARS = 256
@@ -36,12 +37,16 @@ class MonitoringScorerSettings(ServiceSettings):
         "comma separated (empty: none); a model's monitoring.yaml adds its own (labels.producers). A label from any "
         f"other source is dead-lettered as UntrustedSource. {LABEL_SOURCE}: the source of the platform's own label "
         "tools.")
+    prediction_sources: Annotated[tuple[str, ...], NoDecode] = Field(
+        (ROUTER_SOURCE,), description="CloudEvents sources whose predictions (opml.predictions.v1) are scored, comma "
+        "separated (empty: none). A prediction from any other source is dead-lettered as UntrustedSource, so only "
+        f"what the platform served feeds the windows, estimates and alerts. {ROUTER_SOURCE}: the inference-router's.")
     autoregister: bool = Field(True, description="Monitor every version the inference-router deploys "
                                "(opml.deployments.v1): from its bundle's reference.npz and monitoring.yaml, or, "
                                "deployed from a directory, with its first window as the baseline.")
     seed: int = Field(0, description="Seed of the MPP's secondary models (reproducible estimates).")
 
-    @field_validator("label_sources", mode="before")
+    @field_validator("label_sources", "prediction_sources", mode="before")
     @classmethod
     def _split_sources(cls, value: Any) -> Any:
         """A comma-separated list, each source 1-256 characters."""

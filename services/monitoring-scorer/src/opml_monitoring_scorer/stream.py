@@ -51,7 +51,10 @@ Redis with expiry (the retention bound; see state.py), because labels are keyed 
 predictions by model version: a faust-table join would need both streams repartitioned by request
 id first (two more internal topics); the Redis join is one lookup per label either way. A label is
 applied only from a producer (its event's source) the prediction's model accepts; any other is
-dead-lettered as ``UntrustedSource``.
+dead-lettered as ``UntrustedSource``. Predictions are trusted the same way: a record whose event
+source is not one of ``prediction_sources`` (by default the inference-router's alone) is
+dead-lettered as ``UntrustedSource`` before it is read, so no other producer can feed a model's
+windows, estimates and alerts.
 
 Every internal topic is created at start-up with the predictions topic's partition count (tansu
 gives auto-created topics 4 partitions, and faust refuses a table whose changelog differs from its
@@ -82,8 +85,9 @@ from opml_common.config import PlatformSettings
 from opml_common.errors import InvalidArgument, brief
 from opml_common.lifecycle import Component
 from opml_common.retry import Backoff
+from opml_inference_router_contract.names import EVENT_SOURCE as ROUTER_SOURCE
 from opml_monitoring_scorer.core.decode import Batch
-from opml_monitoring_scorer.core.scorer import Joinable, Scorer, Unscorable, model_version
+from opml_monitoring_scorer.core.scorer import MAX_SOURCE_SHOWN, Joinable, Scorer, Unscorable, model_version
 from opml_monitoring_scorer.core.summary import PredictionSummary
 from opml_monitoring_scorer.metrics import ScorerMetrics
 from opml_monitoring_scorer.state import LabelOrigin
@@ -283,9 +287,11 @@ class ScoringStream(Component):
     """
 
     def __init__(self, platform: PlatformSettings, scorer: Scorer, metrics: ScorerMetrics, *,
-                 publisher: EventPublisher, datadir: Path, app_id: str = "monitoring-scorer") -> None:
+                 publisher: EventPublisher, datadir: Path, app_id: str = "monitoring-scorer",
+                 prediction_sources: frozenset[str] = frozenset({ROUTER_SOURCE})) -> None:
         super().__init__()
         self.platform = platform
+        self.prediction_sources = frozenset(prediction_sources)
         self.scorer = scorer
         self.metrics = metrics
         self.publisher = publisher
@@ -506,6 +512,9 @@ class ScoringStream(Component):
         """A record's version and predictions: one PredictionMade (and its bytes), or a PredictionBatch's,
         all of one monitored version. Raises what dead-letters the record."""
         event = self._parse(message, PREDICTION_TYPES)
+        if event.source not in self.prediction_sources:
+            raise UntrustedSource(f"prediction source {event.source[:MAX_SOURCE_SHOWN]!r} is not a prediction producer; "
+                                  f"accepted: {', '.join(sorted(self.prediction_sources)) or 'none'}")
         if event.type == PREDICTION_TYPE:
             predictions, data = [inference_events.PredictionMade.FromString(event.data)], event.data
         else:
@@ -597,10 +606,11 @@ class ScoringStream(Component):
         if isinstance(error, UnknownModel):
             self._skip_unknown(event, error)
             return
-        self.metrics.rejected.labels("malformed").inc()
+        reason = "untrusted" if isinstance(error, UntrustedSource) else "malformed"
+        self.metrics.rejected.labels(reason).inc()
         message = event.message
-        log.warning("record %s[%d]@%d dead-lettered (malformed): %s", message.topic, message.partition,
-                    message.offset, str(error)[:300])
+        log.warning("record %s[%d]@%d dead-lettered (%s): %s", message.topic, message.partition,
+                    message.offset, reason, str(error)[:300])
         await self._dead_letter(PREDICTIONS.dead_letter(self.platform.topic_prefix), event.message, error)
         self._settle([event])
 
