@@ -43,7 +43,7 @@ from opml_inference_router.control.decisions import Decision, DecisionLedger
 from opml_inference_router.control.progressive import ProgressiveRollouts, RolloutStore
 from opml_inference_router.control.quality import GROUP as QUALITY_GROUP
 from opml_inference_router.control.quality import SOURCES as QUALITY_SOURCES
-from opml_inference_router.control.quality import QualityBook, QualityConsumer
+from opml_inference_router.control.quality import QualityBook, QualityConsumer, ScorerWindows
 from opml_inference_router.placement import FleetConfig
 from opml_inference_router.routing import Router
 from opml_inference_router.routing.grpc_replica import GrpcReplica
@@ -123,7 +123,8 @@ class Plane:
 @contextlib.asynccontextmanager
 async def control_plane(pools: PoolManager, *, redis=None, prefix: str = "", undeploy: bool = True,
                         quality: QualityBook | None = None, ledger: DecisionLedger | None = None,
-                        fetcher: BundleFetcher | None = None) -> AsyncIterator[Plane]:
+                        fetcher: BundleFetcher | None = None, scorer: ScorerWindows | None = None,
+                        ) -> AsyncIterator[Plane]:
     metrics = ServiceMetrics("inference-router", registry=CollectorRegistry())
     router = Router(connect=lambda address: GrpcReplica(address, token="worker-secret"), metrics=metrics,
                     rng=random.Random(5))
@@ -132,7 +133,7 @@ async def control_plane(pools: PoolManager, *, redis=None, prefix: str = "", und
     manager = DeploymentManager(pools=pools, router=router, observer=Observer(metrics.registry), events=recorder,
                                 replan_interval_s=0, store=store, fetcher=fetcher)
     rollouts = ProgressiveRollouts(manager, store=RolloutStore(redis, prefix=prefix) if redis is not None else None,
-                                   events=recorder, quality=quality, ledger=ledger)
+                                   events=recorder, quality=quality, ledger=ledger, scorer=scorer)
     await manager.start()
     await rollouts.start()
     try:
@@ -443,15 +444,17 @@ async def test_a_shadow_step_on_outputs_that_cannot_be_compared_fails_the_deploy
         assert sorted(manager.record("blind").versions) == [1]
 
 
-async def test_the_scorers_windows_decide_the_quality_checks_and_only_the_scorers_count(pools, platform_settings,
-                                                                                     tmp_path: Path) -> None:
-    """The monitoring-scorer's WindowScored events on the real broker, consumed as the router consumes
-    them: the new version's true accuracy is 0.20 below the stable one's, so the rollout aborts with the
-    scorer's numbers. An event from another source that would have passed it is dead-lettered, unread."""
-    spec = {"steps": [{"weight": 50}, {"analysis": {"interval_s": 0.3, "count": 1, "inconclusive_limit": 1000,
-                                                    "checks": {"accuracy": {"max_drop": 0.05, "min_labels": 50},
-                                                               "estimated_accuracy": {"max_drop": 0.05,
-                                                                                      "min_predictions": 100}}}}]}
+async def judged_on_scorer_events(pools, platform_settings, tmp_path: Path, *, scorer_api: ScorerWindows | None,
+                                  ) -> tuple[object, object, CollectorRegistry]:
+    """A rollout whose analysis checks accuracy and estimated_accuracy, and the monitoring-scorer's
+    WindowScored events on the real broker, consumed as the router consumes them: the new version's true
+    accuracy 0.20 below the stable one's (an event from another source that would have passed it comes
+    first). Returns the first measurement that read the scorer's numbers, where the rollout went after a
+    failed one (else None), and the consumer's metrics."""
+    spec = {"steps": [{"weight": 50}, {"analysis": {
+        "interval_s": 0.3, "count": 1, "inconclusive_limit": 10_000,
+        "checks": {"accuracy": {"max_drop": 0.05, "min_labels": 50},
+                   "estimated_accuracy": {"max_drop": 0.05, "min_predictions": 100}}}}]}
     redis = redis_client(platform_settings)
     book = QualityBook(redis, prefix=platform_settings.redis_prefix)
     metrics, registry = fresh_metrics("inference-router")
@@ -469,7 +472,7 @@ async def test_the_scorers_windows_decide_the_quality_checks_and_only_the_scorer
         return event
 
     try:
-        async with scorer, forger, running(consumer), control_plane(pools, quality=book) as plane:
+        async with scorer, forger, running(consumer), control_plane(pools, quality=book, scorer=scorer_api) as plane:
             manager, recorder = plane.manager, plane.recorder
             await manager.deploy(bundle(tmp_path, "judged", 1))
             await manager.deploy(bundle(tmp_path, "judged", 2, rollout=spec))
@@ -478,23 +481,48 @@ async def test_the_scorers_windows_decide_the_quality_checks_and_only_the_scorer
             measured = await recorder.first(events.RolloutAnalysisCompleted)
             assert measured.verdict == "INCONCLUSIVE" and "too little evidence from the monitoring-scorer" in \
                 measured.checks[0].reason  # nothing from the scorer yet
+            mark = len(recorder.messages)
             subject = "models/judged/versions/{}"
             await forger.publish_proto(QUALITY, window(2, truth=0.99, labelled=1000), subject=subject.format(2))
             await scorer.publish_proto(QUALITY, window(1, truth=0.90, labelled=100), subject=subject.format(1))
             await scorer.publish_proto(QUALITY, window(2, truth=0.70, labelled=100, estimate=0.88),
                                        subject=subject.format(2))
-            aborted = await recorder.first(*ENDS)
-        assert isinstance(aborted, events.RolloutAborted), aborted
-        checks = {c.check: c for c in aborted.checks}
-        accuracy, estimated = checks["accuracy"], checks["estimated_accuracy"]
-        assert (accuracy.verdict, accuracy.new_value, accuracy.stable_value, accuracy.bound) == (
-            "FAILED", 0.70, 0.90, 0.05)
-        assert (accuracy.new_requests, accuracy.stable_requests) == (100, 100)  # labels: not the forged 1000
-        assert estimated.verdict == "PASSED" and (estimated.new_value, estimated.stable_value) == (0.88, 0.9)
-        assert "true accuracy 0.7000 against 0.9000" in aborted.reason
-        assert sample(registry, "opml_inference_router_events_untrusted_total", topic=QUALITY.name) == 1
+            while True:  # the first measurement that read the scorer's numbers
+                informed = await recorder.first(events.RolloutAnalysisCompleted, after=mark)
+                mark = recorder.messages.index(informed) + 1
+                if "too little evidence" not in informed.checks[0].reason:
+                    break
+            ended = await recorder.first(*ENDS, after=mark) if informed.verdict == "FAILED" else None
+            return informed, ended, registry
     finally:
         await redis.aclose()
+
+
+async def test_the_scorers_windows_decide_the_quality_checks_and_only_the_scorers_count(pools, platform_settings,
+                                                                                     tmp_path: Path) -> None:
+    informed, aborted, registry = await judged_on_scorer_events(pools, platform_settings, tmp_path, scorer_api=None)
+    assert informed.verdict == "FAILED" and isinstance(aborted, events.RolloutAborted), (informed, aborted)
+    checks = {c.check: c for c in aborted.checks}
+    accuracy, estimated = checks["accuracy"], checks["estimated_accuracy"]
+    assert (accuracy.verdict, accuracy.new_value, accuracy.stable_value, accuracy.bound) == (
+        "FAILED", 0.70, 0.90, 0.05)
+    assert (accuracy.new_requests, accuracy.stable_requests) == (100, 100)  # labels: not the forged 1000
+    assert estimated.verdict == "PASSED" and (estimated.new_value, estimated.stable_value) == (0.88, 0.9)
+    assert "true accuracy 0.7000 against 0.9000" in aborted.reason
+    assert sample(registry, "opml_inference_router_events_untrusted_total", topic=QUALITY.name) == 1
+
+
+async def test_a_failed_quality_check_the_scorer_cannot_confirm_is_not_acted_on(
+        pools, platform_settings, tmp_path: Path) -> None:
+    """Events are hints: before aborting on them the router reads the scorer's windows back from the
+    scorer itself; with no scorer to read (a real address nothing listens on) it does not act."""
+    informed, ended, _ = await judged_on_scorer_events(pools, platform_settings, tmp_path,
+                                                       scorer_api=ScorerWindows("127.0.0.1:1"))
+    assert informed.verdict == "INCONCLUSIVE" and ended is None, (informed, ended)
+    accuracy = {c.check: c for c in informed.checks}["accuracy"]
+    assert accuracy.verdict == "INCONCLUSIVE" and (accuracy.new_value, accuracy.stable_value) == (0.70, 0.90)
+    assert "worse by 0.2000 > max_drop=0.05; not confirmed: the monitoring-scorer could not be read (" in \
+        accuracy.reason
 
 
 async def test_each_decision_is_in_the_bundles_lineage_once_even_after_a_restart(

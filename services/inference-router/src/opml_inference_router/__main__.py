@@ -26,7 +26,7 @@ from opml_inference_router.control.decisions import DecisionLedger
 from opml_inference_router.control.progressive import ProgressiveRollouts, RolloutStore
 from opml_inference_router.control.quality import GROUP as QUALITY_GROUP
 from opml_inference_router.control.quality import SOURCES as QUALITY_SOURCES
-from opml_inference_router.control.quality import QualityBook, QualityConsumer
+from opml_inference_router.control.quality import QualityBook, QualityConsumer, ScorerWindows
 from opml_inference_router.control.worker_metrics import register_worker_metrics  # workers' metrics on ours
 from opml_inference_router.hosts.registry import HostRegistry
 from opml_inference_router.hosts.service import HostServicer
@@ -87,7 +87,10 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
     quality = QualityBook(service.redis(), prefix=platform.redis_prefix)
     rollouts = await service.start(ProgressiveRollouts(  # after the deployments are restored: resumes rollouts
         manager, store=RolloutStore(service.redis(), prefix=platform.redis_prefix), events=await service.emitter(),
-        quality=quality, ledger=DecisionLedger(settings.bundle_store_target, token=bundle_token)))
+        quality=quality, ledger=DecisionLedger(settings.bundle_store_target, token=bundle_token),
+        scorer=ScorerWindows(settings.monitoring_scorer_target,
+                             token=settings.monitoring_scorer_token.get_secret_value() or None)
+        if settings.monitoring_scorer_target else None))
     if settings.rollout_quality:
         scores = EventConsumer(platform, group_id=QUALITY_GROUP, topics=[QUALITY], sources=QUALITY_SOURCES,
                                handler=QualityConsumer(quality), metrics=metrics, publisher=await service.publisher(),

@@ -42,6 +42,14 @@ class RouterSettings(ServiceSettings):
     rollout_quality: bool = Field(True, description="Consume the monitoring-scorer's window quality "
                                   "(opml.quality.v1, group inference-router-quality) for the rollouts' "
                                   "estimated_accuracy and accuracy checks; false: those checks stay inconclusive.")
+    monitoring_scorer_target: str = Field(
+        "127.0.0.1:50056", validation_alias=AliasChoices("OPML_INFERENCE_ROUTER_MONITORING_SCORER_TARGET",
+                                                         "OPML_MONITORING_SCORER_TARGET"),
+        description="host:port of the monitoring-scorer, whose windows are read again before a rollout is "
+        "aborted on its numbers (also read from OPML_MONITORING_SCORER_TARGET); unreachable: such a check is "
+        "inconclusive; empty: the events' numbers are acted on as they are.")
+    monitoring_scorer_token: SecretStr = Field(SecretStr(""), description="Bearer token (reader role) for the "
+                                               "monitoring-scorer; empty: none (dev).")
     native_front: bool = Field(
         True, description="Serve KServe v2 inference also on `inference_port` from the native gRPC front "
         "(native/front.cc, built by `make install`), which costs a fraction of the router's Python gRPC server "

@@ -63,9 +63,19 @@ def measure(analysis: Analysis, new: Measures, stable: Measures, *, shadow: Shad
             results.append(_quality(check, new_quality, stable_quality))
         else:
             results.append(_check(check, new, stable))
+    return verdict_of(results), results
+
+
+def verdict_of(results: list[CheckResult]) -> str:
+    """A measurement's verdict from its checks': FAILED when any failed, else INCONCLUSIVE when any is."""
     verdicts = {result.verdict for result in results}
-    verdict = FAILED if FAILED in verdicts else INCONCLUSIVE if INCONCLUSIVE in verdicts else PASSED
-    return verdict, results
+    return FAILED if FAILED in verdicts else INCONCLUSIVE if INCONCLUSIVE in verdicts else PASSED
+
+
+def unconfirmed(result: CheckResult, why: str) -> CheckResult:
+    """A check whose evidence could not be confirmed at its source: inconclusive, its values kept."""
+    return CheckResult(**{**result.to_dict(), "verdict": INCONCLUSIVE,
+                          "reason": f"{result.reason}; not confirmed: {why}"})
 
 
 def _disagreement(check: Check, shadow: ShadowMeasures) -> CheckResult:

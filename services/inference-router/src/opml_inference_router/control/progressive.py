@@ -46,9 +46,17 @@ from opml.inference.v1 import deployments_pb2 as pb
 from opml_common.errors import FailedPrecondition, NotFound, OpmlError
 from opml_common.events import EventEmitter
 from opml_common.lifecycle import Component, cancel_and_wait
-from opml_inference_router.control.analysis import FAILED, INCONCLUSIVE, PASSED, CheckResult, measure
+from opml_inference_router.control.analysis import (
+    FAILED,
+    INCONCLUSIVE,
+    PASSED,
+    CheckResult,
+    measure,
+    unconfirmed,
+    verdict_of,
+)
 from opml_inference_router.control.decisions import Decision, DecisionLedger
-from opml_inference_router.control.quality import Quality, QualityBook
+from opml_inference_router.control.quality import Quality, QualityBook, ScorerWindows
 from opml_inference_router.control.state import SERVING
 from opml_inference_router.routing.shadow import Comparison
 from opml_inference_router.routing.window import Measures
@@ -141,18 +149,22 @@ class ProgressiveRollouts(Component):
     manager restored its deployments) and writes their pending decisions; ``stop()`` ends their tasks
     (their state stays, to resume). Each decision emits one event through ``events``, keyed by the
     model, and is written to the bundle's lineage through ``ledger`` (None: not written). ``quality``:
-    the monitoring-scorer's windows (None: the estimated_accuracy and accuracy checks stay inconclusive).
+    the monitoring-scorer's windows (None: the estimated_accuracy and accuracy checks stay inconclusive);
+    ``scorer``: where a quality check that failed is confirmed before the rollout aborts on it (None:
+    the events' numbers are acted on as they are).
     """
 
     def __init__(self, manager: DeploymentManager, *, store: RolloutStore | None = None,
                  events: EventEmitter | None = None, quality: QualityBook | None = None,
-                 ledger: DecisionLedger | None = None, clock: Callable[[], float] = time.time) -> None:
+                 ledger: DecisionLedger | None = None, scorer: ScorerWindows | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         super().__init__()
         self._manager = manager
         self._store = store
         self._events = events
         self._quality = quality
         self._ledger = ledger
+        self._scorer = scorer
         self._clock = clock
         self._states: dict[str, RolloutState] = {}
         self._tasks: dict[str, asyncio.Task] = {}
@@ -316,6 +328,8 @@ class ProgressiveRollouts(Component):
                                       measures.get(str(state.stable), _NOTHING),
                                       shadow=router.take_shadow_measures(state.model),
                                       new_quality=new_quality, stable_quality=stable_quality)
+            if verdict == FAILED:
+                verdict, checks = await self._confirmed(state, analysis, checks)
             state.measurements += 1
             state.failed += verdict == FAILED
             state.inconclusive += verdict == INCONCLUSIVE
@@ -345,6 +359,29 @@ class ProgressiveRollouts(Component):
         await self._save(state)
         self._write_pending(state)
         return True
+
+    async def _confirmed(self, state: RolloutState, analysis: Analysis,
+                         checks: list[CheckResult]) -> tuple[str, list[CheckResult]]:
+        """Events are hints: a quality check that failed on the scorer's events is judged again on the
+        windows read from the scorer itself before the rollout acts on it; when they cannot be read, it
+        is inconclusive (a rollout is never aborted on numbers its source did not confirm)."""
+        if self._scorer is None or not any(c.verdict == FAILED and c.check in QUALITY_CHECKS for c in checks):
+            return verdict_of(checks), checks
+        try:
+            new = await self._scorer.since(state.model, state.version, state.step_started)
+            stable = await self._scorer.since(state.model, state.stable, state.step_started)
+        except OpmlError as error:
+            log.warning("models/%s: the monitoring-scorer's numbers could not be confirmed: %s", state.model,
+                        error.message)
+            checks = [unconfirmed(c, f"the monitoring-scorer could not be read ({error.message})")
+                      if c.check in QUALITY_CHECKS else c for c in checks]
+            return verdict_of(checks), checks
+        quality_checks = Analysis(analysis.interval_s, checks=tuple(c for c in analysis.checks
+                                                                    if c.name in QUALITY_CHECKS))
+        _, confirmed = measure(quality_checks, _NOTHING, _NOTHING, new_quality=new, stable_quality=stable)
+        by_name = {c.check: c for c in confirmed}
+        checks = [by_name.get(c.check, c) for c in checks]
+        return verdict_of(checks), checks
 
     async def _quality_of(self, state: RolloutState, analysis: Analysis) -> tuple[Quality, Quality]:
         """The scorer's windows of each version since the analysis step began (when a check reads them)."""

@@ -11,10 +11,14 @@ event is dead-lettered (InvalidArgument).
 Kept in Redis (``<prefix>inference-router:quality:{model}/{version}``, one field per window, the
 newest :data:`MAX_WINDOWS` kept), so a restarted router judges with what it had consumed; without
 Redis (tests, a dev router) in memory.
+
+Events are hints where it matters: before a rollout is aborted on the scorer's numbers, they are read
+again from the scorer itself (:class:`ScorerWindows`, its API through its contract's client).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import asdict, dataclass
@@ -24,6 +28,7 @@ from opml.monitoring.v1 import quality_events_pb2
 
 from opml_common.bus import CloudEvent
 from opml_common.errors import InvalidArgument
+from opml_monitoring_scorer_contract.client import MonitoringClient
 from opml_monitoring_scorer_contract.names import EVENT_SOURCE as SCORER_SOURCE
 
 log = logging.getLogger(__name__)
@@ -138,3 +143,32 @@ class QualityConsumer:
         if await self._book.record(message):
             log.debug("quality of models/%s/versions/%s window %d: %d rows, %d labelled", message.model,
                       message.version, message.window, message.rows, message.labelled)
+
+
+class ScorerWindows:
+    """A version's windows read from the monitoring-scorer's API (``ListWindows``, newest first, and
+    ``GetModelStatus`` for its task), pooled as :meth:`QualityBook.since` pools the events'.
+
+    Raises (:meth:`since`): NotFound (the version is not monitored), Unavailable (no scorer)."""
+
+    def __init__(self, target: str, *, token: str | None = None) -> None:
+        self._target = target
+        self._token = token
+
+    async def since(self, model: str, version: str | int, start_time: float) -> Quality:
+        return await asyncio.to_thread(self._since, model, str(version), start_time)
+
+    def _since(self, model: str, version: str, start_time: float) -> Quality:
+        windows: list[Window] = []
+        with MonitoringClient(self._target, token=self._token) as client:
+            higher_is_better = client.status(model, version).task != "regression"
+            for window in client.windows(model, version, page_size=200):
+                last_time = window.last_time.ToNanoseconds() / 1e9
+                if last_time < start_time or len(windows) >= MAX_WINDOWS:
+                    break
+                estimate = window.cbpe if window.HasField("cbpe") else window.mpp if window.HasField("mpp") else None
+                windows.append(Window(index=window.index, rows=window.rows, last_time=last_time, estimate=estimate,
+                                      labelled=window.labelled,
+                                      true_value=window.true_value if window.HasField("true_value") else None,
+                                      higher_is_better=higher_is_better))
+        return pooled(windows)
