@@ -70,13 +70,17 @@ class DisagreementWindow:
     __slots__ = ("mirrored", "shed", "failed", "compared", "rows", "disagreed_rows", "difference_sum")
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
         self.mirrored = self.shed = self.failed = self.compared = self.rows = self.disagreed_rows = 0
         self.difference_sum = 0.0
 
     def take(self) -> ShadowMeasures:
+        """What happened since the last take; starts a new interval."""
         measures = ShadowMeasures(self.mirrored, self.shed, self.failed, self.compared, self.rows,
                                   self.disagreed_rows, self.difference_sum / self.rows if self.rows else 0.0)
-        self.__init__()
+        self._reset()
         return measures
 
 
