@@ -38,9 +38,12 @@ class SeverableReplica(Replica):
         finally:
             if not call.done():
                 call.cancel()  # severed, or the router cancelled us (a backup won): the worker drops it
-        if call.done() and not call.cancelled():
-            return call.result()
-        raise ReplicaFailed("UNAVAILABLE", severed.result(), retriable=True, eject=True, replica=self.name)
+        if severed.done() and not call.done():
+            raise ReplicaFailed("UNAVAILABLE", severed.result(), retriable=True, eject=True, replica=self.name)
+        if call.cancelled():  # ended under the transport's own feet (its channel closed): another may answer
+            raise ReplicaFailed("CANCELLED", "the call to the worker was cancelled", retriable=True, eject=False,
+                                replica=self.name)
+        return call.result()  # the answer, or the transport's ReplicaFailed
 
     def sever(self, reason: str) -> None:
         """Fails the calls in flight and every call until :meth:`mend`."""

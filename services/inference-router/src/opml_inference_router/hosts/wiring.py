@@ -29,10 +29,11 @@ class SiteFailover:
         self.displaced: dict[str, dict[ModelVersion, str]] = {}  # lost worker -> version -> its substitute
 
     async def changed(self) -> None:
+        # the workers lost when this round began: those it re-places off (one may be back by its end)
+        lost = {worker_id for worker_id, hosted in self.hosts.workers.items() if not hosted.alive}
         before = self.manager.plan
         await self.manager.replan_once()
         after = self.manager.plan
-        lost = {worker_id for worker_id, hosted in self.hosts.workers.items() if not hosted.alive}
         for model, placed in before.placements.items():
             now = after.placements.get(model)
             for worker_id in set(placed.workers) & lost:
