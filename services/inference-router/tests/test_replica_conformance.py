@@ -1,8 +1,8 @@
 """One suite for every Replica (routing/replicas.py): the contract the router relies on, run against
 each transport to the same scripted KServe servicer: gRPC (GrpcReplica, a grpc.aio server with the
-platform's interceptor), the Unix socket (UdsReplica, the worker's UdsServer) and in-process
-(LocalReplica). What one transport alone does (framing, a real worker's messages) stays in
-test_worker_service.py."""
+platform's interceptor), the Unix socket (UdsReplica, the worker's UdsServer), in-process
+(LocalReplica) and a host's worker (SeverableReplica over gRPC). What one transport alone does
+(framing, a real worker's messages) stays in test_worker_service.py."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from tritonclient.grpc import service_pb2_grpc
 from opml_common.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from opml_common.grpc.interceptors import ObservabilityInterceptor
 from opml_common.metrics import ServiceMetrics
+from opml_inference_router.hosts.replicas import SeverableReplica
 from opml_inference_router.routing.errors import ReplicaFailed
 from opml_inference_router.routing.grpc_replica import GrpcReplica
 from opml_inference_router.routing.local_replica import LocalReplica
@@ -70,15 +71,17 @@ def _metrics() -> ServiceMetrics:
     return ServiceMetrics("inference-router-worker", registry=CollectorRegistry())
 
 
-@pytest.fixture(params=["grpc", "uds", "local"])
+@pytest.fixture(params=["grpc", "uds", "local", "host"])
 async def served(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Served]:
     servicer = Scripted()
-    if request.param == "grpc":
+    if request.param in ("grpc", "host"):  # host: a host's worker, severable when its host is lost
         server = grpc.aio.server(interceptors=[ObservabilityInterceptor(_metrics())])
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         replica: Replica = GrpcReplica(f"127.0.0.1:{port}")
+        if request.param == "host":
+            replica = SeverableReplica(replica)
         stop: Callable = lambda: server.stop(0)  # noqa: E731
     elif request.param == "uds":
         uds = UdsServer(servicer, tmp_path / "w.sock", metrics=_metrics())
