@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import os
 import shutil
@@ -213,7 +214,7 @@ class HostAgent(Component):
 
     def _verify_router(self, token: str) -> Principal | None:
         """The router's worker token may put bundles and probe, nothing else on the agent."""
-        if self.worker_token and token == self.worker_token:
+        if self.worker_token and hmac.compare_digest(token.encode(), self.worker_token.encode()):
             return Principal("router", frozenset({"admin"}), Scope("the router's worker token",
                                                                   frozenset({"PutBundle", "Probe"}), None))
         return None
