@@ -547,8 +547,9 @@ def describe(run: RolloutRun, placements: list[tuple[float, object]]) -> str:
     text = (f"    deploy called at 0, analysis started +{run.analysis_started - zero:.2f} s, ended "
             f"+{run.end[0] - zero:.2f} s")
     if failed:
-        text += (f"; {len(failed)} failed {failures(failed)} sent +{failed[0].sent - zero:.2f} to "
-                 f"+{failed[-1].sent - zero:.2f} s")
+        text += (f"; {len(failed)} failed {failures(failed)} sent +{min(o.sent for o in failed) - zero:.2f} to "
+                 f"+{max(o.sent for o in failed) - zero:.2f} s, answered in {min(o.latency_s for o in failed):.3f}-"
+                 f"{max(o.latency_s for o in failed):.3f} s")
     for t, message in moved:
         text += f"\n    placement changed +{t - zero:.2f} s: {'; '.join(message.reasons) or '(no reason given)'}"
     return text
