@@ -294,6 +294,7 @@ async def test_a_trial_told_but_not_saved_keeps_its_objective_series(store: Expe
 async def test_an_ended_trial_record_is_not_overwritten_by_a_stale_one(store: ExperimentStore) -> None:
     from opml_automl_controller.state import TrialRecord
 
+    await store.put_experiment(ExperimentRecord(name="e", uid="abcdef", katib_yaml="", max_trial_count=2), new=True)
     running = TrialRecord(experiment="e", number=0, parameters={"x": "1"}, job_id="e-abcdef-t0",
                           state=TrialState.RUNNING)
     assert await store.put_trial_unless_ended(running) is running
@@ -308,6 +309,81 @@ async def test_an_ended_trial_record_is_not_overwritten_by_a_stale_one(store: Ex
                            state=TrialState.FAILED, observations={"loss": [float("nan")]})
     await store.put_trial(diverged)  # a diverging Keras fit logs loss nan: the record's JSON holds NaN
     assert (await store.put_trial_unless_ended(replace(diverged, message="stale"))).message == ""
+
+
+async def test_a_deposed_leaders_trial_and_loop_writes_are_refused_and_api_changes_never_lost(store) -> None:
+    """Replicas share the store: the leader's writes are fenced (a deposed leader's are refused while
+    it still believes it leads), a trial is never written for a deleted experiment, and an API change
+    on another replica and the loop's change meet by compare-and-set, neither lost."""
+    from opml_automl_controller.state import TrialRecord
+    from opml_common.lease import LeaderLease, NotLeader
+
+    client, prefix = store._redis, store._prefix.removesuffix("automl:")
+    old = LeaderLease(client, "automl-controller", "old", prefix=prefix, ttl_s=30)
+    new = LeaderLease(client, "automl-controller", "new", prefix=prefix, ttl_s=30)
+    deposed = ExperimentStore(client, prefix=prefix, fence=lambda: old.fence)
+    leader = ExperimentStore(client, prefix=prefix, fence=lambda: new.fence)
+    follower = ExperimentStore(client, prefix=prefix, fence=lambda: new.fence)  # its API writes are not fenced
+    await store.put_experiment(ExperimentRecord(name="e", uid="abcdef", katib_yaml="", max_trial_count=2), new=True)
+    trial = TrialRecord(experiment="e", number=0, parameters={"x": "1"}, job_id="e-abcdef-t0")
+    async with old:
+        await old.wait_leading()
+        await deposed.put_trial(trial)
+        await client.delete(f"{prefix}lease:automl-controller")  # its lease expired while it stalled
+        async with new:
+            await new.wait_leading()
+            assert old.leading  # by its own clock
+            with pytest.raises(NotLeader):
+                await deposed.put_trial(replace(trial, state=TrialState.RUNNING))
+            with pytest.raises(NotLeader):
+                await deposed.change_experiment("e", lambda r: r.changed(reason="Running"), fenced=True)
+            await leader.put_trial(replace(trial, state=TrialState.SUCCEEDED))
+
+            def loop_change(record: ExperimentRecord) -> ExperimentRecord | None:
+                return record.changed(reason="Running") if record.state is ExperimentState.RUNNING else None
+
+            await follower.change_experiment("e", lambda r: r.changed(state=ExperimentState.STOPPED))
+            assert (await leader.change_experiment("e", loop_change, fenced=True))[1] is False  # it sees the stop
+            assert (await store.experiment("e")).state is ExperimentState.STOPPED
+            await store.delete(await store.experiment("e"))
+            with pytest.raises(NotFound, match="deleted"):
+                await leader.put_trial(replace(trial, number=1, job_id="e-abcdef-t1"))
+    assert await store.trials("e") == []
+
+
+async def test_a_change_that_races_another_writer_is_made_again_on_the_new_record(store) -> None:
+    await store.put_experiment(ExperimentRecord(name="r", uid="abcdef", katib_yaml="", max_trial_count=2), new=True)
+    seen: list[int] = []
+
+    def bump(record: ExperimentRecord) -> ExperimentRecord:
+        seen.append(record.max_trial_count)
+        return record.changed(max_trial_count=record.max_trial_count + 1)
+
+    async def racing(record: ExperimentRecord) -> None:
+        await store.put_experiment(record.changed(max_trial_count=10))  # another replica, after our read
+
+    original = store._redis.pipeline
+
+    def pipeline(*args, **kwargs):
+        pipe = original(*args, **kwargs)
+        get = pipe.get
+
+        async def get_then_race(key):
+            raw = await get(key)
+            if not seen and key.endswith(b"experiment:r" if isinstance(key, bytes) else "experiment:r"):
+                await racing(ExperimentRecord.from_json(raw))
+            return raw
+
+        pipe.get = get_then_race
+        return pipe
+
+    store._redis.pipeline = pipeline
+    try:
+        record, changed = await store.change_experiment("r", bump)
+    finally:
+        store._redis.pipeline = original
+    assert changed and seen == [2, 10] and record.max_trial_count == 11
+    assert (await store.experiment("r")).max_trial_count == 11
 
 
 async def test_stop_kills_running_trials_and_resume_continues(store: ExperimentStore) -> None:
@@ -547,7 +623,7 @@ async def test_an_experiments_run_and_its_entries_are_released_when_it_ends_or_i
     for _ in range(2):
         await asyncio.to_thread(jobs.running.acquire)
     await ctl.delete("gone")
-    assert "gone" not in ctl._runs and "gone" not in ctl._wake and "gone" not in ctl._locks
+    assert "gone" not in ctl._runs and "gone" not in ctl._wake
     assert closed == ["gone"]
     jobs.gate.set()
     await ctl.create(experiment("ends", max_trials=1, parallel=1, max_failed=1, resume="LongRunning"))

@@ -22,7 +22,7 @@ from opml_automl_controller.jobs import JobView, OrchestratorJobs
 from opml_automl_controller_contract.client import ExperimentClient
 from opml_automl_controller_contract.topics import EXPERIMENTS
 from opml_bundle_store_contract.client import BundleStoreClient
-from opml_common.errors import InvalidArgument
+from opml_common.errors import FailedPrecondition, InvalidArgument
 from opml_devstack.testing.bus import poll_until, read_records
 from opml_devstack.testing.metrics import samples, scrape
 from opml_devstack.testing.services import TOKENS, ServiceStarter
@@ -248,6 +248,46 @@ def test_sigkilled_controller_finishes_with_no_trial_repeated_or_lost(start_serv
         assert sorted(j.status.job_id for j in ours) == sorted(t.job_id for t in trials)  # one job per trial
         assert all(j.status.attempt == 0 and j.status.retries == 0 for j in ours)  # each ran once
         assert len({t.parameters["x"] for t in trials}) == 6
+
+
+def leader_gauge(env: dict[str, str]) -> float:
+    page = samples(scrape(env["OPML_AUTOML_CONTROLLER_METRICS_PORT"]))
+    return next(s.value for s in page if s.name == "opml_automl_controller_leader")
+
+
+def test_a_replica_takes_over_from_a_sigkilled_leader_with_no_trial_repeated_or_lost(
+        start_service, controller_env, orchestrator, program) -> None:
+    """Two replicas over one Redis: one leads (the lease), the other serves the API. An experiment
+    created on the follower is run by the leader; the leader is SIGKILLed mid-experiment (no release:
+    the lease expires) and the follower takes over, re-attaching to the running trials' jobs."""
+    replicated = {**controller_env, "OPML_AUTOML_CONTROLLER_LEASE_TTL_S": "2", "OPML_AUTOML_CONTROLLER_RESYNC_S": "0.5"}
+    own = ("OPML_AUTOML_CONTROLLER_GRPC_PORT", "OPML_AUTOML_CONTROLLER_METRICS_PORT", "OPML_AUTOML_CONTROLLER_HOME")
+    fresh = start_service.env("automl-controller")
+    replicas = [replicated, {**replicated, **{key: fresh[key] for key in own}}]
+    processes = [start_service("automl-controller", env=env) for env in replicas]
+    poll_until(lambda: sorted(leader_gauge(env) for env in replicas) == [0.0, 1.0], what="one leader of two")
+    leader = next(i for i, env in enumerate(replicas) if leader_gauge(env) == 1.0)
+    follower = 1 - leader
+    with ExperimentClient(processes[follower].target, token=TOKENS["admin"]) as client:
+        client.create(experiment_yaml("replicated", program, max_trials=6, parallel=3))  # on the follower
+        poll_until(lambda: sum(t.state == pb.TRIAL_STATE_RUNNING for t in client.trials("replicated")) >= 2,
+                   what="two trials running", every_s=0.05)
+        with pytest.raises(FailedPrecondition, match="does not lead"):
+            client.delete("replicated")  # its loop is the leader's: stop it first
+        processes[leader].process.send_signal(signal.SIGKILL)
+        processes[leader].process.wait()
+        poll_until(lambda: leader_gauge(replicas[follower]) == 1.0, what="the follower leads", timeout_s=30)
+        done = ended(client, "replicated")
+        trials = client.trials("replicated")
+    with JobClient(orchestrator.target, token=TOKENS["admin"]) as jobs:
+        assert done.status.reason == "MaxTrialsReached" and done.status.trials == 6
+        assert sorted(t.number for t in trials) == list(range(6))
+        assert all(t.state == pb.TRIAL_STATE_SUCCEEDED for t in trials), trials
+        ours = jobs.list(labels={"opml.dev/experiment": "replicated"})
+        assert sorted(j.status.job_id for j in ours) == sorted(t.job_id for t in trials)  # one job per trial
+        assert all(j.status.attempt == 0 and j.status.retries == 0 for j in ours)  # each ran once
+        assert len({t.parameters["x"] for t in trials}) == 6
+    assert "this replica leads" in processes[follower].log_path.read_text()  # each change is logged
 
 
 def test_validate_reports_every_violation_and_the_cli(controller, program, opml_cli, monkeypatch,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
 
 from opml.automl.v1 import automl_pb2, automl_pb2_grpc
@@ -10,6 +12,7 @@ from opml_automl_controller.controller import Controller, spec_of
 from opml_automl_controller.jobs import OrchestratorJobs
 from opml_automl_controller.metrics import PrometheusControllerMetrics
 from opml_automl_controller.models import BundleStoreModels
+from opml_automl_controller.nudges import Nudges
 from opml_automl_controller.servicer import METHOD_ROLES, ExperimentServicer
 from opml_automl_controller.settings import AutomlControllerSettings
 from opml_automl_controller.state import ExperimentStore
@@ -20,15 +23,21 @@ from opml_automl_controller.trialmodel import TrialFolders
 from opml_automl_controller_contract.topics import EXPERIMENTS
 from opml_common.bus import EventConsumer
 from opml_common.grpc.server import ServiceRegistration
+from opml_common.lease import LeaderLease
 from opml_common.process import ServiceSpec
 from opml_common.service import ServiceContext, run_service
+
+LEASE = "automl-controller"
+"""The lease whose holder runs the experiments' loops (every replica serves the API)."""
 
 SPEC = ServiceSpec(name="automl-controller", module="opml_automl_controller", settings=AutomlControllerSettings,
                    topics=(EXPERIMENTS, TRACES))
 
 
 async def build(service: ServiceContext) -> list[ServiceRegistration]:
-    """Experiments restored from Redis and run again (their trials' jobs re-attached); each change
+    """Replicas share Redis; the one holding the ``automl-controller`` lease runs the experiments (the
+    others serve the API and nudge it). Experiments restored from Redis and run again by each new
+    leader (their trials' jobs re-attached); each change
     saved, then announced on opml.experiments.v1; Trace trials' epoch logs consumed from
     opml.traces.v1 (tracers' sources only). At shutdown the server drains, then the consumer and
     the experiments' tasks stop; the trials' jobs go on in the orchestrator and are re-attached at
@@ -49,12 +58,21 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
         router_token = settings.inference_router_token.get_secret_value() if settings.inference_router_token else None
         serving = RouterPredictor(settings.inference_router_target, token=router_token)
         service.on_stop(serving.aclose)
-    store = await service.start(ExperimentStore(service.redis(), prefix=service.platform.redis_prefix))
-    controller = await service.start(Controller(
+    redis, prefix = service.redis(), service.platform.redis_prefix
+    lease = LeaderLease(redis, LEASE, f"{socket.gethostname()}:{os.getpid()}", prefix=prefix,
+                        ttl_s=settings.lease_ttl_s, on_change=lambda leading: controller.leadership_changed(leading))
+    store = await service.start(ExperimentStore(redis, prefix=prefix, fence=lambda: lease.fence))
+    nudges = Nudges(redis, prefix=prefix, on_nudge=lambda kind, value: controller.on_nudge(kind, value))
+    controller = Controller(
         store=store, jobs=jobs, emitter=await service.emitter(), redis_url=service.platform.redis_url,
         metrics=PrometheusControllerMetrics(service.metrics), trial_python=settings.trial_python or sys.executable,
         retry_s=settings.retry_s, models=models, trace_wait_s=settings.trace_wait_s,
-        serving=serving, folders=folders, upload_ttl_s=settings.upload_grant_ttl_s))
+        serving=serving, folders=folders, upload_ttl_s=settings.upload_grant_ttl_s, lease=lease, nudges=nudges,
+        resync_s=settings.resync_s)
+    # Stopped in reverse: the loops stop before the lease is released, so no successor overlaps them.
+    await service.start(lease)
+    await service.start(controller)
+    await service.start(nudges)
     if settings.trace_metrics:
         consumer = EventConsumer(service.platform, group_id=GROUP, topics=[TRACES], source_prefixes=SOURCE_PREFIXES,
                                  handler=TraceCollector(store, spec_of=spec_of, wake=controller.wake_trace).handle,

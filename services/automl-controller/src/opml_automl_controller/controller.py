@@ -17,6 +17,15 @@ again ends with exactly maxTrialCount trials, none run twice, none lost.
 
 Every change is saved to Redis, then announced once through the emitter (``opml.experiments.v1``):
 :class:`~opml_automl_controller.records.Records`.
+
+Replicas: the loops, the trials' runners and the best model's commit run only in the replica that
+holds the ``automl-controller`` lease (:class:`~opml_common.lease.LeaderLease`); its trial writes
+and its loops' experiment changes are fenced (:mod:`~opml_automl_controller.state`). Every replica
+serves the reads, and Create, Stop and Resume (they write the record; a nudge wakes the leader's
+loop, and the leader's resync finds what a lost nudge did not say). Delete is served by the leader,
+and by a follower only for an experiment with nothing running (ended, every trial ended), since
+deleting a running one cancels its trials' jobs under its loop. A leader that loses the lease stops
+every loop at once; the next one takes over through the restart path above.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from opml_automl_controller.jobs import TrialJobs
 from opml_automl_controller.katib import check_experiment, parse_experiment
 from opml_automl_controller.metrics import ControllerMetrics
 from opml_automl_controller.models import ModelRefused, ModelStore
+from opml_automl_controller.nudges import EXPERIMENT, TRACE, Nudges
 from opml_automl_controller.records import Records
 from opml_automl_controller.state import (
     TERMINAL_TRIALS,
@@ -56,8 +66,9 @@ from opml_automl_controller.surrogate import ServingPredictor, SurrogateCall, bu
 from opml_automl_controller.template import TrialJob
 from opml_automl_controller.trialmodel import TrialFolders
 from opml_automl_controller.trials import TrialRunner, TrialServices, build_job, is_surrogate, retrying
-from opml_common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, OpmlError
+from opml_common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, OpmlError
 from opml_common.events import EventEmitter
+from opml_common.lease import LeaderLease, NotLeader
 from opml_common.lifecycle import Component, cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -146,14 +157,24 @@ class Controller(Component):
             such experiments are refused).
         folders: where each trial's own folder is (its job's checkpoint folder, made by the
             orchestrator; None: trials get none); an experiment's are removed with it.
+        lease: the ``automl-controller`` lease; its ``on_change`` must call :meth:`leadership_changed`.
+            None: this controller is the only one and leads from its start.
+        nudges: how a follower wakes the leader (None: no followers).
+        resync_s: how often the leader looks for experiments whose loop it does not run (a nudge lost).
     """
 
     def __init__(self, *, store: ExperimentStore, jobs: TrialJobs, emitter: EventEmitter, redis_url: str,
                  metrics: ControllerMetrics | None = None, trial_python: str = sys.executable,
                  retry_s: float = 1.0, models: ModelStore | None = None, trace_wait_s: float = 10.0,
                  serving: ServingPredictor | None = None, folders: TrialFolders | None = None,
-                 upload_ttl_s: int = 24 * 3600) -> None:
+                 upload_ttl_s: int = 24 * 3600, lease: LeaderLease | None = None, nudges: Nudges | None = None,
+                 resync_s: float = 5.0) -> None:
         super().__init__()
+        if resync_s <= 0:
+            raise ValueError(f"resync_s must be > 0, but got {resync_s}")
+        self._lease, self._nudges, self._resync_s = lease, nudges, resync_s
+        self._transitions: asyncio.Queue[bool] = asyncio.Queue()
+        self._leadership: asyncio.Task | None = None
         self._store, self._jobs = store, jobs
         self._serving = serving
         self._models = models
@@ -170,20 +191,89 @@ class Controller(Component):
                                              upload_ttl_s=upload_ttl_s)
         self._runs: dict[str, asyncio.Task] = {}
         self._wake: dict[str, asyncio.Event] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._pending_nudges: set[asyncio.Task] = set()
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def on_start(self) -> None:
-        """Run again every experiment that had not ended (and drain stopped ones of running trials)."""
-        for record in await self._store.experiments():
-            if record.state in (ExperimentState.RUNNING, ExperimentState.STOPPED):
-                self._launch(record.name)
+        """With no lease: run again every experiment that had not ended (and drain stopped ones of
+        running trials). With one: follow it (the same when it is taken, see :meth:`leadership_changed`)."""
+        self._metrics.leader(self._lease is None)
+        if self._lease is None:
+            await self._launch_unfinished(only_missing=False)
+        else:
+            self._leadership = asyncio.create_task(self._follow_lease(), name="automl leadership")
         await self._records.count()
 
     async def on_stop(self) -> None:
         """Stop the experiments' tasks; trials' jobs keep running and are re-attached at the next start."""
+        await cancel_and_wait(self._leadership)
+        self._leadership = None
         await _cancel(self._runs.values())
+
+    @property
+    def leading(self) -> bool:
+        """Whether this replica runs the experiments' loops (holds the lease, or has none to hold)."""
+        return self._lease is None or self._lease.leading
+
+    def leadership_changed(self, leading: bool) -> None:
+        """The lease's ``on_change``: taken -> run every unfinished experiment from its stored state;
+        lost -> stop every loop at once (the jobs go on; the next leader re-attaches to them)."""
+        self._transitions.put_nowait(leading)
+
+    async def _follow_lease(self) -> None:
+        """Applies the lease's changes in order; while leading, resyncs every ``resync_s``."""
+        leading = False
+        while True:
+            try:
+                leading = await asyncio.wait_for(self._transitions.get(), self._resync_s if leading else None)
+            except TimeoutError:  # a resync: experiments whose nudge was lost
+                await self._launch_safely(only_missing=True)
+                continue
+            self._metrics.leader(leading)
+            if leading:
+                log.info("automl-controller: this replica leads (lease %s); running every unfinished experiment",
+                         self._lease.holder if self._lease is not None else "")
+                await self._launch_safely(only_missing=False)
+            else:
+                log.warning("automl-controller: this replica no longer leads; stopping %d experiments' loops "
+                            "(their trials' jobs go on for the next leader)", len(self._runs))
+                await _cancel(self._runs.values())
+
+    async def _launch_safely(self, *, only_missing: bool) -> None:
+        try:
+            await self._launch_unfinished(only_missing=only_missing)
+        except Exception:  # Redis unreachable: the next resync tries again (a take-over: ``only_missing`` then)
+            log.exception("automl-controller: could not read the experiments to run; trying again in %g s",
+                          self._resync_s)
+
+    async def _launch_unfinished(self, *, only_missing: bool) -> None:
+        """Launch every unfinished experiment's loop (a take-over); ``only_missing`` (a resync): a
+        running one's with no loop here, and wake a stopped one's that still runs (nudges lost)."""
+        for record in await self._store.experiments():
+            if not self.leading:
+                return
+            if not only_missing:
+                if record.state in (ExperimentState.RUNNING, ExperimentState.STOPPED):
+                    self._launch(record.name)
+            elif (record.state is ExperimentState.RUNNING) != (record.name in self._runs):
+                self._launch(record.name)  # created or resumed with no loop here, or stopped under its loop
+
+    async def _nudge(self, name: str) -> None:
+        """Wake the experiment's loop: here when leading, else the leader's through a nudge."""
+        if self.leading:
+            self._launch(name)
+        elif self._nudges is not None:
+            await self._nudges.publish(EXPERIMENT, name)
+
+    def on_nudge(self, kind: str, value: str) -> None:
+        """A nudge from a replica (this one's own included): the leader wakes what it names."""
+        if not self.leading:
+            return
+        if kind == EXPERIMENT:
+            self._launch(value)
+        elif kind == TRACE and (waker := self._trial_services.wakers.get(value)) is not None:
+            waker()
 
     def _launch(self, name: str) -> None:
         if name in self._runs and not self._runs[name].done():
@@ -194,11 +284,15 @@ class Controller(Component):
 
     def wake_trace(self, job_id: str) -> None:
         """New trace data of ``job_id`` is stored (the Trace collector's consumer, on the loop): the
-        trial's task reads it. A job whose trial runs no task here is ignored (its task reads the
-        stored data when it starts)."""
+        trial's task reads it. A job whose trial runs no task here is the leader's to read when this
+        replica follows (nudged), else ignored (its task reads the stored data when it starts)."""
         waker = self._trial_services.wakers.get(job_id)
         if waker is not None:
             waker()
+        elif not self.leading and self._nudges is not None:
+            task = asyncio.ensure_future(self._nudges.publish(TRACE, job_id))
+            self._pending_nudges.add(task)
+            task.add_done_callback(self._pending_nudges.discard)
 
     # -- API -------------------------------------------------------------------------------------
 
@@ -237,7 +331,7 @@ class Controller(Component):
             raise AlreadyExists(f"experiment {spec.name!r} exists already; delete it or choose another "
                                 f"metadata.name")
         self._records.announce(record, spec, ())
-        self._launch(spec.name)
+        await self._nudge(spec.name)
         await self._records.count()
         return ExperimentView(record, spec, (), checked.warnings)
 
@@ -272,7 +366,7 @@ class Controller(Component):
                                   completed_at=time.time())
 
         await self._change(name, stop)
-        self._launch(name)  # wakes the run, which kills the running trials
+        await self._nudge(name)  # wakes the run, which kills the running trials
         return await self.get(name)
 
     async def resume(self, name: str, max_trial_count: int = 0) -> ExperimentView:
@@ -307,7 +401,7 @@ class Controller(Component):
                                    message=f"Resumed to maxTrialCount {new_max}", completed_at=None)
 
         await self._change(name, resumed)
-        self._launch(name)
+        await self._nudge(name)
         return await self.get(name)
 
     async def delete(self, name: str) -> None:
@@ -316,15 +410,22 @@ class Controller(Component):
 
         An experiment that no longer parses is deleted too (its trials' jobs cancelled as any others).
 
-        Raises: NotFound.
+        Raises: NotFound. FailedPrecondition: this replica does not lead, and the experiment runs or
+            has trials that have not ended (its loop is the leader's).
         """
         record = await self._store.experiment(name)
         spec = _spec_or_none(record)
         task = self._runs.get(name)
         if task is not None:
             await _cancel([task])  # its end releases its entries
-        self._locks.pop(name, None)
         trials = await self._store.trials(name)
+        if not self.leading:
+            running = [t.job_id for t in trials if t.state not in TERMINAL_TRIALS]
+            if record.state is ExperimentState.RUNNING or running:
+                raise FailedPrecondition(
+                    f"experiment {name!r} is {record.state.value} with {len(running)} trials not ended, and this "
+                    f"replica does not lead the automl-controller: stop it (StopExperiment, on any replica), then "
+                    f"delete it once its trials have ended, or retry: another replica may lead")
         for trial in trials:
             if trial.state not in TERMINAL_TRIALS and not (spec is not None and is_surrogate(spec)):
                 await self._retrying(lambda t=trial: self._jobs.cancel(t.job_id), f"cancel {trial.job_id}")
@@ -333,6 +434,8 @@ class Controller(Component):
             await asyncio.to_thread(self._folders.remove, [trial.job_id for trial in trials])
         self._records.announce(record, spec, (), deleted=True)
         await self._records.count()
+        if not self.leading and self._nudges is not None:
+            await self._nudges.publish(EXPERIMENT, name)  # the leader's loop of it, if any, ends
 
     # -- the experiment's loop -------------------------------------------------------------------
 
@@ -341,6 +444,10 @@ class Controller(Component):
             await self._experiment(name)
         except asyncio.CancelledError:
             raise
+        except NotFound:
+            log.info("experiment %s: deleted; its loop ends", name)
+        except NotLeader as error:
+            log.info("experiment %s: its loop ends: %s", name, error.message)
         except Exception:
             log.exception("experiment %s: its run failed; it is retried at the next start", name)
         finally:  # a later launch (resume, restart) makes its own
@@ -354,7 +461,7 @@ class Controller(Component):
         except SpecInvalid as error:
             log.error("experiment %s: %s", name, error.message)
             await self._change(name, functools.partial(_ended, state=ExperimentState.FAILED, reason="SpecInvalid",
-                                                       message=error.message, bundle=""))
+                                                       message=error.message, bundle=""), fenced=True)
             return
         study = await asyncio.to_thread(ExperimentStudy, spec, redis_url=self._redis_url,
                                         journal_prefix=self._store.journal_prefix(record))
@@ -406,12 +513,13 @@ class Controller(Component):
                     state, reason, message = ended
                     bundle, message = await self._commit_best(record, spec, list(trials.values()), message)
                     final = await self._change(name, functools.partial(
-                        _ended, state=state, reason=reason, message=message, bundle=bundle), spec)
+                        _ended, state=state, reason=reason, message=message, bundle=bundle), spec, fenced=True)
                     if final.state is not ExperimentState.RUNNING and final.reason == reason:
                         return
                     continue  # stopped or resumed to more trials meanwhile
                 asked = len(frozen)
                 while len(runners) < spec.parallel_trial_count and asked < spec.max_trial_count:
+                    self._check_leading()  # the journal's appends are not fenced: never ask as a deposed leader
                     started = time.perf_counter()
                     number, params = await asyncio.to_thread(study.ask, lambda n, r=record: self._job_id(r, n))
                     self._metrics.asked(time.perf_counter() - started)
@@ -422,7 +530,7 @@ class Controller(Component):
                 if record.reason != "Running" and runners:
                     record = await self._change(name, lambda r: r.changed(
                         reason="Running", message="Experiment is running") if r.state is ExperimentState.RUNNING
-                        and r.reason != "Running" else None, spec)
+                        and r.reason != "Running" else None, spec, fenced=True)
             woken = asyncio.ensure_future(wake.wait())
             await asyncio.wait([woken, *runners.values()], return_when=asyncio.FIRST_COMPLETED)
             await cancel_and_wait(woken)
@@ -435,6 +543,7 @@ class Controller(Component):
         policy = spec.model
         if self._models is None or policy is None or not policy.commit or best is None or record.best_model_bundle:
             return record.best_model_bundle, message
+        self._check_leading()
         try:
             bundle = await self._retrying(lambda: self._models.commit_best(  # type: ignore[union-attr]
                 record, best, policy, objective=spec.objective.metric, algorithm=spec.algorithm.name),
@@ -529,20 +638,23 @@ class Controller(Component):
 
     # -- saving ----------------------------------------------------------------------------------
 
-    async def _change(self, name: str, change: Callable[[ExperimentRecord], ExperimentRecord | None],
-                      spec: ExperimentSpec | None = None) -> ExperimentRecord:
-        """Read, change and save the experiment's record under its lock (an API call and the
-        experiment's loop never overwrite each other's change); ``change`` returns None for no change.
+    def _check_leading(self) -> None:
+        """Raises: NotLeader: a step that only the leader may take, and this replica no longer leads."""
+        if self._lease is not None:
+            _ = self._lease.token
 
-        Raises: NotFound.
+    async def _change(self, name: str, change: Callable[[ExperimentRecord], ExperimentRecord | None],
+                      spec: ExperimentSpec | None = None, *, fenced: bool = False) -> ExperimentRecord:
+        """Change the experiment's record by compare-and-set, then announce it (an API call on any
+        replica and the leader's loop never overwrite each other's change); ``change`` returns None
+        for no change. ``fenced``: the loop's changes, made only while this replica leads.
+
+        Raises: NotFound. NotLeader: ``fenced``, and the lease moved on.
         """
-        async with self._locks.setdefault(name, asyncio.Lock()):
-            record = await self._store.experiment(name)
-            changed = change(record)
-            if changed is None:
-                return record
-            await self._records.save(changed, spec or _spec_or_none(changed))
-            return changed
+        record, changed = await self._store.change_experiment(name, change, fenced=fenced)
+        if changed:
+            await self._records.announce_saved(record, spec or _spec_or_none(record))
+        return record
 
 
 def _ended(record: ExperimentRecord, *, state: ExperimentState, reason: str, message: str,

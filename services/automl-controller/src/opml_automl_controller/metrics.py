@@ -18,12 +18,13 @@ class ControllerMetrics:
     def experiments(self, counts: dict[ExperimentState, int]) -> None: ...
     def spec_invalid(self) -> None: ...
     def model_refused(self) -> None: ...
+    def leader(self, leading: bool) -> None: ...
 
 
 class PrometheusControllerMetrics(ControllerMetrics):
     """``opml_automl_controller_trials_total{state}``, ``..._trial_duration_seconds{state}``,
-    ``..._suggestion_seconds`` (one ``study.ask``), ``..._experiments{state}``, ``..._spec_invalid_total`` and
-    ``..._models_refused_total``."""
+    ``..._suggestion_seconds`` (one ``study.ask``), ``..._experiments{state}``, ``..._spec_invalid_total``,
+    ``..._models_refused_total`` and ``..._leader`` (1 in the replica that runs the experiments' loops)."""
 
     def __init__(self, metrics: ServiceMetrics) -> None:
         self._trials = metrics.counter("trials_total", "Trials that ended, by how.", ("state",))
@@ -38,6 +39,8 @@ class PrometheusControllerMetrics(ControllerMetrics):
         self._models_refused = metrics.counter("models_refused_total", "Best trials' models refused, not "
                                                "committed: no upload in the bundle-store, or one that is "
                                                "incomplete or over spec.model.maxBytes.")
+        self._leader = metrics.gauge("leader", "1 while this replica holds the automl-controller lease and "
+                                     "runs the experiments' loops, else 0.")
         for state in TrialState:
             self._trials.labels(state.value)
         for state in ExperimentState:
@@ -60,3 +63,6 @@ class PrometheusControllerMetrics(ControllerMetrics):
 
     def model_refused(self) -> None:
         self._models_refused.inc()
+
+    def leader(self, leading: bool) -> None:
+        self._leader.set(1 if leading else 0)

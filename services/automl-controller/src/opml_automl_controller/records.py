@@ -25,10 +25,9 @@ class Records:
         self._emitter = emitter
         self._metrics = metrics
 
-    async def save(self, record: ExperimentRecord, spec: ExperimentSpec | None) -> None:
-        """The experiment's record, then its event with its trials as stored (``spec`` None: a
-        record that no longer parses; its event carries the record only)."""
-        await self.store.put_experiment(record)
+    async def announce_saved(self, record: ExperimentRecord, spec: ExperimentSpec | None) -> None:
+        """The event of the experiment's record just saved (by compare-and-set, in the store), with its
+        trials as stored (``spec`` None: a record that no longer parses; its event carries the record only)."""
         self.announce(record, spec, tuple(await self.store.trials(record.name)))
         await self.count()
 

@@ -67,6 +67,12 @@ class AutomlControllerSettings(ServiceSettings):
                                                      "inference-router.")
     retry_s: float = Field(1.0, gt=0, description="Pause before retrying an orchestrator call that failed "
                            "with a retriable error (UNAVAILABLE).")
+    lease_ttl_s: float = Field(10.0, ge=1, le=300, description="The automl-controller leader lease's TTL: the "
+                               "replica holding it runs the experiments' loops; after a leader dies (no clean "
+                               "release) another replica takes over within this long. It is renewed every third.")
+    resync_s: float = Field(5.0, gt=0, le=300, description="How often the leader reads every experiment for one "
+                            "whose loop it does not run (created, stopped or resumed on a follower whose nudge "
+                            "was lost).")
 
     @field_validator("trials_dir")
     @classmethod

@@ -5,6 +5,13 @@ of truth for which trials exist, their parameters and how they ended; these reco
 Optuna does not keep (the job, every metric's series, the job's error) and what the API lists.
 A record is written before the change it describes is acted on where that matters (a trial's job
 id before its submission), so a restarted controller finds every trial again.
+
+Several replicas share these keys. The leader's writes (every trial's, the experiment's loop's) are
+fenced: they apply only while the ``automl-controller`` lease's fence holds the writer's tenure
+(:class:`~opml_common.lease.Fence`), so a deposed leader's late write is refused, never applied over
+its successor's. An experiment's record changes by compare-and-set (WATCH), so an API call on any
+replica and the leader's loop never overwrite each other's change. A trial is written only while its
+experiment exists, so a write that races a delete cannot bring its trials back.
 """
 
 from __future__ import annotations
@@ -12,12 +19,15 @@ from __future__ import annotations
 import enum
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import WatchError
 
 from opml_common.errors import NotFound
+from opml_common.lease import Fence, NotLeader
 from opml_common.lifecycle import Component
 
 
@@ -39,17 +49,21 @@ class TrialState(enum.Enum):
 
 TERMINAL_TRIALS = frozenset({TrialState.SUCCEEDED, TrialState.FAILED, TrialState.EARLY_STOPPED, TrialState.KILLED})
 
-# Writes a trial's record unless the stored one has ended already; returns the stored one then.
-_PUT_UNLESS_ENDED = """
+# Writes a trial's record (KEYS[1] the trials' hash, ARGV[1] its number, ARGV[2] its JSON) while the
+# fence KEYS[3] holds the token ARGV[3] ('' : unfenced) and the experiment KEYS[2] exists; with states
+# in ARGV[4..], not over a stored record in one of them (that one is returned, 'kept').
+_PUT_TRIAL = """
+if ARGV[3] ~= '' and redis.call('GET', KEYS[3]) ~= ARGV[3] then return {'fenced'} end
+if redis.call('EXISTS', KEYS[2]) == 0 then return {'gone'} end
 local raw = redis.call('HGET', KEYS[1], ARGV[1])
 if raw then
   local state = cjson.decode(raw)['state']
-  for i = 3, #ARGV do
-    if state == ARGV[i] then return raw end
+  for i = 4, #ARGV do
+    if state == ARGV[i] then return {'kept', raw} end
   end
 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-return false
+return {'stored'}
 """
 
 
@@ -132,13 +146,20 @@ class ExperimentStore(Component):
     (KiBs); an experiment's trials are read whole, a trial's trace too.
 
     A part the service starts (Redis answers before anything reads it) and stops; the client is the
-    service's, closed by it after every part that uses it."""
+    service's, closed by it after every part that uses it.
 
-    def __init__(self, redis: aioredis.Redis, *, prefix: str) -> None:
+    Args:
+        fence: the leader's current fence (raises NotLeader when it does not lead); every trial write
+            and every fenced experiment change checks it in the same transaction. None: one writer
+            by construction (tests, benchmarks), nothing checked.
+    """
+
+    def __init__(self, redis: aioredis.Redis, *, prefix: str, fence: Callable[[], Fence] | None = None) -> None:
         super().__init__()
         self._redis = redis
         self._prefix = f"{prefix}automl:"
-        self._put_unless_ended = redis.register_script(_PUT_UNLESS_ENDED)
+        self._fence = fence
+        self._put_trial = redis.register_script(_PUT_TRIAL)
 
     async def on_start(self) -> None:
         await self._redis.ping()
@@ -161,6 +182,36 @@ class ExperimentStore(Component):
         await self._redis.set(key, record.to_json())
         return True
 
+    async def change_experiment(self, name: str, change: Callable[[ExperimentRecord], ExperimentRecord | None], *,
+                                fenced: bool = False) -> tuple[ExperimentRecord, bool]:
+        """Read, change and save the record by compare-and-set (``change`` is called again if another
+        writer, on any replica, changed it meanwhile; it returns None for no change): the record as
+        stored now, and whether this call changed it. ``fenced``: only while this replica leads.
+
+        Raises: NotFound. NotLeader: ``fenced``, and the lease moved on. What ``change`` raises."""
+        key = f"{self._prefix}experiment:{name}"
+        fence = self._fence() if fenced and self._fence is not None else None
+        async with self._redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(key, *([fence.key] if fence else []))
+                    if fence is not None and await pipe.get(fence.key) != str(fence.token).encode():
+                        raise NotLeader(f"the automl-controller lease moved on (tenure {fence.token}); "
+                                        f"experiment {name!r} not changed")
+                    raw = await pipe.get(key)
+                    if raw is None:
+                        raise NotFound(f"experiment {name!r} does not exist")
+                    record = ExperimentRecord.from_json(raw)
+                    changed = change(record)
+                    if changed is None:
+                        return record, False
+                    pipe.multi()
+                    pipe.set(key, changed.to_json())
+                    await pipe.execute()
+                    return changed, True
+                except WatchError:
+                    continue
+
     async def experiment(self, name: str) -> ExperimentRecord:
         """Raises: NotFound: no experiment of that name."""
         raw = await self._redis.get(f"{self._prefix}experiment:{name}")
@@ -178,14 +229,29 @@ class ExperimentStore(Component):
         return records
 
     async def put_trial(self, trial: TrialRecord) -> None:
-        await self._redis.hset(f"{self._prefix}trials:{trial.experiment}", str(trial.number), trial.to_json())
+        """Raises: NotFound: the experiment was deleted. NotLeader: fenced, and the lease moved on."""
+        await self._write_trial(trial, ())
 
     async def put_trial_unless_ended(self, trial: TrialRecord) -> TrialRecord:
         """Save ``trial`` unless its stored record has ended already (its runner saved it, with every
-        series, since the caller read it); returns the record stored now. Atomic (one Lua script)."""
-        stored = await self._put_unless_ended(keys=[f"{self._prefix}trials:{trial.experiment}"],
-                                              args=[trial.number, trial.to_json(), *(s.value for s in TERMINAL_TRIALS)])
+        series, since the caller read it); returns the record stored now. Atomic (one Lua script).
+
+        Raises: NotFound: the experiment was deleted. NotLeader: fenced, and the lease moved on."""
+        stored = await self._write_trial(trial, tuple(s.value for s in TERMINAL_TRIALS))
         return trial if stored is None else TrialRecord.from_json(stored)
+
+    async def _write_trial(self, trial: TrialRecord, unless: tuple[str, ...]) -> bytes | None:
+        fence = self._fence() if self._fence is not None else None
+        experiment_key = f"{self._prefix}experiment:{trial.experiment}"
+        outcome, *stored = await self._put_trial(
+            keys=[f"{self._prefix}trials:{trial.experiment}", experiment_key, fence.key if fence else experiment_key],
+            args=[trial.number, trial.to_json(), str(fence.token) if fence else "", *unless])
+        if outcome == b"fenced":
+            raise NotLeader(f"the automl-controller lease moved on (tenure {fence.token if fence else 0}); "
+                            f"trial {trial.job_id} not saved")
+        if outcome == b"gone":
+            raise NotFound(f"experiment {trial.experiment!r} was deleted; trial {trial.job_id} not saved")
+        return stored[0] if stored else None
 
     async def trial(self, experiment: str, number: int) -> TrialRecord | None:
         raw = await self._redis.hget(f"{self._prefix}trials:{experiment}", str(number))
