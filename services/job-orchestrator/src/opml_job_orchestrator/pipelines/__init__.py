@@ -6,5 +6,7 @@ One responsibility per module: :mod:`.dag` (the plan of a spec), :mod:`.spans` (
 reads), :mod:`.cache` (cache keys), :mod:`.store` (runs in Redis), :mod:`.bundles` (the bundle-store),
 :mod:`.folders` (what a step's job reads and writes), :mod:`.steps` (steps' jobs), :mod:`.runner`
 (one run, step by step), :mod:`.engine` (pipelines, one run at a time, coalesced triggers),
-:mod:`.triggers` (events and schedules), :mod:`.servicer` and :mod:`.cli` (the API and ``opml pipeline``).
+:mod:`.triggers` (events and schedules), :mod:`.servicer` and :mod:`.cli` (the API and ``opml pipeline``);
+and the data steps' program the validate and evaluate jobs run, :mod:`.stepjobs` (over :mod:`.table`,
+:mod:`.statistics`, :mod:`.schema`, :mod:`.anomalies`, :mod:`.evaluation`).
 """
