@@ -11,9 +11,11 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 from onnx import TensorProto, helper
 from prometheus_client import CollectorRegistry
 
+from opml_common.errors import Unavailable
 from opml_common.metrics import ServiceMetrics
 from opml_inference_router.placement.fleet_config import ModelVersion, PoolKind
 from opml_inference_router.runtime import DynamicBatcher, Replica, WorkerMetrics, build_session, to_profile
@@ -199,6 +201,51 @@ def test_a_cancelled_request_leaves_the_queue_at_once_and_never_runs() -> None:
     assert served.ran == [1, 1]  # the busy request, then the kept one: the cancelled one never ran
     assert batcher.metrics.inference_count == 3 and batcher.metrics.execution_count == 2
     assert depth.get() == 0
+
+
+def test_a_stop_while_a_batch_runs_answers_its_callers_and_runs_what_is_queued() -> None:
+    """A version rolled back under load: its replica stops while a batch runs (on the dispatcher
+    itself, one instance) and more wait behind it. Every caller gets its answer; none waits out its
+    deadline for a result that never comes."""
+    served = gated_replica(delay_us=10_000_000)
+    batcher = batcher_for(served)
+    depth = batcher.metrics.queue_depth._value
+
+    async def scenario() -> list[dict]:
+        await batcher.start()
+        running = asyncio.create_task(batcher.infer({"features": rows(1)}))
+        await until(served.started.is_set)
+        queued = asyncio.create_task(batcher.infer({"features": rows(2)}))  # would wait 10 s for a batch
+        await until(lambda: depth.get() == 1)
+        stopping = asyncio.create_task(batcher.stop())
+        await until(lambda: batcher._closed)
+        served.gate.set()
+        await stopping
+        return [await running, await queued]
+
+    answers = asyncio.run(scenario())
+    assert [answer["scores"].shape for answer in answers] == [(1, 4), (2, 4)]
+    assert served.ran == [1, 1]  # the running request, then the queued one: not held for a batch to grow
+
+
+def test_a_stop_that_is_itself_cancelled_fails_the_running_batch_instead_of_leaving_it_unanswered() -> None:
+    served = gated_replica(delay_us=None)
+    batcher = batcher_for(served)
+
+    async def scenario() -> None:
+        await batcher.start()
+        running = asyncio.create_task(batcher.infer({"features": rows(1)}))
+        await until(served.started.is_set)
+        stopping = asyncio.create_task(batcher.stop())
+        await until(lambda: batcher._closed)
+        stopping.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await stopping
+        with pytest.raises(Unavailable, match="unloaded while running"):
+            await running
+        served.gate.set()
+
+    asyncio.run(scenario())
 
 
 def test_a_request_finding_the_replica_idle_runs_without_waiting_the_delay() -> None:

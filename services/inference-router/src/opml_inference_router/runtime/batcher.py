@@ -138,15 +138,26 @@ class DynamicBatcher(Component):
         self._task = asyncio.create_task(self._dispatch(), name=f"batcher {self.replica.model}")
 
     async def on_stop(self) -> None:
+        """The dispatcher drains the queue and ends by itself once it is empty and its own batch ran:
+        cancelling it mid-run would leave that batch's callers waiting for answers that never come (a
+        version rolled back under load). A stop that is itself cancelled still answers them (Unavailable)."""
         self._closed = True
-        while self._queue and self._task is not None and not self._task.done():
-            await asyncio.sleep(0.005)
+        self._wake.set()
+        cancelled = False
         try:
-            await cancel_and_wait(self._task)
+            if self._task is not None:
+                await self._task
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
         finally:
-            await asyncio.gather(*self._runs.values(), return_exceptions=True)  # a failed run failed its callers
+            await cancel_and_wait(self._task)
+            if cancelled:  # the instances' runs fail their callers; their threads end when their runs do
+                await cancel_and_wait(*self._runs.values())
+            else:
+                await asyncio.gather(*self._runs.values(), return_exceptions=True)  # a failed run failed its callers
             for thread in self._threads.values():
-                thread.shutdown(wait=True)
+                thread.shutdown(wait=not cancelled)
 
     async def infer(self, inputs: Tensors) -> dict[str, np.ndarray]:
         """The replica's outputs for one request (already validated: shapes fit, batch <= the cap).
@@ -185,9 +196,12 @@ class DynamicBatcher(Component):
         loop = asyncio.get_running_loop()
         while True:
             while not self._queue:
+                if self._closed:
+                    return  # drained: nothing queued, no batch of its own running
                 self._wake.clear()
                 await self._wake.wait()
-            if self._delay_s and self._queued_rows < self._max_rows and not self._queue[0].idle:
+            if (self._delay_s and self._queued_rows < self._max_rows and not self._queue[0].idle
+                    and not self._closed):  # stopping: what is queued runs now, no batch grows
                 await self._fill(loop, self._queue[0].enqueued + self._delay_s)
                 if not self._queue:  # every caller left while it formed
                     continue
@@ -266,6 +280,12 @@ class DynamicBatcher(Component):
             else:
                 results, elapsed = await loop.run_in_executor(self._threads[instance], self._timed_run,
                                                               instance, inputs)
+        except asyncio.CancelledError:  # torn down mid-run: its callers must not wait for an answer
+            for pending in batch:
+                if not pending.future.done():
+                    pending.future.set_exception(Unavailable(f"{self.replica.model} was unloaded while "
+                                                             f"running this request; retry on another replica"))
+            raise
         except Exception as error:  # noqa: BLE001 - every waiting caller gets the failure
             self.metrics.failures += len(batch)
             for pending in batch:
