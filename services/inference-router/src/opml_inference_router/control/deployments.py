@@ -308,6 +308,11 @@ class DeploymentManager(Component):
                 self._placement_changed(replan)
             return replan
 
+    async def reconcile_worker(self, worker_id: str) -> list[ModelVersion]:
+        """Unloads from a worker what the plan does not place there (:meth:`ReplicaPlacer.reconcile`)."""
+        async with self._lock:
+            return await self._placer.reconcile(worker_id)
+
     def worker_down(self, worker_id: str, address: str, reason: str, back_in_s: float) -> None:
         """Marks the replicas on a dead worker down in the router at once (no lock: a deploy in progress
         must not delay it), so no request is sent there and those that find no other replica wait for

@@ -154,6 +154,18 @@ class ReplicaPlacer:
         await self.apply(replan)
         return replan
 
+    async def reconcile(self, worker: str) -> list[ModelVersion]:
+        """Unloads what the worker serves that the plan does not put there (a host back from a cut still
+        holds what was re-placed off it while it was away), so its slots hold what the plan counts;
+        returns what was unloaded. Raises: Unavailable."""
+        client = self.pools.client(worker)
+        stale = [ModelVersion(name, version) for name, version in sorted(await client.loaded())
+                 if not self._hosted.get((worker, ModelVersion(name, version)))]
+        for model in stale:
+            with contextlib.suppress(NotFound):
+                await client.unload(model.name, model.version)
+        return stale
+
     def forget(self, model: ModelVersion) -> None:
         """Drops a retired version's profiles (the next re-plan unloads it)."""
         self.profiles = ProfileBook(profile for profile in self.profiles if profile.model != model)

@@ -79,6 +79,11 @@ class WorkerClient:
             raise OpmlError(f"worker {self.address} reports no profile of {model} v{version}")
         return Profile.from_dict(json.loads(parameter.string_value))
 
+    async def loaded(self) -> set[tuple[str, int]]:
+        """The (model, version) pairs loaded on the worker (its repository index). Raises: Unavailable."""
+        reply = await self._call(self._stub.RepositoryIndex, pb.RepositoryIndexRequest(), CALL_TIMEOUT_S)
+        return {(model.name, int(model.version)) for model in reply.models if model.version.isdigit()}
+
     async def close(self) -> None:
         await self._channel.close()
 

@@ -69,6 +69,7 @@ class HostWorker:
     worker_id: str = ""
     routed: set[tuple[str, str]] = field(default_factory=set)  # (model, version) in the local router
     channel: tuple[str, grpc.aio.Channel] | None = field(default=None, repr=False)  # (target, its admin channel)
+    serving: bool = False  # started and answering health: its address goes in the heartbeats
 
 
 def pools_of(settings: HostAgentSettings, fleet: FleetConfig) -> list[pb.HostPool]:
@@ -257,12 +258,25 @@ class HostAgent(Component):
     # -- the loop --------------------------------------------------------------------------------
 
     async def _run(self) -> None:
+        """Registers, then heartbeats and tends the workers side by side: a worker that takes seconds to
+        start never delays a heartbeat (the router would take the host for lost)."""
         await self._register()
+        beats = asyncio.create_task(self._beat(), name="host-heartbeat")
+        try:
+            await self._tend()
+        finally:
+            await cancel_and_wait(beats)
+
+    async def _tend(self) -> None:
         while True:
             for worker in self.workers:
                 if worker.process.process is None or worker.process.process.poll() is not None:
                     await self._start_worker(worker)
             await self._sync_local()
+            await asyncio.sleep(self.heartbeat_interval_s)
+
+    async def _beat(self) -> None:
+        while True:
             try:
                 await self._call(self._stub.Heartbeat, pb.HeartbeatRequest(host=self.settings.name, workers=[
                     pb.WorkerEndpoint(worker=w.worker_id, address=self._address(w)) for w in self.workers]))
@@ -300,12 +314,14 @@ class HostAgent(Component):
             worker.worker_id = worker_id
             worker.process.env = {"OPML_AUTH_TOKENS": f"{self.worker_token}=admin",
                                   "OPML_INFERENCE_ROUTER_WORKER_HOST": self.settings.worker_host}
-            if restart:
+            if restart:  # started again with the new token by the next round
+                worker.serving = False
                 await asyncio.to_thread(worker.process.stop)
         self.registered.set()
         log.info("registered with %s as %s", self.settings.router_target, ", ".join(reply.workers))
 
     async def _start_worker(self, worker: HostWorker) -> None:
+        worker.serving = False
         if worker.process.process is not None:
             log.warning("worker %s died (exit %s); restarting", worker.worker_id, worker.process.process.returncode)
             worker.process.kill()
@@ -315,11 +331,13 @@ class HostAgent(Component):
             worker.routed.clear()
         try:
             await asyncio.to_thread(worker.process.start)
-        except Exception as error:  # noqa: BLE001 - reported as not serving; tried again next beat
+        except Exception as error:  # noqa: BLE001 - reported as not serving; tried again next round
             log.error("worker %s failed to start: %s", worker.worker_id, error)
+            return
+        worker.serving = True
 
     def _address(self, worker: HostWorker) -> str:
-        alive = worker.process.process is not None and worker.process.process.poll() is None
+        alive = worker.serving and worker.process.process is not None and worker.process.process.poll() is None
         return f"{self.settings.advertised_host}:{worker.process.grpc_port}" if alive else ""
 
     async def _sync_local(self) -> None:

@@ -119,6 +119,9 @@ class HostedWorkerClient:
     async def profile(self, model: str, version: int) -> Profile:
         return await self._worker.profile(model, version)
 
+    async def loaded(self) -> set[tuple[str, int]]:
+        return await self._worker.loaded()
+
     async def close(self) -> None:
         await self._worker.close()
 

@@ -21,16 +21,20 @@ class SiteFailover:
     """Re-places on every host change (:meth:`DeploymentManager.replan_once`: off a lost host's workers,
     onto new ones) and remembers, per lost worker, where each of its replicas went; once the worker is
     usable again, each goes back there (:meth:`DeploymentManager.move_replica`), so a site that returns
-    serves what it served before its cut, and the substitute's slot is free again."""
+    serves what it served before its cut, and the substitute's slot is free again. Then what a returned
+    worker still holds that the plan does not put there is unloaded
+    (:meth:`DeploymentManager.reconcile_worker`), so its slots hold what the plan counts."""
 
     def __init__(self, hosts: HostRegistry, manager: DeploymentManager) -> None:
         self.hosts = hosts
         self.manager = manager
         self.displaced: dict[str, dict[ModelVersion, str]] = {}  # lost worker -> version -> its substitute
+        self.returned: set[str] = set()  # workers seen lost: what they hold is checked against the plan on return
 
     async def changed(self) -> None:
         # the workers lost when this round began: those it re-places off (one may be back by its end)
         lost = {worker_id for worker_id, hosted in self.hosts.workers.items() if not hosted.alive}
+        self.returned |= lost  # checked against the plan once alive again, after what moves back has
         before = self.manager.plan
         await self.manager.replan_once()
         after = self.manager.plan
@@ -53,6 +57,16 @@ class SiteFailover:
                     continue
                 if moved is not None:
                     log.info("%s moved back from %s to %s", model, substitute, worker_id)
+        for worker_id in sorted(self.returned & {w for w, h in self.hosts.workers.items() if h.alive}):
+            self.returned.discard(worker_id)
+            try:
+                stale = await self.manager.reconcile_worker(worker_id)
+            except OpmlError as error:
+                log.warning("what %s serves beside the plan stays until its next load: %s", worker_id, error.message)
+                continue
+            if stale:
+                log.info("%s back: unloaded %s, placed elsewhere while it was away", worker_id,
+                         ", ".join(map(str, stale)))
 
 
 def connect_hosts(hosts: HostRegistry, manager: DeploymentManager) -> SiteFailover:
