@@ -8,6 +8,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = sorted((ROOT / "deploy" / "k8s").glob("*.yaml"))
+WORKLOADS = ("Deployment", "StatefulSet")
 
 
 @pytest.mark.parametrize("manifest", MANIFESTS, ids=lambda p: p.name)
@@ -21,7 +22,7 @@ def test_kubernetes_manifests_match_the_api_schema(manifest: Path) -> None:
 def test_compose_runs_every_kubernetes_service() -> None:
     compose = yaml.safe_load((ROOT / "deploy" / "compose" / "docker-compose.yml").read_text())
     deployed = {d["metadata"]["name"] for m in MANIFESTS for d in yaml.safe_load_all(m.read_text())
-                if d and d["kind"] == "Deployment"}
+                if d and d["kind"] in WORKLOADS}
     assert deployed and deployed <= set(compose["services"])
 
 
@@ -104,7 +105,7 @@ def test_every_kubernetes_service_gets_its_kafka_sasl_user_from_a_secret() -> No
     platform = next(d for d in documents if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "opml-platform")
     assert platform["data"]["OPML_KAFKA_SECURITY_PROTOCOL"] == "SASL_SSL"
     cafile = Path(platform["data"]["OPML_KAFKA_SSL_CAFILE"])
-    deployments = [d for d in documents if d["kind"] == "Deployment"]
+    deployments = [d for d in documents if d["kind"] in WORKLOADS]
     assert deployments
     for deployment in deployments:
         name = deployment["metadata"]["name"]

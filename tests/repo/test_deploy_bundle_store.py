@@ -38,7 +38,7 @@ def test_compose_gives_every_bundle_user_the_bundle_store() -> None:
 def test_kubernetes_gives_every_bundle_user_the_bundle_store() -> None:
     documents = [d for m in sorted((ROOT / "deploy" / "k8s").glob("*.yaml")) for d in yaml.safe_load_all(m.read_text())
                  if d]
-    deployments = {d["metadata"]["name"]: d for d in documents if d["kind"] == "Deployment"}
+    deployments = {d["metadata"]["name"]: d for d in documents if d["kind"] in ("Deployment", "StatefulSet")}
     wrong = {}
     for name, prefix in _bundle_users().items():
         (container,) = deployments[name]["spec"]["template"]["spec"]["containers"]
