@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 from opml.monitoring.v1 import quality_events_pb2
 
@@ -31,18 +32,30 @@ def test_the_window_counts_failures_reads_a_p99_within_5_percent_and_starts_over
     assert window.take() == Measures(0, 0, None)
 
 
+def _measures(latencies, errors: int = 0) -> Measures:
+    window = OutcomeWindow()
+    for seconds in latencies:
+        window.answered(float(seconds))
+    for _ in range(errors):
+        window.failed("INTERNAL")
+    return window.take()
+
+
 def test_a_measurement_passes_fails_or_is_inconclusive_with_its_evidence():
-    stable = Measures(requests=100, errors=1, p99_s=0.010)
-    verdict, results = measure(ANALYSIS, Measures(100, 1, 0.012), stable)
+    rng = np.random.default_rng(1)
+    stable = _measures(rng.lognormal(np.log(0.010), 0.2, 990), errors=10)
+    verdict, results = measure(ANALYSIS, _measures(rng.lognormal(np.log(0.011), 0.2, 990), errors=10), stable)
     assert verdict == "PASSED" and [r.verdict for r in results] == ["PASSED", "PASSED"]
 
-    verdict, results = measure(ANALYSIS, Measures(100, 5, 0.030), stable)
+    verdict, results = measure(ANALYSIS, _measures(rng.lognormal(np.log(0.030), 0.2, 950), errors=50), stable)
     assert verdict == "FAILED"
     error_rate, latency = results
     assert (error_rate.new_value, error_rate.stable_value, error_rate.bound) == (0.05, 0.01, 0.01)
-    assert latency.verdict == "FAILED" and latency.new_value / latency.stable_value == pytest.approx(3.0)
-    assert "ratio of 3.00 > max_ratio=1.5" in latency.reason
+    assert "not chance" in error_rate.reason
+    assert latency.verdict == "FAILED" and latency.new_value / latency.stable_value == pytest.approx(3.0, rel=0.15)
+    assert "> max_ratio=1.5" in latency.reason and "slower overall" in latency.reason
 
+    stable = Measures(requests=100, errors=1, p99_s=0.010)
     verdict, results = measure(ANALYSIS, Measures(9, 0, 0.010), stable)
     assert verdict == "INCONCLUSIVE" and "fewer than min_requests=10" in results[0].reason
 
@@ -117,3 +130,53 @@ def test_the_quality_book_keeps_each_window_with_the_most_labels_and_pools_by_ro
             await book.record(quality_events_pb2.WindowScored(model="m", version="2", window=1, rows=-3))
 
     asyncio.run(run())
+
+
+def _loaded_host_latencies(rng, count: int, *, median_s: float = 0.004) -> np.ndarray:
+    """Latencies as a loaded 2-core host gives them: lognormal, and now and then a stall of 5-50x."""
+    latencies = rng.lognormal(np.log(median_s), 0.35, count)
+    stalls = rng.random(count) < 0.01
+    latencies[stalls] *= rng.uniform(5, 50, stalls.sum())
+    return latencies
+
+
+def test_an_aa_rollout_is_rolled_back_in_under_one_analysis_in_a_hundred():
+    """The same version on both sides, 220 requests each, 0.5% errors and host stalls on both: the
+    bound alone fails about one measurement in eight; with the tests, under one in a hundred."""
+    rng = np.random.default_rng(7)
+    analysis = Analysis(interval_s=3, checks=(Check("error_rate", 0.01, min_requests=100),
+                                              Check("p99_latency", 1.5, min_requests=100)))
+    failed = 0
+    for _ in range(1000):
+        new = _measures(_loaded_host_latencies(rng, 220), errors=int(rng.binomial(220, 0.005)))
+        stable = _measures(_loaded_host_latencies(rng, 220), errors=int(rng.binomial(220, 0.005)))
+        failed += measure(analysis, new, stable)[0] == "FAILED"
+    assert failed < 10, f"{failed} of 1000 A/A measurements failed"
+
+
+def test_a_slower_or_failing_version_is_still_caught_at_its_first_measurement():
+    """The tests take nothing from a version that is really worse: every measurement whose p99 is
+    beyond the bound for a version 2x slower throughout fails (the others are the stable version's
+    own stalls, hiding the difference from the bound itself), and so does one that fails 10%."""
+    rng = np.random.default_rng(8)
+    analysis = Analysis(interval_s=3, checks=(Check("error_rate", 0.01, min_requests=100),
+                                              Check("p99_latency", 1.5, min_requests=100)))
+    beyond = slow_caught = failing_caught = 0
+    for _ in range(200):
+        stable = _measures(_loaded_host_latencies(rng, 220), errors=int(rng.binomial(220, 0.005)))
+        slower = measure(analysis, _measures(_loaded_host_latencies(rng, 220, median_s=0.008)), stable)[1][1]
+        failing = _measures(_loaded_host_latencies(rng, 198), errors=22)
+        beyond += slower.new_value / slower.stable_value > 1.5
+        slow_caught += slower.verdict == "FAILED"
+        failing_caught += measure(analysis, failing, stable)[1][0].verdict == "FAILED"
+    assert slow_caught == beyond > 120 and failing_caught == 200, (beyond, slow_caught, failing_caught)
+
+
+def test_a_version_slower_only_in_its_tail_is_judged_by_its_p99_once_it_rests_on_ten_answers():
+    rng = np.random.default_rng(9)
+    stable = _measures(rng.lognormal(np.log(0.004), 0.2, 2000))
+    tail = rng.lognormal(np.log(0.004), 0.2, 2000)
+    tail[:60] = 0.040  # 3% of its answers take 10x: the median does not move
+    verdict, (result,) = measure(Analysis(interval_s=3, checks=(Check("p99_latency", 1.5, min_requests=100),)),
+                                 _measures(tail), stable)
+    assert verdict == "FAILED" and "rests on ten or more" in result.reason

@@ -7,7 +7,10 @@ interval (:class:`~opml_inference_router.routing.window.Measures`), a shadow ste
 A check is INCONCLUSIVE below its minimum (``min_requests`` to either version, compared requests for
 disagreement, ``min_predictions`` / ``min_labels`` of either version for the scorer's checks; or, for
 p99, no request succeeded to read a latency from), FAILED when the new version is beyond its bound,
-else PASSED. A measurement fails when any check fails, is inconclusive when any is (and none failed).
+else PASSED. The router's own two checks fail beyond their bound only when the difference is not
+chance (:mod:`.significance`): an error-rate increase by a one-sided two-proportion test, a p99 ratio
+by the new version's latencies being larger overall (Mann-Whitney U), or alone once both versions
+have enough answers for their p99 to rest on ten. A measurement fails when any check fails, is inconclusive when any is (and none failed).
 For the scorer's checks, ``new_requests``/``stable_requests`` of a result are the predictions (or
 labels) each version's value rests on; for disagreement, the compared requests (stable: the same).
 """
@@ -17,6 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from opml_inference_router.control.quality import Quality
+from opml_inference_router.control.significance import (
+    SELF_EVIDENT_P99_REQUESTS,
+    SIGNIFICANCE,
+    error_increase_p,
+    slower_p,
+)
 from opml_inference_router.routing.shadow import ShadowMeasures
 from opml_inference_router.routing.window import Measures
 from opml_inference_router_contract.rollout_spec import (
@@ -127,15 +136,33 @@ def _check(check: Check, new: Measures, stable: Measures) -> CheckResult:
                                   f"{stable.requests} to the stable one, fewer than min_requests={check.min_requests}")
     if check.name == ERROR_RATE:
         increase = new.error_rate - stable.error_rate
-        verdict = FAILED if increase > check.bound else PASSED
+        reason = (f"error rate {new.error_rate:.4f} against {stable.error_rate:.4f}: an increase of {increase:.4f} "
+                  f"{'>' if increase > check.bound else '<='} max_increase={check.bound:g}")
+        verdict = PASSED
+        if increase > check.bound:
+            p = error_increase_p(new.errors, new.requests, stable.errors, stable.requests)
+            verdict = FAILED if p < SIGNIFICANCE else PASSED
+            reason += (f", and not chance (one-sided p={p:.2g} < {SIGNIFICANCE:g})" if verdict == FAILED
+                       else f", but within chance at these counts (one-sided p={p:.2g} >= {SIGNIFICANCE:g})")
         return CheckResult(verdict=verdict, new_value=new.error_rate, stable_value=stable.error_rate, **counts,
-                           reason=f"error rate {new.error_rate:.4f} against {stable.error_rate:.4f}: an increase "
-                                  f"of {increase:.4f} {'>' if verdict == FAILED else '<='} max_increase={check.bound:g}")
+                           reason=reason)
     if new.p99_s is None or stable.p99_s is None:
         return CheckResult(verdict=INCONCLUSIVE, new_value=new.p99_s or 0.0, stable_value=stable.p99_s or 0.0,
                            **counts, reason="no successful request to read a p99 latency from")
     ratio = new.p99_s / stable.p99_s
-    verdict = FAILED if ratio > check.bound else PASSED
-    return CheckResult(verdict=verdict, new_value=new.p99_s, stable_value=stable.p99_s, **counts,
-                       reason=f"p99 latency {new.p99_s * 1000:.2f} ms against {stable.p99_s * 1000:.2f} ms: a ratio "
-                              f"of {ratio:.2f} {'>' if verdict == FAILED else '<='} max_ratio={check.bound:g}")
+    reason = (f"p99 latency {new.p99_s * 1000:.2f} ms against {stable.p99_s * 1000:.2f} ms: a ratio of {ratio:.2f} "
+              f"{'>' if ratio > check.bound else '<='} max_ratio={check.bound:g}")
+    verdict = PASSED
+    if ratio > check.bound:
+        answered = min(sum(new.latencies), sum(stable.latencies))
+        if answered >= SELF_EVIDENT_P99_REQUESTS:
+            verdict = FAILED
+            reason += f", on {answered} or more answers of each (a p99 that rests on ten or more)"
+        else:
+            p = slower_p(new.latencies, stable.latencies)
+            verdict = FAILED if p < SIGNIFICANCE else PASSED
+            reason += (f", and slower overall (Mann-Whitney one-sided p={p:.2g} < {SIGNIFICANCE:g})"
+                       if verdict == FAILED else
+                       f", but not slower overall (Mann-Whitney one-sided p={p:.2g} >= {SIGNIFICANCE:g}): the p99 of "
+                       f"{answered} answers is a few slow ones, judged alone from {SELF_EVIDENT_P99_REQUESTS}")
+    return CheckResult(verdict=verdict, new_value=new.p99_s, stable_value=stable.p99_s, **counts, reason=reason)

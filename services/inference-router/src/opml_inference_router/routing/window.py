@@ -24,11 +24,14 @@ caller causes, such as a malformed request, shows on both versions alike, and th
 
 @dataclass(frozen=True)
 class Measures:
-    """One version over one interval. ``p99_s``: None without a successful request."""
+    """One version over one interval. ``p99_s``: None without a successful request. ``latencies``: the
+    successful requests' histogram (counts per bucket, 5% apart, the overflow last; empty
+    without one), so two versions' latencies can be compared as distributions, not only by one quantile."""
 
     requests: int
     errors: int
     p99_s: float | None
+    latencies: tuple[int, ...] = ()
 
     @property
     def error_rate(self) -> float:
@@ -55,7 +58,8 @@ class OutcomeWindow:
 
     def take(self) -> Measures:
         """What happened since the last take; starts a new interval."""
-        measures = Measures(self._requests, self._errors, _quantile(self._buckets, 0.99))
+        measures = Measures(self._requests, self._errors, _quantile(self._buckets, 0.99),
+                            tuple(self._buckets) if any(self._buckets) else ())
         self._requests = self._errors = 0
         self._buckets = [0] * (len(_BOUNDS) + 1)
         return measures
