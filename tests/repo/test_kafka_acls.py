@@ -39,13 +39,14 @@ def _consumer_groups() -> dict[str, list[tuple[str, str]]]:
     """Each consuming service's consumer groups as (name, pattern), from the constants its consumers use."""
     from opml_automl_controller.tracing import GROUP as AUTOML_TRACES
     from opml_inference_router.control.autodeploy import GROUP as AUTODEPLOY
+    from opml_inference_router.control.quality import GROUP as ROLLOUT_QUALITY
     from opml_job_orchestrator.pipelines.triggers import ALERTS_GROUP, SPANS_GROUP
     from opml_monitoring_scorer.deployments import GROUP as SCORER_DEPLOYMENTS
     from opml_trace_collector.settings import TraceCollectorSettings
 
     collector = TraceCollectorSettings.model_fields["consumer_group"].default
     return {"automl-controller": [(AUTOML_TRACES, "literal")],
-            "inference-router": [(AUTODEPLOY, "literal")],
+            "inference-router": [(AUTODEPLOY, "literal"), (ROLLOUT_QUALITY, "literal")],
             "job-orchestrator": [(SPANS_GROUP, "literal"), (ALERTS_GROUP, "literal")],
             "monitoring-scorer": [(SCORER_DEPLOYMENTS, "literal"), (_faust_app(), "literal")],
             "trace-collector": [(f"{collector}.", "prefixed")]}  # {group}.{generation}

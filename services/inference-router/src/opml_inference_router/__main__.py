@@ -45,7 +45,7 @@ from opml_inference_router_contract.topics import DEPLOYMENTS, PREDICTIONS
 from opml_monitoring_scorer_contract.topics import QUALITY
 
 SPEC = ServiceSpec(name=SERVICE, module="opml_inference_router", settings=RouterSettings,
-                   other_settings=(WorkerSettings,), topics=(BUNDLES, PREDICTIONS, DEPLOYMENTS))
+                   other_settings=(WorkerSettings,), topics=(BUNDLES, QUALITY, PREDICTIONS, DEPLOYMENTS))
 
 
 async def build(service: ServiceContext) -> list[ServiceRegistration]:
