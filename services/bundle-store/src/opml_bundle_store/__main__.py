@@ -27,7 +27,8 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
     before it opens the outbox there, whose pending events the first one publishes. Without the
     manifest keys or upload-grant keys it needs (prod) or can read, it refuses to start, naming the
     setting; in dev it keeps a grant key of its own in its home. The servicer verifies the upload
-    grants presented to the server (its token verifier)."""
+    grants presented to the server (its token verifier). The shared contexts are made or bound to their
+    remotes, and commits a stop left unpushed are pushed, before it serves."""
     settings: BundleStoreSettings = service.settings
     try:
         manifest_keys = settings.manifest_signing_keys(service.platform.env)
@@ -46,6 +47,8 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
                         manifest_keys=manifest_keys, on_rejected_manifest=lambda manifest: rejected.labels(manifest.reason).inc(),
                         home_lock=home_lock)
     service.on_stop(lambda: asyncio.to_thread(store.close))
+    for context_id, remote_url in settings.shared_contexts.items():
+        await asyncio.to_thread(store.share_context, context_id, remote_url)
     servicer = BundleStoreServicer(store, service.metrics, grant_keys=grant_keys,
                                    max_grant_bytes=settings.max_grant_bytes)
     return [ServiceRegistration(bundles_pb2.DESCRIPTOR.services_by_name["BundleStore"],

@@ -22,7 +22,7 @@ from opml_bundle_store.core import grants
 from opml_bundle_store.core.convert import bundle_to_proto, context_to_proto, lineage_from_proto
 from opml_bundle_store.core.grants import GrantKeys, UploadGrant
 from opml_bundle_store.core.manifest import Bundle, TransferProgress
-from opml_bundle_store.core.rules import validate_bundle_name
+from opml_bundle_store.core.rules import validate_bundle_name, validate_idempotency_key
 from opml_bundle_store.core.store import BundleStore
 from opml_bundle_store_contract.paths import validate_bundle_paths
 from opml_bundle_store_contract.values import value_from_proto
@@ -163,6 +163,7 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
         lineage = dataclasses.replace(lineage_from_proto(header.lineage, "header.lineage"),
                                       creator=current_principal().name)
         validate_bundle_paths([spec.path for spec in header.files], "files")  # before any byte is staged
+        validate_idempotency_key(header.idempotency_key, "header.idempotency_key")
         values = {key: value_from_proto(value) for key, value in header.values.items()}
         for key, value in values.items():
             if value is None:
@@ -171,7 +172,7 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
 
         def write() -> Bundle:
             with self._store.new_bundle(context_id, header.bundle_name, tags=dict(header.tags), values=values,
-                                        lineage=lineage) as writer:
+                                        lineage=lineage, idempotency_key=header.idempotency_key) as writer:
                 for index, spec in enumerate(header.files):
                     writer.add_file(spec.path, upload.chunks_of(index), media_type=spec.media_type or None,
                                     expected_sha256=spec.sha256 or None, expected_size=spec.size_bytes)

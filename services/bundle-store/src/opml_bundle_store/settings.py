@@ -47,6 +47,13 @@ class BundleStoreSettings(ServiceSettings):
                                   "(`grant_key_file` keeps them out of it, and is preferred).")
     max_grant_bytes: int = Field(4 * 1024**3, ge=1, description="The largest `max_bytes` an upload grant may "
                                  "allow (one upload's declared files together).")
+    shared_contexts: dict[str, str] = Field(
+        {}, description="Contexts this store serves as one of several replicas, as JSON "
+        "`{\"context\": \"s3://bucket/prefix\"}`: each is made (or bound to that remote) at start, and its remote "
+        "is the truth for its committed bundles: a commit is pushed before it returns, and reads merge the "
+        "remote's manifests (a list, a name's latest, a uuid held by another replica; files fetched when read). "
+        "Every replica lists the same contexts and holds the same manifest keys. Uncommitted bundles stay in the "
+        "replica that received them.")
 
     @field_validator("manifest_keys", "grant_keys")
     @classmethod

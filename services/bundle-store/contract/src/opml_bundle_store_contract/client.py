@@ -69,15 +69,17 @@ class BundleStoreClient(ServiceClient):
     def add(self, context_id: str, bundle_name: str, files: Mapping[str, FileSource], *,
             values: Mapping[str, Value] | None = None, tags: Mapping[str, str] | None = None,
             lineage: pb.Lineage | None = None, commit: bool = False,
-            media_types: Mapping[str, str] | None = None) -> pb.Bundle:
-        """Add a bundle of ``files`` (bundle path -> local file or bytes) and typed ``values``."""
+            media_types: Mapping[str, str] | None = None, idempotency_key: str = "") -> pb.Bundle:
+        """Add a bundle of ``files`` (bundle path -> local file or bytes) and typed ``values``.
+        ``idempotency_key``: a retry of this add with the same key (on any replica) adds nothing and
+        returns the bundle the first one added."""
         specs = [pb.BundleFile(path=path, sha256=_sha256(source), size_bytes=_size(source),
                                media_type=(media_types or {}).get(path) or media_type_of(path))
                  for path, source in files.items()]
         header = pb.AddBundleHeader(
             parent=f"contexts/{context_id}", bundle_name=bundle_name, tags=dict(tags or {}),
             values={k: value_to_proto(v) for k, v in (values or {}).items()}, lineage=lineage,
-            files=specs, commit=commit)
+            files=specs, commit=commit, idempotency_key=idempotency_key)
 
         def requests() -> Iterator[pb.AddBundleRequest]:
             yield pb.AddBundleRequest(header=header)

@@ -37,6 +37,9 @@ class ContextState:
         self.pull_lock = threading.Lock()
         self.bundles: dict[str, Bundle] = {}
         self.last_time: datetime | None = None
+        self.shared = False
+        """Served by several stores through its remote (:meth:`BundleStore.share_context`): the remote
+        is the truth for its committed bundles, commits are written through, reads merge the remote."""
 
     def info(self) -> ContextInfo:
         with self.lock:

@@ -83,6 +83,8 @@ class Bundle:
     commit_time: datetime | None
     remote_url: str | None
     localized: bool
+    idempotency_key: str = ""
+    """The key the add carried ('' : none): an add of the same name and key returns this bundle."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tags", MappingProxyType(dict(self.tags)))
@@ -132,6 +134,8 @@ class Bundle:
             "create_time": _time_to_json(self.create_time),
             "commit_time": _time_to_json(self.commit_time),
         }
+        if self.idempotency_key:  # written only when set: manifests without one keep their bytes
+            doc["idempotency_key"] = self.idempotency_key
         if local_state:
             doc["remote_url"] = self.remote_url
             doc["localized"] = self.localized
@@ -178,6 +182,7 @@ class Bundle:
                 commit_time=_time_from_json(doc.get("commit_time")),
                 remote_url=doc.get("remote_url") or None,
                 localized=bool(doc.get("localized", False)),
+                idempotency_key=_idempotency_key_from_json(doc.get("idempotency_key")),
             )
         except (KeyError, TypeError, AttributeError, OverflowError) as exc:  # a float value of 400 digits
             raise ValueError(f"malformed manifest: {exc!r}") from exc
@@ -302,6 +307,23 @@ def _decode_value(doc: Any) -> Value:
     if kind == "bytes":
         return base64.b64decode(raw)
     raise ValueError(f"unknown value type {kind!r}")
+
+
+IDEMPOTENCY_KEY_MAX = 128
+
+
+def is_idempotency_key(value: Any) -> bool:
+    """At most 128 printable ASCII characters (empty: none)."""
+    return isinstance(value, str) and len(value) <= IDEMPOTENCY_KEY_MAX and all(" " <= c <= "~" for c in value)
+
+
+def _idempotency_key_from_json(raw: Any) -> str:
+    if raw is None:
+        return ""
+    if not is_idempotency_key(raw):
+        raise ValueError(f"malformed manifest: idempotency_key {shown(raw)} is not at most "
+                         f"{IDEMPOTENCY_KEY_MAX} printable ASCII characters")
+    return raw
 
 
 def _int_from_json(raw: Any, what: str) -> int:

@@ -12,7 +12,7 @@ import uuid as uuid_mod
 from collections.abc import Mapping
 from typing import Any
 
-from opml_bundle_store.core.manifest import Lineage, as_utc, shown
+from opml_bundle_store.core.manifest import IDEMPOTENCY_KEY_MAX, Lineage, as_utc, is_idempotency_key, shown
 from opml_bundle_store_contract.values import Value
 from opml_common.errors import InvalidArgument
 
@@ -89,6 +89,16 @@ def validate_media_type(value: Any, field: str = "media_type") -> str:
         raise InvalidArgument(
             field, f"`{field}` must be a media type like 'application/onnx', but got {shown(value)}."
         )
+    return value
+
+
+def validate_idempotency_key(value: Any, field: str = "idempotency_key") -> str:
+    """An add's idempotency key: '' (none), or at most 128 printable ASCII characters."""
+    if value is None:
+        return ""
+    if not is_idempotency_key(value):
+        raise InvalidArgument(field, f"`{field}` must be at most {IDEMPOTENCY_KEY_MAX} printable ASCII characters, "
+                                     f"but got {shown(value)}.")
     return value
 
 

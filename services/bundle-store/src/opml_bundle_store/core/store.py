@@ -58,6 +58,7 @@ from opml_bundle_store.core.rules import (
     is_uuid,
     validate_bundle_name,
     validate_context_id,
+    validate_idempotency_key,
     validate_lineage,
     validate_string_map,
     validate_values,
@@ -276,6 +277,50 @@ class BundleStore:
             ctx.remote_url = url
         return ctx.info()
 
+    def share_context(self, context_id: str, remote_url: str) -> ContextInfo:
+        """Serve ``context_id`` as one of several stores sharing ``remote_url`` (created here if
+        missing, bound to it if not), with the remote as the truth for its committed bundles: a
+        commit is pushed before it returns (blobs first, the manifest last, one manifest key per
+        uuid, so no two stores' commits overwrite each other), and reads merge the remote's
+        manifests (a list, a name's latest, a uuid not held here; files are fetched when read).
+        Committed bundles not yet on the remote (a store stopped between a commit and its push)
+        are pushed now. Uncommitted bundles stay in the store that received them.
+
+        Raises: InvalidArgument, FailedPrecondition (no S3 client), Unavailable.
+        """
+        url = normalize_remote_url(remote_url)
+        if url is None:
+            raise InvalidArgument("remote_url", f"a shared context needs a remote, but got {remote_url!r}")
+        try:
+            self.create_context(context_id, url)
+        except AlreadyExists:
+            if self.get_context(context_id).remote_url != url:
+                self.set_remote(context_id, url)
+        ctx = self._context(context_id)
+        ctx.shared = True
+        pushed = self.push(context_id)
+        log.info("context %s is shared through %s (%d commits pushed that had not been)", context_id, url, len(pushed))
+        return ctx.info()
+
+    def _merge_remote(self, ctx: ContextState, bundle_name: str | None = None) -> None:
+        """A shared context: the remote's manifests (of ``bundle_name``, or all) it does not hold yet,
+        metadata only. Raises: Unavailable."""
+        if ctx.shared:
+            self._sync.pull(ctx, self._context_remote(ctx), bundle_name)
+
+    def _write_through(self, ctx: ContextState) -> Any:
+        """What a shared context's commit runs once it is visible: its push (None: not shared)."""
+        if not ctx.shared:
+            return None
+
+        def push(bundle: Bundle) -> Bundle:
+            if bundle.remote_url is not None and bundle.remote_url == ctx.remote_url:
+                return bundle  # on the remote already (pushed, or pulled from it)
+            [pushed] = self._sync.push(ctx, self._context_remote(ctx), bundle.uuid)
+            return pushed
+
+        return push
+
     def _context(self, context_id: str) -> ContextState:
         self._check_open()
         validate_context_id(context_id)
@@ -323,19 +368,24 @@ class BundleStore:
         tags: dict[str, str] | None = None,
         values: dict[str, Value] | None = None,
         lineage: Lineage | None = None,
+        idempotency_key: str = "",
     ) -> BundleWriter:
         """Start adding a new version of ``bundle_name``; nothing is visible until ``finish()``.
+        With ``idempotency_key``, an add of the same name and key made before (here, or in a shared
+        context by any store: its manifest carries the key) is what ``finish()`` returns.
 
-        Raises: InvalidArgument (name, tags, values, lineage), NotFound (context).
+        Raises: InvalidArgument (name, tags, values, lineage, idempotency_key), NotFound (context),
+        Unavailable (a shared context's remote, read for an earlier add of the key).
         """
         ctx = self._context(context_id)
         validate_bundle_name(bundle_name)
-        return BundleWriter(
-            ctx, bundle_name, events=self._events,
-            tags=validate_string_map(tags, "tags"),
-            values=validate_values(values),
-            lineage=validate_lineage(lineage),
-        )
+        key = validate_idempotency_key(idempotency_key)
+        writer_args = dict(tags=validate_string_map(tags, "tags"), values=validate_values(values),
+                           lineage=validate_lineage(lineage))
+        if key:
+            self._merge_remote(ctx, bundle_name)
+        return BundleWriter(ctx, bundle_name, events=self._events, idempotency_key=key,
+                            after_commit=self._write_through(ctx), **writer_args)
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -358,6 +408,7 @@ class BundleStore:
         if bundle_name:
             validate_bundle_name(bundle_name)
         wanted = validate_string_map(tags, "tags")
+        self._merge_remote(ctx, bundle_name or None)
         with ctx.lock:
             bundles = list(ctx.bundles.values())
         selected = [
@@ -374,13 +425,25 @@ class BundleStore:
         return sorted(selected, key=age, reverse=True)
 
     def get_bundle(self, context_id: str, ref: str) -> Bundle:
-        """A bundle by uuid, or by name: its latest committed version, else its latest version.
+        """A bundle by uuid, or by name: its latest committed version, else its latest version
+        (in a shared context, of the remote's versions too).
 
-        Raises: InvalidArgument, NotFound.
+        Raises: InvalidArgument, NotFound, Unavailable (a shared context's remote).
         """
-        ctx = self._context(context_id)
+        return self._resolve(self._context(context_id), ref)
+
+    def _resolve(self, ctx: ContextState, ref: str, *, prefer_committed: bool = True) -> Bundle:
+        """``ctx.resolve``, after merging what a shared context's remote holds of ``ref`` (a uuid
+        held here needs nothing: a version never changes but by its commit, made where it was added)."""
+        if ctx.shared:
+            with ctx.lock:
+                held = is_uuid(ref) and ref in ctx.bundles
+            if not held:
+                if isinstance(ref, str) and ref and not is_uuid(ref):
+                    validate_bundle_name(ref, "ref")
+                self._merge_remote(ctx, None if is_uuid(ref) else ref)
         with ctx.lock:
-            return ctx.resolve(ref)
+            return ctx.resolve(ref, prefer_committed=prefer_committed)
 
     def open_file(self, context_id: str, ref: str, path: str, *, chunk_size: int = READ_CHUNK) -> Iterator[bytes]:
         """The bytes of one file in chunks, verified against its sha256 as they are read.
@@ -395,8 +458,11 @@ class BundleStore:
         ctx = self._context(context_id)
         validate_bundle_path(path)
         check_int("chunk_size", chunk_size, 1, 64 * MIB)
-        with ctx.lock:
-            bundle = ctx.resolve(ref)
+        bundle = self._resolve(ctx, ref)
+        if ctx.shared and not bundle.localized and bundle.file(path) is not None:  # fetched on first read
+            self._sync.pull(ctx, self._context_remote(ctx), bundle.name, localize=True, only_uuid=bundle.uuid)
+            with ctx.lock:
+                bundle = ctx.bundles.get(bundle.uuid, bundle)
         entry = bundle.file(path)
         if entry is None:
             raise NotFound(f"file {path!r} is not in bundle {label(bundle)} of context {ctx.id!r}")
@@ -425,6 +491,7 @@ class BundleStore:
         is committed).
         """
         ctx = self._context(context_id)
+        self._resolve(ctx, ref, prefer_committed=False)  # a shared context: the remote's versions too
         with ctx.lock:
             committed = ctx.resolve(ref, prefer_committed=False)
             if not committed.committed:
@@ -434,6 +501,9 @@ class BundleStore:
             else:
                 intent = self._events.committing(committed)  # announced again: nothing to write ahead of
         self._events.announce(intent)
+        write_through = self._write_through(ctx)
+        if write_through is not None:
+            committed = write_through(committed)
         return committed
 
     # -- push ----------------------------------------------------------------------------------
@@ -566,6 +636,7 @@ class BundleStore:
         """
         ctx = self._context(context_id)
         check_int("max_depth", max_depth, 0, 10_000)
+        self._merge_remote(ctx)
         with ctx.lock:
             start = ctx.resolve(ref)
             bundles = dict(ctx.bundles)

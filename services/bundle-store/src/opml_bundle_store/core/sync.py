@@ -139,10 +139,12 @@ class RemoteSync:
         runner.run()
 
     def pull(self, ctx: ContextState, remote: S3Remote, bundle_name: str | None = None, *,
-             localize: bool = False, progress: ProgressCallback | None = None) -> list[Bundle]:
+             localize: bool = False, progress: ProgressCallback | None = None,
+             only_uuid: str | None = None) -> list[Bundle]:
         """Pull bundle manifests from the context's remote (all, or the versions of one name);
         with ``localize``, also download and verify their files (and those of bundles pulled
-        earlier without files). Nothing is recorded unless every blob verified.
+        earlier without files). Nothing is recorded unless every blob verified. ``only_uuid``: that
+        version alone (a shared context's read of one bundle).
 
         Every remote manifest is verified on its own (its key names a canonical UUID and a valid
         name, one of the store's keys signed it under that name and uuid, it parses, its uuid and
@@ -157,6 +159,8 @@ class RemoteSync:
         """
         with ctx.pull_lock:
             listed = remote.list_manifests(bundle_name or None)
+            if only_uuid is not None:
+                listed = [m for m in listed if m.uuid == only_uuid]
             with ctx.lock:
                 known = dict(ctx.bundles)
             fresh = self._fetch_verified(ctx, remote, [m for m in listed if m.uuid not in known])

@@ -8,8 +8,9 @@ import os
 import shutil
 import threading
 import uuid as uuid_mod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from opml_bundle_store.core.context import ContextState
 from opml_bundle_store.core.events import BundleEvents
@@ -29,13 +30,21 @@ class BundleWriter:
     Returned by :meth:`BundleStore.new_bundle`. As a context manager it aborts (removes every
     staged byte) when the block raises or ends without ``finish()``. One writer is meant for one
     thread at a time; different writers may run concurrently.
+
+    ``idempotency_key`` (non-empty): ``finish()`` of an add whose name and key a bundle of the context
+    has already returns that bundle and stages nothing more (committing it, if asked and it is not).
+    ``after_commit``: called with the committed bundle once it is visible and announced (a context
+    shared through its remote writes it through there); what it returns is what ``finish()`` returns.
     """
 
     def __init__(
         self, ctx: ContextState, name: str, *,
         tags: dict[str, str], values: dict[str, Value], lineage: Lineage, events: BundleEvents,
+        idempotency_key: str = "", after_commit: Callable[[Bundle], Bundle] | None = None,
     ) -> None:
         self._ctx = ctx
+        self._idempotency_key = idempotency_key
+        self._after_commit = after_commit
         self._events = events
         self.name = name
         self.uuid = str(uuid_mod.uuid4())
@@ -169,7 +178,9 @@ class BundleWriter:
 
         Raises: FailedPrecondition (already finished or aborted), OSError (disk). On failure the
         writer is aborted and nothing is visible (an OSError recording the event comes after the
-        bundle is visible).
+        bundle is visible). What ``after_commit`` raises (Unavailable: the remote of a shared context
+        cannot be reached), the bundle visible and committed here: a retry with the same
+        idempotency key writes it through again.
         """
         with self._lock:
             self._check_open()
@@ -178,30 +189,11 @@ class BundleWriter:
         try:
             make_durable(self._staged)
             with ctx.lock:
-                touched: set[Path] = set()
-                for entry, staged in zip(self._files, self._staged):
-                    target = ctx.dir.blob_path(entry.sha256)
-                    try:
-                        os.utime(target)  # already stored: keep one copy, refresh it for gc
-                        staged.unlink()
-                        continue
-                    except FileNotFoundError:
-                        pass
-                    target.parent.mkdir(exist_ok=True)
-                    os.replace(staged, target)
-                    touched.add(target.parent)
-                for directory in touched:
-                    fsync_dir(directory)
-                now = ctx.next_time()
-                bundle = Bundle(
-                    context=ctx.id, name=self.name, uuid=self.uuid, tags=self._tags, files=tuple(self._files),
-                    values=self._values, lineage=self._lineage,
-                    content_hash=compute_content_hash(self._files, self._values),
-                    committed=commit, create_time=now, commit_time=now if commit else None,
-                    remote_url=None, localized=True,
-                )
-                intent = self._events.committing(bundle) if commit else None
-                ctx.record(bundle)
+                earlier = self._earlier_add()
+                if earlier is not None:
+                    bundle, intent = self._repeated(earlier, commit=commit)
+                else:
+                    bundle, intent = self._record(commit)
         except BaseException:
             self._state = "open"
             self.abort()
@@ -209,7 +201,55 @@ class BundleWriter:
         shutil.rmtree(self._staging, ignore_errors=True)
         self._state = "finished"
         self._events.announce(intent)
+        if bundle.committed and commit and self._after_commit is not None:
+            return self._after_commit(bundle)
         return bundle
+
+    def _record(self, commit: bool) -> tuple[Bundle, Any]:
+        """Staged blobs into the store, then the manifest: the bundle and its commit's intent (lock held)."""
+        ctx = self._ctx
+        touched: set[Path] = set()
+        for entry, staged in zip(self._files, self._staged):
+            target = ctx.dir.blob_path(entry.sha256)
+            try:
+                os.utime(target)  # already stored: keep one copy, refresh it for gc
+                staged.unlink()
+                continue
+            except FileNotFoundError:
+                pass
+            target.parent.mkdir(exist_ok=True)
+            os.replace(staged, target)
+            touched.add(target.parent)
+        for directory in touched:
+            fsync_dir(directory)
+        now = ctx.next_time()
+        bundle = Bundle(
+            context=ctx.id, name=self.name, uuid=self.uuid, tags=self._tags, files=tuple(self._files),
+            values=self._values, lineage=self._lineage,
+            content_hash=compute_content_hash(self._files, self._values),
+            committed=commit, create_time=now, commit_time=now if commit else None,
+            remote_url=None, localized=True, idempotency_key=self._idempotency_key,
+        )
+        intent = self._events.committing(bundle) if commit else None
+        ctx.record(bundle)
+        return bundle, intent
+
+    def _earlier_add(self) -> Bundle | None:
+        """The bundle an earlier add of this name and idempotency key made (lock held)."""
+        if not self._idempotency_key:
+            return None
+        return next((b for b in self._ctx.bundles.values()
+                     if b.name == self.name and b.idempotency_key == self._idempotency_key), None)
+
+    def _repeated(self, earlier: Bundle, *, commit: bool) -> tuple[Bundle, Any]:
+        """A repeated add keeps nothing of its own: the earlier bundle, committed if asked, and the
+        commit's intent to announce (lock held)."""
+        if not commit or earlier.committed:
+            return earlier, None
+        earlier = earlier.with_state(committed=True, commit_time=self._ctx.next_time())
+        intent = self._events.committing(earlier)
+        self._ctx.record(earlier)
+        return earlier, intent
 
     def abort(self) -> None:
         """Drop every staged file. Idempotent; a no-op after ``finish()``."""
