@@ -150,8 +150,8 @@ def test_dashboard_scrape_compose_and_kubernetes_know_the_service(service: Path)
     assert service.name in compose["services"]
     manifest = [d for d in yaml.safe_load_all((ROOT / "deploy" / "k8s" / f"{service.name}.yaml").read_text()) if d]
     kinds = {d["kind"] for d in manifest}
-    assert {"Deployment", "Service"} <= kinds
-    (deployment,) = [d for d in manifest if d["kind"] == "Deployment"]
+    assert "Service" in kinds and kinds & {"Deployment", "StatefulSet"}
+    (deployment,) = [d for d in manifest if d["kind"] in ("Deployment", "StatefulSet")]
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == str(metrics_port)
     assert service.name in (ROOT / "README.md").read_text()
