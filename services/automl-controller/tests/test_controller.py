@@ -263,6 +263,42 @@ async def test_restart_finishes_with_no_trial_repeated_or_lost(store: Experiment
     await second.stop()
 
 
+async def test_a_leader_that_loses_its_lease_stops_its_loops_and_resumes_them_when_it_leads_again(
+        store: ExperimentStore) -> None:
+    from opml_common.lease import LeaderLease
+
+    client, prefix = store._redis, store._prefix.removesuffix("automl:")
+    changes: asyncio.Queue[bool] = asyncio.Queue()
+    fenced = ExperimentStore(client, prefix=prefix, fence=lambda: lease.fence)
+    jobs = ScriptedJobs(quadratic, hold=True)
+    ctl = Controller(store=fenced, jobs=jobs, emitter=RecordingEmitter(), redis_url=REDIS, retry_s=0.05)
+
+    def changed(leading: bool) -> None:
+        ctl.leadership_changed(leading)
+        changes.put_nowait(leading)
+
+    lease = LeaderLease(client, "automl-controller", "a", prefix=prefix, ttl_s=0.6, on_change=changed)
+    ctl._lease = lease
+    async with lease, ctl:
+        assert await changes.get() is True
+        await ctl.create(experiment("handover", max_trials=6, parallel=3))
+        for _ in range(3):
+            await asyncio.to_thread(jobs.running.acquire)  # three trials' jobs running
+        key = f"{prefix}lease:automl-controller"
+        await client.set(key, "another-replica:0", px=60_000)  # taken by another (as after an expiry)
+        assert await changes.get() is False
+        await wait_until(lambda: not ctl._runs, what="every loop stopped once the lease is lost")
+        assert jobs.cancelled == []  # the trials' jobs go on
+        await client.delete(key)  # the other replica is gone
+        assert await changes.get() is True  # taken again with a new tenure, and the loops run again
+        jobs.gate.set()
+        await asyncio.wait_for(until_ended(ctl, "handover"), 60)
+    view = await store.experiment("handover"), await store.trials("handover")
+    assert view[0].reason == "MaxTrialsReached" and [t.number for t in view[1]] == list(range(6))
+    assert all(t.state is TrialState.SUCCEEDED for t in view[1]) and jobs.cancelled == []
+    assert sorted(jobs.submitted) == sorted(t.job_id for t in view[1])  # the running ones re-attached, not resubmitted
+
+
 class SaveOfAnEndFailsOnce(ExperimentStore):
     """The real store, but the first save of an ended trial fails, as when Redis drops the
     connection between Optuna's tell and the record's save."""
