@@ -46,7 +46,9 @@ def test_disdat_workflow(opml, remote_url: str, tmp_path: Path) -> None:
     assert (tmp_path / "out" / "model" / "layers" / "w.bin").read_bytes() == b"\x01" * 5000
 
     uuid = shown["uuid"]
-    opml("bundle", "add", "scores", "--value", "auc=0.8", "--input", uuid, "--commit")
+    first = opml("bundle", "add", "scores", "--value", "auc=0.8", "--input", uuid, "--commit", "--idempotency-key", "s1")
+    assert opml("bundle", "add", "scores", "--value", "auc=0.8", "--input", uuid, "--commit",
+                "--idempotency-key", "s1") == first  # the retry: the same bundle, not another
     assert "scores" in opml("bundle", "lineage", "classifier", "--direction", "down")
 
     denied = opml("bundle", "rm", "classifier", token="writer", expect_exit=1)

@@ -138,15 +138,18 @@ def _typed(value: str) -> int | float | bool | str:
 @click.option("--code-version", default="", help="Code version that produced the bundle.")
 @click.option("--param", "params", multiple=True, help="KEY=VALUE parameter (lineage).")
 @click.option("--commit", is_flag=True, help="Commit right away.")
+@click.option("--idempotency-key", default="", help="Run again with the same key (on any replica), the add returns "
+              "the bundle the first run added instead of adding another.")
 @pass_session
 def add(session: ClientSession, name: str, paths: tuple[Path, ...], values, tags, inputs, code_version, params,
-        commit: bool) -> None:
+        commit: bool, idempotency_key: str) -> None:
     """Add a bundle NAME from files and directories PATHS and --value entries."""
     lineage = pb.Lineage(input_uuids=list(inputs), code_version=code_version, parameters=_pairs(params, "--param"))
     with session.client() as client:
         added = client.add(_context(session), name, files_from_paths(list(paths)),
                            values={k: _typed(v) for k, v in _pairs(values, "--value").items()},
-                           tags=_pairs(tags, "--tag"), lineage=lineage, commit=commit)
+                           tags=_pairs(tags, "--tag"), lineage=lineage, commit=commit,
+                           idempotency_key=idempotency_key)
     state = "committed" if added.committed else "uncommitted"
     console.print(f"added {added.bundle_name} {added.uuid} ({len(added.files)} files, {state})")
 
