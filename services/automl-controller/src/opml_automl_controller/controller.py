@@ -192,6 +192,8 @@ class Controller(Component):
         self._runs: dict[str, asyncio.Task] = {}
         self._wake: dict[str, asyncio.Event] = {}
         self._pending_nudges: set[asyncio.Task] = set()
+        self._failed: set[str] = set()
+        """Experiments whose loop failed: a resync leaves them (a start, take-over or nudge runs them again)."""
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -256,7 +258,8 @@ class Controller(Component):
             if not only_missing:
                 if record.state in (ExperimentState.RUNNING, ExperimentState.STOPPED):
                     self._launch(record.name)
-            elif (record.state is ExperimentState.RUNNING) != (record.name in self._runs):
+            elif (record.state is ExperimentState.RUNNING) != (record.name in self._runs) \
+                    and record.name not in self._failed:
                 self._launch(record.name)  # created or resumed with no loop here, or stopped under its loop
 
     async def _nudge(self, name: str) -> None:
@@ -276,6 +279,7 @@ class Controller(Component):
             waker()
 
     def _launch(self, name: str) -> None:
+        self._failed.discard(name)
         if name in self._runs and not self._runs[name].done():
             self._wake[name].set()
             return
@@ -449,7 +453,9 @@ class Controller(Component):
         except NotLeader as error:
             log.info("experiment %s: its loop ends: %s", name, error.message)
         except Exception:
-            log.exception("experiment %s: its run failed; it is retried at the next start", name)
+            self._failed.add(name)
+            log.exception("experiment %s: its run failed; it is retried at the next start (or take-over, Stop, "
+                          "Resume)", name)
         finally:  # a later launch (resume, restart) makes its own
             if self._runs.get(name) is asyncio.current_task():
                 del self._runs[name], self._wake[name]
