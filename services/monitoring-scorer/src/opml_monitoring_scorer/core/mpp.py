@@ -7,10 +7,17 @@ estimated accuracy is the mean of that probability over its rows. Regression: a 
 regressor learns the primary model's absolute error, and the window's estimate is the mean: NannyML's
 DLE idea. Unlike CBPE, the MPP sees the features, so it can learn where the model is weak.
 
-Labels that arrive later recalibrate it (:meth:`MPP.recalibrate`): the secondary model is refitted
-on the live labelled rows, with the reference kept as a prior at a fraction of their weight, so a
-concept shift (the same inputs, different truth), which no label-free estimate can see, shows in
-the estimates once labels have taught the MPP where the model now errs.
+Labels that arrive later recalibrate it (:meth:`MPP.recalibrate`), so a concept shift (the same
+inputs, different truth), which no label-free estimate can see, shows in the estimates once labels
+have taught the MPP where the model now errs. A refit is a candidate, not a replacement: refits on
+the reference plus the live labelled rows, the live rows weighing from as much as the reference's
+rows each to ten times the whole reference, are judged by cross-validation on the live rows against
+the reference's own model, which never saw them, and one replaces it only where it is better by
+more than the noise (NannyML's practice of judging an estimator on labelled rows it was not fitted
+on). A refit with the reference kept at a tenth of the live rows' weight, replacing the estimator
+whatever it scored, made the error worse where the labels carried no new information
+(bench/monitoring_scorer_recalibration.py); it stays a candidate, as a shift of the concept
+everywhere outdates the reference.
 """
 
 from __future__ import annotations
@@ -42,6 +49,11 @@ _BOOSTING = {"max_iter": 60, "max_leaf_nodes": 15, "min_samples_leaf": 30}
 rows (the MPP models P(correct), a smoother target than the primary model's)."""
 _FOLDS = 3
 """Folds of the isotonic calibration, when each outcome (right, wrong) has that many rows."""
+CV_FOLDS = 3
+"""Folds over the live labelled rows that judge each refit by its error on rows it was not fitted on."""
+SIGNIFICANCE = 1.0
+"""Standard errors (of the mean paired difference over the live rows) by which a refit's out-of-fold
+error must beat the reference's model's to replace it: below that, the labels are as likely noise."""
 
 
 class FeatureMatrix:
@@ -76,21 +88,24 @@ class MPP:
     """
 
     def __init__(self, reference: ReferenceSet, *, seed: int = 0, max_labels: int = 20_000,
-                 min_labels: int = 200, reference_weight: float = 0.1) -> None:
+                 min_labels: int = 200) -> None:
         if reference.labels is None:
             raise FailedPrecondition("the MPP learns the model's error from the reference's labels, which it lacks")
         self.task = reference.task
         self.seed = seed
         self.min_labels = min_labels
-        self.reference_weight = reference_weight
         self.matrix = FeatureMatrix(reference)
         self._ref_x = self.matrix.build(reference.features, reference.outputs)
         self._ref_y = self._target(reference.outputs, reference.labels)
         self._live_x: deque[np.ndarray] = deque(maxlen=max_labels)
         self._live_y: deque[float] = deque(maxlen=max_labels)
         self._unfitted = 0
+        self.refits = 0
+        """Recalibrations run (each judges the refits on the live labels)."""
         self.recalibrations = 0
-        self._model = self._fit(self._ref_x, self._ref_y, None)
+        """Recalibrations that changed the estimator in use."""
+        self._reference_model = self._fit(self._ref_x, self._ref_y, None)
+        self._model = self._reference_model
 
     def _target(self, outputs: Outputs, labels: np.ndarray) -> np.ndarray:
         if self.task is Task.REGRESSION:
@@ -120,17 +135,19 @@ class MPP:
         model.fit(x, y, sample_weight=weights)
         return model
 
-    def row_estimates(self, features: Mapping[str, np.ndarray], outputs: Outputs) -> np.ndarray:
-        """Per row: P(right) for classifiers, the expected absolute error for regression."""
-        x = self.matrix.build(features, outputs)
-        if isinstance(self._model, float):
-            return np.full(len(x), self._model)
+    def _predict(self, model, x: np.ndarray) -> np.ndarray:  # noqa: ANN001 - a fitted estimator or a rate
+        if isinstance(model, float):
+            return np.full(len(x), model)
         # one thread: a window is a few thousand rows, where OpenMP's threads cost more than they
         # save, and on a busy machine they spin (measured: 8x slower on 2 shared cores)
         with _one_thread():
             if self.task is Task.REGRESSION:
-                return np.maximum(self._model.predict(x), 0.0)
-            return self._model.predict_proba(x)[:, 1]
+                return np.maximum(model.predict(x), 0.0)
+            return model.predict_proba(x)[:, 1]
+
+    def row_estimates(self, features: Mapping[str, np.ndarray], outputs: Outputs) -> np.ndarray:
+        """Per row: P(right) for classifiers, the expected absolute error for regression."""
+        return self._predict(self._model, self.matrix.build(features, outputs))
 
     def estimate(self, features: Mapping[str, np.ndarray], outputs: Outputs) -> float:
         """The window's estimate: accuracy (classifiers) or mean absolute error (regression)."""
@@ -150,16 +167,52 @@ class MPP:
         return self._unfitted >= self.min_labels
 
     def recalibrate(self) -> bool:
-        """Refits on the live labelled rows plus the reference at ``reference_weight`` of their total
-        weight. Returns whether it refitted (not before ``min_labels`` new rows)."""
+        """Chooses, from the live labelled rows, between the reference's own secondary model and refits
+        on the reference plus those rows (each live row weighing as a reference row, the live rows
+        together as heavy as the reference, or ten times as heavy): each refit is judged by its out-of-fold squared error on
+        the live rows (``CV_FOLDS`` folds; the reference's model never saw them), and replaces the
+        reference's only when it beats it by ``SIGNIFICANCE`` standard errors; the winner is then
+        refitted on every live row. Returns whether the estimator in use changed (never before
+        ``min_labels`` new rows)."""
         if not self.due:
             return False
-        live_x, live_y = np.array(self._live_x), np.array(self._live_y)
-        x = np.vstack([self._ref_x, live_x])
-        y = np.concatenate([self._ref_y, live_y])
-        ref_w = self.reference_weight * len(live_y) / max(len(self._ref_y), 1)
-        weights = np.concatenate([np.full(len(self._ref_y), ref_w), np.ones(len(live_y))])
-        self._model = self._fit(x, y, weights)
         self._unfitted = 0
+        live_x, live_y = np.array(self._live_x), np.array(self._live_y)
+        rows_ref, rows_live = len(self._ref_y), len(live_y)
+        # identical rows share a fold: a row repeated in the live stream, fitted in one fold and judged
+        # in another, would score a refit on what it memorised
+        _, group = np.unique(live_x, axis=0, return_inverse=True)
+        group = group.reshape(-1)
+        if group.max() + 1 < CV_FOLDS:  # fewer distinct rows than folds: nothing to judge a refit on
+            return False
+        fold = (np.random.default_rng(self.seed).permutation(group.max() + 1) % CV_FOLDS)[group]
+        reference_loss = (self._predict(self._reference_model, live_x) - live_y) ** 2
+        best_weight, best_loss = None, float(reference_loss.mean())
+        # each live row as a reference row; the live rows together as heavy as the reference; the
+        # reference at a tenth of the live rows' weight (a concept shift everywhere outdates it)
+        for live_weight in sorted({1.0, max(1.0, rows_ref / rows_live), 10.0 * max(1, rows_ref) / rows_live}):
+            out_of_fold = np.empty(rows_live)
+            for k in range(CV_FOLDS):
+                model = self._refit(live_x[fold != k], live_y[fold != k], live_weight)
+                out_of_fold[fold == k] = self._predict(model, live_x[fold == k])
+            loss = (out_of_fold - live_y) ** 2
+            gain = reference_loss - loss
+            error = float(np.std(gain, ddof=1)) / np.sqrt(rows_live)
+            if gain.mean() > SIGNIFICANCE * error and loss.mean() < best_loss:
+                best_weight, best_loss = live_weight, float(loss.mean())
+        previous = self._model
+        self._model = (self._reference_model if best_weight is None
+                       else self._refit(live_x, live_y, best_weight))
+        self.refits += 1
+        if self._model is previous:
+            return False
         self.recalibrations += 1
         return True
+
+    def _refit(self, live_x: np.ndarray, live_y: np.ndarray, live_weight: float):  # noqa: ANN202 - an estimator
+        """The secondary model fitted on the reference and these live rows, each weighing ``live_weight``
+        reference rows."""
+        x = np.vstack([self._ref_x, live_x])
+        y = np.concatenate([self._ref_y, live_y])
+        weights = np.concatenate([np.ones(len(self._ref_y)), np.full(len(live_y), live_weight)])
+        return self._fit(x, y, weights)
