@@ -337,6 +337,36 @@ async def test_a_retired_version_is_not_found_at_once_and_its_waiting_requests_a
     await router.close()
 
 
+async def test_a_request_the_split_sent_to_a_version_rolled_back_in_flight_is_answered_by_the_stable_one() -> None:
+    """A rollback retires the canary while its requests are in flight: its worker closes their
+    connection (a retriable failure) and it has no replica left. A request the traffic split routed
+    there is routed again by the split, not failed (or left waiting out its deadline): a rollout's
+    rollback fails none of the requests; one that named the version gets NOT_FOUND at once."""
+    router, replicas, _ = two_versions()
+    cut = asyncio.Event()
+
+    async def cut_call(method: str, request: bytes, *, timeout_s: float) -> bytes:
+        replicas["v2"].calls += 1
+        await cut.wait()
+        raise ReplicaFailed("UNAVAILABLE", "the worker closed the connection (stopped or killed)", retriable=True,
+                            eject=True)
+
+    replicas["v2"].call = cut_call
+    router.start_canary("m", "2", 100)
+    by_split = asyncio.create_task(router.infer("m", "", REQUEST, timeout_s=600.0))
+    named = asyncio.create_task(router.infer("m", "2", REQUEST, timeout_s=600.0))
+    await wait_until(lambda: replicas["v2"].calls == 2, what="both requests on version 2")
+    assert router.rollback("m") == "1"
+    await router.remove_replica("m", "2", "v2")
+    cut.set()
+    answered = await by_split
+    assert (answered.version, answered.replica) == ("1", "v1")
+    assert replicas["v1"].requests[-1].endswith(wire.encode_field(wire.MODEL_VERSION, "1"))
+    with pytest.raises(NotFound, match="no longer served"):
+        await named
+    await router.close()
+
+
 async def test_control_plane_adds_and_removes_replicas_and_shares_connections() -> None:
     made: list[str] = []
     fakes: dict[str, FakeReplica] = {}

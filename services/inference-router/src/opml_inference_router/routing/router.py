@@ -53,6 +53,11 @@ _WAIT_MARGIN_S = 0.005
 """Least time a request that waits for a replica to come back keeps for the call itself."""
 
 
+class VersionRetired(NotFound):
+    """The version a request was routed to stopped being served (rolled back, replaced) before it was
+    answered: one the caller named is NOT_FOUND; one the traffic split chose is routed again."""
+
+
 @dataclass(frozen=True, slots=True)
 class Routed:
     """A response and how it was obtained (for the caller, metrics and the prediction log)."""
@@ -422,7 +427,16 @@ class Router:
             granted = self._clock()
         service_s: float | None = None
         try:
-            routed = await self._dispatch(route, served, request, start + time_left)
+            try:
+                routed = await self._dispatch(route, served, request, start + time_left)
+            except VersionRetired:
+                if version or route.split is None or self._models.get(model) is not route:
+                    raise
+                # routed by the traffic split, whose version a rollout took back while the request was in
+                # flight: the split's version now answers it, so a rollback fails none of its requests
+                served = route.versions[route.split.choose(request_id)]
+                request = wire.with_field(request, wire.MODEL_VERSION, served.version)
+                routed = await self._dispatch(route, served, request, start + time_left)
             service_s = self._clock() - granted
         except OpmlError as exc:
             served.metrics.failed(exc.code)
@@ -478,10 +492,13 @@ class Router:
                         raise Unavailable(f"model {route.name!r} version {served.version!r} has no replica "
                                           "in rotation")
                     raise last_error
+                if self._retired(route, served):  # before waiting too: retired while its call was in flight
+                    raise VersionRetired(f"model {route.name!r} version {served.version!r} is no longer served "
+                                         "(retired while this request was in flight)")
                 await self._wait_routable(route, served, deadline)
-                if self._models.get(route.name) is not route or route.versions.get(served.version) is not served:
-                    raise NotFound(f"model {route.name!r} version {served.version!r} is no longer served "
-                                   "(retired while this request waited for a replica)")
+                if self._retired(route, served):
+                    raise VersionRetired(f"model {route.name!r} version {served.version!r} is no longer served "
+                                         "(retired while this request waited for a replica)")
                 tried, attempts = [], 0
                 continue
             if tried:
@@ -500,6 +517,9 @@ class Router:
             if self._clock() >= deadline:
                 raise DeadlineExceeded(f"model {route.name!r} version {served.version!r}: the deadline passed "
                                        f"after {len(tried)} replicas failed; last error: {last_error}")
+
+    def _retired(self, route: _Model, served: _Version) -> bool:
+        return self._models.get(route.name) is not route or route.versions.get(served.version) is not served
 
     async def _wait_routable(self, route: _Model, served: _Version, deadline: float) -> None:
         """Waits until a replica of the version may be routable again: one is added or marked up (its
