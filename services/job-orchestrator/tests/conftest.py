@@ -36,6 +36,7 @@ def service_env(start_service: ServiceStarter) -> dict[str, str]:
         "OPML_JOB_ORCHESTRATOR_TERMINATE_GRACE_S": "2",
         "OPML_JOB_ORCHESTRATOR_SHUTDOWN_GRACE_S": "1",
         "OPML_JOB_ORCHESTRATOR_LOG_POLL_S": "0.05",
+        "OPML_JOB_ORCHESTRATOR_LEASE_TTL_S": "2",  # a killed leader's successor takes over within 2 s
     })
 
 

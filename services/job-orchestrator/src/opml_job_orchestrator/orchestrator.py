@@ -16,6 +16,11 @@ run: success finishes the job in the scheduler; a failure frees its room and, if
 :class:`~opml_job_orchestrator.executor.retry.RetryPolicy` gives a delay (it tests the event's
 ``retriable``), queues it again after that delay, else fails it with the event's message as cause.
 
+With replicas, only the one holding the ``job-orchestrator`` lease runs an orchestrator; its
+``guard`` (the lease's fence, read from Redis) is awaited before each decision is carried out
+(a launch, a preemption's stop), so a deposed leader that wakes from a stall launches nothing:
+its loop ends (``loop_ended`` returns).
+
 Each run has its own ``attempt`` (``OPML_JOB_ATTEMPT``): 0 first, then one more for every retry and
 every resume after a preemption, so a resumed run knows to load its checkpoint.
 """
@@ -31,6 +36,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
 from opml_common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, OpmlError
+from opml_common.lease import NotLeader
 from opml_common.lifecycle import Component, cancel_and_wait
 from opml_job_orchestrator.executor.base import (
     CheckpointEvent,
@@ -192,7 +198,9 @@ class Orchestrator(Component):
     now on), ``executor`` (the orchestrator starts and stops it), ``retry_policy`` for failed runs,
     ``listeners`` for lifecycle events, ``terminate_grace_s`` between SIGTERM and the kill when a
     run is preempted or cancelled (time for a BE job to write its checkpoint), and ``max_wait_s``,
-    the longest the loop waits for executor events before it schedules again.
+    the longest the loop waits for executor events before it schedules again, and ``guard``, awaited
+    before each decision is carried out (raises ``NotLeader`` once this replica no longer leads: the
+    loop ends there, having done nothing more, and ``loop_ended`` returns).
 
     Every method is called from the event loop the orchestrator was started in. State lives in
     memory; a listener may keep it durably and hand it back to :meth:`restore` after a restart.
@@ -200,7 +208,7 @@ class Orchestrator(Component):
 
     def __init__(self, *, scheduler: Scheduler, executor: Executor, retry_policy: RetryPolicy,
                  listeners: Sequence[LifecycleListener] = (), terminate_grace_s: float = 30.0,
-                 max_wait_s: float = 1.0) -> None:
+                 max_wait_s: float = 1.0, guard: Callable[[], Awaitable[None]] | None = None) -> None:
         if not isinstance(scheduler, Scheduler):
             raise InvalidArgument("scheduler", f"`scheduler` must be a Scheduler, but got {scheduler!r}.")
         if not isinstance(executor, Executor):
@@ -216,6 +224,7 @@ class Orchestrator(Component):
         self._listeners = tuple(listeners)
         self._grace_s = check_seconds(terminate_grace_s, "terminate_grace_s", positive=False)
         self._max_wait_s = check_seconds(max_wait_s, "max_wait_s", positive=True)
+        self._guard = guard
         self._jobs: dict[str, _Job] = {}
         self._retry_at: dict[str, float] = {}
         """Monotonic time to queue each RETRYING job again, until it is queued (due ones go in the
@@ -376,9 +385,10 @@ class Orchestrator(Component):
         fails with that cause. One that re-adopts it (Kubernetes pods) returns where its tasks
         run, and ``Scheduler.adopt`` counts the job there, RUNNING, before any waiting job is
         queued; a re-adopted run that no longer fits there (the cluster was reconfigured) is
-        stopped and queued (PREEMPTED). For each waiting job, ``recover`` also takes over the
-        next attempt, in case it was launched after the store's last record; such a run is
-        stopped, and its number is not used again. A waiting job, or one whose run was lost, that
+        stopped and queued (PREEMPTED). For each waiting job, ``recover`` also takes over its
+        saved attempt and the next one, in case either was launched after the store's last record
+        (the SCHEDULED record counts the attempt before its launch); such a run is stopped, and its
+        number is not used again. A waiting job, or one whose run was lost, that
         the cluster can no longer hold at all (too big, or its replicas no longer pack) fails with
         that cause. Transitions go to the listeners like any other.
 
@@ -410,6 +420,11 @@ class Orchestrator(Component):
                     else:
                         adopted.append((job, placement))
                 elif job.state not in TERMINAL_STATES:
+                    # Its saved attempt may have been launched after its last record (the SCHEDULED
+                    # one, attempt already counted, was the last written): stop that run too; the
+                    # next launch is one more anyway.
+                    if job.attempt >= 0 and await self._executor.recover(job.spec.job_id, job.attempt) is not None:
+                        await self._executor.terminate(job.spec.job_id, self._grace_s)
                     if await self._executor.recover(job.spec.job_id, job.attempt + 1) is not None:
                         await self._executor.terminate(job.spec.job_id, self._grace_s)
                         job.attempt += 1  # that run's number is taken: the next one is one more
@@ -478,6 +493,8 @@ class Orchestrator(Component):
                                 self._on_run_end(event)
                             elif isinstance(event, CheckpointEvent):
                                 self._on_checkpoint(event)
+        except NotLeader as exc:  # the loop ends, having done nothing more: not an error
+            logger.warning("the job orchestrator loop stopped: this replica no longer leads (%s)", exc)
         except Exception:
             logger.exception("the job orchestrator loop died")
             raise
@@ -496,6 +513,8 @@ class Orchestrator(Component):
                 self._fail(self._jobs[job_id], f"its retry cannot be scheduled: {exc.message}")
         for decision in self._scheduler.schedule(now=now):
             job = self._jobs[decision.job_id]
+            if self._guard is not None:
+                await self._guard()
             if isinstance(decision, PreemptJob):
                 self._preempted(job, f"preempted for job {decision.for_job_id!r} "
                                      f"(about {decision.lost_work_s:.1f} s of work lost)")

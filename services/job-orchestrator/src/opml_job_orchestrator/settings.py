@@ -60,7 +60,15 @@ class JobOrchestratorSettings(ServiceSettings):
     terminate_grace_s: float = Field(30.0, ge=0, description="SIGTERM-to-kill grace of a preempted or cancelled "
                                      "run (time for a BE job to write its checkpoint).")
     watch_backlog: int = Field(1000, ge=1, description="Changes a watch stream may fall behind before it is ended.")
-    log_poll_s: float = Field(0.2, gt=0, description="How often `logs --follow` looks for new output.")
+    log_poll_s: float = Field(0.2, gt=0, description="How often `logs --follow` looks for new output (and a "
+                              "follower's WatchJobs for changed jobs).")
+    lease_ttl_s: float = Field(10.0, ge=1, le=300, description="The job-orchestrator leader lease's TTL: the "
+                               "replica holding it schedules the jobs and runs the pipelines; after a leader "
+                               "dies (no clean release) another replica takes over within this long. It is "
+                               "renewed every third.")
+    forward_timeout_s: float = Field(10.0, gt=0, le=120, description="How long a follower waits for the leader "
+                                     "to carry out a change it handed over (submit, cancel, a pipeline's apply) "
+                                     "before it answers UNAVAILABLE.")
     executor: Literal["local", "kubernetes"] = Field(
         "local", description="What runs jobs' tasks: `local` processes, or `kubernetes` pods (the K8S_* settings).")
     k8s_namespace: str = Field("default", min_length=1, description="Namespace of the jobs' pods and Services.")

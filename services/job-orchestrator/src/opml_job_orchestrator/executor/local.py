@@ -41,7 +41,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from stat import S_ISREG
@@ -221,11 +221,16 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
         manifest: dict[str, Any] = {"job_id": spec.job_id, "attempt": attempt, "boot_id": _boot_id(),
                                     "cluster": cluster, "tasks": []}
         launcher_missing = trace_launcher_missing() if program.trace else None
+        def record(task: _Task, pid: int) -> None:
+            """The task's process exists: into the manifest before it runs the job's program (a
+            sandboxed task waits for its config) or at once, so an orchestrator killed mid-launch
+            leaves no process its successor's :meth:`recover` cannot find."""
+            manifest["tasks"].append(_manifest_entry(task, pid))
+            _write_json(run_dir / MANIFEST, manifest)
+
         for task in tasks.values():
-            failure = launcher_missing or unmade or await self._spawn(run, task, program, cluster)
+            failure = launcher_missing or unmade or await self._spawn(run, task, program, cluster, record)
             if failure is None:
-                manifest["tasks"].append(_manifest_entry(task))
-                _write_json(run_dir / MANIFEST, manifest)
                 continue
             event, verdict = run.tracker.could_not_start(task.key, failure)
             task.exited.set()
@@ -333,8 +338,10 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
                 addresses.append(f"{self._host}:{held[-1].getsockname()[1]}")
         return cluster
 
-    async def _spawn(self, run: _Run, task: _Task, program: JobProgram, cluster: dict[str, list[str]]) -> str | None:
-        """Start one task; return why it could not start, or None."""
+    async def _spawn(self, run: _Run, task: _Task, program: JobProgram, cluster: dict[str, list[str]],
+                     record: Callable[[_Task, int], None]) -> str | None:
+        """Start one task, ``record`` ing its pid as soon as its process exists; return why it could not
+        start, or None."""
         role, index = task.key
         env = {**base_env(os.environ), **self._platform_env}
         env.update(task_env(program, job_id=run.job_id, attempt=run.attempt, role=role, index=index,
@@ -353,7 +360,8 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
                 await self._ensure_shipper(run)
             with task.log_path.open("ab") as log:  # append-only: the task cannot seek back over what it wrote
                 task.process = await self._start(run, argv, env, stdout=log,
-                                                 cwd=run.sandbox.task_cwd(role, index) if run.sandbox else None)
+                                                 cwd=run.sandbox.task_cwd(role, index) if run.sandbox else None,
+                                                 created=lambda pid: record(task, pid))
         except CouldNotStart as exc:
             return f"{role} {index} could not start: {exc}"
         except (OSError, ValueError) as exc:
@@ -364,7 +372,7 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
         return None
 
     async def _start(self, run: _Run, argv: Sequence[str], env: Mapping[str, str], *, stdout: Any,
-                     cwd: str | None) -> asyncio.subprocess.Process:
+                     cwd: str | None, created: Callable[[int], None]) -> asyncio.subprocess.Process:
         """Start ``argv`` in a session of its own: in the run's sandbox, or as this process's user in its
         working directory (``cwd`` is the sandbox's).
 
@@ -373,10 +381,12 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
         """
         if run.sandbox is not None:
             assert cwd is not None
-            return await run.sandbox.spawn(argv, env, cwd=cwd, stdout=stdout)
-        return await asyncio.create_subprocess_exec(
+            return await run.sandbox.spawn(argv, env, cwd=cwd, stdout=stdout, created=created)
+        process = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=stdout, stderr=asyncio.subprocess.STDOUT, env=env,
             start_new_session=True)
+        created(process.pid)
+        return process
 
     async def _ensure_shipper(self, run: _Run) -> None:
         """Start the trace shipper of the run's spool folder ("": the tracer's default) with the variables a
@@ -398,7 +408,8 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
         argv = [sys.executable, "-m", TRACE_SHIPPER, "--idle-exit-s", f"{self._shipper_idle_exit_s:g}"]
         with log_path.open("ab") as log:
             self._shippers[spool_dir] = await self._start(run, argv, env, stdout=log,
-                                                          cwd=str(MOUNT_POINT) if run.sandbox else None)
+                                                          cwd=str(MOUNT_POINT) if run.sandbox else None,
+                                                          created=lambda pid: None)
 
     async def _wait(self, run: _Run, task: _Task) -> None:
         """Report the task's exit (after its last heartbeat write), and end the run if that decides it."""
@@ -488,9 +499,7 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
         self._end_soon(run, verdict)
 
 
-def _manifest_entry(task: _Task) -> dict[str, Any]:
-    assert task.process is not None
-    pid = task.process.pid
+def _manifest_entry(task: _Task, pid: int) -> dict[str, Any]:
     return {"role": task.key[0], "index": task.key[1], "pid": pid, "start_ticks": _start_ticks(pid),
             "log": str(task.log_path)}
 

@@ -51,7 +51,7 @@ import stat
 import subprocess
 import sys
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -149,9 +149,11 @@ class RunSandbox:
     def shipper_env(self) -> dict[str, str]:
         return {"HOME": str(MOUNT_POINT), "OPML_TRACE_SPOOL_DIR": f"{MOUNT_POINT}/{TRACE_SPOOL}"}
 
-    async def spawn(self, argv: Sequence[str], env: Mapping[str, str], *, cwd: str,
-                    stdout: IO[bytes]) -> asyncio.subprocess.Process:
-        """Start ``argv`` as the run's user in its sandbox (see ``sandbox_exec``), in a session of its own.
+    async def spawn(self, argv: Sequence[str], env: Mapping[str, str], *, cwd: str, stdout: IO[bytes],
+                    created: Callable[[int], None] = lambda pid: None) -> asyncio.subprocess.Process:
+        """Start ``argv`` as the run's user in its sandbox (see ``sandbox_exec``), in a session of its own;
+        ``created(pid)`` is called once the helper's process exists, before it is given its config (it
+        runs nothing of the job's before that).
 
         Raises:
             CouldNotStart: the sandbox could not be entered or the command not run (the reason).
@@ -165,6 +167,7 @@ class RunSandbox:
                     env={}, start_new_session=True, pass_fds=(write_fd,))
             finally:
                 os.close(write_fd)
+            created(process.pid)
             assert process.stdin is not None
             process.stdin.write(self._config(argv, env, cwd=cwd, status_fd=write_fd))
             with contextlib.suppress(ConnectionError):  # it died early: its status says why

@@ -1,5 +1,8 @@
 """The Pipelines gRPC servicer: parses requests, calls the :class:`~.engine.PipelineEngine`, answers.
 
+Any replica serves it through :class:`~opml_job_orchestrator.access.PipelineAccess`: the leader's
+engine, or on a follower the store's records and the leader through a hand-over for every change.
+
 It holds no pipeline logic and publishes no events (the engine and the runner do). Domain errors
 become status codes in the shared ObservabilityInterceptor. ForceBless needs the admin role (the
 role table); the principal's name goes into the blessing record and the event.
@@ -15,7 +18,7 @@ from opml.jobs.v1 import pipelines_pb2_grpc
 from opml_common.errors import InvalidArgument
 from opml_common.grpc.interceptors import current_principal
 from opml_common.pagination import paginate
-from opml_job_orchestrator.pipelines.engine import PipelineEngine
+from opml_job_orchestrator.access import PipelineAccess
 
 METHOD_ROLES = {"GetPipeline": "reader", "ListPipelines": "reader", "ListPipelineRuns": "reader",
                 "GetPipelineRun": "reader", "ApplyPipeline": "writer", "DeletePipeline": "writer",
@@ -41,7 +44,7 @@ def parse_run_name(field: str, name: str) -> tuple[str, int]:
 
 
 class PipelineServicer(pipelines_pb2_grpc.PipelinesServicer):
-    def __init__(self, engine: PipelineEngine) -> None:
+    def __init__(self, engine: PipelineAccess) -> None:
         self._engine = engine
 
     async def ApplyPipeline(self, request: pb.ApplyPipelineRequest, context) -> pb.Pipeline:
@@ -50,10 +53,10 @@ class PipelineServicer(pipelines_pb2_grpc.PipelinesServicer):
         return await self._engine.apply(request.spec, principal=current_principal().name)
 
     async def GetPipeline(self, request: pb.GetPipelineRequest, context) -> pb.Pipeline:
-        return self._engine.get(parse_pipeline_name("name", request.name))
+        return await self._engine.get(parse_pipeline_name("name", request.name))
 
     async def ListPipelines(self, request: pb.ListPipelinesRequest, context) -> pb.ListPipelinesResponse:
-        page, token = paginate(self._engine.pipelines(), request.page_size, request.page_token, query="")
+        page, token = paginate(await self._engine.pipelines(), request.page_size, request.page_token, query="")
         return pb.ListPipelinesResponse(pipelines=page, next_page_token=token)
 
     async def DeletePipeline(self, request: pb.DeletePipelineRequest, context) -> pb.DeletePipelineResponse:

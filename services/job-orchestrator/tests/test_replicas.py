@@ -1,0 +1,129 @@
+"""Two job-orchestrator replicas behind the ``job-orchestrator`` lease, as real processes on the session's
+Redis and broker: jobs submitted through both run once each when the leader is SIGKILLed under load (the
+runs it had going are retried once by its successor, never beside themselves), and a leader stalled past
+its lease (SIGSTOP) finds its late writes refused when it wakes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from opml.jobs.v1 import jobs_pb2 as pb
+
+from opml_devstack.process import ServiceProcess
+from opml_devstack.testing.services import TOKENS, ServiceStarter
+from opml_job_orchestrator_contract.client import JobClient
+
+from .conftest import TERMINAL, wait_for_state
+
+# Each run records its pid and which runs of earlier attempts of its job were still alive at its start.
+RUN = """
+import json, os, pathlib, time
+d = pathlib.Path(os.environ["OPML_CHECKPOINT_DIR"])
+attempt = os.environ["OPML_JOB_ATTEMPT"]
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+earlier = [int(pid) for p in d.glob("runs-*") for pid in p.read_text().split()]
+(d / f"alive-{attempt}").write_text(json.dumps([p for p in earlier if alive(p)]))
+with open(d / f"runs-{attempt}", "a") as runs:
+    runs.write(f"{os.getpid()} ")
+time.sleep(float(os.environ.get("RUN_S", "1")) if attempt == "0" else 0.3)
+"""
+
+
+@pytest.fixture
+def replica(start_service: ServiceStarter, service_env: dict[str, str]) -> Callable[[], ServiceProcess]:
+    """Makes replicas: the test's environment (its Redis prefix, its home: the local executor's runs are
+    on this one machine) on ports of their own."""
+    def make() -> ServiceProcess:
+        ports = {k: v for k, v in start_service.env("job-orchestrator").items() if k.endswith("_PORT")}
+        return start_service("job-orchestrator", env={**service_env, **ports}, start=False)
+    return make
+
+
+def leads(process: ServiceProcess) -> bool:
+    port = process.env["OPML_JOB_ORCHESTRATOR_METRICS_PORT"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+        return "opml_job_orchestrator_leader 1.0" in answer.read().decode()
+
+
+def until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> float:
+    """Wait for ``condition``; return when it held (monotonic)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen in {timeout_s} s")
+        time.sleep(0.02)
+    return time.monotonic()
+
+
+def test_leader_killed_under_load_every_job_ends_once(replica, job_spec, job_dir: Path) -> None:
+    first = replica().start()
+    until(lambda: leads(first), "the first replica leading")
+    second = replica().start()
+    assert not leads(second)
+    names = [f"job-{i}" for i in range(10)]
+    dirs = {name: job_dir / name for name in names}
+    with JobClient(first.target, token=TOKENS["writer"]) as a, JobClient(second.target, token=TOKENS["writer"]) as b:
+        for index, name in enumerate(names):  # half through the follower, which hands them to the leader
+            client = a if index % 2 == 0 else b
+            job = client.submit(job_spec(name, RUN, checkpoint={"dir": str(dirs[name])}, env={"RUN_S": "3"}))
+            assert job.status.job_id == name
+        until(lambda: len([n for n in names if b.get(n).status.state == pb.JOB_STATE_RUNNING]) >= 2,
+              "runs going on the leader")
+        running = {n for n in names if b.get(n).status.state == pb.JOB_STATE_RUNNING}
+        assert any(b.get(n).status.state == pb.JOB_STATE_PENDING for n in names), "jobs queued too"
+        first.kill()
+        killed = time.monotonic()
+        took_over = until(lambda: leads(second), "the follower taking over")
+        print(f"\nfailover: the follower led {took_over - killed:.2f} s after the leader's SIGKILL "
+              f"(lease TTL {second.env['OPML_JOB_ORCHESTRATOR_LEASE_TTL_S']} s)")
+        ended = {n: wait_for_state(b, n, *TERMINAL, timeout_s=60) for n in names}
+    for name, job in ended.items():
+        assert job.status.state == pb.JOB_STATE_SUCCEEDED, job.status
+        runs = {int(p.name.split("-")[1]): p.read_text().split() for p in dirs[name].glob("runs-*")}
+        assert job.status.attempt in runs and set(runs) <= set(range(job.status.attempt + 1)), (name, runs)
+        assert all(len(pids) == 1 for pids in runs.values()), (name, runs)  # no attempt ran twice
+        for attempt in runs:  # nor beside an earlier one
+            assert json.loads((dirs[name] / f"alive-{attempt}").read_text()) == [], (name, attempt)
+        # A run the leader had going when it died is lost and retried once, as after a restart; one it
+        # was launching may have started (retried then) or not (its number is skipped); the others ran once.
+        assert job.status.attempt <= 1 and job.status.retries <= 1, (name, job.status)
+        if name in running:
+            assert (job.status.attempt, job.status.retries) == (1, 1), (name, job.status)
+
+
+def test_a_stalled_leaders_late_writes_are_refused(replica, job_spec, job_dir: Path) -> None:
+    first = replica().start()
+    until(lambda: leads(first), "the first replica leading")
+    second = replica().start()
+    ckpt = job_dir / "stalled"
+    with JobClient(second.target, token=TOKENS["writer"]) as b:
+        b.submit(job_spec("stalled", RUN, checkpoint={"dir": str(ckpt)}, env={"RUN_S": "60"}))
+        wait_for_state(b, "stalled", pb.JOB_STATE_RUNNING)
+        os.kill(first.process.pid, signal.SIGSTOP)
+        try:
+            until(lambda: leads(second), "the follower taking over")
+            done = wait_for_state(b, "stalled", pb.JOB_STATE_SUCCEEDED, timeout_s=30)
+        finally:
+            os.kill(first.process.pid, signal.SIGCONT)
+        assert (done.status.attempt, done.status.retries) == (1, 1)
+        # The woken leader's run 0 ended (its successor stopped it) and it stops its tenure: each of
+        # its writes about it is refused, logged, never applied.
+        until(lambda: "snapshot refused" in first.log_path.read_text(), "the woken leader's write refused")
+        until(lambda: not leads(first), "the woken leader standing down")
+        after = b.get("stalled")
+        assert (after.status.state, after.status.attempt, after.status.retries) == (
+            pb.JOB_STATE_SUCCEEDED, 1, 1), after.status
+        assert b.submit(job_spec("after", "pass")).status.job_id == "after"  # the new leader runs on
+        assert wait_for_state(b, "after", pb.JOB_STATE_SUCCEEDED).status.attempt == 0
