@@ -67,7 +67,6 @@ class Story:
     inference_target: str = os.environ.get("OPML_INFERENCE_ROUTER_INFERENCE_TARGET", "127.0.0.1:8001")
     traces_target: str = os.environ.get("OPML_TRACE_COLLECTOR_TARGET", "127.0.0.1:50054")
     automl_target: str = os.environ.get("OPML_AUTOML_CONTROLLER_TARGET", "127.0.0.1:50055")
-    monitoring_target: str = os.environ.get("OPML_MONITORING_SCORER_TARGET", "127.0.0.1:50056")
     remote: str = os.environ.get("OPML_MAIN_JOB_REMOTE", "s3://opml-bundles/vision-inspection")
     bootstrap: str = os.environ.get("OPML_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
     topic_prefix: str = os.environ.get("OPML_TOPIC_PREFIX", "")
@@ -118,30 +117,3 @@ def show_events(story: Story, topic: str, expect: set[str], ours: Ours, *,
     Raises: SystemExit: they did not all come within ``timeout_s`` in all (naming the missing)."""
     asyncio.run(_show_events(story.bootstrap, topic, expect, ours, timeout_s))
 
-
-async def _follow(bootstrap: str, topic: str, ours: Ours, until: set[str], timeout_s: float) -> str:
-    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
-                                enable_auto_commit=False, group_id=None)
-    try:
-        async with asyncio.timeout(timeout_s):
-            await consumer.start()
-            while True:
-                for records in (await consumer.getmany(timeout_ms=1000)).values():
-                    for record in records:
-                        headers = {k: v.decode(errors="replace") for k, v in record.headers or ()}
-                        kind, subject = headers.get("ce_type", ""), headers.get("ce_subject", "")
-                        if ours(kind, subject, record.value or b""):
-                            print(f"   event {kind.rsplit('.', 1)[-1]:<26} subject={subject} offset={record.offset}",
-                                  flush=True)
-                            if kind in until:
-                                return kind
-    except TimeoutError:
-        raise SystemExit(f"none of {', '.join(sorted(until))} reached {topic} within {timeout_s:.0f} s") from None
-    finally:
-        await consumer.stop()
-
-
-def follow_events(story: Story, topic: str, ours: Ours, until: set[str], *, timeout_s: float = 300.0) -> str:
-    """Print this run's events on ``topic`` (from its start, those ``ours`` accepts) as they come, until
-    one of a type in ``until``; returns that type."""
-    return asyncio.run(_follow(story.bootstrap, topic, ours, until, timeout_s))
