@@ -1,7 +1,8 @@
 """Two job-orchestrator replicas behind the ``job-orchestrator`` lease, as real processes on the session's
 Redis and broker: jobs submitted through both run once each when the leader is SIGKILLed under load (the
-runs it had going are retried once by its successor, never beside themselves), and a leader stalled past
-its lease (SIGSTOP) finds its late writes refused when it wakes."""
+runs it had going are retried once by its successor, never beside themselves), a leader stalled past
+its lease (SIGSTOP) finds its late writes refused when it wakes, and a follower answers the API as the
+leader does."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 from opml.jobs.v1 import jobs_pb2 as pb
 
+from opml_common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from opml_devstack.process import ServiceProcess
 from opml_devstack.testing.services import TOKENS, ServiceStarter
 from opml_job_orchestrator_contract.client import JobClient
@@ -127,3 +129,35 @@ def test_a_stalled_leaders_late_writes_are_refused(replica, job_spec, job_dir: P
             pb.JOB_STATE_SUCCEEDED, 1, 1), after.status
         assert b.submit(job_spec("after", "pass")).status.job_id == "after"  # the new leader runs on
         assert wait_for_state(b, "after", pb.JOB_STATE_SUCCEEDED).status.attempt == 0
+
+
+def test_a_follower_serves_the_api_with_the_leaders_answers(replica, job_spec) -> None:
+    first = replica().start()
+    until(lambda: leads(first), "the first replica leading")
+    second = replica().start()
+    with JobClient(second.target, token=TOKENS["writer"]) as b, \
+            JobClient(second.target, token=TOKENS["admin"]) as b_admin, \
+            JobClient(first.target, token=TOKENS["writer"]) as a:
+        too_big = job_spec("too-big", "pass")
+        too_big.roles["worker"].resources.gpu = 2  # the leader's scheduler refuses it: its field, its rule
+        with pytest.raises(InvalidArgument) as caught:
+            b.submit(too_big)
+        assert caught.value.field == "roles.worker.resources.gpu" and "largest node has 1" in caught.value.message
+        queued = b.submit(job_spec("sleeper", "import time; time.sleep(60)"))
+        assert queued.status.job_id == "sleeper" and queued.spec.name == "sleeper"
+        with pytest.raises(AlreadyExists, match="sleeper"):
+            b.submit(job_spec("sleeper", "pass"))
+        watch = b.watch("sleeper")  # a follower's watch: the store's changes, up to the end
+        wait_for_state(b, "sleeper", pb.JOB_STATE_RUNNING)
+        with JobClient(second.target, token=TOKENS["reader"]) as reader, pytest.raises(PermissionDenied):
+            reader.cancel("sleeper")
+        cancelled = b.cancel("sleeper")
+        assert cancelled.status.state == pb.JOB_STATE_CANCELLED
+        assert a.get("sleeper").status.state == pb.JOB_STATE_CANCELLED  # the leader's record, not a copy
+        states = [change.status.state for change in watch]
+        assert states[-1] == pb.JOB_STATE_CANCELLED and pb.JOB_STATE_RUNNING in states, states
+        with pytest.raises(FailedPrecondition, match="already cancelled"):
+            b_admin.cancel("sleeper")
+        assert [j.status.job_id for j in b.list()] == ["sleeper"] == [j.status.job_id for j in a.list()]
+        with pytest.raises(NotFound):
+            b.get("never")
