@@ -87,6 +87,7 @@ def stack(start_service, job_dir: Path):
         "OPML_JOB_ORCHESTRATOR_RETRY_MAX_DELAY_S": "0.2",
         "OPML_JOB_ORCHESTRATOR_TERMINATE_GRACE_S": "2",
         "OPML_JOB_ORCHESTRATOR_SHUTDOWN_GRACE_S": "1",
+        "OPML_JOB_ORCHESTRATOR_LEASE_TTL_S": "2",  # a killed service's next process leads within 2 s
         "OPML_JOB_ORCHESTRATOR_BUNDLE_STORE_TARGET": store.target,
         "OPML_JOB_ORCHESTRATOR_BUNDLE_STORE_TOKEN": TOKENS["writer"],
         "OPML_JOB_ORCHESTRATOR_PIPELINE_DIR": str(job_dir / "pipelines"),
