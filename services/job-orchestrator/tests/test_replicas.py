@@ -53,10 +53,20 @@ def replica(start_service: ServiceStarter, service_env: dict[str, str]) -> Calla
     return make
 
 
-def leads(process: ServiceProcess) -> bool:
+def metrics(process: ServiceProcess) -> str:
     port = process.env["OPML_JOB_ORCHESTRATOR_METRICS_PORT"]
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
-        return "opml_job_orchestrator_leader 1.0" in answer.read().decode()
+        return answer.read().decode()
+
+
+def leads(process: ServiceProcess) -> bool:
+    return "opml_job_orchestrator_leader 1.0" in metrics(process)
+
+
+def jobs_counted(process: ServiceProcess) -> float:
+    """The replica's ``opml_job_orchestrator_jobs`` gauge, summed over states and classes."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics(process).splitlines()
+               if line.startswith("opml_job_orchestrator_jobs{"))
 
 
 def until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> float:
@@ -129,6 +139,8 @@ def test_a_stalled_leaders_late_writes_are_refused(replica, job_spec, job_dir: P
             pb.JOB_STATE_SUCCEEDED, 1, 1), after.status
         assert b.submit(job_spec("after", "pass")).status.job_id == "after"  # the new leader runs on
         assert wait_for_state(b, "after", pb.JOB_STATE_SUCCEEDED).status.attempt == 0
+        until(lambda: jobs_counted(first) == 0, "the deposed leader no longer counting jobs")
+        assert jobs_counted(second) == 2
 
 
 def test_a_follower_serves_the_api_with_the_leaders_answers(replica, job_spec) -> None:

@@ -116,7 +116,7 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
         await orchestrator.restore(await recorder.load())
         await orchestrator.start()
         engine, parts = await pipelines.take_over()
-        tenure = Tenure(orchestrator, engine, store.flushed, parts)
+        tenure = Tenure(orchestrator, engine, store.flushed, parts, ended=job_metrics.forget)
         consumer = RequestConsumer(redis, prefix=prefix, handler=LeaderRequests(leadership=leadership,
                                                                                  jobs=jobs).handle)
         await consumer.start()

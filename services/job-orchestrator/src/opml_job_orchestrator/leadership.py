@@ -49,6 +49,8 @@ class Tenure:
     engine: PipelineEngine
     flushed: Callable[[], Awaitable[None]]
     parts: Sequence[Component] = field(default_factory=list)
+    ended: Callable[[], None] = lambda: None
+    """Called last (the jobs' gauges forget what this replica no longer schedules)."""
 
     async def stop(self) -> None:
         for part in [*reversed(self.parts), self.engine, self.orchestrator]:
@@ -60,6 +62,7 @@ class Tenure:
                 log.exception("stopping %s at the end of a tenure failed", type(part).__name__)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.flushed(), _FLUSH_S)
+        self.ended()
 
 
 class Leadership(Component):

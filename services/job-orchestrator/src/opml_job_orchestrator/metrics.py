@@ -35,11 +35,20 @@ class JobMetrics:
                                             ("job_class",))
         self._retries = metrics.counter("retries_total", "Failed runs queued to run again.", ("job_class",))
         self._states: dict[str, JobState] = {}
+        self._classes: dict[str, JobClass] = {}
         self._queued_at: dict[str, float] = {}
 
     def seed(self, status: JobStatus, job_class: JobClass) -> None:
         """Count a job restored after a restart."""
         self._move(status.job_id, status.state, job_class)
+
+    def forget(self) -> None:
+        """Count no job any more (this replica stopped leading: the jobs are its successor's to count)."""
+        for job_id, state in self._states.items():
+            self._jobs.labels(state.value, self._classes[job_id].name).dec()
+        self._states.clear()
+        self._classes.clear()
+        self._queued_at.clear()
 
     def observe(self, event: LifecycleEvent, job_class: JobClass) -> None:
         label = job_class.name
@@ -61,6 +70,7 @@ class JobMetrics:
             self._jobs.labels(previous.value, job_class.name).dec()
         self._jobs.labels(state.value, job_class.name).inc()
         self._states[job_id] = state
+        self._classes[job_id] = job_class
 
 
 class TimedScheduler(Scheduler):
