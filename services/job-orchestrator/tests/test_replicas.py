@@ -21,6 +21,8 @@ from opml_common.errors import AlreadyExists, FailedPrecondition, InvalidArgumen
 from opml_devstack.process import ServiceProcess
 from opml_devstack.testing.services import TOKENS, ServiceStarter
 from opml_job_orchestrator_contract.client import JobClient
+from opml_job_orchestrator_contract.pipelineclient import PipelineClient
+from opml_job_orchestrator_contract.pipelinespec import load_pipeline
 
 from .conftest import TERMINAL, wait_for_state
 
@@ -41,6 +43,11 @@ with open(d / f"runs-{attempt}", "a") as runs:
     runs.write(f"{os.getpid()} ")
 time.sleep(float(os.environ.get("RUN_S", "1")) if attempt == "0" else 0.3)
 """
+
+PIPELINE = {"name": "quality", "steps": [
+    {"name": "spans", "kind": "ingest", "ingest": {"context": "data"}},
+    {"name": "fit", "kind": "train", "inputs": ["spans"], "train": {"command": ["python", "train.py"]}},
+]}
 
 
 @pytest.fixture
@@ -173,3 +180,31 @@ def test_a_follower_serves_the_api_with_the_leaders_answers(replica, job_spec) -
         assert [j.status.job_id for j in b.list()] == ["sleeper"] == [j.status.job_id for j in a.list()]
         with pytest.raises(NotFound):
             b.get("never")
+
+
+def test_a_follower_serves_the_pipelines_api_through_the_leader(replica) -> None:
+    """No bundle-store answers here: a run stays at its ingest step, which is all a trigger needs."""
+    first = replica().start()
+    until(lambda: leads(first), "the first replica leading")
+    second = replica().start()
+    with PipelineClient(second.target, token=TOKENS["writer"]) as b, \
+            PipelineClient(second.target, token=TOKENS["admin"]) as b_admin, \
+            PipelineClient(first.target, token=TOKENS["reader"]) as a:
+        bad = load_pipeline(PIPELINE)
+        bad.steps.add().CopyFrom(load_pipeline(PIPELINE).steps[0])  # a second step named spans
+        with pytest.raises(InvalidArgument) as raised:
+            b.apply(bad)  # the leader's engine's rules, every one
+        assert {field for field, _ in raised.value.violations} == {"steps[2].name"}
+        applied = b.apply(load_pipeline(PIPELINE))
+        assert applied.name == "pipelines/quality" and applied.applied_by.startswith("token:")
+        assert [p.spec.name for p in a.list()] == ["quality"] == [p.spec.name for p in b.list()]
+        assert b.trigger("quality", "first").run == 1
+        assert b.trigger("quality").coalesced  # the leader's one run at a time
+        assert b.get("quality").active_run == 1 and a.get("quality").run_pending
+        assert [r.number for r in b.runs("quality")] == [1] and b.run("quality", 1).triggers[0].endswith(": first")
+        with pytest.raises(FailedPrecondition, match="run 1"):
+            b.delete("quality")
+        with pytest.raises(FailedPrecondition):
+            b_admin.force_bless("quality", 1, "because")
+        with pytest.raises(NotFound):
+            b.get("ghost")
