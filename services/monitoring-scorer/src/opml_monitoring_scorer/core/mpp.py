@@ -112,7 +112,7 @@ class MPP:
             return np.abs(outputs.predicted - labels)
         return (outputs.predicted == labels).astype(np.int64)
 
-    def _fit(self, x: np.ndarray, y: np.ndarray, weights: np.ndarray | None):
+    def _fit(self, x: np.ndarray, y: np.ndarray, weights: np.ndarray | None, *, calibrate: bool = True):
         # shuffled: the calibration's folds are contiguous, and reference rows come before live ones
         order = np.random.default_rng(self.seed).permutation(len(y))
         x, y = x[order], y[order]
@@ -130,7 +130,7 @@ class MPP:
         rarest = int(np.bincount(y).min())
         boosting = HistGradientBoostingClassifier(**_BOOSTING, random_state=self.seed,
                                                   **({} if rarest >= _FOLDS else {"early_stopping": False}))
-        model = boosting if rarest < 2 else CalibratedClassifierCV(boosting, method="isotonic",
+        model = boosting if rarest < 2 or not calibrate else CalibratedClassifierCV(boosting, method="isotonic",
                                                                    cv=min(_FOLDS, rarest))
         model.fit(x, y, sample_weight=weights)
         return model
@@ -193,7 +193,9 @@ class MPP:
         for live_weight in sorted({1.0, max(1.0, rows_ref / rows_live), 10.0 * max(1, rows_ref) / rows_live}):
             out_of_fold = np.empty(rows_live)
             for k in range(CV_FOLDS):
-                model = self._refit(live_x[fold != k], live_y[fold != k], live_weight)
+                # uncalibrated in the folds (a third of the cost): judged against the calibrated
+                # reference model, a refit must win without its calibration's help
+                model = self._refit(live_x[fold != k], live_y[fold != k], live_weight, calibrate=False)
                 out_of_fold[fold == k] = self._predict(model, live_x[fold == k])
             loss = (out_of_fold - live_y) ** 2
             gain = reference_loss - loss
@@ -209,10 +211,11 @@ class MPP:
         self.recalibrations += 1
         return True
 
-    def _refit(self, live_x: np.ndarray, live_y: np.ndarray, live_weight: float):  # noqa: ANN202 - an estimator
+    def _refit(self, live_x: np.ndarray, live_y: np.ndarray, live_weight: float, *,  # noqa: ANN202 - an estimator
+               calibrate: bool = True):
         """The secondary model fitted on the reference and these live rows, each weighing ``live_weight``
         reference rows."""
         x = np.vstack([self._ref_x, live_x])
         y = np.concatenate([self._ref_y, live_y])
         weights = np.concatenate([np.ones(len(self._ref_y)), np.full(len(live_y), live_weight)])
-        return self._fit(x, y, weights)
+        return self._fit(x, y, weights, calibrate=calibrate)
