@@ -196,6 +196,11 @@ def test_a_run_whose_service_is_killed_during_training_resumes_and_the_job_compl
     first.kill()  # SIGKILL while the training job waits
 
     second: ServiceProcess = make().start()
+    # It serves at once and takes the jobs over once the dead one's lease has expired: the training job
+    # is released only then, so what completes is the retry its restore starts, not the orphaned run.
+    poll_until(lambda: any(s.name == "opml_job_orchestrator_leader" and s.value == 1 for s in
+                           samples(scrape(second.env["OPML_JOB_ORCHESTRATOR_METRICS_PORT"]))),
+               timeout_s=30, what="the new process leading")
     hold.write_text("go")
     with PipelineClient(second.target, token=TOKENS["reader"]) as pipelines, \
             JobClient(second.target, token=TOKENS["reader"]) as jobs:

@@ -348,6 +348,21 @@ async def test_stop_ends_every_run(api: FakeCoreV1Api, tmp_path: Path, job_event
     assert api.deletions == [(pod_name("mnist", 0, "worker", 0), 3)] and not api.pods
 
 
+async def test_release_leaves_the_pods_going_for_another_executor_to_readopt(api: FakeCoreV1Api,
+                                                                             tmp_path: Path) -> None:
+    """A replica that stops leading releases its executor: its successor's re-adopts the pods."""
+    ex = KubernetesExecutor(image="img", log_dir=tmp_path / "logs", api=api, poll_interval_s=0.02,
+                            shutdown_grace_s=3, delete_timeout_s=1)
+    await ex.start()
+    job = spec(worker=1)
+    await ex.launch(job, PROGRAM, placement(job), attempt=0)
+    api.set_running(pod_name("mnist", 0, "worker", 0))
+    await ex.release()
+    assert not ex.running and not api.deletions and pod_name("mnist", 0, "worker", 0) in api.pods
+    async with KubernetesExecutor(image="img", log_dir=tmp_path / "logs", api=api, poll_interval_s=0.02) as successor:
+        assert await successor.recover("mnist", 0) == {"worker": ("node-0",)}
+
+
 async def test_poll_survives_an_api_outage(executor: KubernetesExecutor, api: FakeCoreV1Api,
                                            monkeypatch: pytest.MonkeyPatch, task_states) -> None:
     job = spec(worker=1)

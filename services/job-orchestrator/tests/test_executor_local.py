@@ -585,3 +585,11 @@ async def test_tasks_get_the_platform_env_under_their_own(
                         {"worker": ("n0",)}, attempt=0)
         assert job_event(await until_job_event(ex, "env")).outcome is JobOutcome.SUCCEEDED
         assert await ex.logs("env", "worker", 0) == "platform- platform: job\n"  # inherited < platform < the job's
+
+
+async def test_a_local_executor_is_never_released(tmp_path: Path) -> None:
+    """Its runs are this machine's processes: no other orchestrator can adopt them."""
+    async with LocalExecutor(work_dir=tmp_path / "work", sandbox="off") as local:
+        with pytest.raises(FailedPrecondition, match="cannot be adopted"):
+            await local.release()
+        assert local.running

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 from typing import Any
@@ -48,6 +49,8 @@ from opml_job_orchestrator.topics import ALERTS, BUNDLES
 from opml_job_orchestrator.watch import WatchHub
 from opml_job_orchestrator_contract.topics import JOBS, PIPELINES
 from opml_monitoring_scorer_contract.names import EVENT_SOURCE as MONITORING_SOURCE
+
+_CONSUMER_STOP_S = 10.0
 
 SPEC = ServiceSpec(name="job-orchestrator", module="opml_job_orchestrator", settings=JobOrchestratorSettings,
                    topics=(JOBS, PIPELINES, BUNDLES, ALERTS))
@@ -131,7 +134,12 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
     await service.start(lease)
     await service.start(leadership)
     service.run_in_background(leadership.ended, name="job-orchestrator-leadership")  # a dead loop ends the service
-    servicer = JobServicer(jobs, build_executor(settings, service.platform), watch,
+    # The API's own executor reads logs only and tracks no run: the kept files, or a live pod's log from the API
+    # server, which the Kubernetes executor connects to at start (the local one reads files unstarted).
+    logs = build_executor(settings, service.platform)
+    if logs.adoptable:
+        await service.start(logs)
+    servicer = JobServicer(jobs, logs, watch,
                            leading=lambda: leadership.tenure is not None, log_poll_s=settings.log_poll_s)
     pipeline_access = PipelineAccess(leadership=leadership, store=run_store, forwarder=forwarder)
     return [ServiceRegistration(jobs_pb2.DESCRIPTOR.services_by_name["JobService"],
@@ -205,7 +213,9 @@ class ConsumerPart(Component):
         self._task = asyncio.create_task(self._consumer.run(), name="pipeline triggers")
 
     async def on_stop(self) -> None:
-        await self._consumer.stop()
+        """Leave the group; a consumer that cannot finish in time (the broker away) is cancelled."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._consumer.stop(), _CONSUMER_STOP_S)
         await cancel_and_wait(self._task)
         self._task = None
 

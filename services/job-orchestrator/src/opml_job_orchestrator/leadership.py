@@ -41,28 +41,37 @@ _FLUSH_S = 10.0
 
 @dataclass
 class Tenure:
-    """What one leader runs: ``orchestrator`` and ``engine`` (already started), then ``parts``,
-    stopped in reverse order before the engine and the orchestrator; then ``flushed`` (the store's
-    writes so far), so a clean stop's last snapshots are written while the lease is still held."""
+    """What one leader runs: ``orchestrator`` and ``engine`` (already started), then ``parts``;
+    ``flushed`` (the store's writes so far) is awaited last, so a clean stop's last snapshots are
+    written while the lease is still held."""
 
     orchestrator: Orchestrator
     engine: PipelineEngine
     flushed: Callable[[], Awaitable[None]]
     parts: Sequence[Component] = field(default_factory=list)
     ended: Callable[[], None] = lambda: None
-    """Called last (the jobs' gauges forget what this replica no longer schedules)."""
+    """Called once the orchestrator stopped (the jobs' gauges forget what this replica no longer schedules)."""
 
-    async def stop(self) -> None:
-        for part in [*reversed(self.parts), self.engine, self.orchestrator]:
-            try:
-                await part.stop()
-            except NotLeader:
-                pass  # its last act was refused by the fence: as it should be
-            except Exception:
-                log.exception("stopping %s at the end of a tenure failed", type(part).__name__)
+    async def stop(self, *, deposed: bool = False) -> None:
+        """The orchestrator first (no decision after this), then ``ended``, the parts in reverse, the
+        engine, and the store's writes so far. ``deposed``: this replica lost the lease; the
+        orchestrator is abandoned, not stopped (pods go on for the successor that re-adopts them;
+        local runs are stopped: the successor retries them)."""
+        await self._stop(self.orchestrator.abandon if deposed else self.orchestrator.stop, "the orchestrator")
+        self.ended()
+        for part in [*reversed(self.parts), self.engine]:
+            await self._stop(part.stop, type(part).__name__)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.flushed(), _FLUSH_S)
-        self.ended()
+
+    @staticmethod
+    async def _stop(stop: Callable[[], Awaitable[None]], what: str) -> None:
+        try:
+            await stop()
+        except NotLeader:
+            pass  # its last act was refused by the fence: as it should be
+        except Exception:
+            log.exception("stopping %s at the end of a tenure failed", what)
 
 
 class Leadership(Component):
@@ -109,7 +118,7 @@ class Leadership(Component):
     async def on_stop(self) -> None:
         await cancel_and_wait(self._task)
         self._task = None
-        await self._end_tenure()
+        await self._end_tenure(deposed=False)  # a clean stop: runs stopped and queued to resume, as ever
 
     async def ended(self) -> None:
         """Raises when a tenure's orchestrator loop died of a bug (the service runs it in the background);
@@ -160,11 +169,12 @@ class Leadership(Component):
         if self._lease.leading:
             self._gauge.set(1)
 
-    async def _end_tenure(self) -> None:
+    async def _end_tenure(self, *, deposed: bool = True) -> None:
         tenure, self.tenure = self.tenure, None
         if tenure is None:
             return
         self._gauge.set(0)
-        log.warning("job-orchestrator: this replica no longer leads; it stops scheduling (its local runs are "
-                    "stopped; the next leader has counted them lost and retries them)")
-        await tenure.stop()
+        if deposed:
+            log.warning("job-orchestrator: this replica no longer leads; it stops scheduling (pods go on for the "
+                        "next leader to re-adopt; local runs are stopped: the next leader retries them)")
+        await tenure.stop(deposed=deposed)

@@ -233,6 +233,7 @@ class Orchestrator(Component):
         """Held while the loop acts on the scheduler and executor, and by cancel and preempt."""
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
+        self._abandoning = False
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -257,9 +258,20 @@ class Orchestrator(Component):
             async with self._lock:  # never cancel the loop halfway through a terminate or a launch
                 await cancel_and_wait(task)
         finally:
-            await self._executor.stop()
-            for job in [j for j in self._jobs.values() if j.state is JobState.RUNNING]:
-                self._requeue(job, "the orchestrator stopped")
+            if self._abandoning:
+                await self._executor.release()
+            else:
+                await self._executor.stop()
+                for job in [j for j in self._jobs.values() if j.state is JobState.RUNNING]:
+                    self._requeue(job, "the orchestrator stopped")
+
+    async def abandon(self) -> None:
+        """Stop at once, leaving the runs going to another orchestrator: the loop ends, and an
+        ``adoptable`` executor is released (its runs are neither stopped nor requeued: the next
+        leader re-adopts them); any other executor is stopped as :meth:`stop` does, its runs'
+        requeue being the next leader's to record (this one's writes are refused by then)."""
+        self._abandoning = self._executor.adoptable
+        await self.stop()
 
     def loop_ended(self) -> Awaitable[None]:
         """What returns once the loop task running now ends (:meth:`stop` ended it), or raises what

@@ -27,7 +27,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from opml_common.errors import InvalidArgument
+from opml_common.errors import FailedPrecondition, InvalidArgument
 from opml_common.lifecycle import Component
 from opml_job_orchestrator.scheduler.model import ROLE_NAMES, JobSpec
 
@@ -179,6 +179,18 @@ class Executor(Component, abc.ABC):
     :meth:`stop`, both idempotent, and started again after a stop. All methods are called from one
     asyncio event loop.
     """
+
+    adoptable = False
+    """Whether another orchestrator's :meth:`recover` re-adopts this one's runs where they run (pods):
+    then a replica that stops leading leaves them going (:meth:`release`) for its successor."""
+
+    async def release(self) -> None:
+        """Stop, leaving every run going, untracked: only for an :attr:`adoptable` executor.
+
+        Raises:
+            FailedPrecondition: this executor's runs cannot be adopted elsewhere.
+        """
+        raise FailedPrecondition(f"{type(self).__name__}'s runs cannot be adopted by another orchestrator")
 
     async def on_start(self) -> None:
         """Get ready to launch: the orchestrator starts the executor before its first :meth:`launch`.

@@ -272,6 +272,8 @@ class KubernetesExecutor(TrackedRunExecutor[_Run]):
     the run (retriable when the API server was at fault: 5xx, 429, no answer).
     """
 
+    adoptable = True  # pods outlive the orchestrator that made them: its successor re-adopts them
+
     def __init__(self, *, image: str, log_dir: str | Path, namespace: str = "default", api: Any = None,
                  kubeconfig: str | Path | None = None, context: str | None = None, port: int = 2222,
                  node_label: str | None = "kubernetes.io/hostname", checkpoint_claim: str | None = None,

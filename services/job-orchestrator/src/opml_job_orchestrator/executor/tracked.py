@@ -73,6 +73,14 @@ class TrackedRunExecutor(Executor, Generic[RunT]):
         self._background: set[asyncio.Task[None]] = set()
         super().__init__()
 
+    async def release(self) -> None:
+        """Stop, leaving every run going, untracked (see :meth:`Executor.release`): their tasks are
+        neither stopped nor reported; another orchestrator's :meth:`recover` takes them over."""
+        if not self.adoptable:
+            await super().release()
+        self._runs.clear()
+        await self.stop()
+
     async def on_start(self) -> None:
         """Get the backend ready (:meth:`_open`)."""
         await self._open()
