@@ -46,7 +46,7 @@ class Scale:
 
 
 SCALES = {
-    "quick": Scale("quick", days=2, span_rows=250, trials=3, parallel_trials=3, trial_epochs=6, pipeline_epochs=15,
+    "quick": Scale("quick", days=2, span_rows=250, trials=3, parallel_trials=2, trial_epochs=6, pipeline_epochs=15,
                    analysis_s=2.0, analysis_requests=20),
     "full": Scale("full", days=3, span_rows=500, trials=6, parallel_trials=2, trial_epochs=10, pipeline_epochs=25,
                   analysis_s=5.0, analysis_requests=50),
