@@ -77,10 +77,14 @@ def test_a_served_bundle_with_a_reference_set_is_monitored_from_the_router_s_pre
 
         data = np.random.default_rng(9).standard_normal((4 * WINDOW, 16)).astype(np.float32)
         with triton.InferenceServerClient(router.target) as client:
-            for start in range(0, len(data), 10):
-                tensor = triton.InferInput("features", [10, 16], "FP32")
-                tensor.set_data_from_numpy(data[start:start + 10])
-                client.infer("mlp", [tensor], headers={"authorization": f"Bearer {TOKENS['writer']}"})
+            for window in range(4):  # a window's worth, then until the scorer has it: the router's prediction
+                # log lingers to put a burst in one record, and a window by count closes on record boundaries
+                for start in range(window * WINDOW, (window + 1) * WINDOW, 10):
+                    tensor = triton.InferInput("features", [10, 16], "FP32")
+                    tensor.set_data_from_numpy(data[start:start + 10])
+                    client.infer("mlp", [tensor], headers={"authorization": f"Bearer {TOKENS['writer']}"})
+                poll_until(lambda window=window: monitoring.status("mlp", "1").predictions >= (window + 1) * WINDOW,
+                           timeout_s=120, what=f"the scorer counting window {window}'s predictions")
 
         windows = poll_until(lambda: (found := list(monitoring.windows("mlp", "1"))) and len(found) >= 4 and found,
                              timeout_s=120, what="four windows scored from the router's predictions")
