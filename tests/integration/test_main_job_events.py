@@ -1,4 +1,5 @@
-"""The main job's check of its events (scripts/main_job.py, steps 5 and 10) on the real broker.
+"""The main job's check of its events (scripts/story: the spans' bundle events, the served prediction) on
+the real broker.
 
 It reads each topic from its start, where earlier runs' events are too: it used to accept any event
 of the subject, so a run whose own event never came passed on an earlier run's, and it waited 30 s
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from types import ModuleType
+from types import SimpleNamespace
 
 import pytest
 from opml.bundles.v1 import bundles_pb2, events_pb2
@@ -25,9 +26,9 @@ COMMITTED, PUSHED = "opml.bundles.v1.BundleCommitted", "opml.bundles.v1.BundlePu
 
 
 @pytest.fixture
-def main_job(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+def story(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    return importlib.import_module("main_job")
+    return SimpleNamespace(**{name: importlib.import_module(f"story.{name}") for name in ("context", "data", "serve")})
 
 
 async def publish(settings: PlatformSettings, *messages) -> None:
@@ -35,38 +36,39 @@ async def publish(settings: PlatformSettings, *messages) -> None:
     await publisher.start()
     try:
         for message in messages:
-            await publisher.publish_proto(BUNDLES, message, subject="defect-classifier")
+            await publisher.publish_proto(BUNDLES, message, subject="inspections")
     finally:
         await publisher.stop()
 
 
 def bundle(uuid: str) -> bundles_pb2.Bundle:
-    return bundles_pb2.Bundle(uuid=uuid, bundle_name="defect-classifier")
+    return bundles_pb2.Bundle(uuid=uuid, bundle_name="inspections")
 
 
 async def test_only_this_runs_bundle_events_count_and_a_missing_one_fails_in_time(
-        main_job: ModuleType, platform_settings: PlatformSettings, capsys: pytest.CaptureFixture) -> None:
+        story: SimpleNamespace, platform_settings: PlatformSettings, capsys: pytest.CaptureFixture) -> None:
     topic = BUNDLES.full_name(platform_settings.topic_prefix)
     bootstrap = platform_settings.kafka_bootstrap
     await publish(platform_settings, events_pb2.BundleCommitted(bundle=bundle("earlier")),
                   events_pb2.BundlePushed(bundle=bundle("earlier")), events_pb2.BundleCommitted(bundle=bundle("ours")))
-    await main_job.show_events(bootstrap, topic, {COMMITTED}, main_job.of_bundle("ours"))
+    ours = story.data.of_bundles({"ours"})
+    await story.context._show_events(bootstrap, topic, {COMMITTED}, ours, 60.0)
     printed = capsys.readouterr().out.splitlines()
     assert [line.rsplit("offset=", 1)[1] for line in printed] == ["2"], "this run's commit only"
     # whether or not its commit was read again in time (a loaded machine), the push is named missing
     with pytest.raises(SystemExit, match=rf"{PUSHED} did not reach {topic} within 5 s$"):
-        await main_job.show_events(bootstrap, topic, {COMMITTED, PUSHED}, main_job.of_bundle("ours"), timeout_s=5)
+        await story.context._show_events(bootstrap, topic, {COMMITTED, PUSHED}, ours, 5.0)
     capsys.readouterr()
 
     await publish(platform_settings, events_pb2.BundlePushed(bundle=bundle("ours")))
-    await main_job.show_events(bootstrap, topic, {COMMITTED, PUSHED}, main_job.of_bundle("ours"))
+    await story.context._show_events(bootstrap, topic, {COMMITTED, PUSHED}, ours, 60.0)
     printed = capsys.readouterr().out.splitlines()
     assert [line.split()[1] for line in printed] == [COMMITTED, PUSHED]
     assert [line.rsplit("offset=", 1)[1] for line in printed] == ["2", "3"], "not the earlier run's at 0 and 1"
 
 
-def test_this_runs_prediction_is_told_by_its_version_and_request_id(main_job: ModuleType) -> None:
-    ours = main_job.of_request(3, "main-job-abc")
+def test_this_runs_prediction_is_told_by_its_version_and_request_id(story: SimpleNamespace) -> None:
+    ours = story.serve.of_request(3, "main-job-abc")
     made = "opml.inference.v1.PredictionMade"
 
     def value(request_id: str) -> bytes:
