@@ -206,6 +206,17 @@ def scorer_monitors_the_served_versions(env: dict[str, str]) -> None:
                 return False
 
     poll_until(monitored, timeout_s=120, what=f"the monitoring-scorer monitoring {MODEL} versions {versions}")
+    # and a version it does not monitor: the RPC errors panel, whether or not the wait above met one
+    with MonitoringClient(env["OPML_MONITORING_SCORER_TARGET"]) as scorer, pytest.raises(NotFound):
+        scorer.status(MODEL, "999")
+
+
+def scorer_windows(env: dict[str, str]) -> int:
+    """Windows the monitoring-scorer closed of the model's versions that take traffic."""
+    with DeploymentClient(env["OPML_INFERENCE_ROUTER_TARGET"]) as router, \
+            MonitoringClient(env["OPML_MONITORING_SCORER_TARGET"]) as scorer:
+        return sum(len(list(scorer.windows(MODEL, str(v.version)))) for v in router.get(MODEL).versions
+                   if v.state == deployments_pb2.SERVING and v.traffic_percent > 0)
 
 
 def traced_job_over_two_scrapes(env: dict[str, str], prometheus: PrometheusServer, *, name: str,
@@ -272,6 +283,9 @@ def test_every_panel_shows_data_after_the_main_job_and_serving_load(start_servic
         # Half on the router's own port, half on its native front's (each port's panels need calls).
         assert serve_load(env["OPML_INFERENCE_ROUTER_TARGET"], requests=200) == 200
         assert serve_load(env["OPML_INFERENCE_ROUTER_INFERENCE_TARGET"], requests=200) == 200
+        # the scorer closes windows at its own pace: one closed and scraped before the second half, so the
+        # second half's windows are an increase Prometheus sees (a histogram born with all its windows shows none)
+        poll_until(lambda: scorer_windows(env) >= 1, timeout_s=120, what="the scorer closing a window of the load")
         prometheus.wait_for_targets_up(since=time.time(), timeout_s=60)
         assert serve_load(env["OPML_INFERENCE_ROUTER_TARGET"], requests=200) == 200
         assert serve_load(env["OPML_INFERENCE_ROUTER_INFERENCE_TARGET"], requests=200) == 200
