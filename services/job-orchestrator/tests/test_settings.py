@@ -95,6 +95,29 @@ async def test_kubernetes_is_selected_by_settings_and_pods_follow_them(env, tmp_
     assert not {"OPML_S3_SECRET_KEY", "OPML_S3_ACCESS_KEY", "OPML_REDIS_URL"} & set(env_vars)  # from the Secret
 
 
+
+async def test_the_pipeline_claim_is_mounted_at_the_pipeline_dir_in_every_pod(env, tmp_path: Path) -> None:
+    """A step's job reads and writes its folder under PIPELINE_DIR: in a pod, on the claim the
+    service mounts at the same path."""
+    settings = env(EXECUTOR="kubernetes", K8S_IMAGE="trainer:1", NODES=NODES, K8S_PIPELINE_CLAIM="pipelines",
+                   PIPELINE_DIR="/var/lib/opml/pipelines")
+    api = FakeCoreV1Api()
+    job = JobSpec(job_id="pl-q-1-fit", job_class=JobClass.TE, roles={"worker": RoleSpec(1, Resources(cpu_millis=100))})
+    async with build_executor(settings, PLATFORM, kubernetes_api=api) as executor:
+        await executor.launch(job, JobProgram(commands={"worker": ["python", "train.py"]}), {"worker": ("gpu-0",)},
+                              attempt=0)
+        pod = api.pods[pod_name("pl-q-1-fit", 0, "worker", 0)]
+    assert {"name": "pipelines", "persistentVolumeClaim": {"claimName": "pipelines"}} in pod["spec"]["volumes"]
+    assert {"name": "pipelines", "mountPath": "/var/lib/opml/pipelines"} in pod["spec"]["containers"][0]["volumeMounts"]
+    api = FakeCoreV1Api()
+    unset = env(EXECUTOR="kubernetes", K8S_IMAGE="trainer:1", NODES=NODES, K8S_PIPELINE_CLAIM="")
+    async with build_executor(unset, PLATFORM, kubernetes_api=api) as executor:
+        await executor.launch(job, JobProgram(commands={"worker": ["python", "train.py"]}), {"worker": ("gpu-0",)},
+                              attempt=0)
+        pod = api.pods[pod_name("pl-q-1-fit", 0, "worker", 0)]
+    assert "pipelines" not in {v["name"] for v in pod["spec"]["volumes"]}
+
+
 KUBECONFIG = """
 apiVersion: v1
 kind: Config

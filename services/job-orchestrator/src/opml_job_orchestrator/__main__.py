@@ -24,6 +24,7 @@ from opml_job_orchestrator.forwarding import Forwarder, RequestConsumer
 from opml_job_orchestrator.leadership import LEASE, Leadership, Tenure
 from opml_job_orchestrator.metrics import JobMetrics, TimedScheduler
 from opml_job_orchestrator.orchestrator import Orchestrator
+from opml_job_orchestrator.pipelines import folders
 from opml_job_orchestrator.pipelines.bundles import BundleStoreIO
 from opml_job_orchestrator.pipelines.engine import PipelineEngine
 from opml_job_orchestrator.pipelines.metrics import PipelineMetrics
@@ -82,7 +83,9 @@ def build_executor(settings: JobOrchestratorSettings, platform: PlatformSettings
         checkpoint_claim=settings.k8s_checkpoint_claim, service_account=settings.k8s_service_account,
         env_from_secret=settings.k8s_env_secret, platform_env=platform_env(platform, settings, credentials=False),
         run_as_user=settings.k8s_run_as_user, poll_interval_s=settings.k8s_poll_interval_s,
-        shutdown_grace_s=settings.shutdown_grace_s)
+        shutdown_grace_s=settings.shutdown_grace_s,
+        pipeline_claim=(settings.k8s_pipeline_claim, str(settings.pipeline_dir)) if settings.k8s_pipeline_claim
+        else None)
 
 
 async def build(service: ServiceContext) -> list[ServiceRegistration]:
@@ -160,8 +163,7 @@ class Pipelines:
         self._bundles = BundleStoreIO(settings.bundle_store_target,
                                       token=settings.bundle_store_token.get_secret_value() or None)
         service.on_stop(self._bundles.aclose)
-        settings.pipeline_dir.mkdir(parents=True, exist_ok=True)
-        settings.pipeline_dir.chmod(0o755)
+        folders.open_pipeline_dir(settings.pipeline_dir)
         self._metrics = PipelineMetrics(service.metrics)
         self._alerts: ScorerAlerts | None = None
         if settings.pipeline_triggers:

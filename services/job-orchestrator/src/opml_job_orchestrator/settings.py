@@ -82,6 +82,10 @@ class JobOrchestratorSettings(ServiceSettings):
                                             "(unset: the namespace's default).")
     k8s_checkpoint_claim: str | None = Field(None, min_length=1, description="PersistentVolumeClaim mounted at a "
                                              "job's checkpoint dir, so a resumed run on another node finds it.")
+    k8s_pipeline_claim: str | None = Field(None, min_length=1, description="PersistentVolumeClaim (ReadWriteMany) "
+                                           "mounted at `pipeline_dir` in every pod, where the pipelines' steps' "
+                                           "jobs read and write their folders; the service mounts it at "
+                                           "`pipeline_dir` too (unset: pipeline steps cannot run in pods).")
     k8s_env_secret: str | None = Field(None, min_length=1, description="Secret whose keys every pod gets as "
                                        "variables: the jobs' own scoped credentials (OPML_S3_ACCESS_KEY and "
                                        "OPML_S3_SECRET_KEY of the job identity, OPML_REDIS_URL of the job Redis "
@@ -165,7 +169,7 @@ class JobOrchestratorSettings(ServiceSettings):
         return self
 
     @field_validator("k8s_node_label", "k8s_kubeconfig", "k8s_context", "k8s_service_account", "k8s_checkpoint_claim",
-                     "k8s_env_secret", "job_s3_access_key", "job_s3_secret_key", "job_redis_url",
+                     "k8s_pipeline_claim", "k8s_env_secret", "job_s3_access_key", "job_s3_secret_key", "job_redis_url",
                      "job_kafka_sasl_username", "job_kafka_sasl_password", mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:

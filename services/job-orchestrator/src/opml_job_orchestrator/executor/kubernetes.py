@@ -134,7 +134,7 @@ def render_run(spec: JobSpec, program: JobProgram, placement: Mapping[str, Seque
                image: str, namespace: str, port: int = 2222, node_label: str | None = "kubernetes.io/hostname",
                checkpoint_claim: str | None = None, python: str = "python", service_account: str | None = None,
                env_from_secret: str | None = None, platform_env: Mapping[str, str] | None = None,
-               run_as_user: int = 1000) -> list[dict[str, Any]]:
+               run_as_user: int = 1000, pipeline_claim: tuple[str, str] | None = None) -> list[dict[str, Any]]:
     """The run's objects as API dicts, Services first: one headless Service per role, one Pod per replica.
 
     ``placement`` pins each pod to its node through ``nodeSelector`` on ``node_label`` (None leaves
@@ -142,6 +142,9 @@ def render_run(spec: JobSpec, program: JobProgram, placement: Mapping[str, Seque
     ``nvidia.com/gpu``) and limits (memory and GPUs; no CPU limit, which would throttle
     TensorFlow's thread pools). With ``checkpoint_claim``, that PersistentVolumeClaim is mounted at
     ``program.checkpoint_dir``, so a resumed run on another node finds its checkpoint.
+    ``pipeline_claim``, (claim, path), is mounted at ``path`` in every pod: the pipelines' steps' folders,
+    which the job-orchestrator writes at the same path on the same claim (a step's job reads its
+    inputs and writes its outputs there).
     ``python`` is the image's interpreter, which runs the trace launcher of traced programs.
     ``service_account`` names the pods' service account; every pod gets ``platform_env`` (under
     the program's own ``env``) and, with ``env_from_secret``, that Secret's keys as variables (the
@@ -205,6 +208,9 @@ def render_run(spec: JobSpec, program: JobProgram, placement: Mapping[str, Seque
             pod_spec["volumes"].append({"name": "checkpoints",
                                         "persistentVolumeClaim": {"claimName": checkpoint_claim}})
             container["volumeMounts"].append({"name": "checkpoints", "mountPath": program.checkpoint_dir})
+        if pipeline_claim is not None:
+            pod_spec["volumes"].append({"name": "pipelines", "persistentVolumeClaim": {"claimName": pipeline_claim[0]}})
+            container["volumeMounts"].append({"name": "pipelines", "mountPath": pipeline_claim[1]})
         objects.append({
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": pod_name(spec.job_id, attempt, role, index), "namespace": namespace,
@@ -262,7 +268,7 @@ class KubernetesExecutor(TrackedRunExecutor[_Run]):
     ``kubeconfig`` and its ``context`` when given, else from the in-cluster service account; the
     ``kubernetes`` package is imported only then), ``port`` (TensorFlow's gRPC port in every
     pod), ``node_label``, ``checkpoint_claim``, ``python``, ``service_account``, ``env_from_secret``,
-    ``platform_env`` and ``run_as_user`` (see :func:`render_run`),
+    ``platform_env``, ``run_as_user`` and ``pipeline_claim`` (see :func:`render_run`),
     ``poll_interval_s`` (how often :meth:`poll` lists pods), ``cleanup_grace_s`` and
     ``shutdown_grace_s`` (as the local executor's), and ``delete_timeout_s`` (how long past the
     grace a deletion may take before the pods are deleted with no grace).
@@ -279,8 +285,8 @@ class KubernetesExecutor(TrackedRunExecutor[_Run]):
                  node_label: str | None = "kubernetes.io/hostname", checkpoint_claim: str | None = None,
                  python: str = "python", service_account: str | None = None, env_from_secret: str | None = None,
                  platform_env: Mapping[str, str] | None = None, run_as_user: int = 1000, poll_interval_s: float = 2.0,
-                 cleanup_grace_s: float = 10.0, shutdown_grace_s: float = 10.0, delete_timeout_s: float = 60.0
-                 ) -> None:
+                 cleanup_grace_s: float = 10.0, shutdown_grace_s: float = 10.0, delete_timeout_s: float = 60.0,
+                 pipeline_claim: tuple[str, str] | None = None) -> None:
         for name, value in (("image", image), ("namespace", namespace)):
             if not isinstance(value, str) or not value:
                 raise InvalidArgument(name, f"`{name}` must be a non-empty string, but got {value!r}.")
@@ -296,7 +302,8 @@ class KubernetesExecutor(TrackedRunExecutor[_Run]):
         self._render = functools.partial(render_run, image=image, namespace=namespace, port=port,
                                          node_label=node_label, checkpoint_claim=checkpoint_claim, python=python,
                                          service_account=service_account, env_from_secret=env_from_secret,
-                                         platform_env=dict(platform_env or {}), run_as_user=run_as_user)
+                                         platform_env=dict(platform_env or {}), run_as_user=run_as_user,
+                                         pipeline_claim=pipeline_claim)
         self._node_label = node_label
         self._poll_interval_s = check_seconds(poll_interval_s, "poll_interval_s", positive=True)
         super().__init__(cleanup_grace_s=cleanup_grace_s, shutdown_grace_s=shutdown_grace_s)

@@ -35,6 +35,23 @@ class OutputRefused(FailedPrecondition):
     """What a step's job wrote is not plain files within bounds: the step fails with this message."""
 
 
+def open_pipeline_dir(root: Path) -> None:
+    """Make ``root`` (the steps' folders' root) and let every user search it. A volume's root the
+    service does not own (a Kubernetes claim mounted with the pod's fsGroup) may refuse the chmod:
+    then it must let others in already.
+
+    Raises:
+        PermissionError: it does not, and cannot be made to.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.chmod(0o755)
+    except PermissionError:
+        if root.stat().st_mode & 0o005 != 0o005:
+            raise PermissionError(f"{root} (PIPELINE_DIR) is not searchable by other users and the service may "
+                                  "not change its mode: steps' jobs could not reach their folders") from None
+
+
 def step_folder(root: Path, pipeline: str, run: int, step: str) -> Path:
     return root / pipeline / str(run) / step
 

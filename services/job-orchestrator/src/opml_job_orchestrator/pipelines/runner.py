@@ -554,11 +554,12 @@ def _check_model_name(config: Path, expected: str) -> None:
 
 
 def _open_parents(folder: Path, root: Path) -> None:
-    """Let the step's job reach ``folder``: every folder from ``root`` down to it searchable."""
+    """Let the step's job reach ``folder``: every folder below ``root`` down to it searchable (``root``
+    itself was opened at start: :func:`folders.open_pipeline_dir`)."""
     for parent in [folder, *folder.parents]:
-        parent.chmod(0o755)
         if parent == root:
             return
+        parent.chmod(0o755)
 
 
 def plain(struct: Any) -> Any:
