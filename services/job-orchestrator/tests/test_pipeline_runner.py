@@ -109,6 +109,8 @@ class FakeStepJobs:
         self.gate: asyncio.Event | None = None
         self.plant_symlink = False
         self.running = asyncio.Event()
+        self.going: list[str] = []
+        self.most_at_once: list[str] = []
 
     def known(self, job_id: str) -> bool:
         return job_id in self.started
@@ -120,9 +122,15 @@ class FakeStepJobs:
             return JobStatus(job_id, JobState.SUCCEEDED, 0, 0, 0, None, now, now, now, now)
         if job_id not in self.started:
             self.started.append(job_id)
+        self.going.append(job_id)
+        if len(self.going) > len(self.most_at_once):
+            self.most_at_once = list(self.going)
         self.running.set()
-        if self.gate is not None:
-            await self.gate.wait()
+        try:
+            if self.gate is not None:
+                await self.gate.wait()
+        finally:
+            self.going.remove(job_id)
         argv = list(job.program.commands["worker"])
         if "-m" in argv and argv[argv.index("-m") + 1] == "opml_job_orchestrator.pipelines.stepjobs":
             kind = argv[argv.index("-m") + 2]
@@ -132,6 +140,12 @@ class FakeStepJobs:
             self._train(job.program.env)
         self.finished.add(job_id)
         return JobStatus(job_id, JobState.SUCCEEDED, 0, 0, 0, None, now, now, now, now)
+
+    async def wait_started(self, *job_ids: str) -> None:
+        async with asyncio.timeout(60):  # jobs that never start together fail the test instead of hanging it
+            while not set(job_ids) <= set(self.started):
+                self.running.clear()
+                await self.running.wait()
 
     def _validate(self, folder: Path) -> None:
         step = json.loads((folder / "step.json").read_text())
@@ -210,12 +224,13 @@ class Harness:
         self.emitter = FakeEmitter()
         self.metrics = PipelineMetrics(ServiceMetrics(f"pipeline-test-{id(self)}"))
         self.tmp_path = tmp_path
+        self.max_parallel_steps = 4
         self.engine = self.new_engine()
 
     def new_engine(self) -> PipelineEngine:
         runner = Runner(store=self.store, bundles=self.bundles, jobs=self.jobs, emitter=self.emitter,
                         metrics=self.metrics, work_dir=self.tmp_path / "work", staging_dir=self.tmp_path / "staging",
-                        step_resources=Resources(1000, 256, 0))
+                        step_resources=Resources(1000, 256, 0), max_parallel_steps=self.max_parallel_steps)
         return PipelineEngine(store=self.store, runner=runner, emitter=self.emitter, metrics=self.metrics)
 
     def span(self, number: int, rows: bytes, *, header: bytes = b"x,y\n") -> None:
@@ -406,15 +421,83 @@ async def test_a_run_interrupted_during_a_job_resumes_and_reattaches_to_it(harne
     assert len(harness.bundles.of(**{"pipeline-output": "serving"})) == 1
 
 
-class FakeAlerts:
-    def __init__(self) -> None:
-        self.firing: set[tuple[str, str, str]] = set()
+# check and audit (validate) and fit (train, not gated by them) read only the spans: independent steps
+PARALLEL_SPEC = copy.deepcopy(SPEC)
+PARALLEL_SPEC["steps"][2]["inputs"] = ["spans"]
+PARALLEL_SPEC["steps"].insert(2, {"name": "audit", "kind": "validate", "inputs": ["spans"], "validate": {
+    "label": "y", "thresholds": {"default": {"jensen_shannon_divergence": 0.2}}}})
 
-    async def alerts(self, model: str, version: str) -> list:
+
+async def test_steps_whose_inputs_have_ended_run_side_by_side_validate_steps_one_at_a_time(harness: Harness) -> None:
+    await harness.engine.apply(load_pipeline(PARALLEL_SPEC), principal="writer")
+    harness.span(1, b"1,0\n")
+    harness.jobs.gate = asyncio.Event()
+    number, _ = await harness.engine.trigger("churn", "rpc")
+    await harness.jobs.wait_started("pl-churn-1-check", "pl-churn-1-fit")  # both going before either ends
+    harness.jobs.gate.set()
+    run = await harness.ended(number)
+    assert run.state == pb.RUN_STATE_SUCCEEDED, run
+    assert states(run) == dict.fromkeys(["spans", "check", "audit", "fit", "judge", "gate", "ship"], "succeeded")
+    assert sorted(harness.jobs.most_at_once) == ["pl-churn-1-check", "pl-churn-1-fit"], \
+        "two validate steps never go at once: they read and may set the pipeline's schema"
+    assert sorted(harness.jobs.started) == ["pl-churn-1-audit", "pl-churn-1-check", "pl-churn-1-fit",
+                                            "pl-churn-1-judge"]
+    assert harness.engine.get("churn").schema and harness.engine.get("churn").blessed_model
+    stored = await harness.store.pipeline("churn")
+    assert (stored.schema, stored.blessed_model) == (harness.engine.get("churn").schema,
+                                                     harness.engine.get("churn").blessed_model)
+    finished = [e.step for name, e in harness.emitter.events if name == "PipelineStepFinished"]
+    assert sorted(finished) == sorted(states(run)) and finished[-1] == "ship"
+
+
+async def test_the_bound_on_steps_at_once_holds(harness: Harness) -> None:
+    await harness.engine.stop()
+    harness.max_parallel_steps = 1
+    harness.engine = harness.new_engine()
+    await harness.engine.start()
+    await harness.engine.apply(load_pipeline(PARALLEL_SPEC), principal="writer")
+    harness.span(1, b"1,0\n")
+    run = await harness.run()
+    assert run.state == pb.RUN_STATE_SUCCEEDED, run
+    assert len(harness.jobs.most_at_once) == 1
+    assert harness.jobs.started == ["pl-churn-1-check", "pl-churn-1-audit", "pl-churn-1-fit", "pl-churn-1-judge"], \
+        "one at a time, in the plan's order"
+
+
+async def test_a_run_stopped_with_steps_going_side_by_side_resumes_each_and_no_job_runs_twice(
+        harness: Harness) -> None:
+    await harness.engine.apply(load_pipeline(PARALLEL_SPEC), principal="writer")
+    harness.span(1, b"1,0\n")
+    harness.jobs.gate = asyncio.Event()
+    number, _ = await harness.engine.trigger("churn", "rpc")
+    await harness.jobs.wait_started("pl-churn-1-check", "pl-churn-1-fit")
+    await harness.engine.stop()  # the service goes away while both jobs run
+    saved = await harness.store.run("churn", number)
+    assert {s.step: s.job_id for s in saved.steps if s.state == pb.STEP_STATE_RUNNING} == {
+        "check": "pl-churn-1-check", "fit": "pl-churn-1-fit"}, "both jobs' ids were kept before their submits"
+
+    harness.jobs.gate.set()
+    harness.engine = harness.new_engine()
+    await harness.engine.start()  # resumes both: re-attaches to their jobs, submits nothing twice
+    run = await harness.ended(number)
+    assert run.state == pb.RUN_STATE_SUCCEEDED, run
+    assert sorted(harness.jobs.started) == ["pl-churn-1-audit", "pl-churn-1-check", "pl-churn-1-fit",
+                                            "pl-churn-1-judge"]
+    assert len(harness.bundles.of(**{"pipeline-output": "model"})) == 1, "the model was added once"
+    assert len(harness.bundles.of(**{"pipeline-output": "serving"})) == 1
+
+
+class FakeAlerts:
+    """The scorer's alerts firing: (model, version, rule), or (model, version, rule, segment)."""
+
+    def __init__(self) -> None:
+        self.firing: set[tuple[str, ...]] = set()
+
+    async def alerts(self, model: str, version: str, segment: str = "") -> list:
         from opml.monitoring.v1 import monitoring_pb2
 
-        return [monitoring_pb2.Alert(name=f"models/{m}/versions/{v}", rule=r, firing=True)
-                for m, v, r in self.firing if (m, v) == (model, version)]
+        return [monitoring_pb2.Alert(name=f"models/{m}/versions/{v}", rule=r, firing=True, segment=s)
+                for m, v, r, s in ((*a, "")[:4] for a in self.firing) if (m, v, s) == (model, version, segment)]
 
 
 async def with_triggers(harness: Harness) -> None:
@@ -468,6 +551,26 @@ async def test_an_alert_starts_a_run_only_while_the_scorer_says_it_fires(harness
     await trigger.handle(CloudEvent.from_proto(raised, source="opml/monitoring-scorer"))
     run = await harness.ended(1)
     assert run.triggers == ["alert: churn version 3 rule quality"] and run.state == pb.RUN_STATE_SUCCEEDED
+
+
+async def test_a_segment_alert_starts_a_run_only_while_that_segment_fires(harness: Harness) -> None:
+    from opml.monitoring.v1 import alert_events_pb2
+
+    from opml_common.bus import CloudEvent
+    from opml_job_orchestrator.pipelines.triggers import AlertTrigger
+
+    await with_triggers(harness)
+    harness.span(1, b"1,0\n")
+    alerts = FakeAlerts()
+    trigger = AlertTrigger(harness.engine, alerts, harness.metrics)
+    raised = alert_events_pb2.AlertRaised(model="churn", version="3", rule="quality", segment="2")
+    alerts.firing = {("churn", "3", "quality"), ("churn", "3", "quality", "1")}
+    await trigger.handle(CloudEvent.from_proto(raised, source="opml/monitoring-scorer"))
+    assert harness.engine.get("churn").last_run == 0, "the rule fires for the version and line 1, not for line 2"
+    alerts.firing = {("churn", "3", "quality", "2")}
+    await trigger.handle(CloudEvent.from_proto(raised, source="opml/monitoring-scorer"))
+    run = await harness.ended(1)
+    assert run.triggers == ["alert: churn version 3 segment 2 rule quality"]
 
 
 async def test_a_schedule_fires_at_its_next_minute(harness: Harness) -> None:

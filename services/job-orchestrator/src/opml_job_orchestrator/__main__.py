@@ -179,7 +179,8 @@ class Pipelines:
                         metrics=self._metrics, work_dir=settings.pipeline_dir,
                         staging_dir=settings.home / "pipeline-staging",
                         step_resources=Resources(settings.pipeline_step_cpu_millis,
-                                                 settings.pipeline_step_memory_mib, 0))
+                                                 settings.pipeline_step_memory_mib, 0),
+                        max_parallel_steps=settings.pipeline_max_parallel_steps)
         schedules: list[ScheduleTrigger] = []  # made after the engine it watches, told of every change
         engine = PipelineEngine(store=self._store, runner=runner, emitter=emitter, metrics=self._metrics,
                                 changed=lambda: [s.changed() for s in schedules])

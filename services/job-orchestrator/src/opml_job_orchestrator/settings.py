@@ -142,6 +142,9 @@ class JobOrchestratorSettings(ServiceSettings):
                                     "and alerts (opml.alerts.v1); off: by the API and schedules only.")
     pipeline_step_cpu_millis: int = Field(1000, ge=1, description="CPU of a validate or evaluate step's job.")
     pipeline_step_memory_mib: int = Field(1024, ge=1, description="Memory of a validate or evaluate step's job.")
+    pipeline_max_parallel_steps: int = Field(4, ge=1, le=64, description="How many steps of one pipeline run may go "
+                                             "at once (those whose inputs have all ended; validate steps one at a "
+                                             "time).")
 
     def cluster_nodes(self) -> list[NodeConfig]:
         """The configured nodes, or this machine."""

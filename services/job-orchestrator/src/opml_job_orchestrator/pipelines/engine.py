@@ -86,6 +86,7 @@ class PipelineEngine(Component):
         self._changed = changed or (lambda: None)
         self._pipelines: dict[str, pb.Pipeline] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._saving: dict[str, asyncio.Lock] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -131,7 +132,7 @@ class PipelineEngine(Component):
             pipeline.spec.CopyFrom(spec)
             pipeline.update_time.GetCurrentTime()
             pipeline.applied_by = principal
-            await self._store.save_pipeline(pipeline)
+            await self._save_pipeline(pipeline)
             self._pipelines[spec.name] = pipeline
         self._changed()
         return pipeline
@@ -170,7 +171,7 @@ class PipelineEngine(Component):
                 await self._store.add_pending(name, trigger)
                 if not pipeline.run_pending:
                     pipeline.run_pending = True
-                    await self._store.save_pipeline(pipeline)
+                    await self._save_pipeline(pipeline)
                 self._metrics.triggers.labels(source, "coalesced").inc()
                 return 0, True
             await self._store.add_pending(name, trigger)
@@ -231,7 +232,7 @@ class PipelineEngine(Component):
             if reopened:
                 run.state = pb.RUN_STATE_RUNNING
                 pipeline.active_run = number
-                await self._store.save_pipeline(pipeline)
+                await self._save_pipeline(pipeline)
             await self._store.save_run(run)
             logger.warning("blessing forced", extra={"pipeline": name, "run": number, "principal": principal,
                                                      "reason": reason, "record": record.uuid})
@@ -246,6 +247,12 @@ class PipelineEngine(Component):
 
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
+
+    async def _save_pipeline(self, pipeline: pb.Pipeline) -> None:
+        """Write the live record as it stands now, after any write of it under way: a run's steps going
+        side by side (a schema, a blessed model) and a trigger change it concurrently."""
+        async with self._saving.setdefault(pipeline.spec.name, asyncio.Lock()):
+            await self._store.save_pipeline(pipeline)
 
     async def _start_next(self, name: str) -> int:
         """Start a run for what is pending (the caller holds the pipeline's lock)."""
@@ -262,7 +269,7 @@ class PipelineEngine(Component):
         pipeline.active_run = number
         pipeline.last_run = number
         pipeline.run_pending = False
-        await self._store.save_pipeline(pipeline)
+        await self._save_pipeline(pipeline)
         await self._store.clear_pending(name)
         self._emitter.emit(events.PipelineRunStarted(run=run), subject=name)
         self._spawn(name, number)
@@ -304,7 +311,7 @@ class PipelineEngine(Component):
                 if pipeline is None:
                     return
                 pipeline.active_run = 0
-                await self._store.save_pipeline(pipeline)
+                await self._save_pipeline(pipeline)
                 if pipeline.run_pending:
                     self._tasks.pop(name, None)
                     await self._start_next(name)
@@ -318,7 +325,7 @@ class PipelineEngine(Component):
             return
         for field, value in fields.items():
             setattr(pipeline, field, value)
-        await self._store.save_pipeline(pipeline)
+        await self._save_pipeline(pipeline)
 
     async def _fail(self, name: str, number: int, message: str) -> None:
         run = await self._store.run(name, number)

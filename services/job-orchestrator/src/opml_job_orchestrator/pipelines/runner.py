@@ -1,10 +1,14 @@
 """One pipeline run, step by step, durably: every decision is written to the run store before it
 is acted on, so a run interrupted anywhere (the service SIGKILLed) resumes where it stood.
 
-For each step in the plan's order: a step already ended is passed over (a resumed run); a step one
-of whose inputs failed or was skipped is skipped; otherwise its cache key is computed from the
-content hashes of what it reads (:mod:`.cache`), and an earlier successful run's outputs for that
-key are reused (CACHED, the decision recorded); else it runs. A step that runs a job records the
+Every step whose inputs have all ended starts, in the plan's order, beside the others (at most
+``max_parallel_steps`` at once; validate steps one at a time, since they read and may set the
+pipeline's schema): a step already ended is passed over (a resumed run); a step one of whose inputs
+failed or was skipped is skipped; otherwise its cache key is computed from the content hashes of
+what it reads (:mod:`.cache`), and an earlier successful run's outputs for that key are reused
+(CACHED, the decision recorded); else it runs. The run's record is one document: its writes are
+serialized, each carrying every step's state as it stands, so steps ending side by side never
+write over each other. A step that runs a job records the
 job's id before submitting it, and on resume re-attaches to that job (the orchestrator keeps it),
 so no step's job completes twice; outputs are found by their tags before they are added, so none
 is added twice either.
@@ -17,6 +21,7 @@ models only, committed in one call).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -24,7 +29,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -88,10 +93,12 @@ class _Run:
     run: pb.PipelineRun
     plan: Plan
     update: Update
+    saving: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Held while the run's record is written: steps going side by side save it one at a time."""
 
     async def set(self, **fields: Any) -> None:
-        for field, value in fields.items():
-            setattr(self.pipeline, field, value)
+        for name, value in fields.items():
+            setattr(self.pipeline, name, value)
         await self.update(self.name, fields)
 
     @property
@@ -108,60 +115,99 @@ class _Run:
 class Runner:
     """Executes runs. ``work_dir`` is where steps' folders are made (readable by jobs), ``staging_dir``
     the service's own folder where what jobs wrote is copied before it is read; ``submitter`` the
-    principal steps' jobs are submitted as."""
+    principal steps' jobs are submitted as; ``max_parallel_steps`` how many of a run's steps may go at once."""
 
     def __init__(self, *, store: RunStore, bundles: BundleIO, jobs: StepJobs, emitter: EventEmitter,
                  metrics: PipelineMetrics, work_dir: Path, staging_dir: Path, step_resources: Resources,
-                 submitter: str = "job-orchestrator/pipelines") -> None:
+                 submitter: str = "job-orchestrator/pipelines", max_parallel_steps: int = 4) -> None:
+        if max_parallel_steps < 1:
+            raise ValueError(f"max_parallel_steps must be at least 1, but is {max_parallel_steps}")
         self._store, self._bundles, self._jobs, self._emitter = store, bundles, jobs, emitter
         self._metrics = metrics
         self._work_dir, self._staging_dir = work_dir, staging_dir
         self._step_resources = step_resources
         self._submitter = submitter
+        self._max_parallel_steps = max_parallel_steps
 
     async def execute(self, pipeline: pb.Pipeline, run: pb.PipelineRun, *, update: Update) -> pb.PipelineRun:
         """Carry ``run`` (RUNNING, saved) to its end; return it ended (saved, announced). ``pipeline`` is
         the runner's own copy; what the run changes of the pipeline (its blessed model, its schema) goes
         to ``update`` too, which keeps it."""
         state = _Run(pipeline, run, Plan.of(pipeline.spec), update)
-        for name in state.plan.order:
-            step = state.step(name)
-            if step.state in ENDED:
-                continue
-            blocked = [i for i in state.plan.steps[name].inputs if state.step(i).state not in PASSED]
-            if blocked:
-                await self._end_step(state, step, pb.STEP_STATE_SKIPPED, f"not run: input {blocked[0]!r} "
-                                     f"{_state_word(state.step(blocked[0]).state)}")
-                continue
-            started = time.monotonic()
-            if not step.HasField("start_time"):
-                step.start_time.GetCurrentTime()
-            try:
-                await self._STEPS[step.kind](self, state, step)
-            except OpmlError as exc:
-                if exc.retriable:
-                    raise  # the bundle-store or Redis is away: the engine retries the run from here
-                await self._end_step(state, step, pb.STEP_STATE_FAILED, str(exc))
-                continue
-            if step.state == pb.STEP_STATE_SUCCEEDED and step.kind != pb.STEP_KIND_INGEST:
-                self._metrics.step_seconds.labels(KIND_NAMES[step.kind]).observe(time.monotonic() - started)
-            await self._end_step(state, step, step.state, step.message)
+        waiting = [name for name in state.plan.order if state.step(name).state not in ENDED]
+        going: dict[asyncio.Task[None], str] = {}
+        try:
+            while waiting or going:
+                for name in list(waiting):
+                    if len(going) >= self._max_parallel_steps:
+                        break
+                    if not self._ready(state, name, going.values()):
+                        continue
+                    waiting.remove(name)
+                    blocked = [i for i in state.plan.steps[name].inputs if state.step(i).state not in PASSED]
+                    if blocked:
+                        await self._end_step(state, state.step(name), pb.STEP_STATE_SKIPPED, f"not run: input "
+                                             f"{blocked[0]!r} {_state_word(state.step(blocked[0]).state)}")
+                        continue
+                    going[asyncio.create_task(self._step(state, state.step(name)),
+                                              name=f"pipeline {state.name} run {run.number} step {name}")] = name
+                if not going:
+                    break  # every step left was skipped just now (the plan's order puts inputs first)
+                done, _ = await asyncio.wait(going, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    del going[task]
+                errors = [task.exception() for task in done if task.exception() is not None]
+                if errors:  # the bundle-store or Redis away (the engine retries the run from its record), or a defect
+                    raise errors[0]
+        finally:  # stopped or retried: the steps still going stop as a restart stops them (their jobs go on)
+            for task in going:
+                task.cancel()
+            await asyncio.gather(*going, return_exceptions=True)
         failed = [s.step for s in run.steps if s.state == pb.STEP_STATE_FAILED]
         run.state = pb.RUN_STATE_FAILED if failed else pb.RUN_STATE_SUCCEEDED
         run.message = f"step {failed[0]!r} failed: {state.step(failed[0]).message}" if failed else "done"
         run.end_time.GetCurrentTime()
-        await self._store.save_run(run)
+        await self._save(state)
         for root in (self._work_dir, self._staging_dir):  # what the steps made is in bundles now
             shutil.rmtree(root / state.name / str(run.number), ignore_errors=True)
         self._metrics.runs.labels("failed" if failed else "succeeded").inc()
         self._emitter.emit(events.PipelineRunFinished(run=run), subject=state.name)
         return run
 
+    @staticmethod
+    def _ready(state: _Run, name: str, going: Any) -> bool:
+        """Whether step ``name`` may start now: every input ended, and no other validate step going."""
+        if any(state.step(i).state not in ENDED for i in state.plan.steps[name].inputs):
+            return False
+        return state.plan.steps[name].kind != pb.STEP_KIND_VALIDATE or all(
+            state.plan.steps[other].kind != pb.STEP_KIND_VALIDATE for other in going)
+
+    async def _step(self, state: _Run, step: pb.StepRun) -> None:
+        """Carry one step to its end: ran, cached or failed (a retriable error is raised)."""
+        started = time.monotonic()
+        if not step.HasField("start_time"):
+            step.start_time.GetCurrentTime()
+        try:
+            await self._STEPS[step.kind](self, state, step)
+        except OpmlError as exc:
+            if exc.retriable:
+                raise
+            await self._end_step(state, step, pb.STEP_STATE_FAILED, str(exc))
+            return
+        if step.state == pb.STEP_STATE_SUCCEEDED and step.kind != pb.STEP_KIND_INGEST:
+            self._metrics.step_seconds.labels(KIND_NAMES[step.kind]).observe(time.monotonic() - started)
+        await self._end_step(state, step, step.state, step.message)
+
+    async def _save(self, state: _Run) -> None:
+        """Write the run's record as it stands now, after any write already under way."""
+        async with state.saving:
+            await self._store.save_run(state.run)
+
     async def _end_step(self, state: _Run, step: pb.StepRun, to: int, message: str) -> None:
         step.state = to
         step.message = message
         step.end_time.GetCurrentTime()
-        await self._store.save_run(state.run)
+        await self._save(state)
         self._metrics.steps.labels(KIND_NAMES[step.kind], _OUTCOME[to]).inc()
         self._emitter.emit(events.PipelineStepFinished(run=state.run, step=step.step), subject=state.name)
 
@@ -311,7 +357,7 @@ class Runner:
         if not step.job_id:
             step.job_id = job_id(state.name, state.run.number, step.step)
             step.state = pb.STEP_STATE_RUNNING
-            await self._store.save_run(state.run)  # the job's id is kept before it is submitted
+            await self._save(state)  # the job's id is kept before it is submitted
         job = train_job(step.job_id, spec.train, spans=folder / "spans", model_dir=folder / "model",
                         warm_start=(folder / "warm_start") if warm is not None else None,
                         labels=_labels(state, step))
@@ -399,16 +445,18 @@ class Runner:
         blessed = bool(result.get("blessed"))
         reasons = result.get("reasons") or []
         await self.write_blessing(state.pipeline, state.run, step, blessed=blessed, reasons=reasons,
-                                  metrics=result.get("metrics") or {}, update=state.update)
+                                  metrics=result.get("metrics") or {}, update=state.update, saving=state.saving)
         step.decision = "blessed" if blessed else "not blessed: " + "; ".join(map(str, reasons[:5]))
         step.state = pb.STEP_STATE_SUCCEEDED
 
     async def write_blessing(self, pipeline: pb.Pipeline, run: pb.PipelineRun, step: pb.StepRun, *, blessed: bool,
                              reasons: list[Any], metrics: dict[str, Any], update: Update,
-                             forced: dict[str, str] | None = None) -> bundles_pb2.Bundle:
+                             forced: dict[str, str] | None = None, saving: asyncio.Lock | None = None
+                             ) -> bundles_pb2.Bundle:
         """The run's blessing record (a bundle, blessed or not, with the reasons per threshold and slice);
-        when blessed, the model becomes the pipeline's blessed model (warm starts, evaluation baseline)."""
-        state = _Run(pipeline, run, Plan.of(pipeline.spec), update)
+        when blessed, the model becomes the pipeline's blessed model (warm starts, evaluation baseline).
+        ``saving``: the lock of the run's record while the run goes (its other steps save it too)."""
+        state = _Run(pipeline, run, Plan.of(pipeline.spec), update, saving or asyncio.Lock())
         evaluate = state.plan.input_of(step.step, pb.STEP_KIND_EVALUATE)
         [evaluation] = state.outputs(evaluate, "evaluation")
         [model] = state.outputs(state.plan.input_of(evaluate, pb.STEP_KIND_TRAIN), "model")
@@ -425,7 +473,7 @@ class Runner:
         run.blessed = blessed
         if blessed:
             await state.set(blessed_model=model.uuid, blessed_run=run.number)
-        await self._store.save_run(run)
+        await self._save(state)
         return bundle
 
     # -- push ---------------------------------------------------------------------------------
@@ -493,7 +541,7 @@ class Runner:
             if not step.job_id:
                 step.job_id = job_id(state.name, state.run.number, step.step)
                 step.state = pb.STEP_STATE_RUNNING
-                await self._store.save_run(state.run)  # the job's id is kept before it is submitted
+                await self._save(state)  # the job's id is kept before it is submitted
         await self._await_job(step, platform_step_job(step.job_id, kind, folder, self._step_resources,
                                                       _labels(state, step)))
         outputs = self._copy_out(folder / "outputs", state, step)
