@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from story import data, pipeline, serve, tune
+from story import data, federated, pipeline, serve, tune
 from story.context import SCALES, Story
 from story.summary import StepResult, plots, table
 
@@ -37,6 +37,7 @@ STEPS = (
     ("tune", "automl-controller, job-orchestrator, trace-collector", tune.run),
     ("train and bless", "job-orchestrator (pipelines), bundle-store, inference-router", pipeline.run),
     ("traced job", "job-orchestrator, trace-collector, inference-router", serve.run),
+    ("federated", "fl-coordinator, bundle-store, inference-router", federated.run),
 )
 
 

@@ -61,3 +61,34 @@ def plots(results: list[StepResult], trials: list[tuple[int, str, float | None]]
         plt.close(figure)
         written.append(out / "trials.png")
     return written
+
+
+def federated_plot(federated: dict, out: Path) -> Path:
+    """``federated.png`` (step 7): the federation's accuracy by round (of the model each round began
+    with, on its members' own validation rows, marked by TiFL tier) and each line's held-out accuracy
+    of the central and the federated model, as the router answered."""
+    out.mkdir(parents=True, exist_ok=True)
+    figure, (by_round, by_line) = plt.subplots(1, 2, figsize=(11, 3.8))
+    rounds = [(number, tier, accuracy) for number, tier, accuracy in federated["rounds"] if accuracy is not None]
+    by_round.plot([number for number, _, _ in rounds], [accuracy for _, _, accuracy in rounds], color="grey", lw=1)
+    for tier in sorted({tier for _, tier, _ in rounds}):
+        points = [(number, accuracy) for number, t, accuracy in rounds if t == tier]
+        by_round.scatter(*zip(*points), label=f"tier {tier}" if tier >= 0 else "profiling", zorder=3)
+    by_round.set_xticks([number for number, _, _ in federated["rounds"]])
+    by_round.set_xlabel("round")
+    by_round.set_ylabel("accuracy (members' validation rows)")
+    by_round.set_title("federated: accuracy by round")
+    by_round.legend()
+    lines = sorted(federated["lines"]["central"])
+    for offset, model in ((-0.2, "central"), (0.2, "federated")):
+        by_line.bar([line + offset for line in lines], [federated["lines"][model][line] for line in lines], 0.4,
+                    label=model)
+    by_line.set_xticks(lines, [f"line {line}" for line in lines])
+    by_line.set_ylim(0, 1)
+    by_line.set_ylabel("held-out accuracy")
+    by_line.set_title("central vs federated, per line")
+    by_line.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(out / "federated.png", dpi=100)
+    plt.close(figure)
+    return out / "federated.png"

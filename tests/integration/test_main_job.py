@@ -29,3 +29,6 @@ def test_main_job_succeeds_against_every_installed_service(start_service, stack_
     assert "blessed=True" in result.stdout and "inspection version 1 SERVING 100%" in result.stdout  # the pipeline
     assert "summary" in result.stdout and (tmp_path / "main-job" / "steps.png").stat().st_size
     assert (tmp_path / "main-job" / "trials.png").stat().st_size
+    # the federated step: TiFL tiers after the profiling round, the model shipped and served, compared per line
+    assert "round 2: tier " in result.stdout and "inspection-federated version 1 SERVING 100%" in result.stdout
+    assert (tmp_path / "main-job" / "federated.png").stat().st_size
