@@ -118,6 +118,7 @@ class Plane:
     manager: DeploymentManager
     rollouts: ProgressiveRollouts
     recorder: WaitingRecorder
+    registry: CollectorRegistry
 
 
 @contextlib.asynccontextmanager
@@ -133,11 +134,11 @@ async def control_plane(pools: PoolManager, *, redis=None, prefix: str = "", und
     manager = DeploymentManager(pools=pools, router=router, observer=Observer(metrics.registry), events=recorder,
                                 replan_interval_s=0, store=store, fetcher=fetcher)
     rollouts = ProgressiveRollouts(manager, store=RolloutStore(redis, prefix=prefix) if redis is not None else None,
-                                   events=recorder, quality=quality, ledger=ledger, scorer=scorer)
+                                   events=recorder, quality=quality, ledger=ledger, scorer=scorer, metrics=metrics)
     await manager.start()
     await rollouts.start()
     try:
-        yield Plane(manager, rollouts, recorder)
+        yield Plane(manager, rollouts, recorder, metrics.registry)
     finally:
         await rollouts.stop()
         await manager.stop()
@@ -272,12 +273,21 @@ async def test_too_little_traffic_pauses_the_rollout_saying_why_and_it_resumes(p
         paused = await recorder.first(events.RolloutPaused)
         assert paused.step == 1 and "too little traffic" in paused.reason and "min_requests=20" in paused.reason
         assert rollouts.get("quiet").phase == "PAUSED" and manager.traffic_percent("quiet") == {"1": 50.0, "2": 50.0}
+        step, ratio = "opml_inference_router_rollout_step", "opml_inference_router_traffic_ratio"
+        decisions = "opml_inference_router_rollout_decisions_total"
+        assert plane.registry.get_sample_value(step, {"model": "quiet", "version": "2"}) == 1  # paused at its analysis
+        assert [plane.registry.get_sample_value(ratio, {"model": "quiet", "version": v}) for v in "12"] == [0.5, 0.5]
+        assert sample(plane.registry, decisions, model="quiet", kind="analysis", verdict="inconclusive") == 1
         with pytest.raises(FailedPrecondition, match="has a PAUSED rollout of version 2"):
             await manager.deploy(bundle(tmp_path, "quiet", 3, rollout=spec))
         mark = len(recorder.messages)
         await rollouts.resume("quiet", skip_analysis=True)
         assert isinstance(await recorder.first(*ENDS, after=mark), events.RolloutPromoted)
         assert manager.traffic_percent("quiet") == {"2": 100.0}
+        assert plane.registry.get_sample_value(step, {"model": "quiet", "version": "2"}) is None  # ended: no series
+        assert plane.registry.get_sample_value(ratio, {"model": "quiet", "version": "2"}) == 1.0
+        assert plane.registry.get_sample_value(ratio, {"model": "quiet", "version": "1"}) in (0.0, None)  # or retired
+        assert sample(plane.registry, decisions, model="quiet", kind="promoted", verdict="promoted") == 1
         with pytest.raises(FailedPrecondition, match="has ended"):
             await rollouts.abort("quiet")
 

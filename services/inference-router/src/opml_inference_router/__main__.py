@@ -87,7 +87,7 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
     quality = QualityBook(service.redis(), prefix=platform.redis_prefix)
     rollouts = await service.start(ProgressiveRollouts(  # after the deployments are restored: resumes rollouts
         manager, store=RolloutStore(service.redis(), prefix=platform.redis_prefix), events=await service.emitter(),
-        quality=quality, ledger=DecisionLedger(settings.bundle_store_target, token=bundle_token),
+        quality=quality, ledger=DecisionLedger(settings.bundle_store_target, token=bundle_token), metrics=metrics,
         scorer=ScorerWindows(settings.monitoring_scorer_target,
                              token=settings.monitoring_scorer_token.get_secret_value() or None)
         if settings.monitoring_scorer_target else None))

@@ -46,6 +46,7 @@ from opml.inference.v1 import deployments_pb2 as pb
 from opml_common.errors import FailedPrecondition, NotFound, OpmlError
 from opml_common.events import EventEmitter
 from opml_common.lifecycle import Component, cancel_and_wait
+from opml_common.metrics import ServiceMetrics
 from opml_inference_router.control.analysis import (
     FAILED,
     INCONCLUSIVE,
@@ -142,6 +143,29 @@ class RolloutStore:
         return [RolloutState.from_dict(json.loads(value)) for _, value in sorted(stored.items())]
 
 
+class RolloutMetrics:
+    """``opml_inference_router_rollout_step{model,version}`` (the step a running or paused rollout of the
+    new ``version`` is at; no series once it ended) and ``_rollout_decisions_total{model,kind,verdict}``
+    (an analysis' measurements passed, failed or inconclusive; the rollouts promoted or aborted)."""
+
+    def __init__(self, metrics: ServiceMetrics) -> None:
+        self.step = metrics.gauge("rollout_step", "Index of the step a model's running or paused rollout is at, "
+                                  "labelled with its new version (no series once the rollout ended).",
+                                  ("model", "version"))
+        self.decisions = metrics.counter("rollout_decisions_total", "Rollout decisions: kind analysis (a "
+                                         "measurement's verdict: passed, failed, inconclusive), promoted, aborted.",
+                                         ("model", "kind", "verdict"))
+
+    def show(self, state: RolloutState) -> None:
+        if state.phase in ACTIVE:
+            self.step.labels(state.model, str(state.version)).set(state.step)
+        else:
+            try:
+                self.step.remove(state.model, str(state.version))
+            except KeyError:
+                pass
+
+
 class ProgressiveRollouts(Component):
     """The rollouts of the ``manager``'s models (it calls :meth:`begin` on a deploy with a spec).
 
@@ -151,13 +175,14 @@ class ProgressiveRollouts(Component):
     model, and is written to the bundle's lineage through ``ledger`` (None: not written). ``quality``:
     the monitoring-scorer's windows (None: the estimated_accuracy and accuracy checks stay inconclusive);
     ``scorer``: where a quality check that failed is confirmed before the rollout aborts on it (None:
-    the events' numbers are acted on as they are).
+    the events' numbers are acted on as they are); ``metrics``: where :class:`RolloutMetrics` go (None:
+    not exported).
     """
 
     def __init__(self, manager: DeploymentManager, *, store: RolloutStore | None = None,
                  events: EventEmitter | None = None, quality: QualityBook | None = None,
                  ledger: DecisionLedger | None = None, scorer: ScorerWindows | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 metrics: ServiceMetrics | None = None, clock: Callable[[], float] = time.time) -> None:
         super().__init__()
         self._manager = manager
         self._store = store
@@ -166,6 +191,7 @@ class ProgressiveRollouts(Component):
         self._ledger = ledger
         self._scorer = scorer
         self._clock = clock
+        self._metrics = RolloutMetrics(metrics) if metrics is not None else None
         self._states: dict[str, RolloutState] = {}
         self._tasks: dict[str, asyncio.Task] = {}
         self._writers: dict[str, asyncio.Task] = {}
@@ -177,6 +203,8 @@ class ProgressiveRollouts(Component):
             return
         for state in await self._store.load():
             self._states[state.model] = state
+            if self._metrics is not None:
+                self._metrics.show(state)
             if state.phase == RUNNING:
                 log.info("models/%s: resuming the rollout of version %d at step %d", state.model, state.version,
                          state.step)
@@ -423,6 +451,8 @@ class ProgressiveRollouts(Component):
     def _decide(self, state: RolloutState, kind: str, verdict: str, reason: str, checks: list[CheckResult]) -> None:
         """Adds a decision to the state's pending ones (the caller saves the state, then writes them)."""
         state.decided += 1
+        if self._metrics is not None:
+            self._metrics.decisions.labels(state.model, kind, verdict.lower()).inc()
         if self._ledger is None or not state.bundle_uuid:
             return
         decision = Decision(model=state.model, version=state.version, stable=state.stable, context=state.context,
@@ -516,6 +546,8 @@ class ProgressiveRollouts(Component):
         log.info("models/%s: rollout of version %d paused: %s", state.model, state.version, reason)
 
     async def _save(self, state: RolloutState) -> None:
+        if self._metrics is not None:
+            self._metrics.show(state)
         if self._store is not None:
             await self._store.save(state)
 

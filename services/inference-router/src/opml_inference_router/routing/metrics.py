@@ -31,6 +31,22 @@ class RouterMetrics:
                                          ("model", "version", "replica"))
         self.ejections = metrics.counter("replica_ejections_total", "Replicas taken out of rotation after a failure.",
                                          ("model", "version", "replica"))
+        self.traffic_ratio = metrics.gauge("traffic_ratio", "Share of a model's traffic (requests naming no "
+                                           "version) each of its versions takes, 0..1: a rollout's weights.",
+                                           ("model", "version"))
+        self._shared: dict[str, set[str]] = {}  # model -> versions with a traffic_ratio series
+
+    def traffic(self, model: str, shares: dict[str, float]) -> None:
+        """The model's versions' shares now; a version left out (forgotten, or the model removed) loses its series."""
+        for version in self._shared.pop(model, set()) - set(shares):
+            try:
+                self.traffic_ratio.remove(model, version)
+            except KeyError:
+                pass
+        for version, share in shares.items():
+            self.traffic_ratio.labels(model, version).set(share)
+        if shares:
+            self._shared[model] = set(shares)
 
     def version(self, model: str, version: str) -> VersionMetrics:
         return VersionMetrics(self, model, version)

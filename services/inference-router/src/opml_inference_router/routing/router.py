@@ -153,6 +153,7 @@ class Router:
         """
         model = self._model(name)
         del self._models[name]
+        self._metrics.traffic(name, {})
         await self.stop_shadow(name)
         for served in model.versions.values():
             served.replicas.retire()
@@ -181,6 +182,7 @@ class Router:
             if route.split is None:
                 route.split = self._split(route, {version: 1.0})
                 route.stable = version
+            self._export_split(route)
         if any(state.name == address for state in served.replicas):
             return
         served.metrics.track(served.replicas.add(self._borrow(address)))
@@ -248,7 +250,7 @@ class Router:
         route.split = self._split(route, weights)
         if route.split.only is not None:
             route.stable = route.split.only
-        self._forget_retired(route)
+        self._split_changed(route)
 
     def start_canary(self, model: str, version: str, percent: float) -> None:
         """Send ``percent`` of the traffic to ``version``, the rest to the stable version.
@@ -263,7 +265,7 @@ class Router:
             raise FailedPrecondition(f"model {model!r} has no other stable version to keep serving "
                                      f"{100 - percent}% of its traffic; use promote instead")
         route.split = self._split(route, {route.stable: 100 - percent, version: percent})
-        self._forget_retired(route)
+        self._split_changed(route)
 
     def promote(self, model: str, version: str | None = None) -> str:
         """Give ``version`` (default: the canary) all traffic and make it the stable version.
@@ -280,7 +282,7 @@ class Router:
         self._version(route, version)
         route.split = self._split(route, {version: 1.0})
         route.stable = version
-        self._forget_retired(route)
+        self._split_changed(route)
         return version
 
     def rollback(self, model: str) -> str:
@@ -289,7 +291,7 @@ class Router:
         if route.stable is None:
             raise FailedPrecondition(f"model {model!r} has no stable version to roll back to")
         route.split = self._split(route, {route.stable: 1.0})
-        self._forget_retired(route)
+        self._split_changed(route)
         return route.stable
 
     def describe(self, model: str) -> dict[str, Any]:
@@ -642,8 +644,19 @@ class Router:
         served.metrics.untrack(state)
         route = self._models.get(served.model)
         if route is not None:
-            self._forget_retired(route)
+            self._split_changed(route)
         await self._give_back(address)
+
+    def _split_changed(self, route: _Model) -> None:
+        """After the split or the versions changed: retired versions forgotten, each version's share exported."""
+        self._forget_retired(route)
+        self._export_split(route)
+
+    def _export_split(self, route: _Model) -> None:
+        weights = route.split.weights if route.split else {}
+        total = sum(weight for weight in weights.values() if weight > 0)
+        self._metrics.traffic(route.name, {version: max(weights.get(version, 0), 0) / total if total else 0.0
+                                           for version in route.versions})
 
     @staticmethod
     def _forget_retired(route: _Model) -> None:
