@@ -5,8 +5,8 @@ evaluate, a user's training program), on the real broker, S3 and Redis.
 A committed span starts a run that ends with a serving bundle; a byte-identical span re-runs no job
 and one changed byte re-runs what reads it; a run whose service is SIGKILLed during training resumes
 and its training job completes once; spans committed during a run coalesce into one more run; forged
-span and alert events start nothing (the bundle-store and the monitoring-scorer are asked first); and
-flow 2 closes by itself: the served model's alert retrains it warm and the router serves the new version."""
+span and alert events start nothing (the bundle-store and the monitoring-scorer are asked first).
+The closed loop (an alert retrains the served model, whose new version is rolled out) is test_loop.py."""
 
 from __future__ import annotations
 
@@ -283,67 +283,3 @@ def test_forged_span_and_alert_events_start_nothing(stack, start_service, platfo
         assert run.triggers == [f"span: data/inspections span 2 ({genuine})"], run.triggers
         assert [r.number for r in pipelines.runs("quality")] == [1]
         assert triggers_counted(orchestrator, "span", "started") == 1
-
-
-def test_flow_two_an_alert_on_the_served_model_retrains_it_warm_and_a_new_version_serves(
-        serving_stack, start_service, job_dir) -> None:
-    """The served model's inputs go bad -> the monitoring-scorer alerts -> the pipeline that pushed it
-    runs on the newest span, warm from the blessed model -> the router serves the new version."""
-    import tritonclient.grpc as triton
-
-    from opml_inference_router_contract.client import DeploymentClient
-    from opml_monitoring_scorer_contract.client import MonitoringClient
-
-    store_process, router = serving_stack.store, serving_stack.router
-    scorer = start_service("monitoring-scorer", extra_env={
-        "OPML_MONITORING_SCORER_BUNDLE_STORE_TARGET": store_process.target,
-        "OPML_MONITORING_SCORER_BUNDLE_STORE_TOKEN": TOKENS["reader"]})
-    orchestrator = start_service("job-orchestrator", extra_env={
-        "OPML_JOB_ORCHESTRATOR_NODES": json.dumps([NODE]),
-        "OPML_JOB_ORCHESTRATOR_BUNDLE_STORE_TARGET": store_process.target,
-        "OPML_JOB_ORCHESTRATOR_BUNDLE_STORE_TOKEN": TOKENS["writer"],
-        "OPML_JOB_ORCHESTRATOR_MONITORING_SCORER_TARGET": scorer.target,
-        "OPML_JOB_ORCHESTRATOR_MONITORING_SCORER_TOKEN": TOKENS["reader"],
-        "OPML_JOB_ORCHESTRATOR_PIPELINE_DIR": str(job_dir / "pipelines")})
-    spec = pipeline_spec(window={"latest": True}, on_span=False, on_alert=True)
-    spec.steps[5].push.ClearField("rollout")
-    with BundleStoreClient(store_process.target, token=TOKENS["writer"]) as store, \
-            PipelineClient(orchestrator.target, token=TOKENS["writer"]) as pipelines, \
-            DeploymentClient(router.target, token=TOKENS["reader"]) as deployments, \
-            MonitoringClient(scorer.target, token=TOKENS["reader"]) as monitoring:
-        store.create_context("data")
-        pipelines.apply(spec)
-        commit_span(store, 1, span_csv(1))
-        assert pipelines.trigger("quality").run == 1
-        assert ended_run(pipelines, 1).state == pb.RUN_STATE_SUCCEEDED
-
-        def serving(version: int) -> bool:
-            try:
-                return any(v.version == version and v.state == 2 for v in deployments.get("quality").versions)
-            except NotFound:
-                return False
-        poll_until(lambda: serving(1), timeout_s=120, what="quality v1 serving")
-        poll_until(lambda: _monitored(monitoring), timeout_s=60, what="quality v1 monitored")
-        commit_span(store, 2, span_csv(2))  # new data, no run yet (on_span is off)
-
-        rows = np.full((64, 2), 50.0, dtype=np.float32)  # the line's sensors fail: every input far out of range
-        with triton.InferenceServerClient(router.target) as client:
-            for _ in range(20):  # past one monitoring window (1,000 rows)
-                tensor = triton.InferInput("features", list(rows.shape), "FP32")
-                tensor.set_data_from_numpy(rows)
-                client.infer("quality", [tensor], headers={"authorization": f"Bearer {TOKENS['writer']}"})
-
-        second = ended_run(pipelines, 2, timeout_s=240)
-        assert second.triggers[0].startswith("alert: quality version 1 rule "), second.triggers
-        assert second.state == pb.RUN_STATE_SUCCEEDED, second.message
-        fit = next(s for s in second.steps if s.step == "fit")
-        assert fit.details["start"] == "warm" and fit.state == pb.STEP_STATE_SUCCEEDED
-        poll_until(lambda: serving(2), timeout_s=120, what="quality v2 serving")
-
-
-def _monitored(monitoring) -> bool:
-    try:
-        monitoring.status("quality", "1")
-        return True
-    except NotFound:
-        return False
