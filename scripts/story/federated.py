@@ -247,9 +247,10 @@ def accuracy_by_line(kserve: triton.InferenceServerClient, model: str, version: 
 
 
 def central_version(router: DeploymentClient, story: Story) -> int:
-    """Step 3's version of the central model, or the one serving most of its traffic if that one went."""
+    """The central model's version the story last made serve (``serving_version``: step 3's, or the one the loop
+    retrained), or the one serving most of its traffic if that one went."""
     serving = [v for v in router.get(CENTRAL).versions if v.state == deployments_pb2.SERVING]
-    ours = [v.version for v in serving if v.version == story.handed.get("serving_version")]
+    ours = [v.version for v in serving if str(v.version) == str(story.handed.get("serving_version"))]
     return ours[0] if ours else max(serving, key=lambda v: v.traffic_percent).version
 
 

@@ -103,7 +103,8 @@ def test_make_up_twice_over_the_same_state_with_a_crash_between(tmp_path: Path) 
         router_text = router_log.read_text(errors="replace")
         restored = RESTORED.findall(router_text)
         assert restored and restored[-1] == ("{'defect-classifier': ['1 SERVING'], 'ghost': ['3 FAILED'], "
-                                             "'inspection': ['1 SERVING']}"), restored  # inspection: the pipeline's push
+                                             "'inspection': ['1 SERVING'], 'inspection-federated': ['1 SERVING']}"
+                                             ), restored  # inspection: the pipeline's push; -federated: step 7's
         assert (f"models/ghost/versions/3 not restored after a restart: bundle {ghost!r} does not exist in "
                 f"context 'plant-a'") in router_text
         # The second main job deployed its own bundle as version 2 and waited for that one, not failing on
