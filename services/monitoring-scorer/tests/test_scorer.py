@@ -263,13 +263,13 @@ async def test_a_batch_of_join_records_in_one_call_takes_the_labels_that_came_fi
         label = label_events_pb2.LabelObserved(request_id=f"r{i}", values=[rows.labels[i]]).SerializeToString()
         assert await scorer.on_label(label, origin(f"e{i}")) == "parked"
     store = scorer.store
-    labels = await store.remember_predictions([(rid, "m/1", 4, raw) for rid, raw in events])
+    labels = await store.remember_predictions([(rid, "m/1", 4, raw, "", -1) for rid, raw in events])
     assert [i for i, parked in enumerate(labels) if parked] == [3, 7]
     (parked,) = labels[7]
     assert label_events_pb2.LabelObserved.FromString(parked.data).request_id == "r7" and parked.origin == origin("e7")
-    assert await store.remember_predictions([(rid, "m/1", 4, raw) for rid, raw in events]) == [[]] * 10, \
+    assert await store.remember_predictions([(rid, "m/1", 4, raw, "line-2", 1) for rid, raw in events]) == [[]] * 10, \
         "a parked label is taken once"
-    assert await store.find_prediction("r9") == ("m/1", 4, events[9][1])
+    assert await store.find_prediction("r9") == ("m/1", 4, events[9][1], "line-2", 1), "with its segment's window"
     assert 0 < await store.redis.ttl(store._k("pred", "r9")) <= store.retention_s
 
 

@@ -35,7 +35,8 @@ def _drift(data: dict[str, Any] | None) -> pb.FeatureDrift | None:
 def window_to_proto(record: dict[str, Any]) -> pb.Window:
     window = pb.Window(index=record["index"], rows=record["rows"], score=record["score"], parts=record["parts"],
                        labelled=record.get("labelled", 0), data_quality_share=record["data_quality_share"],
-                       flags=record.get("flags", []), drift=[_drift(d) for d in record["drift"]])
+                       flags=record.get("flags", []), drift=[_drift(d) for d in record["drift"]],
+                       segment=record.get("segment", ""))
     for field, key in (("mpp", "mpp"), ("cbpe", "cbpe"), ("true_value", "true")):
         if record.get(key) is not None:
             setattr(window, field, record[key])
@@ -50,7 +51,7 @@ def window_to_proto(record: dict[str, Any]) -> pb.Window:
 
 
 def status_to_proto(monitored: Monitored, *, windows: int, predictions: int, last: dict[str, Any] | None,
-                    firing: list[str]) -> pb.ModelStatus:
+                    firing: list[str], segment: str = "", segments: list[str] | None = None) -> pb.ModelStatus:
     monitor = monitored.monitor
     status = pb.ModelStatus(
         name=version_name(monitored.model, monitored.version),
@@ -59,7 +60,8 @@ def status_to_proto(monitored: Monitored, *, windows: int, predictions: int, las
         reference_rows=len(monitor.reference) if monitor else 0,
         reference_performance=(monitor.reference_performance or 0.0) if monitor else 0.0,
         limitations=list(monitored.limitations), windows=windows, predictions=predictions, firing=firing,
-        window_count=monitored.config.window.count or 0, window_seconds=monitored.config.window.seconds or 0.0)
+        window_count=monitored.config.window.count or 0, window_seconds=monitored.config.window.seconds or 0.0,
+        segment=segment, segment_parameter=monitored.config.segment_parameter or "", segments=segments or [])
     if last is not None:
         status.last_window.CopyFrom(window_to_proto(last))
     return status
@@ -68,4 +70,4 @@ def status_to_proto(monitored: Monitored, *, windows: int, predictions: int, las
 def alert_to_proto(alert: AlertRecord) -> pb.Alert:
     return pb.Alert(name=version_name(alert.model, alert.version), rule=alert.rule, firing=alert.firing,
                     raised_at_window=alert.raised_at_window, resolved_at_window=alert.resolved_at_window or 0,
-                    signal=alert.signal, value=alert.value or 0.0, features=alert.features)
+                    signal=alert.signal, value=alert.value or 0.0, features=alert.features, segment=alert.segment)

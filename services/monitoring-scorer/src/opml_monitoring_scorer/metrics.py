@@ -10,6 +10,9 @@ WINDOW_CLOSE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 class ScorerMetrics:
     def __init__(self, metrics: ServiceMetrics) -> None:
         mv = ("model", "version")
+        # window-level series per segment too ("": the version as a whole; at most MAX_SEGMENTS + other
+        # per version, core/segments.py)
+        mvs = ("model", "version", "segment")
         self.predictions = metrics.counter("predictions_total", "Predictions scored, per model version.", mv)
         self.rejected = metrics.counter(
             "predictions_rejected_total", "Predictions dead-lettered: "
@@ -19,22 +22,22 @@ class ScorerMetrics:
         self.skipped = metrics.counter(
             "predictions_skipped_total", "Valid predictions not scored: unknown_model (a version nobody registered: "
             "served outside the platform, or its deployment not seen yet).", ("reason",))
-        self.windows = metrics.counter("windows_total", "Windows closed and scored.", mv)
-        self.score = metrics.gauge("window_score", "Quality score of the last closed window (0..1).", mv)
+        self.windows = metrics.counter("windows_total", "Windows closed and scored.", mvs)
+        self.score = metrics.gauge("window_score", "Quality score of the last closed window (0..1).", mvs)
         self.estimate = metrics.gauge(
             "estimate", "Performance of the last window: estimator mpp or cbpe (label-free), or true (labels); "
-            "accuracy, or MAE for regression.", (*mv, "estimator"))
+            "accuracy, or MAE for regression.", (*mvs, "estimator"))
         self.estimate_error = metrics.gauge(
-            "estimate_error_abs", "|estimate - true| of the last window with labels, per estimator.", (*mv, "estimator"))
+            "estimate_error_abs", "|estimate - true| of the last window with labels, per estimator.", (*mvs, "estimator"))
         self.drift = metrics.gauge("feature_drift_distance", "Drift distance of each feature in the last window "
-                                   "(normed Wasserstein or Jensen-Shannon).", (*mv, "feature"))
-        self.drifted = metrics.gauge("features_drifted", "Features whose drift test fired in the last window.", mv)
+                                   "(normed Wasserstein or Jensen-Shannon).", (*mvs, "feature"))
+        self.drifted = metrics.gauge("features_drifted", "Features whose drift test fired in the last window.", mvs)
         self.data_quality = metrics.gauge("data_quality_bad_share", "Share of the last window's rows with a "
-                                          "data-quality problem.", mv)
-        self.alerts = metrics.counter("alerts_total", "Alerts raised and resolved.", (*mv, "rule", "change"))
-        self.firing = metrics.gauge("alerts_firing", "1 while a rule's alert is raised.", (*mv, "rule"))
+                                          "data-quality problem.", mvs)
+        self.alerts = metrics.counter("alerts_total", "Alerts raised and resolved.", (*mvs, "rule", "change"))
+        self.firing = metrics.gauge("alerts_firing", "1 while a rule's alert is raised.", (*mvs, "rule"))
         self.close_seconds = metrics.histogram(
-            "window_close_seconds", "From a window's close to its score saved and its alerts emitted.", mv,
+            "window_close_seconds", "From a window's close to its score saved and its alerts emitted.", mvs,
             buckets=WINDOW_CLOSE_BUCKETS)
         self.labels = metrics.counter("labels_total", "Labels by outcome: joined, parked (before its "
                                       "prediction), corrected (its producer's again with a newer time: "
@@ -47,6 +50,10 @@ class ScorerMetrics:
         self.recalibrations = metrics.counter("mpp_recalibrations_total", "MPP recalibrations from live labels that "
                                                    "changed its secondary model (a refit better out of fold).", mv)
         self.registered = metrics.gauge("models_monitored", "Model versions monitored.")
+        self.segment_other = metrics.counter(
+            "segment_other_predictions_total", "Predictions put in the segment other: their segment parameter's "
+            "value came after the version's MAX_SEGMENTS (64) segments, was longer than 64 characters, or "
+            "neither a string nor an integer.", mv)
         for reason in ("malformed", "untrusted", "unscorable"):  # series at 0 from the start: a rate, not a gap
             self.rejected.labels(reason)
         self.skipped.labels("unknown_model")

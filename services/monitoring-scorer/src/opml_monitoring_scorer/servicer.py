@@ -11,7 +11,8 @@ from opml_common.errors import InvalidArgument
 from opml_common.pagination import cursor_token, page_size_of, read_cursor
 from opml_monitoring_scorer.convert import alert_to_proto, parse_name, status_to_proto, window_to_proto
 from opml_monitoring_scorer.core.records import AlertRecord
-from opml_monitoring_scorer.core.scorer import Scorer, SubmittedLabel
+from opml_monitoring_scorer.core.scorer import Monitored, Scorer, SubmittedLabel
+from opml_monitoring_scorer.core.segments import MAX_SEGMENT_CHARS, window_key
 from opml_monitoring_scorer_contract.names import version_name
 
 METHOD_ROLES = {"RegisterModel": "writer", "GetModelStatus": "reader", "ListModels": "reader",
@@ -24,6 +25,18 @@ AlertPlace = tuple[int, str, str, str]
 _PLACE_TYPES = (int, str, str, str)
 
 
+def _check_segment(monitored: Monitored, segment: str) -> None:
+    """Raises: InvalidArgument: ``segment`` is set but the version is not monitored per segment, or too long."""
+    problems = []
+    if segment and not monitored.config.segment_parameter:
+        problems.append(("segment", f"{monitored.key} is not monitored per segment (its monitoring.yaml sets no "
+                                    "segment.parameter); leave it empty for the version as a whole"))
+    if len(segment) > MAX_SEGMENT_CHARS:
+        problems.append(("segment", f"must hold at most {MAX_SEGMENT_CHARS} characters"))
+    if problems:
+        raise InvalidArgument.of(problems)
+
+
 def _alert_order(alert: AlertRecord) -> AlertPlace:
     return -alert.raised_at_window, alert.model, alert.version, alert.rule
 
@@ -32,12 +45,16 @@ class MonitoringServicer(monitoring_pb2_grpc.MonitoringServiceServicer):
     def __init__(self, scorer: Scorer) -> None:
         self._scorer = scorer
 
-    async def _status(self, key: str) -> pb.ModelStatus:
+    async def _status(self, key: str, segment: str = "") -> pb.ModelStatus:
+        """The version's status, or its ``segment``'s (its windows, predictions and alerts)."""
         monitored = await self._scorer.find(key)
-        store = self._scorer.store
-        last = await store.windows(key, before=None, limit=1)
-        return status_to_proto(monitored, windows=await store.window_count(key), predictions=await store.total_rows(key),
-                               last=last[0] if last else None, firing=await store.firing(key))
+        _check_segment(monitored, segment)
+        store, wk = self._scorer.store, window_key(key, segment)
+        last = await store.windows(wk, before=None, limit=1)
+        segments = await store.segments(key) if monitored.config.segment_parameter else []
+        return status_to_proto(monitored, windows=await store.window_count(wk), predictions=await store.total_rows(wk),
+                               last=last[0] if last else None, firing=await store.firing(wk), segment=segment,
+                               segments=segments)
 
     async def RegisterModel(self, request: pb.RegisterModelRequest, context) -> pb.ModelStatus:
         monitored = await self._scorer.register(request.model, request.version, request.reference.context,
@@ -45,14 +62,14 @@ class MonitoringServicer(monitoring_pb2_grpc.MonitoringServiceServicer):
         return await self._status(monitored.key)
 
     async def GetModelStatus(self, request: pb.GetModelStatusRequest, context) -> pb.ModelStatus:
-        return await self._status(parse_name("name", request.name))
+        return await self._status(parse_name("name", request.name), request.segment)
 
     async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=[await self._status(key) for key in sorted(self._scorer.models)])
 
     async def ListWindows(self, request: pb.ListWindowsRequest, context) -> pb.ListWindowsResponse:
         key = parse_name("name", request.name)
-        await self._scorer.find(key)
+        _check_segment(await self._scorer.find(key), request.segment)
         if request.page_size < 0:
             raise InvalidArgument("page_size", f"must be >= 0, but got {request.page_size}")
         size = min(request.page_size or 50, MAX_WINDOWS_PAGE)
@@ -62,7 +79,7 @@ class MonitoringServicer(monitoring_pb2_grpc.MonitoringServiceServicer):
                 before = int(request.page_token)
             except ValueError:
                 raise InvalidArgument("page_token", "is not a token this API gave") from None
-        records = await self._scorer.store.windows(key, before=before, limit=size + 1)
+        records = await self._scorer.store.windows(window_key(key, request.segment), before=before, limit=size + 1)
         page, more = records[:size], len(records) > size
         return pb.ListWindowsResponse(windows=[window_to_proto(r) for r in page],
                                       next_page_token=str(page[-1]["index"]) if more else "")
@@ -72,16 +89,24 @@ class MonitoringServicer(monitoring_pb2_grpc.MonitoringServiceServicer):
         place, not an offset: every alert is reached, however many a version raised)."""
         keys = [parse_name("name", request.name)] if request.name else sorted(self._scorer.models)
         size = page_size_of(request.page_size, max_size=MAX_ALERTS_PAGE)
-        after = read_cursor(request.page_token, _PLACE_TYPES, request.name) if request.page_token else None
+        scope = window_key(request.name, request.segment)  # a token serves the listing it came from
+        after = read_cursor(request.page_token, _PLACE_TYPES, scope) if request.page_token else None
         store, alerts = self._scorer.store, []
+        if len(request.segment) > MAX_SEGMENT_CHARS:
+            raise InvalidArgument("segment", f"must hold at most {MAX_SEGMENT_CHARS} characters")
         for key in keys:
-            await self._scorer.find(key)
+            monitored = await self._scorer.find(key)
+            if request.name:
+                _check_segment(monitored, request.segment)
+            elif request.segment and not monitored.config.segment_parameter:
+                continue
+            wk = window_key(key, request.segment)
             if after is not None:
-                alerts += [a for a in await store.alerts_at(key, -after[0]) if _alert_order(a) > after]
-            alerts += await store.alerts(key, below=None if after is None else -after[0], limit=size + 1)
+                alerts += [a for a in await store.alerts_at(wk, -after[0]) if _alert_order(a) > after]
+            alerts += await store.alerts(wk, below=None if after is None else -after[0], limit=size + 1)
         alerts.sort(key=_alert_order)
         page = alerts[:size]
-        token = cursor_token(_alert_order(page[-1]), request.name) if len(alerts) > size else ""
+        token = cursor_token(_alert_order(page[-1]), scope) if len(alerts) > size else ""
         return pb.ListAlertsResponse(alerts=[alert_to_proto(a) for a in page], next_page_token=token)
 
     async def GetRules(self, request: pb.GetRulesRequest, context) -> pb.Rules:

@@ -1,20 +1,22 @@
 """The scorer's durable state in Redis: registrations, window history, rule states, alerts, the label join.
 
-Keys (under ``{redis_prefix}monitoring:``; ``{mv}`` is ``model/version``):
+Keys (under ``{redis_prefix}monitoring:``; ``{mv}`` is ``model/version``, ``{wk}`` is ``{mv}`` for the
+version as a whole and ``{mv}#{segment}`` for one of its segments, core/segments.py):
 
 | key | what |
 |---|---|
 | ``models`` (hash) | ``{mv}`` -> the registration (reference bundle, config YAML, how it was registered) |
 | ``rules:{mv}`` | the rules YAML set through SetRules (overrides the bundle's) |
 | ``baseline:{mv}`` | a version without a reference: its first window's rows (a reference.npz), the baseline |
-| ``windows:{mv}`` (hash) + ``windex:{mv}`` (zset) | window index -> its score record; the index for paging |
-| ``rows:{mv}`` | the rows of every window saved (a running total, so the status reads no window) |
-| ``rulestate:{mv}`` (hash) | rule -> run counts, firing, the last window applied (replays are skipped) |
-| ``alerts:{mv}`` (hash) + ``aindex:{mv}`` (zset) | ``{rule}@{window}`` -> the alert, newest first |
-| ``pred:{request id}`` | the prediction a late label joins to (a JSON line of model version and window, then the event's bytes), expires |
+| ``windows:{wk}`` (hash) + ``windex:{wk}`` (zset) | window index -> its score record; the index for paging |
+| ``rows:{wk}`` | the rows of every window saved (a running total, so the status reads no window) |
+| ``rulestate:{wk}`` (hash) | rule -> run counts, firing, the last window applied (replays are skipped) |
+| ``alerts:{wk}`` (hash) + ``aindex:{wk}`` (zset) | ``{rule}@{window}`` -> the alert, newest first |
+| ``pred:{request id}`` | the prediction a late label joins to (a JSON line of model version and window, and its segment's and window there, then the event's bytes), expires |
 | ``labels:{request id}`` (hash) | producer -> its label that came before its prediction (the newest by event time), expires |
 | ``joined:{request id}`` (hash) | the label applied: its producer, event time, event id and truth (correct count or error sum), expires |
-| ``truth:{mv}:{window}`` (hash) | labelled rows and their correct count (or absolute error sum) |
+| ``truth:{wk}:{window}`` (hash) | labelled rows and their correct count (or absolute error sum) |
+| ``segments:{mv}`` (set) | the segments of the version that closed a window (bounded, core/segments.py) |
 | ``labelproducers`` (set) | the label producers some model's monitoring.yaml names (a label may be parked only from one of them, or from the platform's) |
 
 Everything is written idempotently (by window index, rule, request id and label event), so a replay
@@ -35,6 +37,7 @@ import redis.asyncio as aioredis
 
 from opml_common.lifecycle import Component
 from opml_monitoring_scorer.core.records import AlertRecord
+from opml_monitoring_scorer.core.segments import window_key
 
 _REMEMBER = """
 local ttl, pred, parked = ARGV[1], ARGV[2], ARGV[3]
@@ -96,14 +99,21 @@ redis.call('EXPIRE', KEYS[1], ARGV[1])
 local labelled = redis.call('HINCRBY', KEYS[2], 'labelled', rows)
 local total = redis.call('HINCRBYFLOAT', KEYS[2], 'total', delta)
 redis.call('EXPIRE', KEYS[2], ARGV[4])
+if KEYS[3] then
+  local seg_labelled = redis.call('HINCRBY', KEYS[3], 'labelled', rows)
+  local seg_total = redis.call('HINCRBYFLOAT', KEYS[3], 'total', delta)
+  redis.call('EXPIRE', KEYS[3], ARGV[4])
+  return {outcome, labelled, total, seg_labelled, seg_total}
+end
 return {outcome, labelled, total}
 """
 """Applies a label to its request's window: claims the request id (KEYS[1], ARGV[1] its expiry) for
 the label's producer (ARGV[5]), event time (ARGV[6], fixed width) and event id (ARGV[7]), and adds its
 rows to the window's truth (KEYS[2]: ARGV[2] rows, ARGV[3] correct count or error sum, ARGV[4] expiry)
-in one step. A request already claimed keeps its label unless this one is its producer's with a newer
+and to its segment's window's (KEYS[3], when the prediction is in a segment) in one step. A request already claimed keeps its label unless this one is its producer's with a newer
 time (a correction: the truth takes the difference, its rows counted once). Returns [outcome, the
-truth after it]: joined, corrected; or [duplicate] (that event again, or not newer), [other_producer]."""
+truth after it (and the segment window's)]: joined, corrected; or [duplicate] (that event again, or
+not newer), [other_producer]."""
 
 _ROWS = """
 if redis.call('EXISTS', KEYS[3]) == 0 and redis.call('ZCARD', KEYS[2]) > 0 then
@@ -242,7 +252,7 @@ class MonitorStore(Component):
             await self.redis.hset(self._k("rulestate", mv), mapping={k: json.dumps(v) for k, v in states.items()})
 
     async def save_alert(self, alert: AlertRecord) -> None:
-        mv = f"{alert.model}/{alert.version}"
+        mv = window_key(f"{alert.model}/{alert.version}", alert.segment)
         key = f"{alert.rule}@{alert.raised_at_window}"
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(self._k("alerts", mv), key, json.dumps(alert.to_dict()))
@@ -276,8 +286,10 @@ class MonitorStore(Component):
         return sorted(rule for rule, state in states.items() if state.get("firing"))
 
     # label join
-    async def remember_predictions(self, items: list[tuple[str, str, int, bytes]]) -> list[list[ParkedLabel]]:
-        """Keeps each (request id, model version, window, event) for a late label, in one round trip:
+    async def remember_predictions(self, items: list[tuple[str, str, int, bytes, str, int]]
+                                   ) -> list[list[ParkedLabel]]:
+        """Keeps each (request id, model version, window, event, segment, the segment's window; "" and
+        -1 for a prediction in no segment) for a late label, in one round trip:
         one script call (``_REMEMBER``) that SETs each prediction's record with its expiry and takes the
         labels that came first; returns them in order (each producer's, in the order they came; none
         where none did). A script, not a pipeline of a SET per prediction and an MGET: redis-py's cost
@@ -288,12 +300,15 @@ class MonitorStore(Component):
         (:meth:`join_truth`)."""
         if not items:
             return []
-        headers: dict[tuple[str, int], bytes] = {}  # one per window: its events share it
+        headers: dict[tuple[str, int, str, int], bytes] = {}  # one per window: its events share it
         args: list[Any] = [self.retention_s, self._k("pred", ""), self._k("labels", "")]
-        for request_id, mv, window, event in items:
-            header = headers.get((mv, window))
+        for request_id, mv, window, event, segment, segment_window in items:
+            header = headers.get((mv, window, segment, segment_window))
             if header is None:
-                header = headers[mv, window] = json.dumps({"mv": mv, "window": window}).encode() + b"\n"
+                head: dict[str, Any] = {"mv": mv, "window": window}
+                if segment:
+                    head.update(segment=segment, segment_window=segment_window)
+                header = headers[mv, window, segment, segment_window] = json.dumps(head).encode() + b"\n"
             args += (request_id, header + event)
         if self._remember is None:
             self._remember = self.redis.register_script(_REMEMBER)
@@ -308,16 +323,18 @@ class MonitorStore(Component):
                 origin["producer"], datetime.fromisoformat(origin["time"]), origin["id"]), data)))
         return [[label for _, label in sorted(labels, key=lambda item: item[0])] for labels in parked]
 
-    async def find_prediction(self, request_id: str) -> tuple[str, int, bytes] | None:
-        """The record is a JSON line (model version, window) then the event's bytes as they are (no
-        hex in JSON: a prediction's record is written per event). A record of the older form (one JSON
-        object, the event in hex), written before an upgrade, still reads."""
+    async def find_prediction(self, request_id: str) -> tuple[str, int, bytes, str, int] | None:
+        """(model version, window, event, segment, the segment's window: "" and -1 in none). The record
+        is a JSON line (model version, window, segment and its window) then the event's bytes as they
+        are (no hex in JSON: a prediction's record is written per event). A record of the older form
+        (one JSON object, the event in hex), written before an upgrade, still reads."""
         raw = await self.redis.get(self._k("pred", request_id))
         if raw is None:
             return None
         head, _, event = raw.partition(b"\n")
         data = json.loads(head)
-        return data["mv"], int(data["window"]), bytes.fromhex(data["event"]) if "event" in data else event
+        return (data["mv"], int(data["window"]), bytes.fromhex(data["event"]) if "event" in data else event,
+                data.get("segment", ""), int(data.get("segment_window", -1)))
 
     async def park_label(self, request_id: str, label: ParkedLabel) -> bool:
         """Parks a label that came before its prediction as its producer's, unless that producer's
@@ -333,7 +350,8 @@ class MonitorStore(Component):
                                            head.encode() + b"\n" + label.data]))
 
     async def join_truth(self, request_id: str, mv: str, window: int, labelled: int, total: float,
-                         origin: LabelOrigin) -> tuple[str, tuple[int, float] | None]:
+                         origin: LabelOrigin, segment: tuple[str, int] | None = None,
+                         ) -> tuple[str, tuple[int, float] | None, tuple[int, float] | None]:
         """Applies a request's label to its window's truth: (outcome, the window's labelled rows and
         total after it). ``joined``: the request's first label; ``corrected``: its producer's again
         with a newer event time, which replaces it (the truth takes the difference); ``duplicate``
@@ -341,15 +359,19 @@ class MonitorStore(Component):
         labelled by another producer, whose label stays) change nothing (None). One script
         (``_JOIN``), so the claim and the truth are made together: claimed first and then added, a
         failure between the two (a crash, Redis going away) left the label claimed and never
-        counted, and its replay was taken for a duplicate."""
+        counted, and its replay was taken for a duplicate. ``segment``: (segment key ``{mv}#{segment}``,
+        its window) of a prediction in a segment, whose truth takes the label too (the third item)."""
         if self._join is None:
             self._join = self.redis.register_script(_JOIN)
-        joined = await self._join(keys=[self._k("joined", request_id), self._k("truth", mv, str(window))],
-                                  args=[self.retention_s, labelled, repr(float(total)),
-                                        max(self.retention_s * 4, 86_400), origin.producer, origin.stamp,
-                                        origin.event_id])
+        keys = [self._k("joined", request_id), self._k("truth", mv, str(window))]
+        if segment is not None:
+            keys.append(self._k("truth", segment[0], str(segment[1])))
+        joined = await self._join(keys=keys, args=[self.retention_s, labelled, repr(float(total)),
+                                                   max(self.retention_s * 4, 86_400), origin.producer, origin.stamp,
+                                                   origin.event_id])
         outcome = joined[0].decode()
-        return outcome, (int(joined[1]), float(joined[2])) if len(joined) == 3 else None
+        version = (int(joined[1]), float(joined[2])) if len(joined) >= 3 else None
+        return outcome, version, (int(joined[3]), float(joined[4])) if len(joined) == 5 else None
 
     async def add_label_producers(self, producers: frozenset[str]) -> None:
         """Records producers a model names, so that any scorer process may park their labels."""
@@ -359,6 +381,13 @@ class MonitorStore(Component):
     async def is_label_producer(self, producer: str) -> bool:
         """Whether some model's monitoring.yaml names ``producer`` (:meth:`add_label_producers`)."""
         return bool(await self.redis.sismember(self._k("labelproducers"), producer))
+
+    async def add_segment(self, mv: str, segment: str) -> None:
+        """Records a segment of the version that closed a window (the API lists them)."""
+        await self.redis.sadd(self._k("segments", mv), segment)
+
+    async def segments(self, mv: str) -> list[str]:
+        return sorted(s.decode() for s in await self.redis.smembers(self._k("segments", mv)))
 
     async def truth(self, mv: str, window: int) -> tuple[int, float]:
         raw = await self.redis.hgetall(self._k("truth", mv, str(window)))

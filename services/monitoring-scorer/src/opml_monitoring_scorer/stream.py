@@ -46,6 +46,16 @@ label-join records of its predictions (state.py; one record per prediction, a ba
 serialized one by one), no per-record table write. Memory: the open windows' events (their decoded
 rows and the faust events, unacked), one window per monitored version.
 
+**Segments** (monitoring.yaml ``segment: {parameter: P}``, core/segments.py): each applied record's
+predictions are also split by their request's value of P (admitted in offset order, bounded), and
+each segment's part of the record goes to that segment's own open window (keyed
+``{model}/{version}#{segment}`` here, in the ``windows`` table and in Redis), besides the whole
+record going to the version's window. Segment windows close by the same count and time rules, on the
+same record boundaries, each with its own progress in the table; a record is settled once every
+window it went to is closed (``Held`` counts its parts), and on a replay each part at or below its
+window key's progress is skipped, so a record half in closed windows rebuilds only its open ones.
+A version's segment windows cost about as much again as its own (every row is scored twice).
+
 ``labels`` agent, on opml.labels.v1: each LabelObserved is joined to its prediction by request id in
 Redis with expiry (the retention bound; see state.py), because labels are keyed by request id and
 predictions by model version: a faust-table join would need both streams repartitioned by request
@@ -88,6 +98,7 @@ from opml_common.retry import Backoff
 from opml_inference_router_contract.names import EVENT_SOURCE as ROUTER_SOURCE
 from opml_monitoring_scorer.core.decode import Batch
 from opml_monitoring_scorer.core.scorer import MAX_SOURCE_SHOWN, Joinable, Scorer, Unscorable, model_version
+from opml_monitoring_scorer.core.segments import SEPARATOR, SegmentBook, parameter_value, window_key
 from opml_monitoring_scorer.core.summary import PredictionSummary
 from opml_monitoring_scorer.metrics import ScorerMetrics
 from opml_monitoring_scorer.state import LabelOrigin
@@ -132,6 +143,10 @@ class OpenWindow:
 
     index: int
     partition: int
+    key: str = ""
+    """Its version (model/version)."""
+    segment: str = ""
+    """"" for the version's own window; else its segment's."""
     parts: list[list[Any]] = field(default_factory=list)
     """[decoded batch, first row, end row]: the window's rows, ranges of its events' batch decodes."""
     events: list[Any] = field(default_factory=list)
@@ -166,27 +181,75 @@ class DecodedRecord:
     first: float
     last: float
     """Event times of its first and latest prediction."""
+    ranges: list[tuple[Batch, int, int]] = field(default_factory=list)
+    """Each prediction's rows (a range of a decoded batch; empty for a summary-only one)."""
+    times: list[float] = field(default_factory=list)
+    """Each prediction's event time."""
+    segment_of: list[str] = field(default_factory=list)
+    """Each prediction's segment ("": in none; empty: the version has no segments)."""
+    segments: dict[str, DecodedRecord] = field(default_factory=dict)
+    """Its predictions of each segment, as a record (:meth:`split`)."""
 
     @classmethod
     def of(cls, key: str, predictions: list[Any], data: bytes | None, decodes: list[tuple[Batch, int, list[int]]],
            message: Any, summaries: list[PredictionSummary]) -> DecodedRecord:
         """From its predictions and their decodes: (decoded batch, first row, rows of each prediction in
         it), and what its summary-only predictions carry."""
-        parts, counts = [], []
+        parts, counts, ranges = [], [], []
         for batch, start, rows in decodes:
             parts.append((batch, start, start + sum(rows)))
             counts.extend(rows)
+            for n in rows:
+                ranges.append((batch, start, start + n))
+                start += n
         times = [p.time.ToNanoseconds() / 1e9 if p.HasField("time") else message.timestamp for p in predictions]
         return cls(key, predictions, data, parts, counts, sum(counts), len(summaries), summaries,
-                   sum(n or 1 for n in counts), times[0], max(times))
+                   sum(n or 1 for n in counts), times[0], max(times), ranges, times)
+
+    def split(self, segment_of: list[str]) -> None:
+        """Sets each prediction's segment and :attr:`segments`: per segment, its predictions' rows,
+        summaries, weight and times as a record of their own (joined through the version's record)."""
+        self.segment_of = segment_of
+        groups: dict[str, list[int]] = {}
+        for i, segment in enumerate(segment_of):
+            if segment:
+                groups.setdefault(segment, []).append(i)
+        if not groups:
+            return
+        summary_at, summarised = {}, 0
+        for i, n in enumerate(self.counts):
+            if not n and summarised < len(self.summaries):
+                summary_at[i] = self.summaries[summarised]
+                summarised += 1
+        for segment, indexes in groups.items():
+            parts: list[tuple[Batch, int, int]] = []
+            for i in indexes:
+                batch, start, stop = self.ranges[i]
+                if stop == start:
+                    continue
+                if parts and parts[-1][0] is batch and parts[-1][2] == start:
+                    parts[-1] = (batch, parts[-1][1], stop)
+                else:
+                    parts.append((batch, start, stop))
+            counts = [self.counts[i] for i in indexes]
+            summaries = [summary_at[i] for i in indexes if i in summary_at]
+            times = [self.times[i] for i in indexes]
+            self.segments[segment] = DecodedRecord(
+                self.key, [self.predictions[i] for i in indexes], None, parts, counts, sum(counts), len(summaries),
+                summaries, sum(n or 1 for n in counts), times[0], max(times))
+
+    def joinable_at(self) -> list[tuple[int, bytes, str]]:
+        """(index, PredictionMade bytes, request id) of each prediction a label may join (one with rows
+        and an id)."""
+        if self.data is not None:
+            p = self.predictions[0]
+            return [(0, self.data, p.request_id)] if p.request_id and self.counts[0] else []
+        return [(i, p.SerializeToString(), p.request_id)
+                for i, (p, n) in enumerate(zip(self.predictions, self.counts, strict=True)) if p.request_id and n]
 
     def joinable(self) -> list[tuple[bytes, str]]:
         """(PredictionMade bytes, request id) of each prediction a label may join (one with rows and an id)."""
-        if self.data is not None:
-            p = self.predictions[0]
-            return [(self.data, p.request_id)] if p.request_id and self.counts[0] else []
-        return [(p.SerializeToString(), p.request_id) for p, n in zip(self.predictions, self.counts, strict=True)
-                if p.request_id and n]
+        return [(raw, request_id) for _, raw, request_id in self.joinable_at()]
 
 
 class Held:
@@ -201,21 +264,23 @@ class Held:
     or a rebalance then lost it."""
 
     def __init__(self) -> None:
-        self._order: deque[list[Any]] = deque()  # [event, settled]
+        self._order: deque[list[Any]] = deque()  # [event, parts not settled yet]
         self._by_offset: dict[int, list[Any]] = {}
 
-    def add(self, event: Any) -> None:
-        entry = [event, False]
+    def add(self, event: Any, parts: int = 1) -> None:
+        """``parts``: how many windows the record goes to (the version's, and one per segment in it);
+        it is settled when each of them settled it."""
+        entry = [event, parts]
         self._order.append(entry)
         self._by_offset[event.message.offset] = entry
 
     def settle(self, event: Any) -> None:
-        """Marks the record settled and acks the settled records at the head."""
+        """Marks one part of the record settled and acks the settled records at the head."""
         entry = self._by_offset.get(event.message.offset)
-        if entry is not None and entry[0] is event:
-            entry[1] = True
+        if entry is not None and entry[0] is event and entry[1] > 0:
+            entry[1] -= 1
         order = self._order
-        while order and order[0][1]:
+        while order and not order[0][1]:
             head = order.popleft()[0]
             del self._by_offset[head.message.offset]
             head.ack()
@@ -306,6 +371,7 @@ class ScoringStream(Component):
         self._rewound: dict[int, int] = {}  # source partition -> the record that showed a gap, while sought back
         self._held: dict[int, Held] = {}  # source partition -> its applied records not acked yet
         self._unknown_logged: dict[str, float] = {}  # unknown version -> when its skipping was last logged
+        self._segments: dict[str, SegmentBook] = {}  # version -> its segments admitted
 
     def _internal_topics(self) -> dict[str, int]:
         return {f"{self.app_id}-windows-changelog": PREDICTIONS.partitions, f"{self.app_id}-__assignor-__leader": 1}
@@ -342,7 +408,8 @@ class ScoringStream(Component):
                                 key_serializer="raw", value_serializer="raw", partitions=PREDICTIONS.partitions)
         labels = app.topic(LABELS.full_name(platform.topic_prefix), key_type=bytes, value_type=bytes,
                            key_serializer="raw", value_serializer="raw", partitions=LABELS.partitions)
-        # version -> {"index": next window, "partition", "through": offset of its last closed window's last event}
+        # version (or version#segment) -> {"index": next window, "partition", "through": offset of its last
+        # closed window's last event}
         self.windows = app.Table("windows", default=None, partitions=PREDICTIONS.partitions)
 
         async def on_predictions(stream: Any) -> None:
@@ -489,10 +556,12 @@ class ScoringStream(Component):
                     continue
                 if not await self._in_order(event.message):
                     continue
-                self._hold(event)
                 if isinstance(item, Exception):
+                    self._hold(event)
                     await self._reject(event, item)
                     continue
+                self._segment(item)
+                self._hold(event, 1 + len(item.segments))
                 await self._on_record(event, item)
                 counted[item.key] = counted.get(item.key, 0) + item.rows
             for key, rows in counted.items():
@@ -588,6 +657,28 @@ class ScoringStream(Component):
             summaries.extend(one.summaries)
         return DecodedRecord.of(key, predictions, data, decodes, message, summaries)
 
+    def _segment(self, record: DecodedRecord) -> None:
+        """Splits a record of a version monitored per segment by its predictions' segments, admitted in
+        the order of the partition's offsets (the records are applied in that order: a replay admits the
+        same), the bound's overflow to ``other`` (counted)."""
+        monitored = self.scorer.models[record.key]
+        parameter = monitored.config.segment_parameter
+        if parameter is None:
+            return
+        book = self._segments.get(record.key)
+        if book is None:  # the segments whose windows closed before (this process or another)
+            prefix = record.key + SEPARATOR
+            book = self._segments[record.key] = SegmentBook(
+                k.removeprefix(prefix) for k in list(self.windows.data.keys()) if k.startswith(prefix))
+        segment_of, other = [], 0
+        for prediction in record.predictions:
+            segment, overflow = book.admit(parameter_value(prediction.infer_request, parameter))
+            segment_of.append(segment)
+            other += overflow
+        if other:
+            self.metrics.segment_other.labels(monitored.model, monitored.version).inc(other)
+        record.split(segment_of)
+
     def _skip_unknown(self, event: Any, unknown: UnknownModel) -> None:
         """Counts and settles a valid record of a version nobody registered; logs it once a while per version."""
         self.metrics.skipped.labels("unknown_model").inc(unknown.predictions)
@@ -615,26 +706,51 @@ class ScoringStream(Component):
         self._settle([event])
 
     async def _on_record(self, event: Any, record: DecodedRecord) -> None:
-        """Adds a record's predictions to its version's open window, whole: a record belongs to the window
-        open when it comes (by time: the one its first prediction's time falls in), so windows close on
-        record boundaries and a replay from any committed offset rebuilds them the same."""
+        """Adds a record's predictions to its version's open window, whole, and each segment's part of
+        them to that segment's open window: a record belongs to the windows open when it comes (by
+        time: the ones its first prediction's time falls in), so windows close on record boundaries and
+        a replay from any committed offset rebuilds them the same."""
         message = event.message
         partition, offset, key = message.partition, message.offset, record.key
-        progress = self.windows.get(key)
         if partition in self._resuming:
             self._resuming.discard(partition)
+            progress = self.windows.get(key)
             log.info("partition %d resumed at offset %d (%s: windows closed through offset %s)", partition, offset,
                      key, progress["through"] if progress is not None and progress["partition"] == partition else "-")
+        spec = self.scorer.models[key].config.window
+        placed: list[OpenWindow] = []
+        for segment, part in (("", record), *record.segments.items()):
+            window = await self._place(event, key, segment, part, spec)
+            if window is not None:
+                placed.append(window)
+        if len(placed) == 1 + len(record.segments):
+            # a record with a part in a window closed before had its joins kept before that close
+            index = {window.segment: window.index for window in placed}
+            for i, raw, request_id in record.joinable_at():
+                segment = record.segment_of[i] if record.segment_of else ""
+                self._joinable.append(Joinable(key, index[""], raw, request_id, partition, segment,
+                                               index.get(segment, -1)))
+        for window in placed:
+            if spec.count is not None and window.rows >= spec.count:
+                await self._close(window)
+        self.processed += 1
+
+    async def _place(self, event: Any, key: str, segment: str, record: DecodedRecord, spec: Any) -> OpenWindow | None:
+        """Adds ``record`` (the version's record, or its part in ``segment``) to the open window of the
+        version or the segment (first closing it by time); None: that window was closed before (a
+        replay), the part is settled."""
+        partition, offset = event.message.partition, event.message.offset
+        wk = window_key(key, segment)
+        progress = self.windows.get(wk)
         if progress is not None and progress["partition"] == partition and offset <= progress["through"]:
             self._settle([event])  # in a window closed before a restart or a rebalance
-            return
-        window = self._open.get(key)
+            return None
+        window = self._open.get(wk)
         if window is None or window.partition != partition:
             index = progress["index"] if progress is not None else 0
-            window = self._open[key] = OpenWindow(index=index, partition=partition)
-        spec = self.scorer.models[key].config.window
+            window = self._open[wk] = OpenWindow(index=index, partition=partition, key=key, segment=segment)
         if spec.seconds is not None and window.events and record.first >= window.first + spec.seconds:
-            window = await self._close(key, window)
+            window = await self._close(window)
         parts = window.parts
         for batch, start, stop in record.parts:
             if parts and parts[-1][0] is batch and parts[-1][2] == start:
@@ -649,15 +765,11 @@ class ScoringStream(Component):
         if window.first is None:
             window.first = record.first
         window.last = record.last
-        self._joinable.extend(Joinable(key, window.index, raw, request_id, partition)
-                              for raw, request_id in record.joinable())
-        if spec.count is not None and window.rows >= spec.count:
-            await self._close(key, window)
-        self.processed += 1
+        return window
 
-    def _hold(self, event: Any) -> None:
-        """An applied record (in offset order, ``_in_order``) is held until it is settled."""
-        self._held.setdefault(event.message.partition, Held()).add(event)
+    def _hold(self, event: Any, parts: int = 1) -> None:
+        """An applied record (in offset order, ``_in_order``) is held until each window it went to settled it."""
+        self._held.setdefault(event.message.partition, Held()).add(event, parts)
 
     def _settle(self, events: list[Any]) -> None:
         """These records are done with (their window saved, dead-lettered, or closed before); see :class:`Held`."""
@@ -671,13 +783,15 @@ class ScoringStream(Component):
             joinable, self._joinable = self._joinable, []
             await self.scorer.on_predictions_joinable(joinable)
 
-    async def _close(self, key: str, window: OpenWindow) -> OpenWindow:
-        """Scores the open window, records it closed (the table, once per window), acks its events,
-        and opens the next. A close replayed after a crash rewrites the same window (the scorer saves
-        by index, steps rules once)."""
+    async def _close(self, window: OpenWindow) -> OpenWindow:
+        """Scores the open window, records it closed (the table, once per window), settles its events'
+        parts, and opens the next. A close replayed after a crash rewrites the same window (the scorer
+        saves by index, steps rules once)."""
+        key = window_key(window.key, window.segment)
         await self._flush_joins()  # a label that came first is applied before the window reads its truth
         try:
-            await self.scorer.score_window(key, window.index, _rows(key, window), window.first, window.last)
+            await self.scorer.score_window(window.key, window.index, _rows(key, window), window.first, window.last,
+                                           segment=window.segment)
         except Unscorable as exc:
             await self._unscorable(window, exc)
         progress = {"index": window.index + 1, "partition": window.partition, "through": window.last_offset}
@@ -693,7 +807,8 @@ class ScoringStream(Component):
         await sent
         table.data[key] = progress
         self._settle(window.events)
-        following = OpenWindow(index=window.index + 1, partition=window.partition)
+        following = OpenWindow(index=window.index + 1, partition=window.partition, key=window.key,
+                               segment=window.segment)
         if self._open.get(key) is window:
             self._open[key] = following
         return following
@@ -701,7 +816,11 @@ class ScoringStream(Component):
     async def _unscorable(self, window: OpenWindow, error: Unscorable) -> None:
         """A window its estimators cannot score goes to the dead-letter topic, record by record, with the
         reason, and is closed without a score: retried, it would fail on every close and replay, and
-        its version would never be scored again."""
+        its version would never be scored again. A segment's window is closed without a score and
+        logged only: its records are in the version's window too, which dead-letters them if it fails."""
+        if window.segment:
+            log.error("%s; closed without a score", error)
+            return
         log.error("%s; its %d records dead-lettered", error, len(window.events))
         self.metrics.rejected.labels("unscorable").inc(len(window.events))
         topic = PREDICTIONS.dead_letter(self.platform.topic_prefix)

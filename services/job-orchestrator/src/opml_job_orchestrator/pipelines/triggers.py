@@ -4,7 +4,8 @@ Events are hints. A ``BundleCommitted`` (opml.bundles.v1, the bundle-store's sou
 on only after the bundle is re-read from the bundle-store and the store says it is committed, in
 the context, with the bundle name and tags of a pipeline's ingest step, and tagged ``span``. An
 ``AlertRaised`` (opml.alerts.v1, the monitoring-scorer's source only) is acted on only when the
-monitoring-scorer says the alert (model, version, rule) is still firing. Both then ask the engine for
+monitoring-scorer says the alert (model, version, segment, rule) is still firing (a version monitored per
+segment has each segment's alerts apart; "" is the version as a whole). Both then ask the engine for
 a run, which coalesces with a run going on. A schedule fires at its cron minutes (UTC) while the
 service runs; a minute missed while it was down is not made up.
 """
@@ -44,8 +45,8 @@ class BundleReader(Protocol):
 
 
 class AlertReader(Protocol):
-    async def alerts(self, model: str, version: str) -> list[monitoring_pb2.Alert]:
-        """The alerts of a model version, as the monitoring-scorer knows them now."""
+    async def alerts(self, model: str, version: str, segment: str = "") -> list[monitoring_pb2.Alert]:
+        """The alerts of a model version (or of its ``segment``), as the monitoring-scorer knows them now."""
 
 
 def _ingests(pipeline: pb.Pipeline) -> list[pb.IngestConfig]:
@@ -100,19 +101,20 @@ class AlertTrigger:
         if not watching:
             return
         try:
-            known = await self._alerts.alerts(raised.model, raised.version)
-        except NotFound:  # the scorer does not monitor that version (any more): nothing of it fires
+            known = await self._alerts.alerts(raised.model, raised.version, raised.segment)
+        except (NotFound, InvalidArgument):  # the scorer does not monitor that version (or per segment): nothing fires
             known = []
-        firing = [a for a in known if a.rule == raised.rule and a.firing]
+        firing = [a for a in known if a.rule == raised.rule and a.segment == raised.segment and a.firing]
         if not firing:
             self._metrics.triggers.labels("alert", "ignored").inc()
             logger.info("an alert was announced but is not firing now; no run",
-                        extra={"model": raised.model, "version": raised.version, "rule": raised.rule})
+                        extra={"model": raised.model, "version": raised.version, "segment": raised.segment,
+                               "rule": raised.rule})
             return
+        about = f"{raised.model} version {raised.version}" + (f" segment {raised.segment}" if raised.segment else "")
         for pipeline in watching:
             try:
-                await self._engine.trigger(pipeline.spec.name, "alert",
-                                           f"{raised.model} version {raised.version} rule {raised.rule}")
+                await self._engine.trigger(pipeline.spec.name, "alert", f"{about} rule {raised.rule}")
             except NotFound:
                 self._metrics.triggers.labels("alert", "ignored").inc()
 
@@ -180,5 +182,5 @@ class ScorerAlerts:
     async def aclose(self) -> None:
         self._client.close()
 
-    async def alerts(self, model: str, version: str) -> list[monitoring_pb2.Alert]:
-        return await asyncio.to_thread(self._client.alerts, model, version)
+    async def alerts(self, model: str, version: str, segment: str = "") -> list[monitoring_pb2.Alert]:
+        return await asyncio.to_thread(self._client.alerts, model, version, segment=segment)

@@ -19,22 +19,25 @@ class MonitoringClient(ServiceClient):
         return self.stub.RegisterModel(pb.RegisterModelRequest(
             model=model, version=version, reference=pb.BundleRef(context=context, bundle=bundle)))
 
-    def status(self, model: str, version: str) -> pb.ModelStatus:
-        return self.stub.GetModelStatus(pb.GetModelStatusRequest(name=version_name(model, version)))
+    def status(self, model: str, version: str, *, segment: str = "") -> pb.ModelStatus:
+        """The version's status, or one ``segment``'s of a version monitored per segment."""
+        return self.stub.GetModelStatus(pb.GetModelStatusRequest(name=version_name(model, version), segment=segment))
 
     def list_models(self) -> list[pb.ModelStatus]:
         return list(self.stub.ListModels(pb.ListModelsRequest()).models)
 
-    def windows(self, model: str, version: str, *, page_size: int = 0) -> Iterator[pb.Window]:
-        """Every window, newest first, page by page."""
+    def windows(self, model: str, version: str, *, page_size: int = 0, segment: str = "") -> Iterator[pb.Window]:
+        """Every window of the version (or of its ``segment``), newest first, page by page."""
         name = version_name(model, version)
         return pages(lambda token: self.stub.ListWindows(pb.ListWindowsRequest(name=name, page_size=page_size,
-                                                                              page_token=token)),
+                                                                              page_token=token, segment=segment)),
                      lambda reply: reply.windows)
 
-    def alerts(self, model: str = "", version: str = "") -> list[pb.Alert]:
+    def alerts(self, model: str = "", version: str = "", *, segment: str = "") -> list[pb.Alert]:
+        """The alerts of the version (every version's when ``model`` is empty), or of its ``segment``'s rules."""
         name = version_name(model, version) if model else ""
-        return list(pages(lambda token: self.stub.ListAlerts(pb.ListAlertsRequest(name=name, page_token=token)),
+        return list(pages(lambda token: self.stub.ListAlerts(pb.ListAlertsRequest(name=name, page_token=token,
+                                                                                  segment=segment)),
                           lambda reply: reply.alerts))
 
     def get_rules(self, model: str, version: str) -> pb.Rules:

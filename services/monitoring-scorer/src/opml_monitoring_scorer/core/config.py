@@ -13,6 +13,8 @@ drift: {method: auto, methods: {age: psi}, thresholds: {age: 0.2}}
 rules: [...]                # see rules.py
 labels: {producers: [plant-3/qa]}   # CloudEvents sources whose labels of this model are accepted, besides
                                     #   the platform's (OPML_MONITORING_SCORER_LABEL_SOURCES)
+segment: {parameter: line}          # windows, estimates, drift and alerts per value of this KServe v2
+                                    #   request parameter too (segments.py), besides the whole version's
 ```
 """
 
@@ -31,7 +33,8 @@ from opml_monitoring_scorer.core.rules import Rule, parse_rules
 MAX_CONFIG_BYTES = 256 * 1024
 MAX_PRODUCERS = 64
 MAX_PRODUCER_CHARS = 256
-_KEYS = {"task", "features", "outputs", "window", "drift", "rules", "labels"}
+_KEYS = {"task", "features", "outputs", "window", "drift", "rules", "labels", "segment"}
+MAX_PARAMETER_CHARS = 64
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,8 @@ class MonitoringConfig:
     rules: tuple[Rule, ...] = ()
     label_producers: frozenset[str] = frozenset()
     """Sources (``ce_source``) whose labels of this model are accepted, besides the platform's."""
+    segment_parameter: str | None = None
+    """The KServe v2 request parameter whose value names a prediction's segment (None: no segments)."""
 
     @classmethod
     def parse(cls, text: str | bytes, *, what: str = "monitoring.yaml") -> MonitoringConfig:
@@ -90,6 +95,7 @@ class MonitoringConfig:
                 problems.append((f"outputs.{key}", f"must be a tensor name, but got {brief(value)}"))
         window = _window(data.get("window"), problems)
         producers = _producers(data.get("labels"), problems)
+        segment = _segment(data.get("segment"), problems)
         methods, thresholds = _drift(data.get("drift") or {}, problems)
         rules: tuple[Rule, ...] = ()
         try:
@@ -100,7 +106,25 @@ class MonitoringConfig:
             raise InvalidArgument.of(problems)
         return cls(task=task, feature_names=feature_names, scores_output=outputs.get("scores"),
                    predicted_output=outputs.get("predicted"), window=window, drift_methods=methods,
-                   drift_thresholds=thresholds, rules=rules, label_producers=producers)
+                   drift_thresholds=thresholds, rules=rules, label_producers=producers, segment_parameter=segment)
+
+
+def _segment(segment: Any, problems: list) -> str | None:
+    if segment is None:
+        return None
+    if not isinstance(segment, Mapping):
+        problems.append(("segment", f"must be a mapping with parameter, as in {{parameter: line}}, but got "
+                                    f"{brief(segment)}"))
+        return None
+    for key in segment:
+        if key != "parameter":
+            problems.append((f"segment.{key}", "is not a setting; use parameter"))
+    parameter = segment.get("parameter")
+    if not isinstance(parameter, str) or not 0 < len(parameter) <= MAX_PARAMETER_CHARS:
+        problems.append(("segment.parameter", f"must name a request parameter in 1-{MAX_PARAMETER_CHARS} characters, "
+                                              f"but got {brief(parameter)}"))
+        return None
+    return parameter
 
 
 def _producers(labels: Any, problems: list) -> frozenset[str]:

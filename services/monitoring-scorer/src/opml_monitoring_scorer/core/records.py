@@ -13,9 +13,9 @@ def _drift(d: FeatureDrift | None) -> dict[str, Any] | None:
     return None if d is None else asdict(d)
 
 
-def window_record(score: WindowScore) -> dict[str, Any]:
-    """What the history keeps of a window (everything the API shows)."""
-    return {"index": score.index, "rows": score.rows, "first_time": score.first_time, "last_time": score.last_time,
+def window_record(score: WindowScore, *, segment: str = "") -> dict[str, Any]:
+    """What the history keeps of a window (everything the API shows); ``segment``: "" for the version's."""
+    return {"index": score.index, "segment": segment, "rows": score.rows, "first_time": score.first_time, "last_time": score.last_time,
             "score": score.score, "parts": score.parts, "mpp": score.mpp, "cbpe": score.cbpe, "true": score.true,
             "labelled": score.labelled, "drift": [asdict(d) for d in score.drift.values()],
             "output_drift": _drift(score.output_drift), "confidence_drift": _drift(score.confidence_drift),
@@ -32,6 +32,8 @@ class AlertRecord:
     value: float | None
     features: dict[str, float] = field(default_factory=dict)
     resolved_at_window: int | None = None
+    segment: str = ""
+    """The segment whose windows raised it ("": the version as a whole; records saved before segments have none)."""
 
     @property
     def firing(self) -> bool:

@@ -13,6 +13,12 @@ replay after a crash re-announces it under the same id and consumers that dedupl
 Each window saved, at its close and each time labels join it, is announced as WindowScored on
 ``opml.quality.v1`` (its id derived from the version, window and labels joined), which a progressive
 rollout of the inference-router compares versions with.
+
+A version monitored per segment (monitoring.yaml ``segment``, core/segments.py) has, besides its own
+windows (segment "", every prediction), windows per segment: each scored by the version's monitor
+(the same reference and estimators), saved, announced and stepping its own rule states under the
+segment's key (``{model}/{version}#{segment}``), its events and alerts carrying the segment. A label
+joins the prediction's window of the version and of its segment in one step.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from opml_monitoring_scorer.core.monitor import ModelMonitor, WindowScore
 from opml_monitoring_scorer.core.records import AlertRecord, window_record
 from opml_monitoring_scorer.core.reference import ReferenceSet, Task
 from opml_monitoring_scorer.core.rules import Rule, RuleState, Transition, observe, parse_rules, step
+from opml_monitoring_scorer.core.segments import window_key
 from opml_monitoring_scorer.metrics import ScorerMetrics
 from opml_monitoring_scorer.state import LabelOrigin, MonitorStore, ParkedLabel
 from opml_monitoring_scorer_contract.names import LABEL_SOURCE
@@ -143,13 +150,16 @@ class SubmittedLabel:
 @dataclass(frozen=True)
 class Joinable:
     """A prediction a late label may join: its version, window index, PredictionMade bytes, request id
-    (and the source partition it came from, for the stream's bookkeeping)."""
+    (and the source partition it came from, for the stream's bookkeeping), and its segment and the
+    segment's window index ("" and -1: in none)."""
 
     key: str
     window: int
     raw_event: bytes
     request_id: str
     partition: int = -1
+    segment: str = ""
+    segment_window: int = -1
 
 
 @dataclass
@@ -379,32 +389,41 @@ class Scorer(Component):
         return await self.score_window(key, index, Batch.concat(batches), first_time, last_time)
 
     async def score_window(self, key: str, index: int, batch: Batch, first_time: float | None,
-                           last_time: float | None) -> WindowScore | None:
-        """Scores a closed window (its events' rows, decoded as they arrived), saves it, steps the rules
-        (once per window: a replayed close does not step them again) and emits the alerts' changes.
+                           last_time: float | None, *, segment: str = "") -> WindowScore | None:
+        """Scores a closed window (its events' rows, decoded as they arrived) of the version ``key``, or
+        of its ``segment``, saves it, steps the rules (once per window: a replayed close does not step
+        them again) and emits the alerts' changes.
 
-        Raises: Unscorable: the estimators fail on its rows (what the store raises propagates)."""
+        Raises: Unscorable: the estimators fail on its rows, or a segment's window closed before the
+            version has a baseline (what the store raises propagates)."""
         started = time.perf_counter()
         monitored = self.get(key)
+        wk = window_key(key, segment)
         first_time = first_time if first_time is not None else 0.0
         last_time = last_time if last_time is not None else first_time
         if monitored.monitor is None:
             if not len(batch):
                 return None
+            if segment:  # the version's own window (every prediction) is the baseline, not one segment's
+                raise Unscorable(f"window {index} of {wk} cannot be scored: {key} has no baseline yet")
             monitored.monitor = await self._baseline(monitored, index, batch)
         try:
             score = await asyncio.to_thread(monitored.monitor.score, batch, index=index, first_time=first_time,
                                             last_time=last_time)
         except Exception as exc:  # noqa: BLE001 - pure computation: it would fail again on a retry
-            raise _unscorable(key, index, exc) from exc
-        labelled, total = await self.store.truth(key, index)
+            raise _unscorable(wk, index, exc) from exc
+        labelled, total = await self.store.truth(wk, index)
         if labelled:
             score.labelled, score.true = labelled, total / labelled
-        await self.store.save_window(key, window_record(score))
-        self._announce_window(monitored, window_record(score))
-        await self._apply_rules(monitored, score)
-        self._export(monitored, score)
-        self.metrics.close_seconds.labels(monitored.model, monitored.version).observe(time.perf_counter() - started)
+        record = window_record(score, segment=segment)
+        if segment:
+            await self.store.add_segment(key, segment)
+        await self.store.save_window(wk, record)
+        self._announce_window(monitored, record)
+        await self._apply_rules(monitored, score, segment)
+        self._export(monitored, score, segment)
+        self.metrics.close_seconds.labels(monitored.model, monitored.version, segment).observe(
+            time.perf_counter() - started)
         return score
 
     async def _baseline(self, monitored: Monitored, index: int, batch: Batch) -> ModelMonitor:
@@ -421,8 +440,10 @@ class Scorer(Component):
         kept = await self.store.keep_baseline(monitored.key, data)
         return monitor if kept is None else await asyncio.to_thread(_kept_monitor, kept, monitored.config)
 
-    async def _apply_rules(self, monitored: Monitored, score: WindowScore) -> None:
-        key = monitored.key
+    async def _apply_rules(self, monitored: Monitored, score: WindowScore, segment: str = "") -> None:
+        """Steps the rules of the version's (or its ``segment``'s) states: each segment counts its own
+        ``for`` and ``clear_after`` windows."""
+        key = window_key(monitored.key, segment)
         await self._refresh_rules(monitored)  # set through any scorer process
         saved = await self.store.rule_states(key)
         states: dict[str, dict] = {}
@@ -434,14 +455,15 @@ class Scorer(Component):
                               clear_run=data.get("clear_run", 0), raised_at_window=data.get("raised_at_window"))
             change = step(rule, state, observe(rule, score.signals(), score.drift_signals()), score.index)
             if change is not None:
-                await self._announce(monitored, change, score)
+                await self._announce(monitored, change, score, segment)
             states[rule.name] = {"firing": state.firing, "breach_run": state.breach_run,
                                  "clear_run": state.clear_run, "raised_at_window": state.raised_at_window,
                                  "last_window": score.index}
-            self.metrics.firing.labels(monitored.model, monitored.version, rule.name).set(1 if state.firing else 0)
+            self.metrics.firing.labels(monitored.model, monitored.version, segment, rule.name).set(
+                1 if state.firing else 0)
         await self.store.save_rule_states(key, states)
 
-    async def _announce(self, monitored: Monitored, change: Transition, score: WindowScore) -> None:
+    async def _announce(self, monitored: Monitored, change: Transition, score: WindowScore, segment: str) -> None:
         rule, obs = change.rule, change.observation
         bound = rule.under if rule.under is not None else (rule.over if rule.over is not None else 0.0)
         evidence = alert_events_pb2.AlertEvidence(window=score.index, signal=rule.signal, value=obs.value or 0.0,
@@ -450,51 +472,55 @@ class Scorer(Component):
         evidence.window_end.FromNanoseconds(int(score.last_time * 1e9))
         raised_at = change.raised_at_window if change.raised_at_window is not None else score.index
         record = AlertRecord(monitored.model, monitored.version, rule.name, rule.signal, raised_at, obs.value,
-                             dict(obs.evidence), None if change.raised else score.index)
+                             dict(obs.evidence), None if change.raised else score.index, segment)
         await self.store.save_alert(record)
         kind = "raised" if change.raised else "resolved"
-        event_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"opml-monitoring/{monitored.key}/{rule.name}/{kind}/{score.index}"))
+        wk = window_key(monitored.key, segment)
+        event_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"opml-monitoring/{wk}/{rule.name}/{kind}/{score.index}"))
         subject = f"models/{monitored.model}/versions/{monitored.version}"
         if change.raised:
             message = alert_events_pb2.AlertRaised(model=monitored.model, version=monitored.version, rule=rule.name,
-                                                   evidence=evidence)
+                                                   evidence=evidence, segment=segment)
         else:
             message = alert_events_pb2.AlertResolved(model=monitored.model, version=monitored.version,
-                                                     rule=rule.name, raised_at_window=raised_at, evidence=evidence)
+                                                     rule=rule.name, raised_at_window=raised_at, evidence=evidence,
+                                                     segment=segment)
         self.emitter.emit(message, subject=subject, id=event_id)
-        self.metrics.alerts.labels(monitored.model, monitored.version, rule.name, kind).inc()
-        log.warning("alert %s %s on %s at window %d: %s=%s", rule.name, kind, monitored.key, score.index,
+        self.metrics.alerts.labels(monitored.model, monitored.version, segment, rule.name, kind).inc()
+        log.warning("alert %s %s on %s at window %d: %s=%s", rule.name, kind, wk, score.index,
                     rule.signal, obs.value)
 
     def _announce_window(self, monitored: Monitored, record: dict) -> None:
         """WindowScored for a window as saved (``record``: :func:`window_record`'s)."""
         task = monitored.monitor.task if monitored.monitor is not None else None
         estimator = "cbpe" if record.get("cbpe") is not None else "mpp" if record.get("mpp") is not None else ""
+        segment = record.get("segment", "")
         message = quality_events_pb2.WindowScored(
             model=monitored.model, version=monitored.version, window=record["index"], rows=record["rows"],
             task=task.value if task is not None else "", estimator=estimator, labelled=record.get("labelled", 0),
-            score=record["score"])
+            score=record["score"], segment=segment)
         message.first_time.FromNanoseconds(int(record["first_time"] * 1e9))
         message.last_time.FromNanoseconds(int(record["last_time"] * 1e9))
         if estimator:
             message.estimate = record[estimator]
         if record.get("true") is not None:
             message.true_value = record["true"]
-        event_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"opml-monitoring/{monitored.key}/window/{record['index']}/"
+        wk = window_key(monitored.key, segment)
+        event_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"opml-monitoring/{wk}/window/{record['index']}/"
                                                       f"{message.labelled}"))
         self.emitter.emit(message, subject=f"models/{monitored.model}/versions/{monitored.version}", id=event_id)
 
-    def _export(self, monitored: Monitored, score: WindowScore) -> None:
-        m, v = monitored.model, monitored.version
-        self.metrics.windows.labels(m, v).inc()
-        self.metrics.score.labels(m, v).set(score.score)
+    def _export(self, monitored: Monitored, score: WindowScore, segment: str) -> None:
+        m, v, s = monitored.model, monitored.version, segment
+        self.metrics.windows.labels(m, v, s).inc()
+        self.metrics.score.labels(m, v, s).set(score.score)
         for name, value in (("mpp", score.mpp), ("cbpe", score.cbpe), ("true", score.true)):
             if value is not None:
-                self.metrics.estimate.labels(m, v, name).set(value)
+                self.metrics.estimate.labels(m, v, s, name).set(value)
         for name, drift in score.drift.items():
-            self.metrics.drift.labels(m, v, name).set(drift.distance)
-        self.metrics.drifted.labels(m, v).set(sum(d.drifted for d in score.drift.values()))
-        self.metrics.data_quality.labels(m, v).set(score.data_quality.bad_rows_share)
+            self.metrics.drift.labels(m, v, s, name).set(drift.distance)
+        self.metrics.drifted.labels(m, v, s).set(sum(d.drifted for d in score.drift.values()))
+        self.metrics.data_quality.labels(m, v, s).set(score.data_quality.bad_rows_share)
 
     # ------------------------------------------------------------------ labels
     async def on_label(self, raw: bytes, origin: LabelOrigin) -> str:
@@ -533,8 +559,8 @@ class Scorer(Component):
                 return "duplicate"
             self.metrics.labels.labels("parked").inc()
             return "parked"
-        key, window, event = found
-        return await self._join(key, window, event, label, origin)
+        key, window, event, segment, segment_window = found
+        return await self._join(key, window, event, label, origin, segment, segment_window)
 
     async def submit_labels(self, model: str, version: str, labels: Sequence[SubmittedLabel]) -> int:
         """Publishes these labels (LabelObserved, under the platform's label source) for the stream to
@@ -585,12 +611,14 @@ class Scorer(Component):
         """Keeps predictions for the label join (one Redis round trip for all); applies the labels
         that came before them, each producer's in the order they came (the first applied is kept)."""
         parked = await self.store.remember_predictions(
-            [(item.request_id, item.key, item.window, item.raw_event) for item in items])
+            [(item.request_id, item.key, item.window, item.raw_event, item.segment, item.segment_window)
+             for item in items])
         for item, labels in zip(items, parked, strict=True):
             for label in labels:
                 try:
                     await self._join(item.key, item.window, item.raw_event,
-                                     label_events_pb2.LabelObserved.FromString(label.data), label.origin)
+                                     label_events_pb2.LabelObserved.FromString(label.data), label.origin,
+                                     item.segment, item.segment_window)
                 except UntrustedSource as exc:  # a producer another model names: counted, not dead-lettered
                     self.metrics.labels.labels("untrusted").inc()
                     log.warning("parked label of %s dropped: %s", item.request_id, exc)
@@ -610,7 +638,7 @@ class Scorer(Component):
                                   f"{monitored.key}; accepted: {', '.join(sorted(accepted)) or 'none'}")
 
     async def _join(self, key: str, window: int, raw_event: bytes, label: label_events_pb2.LabelObserved,
-                    origin: LabelOrigin) -> str:
+                    origin: LabelOrigin, segment: str = "", segment_window: int = -1) -> str:
         """Raises: FailedPrecondition: ``key`` has no monitor (nobody registered it, or no reference
         and its first window open); what :meth:`adopt` raises; UntrustedSource, InvalidArgument (see
         :meth:`on_label`)."""
@@ -630,29 +658,40 @@ class Scorer(Component):
             total = float(np.sum(np.abs(batch.outputs.predicted - values)))
         else:
             total = float(np.sum(batch.outputs.predicted == values))
-        outcome, joined = await self.store.join_truth(label.request_id, key, window, len(values), total, origin)
+        segment_key = window_key(key, segment) if segment and segment_window >= 0 else None
+        outcome, joined, segment_joined = await self.store.join_truth(
+            label.request_id, key, window, len(values), total, origin,
+            None if segment_key is None else (segment_key, segment_window))
         if joined is None:
             self.metrics.labels.labels(outcome).inc()
             return outcome
-        labelled, sum_total = joined
         # before the window shows the label: a reader that sees it sees the refit. A correction is not
         # learned again: the MPP's live rows hold the request's first label and cannot be taken back
         if outcome == "joined" and monitor.mpp is not None:
             monitor.mpp.add_labels(batch.features, batch.outputs, values)
             if monitor.mpp.due and await asyncio.to_thread(monitor.mpp.recalibrate):
                 self.metrics.recalibrations.labels(monitored.model, monitored.version).inc()
-        record = await self.store.get_window(key, window)
-        if record is not None:
-            record["labelled"], record["true"] = labelled, sum_total / labelled
-            await self.store.save_window(key, record)
-            self._announce_window(monitored, record)
-            self.metrics.estimate.labels(monitored.model, monitored.version, "true").set(record["true"])
-            for name in ("mpp", "cbpe"):
-                if record.get(name) is not None:
-                    self.metrics.estimate_error.labels(monitored.model, monitored.version, name).set(
-                        abs(record[name] - record["true"]))
-        self.metrics.labels.labels(outcome).inc()  # once the window shows it
+        await self._show_truth(monitored, "", window, joined)
+        if segment_key is not None and segment_joined is not None:
+            await self._show_truth(monitored, segment, segment_window, segment_joined)
+        self.metrics.labels.labels(outcome).inc()  # once the windows show it
         return outcome
+
+    async def _show_truth(self, monitored: Monitored, segment: str, window: int, truth: tuple[int, float]) -> None:
+        """The saved window (of the version, or of ``segment``) takes its truth so far, and is announced again."""
+        wk = window_key(monitored.key, segment)
+        record = await self.store.get_window(wk, window)
+        if record is None:  # still open: it reads its truth when it closes
+            return
+        labelled, sum_total = truth
+        record["labelled"], record["true"] = labelled, sum_total / labelled
+        await self.store.save_window(wk, record)
+        self._announce_window(monitored, record)
+        m, v = monitored.model, monitored.version
+        self.metrics.estimate.labels(m, v, segment, "true").set(record["true"])
+        for name in ("mpp", "cbpe"):
+            if record.get(name) is not None:
+                self.metrics.estimate_error.labels(m, v, segment, name).set(abs(record[name] - record["true"]))
 
 
 def _label_problems(field: str, label: SubmittedLabel, *, classifier: bool) -> list[tuple[str, str]]:
