@@ -90,7 +90,9 @@ class QualityBook:
         self._memory: dict[str, dict[int, Window]] = {}
 
     async def record(self, event: quality_events_pb2.WindowScored) -> bool:
-        """Keeps the window unless one with as many labels is kept; whether it was kept.
+        """Keeps the window unless one with as many labels is kept; whether it was kept. A segment's
+        window (a version the scorer monitors per segment too) is not kept: a rollout compares versions
+        on their whole traffic, and a segment's windows are numbered apart from the version's.
         Raises: InvalidArgument (no model, version or rows)."""
         if not 0 < len(event.model) <= MAX_NAME or not 0 < len(event.version) <= MAX_NAME:
             raise InvalidArgument("data", f"a WindowScored must name a model and a version of 1 to {MAX_NAME} "
@@ -98,6 +100,8 @@ class QualityBook:
         if event.rows < 0 or event.window < 0 or event.labelled < 0:
             raise InvalidArgument("data", f"a WindowScored's window, rows and labelled must be >= 0, but got "
                                           f"{event.window}, {event.rows} and {event.labelled}")
+        if event.segment:
+            return False
         window = Window(index=event.window, rows=event.rows, last_time=event.last_time.ToNanoseconds() / 1e9,
                         estimate=event.estimate if event.HasField("estimate") else None, labelled=event.labelled,
                         true_value=event.true_value if event.HasField("true_value") else None,
