@@ -50,7 +50,10 @@ _INGEST_KEYS = {"context", "bundle_name", "tags", "latest", "rolling", "range"}
 _VALIDATE_KEYS = {"label", "thresholds"}
 _TRAIN_KEYS = {"class", "command", "resources", "env", "warm_start", "trace", "code_version", "max_retries"}
 _RESOURCE_KEYS = {"cpu", "memory", "gpu"}
-_PUSH_KEYS = {"context", "bundle_name", "tags", "rollout", "model"}
+_PUSH_KEYS = {"context", "bundle_name", "tags", "rollout", "model", "monitoring"}
+_MONITORING_KEYS = {"segment"}
+SEGMENT_PARAMETER = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+"""A request parameter the monitoring-scorer may segment by (its monitoring.yaml's segment.parameter)."""
 _CLASSES = {"TE": jobs_pb2.JOB_CLASS_TE, "BE": jobs_pb2.JOB_CLASS_BE}
 
 # What each kind reads: {input kind: (least, most)}; an input of a kind not listed is refused.
@@ -137,6 +140,13 @@ def _step(found: _Violations, body: Any, field: str) -> pb.PipelineStep:
         push.model = found.check(_string, config.get("model", ""), f"{where}.model", default="")
         _string_map(found, config.get("tags", {}), f"{where}.tags", push.tags)
         _struct(found, config.get("rollout", {}), f"{where}.rollout", push.rollout)
+        monitoring = found.mapping(config.get("monitoring", {}), f"{where}.monitoring", _MONITORING_KEYS)
+        segment = found.check(_string, monitoring.get("segment", ""), f"{where}.monitoring.segment", default="")
+        if segment and not SEGMENT_PARAMETER.fullmatch(segment):
+            found.add(f"{where}.monitoring.segment", f"must name a request parameter ({SEGMENT_PARAMETER.pattern}), "
+                                                     f"but got {_short(segment)}")
+        else:
+            push.monitoring.segment = segment
     return step
 
 

@@ -47,6 +47,7 @@ from opml_job_orchestrator.pipelines.bundles import CREATOR, BundleIO, output_ta
 from opml_job_orchestrator.pipelines.cache import cache_key, code_version
 from opml_job_orchestrator.pipelines.dag import Plan
 from opml_job_orchestrator.pipelines.metrics import PipelineMetrics
+from opml_job_orchestrator.pipelines.stepjobs import monitoring_with_segment
 from opml_job_orchestrator.pipelines.steps import StepJobs, job_id, platform_step_job, train_job
 from opml_job_orchestrator.pipelines.store import RunStore
 from opml_job_orchestrator.scheduler.model import Resources
@@ -511,6 +512,10 @@ class Runner:
             for name in ("reference.npz", "monitoring.yaml"):
                 if (staging / "evaluation" / "reference" / name).is_file():
                     files[name] = staging / "evaluation" / "reference" / name
+            if push.monitoring.segment:  # monitored per value of this request parameter too
+                written = files.get("monitoring.yaml")
+                files["monitoring.yaml"] = monitoring_with_segment(
+                    written.read_bytes() if isinstance(written, Path) else None, push.monitoring.segment)
             if push.HasField("rollout") and push.rollout.fields:
                 files["rollout.yaml"] = yaml.safe_dump(plain(push.rollout), sort_keys=False).encode()
             tags = dict(push.tags) or {"serve": "true"}
