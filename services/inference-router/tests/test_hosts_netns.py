@@ -323,15 +323,47 @@ def test_a_host_killed_with_sigkill_is_marked_down_its_model_keeps_serving_and_i
     stack.agents[holder].send_signal(signal.SIGKILL)
     stack.agents[holder].wait(10)
     stack.wait(lambda: not stack.workers_alive()[worker], f"{worker} marked down", timeout_s=120)
-    # its requests go elsewhere at once; re-placing its replicas depends on free slots (see the README)
+    down_s = time.monotonic() - killed_at
+    # its replicas are re-placed on the live workers, or dropped where no usable worker has room: none stays
+    # named on the dead worker, and a version left with fewer replicas says so in its status
+    stack.wait(lambda: not any(worker in workers for workers in stack.placement().values()),
+               f"no replica left on {worker}", timeout_s=120)
+    replaced_s = time.monotonic() - killed_at
     after = stack.placement()
-    print(f"\nhost {holder} killed: {worker} marked down {time.monotonic() - killed_at:.2f} s after; "
-          f"placement {before} -> {after}")
+    for model, workers in before.items():
+        assert after.get(model) and not {w for w in after[model] if not stack.workers_alive()[w]}, (model, after)
+        with DeploymentClient(stack.router.target, token=TOKENS["reader"]) as client:
+            reason = client.get(model).versions[-1].reason
+        if len(after[model]) < len(workers):
+            assert reason.startswith(f"short of replicas: {len(after[model])} of {len(workers)} replicas ({worker}: "
+                                     f"host {holder}"), reason
+        else:
+            assert reason == "", reason
+    print(f"\nhost {holder} killed: {worker} marked down {down_s:.2f} s after, its replicas off it after "
+          f"{replaced_s:.2f} s; placement {before} -> {after}")
     infer(stack.router.target, "small", "after-kill")
     stack.start_agent(holder)  # it comes back under its name, gets its place again, and its replicas return
     stack.wait(lambda: stack.workers_alive()[worker], f"{worker} back")
     stack.wait(lambda: {m: sorted(w) for m, w in stack.placement().items()} == {m: sorted(w) for m, w in before.items()},
-               "the replicas back where they were", timeout_s=180)
+               lambda: f"the replicas back where they were, {before}: {stack.placement()}", timeout_s=180)
+
+
+def test_hosts_register_again_after_the_router_restarts_and_its_models_grow_back_onto_them(stack: Stack) -> None:
+    before = {model: len(workers) for model, workers in stack.placement().items()}
+    stack.router.stop()
+    stack.router.start()  # the same ports and Redis: its deployments come back, first on its own worker
+    restarted_at = time.monotonic()
+    # each agent, still heartbeating, hears that this router does not know it and registers again
+    stack.wait(lambda: all(stack.workers_alive().values()), "every host's worker serving again", timeout_s=120)
+    registered_s = time.monotonic() - restarted_at
+    stack.wait(lambda: {model: len(workers) for model, workers in stack.placement().items()} == before,
+               lambda: f"the models back to their replica counts {before}: {stack.placement()}", timeout_s=180)
+    placed = stack.placement()
+    assert {site_of(w) for w in placed["small"]} & {"cloud", "edge-a", "edge-b"}, placed
+    print(f"\nrouter restarted: every host registered again {registered_s:.2f} s after, placement {placed} "
+          f"{time.monotonic() - restarted_at:.2f} s after")
+    infer(stack.router.target, "small", "after-restart")
+    infer(stack.router.target, "big", "after-restart-big")
 
 
 def test_a_host_token_registers_hosts_and_nothing_else_and_a_refused_agent_exits_saying_why(stack: Stack) -> None:

@@ -3,6 +3,8 @@ workers, nearest sites first, and re-placement off a lost host's workers."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from opml_common.errors import InvalidArgument
@@ -11,6 +13,7 @@ from opml_inference_router.placement import (
     Fleet,
     FleetConfig,
     Link,
+    ModelDemand,
     Planner,
     PoolConfig,
     Replanner,
@@ -90,3 +93,74 @@ def test_a_model_on_a_lost_hosts_worker_is_re_placed_and_the_others_stay() -> No
     after = replan.plan.placements[demands[0].model].workers
     assert before[0] not in after and before[1] in after and len(after) == 2
     assert replan.reasons[demands[0].model] == f"{before[0]}: host lost"
+
+
+def one_slot_sites() -> Fleet:
+    """Three sites of one single-slot worker each: a lost one's replica finds no free slot elsewhere."""
+    kind = CPU.model_copy(update={"slots": 1}) if hasattr(CPU, "model_copy") else dataclasses.replace(CPU, slots=1)
+    pools = tuple(PoolConfig(name=site, kind="cpu", workers=1, site=site) for site in ("cloud", "edge-a", "edge-b"))
+    return Fleet(FleetConfig(pool_kinds=(kind,), pools=pools, min_replicas=2))
+
+
+@pytest.mark.parametrize("rate", [10.0, 400.0], ids=["floor", "load"])  # its 2 replicas: N+1, or what its load needs
+def test_a_lost_hosts_replica_with_no_free_slot_is_dropped_and_grows_back_when_it_returns(rate: float) -> None:
+    fleet = one_slot_sites()
+    lost: set[str] = set()
+    planner = Planner(fleet=fleet, policy=CostAwareSloPolicy(),
+                      usable=lambda model, worker: "host lost" if worker.id in lost else "")
+    pair, single = demand("pair", rate=rate, slo=200.0), demand("single", rate=10, slo=200.0)
+    single = ModelDemand(single.config.model_copy(update={"min_replicas": 1}), 1, 10)
+    demands, profiles = [pair, single], book("pair", "single")
+    plan = planner.plan(demands, profiles)
+    before = plan.placements[pair.model].workers
+    assert len(before) == 2 and len(plan.placements[single.model].workers) == 1
+    lost.add(before[0])
+    replan = Replanner(planner=planner).replan(plan, demands, profiles, {})
+    after = replan.plan.placements[pair.model]
+    # the third slot is the other model's: the lost replica is not named on its dead worker any more
+    assert after.workers == (before[1],), after
+    assert after.short == f"1 of 2 replicas ({before[0]}: host lost); the usable workers have no room for the rest"
+    assert after.lost == (before[0],)
+    assert replan.reasons[pair.model].startswith(f"{before[0]}: host lost")
+    assert [type(move).__name__ for move in replan.moves] == ["RemoveReplica"]
+    # a plain re-plan leaves it as it is; once the worker is back, a regrow puts the replica there again
+    steady = Replanner(planner=planner).replan(replan.plan, demands, profiles, {})
+    assert steady.plan.placements[pair.model] == after and not steady.moves
+    lost.clear()
+    back = Replanner(planner=planner).replan(replan.plan, demands, profiles, {}, regrow=True)
+    assert back.plan.placements[pair.model].workers == (before[1], before[0])  # the one it kept stays put
+    assert (back.plan.placements[pair.model].short, back.plan.placements[pair.model].lost) == ("", ())
+    assert [type(move).__name__ for move in back.moves] == ["AddReplica", "WaitReady"]
+    assert back.reasons[pair.model] == f"1 replicas grown to 2 on {before[0]}"
+
+
+def test_a_regrow_brings_a_version_below_its_floor_up_to_it_where_workers_joined() -> None:
+    fleet = three_sites()
+    joined: set[str] = {"cloud-000"}
+    planner = Planner(fleet=fleet, policy=CostAwareSloPolicy(),
+                      usable=lambda model, worker: "" if worker.id in joined else "no host serves it")
+    demands, profiles = [demand("m", rate=10, slo=200.0)], book("m")
+    plan = planner.plan(demands, profiles)  # the floor is 2, one worker may be used
+    assert plan.placements[demands[0].model].workers == ("cloud-000",)
+    joined.add("edge-a-000")
+    assert not Replanner(planner=planner).replan(plan, demands, profiles, {}).moves  # only a regrow grows it
+    grown = Replanner(planner=planner).replan(plan, demands, profiles, {}, regrow=True)
+    assert grown.plan.placements[demands[0].model].workers == ("cloud-000", "edge-a-000")
+
+
+def test_a_model_whose_every_replica_was_on_lost_workers_and_finds_no_room_is_unplaced() -> None:
+    fleet = one_slot_sites()
+    lost: set[str] = set()
+    planner = Planner(fleet=fleet, policy=CostAwareSloPolicy(),
+                      usable=lambda model, worker: "host lost" if worker.id in lost else "")
+    pair = demand("pair", rate=10, slo=200.0)
+    single = demand("single", rate=10, slo=200.0)
+    single = ModelDemand(single.config.model_copy(update={"min_replicas": 1}), 1, 10)
+    demands, profiles = [pair, single], book("pair", "single")
+    plan = planner.plan(demands, profiles)
+    lost.add(plan.placements[single.model].workers[0])
+    lost.add(plan.placements[pair.model].workers[0])  # the pair keeps one replica; the single one has no room
+    replan = Replanner(planner=planner).replan(plan, demands, profiles, {})
+    assert single.model not in replan.plan.placements and single.model in replan.plan.unplaced
+    assert "unplaced" in replan.reasons[single.model]
+    assert not lost & {w for _, w in replan.plan.replicas()}

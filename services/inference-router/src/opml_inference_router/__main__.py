@@ -7,15 +7,24 @@ this machine can run), rebuilds the deployments Redis remembers, publishes predi
 deployment events, deploys committed bundles tagged ``serve=true`` from the bundles topic, and keeps
 the monitoring-scorer's window quality (``opml.quality.v1``) for the rollouts' quality checks.
 SIGTERM: the server drains, then the consumer, the predictions and the workers stop.
+
+With ``replicated`` several routers share Redis and the topics (:mod:`.leadership`): each serves
+inference from its own workers; the holder of the ``inference-router`` lease deploys, re-places,
+drives rollouts, autodeploys and places on hosts, and the others mirror what it stores and forward
+the deployment and host APIs to it (:mod:`.leader_calls`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from functools import partial
 
+from opml.inference.v1 import deployments_pb2_grpc, hosts_pb2, hosts_pb2_grpc
+
 from opml_common.bus import EventConsumer, RedisDeduplicator
 from opml_common.grpc.server import ServiceRegistration
+from opml_common.lease import LeaderLease
 from opml_common.process import ServiceSpec
 from opml_common.service import ServiceContext, run_service
 from opml_inference_router import frontend
@@ -31,12 +40,14 @@ from opml_inference_router.control.worker_metrics import register_worker_metrics
 from opml_inference_router.hosts.registry import HostRegistry
 from opml_inference_router.hosts.service import HostServicer
 from opml_inference_router.hosts.wiring import bundle_bytes, connect_hosts
+from opml_inference_router.leader_calls import LeaderCalls
+from opml_inference_router.leadership import LEASE, ConsumerPart, RouterLeadership
 from opml_inference_router.native_front import FrontLink, NativeFront
 from opml_inference_router.placement import CostAwareSloPolicy, SiteRule, load_fleet_config
 from opml_inference_router.predictions import PredictionLog
 from opml_inference_router.routing import Router
 from opml_inference_router.routing.uds_replica import connect
-from opml_inference_router.servicer import DeploymentServicer
+from opml_inference_router.servicer import METHOD_ROLES, DeploymentServicer
 from opml_inference_router.settings import RouterSettings
 from opml_inference_router.topics import BUNDLES
 from opml_inference_router.worker.settings import WorkerSettings
@@ -77,32 +88,48 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
                                                      linger_s=settings.prediction_linger_ms / 1000.0))
     bundle_token = settings.bundle_store_token.get_secret_value() or None
     fetcher = BundleFetcher(settings.bundle_store_target, settings.home, token=bundle_token)
+    redis, prefix = service.redis(), platform.redis_prefix
+    lease = LeaderLease(redis, LEASE, settings.advertised_target, prefix=prefix, ttl_s=settings.lease_ttl_s,
+                        on_change=lambda leading: leadership.changed(leading)) if settings.replicated else None
     manager = await service.start(DeploymentManager(
         pools=pools, router=router, observer=Observer(metrics.registry), fetcher=fetcher,
-        store=DeploymentStore(service.redis(), prefix=platform.redis_prefix), events=await service.emitter(),
-        replan_interval_s=settings.replan_interval_s, usable=hosts.refusal,
-        policy=CostAwareSloPolicy(site_rtt_ms=hosts.site_rtt_ms)))
+        store=DeploymentStore(redis, prefix=prefix, fence=(lambda: lease.fence) if lease is not None else None),
+        events=await service.emitter(), replan_interval_s=settings.replan_interval_s, usable=hosts.refusal,
+        policy=CostAwareSloPolicy(site_rtt_ms=hosts.site_rtt_ms), following=settings.replicated,
+        follow_interval_s=settings.follow_interval_s))
     connect_hosts(hosts, manager)
     await service.start(hosts)
-    quality = QualityBook(service.redis(), prefix=platform.redis_prefix)
-    rollouts = await service.start(ProgressiveRollouts(  # after the deployments are restored: resumes rollouts
-        manager, store=RolloutStore(service.redis(), prefix=platform.redis_prefix), events=await service.emitter(),
+    quality = QualityBook(redis, prefix=prefix)
+    rollouts = ProgressiveRollouts(
+        manager, store=RolloutStore(redis, prefix=prefix), events=await service.emitter(),
         quality=quality, ledger=DecisionLedger(settings.bundle_store_target, token=bundle_token), metrics=metrics,
         scorer=ScorerWindows(settings.monitoring_scorer_target,
                              token=settings.monitoring_scorer_token.get_secret_value() or None)
-        if settings.monitoring_scorer_target else None))
+        if settings.monitoring_scorer_target else None)
     if settings.rollout_quality:
         scores = EventConsumer(platform, group_id=QUALITY_GROUP, topics=[QUALITY], sources=QUALITY_SOURCES,
                                handler=QualityConsumer(quality), metrics=metrics, publisher=await service.publisher(),
                                dedup=RedisDeduplicator(service.redis(), prefix=platform.redis_prefix,
                                                        group=QUALITY_GROUP))
         service.run_in_background(scores.run, stop=scores.stop, name="rollout-quality")
-    if settings.autodeploy:
-        consumer = EventConsumer(platform, group_id=GROUP, topics=[BUNDLES], sources=SOURCES,
-                                 handler=AutoDeployer(manager, bundles=fetcher),
-                                 metrics=metrics, publisher=await service.publisher(),
-                                 dedup=RedisDeduplicator(service.redis(), prefix=platform.redis_prefix, group=GROUP))
-        service.run_in_background(consumer.run, stop=consumer.stop, name="autodeploy")
+    publisher = await service.publisher()
+
+    def autodeploy() -> EventConsumer:
+        return EventConsumer(platform, group_id=GROUP, topics=[BUNDLES], sources=SOURCES,
+                             handler=AutoDeployer(manager, bundles=fetcher), metrics=metrics, publisher=publisher,
+                             dedup=RedisDeduplicator(redis, prefix=prefix, group=GROUP))
+
+    if lease is None:  # one router: it leads from its start
+        await service.start(rollouts)
+        if settings.autodeploy:
+            consumer = autodeploy()
+            service.run_in_background(consumer.run, stop=consumer.stop, name="autodeploy")
+    else:  # what only the leader runs; stopped in reverse: the tenure's parts before the lease is released
+        tenure = [rollouts, *([ConsumerPart(autodeploy, name="autodeploy")] if settings.autodeploy else [])]
+        leadership = RouterLeadership(lease=lease, redis=redis, prefix=prefix, manager=manager, hosts=hosts,
+                                      parts=tenure, metrics=metrics)
+        await service.start(lease)
+        await service.start(leadership)
     inference = frontend.InferenceFrontend(router, predictions=predictions)
     service.on_draining(lambda: setattr(inference, "accepting", False))
     if settings.native_front:
@@ -115,7 +142,16 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
                                      serving_models=manager.serving_models, rollouts=rollouts)  # measurements re-place what they change
     host_service = HostServicer(hosts, await service.publisher(), host_tokens=[
         t.strip() for t in settings.host_tokens.get_secret_value().split(",") if t.strip()])
-    return [inference.registration(), deployments.registration(), host_service.registration()]
+    control = [deployments.registration(), host_service.registration()]
+    if lease is not None:  # a follower forwards them to the leader
+        control = [dataclasses.replace(control[0], servicer=LeaderCalls(
+                       deployments, deployments_pb2_grpc.DeploymentServiceStub, frozenset(METHOD_ROLES),
+                       leading=leadership.leading, leader=leadership.leader, me=settings.advertised_target)),
+                   dataclasses.replace(control[1], servicer=LeaderCalls(
+                       host_service, hosts_pb2_grpc.HostServiceStub,
+                       frozenset(hosts_pb2.DESCRIPTOR.services_by_name["HostService"].methods_by_name),
+                       leading=leadership.leading, leader=leadership.leader, me=settings.advertised_target))]
+    return [inference.registration(), *control]
 
 
 def main() -> None:

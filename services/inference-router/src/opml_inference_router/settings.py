@@ -6,6 +6,7 @@ The worker processes the router starts have their own ``OPML_INFERENCE_ROUTER_WO
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Literal
 
@@ -120,6 +121,23 @@ class RouterSettings(ServiceSettings):
     site_route_slo_fraction: float = Field(0.5, gt=0, description="A model goes to a site only if the round trip "
                                            "to it is at most this x its p99 SLO.")
 
+    replicated: bool = Field(
+        False, description="Run as one of several router replicas sharing Redis and the topics: the holder of the "
+        "inference-router lease writes the deployments, re-places, drives rollouts, autodeploys and places on hosts; "
+        "the others serve inference from their own workers with the deployments it stores, and forward the "
+        "deployment and host APIs to it. False: one router, which leads from its start.")
+    lease_ttl_s: float = Field(10.0, gt=0, description="With `replicated`: the lease's time to live; a leader that "
+                               "dies is succeeded within about this long.")
+    advertise: str = Field("", description="With `replicated`: host:port at which the other replicas reach this one's "
+                           "gRPC port (they forward control-plane calls to the leader there); empty: "
+                           "<hostname>:`grpc_port`.")
+    follow_interval_s: float = Field(0.5, gt=0, description="With `replicated`: how often a follower checks whether "
+                                     "the stored deployments changed (it then mirrors them onto its workers).")
+
     @property
     def fleet_path(self) -> Path:
         return self.fleet or LOCAL_FLEET
+
+    @property
+    def advertised_target(self) -> str:
+        return self.advertise or f"{socket.gethostname()}:{self.grpc_port}"

@@ -38,6 +38,15 @@ def set_source(message, source: Source) -> None:
         message.model_dir = source.model_dir
 
 
+def _placement_note(view: DeploymentView, model: ModelVersion) -> str:
+    """Why a serving version runs fewer replicas than before a worker was lost, or none ('' if neither)."""
+    placed = view.plan.placements.get(model)
+    if placed is not None:
+        return f"short of replicas: {placed.short}" if placed.short else ""
+    unplaced = view.plan.unplaced.get(model)
+    return f"no replica: {unplaced}" if unplaced else ""
+
+
 def session_options(session: SessionChoice) -> pb.SessionOptions:
     return pb.SessionOptions(threads=session.threads, opt_level=session.opt_level,
                              execution_mode=session.execution_mode, basis=session.basis)
@@ -54,7 +63,7 @@ def deployment(view: DeploymentView, record: ModelRecord) -> pb.Deployment:
     for number, entry in sorted(record.versions.items()):
         model = ModelVersion(record.name, number)
         status = message.versions.add(name=f"models/{record.name}/versions/{number}", version=number,
-                                      state=_STATES[entry.state], reason=entry.reason,
+                                      state=_STATES[entry.state], reason=entry.reason or _placement_note(view, model),
                                       traffic_percent=traffic.get(str(number), 0.0), bundle_uuid=entry.bundle_uuid)
         set_source(status, entry.source)
         status.create_time.FromNanoseconds(int(entry.created * 1e9))

@@ -20,6 +20,13 @@ number back (:mod:`.versions`).
 
 One deploy, move or re-placement runs at a time (a lock): each starts from the plan the last left.
 
+Router replicas (``following=True``, :mod:`~opml_inference_router.leadership`): a replica that does
+not hold the lease **follows** the store: whenever its generation changes it mirrors the stored
+versions and traffic onto its own workers (:meth:`follow`: bundles fetched, placed from the stored
+profiles, never profiled; retired ones unloaded), writing and announcing nothing, so it serves what
+the leader serves. :meth:`take_over` makes it the writer (caught up first, the store's interrupted
+deploys marked FAILED, the re-placement tick started); :meth:`step_down` makes it follow again.
+
 The manager coordinates; each step lives in a module of its own: :mod:`.validation` (arguments,
 pool kinds), :mod:`.versions` (numbering), :mod:`.profiling`, :mod:`.replan` (the plan and the
 moves that carry it out), :mod:`.rollout` (traffic: canary, promote, rollback, retiring),
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -72,6 +80,7 @@ from opml_inference_router.placement import (
     Replan,
     WorkerCheck,
 )
+from opml_inference_router.placement.fleet_config import LOCAL_SITE
 from opml_inference_router.routing import Router
 from opml_inference_router.runtime import load_bundle
 
@@ -90,7 +99,8 @@ class DeploymentManager(Component):
     def __init__(self, *, pools: PoolManager, router: Router, observer: Observer,
                  fetcher: BundleFetcher | None = None, store: DeploymentStore | None = None,
                  events: EventEmitter | None = None, policy: PlacementPolicy | None = None,
-                 replan_interval_s: float = 30.0, usable: WorkerCheck | None = None) -> None:
+                 replan_interval_s: float = 30.0, usable: WorkerCheck | None = None, following: bool = False,
+                 follow_interval_s: float = 0.5) -> None:
         if replan_interval_s < 0:
             raise InvalidArgument("replan_interval_s", f"must be >= 0, but got {replan_interval_s}")
         super().__init__()
@@ -111,6 +121,11 @@ class DeploymentManager(Component):
         self._replan_interval_s = replan_interval_s
         self._lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
+        self.leading = not following  # writes the store and announces changes; else mirrors the store
+        self.waiting: set[ModelVersion] = set()  # restored versions that wait for their hosts (:meth:`place_waiting`)
+        self._follow_interval_s = follow_interval_s
+        self._followed = -1  # the store generation last mirrored
+        self._stop_following = asyncio.Event()
         self.rollouts: ProgressiveRollouts | None = None  # set by ProgressiveRollouts: deploys with rollout.yaml
         pools.on_restart = self.worker_restarted
         pools.on_down = self.worker_down
@@ -118,12 +133,125 @@ class DeploymentManager(Component):
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def on_start(self) -> None:
-        await self._restore()
-        self._task = asyncio.create_task(self._tick(), name="replan-tick")
+        if self.leading:
+            await self._restore()
+            self._task = asyncio.create_task(self._tick(), name="replan-tick")
+        else:
+            await self.follow()
+            self._task = asyncio.create_task(self._follow(), name="follow-store")
 
     async def on_stop(self) -> None:
+        if not self.leading:
+            await self._end_following()
         task, self._task = self._task, None
         await cancel_and_wait(task)
+
+    # -- replicas: the leader writes, the others follow ------------------------------------------
+
+    async def take_over(self) -> None:
+        """This replica now holds the lease: caught up with the store, it writes from now on; a deploy
+        the previous leader left DEPLOYING is marked FAILED (as a restart does), the version numbers
+        are read again, the re-placement tick starts. Raises: NotLeader, RedisError (the caller retries)."""
+        await self._end_following()
+        await self.follow()
+        async with self._lock:
+            await self._versions.load()
+            self.leading = True
+            for record in self.models.values():  # what waits for the hosts is placed once they register
+                interrupted = [e for e in record.versions.values() if e.state == DEPLOYING
+                               and ModelVersion(record.name, e.version) not in self.waiting]
+                for entry in interrupted:
+                    entry.state, entry.reason = FAILED, "the deploy was interrupted: the leading router replica stopped"
+                if interrupted:
+                    await self._save(record)
+        self._task = asyncio.create_task(self._tick(), name="replan-tick")
+        log.info("this router replica leads: it deploys, re-places and writes the deployments")
+
+    async def step_down(self) -> None:
+        """This replica no longer holds the lease: it stops writing and follows the store again."""
+        self.leading = False
+        await cancel_and_wait(self._task)
+        async with self._lock:  # off the workers it may no longer use (the hosts it let go), writing nothing
+            with contextlib.suppress(OpmlError):
+                await self._placer.replan({})
+        self._task = asyncio.create_task(self._follow(), name="follow-store")
+        log.warning("this router replica no longer leads: it follows the deployments the leader writes")
+
+    async def follow(self) -> None:
+        """Mirrors the stored deployments onto this replica's workers (see the module): versions served
+        here that the store no longer serves are dropped, stored serving versions not served here are
+        fetched and placed, each model's split is the stored one; non-serving versions are copied as
+        they are. Writes and announces nothing. A version this replica cannot place keeps FAILED here
+        with the reason (logged), or waits for hosts where a pool at another site could hold it (the
+        leader places on hosts: :meth:`place_waiting`), and is tried again at the next change."""
+        if self._store is None:
+            return
+        generation = await self._store.generation()
+        records, profiles = await self._store.load()
+        async with self._lock:
+            stored = {record.name: record for record in records}
+            for name in [name for name in self.models if name not in stored]:
+                if name in self.router.models():
+                    await self.router.remove_model(name)
+                record = self.models.pop(name)
+                for number in list(record.versions):
+                    self._forget(record, number)
+            for record in records:
+                mine = self.models.setdefault(record.name, ModelRecord(record.name))
+                for number in [n for n, e in mine.versions.items() if n not in record.versions
+                               or (e.state == SERVING) != (record.versions[n].state == SERVING)]:
+                    self._forget(mine, number)
+            self._placer.profiles = ProfileBook.from_dict(profiles)  # after the forgetting, which drops profiles
+            for record in records:
+                mine = self.models[record.name]
+                stable = record.stable
+                for entry in sorted(record.versions.values(), key=lambda e: (e.version != stable, -e.version)):
+                    if entry.version in mine.versions:
+                        continue
+                    copy = dataclasses.replace(entry)
+                    mine.versions[entry.version] = copy
+                    if entry.state != SERVING:
+                        continue
+                    copy.state = DEPLOYING  # out of the plan's demands until it is placed itself
+                    problem = await self._bring_back(mine, copy)
+                    if problem is None:
+                        copy.state = SERVING
+                    elif self._hosts_may_place(copy, problem):  # placed on hosts, which only a leader has
+                        copy.reason = f"waiting for its hosts to register: {problem.message}"
+                        self.waiting.add(ModelVersion(record.name, copy.version))
+                    else:
+                        copy.state, copy.reason = FAILED, f"not served by this replica: {problem.message}"
+                        log.error("models/%s/versions/%d %s", record.name, copy.version, copy.reason)
+                mine.stable, mine.traffic = record.stable, dict(record.traffic)
+                self._restore_traffic(mine)
+            with contextlib.suppress(OpmlError):  # unloads what was dropped; kept until a later change else
+                await self._place()
+        self._followed = generation
+
+    async def _end_following(self) -> None:
+        """Ends the follower's loop after its round: not cancelled mid-round, where a worker call's
+        cancellation comes back as a failed call (UNAVAILABLE) and the loop would go on."""
+        task, self._task = self._task, None
+        if task is None:
+            return
+        self._stop_following.set()
+        await asyncio.wait({task})
+        self._stop_following.clear()
+
+    async def _follow(self) -> None:
+        """A follower's loop: mirrors the store each time its generation moves (polled)."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop_following.wait(), self._follow_interval_s)
+            if self._stop_following.is_set():
+                return
+            try:
+                if await self._store.generation() != self._followed:  # type: ignore[union-attr]
+                    await self.follow()
+            except OpmlError as error:
+                log.warning("following the deployments failed: %s; trying again", error.message)
+            except Exception:  # noqa: BLE001 - Redis away or a bug in one round: the next round tries again
+                log.exception("following the deployments failed; trying again")
 
     # -- queries (a DeploymentView, which convert reads) -----------------------------------------
 
@@ -274,11 +402,15 @@ class DeploymentManager(Component):
 
     # -- re-placement ----------------------------------------------------------------------------
 
-    async def replan_once(self) -> Replan:
+    async def replan_once(self, *, regrow: bool = False, measured: bool = True) -> Replan:
         """Re-places the versions whose measured rate or p99 left the plan (the Replan says why and
-        what moved; its profiles, calibrated by what serving measured, are kept and stored)."""
+        what moved; its profiles, calibrated by what serving measured, are kept and stored), those on
+        workers placement may no longer use, and (``regrow``: a worker came back) those short of replicas.
+        ``measured`` False: no measurement is read (a host change's window holds its failover's waits,
+        which are no measure of a replica's speed)."""
         async with self._lock:
-            replan = await self._placer.replan(self._observer.observe(list(self.plan.placements)))
+            observations = self._observer.observe(list(self.plan.placements)) if measured else {}
+            replan = await self._placer.replan(observations, regrow=regrow)
             if replan.moves:
                 self._placement_changed(replan)
             if replan.reasons:
@@ -370,7 +502,11 @@ class DeploymentManager(Component):
         cannot come back (its bundle gone, a file the loader refuses, no room) fails alone, with that
         reason, and the others serve. What cannot come back is announced (DeployFailed) and then
         retired if a newer version of its model serves (:meth:`_retire_failed`), else it stays FAILED
-        with its reason, so ``get`` says why nothing serves, until a newer version serves."""
+        with its reason, so ``get`` says why nothing serves, until a newer version serves.
+
+        A version that finds no room while the fleet has pools on host agents' machines (they register
+        again only after this restart) is not failed: it waits, DEPLOYING with that reason and still
+        SERVING in the store, and is placed once hosts join (:meth:`place_waiting`)."""
         if self._store is None:
             return
         records, profiles = await self._store.load()
@@ -392,16 +528,55 @@ class DeploymentManager(Component):
                     problem = await self._bring_back(record, entry)
                     if problem is None:
                         entry.state = SERVING
-                        continue
-                    entry.state, entry.reason = FAILED, f"not restored after a restart: {problem.message}"
-                    log.error("models/%s/versions/%d %s", record.name, entry.version, entry.reason)
-                    self._failed(record.name, entry.version, entry.source, problem)
-                self._restore_traffic(record)
-                self._retire_failed(record)
-                await self._save(record)
+                    elif self._hosts_may_place(entry, problem):
+                        entry.reason = f"waiting for its hosts to register after a restart: {problem.message}"
+                        self.waiting.add(ModelVersion(record.name, entry.version))
+                        log.warning("models/%s/versions/%d is %s", record.name, entry.version, entry.reason)
+                    else:
+                        entry.state, entry.reason = FAILED, f"not restored after a restart: {problem.message}"
+                        log.error("models/%s/versions/%d %s", record.name, entry.version, entry.reason)
+                        self._failed(record.name, entry.version, entry.source, problem)
+                if not any(model.name == record.name for model in self.waiting):  # else once they are placed
+                    await self._restored(record)
             await self._save_profiles()
             log.info("restored deployments: %s", {name: [f"{e.version} {e.state}" for e in r.versions.values()]
                                                   for name, r in sorted(self.models.items())})
+
+    async def _restored(self, record: ModelRecord) -> None:
+        """A restored model's traffic as it was, its failed versions retired, its record saved."""
+        self._restore_traffic(record)
+        self._retire_failed(record)
+        await self._save(record)
+
+    def _hosts_may_place(self, entry: VersionRecord, problem: OpmlError) -> bool:
+        """Whether a version that found no room may find it once host agents register (its config allows
+        a pool kind that a pool at another site than the router's runs)."""
+        kinds = set(entry.config.pool_kinds) if entry.config is not None else set()
+        return isinstance(problem, FailedPrecondition) and any(
+            worker.site != LOCAL_SITE and worker.kind.name in kinds for worker in self.fleet.workers)
+
+    async def place_waiting(self) -> list[ModelVersion]:
+        """Places the restored versions that wait for their hosts (:meth:`_restore`), now that hosts
+        changed; a model whose versions all came back gets its traffic as it was. Returns those placed."""
+        placed = []
+        async with self._lock:
+            for model in sorted(self.waiting):
+                record = self.models.get(model.name)
+                entry = record.versions.get(model.version) if record is not None else None
+                if entry is None or entry.state != DEPLOYING:
+                    self.waiting.discard(model)
+                    continue
+                problem = await self._bring_back(record, entry)  # type: ignore[arg-type]
+                if problem is not None:
+                    entry.reason = f"waiting for its hosts to register after a restart: {problem.message}"
+                    continue
+                entry.state, entry.reason = SERVING, ""
+                self.waiting.discard(model)
+                placed.append(model)
+                log.info("%s placed now that its hosts registered", model)
+                if not any(other.name == model.name for other in self.waiting):
+                    await self._restored(record)  # type: ignore[arg-type]
+        return placed
 
     async def _bring_back(self, record: ModelRecord, entry: VersionRecord) -> OpmlError | None:
         """Fetches (where the work directory lost it), reads and places one stored version; the error
@@ -473,6 +648,7 @@ class DeploymentManager(Component):
 
     def _placement_changed(self, replan: Replan) -> None:
         reasons = [f"{model}: {reason}" for model, reason in sorted(replan.reasons.items())]
+        log.info("placement changed (%d moves): %s", len(replan.moves), "; ".join(reasons))
         self._emit(convert.placement_event(self, reasons, replan), "placement")
 
     def report_failure(self, source: Source, error: OpmlError, *, version: int = 0) -> None:
@@ -484,5 +660,5 @@ class DeploymentManager(Component):
         self._emit(convert.failed_event(name, version, source, error), name or str(source))
 
     def _emit(self, message: Message, subject: str) -> None:
-        if self._events is not None:
+        if self._events is not None and self.leading:  # a follower's mirroring is no change to announce
             self._events.emit(message, subject=subject)

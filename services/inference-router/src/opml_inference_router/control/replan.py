@@ -103,12 +103,13 @@ class ReplicaPlacer:
         await self._adopt(replan)
         return replan
 
-    async def replan(self, observations: Mapping[ModelVersion, Observation]) -> Replan:
-        """Re-places the versions whose measured rate or p99 left the plan, or whose serving configuration
-        the latest measurements change; keeps the calibrated profiles."""
+    async def replan(self, observations: Mapping[ModelVersion, Observation], *, regrow: bool = False) -> Replan:
+        """Re-places the versions whose measured rate or p99 left the plan, whose serving configuration
+        the latest measurements change, or (``regrow``) that run short of their replicas; keeps the
+        calibrated profiles."""
         demands = self.demands()
         await self._predict(demands)
-        replan = self.replanner.replan(self.plan, demands, self.profiles, observations)
+        replan = self.replanner.replan(self.plan, demands, self.profiles, observations, regrow=regrow)
         await self._adopt(replan)
         self.profiles = replan.profiles
         return replan

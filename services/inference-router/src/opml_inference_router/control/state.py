@@ -9,15 +9,22 @@ rollback retired a version, not after an undeploy deleted the model's record, no
 A router restarted with these keys rebuilds its deployments: it fetches the bundles again where
 its work directory lost them, re-plans from the stored profiles (no re-profiling) and loads the
 replicas on its fresh workers. With the keys gone it starts empty (DESIGN: Redis is hot state).
+
+Router replicas (:mod:`~opml_inference_router.leadership`) share these keys: only the holder of the
+``inference-router`` lease writes them, each write checked against the lease's fence in the same
+Lua script (a deposed leader's late write is refused: ``NotLeader``), and each write bumps
+``<prefix>inference-router:generation``, which the followers watch to mirror what changed.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from opml_common.lease import Fence, NotLeader
 from opml_inference_router_contract.model_config import ModelConfig
 
 DEPLOYING, SERVING, FAILED = "DEPLOYING", "SERVING", "FAILED"
@@ -81,24 +88,52 @@ class ModelRecord:
                    dict(data.get("traffic", {})))
 
 
-class DeploymentStore:
-    """Model records (one hash field per model) and the profile book (one JSON value) in Redis."""
+# KEYS: the written key, the generation, [the fence]; ARGV: the fence's token ('' unfenced), the command, its args
+_WRITE = """
+if #KEYS == 3 and redis.call('GET', KEYS[3]) ~= ARGV[1] then return 0 end
+redis.call(ARGV[2], KEYS[1], unpack(ARGV, 3))
+redis.call('INCR', KEYS[2])
+return 1
+"""
 
-    def __init__(self, redis: Any, *, prefix: str) -> None:
+
+class DeploymentStore:
+    """Model records (one hash field per model) and the profile book (one JSON value) in Redis.
+
+    ``fence``: the lease's fence of the replica that writes (raises ``NotLeader`` when it leads no
+    more); None: one router, the only writer. :meth:`generation` changes with every write."""
+
+    def __init__(self, redis: Any, *, prefix: str, fence: Callable[[], Fence] | None = None) -> None:
         self._redis = redis
         self._models_key = f"{prefix}inference-router:deployments"
         self._profiles_key = f"{prefix}inference-router:profiles"
         self._last_versions_key = f"{prefix}inference-router:last-versions"
         self._serving_samples_key = f"{prefix}inference-router:serving-samples"
+        self._generation_key = f"{prefix}inference-router:generation"
+        self._fence = fence
+        self._write_script = redis.register_script(_WRITE)
+
+    async def _write(self, command: str, key: str, *args: Any) -> None:
+        """One write, made only while this replica's tenure holds the fence. Raises: NotLeader."""
+        fence = self._fence() if self._fence is not None else None
+        keys = [key, self._generation_key] + ([fence.key] if fence is not None else [])
+        token = str(fence.token) if fence is not None else ""
+        if not await self._write_script(keys=keys, args=[token, command, *args]):
+            raise NotLeader(f"the inference-router lease moved on (this tenure's fence {token}): "
+                            f"the deployments were not written")
+
+    async def generation(self) -> int:
+        """A number that changes with every write (0 before the first)."""
+        return int(await self._redis.get(self._generation_key) or 0)
 
     async def save_model(self, record: ModelRecord) -> None:
-        await self._redis.hset(self._models_key, record.name, json.dumps(record.to_dict()))
+        await self._write("HSET", self._models_key, record.name, json.dumps(record.to_dict()))
 
     async def delete_model(self, name: str) -> None:
-        await self._redis.hdel(self._models_key, name)
+        await self._write("HDEL", self._models_key, name)
 
     async def save_last_version(self, name: str, number: int) -> None:
-        await self._redis.hset(self._last_versions_key, name, number)
+        await self._write("HSET", self._last_versions_key, name, number)
 
     async def load_last_versions(self) -> dict[str, int]:
         """The highest version number given per model (empty when nothing is stored)."""
@@ -106,11 +141,11 @@ class DeploymentStore:
         return {_text(name): int(number) for name, number in stored.items()}
 
     async def save_profiles(self, profiles: dict[str, Any]) -> None:
-        await self._redis.set(self._profiles_key, json.dumps(profiles))
+        await self._write("SET", self._profiles_key, json.dumps(profiles))
 
     async def save_serving_samples(self, key: str, samples: list[dict[str, Any]]) -> None:
         """The serving-configuration measurements of one version on one kind (:mod:`.serving_models`)."""
-        await self._redis.hset(self._serving_samples_key, key, json.dumps(samples))
+        await self._write("HSET", self._serving_samples_key, key, json.dumps(samples))
 
     async def load_serving_samples(self, key: str) -> list[dict[str, Any]]:
         """Those saved under ``key`` (empty when none are)."""

@@ -288,6 +288,20 @@ class HostRegistry(Component):
         if changed:
             self._changed()
 
+    async def clear(self) -> None:
+        """Lets every host go (this router replica stopped leading): their workers' replicas are marked
+        down and their places freed; each agent's next call reaches the leading replica, which tells it
+        to register."""
+        for host in list(self.hosts.values()):
+            for worker_id in host.workers:
+                self._release(worker_id)
+            await host.agent.close()
+        self.hosts.clear()
+        for hosted in self.workers.values():
+            if hosted.client is not None:
+                await hosted.client.close()
+                hosted.client = None
+
     # -- internals -------------------------------------------------------------------------------
 
     def _place(self, host: str, pool: str, *, taken: list[str]) -> str:

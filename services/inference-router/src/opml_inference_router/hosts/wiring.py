@@ -23,20 +23,31 @@ class SiteFailover:
     usable again, each goes back there (:meth:`DeploymentManager.move_replica`), so a site that returns
     serves what it served before its cut, and the substitute's slot is free again. Then what a returned
     worker still holds that the plan does not put there is unloaded
-    (:meth:`DeploymentManager.reconcile_worker`), so its slots hold what the plan counts."""
+    (:meth:`DeploymentManager.reconcile_worker`), so its slots hold what the plan counts. The same
+    check is made of each worker the first time it serves for this router: a host that registers
+    again after the router restarted still holds what the router placed there in its previous life.
+
+    Each round re-places with ``regrow``: a version short of replicas since a worker was lost, or
+    below its replica floor (placed while the hosts had not registered yet), grows where room is now."""
 
     def __init__(self, hosts: HostRegistry, manager: DeploymentManager) -> None:
         self.hosts = hosts
         self.manager = manager
         self.displaced: dict[str, dict[ModelVersion, str]] = {}  # lost worker -> version -> its substitute
-        self.returned: set[str] = set()  # workers seen lost: what they hold is checked against the plan on return
+        # workers whose holdings are checked against the plan once alive: seen lost, or not seen serving yet
+        self.returned: set[str] = set(hosts.workers)
 
     async def changed(self) -> None:
+        if not self.manager.leading:  # a router replica that follows places on no host
+            return
         # the workers lost when this round began: those it re-places off (one may be back by its end)
         lost = {worker_id for worker_id, hosted in self.hosts.workers.items() if not hosted.alive}
         self.returned |= lost  # checked against the plan once alive again, after what moves back has
+        await self.manager.place_waiting()  # restored versions that waited for their hosts
         before = self.manager.plan
-        await self.manager.replan_once()
+        # a worker lost, back or new: placement only (the measurements of a window with a failover in it are no
+        # measure of the replicas' speed: the re-placement tick judges drift); the versions short of replicas grow
+        await self.manager.replan_once(regrow=True, measured=False)
         after = self.manager.plan
         for model, placed in before.placements.items():
             now = after.placements.get(model)

@@ -76,12 +76,18 @@ class Option:
 
 @dataclass(frozen=True)
 class ReplicaSet:
-    """A placed model version: the option chosen, the workers its replicas run on, the planned rate."""
+    """A placed model version: the option chosen, the workers its replicas run on, the planned rate.
+
+    ``short``: why it runs fewer replicas than it did before a worker it was on was lost (the rest
+    found no room on the usable workers; '' when it runs what the plan gave it), and ``lost``: those
+    workers, where it grows back once they may be used again (:class:`~.planner.Replanner`'s ``regrow``)."""
 
     model: ModelVersion
     option: Option
     workers: tuple[str, ...]
     rate_rps: float
+    short: str = ""
+    lost: tuple[str, ...] = ()
 
     @property
     def capacity_rps(self) -> float:

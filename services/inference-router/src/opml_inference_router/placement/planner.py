@@ -148,12 +148,15 @@ class Planner:
             placed = placements.get(model)
             if placed is None or model in keep:
                 continue
+            now = current.placements.get(model) if current is not None else None
+            ran = frozenset(now.workers) if now is not None and now.option.pool_kind == placed.option.pool_kind \
+                else frozenset()  # where it ran before also ranks first: a re-placed version grows back there
             for option in self._floored(by_model[model], placed.option):
                 if option.replicas <= len(placed.workers):
                     break
                 for worker_id in placed.workers:
                     occupancy.remove(worker_id, model, placed.option.memory_mib)
-                workers = self._claim(occupancy, model, option, frozenset(placed.workers), barred[model])
+                workers = self._claim(occupancy, model, option, frozenset(placed.workers) | ran, barred[model])
                 if workers is not None:
                     placements[model] = ReplicaSet(model, option, workers, placed.rate_rps)
                     break
@@ -276,7 +279,11 @@ class Replanner:
     predicts the measurement, so later sizing uses what serving showed; a slower-than-profiled
     model still within its SLO keeps its replicas (no churn for a harmless error). New demands are
     placed, dropped ones removed, unplaced ones retried; everything else stays. A model version
-    that no longer fits anywhere keeps its current replicas.
+    that no longer fits anywhere keeps its current replicas, except those on workers ``usable``
+    refuses (a lost host's): it is reduced to the replicas on the others, marked
+    :attr:`ReplicaSet.short`, and unplaced when none is left, so no replica stays named on a dead
+    worker. ``regrow`` (a worker came back or joined) grows the short versions and those below their
+    replica floor where room is now, their lost workers first, without moving the replicas they run.
     """
 
     def __init__(self, *, planner: Planner, latency_model: LatencyModel | None = None,
@@ -291,13 +298,14 @@ class Replanner:
         self.latency_tolerance = latency_tolerance
 
     def replan(self, plan: Plan, demands: Sequence[ModelDemand], profiles: ProfileBook,
-               observations: Mapping[ModelVersion, Observation]) -> Replan:
+               observations: Mapping[ModelVersion, Observation], *, regrow: bool = False) -> Replan:
         """Raises: InvalidArgument as :meth:`Planner.plan`; FailedPrecondition as
         :func:`~opml_inference_router.placement.moves.plan_moves`."""
         calibrated = ProfileBook(profiles)
         reasons: dict[ModelVersion, str] = {}
         refreshed: dict[ModelVersion, SessionChoice] = {}  # kept configurations, chosen again for a new reason
         updated: list[ModelDemand] = []
+        refused: dict[ModelVersion, dict[str, str]] = {}  # placed versions' refused workers, with the reasons
         for demand in demands:
             model = demand.model
             placed, seen = plan.placements.get(model), observations.get(model)
@@ -306,8 +314,9 @@ class Replanner:
                 updated.append(demand)
                 continue
             refusals = self.planner.refusals(demand)
-            if lost := [f"{worker}: {refusals[worker]}" for worker in placed.workers if worker in refusals]:
-                reasons[model] = "; ".join(lost)
+            refused[model] = {worker: refusals[worker] for worker in placed.workers if worker in refusals}
+            if refused[model]:
+                reasons[model] = "; ".join(f"{worker}: {why}" for worker, why in refused[model].items())
                 updated.append(demand)
                 continue
             if seen is None:
@@ -328,22 +337,106 @@ class Replanner:
             if model not in demanded:
                 reasons[model] = "no longer demanded"
         keep = {model for model in plan.placements if model in demanded and model not in reasons}
-        target = self.planner.plan(updated, calibrated, current=plan, keep=keep)
-        while stuck := {model for model in target.unplaced if model in plan.placements}:
-            # Serving something beats serving nothing: it keeps its replicas, and the rest is re-planned around them.
+        current, dropped = plan, set()
+        target = self.planner.plan(updated, calibrated, current=current, keep=keep)
+        while stuck := {model for model in target.unplaced if model in plan.placements and model not in dropped}:
+            # Serving something beats serving nothing: it keeps its replicas on the workers it may still use,
+            # and the rest is re-planned around them.
+            kept = dict(current.placements)
             for model in stuck:
-                reasons[model] += f"; kept where it is: {target.unplaced[model]}"
-            keep |= stuck
-            target = self.planner.plan(updated, calibrated, current=plan, keep=keep)
-        target = Plan({model: (dataclasses.replace(placed, option=dataclasses.replace(
-            placed.option, session=refreshed[model])) if model in refreshed and model not in reasons else placed)
+                placed, why = plan.placements[model], target.unplaced[model]
+                live = tuple(worker for worker in placed.workers if worker not in refused.get(model, {}))
+                if not live:  # every replica was on a refused worker: none is left to keep
+                    reasons[model] += f"; unplaced: {why}"
+                    dropped.add(model)
+                    continue
+                reasons[model] += f"; kept where it is: {why}" if len(live) == len(placed.workers) else \
+                    f"; reduced to its {len(live)} replicas on usable workers: {why}"
+                kept[model] = self._reduced(placed, live, why) if len(live) < len(placed.workers) else placed
+                keep.add(model)
+            current = Plan(kept, plan.unplaced)
+            target = self.planner.plan(updated, calibrated, current=current, keep=keep)
+        target = Plan({model: self._annotated(plan, model, placed, refreshed if model not in reasons else {},
+                                              refused.get(model, {}))
                        for model, placed in target.placements.items()}, target.unplaced)
+        if regrow:
+            target = self._grown(target, updated, reasons)
         for model, placed in target.placements.items():
             if model in reasons and self.planner.chooser is not None:
                 option = placed.option
                 reasons[model] += (f"; serves with {option.session}, {option.precision} on {option.pool_kind} "
                                    f"({option.session.basis})")
         return Replan(target, plan_moves(plan, target, self.planner.fleet), reasons, calibrated)
+
+    @staticmethod
+    def _resized(placed: ReplicaSet, workers: tuple[str, ...], **changes) -> ReplicaSet:
+        """``placed`` on ``workers`` (one replica each, as before), costed for those."""
+        option = dataclasses.replace(placed.option, replicas=len(workers),
+                                     cost_per_hour=placed.option.cost_per_hour / len(placed.workers) * len(workers))
+        return dataclasses.replace(placed, option=option, workers=workers, **changes)
+
+    def _reduced(self, placed: ReplicaSet, live: tuple[str, ...], why: str) -> ReplicaSet:
+        """``placed`` on its ``live`` workers alone."""
+        return self._resized(placed, live, short=why)
+
+    def _grown(self, plan: Plan, demands: Sequence[ModelDemand], reasons: dict[ModelVersion, str]) -> Plan:
+        """``plan`` with each of ``demands`` that runs short of replicas (lost with no room elsewhere, or
+        below its floor) grown on the workers with room that placement may use, its lost workers first,
+        up to what it ran before, or its floor; the replicas it runs stay where they are."""
+        fleet = self.planner.fleet
+        occupancy = Occupancy(fleet)
+        for placed, worker_id in plan.replicas():
+            occupancy.add(worker_id, placed.model, placed.option.memory_mib)
+        placements = dict(plan.placements)
+        for demand in demands:
+            placed = placements.get(demand.model)
+            if placed is None:
+                continue
+            kind = placed.option.pool_kind
+            wanted = max(len(placed.workers) + len(placed.lost),
+                         min(self.planner.min_replicas(demand), len(fleet.workers_of(kind))))
+            if len(placed.workers) >= wanted:
+                continue
+            refused = self.planner.refusals(demand)
+            rooms = [room for room in occupancy.rooms(kind, placed.option.memory_mib, demand.model)
+                     if room.worker.id not in refused]
+            ranked = sorted(self.planner.policy.rank_workers(placed.option, rooms, frozenset(placed.lost)),
+                            key=lambda room: room.worker.id not in placed.lost)
+            added = tuple(room.worker.id for room in ranked[:wanted - len(placed.workers)])
+            if not added:
+                continue
+            for worker_id in added:
+                occupancy.add(worker_id, demand.model, placed.option.memory_mib)
+            lost = tuple(worker for worker in placed.lost if worker not in added)
+            workers = placed.workers + added
+            short = placed.short if lost and len(workers) < len(placed.workers) + len(placed.lost) else ""
+            placements[demand.model] = self._resized(placed, workers, short=short, lost=lost if short else ())
+            grown = f"{len(placed.workers)} replicas grown to {len(workers)} on {', '.join(added)}"
+            reasons[demand.model] = f"{reasons[demand.model]}; {grown}" if demand.model in reasons else grown
+        return Plan(placements, plan.unplaced)
+
+    @staticmethod
+    def _annotated(plan: Plan, model: ModelVersion, placed: ReplicaSet, refreshed: Mapping[ModelVersion, SessionChoice],
+                   refused: Mapping[str, str]) -> ReplicaSet:
+        """``placed`` with its renewed serving configuration (``refreshed``), and :attr:`ReplicaSet.short`
+        saying why it runs fewer replicas than before a worker it was on was refused ('' once it runs
+        as many again)."""
+        if model in refreshed:
+            placed = dataclasses.replace(placed, option=dataclasses.replace(placed.option, session=refreshed[model]))
+        before = plan.placements.get(model)
+        if before is None:
+            return placed
+        if refused and len(placed.workers) < len(before.workers):
+            why = "; ".join(f"{worker}: {reason}" for worker, reason in refused.items())
+            short = (f"{len(placed.workers)} of {len(before.workers)} replicas ({why}); the usable workers "
+                     f"have no room for the rest")
+            lost = tuple(worker for worker in refused if worker not in placed.workers)
+        elif before.lost and len(placed.workers) < len(before.workers) + len(before.lost):  # short until it grows
+            short, lost = before.short, before.lost
+        else:
+            short, lost = "", ()
+        return dataclasses.replace(placed, short=short, lost=lost) if (short, lost) != (placed.short, placed.lost) \
+            else placed
 
     def _configuration_drift(self, demand: ModelDemand, placed: ReplicaSet, profiles: ProfileBook,
                              refreshed: dict[ModelVersion, SessionChoice]) -> str:

@@ -1,0 +1,183 @@
+"""Router replicas: two router processes share Redis and the broker (``OPML_INFERENCE_ROUTER_REPLICATED``).
+The one holding the ``inference-router`` lease writes the deployments; the other mirrors them onto its
+own worker, serves inference and forwards the deployment API. The leader is SIGKILLed under load: a
+client that retries on the other replica loses no request, the other takes the lease over, and a
+bundle committed after the failover is deployed once (by the new leader, from the bundles topic),
+served by both once the killed replica is back as a follower.
+
+Real processes on the real broker, S3 and Redis; a bundle-store for autodeploy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import tritonclient.grpc as triton
+import yaml
+from opml.inference.v1 import deployment_events_pb2 as events
+from opml.inference.v1 import deployments_pb2 as pb
+
+from opml_bundle_store_contract.client import BundleStoreClient
+from opml_common.bus import CloudEvent
+from opml_common.errors import NotFound
+from opml_devstack.process import ServiceProcess
+from opml_devstack.testing.bus import poll_until, read_records
+from opml_devstack.testing.services import TOKENS, ServiceStarter
+from opml_inference_router.testing import mlp_config, write_model_dir
+from opml_inference_router_contract.client import DeploymentClient
+from opml_inference_router_contract.topics import DEPLOYMENTS
+
+FLEET = {"pool_kinds": [{"name": "cpu", "precisions": ["fp32"], "memory_mib": 2048, "slots": 2,
+                         "cost_per_hour": 0.4, "execution_provider": "CPUExecutionProvider"}],
+         "pools": [{"name": "cpu", "kind": "cpu", "workers": 1}], "min_replicas": 1}
+HEADERS = {"authorization": f"Bearer {TOKENS['writer']}"}
+
+
+def leads(replica: tuple[ServiceProcess, int]) -> bool:
+    """Whether the replica's ``leader`` gauge is 1 (False when it does not answer: killed)."""
+    try:
+        page = urllib.request.urlopen(f"http://127.0.0.1:{replica[1]}/metrics", timeout=5).read().decode()
+    except OSError:
+        return False
+    return "opml_inference_router_leader 1.0" in page
+
+
+def serving(target: str, model: str, version: int) -> pb.Deployment | None:
+    """The deployment of ``model`` as the replica at ``target`` shows it, once ``version`` serves."""
+    with DeploymentClient(target, token=TOKENS["reader"]) as client:
+        try:
+            deployment = client.get(model)
+        except NotFound:
+            return None
+    return deployment if any(v.version == version and v.state == pb.SERVING for v in deployment.versions) else None
+
+
+def answers(target: str, model: str, version: str = "") -> bool:
+    tensor = triton.InferInput("features", [1, 16], "FP32")
+    tensor.set_data_from_numpy(np.ones((1, 16), np.float32))
+    try:
+        with triton.InferenceServerClient(target) as client:
+            client.infer(model, [tensor], model_version=version, client_timeout=10, headers=HEADERS)
+    except Exception:  # noqa: BLE001 - not yet
+        return False
+    return True
+
+
+class RetryingTraffic:
+    """Requests one after another, alternating between the replicas; a request that fails on one is
+    sent again to the other (what a client with both addresses, or a front, does). Failures on both
+    are kept."""
+
+    def __init__(self, targets: list[str], model: str) -> None:
+        self.targets, self.model = targets, model
+        self.served: list[tuple[float, str]] = []  # (when, by which target)
+        self.retried = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        tensor = triton.InferInput("features", [1, 16], "FP32")
+        tensor.set_data_from_numpy(np.ones((1, 16), np.float32))
+        clients = [triton.InferenceServerClient(target) for target in self.targets]
+        index = 0
+        try:
+            while not self._stop.is_set():
+                errors = []
+                for attempt in range(2):
+                    which = (index + attempt) % 2
+                    try:
+                        clients[which].infer(self.model, [tensor], request_id=f"r-{index}", client_timeout=5.0,
+                                             headers=HEADERS)
+                        self.served.append((time.monotonic(), self.targets[which]))
+                        self.retried += attempt
+                        break
+                    except Exception as error:  # noqa: BLE001 - tried on the other replica, then counted
+                        errors.append(str(error)[:300])
+                else:
+                    self.failures.append(" | ".join(errors))
+                index += 1
+        finally:
+            for client in clients:
+                client.close()
+
+    def __enter__(self) -> RetryingTraffic:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def model_deployed(platform_settings, model: str, version: int) -> list[events.ModelDeployed]:
+    records = asyncio.run(read_records(platform_settings, DEPLOYMENTS.full_name(platform_settings.topic_prefix), 1,
+                                       timeout_s=30))
+    found = [CloudEvent.from_kafka(r.headers, r.value) for r in records]
+    return [m for m in (e.parse(events.ModelDeployed) for e in found if e.type.endswith("ModelDeployed"))
+            if m.deployment.model == model and m.version == version]
+
+
+def test_the_leader_sigkilled_under_load_its_peer_serves_on_takes_over_and_autodeploys_once(
+        start_service: ServiceStarter, platform_settings, tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(yaml.safe_dump(FLEET))
+    store = start_service("bundle-store")
+    replicas: list[tuple[ServiceProcess, int]] = []
+    for _ in range(2):
+        env = start_service.env("inference-router")
+        port = env["OPML_INFERENCE_ROUTER_GRPC_PORT"]
+        env.update({"OPML_INFERENCE_ROUTER_FLEET": str(fleet), "OPML_INFERENCE_ROUTER_REPLICATED": "true",
+                    "OPML_INFERENCE_ROUTER_LEASE_TTL_S": "5", "OPML_INFERENCE_ROUTER_ADVERTISE": f"127.0.0.1:{port}",
+                    "OPML_INFERENCE_ROUTER_BUNDLE_STORE_TARGET": store.target,
+                    "OPML_INFERENCE_ROUTER_BUNDLE_STORE_TOKEN": TOKENS["reader"],
+                    "OPML_INFERENCE_ROUTER_WORKER_THREADS_PER_REPLICA": "1",
+                    "OPML_INFERENCE_ROUTER_REPLAN_INTERVAL_S": "0", "OPML_INFERENCE_ROUTER_NATIVE_FRONT": "false"})
+        replicas.append((start_service("inference-router", env=env), int(env["OPML_INFERENCE_ROUTER_METRICS_PORT"])))
+        if len(replicas) == 1:  # the first takes the free lease
+            poll_until(lambda: leads(replicas[0]), timeout_s=60, what="the first replica leading")
+    first, second = replicas
+    assert not leads(second)
+
+    # a deploy sent to the follower is carried out by the leader; the follower mirrors it onto its worker
+    model_dir = write_model_dir(tmp_path / "mlp", mlp_config("mlp", pool_kinds=("cpu",), precisions=("fp32",)))
+    with DeploymentClient(second[0].target, token=TOKENS["writer"]) as client:
+        client.deploy(model_dir=str(model_dir))
+    for process, _ in replicas:
+        poll_until(lambda process=process: answers(process.target, "mlp"), timeout_s=120,
+                   what=f"mlp answering at {process.target}")
+
+    with RetryingTraffic([first[0].target, second[0].target], "mlp") as traffic:
+        poll_until(lambda: len({target for _, target in traffic.served}) == 2, timeout_s=60,
+                   what="traffic served by both replicas")
+        killed_at = time.monotonic()
+        first[0].kill()  # SIGKILL: its lease expires, it releases nothing
+        poll_until(lambda: leads(second), timeout_s=120, what="the second replica leading")
+        took_over_s = time.monotonic() - killed_at
+        poll_until(lambda: len([t for t, _ in traffic.served if t > killed_at + took_over_s]) >= 20, timeout_s=120,
+                   what="traffic after the take-over")
+    assert traffic.failures == [], traffic.failures[:5]
+    during = [target for when, target in traffic.served if when > killed_at]
+    assert during and set(during) == {second[0].target}, set(during)
+
+    # committed after the failover: the new leader's autodeploy deploys it, once; both replicas serve it
+    files = {"model.onnx": model_dir / "model.onnx", "model.yaml": model_dir / "model.yaml"}
+    with BundleStoreClient(store.target, token=TOKENS["writer"]) as bundles:
+        bundles.create_context("serving")
+        bundle = bundles.add("serving", "mlp", files, tags={"serve": "true", "version": "2"}, commit=True)
+    deployment = poll_until(lambda: serving(second[0].target, "mlp", 2), timeout_s=120, what="mlp v2 serving")
+    assert {v.version: v.bundle_uuid for v in deployment.versions}.get(2) == bundle.uuid
+    first[0].start()  # back as a follower: the lease is the second's
+    poll_until(lambda: answers(first[0].target, "mlp", "2"), timeout_s=120, what="mlp v2 at the restarted replica")
+    assert leads(second) and not leads(first)
+    deployed = model_deployed(platform_settings, "mlp", 2)
+    assert len(deployed) == 1, deployed
+    with DeploymentClient(first[0].target, token=TOKENS["reader"]) as client:  # forwarded: the leader's view
+        assert [v.version for v in client.get("mlp").versions if v.state == pb.SERVING] == [2]
+    print(f"\nleader SIGKILLed under load: {len(during)} requests after it, {traffic.retried} retried on the other "
+          f"replica, none failed; the other led {took_over_s:.2f} s after the kill (lease TTL 5 s)")
