@@ -62,11 +62,13 @@ def ls(session: ClientSession) -> None:
 @monitor.command("status")
 @click.argument("model")
 @click.argument("version")
+@click.option("--segment", default="", help="One segment's (a value of monitoring.yaml's segment.parameter); "
+                                            "default: the version as a whole.")
 @pass_session
-def status(session: ClientSession, model: str, version: str) -> None:
-    """One version: reference, limitations, last window, firing alerts."""
+def status(session: ClientSession, model: str, version: str, segment: str) -> None:
+    """One version (or one of its segments): reference, limitations, last window, firing alerts."""
     with session.client() as client:
-        s = client.status(model, version)
+        s = client.status(model, version, segment=segment)
     for line in status_lines(s):
         console.print(line)
 
@@ -79,21 +81,26 @@ def status_lines(s: pb.ModelStatus) -> list[str]:
         reference += f" ({s.reference_rows} rows, performance {s.reference_performance:.3f})"
     else:
         reference += " (no reference rows)"
-    return [f"{s.name}: {s.task or 'task unknown'}, {reference}",
+    segments = []
+    if s.segment_parameter:
+        segments.append(f"segments by request parameter {s.segment_parameter}: {', '.join(s.segments) or 'none yet'}")
+    return [f"{s.name}{f' segment {s.segment}' if s.segment else ''}: {s.task or 'task unknown'}, {reference}",
             f"windows {s.windows}, predictions {s.predictions}, firing: {', '.join(s.firing) or 'none'}",
-            *(f"note: {limitation}" for limitation in s.limitations)]
+            *segments, *(f"note: {limitation}" for limitation in s.limitations)]
 
 
 @monitor.command("windows")
 @click.argument("model")
 @click.argument("version")
 @click.option("--limit", default=20, show_default=True, help="Newest windows to show.")
+@click.option("--segment", default="", help="One segment's (a value of monitoring.yaml's segment.parameter); "
+                                            "default: the version as a whole.")
 @pass_session
-def windows(session: ClientSession, model: str, version: str, limit: int) -> None:
+def windows(session: ClientSession, model: str, version: str, limit: int, segment: str) -> None:
     """Window scores, newest first: score, estimates, truth, drifted features, data quality."""
     table = Table("window", "rows", "score", "mpp", "cbpe", "true", "labelled", "drifted", "bad rows")
     with session.client() as client:
-        for n, w in enumerate(client.windows(model, version, page_size=min(limit, 1000))):
+        for n, w in enumerate(client.windows(model, version, page_size=min(limit, 1000), segment=segment)):
             if n >= limit:
                 break
             drifted = ",".join(d.feature for d in w.drift if d.drifted) or "-"
@@ -105,14 +112,16 @@ def windows(session: ClientSession, model: str, version: str, limit: int) -> Non
 @monitor.command("alerts")
 @click.argument("model", required=False, default="")
 @click.argument("version", required=False, default="")
+@click.option("--segment", default="", help="One segment's (a value of monitoring.yaml's segment.parameter); "
+                                            "default: the version as a whole.")
 @pass_session
-def alerts(session: ClientSession, model: str, version: str) -> None:
-    """Alerts, newest first (of one version, or all)."""
+def alerts(session: ClientSession, model: str, version: str, segment: str) -> None:
+    """Alerts, newest first (of one version, or all; of the version as a whole, or of one segment)."""
     with session.client() as client:
-        found = client.alerts(model, version)
+        found = client.alerts(model, version, segment=segment)
     table = Table("version", "rule", "state", "raised at", "resolved at", "signal", "value", "features")
     for a in found:
-        table.add_row(a.name, a.rule, "firing" if a.firing else "resolved", str(a.raised_at_window),
+        table.add_row(a.name + (f" [{a.segment}]" if a.segment else ""), a.rule, "firing" if a.firing else "resolved", str(a.raised_at_window),
                       str(a.resolved_at_window) if not a.firing else "-", a.signal, f"{a.value:.3f}",
                       ", ".join(f"{k}={v:.2f}" for k, v in a.features.items()) or "-")
     console.print(table)
