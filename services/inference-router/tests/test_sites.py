@@ -3,8 +3,6 @@ workers, nearest sites first, and re-placement off a lost host's workers."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from opml_common.errors import InvalidArgument
@@ -97,7 +95,7 @@ def test_a_model_on_a_lost_hosts_worker_is_re_placed_and_the_others_stay() -> No
 
 def one_slot_sites() -> Fleet:
     """Three sites of one single-slot worker each: a lost one's replica finds no free slot elsewhere."""
-    kind = CPU.model_copy(update={"slots": 1}) if hasattr(CPU, "model_copy") else dataclasses.replace(CPU, slots=1)
+    kind = CPU.model_copy(update={"slots": 1})
     pools = tuple(PoolConfig(name=site, kind="cpu", workers=1, site=site) for site in ("cloud", "edge-a", "edge-b"))
     return Fleet(FleetConfig(pool_kinds=(kind,), pools=pools, min_replicas=2))
 

@@ -25,7 +25,7 @@ from opml_common.grpc.client import domain_error, open_aio_channel
 
 log = logging.getLogger(__name__)
 
-_FORWARDED_METADATA = ("authorization",)
+_FORWARDED_METADATA = ("authorization", "traceparent", "tracestate")  # the caller's rights, its trace
 
 
 class LeaderCalls:
