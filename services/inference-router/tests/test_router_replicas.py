@@ -11,6 +11,7 @@ Real processes on the real broker, S3 and Redis; a bundle-store for autodeploy.
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 import time
 import urllib.request
@@ -123,24 +124,32 @@ def model_deployed(platform_settings, model: str, version: int) -> list[events.M
             if m.deployment.model == model and m.version == version]
 
 
-def test_the_leader_sigkilled_under_load_its_peer_serves_on_takes_over_and_autodeploys_once(
-        start_service: ServiceStarter, platform_settings, tmp_path: Path) -> None:
+def start_replicas(start_service: ServiceStarter, tmp_path: Path, *, bundle_store: str = "",
+                   autodeploy: bool = True) -> list[tuple[ServiceProcess, int]]:
+    """Two replicas (their process, their metrics port), the first leading once the second starts."""
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(yaml.safe_dump(FLEET))
-    store = start_service("bundle-store")
     replicas: list[tuple[ServiceProcess, int]] = []
     for _ in range(2):
         env = start_service.env("inference-router")
         port = env["OPML_INFERENCE_ROUTER_GRPC_PORT"]
         env.update({"OPML_INFERENCE_ROUTER_FLEET": str(fleet), "OPML_INFERENCE_ROUTER_REPLICATED": "true",
                     "OPML_INFERENCE_ROUTER_LEASE_TTL_S": "5", "OPML_INFERENCE_ROUTER_ADVERTISE": f"127.0.0.1:{port}",
-                    "OPML_INFERENCE_ROUTER_BUNDLE_STORE_TARGET": store.target,
+                    "OPML_INFERENCE_ROUTER_BUNDLE_STORE_TARGET": bundle_store or "127.0.0.1:1",
                     "OPML_INFERENCE_ROUTER_BUNDLE_STORE_TOKEN": TOKENS["reader"],
+                    "OPML_INFERENCE_ROUTER_AUTODEPLOY": str(autodeploy).lower(),
                     "OPML_INFERENCE_ROUTER_WORKER_THREADS_PER_REPLICA": "1",
                     "OPML_INFERENCE_ROUTER_REPLAN_INTERVAL_S": "0", "OPML_INFERENCE_ROUTER_NATIVE_FRONT": "false"})
         replicas.append((start_service("inference-router", env=env), int(env["OPML_INFERENCE_ROUTER_METRICS_PORT"])))
         if len(replicas) == 1:  # the first takes the free lease
             poll_until(lambda: leads(replicas[0]), timeout_s=60, what="the first replica leading")
+    return replicas
+
+
+def test_the_leader_sigkilled_under_load_its_peer_serves_on_takes_over_and_autodeploys_once(
+        start_service: ServiceStarter, platform_settings, tmp_path: Path) -> None:
+    store = start_service("bundle-store")
+    replicas = start_replicas(start_service, tmp_path, bundle_store=store.target)
     first, second = replicas
     assert not leads(second)
 
@@ -181,3 +190,26 @@ def test_the_leader_sigkilled_under_load_its_peer_serves_on_takes_over_and_autod
         assert [v.version for v in client.get("mlp").versions if v.state == pb.SERVING] == [2]
     print(f"\nleader SIGKILLed under load: {len(during)} requests after it, {traffic.retried} retried on the other "
           f"replica, none failed; the other led {took_over_s:.2f} s after the kill (lease TTL 5 s)")
+
+
+def test_a_leader_stalled_past_its_lease_steps_down_and_follows_its_successor(
+        start_service: ServiceStarter, tmp_path: Path) -> None:
+    """SIGSTOP past the lease's TTL (a GC pause, a frozen VM): the other replica takes over meanwhile;
+    resumed, the stalled one finds its lease gone, stops leading and follows; what is deployed through
+    it then (forwarded) is the new leader's doing, and both serve it."""
+    first, second = start_replicas(start_service, tmp_path, autodeploy=False)
+    model_dir = write_model_dir(tmp_path / "mlp", mlp_config("mlp", pool_kinds=("cpu",), precisions=("fp32",)))
+    with DeploymentClient(first[0].target, token=TOKENS["writer"]) as client:
+        client.deploy(model_dir=str(model_dir))
+    first[0].process.send_signal(signal.SIGSTOP)
+    try:
+        poll_until(lambda: leads(second), timeout_s=120, what="the second replica leading while the first is stopped")
+    finally:
+        first[0].process.send_signal(signal.SIGCONT)
+    poll_until(lambda: not leads(first), timeout_s=60, what="the resumed replica no longer leading")
+    with DeploymentClient(first[0].target, token=TOKENS["writer"]) as client:  # forwarded to the new leader
+        client.deploy(model_dir=str(model_dir), version=2)
+    for process, _ in (first, second):
+        poll_until(lambda process=process: answers(process.target, "mlp", "2"), timeout_s=120,
+                   what=f"mlp v2 answering at {process.target}")
+    assert leads(second) and not leads(first)
