@@ -71,12 +71,8 @@ EXPECTED_EMPTY: dict[tuple[str, str], str] = {
     ("opml-overview", "Publish failures"): _NO_FAILURE,
     ("opml-overview", "Events refused: untrusted source"): "no forged or foreign event in this run",
     ("opml-pipelines", "Trigger events handled/B"): "no forged or foreign span or alert event in this run",
-    ("opml-fl-coordinator", "Global model accuracy by federation"): "the main job runs no federation",
-    ("opml-fl-coordinator", "Round duration p50 and p95"): "the main job runs no federation",
-    ("opml-fl-coordinator", "State save p99 (S3 + Redis)"): "the main job runs no federation",
-    ("opml-fl-coordinator", "RPC errors by method and code"): _NO_FAILURE + " (the main job calls no fl-coordinator RPC)",
-    ("opml-fl-coordinator", "RPC latency p99 by method"): "the main job calls no fl-coordinator RPC",
-    ("opml-fl-coordinator", "Events published by type"): "the main job runs no federation",
+    ("opml-fl-coordinator", "RPC errors by method and code"): _NO_FAILURE + " (every fl-coordinator call of the "
+                                                                            "main job's federation succeeds)",
     ("opml-fl-coordinator", "Publish failures by topic"): _NO_FAILURE,
     ("opml-automl-controller", "RPC errors by method and code"): _NO_FAILURE + " (every automl-controller call succeeds)",
     ("opml-automl-controller", "Publish failures by topic"): _NO_FAILURE,
@@ -92,6 +88,10 @@ EXPECTED_EMPTY: dict[tuple[str, str], str] = {
     ("opml-monitoring-scorer", "MPP recalibrations from labels"): "the main job publishes no label",
     ("opml-monitoring-scorer", "Events refused: untrusted source"): "no forged or foreign event in this run",
     ("opml-monitoring-scorer", "Publish failures by topic"): _NO_FAILURE,
+    ("opml-loop-overview", "Rollout step by version"): "the main job's rollouts are of first versions (nothing to roll "
+                                                       "out against), so no rollout runs",
+    ("opml-loop-overview", "Rollout decisions"): "the main job's rollouts are of first versions (nothing to roll out "
+                                                 "against), so no rollout decides",
 }
 
 
