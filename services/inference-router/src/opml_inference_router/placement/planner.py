@@ -352,7 +352,7 @@ class Replanner:
                     continue
                 reasons[model] += f"; kept where it is: {why}" if len(live) == len(placed.workers) else \
                     f"; reduced to its {len(live)} replicas on usable workers: {why}"
-                kept[model] = self._reduced(placed, live, why) if len(live) < len(placed.workers) else placed
+                kept[model] = self._resized(placed, live, short=why) if len(live) < len(placed.workers) else placed
                 keep.add(model)
             current = Plan(kept, plan.unplaced)
             target = self.planner.plan(updated, calibrated, current=current, keep=keep)
@@ -374,10 +374,6 @@ class Replanner:
         option = dataclasses.replace(placed.option, replicas=len(workers),
                                      cost_per_hour=placed.option.cost_per_hour / len(placed.workers) * len(workers))
         return dataclasses.replace(placed, option=option, workers=workers, **changes)
-
-    def _reduced(self, placed: ReplicaSet, live: tuple[str, ...], why: str) -> ReplicaSet:
-        """``placed`` on its ``live`` workers alone."""
-        return self._resized(placed, live, short=why)
 
     def _grown(self, plan: Plan, demands: Sequence[ModelDemand], reasons: dict[ModelVersion, str]) -> Plan:
         """``plan`` with each of ``demands`` that runs short of replicas (lost with no room elsewhere, or
@@ -419,8 +415,8 @@ class Replanner:
     def _annotated(plan: Plan, model: ModelVersion, placed: ReplicaSet, refreshed: Mapping[ModelVersion, SessionChoice],
                    refused: Mapping[str, str]) -> ReplicaSet:
         """``placed`` with its renewed serving configuration (``refreshed``), and :attr:`ReplicaSet.short`
-        saying why it runs fewer replicas than before a worker it was on was refused ('' once it runs
-        as many again)."""
+        and ``lost`` saying why it runs fewer replicas than before a worker it was on was refused, and
+        which ('' and none once it runs as many again)."""
         if model in refreshed:
             placed = dataclasses.replace(placed, option=dataclasses.replace(placed.option, session=refreshed[model]))
         before = plan.placements.get(model)
