@@ -213,7 +213,10 @@ def drive_rollout(router: DeploymentClient, kserve: triton.InferenceServerClient
             request.set_data_from_numpy(rows[start:start + 8])
             kserve.infer(MODEL, [request])
             sent[0] += 1
-        rollout = router.get_rollout(MODEL)
+        try:
+            rollout = router.get_rollout(MODEL)
+        except NotFound:  # the deploy has not begun it yet (and no rollout of the model came before)
+            return None
         if rollout.version != version:
             return None
         if (rollout.step, rollout.phase) not in shown:
