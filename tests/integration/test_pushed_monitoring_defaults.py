@@ -18,9 +18,9 @@ import onnx
 import pytest
 import yaml
 from onnx import TensorProto, helper, numpy_helper
+from opml.inference.v1 import events_pb2
 from tritonclient.grpc import service_pb2 as pb
 
-from opml.inference.v1 import events_pb2
 from opml_common.kserve_codec import encode_outputs, encode_request
 from opml_monitoring_scorer.core.config import MonitoringConfig
 from opml_monitoring_scorer.core.decode import decode_predictions
