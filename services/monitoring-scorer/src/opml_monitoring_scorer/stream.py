@@ -669,7 +669,8 @@ class ScoringStream(Component):
         if book is None:  # the segments whose windows closed before (this process or another)
             prefix = record.key + SEPARATOR
             book = self._segments[record.key] = SegmentBook(
-                k.removeprefix(prefix) for k in list(self.windows.data.keys()) if k.startswith(prefix))
+                k.removeprefix(prefix) for k in list(self.windows.data.keys())
+                if isinstance(k, str) and k.startswith(prefix))
         segment_of, other = [], 0
         for prediction in record.predictions:
             segment, overflow = book.admit(parameter_value(prediction.infer_request, parameter))
