@@ -22,6 +22,7 @@ from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound
 from opml_common.metrics import ServiceMetrics
 from opml_common.storage import redis_client
 from opml_job_orchestrator.orchestrator import JobState, JobStatus
+from opml_job_orchestrator.pipelines import folders
 from opml_job_orchestrator.pipelines.bundles import BundleIO
 from opml_job_orchestrator.pipelines.engine import PipelineEngine
 from opml_job_orchestrator.pipelines.metrics import PipelineMetrics
@@ -656,6 +657,27 @@ async def test_settings_the_step_program_would_refuse_are_refused_at_apply(harne
     assert {"steps[1].validate.thresholds.colour", "steps[3].evaluate.features",
             "steps[3].evaluate.metrics[1]"} <= fields
     assert any(f.startswith("steps[1].validate.thresholds.default") for f in fields)
+
+
+@pytest.mark.parametrize(("mode", "usable"), [(0o2775, True), (0o2770, False)])
+def test_a_pipeline_dir_whose_mode_the_service_may_not_change_is_used_when_others_may_enter(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: int, usable: bool) -> None:
+    """A Kubernetes claim's root is owned by root, group the pod's fsGroup: its chmod is refused."""
+    root = tmp_path / "claim"
+    root.mkdir()
+    root.chmod(mode)
+    real_chmod = Path.chmod
+
+    def refused(path: Path, *args, **kwargs) -> None:
+        if path == root:
+            raise PermissionError(1, "Operation not permitted", str(path))
+        real_chmod(path, *args, **kwargs)
+    monkeypatch.setattr(Path, "chmod", refused)
+    if usable:
+        folders.open_pipeline_dir(root)
+    else:
+        with pytest.raises(PermissionError, match="not searchable by other users"):
+            folders.open_pipeline_dir(root)
 
 
 async def test_what_a_job_wrote_is_read_as_plain_files_only(harness: Harness) -> None:
