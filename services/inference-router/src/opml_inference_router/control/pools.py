@@ -1,9 +1,16 @@
 """The pools of local worker processes: start one per worker the fleet declares, watch, restart.
 
 Only pools whose kind this machine can run get workers: a kind's execution provider must be in
-onnxruntime's available providers (a ``gpu`` pool only with ``CUDAExecutionProvider``; an
-accelerator emulated with ``CPUExecutionProvider`` runs anywhere). :attr:`PoolManager.fleet` is the
-placement :class:`Fleet` of those pools, so the planner never places on a worker that does not run.
+onnxruntime's available providers (a ``gpu`` pool only with ``CUDAExecutionProvider``, which the
+router's ``gpu`` extra, onnxruntime-gpu, brings; an accelerator emulated with ``CPUExecutionProvider``
+runs anywhere). :attr:`PoolManager.fleet` is the placement :class:`Fleet` of those pools, so the
+planner never places on a worker that does not run; :attr:`PoolManager.unavailable_reasons` says
+why each other kind gets no local worker.
+
+A CUDA kind also needs devices (:func:`opml_common.gpus.discover`): each of its local workers is
+pinned to one device of its own (``CUDA_VISIBLE_DEVICES=<index>`` in its environment, so its sessions
+ask for device 0), none shared; no device found: the kind gets no worker; fewer devices than its
+pools' workers: the manager refuses to start (FailedPrecondition naming the pools and the devices).
 
 Workers are local processes, so each can also serve inference on a Unix domain socket
 (``<work_dir>/workers/<id>.<start>.sock``, :mod:`opml_inference_router.worker.uds`; where that path is
@@ -42,13 +49,14 @@ from typing import TYPE_CHECKING
 import onnxruntime as ort
 
 from opml_common.errors import FailedPrecondition, NotFound, Unavailable
+from opml_common.gpus import GpuDevice, discover, visible_devices_env
 from opml_common.lifecycle import Component, cancel_and_wait
 from opml_common.metrics import ServiceMetrics
 from opml_common.retry import Backoff
 from opml_inference_router.control.workers import WorkerClient
 from opml_inference_router.placement import Fleet, FleetConfig, Worker
 from opml_inference_router.placement.fleet_config import LOCAL_SITE
-from opml_inference_router.runtime.session import thread_share
+from opml_inference_router.runtime.session import CUDA, thread_share
 from opml_inference_router.worker.process import MAX_UDS_PATH, WorkerProcess
 
 if TYPE_CHECKING:
@@ -64,6 +72,39 @@ DownHook = Callable[[str, str, str, float], None]
 """``on_down(worker_id, address, reason, expected_back_in_s)``."""
 
 
+def unavailable_reasons(config: FleetConfig, available: set[str], devices: Sequence[GpuDevice]) -> dict[str, str]:
+    """Why each kind this machine cannot run gets no local worker, by kind name: its provider is not
+    in this onnxruntime (for CUDA: the gpu extra is not installed), or it is CUDA and no device is found."""
+    reasons = {}
+    for kind in config.pool_kinds:
+        if kind.execution_provider not in available:
+            extra = "; install the router's gpu extra (onnxruntime-gpu)" if kind.execution_provider == CUDA else ""
+            reasons[kind.name] = (f"{kind.execution_provider} is not in this onnxruntime (available: "
+                                  f"{', '.join(sorted(available))}){extra}")
+        elif kind.execution_provider == CUDA and not devices:
+            reasons[kind.name] = ("no CUDA device found (nvidia-smi lists none or is not installed, or "
+                                  "CUDA_VISIBLE_DEVICES hides them)")
+    return reasons
+
+
+def assign_devices(workers: Sequence[Worker], devices: Sequence[GpuDevice]) -> dict[str, GpuDevice]:
+    """One device of its own per CUDA worker, in fleet order, by worker id.
+
+    Raises:
+        FailedPrecondition: more workers than devices (naming the pools and the devices).
+    """
+    if len(workers) > len(devices):
+        pools: dict[str, int] = {}
+        for worker in workers:
+            pools[worker.pool] = pools.get(worker.pool, 0) + 1
+        asked = ", ".join(f"{pool}: {count}" for pool, count in pools.items())
+        have = ", ".join(device.describe() for device in devices) or "none"
+        raise FailedPrecondition(f"the local CUDA pools ask for {len(workers)} workers ({asked}), one device each, "
+                                 f"but this machine has {len(devices)} ({have}); lower their workers to at "
+                                 f"most {len(devices)} in all")
+    return {worker.id: device for worker, device in zip(workers, devices, strict=False)}
+
+
 @dataclass
 class PoolWorker:
     """One worker process of the fleet and the admin client of its TCP address."""
@@ -75,6 +116,7 @@ class PoolWorker:
     failures: int = field(default=0, repr=False)  # consecutive failed restarts
     recovery_s: float | None = field(default=None, repr=False)  # last start, or death seen -> replicas back
     died: tuple[str, float] | None = field(default=None, repr=False)  # (address, when seen) until it is back
+    device: GpuDevice | None = None  # the CUDA device it is pinned to (a CUDA kind's worker)
 
     @property
     def expected_recovery_s(self) -> float:
@@ -107,18 +149,30 @@ class PoolManager(Component):
     def __init__(self, config: FleetConfig, fleet_path: Path, *, work_dir: Path, metrics: ServiceMetrics,
                  token: str | None = None, threads_per_replica: int = 0, startup_timeout_s: float = 60.0,
                  watch_interval_s: float = 0.5, providers: Sequence[str] | None = None,
-                 route_over_uds: bool = False) -> None:
-        """Raises: FailedPrecondition when no pool of the fleet can run on this machine."""
+                 devices: Sequence[GpuDevice] | None = None, route_over_uds: bool = False) -> None:
+        """``providers``, ``devices``: what onnxruntime and the machine offer (default: asked).
+
+        Raises: FailedPrecondition when no pool of the fleet can run on this machine, or its local
+        CUDA pools ask for more workers than there are devices."""
         super().__init__()
         available = set(providers if providers is not None else ort.get_available_providers())
-        runnable = {kind.name for kind in config.pool_kinds if kind.execution_provider in available}
-        self.unavailable_kinds = sorted(kind.name for kind in config.pool_kinds if kind.name not in runnable)
+        kinds = {kind.name: kind for kind in config.pool_kinds}
+        wants_cuda = CUDA in available and any(pool.site == LOCAL_SITE and pool.workers > 0
+                                               and kinds[pool.kind].execution_provider == CUDA for pool in config.pools)
+        found = list(devices) if devices is not None else (discover() if wants_cuda else [])
+        self.unavailable_reasons = unavailable_reasons(config, available, found)
+        self.unavailable_kinds = sorted(self.unavailable_reasons)
+        for name, reason in self.unavailable_reasons.items():
+            if any(pool.kind == name and pool.site == LOCAL_SITE and pool.workers > 0 for pool in config.pools):
+                log.warning("pool kind %s gets no local worker: %s", name, reason)
         pools = tuple(pool for pool in config.pools
-                      if (pool.kind in runnable or pool.site != LOCAL_SITE) and pool.workers > 0)
+                      if (pool.kind not in self.unavailable_reasons or pool.site != LOCAL_SITE) and pool.workers > 0)
         if not pools:
-            raise FailedPrecondition(f"no pool of {fleet_path} can run here: its kinds need providers this "
-                                     f"onnxruntime lacks (available: {', '.join(sorted(available))})")
+            raise FailedPrecondition(f"no pool of {fleet_path} can run here: "
+                                     + "; ".join(f"{name}: {why}" for name, why in self.unavailable_reasons.items()))
         self.fleet = Fleet(config.model_copy(update={"pools": pools}))
+        pinned = assign_devices([worker for worker in self.fleet.workers
+                                 if worker.site == LOCAL_SITE and worker.kind.execution_provider == CUDA], found)
         self.on_restart: RestartHook | None = None
         self.on_down: DownHook | None = None
         self._token = token
@@ -129,11 +183,14 @@ class PoolManager(Component):
         env = {"OPML_AUTH_TOKENS": f"{token}=admin" if token else ""}
         extra = ("--threads-per-replica", str(threads_per_replica)) if threads_per_replica else ()
         self._workers = {
-            worker.id: PoolWorker(worker, WorkerProcess(worker.kind.name, fleet_path,
-                                                        work_dir / "workers" / f"{worker.id}.log", env=env,
-                                                        extra_args=extra, startup_timeout_s=startup_timeout_s,
-                                                        uds=self._socket(worker.id, 0)))
+            worker.id: PoolWorker(worker, WorkerProcess(
+                worker.kind.name, fleet_path, work_dir / "workers" / f"{worker.id}.log",
+                env={**env, **visible_devices_env([pinned[worker.id]])} if worker.id in pinned else env,
+                extra_args=extra, startup_timeout_s=startup_timeout_s, uds=self._socket(worker.id, 0)),
+                device=pinned.get(worker.id))
             for worker in self.fleet.workers if worker.site == LOCAL_SITE}
+        for worker_id, device in pinned.items():
+            log.info("worker %s is pinned to %s", worker_id, device.describe())
         self.hosts: HostRegistry | None = None
         self._task: asyncio.Task | None = None
         self._restarts = metrics.counter("worker_restarts_total", "Worker processes restarted after they died.",

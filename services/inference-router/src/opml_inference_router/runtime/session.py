@@ -28,6 +28,7 @@ from opml_inference_router.placement.fleet_config import PoolKind
 from opml_inference_router_contract.model_config import ModelConfig
 
 CALIBRATION_FILE = "calibration.npz"
+CUDA = "CUDAExecutionProvider"
 PREFERENCE = ("int8", "fp16", "fp32")
 """Precisions this worker can produce, cheapest first (bf16 needs a converter onnxruntime lacks)."""
 
@@ -41,8 +42,18 @@ def require_provider(kind: PoolKind) -> None:
     """
     available = ort.get_available_providers()
     if kind.execution_provider not in available:
+        hint = (" (onnxruntime-gpu has it: install the router's gpu extra, see the README's GPU pools)"
+                if kind.execution_provider == CUDA else "")
         raise FailedPrecondition(f"pool kind {kind.name} needs {kind.execution_provider}, which this onnxruntime "
-                                 f"build lacks (available: {', '.join(available)})")
+                                 f"build lacks{hint} (available: {', '.join(available)})")
+
+
+def providers(kind: PoolKind) -> list[str | tuple[str, dict[str, str]]]:
+    """The providers a session of ``kind`` asks for: its own only. A CUDA kind's worker is pinned to
+    one device by ``CUDA_VISIBLE_DEVICES``, so its device is 0 after the mask."""
+    if kind.execution_provider == CUDA:
+        return [(CUDA, {"device_id": "0"})]
+    return [kind.execution_provider]
 
 
 def choose_precision(config: ModelConfig, kind: PoolKind, requested: str | None = None) -> str:
@@ -183,15 +194,31 @@ def build_session(model: bytes, kind: PoolKind, *, threads: int, source: str, fo
     the model's external data, if any, is read from ``folder`` (the model file's folder, where
     :func:`~.external_data.check_external_data` confined it), never from the working directory.
 
+    The session runs on the kind's provider or is refused: onnxruntime would otherwise put it on the
+    CPU (a provider it lacks is only warned about; one that fails to start falls back), and a gpu
+    replica silently on the CPU would lie to placement about what it costs and how fast it is.
+
     Raises:
         InvalidArgument: onnxruntime refuses the model; field = ``source``, message = its reason.
+        FailedPrecondition: the session did not get the kind's provider (what it got instead).
     """
     try:
         options = session_options(kind, threads=threads, opt_level=opt_level, execution_mode=execution_mode)
         options.add_session_config_entry(EXTERNAL_DATA_FOLDER, str(folder))
-        return ort.InferenceSession(model, sess_options=options, providers=[kind.execution_provider])
+        session = ort.InferenceSession(model, sess_options=options, providers=providers(kind), enable_fallback=0)
     except Exception as error:  # noqa: BLE001 - onnxruntime raises its own pybind types; its reason is what matters
         raise InvalidArgument(source, f"onnxruntime cannot load it: {error}") from None
+    check_placed(session.get_providers(), kind)
+    return session
+
+
+def check_placed(placed: list[str], kind: PoolKind) -> None:
+    """Raises: FailedPrecondition when a session's providers (``placed``, first the one it prefers)
+    do not start with ``kind``'s."""
+    if not placed or placed[0] != kind.execution_provider:
+        raise FailedPrecondition(f"pool kind {kind.name} runs on {kind.execution_provider}, but onnxruntime "
+                                 f"placed the session on {', '.join(placed) or 'nothing'}; refused rather than "
+                                 "served on another device than placement counts")
 
 
 def check_signature(session: ort.InferenceSession, config: ModelConfig) -> None:

@@ -1,8 +1,9 @@
 """Run a worker: ``python -m opml_inference_router.worker --pool-kind cpu --fleet fleet.yaml --port 0``.
 
 Once serving, the worker writes one JSON line to stdout, ``{"grpc_port": .., "metrics_port": ..,
-"pool_kind": .., "pid": ..}`` (with ``"uds": path`` when it also serves its local data plane on a
-Unix domain socket, ``--uds``: :mod:`.uds`), so a parent that asked for port 0 learns the bound
+"pool_kind": .., "pid": ..}`` (with ``"device": name`` on a CUDA kind's worker, the device it is
+pinned to; ``"uds": path`` when it also serves its local data plane on a Unix domain socket,
+``--uds``: :mod:`.uds`), so a parent that asked for port 0 learns the bound
 ports (logs go to stderr). SIGTERM or SIGINT: health turns NOT_SERVING, in-flight calls finish
 within the grace period, queued requests are run, then the replicas are released.
 """
@@ -16,12 +17,14 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from opml_common.config import PlatformSettings
-from opml_common.errors import InvalidArgument, OpmlError
+from opml_common.errors import FailedPrecondition, InvalidArgument, OpmlError
+from opml_common.gpus import VISIBLE_DEVICES, GpuDevice, discover
 from opml_common.grpc.server import GrpcServer, ServiceRegistration, wait_for_signal
 from opml_common.logging import configure_logging
 from opml_common.metrics import ServiceMetrics
@@ -29,6 +32,7 @@ from opml_inference_router import package_version
 from opml_inference_router.kserve.roles import INFERENCE_METHOD_ROLES
 from opml_inference_router.placement.fleet_config import PoolKind, load_fleet_config
 from opml_inference_router.runtime import ModelRepository, WorkerMetrics, require_provider, thread_share
+from opml_inference_router.runtime.session import CUDA
 from opml_inference_router.worker import uds
 from opml_inference_router.worker.process import MAX_UDS_PATH
 from opml_inference_router.worker.servicer import WorkerServicer
@@ -59,9 +63,32 @@ def pool_kind(settings: WorkerSettings) -> PoolKind:
     return kind
 
 
+def pinned_device(kind: PoolKind, env: Mapping[str, str] | None = None,
+                  devices: Sequence[GpuDevice] | None = None) -> GpuDevice | None:
+    """The CUDA device a worker of a CUDA kind runs its sessions on: the first it sees (device 0 after
+    ``CUDA_VISIBLE_DEVICES``, which the pool manager sets to one); None for other kinds.
+
+    Raises:
+        FailedPrecondition: a CUDA kind and no device is visible.
+    """
+    if kind.execution_provider != CUDA:
+        return None
+    env = os.environ if env is None else env
+    found = discover(env) if devices is None else list(devices)
+    if not found:
+        mask = f"CUDA_VISIBLE_DEVICES={env[VISIBLE_DEVICES]!r}" if VISIBLE_DEVICES in env else \
+            "CUDA_VISIBLE_DEVICES unset"
+        raise FailedPrecondition(f"pool kind {kind.name} runs on {CUDA}, but this process sees no CUDA device "
+                                 f"({mask}; nvidia-smi lists none or is not installed)")
+    return found[0]
+
+
 async def serve(settings: WorkerSettings, platform: PlatformSettings) -> None:
     """Serve until SIGINT/SIGTERM."""
     kind = pool_kind(settings)
+    device = pinned_device(kind)
+    if device is not None:
+        log.info("pool kind %s on %s", kind.name, device.describe())
     if settings.uds is not None:
         check_uds_path(settings.uds)
     metrics = ServiceMetrics(METRICS_NAMESPACE)
@@ -74,6 +101,8 @@ async def serve(settings: WorkerSettings, platform: PlatformSettings) -> None:
                                        INFERENCE_METHOD_ROLES)
     server = GrpcServer(settings=settings, platform=platform, metrics=metrics, registrations=[registration])
     announcement: dict[str, object] = {"pool_kind": kind.name, "pid": os.getpid()}
+    if device is not None:
+        announcement["device"] = device.name
     try:
         async with server, contextlib.AsyncExitStack() as local:
             if settings.uds is not None:
