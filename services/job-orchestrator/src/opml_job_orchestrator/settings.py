@@ -2,7 +2,7 @@
 
 The cluster the scheduler packs jobs onto is ``NODES``, a JSON list such as
 ``[{"name": "gpu-0", "cpu_millis": 64000, "memory_mib": 515000, "gpu": 8}, ...]``; by default one
-node, this machine, with its cores and memory and no GPU.
+node, this machine, with its cores, memory and CUDA devices (none where nvidia-smi finds none).
 
 ``EXECUTOR`` picks what runs the tasks: ``local`` processes (the embedded default) or
 ``kubernetes`` pods, configured by the ``K8S_*`` settings (an image is required, and ``NODES``
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -22,6 +23,7 @@ from pydantic import AliasChoices, BaseModel, Field, SecretStr, field_validator,
 from pydantic_settings import SettingsConfigDict
 
 from opml_common.config import PlatformSettings, ServiceSettings
+from opml_common.gpus import GpuDevice, discover
 from opml_job_orchestrator.executor.sandbox import DEFAULT_UID_BASE, DEFAULT_UID_COUNT, MAX_UID
 
 
@@ -36,10 +38,12 @@ class NodeConfig(BaseModel):
     gpu: int = Field(0, ge=0)
 
 
-def this_machine() -> list[NodeConfig]:
-    """One node: this machine's cores and physical memory, no GPU."""
+def this_machine(devices: Sequence[GpuDevice] | None = None) -> list[NodeConfig]:
+    """One node: this machine's cores, physical memory and CUDA devices (``devices``, default the
+    ones :func:`opml_common.gpus.discover` finds: the local executor hands out the same)."""
     memory_mib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2 ** 20
-    return [NodeConfig(name="local", cpu_millis=(os.cpu_count() or 1) * 1000, memory_mib=memory_mib)]
+    gpus = len(discover() if devices is None else devices)
+    return [NodeConfig(name="local", cpu_millis=(os.cpu_count() or 1) * 1000, memory_mib=memory_mib, gpu=gpus)]
 
 
 class JobOrchestratorSettings(ServiceSettings):
@@ -50,8 +54,8 @@ class JobOrchestratorSettings(ServiceSettings):
     home: Path = Field(Path.home() / ".opml" / "job-orchestrator",
                        description="Directory of the jobs' work (logs, run manifests) and the event outbox.")
     nodes: list[NodeConfig] | None = Field(None, min_length=1, description="The cluster: a JSON list of "
-                                           "{name, cpu_millis, memory_mib, gpu}; unset: this machine (its cores "
-                                           "and memory, no GPU).")
+                                           "{name, cpu_millis, memory_mib, gpu}; unset: this machine (its cores, "
+                                           "memory and the CUDA devices nvidia-smi finds).")
     policy: Literal["fifo", "fifo+backfill", "te-be", "te-be+backfill", "te-be+"] = Field(
         "te-be+", description="Scheduling policy preset (see the README's Policies).")
     max_retries: int = Field(3, ge=0, description="Retries of a failed run when the job spec sets none.")

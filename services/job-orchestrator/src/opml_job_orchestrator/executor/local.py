@@ -20,6 +20,13 @@ automl trial, leaves no shipper behind); each traced task starts it again as it 
 so no shipper outlives the executor. Where another shipper already holds the outlet (a job run by
 hand), that one publishes.
 
+A task whose replica asks for GPUs (``resources.gpu``) gets that many devices of this machine's
+(``devices``, default :func:`opml_common.gpus.discover`'s), each held by one task at a time, as
+``CUDA_VISIBLE_DEVICES`` (whatever the job's env says); every other task gets it empty, so it cannot
+take a device another job holds. The devices come back when the run ends. The scheduler counts the
+machine's GPUs (the default node has as many as are found), so a run finds its devices free; where
+the cluster declares more than the executor has, the task that finds too few free cannot start, saying so.
+
 Sandboxed (``sandbox``, :mod:`~opml_job_orchestrator.executor.sandbox`; the default where the executor
 runs as root), each job's tasks run as a user of their own in a mount namespace of their own: its
 ``/proc`` lists only that user's processes, and the run's sandbox folder (``{run}/sandbox``: each
@@ -47,7 +54,8 @@ from pathlib import Path
 from stat import S_ISREG
 from typing import Any
 
-from opml_common.errors import InvalidArgument, NotFound
+from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound
+from opml_common.gpus import VISIBLE_DEVICES, DevicePool, GpuDevice, discover
 from opml_common.lifecycle import cancel_and_wait
 from opml_common.ports import hold_free_port
 from opml_job_orchestrator.executor.base import (
@@ -101,6 +109,8 @@ class _Task:
     """``(st_mtime_ns, st_size)`` of the heartbeat file when last read: a change means a new write."""
     beat_at: float = 0.0
     """When the task last touched its heartbeat file (epoch seconds)."""
+    devices: tuple[GpuDevice, ...] = ()
+    """The GPUs it holds (``CUDA_VISIBLE_DEVICES``) until its run ends."""
 
 
 @dataclass(eq=False)
@@ -152,7 +162,8 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
                  trace_spool_dir: str | os.PathLike[str] | None = None, trace_shipper_idle_exit_s: float = 60.0,
                  sandbox: str = "auto", sandbox_uid_base: int = DEFAULT_UID_BASE,
                  sandbox_uid_count: int = DEFAULT_UID_COUNT,
-                 protected_dirs: Sequence[str | os.PathLike[str]] = ()) -> None:
+                 protected_dirs: Sequence[str | os.PathLike[str]] = (),
+                 devices: Sequence[GpuDevice] | None = None) -> None:
         if not isinstance(work_dir, str | os.PathLike) or not str(work_dir):
             raise InvalidArgument("work_dir", f"`work_dir` must be a directory path, but got {work_dir!r}.")
         if not isinstance(host, str) or not host:
@@ -169,6 +180,8 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
         check_settings(sandbox, sandbox_uid_base, sandbox_uid_count)
         self._sandbox_settings = (sandbox, sandbox_uid_base, sandbox_uid_count, tuple(protected_dirs))
         self._sandbox: Sandbox | None = None
+        self._given_devices = devices
+        self.devices = DevicePool(devices or ())
         super().__init__(cleanup_grace_s=cleanup_grace_s, shutdown_grace_s=shutdown_grace_s)
         self._watcher: asyncio.Task[None] | None = None
         self._shippers: dict[str, asyncio.subprocess.Process] = {}  # by spool folder ("": the tracer's default)
@@ -181,6 +194,8 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
     async def _open(self) -> None:
         """Create ``work_dir``, set the sandbox up (or find why not), start the heartbeat watcher."""
         self._work_dir.mkdir(parents=True, exist_ok=True)
+        if self._given_devices is None:
+            self.devices = DevicePool(await asyncio.to_thread(discover))
         mode, uid_base, uid_count, protected = self._sandbox_settings
         self._sandbox = await asyncio.to_thread(Sandbox.open, mode, work_dir=self._work_dir, uid_base=uid_base,
                                                 uid_count=uid_count, protected=protected)
@@ -228,8 +243,10 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
             manifest["tasks"].append(_manifest_entry(task, pid))
             _write_json(run_dir / MANIFEST, manifest)
 
+        gpus = {(r.role, r.index): r.resources.gpu for r in spec.replicas}
         for task in tasks.values():
-            failure = launcher_missing or unmade or await self._spawn(run, task, program, cluster, record)
+            failure = (launcher_missing or unmade or self._take_devices(task, gpus[task.key])
+                       or await self._spawn(run, task, program, cluster, record))
             if failure is None:
                 continue
             event, verdict = run.tracker.could_not_start(task.key, failure)
@@ -240,6 +257,15 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
                     unstarted.exited.set()
             self._end_soon(run, verdict)
             return
+
+    def _take_devices(self, task: _Task, count: int) -> str | None:
+        """Give ``task`` ``count`` free GPUs; return why it cannot have them, or None."""
+        role, index = task.key
+        try:
+            task.devices = self.devices.take(count, who=f"{role} {index}")
+        except FailedPrecondition as exc:
+            return f"{role} {index} could not start: {exc.message}"
+        return None
 
     async def _prepare_sandbox(self, job_id: str, run_dir: Path, keys: list[TaskKey],
                                program: JobProgram) -> tuple[RunSandbox | None, str | None]:
@@ -348,6 +374,7 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
                             cluster=cluster))
         env.update(program.secret_env)  # straight into the process: the sandbox's config pipe is private too
         env["OPML_HEARTBEAT_FILE"] = str(task.heartbeat_path)
+        env[VISIBLE_DEVICES] = ",".join(str(device.index) for device in task.devices)
         if run.sandbox is not None:
             env.update(run.sandbox.task_env(role, index))
         argv = task_argv(program, job_id=run.job_id, role=role, index=index, python=sys.executable,
@@ -445,6 +472,9 @@ class LocalExecutor(TrackedRunExecutor[_Run]):
             await asyncio.gather(*pending)
         for sock in run.held_ports:
             sock.close()
+        for task in run.tasks.values():
+            self.devices.give_back(task.devices)
+            task.devices = ()
 
     async def _watch_heartbeats(self) -> None:
         """Every ``heartbeat_check_interval_s``: read new heartbeat writes (checkpoint reports) and
