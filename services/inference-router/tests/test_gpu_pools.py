@@ -9,6 +9,7 @@ a GPU machine); what runs on a real card is bench/inference_router_gpu.py's (doc
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import onnxruntime as ort
@@ -16,11 +17,14 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from opml_common.config import PlatformSettings
 from opml_common.errors import FailedPrecondition
 from opml_common.gpus import GpuDevice
 from opml_common.metrics import ServiceMetrics
 from opml_inference_router.control import PoolManager
 from opml_inference_router.control.pools import unavailable_reasons
+from opml_inference_router.hosts.agent import HostAgent
+from opml_inference_router.hosts.settings import HostAgentSettings
 from opml_inference_router.placement import FleetConfig
 from opml_inference_router.placement.fleet_config import PoolKind
 from opml_inference_router.runtime import build_session, choose_precision, require_provider
@@ -139,3 +143,26 @@ def test_a_gpu_worker_process_without_cuda_refuses_to_start_saying_why(tmp_path:
                                            r"which this onnxruntime build lacks \(onnxruntime-gpu has it"):
         process.start()
     assert process.env["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+async def test_a_host_agent_pins_its_gpu_pool_worker_and_refuses_one_without_a_device(tmp_path: Path) -> None:
+    """A GPU host's agent: its gpu pool's worker gets a device of the host's own; no device, no agent."""
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(yaml.safe_dump({**FLEET, "pools": [
+        {"name": "cloud-cpu", "kind": "cpu", "workers": 2, "site": "cloud"},
+        {"name": "cloud-gpu", "kind": "gpu", "workers": 2, "site": "cloud"}]}))
+    settings = HostAgentSettings(router_target="127.0.0.1:1", fleet=fleet, pools="cloud-cpu,cloud-gpu",
+                                 home=tmp_path / "host")
+    metrics = ServiceMetrics("inference-router-host", registry=CollectorRegistry())
+    agent = HostAgent(settings, PlatformSettings(), metrics, devices=CARDS[2:])
+    try:
+        env = {worker.pool: worker.process.env for worker in agent.workers}
+        assert env == {"cloud-cpu": {}, "cloud-gpu": {"CUDA_VISIBLE_DEVICES": "3"}}
+    finally:  # never started: what its constructor made goes here (stop() undoes only a start)
+        await agent.router.close()
+        await agent._channel.close()
+        for worker in agent.workers:
+            shutil.rmtree(worker.process.uds.parent)
+    with pytest.raises(FailedPrecondition, match=r"pools cloud-gpu run on CUDAExecutionProvider, one device each, "
+                                                 r"but this host has 0 \(none found\)"):
+        HostAgent(settings, PlatformSettings(), metrics, devices=[])

@@ -1,7 +1,8 @@
 """The host agent: one process per machine that serves the router's fleet pools there.
 
 It registers its pools with the router (``HostService.RegisterHost``, with a host token), runs one
-worker process per pool (the router's own worker program, :mod:`opml_inference_router.worker`),
+worker process per pool (the router's own worker program, :mod:`opml_inference_router.worker`; a
+pool of a CUDA kind's pinned to a device of the host's own, ``CUDA_VISIBLE_DEVICES``),
 tells the router where they serve on every heartbeat, and restarts a worker that dies. The router
 then places, loads and routes on those workers as on its own, over gRPC (TLS as ``OPML_GRPC_TLS_*``
 says), sending each version's bundle to the agent first (``HostAgent.PutBundle``).
@@ -26,6 +27,7 @@ import os
 import shutil
 import tarfile
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +37,15 @@ from opml.inference.v1 import hosts_pb2_grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from opml_common.config import PlatformSettings
-from opml_common.errors import InvalidArgument, NotFound, OpmlError, PermissionDenied, Unauthenticated
+from opml_common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    OpmlError,
+    PermissionDenied,
+    Unauthenticated,
+)
+from opml_common.gpus import GpuDevice, discover, visible_devices_env
 from opml_common.grpc.client import domain_error, open_aio_channel
 from opml_common.grpc.interceptors import Principal, Scope
 from opml_common.grpc.server import GrpcServer, ServiceRegistration
@@ -51,6 +61,7 @@ from opml_inference_router.predictions import PredictionLog
 from opml_inference_router.routing import ModelPolicy, Router
 from opml_inference_router.routing.uds_replica import connect
 from opml_inference_router.runtime import load_bundle
+from opml_inference_router.runtime.session import CUDA
 from opml_inference_router.worker.process import WorkerProcess
 
 log = logging.getLogger(__name__)
@@ -174,7 +185,11 @@ class HostAgent(Component):
     answers), workers, heartbeats. ``stop()``: the reverse; what the outbox holds stays on disk."""
 
     def __init__(self, settings: HostAgentSettings, platform: PlatformSettings,
-                 metrics: ServiceMetrics | None = None) -> None:
+                 metrics: ServiceMetrics | None = None, *, devices: Sequence[GpuDevice] | None = None) -> None:
+        """``devices``: this machine's CUDA devices (default: :func:`opml_common.gpus.discover`'s, asked only
+        when a pool is of a CUDA kind).
+
+        Raises: InvalidArgument (see :func:`pools_of`); FailedPrecondition when a CUDA pool finds no device."""
         super().__init__()
         self.settings = settings
         self.platform = platform
@@ -184,7 +199,9 @@ class HostAgent(Component):
         self.worker_token = ""
         self.heartbeat_interval_s = 1.0
         home = settings.home
-        self.workers = [HostWorker(pool.pool, pool.kind, self._process(pool.pool, pool.kind, index))
+        pinned = self._pin(devices)
+        self.workers = [HostWorker(pool.pool, pool.kind, self._process(pool.pool, pool.kind, index,
+                                                                         pinned.get(pool.pool)))
                         for index, pool in enumerate(self.pools)]
         self._channel = open_aio_channel(settings.router_target)
         self._stub = hosts_pb2_grpc.HostServiceStub(self._channel)
@@ -205,11 +222,29 @@ class HostAgent(Component):
         self.registered = asyncio.Event()
         self.link_up = True
 
-    def _process(self, pool: str, kind: str, index: int) -> WorkerProcess:
+    def _pin(self, devices: Sequence[GpuDevice] | None) -> dict[str, GpuDevice]:
+        """A device of its own for the worker of each pool of a CUDA kind, by pool, in the order named.
+
+        Raises: FailedPrecondition naming the pools left without one."""
+        kinds = {kind.name: kind for kind in self.fleet.pool_kinds}
+        cuda = [pool.pool for pool in self.pools if kinds[pool.kind].execution_provider == CUDA]
+        if not cuda:
+            return {}
+        found = list(discover() if devices is None else devices)
+        if len(cuda) > len(found):
+            raise FailedPrecondition(f"pools {', '.join(cuda)} run on {CUDA}, one device each, but this host has "
+                                     f"{len(found)} ({', '.join(d.describe() for d in found) or 'none found'})")
+        pinned = dict(zip(cuda, found, strict=False))
+        for pool, device in pinned.items():
+            log.info("the worker of pool %s is pinned to %s", pool, device.describe())
+        return pinned
+
+    def _process(self, pool: str, kind: str, index: int, device: GpuDevice | None) -> WorkerProcess:
         sockets = Path(tempfile.mkdtemp(prefix="opml-host-"))  # short: a socket path holds 107 bytes
         extra = (("--threads-per-replica", str(self.settings.worker_threads_per_replica))
                  if self.settings.worker_threads_per_replica else ())
         return WorkerProcess(kind, self.settings.fleet, self.settings.home / "workers" / f"{pool}.log",
+                             env=visible_devices_env([device]) if device is not None else {},
                              extra_args=extra, uds=sockets / f"{index}.sock",
                              startup_timeout_s=self.settings.worker_startup_timeout_s)
 
