@@ -45,7 +45,7 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
     store = BundleStore(settings.home, service.s3(max_connections=settings.transfer_workers * 2),
                         transfer_workers=settings.transfer_workers, events=await service.emitter(),
                         manifest_keys=manifest_keys, on_rejected_manifest=lambda manifest: rejected.labels(manifest.reason).inc(),
-                        home_lock=home_lock)
+                        home_lock=home_lock, staging_ttl_s=settings.staging_ttl_s)
     service.on_stop(lambda: asyncio.to_thread(store.close))
     for context_id, remote_url in settings.shared_contexts.items():
         await asyncio.to_thread(store.share_context, context_id, remote_url)

@@ -52,8 +52,12 @@ class BundleStoreSettings(ServiceSettings):
         "`{\"context\": \"s3://bucket/prefix\"}`: each is made (or bound to that remote) at start, and its remote "
         "is the truth for its committed bundles: a commit is pushed before it returns, and reads merge the "
         "remote's manifests (a list, a name's latest, a uuid held by another replica; files fetched when read). "
-        "Every replica lists the same contexts and holds the same manifest keys. Uncommitted bundles stay in the "
-        "replica that received them.")
+        "Every replica lists the same contexts and holds the same manifest keys. Uncommitted bundles are staged "
+        "there too, so any replica reads or commits what another received.")
+    staging_ttl_s: int = Field(7 * 86400, ge=1, le=10 * 365 * 86400, description="A shared context's uncommitted "
+                               "bundle staged on its remote for longer than this is abandoned: a remote gc (`gc "
+                               "--remote`) removes it, then its blobs after their grace. At least the longest upload "
+                               "grant (7 days) plus the time its issuer takes to commit.")
 
     @field_validator("manifest_keys", "grant_keys")
     @classmethod

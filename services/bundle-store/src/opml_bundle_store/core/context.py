@@ -12,7 +12,7 @@ import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from opml_bundle_store.core.layout import ContextDir, atomic_write
+from opml_bundle_store.core.layout import ContextDir, atomic_write, fsync_dir
 from opml_bundle_store.core.manifest import Bundle, ContextInfo, age, latest_version
 from opml_bundle_store.core.remote_url import normalize_remote_url
 from opml_bundle_store.core.rules import is_uuid, validate_bundle_name, validate_context_id
@@ -82,6 +82,12 @@ class ContextState:
         """Persist a bundle's manifest with its local state and update the index. Lock held."""
         atomic_write(self.dir.manifest_path(bundle.uuid), bundle.to_json())
         self.bundles[bundle.uuid] = bundle
+
+    def forget(self, uuid: str) -> None:
+        """Remove a bundle's manifest and drop it from the index (its blobs stay until gc). Lock held."""
+        if self.bundles.pop(uuid, None) is not None:
+            self.dir.manifest_path(uuid).unlink(missing_ok=True)
+            fsync_dir(self.dir.bundles)
 
 
 def load_context(root: Path) -> ContextState | None:

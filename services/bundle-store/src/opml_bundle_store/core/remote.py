@@ -121,6 +121,9 @@ class RemoteManifest:
     bundle_name: str
     uuid: str
     key: str
+    staged: bool = False
+    """An uncommitted bundle's manifest (under ``staging/``), not a committed one (under ``bundles/``)."""
+    last_modified: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -160,11 +163,19 @@ class S3Remote:
     def bundles_prefix(self) -> str:
         return f"{self._base}bundles/"
 
+    @property
+    def staging_prefix(self) -> str:
+        return f"{self._base}staging/"
+
     def blob_key(self, sha256: str) -> str:
         return f"{self.objects_prefix}{sha256}"
 
     def manifest_key(self, bundle_name: str, bundle_uuid: str) -> str:
         return f"{self.bundles_prefix}{bundle_name}/{bundle_uuid}.json"
+
+    def staged_key(self, bundle_name: str, bundle_uuid: str) -> str:
+        """Where a shared context keeps an uncommitted bundle's manifest until it is committed."""
+        return f"{self.staging_prefix}{bundle_name}/{bundle_uuid}.json"
 
     # -- bucket --------------------------------------------------------------------------------
 
@@ -195,16 +206,19 @@ class S3Remote:
         return {obj.key[start:]: obj for obj in self.list_objects(self.objects_prefix)
                 if len(obj.key) - start == 64}
 
-    def list_manifests(self, bundle_name: str | None = None) -> list[RemoteManifest]:
-        """Manifests on the remote, optionally only the versions of one bundle name."""
-        prefix = self.bundles_prefix + (f"{bundle_name}/" if bundle_name else "")
+    def list_manifests(self, bundle_name: str | None = None, *, staged: bool = False) -> list[RemoteManifest]:
+        """Manifests on the remote, optionally only the versions of one bundle name; with ``staged``,
+        the staged (uncommitted) ones, listed before the committed ones so that a commit moving a
+        bundle from one to the other while this lists is seen in at least one."""
         found = []
-        for obj in self.list_objects(prefix):
-            rest = obj.key[len(self.bundles_prefix):]
-            name, _, file_name = rest.partition("/")
-            if not file_name.endswith(".json") or "/" in file_name:
+        for root, is_staged in ((self.staging_prefix, True), (self.bundles_prefix, False)):
+            if is_staged and not staged:
                 continue
-            found.append(RemoteManifest(name, file_name[: -len(".json")], obj.key))
+            for obj in self.list_objects(root + (f"{bundle_name}/" if bundle_name else "")):
+                name, _, file_name = obj.key[len(root):].partition("/")
+                if not file_name.endswith(".json") or "/" in file_name:
+                    continue
+                found.append(RemoteManifest(name, file_name[: -len(".json")], obj.key, is_staged, obj.last_modified))
         return found
 
     def stat(self, key: str) -> RemoteObject | None:
@@ -279,11 +293,27 @@ class S3Remote:
             response = self._signed_put(key, data, sha256 or UNSIGNED_PAYLOAD, headers, None)
         return response.headers.get("etag", "").replace('"', "")
 
-    def put_manifest(self, key: str, data: bytes, *, signature: str) -> None:
-        """PUT a manifest with its signature in the object's metadata."""
+    def put_manifest(self, key: str, data: bytes, *, signature: str, if_absent: bool = False) -> bool:
+        """PUT a manifest with its signature in the object's metadata; with ``if_absent``, only if no
+        object has that key (``If-None-Match: *``, which S3 decides atomically).
+
+        Returns False when ``if_absent`` and the key was taken (nothing written), else True.
+        """
         headers = {"Content-Type": MANIFEST_CONTENT_TYPE, MANIFEST_SIGNATURE_HEADER: signature}
+        if if_absent:
+            headers["If-None-Match"] = "*"
         with translate_errors(f"upload {key!r}"):
-            self._signed_put(key, data, hashlib.sha256(data).hexdigest(), headers, None)
+            try:
+                self._signed_put(key, data, hashlib.sha256(data).hexdigest(), headers, None)
+            except S3Error as exc:
+                if if_absent and exc.code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                    return False
+                raise
+            except ServerError as exc:
+                if if_absent and exc.status_code == 412:
+                    return False
+                raise
+        return True
 
     def create_multipart(self, key: str) -> str:
         with translate_errors(f"start a multipart upload of {key!r}"):

@@ -107,13 +107,19 @@ class ManifestKeys(SigningKeys):
     what = "manifest key"
     file_name = KEY_FILE_NAME
 
-    def sign(self, bundle_name: str, bundle_uuid: str, data: bytes) -> str:
-        """The signature (hex) of the manifest ``data`` stored under ``bundle_name`` and ``bundle_uuid``."""
-        return self.mac((_PURPOSE, bundle_name, bundle_uuid), data)
+    def sign(self, bundle_name: str, bundle_uuid: str, data: bytes, *, staged: bool = False) -> str:
+        """The signature (hex) of the manifest ``data`` stored under ``bundle_name`` and ``bundle_uuid``;
+        ``staged``: an uncommitted bundle's (signed under its own tag, so a staged manifest copied to a
+        committed key does not verify there)."""
+        return self.mac(_header(bundle_name, bundle_uuid, staged), data)
 
-    def verify(self, bundle_name: str, bundle_uuid: str, data: bytes, signature: str) -> bool:
+    def verify(self, bundle_name: str, bundle_uuid: str, data: bytes, signature: str, *, staged: bool = False) -> bool:
         """Whether any key signed exactly this manifest under this name and uuid (compared in constant time)."""
-        return self.verifies((_PURPOSE, bundle_name, bundle_uuid), data, signature)
+        return self.verifies(_header(bundle_name, bundle_uuid, staged), data, signature)
+
+
+def _header(bundle_name: str, bundle_uuid: str, staged: bool) -> tuple[str, ...]:
+    return (_PURPOSE, bundle_name, bundle_uuid, "staged") if staged else (_PURPOSE, bundle_name, bundle_uuid)
 
 
 def _mac(key: bytes, header: Sequence[str], data: bytes) -> str:

@@ -75,6 +75,8 @@ from opml_common.events import EventEmitter
 log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
+_KEYED_UUIDS = uuid_mod.UUID("8b0f6c1e-4d0a-5b7e-9a53-0c6f4e2d7a19")
+"""The namespace of the uuids a shared context derives from an add's name and idempotency key."""
 S3_MIN_PART_SIZE = 5 * MIB
 S3_MAX_PART_SIZE = 5 * 1024 * MIB
 
@@ -125,6 +127,8 @@ class BundleStore:
         home_lock: the lock on ``home`` (:func:`lock_home`) when the caller took it first (the service,
             before it opens its outbox under ``home``); the caller releases it. None: the store takes
             it, and ``close()`` releases it.
+        staging_ttl_s: a shared context's uncommitted bundle staged on its remote longer than this is
+            abandoned: a remote gc removes it (then its blobs, after their grace).
 
     Raises:
         InvalidArgument: a setting is out of range.
@@ -146,6 +150,7 @@ class BundleStore:
         manifest_keys: ManifestKeys | None = None,
         on_rejected_manifest: RejectedCallback | None = None,
         home_lock: BinaryIO | None = None,
+        staging_ttl_s: float = 7 * 86400,
     ) -> None:
         check_int("transfer_workers", transfer_workers, 1, 256)
         check_int("part_size", part_size, S3_MIN_PART_SIZE, S3_MAX_PART_SIZE,
@@ -154,8 +159,10 @@ class BundleStore:
         check_int("upload_streams", upload_streams, 1, 256)
         check_int("download_streams", download_streams, 1, 256)
         check_int("range_size", range_size, MIB, S3_MAX_PART_SIZE)
+        check_int("staging_ttl_s", int(staging_ttl_s), 1, 10 * 365 * 86400)
         self.home = Path(home)
         self._s3 = s3
+        self._staging_ttl_s = staging_ttl_s
         self._settings = TransferSettings(
             part_size=part_size, multipart_threshold=multipart_threshold, max_in_flight=transfer_workers,
             upload_streams=min(upload_streams, transfer_workers),
@@ -283,8 +290,10 @@ class BundleStore:
         commit is pushed before it returns (blobs first, the manifest last, one manifest key per
         uuid, so no two stores' commits overwrite each other), and reads merge the remote's
         manifests (a list, a name's latest, a uuid not held here; files are fetched when read).
-        Committed bundles not yet on the remote (a store stopped between a commit and its push)
-        are pushed now. Uncommitted bundles stay in the store that received them.
+        Uncommitted bundles are staged there too (blobs, then a signed manifest under ``staging/``), so
+        any store can read or commit one another store received. Committed bundles not yet on the
+        remote (a store stopped between a commit and its push) are pushed now, uncommitted ones not yet
+        staged are staged.
 
         Raises: InvalidArgument, FailedPrecondition (no S3 client), Unavailable.
         """
@@ -298,8 +307,13 @@ class BundleStore:
                 self.set_remote(context_id, url)
         ctx = self._context(context_id)
         ctx.shared = True
-        pushed = self.push(context_id)
-        log.info("context %s is shared through %s (%d commits pushed that had not been)", context_id, url, len(pushed))
+        pushed = self._sync.push(ctx, self._context_remote(ctx), unstage=True)
+        with ctx.lock:
+            unstaged = sorted((b for b in ctx.bundles.values() if not b.committed and b.remote_url != url), key=age)
+        for bundle in unstaged:
+            self._stage(ctx, bundle)
+        log.info("context %s is shared through %s (%d commits pushed and %d uncommitted bundles staged that had "
+                 "not been)", context_id, url, len(pushed), len(unstaged))
         return ctx.info()
 
     def _merge_remote(self, ctx: ContextState, bundle_name: str | None = None) -> None:
@@ -309,17 +323,51 @@ class BundleStore:
             self._sync.pull(ctx, self._context_remote(ctx), bundle_name)
 
     def _write_through(self, ctx: ContextState) -> Any:
-        """What a shared context's commit runs once it is visible: its push (None: not shared)."""
+        """What a shared context runs once an add or commit is visible here (None: not shared): an
+        uncommitted bundle is staged on the remote; a committed one is pushed, its staged manifest then
+        removed. A new add with an idempotency key and a commit is staged first, so that of two stores
+        adding the key at once (one uuid) the first staged is the one both commit."""
         if not ctx.shared:
             return None
 
-        def push(bundle: Bundle) -> Bundle:
+        def publish(bundle: Bundle, made: bool) -> Bundle:
             if bundle.remote_url is not None and bundle.remote_url == ctx.remote_url:
-                return bundle  # on the remote already (pushed, or pulled from it)
-            [pushed] = self._sync.push(ctx, self._context_remote(ctx), bundle.uuid)
+                return bundle  # on the remote already (staged or pushed, or pulled from it)
+            if not bundle.committed:
+                return self._stage(ctx, bundle)
+            if made and bundle.idempotency_key:
+                bundle = self._stage(ctx, bundle)
+                if bundle.remote_url == ctx.remote_url:
+                    return bundle  # another store committed the key's bundle meanwhile
+            [pushed] = self._sync.push(ctx, self._context_remote(ctx), bundle.uuid,
+                                       unstage=not made or bool(bundle.idempotency_key))
             return pushed
 
-        return push
+        return publish
+
+    def _stage(self, ctx: ContextState, bundle: Bundle) -> Bundle:
+        """Stage a bundle of a shared context on its remote (:meth:`RemoteSync.stage`) and record what
+        is staged: this store's bundle, or the one another store staged first under its uuid (its
+        files held here only if its content is this one's). A bundle committed here keeps that state,
+        with no ``remote_url`` (its commit is still to be pushed). Raises: DataLoss, Unavailable."""
+        remote = self._context_remote(ctx)
+        self._sync.upload_blobs(ctx, remote, bundle)
+        with ctx.pull_lock:  # a concurrent merge must not take it for a staged bundle since removed
+            staged = self._sync.stage(ctx, remote, bundle)
+            with ctx.lock:
+                current = ctx.bundles.get(bundle.uuid)
+                if current is None:
+                    return staged  # deleted here meanwhile
+                record = staged.with_state(
+                    context=ctx.id, localized=current.localized and staged.content_hash == current.content_hash,
+                    remote_url=remote.url)
+                if current.committed and not staged.committed:
+                    record = record.with_state(committed=True, commit_time=current.commit_time, remote_url=None)
+                if staged is not bundle:
+                    log.info("context %s: bundle %s was staged by another store first; this store's add of it "
+                             "is that one", ctx.id, label(bundle))
+                ctx.record(record)
+        return record
 
     def _context(self, context_id: str) -> ContextState:
         self._check_open()
@@ -372,7 +420,9 @@ class BundleStore:
     ) -> BundleWriter:
         """Start adding a new version of ``bundle_name``; nothing is visible until ``finish()``.
         With ``idempotency_key``, an add of the same name and key made before (here, or in a shared
-        context by any store: its manifest carries the key) is what ``finish()`` returns.
+        context by any store: its manifest carries the key) is what ``finish()`` returns. In a shared
+        context, the key also makes the uuid (every store adding the name with that key picks the same),
+        so two stores adding it at the same moment stage one bundle (:meth:`_stage`).
 
         Raises: InvalidArgument (name, tags, values, lineage, idempotency_key), NotFound (context),
         Unavailable (a shared context's remote, read for an earlier add of the key).
@@ -384,8 +434,9 @@ class BundleStore:
                            lineage=validate_lineage(lineage))
         if key:
             self._merge_remote(ctx, bundle_name)
-        return BundleWriter(ctx, bundle_name, events=self._events, idempotency_key=key,
-                            after_commit=self._write_through(ctx), **writer_args)
+        uuid = str(uuid_mod.uuid5(_KEYED_UUIDS, f"{ctx.id}/{bundle_name}/{key}")) if key and ctx.shared else None
+        return BundleWriter(ctx, bundle_name, events=self._events, idempotency_key=key, uuid=uuid,
+                            publish=self._write_through(ctx), **writer_args)
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -433,15 +484,16 @@ class BundleStore:
         return self._resolve(self._context(context_id), ref)
 
     def _resolve(self, ctx: ContextState, ref: str, *, prefer_committed: bool = True) -> Bundle:
-        """``ctx.resolve``, after merging what a shared context's remote holds of ``ref`` (a uuid
-        held here needs nothing: a version never changes but by its commit, made where it was added)."""
+        """``ctx.resolve``, after merging what a shared context's remote holds of ``ref`` (a committed
+        uuid held here needs nothing: a version never changes after its commit; an uncommitted one is
+        looked up among its name's, as any store may have committed it)."""
         if ctx.shared:
             with ctx.lock:
-                held = is_uuid(ref) and ref in ctx.bundles
-            if not held:
+                held = ctx.bundles.get(ref) if is_uuid(ref) else None
+            if held is None or not held.committed:
                 if isinstance(ref, str) and ref and not is_uuid(ref):
                     validate_bundle_name(ref, "ref")
-                self._merge_remote(ctx, None if is_uuid(ref) else ref)
+                self._merge_remote(ctx, held.name if held is not None else None if is_uuid(ref) else ref)
         with ctx.lock:
             return ctx.resolve(ref, prefer_committed=prefer_committed)
 
@@ -494,8 +546,8 @@ class BundleStore:
         self._resolve(ctx, ref, prefer_committed=False)  # a shared context: the remote's versions too
         with ctx.lock:
             committed = ctx.resolve(ref, prefer_committed=False)
-            if not committed.committed:
-                committed = committed.with_state(committed=True, commit_time=ctx.next_time())
+            if not committed.committed:  # no remote_url: a shared context's commit is still to be pushed
+                committed = committed.with_state(committed=True, commit_time=ctx.next_time(), remote_url=None)
                 intent = self._events.committing(committed)
                 ctx.record(committed)
             else:
@@ -503,7 +555,7 @@ class BundleStore:
         self._events.announce(intent)
         write_through = self._write_through(ctx)
         if write_through is not None:
-            committed = write_through(committed)
+            committed = write_through(committed, False)
         return committed
 
     # -- push ----------------------------------------------------------------------------------
@@ -580,7 +632,7 @@ class BundleStore:
                 bundle = None
         if bundle is None:
             assert s3_remote is not None
-            listed = [m for m in s3_remote.list_manifests() if m.uuid == ref]
+            listed = [m for m in s3_remote.list_manifests(staged=True) if m.uuid == ref]
             if not listed:
                 raise NotFound(f"bundle {ref!r} exists neither in context {ctx.id!r} nor on {s3_remote.url}")
             intent = self._events.deleting(ctx.id, ref, listed[0].bundle_name, {}, remote=True,
@@ -595,14 +647,13 @@ class BundleStore:
         intent = self._events.deleting(ctx.id, bundle.uuid, bundle.name, bundle.tags, remote=remote)
         if s3_remote is not None:
             try:
-                s3_remote.delete([s3_remote.manifest_key(bundle.name, bundle.uuid)])
+                s3_remote.delete([s3_remote.manifest_key(bundle.name, bundle.uuid),
+                                  s3_remote.staged_key(bundle.name, bundle.uuid)])
             except BaseException:
                 self._events.settle(intent, self._shows_change)  # the local copy stays: dropped
                 raise
         with ctx.lock:
-            if ctx.bundles.pop(bundle.uuid, None) is not None:
-                ctx.dir.manifest_path(bundle.uuid).unlink(missing_ok=True)
-                fsync_dir(ctx.dir.bundles)
+            ctx.forget(bundle.uuid)
         log.info("deleted bundle %s from %s%s", label(bundle), ctx.id, " and its remote" if remote else "")
         self._events.announce(intent)
         return [bundle.uuid]
@@ -610,7 +661,9 @@ class BundleStore:
     def gc(self, context_id: str, *, remote: bool = False, grace_s: float = 3600, dry_run: bool = False) -> GcReport:
         """Remove blobs that no manifest references and that are older than ``grace_s`` seconds
         (so blobs of adds, pulls and pushes in flight survive). Locally, or on the context's
-        remote with ``remote`` (where multipart uploads older than the grace are also aborted).
+        remote with ``remote`` (where multipart uploads older than the grace are also aborted, and
+        staged manifests of bundles committed since, or uncommitted for longer than the store's
+        ``staging_ttl_s``, removed).
 
         Raises: InvalidArgument, NotFound, FailedPrecondition (remote=True without a remote),
         DataLoss (a remote manifest is unreadable: nothing is removed), Unavailable.
@@ -620,7 +673,7 @@ class BundleStore:
             raise InvalidArgument("grace_s", f"`grace_s` must be a number >= 0, but got {grace_s!r}.")
         if remote:
             return gc.collect_remote(ctx, self._context_remote(ctx), self._sync.fetch_manifests, grace_s=grace_s,
-                                     dry_run=dry_run)
+                                     staging_ttl_s=self._staging_ttl_s, dry_run=dry_run)
         return gc.collect_local(ctx, grace_s=grace_s, dry_run=dry_run)
 
     # -- lineage -------------------------------------------------------------------------------

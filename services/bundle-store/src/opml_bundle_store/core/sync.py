@@ -14,7 +14,7 @@ from typing import Any
 from opml_bundle_store.core.context import ContextState
 from opml_bundle_store.core.events import BundleEvents
 from opml_bundle_store.core.manifest import Bundle, RejectedManifest, TransferProgress, age, compute_content_hash, label
-from opml_bundle_store.core.remote import S3Remote
+from opml_bundle_store.core.remote import RemoteManifest, S3Remote
 from opml_bundle_store.core.rules import INT64_MAX, INT64_MIN, is_uuid, validate_bundle_name
 from opml_bundle_store.core.signing import ManifestKeys
 from opml_bundle_store.core.transfer import (
@@ -26,7 +26,7 @@ from opml_bundle_store.core.transfer import (
     Uploader,
 )
 from opml_bundle_store_contract.paths import path_violations
-from opml_common.errors import DataLoss, FailedPrecondition, InvalidArgument
+from opml_common.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class RemoteSync:
         self._on_rejected = on_rejected
 
     def push(self, ctx: ContextState, remote: S3Remote, ref: str | None = None,
-             progress: ProgressCallback | None = None) -> list[Bundle]:
+             progress: ProgressCallback | None = None, *, unstage: bool = False) -> list[Bundle]:
         """Push committed bundles to the context's remote: their blobs (missing ones only, in
         parallel, big ones as resumable multipart uploads), then their manifests, signed.
 
@@ -73,6 +73,11 @@ class RemoteSync:
         without their files from another remote: skipped with a warning). ``progress`` is called on
         the calling thread with blobs and bytes confirmed on the remote. Each pushed bundle is
         announced (BundlePushed) once its manifest is on the remote, whether or not a caller waits.
+
+        A shared context's bundles need not be localized: one this store holds without its files was
+        staged or pulled through the context's remote, where its blobs are, so only its manifest is
+        written. ``unstage``: the staged manifests of the pushed bundles (a shared context's uncommitted
+        copies) are removed once the committed ones are written.
 
         Returns the pushed bundles (oldest first), with ``remote_url`` set.
 
@@ -92,23 +97,25 @@ class RemoteSync:
                     targets = sorted(
                         (b for b in ctx.bundles.values() if b.committed and b.remote_url != remote.url), key=age
                     )
-                    skipped = [b for b in targets if not b.localized]
+                    skipped = [] if ctx.shared else [b for b in targets if not b.localized]
                     if skipped:
                         log.warning("push of %s skips %d bundles pulled without their files (first: %s); "
                                     "pull them with localize=True to push them to %s",
                                     ctx.id, len(skipped), label(skipped[0]), remote.url)
                         targets = [b for b in targets if b.localized]
             for bundle in targets:
-                if not bundle.localized:
+                if not bundle.localized and not ctx.shared:
                     raise FailedPrecondition(
                         f"bundle {label(bundle)} is not localized, so its files cannot be pushed to "
                         f"{remote.url}: pull it with localize=True first"
                     )
             reporter = ProgressReporter(progress)
-            blobs = _unique_blobs(targets)
+            blobs = _unique_blobs([b for b in targets if b.localized])
             uploader = Uploader(remote, ctx.dir, self._pool, self._settings, reporter)
             stats = uploader.upload(blobs)
             self._put_manifests(remote, targets)
+            if unstage:
+                remote.delete([remote.staged_key(b.name, b.uuid) for b in targets])
             pushed, intents = [], []
             with ctx.lock:
                 for bundle in targets:
@@ -138,6 +145,42 @@ class RemoteSync:
             ))
         runner.run()
 
+    def upload_blobs(self, ctx: ContextState, remote: S3Remote, bundle: Bundle) -> None:
+        """The blobs of a bundle this store holds with its files, to ``remote`` (the missing ones).
+        Raises: DataLoss (a local blob is missing or truncated), Unavailable."""
+        if bundle.localized:
+            Uploader(remote, ctx.dir, self._pool, self._settings, ProgressReporter(None)).upload(_unique_blobs([bundle]))
+
+    def stage(self, ctx: ContextState, remote: S3Remote, bundle: Bundle) -> Bundle:
+        """Make an uncommitted bundle of a shared context visible to every store sharing ``remote``
+        (its blobs there already, :meth:`upload_blobs`): its signed manifest under ``staging/``, written
+        only if no store staged that uuid first (an idempotency key's adds on two stores share a uuid),
+        nor committed it (then unstaged) before this one staged.
+        Returns the staged bundle: this one, or the first store's (verified; committed, if it was
+        committed meanwhile).
+
+        Raises: DataLoss (the first store's manifest does not verify), NotFound (it was removed
+        meanwhile), Unavailable.
+        """
+        data = bundle.with_state(committed=False, commit_time=None).to_json(local_state=False)
+        key = remote.staged_key(bundle.name, bundle.uuid)
+        if remote.put_manifest(key, data, signature=self._keys.sign(bundle.name, bundle.uuid, data, staged=True),
+                               if_absent=True):
+            committed_key = remote.manifest_key(bundle.name, bundle.uuid)
+            if not bundle.idempotency_key or remote.stat(committed_key) is None:
+                return bundle.with_state(committed=False, commit_time=None)
+            remote.delete([key])  # the key's first add was committed (and unstaged) before this one staged
+        for item in (RemoteManifest(bundle.name, bundle.uuid, key, staged=True),
+                     RemoteManifest(bundle.name, bundle.uuid, remote.manifest_key(bundle.name, bundle.uuid))):
+            try:
+                return _parse_remote_manifest(remote, item, ctx.id, self._keys)
+            except NotFound:
+                continue  # committed (and unstaged) since the write was refused: its committed manifest
+            except _Rejected as rejected:
+                raise DataLoss(f"bundle {label(bundle)} was staged first by another store, but its manifest is "
+                               f"refused: {rejected.message}") from None
+        raise NotFound(f"bundle {label(bundle)} was staged by another store and removed since")
+
     def pull(self, ctx: ContextState, remote: S3Remote, bundle_name: str | None = None, *,
              localize: bool = False, progress: ProgressCallback | None = None,
              only_uuid: str | None = None) -> list[Bundle]:
@@ -152,18 +195,26 @@ class RemoteSync:
         matches): one that fails is logged, reported to the store's ``on_rejected`` and skipped,
         and the others are pulled.
 
+        A shared context pulls its staged (uncommitted) bundles too: a version held here uncommitted
+        whose committed manifest is on the remote now is recorded committed, and one that came from
+        the remote uncommitted and is on it no more (deleted, or staged by an add that lost its
+        idempotency key's race) is dropped.
+
         Returns the bundles this pull added or localized, newest first.
 
         Raises: InvalidArgument, NotFound, FailedPrecondition (no remote), DataLoss (a remote
         blob does not match its hash, or is missing), Unavailable.
         """
         with ctx.pull_lock:
-            listed = remote.list_manifests(bundle_name or None)
+            listed = remote.list_manifests(bundle_name or None, staged=ctx.shared)
             if only_uuid is not None:
                 listed = [m for m in listed if m.uuid == only_uuid]
+            committed_uuids = {m.uuid for m in listed if not m.staged}
+            listed = [m for m in listed if not (m.staged and m.uuid in committed_uuids)]  # mid-commit: committed
             with ctx.lock:
                 known = dict(ctx.bundles)
-            fresh = self._fetch_verified(ctx, remote, [m for m in listed if m.uuid not in known])
+            fresh = self._fetch_verified(ctx, remote, [
+                m for m in listed if m.uuid not in known or (not m.staged and not known[m.uuid].committed)])
             to_localize: list[Bundle] = []
             if localize:
                 to_localize = list(fresh) + [
@@ -180,9 +231,16 @@ class RemoteSync:
                     return all(ctx.dir.blob_path(f.sha256).exists() for f in bundle.files)
 
                 for bundle in fresh:
-                    record = bundle.with_state(context=ctx.id, remote_url=remote.url, localized=present(bundle))
+                    held = ctx.bundles.get(bundle.uuid)
+                    if held is not None and held.committed:
+                        continue  # committed here meanwhile: its own write-through publishes it
+                    localized = (held.localized and held.content_hash == bundle.content_hash) if held is not None \
+                        else present(bundle)
+                    record = bundle.with_state(context=ctx.id, remote_url=remote.url, localized=localized)
                     ctx.record(record)
                     changed.append(record)
+                if ctx.shared:
+                    self._drop_unlisted(ctx, remote, {m.uuid for m in listed}, bundle_name, only_uuid)
                 if localize:
                     for old in to_localize[len(fresh):]:
                         current = ctx.bundles.get(old.uuid)
@@ -197,6 +255,18 @@ class RemoteSync:
             reporter.emit(force=True)
         log.info("pulled %d bundles into %s from %s: %s", len(changed), ctx.id, remote.url, stats)
         return sorted(changed, key=age, reverse=True)
+
+    @staticmethod
+    def _drop_unlisted(ctx: ContextState, remote: S3Remote, listed: set[str], bundle_name: str | None,
+                       only_uuid: str | None) -> None:
+        """Forget the uncommitted versions this store has from the remote (lock held) that the listing
+        covered and did not find: the remote is a shared context's truth for them."""
+        for bundle in list(ctx.bundles.values()):
+            if (not bundle.committed and bundle.remote_url == remote.url and bundle.uuid not in listed
+                    and bundle_name in (None, bundle.name) and only_uuid in (None, bundle.uuid)):
+                ctx.forget(bundle.uuid)
+                log.info("context %s: the uncommitted bundle %s is no longer staged on %s; forgotten",
+                         ctx.id, label(bundle), remote.url)
 
     def fetch_manifests(self, ctx: ContextState, remote: S3Remote, listed: list[Any]) -> list[Bundle]:
         """Every listed manifest, verified but for its signature; the first that fails raises
@@ -283,7 +353,8 @@ def _parse_remote_manifest(remote: S3Remote, item: Any, context_id: str, keys: M
         raise _Rejected("signature", f"{where} is refused: signature missing (it was not pushed by a bundle-store "
                                      "holding the manifest keys, or was pushed before manifests were signed: "
                                      "push it again from a store that holds it)")
-    if keys is not None and not keys.verify(item.bundle_name, item.uuid, stored.data, stored.signature or ""):
+    if keys is not None and not keys.verify(item.bundle_name, item.uuid, stored.data, stored.signature or "",
+                                            staged=item.staged):
         raise _Rejected("signature", f"{where} is refused: signature invalid (signed with another key, "
                                      "changed after it was signed, or copied from another name or uuid)")
     try:
@@ -320,4 +391,6 @@ def _parse_remote_manifest(remote: S3Remote, item: Any, context_id: str, keys: M
     if actual != bundle.content_hash:
         raise _Rejected("content_hash", f"{where} is corrupt: its content_hash is {bundle.content_hash}, but its "
                                         f"files and values hash to {actual}")
+    if item.staged:
+        return bundle.with_state(committed=False, commit_time=None)
     return bundle.with_state(committed=True, commit_time=bundle.commit_time or bundle.create_time)

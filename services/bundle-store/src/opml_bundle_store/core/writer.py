@@ -33,21 +33,23 @@ class BundleWriter:
 
     ``idempotency_key`` (non-empty): ``finish()`` of an add whose name and key a bundle of the context
     has already returns that bundle and stages nothing more (committing it, if asked and it is not).
-    ``after_commit``: called with the committed bundle once it is visible and announced (a context
-    shared through its remote writes it through there); what it returns is what ``finish()`` returns.
+    ``publish``: called once the bundle is visible and announced with it and whether this writer made
+    it (a context shared through its remote stages or commits it there); what it returns is what
+    ``finish()`` returns. ``uuid``: the new version's (default: a random one).
     """
 
     def __init__(
         self, ctx: ContextState, name: str, *,
         tags: dict[str, str], values: dict[str, Value], lineage: Lineage, events: BundleEvents,
-        idempotency_key: str = "", after_commit: Callable[[Bundle], Bundle] | None = None,
+        idempotency_key: str = "", publish: Callable[[Bundle, bool], Bundle] | None = None,
+        uuid: str | None = None,
     ) -> None:
         self._ctx = ctx
         self._idempotency_key = idempotency_key
-        self._after_commit = after_commit
+        self._publish = publish
         self._events = events
         self.name = name
-        self.uuid = str(uuid_mod.uuid4())
+        self.uuid = uuid or str(uuid_mod.uuid4())
         self._tags = tags
         self._values = values
         self._lineage = lineage
@@ -180,7 +182,8 @@ class BundleWriter:
         writer is aborted and nothing is visible (an OSError recording the event comes after the
         bundle is visible). What ``after_commit`` raises (Unavailable: the remote of a shared context
         cannot be reached), the bundle visible and committed here: a retry with the same
-        idempotency key writes it through again.
+        idempotency key writes it through again. So does what ``publish`` raises for an uncommitted
+        bundle (its staging), the bundle visible here.
         """
         with self._lock:
             self._check_open()
@@ -190,6 +193,7 @@ class BundleWriter:
             make_durable(self._staged)
             with ctx.lock:
                 earlier = self._earlier_add()
+                made = earlier is None
                 if earlier is not None:
                     bundle, intent = self._repeated(earlier, commit=commit)
                 else:
@@ -201,8 +205,8 @@ class BundleWriter:
         shutil.rmtree(self._staging, ignore_errors=True)
         self._state = "finished"
         self._events.announce(intent)
-        if bundle.committed and commit and self._after_commit is not None:
-            return self._after_commit(bundle)
+        if self._publish is not None:
+            return self._publish(bundle, made)
         return bundle
 
     def _record(self, commit: bool) -> tuple[Bundle, Any]:
@@ -246,7 +250,7 @@ class BundleWriter:
         commit's intent to announce (lock held)."""
         if not commit or earlier.committed:
             return earlier, None
-        earlier = earlier.with_state(committed=True, commit_time=self._ctx.next_time())
+        earlier = earlier.with_state(committed=True, commit_time=self._ctx.next_time(), remote_url=None)
         intent = self._events.committing(earlier)
         self._ctx.record(earlier)
         return earlier, intent
