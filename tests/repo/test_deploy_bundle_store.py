@@ -1,6 +1,7 @@
 """Every deployed service with a bundle-store target setting is given the bundle-store's address and a
 token, in compose and on Kubernetes: left unset, a producer commits nothing and no one is told."""
 
+import json
 from pathlib import Path
 
 import yaml
@@ -47,3 +48,35 @@ def test_kubernetes_gives_every_bundle_user_the_bundle_store() -> None:
         if target != STORE or not token:
             wrong[name] = (target, bool(token))
     assert not wrong, f"Deployments without the bundle-store (target, token): {wrong}"
+
+
+def test_the_bundle_store_runs_replicas_that_share_every_context_the_platform_uses() -> None:
+    """Several replicas only when every context a service uses is shared through S3 (a local-only one lives
+    in one replica's home), each replica with its own home (one process per home)."""
+    documents = [d for d in yaml.safe_load_all((ROOT / "deploy" / "k8s" / "bundle-store.yaml").read_text()) if d]
+    (workload,) = [d for d in documents if d["kind"] in ("Deployment", "StatefulSet")]
+    assert workload["kind"] == "StatefulSet" and workload["spec"]["replicas"] >= 2
+    (container,) = workload["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    shared = json.loads(env["OPML_BUNDLE_STORE_SHARED_CONTEXTS"])
+    assert shared and all(url.startswith("s3://") for url in shared.values())
+
+    documents_all = [d for m in sorted((ROOT / "deploy" / "k8s").glob("*.yaml")) for d in yaml.safe_load_all(m.read_text())
+                     if d]
+    workloads = {d["metadata"]["name"]: d for d in documents_all if d["kind"] in ("Deployment", "StatefulSet")}
+    used = {}
+    for spec in installed_services():
+        for field_name, field in spec.settings.model_fields.items():
+            if not field_name.endswith("context") or "bundle-store" not in (field.description or ""):
+                continue
+            (user,) = workloads[spec.name]["spec"]["template"]["spec"]["containers"]
+            user_env = {e["name"]: e.get("value") for e in user["env"]}
+            used[spec.name] = user_env.get(f"{spec.env_prefix}{field_name.upper()}", field.default)
+    assert {"automl-controller", "fl-coordinator"} <= set(used)
+    assert not {name: context for name, context in used.items() if context not in shared}, "contexts not shared"
+
+    home = env["OPML_BUNDLE_STORE_HOME"]
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == home]
+    templates = {t["metadata"]["name"]: t for t in workload["spec"]["volumeClaimTemplates"]}
+    assert mount["name"] in templates, "a home is one process's: each replica needs its own claim"
+    assert templates[mount["name"]]["spec"]["accessModes"] == ["ReadWriteOnce"]
