@@ -1,20 +1,26 @@
 """Two bundle-store processes, each with its own home, serving one context shared through a real S3
 remote (the devstack's): the remote is the truth for committed bundles, so a commit on either is
 seen by both, concurrent commits of the same names lose and duplicate nothing, and a retried add
-with the same idempotency key adds one bundle whichever replica it reaches."""
+with the same idempotency key adds one bundle whichever replica it reaches. Uncommitted bundles are
+staged there too: what one replica received the other reads and commits, two replicas adding one
+key at the same moment add one bundle, and a replica killed mid-add leaves the bundle absent until
+the client's retry on the other adds it, once."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import secrets
+import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from opml.bundles.v1 import bundles_pb2 as pb
 
 from opml_bundle_store_contract.client import BundleStoreClient
-from opml_common.errors import InvalidArgument
+from opml_common.errors import InvalidArgument, Unavailable
+from opml_devstack.process import ServiceProcess
 from opml_devstack.testing.services import TOKENS, ServiceStarter
 
 CONTEXT = "models"
@@ -23,11 +29,21 @@ ADDS_PER_NAME_AND_REPLICA = 6
 
 
 @pytest.fixture
-def replicas(start_service: ServiceStarter, remote_url: str) -> list[BundleStoreClient]:
+def shared_env(start_service: ServiceStarter, remote_url: str) -> list[dict[str, str]]:
+    """Each replica's environment: its own home and ports, the same shared context and keys."""
     shared = {"OPML_BUNDLE_STORE_SHARED_CONTEXTS": json.dumps({CONTEXT: remote_url}),
               "OPML_BUNDLE_STORE_MANIFEST_KEYS": secrets.token_hex(32),
               "OPML_BUNDLE_STORE_GRANT_KEYS": secrets.token_hex(32)}
-    processes = [start_service("bundle-store", extra_env=shared) for _ in range(2)]
+    return [start_service.env("bundle-store", extra_env=shared) for _ in range(2)]
+
+
+@pytest.fixture
+def processes(start_service: ServiceStarter, shared_env: list[dict[str, str]]) -> list[ServiceProcess]:
+    return [start_service("bundle-store", env=env) for env in shared_env]
+
+
+@pytest.fixture
+def replicas(processes: list[ServiceProcess]) -> list[BundleStoreClient]:
     clients = [BundleStoreClient(process.target, token=TOKENS["writer"]) for process in processes]
     yield clients
     for client in clients:
@@ -71,3 +87,104 @@ def test_a_retried_add_with_the_same_idempotency_key_adds_one_bundle_on_any_repl
             sorted([first.uuid, other.uuid])
     with pytest.raises(InvalidArgument, match=r"header\.idempotency_key"):
         replicas[0].add(CONTEXT, "retried", files, idempotency_key="tab\tseparated")
+
+
+def test_an_upload_one_replica_received_is_read_and_committed_through_either(replicas) -> None:
+    """A trial's upload (its grant's AddBundle, uncommitted) reaches replica A; its issuer reads it and
+    commits it through B, and commits it again through A at the same moment: one committed bundle."""
+    a, b = replicas
+    token = a.create_upload_grant(CONTEXT, "trial-7", ttl_s=600, max_bytes=1 << 20)
+    weights = secrets.token_bytes(200_000)
+    with BundleStoreClient(a.target, token=token) as holder:
+        uploaded = holder.add(CONTEXT, "trial-7", {"model.onnx": weights}, values={"accuracy": 0.91})
+    assert not uploaded.committed
+
+    seen = b.get_bundle(CONTEXT, uploaded.uuid)  # B never received it
+    assert (seen.committed, seen.content_hash) == (False, uploaded.content_hash)
+    assert b"".join(b.read_file(CONTEXT, uploaded.uuid, "model.onnx")) == weights
+    assert [x.uuid for x in b.list_bundles(CONTEXT, bundle_name="trial-7")] == [uploaded.uuid]
+
+    barrier = threading.Barrier(2)
+
+    def commit(replica: BundleStoreClient):
+        barrier.wait()
+        return replica.commit(CONTEXT, uploaded.uuid)
+
+    with ThreadPoolExecutor(2) as pool:
+        committed = list(pool.map(commit, (b, a)))
+    assert [c.uuid for c in committed] == [uploaded.uuid] * 2 and all(c.committed for c in committed)
+    for replica in replicas:
+        listed = replica.list_bundles(CONTEXT, bundle_name="trial-7")
+        assert [(x.uuid, x.committed, x.content_hash) for x in listed] == [(uploaded.uuid, True, uploaded.content_hash)]
+        assert replica.get_bundle(CONTEXT, "trial-7").uuid == uploaded.uuid
+
+
+@pytest.mark.parametrize("commit", [True, False], ids=["committed", "uncommitted"])
+def test_two_replicas_adding_one_idempotency_key_at_the_same_moment_add_one_bundle(replicas, commit: bool) -> None:
+    rounds = 8
+
+    def add(job: tuple[int, int, threading.Barrier]):
+        replica, n, barrier = job
+        barrier.wait()
+        return replicas[replica].add(CONTEXT, "raced", {"model.onnx": f"run {n}".encode() * 100},
+                                     commit=commit, idempotency_key=f"run-{n}/model")
+
+    added = []
+    with ThreadPoolExecutor(2) as pool:
+        for n in range(rounds):
+            barrier = threading.Barrier(2)
+            added.append(list(pool.map(add, [(0, n, barrier), (1, n, barrier)])))
+    for on_a, on_b in added:
+        assert on_a.uuid == on_b.uuid and on_a.content_hash == on_b.content_hash
+        assert on_a.committed == on_b.committed == commit
+    for replica in replicas:
+        listed = replica.list_bundles(CONTEXT, bundle_name="raced")
+        assert Counter(x.uuid for x in listed) == Counter(on_a.uuid for on_a, _ in added)  # each key once
+        assert all(x.committed == commit for x in listed)
+
+
+@pytest.mark.timeout(300)
+def test_a_replica_killed_mid_add_leaves_the_bundle_absent_until_the_retry_on_the_other_adds_it_once(
+        start_service: ServiceStarter, shared_env: list[dict[str, str]], processes: list[ServiceProcess]) -> None:
+    a, b = (BundleStoreClient(process.target, token=TOKENS["writer"]) for process in processes)
+    files = {f"shard/{index}.bin": secrets.token_bytes(64 * 1024) for index in range(4)}
+    header = pb.AddBundleHeader(
+        parent=f"contexts/{CONTEXT}", bundle_name="killed", commit=True, idempotency_key="job-3/attempt",
+        files=[pb.BundleFile(path=path, sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data))
+               for path, data in files.items()])
+    one_file_sent, killed = threading.Event(), threading.Event()
+
+    def requests():
+        yield pb.AddBundleRequest(header=header)
+        yield pb.AddBundleRequest(chunk=pb.FileChunk(file_index=0, data=files["shard/0.bin"]))
+        one_file_sent.set()
+        killed.wait()  # the rest never comes from this attempt
+
+    outcome: list[BaseException] = []
+
+    def attempt() -> None:
+        try:
+            a.stub.AddBundle(requests())
+        except BaseException as error:  # noqa: BLE001 - the outcome the test checks
+            outcome.append(error)
+
+    thread = threading.Thread(target=attempt)
+    thread.start()
+    assert one_file_sent.wait(60)
+    processes[0].kill()  # SIGKILL, one file of four into the add
+    killed.set()
+    thread.join()
+    assert len(outcome) == 1 and isinstance(outcome[0], Unavailable) and outcome[0].retriable
+
+    assert b.list_bundles(CONTEXT, bundle_name="killed") == []  # cleanly absent
+    retried = b.add(CONTEXT, "killed", files, commit=True, idempotency_key="job-3/attempt")
+    again = b.add(CONTEXT, "killed", files, commit=True, idempotency_key="job-3/attempt")
+    assert again.uuid == retried.uuid and retried.committed
+
+    restarted = start_service("bundle-store", env=shared_env[0])  # A again, over the home it was killed with
+    with BundleStoreClient(restarted.target, token=TOKENS["writer"]) as a_again:
+        for replica in (a_again, b):
+            assert [x.uuid for x in replica.list_bundles(CONTEXT, bundle_name="killed")] == [retried.uuid]
+        assert b"".join(a_again.read_file(CONTEXT, "killed", "shard/3.bin")) == files["shard/3.bin"]
+    a.close()
+    b.close()
