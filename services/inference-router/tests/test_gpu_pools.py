@@ -3,7 +3,9 @@ one device per worker (its environment), the session's provider and its refused 
 and a real worker process of a CUDA kind refusing to start where onnxruntime lacks the provider.
 
 Devices and providers are given to :class:`PoolManager` (what discovery and onnxruntime would say on
-a GPU machine); what runs on a real card is bench/inference_router_gpu.py's (docs/benchmarks.md).
+a GPU machine). On a real card, bench/inference_router_gpu.py checks the rest before it measures: the
+gpu worker's replica on KIND_GPU in fp16, its outputs within fp16's error of the cpu worker's
+(a test here that needs a card would be skipped everywhere else, and a skip fails this suite).
 """
 
 from __future__ import annotations
@@ -166,3 +168,4 @@ async def test_a_host_agent_pins_its_gpu_pool_worker_and_refuses_one_without_a_d
     with pytest.raises(FailedPrecondition, match=r"pools cloud-gpu run on CUDAExecutionProvider, one device each, "
                                                  r"but this host has 0 \(none found\)"):
         HostAgent(settings, PlatformSettings(), metrics, devices=[])
+
