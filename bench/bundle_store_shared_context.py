@@ -7,6 +7,9 @@ Both contexts hold the same ``--bundles`` committed bundles over ``--names`` nam
 median of ``--repeat`` calls each, baseline and shared alternating):
 
 * add and commit of a 1 KiB bundle (shared: written through, blobs then the signed manifest);
+* add of a 1 KiB bundle, uncommitted (shared: staged, blobs then a signed manifest written if absent);
+* commit of an uncommitted bundle (shared: through B, a bundle A received: the name's LIST, the
+  committed manifest written, the staged one removed);
 * GetBundle by name (shared: one S3 LIST of the name's manifests first);
 * ListBundles of one name, and of the whole context (shared: one LIST, every manifest not held
   fetched; here all are held after the first read, the steady state).
@@ -35,10 +38,10 @@ from opml_bundle_store.core.signing import ManifestKeys
 from opml_common.storage import s3_client
 
 
-def _add(store: BundleStore, context: str, name: str, data: bytes) -> None:
+def _add(store: BundleStore, context: str, name: str, data: bytes, *, commit: bool = True) -> str:
     with store.new_bundle(context, name) as writer:
         writer.add_file("weights.bin", [data])
-        writer.finish(commit=True)
+        return writer.finish(commit=commit).uuid
 
 
 def _medians(baseline: Callable[[], object], shared: Callable[[], object], repeat: int) -> tuple[float, float]:
@@ -72,10 +75,18 @@ def main() -> None:
                     _add(a, context, f"model-{i % args.names}", f"{context} {i}".encode() * 64)
             b.list_bundles("shared")  # B's first read: every manifest fetched once
             name = "model-3"
+            drafts = {context: iter([_add(a, context, "draft", secrets.token_bytes(1024), commit=False)
+                                     for _ in range(args.repeat)]) for context in ("local", "shared")}
             rows = {
                 "add + commit, 1 KiB": _medians(lambda: _add(a, "local", "new", secrets.token_bytes(1024)),
                                                 lambda: _add(a, "shared", "new", secrets.token_bytes(1024)),
                                                 args.repeat),
+                "add uncommitted, 1 KiB": _medians(
+                    lambda: _add(a, "local", "draft", secrets.token_bytes(1024), commit=False),
+                    lambda: _add(a, "shared", "draft", secrets.token_bytes(1024), commit=False), args.repeat),
+                "commit (shared: through B)": _medians(lambda: a.commit("local", next(drafts["local"])),
+                                                       lambda: b.commit("shared", next(drafts["shared"])),
+                                                       args.repeat),
                 "GetBundle by name": _medians(lambda: a.get_bundle("local", name),
                                               lambda: b.get_bundle("shared", name), args.repeat),
                 "ListBundles, one name": _medians(lambda: a.list_bundles("local", bundle_name=name),
