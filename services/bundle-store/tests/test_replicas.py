@@ -188,3 +188,14 @@ def test_a_replica_killed_mid_add_leaves_the_bundle_absent_until_the_retry_on_th
         assert b"".join(a_again.read_file(CONTEXT, "killed", "shard/3.bin")) == files["shard/3.bin"]
     a.close()
     b.close()
+
+
+def test_an_upload_whose_replica_was_killed_after_it_returned_is_committed_and_read_through_the_other(
+        processes: list[ServiceProcess], replicas) -> None:
+    a, b = replicas
+    weights = secrets.token_bytes(300_000)
+    uploaded = a.add(CONTEXT, "orphaned", {"model.onnx": weights})
+    processes[0].kill()  # SIGKILL: the replica that received it is gone for good
+    committed = b.commit(CONTEXT, uploaded.uuid)
+    assert (committed.uuid, committed.committed, committed.content_hash) == (uploaded.uuid, True, uploaded.content_hash)
+    assert b"".join(b.read_file(CONTEXT, "orphaned", "model.onnx")) == weights  # its blobs were on S3
