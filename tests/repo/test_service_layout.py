@@ -35,6 +35,7 @@ TRANSPORT_MODULES = {
         "hosts/remote.py": "the router's calls to a host's agent (bundles, link probes) and its workers",
         "hosts/forwarding.py": "a host agent forwards the predictions of its outbox to the router",
         "hosts/agent.py": "the host agent process: registers and heartbeats, serves bundles and KServe v2",
+        "leader_calls.py": "a follower replica forwards control-plane calls to the leader's gRPC address",
     },
 }
 
