@@ -7,15 +7,21 @@ story's steps, each a module of ``story/`` run in order here, each printing what
    ``version``; line 1's pushed to S3, pulled into a second plant and verified byte for byte.
 2. tune (automl-controller, job-orchestrator, trace-collector): a Katib experiment (TPE, median
    stop) over the spans, its trials traced TE jobs, their metrics from the Trace collector, the best
-   trial's model committed.
+   trial's model committed and its job's traced runs and step metrics in the trace-collector.
 3. train and bless (job-orchestrator, bundle-store, inference-router): a continuous training
    pipeline over the spans (ingest, validate, train warm, evaluate per line, bless, push with a
    rollout); the router serves what it pushed.
-4. traced job (job-orchestrator, trace-collector, inference-router, monitoring-scorer): a CNN on the
-   full-size patches trained as a traced TE job, its step metrics, committed with its reference set
-   and monitoring rules, deployed by the router, a prediction over KServe v2 and its event.
+4. serve (inference-router, monitoring-scorer): the pipeline's model on the cpu and accel (int8)
+   pools; the four lines' traffic through the KServe v2 front, each request with its ``line``, a share
+   labelled late; the scorer's label-free estimates and their truth.
+5. drift and alert (monitoring-scorer, bundle-store): line 3's lamps change; the day's span is
+   committed; the scorer's estimate falls and it raises an alert, read back from the bus.
+6. close the loop (job-orchestrator, inference-router, monitoring-scorer): the alert starts the
+   pipeline, which retrains on the new span, blesses and pushes; the router rolls it out (shadow,
+   canary, analyses) and promotes it; line 3's estimated and true accuracy come back.
 
-At the end: a table of the steps (service, duration, outcome) and PNG plots in ``--out``.
+At the end: a table of the steps (service, duration, outcome) and PNG plots in ``--out`` (the steps'
+durations, the trials, each line's estimated and true accuracy with the alert, the rollout's traffic).
 ``--scale quick`` runs the same steps smaller (the tests' scale); ``full`` is `make up`'s.
 """
 
@@ -28,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from story import data, federated, pipeline, serve, tune
+from story import data, drift, federated, lines, loop, pipeline, tune
 from story.context import SCALES, Story
 from story.summary import StepResult, plots, table
 
@@ -36,7 +42,9 @@ STEPS = (
     ("data", "bundle-store", data.run),
     ("tune", "automl-controller, job-orchestrator, trace-collector", tune.run),
     ("train and bless", "job-orchestrator (pipelines), bundle-store, inference-router", pipeline.run),
-    ("traced job", "job-orchestrator, trace-collector, inference-router", serve.run),
+    ("serve", "inference-router, monitoring-scorer", lines.run),
+    ("drift and alert", "monitoring-scorer, bundle-store", drift.run),
+    ("close the loop", "job-orchestrator (pipelines), inference-router, monitoring-scorer", loop.run),
     ("federated", "fl-coordinator, bundle-store, inference-router", federated.run),
 )
 
@@ -58,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             outcome = step(story)
             results.append(StepResult(number, name, services, time.monotonic() - started, outcome))
             print(f"   done in {results[-1].seconds:.1f} s: {outcome}", flush=True)
-    written = plots(results, story.handed.get("trials", []), args.out)
+    written = plots(results, story.handed, args.out)
     print(f"\nsummary\n{table(results)}")
     print(f"plots: {', '.join(str(path) for path in written)}")
     return 0

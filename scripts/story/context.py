@@ -31,6 +31,12 @@ class Scale:
     pipeline_epochs: int  # the pipeline's training program's epochs
     analysis_s: float  # a rollout analysis' interval
     analysis_requests: int  # the requests each version needs in one for a verdict
+    rate_rps: float  # the lines' requests a second in all (steps 4 to 6)
+    request_rows: int  # patches of one line in a request
+    label_share: float  # share of the requests labelled late
+    label_delay_s: float  # how late
+    recovered_windows: int  # windows (of each line, where split by line) of the promoted version shown (step 6)
+    line_noise: float  # how much worse on one line than the serving model a candidate may be blessed
 
     @property
     def rollout(self) -> dict:
@@ -47,9 +53,11 @@ class Scale:
 
 SCALES = {
     "quick": Scale("quick", days=2, span_rows=250, trials=3, parallel_trials=2, trial_epochs=6, pipeline_epochs=15,
-                   analysis_s=2.0, analysis_requests=20),
+                   analysis_s=2.0, analysis_requests=20, rate_rps=40, request_rows=10, label_share=0.02,
+                   label_delay_s=2.0, recovered_windows=1, line_noise=0.1),
     "full": Scale("full", days=3, span_rows=500, trials=6, parallel_trials=2, trial_epochs=10, pipeline_epochs=25,
-                  analysis_s=5.0, analysis_requests=50),
+                  analysis_s=5.0, analysis_requests=50, rate_rps=50, request_rows=10, label_share=0.02,
+                  label_delay_s=3.0, recovered_windows=2, line_noise=0.05),
 }
 
 
@@ -67,11 +75,29 @@ class Story:
     inference_target: str = os.environ.get("OPML_INFERENCE_ROUTER_INFERENCE_TARGET", "127.0.0.1:8001")
     traces_target: str = os.environ.get("OPML_TRACE_COLLECTOR_TARGET", "127.0.0.1:50054")
     automl_target: str = os.environ.get("OPML_AUTOML_CONTROLLER_TARGET", "127.0.0.1:50055")
+    scorer_target: str = os.environ.get("OPML_MONITORING_SCORER_TARGET", "127.0.0.1:50056")
     remote: str = os.environ.get("OPML_MAIN_JOB_REMOTE", "s3://opml-bundles/vision-inspection")
     bootstrap: str = os.environ.get("OPML_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
     topic_prefix: str = os.environ.get("OPML_TOPIC_PREFIX", "")
     spans_dir: Path | None = None  # the committed spans as downloaded from the bundle-store (step 1)
-    handed: dict[str, object] = field(default_factory=dict)  # what a step leaves for the summary
+    live: object | None = None  # the lines' traffic and the bus watch, from step 4 to the end of step 6 (lines.Live)
+    handed: dict[str, object] = field(default_factory=dict)
+    """What a step leaves for later steps and the summary, by key:
+
+    - ``trials`` (step 2): [(trial number, state name, objective or None)];  ``best``: its parameters;
+    - ``line_accuracy`` (steps 3, 6): {run label: {line: the candidate's accuracy on the newest span}};
+    - ``serving_version`` (steps 3, 6): the inspection model's version serving all traffic (str);
+    - ``lighting`` (steps 4, 5): {line: its lamps now} as the loop's traffic sees them;
+    - ``today`` (step 4): the day the loop's traffic and its new span are of (one past the newest span);
+    - ``alert`` (step 5): the AlertRaised that started the loop (an ``opml.monitoring.v1`` message);
+    - ``loop_run`` (step 6): the pipeline run the alert triggered (number); ``promoted``: the version
+      its rollout promoted;
+    - ``quality`` (steps 4-6): [(time.time(), version, segment, window, estimate, true or None, rows)]
+      of the scorer's windows; ``alert_at``: when the alert was read; ``traffic``: [(time.time(),
+      {version: percent})] of the router's splits; ``shadow``: (start, end, percent) of the shadow step;
+      ``answers``: [(time.time(), version, line, rows right, rows)] of every request the traffic sent;
+      ``traffic_started``, ``drift_at``: when the traffic began and when line 3's lamps changed.
+    """
 
 
 def wait_for(what: str, check, timeout_s: float = 180.0, every_s: float = 1.0):

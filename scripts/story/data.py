@@ -70,6 +70,17 @@ def commit_span(story: Story, client: BundleStoreClient, day: int,
                            parameters={"day": str(day), **{f"lighting.line{n}": str(v) for n, v in lighting.items()}}))
 
 
+def newest_span(client: BundleStoreClient) -> tuple[int, dict[int, float]]:
+    """The newest committed span's day and each line's lamps in it (1 when it names none): how the lines
+    are lit now. A later run of the story goes on from what an earlier one's loop committed."""
+    spans = [b for b in client.list_bundles(CONTEXT, bundle_name=SPANS, committed_only=True) if "span" in b.tags]
+    if not spans:
+        raise SystemExit(f"no span of {SPANS} is committed in {CONTEXT}")
+    newest = max(spans, key=lambda b: int(b.tags["span"]))
+    return int(newest.tags["span"]), {line: newest.values[f"lighting.line{line}"].float_value
+                                      if f"lighting.line{line}" in newest.values else 1.0 for line in LINES}
+
+
 def download_spans(story: Story, client: BundleStoreClient, committed: dict[int, pb.Bundle]) -> Path:
     """The committed spans as the bundle-store serves them (``<day>/line-<n>.csv``), readable by jobs."""
     spans = story.workdir / "spans"

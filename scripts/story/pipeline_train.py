@@ -87,7 +87,9 @@ def export(weights: dict[str, np.ndarray], features: int, out: Path) -> None:
         "name": MODEL, "max_batch_size": 64,
         "inputs": [{"name": "features", "data_type": "fp32", "dims": [features]}],
         "outputs": [{"name": "defect_scores", "data_type": "fp32", "dims": [CLASSES]}],
-        "slo": {"p99_ms": 50.0}, "expected_rate_rps": 50.0, "pool_kinds": ["cpu"], "precisions": ["fp32"]},
+        "slo": {"p99_ms": 50.0}, "expected_rate_rps": 50.0,
+        # the cheap int8 accelerator where it has room, the cpu pool in fp32 beside it
+        "pool_kinds": ["accel", "cpu"], "precisions": ["fp32", "int8"]},
         sort_keys=False))
 
 

@@ -4,7 +4,8 @@ Shows the automl-controller as a Katib user meets it: a v1beta1 Experiment YAML 
 whose trials are the job-orchestrator's TE jobs running an unchanged Keras program
 (``tune_trial.py``); the ``Trace`` metrics collector reads each epoch's ``val_accuracy`` from the
 tracer in the job (no log parsing, no SDK call for metrics), so median stop acts on epochs as they
-end; each trial uploads its model with its own grant and the best is committed as a bundle.
+end; each trial uploads its model with its own grant and the best is committed as a bundle. The best
+trial's job as the trace-collector aggregated it (its runs, patched calls and step metrics) ends it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import yaml
 from opml.automl.v1 import automl_pb2
 
 from opml_automl_controller_contract.client import ExperimentClient
+from opml_trace_collector_contract.client import TraceCollectorClient
 
 from .context import Story, wait_for
 
@@ -55,6 +57,19 @@ def experiment_yaml(story: Story, name: str) -> str:
                                     "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}}}]}}}}}}})
 
 
+def show_trace(story: Story, job_id: str) -> None:
+    """What the trace-collector aggregated of a traced job: its runs and step metrics."""
+    with TraceCollectorClient(story.traces_target) as traces:
+        runs = wait_for("the job's traced run reaching the trace-collector",
+                        lambda: [r for r in traces.list_runs(job_id) if r.steps], timeout_s=60)
+        for run in runs:
+            print(f"   run {run.worker} session {run.session_id[:8]}: TensorFlow {run.tf_version}, "
+                  f"{run.steps} steps, patched {', '.join(run.patched[:3])}...")
+        metrics = traces.summary(job_id).metrics
+    print(f"   step time mean {metrics.step_time_s * 1000:.1f} ms (p95 {metrics.step_time_p95_s * 1000:.1f} ms), "
+          f"{metrics.examples_per_second:.0f} examples/s, input wait {metrics.input_s * 1000:.2f} ms/step")
+
+
 def run(story: Story) -> str:
     name = f"inspection-tune-{int(time.time())}"
     with ExperimentClient(story.automl_target) as client:
@@ -87,6 +102,9 @@ def run(story: Story) -> str:
     if not experiment.best_model_bundle:
         raise SystemExit(f"experiment {name} committed no best model: {status.message}")
     print(f"   best model committed: {experiment.best_model_bundle}")
+    [job_id] = [t.job_id for t in trials if t.number == best.number]
+    print(f"   the best trial's job {job_id} as the trace-collector aggregated it (its program unchanged)")
+    show_trace(story, job_id)
     story.handed["trials"] = [(t.number, automl_pb2.TrialState.Name(t.state),
                                t.objective_value if t.HasField("objective_value") else None) for t in trials]
     story.handed["best"] = dict(best.parameters)

@@ -1,4 +1,4 @@
-"""The main job's check of its events (scripts/story: the spans' bundle events, the served prediction) on
+"""The main job's check of its events (scripts/story: the spans' bundle events, the loop's alert) on
 the real broker.
 
 It reads each topic from its start, where earlier runs' events are too: it used to accept any event
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 from opml.bundles.v1 import bundles_pb2, events_pb2
-from opml.inference.v1 import events_pb2 as inference_events
+from opml.monitoring.v1 import alert_events_pb2, quality_events_pb2
 
 from opml_bundle_store_contract.names import EVENT_SOURCE as BUNDLE_STORE_SOURCE
 from opml_bundle_store_contract.topics import BUNDLES
@@ -28,7 +28,8 @@ COMMITTED, PUSHED = "opml.bundles.v1.BundleCommitted", "opml.bundles.v1.BundlePu
 @pytest.fixture
 def story(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    return SimpleNamespace(**{name: importlib.import_module(f"story.{name}") for name in ("context", "data", "serve")})
+    return SimpleNamespace(**{name: importlib.import_module(f"story.{name}")
+                              for name in ("context", "data", "drift", "watch")})
 
 
 async def publish(settings: PlatformSettings, *messages) -> None:
@@ -67,13 +68,21 @@ async def test_only_this_runs_bundle_events_count_and_a_missing_one_fails_in_tim
     assert [line.rsplit("offset=", 1)[1] for line in printed] == ["2", "3"], "not the earlier run's at 0 and 1"
 
 
-def test_this_runs_prediction_is_told_by_its_version_and_request_id(story: SimpleNamespace) -> None:
-    ours = story.serve.of_request(3, "main-job-abc")
-    made = "opml.inference.v1.PredictionMade"
+def test_the_loops_alert_is_the_serving_versions_for_line_3_raised_after_the_lamps_changed(story: SimpleNamespace) -> None:
+    """Step 5 waits for this alert: not an earlier one, not another version's, not another line's."""
+    def seen(kind: str, message, at: float):
+        return story.watch.Seen(kind, message, at, 0)
 
-    def value(request_id: str) -> bytes:
-        return inference_events.PredictionMade(request_id=request_id).SerializeToString()
+    def raised(version: str, segment: str, at: float):
+        return seen("AlertRaised", alert_events_pb2.AlertRaised(model="inspection", version=version, rule="input-drift",
+                                                                segment=segment), at)
 
-    assert ours(made, "defect-classifier/3", value("main-job-abc"))
-    assert not ours(made, "defect-classifier/3", value("main-job-earlier")), "an earlier run's, same version"
-    assert not ours(made, "defect-classifier/2", value("main-job-abc"))
+    def window(segment: str):
+        return seen("WindowScored", quality_events_pb2.WindowScored(model="inspection", version="2", segment=segment), 1.0)
+
+    found = story.drift.raised_for_line("2", since=10.0)
+    whole = [raised("2", "", 5.0), raised("1", "", 11.0), raised("2", "", 12.0)]
+    assert found(whole) is whole[2], "the version's own alert after the change, where windows are not split"
+    split = [window("3"), raised("2", "", 11.0), raised("2", "1", 12.0), raised("2", "3", 9.0), raised("2", "3", 13.0)]
+    assert found(split) is split[4], "line 3's, after the change, where the scorer splits the version by line"
+    assert found(split[:4]) is None
