@@ -2,9 +2,9 @@
 
 The stack (``bench/_stack.py``: tansu, SeaweedFS, the machine's Redis; every service a process, auth
 on): a bundle-store, an inference-router (one CPU worker), a monitoring-scorer and a job-orchestrator
-running the pipeline of ``tests/integration/test_pipeline_flow.py``'s flow two: ingest (the newest
-span) -> validate -> train (its numpy training program, warm start) -> evaluate -> bless -> push
-(``serve=true``, which the router deploys and the scorer monitors), ``on_alert``.
+running the pipeline of ``tests/integration/test_pipeline_flow.py``: ingest (the newest span) ->
+validate -> train (its numpy training program, warm start) -> evaluate -> bless -> push
+(``serve=true``, which the router deploys and the scorer monitors; no rollout), ``on_alert``.
 
 1. **Unchanged inputs**: run 1 trains and pushes version 1; then ``--cached-runs`` runs are triggered
    over the same span. Each must start no job (every job step cached); its time is from the
