@@ -212,3 +212,29 @@ def test_a_segment_record_keeps_its_predictions_rows_in_order() -> None:
     assert two.parts == [(batch, 1, 3)] and two.rows == 2
     assert (one.first, one.last) == (made[0].time.ToNanoseconds() / 1e9, made[2].time.ToNanoseconds() / 1e9)
     assert np.isclose(two.first, made[1].time.ToNanoseconds() / 1e9)
+
+
+@pytest.mark.parametrize("files", [{"reference.npz": dump_reference(SyntheticWorld(Task.BINARY, seed=5).reference(500)),
+                                    "monitoring.yaml": CONFIG + b"rules: [{name: low, signal: score, under: 2.0, "
+                                                                b"for: 2}]\n"}])
+async def test_a_rules_for_is_counted_per_segment(scorer) -> None:
+    """A rule breached on every window (a score is under 2): line 1's first window and line 2's first do
+    not make two in a row; line 1's second raises line 1's alert alone."""
+    from opml_monitoring_scorer.core.decode import Batch
+
+    monitored = scorer.get("m/1")
+    rows = Batch.concat([scorer.decode(monitored, prediction(i)) for i in range(10)])
+
+    async def close(segment: str, index: int) -> list:
+        before = len(scorer.emitter.messages)
+        await scorer.score_window("m/1", index, rows, 0.0, 1.0, segment=segment)
+        return [m for m in scorer.emitter.messages[before:] if type(m).__name__ == "AlertRaised"]
+
+    assert await close("1", 0) == []
+    assert await close("2", 0) == [], "line 2's first breach, not the second in a row"
+    (raised,) = await close("1", 1)
+    assert (raised.rule, raised.segment, raised.evidence.window) == ("low", "1", 1)
+    assert await close("", 0) == [], "the version's own windows count apart too"
+    (alert,) = await scorer.store.alerts("m/1#1", below=None, limit=10)
+    assert (alert.segment, alert.firing) == ("1", True)
+    assert await scorer.store.firing("m/1#2") == [] and await scorer.store.firing("m/1") == []
