@@ -17,6 +17,13 @@ infrastructure, so the one-prediction-a-record case is the same run's baseline.
     .venv/bin/python bench/monitoring_scorer_stream.py                       # 20,000 one-row requests, records of 1, 5, 20, 100
     .venv/bin/python bench/monitoring_scorer_stream.py --per-record 1,100    # two cases
     .venv/bin/python bench/monitoring_scorer_stream.py --rows-per-event 10 --per-record 1  # requests of 10 rows
+    .venv/bin/python bench/monitoring_scorer_stream.py --per-record 20 --label-every 2  # a label every other request
+
+``--label-every N`` also publishes, before the scorer starts, the true label of every Nth request (under
+the platform's label source), so the two agents go through both backlogs at once: labels that come
+before their prediction are parked and joined by the predictions agent, and the MPP recalibrates every
+200 labels. It reports labels joined per second (from the first prediction counted to the last label
+joined) besides the predictions scored per second.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from monitoring_scorer_cbpe import throughput  # noqa: E402
 from opml.inference.v1 import events_pb2 as inference_events  # noqa: E402
+from opml.monitoring.v1 import label_events_pb2  # noqa: E402
 
 from opml_bundle_store_contract.client import BundleStoreClient  # noqa: E402
 from opml_common.bus import EventPublisher  # noqa: E402
@@ -55,16 +63,19 @@ from opml_monitoring_scorer.__main__ import SPEC  # noqa: E402
 from opml_monitoring_scorer.core.reference import Task  # noqa: E402
 from opml_monitoring_scorer.core.scorer import dump_reference  # noqa: E402
 from opml_monitoring_scorer.synthetic import FEATURES, SyntheticWorld  # noqa: E402
-from opml_monitoring_scorer.topics import PREDICTIONS  # noqa: E402
+from opml_monitoring_scorer.topics import LABELS, PREDICTIONS  # noqa: E402
 from opml_monitoring_scorer_contract.client import MonitoringClient  # noqa: E402
+from opml_monitoring_scorer_contract.names import LABEL_SOURCE  # noqa: E402
 
 
-def events(world: SyntheticWorld, n: int, rows_per_event: int = 1) -> list[inference_events.PredictionMade]:
-    """``n`` predictions in PredictionMade events of ``rows_per_event`` rows each (a request's batch)."""
+def events(world: SyntheticWorld, n: int, rows_per_event: int = 1,
+           ) -> tuple[list[inference_events.PredictionMade], list[label_events_pb2.LabelObserved]]:
+    """``n`` predictions in PredictionMade events of ``rows_per_event`` rows each (a request's batch), and
+    each request's true label."""
     rows = world.rows(n)
     x = np.column_stack([rows.features[f] for f in FEATURES]).astype(np.float32)
     scores = rows.outputs.class_scores().astype(np.float32)
-    out = []
+    out, truth = [], []
     for i in range(0, n, rows_per_event):
         j = min(i + rows_per_event, n)
         colors = np.array([[c.encode()] for c in rows.features["color"][i:j]], dtype=object)
@@ -75,7 +86,8 @@ def events(world: SyntheticWorld, n: int, rows_per_event: int = 1) -> list[infer
                                                 infer_response=response.SerializeToString())
         event.time.GetCurrentTime()
         out.append(event)
-    return out
+        truth.append(label_events_pb2.LabelObserved(request_id=f"r{i}", values=rows.labels[i:j].tolist()))
+    return out, truth
 
 
 def records(messages: list[inference_events.PredictionMade], per_record: int) -> list:
@@ -95,18 +107,26 @@ def records(messages: list[inference_events.PredictionMade], per_record: int) ->
     return out
 
 
-async def publish(settings: PlatformSettings, messages: list) -> float:
-    # under the router's source: the scorer scores no other producer's predictions
+async def publish(settings: PlatformSettings, messages: list, labels: list[label_events_pb2.LabelObserved]) -> float:
+    """Publishes the predictions (under the router's source: the scorer scores no other producer's), then
+    the labels (under the platform's label source); returns the predictions' seconds."""
     publisher = EventPublisher(settings, source=ROUTER_SOURCE, metrics=ServiceMetrics("bench", CollectorRegistry()))
+    labeller = EventPublisher(settings, source=LABEL_SOURCE, metrics=ServiceMetrics("bench", CollectorRegistry()))
     await publisher.start()
+    await labeller.start()
     started = time.perf_counter()
     try:
         for start in range(0, len(messages), 500):
             await asyncio.gather(*(publisher.publish_proto(PREDICTIONS, m, subject="bench/1")
                                    for m in messages[start:start + 500]))
+        elapsed = time.perf_counter() - started
+        for start in range(0, len(labels), 500):
+            await asyncio.gather(*(labeller.publish_proto(LABELS, m, subject=m.request_id)
+                                   for m in labels[start:start + 500]))
     finally:
         await publisher.stop()
-    return time.perf_counter() - started
+        await labeller.stop()
+    return elapsed
 
 
 def metric(port: str, name: str) -> float:
@@ -120,8 +140,9 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def watch(scorer: object, port: str, windows: int, seen: list) -> None:
-    """Samples the scorer's counters and CPU time from its start until it has saved ``windows`` windows."""
+def watch(scorer: object, port: str, windows: int, labels: int, seen: list) -> None:
+    """Samples the scorer's counters and CPU time from its start until it has saved ``windows`` windows
+    and joined ``labels`` labels."""
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         process = scorer.process
@@ -134,12 +155,18 @@ def watch(scorer: object, port: str, windows: int, seen: list) -> None:
             time.sleep(0.02)
             continue
         sample = (time.perf_counter(), counter(text, "opml_monitoring_scorer_predictions_total"),
-                  counter(text, "opml_monitoring_scorer_windows_total"), cpu)
+                  counter(text, "opml_monitoring_scorer_windows_total"), cpu,
+                  joined(text), counter(text, "opml_monitoring_scorer_mpp_recalibrations_total"))
         seen.append(sample)
-        if sample[2] >= windows:
+        if sample[2] >= windows and sample[4] >= labels:
             return
         time.sleep(0.02)
-    raise TimeoutError(f"{windows} windows not saved in 900 s")
+    raise TimeoutError(f"{windows} windows and {labels} labels not done in 900 s")
+
+
+def joined(text: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith('opml_monitoring_scorer_labels_total{outcome="joined"}'))
 
 
 def counter(text: str, name: str) -> float:
@@ -147,7 +174,7 @@ def counter(text: str, name: str) -> float:
 
 
 def run_case(infra_env: dict[str, str], tmp: Path, store_target: str, world: SyntheticWorld,
-             messages: list, per_record: int, args: argparse.Namespace) -> dict:
+             messages: list, labels: list, per_record: int, args: argparse.Namespace) -> dict:
     """One scorer through a backlog of ``messages`` published ``per_record`` predictions a record."""
     tag = f"{per_record}-{time.time_ns()}"
     env = {**infra_env, "OPML_TOPIC_PREFIX": f"bench-{tag}-", "OPML_REDIS_PREFIX": f"opml-bench:{tag}:",
@@ -164,10 +191,11 @@ def run_case(infra_env: dict[str, str], tmp: Path, store_target: str, world: Syn
         scorer.stop()
         published = records(messages, per_record)
         os.environ.update(env)  # the publisher below reads the same platform settings
-        publish_s = asyncio.run(publish(PlatformSettings(), published))
+        publish_s = asyncio.run(publish(PlatformSettings(), published, labels))
         port = scorer.env["OPML_MONITORING_SCORER_METRICS_PORT"]
-        seen: list[tuple[float, float, float, float]] = []  # (wall time, predictions, windows, scorer CPU s)
-        watching = threading.Thread(target=watch, args=(scorer, port, windows, seen), daemon=True)
+        # (wall time, predictions, windows, scorer CPU s, labels joined, recalibrations that changed the MPP)
+        seen: list[tuple[float, ...]] = []
+        watching = threading.Thread(target=watch, args=(scorer, port, windows, len(labels), seen), daemon=True)
         watching.start()
         scorer.start()  # restores the registration from Redis, then consumes from the earliest offset
         watching.join()
@@ -177,6 +205,7 @@ def run_case(infra_env: dict[str, str], tmp: Path, store_target: str, world: Syn
         starter.stop_all()
     first = next(s for s in seen if s[1] > 0)  # the first prediction counted
     last = next(s for s in seen if s[2] >= windows)  # the last window saved
+    labelled = next(s for s in seen if s[4] >= len(labels))  # the last label joined
     scored = args.predictions - first[1]
     wall_s, cpu_s = last[0] - first[0], last[3] - first[3]
     if scored <= 0 or wall_s <= 0 or cpu_s <= 0:
@@ -184,7 +213,8 @@ def run_case(infra_env: dict[str, str], tmp: Path, store_target: str, world: Syn
                          "metrics; run with more --predictions")
     return {"per_record": per_record, "records": len(published), "producer": len(published) / publish_s,
             "scored": scored, "wall_s": wall_s, "cpu_s": cpu_s, "close_ms": 1000 * close_sum / max(close_count, 1),
-            "closes": int(close_count)}
+            "closes": int(close_count), "labels": len(labels), "labels_s": labelled[0] - first[0],
+            "recalibrations": int(seen[-1][5])}
 
 
 def main() -> None:
@@ -196,13 +226,16 @@ def main() -> None:
     parser.add_argument("--per-record", default="1,5,20,100",
                         help="requests per Kafka record, one case each (1: PredictionMade records; more: "
                              "PredictionBatch records, as the router batches what is queued)")
+    parser.add_argument("--label-every", type=int, default=0,
+                        help="also publish the true label of every Nth request (0: none)")
     args = parser.parse_args()
     cases = [int(n) for n in args.per_record.split(",")]
     for n in cases:
         if args.window % (args.rows_per_event * n):
             parser.error(f"--window must be a multiple of --rows-per-event x {n} (windows close on whole records)")
     world = SyntheticWorld(Task.BINARY, seed=0)
-    messages = events(world, args.predictions, args.rows_per_event)
+    messages, truth = events(world, args.predictions, args.rows_per_event)
+    labels = truth[::args.label_every] if args.label_every else []
     results = []
     with tempfile.TemporaryDirectory() as tmp, DevInfra(Path(tmp) / "infra") as infra:
         starter = ServiceStarter({**infra.env(), "OPML_TOPIC_PREFIX": "bench-store-"}, Path(tmp))
@@ -214,7 +247,7 @@ def main() -> None:
                 client.add("bench", "reference", {"reference.npz": dump_reference(world.reference(3000)),
                                                   "monitoring.yaml": config.encode()}, commit=True)
             for n in cases:
-                results.append(run_case(infra.env(), Path(tmp), store.target, world, messages, n, args))
+                results.append(run_case(infra.env(), Path(tmp), store.target, world, messages, labels, n, args))
                 r = results[-1]
                 print(f"  case {n} per record done: {r['scored'] / r['wall_s']:,.0f}/s wall, "
                       f"{r['scored'] / r['cpu_s']:,.0f} per CPU-second", flush=True)
@@ -230,6 +263,10 @@ def main() -> None:
         print(f"{r['per_record']:>15}  {r['records']:>7}  {r['producer']:>14,.0f}  {r['scored'] / r['wall_s']:>12,.0f} "
               f"({r['wall_s']:5.2f} s)  {r['scored'] / r['cpu_s']:>14,.0f}  {1e6 * r['cpu_s'] / r['scored']:>17.1f}  "
               f"{r['cpu_s'] / r['wall_s']:>10.2f}  {r['close_ms']:6.1f} ms ({r['closes']})")
+        if r["labels"]:
+            print(f"{'':>15}  labels: {r['labels']} (every {args.label_every}th request) joined in "
+                  f"{r['labels_s']:.2f} s from the first prediction counted: {r['labels'] / r['labels_s']:,.0f}/s; "
+                  f"{r['recalibrations']} recalibrations changed the MPP")
 
 
 if __name__ == "__main__":

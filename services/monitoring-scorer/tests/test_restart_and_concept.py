@@ -7,9 +7,22 @@ import asyncio
 
 import pytest
 
+from opml_devstack.process import ServiceProcess
+from opml_devstack.testing.bus import poll_until
+from opml_devstack.testing.metrics import samples, scrape
+from opml_devstack.testing.services import env_prefix
+from opml_monitoring_scorer.__main__ import SPEC
+
 from .conftest import BATCH, WINDOW, Producer, wait_labelled, wait_windows, writer
 
 pytestmark = pytest.mark.timeout(480)
+
+
+def recalibrated_on(process: ServiceProcess) -> float:
+    """The labels the MPP of fraud/1 had taken when its last finished recalibration started."""
+    page = samples(scrape(process.env[f"{env_prefix(SPEC)}METRICS_PORT"]))
+    return max((s.value for s in page if s.name == "opml_monitoring_scorer_mpp_recalibration_labels"
+                and s.labels.get("version") == "1"), default=0.0)
 
 
 async def test_sigkill_and_restart_loses_no_window_and_counts_nothing_twice(stack, world, platform_settings) -> None:
@@ -44,6 +57,9 @@ async def test_concept_shift_is_missed_without_labels_and_caught_after_them(stac
             await producer.send_labels([f"req-{i}" for i in range(WINDOW * 2 // BATCH)])
             labelled = wait_labelled(client, "fraud", "1", [0, 1])
             assert all(w.true_value < 0.65 for w in labelled), "the labels show the drop"
+            # the recalibration runs in the background: the windows after it are the ones it changes
+            poll_until(lambda: recalibrated_on(scorer) >= WINDOW * 2, timeout_s=180.0,
+                       what="a recalibration on every label")
             await producer.send(world.rows(WINDOW * 2))
             after = wait_windows(client, "fraud", "1", 4, process=scorer)[2:]
             truth = sum(w.true_value for w in labelled) / 2

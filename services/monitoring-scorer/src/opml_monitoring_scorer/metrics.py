@@ -49,6 +49,10 @@ class ScorerMetrics:
                                                 "(opml monitor label), under the platform's label source.")
         self.recalibrations = metrics.counter("mpp_recalibrations_total", "MPP recalibrations from live labels that "
                                                    "changed its secondary model (a refit better out of fold).", mv)
+        self.recalibration_labels = metrics.gauge(
+            "mpp_recalibration_labels", "Live labelled rows the MPP had taken when its last finished "
+            "recalibration started (recalibrations run in the background: the labels after it wait for the next).",
+            mv)
         self.registered = metrics.gauge("models_monitored", "Model versions monitored.")
         self.segment_other = metrics.counter(
             "segment_other_predictions_total", "Predictions put in the segment other: their segment parameter's "

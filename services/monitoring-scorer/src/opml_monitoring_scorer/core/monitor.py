@@ -56,6 +56,10 @@ class WindowScore:
     true: float | None = None
     labelled: int = 0
     flags: list[str] = field(default_factory=list)
+    mpp_labels: int | None = None
+    """The live labelled rows the MPP that estimated it was fitted on (0: the reference's own model;
+    None: no MPP estimate). Recalibrations run in the background: a window closed while one runs is
+    scored by the model in use."""
 
     def signals(self) -> dict[str, float | None]:
         """What alert rules read."""
@@ -132,10 +136,10 @@ class ModelMonitor:
             flags.extend(f"summary_unscored:{tensor}" for tensor in unscored)
             if not rows and self.mpp is not None:
                 flags.append("no_estimate:summary_only")
-        mpp = cbpe = output = confidence = None
+        mpp = mpp_labels = cbpe = output = confidence = None
         if rows:
             if self.mpp is not None:
-                mpp = self.mpp.estimate(batch.features, batch.outputs)
+                mpp, mpp_labels = self.mpp.scored(batch.features, batch.outputs)
             if self.cbpe is not None and batch.outputs.scores is not None:
                 cbpe = self.cbpe.estimate(batch.outputs)
             predicted = batch.outputs.predicted
@@ -157,7 +161,7 @@ class ModelMonitor:
         score = float(np.prod(list(parts.values())))
         return WindowScore(index=index, rows=rows, first_time=first_time, last_time=last_time, score=score,
                            parts=parts, mpp=mpp, cbpe=cbpe, drift=drift, output_drift=output,
-                           confidence_drift=confidence, data_quality=quality, flags=flags)
+                           confidence_drift=confidence, data_quality=quality, flags=flags, mpp_labels=mpp_labels)
 
     def truth(self, batch: Batch, labels: np.ndarray) -> float:
         """The true metric of labelled rows (accuracy, or MAE for regression)."""

@@ -16,7 +16,8 @@ def _drift(d: FeatureDrift | None) -> dict[str, Any] | None:
 def window_record(score: WindowScore, *, segment: str = "") -> dict[str, Any]:
     """What the history keeps of a window (everything the API shows); ``segment``: "" for the version's."""
     return {"index": score.index, "segment": segment, "rows": score.rows, "first_time": score.first_time, "last_time": score.last_time,
-            "score": score.score, "parts": score.parts, "mpp": score.mpp, "cbpe": score.cbpe, "true": score.true,
+            "score": score.score, "parts": score.parts, "mpp": score.mpp, "mpp_labels": score.mpp_labels,
+            "cbpe": score.cbpe, "true": score.true,
             "labelled": score.labelled, "drift": [asdict(d) for d in score.drift.values()],
             "output_drift": _drift(score.output_drift), "confidence_drift": _drift(score.confidence_drift),
             "data_quality_share": score.data_quality.bad_rows_share, "flags": score.flags}

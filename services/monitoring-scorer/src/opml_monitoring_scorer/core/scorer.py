@@ -43,8 +43,10 @@ from opml_common.lifecycle import Component
 from opml_monitoring_scorer.core.config import MonitoringConfig
 from opml_monitoring_scorer.core.decode import Batch, decode_prediction, decode_predictions
 from opml_monitoring_scorer.core.monitor import ModelMonitor, WindowScore
+from opml_monitoring_scorer.core.mpp import MPP
 from opml_monitoring_scorer.core.records import AlertRecord, window_record
 from opml_monitoring_scorer.core.reference import ReferenceSet, Task
+from opml_monitoring_scorer.core.refits import Refits
 from opml_monitoring_scorer.core.rules import Rule, RuleState, Transition, observe, parse_rules, step
 from opml_monitoring_scorer.core.segments import window_key
 from opml_monitoring_scorer.metrics import ScorerMetrics
@@ -197,7 +199,7 @@ class Scorer(Component):
     def __init__(self, *, store: MonitorStore, emitter: EventEmitter, metrics: ScorerMetrics,
                  load_bundle: BundleLoader, seed: int = 0,
                  label_sources: frozenset[str] = frozenset({LABEL_SOURCE}),
-                 label_emitter: EventEmitter | None = None) -> None:
+                 label_emitter: EventEmitter | None = None, refits: Refits | None = None) -> None:
         super().__init__()
         self.store = store
         self.label_sources = frozenset(label_sources)
@@ -208,9 +210,13 @@ class Scorer(Component):
         self.seed = seed
         self.models: dict[str, Monitored] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self.refits = refits if refits is not None else Refits()
 
     async def on_start(self) -> None:
         await self.restore()
+
+    async def on_stop(self) -> None:
+        await self.refits.stop()
 
     async def restore(self) -> None:
         for key, saved in (await self.store.registrations()).items():
@@ -665,17 +671,26 @@ class Scorer(Component):
         if joined is None:
             self.metrics.labels.labels(outcome).inc()
             return outcome
-        # before the window shows the label: a reader that sees it sees the refit. A correction is not
-        # learned again: the MPP's live rows hold the request's first label and cannot be taken back
+        # the recalibration it makes due runs in the background (core/refits.py): the join does not wait
+        # for it. A correction is not learned again: the MPP's live rows hold the request's first label
+        # and cannot be taken back
         if outcome == "joined" and monitor.mpp is not None:
             monitor.mpp.add_labels(batch.features, batch.outputs, values)
-            if monitor.mpp.due and await asyncio.to_thread(monitor.mpp.recalibrate):
-                self.metrics.recalibrations.labels(monitored.model, monitored.version).inc()
+            self.refits.due(key, monitor.mpp, self._recalibrated)
         await self._show_truth(monitored, "", window, joined)
         if segment_key is not None and segment_joined is not None:
             await self._show_truth(monitored, segment, segment_window, segment_joined)
         self.metrics.labels.labels(outcome).inc()  # once the windows show it
         return outcome
+
+    def _recalibrated(self, key: str, mpp: MPP, changed: bool) -> None:
+        """A background recalibration of ``key``'s MPP was put in use."""
+        monitored = self.models.get(key)
+        if monitored is None:
+            return
+        if changed:
+            self.metrics.recalibrations.labels(monitored.model, monitored.version).inc()
+        self.metrics.recalibration_labels.labels(monitored.model, monitored.version).set(mpp.covered)
 
     async def _show_truth(self, monitored: Monitored, segment: str, window: int, truth: tuple[int, float]) -> None:
         """The saved window (of the version, or of ``segment``) takes its truth so far, and is announced again."""
