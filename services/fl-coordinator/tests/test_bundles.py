@@ -5,6 +5,7 @@ monitoring.yaml the monitoring-scorer accepts. A real bundle-store."""
 from __future__ import annotations
 
 import numpy as np
+import yaml
 
 from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.errors import AlreadyExists
@@ -53,15 +54,28 @@ async def test_a_model_that_is_not_a_dense_classifier_is_committed_but_never_ser
 def test_the_default_monitoring_config_is_one_the_monitoring_scorer_accepts():
     from opml_monitoring_scorer.core.config import MonitoringConfig
 
-    config = MonitoringConfig.parse(monitoring_config())
+    config = MonitoringConfig.parse(monitoring_config(columns=4))
     assert config.scores_output == "probabilities" and {rule.signal for rule in config.rules} == {
         "drift", "data_quality"}
+
+
+def test_the_bad_input_bound_is_above_what_clean_rows_of_a_wide_model_show():
+    """256 pixel columns against ranges from a 500-row first window: most clean rows fall outside some
+    column's range, so a fixed 5 % bound alerted on every clean window; the bound is above that share."""
+    from opml_monitoring_scorer_contract.reference import clean_bad_share
+
+    narrow, wide = (yaml.safe_load(monitoring_config(columns=columns)) for columns in (4, 256))
+    [narrow_bound] = [r["over"] for r in narrow["rules"] if r["signal"] == "data_quality"]
+    [wide_bound] = [r["over"] for r in wide["rules"] if r["signal"] == "data_quality"]
+    assert narrow_bound < 0.1 and wide_bound > clean_bad_share(256, 500) > 0.5
+    assert not [r for r in yaml.safe_load(monitoring_config(columns=4096, reference_rows=100))["rules"]
+                if r["signal"] == "data_quality"], "no bound where the range check cannot tell"
 
 
 def test_with_a_holdout_the_config_adds_a_rule_on_the_estimated_accuracy_the_scorer_accepts():
     from opml_monitoring_scorer.core.config import MonitoringConfig
 
-    config = MonitoringConfig.parse(monitoring_config(holdout_accuracy=0.9))
+    config = MonitoringConfig.parse(monitoring_config(columns=4, reference_rows=200, holdout_accuracy=0.9))
     (rule,) = [r for r in config.rules if r.signal == "mpp"]
     assert rule.name == "accuracy-low"
 

@@ -7,19 +7,12 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import pytest
 import yaml
 from opml.jobs.v1 import pipelines_pb2 as pb
 
 from opml_common.errors import InvalidArgument
-from opml_job_orchestrator.pipelines.stepjobs import (
-    BAD_ROWS_OVER,
-    WINDOW_COUNT,
-    bad_input_over,
-    clean_bad_share,
-    monitoring_with_segment,
-)
+from opml_job_orchestrator.pipelines.stepjobs import monitoring_with_segment
 from opml_job_orchestrator_contract.pipelinespec import load_pipeline
 
 from .test_pipeline_runner import SPEC, Harness, harness  # noqa: F401 - the fixture
@@ -58,25 +51,3 @@ async def test_a_push_with_a_monitoring_segment_writes_it_into_the_serving_bundl
         "rules": [], "segment": {"parameter": "line"}}
 
 
-@pytest.mark.parametrize(("columns", "reference_rows"), [(2, 400), (30, 1000), (256, 1000), (256, 10_000)])
-def test_clean_traffic_stays_under_the_bad_input_bound(columns: int, reference_rows: int) -> None:
-    """Clean windows drawn like the reference, flagged as the scorer's range check flags them (a row
-    with any column outside the reference's min..max): every window's share is under the bound."""
-    rng = np.random.default_rng(columns + reference_rows)
-    reference = rng.normal(size=(reference_rows, columns))
-    low, high = reference.min(axis=0), reference.max(axis=0)
-    bound = bad_input_over(columns, reference_rows)
-    assert bound is not None and bound >= BAD_ROWS_OVER
-    shares = [float(((w < low) | (w > high)).any(axis=1).mean())
-              for w in (rng.normal(size=(WINDOW_COUNT, columns)) for _ in range(40))]
-    assert max(shares) < bound, (max(shares), bound)
-    assert abs(np.mean(shares) - clean_bad_share(columns, reference_rows)) < 0.05
-    if columns == 256 and reference_rows == 1000:
-        assert min(shares) > 0.3, "the fixed 5 % bound alerted on every clean window of such a model"
-    broken = rng.normal(size=(WINDOW_COUNT, columns))
-    broken[: int(WINDOW_COUNT * min(1.0, bound + 0.05)), 0] = np.nan  # NaN in a column of most rows
-    assert float((np.isnan(broken) | (broken < low) | (broken > high)).any(axis=1).mean()) > bound
-
-
-def test_no_bad_input_rule_where_the_range_check_cannot_tell() -> None:
-    assert bad_input_over(4096, 100) is None

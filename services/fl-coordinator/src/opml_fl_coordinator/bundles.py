@@ -79,19 +79,20 @@ class BundlePublisher:
                 log.log(logging.WARNING if serve else logging.INFO, "federation %s: model not exported to "
                         "ONNX, so not served (%s)", federation.federation_id, why)
             if exported:
-                accuracy = None
+                accuracy, reference_rows = None, None
                 if federation.config.holdout is not None:
                     try:
-                        result = evaluate(self._holdout(client, federation.config.holdout), weights,
-                                          hidden_activation=activation)
+                        holdout = self._holdout(client, federation.config.holdout)
+                        result = evaluate(holdout, weights, hidden_activation=activation)
                     except OpmlError as why:  # the model still goes out, monitored against its first window
                         log.warning("federation %s: no reference set from the holdout (%s)",
                                     federation.federation_id, why)
                     else:
-                        accuracy = result.accuracy
+                        accuracy, reference_rows = result.accuracy, len(holdout.x)
                         exported[REFERENCE_FILE] = result.reference
                         values["holdout.accuracy"] = accuracy
-                exported[MONITORING_FILE] = monitoring_config(holdout_accuracy=accuracy).encode()
+                exported[MONITORING_FILE] = monitoring_config(
+                    columns=weights[0].shape[0], reference_rows=reference_rows, holdout_accuracy=accuracy).encode()
                 files.update(exported)
             tags = {"federation": federation.federation_id, "round": str(record.number)}
             if serve and "model.onnx" in files:

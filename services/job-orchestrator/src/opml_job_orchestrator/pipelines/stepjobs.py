@@ -41,6 +41,7 @@ import yaml
 
 from opml_job_orchestrator.pipelines import anomalies, evaluation, schema, statistics
 from opml_job_orchestrator.pipelines.table import Table, TableError, numeric_matrix, read_span
+from opml_monitoring_scorer_contract.reference import bad_input_over
 
 MAX_STEP_BYTES = 1 << 20
 """Largest step.json read (1 MiB)."""
@@ -64,13 +65,6 @@ QUALITY_MARGIN = 0.05
 """How far below its validation accuracy (above its MAE, as a share) a model may fall before alerting."""
 DRIFT_OVER = 0.3
 """Drift distance of any input column from the reference that alerts, two windows running."""
-BAD_ROWS_OVER = 0.05
-"""Share of a window's rows with missing, NaN or out-of-range inputs that alerts, above what clean traffic
-shows (:func:`bad_input_over`)."""
-BAD_ROWS_SIGMAS = 5.0
-"""Standard deviations of a clean window's bad share the bad-input bound keeps above its mean."""
-MAX_BAD_ROWS_OVER = 0.95
-"""A bad-input bound past this could not tell broken inputs from clean ones: no such rule is written."""
 SPAN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _NUMPY_TYPES = {"fp32": np.float32, "fp64": np.float64, "int32": np.int32, "int64": np.int64}
 _VALIDATE_KEYS = {"spans", "label", "thresholds"}
@@ -438,31 +432,13 @@ def _write_reference(folder: Path, config: evaluation.EvalConfig, task: str, mod
         quality = {"name": "accuracy-low", "signal": "mpp", "under": round(max(0.0, accuracy - QUALITY_MARGIN), 6),
                    "for": 3} if accuracy is not None else None
     monitoring["window"] = {"count": WINDOW_COUNT}
-    bad_over = bad_input_over(len(config.features), len(keep))
+    bad_over = bad_input_over(len(config.features), len(keep), WINDOW_COUNT)
     monitoring["rules"] = [rule for rule in (
         quality,
         {"name": "input-drift", "signal": "drift", "over": DRIFT_OVER, "for": 2},
         {"name": "bad-input", "signal": "data_quality", "over": bad_over} if bad_over is not None else None,
     ) if rule is not None]
     write_atomically(folder / "monitoring.yaml", lambda file: yaml.safe_dump(monitoring, file, sort_keys=False))
-
-
-def clean_bad_share(columns: int, reference_rows: int) -> float:
-    """The share of clean rows (drawn like the reference's) that the monitoring-scorer's range check
-    flags: a new draw of a continuous column falls outside the min..max of ``reference_rows`` draws
-    with probability 2 / (n + 1), and a row is flagged when any of its ``columns`` is (fewer for a
-    column of repeated values, so this is an upper bound). 256 pixel columns against 1,000 reference
-    rows: 40 % of clean rows; the fixed 5 % bound alerted on every clean window of an image model."""
-    return 1.0 - (1.0 - 2.0 / (reference_rows + 1)) ** columns
-
-
-def bad_input_over(columns: int, reference_rows: int, window: int = WINDOW_COUNT) -> float | None:
-    """The bad-input rule's bound: what clean traffic shows (:func:`clean_bad_share`), plus
-    ``BAD_ROWS_SIGMAS`` standard deviations of a window's share, plus ``BAD_ROWS_OVER``; None when that
-    passes ``MAX_BAD_ROWS_OVER`` (so many columns against so few rows that the check says nothing)."""
-    clean = clean_bad_share(columns, reference_rows)
-    bound = clean + BAD_ROWS_SIGMAS * float(np.sqrt(clean * (1.0 - clean) / window)) + BAD_ROWS_OVER
-    return round(bound, 4) if bound <= MAX_BAD_ROWS_OVER else None
 
 
 def monitoring_with_segment(monitoring: bytes | None, parameter: str) -> bytes:

@@ -19,6 +19,13 @@ MONITORING_FILE = "monitoring.yaml"
 MAX_REFERENCE_BYTES = 256 * 1024 * 1024
 """The most ``reference.npz`` may hold, stored and expanded (its arrays as numpy reads them)."""
 MAX_REFERENCE_ROWS = 1_000_000
+BAD_ROWS_OVER = 0.05
+"""Share of a window's rows with missing, NaN or out-of-range inputs that alerts, above what clean traffic
+shows (:func:`bad_input_over`)."""
+BAD_ROWS_SIGMAS = 5.0
+"""Standard deviations of a clean window's bad share the bad-input bound keeps above its mean."""
+MAX_BAD_ROWS_OVER = 0.95
+"""A bad-input bound past this could not tell broken inputs from clean ones: no such rule is written."""
 
 
 def reference_npz(features: Mapping[str, np.ndarray], *, predicted: np.ndarray, scores: np.ndarray | None = None,
@@ -60,3 +67,24 @@ def reference_npz(features: Mapping[str, np.ndarray], *, predicted: np.ndarray, 
     buffer = io.BytesIO()
     np.savez_compressed(buffer, **arrays)
     return buffer.getvalue()
+
+
+def clean_bad_share(columns: int, reference_rows: int) -> float:
+    """The share of clean rows (drawn like the reference's) that the monitoring-scorer's range check
+    flags: a new draw of a continuous column falls outside the min..max of ``reference_rows`` draws
+    with probability 2 / (n + 1), and a row is flagged when any of its ``columns`` is (fewer for a
+    column of repeated values, so this is an upper bound). 256 pixel columns against 1,000 reference
+    rows: 40 % of clean rows; a fixed 5 % bound alerted on every clean window of an image model."""
+    return 1.0 - (1.0 - 2.0 / (reference_rows + 1)) ** columns
+
+
+def bad_input_over(columns: int, reference_rows: int, window: int) -> float | None:
+    """A ``data_quality`` rule's bound for a model of ``columns`` input columns whose ranges come from
+    ``reference_rows`` rows (the reference set's, or the first window's where there is none), judged on
+    windows of ``window`` predictions: what clean traffic shows (:func:`clean_bad_share`), plus
+    ``BAD_ROWS_SIGMAS`` standard deviations of a window's share, plus ``BAD_ROWS_OVER``; None when that
+    passes ``MAX_BAD_ROWS_OVER`` (so many columns against so few rows that the check says nothing).
+    Every producer of a monitored bundle writes its bad-input rule with it."""
+    clean = clean_bad_share(columns, reference_rows)
+    bound = clean + BAD_ROWS_SIGMAS * float(np.sqrt(clean * (1.0 - clean) / window)) + BAD_ROWS_OVER
+    return round(bound, 4) if bound <= MAX_BAD_ROWS_OVER else None
