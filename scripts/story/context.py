@@ -36,7 +36,6 @@ class Scale:
     label_share: float  # share of the requests labelled late
     label_delay_s: float  # how late
     recovered_windows: int  # windows (of each line, where split by line) of the promoted version shown (step 6)
-    line_noise: float  # how much worse on one line than the serving model a candidate may be blessed
 
     @property
     def rollout(self) -> dict:
@@ -54,10 +53,10 @@ class Scale:
 SCALES = {
     "quick": Scale("quick", days=2, span_rows=250, trials=3, parallel_trials=2, trial_epochs=6, pipeline_epochs=15,
                    analysis_s=2.0, analysis_requests=20, rate_rps=40, request_rows=10, label_share=0.02,
-                   label_delay_s=2.0, recovered_windows=1, line_noise=0.1),
+                   label_delay_s=2.0, recovered_windows=1),
     "full": Scale("full", days=3, span_rows=500, trials=6, parallel_trials=2, trial_epochs=10, pipeline_epochs=25,
                   analysis_s=5.0, analysis_requests=50, rate_rps=50, request_rows=10, label_share=0.02,
-                  label_delay_s=3.0, recovered_windows=2, line_noise=0.05),
+                  label_delay_s=3.0, recovered_windows=2),
 }
 
 
