@@ -89,6 +89,7 @@ class Story:
     - ``lighting`` (steps 4, 5): {line: its lamps now} as the loop's traffic sees them;
     - ``today`` (step 4): the day the loop's traffic and its new span are of (one past the newest span);
     - ``alert`` (step 5): the AlertRaised that started the loop (an ``opml.monitoring.v1`` message);
+      ``runs_before``: the pipeline's newest run number before the lamps changed;
     - ``loop_run`` (step 6): the pipeline run the alert triggered (number); ``promoted``: the version
       its rollout promoted;
     - ``quality`` (steps 4-6): [(time.time(), version, segment, window, estimate, true or None, rows)]

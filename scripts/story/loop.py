@@ -96,9 +96,11 @@ def splits(live: Live, since: float) -> list[tuple[float, dict[str, float]]]:
 
 
 def shadow_span(live: Live, version: int, since: float) -> tuple[float, float, float] | None:
-    """(start, end, percent) of the rollout's shadow step, when it had one."""
+    """(start, end, percent) of the rollout's shadow step, when it had one: its mirror lasts until the
+    next weight step or the rollout's end."""
     steps = [e for e in live.watch.of("RolloutStepStarted", since) if e.message.version == version]
-    ends = steps + live.watch.of("RolloutPromoted", since) + live.watch.of("RolloutAborted", since)
+    ends = ([e for e in steps if e.message.spec.kind == "weight"] + live.watch.of("RolloutPromoted", since)
+            + live.watch.of("RolloutAborted", since))
     for seen in steps:
         if seen.message.spec.kind == "shadow":
             end = min((e.at for e in ends if e.at > seen.at), default=time.time())

@@ -147,5 +147,5 @@ def run(story: Story) -> str:
                           if v.state == deployments_pb2.SERVING)
         version = wait_for(f"the router serving bundle {bundle}", lambda: version_of(router, bundle), timeout_s=180)
     print(f"   {MODEL} version {version.version} SERVING {version.traffic_percent:.0f}% (bundle {bundle[:8]})")
-    story.handed["serving_version"] = version.version
+    story.handed["serving_version"] = str(version.version)
     return f"run {pipeline_run.number} blessed and pushed, version {version.version} serving"
