@@ -212,6 +212,16 @@ class VersionPolicy(Schema):
         return set(self.select(serving)) if serving else set()
 
 
+class InstanceGroup(Schema):
+    """``count`` replicas of each served version on ``pool_kind`` in ``precision`` (Triton's
+    ``instance_group`` entry, with a pool kind for its ``kind``)."""
+
+    pool_kind: KindName
+    precision: Precision
+    count: PositiveInt = Field(1, description="Replicas of the group, on distinct workers while the kind has "
+                               "enough with room. Default 1.")
+
+
 class ModelConfig(Schema):
     """What a model needs to be served; the bundle holds it beside the ONNX file."""
 
@@ -246,6 +256,11 @@ class ModelConfig(Schema):
         None, gt=0, le=MAX_DEFAULT_TIMEOUT_MS, description="Deadline of a request whose caller sets none, in "
         "milliseconds (a backend that answers slowly under load needs more than its SLO suggests). Default: "
         "4 x slo.p99_ms.")
+    instance_groups: tuple[InstanceGroup, ...] | None = Field(
+        None, min_length=1, description="Serve each version on several pool kinds at once: exactly these groups "
+        "of replicas, each pool_kind among pool_kinds and precision among precisions, and traffic spread over all "
+        "of them. Their counts are exact (the fleet's replica floor does not apply; min_replicas, when set, must "
+        "be at most their sum). Default: none (the planner places each version on the one kind it chooses).")
 
     @field_validator("inputs", "outputs")
     @classmethod
@@ -274,6 +289,34 @@ class ModelConfig(Schema):
             raise RuleError(
                 ["dynamic_batching"], "needs max_batch_size >= 1, but max_batch_size is 0 (no batch dimension)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _groups_within_kinds_and_precisions(self) -> Self:
+        """Every broken rule of the groups at once (a config has few), each with its path."""
+        if self.instance_groups is None:
+            return self
+        problems: list[tuple[list[str | int], str]] = []
+        for index, group in enumerate(self.instance_groups):
+            if group.pool_kind not in self.pool_kinds:
+                problems.append(([index, "pool_kind"], f"must be one of pool_kinds ({', '.join(self.pool_kinds)}), "
+                                                       f"but got {brief(group.pool_kind)}"))
+            if group.precision not in self.precisions:
+                problems.append(([index, "precision"], f"must be one of precisions ({', '.join(self.precisions)}), "
+                                                       f"but got {brief(group.precision)}"))
+            if any((other.pool_kind, other.precision) == (group.pool_kind, group.precision)
+                   for other in self.instance_groups[:index]):
+                problems.append(([index], f"groups must differ in pool_kind or precision, but "
+                                          f"{group.pool_kind}/{group.precision} appears twice"))
+        total = sum(group.count for group in self.instance_groups)
+        if self.min_replicas is not None and total < self.min_replicas:
+            problems.append(([], f"the groups' counts sum to {total}, below min_replicas {self.min_replicas}"))
+        if problems:
+            (subpath, message), others = problems[0], problems[1:]
+            if others:
+                message += f" (and {len(others)} more: " + "; ".join(
+                    f"{_path(['instance_groups', *where])} {rule}" for where, rule in others) + ")"
+            raise RuleError(["instance_groups", *subpath], message)
         return self
 
     @property

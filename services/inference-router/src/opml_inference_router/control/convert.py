@@ -71,13 +71,14 @@ def deployment(view: DeploymentView, record: ModelRecord) -> pb.Deployment:
         if placed is not None:
             status.predicted_p99_ms = placed.option.predicted_p99_ms
             status.planned_rate_rps = placed.rate_rps
-            for worker_id in sorted(set(placed.workers)):
-                pool_worker = view.pools.get(worker_id)
-                status.replicas.add(worker=worker_id, pool_kind=placed.option.pool_kind, address=pool_worker.address,
-                                    precision=placed.option.precision, max_batch=placed.option.max_batch,
-                                    memory_mib=placed.option.memory_mib,
-                                    capacity_rps=placed.option.replica_capacity_rps,
-                                    session=session_options(placed.option.session))
+            for part in placed.parts():  # its instance groups' replicas too, each with its kind and precision
+                option = part.option
+                for worker_id in sorted(set(part.workers)):
+                    pool_worker = view.pools.get(worker_id)
+                    status.replicas.add(worker=worker_id, pool_kind=option.pool_kind, address=pool_worker.address,
+                                        precision=option.precision, max_batch=option.max_batch,
+                                        memory_mib=option.memory_mib, capacity_rps=option.replica_capacity_rps,
+                                        session=session_options(option.session))
         for profile in view.profiles:
             if profile.model == model:
                 status.profiles.add(pool_kind=profile.pool_kind, precision=profile.precision,

@@ -232,7 +232,7 @@ class ReplicaPlacer:
         record = self._models[name]
         configured = [e for e in record.versions.values() if e.config is not None]
         newest = max(configured, key=lambda e: e.version)
-        placed = [s for m, s in self.plan.placements.items() if m.name == name]
+        placed = [part for m, s in self.plan.placements.items() if m.name == name for part in s.parts()]
         replicas = sum(len(s.workers) for s in placed)
         rows = sum(len(s.workers) * s.option.max_batch for s in placed)  # what the planned batch caps take
         limits: dict[str, object] = (

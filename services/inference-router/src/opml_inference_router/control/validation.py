@@ -24,13 +24,22 @@ def deploy_arguments(version: int, canary_percent: float) -> InvalidArgument | N
 
 def check_pool_kinds(config: ModelConfig, fleet: Fleet, unavailable_kinds: list[str]) -> None:
     """Raises:
-        InvalidArgument: the config names a pool kind the fleet does not declare.
+        InvalidArgument: the config names a pool kind the fleet does not declare, or an instance group a
+            precision its kind does not run.
         FailedPrecondition: none of its kinds has workers on this router.
     """
     for index, kind in enumerate(config.pool_kinds):
         if kind not in fleet.kinds:
             raise InvalidArgument(f"pool_kinds[{index}]", f"must be a kind the fleet declares "
                                                           f"({', '.join(fleet.kinds)}), but got {kind!r}")
+    wrong = [(f"instance_groups[{index}].precision", f"must be a precision pool kind {group.pool_kind} runs "
+              f"({', '.join(fleet.kinds[group.pool_kind].precisions)}), but got {group.precision!r}")
+             for index, group in enumerate(config.instance_groups or ())
+             if group.precision not in fleet.kinds[group.pool_kind].precisions]  # its kinds are declared: above
+    if wrong:
+        (field, message), others = wrong[0], wrong[1:]
+        more = f" (and {len(others)} more: " + "; ".join(f"{f} {m}" for f, m in others) + ")" if others else ""
+        raise InvalidArgument(field, message + more)
     if not any(fleet.workers_of(kind) for kind in config.pool_kinds):
         running = ", ".join(sorted({worker.kind.name for worker in fleet.workers}))
         raise FailedPrecondition(f"model {config.name} may run on {', '.join(config.pool_kinds)}, but this "

@@ -80,7 +80,10 @@ class ReplicaSet:
 
     ``short``: why it runs fewer replicas than it did before a worker it was on was lost (the rest
     found no room on the usable workers; '' when it runs what the plan gave it), and ``lost``: those
-    workers, where it grows back once they may be used again (:class:`~.planner.Replanner`'s ``regrow``)."""
+    workers, where it grows back once they may be used again (:class:`~.planner.Replanner`'s ``regrow``).
+
+    ``groups``: the version's other instance groups (its config's ``instance_groups``), each a replica set
+    of its own kind and precision on its own workers; the version serves on this set's replicas and theirs."""
 
     model: ModelVersion
     option: Option
@@ -88,10 +91,20 @@ class ReplicaSet:
     rate_rps: float
     short: str = ""
     lost: tuple[str, ...] = ()
+    groups: tuple[ReplicaSet, ...] = ()
 
     @property
     def capacity_rps(self) -> float:
-        return self.option.replica_capacity_rps * len(self.workers)
+        return sum(part.option.replica_capacity_rps * len(part.workers) for part in self.parts())
+
+    def parts(self) -> tuple[ReplicaSet, ...]:
+        """This set and its groups: one replica set per kind and precision the version runs on."""
+        return (self, *self.groups)
+
+    @property
+    def all_workers(self) -> tuple[str, ...]:
+        """The workers of every part's replicas."""
+        return tuple(worker for part in self.parts() for worker in part.workers)
 
 
 @dataclass(frozen=True)
@@ -125,13 +138,15 @@ class Plan:
     @property
     def cost_per_hour(self) -> float:
         """What the placed replicas cost: each its slot's share of its worker."""
-        return sum(replica_set.option.cost_per_hour for replica_set in self.placements.values())
+        return sum(part.option.cost_per_hour for replica_set in self.placements.values()
+                   for part in replica_set.parts())
 
     def replicas(self) -> Iterator[tuple[ReplicaSet, str]]:
-        """Every replica as (its replica set, its worker id)."""
+        """Every replica as (its replica set, or the instance group it belongs to, and its worker id)."""
         for replica_set in self.placements.values():
-            for worker_id in replica_set.workers:
-                yield replica_set, worker_id
+            for part in replica_set.parts():
+                for worker_id in part.workers:
+                    yield part, worker_id
 
     def active_worker_cost_per_hour(self, fleet: Fleet) -> float:
         """What the workers hosting at least one replica cost (the others can be released)."""

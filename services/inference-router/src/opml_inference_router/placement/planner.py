@@ -48,7 +48,10 @@ class Planner:
     without one, with the worker's defaults.
 
     With ``usable`` (:data:`~.sites.WorkerCheck`), a worker it gives a reason against (its host is
-    lost, its site's link cannot carry the model: :mod:`.sites`) gets no replica of that model."""
+    lost, its site's link cannot carry the model: :mod:`.sites`) gets no replica of that model.
+
+    A version whose config has ``instance_groups`` is placed as those groups say (every group, each
+    its count, before the sized versions), not on one kind the policy chooses: :meth:`_place_groups`."""
 
     def __init__(self, *, fleet: Fleet, policy: PlacementPolicy, predictor: ProfilePredictor | None = None,
                  chooser: ServingConfigChooser | None = None, usable: WorkerCheck | None = None) -> None:
@@ -102,8 +105,9 @@ class Planner:
             if model not in by_model:
                 raise InvalidArgument("keep", f"{model} is not among the demands, so it cannot be kept")
             replica_set = current.placements[model]
-            for worker_id in replica_set.workers:
-                occupancy.add(worker_id, model, replica_set.option.memory_mib)
+            for part in replica_set.parts():
+                for worker_id in part.workers:
+                    occupancy.add(worker_id, model, part.option.memory_mib)
             placements[model] = replica_set
 
         if self.predictor is not None:
@@ -111,8 +115,18 @@ class Planner:
         usable: dict[ModelVersion, dict[str, Profile]] = {}
         rejected: dict[ModelVersion, dict[str, str]] = {}
         options = {}
+        unplaced: dict[ModelVersion, str] = {}
+        for model, demand in by_model.items():  # exactly the groups a config asks for, before any sized placement
+            if model in placements or demand.config.instance_groups is None:
+                continue
+            now = current.placements.get(model) if current is not None else None
+            grouped = self._place_groups(demand, profiles, occupancy, now)
+            if isinstance(grouped, ReplicaSet):
+                placements[model] = grouped
+            else:
+                unplaced[model] = grouped
         for model, demand in by_model.items():
-            if model in placements:
+            if model in placements or model in unplaced:
                 continue
             usable[model], rejected[model] = self._screen(demand, profiles)
             now = current.placements.get(model) if current is not None else None
@@ -124,7 +138,6 @@ class Planner:
         if sorted(order) != sorted(options):
             raise OpmlError(f"{type(self.policy).__name__}.order must return every model version to place exactly once")
 
-        unplaced: dict[ModelVersion, str] = {}
         barred = {model: frozenset(self.refusals(by_model[model])) for model in order}
         for model in order:
             demand = by_model[model]
@@ -146,7 +159,7 @@ class Planner:
         # its placement): each placed version, in the same order, grows to its floor on distinct workers.
         for model in order:
             placed = placements.get(model)
-            if placed is None or model in keep:
+            if placed is None or model in keep or by_model[model].config.instance_groups is not None:
                 continue
             now = current.placements.get(model) if current is not None else None
             ran = frozenset(now.workers) if now is not None and now.option.pool_kind == placed.option.pool_kind \
@@ -163,6 +176,57 @@ class Planner:
                 for worker_id in placed.workers:  # it does not fit: back as it was
                     occupancy.add(worker_id, model, placed.option.memory_mib)
         return Plan(placements, unplaced)
+
+    def _place_groups(self, demand: ModelDemand, profiles: ProfileBook, occupancy: Occupancy,
+                      now: ReplicaSet | None) -> ReplicaSet | str:
+        """The version's ``instance_groups`` placed as they are (one replica set each, the first holding the
+        others as its ``groups``), each on as many distinct usable workers of its kind as have room, up to its
+        count; what does not fit is named in ``short``. The reason when no group can be placed at all.
+
+        Each group is sized (batch cap, capacity) by the policy for its share of the rate (count over the
+        groups' total) on the kind's profile (taken in the precision the worker chose, which may be another
+        than the group's: its measured latency then corrects the routing); its replica count stays the group's
+        and its replicas load in the group's precision."""
+        groups = demand.config.instance_groups or ()
+        usable, rejected = self._screen(demand, profiles)
+        sessions = self._choose(demand, usable, now)
+        barred = frozenset(self.refusals(demand))
+        total = sum(group.count for group in groups)
+        parts: list[ReplicaSet] = []
+        notes: list[str] = []
+        for group in groups:
+            name = f"{group.pool_kind}/{group.precision}"
+            profile = usable.get(group.pool_kind)
+            if profile is None:
+                notes.append(f"{name}: 0 of {group.count} ({rejected.get(group.pool_kind, 'not usable')})")
+                continue
+            share = ModelDemand(demand.config, demand.version, demand.rate_rps * group.count / total)
+            sized = [o for o in self.policy.options(share, {group.pool_kind: profile}, self.fleet)
+                     if o.pool_kind == group.pool_kind]
+            if not sized:
+                notes.append(f"{name}: 0 of {group.count} (no batch cap meets p99 <= {demand.config.slo.p99_ms} ms "
+                             f"at {share.rate_rps:g} rps)")
+                continue
+            option = dataclasses.replace(sized[0], precision=group.precision)
+            if group.pool_kind in sessions:
+                option = dataclasses.replace(option, session=sessions[group.pool_kind])
+            ran = frozenset(w for part in (now.parts() if now is not None else ()) for w in part.workers
+                            if (part.option.pool_kind, part.option.precision) == (group.pool_kind, group.precision))
+            for count in range(group.count, 0, -1):
+                counted = dataclasses.replace(option, replicas=count,
+                                              cost_per_hour=option.cost_per_hour / option.replicas * count)
+                workers = self._claim(occupancy, demand.model, counted, ran, barred)
+                if workers is not None:
+                    parts.append(ReplicaSet(demand.model, counted, workers, share.rate_rps))
+                    if count < group.count:
+                        notes.append(f"{name}: {count} of {group.count} (the usable workers have no room for the rest)")
+                    break
+            else:
+                notes.append(f"{name}: 0 of {group.count} (no usable {group.pool_kind} worker has room)")
+        if not parts:
+            return "no instance group can be placed (" + "; ".join(notes) + ")"
+        short = "instance groups short: " + "; ".join(notes) if notes else ""
+        return dataclasses.replace(parts[0], short=short, groups=tuple(parts[1:]))
 
     def _choose(self, demand: ModelDemand, usable: dict[str, Profile], now: ReplicaSet | None) -> dict:
         """Each usable kind's chosen session options; ``usable``'s profiles become those the chosen
@@ -213,6 +277,14 @@ class Planner:
                     raise InvalidArgument(
                         f"demands[{index}].config.pool_kinds[{position}]",
                         f"must be a pool kind the fleet declares ({', '.join(self.fleet.kinds)}), but got {kind!r}",
+                    )
+            for position, group in enumerate(demand.config.instance_groups or ()):
+                kind = self.fleet.kinds.get(group.pool_kind)
+                if kind is not None and group.precision not in kind.precisions:
+                    raise InvalidArgument(
+                        f"demands[{index}].config.instance_groups[{position}].precision",
+                        f"must be a precision pool kind {kind.name} runs ({', '.join(kind.precisions)}), "
+                        f"but got {group.precision!r}",
                     )
             by_model[demand.model] = demand
         return by_model
@@ -284,6 +356,8 @@ class Replanner:
     :attr:`ReplicaSet.short`, and unplaced when none is left, so no replica stays named on a dead
     worker. ``regrow`` (a worker came back or joined) grows the short versions and those below their
     replica floor where room is now, their lost workers first, without moving the replicas they run.
+    A version with instance groups is not resized by its measurements (its counts are its config's): it
+    is re-placed within its groups when a worker it runs on is refused, and with ``regrow`` while short.
     """
 
     def __init__(self, *, planner: Planner, latency_model: LatencyModel | None = None,
@@ -314,7 +388,14 @@ class Replanner:
                 updated.append(demand)
                 continue
             refusals = self.planner.refusals(demand)
-            refused[model] = {worker: refusals[worker] for worker in placed.workers if worker in refusals}
+            refused[model] = {worker: refusals[worker] for worker in placed.all_workers if worker in refusals}
+            if demand.config.instance_groups is not None:  # its groups' counts are exact: re-placed only to keep them
+                if refused[model]:
+                    reasons[model] = "; ".join(f"{worker}: {why}" for worker, why in refused[model].items())
+                elif regrow and placed.short:
+                    reasons[model] = placed.short
+                updated.append(demand)
+                continue
             if refused[model]:
                 reasons[model] = "; ".join(f"{worker}: {why}" for worker, why in refused[model].items())
                 updated.append(demand)
@@ -337,6 +418,7 @@ class Replanner:
             if model not in demanded:
                 reasons[model] = "no longer demanded"
         keep = {model for model in plan.placements if model in demanded and model not in reasons}
+        grouped = {demand.model for demand in demands if demand.config.instance_groups is not None}
         current, dropped = plan, set()
         target = self.planner.plan(updated, calibrated, current=current, keep=keep)
         while stuck := {model for model in target.unplaced if model in plan.placements and model not in dropped}:
@@ -346,7 +428,7 @@ class Replanner:
             for model in stuck:
                 placed, why = plan.placements[model], target.unplaced[model]
                 live = tuple(worker for worker in placed.workers if worker not in refused.get(model, {}))
-                if not live:  # every replica was on a refused worker: none is left to keep
+                if not live or placed.groups or model in grouped:  # none left to keep (groups: none fits anywhere)
                     reasons[model] += f"; unplaced: {why}"
                     dropped.add(model)
                     continue
@@ -356,16 +438,17 @@ class Replanner:
                 keep.add(model)
             current = Plan(kept, plan.unplaced)
             target = self.planner.plan(updated, calibrated, current=current, keep=keep)
-        target = Plan({model: self._annotated(plan, model, placed, refreshed if model not in reasons else {},
-                                              refused.get(model, {}))
+        target = Plan({model: placed if model in grouped else  # the planner says what its groups run short of
+                       self._annotated(plan, model, placed, refreshed if model not in reasons else {},
+                                       refused.get(model, {}))
                        for model, placed in target.placements.items()}, target.unplaced)
         if regrow:
             target = self._grown(target, updated, reasons)
         for model, placed in target.placements.items():
             if model in reasons and self.planner.chooser is not None:
-                option = placed.option
-                reasons[model] += (f"; serves with {option.session}, {option.precision} on {option.pool_kind} "
-                                   f"({option.session.basis})")
+                reasons[model] += "".join(f"; serves with {part.option.session}, {part.option.precision} on "
+                                          f"{part.option.pool_kind} ({part.option.session.basis})"
+                                          for part in placed.parts())
         return Replan(target, plan_moves(plan, target, self.planner.fleet), reasons, calibrated)
 
     @staticmethod
@@ -386,7 +469,7 @@ class Replanner:
         placements = dict(plan.placements)
         for demand in demands:
             placed = placements.get(demand.model)
-            if placed is None:
+            if placed is None or demand.config.instance_groups is not None:  # groups grow back by re-placement
                 continue
             kind = placed.option.pool_kind
             wanted = max(len(placed.workers) + len(placed.lost),
