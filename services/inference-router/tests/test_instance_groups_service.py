@@ -63,6 +63,7 @@ def test_a_version_with_two_groups_serves_on_both_kinds(start_service: ServiceSt
     assert sorted((r.pool_kind, r.precision) for r in deployed.replicas) == [("accel", "int8"), ("cpu", "fp32")]
     assert len({r.worker for r in deployed.replicas}) == 2
     assert not deployed.reason  # not short
+    assert deployed.planned_rate_rps == pytest.approx(config["expected_rate_rps"])  # the groups' shares together
 
     with ThreadPoolExecutor(8) as pool:  # concurrent, so both replicas hold requests at once
         list(pool.map(lambda index: infer(router.target, index), range(REQUESTS)))

@@ -69,8 +69,8 @@ def deployment(view: DeploymentView, record: ModelRecord) -> pb.Deployment:
         status.create_time.FromNanoseconds(int(entry.created * 1e9))
         placed = replicas.get(model)
         if placed is not None:
-            status.predicted_p99_ms = placed.option.predicted_p99_ms
-            status.planned_rate_rps = placed.rate_rps
+            status.predicted_p99_ms = max(part.option.predicted_p99_ms for part in placed.parts())
+            status.planned_rate_rps = sum(part.rate_rps for part in placed.parts())  # each group plans its share
             for part in placed.parts():  # its instance groups' replicas too, each with its kind and precision
                 option = part.option
                 for worker_id in sorted(set(part.workers)):
