@@ -146,3 +146,31 @@ async def test_the_default_worker_process_refits_and_the_result_is_put_in_use() 
         assert mpp.refits == 1 and mpp.covered == 2 * WINDOW and mpp.fitted_on == 2 * WINDOW
     finally:
         await cleanup(scorer, client, prefix)
+
+
+async def test_a_label_whose_prediction_comes_between_its_look_up_and_its_parking_is_joined() -> None:
+    """Seen in the stream bench with both agents busy (one label of 10,000 never joined): the labels
+    agent found no prediction, the predictions agent then kept it and took the labels parked so far
+    (none), and the label was parked after, to wait for a prediction that had come."""
+    world = SyntheticWorld(Task.BINARY, seed=21)
+    scorer, client, prefix, _ = await scorer_with(Refits(ThreadPoolExecutor(max_workers=1)), world)
+    try:
+        rows = world.rows(WINDOW)
+        events = events_of(rows, 0)
+        look_up = scorer.store.find_prediction
+        raced = []
+
+        async def prediction_comes_meanwhile(request_id: str):
+            found = await look_up(request_id)
+            if request_id == "r0" and not raced:
+                raced.append(found)
+                await scorer.on_prediction_joinable("m/1", 0, events[0][1], "r0")
+            return found
+
+        scorer.store.find_prediction = prediction_comes_meanwhile
+        assert await label(scorer, "r0", rows.labels[0]) == "joined"
+        assert raced == [None], "the label looked before its prediction was kept"
+        record = await close(scorer, 0, events)
+        assert record["labelled"] == 1
+    finally:
+        await cleanup(scorer, client, prefix)

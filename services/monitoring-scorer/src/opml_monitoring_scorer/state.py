@@ -61,6 +61,9 @@ prediction its request id and record; returns [index (from 0), parked label, ...
 came first, each producer's (and deletes them)."""
 
 _PARK = """
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  return -1
+end
 local held = redis.call('HGET', KEYS[1], ARGV[2])
 local seq = redis.call('HLEN', KEYS[1])
 if held then
@@ -77,7 +80,8 @@ return 1
 """Parks a label that came before its prediction (KEYS[1], ARGV[1] its expiry) as its producer's
 (ARGV[2]) unless that producer's parked one is as new (event times ARGV[3], fixed width, compare as
 strings); the record (ARGV[4]) is kept after its arrival order among the producers and its time.
-Returns 1 when parked, 0 when not newer."""
+Returns 1 when parked, 0 when not newer, -1 when the prediction (KEYS[2]) is there: it came after the
+label looked for it, and took the labels parked then, so one parked now would wait for it forever."""
 
 _JOIN = """
 local kind = redis.call('TYPE', KEYS[1])['ok']
@@ -336,18 +340,20 @@ class MonitorStore(Component):
         return (data["mv"], int(data["window"]), bytes.fromhex(data["event"]) if "event" in data else event,
                 data.get("segment", ""), int(data.get("segment_window", -1)))
 
-    async def park_label(self, request_id: str, label: ParkedLabel) -> bool:
-        """Parks a label that came before its prediction as its producer's, unless that producer's
-        parked one is as new (then False). Each producer's is kept apart, so whether a label is
+    async def park_label(self, request_id: str, label: ParkedLabel) -> str:
+        """Parks a label that came before its prediction as its producer's (``parked``), unless that
+        producer's parked one is as new (``duplicate``), or the prediction has come since the label
+        looked for it (``arrived``: join it). Each producer's is kept apart, so whether a label is
         trusted for the request's model is decided when its prediction comes, and one producer's
         label never displaces another's."""
         if self._park is None:
             self._park = self.redis.register_script(_PARK)
         origin = label.origin
         head = json.dumps({"producer": origin.producer, "time": origin.time.isoformat(), "id": origin.event_id})
-        return bool(await self._park(keys=[self._k("labels", request_id)],
-                                     args=[self.retention_s, origin.producer, origin.stamp,
-                                           head.encode() + b"\n" + label.data]))
+        parked = int(await self._park(keys=[self._k("labels", request_id), self._k("pred", request_id)],
+                                      args=[self.retention_s, origin.producer, origin.stamp,
+                                            head.encode() + b"\n" + label.data]))
+        return "arrived" if parked < 0 else "parked" if parked else "duplicate"
 
     async def join_truth(self, request_id: str, mv: str, window: int, labelled: int, total: float,
                          origin: LabelOrigin, segment: tuple[str, int] | None = None,

@@ -551,8 +551,7 @@ class Scorer(Component):
             problems.append(("values", "must all be finite numbers"))
         if problems:
             raise InvalidArgument.of(problems)
-        found = await self.store.find_prediction(label.request_id)
-        if found is None:
+        while (found := await self.store.find_prediction(label.request_id)) is None:
             # whether the model accepts it is known once the prediction comes; parked only from a
             # producer some model accepts, so nobody else can fill Redis with labels
             if origin.producer not in self.label_sources and not await self.store.is_label_producer(origin.producer):
@@ -560,11 +559,10 @@ class Scorer(Component):
                                       f"of any monitored model; accepted for every model: "
                                       f"{', '.join(sorted(self.label_sources)) or 'none'}, and the producers a "
                                       "model's monitoring.yaml names (labels.producers)")
-            if not await self.store.park_label(label.request_id, ParkedLabel(origin, raw)):
-                self.metrics.labels.labels("duplicate").inc()
-                return "duplicate"
-            self.metrics.labels.labels("parked").inc()
-            return "parked"
+            parked = await self.store.park_label(label.request_id, ParkedLabel(origin, raw))
+            if parked != "arrived":  # arrived: the prediction came since the look-up; look again
+                self.metrics.labels.labels(parked).inc()
+                return parked
         key, window, event, segment, segment_window = found
         return await self._join(key, window, event, label, origin, segment, segment_window)
 
