@@ -22,7 +22,7 @@ from opml_monitoring_scorer_contract.topics import ALERTS
 
 from .context import Story
 from .data import SPANS, commit_span
-from .lines import Live, segmented, show_windows
+from .lines import Live, show_windows
 from .pipeline import MODEL, NAME
 from .watch import Seen
 
@@ -32,13 +32,12 @@ DIMMED = 0.6
 ALERT_TIMEOUT_S = 240.0
 
 
-def raised_for_line(version: str, since: float):
+def raised_for_line(version: str, since: float, by_line: bool):
     """A ``Watch.wait`` predicate: the serving version's first AlertRaised read since ``since``, of line
-    3 (or of the whole version when the scorer does not split it by line)."""
+    3 when the scorer splits the version by line, else of the whole version."""
     def found(events: list[Seen]) -> Seen | None:
-        split = segmented(events, version)
         return next((e for e in events if e.kind == "AlertRaised" and e.at >= since and e.message.version == version
-                     and e.message.segment == (str(LINE) if split else "")), None)
+                     and e.message.segment == (str(LINE) if by_line else "")), None)
     return found
 
 
@@ -70,7 +69,7 @@ def run(story: Story) -> str:
     live.traffic.set_lighting(LINE, after)
     print(f"   waiting for the scorer to raise an alert on version {version} ({ALERTS.name})", flush=True)
     seen = live.watch.wait(f"an AlertRaised for line {LINE} of {MODEL} version {version}",
-                           raised_for_line(version, changed), ALERT_TIMEOUT_S)
+                           raised_for_line(version, changed, bool(story.handed["by_line"])), ALERT_TIMEOUT_S)
     alert = seen.message
     story.handed["alert"] = alert
     story.handed["alert_at"] = seen.at

@@ -21,6 +21,7 @@ from opml.inference.v1 import deployments_pb2
 from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.errors import NotFound
 from opml_inference_router_contract.client import DeploymentClient
+from opml_monitoring_scorer_contract.client import MonitoringClient
 from opml_monitoring_scorer_contract.topics import QUALITY
 
 from .context import Story
@@ -101,16 +102,24 @@ def show_windows(live: Live, version: str, since: float, label: str,
     return shown
 
 
-def windows_ready(version: str, since: float, count: int):
+def windows_ready(version: str, since: float, count: int, by_line: bool):
     """A ``Watch.wait`` predicate: ``count`` windows of the version read since ``since``, of each line
-    when the scorer splits the version by line, else of the version."""
+    when ``by_line``, else of the version."""
     def ready(events: list[Seen]) -> bool:
-        seen = [e for e in events if e.at >= since]
-        scored = windows(seen, version)
-        if segmented(seen, version):
+        scored = windows([e for e in events if e.at >= since], version)
+        if by_line:
             return all(sum(1 for (_, s, _) in scored if s == str(line)) >= count for line in LINES)
         return sum(1 for (_, s, _) in scored if not s) >= count
     return ready
+
+
+def split_by_line(story: Story, live: Live, version: str, since: float) -> bool:
+    """Whether the scorer splits the version's windows by the request parameter ``line`` (its
+    monitoring.yaml's ``segment``), asked once it has scored a window of the version."""
+    live.watch.wait(f"a window of {MODEL} version {version}", windows_ready(version, since, 1, False),
+                    WINDOWS_TIMEOUT_S)
+    with MonitoringClient(story.scorer_target) as scorer:
+        return scorer.status(MODEL, version).segment_parameter == "line"
 
 
 def finish_rollout(story: Story, live: Live, router: DeploymentClient) -> None:
@@ -153,8 +162,10 @@ def run(story: Story) -> str:
     served = str(version.version)
     story.handed["serving_version"] = served
     print(f"   the scorer's windows of version {served} on {QUALITY.name}", flush=True)
-    watch.wait(f"windows of {MODEL} version {served}", windows_ready(served, live.started, 2),
-               WINDOWS_TIMEOUT_S)
+    by_line = story.handed["by_line"] = split_by_line(story, live, served, live.started)
+    print(f"   the scorer splits them by line: {by_line}", flush=True)
+    watch.wait(f"windows of {MODEL} version {served}", windows_ready(served, live.started, 1 if by_line else 2,
+                                                                     by_line), WINDOWS_TIMEOUT_S)
     shown = show_windows(live, served, live.started, f"v{served}")
     answered = traffic.answered(served)
     print(f"   {answered} requests answered by version {served}, {sum(traffic.failed.values())} failed, "

@@ -25,7 +25,15 @@ from opml_job_orchestrator_contract.pipelineclient import PipelineClient
 
 from .context import Story, wait_for
 from .drift import LINE
-from .lines import ROLLOUT_TIMEOUT_S, WINDOWS_TIMEOUT_S, Live, show_placement, show_windows, windows_ready
+from .lines import (
+    ROLLOUT_TIMEOUT_S,
+    WINDOWS_TIMEOUT_S,
+    Live,
+    show_placement,
+    show_windows,
+    split_by_line,
+    windows_ready,
+)
 from .pipeline import MODEL, NAME, ended_run, serving_bundle, version_of
 from .watch import Seen
 
@@ -138,8 +146,9 @@ def run(story: Story) -> str:
     new = str(version.version)
     story.handed.update(promoted=new, serving_version=new)
     print(f"   version {new} promoted; the lines' traffic goes on: the scorer's windows of version {new}", flush=True)
+    by_line = split_by_line(story, live, new, promoted.at)
     live.watch.wait(f"windows of {MODEL} version {new} after its promotion",
-                    windows_ready(new, promoted.at, story.scale.recovered_windows), WINDOWS_TIMEOUT_S)
+                    windows_ready(new, promoted.at, story.scale.recovered_windows, by_line), WINDOWS_TIMEOUT_S)
     before = show_windows(live, stable, float(story.handed["drift_at"]), f"v{stable} drifted", until=promoted.at)
     after = show_windows(live, new, promoted.at, f"v{new} promoted")
     live.close()

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 from opml.bundles.v1 import bundles_pb2, events_pb2
-from opml.monitoring.v1 import alert_events_pb2, quality_events_pb2
+from opml.monitoring.v1 import alert_events_pb2
 
 from opml_bundle_store_contract.names import EVENT_SOURCE as BUNDLE_STORE_SOURCE
 from opml_bundle_store_contract.topics import BUNDLES
@@ -77,12 +77,10 @@ def test_the_loops_alert_is_the_serving_versions_for_line_3_raised_after_the_lam
         return seen("AlertRaised", alert_events_pb2.AlertRaised(model="inspection", version=version, rule="input-drift",
                                                                 segment=segment), at)
 
-    def window(segment: str):
-        return seen("WindowScored", quality_events_pb2.WindowScored(model="inspection", version="2", segment=segment), 1.0)
-
-    found = story.drift.raised_for_line("2", since=10.0)
     whole = [raised("2", "", 5.0), raised("1", "", 11.0), raised("2", "", 12.0)]
-    assert found(whole) is whole[2], "the version's own alert after the change, where windows are not split"
-    split = [window("3"), raised("2", "", 11.0), raised("2", "1", 12.0), raised("2", "3", 9.0), raised("2", "3", 13.0)]
-    assert found(split) is split[4], "line 3's, after the change, where the scorer splits the version by line"
-    assert found(split[:4]) is None
+    assert story.drift.raised_for_line("2", 10.0, False)(whole) is whole[2], \
+        "the version's own alert after the change, where windows are not split by line"
+    found = story.drift.raised_for_line("2", 10.0, True)
+    split = [raised("2", "", 11.0), raised("2", "1", 12.0), raised("2", "3", 9.0), raised("2", "3", 13.0)]
+    assert found(split) is split[3], "line 3's, after the change, where the scorer splits the version by line"
+    assert found(split[:3]) is None

@@ -26,7 +26,7 @@ import pytest
 
 from opml_devstack.testing.bus import poll_until
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(1800)
 
 ROOT = Path(__file__).resolve().parents[2]
 RESTORED = re.compile(r"restored deployments: (\{.*\})")
@@ -82,7 +82,7 @@ def test_make_up_twice_over_the_same_state_with_a_crash_between(tmp_path: Path) 
 
     first = _up(tmp_path, prefix, first_log)
     try:
-        outcome = poll_until(lambda: _main_job_ended(first, first_log), timeout_s=400, what="the first main job")
+        outcome = poll_until(lambda: _main_job_ended(first, first_log), timeout_s=800, what="the first main job")
         assert outcome == "succeeded", first_log.read_text(errors="replace")[-8000:]
         router = _parts(tmp_path)["inference-router"]["pid"]
         os.kill(first.pid, signal.SIGKILL)  # the stack dies first: nothing restarts the router or stops the rest
@@ -96,20 +96,22 @@ def test_make_up_twice_over_the_same_state_with_a_crash_between(tmp_path: Path) 
     ghost = asyncio.run(_store_a_version_whose_bundle_is_gone(prefix))
     second = _up(tmp_path, prefix, second_log)  # stops what the first stack left running, then starts over it
     try:
-        outcome = poll_until(lambda: _main_job_ended(second, second_log), timeout_s=400, what="the second main job")
+        outcome = poll_until(lambda: _main_job_ended(second, second_log), timeout_s=800, what="the second main job")
         text = second_log.read_text(errors="replace")
         assert outcome == "succeeded", text[-8000:]
         assert "stopped what an earlier stack left running" in text
         router_text = router_log.read_text(errors="replace")
         restored = RESTORED.findall(router_text)
-        assert restored and restored[-1] == ("{'defect-classifier': ['1 SERVING'], 'ghost': ['3 FAILED'], "
-                                             "'inspection': ['1 SERVING'], 'inspection-federated': ['1 SERVING']}"
-                                             ), restored  # inspection: the pipeline's push; -federated: step 7's
+        assert restored and restored[-1] == ("{'ghost': ['3 FAILED'], 'inspection': ['2 SERVING'], "
+                                             "'inspection-federated': ['1 SERVING']}"
+                                             ), restored  # inspection: the loop's promoted push; -federated: step 7's
         assert (f"models/ghost/versions/3 not restored after a restart: bundle {ghost!r} does not exist in "
                 f"context 'plant-a'") in router_text
-        # The second main job deployed its own bundle as version 2 and waited for that one, not failing on
-        # the stored version that could not come back.
-        assert re.search(r"version 2 SERVING 100%", text), text[-8000:]
+        # The second main job found the first one's promoted version serving, and its loop deployed its own
+        # version 3 and followed that one to its promotion, not failing on the stored version that could not
+        # come back.
+        assert re.search(r"inspection version 2 SERVING 100%", text), text[-8000:]
+        assert "version 3 promoted" in text, text[-8000:]
     finally:
         pids = [part["pid"] for part in _parts(tmp_path).values() if part.get("pid")]
         second.send_signal(signal.SIGTERM)  # as `make down` does
