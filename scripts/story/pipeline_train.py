@@ -93,8 +93,11 @@ def export(weights: dict[str, np.ndarray], features: int, out: Path) -> None:
         "inputs": [{"name": "features", "data_type": "fp32", "dims": [features]}],
         "outputs": [{"name": "defect_scores", "data_type": "fp32", "dims": [CLASSES]}],
         "slo": {"p99_ms": 50.0}, "expected_rate_rps": 50.0,
-        # the cheap int8 accelerator where it has room, the cpu pool in fp32 beside it
-        "pool_kinds": ["accel", "cpu"], "precisions": ["fp32", "int8"]},
+        # served on both at once (the inference-router's instance groups, after Triton's instance_group):
+        # the cheap int8 accelerator and the cpu pool in fp32 beside it, requests split by load
+        "pool_kinds": ["accel", "cpu"], "precisions": ["fp32", "int8"],
+        "instance_groups": [{"pool_kind": "accel", "precision": "int8", "count": 1},
+                            {"pool_kind": "cpu", "precision": "fp32", "count": 1}]},
         sort_keys=False))
 
 
