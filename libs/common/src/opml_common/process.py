@@ -15,6 +15,24 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``), for a
+    helper process a service spawns (a ``ProcessPoolExecutor``'s ``initializer``): a SIGKILLed service
+    gets no chance to stop its children, and a pool worker blocked on its task queue outlives it for
+    good otherwise. A no-op where prctl is missing (not Linux)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
 
 def terminate(process: subprocess.Popen, *, timeout_s: float) -> None:
     """SIGTERM (a graceful stop), then SIGKILL if the process is still there after ``timeout_s``."""

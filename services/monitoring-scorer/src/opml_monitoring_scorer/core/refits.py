@@ -17,14 +17,17 @@ import multiprocessing
 from collections.abc import Callable
 from concurrent.futures import Executor, ProcessPoolExecutor
 
+from opml_common.process import die_with_parent
 from opml_monitoring_scorer.core.mpp import MPP, RefitJob, recalibrated
 
 log = logging.getLogger(__name__)
 
 
 def worker_process() -> Executor:
-    """One worker process (spawned: the service's threads and sockets are not forked into it)."""
-    return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+    """One worker process (spawned: the service's threads and sockets are not forked into it), killed
+    with the service even when the service is SIGKILLed."""
+    return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=die_with_parent)
 
 
 class Refits:
