@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +51,8 @@ ARCHIVE = {1: 24, 2: 8, 3: 2, 4: 0}
 """Rows each line keeps on site and never committed, in spans' worth: the members' sizes differ, so their speeds do."""
 BATCH = 32
 """Rows per inference request: within both models' max_batch_size."""
+CLIENT_TIMEOUT_S = 10.0
+"""The deadline the story's callers set (without one, a request gets the model's default: 4 x its p99 SLO)."""
 ENDED = {fl_pb2.FEDERATION_STATE_COMPLETED, fl_pb2.FEDERATION_STATE_STOPPED}
 
 
@@ -204,15 +207,18 @@ def drive_rollout(router: DeploymentClient, kserve: triton.InferenceServerClient
     ``version`` ends; print each step as it is reached."""
     metadata = kserve.get_model_metadata(MODEL)
     shown: list[tuple[int, str]] = []
-    sent = [0]
+    sent, failed = [0], Counter()
 
     def ended() -> deployments_pb2.Rollout | None:
         for _ in range(20):
             start = (sent[0] * 8) % (len(rows) - 8)
             request = triton.InferInput(metadata.inputs[0].name, [8, rows.shape[1]], "FP32")
             request.set_data_from_numpy(rows[start:start + 8])
-            kserve.infer(MODEL, [request])
             sent[0] += 1
+            try:  # a caller's deadline, as the lines' traffic sets one; an error is the rollout's evidence
+                kserve.infer(MODEL, [request], client_timeout=CLIENT_TIMEOUT_S)
+            except triton.InferenceServerException as error:
+                failed[error.status() or "error"] += 1
         try:
             rollout = router.get_rollout(MODEL)
         except NotFound:  # the deploy has not begun it yet (and no rollout of the model came before)
@@ -228,7 +234,8 @@ def drive_rollout(router: DeploymentClient, kserve: triton.InferenceServerClient
         return rollout if rollout.phase in ("PROMOTED", "ABORTED") else None
 
     rollout = wait_for(f"the rollout of {MODEL} version {version} ending", ended, timeout_s=240, every_s=0)
-    print(f"   {sent[0]} requests sent during the rollout", flush=True)
+    print(f"   {sent[0]} requests sent during the rollout"
+          + (f", failed: {dict(failed)}" if failed else ", none failed"), flush=True)
     return rollout
 
 
@@ -244,7 +251,8 @@ def accuracy_by_line(kserve: triton.InferenceServerClient, model: str, version: 
             batch = x[start:start + BATCH]
             request = triton.InferInput(inputs, list(batch.shape), "FP32")
             request.set_data_from_numpy(batch)
-            predicted.append(kserve.infer(model, [request], model_version=str(version)).as_numpy(output).argmax(1))
+            predicted.append(kserve.infer(model, [request], model_version=str(version),
+                                          client_timeout=CLIENT_TIMEOUT_S).as_numpy(output).argmax(1))
         accuracy[line] = float((np.concatenate(predicted) == y).mean())
     return accuracy
 
