@@ -75,7 +75,8 @@ def test_a_writers_env_job_reads_no_platform_secret_and_a_reader_cannot_read_it(
     assert printed["OPML_S3_ACCESS_KEY"] == JOB_IDENTITY["OPML_JOB_ORCHESTRATOR_JOB_S3_ACCESS_KEY"]
     assert printed["OPML_S3_SECRET_KEY"] == JOB_IDENTITY["OPML_JOB_ORCHESTRATOR_JOB_S3_SECRET_KEY"]
     assert printed["OPML_KAFKA_BOOTSTRAP"] == env["OPML_KAFKA_BOOTSTRAP"] and printed["OPML_JOB_ID"] == "printenv"
-    allowed = {"PATH", "HOME", "TMPDIR", "LANG", "TZ", "TF_CONFIG"}
+    allowed = {"PATH", "HOME", "TMPDIR", "LANG", "TZ", "TF_CONFIG",
+               "CUDA_VISIBLE_DEVICES"}  # empty: a job that asks for no GPU sees none
     assert {n for n in printed if not n.startswith(("OPML_", "LC_"))} <= allowed, sorted(printed)
 
 
