@@ -65,6 +65,16 @@ class OutcomeWindow:
         return measures
 
 
+def merged(parts: list[Measures]) -> Measures:
+    """Several intervals (or several routers' same interval) as one: counts and histograms summed."""
+    buckets = [0] * (len(_BOUNDS) + 1)
+    for part in parts:
+        for index, count in enumerate(part.latencies):
+            buckets[index] += count
+    return Measures(sum(p.requests for p in parts), sum(p.errors for p in parts), _quantile(buckets, 0.99),
+                    tuple(buckets) if any(buckets) else ())
+
+
 def _quantile(buckets: list[int], q: float) -> float | None:
     """The upper bound of the bucket holding the ``q`` quantile (the highest bound for the overflow)."""
     total = sum(buckets)
