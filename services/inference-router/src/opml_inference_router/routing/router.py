@@ -23,7 +23,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -322,6 +322,14 @@ class Router:
 
     def models(self) -> list[str]:
         return sorted(self._models)
+
+    def direct_routes(self) -> Iterator[tuple[_Model, _Version]]:
+        """Each model whose traffic one version takes, with no shadow: what the native front may send
+        straight to a worker (:mod:`opml_inference_router.data_plane`)."""
+        for route in self._models.values():
+            only = route.split.only if route.split is not None else None
+            if only is not None and only in route.versions and route.name not in self._shadows:
+                yield route, route.versions[only]
 
     # -- shadow traffic (:mod:`.shadow`) ---------------------------------------------------------
 
