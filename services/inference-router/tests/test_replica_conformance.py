@@ -81,7 +81,7 @@ async def served(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterato
         await server.start()
         replica: Replica = GrpcReplica(f"127.0.0.1:{port}")
         if request.param == "host":
-            replica = SeverableReplica(replica)
+            replica = SeverableReplica(replica, "cloud")
         stop: Callable = lambda: server.stop(0)  # noqa: E731
     elif request.param == "uds":
         uds = UdsServer(servicer, tmp_path / "w.sock", metrics=_metrics())

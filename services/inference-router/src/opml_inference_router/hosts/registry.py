@@ -12,7 +12,9 @@ replicas back (``on_back``: deployments' ``worker_restarted``), and ``on_change`
 Links: every ``probe_interval_s`` the router times empty probes to each host's agent (the round
 trip: the least of three) and one carrying ``probe_bytes`` (bandwidth: its bytes over the time past
 the round trip). A site's link is its best host's. Placement reads them through :meth:`refusal`
-(:class:`~opml_inference_router.placement.SiteRule`) and :meth:`site_rtt_ms`.
+(:class:`~opml_inference_router.placement.SiteRule`) and :meth:`site_rtt_ms`; the router's choice of
+replicas gets each site's round trip after every measurement (``on_links``), to send each request to
+the nearest site that serves it.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ DownHook = Callable[[str, str, str, float], None]
 BackHook = Callable[[str, str, str], Awaitable[None]]
 UpHook = Callable[[str], object]
 ChangeHook = Callable[[], Awaitable[object]]
+LinksHook = Callable[[dict[str, float]], object]
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,7 @@ class HostRegistry(Component):
         self.on_up: UpHook | None = None
         self.on_back: BackHook | None = None
         self.on_change: ChangeHook | None = None
+        self.on_links: LinksHook | None = None
         self.replicas = HostReplicas()
         self.worker_token = worker_token
         self._bundle_bytes = bundle_bytes
@@ -175,9 +179,11 @@ class HostRegistry(Component):
         return self.rule.refusal(demand.config, self._bundle_bytes(demand.model), worker.site, site_link)
 
     def connector(self, connect):
-        """The router's ``connect`` with the calls to a lost host's workers failed at once (:mod:`.replicas`)."""
-        return self.replicas.connector(connect, lambda address: any(
-            hosted.address == address for hosted in self.workers.values()))
+        """The router's ``connect`` with the calls to a lost host's workers failed at once, and each host
+        worker's replica at its site (:mod:`.replicas`)."""
+        def site_of(address: str) -> str | None:
+            return next((hosted.worker.site for hosted in self.workers.values() if hosted.address == address), None)
+        return self.replicas.connector(connect, site_of)
 
     def worker(self, worker_id: str) -> HostedWorker:
         """Raises: NotFound for a worker no host pool declares."""
@@ -414,6 +420,8 @@ class HostRegistry(Component):
         first = host.link is None
         host.link = Link(rtt_ms=rtt_s * 1000, bandwidth_mbps=bandwidth)
         log.info("host %s at site %s: %s", host.name, host.site, host.link)
+        if self.on_links is not None:
+            self.on_links({site: link.rtt_ms for site, link in self.links().items()})
         if first:
             self._changed()
 

@@ -4,7 +4,8 @@ A host cut off from the router does not close its connections: calls to its work
 their deadlines, and marking its replicas down only keeps new requests away. Severing fails the
 hanging calls with a retriable UNAVAILABLE, so the router retries each on another replica while the
 request's deadline still allows (a backup request covers only a share of requests). Once the host
-heartbeats again its replicas are whole again.
+heartbeats again its replicas are whole again. Each carries its worker's site, so the router chooses
+the nearest replica (:meth:`~opml_inference_router.routing.ReplicaSet.pick`).
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from opml_inference_router.routing.errors import ReplicaFailed
 class SeverableReplica(Replica):
     """A host worker's replica (wrapping the router's own transport) whose calls :meth:`sever` fails."""
 
-    def __init__(self, inner: Replica) -> None:
+    def __init__(self, inner: Replica, site: str) -> None:
         self.inner = inner
         self.name = inner.name
+        self.site = site
         self._severed: asyncio.Future[str] | None = None
         self._reason = ""
 
@@ -65,14 +67,16 @@ class HostReplicas:
     def __init__(self) -> None:
         self._by_address: dict[str, weakref.WeakSet[SeverableReplica]] = {}
 
-    def connector(self, connect: Callable[[str], Replica], hosted: Callable[[str], bool]) -> Callable[[str], Replica]:
-        """The router's ``connect``: ``connect``'s replica, made severable for an address ``hosted`` says
-        is a host worker's."""
+    def connector(self, connect: Callable[[str], Replica],
+                  site_of: Callable[[str], str | None]) -> Callable[[str], Replica]:
+        """The router's ``connect``: ``connect``'s replica, made severable and placed at its site for an
+        address ``site_of`` says is a host worker's (None: the router's own worker)."""
         def make(address: str) -> Replica:
             replica = connect(address)
-            if not hosted(address):
+            site = site_of(address)
+            if site is None:
                 return replica
-            severable = SeverableReplica(replica)
+            severable = SeverableReplica(replica, site)
             self._by_address.setdefault(address, weakref.WeakSet()).add(severable)
             return severable
         return make

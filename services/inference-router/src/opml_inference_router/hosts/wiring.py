@@ -82,8 +82,10 @@ class SiteFailover:
 
 def connect_hosts(hosts: HostRegistry, manager: DeploymentManager) -> SiteFailover:
     """A lost host's replicas are marked down at once (and up when it heartbeats again); its workers'
-    changes re-place (:class:`SiteFailover`); a worker back at a new address gets its planned replicas."""
+    changes re-place (:class:`SiteFailover`); a worker back at a new address gets its planned replicas;
+    each link measured ranks its site for the router's nearest-first choice of replicas."""
     failover = SiteFailover(hosts, manager)
+    hosts.on_links = manager.router.set_site_rtts
     hosts.on_down = manager.worker_down
     hosts.on_up = manager.router.replica_up
     hosts.on_back = manager.worker_restarted

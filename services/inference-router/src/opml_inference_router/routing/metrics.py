@@ -31,6 +31,9 @@ class RouterMetrics:
                                          ("model", "version", "replica"))
         self.ejections = metrics.counter("replica_ejections_total", "Replicas taken out of rotation after a failure.",
                                          ("model", "version", "replica"))
+        self.site_answers = metrics.counter("site_answers_total", "Inference requests answered, by the site of "
+                                            "the replica that answered (local: the router's own).",
+                                            ("model", "version", "site"))
         self.traffic_ratio = metrics.gauge("traffic_ratio", "Share of a model's traffic (requests naming no "
                                            "version) each of its versions takes, 0..1: a rollout's weights.",
                                            ("model", "version"))
@@ -65,8 +68,13 @@ class VersionMetrics:
         self.retries = owner.retries.labels(model, version)
         self.waits = owner.waits.labels(model, version)
         self.window = OutcomeWindow()
+        self._sites: dict[str, object] = {}  # site -> its site_answers child, resolved on its first answer
 
-    def answered(self, seconds: float) -> None:
+    def answered(self, seconds: float, site: str = "local") -> None:
+        child = self._sites.get(site)
+        if child is None:
+            child = self._sites[site] = self._owner.site_answers.labels(self.model, self.version, site)
+        child.inc()  # type: ignore[attr-defined]
         self.ok.inc()
         self.duration.observe(seconds)
         self.window.answered(seconds)

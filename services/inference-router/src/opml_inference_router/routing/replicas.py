@@ -4,20 +4,26 @@ A :class:`Replica` is a connection to one worker that serves the model version; 
 may serve several model versions (a worker hosts many). A :class:`ReplicaSet` keeps, per replica,
 what the router needs to choose: requests outstanding, recent latencies, and whether the replica
 is ejected after failures. Choice is the power of two choices (two random eligible replicas, the
-one with fewer outstanding requests; Mitzenmacher) or least outstanding over all of them.
+one with fewer outstanding requests; Mitzenmacher) or least outstanding over all of them, among
+the replicas of the nearest site that has room (:meth:`ReplicaSet.pick`, :class:`Sites`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 
 from opml_common.retry import Backoff
+from opml_inference_router.placement.fleet_config import LOCAL_SITE
 from opml_inference_router.routing.latency import LatencyWindow
 
 Clock = Callable[[], float]
+
+MAX_SITE_NAME = 64
+"""Longest site name a request may give (:data:`~.wire.SITE_PARAMETER`); a longer one is ignored."""
 
 
 class Replica(ABC):
@@ -29,6 +35,8 @@ class Replica(ABC):
 
     #: Stable identity of the worker (its address), used in metrics and prediction events.
     name: str
+    #: The site the worker is at (the fleet's ``PoolConfig.site``): the router's own unless a host serves it.
+    site: str = LOCAL_SITE
 
     @abstractmethod
     async def call(self, method: str, request: bytes, *, timeout_s: float) -> bytes:
@@ -49,11 +57,12 @@ class Replica(ABC):
 class ReplicaState:
     """What the router tracks about one replica of one model version."""
 
-    __slots__ = ("replica", "outstanding", "latency", "ejected_until", "failures", "removed", "down", "back_at",
-                 "last_error")
+    __slots__ = ("replica", "site", "outstanding", "latency", "ejected_until", "failures", "removed", "down",
+                 "back_at", "last_error")
 
     def __init__(self, replica: Replica) -> None:
         self.replica = replica
+        self.site = replica.site
         self.outstanding = 0
         self.latency = LatencyWindow()
         self.ejected_until = 0.0
@@ -66,6 +75,24 @@ class ReplicaState:
     @property
     def name(self) -> str:
         return self.replica.name
+
+
+class Sites:
+    """The router's measured round trip to each site, to rank replicas nearest first: its own site
+    (``local``) is 0 ms; a site not measured (yet) is farthest (infinity). The host registry's link
+    probes update it (:meth:`measured`); one object is shared by every :class:`ReplicaSet` of a router."""
+
+    def __init__(self) -> None:
+        self._rtt_ms: dict[str, float] = {}
+
+    def measured(self, rtt_ms: Mapping[str, float]) -> None:
+        """The round trips now (site -> ms); a site left out is no longer measured (its hosts are lost)."""
+        self._rtt_ms = {site: float(ms) for site, ms in rtt_ms.items()}
+
+    def rtt_ms(self, site: str) -> float:
+        if site == LOCAL_SITE:
+            return 0.0
+        return self._rtt_ms.get(site, math.inf)
 
 
 class ReplicaSet:
@@ -82,10 +109,15 @@ class ReplicaSet:
     restarts) is never chosen, not even in a panic, until :meth:`mark_up` or its removal.
     :meth:`changed` is an event set whenever a replica may have become routable (added, marked
     up), so requests that found none can wait for one instead of failing.
+
+    Sites: with replicas at several sites, :meth:`pick` keeps to the nearest site that has room
+    (``sites``: the router's measured round trips) and spills farther only past it. ``saturation``:
+    the requests in flight at which a replica has no room, set by the router to the replica's share
+    of its model's admission limit (None: never, so the nearest site takes every request).
     """
 
     def __init__(self, *, policy: str = "p2c", eject_s: float = 1.0, max_eject_s: float = 30.0,
-                 clock: Clock, rng: random.Random | None = None) -> None:
+                 clock: Clock, rng: random.Random | None = None, sites: Sites | None = None) -> None:
         if policy not in ("p2c", "least"):
             raise ValueError(f"policy must be 'p2c' or 'least', but got {policy!r}")
         if eject_s <= 0 or max_eject_s < eject_s:
@@ -98,6 +130,9 @@ class ReplicaSet:
         self._states: list[ReplicaState] = []
         self._changed = asyncio.Event()
         self.latency = LatencyWindow()  # the version's latency over all replicas
+        self.sites = sites or Sites()
+        self.saturation: int | None = None
+        self.multi_site = False  # replicas at more than one site: only then does a request's site matter
 
     @property
     def backoff(self) -> Backoff:
@@ -130,6 +165,7 @@ class ReplicaSet:
                 return state
         state = ReplicaState(replica)
         self._states = [*self._states, state]
+        self._sites_changed()
         self._announce()
         return state
 
@@ -139,8 +175,12 @@ class ReplicaSet:
             if state.name == name:
                 state.removed = True
                 self._states = [s for s in self._states if s is not state]
+                self._sites_changed()
                 return state
         return None
+
+    def _sites_changed(self) -> None:
+        self.multi_site = len({state.site for state in self._states}) > 1
 
     def mark_down(self, name: str, reason: str, back_at: float | None) -> bool:
         """Takes the replica ``name`` out of every choice: ``reason`` says why, ``back_at`` when it is
@@ -194,8 +234,22 @@ class ReplicaSet:
                 parts.append("a replica that failed just now")
         return "; ".join(parts)
 
-    def pick(self, exclude: Collection[ReplicaState] = ()) -> ReplicaState | None:
-        """The replica to call next, never one in ``exclude`` or down; ``None`` when none is left."""
+    def pick(self, exclude: Collection[ReplicaState] = (), site: str = "") -> ReplicaState | None:
+        """The replica to call next, never one in ``exclude`` or down; ``None`` when none is left.
+
+        Nearest first: the routable replicas are grouped by site, ``site`` (the client's, when the
+        request names one; a site no replica is at changes nothing) first, then by the router's round
+        trip to each (its own site 0 ms), and the choice (power of two choices or least outstanding)
+        is made among the replicas of the first site that is not saturated. A replica is
+        **saturated** when its outstanding requests reach ``saturation``: its share of the model's
+        admission limit (``max_concurrency`` over the model's replicas; by default two batches of its
+        own, one running and one forming), past which a request would queue behind a full batch at its
+        worker, while a farther replica with room answers after one round trip. A site is saturated
+        when each of its routable replicas is. Unhealthy replicas (down, ejected, or in ``exclude``:
+        the ones this request tried already, or the primary a backup request hedges) are no candidates,
+        so a retry or a backup goes to the next nearest. When every site is saturated the nearest one
+        takes the request (admission bounds what waits there).
+        """
         now = self._clock()
         candidates = [s for s in self._states if s.down is None and s.ejected_until <= now and s not in exclude]
         if not candidates:
@@ -204,10 +258,29 @@ class ReplicaSet:
                 return None
         if len(candidates) == 1:
             return candidates[0]
+        if self.multi_site:
+            candidates = self._nearest_with_room(candidates, site)
+            if len(candidates) == 1:
+                return candidates[0]
         if self.policy == "p2c":
             first, second = self._rng.sample(candidates, 2)
             return first if first.outstanding <= second.outstanding else second
         return min(candidates, key=lambda s: s.outstanding)
+
+    def _nearest_with_room(self, candidates: list[ReplicaState], site: str) -> list[ReplicaState]:
+        """The candidates at the nearest site with an unsaturated replica, those replicas only (see :meth:`pick`)."""
+        by_site: dict[str, list[ReplicaState]] = {}
+        for state in candidates:
+            by_site.setdefault(state.site, []).append(state)
+        order = sorted(by_site, key=lambda name: (name != site, self.sites.rtt_ms(name), name))
+        limit = self.saturation
+        if limit is None:
+            return by_site[order[0]]
+        for name in order:
+            room = [state for state in by_site[name] if state.outstanding < limit]
+            if room:
+                return room
+        return by_site[order[0]]
 
     def succeeded(self, state: ReplicaState, seconds: float) -> None:
         state.latency.observe(seconds)

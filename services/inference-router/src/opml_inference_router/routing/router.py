@@ -6,10 +6,12 @@ Transport-free (no grpc import): replicas are :class:`~.replicas.Replica` object
 Data plane, per request (:meth:`Router.infer`): model -> its request size limit (O(1): the length
 of the bytes, before any copy; :mod:`.limits`) -> version (the caller's, or the traffic
 split's) -> admission (the model's concurrency limit and bounded queue, shedding what cannot meet
-its deadline) -> a replica by power of two choices -> a backup request to a second replica if
-the first has not answered after its observed p95 latency (first answer wins, the loser is
-cancelled) -> on a retriable failure (replica unreachable or killed, busy, model missing) another
-replica while the deadline allows, and the failed replica ejected for a while.
+its deadline) -> a replica by power of two choices, at the nearest site with room (the client's
+site first when the request names one: :data:`~.wire.SITE_PARAMETER`; :meth:`.ReplicaSet.pick`) ->
+a backup request to the next nearest replica if the first has not answered after its observed p95
+latency (first answer wins, the loser is cancelled) -> on a retriable failure (replica unreachable
+or killed, busy, model missing) the next nearest replica while the deadline allows, and the failed
+replica ejected for a while.
 
 Control plane (a deploy API or pool manager calls these at run time, on the router's loop):
 :meth:`set_model`, :meth:`remove_model`, :meth:`add_replica`, :meth:`remove_replica`,
@@ -36,7 +38,7 @@ from opml_inference_router.routing.errors import DeadlineExceeded, ReplicaFailed
 from opml_inference_router.routing.limits import DEFAULT_GRPC_MAX_RECEIVE_BYTES, DEFAULT_MAX_REQUEST_BYTES, RequestLimit
 from opml_inference_router.routing.metrics import RouterMetrics, VersionMetrics
 from opml_inference_router.routing.policy import ModelPolicy
-from opml_inference_router.routing.replicas import Clock, Replica, ReplicaSet, ReplicaState
+from opml_inference_router.routing.replicas import MAX_SITE_NAME, Clock, Replica, ReplicaSet, ReplicaState, Sites
 from opml_inference_router.routing.shadow import (
     DEFAULT_MAX_IN_FLIGHT,
     Comparison,
@@ -67,6 +69,7 @@ class Routed:
     replica: str
     attempts: int
     backup_won: bool
+    site: str = "local"
 
 
 class _Version:
@@ -120,6 +123,11 @@ class Router:
         self._connections: dict[str, tuple[Replica, int]] = {}  # address -> (replica, users)
         self._shadows: dict[str, ShadowMirror] = {}  # model -> its mirror to a rollout's new version
         self._shadow_metrics = ShadowMetrics(metrics)
+        self.sites = Sites()  # the measured round trip to each site, for nearest-first choice
+
+    def set_site_rtts(self, rtt_ms: Mapping[str, float]) -> None:
+        """The measured round trip to each site now (ms; the host registry's probes), for choosing replicas."""
+        self.sites.measured(rtt_ms)
 
     # ------------------------------------------------------------------------------------------
     # Control plane
@@ -143,6 +151,7 @@ class Router:
             served.replicas.policy = policy.selection
             served.replicas.eject_s = policy.eject_s
             served.replicas.max_eject_s = max(served.replicas.max_eject_s, policy.eject_s)
+        self._share(model)
         if model.split is not None:
             model.split = self._split(model, model.split.weights)
 
@@ -176,7 +185,8 @@ class Router:
         served = route.versions.get(version)
         if served is None:
             replicas = ReplicaSet(policy=route.policy.selection, eject_s=route.policy.eject_s,
-                                  max_eject_s=max(30.0, route.policy.eject_s), clock=self._clock, rng=self._rng)
+                                  max_eject_s=max(30.0, route.policy.eject_s), clock=self._clock, rng=self._rng,
+                                  sites=self.sites)
             served = route.versions[version] = _Version(model, version, replicas,
                                                         self._metrics.version(model, version))
             if route.split is None:
@@ -186,6 +196,16 @@ class Router:
         if any(state.name == address for state in served.replicas):
             return
         served.metrics.track(served.replicas.add(self._borrow(address)))
+        self._share(route)
+
+    @staticmethod
+    def _share(route: _Model) -> None:
+        """Each replica's share of the model's admission limit: where :meth:`.ReplicaSet.pick` counts it
+        saturated and spills to a farther site."""
+        replicas = sum(len(served.replicas) for served in route.versions.values())
+        share = max(1, -(-route.policy.max_concurrency // replicas)) if replicas else None
+        for served in route.versions.values():
+            served.replicas.saturation = share
 
     @contextlib.asynccontextmanager
     async def connection(self, address: str) -> AsyncIterator[Replica]:
@@ -387,12 +407,15 @@ class Router:
         return any(route.versions[v].replicas.ready_count() > 0 for v in weights)
 
     async def infer(self, model: str, version: str, request: bytes, *, request_id: str = "",
-                    timeout_s: float | None = None) -> Routed:
+                    timeout_s: float | None = None, site: str | None = None) -> Routed:
         """Answer a ModelInferRequest (wire bytes) from a replica of ``model``.
 
         ``version`` empty: the traffic split chooses (by ``request_id`` when sticky), and the
         forwarded request carries the chosen version. ``timeout_s``: the caller's deadline
         (default: the model's ``default_timeout_s``, which a DEADLINE_EXCEEDED then names as the source).
+        ``site``: the client's site, whose replicas come first (None: the request's
+        :data:`~.wire.SITE_PARAMETER`, read only when the version has replicas at several sites; an
+        unknown or over-long one is ignored).
 
         Raises:
             NotFound: the model or version is not served.
@@ -438,7 +461,8 @@ class Router:
         service_s: float | None = None
         try:
             try:
-                routed = await self._dispatch(route, served, request, start + time_left)
+                routed = await self._dispatch(route, served, request, start + time_left,
+                                              self._client_site(served, request, site))
             except VersionRetired:
                 if version or route.split is None or self._models.get(model) is not route:
                     raise
@@ -446,7 +470,8 @@ class Router:
                 # flight: the split's version now answers it, so a rollback fails none of its requests
                 served = route.versions[route.split.choose(request_id)]
                 request = wire.with_field(request, wire.MODEL_VERSION, served.version)
-                routed = await self._dispatch(route, served, request, start + time_left)
+                routed = await self._dispatch(route, served, request, start + time_left,
+                                              self._client_site(served, request, site))
             service_s = self._clock() - granted
         except OpmlError as exc:
             served.metrics.failed(exc.code)
@@ -458,10 +483,22 @@ class Router:
             raise
         finally:
             limiter.release(service_s)
-        served.metrics.answered(self._clock() - start)
+        served.metrics.answered(self._clock() - start, routed.site)
         if self._shadows:
             self._mirror(model, request, routed)
         return routed
+
+    @staticmethod
+    def _client_site(served: _Version, request: bytes, site: str | None) -> str:
+        """The client's site for the choice: '' where the version is at one site (it changes nothing there)."""
+        if not served.replicas.multi_site:
+            return ""
+        if site is not None:
+            return site if len(site) <= MAX_SITE_NAME else ""
+        try:
+            return wire.string_parameter(request, wire.SITE_PARAMETER, max_length=MAX_SITE_NAME)
+        except wire.MalformedMessage:  # the front checked its header: whatever else is wrong, the worker says
+            return ""
 
     def _mirror(self, model: str, request: bytes, routed: Routed) -> None:
         """A copy of an answered request to the model's shadow version, if it has one (:mod:`.shadow`:
@@ -486,16 +523,18 @@ class Router:
                               f"({served.replicas.why_down()})")
         return await state.replica.call(method, request, timeout_s=timeout_s)
 
-    async def _dispatch(self, route: _Model, served: _Version, request: bytes, deadline: float) -> Routed:
-        """Tries up to ``max_attempts`` replicas; when none is routable (every one down or ejected, or
-        none at all) waits for one (:meth:`_wait_routable`) while the deadline allows, then tries again."""
+    async def _dispatch(self, route: _Model, served: _Version, request: bytes, deadline: float,
+                        site: str = "") -> Routed:
+        """Tries up to ``max_attempts`` replicas, nearest first (``site``: the client's); when none is
+        routable (every one down or ejected, or none at all) waits for one (:meth:`_wait_routable`) while
+        the deadline allows, then tries again."""
         policy, replicas = route.policy, served.replicas
         tried: list[ReplicaState] = []
         attempts = 0  # since the last wait
         route.hedge_tokens = min(_MAX_HEDGE_TOKENS, route.hedge_tokens + policy.hedge_budget)
         last_error: OpmlError | None = None
         while True:
-            state = replicas.pick(exclude=tried) if attempts < policy.max_attempts else None
+            state = replicas.pick(exclude=tried, site=site) if attempts < policy.max_attempts else None
             if state is None:
                 if replicas.ready_count() > 0:  # routable replicas remain, but the attempts are spent
                     if last_error is None:  # unreachable: a routable replica is always picked
@@ -517,9 +556,9 @@ class Router:
             attempts += 1
             try:
                 if policy.hedge and len(replicas) > len(tried):
-                    return await self._hedged(route, served, state, request, deadline, tried)
+                    return await self._hedged(route, served, state, request, deadline, tried, site)
                 response = await self._attempt(served, state, request, deadline)
-                return Routed(response, served.version, state.name, len(tried), False)
+                return Routed(response, served.version, state.name, len(tried), False, state.site)
             except ReplicaFailed as exc:
                 if not exc.retriable:
                     raise
@@ -555,8 +594,8 @@ class Router:
             await asyncio.wait_for(changed.wait(), timeout=max(0.0, wake - now))
 
     async def _hedged(self, route: _Model, served: _Version, primary: ReplicaState, request: bytes,
-                      deadline: float, tried: list[ReplicaState]) -> Routed:
-        """Call ``primary``; after its p95 latency, also a second replica; the first success wins.
+                      deadline: float, tried: list[ReplicaState], site: str = "") -> Routed:
+        """Call ``primary``; after its p95 latency, also the next nearest replica; the first success wins.
 
         Raises the last ReplicaFailed when every launched call failed (retriable or not)."""
         loop = asyncio.get_running_loop()
@@ -587,7 +626,7 @@ class Router:
                     backup_won = winner[1] is not primary
                     if backup_won:
                         served.metrics.backup_wins.inc()
-                    return Routed(winner[0], served.version, winner[1].name, len(tried), backup_won)
+                    return Routed(winner[0], served.version, winner[1].name, len(tried), backup_won, winner[1].site)
                 if last_error is not None and not last_error.retriable:
                     raise last_error
                 if done:
@@ -596,7 +635,7 @@ class Router:
                     raise DeadlineExceeded(f"model {route.name!r} version {served.version!r}: no replica "
                                            f"answered within the deadline")
                 hedge_at = None  # the hedge delay passed with the first call still running
-                backup = replicas.pick(exclude=tried) if route.hedge_tokens >= 1 else None
+                backup = replicas.pick(exclude=tried, site=site) if route.hedge_tokens >= 1 else None
                 if backup is not None:
                     route.hedge_tokens -= 1
                     tried.append(backup)
@@ -653,6 +692,7 @@ class Router:
         route = self._models.get(served.model)
         if route is not None:
             self._split_changed(route)
+            self._share(route)
         await self._give_back(address)
 
     def _split_changed(self, route: _Model) -> None:

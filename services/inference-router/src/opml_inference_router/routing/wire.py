@@ -9,6 +9,8 @@ the walk's work is bounded whatever the message holds (62 MiB of two-byte unknow
 otherwise be 30 million steps); :func:`with_field` appends a string field: protobuf parsers keep the last value of a
 non-repeated field, so appending overrides a value the message already had (the encoding spec's
 "last one wins"), with no copy of the tensors beyond the one ``bytes`` concatenation.
+:func:`string_parameter` reads one string request parameter (``parameters`` = 4) the same way: the
+client's site (:data:`SITE_PARAMETER`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,12 @@ from typing import NamedTuple
 MODEL_NAME = 1
 MODEL_VERSION = 2
 REQUEST_ID = 3
+PARAMETERS = 4
 
+SITE_PARAMETER = "site"
+"""The request parameter that names the client's site: the router sends the request to that site's
+replicas first (:meth:`~.replicas.ReplicaSet.pick`). A string, e.g. ``parameters={"site": "edge-a"}``
+with tritonclient."""
 
 MAX_FIELDS = 4096
 """Most top-level fields :func:`read_header` visits. A ModelInferRequest has one per input, output,
@@ -97,6 +104,68 @@ def read_header(data: bytes, *, max_fields: int = MAX_FIELDS) -> Header:
     if pos != end:
         raise MalformedMessage("the last field runs past the end of the message")
     return Header(*fields)
+
+
+def _fields(data: bytes, max_fields: int) -> list[tuple[int, int, int, int]]:
+    """``(number, wire_type, start, end)`` of each top-level field (for length-delimited ones, start and
+    end of its bytes), at most ``max_fields`` of them. Raises: MalformedMessage."""
+    found = []
+    pos, end = 0, len(data)
+    while pos < end:
+        if len(found) >= max_fields:
+            raise MalformedMessage(f"it holds more than {max_fields} top-level fields, the most the router reads")
+        key, pos = _varint(data, pos)
+        number, wire_type = key >> 3, key & 7
+        start = pos
+        if wire_type == 2:
+            length, start = _varint(data, pos)
+            pos = start + length
+        elif wire_type == 0:
+            _, pos = _varint(data, pos)
+        elif wire_type == 1:
+            pos += 8
+        elif wire_type == 5:
+            pos += 4
+        else:
+            raise MalformedMessage(f"unsupported wire type {wire_type} for field {number}")
+        if pos > end:
+            raise MalformedMessage(f"field {number} runs past the end of the message")
+        found.append((number, wire_type, start, pos))
+    return found
+
+
+def string_parameter(data: bytes, name: str, *, max_length: int, max_fields: int = MAX_FIELDS) -> str:
+    """The string parameter ``name`` of a serialized ModelInferRequest (the last one given, as a parser
+    keeps); '' when it has none, when it is another type or not UTF-8, or when it is longer than
+    ``max_length`` characters (the router only ranks by it: a bad one is ignored, never an error).
+    The walk skips every other field by its length, as :func:`read_header` does.
+
+    Raises:
+        MalformedMessage: the bytes are not a well-formed protobuf message.
+    """
+    wanted = name.encode("utf-8")
+    value = ""
+    for number, wire_type, start, end in _fields(data, max_fields):
+        if number != PARAMETERS or wire_type != 2:
+            continue
+        entry = data[start:end]  # a map entry: key = 1, value = 2 (an InferParameter)
+        key, parameter = None, None
+        for field, kind, begin, finish in _fields(entry, 8):
+            if field == 1 and kind == 2:
+                key = entry[begin:finish]
+            elif field == 2 and kind == 2:
+                parameter = entry[begin:finish]
+        if key != wanted:
+            continue
+        value = ""
+        for field, kind, begin, finish in _fields(parameter or b"", 8):
+            if field == 3 and kind == 2 and finish - begin <= 4 * max_length:  # string_param
+                try:
+                    text = parameter[begin:finish].decode("utf-8")  # type: ignore[index]
+                except UnicodeDecodeError:
+                    continue
+                value = text if len(text) <= max_length else ""
+    return value
 
 
 def version_leads(data: bytes) -> bool:
