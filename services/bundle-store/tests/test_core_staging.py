@@ -4,6 +4,7 @@ idempotency key's adds racing on both stage one bundle, and remote gc removes ab
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
@@ -18,7 +19,7 @@ from opml_bundle_store.core.context import now
 from opml_bundle_store.core.remote import S3Remote
 from opml_bundle_store.core.signing import ManifestKeys
 from opml_common.config import PlatformSettings
-from opml_common.errors import Unavailable
+from opml_common.errors import AlreadyExists, Unavailable
 from opml_common.storage import s3_client
 
 KEYS = ManifestKeys(["s" * 64])
@@ -77,8 +78,12 @@ def test_an_uncommitted_bundle_one_store_received_is_read_and_committed_by_the_o
         assert [(x.uuid, x.committed) for x in store.list_bundles("ctx")] == [(added.uuid, True)]
 
 
+@pytest.mark.parametrize("same", [True, False], ids=["same-content", "other-content"])
 @pytest.mark.parametrize("commit", [True, False], ids=["committed", "uncommitted"])
-def test_two_stores_adding_one_idempotency_key_at_once_stage_one_bundle(stores, remote, commit: bool) -> None:
+def test_two_stores_adding_one_idempotency_key_at_once_stage_one_bundle(stores, remote, commit: bool,
+                                                                        same: bool) -> None:
+    """The first staged is the key's bundle on both; the other add gets it when it asked for the same
+    content, and is refused AlreadyExists when not."""
     rounds = 6
     results: dict[tuple[int, int], object] = {}
     for n in range(rounds):
@@ -86,27 +91,35 @@ def test_two_stores_adding_one_idempotency_key_at_once_stage_one_bundle(stores, 
 
         def one(index: int, n: int = n, barrier: threading.Barrier = barrier) -> None:
             barrier.wait()
-            results[index, n] = add(stores[index], "trial", {"model.onnx": f"trial {n} from {index}".encode()},
-                                    commit=commit, idempotency_key=f"run/{n}")
+            content = f"trial {n}" if same else f"trial {n} from {index}"
+            try:
+                results[index, n] = add(stores[index], "trial", {"model.onnx": content.encode()},
+                                        commit=commit, idempotency_key=f"run/{n}")
+            except AlreadyExists as refused:
+                results[index, n] = refused
 
         threads = [threading.Thread(target=one, args=(index,)) for index in (0, 1)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
+    winners = {}
     for n in range(rounds):
-        first, second = results[0, n], results[1, n]
-        assert first.uuid == second.uuid  # the key makes the uuid
-        assert first.content_hash == second.content_hash  # and the first staged is what both return
-        assert first.committed == second.committed == commit
-    uuids = sorted(results[0, n].uuid for n in range(rounds))
+        outcomes = [results[0, n], results[1, n]]
+        added = [o for o in outcomes if not isinstance(o, AlreadyExists)]
+        refused = [o for o in outcomes if isinstance(o, AlreadyExists)]
+        assert len(added) == (2 if same else 1) and len(refused) == (0 if same else 1), outcomes
+        assert all(f"'run/{n}'" in o.message and "differs" in o.message for o in refused)
+        assert len({(o.uuid, o.content_hash) for o in added}) == 1  # the key makes the uuid, the first staged wins
+        assert all(o.committed == commit for o in added)
+        winners[n] = added[0]
     for store in stores:
         listed = store.list_bundles("ctx", bundle_name="trial")
-        assert sorted(x.uuid for x in listed) == uuids and all(x.committed == commit for x in listed)
-        for n in range(rounds):
-            bundle = results[0, n]
+        assert sorted(x.uuid for x in listed) == sorted(b.uuid for b in winners.values())
+        assert all(x.committed == commit for x in listed)
+        for bundle in winners.values():
             data = b"".join(store.open_file("ctx", bundle.uuid, "model.onnx"))
-            assert data in (f"trial {n} from 0".encode(), f"trial {n} from 1".encode())
+            assert hashlib.sha256(data).hexdigest() == bundle.files[0].sha256
             assert store.get_bundle("ctx", bundle.uuid).content_hash == bundle.content_hash
     manifests = keys(remote, remote.bundles_prefix if commit else remote.staging_prefix)
     assert len(manifests) == rounds

@@ -443,14 +443,20 @@ def test_an_add_repeated_with_its_idempotency_key_returns_the_first_bundle(tmp_p
     with BundleStore(tmp_path / "home", None) as store:
         store.create_context("ctx")
         first = add(store, "model", {"m.onnx": b"one"}, idempotency_key="job-1")
-        again = add(store, "model", {"m.onnx": b"other bytes"}, commit=True, idempotency_key="job-1")
+        again = add(store, "model", {"m.onnx": b"one"}, commit=True, idempotency_key="job-1")
+        for changed in ({"files": {"m.onnx": b"other bytes"}}, {"files": {"m.onnx": b"one"}, "values": {"n": 1}},
+                        {"files": {"m.onnx": b"one"}, "tags": {"t": "x"}}):
+            with pytest.raises(AlreadyExists, match=rf"'job-1' of bundle 'model' .* content differs.*{first.uuid}"):
+                add(store, "model", idempotency_key="job-1", **changed)
         other = add(store, "model", {"m.onnx": b"one"}, idempotency_key="job-2")
         unkeyed = [add(store, "model", {"m.onnx": b"one"}) for _ in range(2)]
         assert again.uuid == first.uuid and again.committed and not first.committed  # the retry's commit is made
-        assert read(store, first.uuid, "m.onnx") == b"one"  # nothing of the retry is kept
+        assert read(store, first.uuid, "m.onnx") == b"one"  # nothing of the refused adds is kept
         assert len({first.uuid, other.uuid, *(b.uuid for b in unkeyed)}) == 4
         assert len(store.list_bundles("ctx", bundle_name="model")) == 4
     with BundleStore(tmp_path / "home", None) as reopened:  # the key is in the manifest
-        assert add(reopened, "model", {"m.onnx": b"x"}, idempotency_key="job-2").uuid == other.uuid
+        assert add(reopened, "model", {"m.onnx": b"one"}, idempotency_key="job-2").uuid == other.uuid
+        with pytest.raises(AlreadyExists, match="'job-2'"):
+            add(reopened, "model", {"m.onnx": b"x"}, idempotency_key="job-2")
         with pytest.raises(InvalidArgument, match="idempotency_key"):
             reopened.new_bundle("ctx", "model", idempotency_key="x" * 129)

@@ -19,7 +19,7 @@ import pytest
 from opml.bundles.v1 import bundles_pb2 as pb
 
 from opml_bundle_store_contract.client import BundleStoreClient
-from opml_common.errors import InvalidArgument, Unavailable
+from opml_common.errors import AlreadyExists, InvalidArgument, Unavailable
 from opml_devstack.process import ServiceProcess
 from opml_devstack.testing.services import TOKENS, ServiceStarter
 
@@ -199,3 +199,56 @@ def test_an_upload_whose_replica_was_killed_after_it_returned_is_committed_and_r
     committed = b.commit(CONTEXT, uploaded.uuid)
     assert (committed.uuid, committed.committed, committed.content_hash) == (uploaded.uuid, True, uploaded.content_hash)
     assert b"".join(b.read_file(CONTEXT, "orphaned", "model.onnx")) == weights  # its blobs were on S3
+
+
+@pytest.mark.parametrize("commit", [True, False], ids=["committed", "uncommitted"])
+def test_one_idempotency_key_with_different_content_on_two_replicas_at_once_the_first_wins(
+        replicas, commit: bool) -> None:
+    """Two adds of one key, each with its own content, racing on the two replicas: one wins, the other is
+    refused ALREADY_EXISTS naming the key; a retry of the winner's request (on either replica) returns the
+    winner's bundle, one of the loser's is refused again; each replica lists the winner's content only."""
+    rounds = 6
+
+    def add(job: tuple[int, int, threading.Barrier]):
+        replica, n, barrier = job
+        barrier.wait()
+        try:
+            return replicas[replica].add(CONTEXT, "contested", {"model.onnx": f"run {n} on {replica}".encode() * 100},
+                                         values={"replica": replica}, commit=commit, idempotency_key=f"run-{n}")
+        except AlreadyExists as refused:
+            return refused
+
+    with ThreadPoolExecutor(2) as pool:
+        for n in range(rounds):
+            barrier = threading.Barrier(2)
+            outcomes = list(pool.map(add, [(0, n, barrier), (1, n, barrier)]))
+            won = [o for o in outcomes if isinstance(o, pb.Bundle)]
+            lost = [o for o in outcomes if isinstance(o, AlreadyExists)]
+            assert len(won) == 1 and len(lost) == 1, outcomes
+            [winner], [refused] = won, lost
+            assert f"run-{n}" in refused.message and "differ" in refused.message
+            assert winner.committed == commit
+            winner_replica = winner.values["replica"].int_value
+            for replica in replicas:  # the winner's request again: its bundle, whichever replica
+                again = replica.add(CONTEXT, "contested", {"model.onnx": f"run {n} on {winner_replica}".encode() * 100},
+                                    values={"replica": winner_replica}, commit=commit, idempotency_key=f"run-{n}")
+                assert (again.uuid, again.content_hash) == (winner.uuid, winner.content_hash)
+                with pytest.raises(AlreadyExists, match=f"run-{n}"):
+                    replica.add(CONTEXT, "contested", {"model.onnx": f"run {n} on {1 - winner_replica}".encode() * 100},
+                                values={"replica": 1 - winner_replica}, commit=commit, idempotency_key=f"run-{n}")
+                listed = [(x.uuid, x.content_hash, x.committed) for x in replica.list_bundles(CONTEXT)
+                          if x.uuid == winner.uuid]
+                assert listed == [(winner.uuid, winner.content_hash, commit)]
+    for replica in replicas:
+        assert len(replica.list_bundles(CONTEXT, bundle_name="contested")) == rounds
+
+
+def test_one_idempotency_key_with_different_content_on_one_replica_is_refused(replicas) -> None:
+    a, _ = replicas
+    first = a.add(CONTEXT, "repeated", {"model.onnx": b"first"}, idempotency_key="job-1")
+    with pytest.raises(AlreadyExists, match=r"job-1.*differ"):
+        a.add(CONTEXT, "repeated", {"model.onnx": b"second"}, idempotency_key="job-1")
+    with pytest.raises(AlreadyExists, match=r"job-1.*differ"):
+        a.add(CONTEXT, "repeated", {"model.onnx": b"first"}, tags={"other": "tag"}, idempotency_key="job-1")
+    assert a.add(CONTEXT, "repeated", {"model.onnx": b"first"}, idempotency_key="job-1").uuid == first.uuid
+    assert [x.uuid for x in a.list_bundles(CONTEXT, bundle_name="repeated")] == [first.uuid]

@@ -139,7 +139,7 @@ def _typed(value: str) -> int | float | bool | str:
 @click.option("--param", "params", multiple=True, help="KEY=VALUE parameter (lineage).")
 @click.option("--commit", is_flag=True, help="Commit right away.")
 @click.option("--idempotency-key", default="", help="Run again with the same key (on any replica), the add returns "
-              "the bundle the first run added instead of adding another.")
+              "the bundle the first run added instead of adding another (refused if its content differs).")
 @pass_session
 def add(session: ClientSession, name: str, paths: tuple[Path, ...], values, tags, inputs, code_version, params,
         commit: bool, idempotency_key: str) -> None:

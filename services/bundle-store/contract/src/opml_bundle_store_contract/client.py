@@ -72,7 +72,7 @@ class BundleStoreClient(ServiceClient):
             media_types: Mapping[str, str] | None = None, idempotency_key: str = "") -> pb.Bundle:
         """Add a bundle of ``files`` (bundle path -> local file or bytes) and typed ``values``.
         ``idempotency_key``: a retry of this add with the same key (on any replica) adds nothing and
-        returns the bundle the first one added."""
+        returns the bundle the first one added; an add of the key with other content raises AlreadyExists."""
         specs = [pb.BundleFile(path=path, sha256=_sha256(source), size_bytes=_size(source),
                                media_type=(media_types or {}).get(path) or media_type_of(path))
                  for path, source in files.items()]

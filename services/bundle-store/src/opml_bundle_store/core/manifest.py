@@ -202,6 +202,11 @@ class Bundle:
         """A copy with local state (committed, commit_time, remote_url, localized, context) changed."""
         return replace(self, **changes)
 
+    @property
+    def request_digest(self) -> str:
+        """:func:`compute_request_digest` of the add that made this bundle."""
+        return compute_request_digest(self.name, self.tags, self.files, self.values, self.lineage)
+
 
 @dataclass(frozen=True)
 class ContextInfo:
@@ -273,6 +278,23 @@ def compute_content_hash(files: tuple[FileEntry, ...] | list[FileEntry], values:
     doc = {
         "files": sorted([entry.path, entry.sha256] for entry in files),
         "values": sorted([key, *next(iter(_encode_value(value).items()))] for key, value in values.items()),
+    }
+    canonical = json.dumps(doc, separators=(",", ":"), ensure_ascii=False, sort_keys=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def compute_request_digest(name: str, tags: Mapping[str, str], files: tuple[FileEntry, ...] | list[FileEntry],
+                           values: Mapping[str, Value], lineage: Lineage) -> str:
+    """sha256 of what an add asked for: the name, tags, files (path, sha256, size, media type), typed
+    values and lineage, but for its creator (who asked, not what). Two adds of one idempotency key are
+    the same request when these are equal: the retry gets the first's bundle, any other is refused."""
+    doc = {
+        "name": name,
+        "tags": sorted(tags.items()),
+        "files": sorted([f.path, f.sha256, f.size, f.media_type] for f in files),
+        "values": sorted([key, *next(iter(_encode_value(value).items()))] for key, value in values.items()),
+        "lineage": [list(lineage.input_uuids), lineage.code_version, sorted(lineage.parameters.items()),
+                    _time_to_json(lineage.start_time), _time_to_json(lineage.stop_time)],
     }
     canonical = json.dumps(doc, separators=(",", ":"), ensure_ascii=False, sort_keys=True)
     return hashlib.sha256(canonical.encode()).hexdigest()

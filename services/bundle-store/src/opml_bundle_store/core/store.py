@@ -6,7 +6,8 @@ threads at once. Failures are platform errors (:mod:`opml_common.errors`):
 
 * :class:`InvalidArgument` - an argument breaks a rule (the field is named, the value shown);
 * :class:`NotFound` - the context, bundle or file does not exist;
-* :class:`AlreadyExists` - ``create_context`` of an existing id;
+* :class:`AlreadyExists` - ``create_context`` of an existing id; an add of an idempotency key taken by
+  an add of other content;
 * :class:`FailedPrecondition` - the state forbids the call (push without a remote, push of an
   uncommitted bundle, reading a file that was not pulled, a home used by another process);
 * :class:`DataLoss` - stored bytes do not match their sha256 (locally or on the remote);
@@ -66,7 +67,7 @@ from opml_bundle_store.core.rules import (
 from opml_bundle_store.core.signing import ManifestKeys
 from opml_bundle_store.core.sync import ProgressCallback, RejectedCallback, RemoteSync
 from opml_bundle_store.core.transfer import TransferSettings
-from opml_bundle_store.core.writer import READ_CHUNK, BundleWriter
+from opml_bundle_store.core.writer import READ_CHUNK, BundleWriter, check_same_request
 from opml_bundle_store_contract.paths import validate_bundle_path
 from opml_bundle_store_contract.values import Value
 from opml_common.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound, OpmlError
@@ -325,25 +326,37 @@ class BundleStore:
     def _write_through(self, ctx: ContextState) -> Any:
         """What a shared context runs once an add or commit is visible here (None: not shared): an
         uncommitted bundle is staged on the remote; a committed one is pushed, its staged manifest then
-        removed. A new add with an idempotency key and a commit is staged first, so that of two stores
-        adding the key at once (one uuid) the first staged is the one both commit."""
+        removed. A keyed add (:meth:`_publish_keyed`) claims its key on the remote before anything else."""
         if not ctx.shared:
             return None
 
-        def publish(bundle: Bundle, made: bool) -> Bundle:
+        def publish(bundle: Bundle, made: bool, commit: bool = False, request: str = "") -> Bundle:
+            if request and bundle.idempotency_key:
+                return self._publish_keyed(ctx, bundle, commit, request)
             if bundle.remote_url is not None and bundle.remote_url == ctx.remote_url:
                 return bundle  # on the remote already (staged or pushed, or pulled from it)
             if not bundle.committed:
                 return self._stage(ctx, bundle)
-            if made and bundle.idempotency_key:
-                bundle = self._stage(ctx, bundle)
-                if bundle.remote_url == ctx.remote_url:
-                    return bundle  # another store committed the key's bundle meanwhile
-            [pushed] = self._sync.push(ctx, self._context_remote(ctx), bundle.uuid,
-                                       unstage=not made or bool(bundle.idempotency_key))
+            [pushed] = self._sync.push(ctx, self._context_remote(ctx), bundle.uuid, unstage=not made)
             return pushed
 
         return publish
+
+    def _publish_keyed(self, ctx: ContextState, bundle: Bundle, commit: bool, request: str) -> Bundle:
+        """An add with an idempotency key in a shared context, visible here uncommitted (``bundle``: its
+        own, or the one an earlier add of the key made). The key's uuid is staged on the remote with
+        create-if-absent, so of two stores adding the key at once the first staged is the key's bundle
+        on both; an add whose ``request`` (its digest) is not that bundle's is refused, one that is gets
+        it, committed (and pushed) if it asked or if it was.
+
+        Raises: AlreadyExists (the key's bundle was asked for with other content), DataLoss, Unavailable.
+        """
+        if bundle.remote_url != ctx.remote_url:
+            bundle = self._stage(ctx, bundle)
+        check_same_request(bundle, request)
+        if (commit or bundle.committed) and not (bundle.committed and bundle.remote_url == ctx.remote_url):
+            return self._commit(ctx, bundle.uuid)
+        return bundle
 
     def _stage(self, ctx: ContextState, bundle: Bundle) -> Bundle:
         """Stage a bundle of a shared context on its remote (:meth:`RemoteSync.stage`) and record what
@@ -420,9 +433,10 @@ class BundleStore:
     ) -> BundleWriter:
         """Start adding a new version of ``bundle_name``; nothing is visible until ``finish()``.
         With ``idempotency_key``, an add of the same name and key made before (here, or in a shared
-        context by any store: its manifest carries the key) is what ``finish()`` returns. In a shared
-        context, the key also makes the uuid (every store adding the name with that key picks the same),
-        so two stores adding it at the same moment stage one bundle (:meth:`_stage`).
+        context by any store: its manifest carries the key) is what ``finish()`` returns when this add
+        asks for the same content, and ``finish()`` raises AlreadyExists when not. In a shared context,
+        the key also makes the uuid (every store adding the name with that key picks the same), so two
+        stores adding it at the same moment stage one bundle, the first staged (:meth:`_publish_keyed`).
 
         Raises: InvalidArgument (name, tags, values, lineage, idempotency_key), NotFound (context),
         Unavailable (a shared context's remote, read for an earlier add of the key).
@@ -544,6 +558,10 @@ class BundleStore:
         """
         ctx = self._context(context_id)
         self._resolve(ctx, ref, prefer_committed=False)  # a shared context: the remote's versions too
+        return self._commit(ctx, ref)
+
+    def _commit(self, ctx: ContextState, ref: str) -> Bundle:
+        """:meth:`commit` of a bundle ``ctx`` holds (a shared context's: pushed, its staging removed)."""
         with ctx.lock:
             committed = ctx.resolve(ref, prefer_committed=False)
             if not committed.committed:  # no remote_url: a shared context's commit is still to be pushed

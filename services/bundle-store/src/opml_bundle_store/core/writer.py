@@ -15,13 +15,33 @@ from typing import Any
 from opml_bundle_store.core.context import ContextState
 from opml_bundle_store.core.events import BundleEvents
 from opml_bundle_store.core.layout import fsync_dir, make_durable
-from opml_bundle_store.core.manifest import DEFAULT_MEDIA_TYPE, Bundle, FileEntry, Lineage, compute_content_hash
+from opml_bundle_store.core.manifest import (
+    DEFAULT_MEDIA_TYPE,
+    Bundle,
+    FileEntry,
+    Lineage,
+    compute_content_hash,
+    compute_request_digest,
+)
 from opml_bundle_store.core.rules import check_int, validate_media_type, validate_sha256
 from opml_bundle_store_contract.paths import COLLISION_RULE, PathSet, validate_bundle_path
 from opml_bundle_store_contract.values import Value
-from opml_common.errors import FailedPrecondition, InvalidArgument
+from opml_common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 
 READ_CHUNK = 1024 * 1024
+
+
+def check_same_request(earlier: Bundle, digest: str) -> None:
+    """Refuse an add of ``earlier``'s idempotency key that asks for other content than the add that made
+    ``earlier`` (``digest``: its :func:`compute_request_digest`): a key stands for one request.
+
+    Raises: AlreadyExists naming the key, the name and the key's bundle.
+    """
+    if earlier.request_digest != digest:
+        raise AlreadyExists(
+            f"idempotency key {earlier.idempotency_key!r} of bundle {earlier.name!r} in context {earlier.context!r} "
+            f"is taken by an earlier add whose content differs (its files, values, tags or lineage): that add "
+            f"made {earlier.uuid}. Send that add's request again to get it, or use a new key for this one")
 
 
 class BundleWriter:
@@ -32,16 +52,21 @@ class BundleWriter:
     thread at a time; different writers may run concurrently.
 
     ``idempotency_key`` (non-empty): ``finish()`` of an add whose name and key a bundle of the context
-    has already returns that bundle and stages nothing more (committing it, if asked and it is not).
-    ``publish``: called once the bundle is visible and announced with it and whether this writer made
-    it (a context shared through its remote stages or commits it there); what it returns is what
-    ``finish()`` returns. ``uuid``: the new version's (default: a random one).
+    has already returns that bundle and stages nothing more (committing it, if asked and it is not) when
+    the add asks for what the first one did (:func:`compute_request_digest`), and refuses it
+    (AlreadyExists) when not.
+    ``publish``: called once the bundle is visible and announced with it, whether this writer made it,
+    whether the add asked for a commit and the add's request digest (a context shared through its
+    remote stages or commits it there); what it returns is what ``finish()`` returns. A keyed add
+    leaves both its commit and the comparison of its request to ``publish``, which claims the key on
+    the remote first: the first add staged there is the key's, wherever it was made.
+    ``uuid``: the new version's (default: a random one).
     """
 
     def __init__(
         self, ctx: ContextState, name: str, *,
         tags: dict[str, str], values: dict[str, Value], lineage: Lineage, events: BundleEvents,
-        idempotency_key: str = "", publish: Callable[[Bundle, bool], Bundle] | None = None,
+        idempotency_key: str = "", publish: Callable[[Bundle, bool, bool, str], Bundle] | None = None,
         uuid: str | None = None,
     ) -> None:
         self._ctx = ctx
@@ -189,15 +214,19 @@ class BundleWriter:
             self._check_open()
             self._state = "finishing"
         ctx = self._ctx
+        digest = compute_request_digest(self.name, self._tags, self._files, self._values, self._lineage)
+        keyed_publish = bool(self._idempotency_key) and self._publish is not None
         try:
             make_durable(self._staged)
             with ctx.lock:
                 earlier = self._earlier_add()
                 made = earlier is None
                 if earlier is not None:
-                    bundle, intent = self._repeated(earlier, commit=commit)
+                    if not keyed_publish:
+                        check_same_request(earlier, digest)
+                    bundle, intent = self._repeated(earlier, commit=commit and not keyed_publish)
                 else:
-                    bundle, intent = self._record(commit)
+                    bundle, intent = self._record(commit and not keyed_publish)
         except BaseException:
             self._state = "open"
             self.abort()
@@ -206,7 +235,7 @@ class BundleWriter:
         self._state = "finished"
         self._events.announce(intent)
         if self._publish is not None:
-            return self._publish(bundle, made)
+            return self._publish(bundle, made, commit, digest)
         return bundle
 
     def _record(self, commit: bool) -> tuple[Bundle, Any]:
