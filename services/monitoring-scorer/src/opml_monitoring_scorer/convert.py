@@ -52,7 +52,8 @@ def window_to_proto(record: dict[str, Any]) -> pb.Window:
 
 def status_to_proto(monitored: Monitored, *, windows: int, predictions: int, last: dict[str, Any] | None,
                     firing: list[str], segment: str = "", segments: list[str] | None = None) -> pb.ModelStatus:
-    monitor = monitored.monitor
+    """A segment's reference rows and performance are its own reference's once its first window closed."""
+    monitor = monitored.segments.get(segment, monitored.monitor) if segment else monitored.monitor
     status = pb.ModelStatus(
         name=version_name(monitored.model, monitored.version),
         task=(monitor.task.value if monitor else (monitored.config.task.value if monitored.config.task else "")),

@@ -3,8 +3,8 @@
 Every producer of a servable bundle (the automl trial SDK, the fl-coordinator, pipelines' evaluate
 step, the main job) writes its reference set with :func:`reference_npz` rather than its own copy of
 the format, so what they write is what the scorer reads (``reference.npz``: ``feature.<name>``
-columns, ``predicted``, optional ``scores`` and ``labels``; numpy only, no pickles) within the
-limits it enforces before reading.
+columns, ``predicted``, optional ``scores``, ``labels`` and ``segment.<parameter>`` columns; numpy
+only, no pickles) within the limits it enforces before reading.
 """
 
 from __future__ import annotations
@@ -19,6 +19,10 @@ MONITORING_FILE = "monitoring.yaml"
 MAX_REFERENCE_BYTES = 256 * 1024 * 1024
 """The most ``reference.npz`` may hold, stored and expanded (its arrays as numpy reads them)."""
 MAX_REFERENCE_ROWS = 1_000_000
+MAX_SEGMENT_COLUMNS = 8
+"""Most ``segment.<parameter>`` columns one reference set carries."""
+MAX_SEGMENT_VALUE_CHARS = 64
+"""Longest segment value (a longer request parameter is in the scorer's segment ``other``)."""
 BAD_ROWS_OVER = 0.05
 """Share of a window's rows with missing, NaN or out-of-range inputs that alerts, above what clean traffic
 shows (:func:`bad_input_over`)."""
@@ -29,15 +33,20 @@ MAX_BAD_ROWS_OVER = 0.95
 
 
 def reference_npz(features: Mapping[str, np.ndarray], *, predicted: np.ndarray, scores: np.ndarray | None = None,
-                  labels: np.ndarray | None = None) -> bytes:
+                  labels: np.ndarray | None = None, segments: Mapping[str, np.ndarray] | None = None) -> bytes:
     """``reference.npz`` of held-out rows: their ``features`` (one column per name: numbers, or
     strings for categories), the model's ``predicted`` class index or value, a classifier's
-    ``scores`` (``[n, classes]`` probabilities, or ``[n, 1]`` = P(class 1)) and the truth ``labels``
-    when known (without them the scorer estimates no performance).
+    ``scores`` (``[n, classes]`` probabilities, or ``[n, 1]`` = P(class 1)), the truth ``labels``
+    when known (without them the scorer estimates no performance), and per request parameter the
+    value each row would carry as its request's parameter (``segments``, e.g. ``{"line": ["3", ...]}``,
+    written as text ``segment.<parameter>``): a version monitored per segment of that parameter
+    (monitoring.yaml ``segment``) judges each segment against its own rows.
 
     Raises:
         ValueError: no feature, a column that is not one value per row, row counts that differ, more
-            than ``MAX_REFERENCE_ROWS`` rows, or more than ``MAX_REFERENCE_BYTES`` in all (each named).
+            than ``MAX_REFERENCE_ROWS`` rows, more than ``MAX_SEGMENT_COLUMNS`` segment columns, a
+            segment value over ``MAX_SEGMENT_VALUE_CHARS`` characters, or more than
+            ``MAX_REFERENCE_BYTES`` in all (each named).
     """
     arrays: dict[str, np.ndarray] = {}
     for name, column in features.items():
@@ -49,13 +58,22 @@ def reference_npz(features: Mapping[str, np.ndarray], *, predicted: np.ndarray, 
     if labels is not None:
         arrays["labels"] = np.asarray(labels)
     problems = [] if features else ["features: none given (at least one column)"]
+    for parameter, column in (segments or {}).items():
+        values = np.asarray(column).astype(str)
+        arrays[f"segment.{parameter}"] = values
+        if not parameter:
+            problems.append("segments: a parameter name is empty")
+        if values.ndim == 1 and len(values) and max(len(v) for v in values) > MAX_SEGMENT_VALUE_CHARS:
+            problems.append(f"segment.{parameter}: a value longer than {MAX_SEGMENT_VALUE_CHARS} characters")
+    if len(segments or {}) > MAX_SEGMENT_COLUMNS:
+        problems.append(f"segments: {len(segments or {})} columns, more than {MAX_SEGMENT_COLUMNS}")
     rows = len(arrays["predicted"])
     for key, values in arrays.items():
         if values.ndim == 0:
             problems.append(f"{key}: a scalar, not one value per row")
         elif len(values) != rows:
             problems.append(f"{key}: {len(values)} rows, but predicted has {rows}")
-        elif key.startswith("feature.") and values.ndim != 1:
+        elif key.startswith(("feature.", "segment.")) and values.ndim != 1:
             problems.append(f"{key}: shape {values.shape}, not one value per row")
     if rows > MAX_REFERENCE_ROWS:
         problems.append(f"predicted: {rows} rows, more than {MAX_REFERENCE_ROWS}")

@@ -74,14 +74,18 @@ class ModelMonitor:
     """Estimators of one model version. Without reference labels there is no MPP or CBPE: drift and
     data quality only (``limitations`` says so)."""
 
-    def __init__(self, reference: ReferenceSet, config: MonitoringConfig, *, seed: int = 0) -> None:
+    def __init__(self, reference: ReferenceSet, config: MonitoringConfig, *, seed: int = 0,
+                 quality: QualityChecker | None = None) -> None:
+        """``quality``: the value ranges rows are checked against (default: ``reference``'s; a segment's
+        monitor keeps its version's: the data-quality rule's bound is written for the whole reference's
+        row count, and fewer rows make narrower ranges that flag more clean rows)."""
         self.reference = reference
         self.config = config
         self.task = reference.task
         self.limitations: list[str] = []
         self.drift = DriftSuite(reference.features, methods=config.drift_methods,
                                 thresholds=config.drift_thresholds, categorical=sorted(reference.categorical))
-        self.quality = QualityChecker(reference.features)
+        self.quality = quality if quality is not None else QualityChecker(reference.features)
         self.summary_drift = SummaryDrift(reference.features, config.feature_names, methods=config.drift_methods,
                                           thresholds=config.drift_thresholds, seed=seed)
         output_is_category = self.task is not Task.REGRESSION

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from opml_common.errors import InvalidArgument, brief
+from opml_monitoring_scorer_contract.reference import MAX_SEGMENT_COLUMNS, MAX_SEGMENT_VALUE_CHARS
 
 
 class Task(enum.Enum):
@@ -87,17 +88,22 @@ class ReferenceSet:
     outputs: Outputs
     labels: np.ndarray | None = None
     categorical: frozenset[str] = field(default_factory=frozenset)
+    segments: dict[str, np.ndarray] = field(default_factory=dict)
+    """Per request parameter, each row's value as text (``segment.<parameter>`` of reference.npz)."""
 
     @classmethod
     def build(cls, *, task: Task, features: Mapping[str, np.ndarray], predicted: np.ndarray,
               scores: np.ndarray | None = None, labels: np.ndarray | None = None,
-              min_rows: int = 100) -> ReferenceSet:
-        """Checks the columns and converts them (numeric -> float64, anything else -> str).
+              segments: Mapping[str, np.ndarray] | None = None, min_rows: int = 100) -> ReferenceSet:
+        """Checks the columns and converts them (numeric -> float64, anything else -> str; a segment
+        column's values -> str).
 
         Raises:
             InvalidArgument: every wrong part at once: columns of different lengths, fewer than
                 ``min_rows`` rows, no features, classifier without scores, regression with scores,
-                outputs, scores or labels that are not numbers (class names: it takes class indexes).
+                outputs, scores or labels that are not numbers (class names: it takes class indexes),
+                a segment column that is not one text or integer value per row, or more than
+                ``MAX_SEGMENT_COLUMNS`` of them.
         """
         problems: list[tuple[str, str]] = []
         rows = len(predicted)
@@ -123,12 +129,26 @@ class ReferenceSet:
             except (TypeError, ValueError):
                 what = "class indexes (0, 1, ...), not class names," if task is not Task.REGRESSION else "numbers"
                 problems.append((f"reference.{name}", f"must hold {what} but holds {brief(str(column[:3]))}..."))
+        problems.extend(_segment_problems(segments or {}, rows))
         if problems:
             raise InvalidArgument.of(problems)
         columns = {name: as_column(column) for name, column in features.items()}
         return cls(task=task, features=columns, outputs=Outputs(numbers["predicted"], numbers.get("scores")),
                    labels=numbers.get("labels"),
-                   categorical=frozenset(n for n, c in columns.items() if is_categorical(c)))
+                   categorical=frozenset(n for n, c in columns.items() if is_categorical(c)),
+                   segments={p: as_column(np.asarray(c).astype(str)) for p, c in (segments or {}).items()})
+
+    def segment(self, parameter: str, value: str) -> ReferenceSet | None:
+        """The rows whose ``parameter`` is ``value`` (a segment's own reference; the segment columns are
+        dropped); None when the reference has no column of that parameter."""
+        column = self.segments.get(parameter)
+        if column is None:
+            return None
+        keep = column == value
+        scores = None if self.outputs.scores is None else self.outputs.scores[keep]
+        return ReferenceSet(task=self.task, features={n: c[keep] for n, c in self.features.items()},
+                            outputs=Outputs(self.outputs.predicted[keep], scores),
+                            labels=None if self.labels is None else self.labels[keep], categorical=self.categorical)
 
     def __len__(self) -> int:
         return len(self.outputs)
@@ -142,6 +162,25 @@ class ReferenceSet:
         if self.labels is None:
             return None
         return performance(self.task, self.outputs.predicted, self.labels)
+
+
+def _segment_problems(segments: Mapping[str, np.ndarray], rows: int) -> list[tuple[str, str]]:
+    problems = []
+    if len(segments) > MAX_SEGMENT_COLUMNS:
+        problems.append(("reference.segments", f"holds {len(segments)} columns, more than {MAX_SEGMENT_COLUMNS}"))
+    for parameter, column in segments.items():
+        values = np.asarray(column)
+        at = f"reference.segment.{parameter}"
+        if not parameter:
+            problems.append(("reference.segments", "names a column with no parameter (segment.)"))
+        elif values.ndim != 1 or values.dtype.kind not in "USiu":
+            problems.append((at, f"must hold one text or integer value per row, but holds {values.dtype} "
+                                 f"of shape {values.shape}"))
+        elif len(values) != rows:
+            problems.append((at, f"has {len(values)} rows, but the outputs have {rows}"))
+        elif values.dtype.kind in "US" and len(values) and int(np.char.str_len(values).max()) > MAX_SEGMENT_VALUE_CHARS:
+            problems.append((at, f"holds a value longer than {MAX_SEGMENT_VALUE_CHARS} characters"))
+    return problems
 
 
 def performance(task: Task, predicted: np.ndarray, labels: np.ndarray) -> float:

@@ -15,10 +15,15 @@ Each window saved, at its close and each time labels join it, is announced as Wi
 rollout of the inference-router compares versions with.
 
 A version monitored per segment (monitoring.yaml ``segment``, core/segments.py) has, besides its own
-windows (segment "", every prediction), windows per segment: each scored by the version's monitor
-(the same reference and estimators), saved, announced and stepping its own rule states under the
-segment's key (``{model}/{version}#{segment}``), its events and alerts carrying the segment. A label
-joins the prediction's window of the version and of its segment in one step.
+windows (segment "", every prediction), windows per segment: each scored by the segment's monitor,
+saved, announced and stepping its own rule states under the segment's key
+(``{model}/{version}#{segment}``), its events and alerts carrying the segment. A segment's monitor is
+fitted on the reference rows of its value (reference.npz's ``segment.<parameter>`` column: its drift
+baselines, CBPE calibration and MPP), so a segment whose inputs differ from the others' by design is
+judged against its own; the value ranges of data quality stay the whole reference's. A segment with
+fewer than ``MIN_SEGMENT_ROWS`` reference rows (or a reference without the column) is judged against
+the whole reference, and the status's limitations say so. A label joins the prediction's window of the
+version and of its segment in one step, and teaches both their MPPs.
 """
 
 from __future__ import annotations
@@ -63,6 +68,9 @@ from opml_monitoring_scorer_contract.reference import MONITORING_FILE as CONFIG_
 log = logging.getLogger(__name__)
 
 MAX_RULES_BYTES = 64 * 1024
+MIN_SEGMENT_ROWS = 100
+"""Fewest reference rows of a segment's value that make its own monitor (fewer: the whole reference's):
+the reference set's own minimum, below which drift tests and calibrations are mostly noise."""
 MAX_BASELINE_ROWS = 10_000
 MAX_BASELINE_BYTES = 32 * 1024 * 1024
 """The most of a first window kept as the baseline of a version without a reference (its first rows)."""
@@ -81,7 +89,8 @@ def model_version(model: str, version: str) -> str:
 
 
 def load_reference(data: bytes, *, task: Task | None, min_rows: int = 100) -> ReferenceSet:
-    """``reference.npz``: ``feature.<name>`` columns, ``predicted``, optional ``scores`` and ``labels``.
+    """``reference.npz``: ``feature.<name>`` columns, ``predicted``, optional ``scores``, ``labels`` and
+    ``segment.<parameter>`` columns.
 
     Raises:
         InvalidArgument: the file is too large (stored or expanded), not an npz, an array holds more
@@ -95,6 +104,7 @@ def load_reference(data: bytes, *, task: Task | None, min_rows: int = 100) -> Re
     except Exception as exc:  # noqa: BLE001 - zipfile/np raise many types for a bad file
         raise InvalidArgument(REFERENCE_FILE, f"is not a numpy .npz of arrays: {brief(str(exc))}") from None
     features = {k.removeprefix("feature."): v for k, v in arrays.items() if k.startswith("feature.")}
+    segments = {k.removeprefix("segment."): v for k, v in arrays.items() if k.startswith("segment.")}
     if "predicted" not in arrays:
         raise InvalidArgument(f"{REFERENCE_FILE}.predicted", "is missing: the model's outputs on the reference")
     scores = arrays.get("scores")
@@ -102,7 +112,7 @@ def load_reference(data: bytes, *, task: Task | None, min_rows: int = 100) -> Re
         task = (Task.REGRESSION if scores is None
                 else Task.MULTICLASS if scores.ndim == 2 and scores.shape[1] > 2 else Task.BINARY)
     return ReferenceSet.build(task=task, features=features, predicted=arrays["predicted"], scores=scores,
-                              labels=arrays.get("labels"), min_rows=min_rows)
+                              labels=arrays.get("labels"), segments=segments, min_rows=min_rows)
 
 
 def _check_sizes(data: bytes) -> None:
@@ -136,7 +146,7 @@ def _check_sizes(data: bytes) -> None:
 def dump_reference(reference: ReferenceSet) -> bytes:
     """The inverse of :func:`load_reference` (tests and benches)."""
     return reference_npz(reference.features, predicted=reference.outputs.predicted, scores=reference.outputs.scores,
-                         labels=reference.labels)
+                         labels=reference.labels, segments=reference.segments)
 
 
 @dataclass(frozen=True)
@@ -178,6 +188,8 @@ class Monitored:
     limitations: list[str] = field(default_factory=list)
     rules_text: str | None = None
     """The rules override (SetRules) ``rules`` was parsed from; None: the config's rules."""
+    segments: dict[str, ModelMonitor] = field(default_factory=dict)
+    """Each segment's monitor, made when first needed (:meth:`Scorer.segment_monitor`)."""
 
     @property
     def key(self) -> str:
@@ -261,6 +273,9 @@ class Scorer(Component):
             reference = load_reference(files[REFERENCE_FILE], task=config.task)
             monitor = await asyncio.to_thread(ModelMonitor, reference, config, seed=self.seed)
             limitations = list(monitor.limitations)
+            if config.segment_parameter and config.segment_parameter not in reference.segments:
+                limitations.append(f"the reference has no segment.{config.segment_parameter} column: every segment "
+                                   "is judged against the whole reference")
         elif not bundle:
             limitations.append("deployed without a bundle (from a directory): default monitoring config, drift "
                                "and data quality against the first window, no performance estimate")
@@ -413,8 +428,9 @@ class Scorer(Component):
             if segment:  # the version's own window (every prediction) is the baseline, not one segment's
                 raise Unscorable(f"window {index} of {wk} cannot be scored: {key} has no baseline yet")
             monitored.monitor = await self._baseline(monitored, index, batch)
+        monitor = await self.segment_monitor(monitored, segment)
         try:
-            score = await asyncio.to_thread(monitored.monitor.score, batch, index=index, first_time=first_time,
+            score = await asyncio.to_thread(monitor.score, batch, index=index, first_time=first_time,
                                             last_time=last_time)
         except Exception as exc:  # noqa: BLE001 - pure computation: it would fail again on a retry
             raise _unscorable(wk, index, exc) from exc
@@ -431,6 +447,31 @@ class Scorer(Component):
         self.metrics.close_seconds.labels(monitored.model, monitored.version, segment).observe(
             time.perf_counter() - started)
         return score
+
+    async def segment_monitor(self, monitored: Monitored, segment: str) -> ModelMonitor | None:
+        """The monitor of ``segment``'s windows ("": the version's own): fitted on the reference rows of
+        the segment's value, made the first time it is asked for; the version's monitor where the
+        reference has fewer than ``MIN_SEGMENT_ROWS`` of them or none (said in the limitations), or
+        where they make no monitor."""
+        monitor = monitored.monitor
+        if not segment or monitor is None:
+            return monitor
+        if (found := monitored.segments.get(segment)) is not None:
+            return found
+        parameter = monitored.config.segment_parameter
+        rows = monitor.reference.segment(parameter, segment) if parameter else None
+        built = monitor
+        if rows is not None and len(rows) < MIN_SEGMENT_ROWS:
+            monitored.limitations.append(f"segment {segment[:64]}: {len(rows)} reference rows, fewer than "
+                                         f"{MIN_SEGMENT_ROWS}: judged against the whole reference")
+        elif rows is not None:
+            try:
+                built = await asyncio.to_thread(ModelMonitor, rows, monitored.config, seed=self.seed,
+                                                quality=monitor.quality)
+            except Exception as exc:  # noqa: BLE001 - pure computation: the whole reference still judges it
+                monitored.limitations.append(f"segment {segment[:64]}: its reference rows make no monitor "
+                                             f"({brief(str(exc), 200)}): judged against the whole reference")
+        return monitored.segments.setdefault(segment, built)
 
     async def _baseline(self, monitored: Monitored, index: int, batch: Batch) -> ModelMonitor:
         """No reference: the first window closed is the baseline. Its rows (the first, bounded) are kept
@@ -675,6 +716,10 @@ class Scorer(Component):
         if outcome == "joined" and monitor.mpp is not None:
             monitor.mpp.add_labels(batch.features, batch.outputs, values)
             self.refits.due(key, monitor.mpp, self._recalibrated)
+        own = await self.segment_monitor(monitored, segment) if segment_key is not None else monitor
+        if outcome == "joined" and own is not monitor and own.mpp is not None:  # the segment's own MPP learns too
+            own.mpp.add_labels(batch.features, batch.outputs, values)
+            self.refits.due(segment_key, own.mpp, self._recalibrated)
         await self._show_truth(monitored, "", window, joined)
         if segment_key is not None and segment_joined is not None:
             await self._show_truth(monitored, segment, segment_window, segment_joined)
@@ -682,7 +727,8 @@ class Scorer(Component):
         return outcome
 
     def _recalibrated(self, key: str, mpp: MPP, changed: bool) -> None:
-        """A background recalibration of ``key``'s MPP was put in use."""
+        """A background recalibration of ``key``'s MPP was put in use (a segment's, ``{model}/{version}#{segment}``,
+        is not counted in the version's metrics)."""
         monitored = self.models.get(key)
         if monitored is None:
             return
