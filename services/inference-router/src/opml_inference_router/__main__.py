@@ -37,6 +37,7 @@ from opml_inference_router.control.quality import GROUP as QUALITY_GROUP
 from opml_inference_router.control.quality import SOURCES as QUALITY_SOURCES
 from opml_inference_router.control.quality import QualityBook, QualityConsumer, ScorerWindows
 from opml_inference_router.control.worker_metrics import register_worker_metrics  # workers' metrics on ours
+from opml_inference_router.data_plane import DirectPlane
 from opml_inference_router.hosts.registry import HostRegistry
 from opml_inference_router.hosts.service import HostServicer
 from opml_inference_router.hosts.wiring import bundle_bytes, connect_hosts
@@ -133,8 +134,12 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
     inference = frontend.InferenceFrontend(router, predictions=predictions)
     service.on_draining(lambda: setattr(inference, "accepting", False))
     if settings.native_front:
+        plane = None
+        if settings.direct_data_plane:
+            plane = DirectPlane(router, predictions=predictions, metrics=metrics, auth=bool(platform.tokens()))
+            await service.start(plane)
         await service.start(NativeFront(
-            FrontLink(inference, tokens=platform.tokens(), metrics=metrics), host=settings.host,
+            FrontLink(inference, tokens=platform.tokens(), metrics=metrics, plane=plane), host=settings.host,
             port=settings.inference_port, max_receive_bytes=settings.grpc_max_receive_bytes,
             grace_s=settings.shutdown_grace_s, tls=platform, metrics=metrics,
             control_hint=f"DeploymentService and the rest are on port {settings.grpc_port}"))

@@ -12,7 +12,9 @@ Frames (little-endian), many calls in flight per connection, answered in any ord
   :data:`KINDS`); timeout 0: the caller set no deadline; the credential is the caller's
   ``authorization`` header on the front's link (the router checks it) and empty towards a worker (the
   socket's file mode and peer credentials guard it). Kind :data:`CANCEL` with no body cancels the call
-  (a hedged request that lost, a caller that went away).
+  (a hedged request that lost, a caller that went away). On the front's link, kind :data:`REPORT`
+  carries the front's direct-path records, and a response frame with call id 0 is the router's push
+  (route table, auth verdicts; :mod:`.data_plane`).
 - response: ``u32 body length, u32 call id, u8 status`` + body: the serialized response when the
   status is 0 (OK), else the error message; statuses are gRPC's code numbers, so the receiver decides
   retries as for gRPC.
@@ -42,6 +44,8 @@ log = logging.getLogger(__name__)
 REQUEST = struct.Struct("<IIBdH")
 RESPONSE = struct.Struct("<IIB")
 CANCEL = 0
+REPORT = 7
+"""Front -> router on the native front's link: what its direct path did (:mod:`.data_plane`), answered empty."""
 MAX_FRAME = 64 * 1024 * 1024  # as gRPC's message limit on both sides
 KINDS = {"ModelInfer": 1, "ModelMetadata": 2, "ModelReady": 3, "ServerLive": 4, "ServerReady": 5,
          "ServerMetadata": 6}

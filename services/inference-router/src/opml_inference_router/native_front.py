@@ -11,7 +11,10 @@ itself, Triton's repository and statistics extensions) stays on the router's gRP
 still serves inference.
 
 Auth is the router's: the front passes each call's ``authorization`` header, checked here against
-``OPML_AUTH_TOKENS`` with the roles of :data:`~.kserve.roles.INFERENCE_METHOD_ROLES`. TLS: the
+``OPML_AUTH_TOKENS`` with the roles of :data:`~.kserve.roles.INFERENCE_METHOD_ROLES`. With the direct
+data plane (:mod:`.data_plane`, ``OPML_INFERENCE_ROUTER_DIRECT_DATA_PLANE``) the front sends ModelInfer
+calls of the models it has a route for straight to a worker, and a credential's calls after the router
+let its first one through. TLS: the
 front serves TLS (and mTLS) from the same ``OPML_GRPC_TLS_*`` files as the router's port.
 
 Lifetime: :class:`NativeFront` starts the binary, restarts it (on the same port) when it exits while
@@ -42,7 +45,17 @@ from opml_common.grpc.interceptors import UNAUTHENTICATED_MESSAGE, Principal, be
 from opml_common.lifecycle import Component, cancel_and_wait
 from opml_common.metrics import ServiceMetrics
 from opml_common.retry import Backoff
-from opml_inference_router.frames import CODE_NUMBERS, KINDS, METHODS, CallCounter, FrameServerConnection, as_status
+from opml_inference_router.data_plane import DirectPlane
+from opml_inference_router.frames import (
+    CODE_NUMBERS,
+    KINDS,
+    METHODS,
+    OK,
+    REPORT,
+    CallCounter,
+    FrameServerConnection,
+    as_status,
+)
 from opml_inference_router.frontend import InferenceFrontend
 from opml_inference_router.kserve.roles import INFERENCE_METHOD_ROLES
 
@@ -53,18 +66,21 @@ DEFAULT_BINARY = Path(sys.prefix) / "bin" / BINARY_NAME
 """Where ``make install`` builds it: the virtual environment's bin."""
 
 _RESTARTS = Backoff(base_s=0.2, max_s=10.0)
+_INFER = KINDS["ModelInfer"]
 _MAX_CACHED_CREDENTIALS = 1024
 
 
 class FrontLink:
     """The router's side of the link: a call frame in, the frontend's answer out (a FrameService).
 
-    ``tokens``: the platform's bearer tokens (none: every caller is an anonymous admin, dev only).
-    Metrics: ``opml_inference_router_front_requests_total{method,code}``."""
+    ``tokens``: the platform's bearer tokens (none: every caller is an anonymous admin, dev only);
+    ``plane``: the direct data plane, if on (its pushes go out on this link, its reports come in).
+    Metrics: ``opml_inference_router_front_requests_total{method,code}`` (the direct path's calls too)."""
 
     def __init__(self, frontend: InferenceFrontend, *, tokens: Mapping[str, TokenGrant],
-                 metrics: ServiceMetrics) -> None:
+                 metrics: ServiceMetrics, plane: DirectPlane | None = None) -> None:
         self._tokens = dict(tokens)
+        self._plane = plane
         self._principals: dict[bytes, Principal | None] = {}
         self._handlers: dict[int, Callable[[bytes, float | None], Awaitable[bytes]]] = {
             KINDS["ModelInfer"]: frontend.infer,
@@ -75,10 +91,26 @@ class FrontLink:
             KINDS["ServerMetadata"]: _typed(frontend.ServerMetadata, pb.ServerMetadataRequest),
         }
         self._needed = {kind: INFERENCE_METHOD_ROLES[METHODS[kind]] for kind in self._handlers}
-        self.count = CallCounter(metrics, "front_requests_total", "Calls the native inference front passed to "
-                                 "the router, by method and status code.", self._handlers).count
+        self._count = CallCounter(metrics, "front_requests_total", "Calls the native inference front served, "
+                                  "by method and status code (through the router or sent straight to a worker).",
+                                  self._handlers).count
+        if plane is not None:
+            plane.count = self._count
+
+    def count(self, kind: int, code: str) -> None:
+        if kind != REPORT:  # the front's own frames are no calls
+            self._count(kind, code)
+
+    def attached(self, connection: FrameServerConnection) -> None:
+        """A (re)started front's link is up: the direct data plane pushes it its table."""
+        if self._plane is not None:
+            self._plane.attach(connection.writer)
 
     async def answer(self, kind: int, timeout_s: float | None, credential: bytes, body: bytes) -> tuple[int, bytes]:
+        if kind == REPORT:  # from the front itself, on the socket pair only it holds
+            if self._plane is not None:
+                self._plane.report(body)
+            return OK, b""
         handler = self._handlers.get(kind)
         if handler is None:
             return CODE_NUMBERS["UNIMPLEMENTED"], f"unknown call kind {kind}".encode()
@@ -89,6 +121,8 @@ class FrontLink:
             if not principal.has(self._needed[kind]):
                 return (CODE_NUMBERS["PERMISSION_DENIED"],
                         missing_role_message(METHODS[kind], self._needed[kind], principal).encode())
+            if kind == _INFER and self._plane is not None:
+                self._plane.allow(credential)
         return await as_status(handler(body, timeout_s), METHODS[kind], None, where="router")
 
     def _principal(self, credential: bytes) -> Principal | None:
@@ -190,6 +224,7 @@ class NativeFront(Component):
         loop = asyncio.get_running_loop()
         _transport, self._connection = await loop.connect_accepted_socket(
             lambda: FrameServerConnection(self._link), ours)
+        self._link.attached(self._connection)
         try:
             line = await asyncio.wait_for(self._process.stdout.readline(), timeout=self._startup_timeout_s)  # type: ignore[union-attr]
             self.port = int(json.loads(line)["port"])

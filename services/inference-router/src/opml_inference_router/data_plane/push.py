@@ -1,0 +1,288 @@
+"""The router's side of the direct data plane: route tables and verdicts out, the front's reports in.
+
+Pushes travel on the front's link as response frames with call id :data:`PUSH_ID` (the front's call
+ids start at 1); their body is text, one tab-separated line per item (``native/front.cc``,
+``Link::OnPush``). Reports are request frames of kind :data:`~..frames.REPORT` whose body is a run
+of :data:`RECORD` headers, each followed by its strings and bytes.
+
+Admission: the front's tokens are slots of the model's :class:`~..routing.ConcurrencyLimiter` that
+this side holds for it (a lease): up to the limit in force less :data:`RESERVE_SHARE` of it, kept
+for the router's own path (calls the front hands over when it has no token left, which queue and
+are shed there as before). Each answered call gives its slot back with its service time (the
+limiter adapts its limit to it, and hands the slot to a waiter of the router's path first) and the
+lease takes one again while the limit allows: under overload the lease shrinks and the calls queue
+at the router, where admission prices and sheds them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+import time
+import uuid
+from typing import Any, NamedTuple
+
+from opml_common.lifecycle import Component, cancel_and_wait
+from opml_common.metrics import ServiceMetrics
+from opml_inference_router.frames import CODE_NAMES, KINDS, OK, RESPONSE, FrameWriter
+from opml_inference_router.predictions import PredictionLog
+from opml_inference_router.routing import ConcurrencyLimiter, ReplicaFailed, ReplicaSet, ReplicaState, Routed, Router
+from opml_inference_router.routing.metrics import VersionMetrics
+from opml_inference_router.worker.uds import SCHEME
+
+log = logging.getLogger(__name__)
+
+PUSH_ID = 0
+RECORD = struct.Struct("<BBBBdddHHHHII")
+"""A report record: type (:data:`OUTCOME`, :data:`ATTEMPT_FAILED`, :data:`BACKUP_SENT`), status (a
+gRPC code number), attempts, backup won, received (unix s), call s, attempt s, then the lengths of
+model, version, request id, replica (the worker's socket path), request bytes, response bytes."""
+OUTCOME, ATTEMPT_FAILED, BACKUP_SENT = 0, 1, 2
+RESERVE_SHARE = 0.25
+"""The share of a model's limit in force the lease leaves to the router's own path (at least one slot)."""
+_MAX_VERDICTS = 1024
+
+
+class _Known(NamedTuple):
+    """A model's direct route as last pushed: what its reports are applied to."""
+
+    version: str
+    states: dict[str, ReplicaState]
+    metrics: VersionMetrics
+    replicas: ReplicaSet
+
+
+class _Lease:
+    """Slots of one model's limiter held for the front."""
+
+    __slots__ = ("limiter", "held")
+
+    def __init__(self, limiter: ConcurrencyLimiter) -> None:
+        self.limiter, self.held = limiter, 0
+
+    def fit(self) -> None:
+        """Takes or gives back slots until the lease is the limit in force less the router's reserve."""
+        limiter = self.limiter
+        concurrency = limiter.concurrency
+        target = concurrency - max(1, int(concurrency * RESERVE_SHARE))
+        while self.held < target and limiter.try_acquire():
+            self.held += 1
+        while self.held > target:
+            limiter.release()
+            self.held -= 1
+
+    def answered(self, service_s: float) -> None:
+        """A call on the lease was answered: its slot goes back with its service time, then is taken again."""
+        if self.held:
+            self.held -= 1
+            self.limiter.release(service_s)
+        self.fit()
+
+    def give_back(self) -> None:
+        for _ in range(self.held):
+            self.limiter.release()
+        self.held = 0
+
+
+class DirectPlane(Component):
+    """Keeps the native front's route table current and applies its reports (see the package's doc).
+
+    ``auth``: callers' credentials are checked (the platform has tokens); ``interval_s``: how often
+    the table is recomputed (pushed when it changed); ``verdict_ttl_s``: how long the front trusts a
+    credential the router let through. Metrics: ``opml_inference_router_direct_tokens{model}`` (the
+    slots leased to the front), ``opml_inference_router_direct_reported_total{type}``.
+    """
+
+    def __init__(self, router: Router, *, predictions: PredictionLog | None, metrics: ServiceMetrics, auth: bool,
+                 interval_s: float = 0.02, verdict_ttl_s: float = 60.0) -> None:
+        if not interval_s > 0 or not verdict_ttl_s > 0:
+            raise ValueError(f"need interval_s > 0 and verdict_ttl_s > 0, but got {interval_s}, {verdict_ttl_s}")
+        super().__init__()
+        self._router = router
+        self._predictions = predictions
+        self._auth = auth
+        self.interval_s = interval_s
+        self.verdict_ttl_s = verdict_ttl_s
+        self._writer: FrameWriter | None = None
+        self._pushed = ""  # the table the front holds
+        self._leases: dict[str, _Lease] = {}
+        self._routes: dict[str, _Known] = {}  # model -> what its reports are applied to
+        self._verdicts: dict[bytes, float] = {}  # credential -> when its verdict was pushed (monotonic)
+        self._task: asyncio.Task | None = None
+        self._tokens = metrics.gauge("direct_tokens", "Admission slots of each model leased to the native front's "
+                                     "direct path.", ("model",))
+        reported = metrics.counter("direct_reported_total", "Records the native front reported about its direct "
+                                   "path: outcome (a call answered or failed), attempt_failed, backup_sent.",
+                                   ("type",))
+        self._reported = {OUTCOME: reported.labels("outcome"), ATTEMPT_FAILED: reported.labels("attempt_failed"),
+                          BACKUP_SENT: reported.labels("backup_sent")}
+        self.count: Any = lambda kind, code: None  # the front's call counter (FrontLink sets it)
+
+    async def on_start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._refresh(), name="direct-data-plane")
+
+    async def on_stop(self) -> None:
+        await cancel_and_wait(self._task)
+        self._send("table\t1\n")  # nothing direct any more (auth on: every call goes to the router)
+        for name, lease in self._leases.items():
+            lease.give_back()
+            self._tokens.labels(name).set(0)
+        self._leases.clear()
+
+    def attach(self, writer: FrameWriter) -> None:
+        """A (re)started front's link: it holds no table and no verdict yet."""
+        self._writer = writer
+        self._pushed = ""
+        self._verdicts.clear()
+        self.push()
+
+    async def _refresh(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            self.push()
+
+    def push(self) -> None:
+        """Sends the table when it differs from the one the front holds."""
+        table = self._table()
+        if table != self._pushed and self._send(table):
+            self._pushed = table
+
+    def allow(self, credential: bytes) -> None:
+        """The router let ``credential`` call ModelInfer: the front may let its next calls through for
+        ``verdict_ttl_s`` (pushed again when half of that passed)."""
+        now = time.monotonic()
+        if now - self._verdicts.get(credential, float("-inf")) < self.verdict_ttl_s / 2:
+            return
+        if len(self._verdicts) >= _MAX_VERDICTS:
+            self._verdicts.clear()
+        if self._send(f"verdict\t{credential.hex()}\t{self.verdict_ttl_s:g}\n"):
+            self._verdicts[credential] = now
+
+    def _send(self, text: str) -> bool:
+        writer = self._writer
+        if writer is None:
+            return False
+        body = text.encode()
+        writer.write(RESPONSE.pack(len(body), PUSH_ID, OK), body)
+        return True
+
+    def _table(self) -> str:
+        lines = [f"table\t{int(self._auth)}"]
+        routes: dict[str, _Known] = {}
+        now = time.monotonic()  # the router's replica clock
+        for route, served in self._router.direct_routes():
+            states = list(served.replicas)
+            if (not states or any(not state.name.startswith(SCHEME) for state in states)
+                    or _unsafe(route.name) or _unsafe(served.version)):
+                continue  # a remote (gRPC) replica, or a name the push's text cannot carry: the router's path
+            ready = [state for state in states if state.down is None and state.ejected_until <= now]
+            lease = self._leases.get(route.name)
+            if lease is not None and lease.limiter is not route.limiter:  # the model was set anew
+                lease.give_back()
+                lease = None
+            if not ready:
+                if lease is not None:
+                    lease.give_back()
+                continue
+            if lease is None:
+                lease = self._leases[route.name] = _Lease(route.limiter)
+            lease.fit()
+            self._tokens.labels(route.name).set(lease.held)
+            routes[route.name] = _Known(served.version, {state.name: state for state in states}, served.metrics,
+                                        served.replicas)
+            if not lease.held:
+                continue
+            policy = route.policy
+            lines.append(f"model\t{route.name}\t{served.version}\t{route.max_request.bytes}\t"
+                         f"{policy.default_timeout_s:g}\t{int(policy.hedge and len(ready) > 1)}\t{policy.hedge_budget:g}")
+            share, extra = divmod(lease.held, len(ready))
+            for index, state in enumerate(ready):
+                p95 = state.latency.p95
+                delay = max(p95 if p95 is not None else policy.slo_p99_ms / 1000.0 * policy.hedge_slo_fraction,
+                            policy.hedge_min_delay_ms / 1000.0)
+                lines.append(f"replica\t{state.name[len(SCHEME):]}\t{share + (index < extra)}\t{delay:.4f}")
+        for name in [name for name in self._leases if name not in routes]:
+            self._leases.pop(name).give_back()
+            self._tokens.labels(name).set(0)
+        self._routes = routes
+        return "\n".join(lines) + "\n"
+
+    def report(self, body: bytes) -> None:
+        """Applies a report of the front (its records in order); a malformed tail is logged and dropped."""
+        pos, end = 0, len(body)
+        while pos + RECORD.size <= end:
+            (kind, status, attempts, backup_won, received, call_s, attempt_s, model_n, version_n, id_n, replica_n,
+             request_n, response_n) = RECORD.unpack_from(body, pos)
+            pos += RECORD.size
+            if pos + model_n + version_n + id_n + replica_n + request_n + response_n > end:
+                break
+            model = body[pos:pos + model_n].decode("utf-8", "replace")
+            pos += model_n
+            version = body[pos:pos + version_n].decode("utf-8", "replace")
+            pos += version_n
+            request_id = body[pos:pos + id_n].decode("utf-8", "replace")
+            pos += id_n
+            replica = SCHEME + body[pos:pos + replica_n].decode("utf-8", "replace")
+            pos += replica_n
+            request = body[pos:pos + request_n]
+            pos += request_n
+            response = body[pos:pos + response_n]
+            pos += response_n
+            counter = self._reported.get(kind)
+            if counter is not None:
+                counter.inc()
+            code = CODE_NAMES.get(status, "UNKNOWN")
+            known = self._routes.get(model)
+            if known is not None and known.version != version:
+                known = None  # the route changed since: metrics and ejections concern the old version no more
+            if kind == OUTCOME:
+                self.count(KINDS["ModelInfer"], code)
+                if status == OK:
+                    self._answered(model, version, request_id, replica, attempts, bool(backup_won), request,
+                                   response, received, call_s, attempt_s, known)
+                elif known is not None:
+                    known.metrics.failed(code)
+            elif kind == ATTEMPT_FAILED and known is not None:
+                self._attempt_failed(model, version, replica, code, response, known)
+            elif kind == BACKUP_SENT and known is not None:
+                known.metrics.backups.inc()
+        if pos != end:
+            log.warning("dropped the malformed tail of a direct-path report", extra={"bytes": end - pos})
+        self.push()  # the leases may have changed
+
+    def _answered(self, model: str, version: str, request_id: str, replica: str, attempts: int, backup_won: bool,
+                  request: bytes, response: bytes, received: float, call_s: float, attempt_s: float,
+                  known: _Known | None) -> None:
+        if known is not None:
+            known.metrics.answered(call_s)
+            if backup_won:
+                known.metrics.backup_wins.inc()
+            state = known.states.get(replica)
+            if state is not None:
+                known.replicas.succeeded(state, attempt_s)
+        lease = self._leases.get(model)
+        if lease is not None:
+            lease.answered(call_s)
+            self._tokens.labels(model).set(lease.held)
+        if self._predictions is not None:  # published even when the route changed since: the log is complete
+            self._predictions.record(request_id=request_id or uuid.uuid4().hex, model=model,
+                                     routed=Routed(response, version, replica, attempts, backup_won),
+                                     request=request, response=response, received=received, latency_s=call_s)
+
+    def _attempt_failed(self, model: str, version: str, replica: str, code: str, message: bytes,
+                        known: _Known) -> None:
+        """A worker failed a direct call (the front handed the call to the router, or a backup answers):
+        ejected as the router's own call would have ejected it."""
+        failure = ReplicaFailed.of_status(code, message.decode("utf-8", "replace"), replica=replica)
+        state = known.states.get(replica)
+        if state is None:
+            return
+        known.replicas.failed(state, eject=failure.eject, error=failure.message)
+        if failure.eject:
+            known.metrics.ejected(replica)
+            log.warning("replica ejected", extra={"model": model, "version": version, "replica": replica,
+                                                  "code": failure.code, "error": failure.message, "via": "direct"})
+
+def _unsafe(name: str) -> bool:
+    return "\t" in name or "\n" in name
