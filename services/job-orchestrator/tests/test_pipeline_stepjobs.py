@@ -189,9 +189,11 @@ def test_evaluate_first_run_blesses_on_values_and_writes_the_reference_set(tmp_p
     assert [r["slice"] for r in result["reasons"] if r["metric"] == "accuracy"] == [None, "line=l1", "line=l2"]
 
     with np.load(outputs / "reference" / "reference.npz", allow_pickle=False) as reference:
-        assert sorted(reference.files) == ["feature.a", "feature.b", "labels", "predicted", "scores"]
+        assert sorted(reference.files) == ["feature.a", "feature.b", "labels", "predicted", "scores", "segment.line"]
         assert reference["scores"].shape == (400, 2)
         assert (reference["predicted"] == reference["labels"]).all()
+        # each row's slice value, the request parameter a model pushed with monitoring: {segment: line} is split by
+        assert reference["segment.line"].tolist() == _columns(400, seed=3)["line"]
     monitoring = yaml.safe_load((outputs / "reference" / "monitoring.yaml").read_text())
     assert monitoring["task"] == "binary" and monitoring["features"] == {"features": ["a", "b"]}
     assert monitoring["outputs"] == {"scores": "scores"}

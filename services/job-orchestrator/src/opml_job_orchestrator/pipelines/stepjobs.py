@@ -21,7 +21,9 @@ evaluate
     ``model.yaml``; ``span/*.csv`` (the newest labelled span).
     step: :mod:`~opml_job_orchestrator.pipelines.evaluation`'s config.
     outputs: ``result.json`` (``blessed``, ``baseline``, ``reference``, ``reasons``, ``metrics``), and
-    ``reference/reference.npz`` + ``reference/monitoring.yaml`` for the monitoring-scorer (from 100 rows).
+    ``reference/reference.npz`` + ``reference/monitoring.yaml`` for the monitoring-scorer (from 100 rows);
+    the reference carries each slice column's values (``segment.<column>``), so a model pushed with
+    ``monitoring: {segment: <column>}`` is judged per value against that value's own rows.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import yaml
 
 from opml_job_orchestrator.pipelines import anomalies, evaluation, schema, statistics
 from opml_job_orchestrator.pipelines.table import Table, TableError, numeric_matrix, read_span
-from opml_monitoring_scorer_contract.reference import bad_input_over
+from opml_monitoring_scorer_contract.reference import MAX_SEGMENT_COLUMNS, MAX_SEGMENT_VALUE_CHARS, bad_input_over
 
 MAX_STEP_BYTES = 1 << 20
 """Largest step.json read (1 MiB)."""
@@ -333,8 +335,8 @@ def run_evaluate(step: Any, inputs: Path, outputs: Path) -> dict[str, Any]:
         if bad.any():
             raise StepError("label_invalid", f"{int(bad.sum())} labels of {config.label!r} are not class indices "
                                              f"0..{classes - 1} (first: {labels[bad][0]!r})")
-    slices, notes = evaluation.slice_masks({c: [v for v, keep in zip(table.columns[c].text, rows, strict=True) if keep]
-                                            for c in config.slices})
+    sliced = {c: [v for v, keep in zip(table.columns[c].text, rows, strict=True) if keep] for c in config.slices}
+    slices, notes = evaluation.slice_masks(sliced)
     metrics: dict[str, Any] = {"candidate": evaluation.sliced_metrics(task, config.metrics, labels, predictions, slices)}
 
     baseline_metrics, why = _baseline(inputs / "baseline", candidate, config, task, features, labels, slices)
@@ -351,7 +353,7 @@ def run_evaluate(step: Any, inputs: Path, outputs: Path) -> dict[str, Any]:
     reference = len(labels) >= MIN_REFERENCE_ROWS
     if reference:
         _write_reference(outputs / "reference", config, task, candidate, output.name, features, labels, predictions,
-                         metrics["candidate"][evaluation.OVERALL])
+                         metrics["candidate"][evaluation.OVERALL], sliced)
     else:
         reason_dicts.append({"metric": None, "slice": None, "value": None, "threshold": None, "baseline_value": None,
                              "passed": None, "message": f"no reference set written: {len(labels)} rows, the "
@@ -400,9 +402,12 @@ def _finite(value: Any) -> Any:
 
 def _write_reference(folder: Path, config: evaluation.EvalConfig, task: str, model: _Model, output: str,
                      features: np.ndarray, labels: np.ndarray, predictions: np.ndarray,
-                     overall: Mapping[str, Any]) -> None:
+                     overall: Mapping[str, Any], sliced: Mapping[str, list[str | None]]) -> None:
     """The monitoring-scorer's reference set (its README's ``reference.npz``: feature columns, the
-    model's outputs on them, labels) and a ``monitoring.yaml`` with default rules."""
+    model's outputs on them, labels, and each slice column's values as ``segment.<column>``: a
+    missing value is "", in no segment; a column with a value over the scorer's
+    ``MAX_SEGMENT_VALUE_CHARS`` is left out, as no request parameter of it makes a segment of its
+    own) and a ``monitoring.yaml`` with default rules."""
     keep = np.arange(len(labels))
     if len(keep) > MAX_REFERENCE_ROWS:
         keep = np.sort(np.random.default_rng(0).choice(len(keep), MAX_REFERENCE_ROWS, replace=False))
@@ -416,6 +421,10 @@ def _write_reference(folder: Path, config: evaluation.EvalConfig, task: str, mod
         arrays["predicted"] = scores.argmax(axis=1).astype(np.int64)
         arrays["scores"] = np.asarray(predictions[keep], dtype=np.float32)
         arrays["labels"] = labels[keep].astype(np.int64)
+    for column, values in list(sliced.items())[:MAX_SEGMENT_COLUMNS]:
+        text = np.array(["" if v is None else v for v in values], dtype=str)[keep]
+        if not len(text) or int(np.char.str_len(text).max()) <= MAX_SEGMENT_VALUE_CHARS:
+            arrays[f"segment.{column}"] = text
     write_atomically(folder / "reference.npz", lambda file: np.savez_compressed(file, **arrays), binary=True)
 
     input_name = model.config.inputs[0].name
