@@ -2,7 +2,9 @@
 behind its own link (opml_devstack.testing.netem: veth pairs; the edge sites' links carry 10 Mbit/s,
 25 ms each way (a 50 ms round trip) and 1% loss, made by a userspace wire since this kernel has no
 netem), with real processes everywhere: the router (its own site, ``local``, one worker), two hosts
-of a ``cloud`` pool and one host at each of two edge sites, with the real broker and Redis.
+of a ``cloud`` pool and one host at each of two edge sites, with the real broker and Redis. The
+router answers each request from the nearest site that serves its model, or from the site the
+request names (its ``site`` parameter), and fails over to the next nearest.
 
 One stack for the module. Needs root and iproute2.
 """
@@ -133,6 +135,13 @@ class Stack:
                 return None if value != value else value  # NaN: not measured yet
         return None
 
+    def answers(self, model: str, site: str) -> float:
+        """Requests of ``model`` (every version) the router answered from a replica at ``site``."""
+        page = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+                   if line.startswith("opml_inference_router_site_answers_total{")
+                   and f'model="{model}"' in line and f'site="{site}"' in line)
+
     def wait(self, predicate, what: str, timeout_s: float = 60.0) -> None:
         asyncio.run(wait_until(predicate, timeout_s=timeout_s, what=what))
 
@@ -185,20 +194,24 @@ def stack(infra: Endpoints, run_id: str, tmp_path_factory: pytest.TempPathFactor
         yield stack
 
 
-def infer(target: str, model: str, request_id: str, timeout_s: float = 10.0) -> None:
+def infer(target: str, model: str, request_id: str, timeout_s: float = 10.0, site: str = "") -> float:
+    """One request (naming the client's ``site`` when given); returns the seconds it took."""
     tensor = triton.InferInput("features", [1, 16], "FP32")
     tensor.set_data_from_numpy(np.ones((1, 16), np.float32))
     with triton.InferenceServerClient(target) as client:
+        began = time.monotonic()
         client.infer(model, [tensor], request_id=request_id, client_timeout=timeout_s,
-                     headers={"authorization": f"Bearer {TOKENS['writer']}"})
+                     headers={"authorization": f"Bearer {TOKENS['writer']}"},
+                     parameters={"site": site} if site else None)
+        return time.monotonic() - began
 
 
 class Traffic:
     """Requests to the router on a thread, one after another, each with a deadline that leaves time to
-    retry elsewhere; what each took and every failure are kept."""
+    retry elsewhere (naming the client's ``site`` when given); what each took and every failure are kept."""
 
-    def __init__(self, target: str, model: str) -> None:
-        self.target, self.model = target, model
+    def __init__(self, target: str, model: str, site: str = "") -> None:
+        self.target, self.model, self.site = target, model, site
         self.latencies: list[tuple[float, float]] = []  # (sent at, seconds)
         self.failures: list[str] = []
         self._stop = threading.Event()
@@ -213,7 +226,8 @@ class Traffic:
                 began = time.monotonic()
                 try:
                     client.infer(self.model, [tensor], request_id=f"router-{index}", client_timeout=5.0,
-                                 headers={"authorization": f"Bearer {TOKENS['writer']}"})
+                                 headers={"authorization": f"Bearer {TOKENS['writer']}"},
+                                 parameters={"site": self.site} if self.site else None)
                     self.latencies.append((began, time.monotonic() - began))
                 except Exception as error:  # noqa: BLE001 - every failure is counted and shown
                     self.failures.append(str(error))
@@ -267,15 +281,47 @@ def test_models_are_placed_across_sites_by_their_links(stack: Stack) -> None:
     infer(stack.router.target, "big", "placed-2")
 
 
+def test_requests_go_to_the_nearest_site_or_to_the_one_they_name(stack: Stack) -> None:
+    placed = stack.placement()["small"]
+    edge = next(site_of(w) for w in placed if site_of(w).startswith("edge"))
+    assert "local" in {site_of(w) for w in placed}, placed
+    count, sites = 20, ("local", "cloud", "edge-a", "edge-b")
+
+    def served(send) -> tuple[dict[str, float], list[float]]:
+        before = {site: stack.answers("small", site) for site in sites}
+        seconds = [send(index) for index in range(count)]
+        return {site: stack.answers("small", site) - before[site] for site in sites}, seconds
+
+    # no site named: the router's own worker (0 ms) answers; a backup request (the hedge of one slower than
+    # its p95) goes to the next nearest, the cloud's, and may win; never across an edge link
+    nearest, seconds = served(lambda i: infer(stack.router.target, "small", f"near-{i}"))
+    assert nearest["local"] >= count / 2 and nearest["edge-a"] == nearest["edge-b"] == 0, nearest
+    near_p50 = float(np.median(seconds))
+    # a client naming its edge site: that site's replica answers, across the 50 ms round trip; an unknown
+    # site changes nothing
+    at_edge, edge_seconds = served(lambda i: infer(stack.router.target, "small", f"at-edge-{i}", site=edge))
+    assert at_edge[edge] >= count * 0.8, at_edge
+    assert float(np.median(edge_seconds)) > 0.045 > near_p50, (edge_seconds, near_p50)
+    unknown, _ = served(lambda i: infer(stack.router.target, "small", f"nowhere-{i}", site="nowhere"))
+    assert unknown["local"] >= count / 2 and unknown["edge-a"] == unknown["edge-b"] == 0, unknown
+    print(f"\n{count} requests each: nearest {nearest} (p50 {near_p50 * 1000:.1f} ms); naming {edge}: {at_edge} "
+          f"(p50 {np.median(edge_seconds) * 1000:.1f} ms)")
+
+
 def test_a_cut_edge_serves_its_clients_and_the_router_serves_around_it(stack: Stack) -> None:
     placed = stack.placement()
     edge = next(site_of(w) for w in placed["small"] if site_of(w).startswith("edge"))
     worker = f"{edge}-000"
     host = stack.hosts[edge]
     count, prefix = 40, f"edge-{uuid.uuid4().hex[:6]}"
-    with Traffic(stack.router.target, "small") as traffic:
+    # the router's requests name the edge site: its replica answers them until the cut, then the next
+    # nearest does, and none fails (each request's 5 s deadline leaves time to retry elsewhere)
+    with Traffic(stack.router.target, "small", site=edge) as traffic:
+        at_edge = stack.answers("small", edge)
         stack.wait(lambda: len(traffic.latencies) >= 20, "traffic through the router")
         cut_at = time.monotonic()
+        served_at_edge = stack.answers("small", edge) - at_edge
+        elsewhere = sum(stack.answers("small", site) for site in ("local", "cloud"))
         cut(host)
         try:
             # the edge's own clients are served during the cut, by its agent, with what it last had placed
@@ -291,6 +337,8 @@ def test_a_cut_edge_serves_its_clients_and_the_router_serves_around_it(stack: St
             during = [seconds for began, seconds in traffic.latencies if began >= cut_at]
             stack.wait(lambda: len([b for b, _ in traffic.latencies if b >= cut_at + replaced_s]) >= 10,
                        "traffic after the re-placement")
+            failed_over = sum(stack.answers("small", site) for site in ("local", "cloud")) - elsewhere
+            cut_edge_answers = stack.answers("small", edge)
         finally:
             restore(host)
         restored_at = time.monotonic()
@@ -300,9 +348,16 @@ def test_a_cut_edge_serves_its_clients_and_the_router_serves_around_it(stack: St
         stack.wait(lambda: sorted(stack.placement()["small"]) == sorted(placed["small"]), "small moved back",
                    timeout_s=180)  # a bound, not a measure (printed below): a loaded CI machine is slow
         moved_back_s = time.monotonic() - restored_at
+        # the edge's replica back: the requests naming it are answered there again
+        stack.wait(lambda: stack.answers("small", edge) >= cut_edge_answers + 5, f"requests answered at {edge} again")
     assert served["failed"] == [] and served["ok"] == count, served
     assert traffic.failures == [], traffic.failures[:5]
-    print(f"\ncut of {edge}: its replica marked down after {down_s:.2f} s, small re-placed after {replaced_s:.2f} s; "
+    before_cut = [seconds for began, seconds in traffic.latencies if began < cut_at]
+    assert served_at_edge >= len(before_cut) * 0.8 and np.median(before_cut) > 0.045, (served_at_edge, before_cut)
+    assert failed_over >= 10, failed_over
+    print(f"\nrequests naming {edge}: {served_at_edge:.0f} answered there before its cut, {failed_over:.0f} by the "
+          f"next nearest sites during it")
+    print(f"cut of {edge}: its replica marked down after {down_s:.2f} s, small re-placed after {replaced_s:.2f} s; "
           f"{len(during)} router requests during the cut, none failed, slowest {max(during) * 1000:.0f} ms "
           f"(p50 before the cut {np.median([s for b, s in traffic.latencies if b < cut_at]) * 1000:.1f} ms); "
           f"{edge} back {back_s:.2f} s after the link, small back on it after {moved_back_s:.2f} s")
