@@ -19,6 +19,12 @@ admission refuses with RESOURCE_EXHAUSTED what it expects to miss the model's SL
 1,000 answered requests of the server's whole process tree (router, native front, workers; MLServer and
 its pool), read from /proc (psutil).
 
+Ours runs twice by default (``--direct both``): as before, every call through the router's event loop,
+and a second router with the direct data plane on (OPML_INFERENCE_ROUTER_DIRECT_DATA_PLANE: the native
+front sends a call straight to a worker and reports it to the router afterwards); the three arms take
+turns, each first in turn, and the report compares each of ours with MLServer and the direct one with
+the other.
+
 Where the time goes, for ours: the router's /metrics (its own and its workers') read around each
 level give the mean time in the router (admission to answer), in the worker's batcher (queue wait +
 run), the batch size, backups sent, predictions published; CPU per 1,000 requests by process. With
@@ -71,7 +77,7 @@ FEATURES, WIDTH, DEPTH, CLASSES = 256, 512, 2, 10
 MAX_BATCH, DELAY_MS, SLO_P99_MS = 32, 2.0, 50.0
 ROWS = 256
 INFERENCE_TOKEN = "bench-inference-token"
-OURS, PEER = "ours (native front :8001)", "MLServer"
+OURS, DIRECT, PEER = "ours (native front :8001)", "ours, direct data plane", "MLServer"
 DEADLINE_S = 5.0
 
 
@@ -363,31 +369,44 @@ def pooled_p99(levels: list[Level]) -> float:
 
 
 def report(results: dict[str, dict[int, list[Level]]], peer_settings: dict[int, str], callers: list[int]) -> None:
-    ours, peer = OURS, PEER
+    peer = PEER
+    mine = [name for name in (OURS, DIRECT) if name in results]
     print("\n| callers | system | req/s | p50 ms | p99 ms | p99 pooled | CPU s / 1,000 req | errors |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for count in callers:
-        for name in (ours, peer):
+        for name in (*mine, peer):
             levels = results[name][count]
-            label = OURS if name == OURS else peer_settings[count]
+            label = peer_settings[count] if name == PEER else name
             print(f"| {count} | {label} | {span([lv.rate for lv in levels])} | {span([lv.p50_ms for lv in levels], 1)} "
                   f"| {span([lv.p99_ms for lv in levels], 1)} | {pooled_p99(levels):.1f} "
                   f"| {span([lv.cpu_per_1000_s for lv in levels], 2)} | {failures(levels)} |")
-    print("\n| callers | req/s ours ÷ peer | p99 ours - peer ms (pooled) | per CPU-s ours ÷ peer |")
-    print("|---:|---:|---:|---:|")
+    pairs = [(name, peer) for name in mine] + ([(DIRECT, OURS)] if len(mine) == 2 else [])
+    print("\n| callers | arms | req/s ÷ (per round) | p99 pooled, difference ms | per CPU-s ÷ |")
+    print("|---:|---|---:|---:|---:|")
     for count in callers:
-        mine, theirs = results[ours][count], results[peer][count]
-        rate = [m.rate / t.rate for m, t in zip(mine, theirs)]
-        cpu = [t.cpu_per_1000_s / m.cpu_per_1000_s for m, t in zip(mine, theirs)]
-        print(f"| {count} | {span(rate, 2)}x | {pooled_p99(mine) - pooled_p99(theirs):+.1f} | {span(cpu, 2)}x |")
-    print("\nWhere ours spends it (means over the rounds): client-seen mean latency, of which the router's "
-          "(admission to answer, worker round trip included) and the worker batcher's (queue wait + batch run); "
-          "CPU ms per request by process.")
+        for first, second in pairs:
+            ones, others = results[first][count], results[second][count]
+            rate = [m.rate / t.rate for m, t in zip(ones, others)]
+            cpu = [t.cpu_per_1000_s / m.cpu_per_1000_s for m, t in zip(ones, others)]
+            print(f"| {count} | {first} ÷ {second} | {span(rate, 2)}x ({', '.join(f'{r:.2f}' for r in rate)}) "
+                  f"| {pooled_p99(ones) - pooled_p99(others):+.1f} | {span(cpu, 2)}x |")
+    for name in mine:
+        where(results[name], callers, name)
+    published = sum(lv.stages["published"] for name in mine for lvs in results[name].values() for lv in lvs)
+    dropped = sum(lv.stages["dropped"] for name in mine for lvs in results[name].values() for lv in lvs)
+    print(f"\nprediction log: {published:.0f} predictions published, {dropped:.0f} dropped while measured")
+
+
+def where(results: dict[int, list[Level]], callers: list[int], name: str) -> None:
+    """Where one of our arms spends its time and CPU (means over the rounds)."""
+    print(f"\nWhere {name} spends it (means over the rounds): client-seen mean latency, of which the router's "
+          "(admission to answer, worker round trip included; the direct path's as the front reports it) and the "
+          "worker batcher's (queue wait + batch run); CPU ms per request by process.")
     print("\n| callers | client mean ms | router ms | worker ms | > 25 ms per 1k: client / router / worker "
           "| rows/batch | backups/1k | CPU ms/req by process |")
     print("|---:|---:|---:|---:|---:|---:|---:|---|")
     for count in callers:
-        levels = results[ours][count]
+        levels = results[count]
         client = statistics.mean(statistics.mean(lv.latencies_ms) for lv in levels if lv.latencies_ms)
         stage = {key: statistics.mean(lv.stages[key] for lv in levels) for key in levels[0].stages}
         requests = sum(len(lv.latencies_ms) for lv in levels)
@@ -400,9 +419,6 @@ def report(results: dict[str, dict[int, list[Level]]], peer_settings: dict[int, 
               f"{slow:.1f} / {stage['router_slow']:.1f} / {stage['worker_slow']:.1f} | "
               f"{stage['batch_rows']:.1f} | {sum(lv.stages['backups'] for lv in levels) / requests * 1000:.1f} "
               f"| {cpu} |")
-    published = sum(lv.stages["published"] for lvs in results[ours].values() for lv in lvs)
-    dropped = sum(lv.stages["dropped"] for lvs in results[ours].values() for lv in lvs)
-    print(f"\nprediction log: {published:.0f} predictions published, {dropped:.0f} dropped while measured")
 
 
 def main() -> None:
@@ -418,6 +434,9 @@ def main() -> None:
     parser.add_argument("--profile-callers", type=int, default=8)
     parser.add_argument("--router-env", action="append", default=[], metavar="NAME=VALUE",
                         help="a setting of the router's (repeatable), e.g. OPML_INFERENCE_ROUTER_PREDICTION_LINGER_MS=0")
+    parser.add_argument("--direct", choices=("off", "on", "both"), default="both",
+                        help="the router's direct data plane (OPML_INFERENCE_ROUTER_DIRECT_DATA_PLANE): off, on, or "
+                        "both (a second router with it on, a third arm in the rotation)")
     args = parser.parse_args()
     callers = [int(count) for count in args.callers.split(",")]
     python = peer_python("mlserver")
@@ -434,20 +453,27 @@ def main() -> None:
         expected = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"]).run(
             None, {"features": rows})[0]
 
-        env = starter.env("inference-router", tokens={**TOKENS, "inference": INFERENCE_TOKEN},
-                          extra_env=dict(setting.split("=", 1) for setting in args.router_env))
-        router = starter("inference-router", env=env)
-        with DeploymentClient(router.target, token=TOKENS["writer"]) as deployments:
-            deployment = deployments.deploy(model_dir=str(bundle))
-        metrics = f"http://127.0.0.1:{env['OPML_INFERENCE_ROUTER_METRICS_PORT']}/metrics"
-        ours = System(OURS, f"127.0.0.1:{env['OPML_INFERENCE_ROUTER_INFERENCE_PORT']}",
-                      router.process.pid, {"authorization": f"Bearer {INFERENCE_TOKEN}"}, Scrape(metrics))
+        routers, arms = [], []
+        for name, direct in ((OURS, False), (DIRECT, True)):
+            if args.direct != "both" and direct != (args.direct == "on"):
+                continue
+            env = starter.env("inference-router", tokens={**TOKENS, "inference": INFERENCE_TOKEN}, extra_env={
+                **dict(setting.split("=", 1) for setting in args.router_env),
+                "OPML_INFERENCE_ROUTER_DIRECT_DATA_PLANE": str(direct).lower()})
+            router = starter("inference-router", env=env)
+            routers.append(router)
+            with DeploymentClient(router.target, token=TOKENS["writer"]) as deployments:
+                deployment = deployments.deploy(model_dir=str(bundle))
+            metrics = f"http://127.0.0.1:{env['OPML_INFERENCE_ROUTER_METRICS_PORT']}/metrics"
+            arms.append(System(name, f"127.0.0.1:{env['OPML_INFERENCE_ROUTER_INFERENCE_PORT']}",
+                               router.process.pid, {"authorization": f"Bearer {INFERENCE_TOKEN}"}, Scrape(metrics)))
         workers = [p for p in psutil.Process(router.process.pid).children(recursive=True) if _label(p) == "worker"]
         print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores shared with this load "
               f"generator; MLP {FEATURES}-{WIDTH}-{WIDTH}-{CLASSES} fp32, one row a request, batching max {MAX_BATCH} / "
               f"{DELAY_MS:g} ms, SLO p99 {SLO_P99_MS:g} ms; router as `make up` runs it: {len(workers)} workers, "
               f"deployed as `opml model deploy` does ({deployment.name}), prediction log on, auth on; {args.rounds} round(s) of {args.duration:g} s per level after "
-              f"{args.warmup:g} s; client deadline {DEADLINE_S:g} s; router settings: {args.router_env or 'defaults'}",
+              f"{args.warmup:g} s; client deadline {DEADLINE_S:g} s; router settings: {args.router_env or 'defaults'}; "
+              f"arms: {', '.join(arm.name for arm in arms)}; load average {' '.join(f'{v:.1f}' for v in os.getloadavg())}",
               flush=True)
 
         async def choose_mlserver() -> dict[int, System]:
@@ -494,25 +520,27 @@ def main() -> None:
 
         async def rounds() -> dict[str, dict[int, list[Level]]]:
             peers = await choose_mlserver()
-            await connect(ours, rows, expected)
-            results: dict[str, dict[int, list[Level]]] = {name: {c: [] for c in callers} for name in (OURS, PEER)}
+            for arm in arms:
+                await connect(arm, rows, expected)
+            results: dict[str, dict[int, list[Level]]] = {name: {c: [] for c in callers}
+                                                          for name in (*(arm.name for arm in arms), PEER)}
             print("\n| round | callers | system | req/s | p50 ms | p99 ms | CPU s / 1,000 | errors |\n"
                   "|---:|---:|---|---:|---:|---:|---:|---:|", flush=True)
             turn = 0
             for round_number in range(args.rounds):
                 for count in callers:
-                    peer = peers[count]
-                    order = (ours, peer) if turn % 2 == 0 else (peer, ours)
+                    systems = [*arms, peers[count]]
+                    order = systems[turn % len(systems):] + systems[:turn % len(systems)]  # each goes first in turn
                     turn += 1
                     for system in order:
-                        profile = (args.profile if args.profile and system is ours and count == args.profile_callers
+                        profile = (args.profile if args.profile and system in arms and count == args.profile_callers
                                    and round_number == args.rounds - 1 else None)
                         level = await measure(system, rows, count, args.warmup, args.duration, profile)
-                        results[OURS if system is ours else PEER][count].append(level)
+                        results[PEER if system is peers[count] else system.name][count].append(level)
                         print(f"| {round_number + 1} | {count} | {system.name} | {level.rate:.0f} | "
                               f"{level.p50_ms:.1f} | {level.p99_ms:.1f} | {level.cpu_per_1000_s:.2f} | "
                               f"{failures([level])} |", flush=True)
-            for system in {ours, *peers.values()}:
+            for system in {*arms, *peers.values()}:
                 await system.client.close()
             report(results, {count: peer.name for count, peer in peers.items()}, callers)
             return results
@@ -523,7 +551,8 @@ def main() -> None:
                 print(f"\npy-spy {path.name}: hottest frames (share of samples, idle excluded)")
                 for share, frame in hottest(path):
                     print(f"  {share * 100:5.1f}%  {frame}")
-        router.stop()
+        for router in routers:
+            router.stop()
 
 
 if __name__ == "__main__":
