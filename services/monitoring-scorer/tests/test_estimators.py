@@ -11,7 +11,7 @@ from opml_monitoring_scorer.core.config import MonitoringConfig
 from opml_monitoring_scorer.core.decode import Batch
 from opml_monitoring_scorer.core.monitor import ModelMonitor
 from opml_monitoring_scorer.core.mpp import MPP
-from opml_monitoring_scorer.core.reference import ReferenceSet, Task, performance
+from opml_monitoring_scorer.core.reference import Outputs, ReferenceSet, Task, performance
 from opml_monitoring_scorer.synthetic import SyntheticWorld
 
 
@@ -49,6 +49,34 @@ def test_cbpe_calibration_fixes_an_overconfident_model() -> None:
     estimate = ConfidenceEstimator(overconfident).estimate(rows.outputs)
     assert raw - truth > 0.04, "the uncalibrated confidence overstates accuracy"
     assert abs(estimate - truth) < 0.03
+
+
+def test_a_multiclass_estimate_falls_when_every_class_score_flattens() -> None:
+    """A change that makes the model less sure of every class (a dimmed lamp): the rows' class scores move
+    toward uniform and the model is right less often, and the estimate falls with the truth (on the
+    story's line 3 the one-against-the-rest calibrations, normalized, rose instead)."""
+    rng = np.random.default_rng(4)
+
+    def rows(n: int, flatten: float) -> tuple[np.ndarray, np.ndarray]:
+        logits = rng.normal(0, 2.0, (n, 4))
+        scores = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+        scores = (1 - flatten) * scores + flatten / 4  # calibrated: the labels are drawn from them
+        labels = (scores.cumsum(axis=1) < rng.uniform(size=(n, 1))).sum(axis=1)
+        return scores, labels
+
+    scores, labels = rows(3000, 0.0)
+    reference = ReferenceSet.build(task=Task.MULTICLASS, features={"x": scores[:, 0]}, predicted=scores.argmax(axis=1),
+                                   scores=scores, labels=labels)
+    cbpe = ConfidenceEstimator(reference)
+    estimates, truths = [], []
+    for flatten in (0.0, 0.5):
+        scores, labels = rows(3000, flatten)
+        outputs = Outputs(scores.argmax(axis=1).astype(np.float64), scores)
+        estimates.append(cbpe.estimate(outputs))
+        truths.append(performance(Task.MULTICLASS, outputs.predicted, labels))
+    assert truths[0] - truths[1] > 0.1, truths
+    assert estimates[0] - estimates[1] > 0.05, (estimates, truths)
+    assert abs(estimates[0] - truths[0]) < 0.03
 
 
 def test_concept_shift_is_missed_without_labels_and_caught_after_mpp_recalibration() -> None:

@@ -1,11 +1,16 @@
 """CBPE-style accuracy from the primary model's calibrated confidences (after NannyML's CBPE).
 
-On the reference, each class's score is calibrated against the labels (isotonic regression, one
-against the rest; NannyML calibrates the same way), so that a calibrated 0.8 is right 80% of the
-time. In a window, a row's chance of being right is then the calibrated probability of the class
-the model predicted, and the window's expected accuracy is their mean. Right by construction under
-covariate shift when the calibration holds (P(y|x) unchanged); blind, by design, to concept shift,
-and biased under prior shift (the calibration's base rate is the reference's).
+On the reference, the model's confidence is calibrated against the labels (isotonic regression), so
+that a calibrated 0.8 is right 80% of the time; in a window, a row's chance of being right is its
+calibrated confidence, and the window's expected accuracy is their mean. A binary model's P(class 1)
+is calibrated (as NannyML does). A multiclass model's score of its predicted class is calibrated
+against whether it was right (top-label calibration): NannyML calibrates each class one against the
+rest and normalizes the calibrated scores to sum to 1, and where a change flattens every class's
+score (the story's line 3 under dimmed lamps: the model's mean confidence 0.53 -> 0.45, true accuracy
+0.68 -> 0.61) the normalization, dividing by a sum that fell too, raised the estimate (0.72 -> 0.81);
+the predicted class's calibrated score falls with the confidence (0.70 -> 0.64). Right by
+construction under covariate shift when the calibration holds (P(y|x) unchanged); blind, by design,
+to concept shift, and biased under prior shift (the calibration's base rate is the reference's).
 """
 
 from __future__ import annotations
@@ -32,31 +37,21 @@ class ConfidenceEstimator:
             raise FailedPrecondition("CBPE needs the reference's labels and class scores")
         labels = reference.labels.astype(np.int64)
         self.classes = scores.shape[1]
-        self._calibrators = []
-        for k in range(self.classes):
-            calibrator = IsotonicRegression(y_min=0.0, y_max=1.0, out_of_bounds="clip")
-            calibrator.fit(scores[:, k], (labels == k).astype(np.float64))
-            self._calibrators.append(calibrator)
-            if self.classes == 2:  # one calibrator is the whole story: P(0) = 1 - P(1)
-                break
-
-    def calibrated(self, outputs: Outputs) -> np.ndarray:
-        """Calibrated class probabilities [n, classes], rows summing to 1."""
-        scores = outputs.class_scores()
-        assert scores is not None
-        if self.classes == 2:
-            p1 = self._calibrators[0].predict(scores[:, 0])  # calibrated P(0)
-            return np.column_stack([p1, 1.0 - p1])
-        columns = np.column_stack([c.predict(scores[:, k]) for k, c in enumerate(self._calibrators)])
-        totals = columns.sum(axis=1, keepdims=True)
-        uniform = np.full_like(columns, 1.0 / self.classes)
-        return np.where(totals > 0, columns / np.where(totals > 0, totals, 1.0), uniform)
+        self._calibrator = IsotonicRegression(y_min=0.0, y_max=1.0, out_of_bounds="clip")
+        if self.classes == 2:  # calibrated P(0); P(1) = 1 - P(0)
+            self._calibrator.fit(scores[:, 0], (labels == 0).astype(np.float64))
+        else:  # calibrated P(the predicted class is right | its score)
+            right = reference.outputs.predicted.astype(np.int64) == labels
+            self._calibrator.fit(reference.outputs.confidence(), right.astype(np.float64))
 
     def row_correct_probability(self, outputs: Outputs) -> np.ndarray:
         """Each row's calibrated chance that the predicted class is right."""
-        probabilities = self.calibrated(outputs)
-        index = np.clip(outputs.predicted.astype(np.int64), 0, self.classes - 1)
-        return probabilities[np.arange(len(index)), index]
+        if self.classes != 2:
+            return self._calibrator.predict(outputs.confidence())
+        scores = outputs.class_scores()
+        assert scores is not None
+        p0 = self._calibrator.predict(scores[:, 0])
+        return np.where(outputs.predicted.astype(np.int64) == 0, p0, 1.0 - p0)
 
     def estimate(self, outputs: Outputs) -> float:
         """The window's expected accuracy."""
