@@ -531,8 +531,8 @@ async def test_a_failed_quality_check_the_scorer_cannot_confirm_is_not_acted_on(
     assert informed.verdict == "INCONCLUSIVE" and ended is None, (informed, ended)
     accuracy = {c.check: c for c in informed.checks}["accuracy"]
     assert accuracy.verdict == "INCONCLUSIVE" and (accuracy.new_value, accuracy.stable_value) == (0.70, 0.90)
-    assert "worse by 0.2000 > max_drop=0.05; not confirmed: the monitoring-scorer could not be read (" in \
-        accuracy.reason
+    assert "worse by 0.2000 > max_drop=0.05, and not chance" in accuracy.reason
+    assert "; not confirmed: the monitoring-scorer could not be read (" in accuracy.reason
 
 
 async def test_each_decision_is_in_the_bundles_lineage_once_even_after_a_restart(

@@ -83,12 +83,16 @@ def test_the_scorers_quality_checks_need_their_minimum_and_compare_in_the_tasks_
     analysis = Analysis(interval_s=1, checks=(Check("estimated_accuracy", 0.02, min_requests=100),
                                               Check("accuracy", 0.02, min_requests=10)))
     idle = Measures(0, 0, None)
-    stable = Quality(predictions=500, estimate=0.90, labels=40, accuracy=0.91)
+    stable = Quality(predictions=500, estimate=0.90, labels=400, accuracy=0.91)
     verdict, (estimated, true) = measure(analysis, idle, idle, stable_quality=stable,
-                                         new_quality=Quality(predictions=300, estimate=0.89, labels=20, accuracy=0.80))
+                                         new_quality=Quality(predictions=300, estimate=0.89, labels=300, accuracy=0.80))
     assert verdict == "FAILED" and estimated.verdict == "PASSED" and true.verdict == "FAILED"
-    assert (true.new_value, true.stable_value, true.new_requests, true.stable_requests) == (0.80, 0.91, 20, 40)
-    assert "worse by 0.1100 > max_drop=0.02" in true.reason
+    assert (true.new_value, true.stable_value, true.new_requests, true.stable_requests) == (0.80, 0.91, 300, 400)
+    assert "worse by 0.1100 > max_drop=0.02, and not chance" in true.reason
+    # the same drop on 20 and 40 labels: 4 wrong answers against 3.6 is what chance gives
+    verdict, (_, true) = measure(analysis, idle, idle, stable_quality=Quality(500, 0.90, labels=40, accuracy=0.91),
+                                 new_quality=Quality(predictions=300, estimate=0.89, labels=20, accuracy=0.80))
+    assert verdict == "PASSED" and "but within chance at these counts" in true.reason
     verdict, (estimated, true) = measure(analysis, idle, idle, stable_quality=stable,
                                          new_quality=Quality(predictions=99, estimate=0.95, labels=9, accuracy=0.95))
     assert verdict == "INCONCLUSIVE" and "min_predictions=100" in estimated.reason and "min_labels=10" in true.reason
@@ -180,3 +184,47 @@ def test_a_version_slower_only_in_its_tail_is_judged_by_its_p99_once_it_rests_on
     verdict, (result,) = measure(Analysis(interval_s=3, checks=(Check("p99_latency", 1.5, min_requests=100),)),
                                  _measures(tail), stable)
     assert verdict == "FAILED" and "rests on ten or more" in result.reason
+
+
+def _stalled(rng, latencies: np.ndarray, share: float) -> np.ndarray:
+    """A host stall over part of an interval: that share of the requests 10-30x slower."""
+    latencies = latencies.copy()
+    hit = rng.random(len(latencies)) < share
+    latencies[hit] *= rng.uniform(10, 30, hit.sum())
+    return latencies
+
+
+def test_a_slower_version_is_caught_in_the_interval_a_stall_lifted_the_stable_versions_p99():
+    """A stall that lifted the stable version's p99 in the first interval hid a version 2x slower
+    throughout (the ratio of that interval's p99s under the bound); against the median of the stable
+    version's recent intervals' p99s, it fails at once."""
+    rng = np.random.default_rng(11)
+    analysis = Analysis(interval_s=3, checks=(Check("p99_latency", 1.5, min_requests=100),))
+    hidden = caught = 0
+    for _ in range(100):
+        recent = [_measures(rng.lognormal(np.log(0.004), 0.35, 220)) for _ in range(3)]
+        stable = _measures(_stalled(rng, rng.lognormal(np.log(0.004), 0.35, 220), 0.03))
+        slower = _measures(rng.lognormal(np.log(0.008), 0.35, 220))
+        hidden += measure(analysis, slower, stable)[0] == "PASSED"
+        verdict, (result,) = measure(analysis, slower, stable, stable_recent=[m.p99_s for m in recent])
+        caught += verdict == "FAILED"
+    assert hidden > 30 and caught == 100, (hidden, caught)
+    assert "the median of the stable version's p99s in its last 3 intervals" in result.reason
+
+
+def test_an_aa_rollout_against_the_recent_stable_p99_is_rolled_back_in_under_one_analysis_in_a_hundred():
+    """Stalls of the host lift both versions at once (and each alone now and then): pooled with the
+    stable version's recent intervals, an A/A analysis still fails under one measurement in a hundred."""
+    rng = np.random.default_rng(12)
+    analysis = Analysis(interval_s=3, checks=(Check("error_rate", 0.01, min_requests=100),
+                                              Check("p99_latency", 1.5, min_requests=100)))
+    recent: list[float] = []
+    failed = 0
+    for _ in range(1000):
+        share = rng.choice([0.0, 0.0, 0.01, 0.03])  # this interval's stall, both versions alike
+        new = _measures(_stalled(rng, _loaded_host_latencies(rng, 220), share), errors=int(rng.binomial(220, 0.005)))
+        stable = _measures(_stalled(rng, _loaded_host_latencies(rng, 220), share),
+                           errors=int(rng.binomial(220, 0.005)))
+        failed += measure(analysis, new, stable, stable_recent=recent[-4:])[0] == "FAILED"
+        recent.append(stable.p99_s)
+    assert failed < 10, f"{failed} of 1000 A/A measurements failed"

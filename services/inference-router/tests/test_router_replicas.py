@@ -3,7 +3,8 @@ The one holding the ``inference-router`` lease writes the deployments; the other
 own worker, serves inference and forwards the deployment API. The leader is SIGKILLed under load: a
 client that retries on the other replica loses no request, the other takes the lease over, and a
 bundle committed after the failover is deployed once (by the new leader, from the bundles topic),
-served by both once the killed replica is back as a follower.
+served by both once the killed replica is back as a follower. A rollout's analyses, run by the
+leader, judge the follower's requests and its mirror's comparisons too.
 
 Real processes on the real broker, S3 and Redis; a bundle-store for autodeploy.
 """
@@ -31,6 +32,7 @@ from opml_devstack.testing.bus import poll_until, read_records
 from opml_devstack.testing.services import TOKENS, ServiceStarter
 from opml_inference_router.testing import mlp_config, write_model_dir
 from opml_inference_router_contract.client import DeploymentClient
+from opml_inference_router_contract.rollout_spec import ROLLOUT_FILE
 from opml_inference_router_contract.topics import DEPLOYMENTS
 
 FLEET = {"pool_kinds": [{"name": "cpu", "precisions": ["fp32"], "memory_mib": 2048, "slots": 2,
@@ -213,3 +215,69 @@ def test_a_leader_stalled_past_its_lease_steps_down_and_follows_its_successor(
         poll_until(lambda process=process: answers(process.target, "mlp", "2"), timeout_s=120,
                    what=f"mlp v2 answering at {process.target}")
     assert leads(second) and not leads(first)
+
+
+class FollowerTraffic:
+    """Requests of one row, one after another, to one replica only, until the block ends."""
+
+    def __init__(self, target: str, model: str) -> None:
+        self.target, self.model, self.sent, self.failed = target, model, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        tensor = triton.InferInput("features", [1, 16], "FP32")
+        tensor.set_data_from_numpy(np.ones((1, 16), np.float32))
+        with triton.InferenceServerClient(self.target) as client:
+            while not self._stop.wait(0.005):
+                self.sent += 1
+                try:
+                    client.infer(self.model, [tensor], client_timeout=10, headers=HEADERS)
+                except Exception:  # noqa: BLE001 - counted; the rollout judges them
+                    self.failed += 1
+
+    def __enter__(self) -> FollowerTraffic:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def test_the_leaders_analysis_judges_the_requests_and_mirror_of_a_follower(
+        start_service: ServiceStarter, tmp_path: Path) -> None:
+    """Every request goes to the follower: a shadow step's comparisons and a weight step's requests
+    are all the follower's, and the leader's analyses (which need 20 of each) pass on them."""
+    leader, follower = start_replicas(start_service, tmp_path, autodeploy=False)
+    assert leads(leader) and not leads(follower)
+    config = mlp_config("mlp", pool_kinds=("cpu",), precisions=("fp32",), max_queue_delay_us=None, p99_ms=2000.0)
+    first = write_model_dir(tmp_path / "v1", config)
+    second = write_model_dir(tmp_path / "v2", config)
+    spec = {"steps": [
+        {"shadow": {"percent": 100}},
+        {"analysis": {"interval_s": 1.0, "count": 2, "inconclusive_limit": 10,
+                      "checks": {"disagreement": {"max_share": 0.0, "min_requests": 20}}}},
+        {"weight": 50},
+        {"analysis": {"interval_s": 1.0, "count": 2, "inconclusive_limit": 10,
+                      "checks": {"error_rate": {"max_increase": 0.5, "min_requests": 20}}}}]}
+    (second / ROLLOUT_FILE).write_text(yaml.safe_dump(spec))
+    with DeploymentClient(leader[0].target, token=TOKENS["admin"]) as client:
+        client.deploy(model_dir=str(first))
+        poll_until(lambda: answers(follower[0].target, "mlp", "1"), timeout_s=120, what="mlp v1 at the follower")
+        with FollowerTraffic(follower[0].target, "mlp") as traffic:
+            poll_until(lambda: traffic.sent > 20, timeout_s=60, what="traffic at the follower")
+            client.deploy(model_dir=str(second))
+
+            def ended():
+                try:
+                    rollout = client.get_rollout("mlp")
+                except NotFound:
+                    return None
+                return rollout if rollout.phase != "RUNNING" else None
+
+            rollout = poll_until(ended, timeout_s=300, every_s=0.5, what="the rollout of mlp v2 to end")
+    assert rollout.phase == "PROMOTED", rollout
+    (error_rate,) = rollout.checks  # the last analysis' last measurement: the follower's requests of each
+    assert error_rate.verdict == "PASSED" and min(error_rate.new_requests, error_rate.stable_requests) >= 20
+    assert leads(leader) and not leads(follower)

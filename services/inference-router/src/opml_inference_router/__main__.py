@@ -32,10 +32,11 @@ from opml_inference_router.control import DeploymentManager, DeploymentStore, Ob
 from opml_inference_router.control.autodeploy import GROUP, SOURCES, AutoDeployer
 from opml_inference_router.control.bundles import BundleFetcher
 from opml_inference_router.control.decisions import DecisionLedger
-from opml_inference_router.control.progressive import ProgressiveRollouts, RolloutStore
+from opml_inference_router.control.progressive import Mirrors, ProgressiveRollouts, RolloutStore
 from opml_inference_router.control.quality import GROUP as QUALITY_GROUP
 from opml_inference_router.control.quality import SOURCES as QUALITY_SOURCES
 from opml_inference_router.control.quality import QualityBook, QualityConsumer, ScorerWindows
+from opml_inference_router.control.replica_measures import MeasuresReporter, ReplicaMeasures
 from opml_inference_router.control.worker_metrics import register_worker_metrics  # workers' metrics on ours
 from opml_inference_router.data_plane import DirectPlane
 from opml_inference_router.hosts.registry import HostRegistry
@@ -101,8 +102,10 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
     connect_hosts(hosts, manager)
     await service.start(hosts)
     quality = QualityBook(redis, prefix=prefix)
+    rollout_store = RolloutStore(redis, prefix=prefix, fence=(lambda: lease.fence) if lease is not None else None)
     rollouts = ProgressiveRollouts(
-        manager, store=RolloutStore(redis, prefix=prefix), events=await service.emitter(),
+        manager, store=rollout_store, events=await service.emitter(),
+        measures=ReplicaMeasures(router, redis, prefix=prefix) if lease is not None else None,
         quality=quality, ledger=DecisionLedger(settings.bundle_store_target, token=bundle_token), metrics=metrics,
         scorer=ScorerWindows(settings.monitoring_scorer_target,
                              token=settings.monitoring_scorer_token.get_secret_value() or None)
@@ -131,6 +134,8 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
                                       parts=tenure, metrics=metrics)
         await service.start(lease)
         await service.start(leadership)
+        await service.start(MeasuresReporter(router, redis, prefix=prefix, store=rollout_store, mirrors=Mirrors(manager),
+                                             replica=settings.advertised_target, leading=leadership.leading))
     inference = frontend.InferenceFrontend(router, predictions=predictions)
     service.on_draining(lambda: setattr(inference, "accepting", False))
     if settings.native_front:

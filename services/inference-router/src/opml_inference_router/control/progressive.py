@@ -35,6 +35,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,7 @@ from opml.inference.v1 import deployments_pb2 as pb
 
 from opml_common.errors import FailedPrecondition, NotFound, OpmlError
 from opml_common.events import EventEmitter
+from opml_common.lease import Fence, NotLeader
 from opml_common.lifecycle import Component, cancel_and_wait
 from opml_common.metrics import ServiceMetrics
 from opml_inference_router.control.analysis import (
@@ -55,9 +57,11 @@ from opml_inference_router.control.analysis import (
     measure,
     unconfirmed,
     verdict_of,
+    waiting,
 )
 from opml_inference_router.control.decisions import Decision, DecisionLedger
 from opml_inference_router.control.quality import Quality, QualityBook, ScorerWindows
+from opml_inference_router.control.replica_measures import LocalMeasures
 from opml_inference_router.control.state import SERVING
 from opml_inference_router.routing.shadow import Comparison
 from opml_inference_router.routing.window import Measures
@@ -81,6 +85,8 @@ log = logging.getLogger(__name__)
 RUNNING, PAUSED, ABORTED, PROMOTED = "RUNNING", "PAUSED", "ABORTED", "PROMOTED"
 ACTIVE = (RUNNING, PAUSED)
 _NOTHING = Measures(0, 0, None)
+RECENT_INTERVALS = 4
+"""The stable version's last intervals whose median p99 it is compared with too (:mod:`.analysis`)."""
 _RETRY_S = (1.0, 30.0)
 """First and longest wait before writing a pending decision again (the bundle-store unavailable)."""
 
@@ -128,15 +134,33 @@ class RolloutState:
                       "checks": [CheckResult(**c) for c in data["checks"]]})
 
 
-class RolloutStore:
-    """One JSON value per model in a Redis hash."""
+# KEYS: the rollouts' hash, [the fence]; ARGV: the fence's token ('' unfenced), the model, its state
+_SAVE = """
+if #KEYS == 2 and redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
+return 1
+"""
 
-    def __init__(self, redis: Any, *, prefix: str) -> None:
+
+class RolloutStore:
+    """One JSON value per model in a Redis hash. ``fence``: the lease's fence of the replica that
+    writes (router replicas: only the leader drives rollouts, and a deposed leader's late write is
+    refused in the same Lua script that makes it: ``NotLeader``); None: one router, the only writer."""
+
+    def __init__(self, redis: Any, *, prefix: str, fence: Callable[[], Fence] | None = None) -> None:
         self._redis = redis
         self._key = f"{prefix}inference-router:rollouts"
+        self._fence = fence
+        self._save = redis.register_script(_SAVE)
 
     async def save(self, state: RolloutState) -> None:
-        await self._redis.hset(self._key, state.model, json.dumps(state.to_dict()))
+        """Raises: NotLeader (the lease moved on: nothing was written)."""
+        fence = self._fence() if self._fence is not None else None
+        keys = [self._key] + ([fence.key] if fence is not None else [])
+        token = str(fence.token) if fence is not None else ""
+        if not await self._save(keys=keys, args=[token, state.model, json.dumps(state.to_dict())]):
+            raise NotLeader(f"the inference-router lease moved on (this tenure's fence {token}): the rollout of "
+                            f"models/{state.model} was not written")
 
     async def load(self) -> list[RolloutState]:
         stored = await self._redis.hgetall(self._key)
@@ -166,6 +190,51 @@ class RolloutMetrics:
                 pass
 
 
+class Mirrors:
+    """The shadow mirrors a router runs for rollouts (model -> the new version and the shadow step)."""
+
+    def __init__(self, manager: DeploymentManager) -> None:
+        self._manager = manager
+        self._running: dict[str, tuple[int, Shadow]] = {}
+
+    async def follow(self, state: RolloutState) -> None:
+        """Starts, changes or stops the router's mirror to what the current step has in force."""
+        shadow = state.spec.shadow_at(state.step)
+        if shadow is None:
+            await self.stop(state.model)
+            return
+        if self._running.get(state.model) == (state.version, shadow):
+            return
+        record = self._manager.models.get(state.model)
+        entry = record.versions.get(state.version) if record is not None else None
+        config = entry.config if entry is not None else None
+        output = next((o for o in config.outputs if o.name == shadow.output), config.outputs[0]) if config else None
+        kind = comparison_of(output, config.max_batch_size) if config is not None and output is not None else None
+        if kind is None:  # checked when deployed; a config that changed since cannot be mirrored
+            raise FailedPrecondition(f"version {state.version}'s output {shadow.output or '(first)'} cannot be "
+                                     f"compared, so it cannot be mirrored")
+        await self._manager.router.start_shadow(state.model, str(state.version), shadow.percent,
+                                                Comparison(output.name, kind, shadow.tolerance))  # type: ignore[union-attr]
+        self._running[state.model] = (state.version, shadow)
+        log.info("models/%s: mirroring %g%% of the stable version's requests to version %d", state.model,
+                 shadow.percent, state.version)
+
+    async def stop(self, model: str) -> None:
+        if self._running.pop(model, None) is not None:
+            await self._manager.router.stop_shadow(model)
+
+    async def keep_only(self, models: set[str]) -> None:
+        for model in [m for m in self._running if m not in models]:
+            await self.stop(model)
+
+    async def stop_all(self) -> None:
+        await self.keep_only(set())
+
+    def forget(self) -> None:
+        """Leaves the router's mirrors to another owner (this replica now leads)."""
+        self._running.clear()
+
+
 class ProgressiveRollouts(Component):
     """The rollouts of the ``manager``'s models (it calls :meth:`begin` on a deploy with a spec).
 
@@ -176,13 +245,15 @@ class ProgressiveRollouts(Component):
     the monitoring-scorer's windows (None: the estimated_accuracy and accuracy checks stay inconclusive);
     ``scorer``: where a quality check that failed is confirmed before the rollout aborts on it (None:
     the events' numbers are acted on as they are); ``metrics``: where :class:`RolloutMetrics` go (None:
-    not exported).
+    not exported); ``measures``: where an analysis reads the versions' measures (None: this router's
+    own; router replicas: :class:`~.replica_measures.ReplicaMeasures`).
     """
 
     def __init__(self, manager: DeploymentManager, *, store: RolloutStore | None = None,
                  events: EventEmitter | None = None, quality: QualityBook | None = None,
                  ledger: DecisionLedger | None = None, scorer: ScorerWindows | None = None,
-                 metrics: ServiceMetrics | None = None, clock: Callable[[], float] = time.time) -> None:
+                 metrics: ServiceMetrics | None = None, measures: LocalMeasures | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         super().__init__()
         self._manager = manager
         self._store = store
@@ -195,7 +266,8 @@ class ProgressiveRollouts(Component):
         self._states: dict[str, RolloutState] = {}
         self._tasks: dict[str, asyncio.Task] = {}
         self._writers: dict[str, asyncio.Task] = {}
-        self._mirrors: dict[str, tuple[int, Shadow]] = {}  # model -> the mirror this component started
+        self._mirrors = Mirrors(manager)
+        self._measures = measures or LocalMeasures(manager.router)
         manager.rollouts = self
 
     async def on_start(self) -> None:
@@ -292,23 +364,29 @@ class ProgressiveRollouts(Component):
 
     async def _run(self, state: RolloutState) -> None:
         try:
+            await self._carry(state)
+        except NotLeader as deposed:  # the next leader resumes it from what this tenure last wrote
+            log.warning("models/%s: the rollout stops here: %s", state.model, deposed.message)
+        finally:
+            if self._tasks.get(state.model) is asyncio.current_task():
+                del self._tasks[state.model]
+
+    async def _carry(self, state: RolloutState) -> None:
+        try:
             await self._walk(state)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, NotLeader):
             raise
         except OpmlError as error:
             await self._pause(state, f"step {state.step} could not be carried out: {error.message}")
         except Exception:  # noqa: BLE001 - a bug must pause the rollout, never leave it half-done unsaid
             log.exception("models/%s: rollout failed", state.model)
             await self._pause(state, f"step {state.step} failed unexpectedly; see the router's logs")
-        finally:
-            if self._tasks.get(state.model) is asyncio.current_task():
-                del self._tasks[state.model]
 
     async def _walk(self, state: RolloutState) -> None:
         while state.step < len(state.spec.steps):
             if await self._ended_outside(state):
                 return
-            await self._mirror(state)
+            await self._mirrors.follow(state)
             step = state.spec.steps[state.step]
             if not state.announced:
                 state.announced = True
@@ -331,7 +409,7 @@ class ProgressiveRollouts(Component):
             await self._save(state)
         if await self._ended_outside(state):
             return
-        await self._stop_mirror(state.model)
+        await self._mirrors.stop(state.model)
         await self._manager.promote(state.model, state.version)
         state.phase = PROMOTED
         self._decide(state, "promoted", PROMOTED, f"every step passed; version {state.version} takes all traffic",
@@ -343,19 +421,23 @@ class ProgressiveRollouts(Component):
 
     async def _analyse(self, state: RolloutState, analysis: Analysis) -> bool:
         """Measures until ``count`` measurements passed (True) or the limits stop the rollout (False)."""
-        router = self._manager.router
-        router.take_measures(state.model)  # the first interval starts now
-        router.take_shadow_measures(state.model)
+        before, _ = await self._measures.begin(state.model)  # the first interval starts now
+        recent: deque[float] = deque(maxlen=RECENT_INTERVALS)  # the stable version's p99 of each interval
+        if before.get(str(state.stable), _NOTHING).p99_s is not None:
+            recent.append(before[str(state.stable)].p99_s)  # type: ignore[arg-type]
         while state.measurements - state.failed - state.inconclusive < analysis.count:
             await asyncio.sleep(analysis.interval_s)
             if await self._ended_outside(state):
                 return False
-            measures = router.take_measures(state.model)
+            measures, shadow = await self._measures.take(state.model)
+            stable = measures.get(str(state.stable), _NOTHING)
             new_quality, stable_quality = await self._quality_of(state, analysis)
-            verdict, checks = measure(analysis, measures.get(str(state.version), _NOTHING),
-                                      measures.get(str(state.stable), _NOTHING),
-                                      shadow=router.take_shadow_measures(state.model),
-                                      new_quality=new_quality, stable_quality=stable_quality)
+            verdict, checks = measure(analysis, measures.get(str(state.version), _NOTHING), stable, shadow=shadow,
+                                      new_quality=new_quality, stable_quality=stable_quality,
+                                      stable_recent=tuple(recent))
+            if stable.p99_s is not None:
+                recent.append(stable.p99_s)
+            verdict = self._without_waiting(state, analysis, checks)
             if verdict == FAILED:
                 verdict, checks = await self._confirmed(state, analysis, checks)
             state.measurements += 1
@@ -388,6 +470,21 @@ class ProgressiveRollouts(Component):
         self._write_pending(state)
         return True
 
+    @staticmethod
+    def _without_waiting(state: RolloutState, analysis: Analysis, checks: list[CheckResult]) -> str:
+        """A measurement's verdict with the scorer's checks that wait for evidence left out: their
+        windows since the step began come as the scorer closes and labels them (a window of 1000
+        predictions takes 13 s at 75 requests/s, its labels what they take), so until then each
+        measurement is judged on the other checks, and counting them inconclusive paused a rollout
+        before the scorer had said anything. The analysis still passes only on them: the measurement
+        that would complete ``count`` while one still waits is inconclusive."""
+        judged = [c for c in checks if not waiting(c)]
+        if len(judged) == len(checks):
+            return verdict_of(checks)
+        verdict = verdict_of(judged) if judged else INCONCLUSIVE
+        passed = state.measurements - state.failed - state.inconclusive
+        return INCONCLUSIVE if verdict == PASSED and passed + 1 >= analysis.count else verdict
+
     async def _confirmed(self, state: RolloutState, analysis: Analysis,
                          checks: list[CheckResult]) -> tuple[str, list[CheckResult]]:
         """Events are hints: a quality check that failed on the scorer's events is judged again on the
@@ -417,34 +514,6 @@ class ProgressiveRollouts(Component):
             return Quality(), Quality()
         return (await self._quality.since(state.model, state.version, state.step_started),
                 await self._quality.since(state.model, state.stable, state.step_started))
-
-    # -- the mirror (shadow steps) ---------------------------------------------------------------
-
-    async def _mirror(self, state: RolloutState) -> None:
-        """Starts, changes or stops the router's mirror to what the current step has in force."""
-        shadow = state.spec.shadow_at(state.step)
-        if shadow is None:
-            await self._stop_mirror(state.model)
-            return
-        if self._mirrors.get(state.model) == (state.version, shadow):
-            return
-        record = self._manager.models.get(state.model)
-        entry = record.versions.get(state.version) if record is not None else None
-        config = entry.config if entry is not None else None
-        output = next((o for o in config.outputs if o.name == shadow.output), config.outputs[0]) if config else None
-        kind = comparison_of(output, config.max_batch_size) if config is not None and output is not None else None
-        if kind is None:  # checked when deployed; a config that changed since cannot be mirrored
-            raise FailedPrecondition(f"version {state.version}'s output {shadow.output or '(first)'} cannot be "
-                                     f"compared, so it cannot be mirrored")
-        await self._manager.router.start_shadow(state.model, str(state.version), shadow.percent,
-                                                Comparison(output.name, kind, shadow.tolerance))  # type: ignore[union-attr]
-        self._mirrors[state.model] = (state.version, shadow)
-        log.info("models/%s: mirroring %g%% of the stable version's requests to version %d", state.model,
-                 shadow.percent, state.version)
-
-    async def _stop_mirror(self, model: str) -> None:
-        if self._mirrors.pop(model, None) is not None:
-            await self._manager.router.stop_shadow(model)
 
     # -- decisions in the lineage ----------------------------------------------------------------
 
@@ -489,7 +558,11 @@ class ProgressiveRollouts(Component):
             except Exception:  # noqa: BLE001 - a bug must not end the writer with the rest unwritten
                 log.exception("models/%s: rollout decision %s was not written", state.model, decision.bundle_name)
             state.pending.pop(0)
-            await self._save(state)
+            try:
+                await self._save(state)
+            except NotLeader as deposed:  # the next leader writes what is pending (idempotent)
+                log.warning("models/%s: the rollout's decisions stop here: %s", state.model, deposed.message)
+                return
 
     def _advance(self, state: RolloutState) -> None:
         state.step += 1
@@ -511,7 +584,7 @@ class ProgressiveRollouts(Component):
                 reason = f"version {state.version} was made the stable one outside the rollout"
             else:
                 return False
-        await self._stop_mirror(state.model)
+        await self._mirrors.stop(state.model)
         state.phase, state.reason = ABORTED, reason
         self._decide(state, "aborted", ABORTED, reason, [])
         await self._save(state)
@@ -523,7 +596,7 @@ class ProgressiveRollouts(Component):
 
     async def _abort(self, state: RolloutState, reason: str, checks: list[CheckResult]) -> None:
         """All traffic back to the stable version at once, the new one retired; then the record."""
-        await self._stop_mirror(state.model)
+        await self._mirrors.stop(state.model)
         try:
             await self._manager.rollback(state.model)
         except OpmlError as error:  # the versions changed meanwhile: say so beside the reason

@@ -16,6 +16,9 @@ from collections.abc import Sequence
 
 SIGNIFICANCE = 0.01
 """The one-sided p-value under which a difference beyond a check's bound fails the check."""
+RECENT_SIGNIFICANCE = 0.001
+"""The p-value a p99 ratio beyond its bound only against the stable version's recent p99 (not this
+interval's, which a stall inflated) must be under: stricter, as that bound is passed more often by chance."""
 SELF_EVIDENT_P99_REQUESTS = 1000
 """Successful requests of each version from which a p99 rests on ten requests or more: a ratio beyond
 the bound is then judged alone, so a version slower only in its tail (the same median) is caught."""
