@@ -7,6 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
+from opml.bundles.v1 import bundles_pb2 as pb
+
+from opml_bundle_store_contract.client import BundleStoreClient
+from opml_common.errors import Unauthenticated
+from opml_devstack.testing.services import TOKENS
 
 
 @pytest.fixture
@@ -62,3 +67,23 @@ def test_disdat_workflow(opml, remote_url: str, tmp_path: Path) -> None:
 def test_usage_errors_are_clear(opml) -> None:
     assert "no context" in opml("bundle", "ls", expect_exit=2)
     assert "KEY=VALUE" in opml("bundle", "-c", "x", "add", "b", "--tag", "novalue", expect_exit=2)
+
+
+def test_a_grant_revoked_with_the_cli_is_refused_from_then_on(opml, bundle_store) -> None:
+    """A context of one store (not shared): the revocation is kept in its directory."""
+    opml("bundle", "context", "create", "automl")
+    with BundleStoreClient(bundle_store.target, token=TOKENS["writer"]) as writer:
+        issued = writer.stub.CreateUploadGrant(pb.CreateUploadGrantRequest(
+            parent="contexts/automl", bundle_name="trial-1", ttl_seconds=600, max_bytes=1000))
+    with BundleStoreClient(bundle_store.target, token=issued.token) as holder:
+        holder.add("automl", "trial-1", {"model.onnx": b"accepted"})
+        denied = opml("bundle", "-c", "automl", "grant", "revoke", issued.grant_id, token="reader", expect_exit=1)
+        assert "PERMISSION_DENIED" in denied and "writer" in denied
+        revoked = opml("bundle", "-c", "automl", "grant", "revoke", issued.grant_id, token="writer")
+        assert f"revoked upload grant {issued.grant_id} of context automl" in revoked
+        with pytest.raises(Unauthenticated, match=f"upload grant {issued.grant_id} was revoked"):
+            holder.add("automl", "trial-1", {"model.onnx": b"after"})
+        with pytest.raises(Unauthenticated, match="was revoked"):
+            holder.get_bundle("automl", "trial-1")
+    assert opml("bundle", "-c", "automl", "grant", "revoke", issued.grant_id) == revoked  # again: the same time
+    assert "grant_id" in opml("bundle", "-c", "automl", "grant", "revoke", "NOT-AN-ID", expect_exit=1)

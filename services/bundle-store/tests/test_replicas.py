@@ -19,7 +19,7 @@ import pytest
 from opml.bundles.v1 import bundles_pb2 as pb
 
 from opml_bundle_store_contract.client import BundleStoreClient
-from opml_common.errors import AlreadyExists, InvalidArgument, Unavailable
+from opml_common.errors import AlreadyExists, InvalidArgument, NotFound, Unauthenticated, Unavailable
 from opml_devstack.process import ServiceProcess
 from opml_devstack.testing.services import TOKENS, ServiceStarter
 
@@ -252,3 +252,61 @@ def test_one_idempotency_key_with_different_content_on_one_replica_is_refused(re
         a.add(CONTEXT, "repeated", {"model.onnx": b"first"}, tags={"other": "tag"}, idempotency_key="job-1")
     assert a.add(CONTEXT, "repeated", {"model.onnx": b"first"}, idempotency_key="job-1").uuid == first.uuid
     assert [x.uuid for x in a.list_bundles(CONTEXT, bundle_name="repeated")] == [first.uuid]
+
+
+def test_a_grant_revoked_through_one_replica_is_refused_at_once_by_both(processes, replicas) -> None:
+    """Revocation lives in the shared context's remote: the grant is refused by the replica that did not
+    revoke it, right away, an upload in flight when it was revoked included; other grants go on."""
+    a, b = replicas
+    issued = a.stub.CreateUploadGrant(pb.CreateUploadGrantRequest(
+        parent=f"contexts/{CONTEXT}", bundle_name="trial-9", ttl_seconds=600, max_bytes=1 << 20))
+    kept = a.create_upload_grant(CONTEXT, "trial-9", ttl_s=600, max_bytes=1 << 20)
+    holders = [BundleStoreClient(process.target, token=issued.token) for process in processes]
+    uploaded = holders[0].add(CONTEXT, "trial-9", {"model.onnx": b"before"})
+    for holder in holders:  # both replicas accept it, and have seen it accepted
+        assert [x.uuid for x in holder.list_bundles(CONTEXT, bundle_name="trial-9")] == [uploaded.uuid]
+
+    chunk_sent, revoked = threading.Event(), threading.Event()
+    data = b"during" * 1000
+    header = pb.AddBundleHeader(parent=f"contexts/{CONTEXT}", bundle_name="trial-9", files=[
+        pb.BundleFile(path="model.onnx", sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data))])
+
+    def requests():
+        yield pb.AddBundleRequest(header=header)
+        yield pb.AddBundleRequest(chunk=pb.FileChunk(file_index=0, data=data[:100]))
+        chunk_sent.set()
+        revoked.wait()
+        yield pb.AddBundleRequest(chunk=pb.FileChunk(file_index=0, data=data[100:]))
+
+    with ThreadPoolExecutor(1) as pool:
+        in_flight = pool.submit(holders[0].stub.AddBundle, requests())
+        assert chunk_sent.wait(60)
+        reply = b.revoke_upload_grant(CONTEXT, issued.grant_id)  # through the replica the upload is not on
+        revoked.set()
+        with pytest.raises(Unauthenticated, match=f"upload grant {issued.grant_id} was revoked"):
+            in_flight.result()
+    assert reply.grant_id == issued.grant_id and reply.revoke_time.seconds > 0
+
+    for holder in holders:
+        calls = {"add": lambda h=holder: h.add(CONTEXT, "trial-9", {"model.onnx": b"after"}),
+                 "get": lambda h=holder: h.get_bundle(CONTEXT, uploaded.uuid),
+                 "list": lambda h=holder: h.list_bundles(CONTEXT, bundle_name="trial-9")}
+        for what, call in calls.items():
+            with pytest.raises(Unauthenticated, match=f"upload grant {issued.grant_id} was revoked") as caught:
+                call()
+            assert issued.token not in caught.value.message, what
+        holder.close()
+    for replica in (a, b):  # again, through either: the first revocation's time
+        again = replica.revoke_upload_grant(CONTEXT, issued.grant_id)
+        assert (again.grant_id, again.revoke_time) == (issued.grant_id, reply.revoke_time)
+    with BundleStoreClient(b.target, token=kept) as other:  # another grant of the name is not touched
+        assert other.add(CONTEXT, "trial-9", {"model.onnx": b"other grant"}).bundle_name == "trial-9"
+    listed = {x.content_hash for x in a.list_bundles(CONTEXT, bundle_name="trial-9")}
+    assert uploaded.content_hash in listed and len(listed) == 2  # what it uploaded before stays; nothing during
+    with pytest.raises(InvalidArgument) as caught:
+        a.stub.RevokeUploadGrant(pb.RevokeUploadGrantRequest(parent="models", grant_id="../x"))
+    assert {field for field, _ in caught.value.violations} == {"parent", "grant_id"}
+    with pytest.raises(NotFound):
+        a.revoke_upload_grant("nowhere", issued.grant_id)
+    for process in processes:
+        assert issued.token not in process.log_path.read_text()

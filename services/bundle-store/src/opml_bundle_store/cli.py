@@ -274,6 +274,23 @@ def gc(session: ClientSession, remote: bool, grace: int, dry_run: bool) -> None:
     console.print(f"{verb} {report.blobs_removed} blobs ({report.bytes_freed} bytes); kept {report.blobs_kept}")
 
 
+@bundle.group("grant")
+def grant_group() -> None:
+    """Upload grants: the scoped tokens a job uploads its bundle with."""
+
+
+@grant_group.command("revoke")
+@click.argument("grant_id")
+@pass_session
+def grant_revoke(session: ClientSession, grant_id: str) -> None:
+    """Refuse the upload grant GRANT_ID of the context on every replica from now on."""
+    context = _context(session)
+    with session.client() as client:
+        revoked = client.revoke_upload_grant(context, grant_id)
+    console.print(f"revoked upload grant {revoked.grant_id} of context {context} "
+                  f"(since {revoked.revoke_time.ToDatetime().isoformat()}Z)")
+
+
 @bundle.command("lineage")
 @click.argument("ref")
 @click.option("--direction", type=click.Choice(["up", "down", "both"]), default="both", show_default=True)

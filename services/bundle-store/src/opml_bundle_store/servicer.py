@@ -26,7 +26,7 @@ from opml_bundle_store.core.rules import validate_bundle_name, validate_idempote
 from opml_bundle_store.core.store import BundleStore
 from opml_bundle_store_contract.paths import validate_bundle_paths
 from opml_bundle_store_contract.values import value_from_proto
-from opml_common.errors import InvalidArgument, NotFound, PermissionDenied
+from opml_common.errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated
 from opml_common.grpc.interceptors import Principal, Scope, current_principal
 from opml_common.metrics import ServiceMetrics
 from opml_common.pagination import paginate
@@ -42,7 +42,7 @@ METHOD_ROLES = {
     "ReadBundleFile": "reader", "GetLineage": "reader",
     "CreateContext": "writer", "UpdateContextRemote": "writer", "AddBundle": "writer", "CommitBundle": "writer",
     "PushBundles": "writer", "PullBundles": "writer",
-    "CreateUploadGrant": "writer",
+    "CreateUploadGrant": "writer", "RevokeUploadGrant": "writer",
     "DeleteBundle": "admin", "GarbageCollect": "admin",
 }
 
@@ -81,6 +81,7 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
         moved = metrics.counter("transfer_bytes_total", "Bytes moved, by direction.", ("direction",))
         self._bytes = {direction: moved.labels(direction) for direction in TRANSFER_DIRECTIONS}
         self._grants = metrics.counter("upload_grants_total", "Upload grants issued.")
+        self._revocations = metrics.counter("upload_grants_revoked_total", "Upload grants revoked (RevokeUploadGrant).")
 
     # -- upload grants ----------------------------------------------------------------------
 
@@ -122,6 +123,33 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
         return pb.UploadGrant(token=token, grant_id=grant.grant_id,
                               expire_time=Timestamp(seconds=int(grant.expires_at)))
 
+    async def RevokeUploadGrant(self, request: pb.RevokeUploadGrantRequest, context) -> pb.RevokedUploadGrant:
+        violations: list[tuple[str, str]] = []
+        context_id = ""
+        try:
+            context_id = parse_context_name("parent", request.parent)
+        except InvalidArgument as error:
+            violations.extend(error.violations)
+        try:
+            grants.validate_grant_id(request.grant_id)
+        except InvalidArgument as error:
+            violations.extend(error.violations)
+        if violations:
+            raise InvalidArgument.of(violations)
+        revoked_at = await asyncio.to_thread(self._store.revoke_upload_grant, context_id, request.grant_id)
+        self._revocations.inc()
+        log.info("upload grant revoked", extra={"grant": request.grant_id, "context": context_id,
+                                                "principal": current_principal().name})
+        stamp = Timestamp()
+        stamp.FromDatetime(revoked_at)
+        return pb.RevokedUploadGrant(grant_id=request.grant_id, revoke_time=stamp)
+
+    def _refuse_revoked(self, grant: UploadGrant) -> None:
+        """Raises Unauthenticated when ``grant`` was revoked (through any replica: the revocation is kept
+        with its context, on the remote of a shared one). Blocking: call it off the event loop."""
+        if self._store.upload_grant_revoked(grant.context_id, grant.grant_id):
+            raise Unauthenticated(f"upload grant {grant.grant_id} was revoked; ask its issuer for a new one")
+
     # -- contexts ---------------------------------------------------------------------------
 
     async def CreateContext(self, request: pb.CreateContextRequest, context) -> pb.Context:
@@ -159,6 +187,7 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
             if declared > grant.max_bytes:
                 raise PermissionDenied(f"the bundle declares {declared} bytes, more than the {grant.max_bytes} "
                                        f"{grant.describe()} allows")
+            await asyncio.to_thread(self._refuse_revoked, grant)
         # The creator is who called, whatever the client wrote there.
         lineage = dataclasses.replace(lineage_from_proto(header.lineage, "header.lineage"),
                                       creator=current_principal().name)
@@ -177,6 +206,8 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
                     writer.add_file(spec.path, upload.chunks_of(index), media_type=spec.media_type or None,
                                     expected_sha256=spec.sha256 or None, expected_size=spec.size_bytes)
                 upload.expect_end()
+                if grant is not None:  # revoked while it uploaded: nothing of it becomes visible
+                    self._refuse_revoked(grant)
                 return writer.finish(commit=header.commit)
 
         writer_task = asyncio.ensure_future(asyncio.to_thread(write))
@@ -201,6 +232,7 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
             if not request.bundle_name:
                 raise PermissionDenied(f"{grant.describe()} lists only its own bundle name: set bundle_name")
             _check_grant(grant, context_id, request.bundle_name)
+            await asyncio.to_thread(self._refuse_revoked, grant)
         bundles = await asyncio.to_thread(
             self._store.list_bundles, context_id, bundle_name=request.bundle_name or None,
             tags=dict(request.tags) or None, committed_only=request.committed_only, latest_only=request.latest_only)
@@ -214,6 +246,7 @@ class BundleStoreServicer(bundles_pb2_grpc.BundleStoreServicer):
         grant = _grant()
         if grant is not None:
             _check_grant(grant, context_id, grant.bundle_name)
+            await asyncio.to_thread(self._refuse_revoked, grant)
         try:
             bundle = await asyncio.to_thread(self._store.get_bundle, context_id, ref)
         except NotFound:

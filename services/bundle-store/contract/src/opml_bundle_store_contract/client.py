@@ -171,6 +171,13 @@ class BundleStoreClient(ServiceClient):
         return self.stub.CreateUploadGrant(pb.CreateUploadGrantRequest(
             parent=f"contexts/{context_id}", bundle_name=bundle_name, ttl_seconds=ttl_s, max_bytes=max_bytes)).token
 
+    def revoke_upload_grant(self, context_id: str, grant_id: str) -> pb.RevokedUploadGrant:
+        """Revoke the upload grant ``grant_id`` (``UploadGrant.grant_id``, what logs name) of ``context_id``
+        before it expires: every replica refuses it from now on, an upload in flight with it too. Its
+        issuer calls it once the job it was given to is over."""
+        return self.stub.RevokeUploadGrant(pb.RevokeUploadGrantRequest(parent=f"contexts/{context_id}",
+                                                                       grant_id=grant_id))
+
     def lineage(self, context_id: str, ref: str, *, direction: int = pb.GetLineageRequest.BOTH,
                 max_depth: int = 0) -> pb.LineageGraph:
         return self.stub.GetLineage(pb.GetLineageRequest(

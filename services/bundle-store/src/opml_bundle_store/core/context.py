@@ -37,6 +37,8 @@ class ContextState:
         self.pull_lock = threading.Lock()
         self.bundles: dict[str, Bundle] = {}
         self.last_time: datetime | None = None
+        self.revoked_grants: set[str] = set()
+        """Upload grants of the context seen revoked (for good, so remembered; one not seen is looked up)."""
         self.shared = False
         """Served by several stores through its remote (:meth:`BundleStore.share_context`): the remote
         is the truth for its committed bundles, commits are written through, reads merge the remote."""

@@ -11,7 +11,9 @@ nothing else.
 The token is self-contained: ``opmlgrant1.<payload>.<signature>``, the payload the grant as compact
 JSON (base64url, no padding), the signature an HMAC-SHA256 of the payload with :class:`GrantKeys`
 (purpose-tagged, so no manifest signature passes for a grant). The store keeps no state for it, so any
-replica holding the same keys accepts it, and a restart loses none. Its id (random, in the payload)
+replica holding the same keys accepts it, and a restart loses none; only a revocation is kept, with the
+grant's context (:meth:`BundleStore.revoke_upload_grant`: on the remote of a shared context), so every
+replica refuses a revoked grant at its next call. Its id (random, in the payload)
 names it in logs and audit lines (the principal ``upload-grant:{id}``); the token itself is never
 logged nor quoted in an error.
 """
@@ -21,11 +23,13 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 import secrets
 from dataclasses import dataclass
+from typing import Any
 
 from opml_bundle_store.core.signing import SigningKeys
-from opml_common.errors import Unauthenticated
+from opml_common.errors import InvalidArgument, Unauthenticated
 
 TOKEN_PREFIX = "opmlgrant1."
 """What every grant starts with (and no configured token need): how the store tells one apart."""
@@ -33,6 +37,7 @@ MAX_TOKEN_CHARS = 2048
 """Longer bearer tokens are not grants (bounded before any decoding)."""
 MAX_TTL_S = 7 * 24 * 3600
 _PURPOSE = "opml.bundles.v1.upload-grant"
+_GRANT_ID = re.compile(r"[0-9a-f]{16}")
 
 
 class GrantKeys(SigningKeys):
@@ -99,6 +104,14 @@ def verify(keys: GrantKeys, token: str, *, now: float) -> UploadGrant | None:
     if now >= grant.expires_at:
         raise Unauthenticated(f"upload grant {grant.grant_id} expired; ask for a new one")
     return grant
+
+
+def validate_grant_id(value: Any, field: str = "grant_id") -> str:
+    """A grant's id as :func:`issue` makes it: 16 lowercase hex digits (so it names a file or an S3 key as is)."""
+    if not isinstance(value, str) or not _GRANT_ID.fullmatch(value):
+        raise InvalidArgument(field, f"`{field}` must be an upload grant's id, 16 lowercase hex digits, but got "
+                                     f"{value!r:.40}")
+    return value
 
 
 def _b64(data: bytes) -> str:

@@ -8,6 +8,7 @@
     staging/<writer>/       files of adds in progress; moved into objects/ when the add finishes
     tmp/                    downloads in progress; moved into objects/ once verified
     uploads/<sha256>.json   multipart uploads in progress (upload id), kept so a re-push resumes
+    revoked-grants/<id>     upload grants of the context revoked (their revocation time, JSON)
 
 Every file that others read is written to a temporary name in the same directory, fsynced and
 renamed, so a crash leaves either the old or the new file, never half of one. Temporary names
@@ -133,6 +134,7 @@ class ContextDir:
         self.staging = root / "staging"
         self.tmp = root / "tmp"
         self.uploads = root / "uploads"
+        self.revoked_grants = root / "revoked-grants"
 
     def create_dirs(self) -> None:
         for path in (self.objects, self.bundles, self.staging, self.tmp, self.uploads):
@@ -153,6 +155,10 @@ class ContextDir:
         if not canonical:
             raise ValueError(f"a manifest is named by a canonical UUID, not {bundle_uuid!r}")
         return self.bundles / f"{bundle_uuid}.json"
+
+    def revoked_grant_path(self, grant_id: str) -> Path:
+        """``revoked-grants/<id>``; ``grant_id`` is checked first (16 hex digits), so it stays there."""
+        return self.revoked_grants / grant_id
 
     def upload_state_path(self, sha256: str) -> Path:
         return self.uploads / f"{sha256}.json"

@@ -4,6 +4,7 @@ Under ``s3://bucket/prefix``::
 
     prefix/objects/<sha256>                 content-addressed blobs (one per distinct content)
     prefix/bundles/<name>/<uuid>.json       one manifest per pushed bundle version
+    prefix/grants/revoked/<id>              an upload grant of a shared context, revoked
 
 A manifest is written only after every blob it names is in place, so a reader that sees a
 manifest can fetch all of its files; a push that dies halfway leaves blobs but no manifest. Its
@@ -176,6 +177,10 @@ class S3Remote:
     def staged_key(self, bundle_name: str, bundle_uuid: str) -> str:
         """Where a shared context keeps an uncommitted bundle's manifest until it is committed."""
         return f"{self.staging_prefix}{bundle_name}/{bundle_uuid}.json"
+
+    def revoked_grant_key(self, grant_id: str) -> str:
+        """Where a shared context records an upload grant's revocation (``grant_id`` checked first)."""
+        return f"{self._base}grants/revoked/{grant_id}"
 
     # -- bucket --------------------------------------------------------------------------------
 

@@ -31,14 +31,16 @@ import threading
 import uuid as uuid_mod
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from minio import Minio
 
 from opml_bundle_store.core import gc
-from opml_bundle_store.core.context import ContextState, load_context
+from opml_bundle_store.core.context import ContextState, load_context, now
 from opml_bundle_store.core.events import COMMITTED, DELETED, PUSHED, BundleEvents, Intent
+from opml_bundle_store.core.grants import validate_grant_id
 from opml_bundle_store.core.layout import ContextDir, atomic_write, fsync_dir
 from opml_bundle_store.core.lineage import lineage_graph
 from opml_bundle_store.core.manifest import (
@@ -694,6 +696,66 @@ class BundleStore:
                                      staging_ttl_s=self._staging_ttl_s, dry_run=dry_run)
         return gc.collect_local(ctx, grace_s=grace_s, dry_run=dry_run)
 
+    # -- upload grants -------------------------------------------------------------------------
+
+    def revoke_upload_grant(self, context_id: str, grant_id: str) -> datetime:
+        """Record that the upload grant ``grant_id`` of ``context_id`` is revoked, where every store
+        serving the context looks at each of its holder's calls (:meth:`upload_grant_revoked`): on the
+        remote of a shared context (``grants/revoked/<id>``), and in the context's directory. Revoking it
+        again changes nothing. Returns when it was first revoked (here, or by another store).
+
+        Raises: InvalidArgument (``grant_id``), NotFound (context), Unavailable (a shared context's remote).
+        """
+        ctx = self._context(context_id)
+        validate_grant_id(grant_id)
+        path = ctx.dir.revoked_grant_path(grant_id)
+        with ctx.lock:
+            if path.exists():  # revoked here before (on the remote first, if shared)
+                ctx.revoked_grants.add(grant_id)
+                return _revoke_time(path.read_bytes())
+        revoked_at = None
+        if ctx.shared:
+            remote = self._context_remote(ctx)
+            key = remote.revoked_grant_key(grant_id)
+            if remote.stat(key) is not None:  # revoked by another store: its time
+                record = bytearray()
+                remote.read_into(key, record.extend, length=4096)  # a revocation is ~80 bytes
+                revoked_at = _revoke_time(bytes(record))
+            else:
+                revoked_at = now()
+                remote.put_bytes(key, _revocation(grant_id, revoked_at), sha256=None, content_type="application/json")
+        with ctx.lock:
+            if path.exists():  # revoked here meanwhile
+                revoked_at = _revoke_time(path.read_bytes())
+            else:
+                revoked_at = revoked_at or now()
+                path.parent.mkdir(exist_ok=True)
+                atomic_write(path, _revocation(grant_id, revoked_at))
+            ctx.revoked_grants.add(grant_id)
+        log.info("context %s: upload grant %s revoked", ctx.id, grant_id)
+        return revoked_at
+
+    def upload_grant_revoked(self, context_id: str, grant_id: str) -> bool:
+        """Whether the upload grant ``grant_id`` of ``context_id`` was revoked, by any store serving the
+        context: a shared context's remote is asked each time (one HEAD) until it says so, which is then
+        remembered (a revocation is for good).
+
+        Raises: InvalidArgument, NotFound (context), Unavailable (a shared context's remote).
+        """
+        ctx = self._context(context_id)
+        validate_grant_id(grant_id)
+        with ctx.lock:
+            if grant_id in ctx.revoked_grants:
+                return True
+            revoked = ctx.dir.revoked_grant_path(grant_id).exists()
+        if not revoked and ctx.shared:
+            remote = self._context_remote(ctx)
+            revoked = remote.stat(remote.revoked_grant_key(grant_id)) is not None
+        if revoked:
+            with ctx.lock:
+                ctx.revoked_grants.add(grant_id)
+        return revoked
+
     # -- lineage -------------------------------------------------------------------------------
 
     def lineage(
@@ -715,6 +777,18 @@ class BundleStore:
 
 
 # ----------------------------------------------------------------------------------------------
+
+
+def _revocation(grant_id: str, revoked_at: datetime) -> bytes:
+    return json.dumps({"grant_id": grant_id, "revoke_time": revoked_at.isoformat()}).encode()
+
+
+def _revoke_time(record: bytes) -> datetime:
+    """When a revocation (:func:`_revocation`) was made. Raises DataLoss when it is no revocation."""
+    try:
+        return datetime.fromisoformat(json.loads(record)["revoke_time"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DataLoss(f"an upload grant's revocation record is corrupt: {exc}") from None
 
 
 def _verified_chunks(handle: Any, bundle: Bundle, entry: FileEntry, chunk_size: int) -> Iterator[bytes]:
