@@ -6,8 +6,11 @@
    model (``--mb`` MB of weights) is deployed with three replicas, one per site; the router's own
    metrics give the bytes each site received and the seconds they took. Baseline: the cloud host.
 2. **p99 at the edge.** From inside the edge site, ``--requests`` one-row requests to the edge
-   agent's own KServe front, then as many to the router across the link (which serves them from any
-   of its three replicas). Baseline: through the router.
+   agent's own KServe front, then as many to the router across the link: as they come (the router
+   answers from the nearest site, its own worker), then naming the edge as their site (the edge's
+   replica answers, so each crosses the link twice). Then from the router's machine (the cloud
+   side), as they come and naming the edge. The router's ``site_answers_total`` says where each
+   row was answered. Baseline: a client at the edge through the router.
 3. **Placement decisions per second** with ``--hosts`` simulated hosts in ``--sites`` sites (measured
    links from 0.2 to 80 ms, 1000 to 10 Mbit/s) and ``--models`` models, the real Planner with the site
    rule and nearest-first ranking; baseline: the same Planner and fleet without sites.
@@ -65,7 +68,7 @@ LATENCY_PROGRAM = """
 import json, sys, time
 import numpy as np
 import tritonclient.grpc as triton
-target, count, token = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+target, count, token, site = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 seconds = []
 with triton.InferenceServerClient(target) as client:
     deadline = time.monotonic() + 60  # the agent routes what its workers serve from its next heartbeat on
@@ -77,7 +80,8 @@ with triton.InferenceServerClient(target) as client:
     tensor.set_data_from_numpy(np.ones((1, 16), np.float32))
     for index in range(count + 20):
         began = time.perf_counter()
-        client.infer("sites", [tensor], client_timeout=10.0, headers={"authorization": f"Bearer {token}"})
+        client.infer("sites", [tensor], client_timeout=10.0, headers={"authorization": f"Bearer {token}"},
+                     parameters={"site": site} if site else None)
         if index >= 20:
             seconds.append(time.perf_counter() - began)
 seconds.sort()
@@ -92,6 +96,14 @@ def metric(port: int, name: str, **labels: str) -> float:
         if line.startswith(wanted + " "):
             return float(line.rsplit(" ", 1)[1])
     return float("nan")
+
+
+def answers(port: int, site: str) -> float:
+    """Requests of the bench's model the router answered from a replica at ``site``."""
+    page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+               if line.startswith("opml_inference_router_site_answers_total{") and 'model="sites"' in line
+               and f'site="{site}"' in line)
 
 
 def wait(predicate, what: str, timeout_s: float = 120.0) -> None:
@@ -166,19 +178,32 @@ def sites_part(args: argparse.Namespace) -> None:
                     sent, seconds = moved[site]
                     print(f"| {site} | {link} | {sent:.0f} | {seconds:.2f} | {sent / seconds / 1e6:.2f} "
                           f"| {seconds / moved['cloud'][1]:.1f} |")
+                at_router = f"{edge.gateway}:{relay.listen(edge.gateway)}"
+                rows = (("at the edge", "its site's agent", f"127.0.0.1:{AGENT_PORT}", "", edge),
+                        ("at the edge", "through the router (nearest site)", at_router, "", edge),
+                        ("at the edge", "through the router, naming site edge", at_router, "edge", edge),
+                        ("at the router", "through the router (nearest site)", router.target, "", None),
+                        ("at the router", "through the router, naming site edge", router.target, "edge", None))
                 latency = {}
-                for name, target in (("at the edge (its agent)", f"127.0.0.1:{AGENT_PORT}"),
-                                     ("through the router", f"{edge.gateway}:{relay.listen(edge.gateway)}")):
-                    out = subprocess.run(edge.exec(sys.executable, "-c", LATENCY_PROGRAM, target, str(args.requests),
-                                                   TOKENS["writer"]), capture_output=True, text=True, timeout=600)
+                for client_at, path, target, site, namespace in rows:
+                    before = {s: answers(metrics_port, s) for s in ("local", "cloud", "edge")}
+                    command = [sys.executable, "-c", LATENCY_PROGRAM, target, str(args.requests), TOKENS["writer"],
+                               site]
+                    out = subprocess.run(namespace.exec(*command) if namespace is not None else command,
+                                         capture_output=True, text=True, timeout=600)
                     if out.returncode:
                         raise SystemExit(out.stderr)
-                    latency[name] = json.loads(out.stdout)
-                base = latency["through the router"]["p99"]
-                print(f"\n## p99 for a client at the edge site ({args.requests} one-row requests each)\n")
-                print("| path | p50 ms | p99 ms | p99 / through the router |\n|---|---|---|---|")
-                for name, seen in latency.items():
-                    print(f"| {name} | {seen['p50'] * 1000:.1f} | {seen['p99'] * 1000:.1f} | {seen['p99'] / base:.2f} |")
+                    where = {s: answers(metrics_port, s) - before[s] for s in before}
+                    latency[(client_at, path)] = (json.loads(out.stdout), where)
+                base = latency[("at the edge", "through the router (nearest site)")][0]["p99"]
+                print(f"\n## p99 by where the client is and where it is answered ({args.requests} one-row requests "
+                      f"each; load average {os.getloadavg()[0]:.1f})\n")
+                print("| client | path | answered at (router's count) | p50 ms | p99 ms | p99 / edge through the router |"
+                      "\n|---|---|---|---|---|---|")
+                for (client_at, path), (seen, where) in latency.items():
+                    answered = ", ".join(f"{s} {n:.0f}" for s, n in where.items() if n) or "the edge's agent"
+                    print(f"| {client_at} | {path} | {answered} | {seen['p50'] * 1000:.1f} | {seen['p99'] * 1000:.1f} "
+                          f"| {seen['p99'] / base:.2f} |")
             finally:
                 for agent in agents:
                     agent.terminate()
