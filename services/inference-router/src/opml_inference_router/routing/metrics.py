@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from prometheus_client import Counter
+
 from opml_common.metrics import ServiceMetrics
-from opml_inference_router.routing.replicas import ReplicaState
+from opml_inference_router.routing.replicas import LOCAL_SITE, ReplicaState
 from opml_inference_router.routing.window import OutcomeWindow
 
 
@@ -68,13 +70,13 @@ class VersionMetrics:
         self.retries = owner.retries.labels(model, version)
         self.waits = owner.waits.labels(model, version)
         self.window = OutcomeWindow()
-        self._sites: dict[str, object] = {}  # site -> its site_answers child, resolved on its first answer
+        self._sites: dict[str, Counter] = {}  # site -> its site_answers child, resolved on its first answer
 
-    def answered(self, seconds: float, site: str = "local") -> None:
+    def answered(self, seconds: float, site: str = LOCAL_SITE) -> None:
         child = self._sites.get(site)
         if child is None:
             child = self._sites[site] = self._owner.site_answers.labels(self.model, self.version, site)
-        child.inc()  # type: ignore[attr-defined]
+        child.inc()
         self.ok.inc()
         self.duration.observe(seconds)
         self.window.answered(seconds)

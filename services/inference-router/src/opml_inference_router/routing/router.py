@@ -38,7 +38,15 @@ from opml_inference_router.routing.errors import DeadlineExceeded, ReplicaFailed
 from opml_inference_router.routing.limits import DEFAULT_GRPC_MAX_RECEIVE_BYTES, DEFAULT_MAX_REQUEST_BYTES, RequestLimit
 from opml_inference_router.routing.metrics import RouterMetrics, VersionMetrics
 from opml_inference_router.routing.policy import ModelPolicy
-from opml_inference_router.routing.replicas import MAX_SITE_NAME, Clock, Replica, ReplicaSet, ReplicaState, Sites
+from opml_inference_router.routing.replicas import (
+    LOCAL_SITE,
+    MAX_SITE_NAME,
+    Clock,
+    Replica,
+    ReplicaSet,
+    ReplicaState,
+    Sites,
+)
 from opml_inference_router.routing.shadow import (
     DEFAULT_MAX_IN_FLIGHT,
     Comparison,
@@ -69,7 +77,7 @@ class Routed:
     replica: str
     attempts: int
     backup_won: bool
-    site: str = "local"
+    site: str = LOCAL_SITE
 
 
 class _Version:

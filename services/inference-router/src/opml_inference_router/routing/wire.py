@@ -58,6 +58,17 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
             raise MalformedMessage("varint longer than 10 bytes")
 
 
+def _skip(data: bytes, pos: int, number: int, wire_type: int) -> int:
+    """Where a field that is not length-delimited ends (its value starts at ``pos``)."""
+    if wire_type == 0:
+        return _varint(data, pos)[1]
+    if wire_type == 1:
+        return pos + 8
+    if wire_type == 5:
+        return pos + 4
+    raise MalformedMessage(f"unsupported wire type {wire_type} for field {number}")
+
+
 def read_header(data: bytes, *, max_fields: int = MAX_FIELDS) -> Header:
     """The model name, version and request id of a serialized ModelInferRequest (or Response).
 
@@ -93,14 +104,8 @@ def read_header(data: bytes, *, max_fields: int = MAX_FIELDS) -> Header:
                 except UnicodeDecodeError as exc:
                     raise MalformedMessage(f"field {number} is not a UTF-8 string") from exc
             pos += length
-        elif wire_type == 0:
-            _, pos = _varint(data, pos)
-        elif wire_type == 1:
-            pos += 8
-        elif wire_type == 5:
-            pos += 4
         else:
-            raise MalformedMessage(f"unsupported wire type {wire_type} for field {number}")
+            pos = _skip(data, pos, number, wire_type)
     if pos != end:
         raise MalformedMessage("the last field runs past the end of the message")
     return Header(*fields)
@@ -120,14 +125,8 @@ def _fields(data: bytes, max_fields: int) -> list[tuple[int, int, int, int]]:
         if wire_type == 2:
             length, start = _varint(data, pos)
             pos = start + length
-        elif wire_type == 0:
-            _, pos = _varint(data, pos)
-        elif wire_type == 1:
-            pos += 8
-        elif wire_type == 5:
-            pos += 4
         else:
-            raise MalformedMessage(f"unsupported wire type {wire_type} for field {number}")
+            pos = _skip(data, pos, number, wire_type)
         if pos > end:
             raise MalformedMessage(f"field {number} runs past the end of the message")
         found.append((number, wire_type, start, pos))
