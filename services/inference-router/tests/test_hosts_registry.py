@@ -91,7 +91,19 @@ async def test_a_silent_host_is_lost_its_workers_refused_and_its_calls_severed_u
             pass
 
     replica = hosts.connector(lambda address: Hanging())("10.1.1.2:7001")
-    assert isinstance(replica, SeverableReplica)
+    assert isinstance(replica, SeverableReplica) and replica.site == "edge"  # the router ranks it by its site
+    assert hosts.connector(lambda address: Hanging())("uds:/w.sock").site == "local"  # the router's own worker
+
+    # each link measured gives the router every site's round trip, for its nearest-first choice
+    links: list[dict[str, float]] = []
+    hosts.on_links = links.append
+
+    async def probe(nbytes: int = 0) -> float:
+        return 0.04 if nbytes == 0 else 0.05
+
+    hosts.hosts["h1"].agent.probe = probe  # type: ignore[method-assign]
+    await hosts._probe(hosts.hosts["h1"])
+    assert links == [{"edge": pytest.approx(40.0)}]
     call = asyncio.ensure_future(replica.call("ModelInfer", b"", timeout_s=60))
     await asyncio.sleep(0)  # the call is in flight
 
