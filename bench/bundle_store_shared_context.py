@@ -8,11 +8,15 @@ median of ``--repeat`` calls each, baseline and shared alternating):
 
 * add and commit of a 1 KiB bundle (shared: written through, blobs then the signed manifest);
 * add of a 1 KiB bundle, uncommitted (shared: staged, blobs then a signed manifest written if absent);
+* add and commit of a 1 KiB bundle with a new idempotency key (shared: the name's LISTs for an earlier
+  add of the key, staged first, which claims the key, then committed and pushed, the staged manifest removed);
 * commit of an uncommitted bundle (shared: through B, a bundle A received: the name's LIST, the
   committed manifest written, the staged one removed);
 * GetBundle by name (shared: one S3 LIST of the name's manifests first);
 * ListBundles of one name, and of the whole context (shared: one LIST, every manifest not held
-  fetched; here all are held after the first read, the steady state).
+  fetched; here all are held after the first read, the steady state);
+* the revocation check of an upload grant not revoked, made at each call its holder makes (shared: a
+  HEAD of its revocation's key on the remote).
 
 Starts its own embedded infrastructure unless OPML_S3_ENDPOINT is set (see bundle_store_transfer.py).
 
@@ -38,8 +42,8 @@ from opml_bundle_store.core.signing import ManifestKeys
 from opml_common.storage import s3_client
 
 
-def _add(store: BundleStore, context: str, name: str, data: bytes, *, commit: bool = True) -> str:
-    with store.new_bundle(context, name) as writer:
+def _add(store: BundleStore, context: str, name: str, data: bytes, *, commit: bool = True, key: str = "") -> str:
+    with store.new_bundle(context, name, idempotency_key=key) as writer:
         writer.add_file("weights.bin", [data])
         return writer.finish(commit=commit).uuid
 
@@ -81,6 +85,9 @@ def main() -> None:
                 "add + commit, 1 KiB": _medians(lambda: _add(a, "local", "new", secrets.token_bytes(1024)),
                                                 lambda: _add(a, "shared", "new", secrets.token_bytes(1024)),
                                                 args.repeat),
+                "add + commit, keyed, 1 KiB": _medians(
+                    lambda: _add(a, "local", "keyed", secrets.token_bytes(1024), key=uuid.uuid4().hex),
+                    lambda: _add(a, "shared", "keyed", secrets.token_bytes(1024), key=uuid.uuid4().hex), args.repeat),
                 "add uncommitted, 1 KiB": _medians(
                     lambda: _add(a, "local", "draft", secrets.token_bytes(1024), commit=False),
                     lambda: _add(a, "shared", "draft", secrets.token_bytes(1024), commit=False), args.repeat),
@@ -93,6 +100,9 @@ def main() -> None:
                                                   lambda: b.list_bundles("shared", bundle_name=name), args.repeat),
                 "ListBundles, whole context": _medians(lambda: a.list_bundles("local"),
                                                        lambda: b.list_bundles("shared"), args.repeat),
+                "grant revocation check": _medians(lambda: a.upload_grant_revoked("local", "0123456789abcdef"),
+                                                   lambda: b.upload_grant_revoked("shared", "0123456789abcdef"),
+                                                   args.repeat),
             }
             assert {x.uuid for x in a.list_bundles("shared")} == {x.uuid for x in b.list_bundles("shared")}
     print(f"{args.bundles} committed bundles of {args.names} names per context; median of {args.repeat} calls")
