@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-from opml.bundles.v1 import bundles_pb2 as pb
 
 from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.errors import Unauthenticated
@@ -73,8 +72,7 @@ def test_a_grant_revoked_with_the_cli_is_refused_from_then_on(opml, bundle_store
     """A context of one store (not shared): the revocation is kept in its directory."""
     opml("bundle", "context", "create", "automl")
     with BundleStoreClient(bundle_store.target, token=TOKENS["writer"]) as writer:
-        issued = writer.stub.CreateUploadGrant(pb.CreateUploadGrantRequest(
-            parent="contexts/automl", bundle_name="trial-1", ttl_seconds=600, max_bytes=1000))
+        issued = writer.issue_upload_grant("automl", "trial-1", ttl_s=600, max_bytes=1000)
     with BundleStoreClient(bundle_store.target, token=issued.token) as holder:
         holder.add("automl", "trial-1", {"model.onnx": b"accepted"})
         denied = opml("bundle", "-c", "automl", "grant", "revoke", issued.grant_id, token="reader", expect_exit=1)

@@ -258,8 +258,7 @@ def test_a_grant_revoked_through_one_replica_is_refused_at_once_by_both(processe
     """Revocation lives in the shared context's remote: the grant is refused by the replica that did not
     revoke it, right away, an upload in flight when it was revoked included; other grants go on."""
     a, b = replicas
-    issued = a.stub.CreateUploadGrant(pb.CreateUploadGrantRequest(
-        parent=f"contexts/{CONTEXT}", bundle_name="trial-9", ttl_seconds=600, max_bytes=1 << 20))
+    issued = a.issue_upload_grant(CONTEXT, "trial-9", ttl_s=600, max_bytes=1 << 20)
     kept = a.create_upload_grant(CONTEXT, "trial-9", ttl_s=600, max_bytes=1 << 20)
     holders = [BundleStoreClient(process.target, token=issued.token) for process in processes]
     uploaded = holders[0].add(CONTEXT, "trial-9", {"model.onnx": b"before"})

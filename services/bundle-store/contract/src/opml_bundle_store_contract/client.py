@@ -168,8 +168,13 @@ class BundleStoreClient(ServiceClient):
         (each at most ``max_bytes``, for ``ttl_s`` seconds) and get and list them, nothing else: hand it
         to a job instead of a writer token (``BundleStoreClient(target, token=grant)``). A secret: never
         log it."""
+        return self.issue_upload_grant(context_id, bundle_name, ttl_s=ttl_s, max_bytes=max_bytes).token
+
+    def issue_upload_grant(self, context_id: str, bundle_name: str, *, ttl_s: int, max_bytes: int) -> pb.UploadGrant:
+        """:meth:`create_upload_grant`'s whole reply: the token, and the grant's id and expiry, which its
+        issuer keeps to revoke it (:meth:`revoke_upload_grant`) once the job it hands it to is over."""
         return self.stub.CreateUploadGrant(pb.CreateUploadGrantRequest(
-            parent=f"contexts/{context_id}", bundle_name=bundle_name, ttl_seconds=ttl_s, max_bytes=max_bytes)).token
+            parent=f"contexts/{context_id}", bundle_name=bundle_name, ttl_seconds=ttl_s, max_bytes=max_bytes))
 
     def revoke_upload_grant(self, context_id: str, grant_id: str) -> pb.RevokedUploadGrant:
         """Revoke the upload grant ``grant_id`` (``UploadGrant.grant_id``, what logs name) of ``context_id``
