@@ -2,22 +2,35 @@
 //
 // Why: a grpc.aio call costs ~300 us of CPU in Python before any routing (docs/benchmarks.md,
 // issue 12), most of what the router adds per request; this server costs ~55-90 us.
-// This process only terminates gRPC: it takes GRPCInferenceService calls off the wire and hands each
-// to the router over one inherited Unix socket, in the worker's frame protocol
-// (opml_inference_router/frames.py), so routing, admission, hedging, auth, the prediction log and
-// the metrics stay in one place, the router's event loop. Frames queue in one buffer and leave in one
-// send when the thread that reads calls off the wire has none left, so the router wakes once for a
-// burst of calls.
+// This process terminates gRPC and hands each call to the router over one inherited Unix socket, in
+// the worker's frame protocol (opml_inference_router/frames.py), so routing, admission, hedging,
+// auth, the prediction log and the metrics stay in one place, the router's event loop. Frames queue
+// in one buffer and leave in one send when the thread that reads calls off the wire has none left,
+// so the router wakes once for a burst of calls.
 //
-// Threads: one polls the completion queue and runs every call's events (the asynchronous generic
-// API, not the callback one: in gRPC 1.51 callbacks run on two "nexting" threads that pass each call
-// between them, ~5 thread wake-ups a call against ~2 here and 15-25% more CPU at 8 callers); the main
-// thread reads the router's answers and finishes the calls; a signal thread stops the server.
+// The direct path (opml_inference_router/data_plane; on when the router pushes a route table): a
+// ModelInfer call of a model in the table, from a caller the router vouched for (a verdict it pushed
+// after letting the credential's first call through), goes straight to a worker's Unix socket, to a
+// replica with an admission token left (power of two choices on this front's calls in flight there;
+// the router leases the tokens from the model's limiter); a backup goes to a second replica after
+// the first one's p95 (the router's hedge budget); the worker's answer goes to the caller; a
+// worker's non-retriable error is the caller's too; a retriable failure (the worker gone, busy,
+// lacking the model) hands the call to the router, which retries and ejects. Every call is then
+// reported to the router in batches (what the prediction log, metrics and admission need). A call
+// the table does not cover (another version, a split, no token, no verdict) goes to the router.
+//
+// Threads: one polls the completion queue and runs every call's events and the direct path's timers
+// (the asynchronous generic API, not the callback one: in gRPC 1.51 callbacks run on two "nexting"
+// threads that pass each call between them, ~5 thread wake-ups a call against ~2 here and 15-25% more
+// CPU at 8 callers); the main thread reads the router's answers and pushes and finishes the calls;
+// one thread per worker connection reads its answers; one sends the reports (5 ms of them at a time);
+// a signal thread stops the server.
 //
 // Link frames (little-endian): request  u32 body length, u32 call id, u8 kind, f64 timeout s (0: the
 // caller set none), u16 credential length, credential (the caller's authorization header), body;
-// kind 0 cancels call id (the caller went away). Response: u32 body length, u32 call id, u8 status
-// (a gRPC code), body (the response, or the error message).
+// kind 0 cancels call id (the caller went away); kind 7 is a report (data_plane/push.py reads it).
+// Response: u32 body length, u32 call id, u8 status (a gRPC code), body (the response, or the error
+// message); call id 0 is a push (route table, verdicts: text lines, Link::OnPush).
 //
 // Lifetime: the router starts it with --router-fd; the link closing (the router stopped or died)
 // fails the calls in flight as UNAVAILABLE and stops the server, so this process never outlives the
@@ -164,6 +177,7 @@ struct ReplicaRoute {
   int tokens = 0;    // requests this front may have in flight there (admission slots the router leased)
   double hedge_s = 0;  // a backup goes to another replica when this one has not answered by then
   std::shared_ptr<Worker> worker;
+  std::shared_ptr<std::atomic<int>> spent;  // this front's requests in flight there (kept across tables)
 };
 
 struct ModelRoute {
@@ -261,6 +275,13 @@ class DirectPlane {
   }
   // The connection to the worker at `path`, kept across tables.
   std::shared_ptr<Worker> WorkerAt(const std::string& path);
+  // The count of requests in flight of `model` at the worker at `path`, kept across tables.
+  std::shared_ptr<std::atomic<int>> SpentAt(const std::string& model, const std::string& path) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& spent = spent_[model + '\0' + path];
+    if (!spent) spent = std::make_shared<std::atomic<int>>(0);
+    return spent;
+  }
   // Workers with frames queued by the completion-queue thread, sent when it has no event left.
   void Dirty(Worker* worker) {
     std::lock_guard<std::mutex> lock(dirty_mu_);
@@ -268,10 +289,13 @@ class DirectPlane {
   }
   void FlushDirty();
 
-  // Timers: a backup's time (hedge) and, for a caller without a deadline, the model's default.
+  // Timers: a backup's time (hedge) and, for a caller without a deadline, the model's default. Run
+  // by the completion-queue thread (the one that sets them) between its events and as its wait's
+  // deadline, so a timer costs no thread of its own and no wake-up for calls answered before it.
   enum TimerKind { kHedge, kDeadline };
-  void At(Clock::time_point when, Call* call, TimerKind kind);
-  void TimerLoop();
+  void At(Clock::time_point when, Call* call, TimerKind kind) { timers_.push(Timer{when, call, kind}); }
+  // Runs the timers due; drops those of calls already settled. When the next one is due, or max().
+  Clock::time_point RunTimers();
 
   // One record for the router (queued; the report thread sends them together).
   void Report(std::string&& record) {
@@ -282,13 +306,8 @@ class DirectPlane {
     report_cv_.notify_one();
   }
   void ReportLoop();
-  void Stop() {
-    {
-      std::lock_guard<std::mutex> lock(timer_mu_);
-      stopping_ = true;
-    }
-    timer_cv_.notify_all();
-  }
+  // Sends what is reported now; false when the link is down.
+  bool FlushReport();
 
  private:
   struct Timer {
@@ -302,12 +321,10 @@ class DirectPlane {
   std::unordered_map<std::string, Clock::time_point> verdicts_;
   std::unordered_map<std::string, double> hedge_tokens_;
   std::unordered_map<std::string, std::shared_ptr<Worker>> workers_;
+  std::unordered_map<std::string, std::shared_ptr<std::atomic<int>>> spent_;
   std::mutex dirty_mu_;
   std::vector<Worker*> dirty_;
-  std::mutex timer_mu_;
-  std::condition_variable timer_cv_;
-  std::priority_queue<Timer, std::vector<Timer>, std::greater<Timer>> timers_;
-  bool stopping_ = false;
+  std::priority_queue<Timer, std::vector<Timer>, std::greater<Timer>> timers_;  // the queue thread's
   std::mutex report_mu_;
   std::condition_variable report_cv_;
   std::string report_;
@@ -427,6 +444,7 @@ class Call {
   // is released here.
   void OnWorkerAnswer(int index, uint8_t status, std::string&& body);
   void OnTimer(DirectPlane::TimerKind kind);
+  bool settled() const { return settled_.load(std::memory_order_relaxed); }
 
  private:
   struct Attempt {
@@ -568,8 +586,8 @@ class Call {
     return InFlight(model, *candidates[0]) <= InFlight(model, *candidates[1]) ? candidates[0] : candidates[1];
   }
 
-  static int InFlight(const ModelRoute& model, const ReplicaRoute& replica);
-  static void Spend(const ModelRoute& model, const ReplicaRoute& replica, int delta);
+  static int InFlight(const ModelRoute&, const ReplicaRoute& replica) { return replica.spent->load(); }
+  static void Spend(const ModelRoute&, const ReplicaRoute& replica, int delta) { replica.spent->fetch_add(delta); }
 
   bool SendLocked(int index, const ReplicaRoute* replica, double timeout_s, bool now) {
     Attempt& attempt = attempts_[index];
@@ -668,7 +686,7 @@ class Call {
   // The direct path (guarded by mu_ once the first attempt is sent).
   std::mutex mu_;
   bool direct_ = false;
-  bool settled_ = false;  // the direct path is done with the call (answered, handed to the router, failed)
+  std::atomic<bool> settled_{false};  // the direct path is done with the call (answered, to the router, failed)
   bool named_version_ = false;
   std::shared_ptr<const Table> table_;  // keeps route_'s replicas alive
   std::shared_ptr<const ModelRoute> route_;
@@ -679,27 +697,6 @@ class Call {
   int attempt_count_ = 0;
 };
 
-// Requests in flight from this front, per (model, worker socket): what the tokens bound.
-std::mutex g_spent_mu;
-std::unordered_map<std::string, int> g_spent;
-
-std::string SpentKey(const ModelRoute& model, const ReplicaRoute& replica) {
-  std::string key = model.name;
-  key.push_back('\0');
-  key.append(replica.path);
-  return key;
-}
-
-int Call::InFlight(const ModelRoute& model, const ReplicaRoute& replica) {
-  std::lock_guard<std::mutex> lock(g_spent_mu);
-  auto found = g_spent.find(SpentKey(model, replica));
-  return found == g_spent.end() ? 0 : found->second;
-}
-
-void Call::Spend(const ModelRoute& model, const ReplicaRoute& replica, int delta) {
-  std::lock_guard<std::mutex> lock(g_spent_mu);
-  g_spent[SpentKey(model, replica)] += delta;
-}
 
 bool IsRetriable(uint8_t status) {  // routing/errors.py's RETRY, and a worker refusing credentials
   switch (status) {
@@ -888,31 +885,16 @@ void Worker::ReadLoop(int fd) {
     waiting.first->OnWorkerAnswer(waiting.second, 14, "the worker closed the connection (stopped or killed)");
 }
 
-void DirectPlane::At(Clock::time_point when, Call* call, TimerKind kind) {
-  {
-    std::lock_guard<std::mutex> lock(timer_mu_);
-    timers_.push(Timer{when, call, kind});
-  }
-  timer_cv_.notify_one();
-}
-
-void DirectPlane::TimerLoop() {
-  std::unique_lock<std::mutex> lock(timer_mu_);
-  while (!stopping_) {
-    if (timers_.empty()) {
-      timer_cv_.wait(lock);
-      continue;
-    }
+Clock::time_point DirectPlane::RunTimers() {
+  if (timers_.empty()) return Clock::time_point::max();
+  auto now = Clock::now();
+  while (!timers_.empty()) {
     Timer next = timers_.top();
-    if (Clock::now() < next.when) {
-      timer_cv_.wait_until(lock, next.when);
-      continue;
-    }
+    if (next.when > now && !next.call->settled()) return next.when;
     timers_.pop();
-    lock.unlock();
-    next.call->OnTimer(next.kind);
-    lock.lock();
+    next.call->OnTimer(next.kind);  // releases the timer's reference
   }
+  return Clock::time_point::max();
 }
 
 void DirectPlane::ReportLoop() {
@@ -924,15 +906,21 @@ void DirectPlane::ReportLoop() {
       report_cv_.wait(lock, [this] { return !report_.empty(); });
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    std::string batch;
-    {
-      std::lock_guard<std::mutex> lock(report_mu_);
-      batch.swap(report_);
-    }
-    std::string none;
-    if (g_link->Send(nullptr, kReport, 0, none, batch) == 0) return;  // the link is down
-    g_link->Flush();
+    if (!FlushReport()) return;  // the link is down
   }
+}
+
+bool DirectPlane::FlushReport() {
+  std::string batch;
+  {
+    std::lock_guard<std::mutex> lock(report_mu_);
+    batch.swap(report_);
+  }
+  if (batch.empty()) return true;
+  std::string none;
+  if (g_link->Send(nullptr, kReport, 0, none, batch) == 0) return false;
+  g_link->Flush();
+  return true;
 }
 
 uint32_t Link::Send(Call* call, uint8_t kind, double timeout_s, const std::string& credential,
@@ -1024,6 +1012,7 @@ void Link::OnPush(const std::string& body) {
         replica.tokens = std::stoi(f[2]);
         replica.hedge_s = std::stod(f[3]);
         replica.worker = g_plane->WorkerAt(replica.path);
+        replica.spent = g_plane->SpentAt(model->name, replica.path);
         model->replicas.push_back(std::move(replica));
       } else if (f[0] == "verdict" && f.size() == 3) {
         g_plane->Allow(Unhex(f[1]), std::stod(f[2]));
@@ -1189,7 +1178,6 @@ int main(int argc, char** argv) {
   g_link = &link;
   DirectPlane plane;
   g_plane = &plane;
-  std::thread timers([&] { plane.TimerLoop(); });
   std::thread([&] { plane.ReportLoop(); }).detach();
   // One thread polls the queue and runs every call's events: the thread that reads a call off the
   // wire also hands it to the link, with no wake-up of another thread in between, and sends the
@@ -1199,11 +1187,20 @@ int main(int argc, char** argv) {
     void* tag;
     bool ok;
     for (;;) {
+      Clock::time_point due = plane.RunTimers();
       auto next = cq->AsyncNext(&tag, &ok, gpr_time_0(GPR_CLOCK_MONOTONIC));
       if (next == grpc::CompletionQueue::TIMEOUT) {  // nothing ready: send what the events queued, then wait
         plane.FlushDirty();
         link.Flush();
-        if (!cq->Next(&tag, &ok)) break;
+        if (due == Clock::time_point::max()) {
+          if (!cq->Next(&tag, &ok)) break;
+        } else {  // until the next event or the next timer
+          int64_t wait_us = std::chrono::duration_cast<std::chrono::microseconds>(due - Clock::now()).count();
+          next = cq->AsyncNext(&tag, &ok, gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                                                       gpr_time_from_micros(std::max<int64_t>(wait_us, 0), GPR_TIMESPAN)));
+          if (next == grpc::CompletionQueue::TIMEOUT) continue;
+          if (next == grpc::CompletionQueue::SHUTDOWN) break;
+        }
       } else if (next == grpc::CompletionQueue::SHUTDOWN) {
         break;
       }
@@ -1222,6 +1219,7 @@ int main(int argc, char** argv) {
     auto grace = std::chrono::system_clock::now() +
                  std::chrono::milliseconds(static_cast<int64_t>(options.grace_s * 1000));
     server->Shutdown(grace);  // in-flight calls finish (the link still answers), then the rest are cancelled
+    plane.FlushReport();  // the last direct calls' records, before the link closes
     shutdown(options.router_fd, SHUT_RDWR);
   });
   signals.detach();
@@ -1234,7 +1232,5 @@ int main(int argc, char** argv) {
   server->Wait();
   cq->Shutdown();  // after the server's: the thread above drains what is left, then ends
   calls.join();
-  plane.Stop();
-  timers.join();
   std::_Exit(0);  // the report thread and the workers' readers block in their reads
 }

@@ -32,6 +32,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from pathlib import Path
@@ -58,6 +59,7 @@ from opml_inference_router.frames import (
 )
 from opml_inference_router.frontend import InferenceFrontend
 from opml_inference_router.kserve.roles import INFERENCE_METHOD_ROLES
+from opml_inference_router.routing import wire
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +125,14 @@ class FrontLink:
                         missing_role_message(METHODS[kind], self._needed[kind], principal).encode())
             if kind == _INFER and self._plane is not None:
                 self._plane.allow(credential)
-        return await as_status(handler(body, timeout_s), METHODS[kind], None, where="router")
+        if kind != _INFER or self._plane is None:
+            return await as_status(handler(body, timeout_s), METHODS[kind], None, where="router")
+        began = time.perf_counter()
+        try:
+            return await as_status(handler(body, timeout_s), METHODS[kind], None, where="router")
+        finally:  # the front's demand for the model, which the direct path's lease follows
+            with contextlib.suppress(wire.MalformedMessage):
+                self._plane.observe(wire.read_header(body).model_name, time.perf_counter() - began)
 
     def _principal(self, credential: bytes) -> Principal | None:
         """Who ``credential`` names; a bounded cache, since tokens are few and callers repeat them."""

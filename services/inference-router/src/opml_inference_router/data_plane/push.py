@@ -6,9 +6,12 @@ ids start at 1); their body is text, one tab-separated line per item (``native/f
 of :data:`RECORD` headers, each followed by its strings and bytes.
 
 Admission: the front's tokens are slots of the model's :class:`~..routing.ConcurrencyLimiter` that
-this side holds for it (a lease): up to the limit in force less :data:`RESERVE_SHARE` of it, kept
-for the router's own path (calls the front hands over when it has no token left, which queue and
-are shed there as before). Each answered call gives its slot back with its service time (the
+this side holds for it (a lease), sized to the front's demand for the model (its calls in flight, by
+Little's law from the calls it answered, directly or through the router, over each interval) times
+:data:`LEASE_HEADROOM`, plus one; none once the front sent the model nothing for ``idle_s``, so an idle
+lease does not keep slots from the router's own port; and never more than the limit in force less :data:`RESERVE_SHARE`
+of it, kept for the router's own path (calls the front hands over when it has no token left, which
+queue and are shed there as before). Each answered call gives its slot back with its service time (the
 limiter adapts its limit to it, and hands the slot to a waiter of the router's path first) and the
 lease takes one again while the limit allows: under overload the lease shrinks and the calls queue
 at the router, where admission prices and sheds them.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import struct
 import time
 import uuid
@@ -41,13 +45,17 @@ model, version, request id, replica (the worker's socket path), request bytes, r
 OUTCOME, ATTEMPT_FAILED, BACKUP_SENT = 0, 1, 2
 RESERVE_SHARE = 0.25
 """The share of a model's limit in force the lease leaves to the router's own path (at least one slot)."""
+LEASE_HEADROOM = 2.0
+"""The lease is this many times the front's calls in flight: calls beyond it take the router's path, are
+counted in the demand, and the lease grows to them within a few intervals."""
+_DEMAND_WEIGHT = 0.5  # of the newest interval in the demand's moving average
 _MAX_VERDICTS = 1024
+_MAX_KNOWN = 1024
 
 
 class _Known(NamedTuple):
-    """A model's direct route as last pushed: what its reports are applied to."""
+    """A model version's direct route as last pushed: what its reports are applied to."""
 
-    version: str
     states: dict[str, ReplicaState]
     metrics: VersionMetrics
     replicas: ReplicaSet
@@ -56,16 +64,17 @@ class _Known(NamedTuple):
 class _Lease:
     """Slots of one model's limiter held for the front."""
 
-    __slots__ = ("limiter", "held")
+    __slots__ = ("limiter", "held", "wanted")
 
     def __init__(self, limiter: ConcurrencyLimiter) -> None:
-        self.limiter, self.held = limiter, 0
+        self.limiter, self.held, self.wanted = limiter, 0, 0
 
     def fit(self) -> None:
-        """Takes or gives back slots until the lease is the limit in force less the router's reserve."""
+        """Takes or gives back slots until the lease is what the front wants, within the limit in force
+        less the router's reserve."""
         limiter = self.limiter
         concurrency = limiter.concurrency
-        target = concurrency - max(1, int(concurrency * RESERVE_SHARE))
+        target = min(self.wanted, concurrency - max(1, int(concurrency * RESERVE_SHARE)))
         while self.held < target and limiter.try_acquire():
             self.held += 1
         while self.held > target:
@@ -90,25 +99,34 @@ class DirectPlane(Component):
 
     ``auth``: callers' credentials are checked (the platform has tokens); ``interval_s``: how often
     the table is recomputed (pushed when it changed); ``verdict_ttl_s``: how long the front trusts a
-    credential the router let through. Metrics: ``opml_inference_router_direct_tokens{model}`` (the
+    credential the router let through; ``idle_s``: how long after the front's last call of a model its
+    lease is kept. Metrics: ``opml_inference_router_direct_tokens{model}`` (the
     slots leased to the front), ``opml_inference_router_direct_reported_total{type}``.
     """
 
     def __init__(self, router: Router, *, predictions: PredictionLog | None, metrics: ServiceMetrics, auth: bool,
-                 interval_s: float = 0.02, verdict_ttl_s: float = 60.0) -> None:
-        if not interval_s > 0 or not verdict_ttl_s > 0:
-            raise ValueError(f"need interval_s > 0 and verdict_ttl_s > 0, but got {interval_s}, {verdict_ttl_s}")
+                 interval_s: float = 0.02, verdict_ttl_s: float = 60.0, idle_s: float = 10.0) -> None:
+        if not interval_s > 0 or not verdict_ttl_s > 0 or not idle_s > 0:
+            raise ValueError(f"need interval_s, verdict_ttl_s and idle_s > 0, but got {interval_s}, {verdict_ttl_s}, "
+                             f"{idle_s}")
         super().__init__()
         self._router = router
         self._predictions = predictions
         self._auth = auth
         self.interval_s = interval_s
         self.verdict_ttl_s = verdict_ttl_s
+        self.idle_s = idle_s
         self._writer: FrameWriter | None = None
         self._pushed = ""  # the table the front holds
         self._leases: dict[str, _Lease] = {}
-        self._routes: dict[str, _Known] = {}  # model -> what its reports are applied to
+        # (model, version) -> what its reports are applied to: kept after the version stops being direct
+        # (a rollout began, it was retired), for the calls still in flight then; the oldest forgotten first
+        self._known: dict[tuple[str, str], _Known] = {}
         self._verdicts: dict[bytes, float] = {}  # credential -> when its verdict was pushed (monotonic)
+        self._busy: dict[str, float] = {}  # model -> seconds its front calls answered this interval took
+        self._demand: dict[str, float] = {}  # model -> the front's calls in flight (moving average)
+        self._last_call: dict[str, float] = {}  # model -> when the front's last call of it was answered
+        self._tick = time.monotonic()
         self._task: asyncio.Task | None = None
         self._tokens = metrics.gauge("direct_tokens", "Admission slots of each model leased to the native front's "
                                      "direct path.", ("model",))
@@ -140,7 +158,26 @@ class DirectPlane(Component):
     async def _refresh(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
+            self._measure()
             self.push()
+
+    def observe(self, model: str, call_s: float) -> None:
+        """A front call of ``model`` answered (directly or through the router), for the lease's size."""
+        self._busy[model] = self._busy.get(model, 0.0) + call_s
+        self._last_call[model] = time.monotonic()
+
+    def _measure(self) -> None:
+        """The front's calls in flight per model over the last interval (Little's law), averaged."""
+        now = time.monotonic()
+        elapsed, self._tick = now - self._tick, now
+        busy, self._busy = self._busy, {}
+        for model in list(self._last_call):
+            if now - self._last_call[model] > self.idle_s:
+                del self._last_call[model]
+                self._demand.pop(model, None)
+            else:
+                self._demand[model] = ((1 - _DEMAND_WEIGHT) * self._demand.get(model, 0.0)
+                                       + _DEMAND_WEIGHT * busy.get(model, 0.0) / max(elapsed, 1e-3))
 
     def push(self) -> None:
         """Sends the table when it differs from the one the front holds."""
@@ -169,7 +206,7 @@ class DirectPlane(Component):
 
     def _table(self) -> str:
         lines = [f"table\t{int(self._auth)}"]
-        routes: dict[str, _Known] = {}
+        routes: set[str] = set()
         now = time.monotonic()  # the router's replica clock
         for route, served in self._router.direct_routes():
             states = list(served.replicas)
@@ -187,10 +224,16 @@ class DirectPlane(Component):
                 continue
             if lease is None:
                 lease = self._leases[route.name] = _Lease(route.limiter)
+            demand = self._demand.get(route.name)
+            lease.wanted = 0 if demand is None else math.ceil(LEASE_HEADROOM * demand) + 1
             lease.fit()
             self._tokens.labels(route.name).set(lease.held)
-            routes[route.name] = _Known(served.version, {state.name: state for state in states}, served.metrics,
-                                        served.replicas)
+            routes.add(route.name)
+            key = (route.name, served.version)
+            self._known.pop(key, None)  # to the end: the newest
+            self._known[key] = _Known({state.name: state for state in states}, served.metrics, served.replicas)
+            while len(self._known) > _MAX_KNOWN:
+                del self._known[next(iter(self._known))]
             if not lease.held:
                 continue
             policy = route.policy
@@ -205,7 +248,6 @@ class DirectPlane(Component):
         for name in [name for name in self._leases if name not in routes]:
             self._leases.pop(name).give_back()
             self._tokens.labels(name).set(0)
-        self._routes = routes
         return "\n".join(lines) + "\n"
 
     def report(self, body: bytes) -> None:
@@ -233,11 +275,10 @@ class DirectPlane(Component):
             if counter is not None:
                 counter.inc()
             code = CODE_NAMES.get(status, "UNKNOWN")
-            known = self._routes.get(model)
-            if known is not None and known.version != version:
-                known = None  # the route changed since: metrics and ejections concern the old version no more
+            known = self._known.get((model, version))
             if kind == OUTCOME:
                 self.count(KINDS["ModelInfer"], code)
+                self.observe(model, call_s)
                 if status == OK:
                     self._answered(model, version, request_id, replica, attempts, bool(backup_won), request,
                                    response, received, call_s, attempt_s, known)
