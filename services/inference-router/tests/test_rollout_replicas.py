@@ -51,13 +51,14 @@ def test_a_quality_check_waiting_for_the_scorer_neither_pauses_the_analysis_nor_
         "error_rate": {"max_increase": 0.01}, "accuracy": {"max_drop": 0.05}}}}]})
     analysis = spec.steps[1].analysis
     state = RolloutState("m", 2, 1, spec, step=1)
-    waiting = _result("accuracy", INCONCLUSIVE, "too little evidence from the monitoring-scorer: 0 labels")
+    waiting = _result("accuracy", INCONCLUSIVE, "too little evidence from the monitoring-scorer: 0 labels")  # 0 < 50
     judge = ProgressiveRollouts._without_waiting
     assert judge(state, analysis, [_result("error_rate", PASSED), waiting]) == PASSED
     assert judge(state, analysis, [_result("error_rate", FAILED), waiting]) == FAILED
     state.measurements = 2  # both passed: this one would complete the analysis, and the scorer has not spoken
     assert judge(state, analysis, [_result("error_rate", PASSED), waiting]) == INCONCLUSIVE
     assert judge(state, analysis, [_result("error_rate", PASSED), _result("accuracy", PASSED)]) == PASSED
-    unconfirmed = _result("accuracy", INCONCLUSIVE, "true accuracy 0.7 ...; not confirmed: the scorer could not be read")
+    unconfirmed = CheckResult("accuracy", INCONCLUSIVE, 0.7, 0.9, 0.05, 100, 100,
+                              "true accuracy 0.7 ...; not confirmed: the scorer could not be read")
     state.measurements = 0
     assert judge(state, analysis, [_result("error_rate", PASSED), unconfirmed]) == INCONCLUSIVE

@@ -93,14 +93,13 @@ def verdict_of(results: list[CheckResult]) -> str:
     return FAILED if FAILED in verdicts else INCONCLUSIVE if INCONCLUSIVE in verdicts else PASSED
 
 
-def waiting(result: CheckResult) -> bool:
+def waiting(result: CheckResult, analysis: Analysis) -> bool:
     """Whether a scorer's check is inconclusive only because the scorer's windows have not brought
-    enough evidence yet (it builds up over the step: :mod:`.progressive` judges the measurement
-    without it until the analysis would pass)."""
-    return result.check in QUALITY_CHECKS and result.verdict == INCONCLUSIVE and result.reason.startswith(_TOO_LITTLE)
-
-
-_TOO_LITTLE = "too little evidence from the monitoring-scorer"
+    its minimum yet (the evidence builds up over the step: :mod:`.progressive` judges the
+    measurement without it until the analysis would pass)."""
+    minimum = next((c.min_requests for c in analysis.checks if c.name == result.check), 0)
+    return result.check in QUALITY_CHECKS and result.verdict == INCONCLUSIVE and \
+        min(result.new_requests, result.stable_requests) < minimum
 
 
 def unconfirmed(result: CheckResult, why: str) -> CheckResult:
@@ -136,7 +135,7 @@ def _quality(check: Check, new: Quality, stable: Quality) -> CheckResult:
     counts = {"check": check.name, "bound": check.bound, "new_requests": new_count, "stable_requests": stable_count}
     if min(new_count, stable_count) < check.min_requests or new_value is None or stable_value is None:
         return CheckResult(verdict=INCONCLUSIVE, new_value=new_value or 0.0, stable_value=stable_value or 0.0,
-                           **counts, reason=f"{_TOO_LITTLE}: {new_count} {what} of "
+                           **counts, reason=f"too little evidence from the monitoring-scorer: {new_count} {what} of "
                                             f"the new version and {stable_count} of the stable one, fewer than "
                                             f"{minimum}={check.min_requests}")
     unit = "accuracy" if new.higher_is_better else "MAE"

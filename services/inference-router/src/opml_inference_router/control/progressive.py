@@ -11,7 +11,8 @@ A deploy of such a bundle beside a stable version routes it no traffic and start
 * ``pause``: waits its duration, or until :meth:`resume` (PAUSED);
 * ``analysis``: measurements, one per ``interval_s``, of both versions over the same interval
   (the router's :meth:`~opml_inference_router.routing.Router.take_measures` and, under a shadow step,
-  its mirror's comparisons) and of the monitoring-scorer's windows since the step began
+  its mirror's comparisons; under router replicas every replica's, pooled: :mod:`.replica_measures`)
+  and of the monitoring-scorer's windows since the step began
   (:mod:`.quality`), judged by :mod:`.analysis`. More failed measurements than ``failure_limit``:
   ABORTED at once (all traffic back to the stable version, the new one retired as Rollback does, the
   failing checks with their values and bounds in RolloutAborted and in :meth:`get`). More
@@ -478,7 +479,7 @@ class ProgressiveRollouts(Component):
         measurement is judged on the other checks, and counting them inconclusive paused a rollout
         before the scorer had said anything. The analysis still passes only on them: the measurement
         that would complete ``count`` while one still waits is inconclusive."""
-        judged = [c for c in checks if not waiting(c)]
+        judged = [c for c in checks if not waiting(c, analysis)]
         if len(judged) == len(checks):
             return verdict_of(checks)
         verdict = verdict_of(judged) if judged else INCONCLUSIVE
