@@ -18,9 +18,11 @@ from opml.jobs.v1 import jobs_pb2
 from opml_automl_controller import controller as controller_module
 from opml_automl_controller.controller import Controller
 from opml_automl_controller.jobs import JobView, TrialJobs
+from opml_automl_controller.metrics import ControllerMetrics
+from opml_automl_controller.models import ModelStore, TrialUpload
 from opml_automl_controller.state import ExperimentRecord, ExperimentState, ExperimentStore, TrialState
 from opml_automl_controller.study import ExperimentStudy
-from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound
+from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from opml_common.events import RecordingEmitter
 from opml_devstack.testing.bus import wait_until
 
@@ -29,7 +31,7 @@ REDIS = "redis://127.0.0.1:6379/0"
 
 def experiment(name: str, *, max_trials: int = 6, parallel: int = 3, goal: float | None = None,
                algorithm: str = "random", early: dict | None = None, max_failed: int = 3,
-               resume: str = "Never", collector: dict | None = None) -> str:
+               resume: str = "Never", collector: dict | None = None, model: dict | None = None) -> str:
     doc = {
         "apiVersion": "kubeflow.org/v1beta1", "kind": "Experiment", "metadata": {"name": name},
         "spec": {
@@ -51,6 +53,8 @@ def experiment(name: str, *, max_trials: int = 6, parallel: int = 3, goal: float
         doc["spec"]["earlyStopping"] = early
     if collector:
         doc["spec"]["metricsCollectorSpec"] = collector
+    if model is not None:
+        doc["spec"]["model"] = model
     return yaml.safe_dump(doc)
 
 
@@ -669,3 +673,108 @@ async def test_an_experiments_run_and_its_entries_are_released_when_it_ends_or_i
     await wait_until(lambda: "ends" not in ctl._runs, what="the resumed run to be released")
     assert closed == ["gone", "ends", "ends"] and len((await ctl.get("ends")).trials) == 2
     await ctl.stop()
+
+
+class Bundles(ModelStore):
+    """The bundle-store as the controller uses it, in memory: grants issued (ids only) and revoked,
+    revocations refused while ``down``; the best model's commit recorded."""
+
+    def __init__(self) -> None:
+        self.issued: list[str] = []
+        self.revoked: list[str] = []
+        self.committed: list[str] = []
+        self.down = threading.Event()
+
+    def grant_upload(self, trial, policy, ttl_s: int) -> TrialUpload:
+        self.issued.append(f"{len(self.issued):016x}")
+        return TrialUpload(env={}, secret_env={}, grant_id=self.issued[-1])
+
+    def revoke_upload(self, grant_id: str) -> None:
+        if self.down.is_set():
+            raise Unavailable("bundle-store: connection refused")
+        if grant_id not in self.revoked:
+            self.revoked.append(grant_id)
+
+    def commit_best(self, experiment, trial, policy, *, objective: str, algorithm: str) -> str:
+        self.committed.append(trial.job_id)
+        return f"contexts/automl/bundles/{experiment.uid}"
+
+
+class Revocations(ControllerMetrics):
+    def __init__(self) -> None:
+        self.outcomes: list[str] = []
+
+    def grant_revocation(self, outcome: str) -> None:
+        self.outcomes.append(outcome)
+
+
+async def test_ended_trials_grants_are_revoked_a_store_outage_blocks_nothing_and_a_restart_revokes_the_rest(
+        store: ExperimentStore) -> None:
+    """An experiment ends and commits its best model while the bundle-store refuses every revocation;
+    its trials keep their grant ids; the controller started again revokes each one, and a deleted
+    experiment's unrevoked grants too."""
+    jobs, bundles, metrics = ScriptedJobs(quadratic), Bundles(), Revocations()
+    bundles.down.set()
+    first = Controller(store=store, jobs=jobs, emitter=RecordingEmitter(), redis_url=REDIS, retry_s=0.05,
+                       models=bundles, resync_s=0.05, metrics=metrics)
+    await first.start()
+    await first.create(experiment("granted", max_trials=4, parallel=2, model={}))
+    await asyncio.wait_for(until_ended(first, "granted"), 60)
+    view = await first.get("granted")
+    assert view.record.reason == "MaxTrialsReached" and bundles.committed == [view.best().job_id]
+    assert sorted(g for t in view.trials for g in t.upload_grants) == bundles.issued and len(bundles.issued) == 4
+    await wait_until(lambda: metrics.outcomes.count("failed") >= 6,
+                     what="each trial's revocation, then resyncs' retries, refused")
+    assert bundles.revoked == [] and {"revoked", "dropped"}.isdisjoint(metrics.outcomes)
+    assert sorted(g for t in await store.trials("granted") for g in t.upload_grants) == bundles.issued
+    await first.create(experiment("deleted", max_trials=2, parallel=1, max_failed=1, model={}))
+    await asyncio.wait_for(until_ended(first, "deleted"), 60)
+    await first.delete("deleted")
+    await first.stop()
+    bundles.down.clear()
+    second = Controller(store=store, jobs=jobs, emitter=RecordingEmitter(), redis_url=REDIS, retry_s=0.05,
+                        models=bundles, resync_s=0.05)
+    await second.start()
+    await wait_until(lambda: sorted(bundles.revoked) == bundles.issued,
+                     what=lambda: f"every grant revoked: {bundles.revoked} of {bundles.issued}")
+
+    async def nothing_left() -> bool:
+        return await store.unrevoked_grants() == [] and all(
+            t.upload_grants == [] for t in await store.trials("granted"))
+
+    await wait_until(nothing_left, what="every revoked grant removed from the records")
+    assert len(await store.trials("granted")) == 4
+    await second.stop()
+
+
+async def test_revoked_grants_leave_a_trials_record_only_through_the_leader_and_a_delete_keeps_the_rest(
+        store: ExperimentStore) -> None:
+    """Removing revoked grant ids is a fenced write of the trial's record, which keeps what a runner
+    wrote meanwhile; a deleted experiment's unrevoked grants move to the set the leader revokes from."""
+    from opml_automl_controller.state import TrialRecord
+    from opml_common.lease import LeaderLease, NotLeader
+
+    client, prefix = store._redis, store._prefix.removesuffix("automl:")
+    old = LeaderLease(client, "automl-controller", "old", prefix=prefix, ttl_s=30)
+    new = LeaderLease(client, "automl-controller", "new", prefix=prefix, ttl_s=30)
+    deposed = ExperimentStore(client, prefix=prefix, fence=lambda: old.fence)
+    leader = ExperimentStore(client, prefix=prefix, fence=lambda: new.fence)
+    await store.put_experiment(ExperimentRecord(name="e", uid="abcdef", katib_yaml="", max_trial_count=2), new=True)
+    trial = TrialRecord(experiment="e", number=0, parameters={"x": "1"}, job_id="e-abcdef-t0",
+                        state=TrialState.SUCCEEDED, upload_grants=["a", "b", "c"], observations={"loss": [1.0]})
+    await store.put_trial(trial)
+    await store.put_trial(replace(trial, number=1, job_id="e-abcdef-t1", upload_grants=["d"]))
+    async with old:
+        await old.wait_leading()
+        await client.delete(f"{prefix}lease:automl-controller")
+        async with new:
+            await new.wait_leading()
+            with pytest.raises(NotLeader):
+                await deposed.drop_grants("e", 0, ["a"])
+            await leader.drop_grants("e", 0, ["a", "c"])
+            await leader.drop_grants("e", 7, ["a"])  # no such trial: nothing
+    assert await store.trial("e", 0) == replace(trial, upload_grants=["b"])
+    await store.delete(await store.experiment("e"))
+    assert await store.unrevoked_grants() == ["b", "d"] and await store.trials("e") == []
+    await store.forget_unrevoked(["b"])
+    assert await store.unrevoked_grants() == ["d"]

@@ -8,6 +8,7 @@ import asyncio
 import json
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -207,10 +208,24 @@ class Grants(ModelStore):
     def grant_upload(self, trial: TrialRecord, policy: ModelPolicy, ttl_s: int) -> TrialUpload:
         self.granted.append((trial.job_id, policy.max_bytes, ttl_s))
         return TrialUpload(env={CONTEXT_VARIABLE: "automl", BUNDLE_VARIABLE: trial.job_id},
-                           secret_env={TARGET_VARIABLE: "store:50051", GRANT_VARIABLE: f"grant-{len(self.granted)}"})
+                           secret_env={TARGET_VARIABLE: "store:50051", GRANT_VARIABLE: f"grant-{len(self.granted)}"},
+                           grant_id=f"{len(self.granted):016x}")
+
+    def revoke_upload(self, grant_id: str) -> None:
+        raise AssertionError("a runner revokes nothing itself: the controller's GrantRevoker does")
 
     def commit_best(self, *args, **kwargs) -> str:
         raise AssertionError("a runner commits nothing")
+
+
+class Ended:
+    """The controller's GrantRevoker as a runner sees it: the trials it was told have ended."""
+
+    def __init__(self) -> None:
+        self.trials: list[TrialRecord] = []
+
+    def ended(self, trial: TrialRecord) -> None:
+        self.trials.append(trial)
 
 
 class Harness:
@@ -220,9 +235,11 @@ class Harness:
                  model: dict | None = None) -> None:
         self.jobs, self.study = jobs, study or FakeStudy()
         self.store, self.emitter, self.metrics = FakeStore(), RecordingEmitter(), Metrics()
+        self.ended = Ended()
         self.services = TrialServices(jobs=jobs, records=Records(self.store, self.emitter, self.metrics),  # type: ignore[arg-type]
                                       metrics=self.metrics, serving=serving, retry_s=0.01, trace_wait_s=trace_wait_s,
-                                      folders=folders, models=models, upload_ttl_s=600)
+                                      folders=folders, models=models, upload_ttl_s=600,
+                                      grants=self.ended)  # type: ignore[arg-type]
         self.spec = parse_experiment(experiment(collector=collector, kind=kind, model=model))
         self.runner = TrialRunner(self.services, self.spec, self.study,
                                   TrialRecord(experiment="exp", number=0, parameters={"x": "1"}, job_id=JOB))
@@ -292,6 +309,56 @@ async def test_a_trial_of_a_modelled_experiment_gets_a_grant_in_its_secret_env_a
         h = Harness(FakeJobs(["loss=1\n", model_line(**said)]), models=Grants(), model={})
         trial = await h.run()
         assert trial.state is TrialState.SUCCEEDED and trial.model_bundle is None
+
+
+class RecordedAtSubmit(FakeJobs):
+    """Jobs that note the trial's stored record as the job is submitted (what a restart would find)."""
+
+    def __init__(self, log: list, store: FakeStore | None = None, **kwargs) -> None:
+        super().__init__(log, **kwargs)
+        self.store = store
+        self.at_submit: list[TrialRecord] = []
+
+    def ensure(self, spec: jobs_pb2.JobSpec) -> JobView:
+        assert self.store is not None
+        self.at_submit.append(self.store.trials[0])
+        return super().ensure(spec)
+
+
+async def test_a_trials_grant_id_is_saved_before_its_job_is_submitted_and_revoked_however_it_ends() -> None:
+    """Succeeded, failed, refused by the orchestrator, early-stopped, killed: each trial that got a grant
+    is handed to the revoker once its record is saved in its final state, its grant id on it; a
+    re-attaching runner's new grant joins the first (either may be the job's)."""
+    jobs = RecordedAtSubmit(["loss=1\n"])
+    h = Harness(jobs, models=Grants(), model={})
+    jobs.store = h.store
+    trial = await h.run()
+    assert [t.upload_grants for t in jobs.at_submit] == [[f"{1:016x}"]], "saved before the job may hold it"
+    assert trial.upload_grants == [f"{1:016x}"] and h.ended.trials == [trial]
+    ends = {"failed": FakeJobs(["loss=1\n"], ends="failed", cause="exit code 3"),
+            "refused": FakeJobs(["loss=1\n"], refuse="must not override OPML_HOME"),
+            "pruned": FakeJobs(["loss=10\n", "loss=11\n", HOLD]),
+            "killed": FakeJobs(["loss=1\n", HOLD])}
+    for how, jobs in ends.items():
+        h = Harness(jobs, models=Grants(), model={}, study=FakeStudy(prune_at=2 if how == "pruned" else None))
+        run = asyncio.create_task(h.run())
+        if how == "killed":
+            await asyncio.to_thread(jobs.following.acquire)
+            h.study.mark(0, END_ATTR, "killed")
+            jobs.cancel(JOB)
+        trial = await run
+        assert h.ended.trials == [trial] and trial.upload_grants == [f"{1:016x}"], how
+        assert trial.state is {"failed": TrialState.FAILED, "refused": TrialState.FAILED, "pruned":
+                               TrialState.EARLY_STOPPED, "killed": TrialState.KILLED}[how], how
+    grants = Grants()
+    grants.granted.append(("before a restart", 0, 0))
+    h = Harness(FakeJobs(["loss=1\n"]), models=grants, model={})
+    h.runner.trial = replace(h.runner.trial, state=TrialState.RUNNING, upload_grants=[f"{1:016x}"])
+    trial = await h.run()
+    assert trial.upload_grants == [f"{1:016x}", f"{2:016x}"] and h.ended.trials == [trial]
+    h = Harness(FakeJobs(["loss=1\n"]))  # no model asked: no grant, nothing to revoke
+    trial = await h.run()
+    assert trial.upload_grants == [] and h.ended.trials == [trial]
 
 
 async def test_a_trial_whose_job_fails_is_failed_with_the_reason() -> None:

@@ -47,6 +47,7 @@ from optuna.trial import TrialState as OptunaState
 from opml_automl_controller import convert
 from opml_automl_controller.algorithms import fixed_parameters
 from opml_automl_controller.experiment import ExperimentSpec, ResumePolicy, parameter_text
+from opml_automl_controller.grants import GrantRevoker
 from opml_automl_controller.jobs import TrialJobs
 from opml_automl_controller.katib import check_experiment, parse_experiment
 from opml_automl_controller.metrics import ControllerMetrics
@@ -149,7 +150,8 @@ class Controller(Component):
         retry_s: pause before retrying an orchestrator call that failed with a retriable error.
         models: the bundle-store trials upload their models to, with a grant each, and the best one is
             committed in (None: experiments with ``spec.model`` are refused).
-        upload_ttl_s: how long a trial's upload grant is valid.
+        upload_ttl_s: how long a trial's upload grant is valid (revoked sooner: once its trial has ended,
+            :mod:`~opml_automl_controller.grants`).
         trace_wait_s: Trace collector: how long after a trial's job succeeded the controller waits
             for its tracer's last epochs (every tracer run's TracerStopped); also the tracer's
             exit bound (``OPML_TRACE_EXIT_TIMEOUT_S``) in the job, unless its template sets one.
@@ -160,7 +162,8 @@ class Controller(Component):
         lease: the ``automl-controller`` lease; its ``on_change`` must call :meth:`leadership_changed`.
             None: this controller is the only one and leads from its start.
         nudges: how a follower wakes the leader (None: no followers).
-        resync_s: how often the leader looks for experiments whose loop it does not run (a nudge lost).
+        resync_s: how often the leader looks for experiments whose loop it does not run (a nudge lost),
+            and retries the ended trials' upload grants' revocations that failed.
     """
 
     def __init__(self, *, store: ExperimentStore, jobs: TrialJobs, emitter: EventEmitter, redis_url: str,
@@ -185,10 +188,13 @@ class Controller(Component):
         self._trial_python = trial_python
         self._retry_s = retry_s
         self._trace_wait_s = trace_wait_s
+        self._grants = GrantRevoker(store=store, models=models, metrics=self._metrics, leading=lambda: self.leading,
+                                    check_leading=self._check_leading) if models is not None else None
+        self._revocations: asyncio.Task | None = None
         self._trial_services = TrialServices(jobs=jobs, records=self._records, metrics=self._metrics,
                                              serving=serving, trial_python=trial_python, retry_s=retry_s,
                                              trace_wait_s=trace_wait_s, folders=folders, models=models,
-                                             upload_ttl_s=upload_ttl_s)
+                                             upload_ttl_s=upload_ttl_s, grants=self._grants)
         self._runs: dict[str, asyncio.Task] = {}
         self._wake: dict[str, asyncio.Event] = {}
         self._pending_nudges: set[asyncio.Task] = set()
@@ -205,13 +211,28 @@ class Controller(Component):
             await self._launch_unfinished(only_missing=False)
         else:
             self._leadership = asyncio.create_task(self._follow_lease(), name="automl leadership")
+        if self._grants is not None:
+            self._revocations = asyncio.create_task(self._revoke_grants(self._grants), name="automl grants")
         await self._records.count()
 
     async def on_stop(self) -> None:
         """Stop the experiments' tasks; trials' jobs keep running and are re-attached at the next start."""
-        await cancel_and_wait(self._leadership)
-        self._leadership = None
+        await cancel_and_wait(self._leadership, self._revocations)
+        self._leadership = self._revocations = None
         await _cancel(self._runs.values())
+        if self._grants is not None:
+            await self._grants.stop()
+
+    async def _revoke_grants(self, grants: GrantRevoker) -> None:
+        """Every ``resync_s``, while leading: the ended trials' upload grants whose revocation failed (or
+        that a predecessor left: the first pass after a start or take-over reads every trial)."""
+        while True:
+            try:
+                await grants.resync()
+            except Exception:  # Redis unreachable: the next pass tries again
+                log.exception("automl-controller: could not revoke the ended trials' upload grants; trying again "
+                              "in %g s", self._resync_s)
+            await asyncio.sleep(self._resync_s)
 
     @property
     def leading(self) -> bool:
@@ -633,6 +654,8 @@ class Controller(Component):
         stored = await self._store.put_trial_unless_ended(trial)
         if stored is trial:
             self._records.announce_trial(trial)
+            if self._grants is not None:
+                self._grants.ended(trial)
         return stored
 
     def _run_trial(self, spec: ExperimentSpec, study: ExperimentStudy, trial: TrialRecord) -> asyncio.Task:

@@ -1,5 +1,6 @@
 """The controller's metrics: trials by how they ended and how long they ran, the sampler's ask
-latency (the controller's own cost per trial), experiments by state, trials' models refused."""
+latency (the controller's own cost per trial), experiments by state, trials' models refused, trials'
+upload grants revoked."""
 
 from __future__ import annotations
 
@@ -19,12 +20,14 @@ class ControllerMetrics:
     def spec_invalid(self) -> None: ...
     def model_refused(self) -> None: ...
     def leader(self, leading: bool) -> None: ...
+    def grant_revocation(self, outcome: str) -> None: ...
 
 
 class PrometheusControllerMetrics(ControllerMetrics):
     """``opml_automl_controller_trials_total{state}``, ``..._trial_duration_seconds{state}``,
     ``..._suggestion_seconds`` (one ``study.ask``), ``..._experiments{state}``, ``..._spec_invalid_total``,
-    ``..._models_refused_total`` and ``..._leader`` (1 in the replica that runs the experiments' loops)."""
+    ``..._models_refused_total``, ``..._leader`` (1 in the replica that runs the experiments' loops) and
+    ``..._upload_grant_revocations_total{outcome}`` (revoked, failed, dropped)."""
 
     def __init__(self, metrics: ServiceMetrics) -> None:
         self._trials = metrics.counter("trials_total", "Trials that ended, by how.", ("state",))
@@ -41,6 +44,12 @@ class PrometheusControllerMetrics(ControllerMetrics):
                                                "incomplete or over spec.model.maxBytes.")
         self._leader = metrics.gauge("leader", "1 while this replica holds the automl-controller lease and "
                                      "runs the experiments' loops, else 0.")
+        self._revocations = metrics.counter(
+            "upload_grant_revocations_total", "Revocations of ended trials' upload grants, by outcome: revoked; "
+            "failed (the bundle-store refused or did not answer; retried at the next resync); dropped (the "
+            "store says it can never be revoked: the context is gone).", ("outcome",))
+        for outcome in ("revoked", "failed", "dropped"):
+            self._revocations.labels(outcome)
         for state in TrialState:
             self._trials.labels(state.value)
         for state in ExperimentState:
@@ -66,3 +75,6 @@ class PrometheusControllerMetrics(ControllerMetrics):
 
     def leader(self, leading: bool) -> None:
         self._leader.set(1 if leading else 0)
+
+    def grant_revocation(self, outcome: str) -> None:
+        self._revocations.labels(outcome).inc()

@@ -6,6 +6,8 @@ named as the trial's job, ``{experiment}-{uid}-t{n}`` (:func:`trial_bundle_name`
 ``maxBytes`` each, and nothing else. The controller hands it to the trial's job as secret env (with
 the store's address), never its own token; the trial uploads its model through the bundle-store's API
 (:func:`opml_automl_controller.sdk.save_model`), so trials may run on any machine: no volume is shared.
+Once the trial has ended its grant is revoked (:meth:`ModelStore.revoke_upload`, :mod:`.grants`): a
+finished trial's job, or whoever read its env, uploads nothing more.
 
 When the experiment ends, :meth:`ModelStore.commit_best` re-reads the best trial's bundle from the
 bundle-store (the trial's log line naming it is a hint: the store is the truth), checks it is there,
@@ -47,10 +49,12 @@ class ModelRefused(FailedPrecondition):
 
 @dataclass(frozen=True, slots=True)
 class TrialUpload:
-    """What a trial's job is given to upload its model: ``env`` shown with the job, ``secret_env`` not."""
+    """What a trial's job is given to upload its model: ``env`` shown with the job, ``secret_env`` not;
+    ``grant_id`` names the grant (no secret), kept on the trial to revoke it once the trial has ended."""
 
     env: dict[str, str]
     secret_env: dict[str, str]
+    grant_id: str
 
 
 def trial_bundle_name(trial: TrialRecord) -> str:
@@ -63,6 +67,15 @@ class ModelStore(ABC):
     @abstractmethod
     def grant_upload(self, trial: TrialRecord, policy: ModelPolicy, ttl_s: int) -> TrialUpload:
         """An upload grant of the trial's own bundle, valid ``ttl_s`` seconds, as its job's env."""
+
+    @abstractmethod
+    def revoke_upload(self, grant_id: str) -> None:
+        """Revoke the upload grant ``grant_id`` (:attr:`TrialUpload.grant_id`): refused by the store from
+        now on. Idempotent.
+
+        Raises:
+            OpmlError: the store refused or did not answer (retriable: Unavailable).
+        """
 
     @abstractmethod
     def commit_best(self, experiment: ExperimentRecord, trial: TrialRecord, policy: ModelPolicy, *, objective: str,
@@ -97,10 +110,14 @@ class BundleStoreModels(ModelStore):
     def grant_upload(self, trial: TrialRecord, policy: ModelPolicy, ttl_s: int) -> TrialUpload:
         self._ensure_context()
         name = trial_bundle_name(trial)
-        token = self._client.create_upload_grant(self._context, name, ttl_s=ttl_s, max_bytes=policy.max_bytes)
+        grant = self._client.issue_upload_grant(self._context, name, ttl_s=ttl_s, max_bytes=policy.max_bytes)
         return TrialUpload(env={CONTEXT_VARIABLE: self._context, BUNDLE_VARIABLE: name,
                                 MAX_BYTES_VARIABLE: str(policy.max_bytes)},
-                           secret_env={TARGET_VARIABLE: self._trial_target, GRANT_VARIABLE: token})
+                           secret_env={TARGET_VARIABLE: self._trial_target, GRANT_VARIABLE: grant.token},
+                           grant_id=grant.grant_id)
+
+    def revoke_upload(self, grant_id: str) -> None:
+        self._client.revoke_upload_grant(self._context, grant_id)
 
     def commit_best(self, experiment: ExperimentRecord, trial: TrialRecord, policy: ModelPolicy, *, objective: str,
                     algorithm: str) -> str:

@@ -84,6 +84,11 @@ class TrialRecord:
     asked about before anything is committed), if it said so."""
     model_refused: str = ""
     """Why the trial's model was refused ('': it was not)."""
+    upload_grants: list[str] = field(default_factory=list)
+    """The ids of the upload grants issued to the trial's job and not revoked yet (saved before the job
+    is submitted; one per runner that submitted or re-attached to it): each is revoked once the trial
+    has ended (:mod:`opml_automl_controller.grants`), then removed here. The id names the grant in the
+    bundle-store's logs and revokes it; it is no token."""
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "state": self.state.value})
@@ -142,7 +147,8 @@ class ExperimentStore(Component):
     """Redis keys (all under ``prefix``): ``automl:experiments`` (a sorted set: names by creation),
     ``automl:experiment:{name}`` (the record, JSON), ``automl:trials:{name}`` (a hash: number ->
     trial JSON), ``automl:trace:{name}:{number}`` (a hash: a Trace trial's epochs ``e:{fit}:{epoch}``
-    -> logs JSON, ``started:{session}``, ``stopped:{session}``). Trials and experiments are small
+    -> logs JSON, ``started:{session}``, ``stopped:{session}``), ``automl:grants:unrevoked`` (a set:
+    the upload grants of deleted experiments' trials not revoked yet). Trials and experiments are small
     (KiBs); an experiment's trials are read whole, a trial's trace too.
 
     A part the service starts (Redis answers before anything reads it) and stops; the client is the
@@ -194,10 +200,7 @@ class ExperimentStore(Component):
         async with self._redis.pipeline(transaction=True) as pipe:
             while True:
                 try:
-                    await pipe.watch(key, *([fence.key] if fence else []))
-                    if fence is not None and await pipe.get(fence.key) != str(fence.token).encode():
-                        raise NotLeader(f"the automl-controller lease moved on (tenure {fence.token}); "
-                                        f"experiment {name!r} not changed")
+                    await _watch(pipe, key, fence, f"experiment {name!r} not changed")
                     raw = await pipe.get(key)
                     if raw is None:
                         raise NotFound(f"experiment {name!r} does not exist")
@@ -253,6 +256,45 @@ class ExperimentStore(Component):
             raise NotFound(f"experiment {trial.experiment!r} was deleted; trial {trial.job_id} not saved")
         return stored[0] if stored else None
 
+    async def drop_grants(self, experiment: str, number: int, grant_ids: list[str]) -> None:
+        """Remove ``grant_ids`` (revoked) from the trial's ``upload_grants``, by compare-and-set (a
+        runner's write meanwhile is read again), fenced as every trial write; nothing when the trial or
+        its experiment is gone.
+
+        Raises: NotLeader: the lease moved on."""
+        key = f"{self._prefix}trials:{experiment}"
+        fence = self._fence() if self._fence is not None else None
+        async with self._redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await _watch(pipe, key, fence, f"trial {number} of {experiment!r} not saved")
+                    raw = await pipe.hget(key, str(number))
+                    if raw is None:
+                        return
+                    trial = TrialRecord.from_json(raw)
+                    kept = [grant for grant in trial.upload_grants if grant not in grant_ids]
+                    if kept == trial.upload_grants:
+                        return
+                    pipe.multi()
+                    pipe.hset(key, str(number), replace(trial, upload_grants=kept).to_json())
+                    await pipe.execute()
+                    return
+                except WatchError:
+                    continue
+
+    async def unrevoked_grants(self) -> list[str]:
+        """The upload grants of deleted experiments' trials that are not revoked yet."""
+        return sorted(raw.decode() for raw in await self._redis.smembers(self._unrevoked_key))
+
+    async def forget_unrevoked(self, grant_ids: list[str]) -> None:
+        """``grant_ids`` (of deleted experiments' trials) are revoked."""
+        if grant_ids:
+            await self._redis.srem(self._unrevoked_key, *grant_ids)
+
+    @property
+    def _unrevoked_key(self) -> str:
+        return f"{self._prefix}grants:unrevoked"
+
     async def trial(self, experiment: str, number: int) -> TrialRecord | None:
         raw = await self._redis.hget(f"{self._prefix}trials:{experiment}", str(number))
         return None if raw is None else TrialRecord.from_json(raw)
@@ -290,9 +332,33 @@ class ExperimentStore(Component):
         return TraceRecord(epochs, frozenset(started), frozenset(stopped))
 
     async def delete(self, record: ExperimentRecord) -> None:
-        """The experiment, its trials, their traces and its Optuna journal."""
+        """The experiment, its trials, their traces and its Optuna journal; the trials' upload grants not
+        revoked yet move to ``automl:grants:unrevoked`` (in the same transaction as the trials' delete),
+        where the leader revokes them."""
         journal = [key async for key in self._redis.scan_iter(match=self.journal_prefix(record) + ":*")]
         journal += [key async for key in self._redis.scan_iter(match=f"{self._prefix}trace:{record.name}:*")]
-        await self._redis.delete(f"{self._prefix}experiment:{record.name}", f"{self._prefix}trials:{record.name}",
-                                 *journal)
-        await self._redis.zrem(f"{self._prefix}experiments", record.name)
+        trials_key = f"{self._prefix}trials:{record.name}"
+        async with self._redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(trials_key)
+                    grants = [grant for raw in (await pipe.hgetall(trials_key)).values()
+                              for grant in TrialRecord.from_json(raw).upload_grants]
+                    pipe.multi()
+                    if grants:
+                        pipe.sadd(self._unrevoked_key, *grants)
+                    pipe.delete(f"{self._prefix}experiment:{record.name}", trials_key, *journal)
+                    pipe.zrem(f"{self._prefix}experiments", record.name)
+                    await pipe.execute()
+                    return
+                except WatchError:
+                    continue
+
+
+async def _watch(pipe: Any, key: str, fence: Fence | None, what: str) -> None:
+    """WATCH ``key`` (and the fence's key) for a compare-and-set.
+
+    Raises: NotLeader: ``fence`` no longer holds (``what``: the write not made)."""
+    await pipe.watch(key, *([fence.key] if fence else []))
+    if fence is not None and await pipe.get(fence.key) != str(fence.token).encode():
+        raise NotLeader(f"the automl-controller lease moved on (tenure {fence.token}); {what}")

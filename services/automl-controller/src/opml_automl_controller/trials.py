@@ -33,6 +33,7 @@ from optuna.trial import TrialState as OptunaState
 
 from opml_automl_controller.collect import MetricsParser, Observation, epoch_observations, summarize
 from opml_automl_controller.experiment import CollectorKind, ExperimentSpec
+from opml_automl_controller.grants import GrantRevoker
 from opml_automl_controller.jobs import JobView, TrialJobs
 from opml_automl_controller.metrics import ControllerMetrics
 from opml_automl_controller.models import ModelStore, TrialUpload
@@ -137,6 +138,7 @@ class TrialServices:
         models: the bundle-store trials upload their models to (None: experiments with ``spec.model``
             are refused).
         upload_ttl_s: how long a trial's upload grant is valid (from its job's submit).
+        grants: revokes an ended trial's upload grants (None: no bundle-store, no grants).
     """
 
     jobs: TrialJobs
@@ -150,6 +152,7 @@ class TrialServices:
     folders: TrialFolders | None = None
     models: ModelStore | None = None
     upload_ttl_s: int = 24 * 3600
+    grants: GrantRevoker | None = None
 
     async def retrying(self, call: Callable[[], Any], what: str) -> Any:
         return await retrying(call, what, retry_s=self.retry_s)
@@ -199,11 +202,15 @@ class TrialRunner:
         model_dir = folders.of(self.trial.job_id) if folders is not None else None
         upload = None
         if policy is not None and policy.commit and models is not None:
-            # A grant per submit: stateless in the bundle-store, so one made for a job that turns out
-            # to exist already (a restart re-attaching) is simply never used.
+            # A grant per submit: one made for a job that turns out to exist already (a restart
+            # re-attaching) is never handed to anyone, and is revoked with the job's own.
             upload = await self._services.retrying(
                 lambda: models.grant_upload(self.trial, policy, self._services.upload_ttl_s),
                 f"upload grant for {self.trial.job_id}")
+            # Its id saved before the job may hold it, so that it is revoked once the trial has ended,
+            # by whichever controller leads then.
+            self.trial = replace(self.trial, upload_grants=[*self.trial.upload_grants, upload.grant_id])
+            await self._services.records.save_trial(self.trial, announce=False)
         try:
             job = build_job(self._spec, self.trial.job_id, self.trial.number, self.trial.parameters,
                             trial_python=self._services.trial_python, trace_wait_s=self._services.trace_wait_s,
@@ -399,5 +406,7 @@ class TrialRunner:
         await asyncio.to_thread(self._study.tell, number, value=value, state=optuna_state)
         self.trial = replace(self.trial, state=state, objective_value=value, message=message, ended_at=time.time())
         await self._services.records.save_trial(self.trial)
+        if self._services.grants is not None:
+            self._services.grants.ended(self.trial)  # its job has ended: its upload is done or never will be
         started = self.trial.started_at
         self._services.metrics.trial_ended(state, self.trial.ended_at - started if started else None)
