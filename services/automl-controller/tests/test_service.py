@@ -22,7 +22,7 @@ from opml_automl_controller.jobs import JobView, OrchestratorJobs
 from opml_automl_controller_contract.client import ExperimentClient
 from opml_automl_controller_contract.topics import EXPERIMENTS
 from opml_bundle_store_contract.client import BundleStoreClient
-from opml_common.errors import FailedPrecondition, InvalidArgument
+from opml_common.errors import FailedPrecondition, InvalidArgument, Unauthenticated
 from opml_devstack.testing.bus import poll_until, read_records
 from opml_devstack.testing.metrics import samples, scrape
 from opml_devstack.testing.services import TOKENS, ServiceStarter
@@ -39,6 +39,7 @@ TRIAL = textwrap.dedent("""
     p.add_argument("--slow-bad", action="store_true")
     p.add_argument("--name", default="t-t0")
     p.add_argument("--save-model", action="store_true")
+    p.add_argument("--keep-grant", default="")
     a = p.parse_args()
     if a.slow_bad and int(a.name.rsplit("-t", 1)[1]) < 2:
         a.x = -abs(a.x)
@@ -62,6 +63,9 @@ TRIAL = textwrap.dedent("""
         x = np.linspace(-1, 1, 64)
         save_model(model_dir(), reference={"features": {"x": x}, "predicted": (x > a.x).astype(np.int64),
                                            "labels": (x > 0.25).astype(np.int64)})
+    if a.keep_grant:  # as a job that leaks its env would: someone keeps its grant past its end
+        import os, pathlib
+        pathlib.Path(a.keep_grant, a.name).write_text(os.environ["AUTOML_MODEL_GRANT"])
 """)
 
 # A trial that uses its upload grant for what it does not allow: another trial's bundle, the
@@ -95,7 +99,8 @@ NODE = {"name": "n0", "cpu_millis": 8000, "memory_mib": 8192, "gpu": 0}
 
 def experiment_yaml(name: str, program: Path, *, max_trials: int, parallel: int = 3, goal: float | None = None,
                     early: bool = False, mode: str = "stdout", max_failed: int = 3, collector: str = "StdOut",
-                    save_model: bool = False, argv: list[str] | None = None, model: dict | None = None) -> str:
+                    save_model: bool = False, argv: list[str] | None = None, model: dict | None = None,
+                    keep_grant: Path | None = None) -> str:
     spec: dict = {
         "objective": {"type": "minimize", "objectiveMetricName": "loss", "additionalMetricNames": ["accuracy"],
                       **({"goal": goal} if goal is not None else {})},
@@ -111,7 +116,8 @@ def experiment_yaml(name: str, program: Path, *, max_trials: int, parallel: int 
                 "name": "main", "image": "python:3.11",
                 "command": [sys.executable, str(program), *(argv if argv is not None else [
                     "--x=${trialParameters.x}", f"--mode={mode}", "--name=${trialParameters.trialName}",
-                    *(["--save-model"] if save_model else []), *(["--slow-bad"] if early else [])])],
+                    *(["--save-model"] if save_model else []), *(["--slow-bad"] if early else []),
+                    *([f"--keep-grant={keep_grant}"] if keep_grant else [])])],
                 "resources": {"requests": {"cpu": "500m", "memory": "128Mi"}}}]}}}},
         },
     }
@@ -348,18 +354,34 @@ MONITORING = {"window": {"count": 100}, "rules": [{"name": "accuracy-low", "sign
 
 
 def test_each_trial_uploads_its_model_with_its_own_grant_and_the_best_is_committed_servable(
-        start_service, orchestrator, program, trials_dir: Path) -> None:
+        start_service, orchestrator, program, trials_dir: Path, job_dir: Path) -> None:
     """Trials upload their models themselves (the files at the bundle's root, the reference set as
     reference.npz); the controller never reads their folders, reads the best one's bundle back from the
     store and commits it with the experiment's serving files, tags and lineage. The grant reaches the
-    trial's process and no reply of the orchestrator."""
+    trial's process and no reply of the orchestrator, and is revoked once its trial has ended: a grant
+    kept past its trial's end (as a leaked env would be) is refused by the bundle-store, UNAUTHENTICATED,
+    while the best model, committed with the controller's own token, is there."""
     store = start_service("bundle-store")
-    controller, _ = modelling_controller(start_service, orchestrator, store, trials_dir)
+    controller, env = modelling_controller(start_service, orchestrator, store, trials_dir)
     model = {"serve": True, "rollout": ROLLOUT, "monitoring": MONITORING, "maxBytes": "1Mi"}
+    kept = job_dir / "grants"
+    kept.mkdir(mode=0o777)
+    kept.chmod(0o777)  # the trials' jobs run as users of their own
     with ExperimentClient(controller.target, token=TOKENS["writer"]) as client:
-        client.create(experiment_yaml("modelled", program, max_trials=3, save_model=True, model=model))
+        client.create(experiment_yaml("modelled", program, max_trials=3, save_model=True, model=model,
+                                      keep_grant=kept))
         done = ended(client, "modelled")
         trials = client.trials("modelled")
+
+    def revoked() -> list[float]:
+        return [s.value for s in samples(scrape(env["OPML_AUTOML_CONTROLLER_METRICS_PORT"]))
+                if s.name == "opml_automl_controller_upload_grant_revocations_total" and s.labels["outcome"] == "revoked"]
+
+    poll_until(lambda: revoked() == [3.0], timeout_s=30, what="the three trials' grants revoked", every_s=0.1)
+    for trial in trials:
+        with (BundleStoreClient(store.target, token=(kept / trial.job_id).read_text()) as leaked,
+              pytest.raises(Unauthenticated, match=r"upload grant [0-9a-f]{16} was revoked")):
+            leaked.add("automl", trial.job_id, {"late.bin": b"uploaded after the trial ended"})
     assert done.best_model_bundle.startswith("contexts/automl/bundles/"), done
     best = done.status.current_optimal_trial
     with BundleStoreClient(store.target, token=TOKENS["reader"]) as bundles:
