@@ -262,6 +262,25 @@ def test_evaluate_writes_no_reference_set_the_scorer_would_refuse(tmp_path: Path
     assert result["reasons"][-1]["message"] == "no reference set written: 60 rows, the monitoring-scorer needs 100"
 
 
+def test_evaluate_bounds_the_quality_rule_below_the_worst_judged_slice(tmp_path: Path) -> None:
+    """A model monitored per line checks each line's windows with the version's rule: the bound sits below
+    the worst line judged (l2's, a fifth of its labels flipped), not below the lines together."""
+    inputs, outputs = tmp_path / "inputs", tmp_path / "outputs"
+    columns = _columns(400, seed=4)
+    l2 = [i for i, line in enumerate(columns["line"]) if line == "l2"]
+    for i in l2[::5]:
+        columns["y"][i] = 1 - columns["y"][i]
+    _write_span(inputs / "span", columns)
+    _model_dir(inputs / "candidate", GOOD)
+    done = _run("evaluate", STEP | {"thresholds": []}, inputs, outputs)
+    assert done.returncode == 0, done.stderr
+    candidate = _result(outputs)["metrics"]["candidate"]
+    worst = candidate["line=l2"]["accuracy"]
+    assert worst < candidate["overall"]["accuracy"] - 0.05 and candidate["line=l3"]["rows"] < STEP["min_rows"]
+    monitoring = yaml.safe_load((outputs / "reference" / "monitoring.yaml").read_text())
+    assert monitoring["rules"][0]["under"] == pytest.approx(worst - 0.05, abs=1e-6)
+
+
 def test_evaluate_a_regressor(tmp_path: Path) -> None:
     inputs, outputs = tmp_path / "inputs", tmp_path / "outputs"
     columns = _columns(200, seed=8)
