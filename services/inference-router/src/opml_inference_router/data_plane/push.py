@@ -305,7 +305,6 @@ class DirectPlane(Component):
         lease = self._leases.get(model)
         if lease is not None:
             lease.answered(call_s)
-            self._tokens.labels(model).set(lease.held)
         if self._predictions is not None:  # published even when the route changed since: the log is complete
             self._predictions.record(request_id=request_id or uuid.uuid4().hex, model=model,
                                      routed=Routed(response, version, replica, attempts, backup_won),
