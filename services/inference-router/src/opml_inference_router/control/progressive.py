@@ -68,9 +68,11 @@ from opml_inference_router.routing.shadow import Comparison
 from opml_inference_router.routing.window import Measures
 from opml_inference_router_contract.model_config import ModelConfig
 from opml_inference_router_contract.rollout_spec import (
+    ACCURACY,
     QUALITY_CHECKS,
     ROLLOUT_FILE,
     Analysis,
+    Check,
     RolloutSpec,
     Shadow,
     Step,
@@ -510,11 +512,24 @@ class ProgressiveRollouts(Component):
         return verdict_of(checks), checks
 
     async def _quality_of(self, state: RolloutState, analysis: Analysis) -> tuple[Quality, Quality]:
-        """The scorer's windows of each version since the analysis step began (when a check reads them)."""
+        """The scorer's windows of each version since the analysis step began (when a check reads them):
+        the events consumed, or, while a check lacks its minimum on them, the scorer's own windows when
+        they hold more (the events came to the router up to 15 s after the scorer published them in
+        the bench, so a worse version was judged that much later)."""
         if self._quality is None or not any(c.name in QUALITY_CHECKS for c in analysis.checks):
             return Quality(), Quality()
-        return (await self._quality.since(state.model, state.version, state.step_started),
-                await self._quality.since(state.model, state.stable, state.step_started))
+        new = await self._quality.since(state.model, state.version, state.step_started)
+        stable = await self._quality.since(state.model, state.stable, state.step_started)
+        if self._scorer is None or not any(_short(check, new, stable) for check in analysis.checks):
+            return new, stable
+        try:
+            read = (await self._scorer.since(state.model, state.version, state.step_started),
+                    await self._scorer.since(state.model, state.stable, state.step_started))
+        except OpmlError as error:
+            log.debug("models/%s: the monitoring-scorer's windows could not be read: %s", state.model, error.message)
+            return new, stable
+        return tuple(r if (r.labels, r.predictions) >= (q.labels, q.predictions) else q  # type: ignore[return-value]
+                     for r, q in zip(read, (new, stable), strict=True))
 
     # -- decisions in the lineage ----------------------------------------------------------------
 
@@ -628,6 +643,14 @@ class ProgressiveRollouts(Component):
     def _emit(self, message: Any, subject: str) -> None:
         if self._events is not None:
             self._events.emit(message, subject=subject)
+
+
+def _short(check: Check, new: Quality, stable: Quality) -> bool:
+    """Whether a scorer's check lacks its minimum of evidence on either version."""
+    if check.name not in QUALITY_CHECKS:
+        return False
+    counts = (new.labels, stable.labels) if check.name == ACCURACY else (new.predictions, stable.predictions)
+    return min(counts) < check.min_requests
 
 
 # -- messages -------------------------------------------------------------------------------------
