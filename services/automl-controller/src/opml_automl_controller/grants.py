@@ -18,6 +18,7 @@ revokes what its predecessor did not. Only the leader revokes, and its record wr
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 
@@ -44,6 +45,8 @@ class GrantRevoker:
         self._store, self._models, self._metrics = store, models, metrics
         self._leading, self._check_leading = leading, check_leading
         self._tasks: set[asyncio.Task] = set()
+        self._revoking: set[str] = set()
+        """The job ids of the trials whose grants a task revokes now (a resync leaves them to it)."""
         self._behind = True
         """A revocation failed, or this replica has just started or taken over: the next resync reads
         every experiment's trials (else only the deleted experiments' set)."""
@@ -51,11 +54,20 @@ class GrantRevoker:
 
     def ended(self, trial: TrialRecord) -> None:
         """``trial`` has ended (its record saved): revoke its grants now, in a task of its own."""
-        if not trial.upload_grants or trial.state not in TERMINAL_TRIALS:
+        if not trial.upload_grants or trial.state not in TERMINAL_TRIALS or trial.job_id in self._revoking:
             return
+        self._revoking.add(trial.job_id)
         task = asyncio.create_task(self._revoke_trial(trial), name=f"revoke {trial.job_id}'s upload grants")
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(functools.partial(self._done, trial.job_id))
+
+    def _done(self, job_id: str, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        self._revoking.discard(job_id)
+        if not task.cancelled() and task.exception() is not None:  # Redis: the next resync tries again
+            self._behind = True
+            log.error("trial %s: its upload grants' revocation failed; retried at the next resync", job_id,
+                      exc_info=task.exception())
 
     async def resync(self) -> None:
         """The leader's periodic pass: every ended trial's grants still unrevoked (after a failure, a
@@ -71,7 +83,7 @@ class GrantRevoker:
             self._behind = False
             for record in await self._store.experiments():
                 for trial in await self._store.trials(record.name):
-                    if trial.state in TERMINAL_TRIALS and trial.upload_grants \
+                    if trial.state in TERMINAL_TRIALS and trial.upload_grants and trial.job_id not in self._revoking \
                             and not await self._revoke_trial(trial):
                         return  # the store is failing: the next resync goes on
 
@@ -96,8 +108,13 @@ class GrantRevoker:
         return len(done) == len(trial.upload_grants)
 
     async def _revoke_deleted(self) -> bool:
+        """Whether every deleted experiment's grant is revoked (the first failure ends the pass)."""
         grants = await self._store.unrevoked_grants()
-        done = [grant for grant in grants if await self._revoke(grant, "of a deleted experiment")]
+        done = []
+        for grant in grants:
+            if not await self._revoke(grant, "of a deleted experiment"):
+                break
+            done.append(grant)
         await self._store.forget_unrevoked(done)
         return len(done) == len(grants)
 
