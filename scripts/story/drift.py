@@ -7,22 +7,27 @@ next span, so the training the alert starts ingests it. The scorer's windows of 
 (each line's, split by the request parameter ``line``, where the model is monitored per line; else
 the version's as a whole, of which line 3 is a quarter) show the label-free estimate and the truth
 before and after, and a rule raises an alert (line 3's: its estimate under the bound, or its inputs
-drifted from the reference): the ``AlertRaised`` is read back from ``opml.alerts.v1`` and printed.
+drifted from line 3's own reference rows or out of the reference's ranges): the ``AlertRaised`` is
+read back from ``opml.alerts.v1`` and printed, then line 3's first window wholly under the new lamps
+(its estimate against the truth of the answers), and the other lines' alerts (none: their traffic is
+clean, and each line is judged against its own reference rows).
 """
 
 from __future__ import annotations
 
 import time
 
+from inspection_data import LINES
 from opml.monitoring.v1 import alert_events_pb2
 
 from opml_bundle_store_contract.client import BundleStoreClient
 from opml_job_orchestrator_contract.pipelineclient import PipelineClient
+from opml_monitoring_scorer_contract.client import MonitoringClient
 from opml_monitoring_scorer_contract.topics import ALERTS
 
 from .context import Story
 from .data import SPANS, commit_span
-from .lines import Live, show_windows
+from .lines import WINDOWS_TIMEOUT_S, Live, show_windows
 from .pipeline import MODEL, NAME
 from .watch import Seen
 
@@ -41,6 +46,17 @@ def raised_for_line(version: str, since: float, by_line: bool):
     return found
 
 
+def window_after(version: str, since: float, by_line: bool):
+    """A ``Watch.wait`` predicate: the serving version's first window of line 3 (of the whole version when
+    not split by line) whose first prediction came after ``since``: wholly under the new lamps."""
+    def found(events: list[Seen]) -> Seen | None:
+        return next((e for e in events if e.kind == "WindowScored" and e.message.version == version
+                     and e.message.segment == (str(LINE) if by_line else "")
+                     and e.message.first_time.ToNanoseconds() / 1e9 >= since and e.message.HasField("estimate")),
+                    None)
+    return found
+
+
 def describe(alert: alert_events_pb2.AlertRaised) -> str:
     evidence = alert.evidence
     where = f"line {alert.segment}" if alert.segment else f"all lines (line {LINE} among them)"
@@ -48,6 +64,18 @@ def describe(alert: alert_events_pb2.AlertRaised) -> str:
             if evidence.features else f"{evidence.signal} {evidence.value:.3f}")
     return (f"{alert.model} version {alert.version} {where}: rule {alert.rule}, window {evidence.window} "
             f"({evidence.rows} rows): {what}, bound {evidence.bound:g}, score {evidence.score:.3f}")
+
+
+def other_lines_alerts(story: Story, version: str) -> str:
+    """The alerts the scorer holds for the version's other lines (their traffic stays clean), as text."""
+    with MonitoringClient(story.scorer_target) as scorer:
+        raised = {line: scorer.alerts(MODEL, version, segment=str(line)) for line in sorted(LINES) if line != LINE}
+    others = ", ".join(str(line) for line in raised)
+    if not any(raised.values()):
+        return f"lines {others}: no alert on their clean traffic"
+    return f"lines {others}: alerts " + "; ".join(
+        f"line {line} {a.rule} ({'firing' if a.firing else 'resolved'}, window {a.raised_at_window})"
+        for line, alerts in raised.items() for a in alerts)
 
 
 def run(story: Story) -> str:
@@ -74,7 +102,21 @@ def run(story: Story) -> str:
     story.handed["alert"] = alert
     story.handed["alert_at"] = seen.at
     print(f"   event opml.monitoring.v1.AlertRaised offset={seen.offset}: {describe(alert)}", flush=True)
-    show_windows(live, version, live.started, f"v{version} before", until=changed)
+    by_line = bool(story.handed["by_line"])
+    where = f"line {LINE}" if by_line else "all lines"
+    whole = live.watch.wait(f"a window of {where} wholly under the new lamps",
+                            window_after(version, changed, by_line), WINDOWS_TIMEOUT_S).message
+    truth = live.traffic.accuracy(version, changed).get(str(LINE) if by_line else "all")
+    print(f"   {where}: the first window wholly under the new lamps (window {whole.window}, {whole.rows} rows): "
+          f"estimated accuracy {whole.estimate:.3f} ({whole.estimator}); true accuracy of the answers since the "
+          f"change {'-' if truth is None else f'{truth:.3f}'}", flush=True)
+    if by_line:
+        print(f"   {other_lines_alerts(story, version)}", flush=True)
+    earlier = show_windows(live, version, live.started, f"v{version} before", until=changed).get(
+        str(LINE) if by_line else "all", (None, None))
     show_windows(live, version, changed, f"v{version} after ")
-    return f"line {LINE} lamps {before:g} -> {after:g}; alert {alert.rule} on version {version} " \
-           f"{seen.at - changed:.0f} s later"
+    estimated = f"{earlier[0]:.3f} -> " if earlier[0] is not None else ""
+    true = f"{earlier[1]:.3f} -> " if earlier[1] is not None else ""
+    return (f"line {LINE} lamps {before:g} -> {after:g}; alert {alert.rule} on version {version} "
+            f"{'line ' + alert.segment if alert.segment else 'all lines'} {seen.at - changed:.0f} s later; {where} "
+            f"estimated {estimated}{whole.estimate:.3f}, true {true}{'-' if truth is None else f'{truth:.3f}'}")

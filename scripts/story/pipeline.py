@@ -5,7 +5,8 @@ Shows the job-orchestrator's pipelines (after TFX): ``ingest`` resolves the comm
 ``train`` runs the user's program (``pipeline_train.py``, numpy) as a TE job, warm from the
 pipeline's blessed model when there is one, ``evaluate`` judges the candidate overall and per line
 (and against the blessed baseline), ``bless`` records the verdict, ``push`` commits a blessed model as
-a serving bundle with its rollout, reference set and monitoring rules. The inference-router deploys
+a serving bundle with its rollout, reference set and monitoring rules, monitored per line (the
+request parameter ``line``; each line judged against its own reference rows). The inference-router deploys
 it; the first version takes all traffic, a later one goes through the rollout.
 """
 
@@ -68,8 +69,10 @@ def pipeline_spec(story: Story) -> pb.PipelineSpec:
                                {"metric": "accuracy", "change": {"direction": "higher_is_better",
                                                                  "absolute": -LINE_NOISE}}]}},
             {"name": "gate", "kind": "bless", "inputs": ["judge"]},
+            # monitored per line too: the reference carries each row's line (the evaluate step's slice), so
+            # the scorer judges each line against its own rows and line 3's drift raises line 3's alert
             {"name": "ship", "kind": "push", "inputs": ["gate"], "push": {
-                "context": CONTEXT, "model": MODEL, "rollout": story.scale.rollout}},
+                "context": CONTEXT, "model": MODEL, "rollout": story.scale.rollout, "monitoring": {"segment": "line"}}},
         ],
     })
 

@@ -30,7 +30,8 @@ def test_main_job_succeeds_against_every_installed_service(start_service, stack_
     assert "blessed=True" in result.stdout and "inspection version 1 SERVING 100%" in result.stdout  # the pipeline
     # the loop: line 3's drift raises an alert, the alert runs the pipeline, its rollout promotes the new model
     [alert] = [line for line in result.stdout.splitlines() if "event opml.monitoring.v1.AlertRaised" in line]
-    assert "inspection version 1 line 3" in alert or "inspection version 1 all lines (line 3 among them)" in alert
+    assert "inspection version 1 line 3:" in alert, alert  # line 3's own alert, judged against its own rows
+    assert "lines 1, 2, 4: no alert on their clean traffic" in result.stdout
     assert "of pipeline inspection, triggered by: alert: inspection version 1" in result.stdout
     assert "event opml.inference.v1.RolloutPromoted version 2" in result.stdout
     assert "version 2 promoted" in result.stdout

@@ -2,7 +2,9 @@
 a clean stream drawn like the reference raises no alert, on an image-like model of 256 pixel columns
 (the fixed 5 % bad-input bound fired on every clean window of it: a row is flagged when any of its
 256 columns falls outside the reference's range) as on a model of a few features; a stream of broken
-inputs still raises the bad-input alert. No services: the step program runs as the engine runs it (a
+inputs still raises the bad-input alert. Monitored per line (the push's ``monitoring: {segment: line}``), each
+line's clean stream, whose inputs differ from the other line's by design, raises no alert against its
+own reference rows (the evaluate step writes each row's line), and a line whose lamps change does. No services: the step program runs as the engine runs it (a
 subprocess over folders), its outputs go through the scorer's reference loader, config parser, KServe
 v2 decoder, monitor and rules."""
 
@@ -45,14 +47,16 @@ def classifier(columns: int, rng: np.random.Generator) -> onnx.ModelProto:
     return model
 
 
-def draw(rng: np.random.Generator, rows: int, columns: int) -> np.ndarray:
-    """Image-like rows: each pixel a smooth brightness plus sensor noise."""
-    brightness = rng.normal(0.5, 0.1, size=(rows, 1))
+def draw(rng: np.random.Generator, rows: int, columns: int, lamps: float = 0.5) -> np.ndarray:
+    """Image-like rows: each pixel a smooth brightness (around ``lamps``) plus sensor noise."""
+    brightness = rng.normal(lamps, 0.1, size=(rows, 1))
     return (brightness + rng.normal(0, 0.05, size=(rows, columns))).astype(np.float32)
 
 
-def evaluate(tmp_path: Path, columns: int, rows: int, rng: np.random.Generator) -> tuple[onnx.ModelProto, Path]:
-    """The evaluate step program over a labelled span of ``rows``: its reference folder."""
+def evaluate(tmp_path: Path, columns: int, rows: int, rng: np.random.Generator,
+             lines: dict[str, float] | None = None) -> tuple[onnx.ModelProto, Path]:
+    """The evaluate step program over a labelled span of ``rows`` (``lines``: that many rows of each line
+    under its lamps, sliced by ``line``): its reference folder."""
     inputs, outputs = tmp_path / "inputs", tmp_path / "outputs"
     model = classifier(columns, rng)
     (inputs / "candidate").mkdir(parents=True)
@@ -62,15 +66,18 @@ def evaluate(tmp_path: Path, columns: int, rows: int, rng: np.random.Generator) 
         "inputs": [{"name": "pixels", "data_type": "fp32", "dims": [columns]}],
         "outputs": [{"name": "scores", "data_type": "fp32", "dims": [2]}],
         "slo": {"p99_ms": 50.0}, "expected_rate_rps": 10.0, "pool_kinds": ["cpu"]}))
-    x = draw(rng, rows, columns)
+    lamps = lines or {"": 0.5}
+    x = np.concatenate([draw(rng, rows, columns, level) for level in lamps.values()])
+    line_of = [line for line in lamps for _ in range(rows)]
     names = [f"p{i}" for i in range(columns)]
     (inputs / "span").mkdir()
-    labels = rng.integers(0, 2, size=rows)
-    lines = [",".join([*names, "y"])] + [",".join([*(f"{v:.5f}" for v in row), str(y)])
-                                         for row, y in zip(x, labels, strict=True)]
-    (inputs / "span" / "part-0.csv").write_text("\n".join(lines) + "\n")
+    labels = rng.integers(0, 2, size=len(x))
+    text = [",".join([*names, "line", "y"])] + [",".join([*(f"{v:.5f}" for v in row), line, str(y)])
+                                                for row, line, y in zip(x, line_of, labels, strict=True)]
+    (inputs / "span" / "part-0.csv").write_text("\n".join(text) + "\n")
     step_file = tmp_path / "step.json"
-    step_file.write_text(json.dumps({"label": "y", "features": names, "metrics": ["accuracy"], "thresholds": []}))
+    step_file.write_text(json.dumps({"label": "y", "features": names, "metrics": ["accuracy"], "thresholds": [],
+                                     **({"slices": ["line"]} if lines else {})}))
     done = subprocess.run([sys.executable, "-m", "opml_job_orchestrator.pipelines.stepjobs", "evaluate", "--step",
                            str(step_file), "--inputs", str(inputs), "--outputs", str(outputs)],
                           capture_output=True, text=True, timeout=300, check=False)
@@ -94,11 +101,16 @@ def predictions(model: onnx.ModelProto, x: np.ndarray) -> list[events_pb2.Predic
     return made
 
 
-def alerts_of(reference_dir: Path, model: onnx.ModelProto, windows: list[np.ndarray]) -> list[tuple[int, str]]:
-    """(window, rule) of every alert the scorer's rules raise over these windows; checks the bad share."""
+def alerts_of(reference_dir: Path, model: onnx.ModelProto, windows: list[np.ndarray],
+              line: str | None = None) -> list[tuple[int, str]]:
+    """(window, rule) of every alert the scorer's rules raise over these windows; checks the bad share.
+    ``line``: judged as the scorer judges that segment (its own reference rows, the whole reference's
+    value ranges)."""
     config = MonitoringConfig.parse((reference_dir / "monitoring.yaml").read_bytes())
     reference = load_reference((reference_dir / "reference.npz").read_bytes(), task=config.task)
     monitor = ModelMonitor(reference, config)
+    if line is not None:
+        monitor = ModelMonitor(reference.segment("line", line), config, quality=monitor.quality)
     states = {rule.name: RuleState() for rule in config.rules}
     raised = []
     for index, x in enumerate(windows):
@@ -131,3 +143,16 @@ def test_a_clean_stream_raises_no_alert_and_broken_inputs_still_do(tmp_path: Pat
     broken = draw(rng, window, columns)
     broken[:, 0] = 50.0  # a dead sensor stuck far past its range on every row
     assert (0, "bad-input") in alerts_of(reference_dir, model, [broken])
+
+
+def test_each_line_is_judged_against_its_own_rows_so_only_the_changed_line_alerts(tmp_path: Path) -> None:
+    rng = np.random.default_rng(7)
+    lamps = {"1": 0.3, "2": 0.7}  # the lines' lamps differ by design
+    model, reference_dir = evaluate(tmp_path, 256, 500, rng, lamps)
+    window = yaml.safe_load((reference_dir / "monitoring.yaml").read_text())["window"]["count"]
+    for line, level in lamps.items():
+        clean = [draw(rng, window, 256, level) for _ in range(4)]
+        assert alerts_of(reference_dir, model, clean, line) == [], f"line {line}'s clean traffic"
+        assert (1, "input-drift") in alerts_of(reference_dir, model, clean), "against every line's rows it drifts"
+    dimmed = [draw(rng, window, 256, 0.2) for _ in range(2)]  # line 2's lamps dim
+    assert (1, "input-drift") in alerts_of(reference_dir, model, dimmed, "2")
