@@ -25,8 +25,18 @@ with a p99 SLO of ``--slo-ms`` (placement and admission price against it).
    version: what ``min_requests`` and ``interval_s`` would have to be).
 3. **A worse model** (version 2 of another model): the stable model's weights of feature 0 bent so
    that on a drifted slice (feature 0 shifted by +3) it is about 10 points less accurate; traffic is
-   that slice, each answer scored against its label. The rollout (``--count`` measurements,
-   failure_limit 0, inconclusive_limit 1, the same checks) can judge it only by what its checks see.
+   that slice, each answer scored against its label. The real monitoring-scorer (a bundle-store
+   holds each version's reference: 2,000 undrifted rows with the version's own scores and their
+   labels, and monitoring.yaml with the scorer's default window of 1000 predictions) scores the
+   predictions the router publishes; the label of ``--label-share`` of the requests is submitted to it
+   (SubmitLabels) as soon as the answer comes. The rollout (``--quality-count`` measurements,
+   failure_limit 0, inconclusive_limit 1) checks the router's two and ``accuracy`` (``--max-drop``,
+   ``--min-labels``: the labels the scorer joined in its windows of each version since the analysis
+   began). Timed: from the scorer's window event (WindowScored on opml.quality.v1, read here too) that
+   first gave both versions ``--min-labels`` labels, the first moment the check could count the bad
+   answers, to traffic back on the stable version (the last request the new version answered), in
+   analysis intervals; and from the first request the new version answered in the analysis (the
+   scorer's window cadence included).
 4. **A slower model**: the stable model with ``--slow-ms`` of compute more a request (default: the
    baseline's median p99 over an interval, at most 5 ms, so its p99 is about 2x; calibrated here in
    onnxruntime, one thread; the run prints the ratio it got), ``--repeats`` rollouts of the same spec.
@@ -67,16 +77,31 @@ from _stack import bench_services
 from aiokafka import AIOKafkaConsumer
 from onnx import TensorProto, helper, numpy_helper
 from opml.inference.v1 import deployment_events_pb2 as events
+from opml.monitoring.v1 import quality_events_pb2
 from tritonclient.grpc import InferInput
 from tritonclient.utils import InferenceServerException
 
+from opml_bundle_store_contract.client import BundleStoreClient
 from opml_common.bus import CloudEvent
 from opml_common.errors import FailedPrecondition
 from opml_devstack.testing.services import TOKENS
+from opml_inference_router.control.analysis import measure
+from opml_inference_router.control.quality import Quality
+from opml_inference_router.routing.window import Measures
 from opml_inference_router.testing import fleet_env, mlp_config, write_model_dir
 from opml_inference_router_contract.client import DeploymentClient
-from opml_inference_router_contract.rollout_spec import ERROR_RATE, P99_LATENCY, ROLLOUT_FILE
+from opml_inference_router_contract.rollout_spec import (
+    ACCURACY,
+    ERROR_RATE,
+    P99_LATENCY,
+    ROLLOUT_FILE,
+    Analysis,
+    Check,
+)
 from opml_inference_router_contract.topics import DEPLOYMENTS
+from opml_monitoring_scorer_contract.client import MonitoringClient
+from opml_monitoring_scorer_contract.reference import reference_npz
+from opml_monitoring_scorer_contract.topics import QUALITY
 
 FEATURES, CLASSES = 16, 4
 FLEET = {
@@ -92,6 +117,13 @@ AUTH = {"authorization": f"Bearer {TOKENS['writer']}"}
 ROUTER_CHECKS = (ERROR_RATE, P99_LATENCY)
 """The checks every analysis here runs: the router's own measures of both versions."""
 ENDS = (events.RolloutPromoted, events.RolloutAborted, events.RolloutPaused)
+MONITORING = f"""
+task: multiclass
+features: {{features: [{", ".join(f"f{i}" for i in range(FEATURES))}]}}
+outputs: {{scores: scores}}
+"""
+"""The worse model's monitoring.yaml: the scorer's default window (1000 predictions)."""
+REFERENCE_ROWS = 2000
 
 
 # -- models ------------------------------------------------------------------------------------------
@@ -180,6 +212,15 @@ def accuracy(weights: np.ndarray, bias: np.ndarray, x: np.ndarray, y: np.ndarray
     return float(((x @ weights + bias).argmax(axis=1) == y).mean())
 
 
+def reference(weights: np.ndarray, bias: np.ndarray, x: np.ndarray, y: np.ndarray) -> bytes:
+    """reference.npz of held-out (undrifted) rows: the version's own scores on them, and their labels."""
+    logits = x @ weights + bias
+    scores = np.exp(logits - logits.max(axis=1, keepdims=True))
+    scores /= scores.sum(axis=1, keepdims=True)
+    return reference_npz({f"f{i}": x[:, i] for i in range(FEATURES)}, predicted=scores.argmax(axis=1),
+                         scores=scores.astype(np.float32), labels=y)
+
+
 def worse_weights(task: Task, points: float, drifted: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
     """The task's weights with feature 0's row bent (bisected) until accuracy on the ``drifted`` rows is
     ``points`` lower."""
@@ -210,9 +251,11 @@ def bundle(directory: Path, name: str, model: onnx.ModelProto, args: argparse.Na
     return directory
 
 
-def rollout_spec(args: argparse.Namespace, count: int, *, limits: int) -> dict:
+def rollout_spec(args: argparse.Namespace, count: int, *, limits: int, quality: bool = False) -> dict:
     checks = {ERROR_RATE: {"max_increase": args.max_increase, "min_requests": args.min_requests},
               P99_LATENCY: {"max_ratio": args.max_ratio, "min_requests": args.min_requests}}
+    if quality:
+        checks[ACCURACY] = {"max_drop": args.max_drop, "min_labels": args.min_labels}
     return {"steps": [{"weight": 50}, {"analysis": {
         "interval_s": args.interval_s, "count": count, "failure_limit": limits,
         "inconclusive_limit": max(limits, 1), "checks": checks}}]}
@@ -239,19 +282,41 @@ class Traffic:
     rate: float
     rows: np.ndarray
     labels: np.ndarray | None = None
+    monitor: MonitoringClient | None = None  # where a share of the answers' labels go
+    label_share: float = 0.0
     outcomes: list[Outcome] = field(default_factory=list)
+    labelled: int = 0
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
     _task: asyncio.Task | None = None
+    _labeller: asyncio.Task | None = None
+    _pending: list[tuple[str, list[float], None]] = field(default_factory=list)
+    _rng: random.Random = field(default_factory=lambda: random.Random(5))
 
     def start(self) -> Traffic:
         self._task = asyncio.create_task(self._run())
+        if self.monitor is not None:
+            self._labeller = asyncio.create_task(self._label())
         return self
 
     async def stop(self) -> list[Outcome]:
         self._stop.set()
         if self._task is not None:
             await self._task
+        if self._labeller is not None:
+            await self._labeller
         return self.outcomes
+
+    async def _label(self) -> None:
+        """Submits the labels of the answers so far every 0.2 s (and the last ones at the end)."""
+        while True:
+            stopping = self._stop.is_set() and self._task is not None and self._task.done()
+            batch, self._pending = self._pending, []
+            for start in range(0, len(batch), 1000):
+                self.labelled += await asyncio.to_thread(self.monitor.submit_labels, self.model,  # type: ignore[union-attr]
+                                                         batch[start:start + 1000])
+            if stopping:
+                return
+            await asyncio.sleep(0.2)
 
     async def _run(self) -> None:
         rng, pending, index = random.Random(3), set(), 0
@@ -261,18 +326,19 @@ class Traffic:
             delay = next_at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            task = asyncio.create_task(self._one(index % len(self.rows)))
+            task = asyncio.create_task(self._one(index % len(self.rows), f"{self.model}-{id(self):x}-{index}"))
             pending.add(task)
             task.add_done_callback(pending.discard)
             index += 1
         await asyncio.gather(*pending)
 
-    async def _one(self, index: int) -> None:
+    async def _one(self, index: int, request_id: str) -> None:
         tensor = InferInput("features", [1, FEATURES], "FP32")
         tensor.set_data_from_numpy(self.rows[index:index + 1])
         sent, start = time.time(), time.perf_counter()
         try:
-            result = await self.client.infer(self.model, [tensor], headers=AUTH, client_timeout=10)
+            result = await self.client.infer(self.model, [tensor], headers=AUTH, client_timeout=10,
+                                             request_id=request_id)
         except InferenceServerException as error:
             self.outcomes.append(Outcome(sent, time.perf_counter() - start, "", str(error.status()), None))
             return
@@ -280,6 +346,8 @@ class Traffic:
         correct = None
         if self.labels is not None:
             correct = bool(result.as_numpy("scores")[0].argmax() == self.labels[index])
+            if self.monitor is not None and self._rng.random() < self.label_share:
+                self._pending.append((request_id, [float(self.labels[index])], None))
         self.outcomes.append(Outcome(sent, latency, result.get_response().model_version, "OK", correct))
 
 
@@ -311,8 +379,9 @@ def failures(outcomes: list[Outcome]) -> dict[str, int]:
 class DeploymentEvents:
     """Every event of opml.deployments.v1 since the start, read as it comes."""
 
-    def __init__(self, bootstrap: str, topic: str) -> None:
-        self._consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=None,
+    def __init__(self, bootstrap: str, *topics: str) -> None:
+        self._consumer = AIOKafkaConsumer(*topics, bootstrap_servers=bootstrap, group_id=None,
+                                          metadata_max_age_ms=1000,  # a topic made after the start (quality)
                                           auto_offset_reset="earliest", enable_auto_commit=False)
         self.events: list[CloudEvent] = []
         self._task: asyncio.Task | None = None
@@ -345,6 +414,16 @@ class DeploymentEvents:
                     found.append((event.time.timestamp(), message))
         return found
 
+    def windows(self, model: str, version: int) -> list[tuple[float, object]]:
+        """(event time, WindowScored) of the monitoring-scorer's windows of ``model`` ``version``."""
+        found = []
+        for event in list(self.events):
+            if event.type == quality_events_pb2.WindowScored.DESCRIPTOR.full_name:
+                message = event.parse(quality_events_pb2.WindowScored)
+                if message.model == model and message.version == str(version) and not message.segment:
+                    found.append((event.time.timestamp(), message))
+        return found
+
     async def end_of(self, model: str, version: int, timeout_s: float) -> tuple[float, object]:
         """The event that ended ``version``'s rollout (promoted, aborted or paused)."""
         deadline = time.monotonic() + timeout_s
@@ -368,6 +447,7 @@ class RolloutRun:
     end: tuple[float, object]
     analysis_started: float
     measurements: list[object]
+    labelled: int = 0
 
     @property
     def ended(self) -> str:
@@ -392,7 +472,7 @@ async def roll_out(deployments: DeploymentClient, log: DeploymentEvents, traffic
     analysis = [t for t, m in log.of(events.RolloutStepStarted, traffic.model, version) if m.spec.kind == "analysis"]
     measured = [m for _, m in log.of(events.RolloutAnalysisCompleted, traffic.model, version)]
     return RolloutRun(traffic.model, version, traffic.outcomes, called, end, analysis[0] if analysis else math.nan,
-                      measured)
+                      measured, traffic.labelled)
 
 
 def check(run_measurements: list[object], name: str) -> list[object]:
@@ -431,6 +511,11 @@ async def main() -> int:
                         help="compute the slower version adds to a request (calibrated here, one thread; 0: the "
                              "baseline's median p99 over an interval, at most 5 ms)")
     parser.add_argument("--accuracy-drop", type=float, default=0.10)
+    parser.add_argument("--quality-count", type=int, default=30,
+                        help="measurements of the worse model's analysis (it checks accuracy too)")
+    parser.add_argument("--max-drop", type=float, default=0.05, help="the accuracy check's bound")
+    parser.add_argument("--min-labels", type=int, default=100, help="labels of each version the check needs")
+    parser.add_argument("--label-share", type=float, default=0.5, help="share of the worse model's requests labelled")
     parser.add_argument("--slo-ms", type=float, default=250.0, help="the models' p99 SLO (placement, admission)")
     args = parser.parse_args()
 
@@ -450,15 +535,31 @@ async def main() -> int:
 
     started = time.monotonic()
     with bench_services() as (starter, workdir):
-        env = starter.env("inference-router", extra_env=fleet_env(workdir / "fleet.yaml", FLEET))
+        store = starter("bundle-store")
+        scorer = starter("monitoring-scorer", extra_env={
+            "OPML_MONITORING_SCORER_BUNDLE_STORE_TARGET": store.target,
+            "OPML_MONITORING_SCORER_BUNDLE_STORE_TOKEN": TOKENS["reader"],
+            "OPML_MONITORING_SCORER_AUTOREGISTER": "false"})  # only the worse model's versions, registered below
+        env = starter.env("inference-router", extra_env={
+            **fleet_env(workdir / "fleet.yaml", FLEET), "OPML_INFERENCE_ROUTER_MONITORING_SCORER_TARGET": scorer.target,
+            "OPML_INFERENCE_ROUTER_MONITORING_SCORER_TOKEN": TOKENS["reader"]})
         router = starter("inference-router", env=env)
         target = f"127.0.0.1:{env['OPML_INFERENCE_ROUTER_INFERENCE_PORT']}"
         metrics_port = env["OPML_INFERENCE_ROUTER_METRICS_PORT"]
-        topic = DEPLOYMENTS.full_name(env["OPML_TOPIC_PREFIX"])
-        async with DeploymentEvents(env["OPML_KAFKA_BOOTSTRAP"], topic) as log, \
+        topics = (DEPLOYMENTS.full_name(env["OPML_TOPIC_PREFIX"]), QUALITY.full_name(env["OPML_TOPIC_PREFIX"]))
+        with BundleStoreClient(store.target, token=TOKENS["writer"]) as bundles, \
+                MonitoringClient(scorer.target, token=TOKENS["admin"]) as monitor:
+            bundles.create_context("bench")  # each version's reference, registered now: the scorer fits its MPP
+            for version, weights in ((1, task.weights), (2, bent)):
+                made = bundles.add("bench", f"acc-v{version}-reference", {
+                    "reference.npz": reference(weights, task.bias, plain_x[:REFERENCE_ROWS], plain_y[:REFERENCE_ROWS]),
+                    "monitoring.yaml": MONITORING.encode()}, commit=True)
+                monitor.register("acc", str(version), "bench", made.uuid)
+        async with DeploymentEvents(env["OPML_KAFKA_BOOTSTRAP"], *topics) as log, \
                 triton.InferenceServerClient(target) as client:
             with DeploymentClient(router.target, token=TOKENS["writer"]) as deployments, \
-                    DeploymentClient(router.target, token=TOKENS["admin"]) as admin:
+                    DeploymentClient(router.target, token=TOKENS["admin"]) as admin, \
+                    MonitoringClient(scorer.target, token=TOKENS["writer"]) as labeller:
                 timeout = args.interval_s * (args.measurements * 2 + 20) + 120
 
                 # 1. baseline and 2. A/A: the same bundle twice
@@ -480,12 +581,20 @@ async def main() -> int:
                 print(f"A/A: rollout {aa.ended} after {len(aa.measurements)} measurements, {len(aa.outcomes)} "
                       f"requests ({time.monotonic() - started:.0f} s in)")
 
-                # 3. a worse model, on the drifted slice
+                # 3. a worse model, on the drifted slice, judged on the scorer's windows too
                 deployments.deploy(model_dir=str(bundle(workdir / "acc-1", "acc", stable_model, args)))
                 await asyncio.sleep(2.0)
-                worse = await roll_out(deployments, log, Traffic(client, "acc", args.rate, drift_x, drift_y), bundle(
-                    workdir / "acc-2", "acc", worse_model, args, rollout_spec(args, args.count, limits=0)),
-                    args.interval_s * (args.count * 3 + 5) + 60)
+                worse = await roll_out(deployments, log, Traffic(client, "acc", args.rate, drift_x, drift_y,
+                                                                 monitor=labeller, label_share=args.label_share),
+                                       bundle(workdir / "acc-2", "acc", worse_model, args,
+                                              rollout_spec(args, args.quality_count, limits=0, quality=True)),
+                                       args.interval_s * (args.quality_count * 3 + 5) + 120)
+                worse_windows = {v: log.windows("acc", v) for v in (1, worse.version)}
+                for version in (1, worse.version):  # the scorer's own view, beside the events read above
+                    listed = list(labeller.windows("acc", str(version)))
+                    print(f"worse model: the scorer lists {len(listed)} windows of version {version} "
+                          f"({sum(w.rows for w in listed)} rows, {sum(w.labelled for w in listed)} labels joined; "
+                          f"{worse.labelled} labels submitted in all)")
                 admin.undeploy("acc")
 
                 # 4. a slower model, --repeats rollouts against the same stable version
@@ -513,7 +622,7 @@ async def main() -> int:
     print(f"done in {time.monotonic() - started:.0f} s, load {os.getloadavg()}; prediction log: {published:.0f} "
           f"published, {dropped:.0f} dropped; shed by admission: {shed}")
     print(f"baseline after: {len(after)} requests, p99 {p99_ms(after):.2f} ms, failed {failures(after) or 0}")
-    return report(args, before + after, aa, worse, slow_runs, placements)
+    return report(args, before + after, aa, worse, worse_windows, slow_runs, placements)
 
 
 def rollback_chance(p: float, count: int, failure_limit: int) -> float:
@@ -555,8 +664,37 @@ def describe(run: RolloutRun, placements: list[tuple[float, object]]) -> str:
     return text
 
 
+def evidence_times(windows: dict[int, list[tuple[float, object]]], since: float,
+                   check: Check) -> tuple[float, float]:
+    """When the scorer's events first gave each version the check's minimum of labels in its windows
+    whose last prediction came at or after ``since`` (the router pools them so), and when they first
+    made the check fail as the router judges it (nan: never)."""
+    ordered = sorted(((t, version, w) for version, found in windows.items() for t, w in found), key=lambda e: e[0])
+    kept: dict[int, dict[int, object]] = {version: {} for version in windows}
+    enough = math.nan
+    stable, new = sorted(windows)
+    for t, version, w in ordered:
+        if w.last_time.ToNanoseconds() / 1e9 < since:
+            continue
+        if w.labelled >= getattr(kept[version].get(w.window), "labelled", -1):
+            kept[version][w.window] = w
+        pooled = {v: Quality(labels=sum(x.labelled for x in found.values() if x.HasField("true_value")),
+                             accuracy=(sum(x.true_value * x.labelled for x in found.values()
+                                           if x.HasField("true_value")) /
+                                       max(1, sum(x.labelled for x in found.values() if x.HasField("true_value")))))
+                  for v, found in kept.items()}
+        if math.isnan(enough) and min(q.labels for q in pooled.values()) >= check.min_requests:
+            enough = t
+        idle = Measures(0, 0, None)
+        if measure(Analysis(1.0, checks=(check,)), idle, idle, new_quality=pooled[new],
+                   stable_quality=pooled[stable])[0] == "FAILED":
+            return enough, t
+    return enough, math.nan
+
+
 def report(args: argparse.Namespace, baseline: list[Outcome], aa: RolloutRun, worse: RolloutRun,
-           slow_runs: list[RolloutRun], placements: list[tuple[float, object]]) -> int:
+           worse_windows: dict[int, list[tuple[float, object]]], slow_runs: list[RolloutRun],
+           placements: list[tuple[float, object]]) -> int:
     # 2. A/A
     decisions = [m.verdict for m in aa.measurements]
     n = len(decisions)
@@ -607,10 +745,31 @@ def report(args: argparse.Namespace, baseline: list[Outcome], aa: RolloutRun, wo
         print(f"  version {version}: accuracy {np.mean(scored):.3f} on {len(scored)} answers, "
               f"p99 {p99_ms(worse.outcomes, version):.2f} ms")
     failing = {c.check for m in worse.measurements for c in m.checks if c.verdict == "FAILED"}
-    back = worse.ended == "ABORTED" and bool(failing - set(ROUTER_CHECKS))
+    back = worse.ended == "ABORTED" and ACCURACY in failing
     print(f"  rolled back for its quality: {verdict(back)} ({worse.ended}; failed checks: "
-          f"{', '.join(sorted(failing)) or 'none'}; judged by {', '.join(ROUTER_CHECKS)} only: no quality check "
-          f"in this run)")
+          f"{', '.join(sorted(failing)) or 'none'}; {getattr(worse.end[1], 'reason', '')})")
+    for m in worse.measurements:
+        accuracy_check = next((c for c in m.checks if c.check == ACCURACY), None)
+        if accuracy_check is not None:
+            print(f"    measurement {m.measurement} {m.verdict}: {accuracy_check.verdict} {accuracy_check.reason}")
+    for version, found in worse_windows.items():
+        closed = sorted({w.window: (t, w) for t, w in found}.values(), key=lambda e: e[0])
+        print(f"  scorer: version {version}: {len(closed)} windows announced, {sum(1 for _ in found)} events; "
+              + ", ".join(f"#{w.window} {w.rows} rows {w.labelled} labels at +{t - worse.analysis_started:.1f} s"
+                          for t, w in closed[:6]))
+    new = [o for o in worse.outcomes if o.version == str(worse.version)]
+    if worse.ended == "ABORTED" and new:
+        back_at = max(o.sent for o in new)
+        first = min((o.sent for o in new if o.sent >= worse.analysis_started), default=math.nan)
+        enough, could = evidence_times(worse_windows, worse.analysis_started,
+                                       Check(ACCURACY, args.max_drop, args.min_labels))
+        print(f"  back on stable {back_at - could:.3f} s after the scorer's event from which the accuracy check "
+              f"fails on the windows since the analysis began = {(back_at - could) / args.interval_s:.3f} intervals "
+              f"(goal <= 1): {verdict(back_at - could <= args.interval_s)}; router: that event -> RolloutAborted "
+              f"{worse.end[0] - could:.3f} s")
+        print(f"  the scorer's evidence: {args.min_labels} labels of each version +{enough - first:.1f} s after the "
+              f"first request the new version answered in the analysis, failing +{could - first:.1f} s; back on "
+              f"stable +{back_at - first:.1f} s = {(back_at - first) / args.interval_s:.2f} intervals")
     print(describe(worse, placements))
 
     # 4. the slower model
@@ -632,6 +791,8 @@ def report(args: argparse.Namespace, baseline: list[Outcome], aa: RolloutRun, wo
             line += (f"; back on stable {seconds:.3f} s after ({seconds / args.interval_s:.3f} intervals; router "
                      f"{router_s:.3f} s)")
         print(line)
+        for c in check(run.measurements, "p99_latency")[:1]:
+            print(f"    first p99 check {c.verdict}: {c.reason}")
         print(describe(run, placements))
     if times:
         worst = max(times)
