@@ -9,9 +9,12 @@ Admission: the front's tokens are slots of the model's :class:`~..routing.Concur
 this side holds for it (a lease), sized to the front's demand for the model (its calls in flight, by
 Little's law from the calls it answered, directly or through the router, over each interval) times
 :data:`LEASE_HEADROOM`, plus one; none once the front sent the model nothing for ``idle_s``, so an idle
-lease does not keep slots from the router's own port; and never more than the limit in force less :data:`RESERVE_SHARE`
-of it, kept for the router's own path (calls the front hands over when it has no token left, which
-queue and are shed there as before). Each answered call gives its slot back with its service time (the
+lease does not keep slots from the router's own port; never more than the limit in force, and only
+slots that are free (``try_acquire``). Calls the front hands over when it has no token left queue and
+are shed at the router as before. No share is kept back for them: a reserve of a quarter of the limit
+starved them once the front's callers outnumbered the lease (they waited, the limit's AIMD cut it
+for their waits, which shrank the lease further: 8-46% shed at 32 callers, docs/benchmarks.md); without
+it, the front and the router's path share the limit as the router's calls alone did. Each answered call gives its slot back with its service time (the
 limiter adapts its limit to it, and hands the slot to a waiter of the router's path first) and the
 lease takes one again while the limit allows: under overload the lease shrinks and the calls queue
 at the router, where admission prices and sheds them.
@@ -43,8 +46,6 @@ RECORD = struct.Struct("<BBBBdddHHHHII")
 gRPC code number), attempts, backup won, received (unix s), call s, attempt s, then the lengths of
 model, version, request id, replica (the worker's socket path), request bytes, response bytes."""
 OUTCOME, ATTEMPT_FAILED, BACKUP_SENT = 0, 1, 2
-RESERVE_SHARE = 0.25
-"""The share of a model's limit in force the lease leaves to the router's own path (at least one slot)."""
 LEASE_HEADROOM = 2.0
 """The lease is this many times the front's calls in flight: calls beyond it take the router's path, are
 counted in the demand, and the lease grows to them within a few intervals."""
@@ -70,11 +71,10 @@ class _Lease:
         self.limiter, self.held, self.wanted = limiter, 0, 0
 
     def fit(self) -> None:
-        """Takes or gives back slots until the lease is what the front wants, within the limit in force
-        less the router's reserve."""
+        """Takes (free ones only) or gives back slots until the lease is what the front wants, within the
+        limit in force."""
         limiter = self.limiter
-        concurrency = limiter.concurrency
-        target = min(self.wanted, concurrency - max(1, int(concurrency * RESERVE_SHARE)))
+        target = min(self.wanted, limiter.concurrency)
         while self.held < target and limiter.try_acquire():
             self.held += 1
         while self.held > target:
