@@ -271,6 +271,7 @@ class Outcome:
     version: str           # "" when failed
     code: str              # "OK" or the status code
     correct: bool | None   # None when the request has no label or failed
+    labelled: bool = False  # its label was submitted to the scorer
 
 
 @dataclass
@@ -348,6 +349,8 @@ class Traffic:
             correct = bool(result.as_numpy("scores")[0].argmax() == self.labels[index])
             if self.monitor is not None and self._rng.random() < self.label_share:
                 self._pending.append((request_id, [float(self.labels[index])], None))
+                self.outcomes.append(Outcome(sent, latency, result.get_response().model_version, "OK", correct, True))
+                return
         self.outcomes.append(Outcome(sent, latency, result.get_response().model_version, "OK", correct))
 
 
@@ -742,8 +745,9 @@ def report(args: argparse.Namespace, baseline: list[Outcome], aa: RolloutRun, wo
           f"({', '.join(m.verdict for m in worse.measurements)})")
     for version in ("1", str(worse.version)):
         scored = [o.correct for o in worse.outcomes if o.version == version and o.correct is not None]
-        print(f"  version {version}: accuracy {np.mean(scored):.3f} on {len(scored)} answers, "
-              f"p99 {p99_ms(worse.outcomes, version):.2f} ms")
+        labelled = [o.correct for o in worse.outcomes if o.version == version and o.labelled]
+        print(f"  version {version}: accuracy {np.mean(scored):.3f} on {len(scored)} answers ({np.mean(labelled):.3f} on "
+              f"the {len(labelled)} labelled), p99 {p99_ms(worse.outcomes, version):.2f} ms")
     failing = {c.check for m in worse.measurements for c in m.checks if c.verdict == "FAILED"}
     back = worse.ended == "ABORTED" and ACCURACY in failing
     print(f"  rolled back for its quality: {verdict(back)} ({worse.ended}; failed checks: "

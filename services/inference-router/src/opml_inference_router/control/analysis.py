@@ -9,7 +9,8 @@ disagreement, ``min_predictions`` / ``min_labels`` of either version for the sco
 p99, no request succeeded to read a latency from), FAILED when the new version is beyond its bound,
 else PASSED. The router's own two checks fail beyond their bound only when the difference is not
 chance (:mod:`.significance`): an error-rate increase by a one-sided two-proportion test, a p99 ratio
-by the new version's latencies being larger overall (Mann-Whitney U), or alone once both versions
+by the new version's latencies being larger overall (Mann-Whitney U, at the stricter
+:data:`~.significance.LATENCY_SIGNIFICANCE`), or alone once both versions
 have enough answers for their p99 to rest on ten. The stable version's p99 is the lower of this
 interval's and the median of its last few intervals' (``stable_recent``): a stall of the host in
 one interval inflates the stable version's p99 there and hid a slower new version for an interval
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 
 from opml_inference_router.control.quality import Quality
 from opml_inference_router.control.significance import (
+    LATENCY_SIGNIFICANCE,
     RECENT_SIGNIFICANCE,
     SELF_EVIDENT_P99_REQUESTS,
     SIGNIFICANCE,
@@ -193,7 +195,7 @@ def _check(check: Check, new: Measures, stable: Measures, stable_recent: Sequenc
                   f"each (a p99 that rests on ten or more)")
     elif ratio > check.bound:
         p = slower_p(new.latencies, stable.latencies)
-        level = SIGNIFICANCE if new.p99_s / stable.p99_s > check.bound else RECENT_SIGNIFICANCE
+        level = LATENCY_SIGNIFICANCE if new.p99_s / stable.p99_s > check.bound else RECENT_SIGNIFICANCE
         verdict = FAILED if p < level else PASSED
         reason += (f", and slower overall (Mann-Whitney one-sided p={p:.2g} < {level:g})"
                    if verdict == FAILED else
