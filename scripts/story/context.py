@@ -92,7 +92,7 @@ class Story:
       ``runs_before``: the pipeline's newest run number before the lamps changed;
     - ``loop_run`` (step 6): the pipeline run the alert triggered (number); ``promoted``: the version
       its rollout promoted;
-    - ``quality`` (steps 4-6): [(time.time(), version, segment, window, estimate, true or None, rows)]
+    - ``quality`` (steps 4-6): [(the window's last prediction's time, version, segment, window, estimate, true or None, rows)]
       of the scorer's windows; ``alert_at``: when the alert was read; ``traffic``: [(time.time(),
       {version: percent})] of the router's splits; ``shadow``: (start, end, percent) of the shadow step;
       ``answers``: [(time.time(), version, line, rows right, rows)] of every request the traffic sent;

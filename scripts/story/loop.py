@@ -152,8 +152,8 @@ def run(story: Story) -> str:
     before = show_windows(live, stable, float(story.handed["drift_at"]), f"v{stable} drifted", until=promoted.at)
     after = show_windows(live, new, promoted.at, f"v{new} promoted")
     live.close()
-    story.handed["quality"] = [
-        (e.at, e.message.version, e.message.segment, e.message.window,
+    story.handed["quality"] = [  # at the window's last prediction, not when the scorer got to it
+        (e.message.last_time.ToNanoseconds() / 1e9 if e.message.HasField("last_time") else e.at, e.message.version, e.message.segment, e.message.window,
          e.message.estimate if e.message.HasField("estimate") else None,
          e.message.true_value if e.message.HasField("true_value") else None, e.message.rows)
         for e in live.watch.of("WindowScored")]
