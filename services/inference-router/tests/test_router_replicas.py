@@ -21,14 +21,15 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as triton
 import yaml
+from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from opml.inference.v1 import deployment_events_pb2 as events
 from opml.inference.v1 import deployments_pb2 as pb
 
 from opml_bundle_store_contract.client import BundleStoreClient
-from opml_common.bus import CloudEvent
+from opml_common.bus import CloudEvent, kafka_client_kwargs
 from opml_common.errors import NotFound
 from opml_devstack.process import ServiceProcess
-from opml_devstack.testing.bus import poll_until, read_records
+from opml_devstack.testing.bus import poll_until
 from opml_devstack.testing.services import TOKENS, ServiceStarter
 from opml_inference_router.testing import mlp_config, write_model_dir
 from opml_inference_router_contract.client import DeploymentClient
@@ -44,7 +45,7 @@ HEADERS = {"authorization": f"Bearer {TOKENS['writer']}"}
 def leads(replica: tuple[ServiceProcess, int]) -> bool:
     """Whether the replica's ``leader`` gauge is 1 (False when it does not answer: killed)."""
     try:
-        page = urllib.request.urlopen(f"http://127.0.0.1:{replica[1]}/metrics", timeout=5).read().decode()
+        page = urllib.request.urlopen(f"http://127.0.0.1:{replica[1]}/metrics", timeout=30).read().decode()
     except OSError:
         return False
     return "opml_inference_router_leader 1.0" in page
@@ -74,11 +75,12 @@ def answers(target: str, model: str, version: str = "") -> bool:
 class RetryingTraffic:
     """Requests one after another, alternating between the replicas; a request that fails on one is
     sent again to the other (what a client with both addresses, or a front, does). Failures on both
-    are kept."""
+    are kept. Each request served is kept with when it was sent: one sent after a replica was killed
+    cannot have been served by it, whenever its answer was recorded."""
 
     def __init__(self, targets: list[str], model: str) -> None:
         self.targets, self.model = targets, model
-        self.served: list[tuple[float, str]] = []  # (when, by which target)
+        self.served: list[tuple[float, str]] = []  # (when it was sent, by which target)
         self.retried = 0
         self.failures: list[str] = []
         self._stop = threading.Event()
@@ -94,10 +96,11 @@ class RetryingTraffic:
                 errors = []
                 for attempt in range(2):
                     which = (index + attempt) % 2
-                    try:
-                        clients[which].infer(self.model, [tensor], request_id=f"r-{index}", client_timeout=5.0,
+                    sent = time.monotonic()
+                    try:  # the timeout is a safety net: a slow answer is no lost request
+                        clients[which].infer(self.model, [tensor], request_id=f"r-{index}", client_timeout=30.0,
                                              headers=HEADERS)
-                        self.served.append((time.monotonic(), self.targets[which]))
+                        self.served.append((sent, self.targets[which]))
                         self.retried += attempt
                         break
                     except Exception as error:  # noqa: BLE001 - tried on the other replica, then counted
@@ -118,9 +121,29 @@ class RetryingTraffic:
         self._thread.join(30)
 
 
+async def read_to_the_end(platform_settings, topic_name: str) -> list[ConsumerRecord]:
+    """Every record of the topic, in each of its partitions up to the end offset it has when asked."""
+    consumer = AIOKafkaConsumer(**kafka_client_kwargs(platform_settings), group_id=None, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        await consumer.topics()  # the cluster's metadata, which names the topic's partitions
+        partitions = [TopicPartition(topic_name, p) for p in consumer.partitions_for_topic(topic_name) or ()]
+        assert partitions, f"no partitions of {topic_name}"
+        consumer.assign(partitions)
+        await consumer.seek_to_beginning(*partitions)
+        end = await consumer.end_offsets(partitions)
+        records: list[ConsumerRecord] = []
+        while [p for p in partitions if await consumer.position(p) < end[p]]:
+            for part in (await asyncio.wait_for(consumer.getmany(timeout_ms=500), 60)).values():
+                records.extend(part)
+        return records
+    finally:
+        await consumer.stop()
+
+
 def model_deployed(platform_settings, model: str, version: int) -> list[events.ModelDeployed]:
-    records = asyncio.run(read_records(platform_settings, DEPLOYMENTS.full_name(platform_settings.topic_prefix), 1,
-                                       timeout_s=30))
+    """The topic's ModelDeployed events of ``model`` ``version``, read to its end (not up to a count)."""
+    records = asyncio.run(read_to_the_end(platform_settings, DEPLOYMENTS.full_name(platform_settings.topic_prefix)))
     found = [CloudEvent.from_kafka(r.headers, r.value) for r in records]
     return [m for m in (e.parse(events.ModelDeployed) for e in found if e.type.endswith("ModelDeployed"))
             if m.deployment.model == model and m.version == version]
@@ -166,8 +189,8 @@ def test_the_leader_sigkilled_under_load_its_peer_serves_on_takes_over_and_autod
     with RetryingTraffic([first[0].target, second[0].target], "mlp") as traffic:
         poll_until(lambda: len({target for _, target in traffic.served}) == 2, timeout_s=60,
                    what="traffic served by both replicas")
-        killed_at = time.monotonic()
-        first[0].kill()  # SIGKILL: its lease expires, it releases nothing
+        first[0].kill()  # SIGKILL, and reaped: its lease expires, it releases nothing, it answers no more
+        killed_at = time.monotonic()  # what is sent from now on, only the second can serve
         poll_until(lambda: leads(second), timeout_s=120, what="the second replica leading")
         took_over_s = time.monotonic() - killed_at
         poll_until(lambda: len([t for t, _ in traffic.served if t > killed_at + took_over_s]) >= 20, timeout_s=120,
@@ -186,8 +209,9 @@ def test_the_leader_sigkilled_under_load_its_peer_serves_on_takes_over_and_autod
     first[0].start()  # back as a follower: the lease is the second's
     poll_until(lambda: answers(first[0].target, "mlp", "2"), timeout_s=120, what="mlp v2 at the restarted replica")
     assert leads(second) and not leads(first)
-    deployed = model_deployed(platform_settings, "mlp", 2)
-    assert len(deployed) == 1, deployed
+    deployed = poll_until(lambda: model_deployed(platform_settings, "mlp", 2), timeout_s=60,
+                          what="mlp v2's ModelDeployed")
+    assert len(deployed) == 1, deployed  # the topic read to its end: the same key, the same partition
     with DeploymentClient(first[0].target, token=TOKENS["reader"]) as client:  # forwarded: the leader's view
         assert [v.version for v in client.get("mlp").versions if v.state == pb.SERVING] == [2]
     print(f"\nleader SIGKILLed under load: {len(during)} requests after it, {traffic.retried} retried on the other "
