@@ -300,7 +300,9 @@ def test_requests_go_to_the_nearest_site_or_to_the_one_they_name(stack: Stack) -
     # a client naming its edge site: that site's replica answers, across the 50 ms round trip; an unknown
     # site changes nothing
     at_edge, edge_seconds = served(lambda i: infer(stack.router.target, "small", f"at-edge-{i}", site=edge))
-    assert at_edge[edge] >= count * 0.8, at_edge
+    # most, not all: a backup request (hedged after the edge replica's p95) goes to the next nearest site and,
+    # on a loaded machine, wins there for a quarter of them
+    assert at_edge[edge] > count / 2, at_edge
     assert float(np.median(edge_seconds)) > 0.045 > near_p50, (edge_seconds, near_p50)
     unknown, _ = served(lambda i: infer(stack.router.target, "small", f"nowhere-{i}", site="nowhere"))
     assert unknown["local"] >= count / 2 and unknown["edge-a"] == unknown["edge-b"] == 0, unknown
@@ -353,7 +355,7 @@ def test_a_cut_edge_serves_its_clients_and_the_router_serves_around_it(stack: St
     assert served["failed"] == [] and served["ok"] == count, served
     assert traffic.failures == [], traffic.failures[:5]
     before_cut = [seconds for began, seconds in traffic.latencies if began < cut_at]
-    assert served_at_edge >= len(before_cut) * 0.8 and np.median(before_cut) > 0.045, (served_at_edge, before_cut)
+    assert served_at_edge > len(before_cut) / 2 and np.median(before_cut) > 0.045, (served_at_edge, before_cut)  # hedges
     assert failed_over >= 10, failed_over
     print(f"\nrequests naming {edge}: {served_at_edge:.0f} answered there before its cut, {failed_over:.0f} by the "
           f"next nearest sites during it")
