@@ -74,5 +74,8 @@ test: install
 bench: install
 	for b in bench/[!_]*.py; do $(PY) $$b || exit 1; done
 
+# A full reset of what `make up` made: the stack stopped, its Redis keys (its prefix only: the machine's
+# Redis is shared), its services' homes (~/.opml/<service>) and .opml, then what `make install` made.
 clean:
+	if [ -x $(PY) ]; then $(PY) -m opml_devstack.stack clean; else echo "no $(VENV): the stack's Redis keys and homes are left"; fi
 	rm -rf $(VENV) .venv-peers-* protos/python/opml protos/python/.generated .opml

@@ -4,7 +4,8 @@
 acknowledged event is lost, Redis when the machine has none), each service published under the
 ``opml.services`` entry points, and Prometheus scraping every service's metrics port; prints where
 everything listens; runs the main job; and keeps running until Ctrl-C or ``down`` (SIGTERM to the
-pid in ``<state dir>/stack.pid``).
+pid in ``<state dir>/stack.pid``). ``clean`` (`make clean`) undoes what ``up`` made: it stops the stack,
+deletes the stack's Redis keys (its prefix only) and removes its services' homes and its state directory.
 
 Every part is supervised (:mod:`opml_devstack.supervisor`): one that dies is restarted on the same
 ports after a capped backoff, each restart logged; one that died ``--max-deaths`` times within
@@ -39,6 +40,7 @@ from functools import cache
 from importlib.metadata import PackageNotFoundError, entry_points, packages_distributions, version
 from pathlib import Path
 
+from opml_common.config import PlatformSettings, mask_url
 from opml_common.grpc.server import wait_for_signal
 from opml_common.private import private_dir
 from opml_common.process import ServiceSpec
@@ -411,6 +413,62 @@ def down(state_dir: Path = STATE_DIR, timeout_s: float = 60.0) -> int:
     return 0
 
 
+def clean(config: StackConfig = StackConfig()) -> int:
+    """Undo what ``up`` with ``config`` made, so the next ``up`` starts from nothing: stop the stack (as
+    ``down``) and what a killed one left, delete its Redis keys (those under its prefix: the machine's
+    Redis is shared with tests and other stacks), remove each service's home and the state directory.
+    1, and nothing removed, when the stack does not stop."""
+    if down(config.state_dir) != 0:
+        return 1
+    stop_leftovers(config.state_dir)
+    try:
+        redis_url = json.loads(config.state_file.read_text())["endpoints"]["redis"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        redis_url = "redis://127.0.0.1:6379/0"  # where `up` finds the machine's Redis
+    prefix = config.redis_prefix or PlatformSettings().redis_prefix  # what the services ran with
+    import redis
+
+    try:
+        print(f"deleted {delete_redis_keys(redis_url, prefix)} Redis keys under {prefix!r} ({mask_url(redis_url)})")
+    except redis.ConnectionError as exc:  # a private Redis that ended with the stack, its keys with it
+        print(f"no Redis keys deleted: {mask_url(redis_url)} does not answer ({exc})")
+    specs, _ = loadable_services()
+    homes = [config.homes / spec.name if config.homes is not None else spec.settings().home
+             for spec in specs if "home" in spec.settings.model_fields]
+    for folder in [*homes, config.state_dir]:
+        if folder.exists():
+            shutil.rmtree(folder)
+            print(f"removed {folder}")
+    return 0
+
+
+def delete_redis_keys(redis_url: str, prefix: str) -> int:
+    """Delete every key that starts with ``prefix`` (SCAN and UNLINK, never FLUSHDB: the database may hold
+    others' keys); returns how many. Glob characters in ``prefix`` match only themselves.
+
+    Raises:
+        ValueError: ``prefix`` is empty (it would match every key).
+    """
+    if not prefix:
+        raise ValueError("`prefix` must not be empty: it would match every key")
+    import redis
+
+    pattern = re.sub(r"([\\*?\[\]])", r"\\\1", prefix) + "*"
+    client = redis.Redis.from_url(redis_url)
+    deleted, batch = 0, []
+    try:
+        for key in client.scan_iter(match=pattern, count=1000):
+            batch.append(key)
+            if len(batch) == 1000:
+                deleted += client.unlink(*batch)
+                batch.clear()
+        if batch:
+            deleted += client.unlink(*batch)
+    finally:
+        client.close()
+    return deleted
+
+
 def status(state_dir: Path = STATE_DIR, *, timeout_s: float = 1.0) -> dict:
     """The stack's state file with each part's health checked now (``health``: SERVING, NOT_SERVING,
     UP, DOWN or UNREACHABLE) and ``ok``: the stack runs, no part is FAILED, every part is healthy, and
@@ -500,10 +558,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     up_parser.add_argument("--backoff-max", type=float, default=30.0, help="longest restart delay, seconds")
     down_parser = commands.add_parser("down", help="stop the stack that runs on --state-dir")
     down_parser.add_argument("--state-dir", type=Path, default=STATE_DIR)
+    clean_parser = commands.add_parser("clean", help="stop the stack, delete its Redis keys, homes and state")
+    clean_parser.add_argument("--state-dir", type=Path, default=STATE_DIR)
+    clean_parser.add_argument("--redis-prefix", default=None, help="as given to up (else OPML_REDIS_PREFIX's)")
+    clean_parser.add_argument("--homes", type=Path, default=None, help="as given to up (else each service's)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "down":
         return down(args.state_dir)
+    if args.command == "clean":
+        return clean(StackConfig(state_dir=args.state_dir, redis_prefix=args.redis_prefix, homes=args.homes))
     policy = RestartPolicy(max_deaths=args.max_deaths, window_s=args.death_window,
                            backoff=Backoff(base_s=args.backoff_base, max_s=args.backoff_max))
     config = StackConfig(state_dir=args.state_dir, free_ports=args.free_ports, kafka_storage=args.kafka_storage,
