@@ -7,17 +7,19 @@ of :data:`RECORD` headers, each followed by its strings and bytes.
 
 Admission: the front's tokens are slots of the model's :class:`~..routing.ConcurrencyLimiter` that
 this side holds for it (a lease), sized to the front's demand for the model (its calls in flight, by
-Little's law from the calls it answered, directly or through the router, over each interval) times
-:data:`LEASE_HEADROOM`, plus one; none once the front sent the model nothing for ``idle_s``, so an idle
-lease does not keep slots from the router's own port; never more than the limit in force, and only
-slots that are free (``try_acquire``). Calls the front hands over when it has no token left queue and
-are shed at the router as before. No share is kept back for them: a reserve of a quarter of the limit
-starved them once the front's callers outnumbered the lease (they waited, the limit's AIMD cut it
-for their waits, which shrank the lease further: 8-46% shed at 32 callers, docs/benchmarks.md); without
-it, the front and the router's path share the limit as the router's calls alone did. Each answered call gives its slot back with its service time (the
-limiter adapts its limit to it, and hands the slot to a waiter of the router's path first) and the
-lease takes one again while the limit allows: under overload the lease shrinks and the calls queue
-at the router, where admission prices and sheds them.
+Little's law from the calls it answered, directly or through the router, over each interval; a rise
+taken at once, a fall over :data:`DEMAND_HOLD_S`, since the callers come in bursts) times
+:data:`LEASE_HEADROOM`, plus one; none once the front sent the model nothing for ``idle_s``; never more
+than the limit in force, and only slots that are free (``try_acquire``). A call of the router's path
+(one the front hands over when it has no token left, or one on the router's own port) that finds no
+slot free takes one the lease holds (the limiter's ``lender``; the front's table shrinks with it)
+before it queues: the lease's slots are for calls yet to come, and a call queued behind them made
+the limit's AIMD cut the limit for a wait no overload caused, which shrank the lease, which sent more
+calls to wait (8-46% shed at 32 callers, docs/benchmarks.md). So a call waits at the router, is priced
+and shed there, only when the calls really in flight fill the limit; under overload the lease empties
+and every call takes the router's path. Each answered call gives its slot back with its service time
+(the limiter adapts its limit to it, and hands the slot to a waiter of the router's path first) and
+the lease takes one again while the limit allows.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import math
 import struct
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from opml_common.lifecycle import Component, cancel_and_wait
@@ -48,8 +51,11 @@ model, version, request id, replica (the worker's socket path), request bytes, r
 OUTCOME, ATTEMPT_FAILED, BACKUP_SENT = 0, 1, 2
 LEASE_HEADROOM = 2.0
 """The lease is this many times the front's calls in flight: calls beyond it take the router's path, are
-counted in the demand, and the lease grows to them within a few intervals."""
-_DEMAND_WEIGHT = 0.5  # of the newest interval in the demand's moving average
+counted in the demand, and the lease grows to them within an interval."""
+DEMAND_HOLD_S = 1.0
+"""The front's demand falls by e-fold in this long when its calls do (it rises at once): the load
+generator's callers come in bursts, and a lease that followed each interval's count swung between a
+few slots, which sent the burst's calls to the router's path, and the whole limit."""
 _MAX_VERDICTS = 1024
 _MAX_KNOWN = 1024
 
@@ -63,12 +69,23 @@ class _Known(NamedTuple):
 
 
 class _Lease:
-    """Slots of one model's limiter held for the front."""
+    """Slots of one model's limiter held for the front; ``lent``: called when a call of the router's path
+    took one (the front's table is then pushed again)."""
 
-    __slots__ = ("limiter", "held", "wanted")
+    __slots__ = ("limiter", "held", "wanted", "lent")
 
-    def __init__(self, limiter: ConcurrencyLimiter) -> None:
-        self.limiter, self.held, self.wanted = limiter, 0, 0
+    def __init__(self, limiter: ConcurrencyLimiter, lent: Callable[[], None] | None = None) -> None:
+        self.limiter, self.held, self.wanted, self.lent = limiter, 0, 0, lent
+        limiter.lender = self.lend
+
+    def lend(self) -> bool:
+        """Passes a held slot on to a call of the router's path that found none free (it releases it)."""
+        if not self.held:
+            return False
+        self.held -= 1
+        if self.lent is not None:
+            self.lent()
+        return True
 
     def fit(self) -> None:
         """Takes (free ones only) or gives back slots until the lease is what the front wants, within the
@@ -89,6 +106,9 @@ class _Lease:
         self.fit()
 
     def give_back(self) -> None:
+        """Ends the lease: its slots go back to the limiter, which lends nothing more."""
+        if self.limiter.lender == self.lend:
+            self.limiter.lender = None
         for _ in range(self.held):
             self.limiter.release()
         self.held = 0
@@ -167,7 +187,7 @@ class DirectPlane(Component):
         self._last_call[model] = time.monotonic()
 
     def _measure(self) -> None:
-        """The front's calls in flight per model over the last interval (Little's law), averaged."""
+        """The front's calls in flight per model over the last interval (Little's law), held (DEMAND_HOLD_S)."""
         now = time.monotonic()
         elapsed, self._tick = now - self._tick, now
         busy, self._busy = self._busy, {}
@@ -176,8 +196,8 @@ class DirectPlane(Component):
                 del self._last_call[model]
                 self._demand.pop(model, None)
             else:
-                self._demand[model] = ((1 - _DEMAND_WEIGHT) * self._demand.get(model, 0.0)
-                                       + _DEMAND_WEIGHT * busy.get(model, 0.0) / max(elapsed, 1e-3))
+                self._demand[model] = max(busy.get(model, 0.0) / max(elapsed, 1e-3),
+                                          self._demand.get(model, 0.0) * math.exp(-elapsed / DEMAND_HOLD_S))
 
     def push(self) -> None:
         """Sends the table when it differs from the one the front holds."""
@@ -223,7 +243,7 @@ class DirectPlane(Component):
                     lease.give_back()
                 continue
             if lease is None:
-                lease = self._leases[route.name] = _Lease(route.limiter)
+                lease = self._leases[route.name] = _Lease(route.limiter, self.push)
             demand = self._demand.get(route.name)
             lease.wanted = 0 if demand is None else math.ceil(LEASE_HEADROOM * demand) + 1
             lease.fit()

@@ -11,6 +11,10 @@ The limit in force adapts below the configured one (additive increase, multiplic
 service time, as TCP's window does on delay): requests in flight beyond what the workers run at once
 only queue inside them, where admission can neither price the wait nor shed it, and a machine that
 slows down then makes every one of them late. Cutting the limit moves that queue to the router.
+
+Slots held ahead of their calls (the direct data plane's lease, :attr:`ConcurrencyLimiter.lender`) are
+passed on to a request that finds none free before it queues: a request waits, and the limit is cut,
+only when the requests really in flight fill it.
 """
 
 from __future__ import annotations
@@ -69,6 +73,9 @@ class ConcurrencyLimiter:
         self._hold_until = float("-inf")  # no cut before then: the last cut's effect is not seen yet
         self._fastest = (float("inf"), float("inf"))  # this window's fastest service time, the last one's
         self._answers = 0  # in this window
+        # Slots held for calls that have not arrived (the direct data plane's lease, data_plane/push.py):
+        # True when it passed one on to a request that found none free, which then holds it.
+        self.lender: Callable[[], bool] | None = None
 
     @property
     def waiting(self) -> int:
@@ -111,6 +118,8 @@ class ConcurrencyLimiter:
         """
         if self.try_acquire():
             return
+        if not self._waiters and self.in_flight <= self.concurrency and self.lender is not None and self.lender():
+            return  # a slot held for calls yet to come: queueing behind it would cut the limit for no overload
         if len(self._waiters) >= self.max_queue:
             raise Shed("queue_full", f"model {self.name!r} is at its limit of {self.concurrency} requests in flight "
                                      f"and {self.max_queue} waiting; retry later or with backoff")
