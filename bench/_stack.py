@@ -1,6 +1,7 @@
 """The real services a bench runs against: embedded infrastructure (DevInfra: tansu, SeaweedFS, the
 machine's Redis) and a ServiceStarter under a unique topic and Redis prefix, every process stopped
-at the end; and the automl-controller with the job-orchestrator it submits trials to."""
+and every key under the prefix deleted at the end; and the automl-controller with the job-orchestrator
+it submits trials to."""
 
 from __future__ import annotations
 
@@ -12,7 +13,18 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from opml_devstack.devinfra import DevInfra
+from opml_devstack.stack import delete_redis_keys
 from opml_devstack.testing.services import TOKENS, ServiceStarter
+
+
+@contextmanager
+def deleting_redis_keys(redis_url: str, prefix: str) -> Iterator[str]:
+    """Yields ``prefix``; at the end, an error's too, deletes every key under it (SCAN and UNLINK): the
+    machine's Redis outlives the bench and is shared with tests and `make up`."""
+    try:
+        yield prefix
+    finally:
+        delete_redis_keys(redis_url, prefix)
 
 
 @contextmanager
@@ -20,13 +32,13 @@ def bench_services() -> Iterator[tuple[ServiceStarter, Path]]:
     """(a starter of service processes, a scratch directory), both gone at the end."""
     with tempfile.TemporaryDirectory() as workdir, DevInfra(workdir=Path(workdir) / "infra") as endpoints:
         prefix = f"b{uuid.uuid4().hex[:8]}-"
-        starter = ServiceStarter({**endpoints.env(), "OPML_TOPIC_PREFIX": prefix,
-                                  "OPML_REDIS_PREFIX": f"opml-bench:{prefix}", "OPML_LOG_FORMAT": "text"},
-                                 Path(workdir))
-        try:
-            yield starter, Path(workdir)
-        finally:
-            starter.stop_all()
+        with deleting_redis_keys(endpoints.redis_url, f"opml-bench:{prefix}") as redis_prefix:
+            starter = ServiceStarter({**endpoints.env(), "OPML_TOPIC_PREFIX": prefix,
+                                      "OPML_REDIS_PREFIX": redis_prefix, "OPML_LOG_FORMAT": "text"}, Path(workdir))
+            try:
+                yield starter, Path(workdir)
+            finally:
+                starter.stop_all()
 
 
 def automl_controller(starter: ServiceStarter, **orchestrator_env: str) -> str:

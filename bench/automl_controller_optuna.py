@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 import optuna
 import redis.asyncio as aioredis
 import yaml
+from _stack import deleting_redis_keys
 from opml.jobs.v1 import jobs_pb2
 from optuna.storages.journal import JournalRedisBackend, JournalStorage
 
@@ -43,6 +44,8 @@ from opml_automl_controller.state import ExperimentState, ExperimentStore
 from opml_common.events import RecordingEmitter
 
 REDIS = "redis://127.0.0.1:6379/0"
+RUN_PREFIX = f"opml-bench:automl-{uuid.uuid4().hex[:8]}:"
+"""Every key of this run (the controllers' records and journals, plain Optuna's journals), deleted at its end."""
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 
 
@@ -108,8 +111,7 @@ class InstantJobs(TrialJobs):
 async def run_controller(function: str, algorithm: str, seed: int, trials: int, parallel: int) -> tuple[float, float]:
     """(best value, wall seconds) of one experiment on the controller."""
     client = aioredis.from_url(REDIS)
-    prefix = f"opml-bench:automl-{uuid.uuid4().hex[:8]}:"
-    store = ExperimentStore(client, prefix=prefix)
+    store = ExperimentStore(client, prefix=f"{RUN_PREFIX}{uuid.uuid4().hex[:8]}:")
     controller = Controller(store=store, jobs=InstantJobs(), emitter=RecordingEmitter(), redis_url=REDIS,
                             retry_s=0.05)
     await controller.start()
@@ -121,9 +123,6 @@ async def run_controller(function: str, algorithm: str, seed: int, trials: int, 
     wall = time.perf_counter() - started
     view = await controller.get(name)
     await controller.stop()
-    keys = [k async for k in client.scan_iter(match=prefix + "*")]
-    if keys:
-        await client.delete(*keys)
     await client.aclose()
     best = view.best()
     assert best is not None and len(view.trials) == trials
@@ -186,7 +185,7 @@ def main() -> None:
     for seed in range(args.seeds):  # one trial at a time: the wall per trial is the controller's own work
         wall = asyncio.run(run_controller("sphere", "random", seed, args.trials, 1))[1]
         overheads.append(wall / args.trials - run_plain("sphere", "random", seed, args.trials)[1])
-        storage = JournalStorage(JournalRedisBackend(REDIS, prefix=f"opml-bench:journal-{uuid.uuid4().hex[:8]}"))
+        storage = JournalStorage(JournalRedisBackend(REDIS, prefix=f"{RUN_PREFIX}journal-{uuid.uuid4().hex[:8]}"))
         journal_times.append(run_plain("sphere", "random", seed, args.trials, storage=storage)[1])
     print(f"plain Optuna ask+tell per trial: in memory {statistics.mean(plain_times) * 1e3:.2f} ms, on the Redis "
           f"journal {statistics.mean(journal_times) * 1e3:.2f} ms")
@@ -196,4 +195,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with deleting_redis_keys(REDIS, RUN_PREFIX):
+        main()

@@ -75,7 +75,7 @@ from opml_common.errors import NotFound, OpmlError
 from opml_common.retry import Backoff
 from opml_devstack.devinfra import DevInfra, Endpoints
 from opml_devstack.process import ServiceProcess
-from opml_devstack.stack import StackConfig, service_environment
+from opml_devstack.stack import StackConfig, delete_redis_keys, service_environment
 from opml_devstack.testing.bus import fresh_metrics
 from opml_devstack.testing.services import service_spec
 from opml_inference_router.testing import mlp_config, worker_processes, write_model_dir
@@ -149,26 +149,32 @@ class Requests:
 
 
 class Platform:
-    """One DevInfra for the run and services started on it with fresh prefixes and homes."""
+    """One DevInfra for the run and services started on it with fresh prefixes and homes; at the end the
+    run's Redis keys (all under one prefix) are deleted: the machine's Redis outlives the bench."""
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.infra = DevInfra(workdir=workdir / "infra", kafka_storage="s3")
         self.endpoints: Endpoints | None = None
+        self.redis_prefix = f"opml-bench:faults-{uuid.uuid4().hex[:8]}:"
 
     def __enter__(self) -> Platform:
         self.endpoints = self.infra.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.infra.stop()
+        try:
+            if self.endpoints is not None:
+                delete_redis_keys(self.endpoints.redis_url, self.redis_prefix)
+        finally:
+            self.infra.stop()
 
     def environment(self, services: list[str], **extra: str) -> tuple[dict[str, str], str]:
         """The services' environment (ports fixed, so a restart listens where it did) and the prefix."""
         assert self.endpoints is not None
         prefix = f"f{uuid.uuid4().hex[:8]}-"
         config = StackConfig(state_dir=self.workdir, free_ports=True, topic_prefix=prefix,
-                             redis_prefix=f"opml-bench:{prefix}", homes=self.workdir / prefix)
+                             redis_prefix=f"{self.redis_prefix}{prefix}", homes=self.workdir / prefix)
         env, _ = service_environment([service_spec(name) for name in services], self.endpoints, config)
         return {**env, "OPML_KAFKA_SESSION_TIMEOUT_MS": "2000", "OPML_KAFKA_HEARTBEAT_INTERVAL_MS": "500",
                 **extra}, prefix

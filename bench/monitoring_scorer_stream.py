@@ -56,6 +56,7 @@ from opml_common.config import PlatformSettings  # noqa: E402
 from opml_common.kserve_codec import encode_outputs, encode_request  # noqa: E402
 from opml_common.metrics import ServiceMetrics  # noqa: E402
 from opml_devstack.devinfra import DevInfra  # noqa: E402
+from opml_devstack.stack import delete_redis_keys  # noqa: E402
 from opml_devstack.testing.services import ServiceStarter  # noqa: E402
 from opml_inference_router_contract.names import EVENT_SOURCE as ROUTER_SOURCE  # noqa: E402
 from opml_inference_router_contract.predictions import prediction_made  # noqa: E402
@@ -203,6 +204,7 @@ def run_case(infra_env: dict[str, str], tmp: Path, store_target: str, world: Syn
         close_count = metric(port, "opml_monitoring_scorer_window_close_seconds_count")
     finally:
         starter.stop_all()
+        delete_redis_keys(env["OPML_REDIS_URL"], env["OPML_REDIS_PREFIX"])  # the machine's Redis outlives the bench
     first = next(s for s in seen if s[1] > 0)  # the first prediction counted
     last = next(s for s in seen if s[2] >= windows)  # the last window saved
     labelled = next(s for s in seen if s[4] >= len(labels))  # the last label joined

@@ -93,14 +93,17 @@ _FRAME_CHUNK_BYTES = 16 * 1024  # CPython 3.11's frame-stack chunk (DATA_STACK_C
 @contextlib.contextmanager
 def _infra(tmp: str) -> Iterator[tuple[dict[str, str], PlatformSettings]]:
     """The bench's own broker/S3/Redis: the runs' environment and settings, the traces topic created."""
+    from _stack import deleting_redis_keys
+
     from opml_common.bus import ensure_topics
     from opml_common.config import PlatformSettings
     from opml_devstack.devinfra import DevInfra
     from opml_trace_collector_contract.topics import TRACES
 
-    with DevInfra(Path(tmp) / "infra") as infra:
-        prefix = f"bench{os.getpid()}-"
-        env = {**os.environ, **infra.env(), "OPML_TOPIC_PREFIX": prefix, "OPML_REDIS_PREFIX": f"opml-bench:{prefix}",
+    prefix = f"bench{os.getpid()}-"
+    with DevInfra(Path(tmp) / "infra") as infra, \
+            deleting_redis_keys(infra.redis_url, f"opml-bench:{prefix}") as redis_prefix:
+        env = {**os.environ, **infra.env(), "OPML_TOPIC_PREFIX": prefix, "OPML_REDIS_PREFIX": redis_prefix,
                "OPML_TRACE_SPOOL_DIR": f"{tmp}/spool", "OPML_TRACE_SESSION_DIR": f"{tmp}/sessions",
                "TF_CPP_MIN_LOG_LEVEL": "2"}
         platform = PlatformSettings(**{k[5:].lower(): v for k, v in env.items()
