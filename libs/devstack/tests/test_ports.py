@@ -82,6 +82,42 @@ async def test_a_picked_port_is_held_for_its_server_until_released() -> None:
         plain.bind(("127.0.0.1", port))
 
 
+def test_make_ups_fixed_ports_are_never_picked_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The services' gRPC ports (50051-50057) lie in the kernel's range of free ports: a test holding one
+    (the trace-collector's 50054 once) kept a running `make up`'s service from binding it. Here the kernel
+    offers one of `make up`'s ports first (a port it offered a moment ago, standing for 50054)."""
+    from opml_common import ports
+    from opml_devstack import devinfra, stack
+
+    fixed = stack.stack_ports()
+    assert 50054 in fixed and 50051 in fixed
+    for spec in stack.loadable_services()[0]:
+        assert {spec.settings.model_fields[f"{name}_port"].default for name in ("grpc", "metrics")} <= fixed
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        stacks = probe.getsockname()[1]
+    offers = iter([stacks])
+    monkeypatch.setattr(stack, "stack_ports", lambda: frozenset({stacks}))
+    monkeypatch.setattr(devinfra, "hold_free_port", lambda: _bound(next(offers, None)) or ports.hold_free_port())
+
+    port = free_port()
+    try:
+        assert port != stacks
+        with socket.socket() as later:  # the stack's port is not kept from the stack either
+            later.bind(("127.0.0.1", stacks))
+    finally:
+        release_ports([port])
+
+
+def _bound(port: int | None) -> socket.socket | None:
+    if port is None:
+        return None
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    return sock
+
+
 def test_listens_on_tells_which_process_holds_the_port() -> None:
     listener = subprocess.Popen(
         [sys.executable, "-c", "import socket, sys\n"

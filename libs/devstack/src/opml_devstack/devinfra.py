@@ -39,8 +39,20 @@ _held_ports: dict[int, socket.socket] = {}
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on, held for its server by this process until
-    :func:`release_ports` (:func:`~opml_common.ports.hold_free_port`): no other process gets it meanwhile."""
-    sock = hold_free_port()
+    :func:`release_ports` (:func:`~opml_common.ports.hold_free_port`): no other process gets it meanwhile.
+
+    Never one of `make up`'s fixed ports (:func:`opml_devstack.stack.stack_ports`): the services' gRPC
+    ports (50051-50057) lie in the kernel's range of free ports, and a test or a second stack on one
+    would keep `make up`'s service from starting, or from restarting where it listened."""
+    from opml_devstack.stack import stack_ports  # the stack starts its parts on free ports: it imports this
+
+    offered = []
+    try:
+        while (sock := hold_free_port()).getsockname()[1] in stack_ports():
+            offered.append(sock)  # held until one fits, so the kernel offers another
+    finally:
+        for taken in offered:
+            taken.close()
     port = sock.getsockname()[1]
     _held_ports[port] = sock
     return port
