@@ -12,14 +12,16 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 from minio import Minio
 from opml.bundles.v1 import events_pb2
 
-from opml_bundle_store.core import BundleStore, TransferProgress
+from opml_bundle_store.core import BundleStore, TransferProgress, grants
 from opml_bundle_store.core import remote as remote_module
+from opml_bundle_store.core import store as store_module
 from opml_bundle_store.core import sync as sync_module
 from opml_bundle_store.core.layout import ContextDir
 from opml_bundle_store.core.remote import S3Remote
@@ -480,3 +482,25 @@ def test_remote_module_imports_no_grpc() -> None:
     code = "import sys, opml_bundle_store.core; print('grpc' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_a_revocation_is_removed_once_every_grant_it_can_revoke_has_expired(
+        tmp_path: Path, s3: Minio, remote_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A revocation need not outlive its grant, and a grant lives at most MAX_TTL_S: the context's next
+    revocation removes those older than that, in the context's directory and on its remote."""
+    old, recent = "0123456789abcdef", "fedcba9876543210"
+    with BundleStore(tmp_path / "home", s3, **SMALL_STORE) as store:
+        store.share_context("ctx", remote_url)
+        long_ago = datetime.now(UTC) - timedelta(seconds=grants.MAX_TTL_S + 60)
+        with monkeypatch.context() as then:
+            then.setattr(store_module, "now", lambda: long_ago)
+            assert store.revoke_upload_grant("ctx", old) == long_ago
+
+        store.revoke_upload_grant("ctx", recent)
+
+        remote = S3Remote(s3, remote_url)
+        assert [obj.key for obj in remote.list_objects(remote.revoked_grants_prefix)] == [
+            remote.revoked_grant_key(recent)]
+        assert [path.name for path in ContextDir(store.home / "contexts" / "ctx").revoked_grants.iterdir()] \
+            == [recent]
+        assert store.upload_grant_revoked("ctx", recent) and not store.upload_grant_revoked("ctx", old)

@@ -4,7 +4,8 @@ Under ``s3://bucket/prefix``::
 
     prefix/objects/<sha256>                 content-addressed blobs (one per distinct content)
     prefix/bundles/<name>/<uuid>.json       one manifest per pushed bundle version
-    prefix/grants/revoked/<id>              an upload grant of a shared context, revoked
+    prefix/grants/revoked/<id>              an upload grant of a shared context, revoked (kept as long
+                                            as a grant lives: grants.MAX_TTL_S)
 
 A manifest is written only after every blob it names is in place, so a reader that sees a
 manifest can fetch all of its files; a push that dies halfway leaves blobs but no manifest. Its
@@ -178,9 +179,13 @@ class S3Remote:
         """Where a shared context keeps an uncommitted bundle's manifest until it is committed."""
         return f"{self.staging_prefix}{bundle_name}/{bundle_uuid}.json"
 
+    @property
+    def revoked_grants_prefix(self) -> str:
+        return f"{self._base}grants/revoked/"
+
     def revoked_grant_key(self, grant_id: str) -> str:
         """Where a shared context records an upload grant's revocation (``grant_id`` checked first)."""
-        return f"{self._base}grants/revoked/{grant_id}"
+        return f"{self.revoked_grants_prefix}{grant_id}"
 
     # -- bucket --------------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ import threading
 import uuid as uuid_mod
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -40,7 +40,7 @@ from minio import Minio
 from opml_bundle_store.core import gc
 from opml_bundle_store.core.context import ContextState, load_context, now
 from opml_bundle_store.core.events import COMMITTED, DELETED, PUSHED, BundleEvents, Intent
-from opml_bundle_store.core.grants import validate_grant_id
+from opml_bundle_store.core.grants import MAX_TTL_S, validate_grant_id
 from opml_bundle_store.core.layout import ContextDir, atomic_write, fsync_dir
 from opml_bundle_store.core.lineage import lineage_graph
 from opml_bundle_store.core.manifest import (
@@ -733,7 +733,34 @@ class BundleStore:
                 atomic_write(path, _revocation(grant_id, revoked_at))
             ctx.revoked_grants.add(grant_id)
         log.info("context %s: upload grant %s revoked", ctx.id, grant_id)
+        self._forget_expired_revocations(ctx)
         return revoked_at
+
+    def _forget_expired_revocations(self, ctx: ContextState) -> None:
+        """Remove the context's revocations made longer ago than a grant may live (``MAX_TTL_S``): the
+        grants they revoke have expired, and an expired grant is refused anyway. Done at each revocation
+        (the store keeps no list of grants, so when it was revoked is all it knows of a grant's expiry):
+        here, and on a shared context's remote. A remote that fails leaves them to the next revocation."""
+        expired = now() - timedelta(seconds=MAX_TTL_S)
+        with ctx.lock:
+            for path in ctx.dir.revoked_grants.iterdir():
+                if _revoked_before(path.read_bytes(), expired):
+                    path.unlink()
+                    ctx.revoked_grants.discard(path.name)
+        if not ctx.shared:
+            return
+        try:
+            remote = self._context_remote(ctx)
+            stale = []
+            for obj in remote.list_objects(remote.revoked_grants_prefix):
+                record = bytearray()
+                remote.read_into(obj.key, record.extend, length=4096)  # a revocation is ~80 bytes
+                if _revoked_before(bytes(record), expired):
+                    stale.append(obj.key)
+            if stale:
+                remote.delete(stale)
+        except OpmlError as exc:
+            log.warning("context %s: expired upload grant revocations left on its remote: %s", ctx.id, exc)
 
     def upload_grant_revoked(self, context_id: str, grant_id: str) -> bool:
         """Whether the upload grant ``grant_id`` of ``context_id`` was revoked, by any store serving the
@@ -781,6 +808,14 @@ class BundleStore:
 
 def _revocation(grant_id: str, revoked_at: datetime) -> bytes:
     return json.dumps({"grant_id": grant_id, "revoke_time": revoked_at.isoformat()}).encode()
+
+
+def _revoked_before(record: bytes, moment: datetime) -> bool:
+    """Whether a revocation record was made before ``moment`` (a corrupt one is kept: it says nothing)."""
+    try:
+        return _revoke_time(record) < moment
+    except DataLoss:
+        return False
 
 
 def _revoke_time(record: bytes) -> datetime:
