@@ -87,17 +87,13 @@ def test_make_ups_fixed_ports_are_never_picked_free(monkeypatch: pytest.MonkeyPa
     (the trace-collector's 50054 once) kept a running `make up`'s service from binding it. Here the kernel
     offers one of `make up`'s ports first (a port it offered a moment ago, standing for 50054)."""
     from opml_common import ports
-    from opml_devstack import devinfra, stack
+    from opml_devstack import devinfra
 
-    fixed = stack.stack_ports()
-    assert 50054 in fixed and 50051 in fixed
-    for spec in stack.loadable_services()[0]:
-        assert {spec.settings.model_fields[f"{name}_port"].default for name in ("grpc", "metrics")} <= fixed
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         stacks = probe.getsockname()[1]
     offers = iter([stacks])
-    monkeypatch.setattr(stack, "stack_ports", lambda: frozenset({stacks}))
+    monkeypatch.setattr(devinfra, "STACK_PORTS", frozenset({stacks}))
     monkeypatch.setattr(devinfra, "hold_free_port", lambda: _bound(next(offers, None)) or ports.hold_free_port())
 
     port = free_port()
@@ -107,6 +103,17 @@ def test_make_ups_fixed_ports_are_never_picked_free(monkeypatch: pytest.MonkeyPa
             later.bind(("127.0.0.1", stacks))
     finally:
         release_ports([port])
+
+
+def test_the_stack_ports_free_port_avoids_are_make_ups() -> None:
+    from opml_devstack.devinfra import STACK_PORTS
+    from opml_devstack.stack import StackConfig, loadable_services
+
+    defaults = StackConfig()
+    assert {defaults.kafka_port, defaults.s3_port, defaults.prometheus_port, 6379} <= STACK_PORTS
+    for spec in loadable_services()[0]:
+        named = {name: field.default for name, field in spec.settings.model_fields.items() if name.endswith("_port")}
+        assert set(named.values()) <= STACK_PORTS, f"{spec.name}: {named}"
 
 
 def _bound(port: int | None) -> socket.socket | None:

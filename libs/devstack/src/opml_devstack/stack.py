@@ -99,18 +99,6 @@ def installed_services() -> list[ServiceSpec]:
     return [entry.load().SPEC for entry in sorted(entry_points(group="opml.services"), key=lambda e: e.name)]
 
 
-@cache
-def stack_ports() -> frozenset[int]:
-    """The ports `make up` listens on: its infrastructure's (:class:`StackConfig`'s defaults) and each
-    installed service's settings' defaults (gRPC, metrics and its others). :func:`free_port` never picks one."""
-    defaults = StackConfig()
-    ports = {defaults.kafka_port, defaults.s3_port, defaults.prometheus_port, 6379}  # 6379: the machine's Redis
-    for spec in loadable_services()[0]:
-        ports.update(field.default for name, field in spec.settings.model_fields.items()
-                     if name.endswith("_port") and isinstance(field.default, int) and field.default)
-    return frozenset(ports)
-
-
 def loadable_services() -> tuple[list[ServiceSpec], dict[str, str]]:
     """The installed services that load, and why each other does not (entry point name -> error).
 
