@@ -28,6 +28,7 @@ import pytest
 
 from opml_common.config import PlatformSettings
 from opml_devstack.devinfra import DevInfra, Endpoints
+from opml_devstack.stack import delete_redis_keys
 from opml_devstack.testing.containers import docker_available, start_containers
 from opml_devstack.testing.services import TOKENS, ServiceStarter
 
@@ -49,6 +50,15 @@ def run_id() -> str:
     return uuid.uuid4().hex[:10]
 
 
+@pytest.fixture(scope="session")
+def run_redis_keys(infra: Endpoints, run_id: str) -> Iterator[str]:
+    """The Redis-key prefix of every test of this session (``opml-test:t<run>-``); at the session's end its
+    keys are deleted (SCAN and UNLINK): the machine's Redis outlives the run and is shared."""
+    prefix = f"opml-test:t{run_id}-"
+    yield prefix
+    delete_redis_keys(infra.redis_url, prefix)
+
+
 @pytest.fixture
 def unique_prefix(run_id: str) -> str:
     """A prefix unique to one test: ``t<run>-<test>-``, valid in topic, bucket and key names."""
@@ -56,8 +66,10 @@ def unique_prefix(run_id: str) -> str:
 
 
 @pytest.fixture
-def settings_env(infra: Endpoints, unique_prefix: str) -> dict[str, str]:
-    """OPML_* variables pointing a service or client at the test infrastructure, names isolated."""
+def settings_env(infra: Endpoints, unique_prefix: str, run_redis_keys: str) -> dict[str, str]:
+    """OPML_* variables pointing a service or client at the test infrastructure, names isolated (the
+    Redis keys under the session's prefix, deleted when it ends)."""
+    assert f"opml-test:{unique_prefix}".startswith(run_redis_keys)
     return {
         **infra.env(),
         "OPML_TOPIC_PREFIX": unique_prefix,
