@@ -157,17 +157,17 @@ async def test_a_label_whose_prediction_comes_between_its_look_up_and_its_parkin
     try:
         rows = world.rows(WINDOW)
         events = events_of(rows, 0)
-        look_up = scorer.store.find_prediction
+        look_up = scorer.store.find_predictions
         raced = []
 
-        async def prediction_comes_meanwhile(request_id: str):
-            found = await look_up(request_id)
-            if request_id == "r0" and not raced:
-                raced.append(found)
+        async def prediction_comes_meanwhile(request_ids: list[str]):
+            found = await look_up(request_ids)
+            if request_ids == ["r0"] and not raced:
+                raced.append(found[0])
                 await scorer.on_prediction_joinable("m/1", 0, events[0][1], "r0")
             return found
 
-        scorer.store.find_prediction = prediction_comes_meanwhile
+        scorer.store.find_predictions = prediction_comes_meanwhile
         assert await label(scorer, "r0", rows.labels[0]) == "joined"
         assert raced == [None], "the label looked before its prediction was kept"
         record = await close(scorer, 0, events)

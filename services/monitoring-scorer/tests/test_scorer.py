@@ -445,3 +445,72 @@ async def test_list_alerts_pages_through_every_alert_of_every_version_in_order(s
     with pytest.raises(InvalidArgument, match="other filters"):  # a token for another name
         first = await servicer.ListAlerts(ListAlertsRequest(page_size=1), None)
         await servicer.ListAlerts(ListAlertsRequest(name="models/m/versions/1", page_token=first.next_page_token), None)
+
+
+async def test_a_batch_of_labels_ends_as_its_labels_one_by_one_and_announces_each_window_once(scorer) -> None:
+    """The labels agent applies labels a batch at a time (one look-up, one join script, each window
+    saved once): its outcomes and truths are the ones the labels would make one by one, in order (a
+    correction after its label in the same batch, the same event again, another producer's, one before
+    its prediction, malformed ones), and each closed window it touched is saved and announced once with
+    its truth after the batch, not once per label."""
+    scorer, world, emitter = scorer
+    await scorer.register("n", "1", "ctx", "qa")
+    rows = world.rows(200)
+    events = events_of(rows, 0)
+    right = [float(v) for v in rows.outputs.predicted]
+    for i, (request_id, raw) in enumerate(events):
+        await scorer.on_prediction_joinable("m/1", i // 100, raw, request_id)
+    await scorer.close_window("m/1", 0, [raw for _, raw in events[:100]], 0.0, 1.0)
+    await scorer.close_window("m/1", 1, [raw for _, raw in events[100:]], 1.0, 2.0)
+    r500, raw500 = events_of(world.rows(1), 500)[0]
+    await scorer.on_prediction_joinable("n/1", 0, raw500, r500)  # n/1 accepts QA's labels too
+    before = len(emitter.messages)
+    batch = [(observed(f"r{i}", right[i]), origin(f"e{i}")) for i in range(150)]
+    batch += [(observed("r0", 1 - right[0]), origin("e0-fix", seconds=10)),  # its producer's newer label
+              (observed("r1", right[1]), origin("e1")),  # the same event again
+              (observed(r500, 1.0), origin("q500", producer=QA)),
+              (observed(r500, 0.0), origin("p500", seconds=30)),  # another producer's, after QA's
+              (observed("r2", right[2]), origin("q2", producer=QA)),  # a producer n/1 accepts, not m/1
+              (label_events_pb2.LabelObserved(request_id="r4", values=[1, 0]).SerializeToString(), origin("x4")),
+              (label_events_pb2.LabelObserved().SerializeToString(), origin("x5")),
+              (observed("r999", 1.0), origin("e999"))]  # before its prediction
+    outcomes = await scorer.on_labels(batch)
+    assert outcomes[:150] == ["joined"] * 150
+    assert outcomes[150:154] == ["corrected", "duplicate", "joined", "other_producer"]
+    assert isinstance(outcomes[154], UntrustedSource) and "'plant-3/qa' is not a label producer of m/1" in str(
+        outcomes[154])
+    assert isinstance(outcomes[155], InvalidArgument) and "holds 2 values" in str(outcomes[155])
+    assert isinstance(outcomes[156], InvalidArgument)
+    assert outcomes[157] == "parked"
+    assert await scorer.store.truth("m/1", 0) == (100, 99.0)
+    assert await scorer.store.truth("m/1", 1) == (50, 50.0)
+    saved = [await scorer.store.get_window("m/1", index) for index in (0, 1)]
+    assert [(w["labelled"], w["true"]) for w in saved] == [(100, 0.99), (50, 1.0)]
+    scored = [m for m in emitter.messages[before:] if isinstance(m, quality_events_pb2.WindowScored)]
+    assert [(m.window, m.labelled) for m in scored] == [(0, 100), (1, 50)], "each window announced once"
+    assert [counted(scorer, outcome) for outcome in ("joined", "corrected", "duplicate", "other_producer", "parked")
+            ] == [151, 1, 1, 1, 1]
+
+
+async def test_a_label_applied_again_after_a_crash_saves_the_window_its_first_try_did_not(scorer) -> None:
+    """At least once: a batch is applied again when the process died between the join script and the
+    windows' saves. Its labels are duplicates then, and a window saved with another truth than the
+    one joined is saved and announced again; one saved with it is not."""
+    scorer, world, emitter = scorer
+    rows = world.rows(100)
+    events = events_of(rows, 0)
+    for request_id, raw in events:
+        await scorer.on_prediction_joinable("m/1", 0, raw, request_id)
+    await scorer.close_window("m/1", 0, [raw for _, raw in events], 0.0, 1.0)
+    label = (observed("r0", float(rows.outputs.predicted[0])), origin("e0"))
+    assert await scorer.on_labels([label]) == ["joined"]
+    record = await scorer.store.get_window("m/1", 0)
+    before = len(emitter.messages)
+    assert await scorer.on_labels([label]) == ["duplicate"]
+    assert len(emitter.messages) == before, "saved with its truth: not announced again"
+    record.pop("labelled"), record.pop("true")  # as saved at its close, before the label's join
+    await scorer.store.save_window("m/1", record)
+    assert await scorer.on_labels([label]) == ["duplicate"]
+    assert (await scorer.store.get_window("m/1", 0))["labelled"] == 1
+    (scored,) = emitter.messages[before:]
+    assert (scored.window, scored.labelled, scored.true_value) == (0, 1, 1.0)

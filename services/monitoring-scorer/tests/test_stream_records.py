@@ -231,30 +231,64 @@ async def test_a_window_that_cannot_be_scored_is_dead_lettered_and_the_version_s
 
 async def test_a_label_is_retried_while_redis_is_away_and_a_malformed_one_dead_lettered(stream) -> None:
     """A label whose join failed for a reason that may pass (Redis unreachable) used to be dead-lettered
-    as malformed; now it is tried again until it is applied. It is applied as its event's source's; one
-    the scorer refuses as untrusted is dead-lettered as such and counted apart from malformed ones."""
+    as malformed; now it is tried again until it is applied, with the labels after it in its batch (in
+    their order). It is applied as its event's source's; one the scorer refuses as untrusted is
+    dead-lettered as such and counted apart from malformed ones. The batch's events are acked once
+    each, after every label is applied or dead-lettered."""
     stream.publisher = publisher = Publisher()
-    outcomes: list[object] = [redis.exceptions.ConnectionError("Redis went away"), TimeoutError(), "joined",
-                              InvalidArgument("values", "must hold 1-100000 values, but holds 0"),
-                              UntrustedSource("label source 'evil/anyone' is not a label producer of m/1")]
-    calls: list[tuple[bytes, LabelOrigin]] = []
+    replies: list[object] = [
+        redis.exceptions.ConnectionError("Redis went away"),  # the whole batch
+        ["joined", TimeoutError(), "joined"],  # from the second on, again
+        [InvalidArgument("values", "must hold 1-100000 values, but holds 0"),
+         UntrustedSource("label source 'evil/anyone' is not a label producer of m/1")]]
+    calls: list[list[tuple[bytes, LabelOrigin]]] = []
 
-    async def on_label(raw: bytes, origin: LabelOrigin) -> str:
-        calls.append((raw, origin))
-        outcome = outcomes.pop(0)
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
+    async def on_labels(items: list[tuple[bytes, LabelOrigin]]) -> list[object]:
+        calls.append(list(items))
+        reply = replies.pop(0)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
 
-    stream.scorer.on_label = on_label
-    label = LabelObserved(request_id="r1", values=[1.0])
-    await stream._on_label(record(label, 0))
-    assert len(calls) == 3 and publisher.sent == [], "applied on the third try, nothing dead-lettered"
-    assert calls[0][1].producer == ROUTER_SOURCE, "as its event's source's"
-    await stream._on_label(record(label, 1))
-    await stream._on_label(record(label, 2))
-    assert [(topic, h["opml_error_type"]) for topic, h in publisher.sent] == [
-        ("opml.labels.v1.dlq", b"InvalidArgument"), ("opml.labels.v1.dlq", b"UntrustedSource")]
+    stream.scorer.on_labels = on_labels
+    acked: list[int] = []
+    events = []
+    for offset in range(3):
+        event = record(LabelObserved(request_id=f"r{offset}", values=[1.0]), offset)
+        event.ack = lambda offset=offset: acked.append(offset)
+        events.append(event)
+    await stream._on_labels(events)
+    assert [len(items) for items in calls] == [3, 3, 2], "retried whole, then from the label that failed"
+    assert calls[0][0][1].producer == ROUTER_SOURCE, "as its event's source's"
+    assert [LabelObserved.FromString(raw).request_id for raw, _ in calls[2]] == ["r1", "r2"]
+    assert [(topic, h["opml_error_type"], h["opml_source_offset"]) for topic, h in publisher.sent] == [
+        ("opml.labels.v1.dlq", b"InvalidArgument", b"1"), ("opml.labels.v1.dlq", b"UntrustedSource", b"2")]
+    assert acked == [0, 1, 2]
     (metric,) = stream.metrics.labels.collect()
     counted = {s.labels["outcome"]: s.value for s in metric.samples if s.name.endswith("_total")}
     assert (counted["malformed"], counted["untrusted"]) == (1, 1)
+
+
+async def test_a_batch_of_labels_that_fails_as_a_whole_is_applied_one_by_one(stream) -> None:
+    """An error of a whole batch that will not pass by retrying (not one label's outcome) is met by
+    applying its labels one at a time: only the label that causes it is dead-lettered, not its batch."""
+    stream.publisher = publisher = Publisher()
+    calls: list[list[str]] = []
+
+    async def on_labels(items: list[tuple[bytes, LabelOrigin]]) -> list[object]:
+        ids = [LabelObserved.FromString(raw).request_id for raw, _ in items]
+        calls.append(ids)
+        if "bad" in ids:
+            raise ValueError("a label the join cannot read")
+        return ["joined"] * len(items)
+
+    stream.scorer.on_labels = on_labels
+    events = [record(LabelObserved(request_id=request_id, values=[1.0]), offset)
+              for offset, request_id in enumerate(["r0", "bad", "r2"])]
+    acked: list[int] = []
+    for offset, event in enumerate(events):
+        event.ack = lambda offset=offset: acked.append(offset)
+    await stream._on_labels(events)
+    assert calls == [["r0", "bad", "r2"], ["r0"], ["bad"], ["r2"]]
+    assert [(h["opml_error_type"], h["opml_source_offset"]) for _, h in publisher.sent] == [(b"ValueError", b"1")]
+    assert acked == [0, 1, 2]

@@ -84,40 +84,64 @@ Returns 1 when parked, 0 when not newer, -1 when the prediction (KEYS[2]) is the
 label looked for it, and took the labels parked then, so one parked now would wait for it forever."""
 
 _JOIN = """
-local kind = redis.call('TYPE', KEYS[1])['ok']
-local rows, delta, outcome = ARGV[2], ARGV[3], 'joined'
-if kind == 'string' then
-  return {'other_producer'}
-elseif kind == 'hash' then
-  local claim = redis.call('HMGET', KEYS[1], 'producer', 'time', 'id', 'total')
-  if claim[1] ~= ARGV[5] then
-    return {'other_producer'}
+local ttl, truth_ttl, joined, truth = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local out = {}
+for i = 5, #ARGV, 8 do
+  local claimed, version, segment = joined .. ARGV[i], truth .. ARGV[i + 1], ARGV[i + 2]
+  local rows, total, producer, time, id = ARGV[i + 3], ARGV[i + 4], ARGV[i + 5], ARGV[i + 6], ARGV[i + 7]
+  local delta, outcome = total, 'joined'
+  local kind = redis.call('TYPE', claimed)['ok']
+  if kind == 'string' then
+    outcome = 'other_producer'
+  elseif kind == 'hash' then
+    local claim = redis.call('HMGET', claimed, 'producer', 'time', 'id', 'total')
+    if claim[1] ~= producer then
+      outcome = 'other_producer'
+    elseif claim[3] == id or time <= claim[2] then
+      outcome = 'duplicate'
+    else
+      rows, delta, outcome = 0, string.format('%.17g', tonumber(total) - tonumber(claim[4])), 'corrected'
+    end
   end
-  if claim[3] == ARGV[7] or ARGV[6] <= claim[2] then
-    return {'duplicate'}
+  if segment ~= '' then
+    segment = truth .. segment
   end
-  rows, delta, outcome = 0, string.format('%.17g', tonumber(ARGV[3]) - tonumber(claim[4])), 'corrected'
+  if outcome == 'joined' or outcome == 'corrected' then
+    redis.call('HSET', claimed, 'producer', producer, 'time', time, 'id', id, 'total', total)
+    redis.call('EXPIRE', claimed, ttl)
+    redis.call('HINCRBY', version, 'labelled', rows)
+    redis.call('HINCRBYFLOAT', version, 'total', delta)
+    redis.call('EXPIRE', version, truth_ttl)
+    if segment ~= '' then
+      redis.call('HINCRBY', segment, 'labelled', rows)
+      redis.call('HINCRBYFLOAT', segment, 'total', delta)
+      redis.call('EXPIRE', segment, truth_ttl)
+    end
+  end
+  local now = redis.call('HMGET', version, 'labelled', 'total')
+  local seg = {'0', '0'}
+  if segment ~= '' then
+    seg = redis.call('HMGET', segment, 'labelled', 'total')
+  end
+  out[#out + 1] = outcome
+  out[#out + 1] = now[1] or '0'
+  out[#out + 1] = now[2] or '0'
+  out[#out + 1] = seg[1] or '0'
+  out[#out + 1] = seg[2] or '0'
 end
-redis.call('HSET', KEYS[1], 'producer', ARGV[5], 'time', ARGV[6], 'id', ARGV[7], 'total', ARGV[3])
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-local labelled = redis.call('HINCRBY', KEYS[2], 'labelled', rows)
-local total = redis.call('HINCRBYFLOAT', KEYS[2], 'total', delta)
-redis.call('EXPIRE', KEYS[2], ARGV[4])
-if KEYS[3] then
-  local seg_labelled = redis.call('HINCRBY', KEYS[3], 'labelled', rows)
-  local seg_total = redis.call('HINCRBYFLOAT', KEYS[3], 'total', delta)
-  redis.call('EXPIRE', KEYS[3], ARGV[4])
-  return {outcome, labelled, total, seg_labelled, seg_total}
-end
-return {outcome, labelled, total}
+return out
 """
-"""Applies a label to its request's window: claims the request id (KEYS[1], ARGV[1] its expiry) for
-the label's producer (ARGV[5]), event time (ARGV[6], fixed width) and event id (ARGV[7]), and adds its
-rows to the window's truth (KEYS[2]: ARGV[2] rows, ARGV[3] correct count or error sum, ARGV[4] expiry)
-and to its segment's window's (KEYS[3], when the prediction is in a segment) in one step. A request already claimed keeps its label unless this one is its producer's with a newer
-time (a correction: the truth takes the difference, its rows counted once). Returns [outcome, the
-truth after it (and the segment window's)]: joined, corrected; or [duplicate] (that event again, or
-not newer), [other_producer]."""
+"""Applies labels to their requests' windows, in order, in one call: ARGV the claims' expiry, the
+truths' expiry, the joined: and truth: key prefixes, then per label its request id, window
+(``{wk}:{window}``), its segment's window (``{wk}#{segment}:{window}``, "" in none), rows, correct count
+(or error sum), producer, event time (fixed width) and event id. Each label claims its request id and
+adds its rows to its window's truth (and its segment window's) in one step. A request already claimed
+keeps its label unless this one is its producer's with a newer time (a correction: the truth takes
+the difference, its rows counted once). Returns per label [outcome, the window's labelled rows and
+total, the segment window's ("0" in none)] as they stand after it: joined, corrected, duplicate (that
+event again, or not newer), other_producer; the truth is returned whatever the outcome, so a window
+saved before its truth's last change (a crash between the two) is saved again when a label comes
+again."""
 
 _ROWS = """
 if redis.call('EXISTS', KEYS[3]) == 0 and redis.call('ZCARD', KEYS[2]) > 0 then
@@ -144,6 +168,13 @@ _TOTAL_ROWS = _ROWS + "return redis.call('GET', KEYS[3])"
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
+def _prediction_record(raw: bytes) -> tuple[str, int, bytes, str, int]:
+    head, _, event = raw.partition(b"\n")
+    data = json.loads(head)
+    return (data["mv"], int(data["window"]), bytes.fromhex(data["event"]) if "event" in data else event,
+            data.get("segment", ""), int(data.get("segment_window", -1)))
+
+
 @dataclass(frozen=True)
 class LabelOrigin:
     """Who sent a label and when: its event's source (the producer), time and id. A request's label is
@@ -158,6 +189,21 @@ class LabelOrigin:
         """The time as fixed-width microseconds since the epoch (0 before it): the scripts compare
         these as strings (a Lua number, a double, has no exact nanoseconds)."""
         return f"{max(0, (self.time - _EPOCH) // timedelta(microseconds=1)):020d}"
+
+
+@dataclass(frozen=True)
+class TruthJoin:
+    """One label to apply to its request's window (:meth:`MonitorStore.join_truths`): its rows and
+    correct count (or absolute error sum), and ``segment``: (``{mv}#{segment}``, its window) of a
+    prediction in a segment, whose truth takes the label too."""
+
+    request_id: str
+    mv: str
+    window: int
+    labelled: int
+    total: float
+    origin: LabelOrigin
+    segment: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -301,7 +347,7 @@ class MonitorStore(Component):
         a script's arguments). The script builds its keys from the prefix it is given (one Redis, not a
         cluster: the platform's). Not a transaction in intent: each request's keys are its own, a
         replay after a crash writes the same values, and a label found twice is applied once
-        (:meth:`join_truth`)."""
+        (:meth:`join_truths`)."""
         if not items:
             return []
         headers: dict[tuple[str, int, str, int], bytes] = {}  # one per window: its events share it
@@ -327,18 +373,19 @@ class MonitorStore(Component):
                 origin["producer"], datetime.fromisoformat(origin["time"]), origin["id"]), data)))
         return [[label for _, label in sorted(labels, key=lambda item: item[0])] for labels in parked]
 
+    async def find_predictions(self, request_ids: list[str]) -> list[tuple[str, int, bytes, str, int] | None]:
+        """Each request's prediction kept for the join (:meth:`find_prediction`), in one round trip (MGET)."""
+        if not request_ids:
+            return []
+        raws = await self.redis.mget([self._k("pred", request_id) for request_id in request_ids])
+        return [None if raw is None else _prediction_record(raw) for raw in raws]
+
     async def find_prediction(self, request_id: str) -> tuple[str, int, bytes, str, int] | None:
         """(model version, window, event, segment, the segment's window: "" and -1 in none). The record
         is a JSON line (model version, window, segment and its window) then the event's bytes as they
         are (no hex in JSON: a prediction's record is written per event). A record of the older form
         (one JSON object, the event in hex), written before an upgrade, still reads."""
-        raw = await self.redis.get(self._k("pred", request_id))
-        if raw is None:
-            return None
-        head, _, event = raw.partition(b"\n")
-        data = json.loads(head)
-        return (data["mv"], int(data["window"]), bytes.fromhex(data["event"]) if "event" in data else event,
-                data.get("segment", ""), int(data.get("segment_window", -1)))
+        return (await self.find_predictions([request_id]))[0]
 
     async def park_label(self, request_id: str, label: ParkedLabel) -> str:
         """Parks a label that came before its prediction as its producer's (``parked``), unless that
@@ -355,29 +402,31 @@ class MonitorStore(Component):
                                             head.encode() + b"\n" + label.data]))
         return "arrived" if parked < 0 else "parked" if parked else "duplicate"
 
-    async def join_truth(self, request_id: str, mv: str, window: int, labelled: int, total: float,
-                         origin: LabelOrigin, segment: tuple[str, int] | None = None,
-                         ) -> tuple[str, tuple[int, float] | None, tuple[int, float] | None]:
-        """Applies a request's label to its window's truth: (outcome, the window's labelled rows and
-        total after it). ``joined``: the request's first label; ``corrected``: its producer's again
-        with a newer event time, which replaces it (the truth takes the difference); ``duplicate``
-        (that event again, or its producer's, not newer) and ``other_producer`` (the request was
-        labelled by another producer, whose label stays) change nothing (None). One script
-        (``_JOIN``), so the claim and the truth are made together: claimed first and then added, a
-        failure between the two (a crash, Redis going away) left the label claimed and never
-        counted, and its replay was taken for a duplicate. ``segment``: (segment key ``{mv}#{segment}``,
-        its window) of a prediction in a segment, whose truth takes the label too (the third item)."""
+    async def join_truths(self, joins: list[TruthJoin]) -> list[tuple[str, tuple[int, float], tuple[int, float]]]:
+        """Applies requests' labels to their windows' truth, in order, in one script call (``_JOIN``):
+        per label (outcome, the window's labelled rows and total after it, the segment window's: (0, 0.0)
+        in none). ``joined``: the request's first label; ``corrected``: its producer's again with a newer
+        event time, which replaces it (the truth takes the difference); ``duplicate`` (that event again,
+        or its producer's, not newer) and ``other_producer`` (the request was labelled by another
+        producer, whose label stays) change nothing. The claim and the truth are made together: claimed
+        first and then added, a failure between the two (a crash, Redis going away) left the label
+        claimed and never counted, and its replay was taken for a duplicate. A script, not a pipeline
+        of a call per label: redis-py's cost is per command and per reply. Labels of one request
+        apply in their order, so a batch ends as the labels one by one would."""
+        if not joins:
+            return []
         if self._join is None:
             self._join = self.redis.register_script(_JOIN)
-        keys = [self._k("joined", request_id), self._k("truth", mv, str(window))]
-        if segment is not None:
-            keys.append(self._k("truth", segment[0], str(segment[1])))
-        joined = await self._join(keys=keys, args=[self.retention_s, labelled, repr(float(total)),
-                                                   max(self.retention_s * 4, 86_400), origin.producer, origin.stamp,
-                                                   origin.event_id])
-        outcome = joined[0].decode()
-        version = (int(joined[1]), float(joined[2])) if len(joined) >= 3 else None
-        return outcome, version, (int(joined[3]), float(joined[4])) if len(joined) == 5 else None
+        args: list[Any] = [self.retention_s, max(self.retention_s * 4, 86_400), self._k("joined", ""),
+                           self._k("truth", "")]
+        for join in joins:
+            origin = join.origin
+            args += (join.request_id, f"{join.mv}:{join.window}",
+                     "" if join.segment is None else f"{join.segment[0]}:{join.segment[1]}", join.labelled,
+                     repr(float(join.total)), origin.producer, origin.stamp, origin.event_id)
+        out = await self._join(keys=[], args=args)
+        return [(out[at].decode(), (int(out[at + 1]), float(out[at + 2])), (int(out[at + 3]), float(out[at + 4])))
+                for at in range(0, len(out), 5)]
 
     async def add_label_producers(self, producers: frozenset[str]) -> None:
         """Records producers a model names, so that any scorer process may park their labels."""

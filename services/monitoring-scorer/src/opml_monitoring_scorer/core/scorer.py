@@ -36,6 +36,7 @@ import uuid
 import zipfile
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from opml.inference.v1 import events_pb2 as inference_events
@@ -55,7 +56,7 @@ from opml_monitoring_scorer.core.refits import Refits
 from opml_monitoring_scorer.core.rules import Rule, RuleState, Transition, observe, parse_rules, step
 from opml_monitoring_scorer.core.segments import window_key
 from opml_monitoring_scorer.metrics import ScorerMetrics
-from opml_monitoring_scorer.state import LabelOrigin, MonitorStore, ParkedLabel
+from opml_monitoring_scorer.state import LabelOrigin, MonitorStore, ParkedLabel, TruthJoin
 from opml_monitoring_scorer_contract.names import LABEL_SOURCE
 from opml_monitoring_scorer_contract.reference import (
     MAX_REFERENCE_BYTES,
@@ -571,9 +572,9 @@ class Scorer(Component):
 
     # ------------------------------------------------------------------ labels
     async def on_label(self, raw: bytes, origin: LabelOrigin) -> str:
-        """Joins a LabelObserved from ``origin`` to its prediction; returns the outcome: joined,
-        corrected, duplicate, other_producer (see :meth:`MonitorStore.join_truth`), or parked (before its
-        prediction; not newer than its producer's parked one: duplicate).
+        """Joins a LabelObserved from ``origin`` to its prediction (:meth:`on_labels`); returns the
+        outcome: joined, corrected, duplicate, other_producer (see :meth:`MonitorStore.join_truths`), or
+        parked (before its prediction; not newer than its producer's parked one: duplicate).
 
         Raises:
             UntrustedSource: the producer is not one the prediction's model accepts (the platform's,
@@ -581,31 +582,70 @@ class Scorer(Component):
             InvalidArgument: the label is malformed (no request id, no values, wrong count for the
                 prediction's batch, a non-finite or non-class value): the stream dead-letters it.
         """
-        label = label_events_pb2.LabelObserved.FromString(raw)
-        problems = []
-        if not label.request_id or len(label.request_id) > MAX_REQUEST_ID_CHARS:
-            problems.append(("request_id", f"must hold 1-{MAX_REQUEST_ID_CHARS} characters, but got "
-                                           f"{brief(label.request_id)}"))
-        if not label.values or len(label.values) > MAX_LABEL_VALUES:
-            problems.append(("values", f"must hold 1-{MAX_LABEL_VALUES} values, but holds {len(label.values)}"))
-        elif not np.all(np.isfinite(np.asarray(label.values))):
-            problems.append(("values", "must all be finite numbers"))
-        if problems:
-            raise InvalidArgument.of(problems)
-        while (found := await self.store.find_prediction(label.request_id)) is None:
-            # whether the model accepts it is known once the prediction comes; parked only from a
-            # producer some model accepts, so nobody else can fill Redis with labels
-            if origin.producer not in self.label_sources and not await self.store.is_label_producer(origin.producer):
-                raise UntrustedSource(f"label source {origin.producer[:MAX_SOURCE_SHOWN]!r} is not a label producer "
-                                      f"of any monitored model; accepted for every model: "
-                                      f"{', '.join(sorted(self.label_sources)) or 'none'}, and the producers a "
-                                      "model's monitoring.yaml names (labels.producers)")
-            parked = await self.store.park_label(label.request_id, ParkedLabel(origin, raw))
-            if parked != "arrived":  # arrived: the prediction came since the look-up; look again
-                self.metrics.labels.labels(parked).inc()
-                return parked
-        key, window, event, segment, segment_window = found
-        return await self._join(key, window, event, label, origin, segment, segment_window)
+        outcome = (await self.on_labels([(raw, origin)]))[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    async def on_labels(self, items: Sequence[tuple[bytes, LabelOrigin]]) -> list[str | Exception]:
+        """Joins LabelObserved events (bytes, origin) to their predictions, as a batch: their
+        predictions looked up in one round trip, the joins applied in one script call in the labels'
+        order, and each window they touched saved and announced once with its final truth (a window per
+        label was several round trips, a decode and an event for every label). Returns each label's
+        outcome (:meth:`on_label`'s) or what it raises: UntrustedSource, InvalidArgument, and what
+        failed for that label alone (a FailedPrecondition, an error that may pass); an error of the
+        whole batch (Redis unreachable) is raised, and the batch may be applied again (a label applied
+        twice is a duplicate)."""
+        results: list[str | Exception | None] = [None] * len(items)
+        labels: dict[int, label_events_pb2.LabelObserved] = {}
+        for i, (raw, _) in enumerate(items):
+            try:
+                labels[i] = _checked_label(raw)
+            except Exception as exc:  # noqa: BLE001 - this label's outcome: dead-lettered with the reason
+                results[i] = exc
+        producers: dict[str, bool] = {}  # producer -> whether a label of it may be parked
+        pending = list(labels)
+        while pending:
+            found = await self.store.find_predictions([labels[i].request_id for i in pending])
+            joins, again = [], []
+            for i, record in zip(pending, found, strict=True):
+                if record is not None:
+                    joins.append((i, record))
+                    continue
+                try:
+                    parked = await self._park(labels[i], items[i], producers)
+                except Exception as exc:  # noqa: BLE001 - this label's outcome
+                    results[i] = exc
+                    continue
+                if parked == "arrived":  # the prediction came since the look-up; look again
+                    again.append(i)
+                else:
+                    self.metrics.labels.labels(parked).inc()
+                    results[i] = parked
+            for (i, _), outcome in zip(joins, await self._join_many(
+                    [(key, window, event, labels[i], items[i][1], segment, segment_window)
+                     for i, (key, window, event, segment, segment_window) in joins]), strict=True):
+                results[i] = outcome
+            pending = again
+        return results  # type: ignore[return-value]
+
+    async def _park(self, label: label_events_pb2.LabelObserved, item: tuple[bytes, LabelOrigin],
+                    producers: dict[str, bool]) -> str:
+        """Parks a label that came before its prediction: parked, duplicate or arrived (see
+        :meth:`MonitorStore.park_label`). Whether the model accepts it is known once the prediction
+        comes; parked only from a producer some model accepts, so nobody else can fill Redis with labels.
+
+        Raises: UntrustedSource: no model accepts its producer."""
+        raw, origin = item
+        producer = origin.producer
+        if producer not in producers:
+            producers[producer] = producer in self.label_sources or await self.store.is_label_producer(producer)
+        if not producers[producer]:
+            raise UntrustedSource(f"label source {producer[:MAX_SOURCE_SHOWN]!r} is not a label producer "
+                                  f"of any monitored model; accepted for every model: "
+                                  f"{', '.join(sorted(self.label_sources)) or 'none'}, and the producers a "
+                                  "model's monitoring.yaml names (labels.producers)")
+        return await self.store.park_label(label.request_id, ParkedLabel(origin, raw))
 
     async def submit_labels(self, model: str, version: str, labels: Sequence[SubmittedLabel]) -> int:
         """Publishes these labels (LabelObserved, under the platform's label source) for the stream to
@@ -658,22 +698,27 @@ class Scorer(Component):
         parked = await self.store.remember_predictions(
             [(item.request_id, item.key, item.window, item.raw_event, item.segment, item.segment_window)
              for item in items])
-        for item, labels in zip(items, parked, strict=True):
-            for label in labels:
-                try:
-                    await self._join(item.key, item.window, item.raw_event,
-                                     label_events_pb2.LabelObserved.FromString(label.data), label.origin,
-                                     item.segment, item.segment_window)
-                except UntrustedSource as exc:  # a producer another model names: counted, not dead-lettered
-                    self.metrics.labels.labels("untrusted").inc()
-                    log.warning("parked label of %s dropped: %s", item.request_id, exc)
-                except InvalidArgument as exc:
-                    self.metrics.labels.labels("malformed").inc()
-                    log.warning("parked label of %s dropped: %s", item.request_id, exc)
-                except FailedPrecondition as exc:  # no monitor yet (no reference, first window open): raised
-                    # out of here it would stop the predictions agent, and the label is no longer parked
-                    self.metrics.labels.labels("unjoinable").inc()
-                    log.warning("parked label of %s dropped: %s", item.request_id, exc.message)
+        found = [(item, label) for item, labels in zip(items, parked, strict=True) for label in labels]
+        if not found:
+            return
+        outcomes = await self._join_many([(item.key, item.window, item.raw_event,
+                                           label_events_pb2.LabelObserved.FromString(label.data), label.origin,
+                                           item.segment, item.segment_window) for item, label in found])
+        for (item, _), outcome in zip(found, outcomes, strict=True):
+            if not isinstance(outcome, Exception):
+                continue
+            if isinstance(outcome, UntrustedSource):  # a producer another model names: counted, not dead-lettered
+                self.metrics.labels.labels("untrusted").inc()
+                log.warning("parked label of %s dropped: %s", item.request_id, outcome)
+            elif isinstance(outcome, InvalidArgument):
+                self.metrics.labels.labels("malformed").inc()
+                log.warning("parked label of %s dropped: %s", item.request_id, outcome)
+            elif isinstance(outcome, FailedPrecondition):  # no monitor yet (no reference, first window open):
+                # raised out of here it would stop the predictions agent, and the label is no longer parked
+                self.metrics.labels.labels("unjoinable").inc()
+                log.warning("parked label of %s dropped: %s", item.request_id, outcome.message)
+            else:
+                raise outcome
 
     def _check_producer(self, monitored: Monitored, producer: str) -> None:
         """Raises: UntrustedSource: ``producer`` is neither the platform's nor one the model names."""
@@ -682,49 +727,117 @@ class Scorer(Component):
             raise UntrustedSource(f"label source {producer[:MAX_SOURCE_SHOWN]!r} is not a label producer of "
                                   f"{monitored.key}; accepted: {', '.join(sorted(accepted)) or 'none'}")
 
-    async def _join(self, key: str, window: int, raw_event: bytes, label: label_events_pb2.LabelObserved,
-                    origin: LabelOrigin, segment: str = "", segment_window: int = -1) -> str:
-        """Raises: FailedPrecondition: ``key`` has no monitor (nobody registered it, or no reference
-        and its first window open); what :meth:`adopt` raises; UntrustedSource, InvalidArgument (see
+    async def _join_many(self, joins: Sequence[tuple[str, int, bytes, label_events_pb2.LabelObserved, LabelOrigin,
+                                                   str, int]]) -> list[str | Exception]:
+        """Applies labels to their predictions (version, window, PredictionMade bytes, label, origin,
+        segment and its window), in order: each version's predictions decoded together, the joins in
+        one script call, each window touched saved and announced once, with its truth after the last
+        label. Returns each one's outcome (joined, corrected, duplicate, other_producer) or its error:
+        FailedPrecondition (its version has no monitor: nobody registered it, or no reference and its
+        first window open), what :meth:`adopt` raises, UntrustedSource, InvalidArgument (see
         :meth:`on_label`)."""
-        monitored = await self.adopt(key)  # a label's partition may be another process's than its version's
-        if monitored is None or monitored.monitor is None:
-            raise FailedPrecondition(f"{key} has no monitor to join labels to")
-        self._check_producer(monitored, origin.producer)
-        batch = self.decode(monitored, inference_events.PredictionMade.FromString(raw_event))
-        values = np.asarray(label.values, dtype=np.float64)
-        if len(values) != len(batch):
-            raise InvalidArgument("values", f"holds {len(values)} values, but request {label.request_id} "
-                                            f"predicted {len(batch)} rows")
-        monitor = monitored.monitor
-        if monitor.task is not Task.REGRESSION and not np.all(values == np.round(values)):
-            raise InvalidArgument("values", "must be class indexes for a classifier")
-        if monitor.task is Task.REGRESSION:
-            total = float(np.sum(np.abs(batch.outputs.predicted - values)))
-        else:
-            total = float(np.sum(batch.outputs.predicted == values))
-        segment_key = window_key(key, segment) if segment and segment_window >= 0 else None
-        outcome, joined, segment_joined = await self.store.join_truth(
-            label.request_id, key, window, len(values), total, origin,
-            None if segment_key is None else (segment_key, segment_window))
-        if joined is None:
-            self.metrics.labels.labels(outcome).inc()
-            return outcome
-        # the recalibration it makes due runs in the background (core/refits.py): the join does not wait
-        # for it. A correction is not learned again: the MPP's live rows hold the request's first label
-        # and cannot be taken back
-        if outcome == "joined" and monitor.mpp is not None:
-            monitor.mpp.add_labels(batch.features, batch.outputs, values)
-            self.refits.due(key, monitor.mpp, self._recalibrated)
-        own = await self.segment_monitor(monitored, segment) if segment_key is not None else monitor
-        if outcome == "joined" and own is not monitor and own.mpp is not None:  # the segment's own MPP learns too
-            own.mpp.add_labels(batch.features, batch.outputs, values)
-            self.refits.due(segment_key, own.mpp, self._recalibrated)
-        await self._show_truth(monitored, "", window, joined)
-        if segment_key is not None and segment_joined is not None:
-            await self._show_truth(monitored, segment, segment_window, segment_joined)
-        self.metrics.labels.labels(outcome).inc()  # once the windows show it
-        return outcome
+        results: list[str | Exception | None] = [None] * len(joins)
+        by_key: dict[str, list[int]] = {}
+        for i, join in enumerate(joins):
+            by_key.setdefault(join[0], []).append(i)
+        monitors: dict[str, Monitored] = {}
+        rows: dict[int, Batch] = {}
+        for key, indexes in by_key.items():
+            try:
+                monitored = await self.adopt(key)  # a label's partition may be another process's than its version's
+                if monitored is None or monitored.monitor is None:
+                    raise FailedPrecondition(f"{key} has no monitor to join labels to")
+            except Exception as exc:  # noqa: BLE001 - the outcome of each of its labels
+                for i in indexes:
+                    results[i] = exc
+                continue
+            monitors[key] = monitored
+            trusted = []
+            for i in indexes:
+                try:
+                    self._check_producer(monitored, joins[i][4].producer)
+                    trusted.append(i)
+                except UntrustedSource as exc:
+                    results[i] = exc
+            rows.update(self._decode_joined(monitored, trusted, joins, results))
+        applied, truth_joins = [], []
+        for i, (key, window, _, label, origin, segment, segment_window) in enumerate(joins):
+            if i not in rows:
+                continue
+            batch, values = rows[i], np.asarray(label.values, dtype=np.float64)
+            monitor = monitors[key].monitor
+            if len(values) != len(batch):
+                results[i] = InvalidArgument("values", f"holds {len(values)} values, but request {label.request_id} "
+                                                       f"predicted {len(batch)} rows")
+                continue
+            if monitor.task is not Task.REGRESSION and not np.all(values == np.round(values)):
+                results[i] = InvalidArgument("values", "must be class indexes for a classifier")
+                continue
+            if monitor.task is Task.REGRESSION:
+                total = float(np.sum(np.abs(batch.outputs.predicted - values)))
+            else:
+                total = float(np.sum(batch.outputs.predicted == values))
+            in_segment = bool(segment) and segment_window >= 0
+            applied.append((i, values, in_segment))
+            truth_joins.append(TruthJoin(label.request_id, key, window, len(values), total, origin,
+                                         (window_key(key, segment), segment_window) if in_segment else None))
+        touched: dict[tuple[str, str, int], list[Any]] = {}  # (version, segment, window) -> [truth, changed]
+        outcomes = await self.store.join_truths(truth_joins)
+        learned: dict[str, MPP] = {}  # version (or segment) key -> its MPP that took labels
+        for (i, values, in_segment), (outcome, truth, segment_truth) in zip(applied, outcomes, strict=True):
+            key, window, _, _, _, segment, segment_window = joins[i]
+            monitored, changed = monitors[key], outcome in ("joined", "corrected")
+            windows = [(("", window), truth)] + ([((segment, segment_window), segment_truth)] if in_segment else [])
+            for (part, index), after in windows:
+                entry = touched.setdefault((key, part, index), [after, False])
+                entry[0], entry[1] = after, entry[1] or changed
+            results[i] = outcome
+            if outcome != "joined":
+                continue
+            # the recalibration it makes due runs in the background (core/refits.py): the join does not
+            # wait for it. A correction is not learned again: the MPP's live rows hold the request's
+            # first label and cannot be taken back
+            monitor, batch = monitored.monitor, rows[i]
+            if monitor.mpp is not None:
+                monitor.mpp.add_labels(batch.features, batch.outputs, values)
+                learned[key] = monitor.mpp
+            own = await self.segment_monitor(monitored, segment) if in_segment else monitor
+            if own is not monitor and own.mpp is not None:  # the segment's own MPP learns too
+                own.mpp.add_labels(batch.features, batch.outputs, values)
+                learned[window_key(key, segment)] = own.mpp
+        for wk, mpp in learned.items():
+            self.refits.due(wk, mpp, self._recalibrated)
+        for (key, segment, window), (truth, changed) in touched.items():
+            await self._show_truth(monitors[key], segment, window, truth, stale_only=not changed)
+        counted: dict[str, int] = {}
+        for outcome in outcomes:
+            counted[outcome[0]] = counted.get(outcome[0], 0) + 1
+        for outcome, count in counted.items():  # once the windows show them
+            self.metrics.labels.labels(outcome).inc(count)
+        return results  # type: ignore[return-value]
+
+    def _decode_joined(self, monitored: Monitored, indexes: list[int], joins: Sequence[tuple[Any, ...]],
+                       results: list[Any]) -> dict[int, Batch]:
+        """The rows of these labels' predictions (one version's), decoded together; if that fails, one
+        by one, a prediction that does not decode failing its label (InvalidArgument)."""
+        if not indexes:
+            return {}
+        events = [inference_events.PredictionMade.FromString(joins[i][2]) for i in indexes]
+        try:
+            batch, counts = self.decode_many(monitored, events)
+        except Exception:  # noqa: BLE001 - a bad prediction or mixed layouts: one by one below
+            out = {}
+            for i, event in zip(indexes, events, strict=True):
+                try:
+                    out[i] = self.decode(monitored, event)
+                except Exception as exc:  # noqa: BLE001 - its label's outcome
+                    results[i] = exc
+            return out
+        out, start = {}, 0
+        for i, count in zip(indexes, counts, strict=True):
+            out[i] = batch.rows(start, start + count)
+            start += count
+        return out
 
     def _recalibrated(self, key: str, mpp: MPP, changed: bool) -> None:
         """A background recalibration of ``key``'s MPP was put in use (a segment's, ``{model}/{version}#{segment}``,
@@ -736,13 +849,20 @@ class Scorer(Component):
             self.metrics.recalibrations.labels(monitored.model, monitored.version).inc()
         self.metrics.recalibration_labels.labels(monitored.model, monitored.version).set(mpp.covered)
 
-    async def _show_truth(self, monitored: Monitored, segment: str, window: int, truth: tuple[int, float]) -> None:
-        """The saved window (of the version, or of ``segment``) takes its truth so far, and is announced again."""
+    async def _show_truth(self, monitored: Monitored, segment: str, window: int, truth: tuple[int, float], *,
+                          stale_only: bool = False) -> None:
+        """The saved window (of the version, or of ``segment``) takes its truth so far, and is announced
+        again; ``stale_only``: only if it was saved with fewer or more labels (its labels came again
+        after a crash between their join and this)."""
         wk = window_key(monitored.key, segment)
+        labelled, sum_total = truth
+        if not labelled:
+            return
         record = await self.store.get_window(wk, window)
         if record is None:  # still open: it reads its truth when it closes
             return
-        labelled, sum_total = truth
+        if stale_only and record.get("labelled", 0) == labelled:
+            return
         record["labelled"], record["true"] = labelled, sum_total / labelled
         await self.store.save_window(wk, record)
         self._announce_window(monitored, record)
@@ -751,6 +871,22 @@ class Scorer(Component):
         for name in ("mpp", "cbpe"):
             if record.get(name) is not None:
                 self.metrics.estimate_error.labels(m, v, segment, name).set(abs(record[name] - record["true"]))
+
+
+def _checked_label(raw: bytes) -> label_events_pb2.LabelObserved:
+    """Raises: InvalidArgument: no request id, no values, too many, or a non-finite one."""
+    label = label_events_pb2.LabelObserved.FromString(raw)
+    problems = []
+    if not label.request_id or len(label.request_id) > MAX_REQUEST_ID_CHARS:
+        problems.append(("request_id", f"must hold 1-{MAX_REQUEST_ID_CHARS} characters, but got "
+                                       f"{brief(label.request_id)}"))
+    if not label.values or len(label.values) > MAX_LABEL_VALUES:
+        problems.append(("values", f"must hold 1-{MAX_LABEL_VALUES} values, but holds {len(label.values)}"))
+    elif not np.all(np.isfinite(np.asarray(label.values))):
+        problems.append(("values", "must all be finite numbers"))
+    if problems:
+        raise InvalidArgument.of(problems)
+    return label
 
 
 def _label_problems(field: str, label: SubmittedLabel, *, classifier: bool) -> list[tuple[str, str]]:
