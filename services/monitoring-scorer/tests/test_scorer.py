@@ -14,7 +14,7 @@ import redis
 import redis.asyncio as aioredis
 from opml.inference.v1 import events_pb2 as inference_events
 from opml.monitoring.v1 import label_events_pb2, quality_events_pb2
-from opml.monitoring.v1.monitoring_pb2 import GetModelStatusRequest, ListAlertsRequest
+from opml.monitoring.v1.monitoring_pb2 import GetModelStatusRequest, ListAlertsRequest, ListWindowsRequest
 from prometheus_client import CollectorRegistry
 from tritonclient.grpc import service_pb2 as pb
 
@@ -514,3 +514,39 @@ async def test_a_label_applied_again_after_a_crash_saves_the_window_its_first_tr
     assert (await scorer.store.get_window("m/1", 0))["labelled"] == 1
     (scored,) = emitter.messages[before:]
     assert (scored.window, scored.labelled, scored.true_value) == (0, 1, 1.0)
+
+
+async def test_list_windows_gives_the_open_window_s_labels_so_far_when_asked(scorer) -> None:
+    """A rollout's accuracy check saw a version's labels only once 1,000 predictions closed their
+    window. ListWindows with include_open gives first the open window (the one after the newest saved)
+    with the truth of the labels joined to it so far; without it, or before any label joined it, or on
+    a later page, only saved windows; WindowScored is not emitted for it."""
+    scorer, world, emitter = scorer
+    servicer = MonitoringServicer(scorer)
+    rows = world.rows(150)
+    events = events_of(rows, 0)
+    right = [float(v) for v in rows.outputs.predicted]
+
+    async def listed(**fields) -> list[tuple]:
+        reply = await servicer.ListWindows(ListWindowsRequest(name="models/m/versions/1", **fields), None)
+        return [(w.index, w.open, w.labelled, w.true_value if w.HasField("true_value") else None)
+                for w in reply.windows]
+
+    for i, (request_id, raw) in enumerate(events):
+        await scorer.on_prediction_joinable("m/1", i // 100, raw, request_id)
+    assert await listed(include_open=True) == [], "nothing saved, nothing labelled"
+    await scorer.on_labels([(observed("r0", right[0]), origin("e0"))])
+    assert await listed(include_open=True) == [(0, True, 1, 1.0)], "window 0 open, one label in it"
+    await scorer.close_window("m/1", 0, [raw for _, raw in events[:100]], 1.0, 2.0)
+    assert await listed(include_open=True) == [(0, False, 1, 1.0)], "window 1 open, no label in it"
+    before = len(emitter.messages)
+    await scorer.on_labels([(observed(f"r{i}", right[i] if i % 2 else 1 - right[i]), origin(f"e{i}"))
+                            for i in range(100, 110)])
+    assert not [m for m in emitter.messages[before:] if isinstance(m, quality_events_pb2.WindowScored)]
+    reply = await servicer.ListWindows(ListWindowsRequest(name="models/m/versions/1", include_open=True), None)
+    opened = reply.windows[0]
+    assert (opened.index, opened.open, opened.labelled, opened.true_value) == (1, True, 10, 0.5)
+    assert opened.first_time.ToNanoseconds() == 2_000_000_000, "after the newest saved window's last prediction"
+    assert await listed() == [(0, False, 1, 1.0)]
+    assert await listed(include_open=True, page_size=1, page_token="1") == [(0, False, 1, 1.0)], \
+        "a later page holds saved windows only"

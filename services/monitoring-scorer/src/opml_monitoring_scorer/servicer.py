@@ -79,10 +79,28 @@ class MonitoringServicer(monitoring_pb2_grpc.MonitoringServiceServicer):
                 before = int(request.page_token)
             except ValueError:
                 raise InvalidArgument("page_token", "is not a token this API gave") from None
-        records = await self._scorer.store.windows(window_key(key, request.segment), before=before, limit=size + 1)
+        wk = window_key(key, request.segment)
+        records = await self._scorer.store.windows(wk, before=before, limit=size + 1)
         page, more = records[:size], len(records) > size
-        return pb.ListWindowsResponse(windows=[window_to_proto(r) for r in page],
-                                      next_page_token=str(page[-1]["index"]) if more else "")
+        windows = [window_to_proto(r) for r in page]
+        if request.include_open and before is None:
+            opened = await self._open_window(wk, records[0] if records else None, request.segment)
+            if opened is not None:
+                windows.insert(0, opened)
+        return pb.ListWindowsResponse(windows=windows, next_page_token=str(page[-1]["index"]) if more else "")
+
+    async def _open_window(self, wk: str, newest: dict | None, segment: str) -> pb.Window | None:
+        """The open window (the one after the newest saved) with the truth of the labels joined to it so
+        far (Redis ``truth:{wk}:{window}``, which the window reads when it closes); None before any: a
+        rollout's accuracy check counts labels as they join, not once 1,000 predictions close it."""
+        index = newest["index"] + 1 if newest is not None else 0
+        labelled, total = await self._scorer.store.truth(wk, index)
+        if not labelled:
+            return None
+        window = pb.Window(index=index, labelled=labelled, true_value=total / labelled, segment=segment, open=True)
+        if newest is not None and newest.get("last_time") is not None:
+            window.first_time.FromNanoseconds(int(newest["last_time"] * 1e9))
+        return window
 
     async def ListAlerts(self, request: pb.ListAlertsRequest, context) -> pb.ListAlertsResponse:
         """Newest first, a page at a time from where the last ended (its token holds the last alert's

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -151,7 +152,9 @@ class QualityConsumer:
 
 class ScorerWindows:
     """A version's windows read from the monitoring-scorer's API (``ListWindows``, newest first, and
-    ``GetModelStatus`` for its task), pooled as :meth:`QualityBook.since` pools the events'.
+    ``GetModelStatus`` for its task), pooled as :meth:`QualityBook.since` pools the events', with the
+    open window's labels so far (``include_open``: its truth, no rows or estimate), which no
+    WindowScored announces until it closes.
 
     Raises (:meth:`since`): NotFound (the version is not monitored), Unavailable (no scorer)."""
 
@@ -166,8 +169,10 @@ class ScorerWindows:
         windows: list[Window] = []
         with MonitoringClient(self._target, token=self._token) as client:
             higher_is_better = client.status(model, version).task != "regression"
-            for window in client.windows(model, version, page_size=200):
-                last_time = window.last_time.ToNanoseconds() / 1e9
+            for window in client.windows(model, version, page_size=200, include_open=True):
+                # the open window's labels so far (newest: it holds the latest predictions), so the
+                # accuracy check counts labels as they join, not once 1,000 predictions close it
+                last_time = math.inf if window.open else window.last_time.ToNanoseconds() / 1e9
                 if last_time < start_time or len(windows) >= MAX_WINDOWS:
                     break
                 estimate = window.cbpe if window.HasField("cbpe") else window.mpp if window.HasField("mpp") else None

@@ -26,12 +26,14 @@ class MonitoringClient(ServiceClient):
     def list_models(self) -> list[pb.ModelStatus]:
         return list(self.stub.ListModels(pb.ListModelsRequest()).models)
 
-    def windows(self, model: str, version: str, *, page_size: int = 0, segment: str = "") -> Iterator[pb.Window]:
-        """Every window of the version (or of its ``segment``), newest first, page by page."""
+    def windows(self, model: str, version: str, *, page_size: int = 0, segment: str = "",
+                include_open: bool = False) -> Iterator[pb.Window]:
+        """Every window of the version (or of its ``segment``), newest first, page by page;
+        ``include_open``: first the open window's truth so far (``Window.open``), when labels joined it."""
         name = version_name(model, version)
-        return pages(lambda token: self.stub.ListWindows(pb.ListWindowsRequest(name=name, page_size=page_size,
-                                                                              page_token=token, segment=segment)),
-                     lambda reply: reply.windows)
+        return pages(lambda token: self.stub.ListWindows(pb.ListWindowsRequest(
+            name=name, page_size=page_size, page_token=token, segment=segment, include_open=include_open)),
+            lambda reply: reply.windows)
 
     def alerts(self, model: str = "", version: str = "", *, segment: str = "") -> list[pb.Alert]:
         """The alerts of the version (every version's when ``model`` is empty), or of its ``segment``'s rules."""
