@@ -56,7 +56,7 @@ class RouterSettings(ServiceSettings):
         "(native/front.cc, built by `make install`), which costs a fraction of the router's Python gRPC server "
         "per call (docs/benchmarks.md); false: inference only on `grpc_port`.")
     direct_data_plane: bool = Field(
-        False, description="The native front sends ModelInfer calls of a model that one version serves (no "
+        True, description="The native front sends ModelInfer calls of a model that one version serves (no "
         "canary split, no shadow) straight to a local worker, with the route, admission tokens, hedging and auth "
         "verdicts the router pushes it, and reports each call back for the prediction log and metrics "
         "(opml_inference_router.data_plane; docs/benchmarks.md, serving tail); false: every call goes through the "
