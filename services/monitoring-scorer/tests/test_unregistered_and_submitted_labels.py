@@ -139,3 +139,20 @@ async def test_labels_submitted_through_the_api_and_the_cli_are_joined_and_bad_r
         for line in ("line 2: label 'cat' is not a number", "line 3: request_id", "line 5: label 'inf'"):
             assert line in refused.output, refused.output
         assert "nothing sent, 3 problems" in refused.output
+
+        # labels of the window still open: the truth so far, through the API, before it closes
+        opened = world.rows(30)
+        async with Producer(platform_settings) as later:
+            later.sent = WINDOW * 2  # req-400..429, in window 2
+            await later.queue(opened)
+        assert client.submit_labels("fraud", [(request_id, values, None) for request_id, values
+                                              in later.labels.items()], version="1") == 30
+
+        def open_window_labelled():
+            first = next(iter(client.windows("fraud", "1", page_size=10, include_open=True)), None)
+            return first if first is not None and first.open and first.labelled == 30 else None
+
+        first = poll_until(open_window_labelled, timeout_s=120, what="the open window's 30 labels")
+        assert first.index == 2 and first.rows == 0
+        assert first.true_value == pytest.approx(performance(world.task, opened.outputs.predicted, opened.labels))
+        assert [w.index for w in client.windows("fraud", "1", page_size=10)] == [1, 0], "not without include_open"
