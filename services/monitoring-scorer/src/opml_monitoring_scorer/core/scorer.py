@@ -10,9 +10,9 @@ set through any process apply wherever the version's partition is scored.
 Every change is announced here, once: an alert raised or resolved is saved, then emitted through the
 outbox (at least once; the event id is derived from the model version, rule, change and window, so a
 replay after a crash re-announces it under the same id and consumers that deduplicate apply it once).
-Each window saved, at its close and each time labels join it, is announced as WindowScored on
-``opml.quality.v1`` (its id derived from the version, window and labels joined), which a progressive
-rollout of the inference-router compares versions with.
+Each window saved, at its close and each time labels join it (once per batch of labels), is announced
+as WindowScored on ``opml.quality.v1`` (its id derived from the version, window and labels joined),
+which a progressive rollout of the inference-router compares versions with.
 
 A version monitored per segment (monitoring.yaml ``segment``, core/segments.py) has, besides its own
 windows (segment "", every prediction), windows per segment: each scored by the segment's monitor,
