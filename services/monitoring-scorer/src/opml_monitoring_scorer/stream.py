@@ -65,8 +65,9 @@ taken in batches (``noack_take``: up to ``LABEL_BATCH_MAX``, or what came within
 MGET, the joins in one script call, each window touched saved and announced once with its truth
 after the batch); the batch's events are acked once each of them is applied or dead-lettered, so a
 crash in between applies it again (its labels then duplicates). Label by label, the join was several
-Redis round trips, a decode and a WindowScored per label: about 270 labels/s per process. A label is
-applied only from a producer (its event's source) the prediction's model accepts; any other is
+Redis round trips, a decode and a WindowScored per label (98-319 labels/s in
+bench/monitoring_scorer_labels.py, against 1,245-4,761 batched). A label is applied only from a
+producer (its event's source) the prediction's model accepts; any other is
 dead-lettered as ``UntrustedSource``. Predictions are trusted the same way: a record whose event
 source is not one of ``prediction_sources`` (by default the inference-router's alone) is
 dead-lettered as ``UntrustedSource`` before it is read, so no other producer can feed a model's
