@@ -68,6 +68,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -77,7 +78,7 @@ from _stack import bench_services
 from aiokafka import AIOKafkaConsumer
 from onnx import TensorProto, helper, numpy_helper
 from opml.inference.v1 import deployment_events_pb2 as events
-from opml.monitoring.v1 import quality_events_pb2
+from opml.monitoring.v1 import monitoring_pb2, monitoring_pb2_grpc, quality_events_pb2
 from tritonclient.grpc import InferInput
 from tritonclient.utils import InferenceServerException
 
@@ -100,6 +101,7 @@ from opml_inference_router_contract.rollout_spec import (
 )
 from opml_inference_router_contract.topics import DEPLOYMENTS
 from opml_monitoring_scorer_contract.client import MonitoringClient
+from opml_monitoring_scorer_contract.names import version_name
 from opml_monitoring_scorer_contract.reference import reference_npz
 from opml_monitoring_scorer_contract.topics import QUALITY
 
@@ -438,6 +440,44 @@ class DeploymentEvents:
         raise TimeoutError(f"the rollout of models/{model} version {version} did not end in {timeout_s:.0f} s")
 
 
+class ScorerPoll:
+    """The scorer's own windows of the worse model's versions (``ListWindows`` with the open window's
+    labels so far, as the router reads them while its events lack a check's minimum), read every
+    ``every_s``: when the scorer's evidence could first fail the accuracy check, which its window
+    events say only once 1,000 predictions close a window."""
+
+    def __init__(self, target: str, model: str, versions: tuple[int, ...], every_s: float = 0.5) -> None:
+        self._target, self._model, self._versions, self._every_s = target, model, versions, every_s
+        self.reads: list[tuple[float, dict[int, list[object]]]] = []
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> ScorerPoll:
+        self._task = asyncio.create_task(self._poll())
+        return self
+
+    async def stop(self) -> list[tuple[float, dict[int, list[object]]]]:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        return self.reads
+
+    async def _poll(self) -> None:
+        # on this loop's gRPC (asyncio): a synchronous client's calls from a thread beside the aio
+        # traffic client crashed the process in cygrpc (SIGSEGV) twice here
+        async with grpc.aio.insecure_channel(self._target) as channel:
+            stub = monitoring_pb2_grpc.MonitoringServiceStub(channel)
+            while True:
+                read = {}
+                for version in self._versions:
+                    reply = await stub.ListWindows(monitoring_pb2.ListWindowsRequest(
+                        name=version_name(self._model, str(version)), page_size=1000, include_open=True),
+                        metadata=tuple(AUTH.items()), timeout=10)
+                    read[version] = list(reply.windows)
+                self.reads.append((time.time(), read))
+                await asyncio.sleep(self._every_s)
+
+
 # -- a rollout driven by traffic ----------------------------------------------------------------------------
 
 
@@ -587,11 +627,15 @@ async def main() -> int:
                 # 3. a worse model, on the drifted slice, judged on the scorer's windows too
                 deployments.deploy(model_dir=str(bundle(workdir / "acc-1", "acc", stable_model, args)))
                 await asyncio.sleep(2.0)
-                worse = await roll_out(deployments, log, Traffic(client, "acc", args.rate, drift_x, drift_y,
-                                                                 monitor=labeller, label_share=args.label_share),
-                                       bundle(workdir / "acc-2", "acc", worse_model, args,
-                                              rollout_spec(args, args.quality_count, limits=0, quality=True)),
-                                       args.interval_s * (args.quality_count * 3 + 5) + 120)
+                poll = ScorerPoll(scorer.target, "acc", (1, 2)).start()
+                try:
+                    worse = await roll_out(deployments, log, Traffic(client, "acc", args.rate, drift_x, drift_y,
+                                                                     monitor=labeller, label_share=args.label_share),
+                                           bundle(workdir / "acc-2", "acc", worse_model, args,
+                                                  rollout_spec(args, args.quality_count, limits=0, quality=True)),
+                                           args.interval_s * (args.quality_count * 3 + 5) + 120)
+                finally:
+                    scorer_reads = await poll.stop()
                 worse_windows = {v: log.windows("acc", v) for v in (1, worse.version)}
                 for version in (1, worse.version):  # the scorer's own view, beside the events read above
                     listed = list(labeller.windows("acc", str(version)))
@@ -625,7 +669,7 @@ async def main() -> int:
     print(f"done in {time.monotonic() - started:.0f} s, load {os.getloadavg()}; prediction log: {published:.0f} "
           f"published, {dropped:.0f} dropped; shed by admission: {shed}")
     print(f"baseline after: {len(after)} requests, p99 {p99_ms(after):.2f} ms, failed {failures(after) or 0}")
-    return report(args, before + after, aa, worse, worse_windows, slow_runs, placements)
+    return report(args, before + after, aa, worse, worse_windows, scorer_reads, slow_runs, placements)
 
 
 def rollback_chance(p: float, count: int, failure_limit: int) -> float:
@@ -695,8 +739,32 @@ def evidence_times(windows: dict[int, list[tuple[float, object]]], since: float,
     return enough, math.nan
 
 
+def read_evidence_times(reads: list[tuple[float, dict[int, list[object]]]], since: float,
+                        check: Check) -> tuple[float, float]:
+    """As :func:`evidence_times`, on the windows read back from the scorer (its open window counting
+    as the newest: its labels so far)."""
+    enough = math.nan
+    for t, read in reads:
+        pooled = {}
+        for version, windows in read.items():
+            kept = [w for w in windows if w.open or w.last_time.ToNanoseconds() / 1e9 >= since]
+            labelled = [w for w in kept if w.labelled and w.HasField("true_value")]
+            labels = sum(w.labelled for w in labelled)
+            pooled[version] = Quality(labels=labels, accuracy=sum(w.true_value * w.labelled for w in labelled) / labels
+                                      if labels else None)
+        stable, new = sorted(pooled)
+        if math.isnan(enough) and min(q.labels for q in pooled.values()) >= check.min_requests:
+            enough = t
+        idle = Measures(0, 0, None)
+        if measure(Analysis(1.0, checks=(check,)), idle, idle, new_quality=pooled[new],
+                   stable_quality=pooled[stable])[0] == "FAILED":
+            return enough, t
+    return enough, math.nan
+
+
 def report(args: argparse.Namespace, baseline: list[Outcome], aa: RolloutRun, worse: RolloutRun,
-           worse_windows: dict[int, list[tuple[float, object]]], slow_runs: list[RolloutRun],
+           worse_windows: dict[int, list[tuple[float, object]]],
+           scorer_reads: list[tuple[float, dict[int, list[object]]]], slow_runs: list[RolloutRun],
            placements: list[tuple[float, object]]) -> int:
     # 2. A/A
     decisions = [m.verdict for m in aa.measurements]
@@ -765,11 +833,18 @@ def report(args: argparse.Namespace, baseline: list[Outcome], aa: RolloutRun, wo
     if worse.ended == "ABORTED" and new:
         back_at = max(o.sent for o in new)
         first = min((o.sent for o in new if o.sent >= worse.analysis_started), default=math.nan)
-        enough, could = evidence_times(worse_windows, worse.analysis_started,
-                                       Check(ACCURACY, args.max_drop, args.min_labels))
-        print(f"  back on stable {back_at - could:.3f} s after the scorer's event from which the accuracy check "
-              f"fails on the windows since the analysis began = {(back_at - could) / args.interval_s:.3f} intervals "
-              f"(goal <= 1): {verdict(back_at - could <= args.interval_s)}; router: that event -> RolloutAborted "
+        accuracy_check = Check(ACCURACY, args.max_drop, args.min_labels)
+        enough, by_event = evidence_times(worse_windows, worse.analysis_started, accuracy_check)
+        read_enough, by_read = read_evidence_times(scorer_reads, worse.analysis_started, accuracy_check)
+        could = min(by_event, by_read) if not (math.isnan(by_event) or math.isnan(by_read)) else (
+            by_read if math.isnan(by_event) else by_event)
+        enough = min(enough, read_enough) if not math.isnan(read_enough) else enough
+        print(f"  the scorer's evidence first fails the accuracy check on the windows since the analysis began: "
+              f"by its events +{by_event - worse.analysis_started:.1f} s, by its windows read back (the open "
+              f"window's labels too) +{by_read - worse.analysis_started:.1f} s after the analysis began")
+        print(f"  back on stable {back_at - could:.3f} s after the first of those = "
+              f"{(back_at - could) / args.interval_s:.3f} intervals (goal <= 1): "
+              f"{verdict(back_at - could <= args.interval_s)}; router: that moment -> RolloutAborted "
               f"{worse.end[0] - could:.3f} s")
         print(f"  the scorer's evidence: {args.min_labels} labels of each version +{enough - first:.1f} s after the "
               f"first request the new version answered in the analysis, failing +{could - first:.1f} s; back on "
