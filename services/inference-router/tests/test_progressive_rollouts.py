@@ -43,7 +43,7 @@ from opml_inference_router.control.decisions import Decision, DecisionLedger
 from opml_inference_router.control.progressive import ProgressiveRollouts, RolloutStore
 from opml_inference_router.control.quality import GROUP as QUALITY_GROUP
 from opml_inference_router.control.quality import SOURCES as QUALITY_SOURCES
-from opml_inference_router.control.quality import QualityBook, QualityConsumer, ScorerWindows
+from opml_inference_router.control.quality import Quality, QualityBook, QualityConsumer, ScorerWindows
 from opml_inference_router.placement import FleetConfig
 from opml_inference_router.routing import Router
 from opml_inference_router.routing.grpc_replica import GrpcReplica
@@ -533,6 +533,48 @@ async def test_a_failed_quality_check_the_scorer_cannot_confirm_is_not_acted_on(
     assert accuracy.verdict == "INCONCLUSIVE" and (accuracy.new_value, accuracy.stable_value) == (0.70, 0.90)
     assert "worse by 0.2000 > max_drop=0.05, and not chance" in accuracy.reason
     assert "; not confirmed: the monitoring-scorer could not be read (" in accuracy.reason
+
+
+class ScorerReadBack:
+    """The scorer's windows as its API gives them (``ScorerWindows``' interface): the labels of each
+    version's still-open window included, which no WindowScored event carries."""
+
+    def __init__(self, by_version: dict[int, Quality]) -> None:
+        self.by_version = by_version
+        self.reads = 0
+
+    async def since(self, model: str, version: str | int, start_time: float) -> Quality:
+        self.reads += 1
+        return self.by_version[int(version)]
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_the_scorers_windows_read_back_decide_when_they_hold_more_labels_than_its_events(
+        pools, tmp_path: Path) -> None:
+    """Events of one closed window a version (100 labels each, 0.90 against 0.89: within max_drop) would
+    pass the check; the scorer's windows read back hold the open windows' labels too (400 each, 0.60
+    against 0.90), and those decide: the version is rolled back at the first measurement."""
+    spec = {"steps": [{"weight": 50}, {"analysis": {
+        "interval_s": 0.3, "count": 1, "failure_limit": 0, "inconclusive_limit": 10_000,
+        "checks": {"accuracy": {"max_drop": 0.05, "min_labels": 50}}}}]}
+    book = QualityBook()
+    for version, truth in ((1, 0.90), (2, 0.89)):
+        event = quality_events_pb2.WindowScored(model="read", version=str(version), window=0, rows=200,
+                                                task="multiclass", labelled=100, true_value=truth)
+        event.last_time.FromNanoseconds(time.time_ns() + 60 * 10**9)  # after any step's start
+        assert await book.record(event)
+    scorer = ScorerReadBack({1: Quality(labels=400, accuracy=0.90), 2: Quality(labels=400, accuracy=0.60)})
+    async with control_plane(pools, quality=book, scorer=scorer) as plane:  # type: ignore[arg-type]
+        await plane.manager.deploy(bundle(tmp_path, "read", 1))
+        await plane.manager.deploy(bundle(tmp_path, "read", 2, rollout=spec))
+        ended = await plane.recorder.first(*ENDS)
+    assert isinstance(ended, events.RolloutAborted), ended
+    accuracy = {c.check: c for c in ended.checks}["accuracy"]
+    assert (accuracy.verdict, accuracy.new_value, accuracy.stable_value) == ("FAILED", 0.60, 0.90)
+    assert (accuracy.new_requests, accuracy.stable_requests) == (400, 400)
+    assert scorer.reads >= 4  # read for the measurement, and again to confirm before the abort
 
 
 async def test_each_decision_is_in_the_bundles_lineage_once_even_after_a_restart(
