@@ -740,10 +740,12 @@ def evidence_times(windows: dict[int, list[tuple[float, object]]], since: float,
 
 
 def read_evidence_times(reads: list[tuple[float, dict[int, list[object]]]], since: float,
-                        check: Check) -> tuple[float, float]:
+                        check: Check) -> tuple[float, float, float]:
     """As :func:`evidence_times`, on the windows read back from the scorer (its open window counting
-    as the newest: its labels so far)."""
-    enough = math.nan
+    as the newest: its labels so far), and the first read from which every later one fails the check
+    too: near its bound the evidence can cross it and back (a p-value about 0.01), and a read every
+    0.5 s finds a crossing the router, measuring every interval, may not see."""
+    enough, first, for_good = math.nan, math.nan, math.nan
     for t, read in reads:
         pooled = {}
         for version, windows in read.items():
@@ -756,10 +758,15 @@ def read_evidence_times(reads: list[tuple[float, dict[int, list[object]]]], sinc
         if math.isnan(enough) and min(q.labels for q in pooled.values()) >= check.min_requests:
             enough = t
         idle = Measures(0, 0, None)
-        if measure(Analysis(1.0, checks=(check,)), idle, idle, new_quality=pooled[new],
-                   stable_quality=pooled[stable])[0] == "FAILED":
-            return enough, t
-    return enough, math.nan
+        failing = measure(Analysis(1.0, checks=(check,)), idle, idle, new_quality=pooled[new],
+                          stable_quality=pooled[stable])[0] == "FAILED"
+        if failing and math.isnan(first):
+            first = t
+        if failing and math.isnan(for_good):
+            for_good = t
+        elif not failing:
+            for_good = math.nan
+    return enough, first, for_good
 
 
 def report(args: argparse.Namespace, baseline: list[Outcome], aa: RolloutRun, worse: RolloutRun,
@@ -835,17 +842,19 @@ def report(args: argparse.Namespace, baseline: list[Outcome], aa: RolloutRun, wo
         first = min((o.sent for o in new if o.sent >= worse.analysis_started), default=math.nan)
         accuracy_check = Check(ACCURACY, args.max_drop, args.min_labels)
         enough, by_event = evidence_times(worse_windows, worse.analysis_started, accuracy_check)
-        read_enough, by_read = read_evidence_times(scorer_reads, worse.analysis_started, accuracy_check)
-        could = min(by_event, by_read) if not (math.isnan(by_event) or math.isnan(by_read)) else (
-            by_read if math.isnan(by_event) else by_event)
+        read_enough, by_read, for_good = read_evidence_times(scorer_reads, worse.analysis_started, accuracy_check)
+        could = min(by_event, for_good) if not (math.isnan(by_event) or math.isnan(for_good)) else (
+            for_good if math.isnan(by_event) else by_event)
         enough = min(enough, read_enough) if not math.isnan(read_enough) else enough
-        print(f"  the scorer's evidence first fails the accuracy check on the windows since the analysis began: "
-              f"by its events +{by_event - worse.analysis_started:.1f} s, by its windows read back (the open "
-              f"window's labels too) +{by_read - worse.analysis_started:.1f} s after the analysis began")
-        print(f"  back on stable {back_at - could:.3f} s after the first of those = "
+        print(f"  the scorer's evidence fails the accuracy check on the windows since the analysis began: "
+              f"by its events +{by_event - worse.analysis_started:.1f} s; by its windows read back (the open "
+              f"window's labels too) first +{by_read - worse.analysis_started:.1f} s, and in every read from "
+              f"+{for_good - worse.analysis_started:.1f} s after the analysis began")
+        print(f"  back on stable {back_at - could:.3f} s after the first of the events' and the reads' for good = "
               f"{(back_at - could) / args.interval_s:.3f} intervals (goal <= 1): "
               f"{verdict(back_at - could <= args.interval_s)}; router: that moment -> RolloutAborted "
-              f"{worse.end[0] - could:.3f} s")
+              f"{worse.end[0] - could:.3f} s; from the first read failing it "
+              f"{(back_at - by_read) / args.interval_s:.3f} intervals")
         print(f"  the scorer's evidence: {args.min_labels} labels of each version +{enough - first:.1f} s after the "
               f"first request the new version answered in the analysis, failing +{could - first:.1f} s; back on "
               f"stable +{back_at - first:.1f} s = {(back_at - first) / args.interval_s:.2f} intervals")
