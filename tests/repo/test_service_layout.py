@@ -36,6 +36,7 @@ TRANSPORT_MODULES = {
         "hosts/forwarding.py": "a host agent forwards the predictions of its outbox to the router",
         "hosts/agent.py": "the host agent process: registers and heartbeats, serves bundles and KServe v2",
         "leader_calls.py": "a follower replica forwards control-plane calls to the leader's gRPC address",
+        "control/scorer_windows.py": "reads a version's windows back from the monitoring-scorer's API (grpc.aio)",
     },
 }
 

@@ -43,7 +43,8 @@ from opml_inference_router.control.decisions import Decision, DecisionLedger
 from opml_inference_router.control.progressive import ProgressiveRollouts, RolloutStore
 from opml_inference_router.control.quality import GROUP as QUALITY_GROUP
 from opml_inference_router.control.quality import SOURCES as QUALITY_SOURCES
-from opml_inference_router.control.quality import Quality, QualityBook, QualityConsumer, ScorerWindows
+from opml_inference_router.control.quality import Quality, QualityBook, QualityConsumer
+from opml_inference_router.control.scorer_windows import ScorerWindows
 from opml_inference_router.placement import FleetConfig
 from opml_inference_router.routing import Router
 from opml_inference_router.routing.grpc_replica import GrpcReplica

@@ -35,8 +35,9 @@ from opml_inference_router.control.decisions import DecisionLedger
 from opml_inference_router.control.progressive import Mirrors, ProgressiveRollouts, RolloutStore
 from opml_inference_router.control.quality import GROUP as QUALITY_GROUP
 from opml_inference_router.control.quality import SOURCES as QUALITY_SOURCES
-from opml_inference_router.control.quality import QualityBook, QualityConsumer, ScorerWindows
+from opml_inference_router.control.quality import QualityBook, QualityConsumer
 from opml_inference_router.control.replica_measures import MeasuresReporter, ReplicaMeasures
+from opml_inference_router.control.scorer_windows import ScorerWindows
 from opml_inference_router.control.worker_metrics import register_worker_metrics  # workers' metrics on ours
 from opml_inference_router.data_plane import DirectPlane
 from opml_inference_router.hosts.registry import HostRegistry

@@ -61,8 +61,9 @@ from opml_inference_router.control.analysis import (
     waiting,
 )
 from opml_inference_router.control.decisions import Decision, DecisionLedger
-from opml_inference_router.control.quality import Quality, QualityBook, ScorerWindows
+from opml_inference_router.control.quality import Quality, QualityBook
 from opml_inference_router.control.replica_measures import LocalMeasures
+from opml_inference_router.control.scorer_windows import ScorerWindows
 from opml_inference_router.control.state import SERVING
 from opml_inference_router.routing.shadow import Comparison
 from opml_inference_router.routing.window import Measures
