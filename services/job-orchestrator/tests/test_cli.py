@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from opml_common.errors import NotFound
+from opml_devstack.testing.bus import poll_until
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -19,7 +21,7 @@ def opml(job_service, opml_cli, monkeypatch: pytest.MonkeyPatch):
     return opml_cli
 
 
-def test_job_workflow(opml, tmp_path: Path) -> None:
+def test_job_workflow(opml, writer, tmp_path: Path) -> None:
     hello = (EXAMPLES / "hello.yaml").read_text().replace("python3", sys.executable)
     (tmp_path / "hello.yaml").write_text(hello)
     assert "submitted hello (pending)" in opml("job", "submit", "-f", str(tmp_path / "hello.yaml"))
@@ -36,9 +38,14 @@ def test_job_workflow(opml, tmp_path: Path) -> None:
                                    "import time; print('up', flush=True); time.sleep(60)"],
                                    "roles": {"worker": {"resources": {"cpu": 1}}}}))
     opml("job", "submit", "-f", str(sleeper))
-    deadline = time.monotonic() + 20
-    while "up" not in opml("job", "logs", "sleeper") and time.monotonic() < deadline:
-        time.sleep(0.05)
+
+    def printed_up() -> bool:
+        try:
+            return b"up" in b"".join(chunk.data for chunk in writer.logs("sleeper"))
+        except NotFound:  # its run started, its task has not opened its log yet
+            return False
+
+    poll_until(printed_up, timeout_s=60, every_s=0.05, what="the sleeper's task to print 'up'")
     denied = opml("job", "preempt", "sleeper", expect_exit=1)
     assert "PERMISSION_DENIED" in denied and "admin" in denied
     assert "cancelled" in opml("job", "cancel", "sleeper")
