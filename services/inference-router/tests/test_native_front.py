@@ -4,6 +4,7 @@ its lifetime (restarted when it dies, gone when the router dies)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import socket
@@ -18,6 +19,7 @@ import psutil
 import pytest
 import tritonclient.grpc as triton
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
@@ -241,6 +243,53 @@ async def test_a_front_that_exits_by_itself_is_reported_with_its_own_exit_code(m
         taken.listen()
         with pytest.raises(FailedPrecondition, match=r"\(exit code 1;"):
             await _unlinked_front(taken.getsockname()[1]).start()
+
+
+async def test_the_front_answers_health_itself() -> None:
+    """grpc.health.v1.Health/Check on the front's own queue thread: service "" SERVING, any other
+    unknown (as gRPC's default service), a malformed request refused; and none of the gRPC callback
+    threads ("nexting") that gRPC's default health service brings into the process."""
+    front = _unlinked_front(0)
+    await front.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{front.port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            answer = await health.Check(health_pb2.HealthCheckRequest(), timeout=30)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as unknown:
+                await health.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=30)
+            assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+            assert unknown.value.details().startswith("unknown service nope;")
+            with pytest.raises(grpc.aio.AioRpcError) as malformed:
+                await channel.unary_unary("/grpc.health.v1.Health/Check")(b"\xff\xff\xff", timeout=30)
+            assert malformed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        tasks = Path(f"/proc/{front_process(os.getpid()).pid}/task")
+        threads = [(task / "comm").read_text().strip() for task in tasks.iterdir()]
+        assert "nexting_thread" not in threads, threads
+    finally:
+        await front.stop()
+
+
+async def test_a_health_watch_sees_the_front_stop() -> None:
+    """Watch: the status first (SERVICE_UNKNOWN for an unknown service, its stream left open), then
+    NOT_SERVING when the front stops (SIGTERM), and both streams end OK: they do not hold the graceful
+    shutdown until its grace period ends (the server would cancel them then)."""
+    front = _unlinked_front(0)
+    await front.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{front.port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            served = health.Watch(health_pb2.HealthCheckRequest(), timeout=120)
+            unknown = health.Watch(health_pb2.HealthCheckRequest(service="nope"), timeout=120)
+            assert (await served.read()).status == health_pb2.HealthCheckResponse.SERVING
+            assert (await unknown.read()).status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+            stopping = asyncio.create_task(front.stop())
+            assert (await served.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert await served.read() is grpc.aio.EOF and await served.code() == grpc.StatusCode.OK
+            assert await unknown.read() is grpc.aio.EOF and await unknown.code() == grpc.StatusCode.OK
+            await stopping
+    finally:
+        await front.stop()
 
 
 def _once_exited_and_reaped_or_after(pid: int, grace_s: float) -> None:
