@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto, helper
 from prometheus_client import CollectorRegistry
 
-from opml_common.errors import Unavailable
+from opml_common.errors import FailedPrecondition, Unavailable
 from opml_common.metrics import ServiceMetrics
 from opml_inference_router.placement.fleet_config import ModelVersion, PoolKind
 from opml_inference_router.runtime import DynamicBatcher, Replica, WorkerMetrics, build_session, to_profile
@@ -408,3 +408,52 @@ def test_the_batch_cap_changes_while_serving() -> None:
             await batcher.stop()
 
     assert asyncio.run(scenario()) == [2]
+
+
+def test_an_idle_replica_runs_a_request_in_place_as_the_batch_of_one_it_would_be() -> None:
+    """run_now: no queue, no future, the same answer and the same statistics as infer(); only when
+    can_run_now says so (runs known to be short, nothing queued or running)."""
+    served, model = replica(CPU, delay_us=20_000)
+    batcher = batcher_for(served)
+    data = rows(2)
+
+    async def scenario() -> None:
+        await batcher.start()
+        try:
+            assert not batcher.can_run_now()  # no run measured yet: the first goes through the queue
+            first = await batcher.infer({"features": data[:1]})
+            assert batcher.can_run_now()
+            second = batcher.run_now({"features": data[1:]})
+            direct = ort.InferenceSession(model).run(None, {"features": data})[0]
+            np.testing.assert_allclose(np.concatenate([first["scores"], second["scores"]]), direct,
+                                       rtol=1e-5, atol=1e-6)
+        finally:
+            await batcher.stop()
+        assert not batcher.can_run_now()  # stopped
+
+    asyncio.run(scenario())
+    counts = batcher.metrics
+    assert counts.inference_count == 2 and counts.execution_count == 2 and counts.batches[1].count == 2
+
+
+def test_a_replica_running_a_batch_is_not_run_in_place() -> None:
+    served = gated_replica(delay_us=20_000)
+    batcher = batcher_for(served)
+
+    async def scenario() -> None:
+        await batcher.start()
+        try:
+            running = asyncio.create_task(batcher.infer({"features": rows(1)}))
+            await until(served.started.is_set)
+            assert not batcher.can_run_now()
+            with pytest.raises(FailedPrecondition):
+                batcher.run_now({"features": rows(1)})
+            served.gate.set()
+            await running
+            assert batcher.can_run_now()
+        finally:
+            served.gate.set()
+            await batcher.stop()
+
+    asyncio.run(scenario())
+    assert served.ran == [1]

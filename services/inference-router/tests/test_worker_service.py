@@ -28,6 +28,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from opml_common.errors import InvalidArgument
 from opml_common.metrics import ServiceMetrics
 from opml_inference_router.kserve import encode_request
 from opml_inference_router.routing.errors import ReplicaFailed
@@ -363,6 +364,53 @@ async def test_large_frames_and_many_calls_in_flight_share_one_connection(tmp_pa
         await local.close()
         await server.stop(1.0)
     assert not (tmp_path / "echo.sock").exists()
+
+
+async def test_a_lone_call_is_answered_in_place_and_calls_arriving_together_are_queued(tmp_path: Path) -> None:
+    """A servicer with infer_now: a call alone in its read is answered by it in the same turn (no task); calls
+    read together go to ModelInfer, so a batcher sees them together; infer_now's errors keep their codes."""
+    class Both(service_pb2_grpc.GRPCInferenceServiceServicer):
+        def __init__(self) -> None:
+            self.now: list[str] = []
+            self.queued: list[str] = []
+
+        def infer_now(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse | None:
+            if request.id == "bad":
+                raise InvalidArgument("inputs[x]", "is wrong")
+            if request.id == "later":
+                return None
+            self.now.append(request.id)
+            return pb.ModelInferResponse(id=request.id)
+
+        async def ModelInfer(self, request: pb.ModelInferRequest, context: None) -> pb.ModelInferResponse:
+            self.queued.append(request.id)
+            return pb.ModelInferResponse(id=request.id)
+
+    servicer = Both()
+    server = UdsServer(servicer, tmp_path / "both.sock", metrics=ServiceMetrics("inference-router-worker",
+                                                                                registry=CollectorRegistry()))
+    await server.start()
+    local = UdsReplica(f"uds:{tmp_path / 'both.sock'}")
+
+    async def call(request_id: str) -> str:
+        reply = await local.call("ModelInfer", pb.ModelInferRequest(model_name="m", id=request_id).SerializeToString(),
+                                 timeout_s=30)
+        return pb.ModelInferResponse.FromString(reply).id
+
+    try:
+        assert await call("alone") == "alone"
+        assert await call("later") == "later"
+        with pytest.raises(ReplicaFailed) as caught:
+            await call("bad")
+        assert (caught.value.code, caught.value.message) == ("INVALID_ARGUMENT", "inputs[x]: is wrong")
+        together = [f"t{i}" for i in range(6)]
+        assert await asyncio.gather(*(call(request_id) for request_id in together)) == together
+    finally:
+        await local.close()
+        await server.stop(1.0)
+    assert servicer.now[0] == "alone" and "later" in servicer.queued
+    assert set(servicer.now) | set(servicer.queued) >= set(together)
+    assert set(together) & set(servicer.queued), "calls sent together were all answered one by one"
 
 
 def test_each_replica_runs_with_its_own_session_options(root: Path) -> None:

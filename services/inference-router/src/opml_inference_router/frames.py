@@ -118,14 +118,20 @@ async def as_status(call: Awaitable[bytes], method: str, timeout_s: float | None
             return OK, await call
         async with asyncio.timeout(timeout_s):
             return OK, await call
-    except OpmlError as exc:
-        return CODE_NUMBERS.get(exc.code, CODE_NUMBERS["UNKNOWN"]), exc.message.encode()
     except TimeoutError:
         return CODE_NUMBERS["DEADLINE_EXCEEDED"], f"no answer within {timeout_s * 1000:.1f} ms".encode()
-    except Exception:  # noqa: BLE001 - mapped, never leaked
-        incident = uuid.uuid4().hex[:12]
-        log.exception("unhandled error in %s on %s (incident %s)", method, where, incident)
-        return CODE_NUMBERS["INTERNAL"], f"internal error (incident {incident}); see the {where}'s logs".encode()
+    except Exception as exc:  # noqa: BLE001 - mapped, never leaked
+        return error_status(exc, method, where=where)
+
+
+def error_status(exc: Exception, method: str, *, where: str) -> tuple[int, bytes]:
+    """(status, body) of a call that raised ``exc``: a platform error's code and message, anything else
+    INTERNAL with an incident id (the traceback is logged, never sent). Call it from the ``except``."""
+    if isinstance(exc, OpmlError):
+        return CODE_NUMBERS.get(exc.code, CODE_NUMBERS["UNKNOWN"]), exc.message.encode()
+    incident = uuid.uuid4().hex[:12]
+    log.exception("unhandled error in %s on %s (incident %s)", method, where, incident)
+    return CODE_NUMBERS["INTERNAL"], f"internal error (incident {incident}); see the {where}'s logs".encode()
 
 
 class CallCounter:
@@ -155,15 +161,26 @@ class FrameService(Protocol):
     def count(self, kind: int, code: str) -> None: ...
 
 
+class AnswersNow(Protocol):
+    """A :class:`FrameService` that can also answer some calls in place, in the turn of the event loop that
+    read them: no task, no future, no wake-up of another task (a lone ModelInfer on an idle replica)."""
+
+    def answer_now(self, kind: int, body: bytes) -> tuple[int, bytes] | None:
+        """(status, body) of the call if it could be answered at once, else None (it is then served by
+        :meth:`FrameService.answer` as usual). Never raises."""
+
+
 class FrameServerConnection(asyncio.Protocol):
     """The serving end of one connection: request frames in, a task per call, response frames out as
-    calls finish; a cancel frame or the connection's loss cancels the calls it concerns.
+    calls finish; a cancel frame or the connection's loss cancels the calls it concerns. A lone call that
+    a service with ``answer_now`` (:class:`AnswersNow`) can answer at once is answered in place.
     ``on_close`` runs when the connection is lost (the owner's bookkeeping)."""
 
     def __init__(self, service: FrameService, *, on_close: Callable[[FrameServerConnection], None] | None = None) -> None:
         self.service = service
         self.calls: dict[int, asyncio.Task] = {}
         self._on_close = on_close
+        self._answer_now: Callable[[int, bytes], tuple[int, bytes] | None] | None = getattr(service, "answer_now", None)
         self._buffer = bytearray()
         self.transport: asyncio.Transport
 
@@ -182,6 +199,9 @@ class FrameServerConnection(asyncio.Protocol):
         buffer += data
         start, end = 0, len(buffer)
         loop = asyncio.get_running_loop()
+        if self._answer_now is not None and self._answered_now(self._answer_now, buffer, end):
+            buffer.clear()
+            return
         while end - start >= REQUEST.size:
             length, call_id, kind, timeout_s, credential_length = REQUEST.unpack_from(buffer, start)
             if length > MAX_FRAME:  # not a peer speaking this protocol: drop it rather than buffer
@@ -204,6 +224,32 @@ class FrameServerConnection(asyncio.Protocol):
             self.calls[call_id] = task
         del buffer[:start]
 
+    def _answered_now(self, answer_now: Callable[[int, bytes], tuple[int, bytes] | None], buffer: bytearray,
+                      end: int) -> bool:
+        """Whether ``buffer`` held exactly one call frame, which ``answer_now`` answered in place. Only a
+        lone call: calls that arrived together go the usual way, so the batcher sees them together."""
+        if end < REQUEST.size:
+            return False
+        length, call_id, kind, _timeout_s, credential_length = REQUEST.unpack_from(buffer, 0)
+        body_start = REQUEST.size + credential_length
+        if kind == CANCEL or body_start + length != end:
+            return False
+        began = time.perf_counter()
+        answered = answer_now(kind, frame_body(buffer, body_start, end))
+        if answered is None:
+            return False
+        self._finish(call_id, kind, answered, began)
+        self.writer.flush()  # nothing else of this turn to wait for
+        return True
+
+    def _finish(self, call_id: int, kind: int, answered: tuple[int, bytes], began: float) -> None:
+        status, reply = answered
+        self.service.count(kind, CODE_NAMES.get(status, "UNKNOWN"))
+        self.writer.write(RESPONSE.pack(len(reply), call_id, status), reply)
+        if status != OK:
+            log.info("frame call", extra={"method": METHODS.get(kind), "code": CODE_NAMES.get(status),
+                                          "duration_ms": round((time.perf_counter() - began) * 1000, 3)})
+
     async def _call(self, call_id: int, kind: int, timeout_s: float | None, credential: bytes, body: bytes) -> None:
         began = time.perf_counter()
         try:
@@ -213,8 +259,4 @@ class FrameServerConnection(asyncio.Protocol):
             raise
         finally:
             self.calls.pop(call_id, None)
-        self.service.count(kind, CODE_NAMES.get(status, "UNKNOWN"))
-        self.writer.write(RESPONSE.pack(len(reply), call_id, status), reply)
-        if status != OK:
-            log.info("frame call", extra={"method": METHODS.get(kind), "code": CODE_NAMES.get(status),
-                                          "duration_ms": round((time.perf_counter() - began) * 1000, 3)})
+        self._finish(call_id, kind, (status, reply), began)

@@ -14,9 +14,14 @@ delay is paid only to grow a batch behind other work, so a lone caller never pay
 request runs alone. A cancelled request (its caller's deadline passed, or it was a hedged request that lost)
 leaves the queue at once: it neither costs a run nor holds rows of the batch that is filling.
 
-A batch that takes less than ``INLINE_BELOW_S`` (a running average of the replica's runs) runs on
-the event loop itself: handing it to the thread and back costs ~0.1-0.2 ms of wake-ups, far more
-than such a run, while blocking the loop that briefly costs other requests less than the hop would.
+A batch that takes less than ``INLINE_BELOW_S`` (a running average of the CPU time of the replica's
+runs; wall time on a GPU) runs on the event loop itself: handing it to the thread and back costs ~0.1-0.2 ms of wake-ups,
+far more than such a run, while blocking the loop that briefly costs other requests less than the hop
+would. The average is of CPU time, not wall time: on a loaded machine a 50 µs run preempted mid-way
+measured 0.3 ms of wall time, and the average crossed the bound back and forth, sending about half of
+the runs through the thread. A request that finds such a replica idle need not queue at all:
+:meth:`run_now` runs it in the caller's turn of the event loop (the worker's Unix socket server does
+so for a lone call, with no task, future or dispatcher wake-up).
 """
 
 from __future__ import annotations
@@ -84,7 +89,10 @@ class DynamicBatcher(Component):
         self._runs: dict[Replica, asyncio.Task] = {}  # the batch an instance runs now
         self._task: asyncio.Task | None = None
         self._closed = False  # stopping: infer() refuses new requests
-        self._mean_run_s = float("inf")  # unknown until the first run: use the thread
+        self._mean_run_s = float("inf")  # how long a run holds its thread; unknown until the first run: use the thread
+        # On the CPU that is the thread's CPU time (preemption and waits for the GIL left out); a GPU
+        # run's thread may sleep while the device works, so there it is wall time.
+        self._cpu_timed = replica.kind.execution_provider == "CPUExecutionProvider"
 
     @property
     def instances(self) -> tuple[Replica, ...]:
@@ -158,6 +166,36 @@ class DynamicBatcher(Component):
                 await asyncio.gather(*self._runs.values(), return_exceptions=True)  # a failed run failed its callers
             for thread in self._threads.values():
                 thread.shutdown(wait=not cancelled)
+
+    def can_run_now(self) -> bool:
+        """Whether :meth:`run_now` would run a request at once: nothing queued, no instance running, runs
+        short enough to run on the event loop, and no wait for a batch asked for when idle."""
+        return (not self._closed and not self._queue and not self._wait_when_idle and not self._runs
+                and len(self._idle) == len(self._instances) and self._mean_run_s < INLINE_BELOW_S)
+
+    def run_now(self, inputs: Tensors) -> dict[str, np.ndarray]:
+        """The outputs of one request run at once on the event loop's thread, as the batch of one it would
+        have been through :meth:`infer` (same metrics). Call only when :meth:`can_run_now` said so, in the
+        same turn of the event loop: nothing else can start a run in between.
+
+        Raises:
+            FailedPrecondition: the replica is not idle (a caller's mistake, not the request's).
+            Exception: the run's own failure (counted, as a failed batch).
+        """
+        if not self.can_run_now():
+            raise FailedPrecondition(f"{self.replica.model} is not idle; queue the request with infer()")
+        instance = self._idle.popleft()
+        rows = len(next(iter(inputs.values()))) if self.replica.batches else 1
+        try:
+            (result,), elapsed_ns, cpu_ns = self._timed_run(instance, [inputs])
+        except Exception:
+            self.metrics.failures += 1
+            raise
+        finally:
+            self._idle.appendleft(instance)
+        self._record(rows, elapsed_ns, cpu_ns)
+        self.metrics.latency.observe(elapsed_ns / 1e9)
+        return result
 
     async def infer(self, inputs: Tensors) -> dict[str, np.ndarray]:
         """The replica's outputs for one request (already validated: shapes fit, batch <= the cap).
@@ -254,11 +292,12 @@ class DynamicBatcher(Component):
         return batch
 
     @staticmethod
-    def _timed_run(instance: Replica, inputs: list[Tensors]) -> tuple[list[dict[str, np.ndarray]], int]:
-        """The instance's outputs and its run time in ns (without the hop to its thread)."""
-        start = time.perf_counter_ns()
+    def _timed_run(instance: Replica, inputs: list[Tensors]) -> tuple[list[dict[str, np.ndarray]], int, int]:
+        """The instance's outputs, its run time and the running thread's CPU time, in ns (without the hop
+        to its thread)."""
+        start, cpu = time.perf_counter_ns(), time.thread_time_ns()
         results = instance.run_batch(inputs)
-        return results, time.perf_counter_ns() - start
+        return results, time.perf_counter_ns() - start, time.thread_time_ns() - cpu
 
     async def _run(self, instance: Replica, batch: list[_Pending]) -> None:
         """Runs ``batch`` on ``instance`` (inline when runs are tiny), then frees the instance."""
@@ -276,10 +315,10 @@ class DynamicBatcher(Component):
         inputs = [p.inputs for p in batch]
         try:
             if self._mean_run_s < INLINE_BELOW_S:
-                results, elapsed = self._timed_run(instance, inputs)
+                results, elapsed, cpu = self._timed_run(instance, inputs)
             else:
-                results, elapsed = await loop.run_in_executor(self._threads[instance], self._timed_run,
-                                                              instance, inputs)
+                results, elapsed, cpu = await loop.run_in_executor(self._threads[instance], self._timed_run,
+                                                                   instance, inputs)
         except asyncio.CancelledError:  # torn down mid-run: its callers must not wait for an answer
             for pending in batch:
                 if not pending.future.done():
@@ -292,17 +331,21 @@ class DynamicBatcher(Component):
                 if not pending.future.done():
                     pending.future.set_exception(error)
             return
-        seconds = elapsed / 1e9
+        self._record(rows, elapsed, cpu)
+        for pending, result in zip(batch, results):
+            if not pending.future.done():
+                pending.future.set_result(result)
+
+    def _record(self, rows: int, elapsed_ns: int, cpu_ns: int) -> None:
+        """A batch of ``rows`` ran: Triton's statistics, the batch-size histogram and the running average."""
+        seconds = (cpu_ns if self._cpu_timed else elapsed_ns) / 1e9
         self._mean_run_s = seconds if self._mean_run_s == float("inf") else 0.9 * self._mean_run_s + 0.1 * seconds
         metrics = self.metrics
         metrics.batch_size.observe(rows)
         metrics.inference_count += rows
         metrics.execution_count += 1
-        metrics.success_ns += elapsed
+        metrics.success_ns += elapsed_ns
         metrics.last_inference_ms = time.time_ns() // 1_000_000
         stats = metrics.batches.setdefault(rows, BatchStats())
         stats.count += 1
-        stats.ns += elapsed
-        for pending, result in zip(batch, results):
-            if not pending.future.done():
-                pending.future.set_result(result)
+        stats.ns += elapsed_ns

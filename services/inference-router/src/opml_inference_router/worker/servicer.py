@@ -177,6 +177,17 @@ class WorkerServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         outputs = await served.batcher.infer(inputs)
         return encode_response(request, replica.config, replica.model.version, outputs)
 
+    def infer_now(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse | None:
+        """ModelInfer answered at once, on the event loop's thread, when its replica is idle and its runs
+        are short (:meth:`DynamicBatcher.run_now`); None when it must queue (``ModelInfer`` serves it).
+        Raises what ``ModelInfer`` raises (unknown model, a bad tensor, a failed run)."""
+        served = self._repository.get(request.model_name, request.model_version)
+        if not served.batcher.can_run_now() or _costly(request):
+            return None
+        replica = served.replica
+        inputs = decode_inputs(request, replica.config, max_batch=replica.max_batch)
+        return encode_response(request, replica.config, replica.model.version, served.batcher.run_now(inputs))
+
     # -- repository extension --------------------------------------------------------------------
 
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context) -> pb.RepositoryIndexResponse:

@@ -29,7 +29,16 @@ from tritonclient.grpc import service_pb2 as pb
 
 from opml_common.lifecycle import Component
 from opml_common.metrics import ServiceMetrics
-from opml_inference_router.frames import CODE_NUMBERS, KINDS, METHODS, CallCounter, FrameServerConnection, as_status
+from opml_inference_router.frames import (
+    CODE_NUMBERS,
+    KINDS,
+    METHODS,
+    OK,
+    CallCounter,
+    FrameServerConnection,
+    as_status,
+    error_status,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +65,8 @@ class UdsServer(Component):
         self.grace_s = grace_s
         self._handlers: dict[int, Handler] = {kind: getattr(servicer, method) for method, kind in KINDS.items()
                                               if hasattr(servicer, method)}
+        self._infer_now: Callable[[pb.ModelInferRequest], pb.ModelInferResponse | None] | None = getattr(
+            servicer, "infer_now", None)
         self.count = CallCounter(metrics, "uds_requests_total", "Calls served on the Unix socket (a local router), "
                                  "by method and status code.", self._handlers).count
         self._server: asyncio.AbstractServer | None = None
@@ -90,6 +101,21 @@ class UdsServer(Component):
         for connection in list(self._connections):
             connection.transport.close()
         self.path.unlink(missing_ok=True)
+
+    def answer_now(self, kind: int, body: bytes) -> tuple[int, bytes] | None:
+        """A lone ModelInfer answered in the turn that read it, when the servicer's ``infer_now`` can (its
+        replica idle, its runs short); None sends it the usual way. Never raises."""
+        if kind != KINDS["ModelInfer"] or self._infer_now is None or self.stopping:
+            return None
+        try:
+            request = pb.ModelInferRequest.FromString(body)
+        except DecodeError:
+            return None  # answer() words the error
+        try:
+            response = self._infer_now(request)
+        except Exception as exc:  # noqa: BLE001 - mapped as answer() maps it
+            return error_status(exc, METHODS[kind], where="worker")
+        return None if response is None else (OK, response.SerializeToString())
 
     async def answer(self, kind: int, timeout_s: float | None, credential: bytes, body: bytes) -> tuple[int, bytes]:
         """(status, body) of one call; never raises but CancelledError. No timer of its own: the router
