@@ -32,7 +32,7 @@
 //
 // Link frames (little-endian): request  u32 body length, u32 call id, u8 kind, f64 timeout s (0: the
 // caller set none), u16 credential length, credential (the caller's authorization header), body;
-// kind 0 cancels call id (the caller went away); kind 7 is a report (data_plane/push.py reads it).
+// kind 0 cancels call id (the caller went away); kind 7 is a report (data_plane/push.py reads it; never answered).
 // Response: u32 body length, u32 call id, u8 status (a gRPC code), body (the response, or the error
 // message); call id 0 is a push (route table, verdicts: text lines, Link::OnPush).
 //
@@ -1080,7 +1080,7 @@ uint32_t Link::Send(Call* call, uint8_t kind, double timeout_s, const std::strin
   put_u16(&out_, credential_size);
   out_.append(credential.data(), credential_size);
   out_.append(body);
-  if (call != nullptr) pending_[call_id] = call;  // a report's answer is dropped
+  if (call != nullptr) pending_[call_id] = call;  // a report (no call) is never answered
   return call_id;
 }
 

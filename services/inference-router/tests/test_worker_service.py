@@ -30,6 +30,7 @@ from tritonclient.utils import InferenceServerException
 
 from opml_common.errors import InvalidArgument
 from opml_common.metrics import ServiceMetrics
+from opml_inference_router.frames import KINDS, OK, REPORT, REQUEST, RESPONSE, FrameServerConnection
 from opml_inference_router.kserve import encode_request
 from opml_inference_router.routing.errors import ReplicaFailed
 from opml_inference_router.routing.uds_replica import UdsReplica
@@ -411,6 +412,35 @@ async def test_a_lone_call_is_answered_in_place_and_calls_arriving_together_are_
     assert servicer.now[0] == "alone" and "later" in servicer.queued
     assert set(servicer.now) | set(servicer.queued) >= set(together)
     assert set(together) & set(servicer.queued), "calls sent together were all answered one by one"
+
+
+async def test_report_frames_are_applied_in_order_and_never_answered(tmp_path: Path) -> None:
+    """The front's reports: its service's report() takes them as read; the only answer on the wire is the call's."""
+    taken: list[bytes] = []
+
+    class Link:
+        def report(self, body: bytes) -> None:
+            taken.append(body)
+
+        async def answer(self, kind: int, timeout_s: float | None, credential: bytes, body: bytes) -> tuple[int, bytes]:
+            return OK, b"live"
+
+        def count(self, kind: int, code: str) -> None:
+            pass
+
+    path = tmp_path / "link.sock"
+    server = await asyncio.get_running_loop().create_unix_server(lambda: FrameServerConnection(Link()), str(path))
+    reader, writer = await asyncio.open_unix_connection(str(path))
+    try:
+        writer.write(REQUEST.pack(3, 1, REPORT, 0.0, 0) + b"one" + REQUEST.pack(3, 2, REPORT, 0.0, 0) + b"two"
+                     + REQUEST.pack(0, 3, KINDS["ServerLive"], 0.0, 0))
+        length, call_id, status = RESPONSE.unpack(await reader.readexactly(RESPONSE.size))
+        assert (call_id, status, await reader.readexactly(length)) == (3, OK, b"live")
+        assert taken == [b"one", b"two"]
+    finally:
+        writer.close()
+        server.close()
+        await server.wait_closed()
 
 
 def test_each_replica_runs_with_its_own_session_options(root: Path) -> None:

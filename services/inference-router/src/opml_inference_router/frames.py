@@ -45,7 +45,8 @@ REQUEST = struct.Struct("<IIBdH")
 RESPONSE = struct.Struct("<IIB")
 CANCEL = 0
 REPORT = 7
-"""Front -> router on the native front's link: what its direct path did (:mod:`.data_plane`), answered empty."""
+"""Front -> router on the native front's link: what its direct path did (:mod:`.data_plane`). Never
+answered: an empty answer every 5 ms cost the router a send and the front's link thread a wake-up."""
 MAX_FRAME = 64 * 1024 * 1024  # as gRPC's message limit on both sides
 KINDS = {"ModelInfer": 1, "ModelMetadata": 2, "ModelReady": 3, "ServerLive": 4, "ServerReady": 5,
          "ServerMetadata": 6}
@@ -161,6 +162,13 @@ class FrameService(Protocol):
     def count(self, kind: int, code: str) -> None: ...
 
 
+class TakesReports(Protocol):
+    """A :class:`FrameService` that takes :data:`REPORT` frames: applied as they are read, never answered."""
+
+    def report(self, body: bytes) -> None:
+        """Applies one report. Never raises."""
+
+
 class AnswersNow(Protocol):
     """A :class:`FrameService` that can also answer some calls in place, in the turn of the event loop that
     read them: no task, no future, no wake-up of another task (a lone ModelInfer on an idle replica)."""
@@ -173,7 +181,8 @@ class AnswersNow(Protocol):
 class FrameServerConnection(asyncio.Protocol):
     """The serving end of one connection: request frames in, a task per call, response frames out as
     calls finish; a cancel frame or the connection's loss cancels the calls it concerns. A lone call that
-    a service with ``answer_now`` (:class:`AnswersNow`) can answer at once is answered in place.
+    a service with ``answer_now`` (:class:`AnswersNow`) can answer at once is answered in place; a report
+    frame goes to the service's ``report`` (:class:`TakesReports`) unanswered.
     ``on_close`` runs when the connection is lost (the owner's bookkeeping)."""
 
     def __init__(self, service: FrameService, *, on_close: Callable[[FrameServerConnection], None] | None = None) -> None:
@@ -181,6 +190,7 @@ class FrameServerConnection(asyncio.Protocol):
         self.calls: dict[int, asyncio.Task] = {}
         self._on_close = on_close
         self._answer_now: Callable[[int, bytes], tuple[int, bytes] | None] | None = getattr(service, "answer_now", None)
+        self._report: Callable[[bytes], None] | None = getattr(service, "report", None)
         self._buffer = bytearray()
         self.transport: asyncio.Transport
 
@@ -217,6 +227,9 @@ class FrameServerConnection(asyncio.Protocol):
                 task = self.calls.pop(call_id, None)
                 if task is not None:
                     task.cancel()
+                continue
+            if kind == REPORT and self._report is not None:
+                self._report(frame_body(buffer, body_start, start))
                 continue
             credential = bytes(buffer[credential_start:body_start]) if credential_length else b""
             task = loop.create_task(self._call(call_id, kind, timeout_s or None, credential,

@@ -51,8 +51,6 @@ from opml_inference_router.frames import (
     CODE_NUMBERS,
     KINDS,
     METHODS,
-    OK,
-    REPORT,
     CallCounter,
     FrameServerConnection,
     as_status,
@@ -93,26 +91,23 @@ class FrontLink:
             KINDS["ServerMetadata"]: _typed(frontend.ServerMetadata, pb.ServerMetadataRequest),
         }
         self._needed = {kind: INFERENCE_METHOD_ROLES[METHODS[kind]] for kind in self._handlers}
-        self._count = CallCounter(metrics, "front_requests_total", "Calls the native inference front served, "
-                                  "by method and status code (through the router or sent straight to a worker).",
-                                  self._handlers).count
+        self.count = CallCounter(metrics, "front_requests_total", "Calls the native inference front served, "
+                                 "by method and status code (through the router or sent straight to a worker).",
+                                 self._handlers).count
         if plane is not None:
-            plane.count = self._count
-
-    def count(self, kind: int, code: str) -> None:
-        if kind != REPORT:  # the front's own frames are no calls
-            self._count(kind, code)
+            plane.count = self.count
 
     def attached(self, connection: FrameServerConnection) -> None:
         """A (re)started front's link is up: the direct data plane pushes it its table."""
         if self._plane is not None:
             self._plane.attach(connection.writer)
 
+    def report(self, body: bytes) -> None:
+        """The front's direct-path records (from the front itself, on the socket pair only it holds)."""
+        if self._plane is not None:
+            self._plane.report(body)
+
     async def answer(self, kind: int, timeout_s: float | None, credential: bytes, body: bytes) -> tuple[int, bytes]:
-        if kind == REPORT:  # from the front itself, on the socket pair only it holds
-            if self._plane is not None:
-                self._plane.report(body)
-            return OK, b""
         handler = self._handlers.get(kind)
         if handler is None:
             return CODE_NUMBERS["UNIMPLEMENTED"], f"unknown call kind {kind}".encode()
