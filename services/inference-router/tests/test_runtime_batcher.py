@@ -19,6 +19,7 @@ from opml_common.errors import FailedPrecondition, Unavailable
 from opml_common.metrics import ServiceMetrics
 from opml_inference_router.placement.fleet_config import ModelVersion, PoolKind
 from opml_inference_router.runtime import DynamicBatcher, Replica, WorkerMetrics, build_session, to_profile
+from opml_inference_router.runtime.metrics import BatchStats
 from opml_inference_router.runtime.profiler import profile_replica
 from opml_inference_router.testing import mlp_classifier, mlp_config
 from opml_inference_router_contract.model_config import ModelConfig
@@ -410,30 +411,46 @@ def test_the_batch_cap_changes_while_serving() -> None:
     assert asyncio.run(scenario()) == [2]
 
 
-def test_an_idle_replica_runs_a_request_in_place_as_the_batch_of_one_it_would_be() -> None:
-    """run_now: no queue, no future, the same answer and the same statistics as infer(); only when
-    can_run_now says so (runs known to be short, nothing queued or running)."""
+async def measured(batcher: DynamicBatcher) -> None:
+    """Runs requests through the queue until the batcher knows its runs are short (a session's first
+    runs are slower): then it may run requests in place."""
+    for seed in range(1000):
+        if batcher.can_run_now():
+            return
+        await batcher.infer({"features": rows(1, seed)})
+    raise AssertionError("runs of a 64-wide MLP never averaged under the inline bound")
+
+
+def test_an_idle_replica_runs_requests_in_place_as_the_batch_they_would_make() -> None:
+    """run_now: no queue, no future, the same answers and the same statistics as infer(); only when
+    can_run_now says so (runs known to be short, nothing queued or running) and they fit one batch."""
     served, model = replica(CPU, delay_us=20_000)
     batcher = batcher_for(served)
-    data = rows(2)
+    data = rows(4)
+    counts = batcher.metrics
 
     async def scenario() -> None:
         await batcher.start()
         try:
             assert not batcher.can_run_now()  # no run measured yet: the first goes through the queue
+            await measured(batcher)
+            before = (counts.inference_count, counts.execution_count, counts.batches.get(3, BatchStats()).count)
             first = await batcher.infer({"features": data[:1]})
-            assert batcher.can_run_now()
-            second = batcher.run_now({"features": data[1:]})
+            second, third = batcher.run_now([{"features": data[1:2]}, {"features": data[2:]}])
             direct = ort.InferenceSession(model).run(None, {"features": data})[0]
-            np.testing.assert_allclose(np.concatenate([first["scores"], second["scores"]]), direct,
-                                       rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(np.concatenate([first["scores"], second["scores"], third["scores"]]),
+                                       direct, rtol=1e-5, atol=1e-6)
+            # the two requests run in place made one batch of their 3 rows
+            assert (counts.inference_count, counts.execution_count, counts.batches[3].count) == (
+                before[0] + 4, before[1] + 2, before[2] + 1)
+            assert not batcher.fits_one_batch([{"features": rows(20)}, {"features": rows(20)}])  # 40 > the cap
+            with pytest.raises(FailedPrecondition):
+                batcher.run_now([{"features": rows(20)}, {"features": rows(20)}])
         finally:
             await batcher.stop()
         assert not batcher.can_run_now()  # stopped
 
     asyncio.run(scenario())
-    counts = batcher.metrics
-    assert counts.inference_count == 2 and counts.execution_count == 2 and counts.batches[1].count == 2
 
 
 def test_a_replica_running_a_batch_is_not_run_in_place() -> None:
@@ -443,14 +460,13 @@ def test_a_replica_running_a_batch_is_not_run_in_place() -> None:
     async def scenario() -> None:
         await batcher.start()
         try:
-            running = asyncio.create_task(batcher.infer({"features": rows(1)}))
+            running = asyncio.create_task(batcher.infer({"features": rows(1)}))  # on its thread, at the gate
             await until(served.started.is_set)
             assert not batcher.can_run_now()
             with pytest.raises(FailedPrecondition):
-                batcher.run_now({"features": rows(1)})
+                batcher.run_now([{"features": rows(1)}])
             served.gate.set()
             await running
-            assert batcher.can_run_now()
         finally:
             served.gate.set()
             await batcher.stop()

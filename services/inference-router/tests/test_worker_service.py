@@ -367,21 +367,22 @@ async def test_large_frames_and_many_calls_in_flight_share_one_connection(tmp_pa
     assert not (tmp_path / "echo.sock").exists()
 
 
-async def test_a_lone_call_is_answered_in_place_and_calls_arriving_together_are_queued(tmp_path: Path) -> None:
-    """A servicer with infer_now: a call alone in its read is answered by it in the same turn (no task); calls
-    read together go to ModelInfer, so a batcher sees them together; infer_now's errors keep their codes."""
+async def test_the_calls_of_one_read_are_answered_in_place_together_or_all_queued(tmp_path: Path) -> None:
+    """A servicer with infer_now: the calls read together are offered to it together (one batch) and answered in
+    the same turn; when it declines, each goes to ModelInfer; infer_now's errors keep their codes."""
     class Both(service_pb2_grpc.GRPCInferenceServiceServicer):
         def __init__(self) -> None:
-            self.now: list[str] = []
+            self.now: list[list[str]] = []
             self.queued: list[str] = []
 
-        def infer_now(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse | None:
-            if request.id == "bad":
+        def infer_now(self, requests: list[pb.ModelInferRequest]) -> list[pb.ModelInferResponse | Exception] | None:
+            ids = [request.id for request in requests]
+            if ids == ["bad"]:
                 raise InvalidArgument("inputs[x]", "is wrong")
-            if request.id == "later":
+            if "later" in ids:
                 return None
-            self.now.append(request.id)
-            return pb.ModelInferResponse(id=request.id)
+            self.now.append(ids)
+            return [pb.ModelInferResponse(id=i) if i != "odd" else InvalidArgument("inputs[y]", "is odd") for i in ids]
 
         async def ModelInfer(self, request: pb.ModelInferRequest, context: None) -> pb.ModelInferResponse:
             self.queued.append(request.id)
@@ -404,14 +405,17 @@ async def test_a_lone_call_is_answered_in_place_and_calls_arriving_together_are_
         with pytest.raises(ReplicaFailed) as caught:
             await call("bad")
         assert (caught.value.code, caught.value.message) == ("INVALID_ARGUMENT", "inputs[x]: is wrong")
-        together = [f"t{i}" for i in range(6)]
+        together = [f"t{i}" for i in range(6)]  # sent in one write (the replica's writer joins a turn's frames)
         assert await asyncio.gather(*(call(request_id) for request_id in together)) == together
+        mixed = await asyncio.gather(call("m1"), call("odd"), call("m2"), return_exceptions=True)
+        assert mixed[0] == "m1" and mixed[2] == "m2"
+        assert isinstance(mixed[1], ReplicaFailed) and mixed[1].message == "inputs[y]: is odd"
+        assert await asyncio.gather(call("q1"), call("later"), call("q2")) == ["q1", "later", "q2"]
     finally:
         await local.close()
         await server.stop(1.0)
-    assert servicer.now[0] == "alone" and "later" in servicer.queued
-    assert set(servicer.now) | set(servicer.queued) >= set(together)
-    assert set(together) & set(servicer.queued), "calls sent together were all answered one by one"
+    assert servicer.now[:2] == [["alone"], together] and servicer.now[2] == ["m1", "odd", "m2"]
+    assert servicer.queued == ["later", "q1", "later", "q2"]
 
 
 async def test_report_frames_are_applied_in_order_and_never_answered(tmp_path: Path) -> None:

@@ -171,17 +171,18 @@ class TakesReports(Protocol):
 
 class AnswersNow(Protocol):
     """A :class:`FrameService` that can also answer some calls in place, in the turn of the event loop that
-    read them: no task, no future, no wake-up of another task (a lone ModelInfer on an idle replica)."""
+    read them: no task, no future, no wake-up of another task (the calls of one read, ModelInfer on an
+    idle replica, run as one batch)."""
 
-    def answer_now(self, kind: int, body: bytes) -> tuple[int, bytes] | None:
-        """(status, body) of the call if it could be answered at once, else None (it is then served by
-        :meth:`FrameService.answer` as usual). Never raises."""
+    def answer_now(self, calls: list[tuple[int, bytes]]) -> list[tuple[int, bytes]] | None:
+        """(status, body) of each call (kind, body), in order, if all could be answered at once, else None
+        (they are then served by :meth:`FrameService.answer` as usual). Never raises."""
 
 
 class FrameServerConnection(asyncio.Protocol):
     """The serving end of one connection: request frames in, a task per call, response frames out as
-    calls finish; a cancel frame or the connection's loss cancels the calls it concerns. A lone call that
-    a service with ``answer_now`` (:class:`AnswersNow`) can answer at once is answered in place; a report
+    calls finish; a cancel frame or the connection's loss cancels the calls it concerns. The calls of one
+    read that a service with ``answer_now`` (:class:`AnswersNow`) can answer at once are answered in place; a report
     frame goes to the service's ``report`` (:class:`TakesReports`) unanswered.
     ``on_close`` runs when the connection is lost (the owner's bookkeeping)."""
 
@@ -189,7 +190,8 @@ class FrameServerConnection(asyncio.Protocol):
         self.service = service
         self.calls: dict[int, asyncio.Task] = {}
         self._on_close = on_close
-        self._answer_now: Callable[[int, bytes], tuple[int, bytes] | None] | None = getattr(service, "answer_now", None)
+        self._answer_now: Callable[[list[tuple[int, bytes]]], list[tuple[int, bytes]] | None] | None = getattr(
+            service, "answer_now", None)
         self._report: Callable[[bytes], None] | None = getattr(service, "report", None)
         self._buffer = bytearray()
         self.transport: asyncio.Transport
@@ -209,9 +211,8 @@ class FrameServerConnection(asyncio.Protocol):
         buffer += data
         start, end = 0, len(buffer)
         loop = asyncio.get_running_loop()
-        if self._answer_now is not None and self._answered_now(self._answer_now, buffer, end):
-            buffer.clear()
-            return
+        if self._answer_now is not None:
+            start = self._answered_now(self._answer_now, buffer, end)
         while end - start >= REQUEST.size:
             length, call_id, kind, timeout_s, credential_length = REQUEST.unpack_from(buffer, start)
             if length > MAX_FRAME:  # not a peer speaking this protocol: drop it rather than buffer
@@ -237,23 +238,32 @@ class FrameServerConnection(asyncio.Protocol):
             self.calls[call_id] = task
         del buffer[:start]
 
-    def _answered_now(self, answer_now: Callable[[int, bytes], tuple[int, bytes] | None], buffer: bytearray,
-                      end: int) -> bool:
-        """Whether ``buffer`` held exactly one call frame, which ``answer_now`` answered in place. Only a
-        lone call: calls that arrived together go the usual way, so the batcher sees them together."""
-        if end < REQUEST.size:
-            return False
-        length, call_id, kind, _timeout_s, credential_length = REQUEST.unpack_from(buffer, 0)
-        body_start = REQUEST.size + credential_length
-        if kind == CANCEL or body_start + length != end:
-            return False
+    def _answered_now(self, answer_now: Callable[[list[tuple[int, bytes]]], list[tuple[int, bytes]] | None],
+                      buffer: bytearray, end: int) -> int:
+        """Where the frames ``answer_now`` answered in place end in ``buffer`` (0: none). It is offered the
+        complete call frames at the head of ``buffer`` when they are all calls (no cancel, no report):
+        together, so a batcher runs them as one batch."""
+        calls: list[tuple[int, int, bytes]] = []
+        start = 0
+        while end - start >= REQUEST.size:
+            length, call_id, kind, _timeout_s, credential_length = REQUEST.unpack_from(buffer, start)
+            body_start = start + REQUEST.size + credential_length
+            if kind in (CANCEL, REPORT) or length > MAX_FRAME:
+                return 0
+            if end - body_start < length:
+                break
+            start = body_start + length
+            calls.append((call_id, kind, frame_body(buffer, body_start, start)))
+        if not calls:
+            return 0
         began = time.perf_counter()
-        answered = answer_now(kind, frame_body(buffer, body_start, end))
+        answered = answer_now([(kind, body) for _, kind, body in calls])
         if answered is None:
-            return False
-        self._finish(call_id, kind, answered, began)
+            return 0
+        for (call_id, kind, _), answer in zip(calls, answered, strict=True):
+            self._finish(call_id, kind, answer, began)
         self.writer.flush()  # nothing else of this turn to wait for
-        return True
+        return start
 
     def _finish(self, call_id: int, kind: int, answered: tuple[int, bytes], began: float) -> None:
         status, reply = answered

@@ -173,29 +173,42 @@ class DynamicBatcher(Component):
         return (not self._closed and not self._queue and not self._wait_when_idle and not self._runs
                 and len(self._idle) == len(self._instances) and self._mean_run_s < INLINE_BELOW_S)
 
-    def run_now(self, inputs: Tensors) -> dict[str, np.ndarray]:
-        """The outputs of one request run at once on the event loop's thread, as the batch of one it would
-        have been through :meth:`infer` (same metrics). Call only when :meth:`can_run_now` said so, in the
-        same turn of the event loop: nothing else can start a run in between.
+    def fits_one_batch(self, requests: list[Tensors]) -> bool:
+        """Whether ``requests`` make one batch: their rows within the cap (or one request, which runs alone
+        whatever its rows), their non-batch shapes alike."""
+        if len(requests) == 1:
+            return True
+        rows = sum(len(next(iter(inputs.values()))) for inputs in requests) if self.replica.batches else len(requests)
+        shapes = _shapes_by_name(requests[0])
+        return rows <= self._max_rows and all(_shapes_by_name(inputs) == shapes for inputs in requests[1:])
+
+    def run_now(self, requests: list[Tensors]) -> list[dict[str, np.ndarray]]:
+        """The outputs of ``requests`` (:meth:`fits_one_batch`) run at once as one batch on the event loop's
+        thread, as the batch they would have made through :meth:`infer` (same metrics). Call only when
+        :meth:`can_run_now` said so, in the same turn of the event loop: nothing else can start a run in
+        between.
 
         Raises:
-            FailedPrecondition: the replica is not idle (a caller's mistake, not the request's).
+            FailedPrecondition: the replica is not idle, or the requests do not make one batch (a
+                caller's mistake, not the requests').
             Exception: the run's own failure (counted, as a failed batch).
         """
-        if not self.can_run_now():
-            raise FailedPrecondition(f"{self.replica.model} is not idle; queue the request with infer()")
+        if not self.can_run_now() or not self.fits_one_batch(requests):
+            raise FailedPrecondition(f"{self.replica.model} is not idle or these requests are no batch; "
+                                     f"queue them with infer()")
         instance = self._idle.popleft()
-        rows = len(next(iter(inputs.values()))) if self.replica.batches else 1
+        rows = sum(len(next(iter(inputs.values()))) for inputs in requests) if self.replica.batches else 1
         try:
-            (result,), elapsed_ns, cpu_ns = self._timed_run(instance, [inputs])
+            results, elapsed_ns, cpu_ns = self._timed_run(instance, requests)
         except Exception:
-            self.metrics.failures += 1
+            self.metrics.failures += len(requests)
             raise
         finally:
             self._idle.appendleft(instance)
         self._record(rows, elapsed_ns, cpu_ns)
-        self.metrics.latency.observe(elapsed_ns / 1e9)
-        return result
+        for _ in requests:
+            self.metrics.latency.observe(elapsed_ns / 1e9)
+        return results
 
     async def infer(self, inputs: Tensors) -> dict[str, np.ndarray]:
         """The replica's outputs for one request (already validated: shapes fit, batch <= the cap).

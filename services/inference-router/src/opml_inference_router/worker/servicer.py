@@ -25,6 +25,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
+import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
@@ -177,16 +178,40 @@ class WorkerServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         outputs = await served.batcher.infer(inputs)
         return encode_response(request, replica.config, replica.model.version, outputs)
 
-    def infer_now(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse | None:
-        """ModelInfer answered at once, on the event loop's thread, when its replica is idle and its runs
-        are short (:meth:`DynamicBatcher.run_now`); None when it must queue (``ModelInfer`` serves it).
-        Raises what ``ModelInfer`` raises (unknown model, a bad tensor, a failed run)."""
-        served = self._repository.get(request.model_name, request.model_version)
-        if not served.batcher.can_run_now() or _costly(request):
+    def infer_now(self, requests: list[pb.ModelInferRequest]) -> list[pb.ModelInferResponse | Exception] | None:
+        """ModelInfer of requests that arrived together, answered at once on the event loop's thread as one
+        batch, when they are for one replica, it is idle and its runs are short, and they fit one batch
+        (:meth:`DynamicBatcher.run_now`); None when they must queue (``ModelInfer`` serves them). A request
+        whose tensors are wrong gets its error in its place; the others run.
+
+        Raises:
+            NotFound, InvalidArgument: (one request) what ``ModelInfer`` raises for it.
+        """
+        served = self._repository.get(requests[0].model_name, requests[0].model_version)
+        batcher = served.batcher
+        if not batcher.can_run_now() or any(_costly(request) for request in requests):
             return None
+        for request in requests[1:]:
+            if self._repository.get(request.model_name, request.model_version) is not served:
+                return None
         replica = served.replica
-        inputs = decode_inputs(request, replica.config, max_batch=replica.max_batch)
-        return encode_response(request, replica.config, replica.model.version, served.batcher.run_now(inputs))
+        answers: list[pb.ModelInferResponse | Exception | None] = [None] * len(requests)
+        runs: list[int] = []
+        batch: list[dict[str, np.ndarray]] = []
+        for index, request in enumerate(requests):
+            try:
+                batch.append(decode_inputs(request, replica.config, max_batch=replica.max_batch))
+                runs.append(index)
+            except InvalidArgument as exc:
+                if len(requests) == 1:
+                    raise
+                answers[index] = exc
+        if batch:
+            if not batcher.fits_one_batch(batch):
+                return None
+            for index, outputs in zip(runs, batcher.run_now(batch), strict=True):
+                answers[index] = encode_response(requests[index], replica.config, replica.model.version, outputs)
+        return answers  # type: ignore[return-value]
 
     # -- repository extension --------------------------------------------------------------------
 

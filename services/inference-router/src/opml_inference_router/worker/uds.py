@@ -65,8 +65,8 @@ class UdsServer(Component):
         self.grace_s = grace_s
         self._handlers: dict[int, Handler] = {kind: getattr(servicer, method) for method, kind in KINDS.items()
                                               if hasattr(servicer, method)}
-        self._infer_now: Callable[[pb.ModelInferRequest], pb.ModelInferResponse | None] | None = getattr(
-            servicer, "infer_now", None)
+        self._infer_now: Callable[[list[pb.ModelInferRequest]], list[pb.ModelInferResponse | Exception] | None] | None = (
+            getattr(servicer, "infer_now", None))
         self.count = CallCounter(metrics, "uds_requests_total", "Calls served on the Unix socket (a local router), "
                                  "by method and status code.", self._handlers).count
         self._server: asyncio.AbstractServer | None = None
@@ -102,20 +102,26 @@ class UdsServer(Component):
             connection.transport.close()
         self.path.unlink(missing_ok=True)
 
-    def answer_now(self, kind: int, body: bytes) -> tuple[int, bytes] | None:
-        """A lone ModelInfer answered in the turn that read it, when the servicer's ``infer_now`` can (its
-        replica idle, its runs short); None sends it the usual way. Never raises."""
-        if kind != KINDS["ModelInfer"] or self._infer_now is None or self.stopping:
+    def answer_now(self, calls: list[tuple[int, bytes]]) -> list[tuple[int, bytes]] | None:
+        """The ModelInfer calls of one read answered in the turn that read them, when the servicer's
+        ``infer_now`` can (one replica, idle, short runs: one batch); None sends them the usual way.
+        Never raises."""
+        if self._infer_now is None or self.stopping or any(kind != KINDS["ModelInfer"] for kind, _ in calls):
             return None
         try:
-            request = pb.ModelInferRequest.FromString(body)
+            requests = [pb.ModelInferRequest.FromString(body) for _, body in calls]
         except DecodeError:
             return None  # answer() words the error
         try:
-            response = self._infer_now(request)
+            answered = self._infer_now(requests)
         except Exception as exc:  # noqa: BLE001 - mapped as answer() maps it
-            return error_status(exc, METHODS[kind], where="worker")
-        return None if response is None else (OK, response.SerializeToString())
+            if len(calls) > 1:
+                return None  # whose error it is: answer() tells each call its own
+            return [error_status(exc, "ModelInfer", where="worker")]
+        if answered is None:
+            return None
+        return [(OK, reply.SerializeToString()) if isinstance(reply, pb.ModelInferResponse)
+                else error_status(reply, "ModelInfer", where="worker") for reply in answered]
 
     async def answer(self, kind: int, timeout_s: float | None, credential: bytes, body: bytes) -> tuple[int, bytes]:
         """(status, body) of one call; never raises but CancelledError. No timer of its own: the router
