@@ -15,13 +15,13 @@ request runs alone. A cancelled request (its caller's deadline passed, or it was
 leaves the queue at once: it neither costs a run nor holds rows of the batch that is filling.
 
 A batch that takes less than ``INLINE_BELOW_S`` (a running average of the CPU time of the replica's
-runs; wall time on a GPU) runs on the event loop itself: handing it to the thread and back costs ~0.1-0.2 ms of wake-ups,
-far more than such a run, while blocking the loop that briefly costs other requests less than the hop
-would. The average is of CPU time, not wall time: on a loaded machine a 50 µs run preempted mid-way
+runs; wall time on a GPU) runs on the event loop itself: handing it to the thread and back costs
+~0.1-0.2 ms of wake-ups, far more than such a run, while blocking the loop that briefly costs other
+requests less than the hop would. The average is of CPU time, not wall time: on a loaded machine a 50 µs run preempted mid-way
 measured 0.3 ms of wall time, and the average crossed the bound back and forth, sending about half of
-the runs through the thread. A request that finds such a replica idle need not queue at all:
-:meth:`run_now` runs it in the caller's turn of the event loop (the worker's Unix socket server does
-so for a lone call, with no task, future or dispatcher wake-up).
+the runs through the thread. Requests that find such a replica idle need not queue at all:
+:meth:`run_now` runs them as one batch in the caller's turn of the event loop (the worker's Unix socket
+server does so for the calls of one read, with no task, future or dispatcher wake-up).
 """
 
 from __future__ import annotations
