@@ -9,6 +9,7 @@ from opml_common.grpc.server import ServiceRegistration
 from opml_common.process import ServiceSpec
 from opml_common.service import ServiceContext, run_service
 from opml_monitoring_scorer.bundles import BundleReader
+from opml_monitoring_scorer.core.refits import Refits
 from opml_monitoring_scorer.core.scorer import Scorer
 from opml_monitoring_scorer.deployments import GROUP, SOURCES, DeploymentWatcher
 from opml_monitoring_scorer.metrics import ScorerMetrics
@@ -35,7 +36,8 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
     reader = BundleReader(settings.bundle_store_target, token=settings.bundle_store_token.get_secret_value() or None)
     scorer = await service.start(Scorer(store=store, emitter=await service.emitter(), metrics=metrics,
                                         load_bundle=reader, seed=settings.seed,
-                                        label_sources=frozenset(settings.label_sources)))
+                                        label_sources=frozenset(settings.label_sources),
+                                        refits=Refits(quiet_s=settings.mpp_refit_quiet_s)))
     await service.start(ScoringStream(platform, scorer, metrics, publisher=await service.publisher(),
                                       datadir=settings.home / "faust",
                                       prediction_sources=frozenset(settings.prediction_sources)))

@@ -45,6 +45,10 @@ class MonitoringScorerSettings(ServiceSettings):
                                "(opml.deployments.v1): from its bundle's reference.npz and monitoring.yaml, or, "
                                "deployed from a directory, with its first window as the baseline.")
     seed: int = Field(0, description="Seed of the MPP's secondary models (reproducible estimates).")
+    mpp_refit_quiet_s: float = Field(
+        5.0, gt=0, le=3600, description="Seconds without a new label after which the MPP is recalibrated on the "
+        "labels that came since its last recalibration, when they are fewer than the 200 that start one at once "
+        "(so the last labels of a burst are learned too).")
 
     @field_validator("label_sources", "prediction_sources", mode="before")
     @classmethod

@@ -159,14 +159,20 @@ class MPP:
         self.labels += len(y)
 
     @property
+    def unfitted(self) -> int:
+        """Labelled rows taken since the last refit started."""
+        return self._unfitted
+
+    @property
     def due(self) -> bool:
         """Enough new labelled rows since the last fit to refit."""
         return self._unfitted >= self.min_labels
 
-    def refit_job(self) -> RefitJob | None:
-        """The live rows so far, copied for :func:`recalibrated` (None when not :attr:`due`); the rows that
-        come after count toward the next one. Call it where labels are added (the event loop)."""
-        if not self.due:
+    def refit_job(self, *, quiet: bool = False) -> RefitJob | None:
+        """The live rows so far, copied for :func:`recalibrated` (None when not :attr:`due`, or, ``quiet``:
+        labels have stopped coming, when no new row came at all); the rows that come after count toward
+        the next one. Call it where labels are added (the event loop)."""
+        if not (self.due or (quiet and self._unfitted > 0)):
             return None
         self._unfitted = 0
         return RefitJob(self.task, self.seed, self._ref_x, self._ref_y, self._reference_model,

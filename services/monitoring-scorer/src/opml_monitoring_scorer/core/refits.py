@@ -1,9 +1,20 @@
 """The MPP's recalibrations, off the label join: each runs on a worker (by default one worker process,
 so the boosting fits hold one core and none of the event loop's GIL), at most one per version at a
-time; labels that come while one runs count toward the next, started when it ends if they make one due
-(so many triggers make one refit, not a queue). The refit's inputs are copied when it starts
-(:meth:`MPP.refit_job`), and its result is put in use in one assignment on the event loop
-(:meth:`MPP.use`): a window scored meanwhile is scored by the model in use, old or new, whole.
+time; labels that come while one runs count toward the next (so many triggers make one refit, not a
+queue). The refit's inputs are copied when it starts (:meth:`MPP.refit_job`), and its result is put in
+use in one assignment on the event loop (:meth:`MPP.use`): a window scored meanwhile is scored by the
+model in use, old or new, whole.
+
+When one starts: ``min_labels`` new labelled rows make one due; fewer start one once labels have stopped
+coming for ``quiet_s`` (each batch of labels restarts that wait). Without the second rule the labels
+after the last refit that do not make ``min_labels`` were never learned: the join adds labels in batches,
+so a first refit could start at 250 of 400 labels, and the 150 left (or the tail of any burst) stayed
+out of every refit. The rule is checked where the version's state changes, so no label is left behind
+by construction: after labels are added and after each refit ends, a version either has a refit
+running (its end checks again), a quiet wait armed (it refits every unfitted label), or no unfitted
+label. A refit that ends with fewer than ``min_labels`` labels that came during it arms the wait too,
+rather than starting another at once: that alone would miss the labels that come after a refit ends,
+and while labels keep coming they make ``min_labels`` anyway.
 
 Before, the join awaited the refit (several gradient-boosting fits, seconds on a loaded machine) every
 ``min_labels`` labels, in the labels agent and in the predictions agent (labels that came before their
@@ -30,55 +41,87 @@ def worker_process() -> Executor:
                                initializer=die_with_parent)
 
 
+QUIET_S = 5.0
+"""Seconds without a new label after which fewer than ``min_labels`` unfitted labels start a refit."""
+
+
 class Refits:
     """Background recalibrations of each version's MPP. ``executor``: where the fits run (None: one
-    worker process, made when first needed); ``fit``: the function run there (module-level, picklable).
-    ``on_done(key, mpp, changed)``: called on the event loop after each one is put in use."""
+    worker process, made when first needed); ``fit``: the function run there (module-level, picklable);
+    ``quiet_s``: how long labels must have stopped coming before fewer than ``min_labels`` new ones are
+    refitted. ``on_done(key, mpp, changed)``: called on the event loop after each one is put in use."""
 
     def __init__(self, executor: Executor | None = None, *,
-                 fit: Callable[[RefitJob], object | None] = recalibrated) -> None:
+                 fit: Callable[[RefitJob], object | None] = recalibrated, quiet_s: float = QUIET_S) -> None:
         self._executor = executor
         self._owned = executor is None
         self._fit = fit
+        self.quiet_s = quiet_s
         self._running: dict[str, asyncio.Task] = {}
+        self._waiting: dict[str, asyncio.Task] = {}
+        """Per version, the quiet wait armed (never while one of its refits runs)."""
 
     def due(self, key: str, mpp: MPP, on_done: Callable[[str, MPP, bool], None]) -> None:
-        """Starts a recalibration of ``mpp`` (version ``key``) if it is due and none of its version runs;
-        returns at once."""
-        if key in self._running or not mpp.due:
-            return
-        task = asyncio.get_running_loop().create_task(self._run(key, mpp, on_done), name=f"mpp-refit {key}")
-        self._running[key] = task
-        task.add_done_callback(lambda _: self._running.pop(key, None))
+        """Labels were added to ``mpp`` (version ``key``): restarts its quiet wait, and, if none of its
+        refits runs, starts one if they make it due, or else arms the wait; returns at once."""
+        if (waiting := self._waiting.pop(key, None)) is not None:
+            waiting.cancel()
+        if key not in self._running:  # else its end checks again
+            self._next(key, mpp, on_done)
 
     def running(self, key: str) -> bool:
         return key in self._running
 
-    async def _run(self, key: str, mpp: MPP, on_done: Callable[[str, MPP, bool], None]) -> None:
+    def _next(self, key: str, mpp: MPP, on_done: Callable[[str, MPP, bool], None]) -> None:
+        if mpp.due:
+            self._start(key, mpp, on_done, quiet=False)
+        elif mpp.unfitted > 0:
+            self._waiting[key] = asyncio.get_running_loop().create_task(self._quiet(key, mpp, on_done),
+                                                                        name=f"mpp-refit-quiet {key}")
+
+    async def _quiet(self, key: str, mpp: MPP, on_done: Callable[[str, MPP, bool], None]) -> None:
+        await asyncio.sleep(self.quiet_s)  # cancelled by the next batch of labels
+        del self._waiting[key]
+        self._start(key, mpp, on_done, quiet=True)
+
+    def _start(self, key: str, mpp: MPP, on_done: Callable[[str, MPP, bool], None], *, quiet: bool) -> None:
+        task = asyncio.get_running_loop().create_task(self._run(key, mpp, on_done, quiet), name=f"mpp-refit {key}")
+        self._running[key] = task
+        task.add_done_callback(lambda done: self._ended(key, mpp, on_done, done))
+
+    def _ended(self, key: str, mpp: MPP, on_done: Callable[[str, MPP, bool], None], task: asyncio.Task) -> None:
+        del self._running[key]
+        if not task.cancelled():  # the labels that came while it ran: one more refit, or the quiet wait
+            self._next(key, mpp, on_done)
+
+    async def _run(self, key: str, mpp: MPP, on_done: Callable[[str, MPP, bool], None], quiet: bool) -> None:
+        job = mpp.refit_job(quiet=quiet)
+        if job is None:
+            return
         if self._executor is None:
             self._executor = worker_process()
-        loop = asyncio.get_running_loop()
-        while (job := mpp.refit_job()) is not None:  # again while labels that came meanwhile make one due
-            try:
-                model = await loop.run_in_executor(self._executor, self._fit, job)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a failed refit leaves the model in use; the next labels try again
-                log.exception("MPP recalibration of %s failed (%d labels): the model in use is kept", key, job.covers)
-                return
-            on_done(key, mpp, mpp.use(job, model))
+        try:
+            model = await asyncio.get_running_loop().run_in_executor(self._executor, self._fit, job)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a failed refit leaves the model in use; the next labels try again
+            log.exception("MPP recalibration of %s failed (%d labels): the model in use is kept", key, job.covers)
+            return
+        on_done(key, mpp, mpp.use(job, model))
 
     async def idle(self) -> None:
-        """Returns when no recalibration runs (tests and benches wait for the model in use to settle)."""
-        while self._running:
-            await asyncio.gather(*self._running.values(), return_exceptions=True)
+        """Returns when no recalibration runs or waits for labels to stop coming (tests and benches wait
+        for the model in use to settle)."""
+        while self._running or self._waiting:
+            await asyncio.gather(*self._running.values(), *self._waiting.values(), return_exceptions=True)
 
     async def stop(self) -> None:
-        """Cancels the recalibrations (one in flight is lost; the live rows are in memory anyway) and
-        ends the worker process, if this made it."""
-        for task in list(self._running.values()):
+        """Cancels the quiet waits and the recalibrations (one in flight is lost; the live rows are in
+        memory anyway) and ends the worker process, if this made it."""
+        for task in [*self._waiting.values(), *self._running.values()]:
             task.cancel()
-        await asyncio.gather(*self._running.values(), return_exceptions=True)
+        await asyncio.gather(*self._waiting.values(), *self._running.values(), return_exceptions=True)
+        self._waiting.clear()
         if self._owned and self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
