@@ -7,6 +7,9 @@ sampler continues from.
 
 from __future__ import annotations
 
+import json
+import time
+from collections.abc import Generator
 from typing import Any
 
 import optuna
@@ -16,6 +19,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from opml_automl_controller.algorithms import direction, fixed_parameters, make_pruner, make_sampler, search_space
 from opml_automl_controller.experiment import ExperimentSpec
+from opml_common.errors import NotFound
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -26,10 +30,40 @@ ERROR_ATTR = "opml_error"
 JOB_ATTR = "opml_job"
 
 
+class DeletableJournal(JournalRedisBackend):
+    """Optuna's Redis journal, whose reads end when the journal is deleted under them.
+
+    Optuna reads the journal's length, then each entry, and waits for an entry it does not find (up
+    to 10 s at a time, forever). An experiment's delete removes its journal in one transaction, so a
+    read that began before it (a trial's report, on a thread) waited forever for entries that were gone,
+    and the thread never ended (a stop then hung joining it). Entries and length are written together
+    (Optuna's append is one Lua call), so an entry missing while the length is gone means the journal
+    was deleted: the read raises NotFound.
+    """
+
+    def read_logs(self, log_number_from: int) -> Generator[dict[str, Any], None, None]:
+        length_key = f"{self._prefix}:log_number"
+        last = self._redis.get(length_key)
+        if last is None:
+            return
+        for log_number in range(log_number_from, int(last) + 1):
+            wait_s = 0.1
+            while (log := self._redis.get(self._key_log_id(log_number))) is None:
+                if not self._redis.exists(length_key):
+                    raise NotFound(f"journal {self._prefix!r} was deleted while it was read (its experiment was)")
+                time.sleep(wait_s)  # as Optuna's: an entry not written yet (a cluster's non-atomic append)
+                wait_s = min(wait_s * 2, 10)
+            try:
+                yield json.loads(log)
+            except json.JSONDecodeError:
+                if log_number != int(last):  # a torn last entry is Optuna's to skip
+                    raise
+
+
 class ExperimentStudy:
     def __init__(self, spec: ExperimentSpec, *, redis_url: str, journal_prefix: str) -> None:
         self.spec = spec
-        self._backend = JournalRedisBackend(redis_url, prefix=journal_prefix)
+        self._backend = DeletableJournal(redis_url, prefix=journal_prefix)
         self.study = optuna.create_study(storage=JournalStorage(self._backend), study_name=spec.name, direction=direction(spec),
                                          load_if_exists=True)
         self.study.sampler = make_sampler(spec, trials_so_far=len(self.trials()))
