@@ -130,6 +130,37 @@ async def test_labels_join_and_windows_close_while_a_refit_runs_and_later_window
         await cleanup(scorer, client, prefix)
 
 
+async def test_a_failed_refit_is_counted_and_tried_again_by_itself() -> None:
+    """A refit that failed was logged only, and its 200 labels were refitted only once 200 more came:
+    it is counted (mpp_recalibration_failures_total) and tried again after the quiet time, on them."""
+    world = SyntheticWorld(Task.BINARY, seed=21)
+    jobs: list[int] = []
+
+    def fails_once(job: RefitJob) -> object | None:
+        jobs.append(job.covers)
+        if len(jobs) == 1:
+            raise MemoryError("the refit's worker ran out of memory")
+        return recalibrated(job)
+
+    scorer, client, prefix, registry = await scorer_with(
+        Refits(ThreadPoolExecutor(max_workers=1), fit=fails_once, quiet_s=0.05), world)
+    try:
+        rows = world.rows(2 * WINDOW)
+        events = events_of(rows, 0)
+        for index in (0, 1):
+            await close(scorer, index, events[index * WINDOW:(index + 1) * WINDOW])
+        for i in range(2 * WINDOW):
+            assert await label(scorer, f"r{i}", rows.labels[i]) == "joined"
+        await scorer.refits.idle()
+        mpp = scorer.get("m/1").monitor.mpp
+        assert jobs == [2 * WINDOW, 2 * WINDOW] and mpp.refits == 1 and mpp.covered == 2 * WINDOW
+        series = {"model": "m", "version": "1"}
+        assert registry.get_sample_value("opml_monitoring_scorer_mpp_recalibration_failures_total", series) == 1
+        assert registry.get_sample_value("opml_monitoring_scorer_mpp_recalibration_labels", series) == 2 * WINDOW
+    finally:
+        await cleanup(scorer, client, prefix)
+
+
 async def test_the_default_worker_process_refits_and_the_result_is_put_in_use() -> None:
     world = SyntheticWorld(Task.BINARY, seed=21)
     scorer, client, prefix, _ = await scorer_with(Refits(), world)

@@ -5,7 +5,9 @@ on a thread, no broker or Redis."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -136,3 +138,62 @@ async def test_a_stop_cancels_the_wait_for_labels_to_stop(mpp: MPP, world: Synth
         await refits.stop()
         await settled(refits)
         assert fits.jobs == [] and mpp.refits == 0
+
+
+class FailingFits(Fits):
+    """The refit failing its first ``failures`` calls (all, when None), each call's time recorded."""
+
+    def __init__(self, failures: int | None, *, held: bool = False) -> None:
+        super().__init__(held=held)
+        self.failures = failures
+        self.times: list[float] = []
+        self.calls = threading.Semaphore(0)
+
+    def __call__(self, job: RefitJob) -> object | None:
+        self.times.append(time.monotonic())
+        self.calls.release()
+        super().__call__(job)
+        if self.failures is None or len(self.jobs) <= self.failures:
+            raise RuntimeError("the worker process died")
+        return None
+
+
+async def test_a_failed_refit_is_tried_again_by_itself_with_its_labels(mpp: MPP, world: SyntheticWorld) -> None:
+    """A refit that failed left its labels out until min_labels more came (or for ever): they had been
+    taken as fitted. It is tried again after a wait, with them and those that came since, and each
+    failure is reported."""
+    fits, failed = FailingFits(2, held=True), []
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        refits = Refits(executor, fit=fits, quiet_s=0.05)
+        add(mpp, world, 250)
+        refits.due("m/1", mpp, done, failed.append)
+        assert await asyncio.to_thread(fits.started.wait, SETTLED_S), "250 labels started a refit"
+        add(mpp, world, 30)  # while the first one, which fails, runs
+        refits.due("m/1", mpp, done, failed.append)
+        fits.release()
+        await settled(refits)
+        assert fits.jobs == [250, 280, 280] and failed == ["m/1", "m/1"]
+        assert mpp.covered == 280 and mpp.refits == 1 and mpp.unfitted == 0 and refits.failures("m/1") == 0
+        await refits.stop()
+
+
+async def test_a_refit_that_always_fails_is_tried_again_ever_later_and_loses_no_label(
+        mpp: MPP, world: SyntheticWorld) -> None:
+    """Retried at once (or on every batch of labels) a refit that always fails would hold the worker for
+    ever: the waits double from quiet_s up to retry_max_s, and labels that come meanwhile neither
+    restart nor shorten them (due by count, they would start one at once). No label is lost: after
+    each failure every label taken is still to be refitted."""
+    fits, failed = FailingFits(None), []
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        refits = Refits(executor, fit=fits, quiet_s=0.02, retry_max_s=0.08)
+        add(mpp, world, 50)
+        refits.due("m/1", mpp, done, lambda key: failed.append((mpp.unfitted, mpp.labels)))
+        for _ in range(5):
+            assert await asyncio.to_thread(fits.calls.acquire, True, SETTLED_S)
+            add(mpp, world, 200)  # makes one due by count
+            refits.due("m/1", mpp, done, lambda key: failed.append((mpp.unfitted, mpp.labels)))
+        gaps = [later - earlier for earlier, later in itertools.pairwise(fits.times[:5])]
+        assert all(gap >= wait for gap, wait in zip(gaps, [0.02, 0.04, 0.08, 0.08], strict=True)), gaps
+        assert len(failed) >= 4 and all(unfitted == labels for unfitted, labels in failed), failed
+        assert mpp.refits == 0 and refits.failures("m/1") >= 4
+        await refits.stop()

@@ -53,6 +53,10 @@ class ScorerMetrics:
             "mpp_recalibration_labels", "Live labelled rows the MPP had taken when its last finished "
             "recalibration started (recalibrations run in the background: the labels after it wait for the next).",
             mv)
+        self.recalibration_failures = metrics.counter(
+            "mpp_recalibration_failures_total", "MPP recalibrations that failed (the version's or one of its "
+            "segments'): the model in use is kept and the refit is tried again by itself, after a wait that "
+            "doubles with each failure in a row (from OPML_MONITORING_SCORER_MPP_REFIT_QUIET_S, up to 300 s).", mv)
         self.registered = metrics.gauge("models_monitored", "Model versions monitored.")
         self.segment_other = metrics.counter(
             "segment_other_predictions_total", "Predictions put in the segment other: their segment parameter's "

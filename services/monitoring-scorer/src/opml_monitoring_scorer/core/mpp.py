@@ -178,6 +178,11 @@ class MPP:
         return RefitJob(self.task, self.seed, self._ref_x, self._ref_y, self._reference_model,
                         np.array(self._live_x), np.array(self._live_y), self.labels)
 
+    def refit_failed(self, job: RefitJob) -> None:
+        """``job`` did not end in a model: the labels it took since the last refit put in use count
+        toward the next one again (with those that came meanwhile), so none is left out."""
+        self._unfitted += job.covers - self.covered
+
     def use(self, job: RefitJob, model: object | None) -> bool:
         """Puts in use what :func:`recalibrated` chose for ``job`` (None: the reference's own model), in
         one assignment, so a window scored meanwhile reads the old model or the new, whole. Returns

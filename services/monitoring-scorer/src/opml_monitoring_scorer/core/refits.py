@@ -16,6 +16,13 @@ label. A refit that ends with fewer than ``min_labels`` labels that came during 
 rather than starting another at once: that alone would miss the labels that come after a refit ends,
 and while labels keep coming they make ``min_labels`` anyway.
 
+A refit that fails (an exception in the fit, or the worker process lost) leaves the model in use and
+gives its labels back to the next one (:meth:`MPP.refit_failed`), which starts by itself after a wait:
+``quiet_s``, doubled after each failure in a row up to ``retry_max_s``, and not restarted by the labels
+that come meanwhile (the retry takes them too). Before, a failed refit's labels were refitted only once
+``min_labels`` more came, or never. One that always fails is tried once per ``retry_max_s``, each failure
+logged and reported (``on_failed``: the scorer counts it).
+
 Before, the join awaited the refit (several gradient-boosting fits, seconds on a loaded machine) every
 ``min_labels`` labels, in the labels agent and in the predictions agent (labels that came before their
 prediction), and scoring fell minutes behind the traffic when labels were frequent."""
@@ -29,6 +36,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor, ProcessPoolExecutor
 
 from opml_common.process import die_with_parent
+from opml_common.retry import Backoff
 from opml_monitoring_scorer.core.mpp import MPP, RefitJob, recalibrated
 
 log = logging.getLogger(__name__)
@@ -43,58 +51,81 @@ def worker_process() -> Executor:
 
 QUIET_S = 5.0
 """Seconds without a new label after which fewer than ``min_labels`` unfitted labels start a refit."""
+RETRY_MAX_S = 300.0
+"""Longest wait before a failed refit is tried again (the waits double from ``quiet_s``)."""
+Done = Callable[[str, MPP, bool], None]
+Failed = Callable[[str], None]
 
 
 class Refits:
     """Background recalibrations of each version's MPP. ``executor``: where the fits run (None: one
     worker process, made when first needed); ``fit``: the function run there (module-level, picklable);
     ``quiet_s``: how long labels must have stopped coming before fewer than ``min_labels`` new ones are
-    refitted. ``on_done(key, mpp, changed)``: called on the event loop after each one is put in use."""
+    refitted, and the first wait before a failed refit is tried again; ``retry_max_s``: the longest such
+    wait. ``on_done(key, mpp, changed)``: called on the event loop after each one is put in use;
+    ``on_failed(key)``: after each one that failed."""
 
     def __init__(self, executor: Executor | None = None, *,
-                 fit: Callable[[RefitJob], object | None] = recalibrated, quiet_s: float = QUIET_S) -> None:
+                 fit: Callable[[RefitJob], object | None] = recalibrated, quiet_s: float = QUIET_S,
+                 retry_max_s: float = RETRY_MAX_S) -> None:
         self._executor = executor
         self._owned = executor is None
         self._fit = fit
         self.quiet_s = quiet_s
+        self.retry = Backoff(base_s=quiet_s, max_s=max(quiet_s, retry_max_s))
         self._running: dict[str, asyncio.Task] = {}
         self._waiting: dict[str, asyncio.Task] = {}
-        """Per version, the quiet wait armed (never while one of its refits runs)."""
+        """Per version, the quiet wait or the wait before a retry armed (never while one of its refits runs)."""
+        self._failures: dict[str, int] = {}
+        """Per version, its refits that failed in a row (none since its last that succeeded)."""
 
-    def due(self, key: str, mpp: MPP, on_done: Callable[[str, MPP, bool], None]) -> None:
+    def due(self, key: str, mpp: MPP, on_done: Done, on_failed: Failed | None = None) -> None:
         """Labels were added to ``mpp`` (version ``key``): restarts its quiet wait, and, if none of its
-        refits runs, starts one if they make it due, or else arms the wait; returns at once."""
+        refits runs, starts one if they make it due, or else arms the wait; returns at once. A wait
+        before a retry is left as it is: the retry takes these labels too."""
+        if key in self._failures and key in self._waiting:
+            return
         if (waiting := self._waiting.pop(key, None)) is not None:
             waiting.cancel()
         if key not in self._running:  # else its end checks again
-            self._next(key, mpp, on_done)
+            self._next(key, mpp, on_done, on_failed)
 
     def running(self, key: str) -> bool:
         return key in self._running
 
-    def _next(self, key: str, mpp: MPP, on_done: Callable[[str, MPP, bool], None]) -> None:
-        if mpp.due:
-            self._start(key, mpp, on_done, quiet=False)
+    def failures(self, key: str) -> int:
+        """The refits of ``key`` that failed in a row (0: its last succeeded, or none ran)."""
+        return self._failures.get(key, 0)
+
+    def _next(self, key: str, mpp: MPP, on_done: Done, on_failed: Failed | None) -> None:
+        if (failures := self._failures.get(key, 0)) and mpp.unfitted > 0:  # never at once after a failure
+            self._arm(key, mpp, on_done, on_failed, self.retry.delay(failures - 1))
+        elif mpp.due:
+            self._start(key, mpp, on_done, on_failed, quiet=False)
         elif mpp.unfitted > 0:
-            self._waiting[key] = asyncio.get_running_loop().create_task(self._quiet(key, mpp, on_done),
-                                                                        name=f"mpp-refit-quiet {key}")
+            self._arm(key, mpp, on_done, on_failed, self.quiet_s)
 
-    async def _quiet(self, key: str, mpp: MPP, on_done: Callable[[str, MPP, bool], None]) -> None:
-        await asyncio.sleep(self.quiet_s)  # cancelled by the next batch of labels
+    def _arm(self, key: str, mpp: MPP, on_done: Done, on_failed: Failed | None, delay: float) -> None:
+        self._waiting[key] = asyncio.get_running_loop().create_task(
+            self._quiet(key, mpp, on_done, on_failed, delay), name=f"mpp-refit-wait {key}")
+
+    async def _quiet(self, key: str, mpp: MPP, on_done: Done, on_failed: Failed | None, delay: float) -> None:
+        await asyncio.sleep(delay)  # a quiet wait is cancelled by the next batch of labels
         del self._waiting[key]
-        self._start(key, mpp, on_done, quiet=True)
+        self._start(key, mpp, on_done, on_failed, quiet=True)
 
-    def _start(self, key: str, mpp: MPP, on_done: Callable[[str, MPP, bool], None], *, quiet: bool) -> None:
-        task = asyncio.get_running_loop().create_task(self._run(key, mpp, on_done, quiet), name=f"mpp-refit {key}")
+    def _start(self, key: str, mpp: MPP, on_done: Done, on_failed: Failed | None, *, quiet: bool) -> None:
+        task = asyncio.get_running_loop().create_task(self._run(key, mpp, on_done, on_failed, quiet),
+                                                      name=f"mpp-refit {key}")
         self._running[key] = task
-        task.add_done_callback(lambda done: self._ended(key, mpp, on_done, done))
+        task.add_done_callback(lambda done: self._ended(key, mpp, on_done, on_failed, done))
 
-    def _ended(self, key: str, mpp: MPP, on_done: Callable[[str, MPP, bool], None], task: asyncio.Task) -> None:
+    def _ended(self, key: str, mpp: MPP, on_done: Done, on_failed: Failed | None, task: asyncio.Task) -> None:
         del self._running[key]
-        if not task.cancelled():  # the labels that came while it ran: one more refit, or the quiet wait
-            self._next(key, mpp, on_done)
+        if not task.cancelled():  # the labels that came while it ran (or a failed one's): a refit, or a wait
+            self._next(key, mpp, on_done, on_failed)
 
-    async def _run(self, key: str, mpp: MPP, on_done: Callable[[str, MPP, bool], None], quiet: bool) -> None:
+    async def _run(self, key: str, mpp: MPP, on_done: Done, on_failed: Failed | None, quiet: bool) -> None:
         job = mpp.refit_job(quiet=quiet)
         if job is None:
             return
@@ -104,9 +135,16 @@ class Refits:
             model = await asyncio.get_running_loop().run_in_executor(self._executor, self._fit, job)
         except asyncio.CancelledError:
             raise
-        except Exception:  # a failed refit leaves the model in use; the next labels try again
-            log.exception("MPP recalibration of %s failed (%d labels): the model in use is kept", key, job.covers)
+        except Exception:  # the model in use is kept; its labels are tried again after a wait
+            mpp.refit_failed(job)
+            failures = self._failures[key] = self._failures.get(key, 0) + 1
+            log.exception("MPP recalibration of %s failed (%d labels, %d failure(s) in a row): the model in use "
+                          "is kept, tried again in %.0f s", key, job.covers, failures,
+                          self.retry.delay(failures - 1))
+            if on_failed is not None:
+                on_failed(key)
             return
+        self._failures.pop(key, None)
         on_done(key, mpp, mpp.use(job, model))
 
     async def idle(self) -> None:
@@ -122,6 +160,7 @@ class Refits:
             task.cancel()
         await asyncio.gather(*self._waiting.values(), *self._running.values(), return_exceptions=True)
         self._waiting.clear()
+        self._failures.clear()
         if self._owned and self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None

@@ -54,7 +54,7 @@ from opml_monitoring_scorer.core.records import AlertRecord, window_record
 from opml_monitoring_scorer.core.reference import ReferenceSet, Task
 from opml_monitoring_scorer.core.refits import Refits
 from opml_monitoring_scorer.core.rules import Rule, RuleState, Transition, observe, parse_rules, step
-from opml_monitoring_scorer.core.segments import window_key
+from opml_monitoring_scorer.core.segments import SEPARATOR, window_key
 from opml_monitoring_scorer.metrics import ScorerMetrics
 from opml_monitoring_scorer.state import LabelOrigin, MonitorStore, ParkedLabel, TruthJoin
 from opml_monitoring_scorer_contract.names import LABEL_SOURCE
@@ -806,7 +806,7 @@ class Scorer(Component):
                 own.mpp.add_labels(batch.features, batch.outputs, values)
                 learned[window_key(key, segment)] = own.mpp
         for wk, mpp in learned.items():
-            self.refits.due(wk, mpp, self._recalibrated)
+            self.refits.due(wk, mpp, self._recalibrated, self._recalibration_failed)
         for (key, segment, window), (truth, changed) in touched.items():
             await self._show_truth(monitors[key], segment, window, truth, stale_only=not changed)
         counted: dict[str, int] = {}
@@ -848,6 +848,13 @@ class Scorer(Component):
         if changed:
             self.metrics.recalibrations.labels(monitored.model, monitored.version).inc()
         self.metrics.recalibration_labels.labels(monitored.model, monitored.version).set(mpp.covered)
+
+    def _recalibration_failed(self, key: str) -> None:
+        """A background recalibration of ``key``'s MPP failed (it is tried again by itself, core/refits.py);
+        counted under its version, a segment's too."""
+        monitored = self.models.get(key.split(SEPARATOR, 1)[0])
+        if monitored is not None:
+            self.metrics.recalibration_failures.labels(monitored.model, monitored.version).inc()
 
     async def _show_truth(self, monitored: Monitored, segment: str, window: int, truth: tuple[int, float], *,
                           stale_only: bool = False) -> None:
