@@ -24,9 +24,9 @@ from prometheus_client import CollectorRegistry
 
 from opml_common.cligroup import pass_session, service_group
 from opml_common.config import PlatformSettings, ServiceSettings
-from opml_common.errors import InvalidArgument, NotFound
+from opml_common.errors import InvalidArgument, NotFound, OpmlError
 from opml_common.events import OutboxEmitter, RecordingEmitter, topic_of
-from opml_common.grpc.client import ServiceClient, pages
+from opml_common.grpc.client import AsyncServiceClient, ServiceClient, async_pages, pages
 from opml_common.grpc.server import GrpcServer, ServiceRegistration
 from opml_common.grpc.status import field_violations
 from opml_common.lifecycle import Component
@@ -43,6 +43,10 @@ ROLES = {"SubmitJob": "writer", "GetJob": "reader", "ListJobs": "reader", "Cance
 
 class Jobs(jobs_pb2_grpc.JobServiceServicer):
     """Fails the way a core does: several violations at once, a missing job, a broken stream; pages of 2."""
+
+    def __init__(self) -> None:
+        self.preempting = asyncio.Event()
+        self.preempt_metadata: dict[str, str] = {}
 
     async def SubmitJob(self, request, context):
         raise InvalidArgument.of([("spec.name", "must not be empty"),
@@ -64,19 +68,35 @@ class Jobs(jobs_pb2_grpc.JobServiceServicer):
         yield jobs_pb2.JobChange()
         raise NotFound("the watch lost its job")
 
+    async def PreemptJob(self, request, context):
+        """Keeps the call open until the client gives up, keeping first what metadata came with it."""
+        self.preempt_metadata = dict(context.invocation_metadata())
+        self.preempting.set()
+        await asyncio.Event().wait()
+
 
 class JobsClient(ServiceClient):
     stub_class = jobs_pb2_grpc.JobServiceStub
 
 
-def _registration(roles: dict[str, str] = ROLES) -> ServiceRegistration:
-    return ServiceRegistration(JOBS, jobs_pb2_grpc.add_JobServiceServicer_to_server, Jobs(), roles)
+class AsyncJobsClient(AsyncServiceClient):
+    stub_class = jobs_pb2_grpc.JobServiceStub
+
+
+def _registration(roles: dict[str, str] = ROLES, servicer: Jobs | None = None) -> ServiceRegistration:
+    return ServiceRegistration(JOBS, jobs_pb2_grpc.add_JobServiceServicer_to_server, servicer or Jobs(), roles)
 
 
 @pytest.fixture
-async def jobs_target():
+def jobs() -> Jobs:
+    return Jobs()
+
+
+@pytest.fixture
+async def jobs_target(jobs: Jobs):
     server = GrpcServer(settings=ServiceSettings(grpc_port=0, metrics_port=0), platform=PlatformSettings(),
-                        metrics=ServiceMetrics("template-test", CollectorRegistry()), registrations=[_registration()])
+                        metrics=ServiceMetrics("template-test", CollectorRegistry()),
+                        registrations=[_registration(servicer=jobs)])
     async with server:
         yield f"127.0.0.1:{server.port}"
 
@@ -162,6 +182,36 @@ async def test_pages_follow_the_page_tokens_to_the_end(jobs_target: str) -> None
                 lambda token: client.stub.ListJobs(jobs_pb2.ListJobsRequest(page_token=token)), lambda r: r.jobs)]
 
     assert await asyncio.to_thread(list_all) == [f"jobs/j{n}" for n in range(5)]
+
+
+async def test_the_asyncio_client_rebuilds_domain_errors_and_follows_pages(jobs_target: str) -> None:
+    async with AsyncJobsClient(jobs_target) as client:
+        with pytest.raises(InvalidArgument) as invalid:
+            await client.stub.SubmitJob(jobs_pb2.SubmitJobRequest())
+        assert invalid.value.violations == (("spec.name", "must not be empty"),
+                                            ("spec.roles.worker.replicas", "must be >= 1, but got 0"))
+        with pytest.raises(NotFound, match="does not exist"):
+            await client.stub.GetJob(jobs_pb2.GetJobRequest(name="jobs/x"))
+        stream = client.stub.WatchJobs(jobs_pb2.WatchJobsRequest())
+        assert await anext(stream) == jobs_pb2.JobChange()
+        with pytest.raises(NotFound, match="lost its job"):
+            await anext(stream)
+        names = [job.name async for job in async_pages(
+            lambda token: client.stub.ListJobs(jobs_pb2.ListJobsRequest(page_token=token)), lambda r: r.jobs)]
+    assert names == [f"jobs/j{n}" for n in range(5)]
+
+
+async def test_the_asyncio_client_sends_its_token_and_a_call_its_closing_cuts_short_fails(
+        jobs: Jobs, jobs_target: str) -> None:
+    """The call fails with a domain error, as a blocking client's does, not as a cancellation of the
+    caller's task (which would stop the caller as if it had been cancelled)."""
+    client = AsyncJobsClient(jobs_target, token="the-token")
+    call = asyncio.create_task(client.stub.PreemptJob(jobs_pb2.PreemptJobRequest(name="jobs/x")))
+    await jobs.preempting.wait()
+    assert jobs.preempt_metadata["authorization"] == "Bearer the-token"
+    await client.close()
+    with pytest.raises(OpmlError, match="the client was closed during the call"):
+        await call
 
 
 # -- run_service's order --------------------------------------------------------------------------

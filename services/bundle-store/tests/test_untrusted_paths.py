@@ -3,15 +3,19 @@
 The store here is hostile: a real grpc.aio server in the test that answers GetBundle and
 ReadBundleFile with whatever paths the test chooses. What refuses is the real client code:
 ``BundleStoreClient.download`` (behind ``opml bundle get -o DIR``; the inference-router's bundle
-fetcher, which uses it too, is tested in its own suite).
+fetcher, which uses it too, is tested in its own suite) and ``AsyncBundleStoreClient.download`` (the
+job-orchestrator's pipelines), each test run with both.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from opml_bundle_store_contract.aioclient import AsyncBundleStoreClient
 from opml_bundle_store_contract.client import BundleStoreClient
 from opml_bundle_store_contract.testing import PAYLOAD, HostileStore, files_under, serving
 from opml_common.errors import DataLoss
@@ -25,23 +29,42 @@ def destination(tmp_path: Path) -> Path:
     return path
 
 
+Download = Callable[[str, Path], list[Path]]
+
+
+@pytest.fixture(params=["blocking", "asyncio"])
+def download(request: pytest.FixtureRequest) -> Download:
+    """``download(target, destination)``: bundle ``model`` of context ``lab`` by one client or the other."""
+    def blocking(target: str, destination: Path) -> list[Path]:
+        with BundleStoreClient(target) as client:
+            return client.download("lab", "model", destination)
+
+    async def on_a_loop(target: str, destination: Path) -> list[Path]:
+        async with AsyncBundleStoreClient(target) as client:
+            return await client.download("lab", "model", destination)
+
+    return blocking if request.param == "blocking" else lambda *args: asyncio.run(on_a_loop(*args))
+
+
 def escaping_paths(tmp_path: Path) -> list[str]:
     # The absolute path is under tmp_path, so even a broken client would write nowhere else.
     return ["../../../x", str(tmp_path / "abs" / "x"), "ok/../../../../x", "..\\..\\..\\x", "ok/\n/../x"]
 
 
 @pytest.mark.parametrize("index", range(5))
-def test_download_refuses_a_path_that_leaves_the_destination(tmp_path: Path, destination: Path, index: int) -> None:
+def test_download_refuses_a_path_that_leaves_the_destination(tmp_path: Path, destination: Path, index: int,
+                                                             download: Download) -> None:
     evil = escaping_paths(tmp_path)[index]
     store = HostileStore(["good.bin", evil])
-    with serving(store) as target, BundleStoreClient(target) as client, pytest.raises(DataLoss) as caught:
-        client.download("lab", "model", destination)
+    with serving(store) as target, pytest.raises(DataLoss) as caught:
+        download(target, destination)
     assert repr(evil) in caught.value.message and "files[1].path" in caught.value.message
     assert files_under(tmp_path) == set()  # nothing at all: the paths are checked before any write
     assert store.reads == []
 
 
-def test_download_refuses_symlinks_out_of_the_destination(tmp_path: Path, destination: Path) -> None:
+def test_download_refuses_symlinks_out_of_the_destination(tmp_path: Path, destination: Path,
+                                                          download: Download) -> None:
     outside = tmp_path / "outside"
     outside.mkdir()
     victim = outside / "victim"
@@ -50,13 +73,13 @@ def test_download_refuses_symlinks_out_of_the_destination(tmp_path: Path, destin
     (destination / "f").symlink_to(victim)
     for path in ("link/x", "f"):
         store = HostileStore([path])
-        with serving(store) as target, BundleStoreClient(target) as client, \
-                pytest.raises(DataLoss, match=f"{path!r} resolves outside"):
-            client.download("lab", "model", destination)
+        with serving(store) as target, pytest.raises(DataLoss, match=f"{path!r} resolves outside"):
+            download(target, destination)
     assert files_under(outside) == {"victim"} and victim.read_bytes() == b"keep"
 
 
-def test_download_refuses_a_symlink_planted_after_the_check(tmp_path: Path, destination: Path) -> None:
+def test_download_refuses_a_symlink_planted_after_the_check(tmp_path: Path, destination: Path,
+                                                            download: Download) -> None:
     """The store plants ``sub -> outside`` while the client reads the first file, then names ``sub/x``."""
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -66,15 +89,14 @@ def test_download_refuses_a_symlink_planted_after_the_check(tmp_path: Path, dest
             (destination / "sub").symlink_to(outside, target_is_directory=True)
 
     store = HostileStore(["a", "sub/x"], on_read=plant)
-    with serving(store) as target, BundleStoreClient(target) as client, \
-            pytest.raises(DataLoss, match="'sub/x'.*'sub' is not a directory"):
-        client.download("lab", "model", destination)
+    with serving(store) as target, pytest.raises(DataLoss, match="'sub/x'.*'sub' is not a directory"):
+        download(target, destination)
     assert store.reads == ["a"] and files_under(outside) == set()
 
 
-def test_download_writes_a_well_formed_bundle(destination: Path) -> None:
-    with serving(HostileStore(["a", "dir/b", "dir/sub/c"])) as target, BundleStoreClient(target) as client:
-        written = client.download("lab", "model", destination)
+def test_download_writes_a_well_formed_bundle(destination: Path, download: Download) -> None:
+    with serving(HostileStore(["a", "dir/b", "dir/sub/c"])) as target:
+        written = download(target, destination)
     assert sorted(p.relative_to(destination).as_posix() for p in written) == ["a", "dir/b", "dir/sub/c"]
     assert files_under(destination) == {"a", "dir/b", "dir/sub/c"}
     assert all(p.read_bytes() == PAYLOAD for p in written)

@@ -8,8 +8,9 @@ against that CA, presenting ``OPML_GRPC_TLS_CLIENT_CERT``/``_KEY`` when set (mTL
 
 from __future__ import annotations
 
+import asyncio
 import functools
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar, Self, TypeVar
 
 import grpc
@@ -171,6 +172,89 @@ class ServiceClient:
         self.close()
 
 
+class _AioDomainErrorStub:
+    """A generated grpc.aio stub whose every call sends the bearer token and raises OpmlError subclasses
+    instead of grpc.RpcError (server streams included, when they are read). A call the client's closing
+    cut short raises OpmlError, as a blocking client's does, not a cancellation of the caller's task."""
+
+    def __init__(self, stub: object, metadata: tuple[tuple[str, str], ...], closed: Callable[[], bool]) -> None:
+        self._stub, self._metadata, self._closed = stub, metadata, closed
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self._stub, name)
+        streams = isinstance(method, (grpc.aio.UnaryStreamMultiCallable, grpc.aio.StreamStreamMultiCallable))
+
+        def start(args: tuple, kwargs: dict) -> Any:
+            metadata = (*(kwargs.pop("metadata", None) or ()), *self._metadata)
+            return method(*args, metadata=metadata, **kwargs)
+
+        if streams:
+            @functools.wraps(method)
+            def call(*args, **kwargs):
+                return self._read(start(args, kwargs))
+        else:
+            @functools.wraps(method)
+            async def call(*args, **kwargs):
+                try:
+                    return await start(args, kwargs)
+                except grpc.RpcError as error:
+                    raise domain_error(error) from None
+                except asyncio.CancelledError:
+                    self._raise_if_closed()
+                    raise
+
+        setattr(self, name, call)  # looked up once per method
+        return call
+
+    async def _read(self, stream: Any) -> AsyncIterator[Any]:
+        try:
+            async for item in stream:
+                yield item
+        except grpc.RpcError as error:
+            raise domain_error(error) from None
+        except asyncio.CancelledError:
+            self._raise_if_closed()
+            raise
+        finally:
+            stream.cancel()  # a reader that stops early ends the call (a no-op once it has ended)
+
+    def _raise_if_closed(self) -> None:
+        task = asyncio.current_task()
+        if self._closed() and (task is None or not task.cancelling()):
+            raise from_status("CANCELLED", "the client was closed during the call") from None
+
+
+class AsyncServiceClient:
+    """Base of the platform's asyncio clients (grpc.aio), for a service that calls another from its
+    event loop: no blocking channel on a worker thread beside the service's own grpc.aio server (a mix
+    gRPC has crashed on), no thread per call. As :class:`ServiceClient`: one channel (TLS from
+    ``OPML_GRPC_TLS_*`` unless ``tls`` says), the bearer token on every call, the stub as ``self.stub``
+    (its failures raise domain errors); ``await close()`` or ``async with``. Made on the loop that uses it.
+
+    A subclass sets ``stub_class`` and adds one coroutine per RPC; list methods use :func:`async_pages`.
+    """
+
+    stub_class: ClassVar[Callable[[grpc.aio.Channel], object]]
+
+    def __init__(self, target: str, *, token: str | None = None, tls: Tls = None) -> None:
+        self.target = target
+        self._channel = open_aio_channel(target, tls=tls)
+        self._closed = False
+        metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.stub = _AioDomainErrorStub(self.stub_class(self._channel), metadata, lambda: self._closed)
+
+    async def close(self) -> None:
+        """Close the channel; calls still in flight end with OpmlError."""
+        self._closed = True
+        await self._channel.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
 R = TypeVar("R")
 
 
@@ -181,6 +265,18 @@ def pages(call: Callable[[str], R], items: Callable[[R], Iterable[T]]) -> Iterat
     while True:
         reply = call(token)
         yield from items(reply)
+        token = reply.next_page_token  # type: ignore[attr-defined]
+        if not token:
+            return
+
+
+async def async_pages(call: Callable[[str], Awaitable[R]], items: Callable[[R], Iterable[T]]) -> AsyncIterator[T]:
+    """:func:`pages` for an asyncio client: ``await call(page_token)`` returns one page."""
+    token = ""
+    while True:
+        reply = await call(token)
+        for item in items(reply):
+            yield item
         token = reply.next_page_token  # type: ignore[attr-defined]
         if not token:
             return

@@ -73,13 +73,8 @@ class BundleStoreClient(ServiceClient):
         """Add a bundle of ``files`` (bundle path -> local file or bytes) and typed ``values``.
         ``idempotency_key``: a retry of this add with the same key (on any replica) adds nothing and
         returns the bundle the first one added; an add of the key with other content raises AlreadyExists."""
-        specs = [pb.BundleFile(path=path, sha256=_sha256(source), size_bytes=_size(source),
-                               media_type=(media_types or {}).get(path) or media_type_of(path))
-                 for path, source in files.items()]
-        header = pb.AddBundleHeader(
-            parent=f"contexts/{context_id}", bundle_name=bundle_name, tags=dict(tags or {}),
-            values={k: value_to_proto(v) for k, v in (values or {}).items()}, lineage=lineage,
-            files=specs, commit=commit, idempotency_key=idempotency_key)
+        header = add_header(context_id, bundle_name, files, values=values, tags=tags, lineage=lineage,
+                            commit=commit, media_types=media_types, idempotency_key=idempotency_key)
 
         def requests() -> Iterator[pb.AddBundleRequest]:
             yield pb.AddBundleRequest(header=header)
@@ -120,26 +115,13 @@ class BundleStoreClient(ServiceClient):
         """
         destination = Path(destination)
         bundle = self.get_bundle(context_id, ref)
-        paths = [entry.path for entry in bundle.files]
-        problems = [rule for _, rule in path_violations(paths)]
-        targets = []
-        for index, path in enumerate(paths):
-            target = contained(destination, path)
-            if target is None:
-                problems.append(f"files[{index}].path {path!r} resolves outside {str(destination)!r}")
-            targets.append(target)
-        if problems:
-            raise DataLoss(f"refusing to write bundle {bundle.bundle_name!r} ({bundle.uuid}) under "
-                           f"{str(destination)!r}: the bundle-store at {self.target} named unsafe paths: "
-                           + "; ".join(problems[:5]))
+        targets = download_targets(bundle, destination, self.target)
         destination.mkdir(parents=True, exist_ok=True)
         root = destination.resolve()
-        written = []
-        for path, target in zip(paths, targets):
-            with _open_inside(root, path) as handle:
+        for path in targets:
+            with open_inside(root, path) as handle:
                 handle.writelines(self.read_file(context_id, ref, path))
-            written.append(target)
-        return written
+        return list(targets.values())
 
     def commit(self, context_id: str, ref: str) -> pb.Bundle:
         return self.stub.CommitBundle(pb.CommitBundleRequest(name=f"contexts/{context_id}/bundles/{ref}"))
@@ -189,7 +171,39 @@ class BundleStoreClient(ServiceClient):
             name=f"contexts/{context_id}/bundles/{ref}", direction=direction, max_depth=max_depth))
 
 
-def _open_inside(root: Path, path: str):
+def add_header(context_id: str, bundle_name: str, files: Mapping[str, FileSource], *,
+               values: Mapping[str, Value] | None = None, tags: Mapping[str, str] | None = None,
+               lineage: pb.Lineage | None = None, commit: bool = False,
+               media_types: Mapping[str, str] | None = None, idempotency_key: str = "") -> pb.AddBundleHeader:
+    """The first message of an AddBundle: every file's sha256 and size (each file is read once here)."""
+    specs = [pb.BundleFile(path=path, sha256=_sha256(source), size_bytes=_size(source),
+                           media_type=(media_types or {}).get(path) or media_type_of(path))
+             for path, source in files.items()]
+    return pb.AddBundleHeader(
+        parent=f"contexts/{context_id}", bundle_name=bundle_name, tags=dict(tags or {}),
+        values={k: value_to_proto(v) for k, v in (values or {}).items()}, lineage=lineage,
+        files=specs, commit=commit, idempotency_key=idempotency_key)
+
+
+def download_targets(bundle: pb.Bundle, destination: Path, store: str) -> dict[str, Path]:
+    """Each of ``bundle``'s paths and where it lands under ``destination``, checked before anything is
+    written (see :meth:`BundleStoreClient.download`). Raises: DataLoss naming the unsafe paths."""
+    paths = [entry.path for entry in bundle.files]
+    problems = [rule for _, rule in path_violations(paths)]
+    targets = {}
+    for index, path in enumerate(paths):
+        target = contained(destination, path)
+        if target is None:
+            problems.append(f"files[{index}].path {path!r} resolves outside {str(destination)!r}")
+        targets[path] = target
+    if problems:
+        raise DataLoss(f"refusing to write bundle {bundle.bundle_name!r} ({bundle.uuid}) under "
+                       f"{str(destination)!r}: the bundle-store at {store} named unsafe paths: "
+                       + "; ".join(problems[:5]))
+    return targets
+
+
+def open_inside(root: Path, path: str):
     """Open ``root/path`` for writing, creating its directories, never through a symlink: each
     level is opened relative to the one before with ``O_NOFOLLOW``, so a symlink planted after
     the check still cannot redirect the write (``path`` was checked: relative, no '..')."""

@@ -1,8 +1,10 @@
 """What the engine asks of the bundle-store: spans to read, outputs to write, each idempotently.
 
 :class:`BundleIO` is the port (a test's fake implements it); :class:`BundleStoreIO` calls the
-bundle-store's gRPC API through its contract client, in threads (the client is synchronous). Step
-jobs never get bundle-store credentials: the engine moves every bundle in and out.
+bundle-store's gRPC API through its contract's asyncio client, on the service's event loop (a
+blocking client on worker threads beside the service's grpc.aio server is a mix gRPC has crashed on).
+Step jobs never get bundle-store credentials: the engine moves every bundle in and out, with the
+service's own token.
 
 An output is added with tags that name its pipeline, run, step and role (:func:`output_tags`), so
 a runner that resumes after a crash between the add and its record finds it (:meth:`BundleIO.find`)
@@ -11,14 +13,13 @@ instead of adding it twice.
 
 from __future__ import annotations
 
-import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from pathlib import Path
 
 from opml.bundles.v1 import bundles_pb2
 
-from opml_bundle_store_contract.client import BundleStoreClient
+from opml_bundle_store_contract.aioclient import AsyncBundleStoreClient
 from opml_common.errors import AlreadyExists, NotFound
 
 CREATOR = "job-orchestrator/pipelines"
@@ -56,29 +57,30 @@ class BundleIO(ABC):
 
 
 class BundleStoreIO(BundleIO):
+    """Made on the service's event loop; :meth:`aclose` at shutdown, once the engine has stopped."""
+
     def __init__(self, target: str, *, token: str | None = None) -> None:
-        self._client = BundleStoreClient(target, token=token)
+        self._client = AsyncBundleStoreClient(target, token=token)
         self._contexts: set[str] = set()
 
     async def aclose(self) -> None:
-        self._client.close()
+        await self._client.close()
 
     async def list_committed(self, context: str, bundle_name: str = "") -> list[bundles_pb2.Bundle]:
         try:
-            return await asyncio.to_thread(self._client.list_bundles, context, bundle_name=bundle_name,
-                                           committed_only=True)
+            return await self._client.list_bundles(context, bundle_name=bundle_name, committed_only=True)
         except NotFound:
             return []
 
     async def get(self, context: str, uuid: str) -> bundles_pb2.Bundle:
-        return await asyncio.to_thread(self._client.get_bundle, context, uuid)
+        return await self._client.get_bundle(context, uuid)
 
     async def download(self, context: str, uuid: str, destination: Path) -> None:
-        await asyncio.to_thread(self._client.download, context, uuid, destination)
+        await self._client.download(context, uuid, destination)
 
     async def find(self, context: str, tags: Mapping[str, str]) -> bundles_pb2.Bundle | None:
         try:
-            found = await asyncio.to_thread(self._client.list_bundles, context, tags=dict(tags))
+            found = await self._client.list_bundles(context, tags=dict(tags))
         except NotFound:
             return None
         return max(found, key=lambda b: b.create_time.ToNanoseconds()) if found else None
@@ -87,17 +89,17 @@ class BundleStoreIO(BundleIO):
                   values: Mapping[str, str | float] | None = None, tags: Mapping[str, str],
                   lineage: bundles_pb2.Lineage, commit: bool = True) -> bundles_pb2.Bundle:
         await self._ensure_context(context)
-        return await asyncio.to_thread(self._client.add, context, bundle_name, dict(files), values=values,
-                                       tags=dict(tags), lineage=lineage, commit=commit)
+        return await self._client.add(context, bundle_name, dict(files), values=values, tags=dict(tags),
+                                      lineage=lineage, commit=commit)
 
     async def _ensure_context(self, context: str) -> None:
         if context in self._contexts:
             return
         try:
-            await asyncio.to_thread(self._client.get_context, context)
+            await self._client.get_context(context)
         except NotFound:
             try:
-                await asyncio.to_thread(self._client.create_context, context)
+                await self._client.create_context(context)
             except AlreadyExists:
                 pass
         self._contexts.add(context)

@@ -172,15 +172,16 @@ class ScheduleTrigger(Component):
 
 
 class ScorerAlerts:
-    """:class:`AlertReader` over the monitoring-scorer's API (its contract client, in a thread)."""
+    """:class:`AlertReader` over the monitoring-scorer's API (its contract's asyncio client, on the
+    service's event loop). Made on that loop; :meth:`aclose` at shutdown, once the consumers have stopped."""
 
     def __init__(self, target: str, *, token: str | None = None) -> None:
-        from opml_monitoring_scorer_contract.client import MonitoringClient
+        from opml_monitoring_scorer_contract.aioclient import AsyncMonitoringClient
 
-        self._client = MonitoringClient(target, token=token)
+        self._client = AsyncMonitoringClient(target, token=token)
 
     async def aclose(self) -> None:
-        self._client.close()
+        await self._client.close()
 
     async def alerts(self, model: str, version: str, segment: str = "") -> list[monitoring_pb2.Alert]:
-        return await asyncio.to_thread(self._client.alerts, model, version, segment=segment)
+        return await self._client.alerts(model, version, segment=segment)

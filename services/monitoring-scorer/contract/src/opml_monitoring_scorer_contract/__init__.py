@@ -1,8 +1,9 @@
 """The monitoring-scorer's contract: what other services and users need to talk to it.
 
-Its gRPC client, the name of a monitored model version, the topics of the monitoring area (the alerts
-and the windows' quality it publishes, the labels others publish for it to join to predictions), its
-event source, the source of the platform's own labels, and the reference set a model bundle carries to be monitored.
+Its gRPC clients (blocking, and asyncio for a service's event loop), the name of a monitored model
+version, the topics of the monitoring area (the alerts and the windows' quality it publishes, the
+labels others publish for it to join to predictions), its event source, the source of the platform's
+own labels, and the reference set a model bundle carries to be monitored.
 """
 
 from opml_common.lazy import lazy_exports
@@ -11,6 +12,7 @@ from opml_common.lazy import lazy_exports
 # client's grpc (and whatever else a submodule needs).
 _EXPORTS = {
     "ALERTS": "topics",
+    "AsyncMonitoringClient": "aioclient",
     "EVENT_SOURCE": "names",
     "LABELS": "topics",
     "LABEL_SOURCE": "names",
