@@ -26,10 +26,10 @@ from opml_common.metrics import ServiceMetrics
 from opml_monitoring_scorer.core import scorer as scorer_module
 from opml_monitoring_scorer.core.records import AlertRecord
 from opml_monitoring_scorer.core.reference import Task, performance
-from opml_monitoring_scorer.core.scorer import Scorer, dump_reference, load_reference
+from opml_monitoring_scorer.core.scorer import Joinable, Scorer, dump_reference, load_reference
 from opml_monitoring_scorer.metrics import ScorerMetrics
 from opml_monitoring_scorer.servicer import MonitoringServicer
-from opml_monitoring_scorer.state import LabelOrigin, MonitorStore
+from opml_monitoring_scorer.state import LabelOrigin, MonitorStore, ParkedLabel
 from opml_monitoring_scorer.synthetic import FEATURES, SyntheticWorld
 from opml_monitoring_scorer_contract.names import LABEL_SOURCE
 
@@ -67,10 +67,12 @@ def events_of(rows, start: int) -> list[tuple[str, bytes]]:
 
 class Outage:
     """Redis going away: every command sent after the next ``commands`` fails (the client's own
-    retries too) until :meth:`end`."""
+    retries too) until :meth:`end`. ``sent``: the round trips made (a pipeline's or a script call's
+    commands go in one)."""
 
     def __init__(self) -> None:
         self.left: int | None = None
+        self.sent = 0
 
     def after(self, commands: int) -> None:
         self.left = commands
@@ -83,6 +85,7 @@ class Outage:
 
         class Connection(aioredis.Connection):
             async def send_packed_command(self, command, check_health: bool = True) -> None:
+                outage.sent += 1
                 if outage.left is not None:
                     if outage.left == 0:
                         raise redis.exceptions.ConnectionError("Redis went away (the test's outage)")
@@ -344,6 +347,43 @@ async def test_a_label_is_replaced_only_by_its_producer_with_a_newer_time(scorer
     await scorer.store.redis.set(scorer.store._k("joined", "r9"), "1")  # applied before producers were kept
     await scorer.on_prediction_joinable("n/1", 1, events_of(world.rows(1), 9)[0][1], "r9")
     assert await scorer.on_label(observed("r9", 1.0), origin("j")) == "other_producer"
+
+
+async def test_labels_before_their_predictions_are_parked_in_one_round_trip(scorer, outage) -> None:
+    """Each label that came before its prediction was parked with a Redis call of its own (a batch of
+    500 labels of requests not served yet made 500 round trips). A batch's are parked in one script call,
+    with the outcomes the labels one by one would have: in order, each producer's apart, a producer's
+    label not newer than its parked one a duplicate, a newer one replacing it, a label whose prediction
+    is there joined, one from a producer no model accepts refused; kept with the expiry, and joined in
+    the order they came when their predictions come."""
+    scorer, world, _ = scorer
+    await scorer.register("n", "1", "ctx", "qa")  # n/1 accepts plant-3/qa: its labels may be parked
+    rows = world.rows(40)
+    events = events_of(rows, 0)
+    right = [float(v) for v in rows.outputs.predicted]
+    await scorer.store.park_labels([("warm", ParkedLabel(origin("w"), b""))])  # the script loaded
+    await scorer.on_prediction_joinable("m/1", 0, events[39][1], "r39")
+    batch = [(observed(f"r{i}", right[i]), origin(f"e{i}")) for i in range(39)]
+    batch += [(observed("r0", 1 - right[0]), origin("e0-old", seconds=-5)),  # its producer's, older
+              (observed("r1", 1 - right[1]), origin("e1-fix", seconds=5)),  # its producer's, newer
+              (observed("r2", 1 - right[2]), origin("q2", producer=QA)),  # another producer's
+              (observed("r39", right[39]), origin("e39")),  # its prediction is there
+              (observed("r99", 1.0), origin("x99", producer="evil/anyone"))]
+    sent = outage.sent
+    outcomes = await scorer.on_labels(batch)
+    round_trips = outage.sent - sent
+    assert outcomes[:-1] == ["parked"] * 39 + ["duplicate", "parked", "parked", "joined"]
+    assert isinstance(outcomes[-1], UntrustedSource)
+    # the look-up, the two producers' checks, the parking, the join and its window's read: not one per label
+    assert round_trips <= 6, round_trips
+    store = scorer.store
+    assert 0 < await store.redis.ttl(store._k("labels", "r38")) <= store.retention_s
+    assert await store.redis.exists(store._k("labels", "r99")) == 0, "nothing parked for nobody's producer"
+
+    await scorer.on_predictions_joinable([Joinable("m/1", 0, raw, rid) for rid, raw in events[:39]])
+    assert await store.truth("m/1", 0) == (40, 39.0), "r1 by its producer's newer label, r2 by the first"
+    assert [counted(scorer, outcome) for outcome in ("parked", "duplicate", "joined", "untrusted")] == [41, 1, 40, 1]
+    assert await store.redis.exists(*(store._k("labels", f"r{i}") for i in range(39))) == 0, "taken once"
 
 
 async def test_a_replayed_window_close_steps_the_rules_once(scorer) -> None:

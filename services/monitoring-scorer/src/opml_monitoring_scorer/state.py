@@ -61,27 +61,38 @@ prediction its request id and record; returns [index (from 0), parked label, ...
 came first, each producer's (and deletes them)."""
 
 _PARK = """
-if redis.call('EXISTS', KEYS[2]) == 1 then
-  return -1
-end
-local held = redis.call('HGET', KEYS[1], ARGV[2])
-local seq = redis.call('HLEN', KEYS[1])
-if held then
-  local order, time = string.match(held, '^(%d+) (%d+)\\n')
-  if ARGV[3] <= time then
-    return 0
+local ttl, parked, pred = ARGV[1], ARGV[2], ARGV[3]
+local out = {}
+for i = 4, #ARGV, 4 do
+  local id, producer, time = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  local key, result = parked .. id, 1
+  if redis.call('EXISTS', pred .. id) == 1 then
+    result = -1
+  else
+    local held = redis.call('HGET', key, producer)
+    local seq = redis.call('HLEN', key)
+    if held then
+      local order, stamp = string.match(held, '^(%d+) (%d+)\\n')
+      if time <= stamp then
+        result = 0
+      end
+      seq = order
+    end
+    if result == 1 then
+      redis.call('HSET', key, producer, seq .. ' ' .. time .. '\\n' .. ARGV[i + 3])
+      redis.call('EXPIRE', key, ttl)
+    end
   end
-  seq = order
+  out[#out + 1] = result
 end
-redis.call('HSET', KEYS[1], ARGV[2], seq .. ' ' .. ARGV[3] .. '\\n' .. ARGV[4])
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-return 1
+return out
 """
-"""Parks a label that came before its prediction (KEYS[1], ARGV[1] its expiry) as its producer's
-(ARGV[2]) unless that producer's parked one is as new (event times ARGV[3], fixed width, compare as
-strings); the record (ARGV[4]) is kept after its arrival order among the producers and its time.
-Returns 1 when parked, 0 when not newer, -1 when the prediction (KEYS[2]) is there: it came after the
-label looked for it, and took the labels parked then, so one parked now would wait for it forever."""
+"""Parks labels that came before their predictions, in order, in one call: ARGV their expiry, the
+labels: and pred: key prefixes, then per label its request id, producer, event time (fixed width,
+compared as strings) and record. Each is kept as its producer's unless that producer's parked one is as
+new; the record is kept after its arrival order among the producers and its time. Returns per label 1
+when parked, 0 when not newer, -1 when its prediction is there: it came after the label looked for it,
+and took the labels parked then, so one parked now would wait for it forever."""
 
 _JOIN = """
 local ttl, truth_ttl, joined, truth = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
@@ -387,20 +398,26 @@ class MonitorStore(Component):
         (one JSON object, the event in hex), written before an upgrade, still reads."""
         return (await self.find_predictions([request_id]))[0]
 
-    async def park_label(self, request_id: str, label: ParkedLabel) -> str:
-        """Parks a label that came before its prediction as its producer's (``parked``), unless that
-        producer's parked one is as new (``duplicate``), or the prediction has come since the label
-        looked for it (``arrived``: join it). Each producer's is kept apart, so whether a label is
-        trusted for the request's model is decided when its prediction comes, and one producer's
-        label never displaces another's."""
+    async def park_labels(self, labels: list[tuple[str, ParkedLabel]]) -> list[str]:
+        """Parks labels that came before their predictions (request id, label), in order, in one round
+        trip (one call of ``_PARK``; it was a call per label): each as its producer's (``parked``),
+        unless that producer's parked one is as new (``duplicate``), or the prediction has come since
+        the label looked for it (``arrived``: join it). Each producer's is kept apart, so whether a label
+        is trusted for the request's model is decided when its prediction comes, and one producer's
+        label never displaces another's. Labels of one request apply in their order, so a batch ends
+        as the labels one by one would. The script builds its keys from the prefixes it is given (one
+        Redis, not a cluster), as ``_REMEMBER`` does."""
+        if not labels:
+            return []
         if self._park is None:
             self._park = self.redis.register_script(_PARK)
-        origin = label.origin
-        head = json.dumps({"producer": origin.producer, "time": origin.time.isoformat(), "id": origin.event_id})
-        parked = int(await self._park(keys=[self._k("labels", request_id), self._k("pred", request_id)],
-                                      args=[self.retention_s, origin.producer, origin.stamp,
-                                            head.encode() + b"\n" + label.data]))
-        return "arrived" if parked < 0 else "parked" if parked else "duplicate"
+        args: list[Any] = [self.retention_s, self._k("labels", ""), self._k("pred", "")]
+        for request_id, label in labels:
+            origin = label.origin
+            head = json.dumps({"producer": origin.producer, "time": origin.time.isoformat(), "id": origin.event_id})
+            args += (request_id, origin.producer, origin.stamp, head.encode() + b"\n" + label.data)
+        out = await self._park(keys=[], args=args)
+        return ["arrived" if parked < 0 else "parked" if parked else "duplicate" for parked in map(int, out)]
 
     async def join_truths(self, joins: list[TruthJoin]) -> list[tuple[str, tuple[int, float], tuple[int, float]]]:
         """Applies requests' labels to their windows' truth, in order, in one script call (``_JOIN``):

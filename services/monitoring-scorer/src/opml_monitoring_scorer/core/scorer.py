@@ -607,21 +607,24 @@ class Scorer(Component):
         pending = list(labels)
         while pending:
             found = await self.store.find_predictions([labels[i].request_id for i in pending])
-            joins, again = [], []
+            joins, parking, again = [], [], []
             for i, record in zip(pending, found, strict=True):
                 if record is not None:
                     joins.append((i, record))
                     continue
                 try:
-                    parked = await self._park(labels[i], items[i], producers)
+                    await self._check_parkable(items[i][1].producer, producers)
                 except Exception as exc:  # noqa: BLE001 - this label's outcome
                     results[i] = exc
                     continue
+                parking.append(i)
+            for i, parked in zip(parking, await self._park(parking, labels, items), strict=True):
                 if parked == "arrived":  # the prediction came since the look-up; look again
                     again.append(i)
-                else:
+                    continue
+                if isinstance(parked, str):
                     self.metrics.labels.labels(parked).inc()
-                    results[i] = parked
+                results[i] = parked
             for (i, _), outcome in zip(joins, await self._join_many(
                     [(key, window, event, labels[i], items[i][1], segment, segment_window)
                      for i, (key, window, event, segment, segment_window) in joins]), strict=True):
@@ -629,15 +632,12 @@ class Scorer(Component):
             pending = again
         return results  # type: ignore[return-value]
 
-    async def _park(self, label: label_events_pb2.LabelObserved, item: tuple[bytes, LabelOrigin],
-                    producers: dict[str, bool]) -> str:
-        """Parks a label that came before its prediction: parked, duplicate or arrived (see
-        :meth:`MonitorStore.park_label`). Whether the model accepts it is known once the prediction
-        comes; parked only from a producer some model accepts, so nobody else can fill Redis with labels.
+    async def _check_parkable(self, producer: str, producers: dict[str, bool]) -> None:
+        """Whether the model accepts a label is known once its prediction comes; one is parked only from
+        a producer some model accepts, so nobody else can fill Redis with labels (``producers``: the
+        answers so far).
 
-        Raises: UntrustedSource: no model accepts its producer."""
-        raw, origin = item
-        producer = origin.producer
+        Raises: UntrustedSource: no model accepts ``producer``."""
         if producer not in producers:
             producers[producer] = producer in self.label_sources or await self.store.is_label_producer(producer)
         if not producers[producer]:
@@ -645,7 +645,17 @@ class Scorer(Component):
                                   f"of any monitored model; accepted for every model: "
                                   f"{', '.join(sorted(self.label_sources)) or 'none'}, and the producers a "
                                   "model's monitoring.yaml names (labels.producers)")
-        return await self.store.park_label(label.request_id, ParkedLabel(origin, raw))
+
+    async def _park(self, indexes: list[int], labels: Mapping[int, label_events_pb2.LabelObserved],
+                    items: Sequence[tuple[bytes, LabelOrigin]]) -> list[str | Exception]:
+        """Parks these labels, which came before their predictions, in one round trip: each one's
+        parked, duplicate or arrived (see :meth:`MonitorStore.park_labels`), or, for all, what the
+        store raised (Redis unreachable: the stream tries them again)."""
+        try:
+            return list(await self.store.park_labels(
+                [(labels[i].request_id, ParkedLabel(items[i][1], items[i][0])) for i in indexes]))
+        except Exception as exc:  # noqa: BLE001 - the outcome of each of these labels
+            return [exc] * len(indexes)
 
     async def submit_labels(self, model: str, version: str, labels: Sequence[SubmittedLabel]) -> int:
         """Publishes these labels (LabelObserved, under the platform's label source) for the stream to
