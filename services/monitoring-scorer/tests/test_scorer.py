@@ -386,6 +386,61 @@ async def test_labels_before_their_predictions_are_parked_in_one_round_trip(scor
     assert await store.redis.exists(*(store._k("labels", f"r{i}") for i in range(39))) == 0, "taken once"
 
 
+async def test_a_batch_of_labels_applied_again_after_a_failure_counts_each_label_joined_once(scorer, outage) -> None:
+    """Redis going away at each step of a batch's join in turn, then the batch applied again (as the
+    stream does): each label is counted joined once, taught to the MPP once and in its window's truth
+    once. The outcomes were counted only once the windows were saved: a failure after the join script
+    (a window's save) left the labels joined but never counted, and the batch again counted them as
+    duplicates only."""
+    scorer, world, _ = scorer
+    mpp = scorer.get("m/1").monitor.mpp
+    rows = world.rows(8 * 30)
+    events = events_of(rows, 0)
+    for attempt in range(30):
+        window = events[attempt * 8:(attempt + 1) * 8]
+        for request_id, raw in window:
+            await scorer.on_prediction_joinable("m/1", attempt, raw, request_id)
+        await scorer.close_window("m/1", attempt, [raw for _, raw in window], 0.0, 1.0)
+        batch = [(observed(request_id, rows.labels[attempt * 8 + i]), origin(request_id))
+                 for i, (request_id, _) in enumerate(window)]
+        outage.after(attempt)  # the attempt-th command of the batch's join is the first that fails
+        try:
+            first = await scorer.on_labels(batch)
+        except redis.exceptions.ConnectionError:
+            first = None
+        outage.end()
+        again = await scorer.on_labels(batch)
+        joined = 8 * (attempt + 1)
+        assert counted(scorer, "joined") == joined, f"interrupted at command {attempt}: {first}, {again}"
+        assert mpp.labels == joined and (await scorer.store.truth("m/1", attempt))[0] == 8
+        assert (await scorer.store.get_window("m/1", attempt))["labelled"] == 8
+        if first == ["joined"] * 8:  # the join got through: every step of it was interrupted once
+            break
+    else:
+        raise AssertionError("no join got through before the outage in 30 tries")
+
+
+async def test_the_same_labels_sent_again_as_new_events_are_duplicates_not_corrections(scorer) -> None:
+    """Labels submitted without a time (SubmitLabels, `opml monitor label` without a time column) get
+    a new event id and a newer time each time they are sent: sent again (a retried call or file), each
+    was counted again as a correction that changed nothing. The same values from the same producer are
+    a duplicate, which moves the request's label on to the newer time; other values still correct it."""
+    scorer, world, _ = scorer
+    rows = world.rows(1)
+    ((request_id, raw),) = events_of(rows, 0)
+    right = float(rows.outputs.predicted[0])
+    await scorer.on_prediction_joinable("m/1", 0, raw, request_id)
+    assert await scorer.on_label(observed(request_id, right), origin("a")) == "joined"
+    assert await scorer.on_label(observed(request_id, right), origin("a-again", seconds=10)) == "duplicate"
+    assert await scorer.on_label(observed(request_id, 1 - right), origin("b", seconds=5)) == "duplicate", \
+        "older than the label sent again"
+    assert await scorer.store.truth("m/1", 0) == (1, 1.0)
+    assert [counted(scorer, outcome) for outcome in ("joined", "corrected", "duplicate")] == [1, 0, 2]
+    assert await scorer.on_label(observed(request_id, 1 - right), origin("c", seconds=20)) == "corrected"
+    assert await scorer.store.truth("m/1", 0) == (1, 0.0)
+    assert scorer.get("m/1").monitor.mpp.labels == 1
+
+
 async def test_a_replayed_window_close_steps_the_rules_once(scorer) -> None:
     scorer, world, emitter = scorer
     await scorer.set_rules("m/1", "rules: [{name: always, signal: score, under: 1.01, for: 2}]")

@@ -40,8 +40,9 @@ class ScorerMetrics:
             "window_close_seconds", "From a window's close to its score saved and its alerts emitted.", mvs,
             buckets=WINDOW_CLOSE_BUCKETS)
         self.labels = metrics.counter("labels_total", "Labels by outcome: joined, parked (before its "
-                                      "prediction), corrected (its producer's again with a newer time: "
-                                      "replaced), duplicate (the same event again, or not newer), other_producer "
+                                      "prediction), corrected (its producer's again with a newer time and "
+                                      "other values: replaced), duplicate (the same event again, not newer, or "
+                                      "the same values), other_producer "
                                       "(the request was labelled by another producer: the first kept), untrusted "
                                       "(from a producer the model does not accept: dead-lettered), malformed, "
                                       "unjoinable (its version had no monitor yet).", ("outcome",))

@@ -14,7 +14,7 @@ version as a whole and ``{mv}#{segment}`` for one of its segments, core/segments
 | ``alerts:{wk}`` (hash) + ``aindex:{wk}`` (zset) | ``{rule}@{window}`` -> the alert, newest first |
 | ``pred:{request id}`` | the prediction a late label joins to (a JSON line of model version and window, and its segment's and window there, then the event's bytes), expires |
 | ``labels:{request id}`` (hash) | producer -> its label that came before its prediction (the newest by event time), expires |
-| ``joined:{request id}`` (hash) | the label applied: its producer, event time, event id and truth (correct count or error sum), expires |
+| ``joined:{request id}`` (hash) | the label applied: its producer, event time, event id, truth (correct count or error sum) and a digest of its values, expires |
 | ``truth:{wk}:{window}`` (hash) | labelled rows and their correct count (or absolute error sum) |
 | ``segments:{mv}`` (set) | the segments of the version that closed a window (bounded, core/segments.py) |
 | ``labelproducers`` (set) | the label producers some model's monitoring.yaml names (a label may be parked only from one of them, or from the platform's) |
@@ -28,11 +28,13 @@ labelled (a later label is from another producer).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import numpy as np
 import redis.asyncio as aioredis
 
 from opml_common.lifecycle import Component
@@ -97,19 +99,23 @@ and took the labels parked then, so one parked now would wait for it forever."""
 _JOIN = """
 local ttl, truth_ttl, joined, truth = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local out = {}
-for i = 5, #ARGV, 8 do
+for i = 5, #ARGV, 9 do
   local claimed, version, segment = joined .. ARGV[i], truth .. ARGV[i + 1], ARGV[i + 2]
   local rows, total, producer, time, id = ARGV[i + 3], ARGV[i + 4], ARGV[i + 5], ARGV[i + 6], ARGV[i + 7]
+  local values = ARGV[i + 8]
   local delta, outcome = total, 'joined'
   local kind = redis.call('TYPE', claimed)['ok']
   if kind == 'string' then
     outcome = 'other_producer'
   elseif kind == 'hash' then
-    local claim = redis.call('HMGET', claimed, 'producer', 'time', 'id', 'total')
+    local claim = redis.call('HMGET', claimed, 'producer', 'time', 'id', 'total', 'values')
     if claim[1] ~= producer then
       outcome = 'other_producer'
     elseif claim[3] == id or time <= claim[2] then
       outcome = 'duplicate'
+    elseif claim[5] == values then
+      outcome = 'duplicate'
+      redis.call('HSET', claimed, 'time', time, 'id', id)
     else
       rows, delta, outcome = 0, string.format('%.17g', tonumber(total) - tonumber(claim[4])), 'corrected'
     end
@@ -118,7 +124,7 @@ for i = 5, #ARGV, 8 do
     segment = truth .. segment
   end
   if outcome == 'joined' or outcome == 'corrected' then
-    redis.call('HSET', claimed, 'producer', producer, 'time', time, 'id', id, 'total', total)
+    redis.call('HSET', claimed, 'producer', producer, 'time', time, 'id', id, 'total', total, 'values', values)
     redis.call('EXPIRE', claimed, ttl)
     redis.call('HINCRBY', version, 'labelled', rows)
     redis.call('HINCRBYFLOAT', version, 'total', delta)
@@ -145,10 +151,13 @@ return out
 """Applies labels to their requests' windows, in order, in one call: ARGV the claims' expiry, the
 truths' expiry, the joined: and truth: key prefixes, then per label its request id, window
 (``{wk}:{window}``), its segment's window (``{wk}#{segment}:{window}``, "" in none), rows, correct count
-(or error sum), producer, event time (fixed width) and event id. Each label claims its request id and
-adds its rows to its window's truth (and its segment window's) in one step. A request already claimed
-keeps its label unless this one is its producer's with a newer time (a correction: the truth takes
-the difference, its rows counted once). Returns per label [outcome, the window's labelled rows and
+(or error sum), producer, event time (fixed width), event id and a digest of its values. Each label
+claims its request id and adds its rows to its window's truth (and its segment window's) in one step.
+A request already claimed keeps its label unless this one is its producer's with a newer time and other
+values (a correction: the truth takes the difference, its rows counted once); the same values again
+under a newer time and another event id (the same labels sent again, e.g. a SubmitLabels call without
+times retried) are a duplicate, which moves the claim's time and id on (a label of the producer older
+than it is then not newer). Returns per label [outcome, the window's labelled rows and
 total, the segment window's ("0" in none)] as they stand after it: joined, corrected, duplicate (that
 event again, or not newer), other_producer; the truth is returned whatever the outcome, so a window
 saved before its truth's last change (a crash between the two) is saved again when a label comes
@@ -215,6 +224,14 @@ class TruthJoin:
     total: float
     origin: LabelOrigin
     segment: tuple[str, int] | None = None
+    values: str = ""
+    """A digest of the label's values (:func:`values_digest`): its producer's label again with a newer
+    time and the same values changes nothing (a duplicate), with other values it is a correction."""
+
+
+def values_digest(values: np.ndarray) -> str:
+    """A short digest of a label's values (float64), kept in its request's claim."""
+    return hashlib.blake2b(np.ascontiguousarray(values, dtype=np.float64).tobytes(), digest_size=8).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -423,8 +440,8 @@ class MonitorStore(Component):
         """Applies requests' labels to their windows' truth, in order, in one script call (``_JOIN``):
         per label (outcome, the window's labelled rows and total after it, the segment window's: (0, 0.0)
         in none). ``joined``: the request's first label; ``corrected``: its producer's again with a newer
-        event time, which replaces it (the truth takes the difference); ``duplicate`` (that event again,
-        or its producer's, not newer) and ``other_producer`` (the request was labelled by another
+        event time and other values, which replaces it (the truth takes the difference); ``duplicate``
+        (that event again, or its producer's, not newer or with the same values) and ``other_producer`` (the request was labelled by another
         producer, whose label stays) change nothing. The claim and the truth are made together: claimed
         first and then added, a failure between the two (a crash, Redis going away) left the label
         claimed and never counted, and its replay was taken for a duplicate. A script, not a pipeline
@@ -440,7 +457,7 @@ class MonitorStore(Component):
             origin = join.origin
             args += (join.request_id, f"{join.mv}:{join.window}",
                      "" if join.segment is None else f"{join.segment[0]}:{join.segment[1]}", join.labelled,
-                     repr(float(join.total)), origin.producer, origin.stamp, origin.event_id)
+                     repr(float(join.total)), origin.producer, origin.stamp, origin.event_id, join.values)
         out = await self._join(keys=[], args=args)
         return [(out[at].decode(), (int(out[at + 1]), float(out[at + 2])), (int(out[at + 3]), float(out[at + 4])))
                 for at in range(0, len(out), 5)]

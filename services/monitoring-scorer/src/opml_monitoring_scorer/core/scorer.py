@@ -56,7 +56,7 @@ from opml_monitoring_scorer.core.refits import Refits
 from opml_monitoring_scorer.core.rules import Rule, RuleState, Transition, observe, parse_rules, step
 from opml_monitoring_scorer.core.segments import SEPARATOR, window_key
 from opml_monitoring_scorer.metrics import ScorerMetrics
-from opml_monitoring_scorer.state import LabelOrigin, MonitorStore, ParkedLabel, TruthJoin
+from opml_monitoring_scorer.state import LabelOrigin, MonitorStore, ParkedLabel, TruthJoin, values_digest
 from opml_monitoring_scorer_contract.names import LABEL_SOURCE
 from opml_monitoring_scorer_contract.reference import (
     MAX_REFERENCE_BYTES,
@@ -790,9 +790,17 @@ class Scorer(Component):
             in_segment = bool(segment) and segment_window >= 0
             applied.append((i, values, in_segment))
             truth_joins.append(TruthJoin(label.request_id, key, window, len(values), total, origin,
-                                         (window_key(key, segment), segment_window) if in_segment else None))
+                                         (window_key(key, segment), segment_window) if in_segment else None,
+                                         values_digest(values)))
         touched: dict[tuple[str, str, int], list[Any]] = {}  # (version, segment, window) -> [truth, changed]
         outcomes = await self.store.join_truths(truth_joins)
+        counted: dict[str, int] = {}
+        for outcome in outcomes:
+            counted[outcome[0]] = counted.get(outcome[0], 0) + 1
+        # counted as the script applied them: a failure after it (a window's save) makes the stream
+        # apply the batch again, when its labels are duplicates; counted later, they were never counted
+        for outcome, count in counted.items():
+            self.metrics.labels.labels(outcome).inc(count)
         learned: dict[str, MPP] = {}  # version (or segment) key -> its MPP that took labels
         for (i, values, in_segment), (outcome, truth, segment_truth) in zip(applied, outcomes, strict=True):
             key, window, _, _, _, segment, segment_window = joins[i]
@@ -819,11 +827,6 @@ class Scorer(Component):
             self.refits.due(wk, mpp, self._recalibrated, self._recalibration_failed)
         for (key, segment, window), (truth, changed) in touched.items():
             await self._show_truth(monitors[key], segment, window, truth, stale_only=not changed)
-        counted: dict[str, int] = {}
-        for outcome in outcomes:
-            counted[outcome[0]] = counted.get(outcome[0], 0) + 1
-        for outcome, count in counted.items():  # once the windows show them
-            self.metrics.labels.labels(outcome).inc(count)
         return results  # type: ignore[return-value]
 
     def _decode_joined(self, monitored: Monitored, indexes: list[int], joins: Sequence[tuple[Any, ...]],
