@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -13,12 +12,15 @@ from opml_inference_router.control.bundles import BundleFetcher
 from opml_inference_router.control.state import Source
 
 
-def test_inference_router_bundle_fetcher_refuses(tmp_path: Path) -> None:
+async def test_inference_router_bundle_fetcher_refuses(tmp_path: Path) -> None:
     home = tmp_path / "router" / "home"
     home.mkdir(parents=True)
     with serving(HostileStore(["../../../../x"])) as target:
         fetcher = BundleFetcher(target, home)
-        with pytest.raises(DataLoss, match=r"'\.\./\.\./\.\./\.\./x'"):
-            asyncio.run(fetcher.fetch(Source(context="lab", bundle="model")))
+        try:
+            with pytest.raises(DataLoss, match=r"'\.\./\.\./\.\./\.\./x'"):
+                await fetcher.fetch(Source(context="lab", bundle="model"))
+        finally:
+            await fetcher.close()
     assert files_under(tmp_path) == set()
 

@@ -642,6 +642,7 @@ async def test_each_decision_is_in_the_bundles_lineage_once_even_after_a_restart
             again = store.lineage("rollouts", new.uuid, direction=bundles_pb2.GetLineageRequest.DOWNSTREAM)
         assert sorted(b.bundle_name for b in again.bundles if b.uuid != new.uuid) == decisions
     finally:
+        await fetcher.close()
         await redis.aclose()
 
 

@@ -4,6 +4,10 @@ a local model directory as it is (development).
 A bundle is downloaded once per UUID into ``<home>/bundles/<uuid>`` (committed bundles are
 immutable), through a temporary directory renamed at the end, so a half-written download is
 never mistaken for a bundle. Workers on this machine load it from there by path.
+
+The bundle-store is called through its contract's asyncio client, on the router's event loop: a
+blocking client on worker threads beside the router's grpc.aio server is a mix gRPC has crashed on
+(SIGSEGV in cygrpc). Files are still written, renamed and removed in threads.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from pathlib import Path
 
 from opml.bundles.v1 import bundles_pb2
 
-from opml_bundle_store_contract.client import BundleStoreClient
+from opml_bundle_store_contract.aioclient import AsyncBundleStoreClient
 from opml_common.errors import InvalidArgument, NotFound
 from opml_inference_router.control.state import Source
 
@@ -29,10 +33,14 @@ def local_directory(source: Source) -> Path:
 
 
 class BundleFetcher:
+    """One channel to the bundle-store at ``target`` with the router's ``token``, opened on the event loop
+    of the first call; :meth:`close` at the router's stop, once deploys and autodeploy have stopped."""
+
     def __init__(self, target: str, home: Path, *, token: str | None = None) -> None:
         self._target = target
         self._token = token
         self._dir = home / "bundles"
+        self._client: AsyncBundleStoreClient | None = None
 
     async def fetch(self, source: Source, *, bundle_uuid: str = "") -> tuple[Path, str]:
         """The local directory of ``source`` and the bundle's UUID ("" for a model directory).
@@ -43,12 +51,13 @@ class BundleFetcher:
             NotFound: the directory, context or bundle does not exist.
             InvalidArgument: the source names neither a bundle nor a directory.
             Unavailable: the bundle-store cannot be reached.
+            DataLoss: the store named a file path that would land outside the bundle's directory.
         """
         if source.model_dir:
             return local_directory(source), ""
         if not source.context or not source.bundle:
             raise InvalidArgument("bundle", "must name a context and a bundle (name or UUID), or give a model_dir")
-        return await asyncio.to_thread(self._download, source.context, bundle_uuid or source.bundle)
+        return await self._download(source.context, bundle_uuid or source.bundle)
 
     async def get_bundle(self, context: str, ref: str) -> bundles_pb2.Bundle:
         """What the bundle-store says of bundle ``ref`` (a name or UUID) of ``context``: its tags,
@@ -58,25 +67,32 @@ class BundleFetcher:
             NotFound: the context or bundle does not exist.
             Unavailable: the bundle-store cannot be reached.
         """
-        return await asyncio.to_thread(self._get_bundle, context, ref)
+        return await self._store().get_bundle(context, ref)
 
-    def _get_bundle(self, context: str, ref: str) -> bundles_pb2.Bundle:
-        with BundleStoreClient(self._target, token=self._token) as client:
-            return client.get_bundle(context, ref)
+    async def close(self) -> None:
+        """Close the channel; a fetch still in flight fails with OpmlError and leaves no bundle directory."""
+        client, self._client = self._client, None
+        if client is not None:
+            await client.close()
 
-    def _download(self, context: str, ref: str) -> tuple[Path, str]:
-        with BundleStoreClient(self._target, token=self._token) as client:
-            bundle = client.get_bundle(context, ref)
-            target = self._dir / bundle.uuid
-            if target.is_dir():
-                return target, bundle.uuid
-            partial = self._dir / f".partial-{uuid.uuid4().hex}"
-            try:
-                client.download(context, bundle.uuid, partial)
-                partial.rename(target)
-            except OSError:
-                if not target.is_dir():  # not a concurrent fetch of the same bundle that won the rename
-                    raise
-            finally:
-                shutil.rmtree(partial, ignore_errors=True)
+    def _store(self) -> AsyncBundleStoreClient:
+        if self._client is None:
+            self._client = AsyncBundleStoreClient(self._target, token=self._token)
+        return self._client
+
+    async def _download(self, context: str, ref: str) -> tuple[Path, str]:
+        client = self._store()
+        bundle = await client.get_bundle(context, ref)
+        target = self._dir / bundle.uuid
+        if await asyncio.to_thread(target.is_dir):
+            return target, bundle.uuid
+        partial = self._dir / f".partial-{uuid.uuid4().hex}"
+        try:
+            await client.download(context, bundle.uuid, partial)
+            await asyncio.to_thread(partial.rename, target)
+        except OSError:
+            if not await asyncio.to_thread(target.is_dir):  # not a concurrent fetch of the same bundle that won
+                raise
+        finally:
+            await asyncio.to_thread(shutil.rmtree, partial, ignore_errors=True)
         return target, bundle.uuid
