@@ -9,9 +9,11 @@ import itertools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 import pytest
 
+from opml_monitoring_scorer.core import refits as refits_module
 from opml_monitoring_scorer.core.mpp import MPP, RefitJob
 from opml_monitoring_scorer.core.reference import Task
 from opml_monitoring_scorer.core.refits import Refits
@@ -197,3 +199,28 @@ async def test_a_refit_that_always_fails_is_tried_again_ever_later_and_loses_no_
         assert len(failed) >= 4 and all(unfitted == labels for unfitted, labels in failed), failed
         assert mpp.refits == 0 and refits.failures("m/1") >= 4
         await refits.stop()
+
+
+class DeadWorker(ThreadPoolExecutor):
+    """A worker process that died: every refit submitted to it fails as ProcessPoolExecutor's do then."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        raise BrokenProcessPool("a child process terminated abruptly")
+
+
+async def test_a_refit_whose_worker_process_died_is_tried_again_in_a_new_one(
+        mpp: MPP, world: SyntheticWorld, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker process that died (killed, out of memory) left its pool broken: every later refit failed
+    at once. The retry runs in a new worker process."""
+    made: list[ThreadPoolExecutor] = [DeadWorker(max_workers=1), ThreadPoolExecutor(max_workers=1)]
+    workers = iter(made)
+    monkeypatch.setattr(refits_module, "worker_process", lambda: next(workers))
+    fits, failed = Fits(), []
+    refits = Refits(fit=fits, quiet_s=0.05)  # owns its worker processes
+    add(mpp, world, 250)
+    refits.due("m/1", mpp, done, failed.append)
+    await settled(refits)
+    assert failed == ["m/1"] and fits.jobs == [250] and mpp.refits == 1, "retried in the second worker"
+    await refits.stop()
+    for executor in made:
+        executor.shutdown()

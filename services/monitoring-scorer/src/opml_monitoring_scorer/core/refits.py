@@ -16,8 +16,8 @@ label. A refit that ends with fewer than ``min_labels`` labels that came during 
 rather than starting another at once: that alone would miss the labels that come after a refit ends,
 and while labels keep coming they make ``min_labels`` anyway.
 
-A refit that fails (an exception in the fit, or the worker process lost) leaves the model in use and
-gives its labels back to the next one (:meth:`MPP.refit_failed`), which starts by itself after a wait:
+A refit that fails (an exception in the fit, or the worker process lost: a new one is made) leaves the
+model in use and gives its labels back to the next one (:meth:`MPP.refit_failed`), which starts by itself after a wait:
 ``quiet_s``, doubled after each failure in a row up to ``retry_max_s``, and not restarted by the labels
 that come meanwhile (the retry takes them too). Before, a failed refit's labels were refitted only once
 ``min_labels`` more came, or never. One that always fails is tried once per ``retry_max_s``, each failure
@@ -33,7 +33,7 @@ import asyncio
 import logging
 import multiprocessing
 from collections.abc import Callable
-from concurrent.futures import Executor, ProcessPoolExecutor
+from concurrent.futures import BrokenExecutor, Executor, ProcessPoolExecutor
 
 from opml_common.process import die_with_parent
 from opml_common.retry import Backoff
@@ -135,7 +135,10 @@ class Refits:
             model = await asyncio.get_running_loop().run_in_executor(self._executor, self._fit, job)
         except asyncio.CancelledError:
             raise
-        except Exception:  # the model in use is kept; its labels are tried again after a wait
+        except Exception as exc:  # the model in use is kept; its labels are tried again after a wait
+            if isinstance(exc, BrokenExecutor) and self._owned:  # the worker process died (killed, out of
+                self._executor.shutdown(wait=False, cancel_futures=True)  # memory): the retry makes a new one
+                self._executor = None
             mpp.refit_failed(job)
             failures = self._failures[key] = self._failures.get(key, 0) + 1
             log.exception("MPP recalibration of %s failed (%d labels, %d failure(s) in a row): the model in use "
