@@ -5,13 +5,10 @@ place the labels of a window still open can be read."""
 from __future__ import annotations
 
 import math
+from contextlib import aclosing
 
-import grpc
-from opml.monitoring.v1 import monitoring_pb2, monitoring_pb2_grpc
-
-from opml_common.grpc.client import domain_error, open_aio_channel
 from opml_inference_router.control.quality import MAX_WINDOWS, Quality, Window, pooled
-from opml_monitoring_scorer_contract.names import version_name
+from opml_monitoring_scorer_contract.aioclient import AsyncMonitoringClient
 
 
 class ScorerWindows:
@@ -20,54 +17,44 @@ class ScorerWindows:
     open window's labels so far (``include_open``: its truth, no rows or estimate), which no
     WindowScored announces until it closes.
 
-    On the router's event loop (grpc.aio, one channel kept): a synchronous client's calls from a thread
-    beside the process's aio server are a mix gRPC crashed on (SIGSEGV in cygrpc) in a bench process.
+    On the router's event loop (the contract's asyncio client, one channel kept, opened on the first
+    read): a synchronous client's calls from a thread beside the process's aio server are a mix gRPC
+    crashed on (SIGSEGV in cygrpc) in a bench process. Each call may take ``timeout_s``.
 
     Raises (:meth:`since`): NotFound (the version is not monitored), Unavailable (no scorer)."""
 
     def __init__(self, target: str, *, token: str | None = None, timeout_s: float = 5.0) -> None:
         self._target = target
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._token = token
         self._timeout_s = timeout_s
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: monitoring_pb2_grpc.MonitoringServiceStub | None = None
+        self._client: AsyncMonitoringClient | None = None
 
     async def since(self, model: str, version: str | int, start_time: float) -> Quality:
-        if self._stub is None:
-            self._channel = open_aio_channel(self._target)
-            self._stub = monitoring_pb2_grpc.MonitoringServiceStub(self._channel)
-        name = version_name(model, str(version))
-        call = {"metadata": self._metadata, "timeout": self._timeout_s}
+        if self._client is None:
+            self._client = AsyncMonitoringClient(self._target, token=self._token)
+        client, version = self._client, str(version)
+        status = await client.status(model, version, timeout=self._timeout_s)
+        higher_is_better = status.task != "regression"
         windows: list[Window] = []
-        try:
-            status = await self._stub.GetModelStatus(monitoring_pb2.GetModelStatusRequest(name=name), **call)
-            higher_is_better = status.task != "regression"
-            token = ""
-            while len(windows) < MAX_WINDOWS:
-                reply = await self._stub.ListWindows(monitoring_pb2.ListWindowsRequest(
-                    name=name, page_size=200, page_token=token, include_open=True), **call)
-                older = False
-                for window in reply.windows:
-                    # the open window's labels so far (newest: it holds the latest predictions), so the
-                    # accuracy check counts labels as they join, not once 1,000 predictions close it
-                    last_time = math.inf if window.open else window.last_time.ToNanoseconds() / 1e9
-                    if last_time < start_time or len(windows) >= MAX_WINDOWS:
-                        older = True
-                        break
-                    estimate = (window.cbpe if window.HasField("cbpe") else
-                                window.mpp if window.HasField("mpp") else None)
-                    windows.append(Window(index=window.index, rows=window.rows, last_time=last_time,
-                                          estimate=estimate, labelled=window.labelled,
-                                          true_value=window.true_value if window.HasField("true_value") else None,
-                                          higher_is_better=higher_is_better))
-                token = reply.next_page_token
-                if older or not token:
+        async with aclosing(client.windows(model, version, page_size=200, include_open=True,
+                                           timeout=self._timeout_s)) as newest_first:
+            async for window in newest_first:
+                # the open window's labels so far (newest: it holds the latest predictions), so the
+                # accuracy check counts labels as they join, not once 1,000 predictions close it
+                last_time = math.inf if window.open else window.last_time.ToNanoseconds() / 1e9
+                if last_time < start_time:
                     break
-        except grpc.RpcError as error:
-            raise domain_error(error) from None
+                estimate = (window.cbpe if window.HasField("cbpe") else
+                            window.mpp if window.HasField("mpp") else None)
+                windows.append(Window(index=window.index, rows=window.rows, last_time=last_time,
+                                      estimate=estimate, labelled=window.labelled,
+                                      true_value=window.true_value if window.HasField("true_value") else None,
+                                      higher_is_better=higher_is_better))
+                if len(windows) >= MAX_WINDOWS:
+                    break
         return pooled(windows)
 
     async def close(self) -> None:
-        channel, self._channel, self._stub = self._channel, None, None
-        if channel is not None:
-            await channel.close()
+        client, self._client = self._client, None
+        if client is not None:
+            await client.close()
