@@ -22,7 +22,8 @@ story's steps, each a module of ``story/`` run in order here, each printing what
 
 At the end: a table of the steps (service, duration, outcome) and PNG plots in ``--out`` (the steps'
 durations, the trials, each line's estimated and true accuracy with the alert, the rollout's traffic).
-``--scale quick`` runs the same steps smaller (the tests' scale); ``full`` is `make up`'s.
+``--scale quick`` runs the same steps smaller (the tests' scale); ``full`` is `make up`'s, and
+``OPML_MAIN_JOB_SCALE`` sets the default (`OPML_MAIN_JOB_SCALE=quick make up`).
 """
 
 from __future__ import annotations
@@ -51,10 +52,13 @@ STEPS = (
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scale", choices=sorted(SCALES), default="full")
+    parser.add_argument("--scale", choices=sorted(SCALES), default=os.environ.get("OPML_MAIN_JOB_SCALE", "full"),
+                        help="how big the story runs (default: $OPML_MAIN_JOB_SCALE, else full)")
     parser.add_argument("--out", type=Path, default=Path(".opml") / "main-job",
                         help="where the summary's plots go (default .opml/main-job)")
     args = parser.parse_args(argv)
+    if args.scale not in SCALES:  # argparse checks the choices of given values only, not of a default
+        parser.error(f"OPML_MAIN_JOB_SCALE: must be one of {', '.join(sorted(SCALES))}, not {args.scale!r}")
     results: list[StepResult] = []
     with tempfile.TemporaryDirectory() as tmp:
         os.chmod(tmp, 0o711)  # jobs' users may pass through to the folders made for them, and list nothing here
