@@ -34,6 +34,10 @@ run), the batch size, backups sent, predictions published; CPU per 1,000 request
     .venv/bin/python bench/inference_router_tail.py
     .venv/bin/python bench/inference_router_tail.py --rounds 3 --duration 8 --profile /tmp/tail-profile
     .venv/bin/python bench/inference_router_tail.py --mlserver-settings 0:on --rounds 1   # a quick look
+    .venv/bin/python bench/inference_router_tail.py --callers 1 --rounds 3 --busy-loops 3  # beside busy loops
+
+``--busy-loops N`` runs N processes that only spin for the whole bench (the machine's other work, the
+same for every arm: how each system holds up when it must share the cores).
 """
 
 from __future__ import annotations
@@ -437,6 +441,8 @@ def main() -> None:
     parser.add_argument("--direct", choices=("off", "on", "both"), default="both",
                         help="the router's direct data plane (OPML_INFERENCE_ROUTER_DIRECT_DATA_PLANE): off, on, or "
                         "both (a second router with it on, a third arm in the rotation)")
+    parser.add_argument("--busy-loops", type=int, default=0, metavar="N",
+                        help="processes that only spin beside the whole bench (default none)")
     args = parser.parse_args()
     callers = [int(count) for count in args.callers.split(",")]
     python = peer_python("mlserver")
@@ -444,6 +450,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="opml-bench-tail-") as tmp, bench_services() as (starter, _work), \
             ExitStack() as servers:
         work = Path(tmp)
+        for _ in range(args.busy_loops):
+            spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+            servers.callback(stop, spinner)
         bundle = write_model_dir(work / MODEL, mlp_config(
             MODEL, features=FEATURES, classes=CLASSES, max_batch_size=MAX_BATCH,
             max_queue_delay_us=int(DELAY_MS * 1000), pool_kinds=("cpu",), precisions=("fp32",), p99_ms=SLO_P99_MS),
@@ -473,7 +482,7 @@ def main() -> None:
               f"{DELAY_MS:g} ms, SLO p99 {SLO_P99_MS:g} ms; router as `make up` runs it: {len(workers)} workers, "
               f"deployed as `opml model deploy` does ({deployment.name}), prediction log on, auth on; {args.rounds} round(s) of {args.duration:g} s per level after "
               f"{args.warmup:g} s; client deadline {DEADLINE_S:g} s; router settings: {args.router_env or 'defaults'}; "
-              f"arms: {', '.join(arm.name for arm in arms)}; load average {' '.join(f'{v:.1f}' for v in os.getloadavg())}",
+              f"arms: {', '.join(arm.name for arm in arms)}; busy loops beside: {args.busy_loops}; load average {' '.join(f'{v:.1f}' for v in os.getloadavg())}",
               flush=True)
 
         async def choose_mlserver() -> dict[int, System]:
