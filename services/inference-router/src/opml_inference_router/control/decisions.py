@@ -6,7 +6,9 @@ bundle, so ``opml bundle lineage MODEL_BUNDLE`` lists them downstream, named for
 ``opml bundle cat`` shows the evidence: values (verdict, reason, each check's value, stable value,
 bound and counts) and ``decision.json`` (the whole decision).
 
-Written only through the bundle-store's contract client. Idempotent: each decision has a stable id
+Written only through the bundle-store's contract client (its asyncio one, on the router's event loop: a
+blocking client on worker threads beside the router's grpc.aio server is a mix gRPC has crashed on).
+Idempotent: each decision has a stable id
 (model, version and its number in the rollout) carried as the tag ``rollout.decision``; a decision the
 store already holds is not added again, so a router that restarts and writes its pending decisions
 again adds each once. A version deployed from a directory (no bundle) has no lineage to write to.
@@ -14,7 +16,6 @@ again adds each once. A version deployed from a directory (no bundle) has no lin
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import uuid
@@ -22,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 from opml.bundles.v1 import bundles_pb2
 
-from opml_bundle_store_contract.client import BundleStoreClient
+from opml_bundle_store_contract.aioclient import AsyncBundleStoreClient
 
 log = logging.getLogger(__name__)
 
@@ -65,36 +66,41 @@ class Decision:
 
 
 class DecisionLedger:
-    """Writes decisions to the bundle-store at ``target`` (``token``: needs the writer role)."""
+    """Writes decisions to the bundle-store at ``target`` (``token``: needs the writer role), on one
+    channel opened on the event loop of the first write; :meth:`close` once the writers have stopped."""
 
     def __init__(self, target: str, *, token: str | None = None) -> None:
         self._target = target
         self._token = token
+        self._client: AsyncBundleStoreClient | None = None
 
     async def write(self, decision: Decision) -> bool:
         """Adds the decision's bundle unless the store holds it; whether it was added.
 
         Raises: what the client raises (Unavailable: retry later; PermissionDenied, NotFound...)."""
-        return await asyncio.to_thread(self._write, decision)
-
-    def _write(self, decision: Decision) -> bool:
-        decision_id = str(uuid.uuid5(uuid.NAMESPACE_URL, decision.id))
-        with BundleStoreClient(self._target, token=self._token) as client:
-            if client.list_bundles(decision.context, bundle_name=decision.bundle_name,
-                                   tags={DECISION_TAG: decision_id}):
-                return False
-            client.add(decision.context, decision.bundle_name,
-                       {DECISION_FILE: json.dumps(decision.to_dict(), indent=2, sort_keys=True).encode()},
-                       values=_values(decision), tags={DECISION_TAG: decision_id, "rollout.model": decision.model,
-                                                       "rollout.verdict": decision.verdict},
-                       lineage=bundles_pb2.Lineage(input_uuids=[decision.bundle_uuid], parameters={
-                           "model": decision.model, "version": str(decision.version),
-                           "stable_version": str(decision.stable), "step": str(decision.step),
-                           "decision": decision.kind}),
-                       media_types={DECISION_FILE: "application/json"}, commit=True)
+        if self._client is None:
+            self._client = AsyncBundleStoreClient(self._target, token=self._token)
+        client, decision_id = self._client, str(uuid.uuid5(uuid.NAMESPACE_URL, decision.id))
+        if await client.list_bundles(decision.context, bundle_name=decision.bundle_name,
+                                     tags={DECISION_TAG: decision_id}):
+            return False
+        await client.add(decision.context, decision.bundle_name,
+                         {DECISION_FILE: json.dumps(decision.to_dict(), indent=2, sort_keys=True).encode()},
+                         values=_values(decision), tags={DECISION_TAG: decision_id, "rollout.model": decision.model,
+                                                         "rollout.verdict": decision.verdict},
+                         lineage=bundles_pb2.Lineage(input_uuids=[decision.bundle_uuid], parameters={
+                             "model": decision.model, "version": str(decision.version),
+                             "stable_version": str(decision.stable), "step": str(decision.step),
+                             "decision": decision.kind}),
+                         media_types={DECISION_FILE: "application/json"}, commit=True)
         log.info("models/%s: rollout decision %s recorded in the lineage of bundle %s", decision.model,
                  decision.bundle_name, decision.bundle_uuid)
         return True
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.close()
 
 
 def _values(decision: Decision) -> dict[str, object]:

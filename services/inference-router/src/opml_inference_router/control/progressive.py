@@ -291,6 +291,8 @@ class ProgressiveRollouts(Component):
         writers, self._writers = list(self._writers.values()), {}
         for task in [*tasks, *writers]:
             await cancel_and_wait(task)
+        if self._ledger is not None:
+            await self._ledger.close()
         if self._scorer is not None:
             await self._scorer.close()
 
