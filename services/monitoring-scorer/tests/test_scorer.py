@@ -270,8 +270,8 @@ async def test_a_batch_of_join_records_in_one_call_takes_the_labels_that_came_fi
     assert [i for i, parked in enumerate(labels) if parked] == [3, 7]
     (parked,) = labels[7]
     assert label_events_pb2.LabelObserved.FromString(parked.data).request_id == "r7" and parked.origin == origin("e7")
-    assert await store.remember_predictions([(rid, "m/1", 4, raw, "line-2", 1) for rid, raw in events]) == [[]] * 10, \
-        "a parked label is taken once"
+    assert await store.remember_predictions([(rid, "m/1", 4, raw, "line-2", 1) for rid, raw in events]) == labels, \
+        "a parked label stays parked until its join applies it"
     assert await store.find_prediction("r9") == ("m/1", 4, events[9][1], "line-2", 1), "with its segment's window"
     assert 0 < await store.redis.ttl(store._k("pred", "r9")) <= store.retention_s
 
@@ -418,6 +418,67 @@ async def test_a_batch_of_labels_applied_again_after_a_failure_counts_each_label
             break
     else:
         raise AssertionError("no join got through before the outage in 30 tries")
+
+
+async def test_parked_labels_outlive_a_failure_between_their_prediction_and_their_join(scorer, outage) -> None:
+    """The call that kept a prediction took its parked labels out of Redis: Redis going away after it,
+    before the join, lost them, and the prediction replayed (as the stream does) found nothing parked.
+    Redis going away at each step in turn, then the predictions replayed: each parked label is applied
+    once (joined, taught to the MPP and in its window's truth once; another producer's counted
+    other_producer once, one the model does not accept untrusted once) and none is left parked."""
+    scorer, world, _ = scorer
+    await scorer.register("n", "1", "ctx", "qa")  # n/1 accepts plant-3/qa; m/1 only the platform's
+    mpp = scorer.get("n/1").monitor.mpp
+    store = scorer.store
+    for attempt in range(20):
+        rows = world.rows(4)
+        events = events_of(rows, attempt * 4)
+        right = [float(v) for v in rows.outputs.predicted]
+        (r0, _), (r1, _), (r2, _), (r3, _) = events
+        assert await scorer.on_labels([(observed(r0, right[0]), origin(f"p{r0}")),
+                                       (observed(r1, right[1]), origin(f"p{r1}")),
+                                       (observed(r1, 1 - right[1]), origin(f"q{r1}", producer=QA, seconds=1)),
+                                       (observed(r2, right[2]), origin(f"q{r2}", producer=QA)),
+                                       (observed(r3, right[3]), origin(f"q{r3}", producer=QA))]) == ["parked"] * 5
+        joinable = [Joinable("n/1", attempt, raw, rid) for rid, raw in events[:3]]
+        joinable.append(Joinable("m/1", attempt, events[3][1], r3))  # its QA label is untrusted for m/1
+        outage.after(attempt)  # the attempt-th command after the predictions came is the first that fails
+        try:
+            await scorer.on_predictions_joinable(joinable)
+            failed = False
+        except redis.exceptions.ConnectionError:
+            failed = True
+        outage.end()
+        await scorer.on_predictions_joinable(joinable)  # replayed
+        at = f"interrupted at command {attempt}"
+        assert await store.truth("n/1", attempt) == (3, 3.0), at
+        assert await store.truth("m/1", attempt) == (0, 0.0), at
+        assert mpp.labels == 3 * (attempt + 1), at
+        assert [counted(scorer, outcome) for outcome in ("joined", "other_producer", "untrusted", "duplicate")] == \
+            [3 * (attempt + 1), attempt + 1, attempt + 1, 0], at
+        assert await store.redis.exists(*(store._k("labels", rid) for rid, _ in events)) == 0, at
+        if not failed:  # every step was interrupted once
+            break
+    else:
+        raise AssertionError("no prediction join got through before the outage in 20 tries")
+
+
+async def test_parked_labels_are_joined_by_the_prediction_replayed_after_the_process_died(scorer) -> None:
+    """A scorer that died after keeping a prediction and before joining its parked labels: the one
+    that replays the prediction joins them."""
+    scorer, world, _ = scorer
+    rows = world.rows(2)
+    events = events_of(rows, 0)
+    right = [float(v) for v in rows.outputs.predicted]
+    for i, (rid, _) in enumerate(events):
+        assert await scorer.on_label(observed(rid, right[i]), origin(f"e{i}")) == "parked"
+    await scorer.store.remember_predictions([(rid, "m/1", 0, raw, "", -1) for rid, raw in events])  # then died
+    restarted = Scorer(store=scorer.store, emitter=RecordingEmitter(), load_bundle=scorer.load_bundle,
+                       metrics=ScorerMetrics(ServiceMetrics("monitoring-scorer", CollectorRegistry())))
+    await restarted.start()
+    await restarted.on_predictions_joinable([Joinable("m/1", 0, raw, rid) for rid, raw in events])
+    assert await scorer.store.truth("m/1", 0) == (2, 2.0)
+    assert counted(restarted, "joined") == 2 and restarted.get("m/1").monitor.mpp.labels == 2
 
 
 async def test_the_same_labels_sent_again_as_new_events_are_duplicates_not_corrections(scorer) -> None:

@@ -47,20 +47,38 @@ local found = {}
 for i = 4, #ARGV, 2 do
   local id = ARGV[i]
   redis.call('SET', pred .. id, ARGV[i + 1], 'EX', ttl)
-  local labels = redis.call('HVALS', parked .. id)
-  if #labels > 0 then
-    redis.call('DEL', parked .. id)
-    for _, label in ipairs(labels) do
-      found[#found + 1] = (i - 4) / 2
-      found[#found + 1] = label
-    end
+  for _, label in ipairs(redis.call('HVALS', parked .. id)) do
+    found[#found + 1] = (i - 4) / 2
+    found[#found + 1] = label
   end
 end
 return found
 """
 """Keeps predictions for the label join: ARGV retention, the pred: and labels: key prefixes, then per
 prediction its request id and record; returns [index (from 0), parked label, ...] for the labels that
-came first, each producer's (and deletes them)."""
+came first, each producer's. It leaves them parked: each is unparked by the script that applies it
+(``_JOIN``), or by ``_UNPARK`` once it is dropped, so after a failure before then (Redis going away,
+the process dying) the prediction replayed finds them again; it used to delete them here, and they
+were lost."""
+
+_UNPARK_LABEL = """
+local function unpark(key, producer, time)
+  local held = redis.call('HGET', key, producer)
+  if held and string.match(held, '^%d+ (%d+)\\n') == time then
+    redis.call('HDEL', key, producer)
+  end
+end
+"""
+"""Lua: deletes ``producer``'s label parked under ``key`` if it is the one of event time ``time`` (fixed
+width), not one parked since."""
+
+_UNPARK = _UNPARK_LABEL + """
+for i = 2, #ARGV, 3 do
+  unpark(ARGV[1] .. ARGV[i], ARGV[i + 1], ARGV[i + 2])
+end
+"""
+"""Unparks labels dropped when their predictions came (untrusted, malformed, unjoinable): ARGV the
+labels: key prefix, then per label its request id, producer and event time."""
 
 _PARK = """
 local ttl, parked, pred = ARGV[1], ARGV[2], ARGV[3]
@@ -96,14 +114,17 @@ new; the record is kept after its arrival order among the producers and its time
 when parked, 0 when not newer, -1 when its prediction is there: it came after the label looked for it,
 and took the labels parked then, so one parked now would wait for it forever."""
 
-_JOIN = """
-local ttl, truth_ttl, joined, truth = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+_JOIN = _UNPARK_LABEL + """
+local ttl, truth_ttl, joined, truth, parked = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local out = {}
-for i = 5, #ARGV, 9 do
+for i = 6, #ARGV, 10 do
   local claimed, version, segment = joined .. ARGV[i], truth .. ARGV[i + 1], ARGV[i + 2]
   local rows, total, producer, time, id = ARGV[i + 3], ARGV[i + 4], ARGV[i + 5], ARGV[i + 6], ARGV[i + 7]
   local values = ARGV[i + 8]
   local delta, outcome = total, 'joined'
+  if ARGV[i + 9] == '1' then
+    unpark(parked .. ARGV[i], producer, time)
+  end
   local kind = redis.call('TYPE', claimed)['ok']
   if kind == 'string' then
     outcome = 'other_producer'
@@ -149,10 +170,12 @@ end
 return out
 """
 """Applies labels to their requests' windows, in order, in one call: ARGV the claims' expiry, the
-truths' expiry, the joined: and truth: key prefixes, then per label its request id, window
+truths' expiry, the joined:, truth: and labels: key prefixes, then per label its request id, window
 (``{wk}:{window}``), its segment's window (``{wk}#{segment}:{window}``, "" in none), rows, correct count
-(or error sum), producer, event time (fixed width), event id and a digest of its values. Each label
-claims its request id and adds its rows to its window's truth (and its segment window's) in one step.
+(or error sum), producer, event time (fixed width), event id, a digest of its values and "1" for a
+label that was parked ("" otherwise). Each label claims its request id and adds its rows to its
+window's truth (and its segment window's) in one step, a parked one unparked in that step too: once
+applied (whatever its outcome) it is not found again, and until then it stays parked.
 A request already claimed keeps its label unless this one is its producer's with a newer time and other
 values (a correction: the truth takes the difference, its rows counted once); the same values again
 under a newer time and another event id (the same labels sent again, e.g. a SubmitLabels call without
@@ -227,6 +250,8 @@ class TruthJoin:
     values: str = ""
     """A digest of the label's values (:func:`values_digest`): its producer's label again with a newer
     time and the same values changes nothing (a duplicate), with other values it is a correction."""
+    parked: bool = False
+    """The label was parked (it came before its prediction): the join unparks it."""
 
 
 def values_digest(values: np.ndarray) -> str:
@@ -254,6 +279,7 @@ class MonitorStore(Component):
         self._remember: Any = None
         self._join: Any = None
         self._park: Any = None
+        self._unpark: Any = None
         self._save_window: Any = None
         self._total_rows: Any = None
 
@@ -368,9 +394,11 @@ class MonitorStore(Component):
                                    ) -> list[list[ParkedLabel]]:
         """Keeps each (request id, model version, window, event, segment, the segment's window; "" and
         -1 for a prediction in no segment) for a late label, in one round trip:
-        one script call (``_REMEMBER``) that SETs each prediction's record with its expiry and takes the
+        one script call (``_REMEMBER``) that SETs each prediction's record with its expiry and reads the
         labels that came first; returns them in order (each producer's, in the order they came; none
-        where none did). A script, not a pipeline of a SET per prediction and an MGET: redis-py's cost
+        where none did). They stay parked until :meth:`join_truths` applies them (``parked``) or
+        :meth:`unpark_labels` drops them, so a prediction replayed after a failure in between finds them
+        again. A script, not a pipeline of a SET per prediction and an MGET: redis-py's cost
         is per command and per reply (~25 µs of the scorer's CPU per prediction in a pipeline, ~2 µs as
         a script's arguments). The script builds its keys from the prefix it is given (one Redis, not a
         cluster: the platform's). Not a transaction in intent: each request's keys are its own, a
@@ -436,13 +464,26 @@ class MonitorStore(Component):
         out = await self._park(keys=[], args=args)
         return ["arrived" if parked < 0 else "parked" if parked else "duplicate" for parked in map(int, out)]
 
+    async def unpark_labels(self, labels: list[tuple[str, LabelOrigin]]) -> None:
+        """Deletes parked labels (request id, origin) that were dropped when their predictions came, in
+        one round trip (``_UNPARK``); a producer's label parked since (a newer one) stays."""
+        if not labels:
+            return
+        if self._unpark is None:
+            self._unpark = self.redis.register_script(_UNPARK)
+        args: list[Any] = [self._k("labels", "")]
+        for request_id, origin in labels:
+            args += (request_id, origin.producer, origin.stamp)
+        await self._unpark(keys=[], args=args)
+
     async def join_truths(self, joins: list[TruthJoin]) -> list[tuple[str, tuple[int, float], tuple[int, float]]]:
         """Applies requests' labels to their windows' truth, in order, in one script call (``_JOIN``):
         per label (outcome, the window's labelled rows and total after it, the segment window's: (0, 0.0)
         in none). ``joined``: the request's first label; ``corrected``: its producer's again with a newer
         event time and other values, which replaces it (the truth takes the difference); ``duplicate``
         (that event again, or its producer's, not newer or with the same values) and ``other_producer`` (the request was labelled by another
-        producer, whose label stays) change nothing. The claim and the truth are made together: claimed
+        producer, whose label stays) change nothing. A label that was parked (``parked``) is unparked in the
+        same step, whatever its outcome. The claim and the truth are made together: claimed
         first and then added, a failure between the two (a crash, Redis going away) left the label
         claimed and never counted, and its replay was taken for a duplicate. A script, not a pipeline
         of a call per label: redis-py's cost is per command and per reply. Labels of one request
@@ -452,12 +493,13 @@ class MonitorStore(Component):
         if self._join is None:
             self._join = self.redis.register_script(_JOIN)
         args: list[Any] = [self.retention_s, max(self.retention_s * 4, 86_400), self._k("joined", ""),
-                           self._k("truth", "")]
+                           self._k("truth", ""), self._k("labels", "")]
         for join in joins:
             origin = join.origin
             args += (join.request_id, f"{join.mv}:{join.window}",
                      "" if join.segment is None else f"{join.segment[0]}:{join.segment[1]}", join.labelled,
-                     repr(float(join.total)), origin.producer, origin.stamp, origin.event_id, join.values)
+                     repr(float(join.total)), origin.producer, origin.stamp, origin.event_id, join.values,
+                     "1" if join.parked else "")
         out = await self._join(keys=[], args=args)
         return [(out[at].decode(), (int(out[at + 1]), float(out[at + 2])), (int(out[at + 3]), float(out[at + 4])))
                 for at in range(0, len(out), 5)]

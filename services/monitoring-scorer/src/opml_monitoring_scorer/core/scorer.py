@@ -704,7 +704,10 @@ class Scorer(Component):
 
     async def on_predictions_joinable(self, items: Sequence[Joinable]) -> None:
         """Keeps predictions for the label join (one Redis round trip for all); applies the labels
-        that came before them, each producer's in the order they came (the first applied is kept)."""
+        that came before them, each producer's in the order they came (the first applied is kept).
+        A parked label leaves Redis only with its join (the same script call) or once it is dropped
+        (untrusted, malformed, unjoinable: unparked, then counted): after a failure at any step the
+        predictions replayed find the labels not yet applied, and only those."""
         parked = await self.store.remember_predictions(
             [(item.request_id, item.key, item.window, item.raw_event, item.segment, item.segment_window)
              for item in items])
@@ -713,22 +716,25 @@ class Scorer(Component):
             return
         outcomes = await self._join_many([(item.key, item.window, item.raw_event,
                                            label_events_pb2.LabelObserved.FromString(label.data), label.origin,
-                                           item.segment, item.segment_window) for item, label in found])
-        for (item, _), outcome in zip(found, outcomes, strict=True):
-            if not isinstance(outcome, Exception):
-                continue
+                                           item.segment, item.segment_window) for item, label in found], parked=True)
+        dropped: list[tuple[str, LabelOrigin, str, object]] = []  # request id, origin, outcome counted, why
+        failed: Exception | None = None
+        for (item, label), outcome in zip(found, outcomes, strict=True):
             if isinstance(outcome, UntrustedSource):  # a producer another model names: counted, not dead-lettered
-                self.metrics.labels.labels("untrusted").inc()
-                log.warning("parked label of %s dropped: %s", item.request_id, outcome)
+                dropped.append((item.request_id, label.origin, "untrusted", outcome))
             elif isinstance(outcome, InvalidArgument):
-                self.metrics.labels.labels("malformed").inc()
-                log.warning("parked label of %s dropped: %s", item.request_id, outcome)
+                dropped.append((item.request_id, label.origin, "malformed", outcome))
             elif isinstance(outcome, FailedPrecondition):  # no monitor yet (no reference, first window open):
-                # raised out of here it would stop the predictions agent, and the label is no longer parked
-                self.metrics.labels.labels("unjoinable").inc()
-                log.warning("parked label of %s dropped: %s", item.request_id, outcome.message)
-            else:
-                raise outcome
+                # raised out of here it would stop the predictions agent; the label would never join
+                dropped.append((item.request_id, label.origin, "unjoinable", outcome.message))
+            elif isinstance(outcome, Exception) and failed is None:  # left parked: the replay applies it
+                failed = outcome
+        await self.store.unpark_labels([(request_id, origin) for request_id, origin, _, _ in dropped])
+        for request_id, _, counted_as, why in dropped:
+            self.metrics.labels.labels(counted_as).inc()
+            log.warning("parked label of %s dropped: %s", request_id, why)
+        if failed is not None:
+            raise failed
 
     def _check_producer(self, monitored: Monitored, producer: str) -> None:
         """Raises: UntrustedSource: ``producer`` is neither the platform's nor one the model names."""
@@ -738,14 +744,14 @@ class Scorer(Component):
                                   f"{monitored.key}; accepted: {', '.join(sorted(accepted)) or 'none'}")
 
     async def _join_many(self, joins: Sequence[tuple[str, int, bytes, label_events_pb2.LabelObserved, LabelOrigin,
-                                                   str, int]]) -> list[str | Exception]:
+                                                   str, int]], *, parked: bool = False) -> list[str | Exception]:
         """Applies labels to their predictions (version, window, PredictionMade bytes, label, origin,
         segment and its window), in order: each version's predictions decoded together, the joins in
-        one script call, each window touched saved and announced once, with its truth after the last
-        label. Returns each one's outcome (joined, corrected, duplicate, other_producer) or its error:
-        FailedPrecondition (its version has no monitor: nobody registered it, or no reference and its
-        first window open), what :meth:`adopt` raises, UntrustedSource, InvalidArgument (see
-        :meth:`on_label`)."""
+        one script call (``parked``: the labels were parked, and are unparked by it), each window
+        touched saved and announced once, with its truth after the last label. Returns each one's
+        outcome (joined, corrected, duplicate, other_producer) or its error: FailedPrecondition (its
+        version has no monitor: nobody registered it, or no reference and its first window open), what
+        :meth:`adopt` raises, UntrustedSource, InvalidArgument (see :meth:`on_label`)."""
         results: list[str | Exception | None] = [None] * len(joins)
         by_key: dict[str, list[int]] = {}
         for i, join in enumerate(joins):
@@ -791,7 +797,7 @@ class Scorer(Component):
             applied.append((i, values, in_segment))
             truth_joins.append(TruthJoin(label.request_id, key, window, len(values), total, origin,
                                          (window_key(key, segment), segment_window) if in_segment else None,
-                                         values_digest(values)))
+                                         values_digest(values), parked))
         touched: dict[tuple[str, str, int], list[Any]] = {}  # (version, segment, window) -> [truth, changed]
         outcomes = await self.store.join_truths(truth_joins)
         counted: dict[str, int] = {}
