@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,6 +34,7 @@ from opml_monitoring_scorer.metrics import ScorerMetrics
 from opml_monitoring_scorer.state import LabelOrigin, MonitorStore
 from opml_monitoring_scorer.stream import DecodedRecord, ScoringStream, UnknownModel
 from opml_monitoring_scorer.synthetic import SyntheticWorld
+from opml_monitoring_scorer_contract.names import LABEL_SOURCE
 
 CONFIG = b"features: {x: [x0, x1, x2, x3]}\nwindow: {count: 100}\n"
 
@@ -267,6 +269,39 @@ async def test_a_label_is_retried_while_redis_is_away_and_a_malformed_one_dead_l
     (metric,) = stream.metrics.labels.collect()
     counted = {s.labels["outcome"]: s.value for s in metric.samples if s.name.endswith("_total")}
     assert (counted["malformed"], counted["untrusted"]) == (1, 1)
+
+
+async def test_predictions_whose_label_join_failed_are_kept_for_the_join_at_the_next_flush(stream) -> None:
+    """Redis going away while a batch's predictions were kept for the label join: they were dropped
+    (their records stay in the open window, so nothing feeds them again) and a label parked for one
+    of them was never applied. They stay pending, and the next batch's flush applies them."""
+    events = []
+    for i in range(8):
+        event = record(prediction(i), i)
+        event.message.generation_id = 1
+        event.ack = lambda: None
+        events.append(event)
+    stream.app = SimpleNamespace(flow_control=SimpleNamespace(is_active=lambda: True), consumer_generation_id=1)
+    stream.windows = Table()
+    scorer = stream.scorer
+    label = LabelObserved(request_id="r0", values=[1.0]).SerializeToString()
+    assert await scorer.on_label(label, LabelOrigin(LABEL_SOURCE, datetime(2026, 1, 1, tzinfo=UTC), "e0")) == "parked"
+    calls: list[list[str]] = []
+    join = scorer.on_predictions_joinable
+
+    async def on_predictions_joinable(items) -> None:
+        calls.append([item.request_id for item in items])
+        if len(calls) == 1:
+            raise redis.exceptions.ConnectionError("Redis went away")
+        await join(items)
+
+    scorer.on_predictions_joinable = on_predictions_joinable
+    with pytest.raises(redis.exceptions.ConnectionError):
+        await stream._on_batch(events[:5])
+    await stream._on_batch(events[5:])
+    assert calls == [[f"r{i}" for i in range(5)], [f"r{i}" for i in range(8)]]
+    assert (await scorer.store.truth("m/1", 0))[0] == 1, "the parked label joined"
+    assert await scorer.store.find_prediction("r4") is not None
 
 
 async def test_a_batch_of_labels_that_fails_as_a_whole_is_applied_one_by_one(stream) -> None:

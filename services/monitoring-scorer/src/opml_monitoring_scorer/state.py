@@ -13,7 +13,7 @@ version as a whole and ``{mv}#{segment}`` for one of its segments, core/segments
 | ``rulestate:{wk}`` (hash) | rule -> run counts, firing, the last window applied (replays are skipped) |
 | ``alerts:{wk}`` (hash) + ``aindex:{wk}`` (zset) | ``{rule}@{window}`` -> the alert, newest first |
 | ``pred:{request id}`` | the prediction a late label joins to (a JSON line of model version and window, and its segment's and window there, then the event's bytes), expires |
-| ``labels:{request id}`` (hash) | producer -> its label that came before its prediction (the newest by event time), expires |
+| ``labels:{request id}`` (hash) | producer -> its label that came before its prediction (the newest by event time), until its join applies it (or it is dropped), expires |
 | ``joined:{request id}`` (hash) | the label applied: its producer, event time, event id, truth (correct count or error sum) and a digest of its values, expires |
 | ``truth:{wk}:{window}`` (hash) | labelled rows and their correct count (or absolute error sum) |
 | ``segments:{mv}`` (set) | the segments of the version that closed a window (bounded, core/segments.py) |

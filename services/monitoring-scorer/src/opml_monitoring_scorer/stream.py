@@ -791,9 +791,17 @@ class ScoringStream(Component):
                 held.settle(event)
 
     async def _flush_joins(self) -> None:
+        """Keeps the pending predictions for the label join and applies their parked labels. On a
+        failure (Redis unreachable) they stay pending, and the next flush (the next batch's, or the
+        close of their window) applies them again: their records are in open windows, not fed again,
+        and dropped they were never kept for the join, their parked labels never applied."""
         if self._joinable:
             joinable, self._joinable = self._joinable, []
-            await self.scorer.on_predictions_joinable(joinable)
+            try:
+                await self.scorer.on_predictions_joinable(joinable)
+            except BaseException:
+                self._joinable[:0] = joinable
+                raise
 
     async def _close(self, window: OpenWindow) -> OpenWindow:
         """Scores the open window, records it closed (the table, once per window), settles its events'
