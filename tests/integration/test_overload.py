@@ -119,7 +119,6 @@ async def _burst(client: triton.InferenceServerClient, inputs, *, rate: float, s
 
 
 @pytest.mark.machine_to_itself  # the burst's latencies are measured on two cores: no other test's load beside it
-@pytest.mark.timeout(600)  # the wait for the tests beside it to end counts too
 async def test_a_burst_of_ten_times_capacity_keeps_the_slo_for_the_admitted_and_bounded_memory(
         serving_stack, tmp_path) -> None:
     _deploy(serving_stack, tmp_path)

@@ -1,8 +1,15 @@
 """The bounded waits tests rely on: they return what they waited for, and fail when it never comes."""
 
+import fcntl
+import subprocess
+import sys
+import time
+
 import pytest
 
 from opml_devstack.testing.bus import poll_until
+
+pytest_plugins = ["pytester"]
 
 
 def test_poll_until_returns_the_first_truthy_value() -> None:
@@ -76,3 +83,40 @@ def test_a_test_that_wants_the_machine_to_itself_waits_for_those_beside_it_and_h
     assert late.wait(10), "the next test starts after it"
     late_done.set()
     newcomer.join(10)
+
+
+def test_the_wait_for_the_machine_is_not_counted_in_the_waiting_tests_timeout(pytester: pytest.Pytester,
+                                                                              monkeypatch) -> None:
+    """A test that wants the machine to itself may wait a whole long test beside it out; its timeout
+    bounds its own work only (else it times out in a run where a long test happened to run beside it)."""
+    pytester.makepyfile(test_alone="""
+        import pytest
+
+        @pytest.mark.machine_to_itself
+        @pytest.mark.timeout(1)
+        def test_alone():
+            pass
+    """)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")  # as a worker: the lock is in its base folder's parent
+    lock_dir = pytester.path / "run"
+    lock_dir.mkdir()
+    with open(lock_dir / "machine.lock", "a+") as beside:
+        fcntl.flock(beside, fcntl.LOCK_SH)  # a test running beside it on the other worker
+        inner = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--basetemp",
+                                  str(lock_dir / "base"), "test_alone.py"], cwd=pytester.path,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            def at_the_gate() -> bool:
+                with open(lock_dir / "machine.gate", "a+") as probe:
+                    try:
+                        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        return True
+                    return False
+            poll_until(lambda: (lock_dir / "machine.gate").exists() and at_the_gate(), timeout_s=60,
+                       what="the test waiting for the machine")
+            time.sleep(2)  # the test beside it runs on past the waiting test's timeout: the case under test
+        finally:
+            fcntl.flock(beside, fcntl.LOCK_UN)
+    output, _ = inner.communicate(timeout=60)
+    assert inner.returncode == 0 and "1 passed" in output, output

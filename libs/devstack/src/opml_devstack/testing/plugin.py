@@ -163,15 +163,18 @@ def machine_share(directory: Path, *, exclusive: bool) -> Iterator[None]:
         yield  # closing the files releases both locks
 
 
-@pytest.fixture(scope="session")
-def machine_lock_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder every pytest-xdist worker of this run shares (the workers' base temporary folders
-    are its children); the run's own base folder without xdist."""
-    base = tmp_path_factory.getbasetemp()
+def _machine_lock_dir(config: pytest.Config) -> Path:
+    """A folder every pytest-xdist worker of this run shares (the workers' base temporary folders are
+    its children); the run's own base folder without xdist."""
+    base = config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]  # what tmp_path_factory is
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
-@pytest.fixture(autouse=True)
-def _machine_share(request: pytest.FixtureRequest, machine_lock_dir: Path) -> Iterator[None]:
-    with machine_share(machine_lock_dir, exclusive=request.node.get_closest_marker("machine_to_itself") is not None):
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Holds the machine lock around a test's whole protocol, outside pytest-timeout's (tryfirst: the
+    outermost wrapper): the wait for the tests beside it is not the test's time, so a test's timeout
+    bounds what it does, however long the test beside it runs."""
+    with machine_share(_machine_lock_dir(item.config),
+                       exclusive=item.get_closest_marker("machine_to_itself") is not None):
         yield
