@@ -82,3 +82,16 @@ async def test_a_fetch_in_flight_when_the_router_stops_fails_and_leaves_nothing(
             release.set()
     assert files_under(tmp_path) == set()
     assert not (home / "bundles" / BUNDLE_UUID).exists()
+
+
+def test_a_download_a_killed_router_left_half_written_is_removed_at_start(tmp_path: Path) -> None:
+    """A router killed mid-download leaves its staging directory (no finally runs after SIGKILL); the
+    next start removes it and keeps the whole bundles."""
+    bundles = tmp_path / "home" / "bundles"
+    (bundles / ".partial-0f3a" / "conf").mkdir(parents=True)
+    (bundles / ".partial-0f3a" / "conf" / "config.yaml").write_bytes(b"half")
+    (bundles / BUNDLE_UUID).mkdir()
+    (bundles / BUNDLE_UUID / "model.onnx").write_bytes(b"whole")
+    BundleFetcher("127.0.0.1:1", tmp_path / "home").remove_leftovers()
+    assert files_under(tmp_path / "home") == {f"bundles/{BUNDLE_UUID}/model.onnx"}
+    BundleFetcher("127.0.0.1:1", tmp_path / "elsewhere").remove_leftovers()  # a first start: no bundles yet

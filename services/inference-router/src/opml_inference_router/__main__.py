@@ -91,6 +91,7 @@ async def build(service: ServiceContext) -> list[ServiceRegistration]:
                                                      linger_s=settings.prediction_linger_ms / 1000.0))
     bundle_token = settings.bundle_store_token.get_secret_value() or None
     fetcher = BundleFetcher(settings.bundle_store_target, settings.home, token=bundle_token)
+    fetcher.remove_leftovers()
     service.on_stop(fetcher.close)  # after the deployments and autodeploy that fetch through it
     redis, prefix = service.redis(), platform.redis_prefix
     lease = LeaderLease(redis, LEASE, settings.advertised_target, prefix=prefix, ttl_s=settings.lease_ttl_s,

@@ -3,7 +3,8 @@ a local model directory as it is (development).
 
 A bundle is downloaded once per UUID into ``<home>/bundles/<uuid>`` (committed bundles are
 immutable), through a temporary directory renamed at the end, so a half-written download is
-never mistaken for a bundle. Workers on this machine load it from there by path.
+never mistaken for a bundle. Workers on this machine load it from there by path. A router killed
+mid-download leaves its temporary directory; the next start removes it (:meth:`BundleFetcher.remove_leftovers`).
 
 The bundle-store is called through its contract's asyncio client, on the router's event loop: a
 blocking client on worker threads beside the router's grpc.aio server is a mix gRPC has crashed on
@@ -13,6 +14,7 @@ blocking client on worker threads beside the router's grpc.aio server is a mix g
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import uuid
 from pathlib import Path
@@ -22,6 +24,10 @@ from opml.bundles.v1 import bundles_pb2
 from opml_bundle_store_contract.aioclient import AsyncBundleStoreClient
 from opml_common.errors import InvalidArgument, NotFound
 from opml_inference_router.control.state import Source
+
+log = logging.getLogger(__name__)
+
+PARTIAL_PREFIX = ".partial-"  # a download's temporary directory, renamed to the bundle's UUID when whole
 
 
 def local_directory(source: Source) -> Path:
@@ -59,6 +65,16 @@ class BundleFetcher:
             raise InvalidArgument("bundle", "must name a context and a bundle (name or UUID), or give a model_dir")
         return await self._download(source.context, bundle_uuid or source.bundle)
 
+    def remove_leftovers(self) -> None:
+        """Remove the temporary directories of downloads a killed router left (at start, before any fetch of
+        this router's: a home is one router's)."""
+        leftovers = sorted(self._dir.glob(f"{PARTIAL_PREFIX}*")) if self._dir.is_dir() else []
+        for leftover in leftovers:
+            shutil.rmtree(leftover, ignore_errors=True)
+        if leftovers:
+            log.info("removed %d half-written bundle download(s) an earlier run left: %s", len(leftovers),
+                     [leftover.name for leftover in leftovers])
+
     async def get_bundle(self, context: str, ref: str) -> bundles_pb2.Bundle:
         """What the bundle-store says of bundle ``ref`` (a name or UUID) of ``context``: its tags,
         committed flag and files. Autodeploy reads it before acting on an event, never the event's copy.
@@ -86,7 +102,7 @@ class BundleFetcher:
         target = self._dir / bundle.uuid
         if await asyncio.to_thread(target.is_dir):
             return target, bundle.uuid
-        partial = self._dir / f".partial-{uuid.uuid4().hex}"
+        partial = self._dir / f"{PARTIAL_PREFIX}{uuid.uuid4().hex}"
         try:
             await client.download(context, bundle.uuid, partial)
             await asyncio.to_thread(partial.rename, target)
