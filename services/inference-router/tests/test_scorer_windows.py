@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from opml_common.errors import NotFound, Unauthenticated, Unavailable
+from opml_common.errors import DeadlineExceeded, NotFound, Unauthenticated
 from opml_devstack.process import ServiceProcess
 from opml_devstack.testing.services import TOKENS, ServiceStarter
 from opml_inference_router.control.scorer_windows import ScorerWindows
@@ -38,7 +38,7 @@ async def test_a_scorer_that_does_not_answer_fails_the_read_at_the_timeout() -> 
     with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts connections, never speaks
         windows = ScorerWindows(f"127.0.0.1:{silent.getsockname()[1]}", timeout_s=0.2)
         try:
-            with pytest.raises(Unavailable, match="Deadline Exceeded"):
+            with pytest.raises(DeadlineExceeded, match="Deadline Exceeded"):
                 await windows.since("m", 1, 0.0)
         finally:
             await windows.close()

@@ -9,7 +9,7 @@ from contextlib import aclosing
 
 import pytest
 
-from opml_common.errors import NotFound, Unauthenticated, Unavailable
+from opml_common.errors import DeadlineExceeded, NotFound, Unauthenticated
 from opml_devstack.testing.services import TOKENS
 from opml_monitoring_scorer_contract.aioclient import AsyncMonitoringClient
 
@@ -45,10 +45,11 @@ async def test_status_and_windows_read_as_the_blocking_client_reads_them(stack, 
 
 
 async def test_a_scorer_that_does_not_answer_fails_each_call_at_its_timeout() -> None:
-    """As any client's call past its deadline: Unavailable (retriable), saying so."""
+    """As any client's call past its deadline: DeadlineExceeded (retriable), not taken for an outage."""
     with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts connections, never speaks
         async with AsyncMonitoringClient(f"127.0.0.1:{silent.getsockname()[1]}") as client:
-            with pytest.raises(Unavailable, match="Deadline Exceeded"):
+            with pytest.raises(DeadlineExceeded, match="Deadline Exceeded") as late:
                 await client.status("fraud", "1", timeout=0.2)
-            with pytest.raises(Unavailable, match="Deadline Exceeded"):
+            assert late.value.retriable
+            with pytest.raises(DeadlineExceeded, match="Deadline Exceeded"):
                 [w async for w in client.windows("fraud", "1", timeout=0.2)]

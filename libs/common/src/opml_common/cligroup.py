@@ -23,7 +23,7 @@ import click
 from rich.console import Console
 
 from opml_common.config import GrpcTlsSettings
-from opml_common.errors import Unavailable
+from opml_common.errors import DeadlineExceeded, Unavailable
 from opml_common.grpc.client import ServiceClient
 from opml_common.retry import Backoff
 
@@ -52,7 +52,7 @@ class ClientSession:
     def follow(self, read: Callable[[Any], Iterable[T]]) -> Iterator[T]:
         """What ``read(client)`` yields, across restarts of the service.
 
-        When the service cannot be reached (UNAVAILABLE: it is restarting), says "reconnecting..." on
+        When the service cannot be reached or does not answer in time (it is restarting), says "reconnecting..." on
         stderr, waits (:data:`RECONNECT_BACKOFF`) and calls ``read`` again with a new client; ``read``
         resumes from what the caller has shown (its own state: a round number, a byte count). Each item
         read resets the wait. After ``reconnect_s`` seconds without reaching the service it gives up.
@@ -68,7 +68,7 @@ class ClientSession:
                         retry, down_since = 0, None
                         yield item
                 return
-            except Unavailable as error:
+            except (Unavailable, DeadlineExceeded) as error:
                 now = time.monotonic()
                 down_since = down_since if down_since is not None else now
                 if now - down_since >= self.reconnect_s:

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Self, TypeVar
 import grpc
 
 from opml_common.config import GrpcTlsSettings
-from opml_common.errors import OpmlError, Unavailable, from_status
+from opml_common.errors import OpmlError, from_status
 from opml_common.grpc.status import field_violations
 
 T = TypeVar("T")
@@ -99,11 +99,11 @@ def open_aio_channel(target: str, *, tls: Tls = None,
 
 
 def domain_error(error: grpc.RpcError) -> OpmlError:
-    """The domain error that a server's status code and message stand for."""
+    """The domain error that a server's status code and message stand for: a call past its deadline is
+    DeadlineExceeded and an unreachable server Unavailable (both retriable), so a caller tells a slow
+    answer from an outage."""
     code = error.code()
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return Unavailable(error.details() or code.name)
-    return from_status(code.name, error.details() or "", field_violations(error))
+    return from_status(code.name, error.details() or code.name, field_violations(error))
 
 
 def raising_domain_errors(call: Callable[..., T]) -> Callable[..., T]:

@@ -15,7 +15,7 @@ import grpc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
-from opml_common.errors import OpmlError, Unavailable
+from opml_common.errors import DeadlineExceeded, OpmlError, Unavailable
 from opml_common.grpc.client import domain_error, open_aio_channel
 from opml_inference_router.placement import Profile, SessionChoice
 
@@ -91,7 +91,8 @@ class WorkerClient:
         try:
             return await method(request, timeout=timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as error:
-            failure = domain_error(error)  # UNAVAILABLE and DEADLINE_EXCEEDED: Unavailable
-            if isinstance(failure, Unavailable) or error.code() == grpc.StatusCode.CANCELLED:
+            failure = domain_error(error)
+            # a worker that does not answer its admin call in time is taken for one that is down
+            if isinstance(failure, (Unavailable, DeadlineExceeded)) or error.code() == grpc.StatusCode.CANCELLED:
                 raise Unavailable(f"worker {self.address}: {error.details() or error.code().name}") from None
             raise failure from None
