@@ -21,7 +21,15 @@ from pathlib import Path
 
 import numpy as np
 
-from opml_common.errors import FailedPrecondition, InvalidArgument, NotFound, OpmlError, ResourceExhausted, Unavailable
+from opml_common.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    OpmlError,
+    ResourceExhausted,
+    Unavailable,
+)
 from opml_common.kserve_codec import encode_request
 from opml_inference_router.control.pools import PoolManager
 from opml_inference_router.control.state import VersionRecord
@@ -67,7 +75,7 @@ async def profile_version(pools: PoolManager, plan: Plan, profiles: ProfileBook,
             await client.load(config.name, path=Path(entry.directory), version=entry.version, profile=True)
         except BUNDLE_FAULTS:
             raise
-        except (FailedPrecondition, ResourceExhausted, Unavailable) as error:
+        except (FailedPrecondition, ResourceExhausted, Unavailable, DeadlineExceeded) as error:
             skipped.append(f"{kind}: {error.message}")
             continue
         try:

@@ -23,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
 
-from opml_common.errors import FailedPrecondition, NotFound, OpmlError, Unavailable
+from opml_common.errors import DeadlineExceeded, FailedPrecondition, NotFound, OpmlError, Unavailable
 from opml_inference_router.control.pools import PoolManager
 from opml_inference_router.control.serving_models import ServingModels
 from opml_inference_router.control.state import SERVING, ModelRecord
@@ -293,7 +293,7 @@ class ReplicaPlacer:
                 return
             try:
                 await self._load(*key)
-            except Unavailable:  # a worker that is down comes back with what _hosted says
+            except (Unavailable, DeadlineExceeded):  # a worker down or cut off comes back with what _hosted says
                 pass
             except OpmlError:
                 hosted.append(replica)
@@ -303,5 +303,5 @@ class ReplicaPlacer:
         name, number = replica.model.name, str(replica.model.version)
         with contextlib.suppress(NotFound):
             await self.router.remove_replica(name, number, self.pools.get(replica.worker).address)
-        with contextlib.suppress(NotFound, Unavailable):
+        with contextlib.suppress(NotFound, Unavailable, DeadlineExceeded):
             await self.pools.client(replica.worker).unload(name, replica.model.version)
