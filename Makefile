@@ -65,11 +65,13 @@ down:
 
 # Two pytest processes (pytest-xdist): most of a test's time is spent waiting on the real services it
 # starts, so two fill the two cores; a file's tests stay on one worker (module fixtures, --dist loadfile).
+# Files are handed out in collection order (pyproject's testpaths: the long integration files first),
+# not xdist's default of the files with the most tests first, which left the longest for the end.
 # Each worker has its own broker, S3 server and prefixes. `make test TEST_WORKERS=0` runs in one process.
 TEST_WORKERS ?= 2
 test: install
 	$(PY) -m ruff check .
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 bench: install
 	for b in bench/[!_]*.py; do $(PY) $$b || exit 1; done
