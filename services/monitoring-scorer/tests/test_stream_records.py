@@ -304,6 +304,46 @@ async def test_predictions_whose_label_join_failed_are_kept_for_the_join_at_the_
     assert await scorer.store.find_prediction("r4") is not None
 
 
+async def test_the_predictions_agent_waits_out_a_redis_outage_instead_of_crashing_and_raises_anything_else(
+        stream) -> None:
+    """A batch that stopped on an error that may pass (Redis unreachable) no longer raises out of the agent
+    (faust restarted it on every batch, and stops the app past 100 restarts a second): the agent backs off
+    and takes the next batch, whose flush applies the kept joins. Any other error still raises."""
+    events = []
+    for i in range(9):
+        event = record(prediction(i), i)
+        event.message.generation_id = 1
+        event.ack = lambda: None
+        events.append(event)
+    stream.app = SimpleNamespace(flow_control=SimpleNamespace(is_active=lambda: True), consumer_generation_id=1)
+    stream.windows = Table()
+    scorer = stream.scorer
+    calls: list[list[str]] = []
+    join = scorer.on_predictions_joinable
+
+    async def on_predictions_joinable(items) -> None:
+        calls.append([item.request_id for item in items])
+        if len(calls) <= 2:
+            raise redis.exceptions.ConnectionError("Redis went away")
+        await join(items)
+
+    async def batches(*parts):
+        for part in parts:
+            yield part
+
+    scorer.on_predictions_joinable = on_predictions_joinable
+    await stream._take_predictions(batches(events[:3], events[3:5], events[5:8]))
+    assert calls == [[f"r{i}" for i in range(3)], [f"r{i}" for i in range(5)], [f"r{i}" for i in range(8)]]
+    assert await scorer.store.find_prediction("r7") is not None
+
+    async def broken(items) -> None:
+        raise ValueError("a defect, not an outage")
+
+    scorer.on_predictions_joinable = broken
+    with pytest.raises(ValueError, match="a defect"):
+        await stream._take_predictions(batches(events[8:]))
+
+
 async def test_a_batch_of_labels_that_fails_as_a_whole_is_applied_one_by_one(stream) -> None:
     """An error of a whole batch that will not pass by retrying (not one label's outcome) is met by
     applying its labels one at a time: only the label that causes it is dead-lettered, not its batch."""

@@ -85,7 +85,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,6 +127,8 @@ LABEL_BATCH_WITHIN_S = 0.05
 """How long the labels agent waits to fill a batch before it applies what it has."""
 LABEL_RETRIES = Backoff(base_s=0.1, max_s=2.0)
 """Backoff of a label whose join failed for a reason that may pass (Redis unreachable)."""
+PREDICTION_RETRIES = Backoff(base_s=0.1, max_s=2.0)
+"""Backoff of the predictions agent after a batch stopped for a reason that may pass (Redis unreachable)."""
 DECODE_PREDICTIONS = 4096
 """About the most predictions decoded together: a batch of records (up to ``BATCH_MAX`` records of up
 to the router's ``prediction_batch_max`` predictions each) is decoded and applied in chunks of whole
@@ -424,8 +426,7 @@ class ScoringStream(Component):
         self.windows = app.Table("windows", default=None, partitions=PREDICTIONS.partitions)
 
         async def on_predictions(stream: Any) -> None:
-            async for events in stream.noack_take(BATCH_MAX, within=BATCH_WITHIN_S):
-                await self._on_batch(events)
+            await self._take_predictions(stream.noack_take(BATCH_MAX, within=BATCH_WITHIN_S))
 
         async def on_labels(stream: Any) -> None:
             async for events in stream.noack_take(LABEL_BATCH_MAX, within=LABEL_BATCH_WITHIN_S):
@@ -546,6 +547,27 @@ class ScoringStream(Component):
                 await self.scorer.adopt(key)
             except Exception as exc:  # noqa: BLE001 - its records are skipped as unknown, the stream flows
                 log.error("monitoring of %s registered elsewhere not adopted: %s", key[:200], exc)
+
+    async def _take_predictions(self, batches: AsyncIterator[list[Any]]) -> None:
+        """Applies each batch (:meth:`_on_batch`). An error that may pass (Redis unreachable) stops its batch
+        where it happened and waits, backing off, before the next one: what it had not applied is fed
+        again from the first missing offset (:meth:`_in_order`), the predictions kept for the label
+        join stay pending. Raised out of the agent, faust restarted the agent on every batch for as long
+        as Redis was away, and past 100 restarts a second it stops the app. Any other error still does."""
+        failures = 0
+        async for events in batches:
+            try:
+                await self._on_batch(events)
+            except Exception as exc:
+                if not is_retriable(exc):
+                    raise
+                delay = PREDICTION_RETRIES.delay(failures)
+                failures += 1
+                log.warning("a batch of %d prediction records stopped (failure %d in a row), its rest fed again; "
+                            "next batch in %.1f s: %s", len(events), failures, delay, exc)
+                await asyncio.sleep(delay)
+            else:
+                failures = 0
 
     async def _on_batch(self, events: list[Any]) -> None:
         app = self.app
