@@ -271,18 +271,25 @@ async def test_a_label_is_retried_while_redis_is_away_and_a_malformed_one_dead_l
     assert (counted["malformed"], counted["untrusted"]) == (1, 1)
 
 
-async def test_predictions_whose_label_join_failed_are_kept_for_the_join_at_the_next_flush(stream) -> None:
-    """Redis going away while a batch's predictions were kept for the label join: they were dropped
-    (their records stay in the open window, so nothing feeds them again) and a label parked for one
-    of them was never applied. They stay pending, and the next batch's flush applies them."""
+def running(stream: ScoringStream, count: int) -> list:
+    """``count`` records (request ids r0..) of partition 0 from offset 0, and ``stream`` as the running agent
+    sees its app (flowing, one generation) and its windows table."""
     events = []
-    for i in range(8):
+    for i in range(count):
         event = record(prediction(i), i)
         event.message.generation_id = 1
         event.ack = lambda: None
         events.append(event)
     stream.app = SimpleNamespace(flow_control=SimpleNamespace(is_active=lambda: True), consumer_generation_id=1)
     stream.windows = Table()
+    return events
+
+
+async def test_predictions_whose_label_join_failed_are_kept_for_the_join_at_the_next_flush(stream) -> None:
+    """Redis going away while a batch's predictions were kept for the label join: they were dropped
+    (their records stay in the open window, so nothing feeds them again) and a label parked for one
+    of them was never applied. They stay pending, and the next batch's flush applies them."""
+    events = running(stream, 8)
     scorer = stream.scorer
     label = LabelObserved(request_id="r0", values=[1.0]).SerializeToString()
     assert await scorer.on_label(label, LabelOrigin(LABEL_SOURCE, datetime(2026, 1, 1, tzinfo=UTC), "e0")) == "parked"
@@ -309,14 +316,7 @@ async def test_the_predictions_agent_waits_out_a_redis_outage_instead_of_crashin
     """A batch that stopped on an error that may pass (Redis unreachable) no longer raises out of the agent
     (faust restarted it on every batch, and stops the app past 100 restarts a second): the agent backs off
     and takes the next batch, whose flush applies the kept joins. Any other error still raises."""
-    events = []
-    for i in range(9):
-        event = record(prediction(i), i)
-        event.message.generation_id = 1
-        event.ack = lambda: None
-        events.append(event)
-    stream.app = SimpleNamespace(flow_control=SimpleNamespace(is_active=lambda: True), consumer_generation_id=1)
-    stream.windows = Table()
+    events = running(stream, 9)
     scorer = stream.scorer
     calls: list[list[str]] = []
     join = scorer.on_predictions_joinable
