@@ -66,7 +66,7 @@ class AutomlControllerSettings(ServiceSettings):
     inference_router_token: SecretStr | None = Field(None, description="Bearer token (reader) for the "
                                                      "inference-router.")
     retry_s: float = Field(1.0, gt=0, description="Pause before retrying an orchestrator call that failed "
-                           "with a retriable error (UNAVAILABLE).")
+                           "with a retriable error (UNAVAILABLE, DEADLINE_EXCEEDED).")
     lease_ttl_s: float = Field(10.0, ge=1, le=300, description="The automl-controller leader lease's TTL: the "
                                "replica holding it runs the experiments' loops; after a leader dies (no clean "
                                "release) another replica takes over within this long. It is renewed every third.")
