@@ -65,13 +65,15 @@ down:
 
 # Two pytest processes (pytest-xdist): most of a test's time is spent waiting on the real services it
 # starts, so two fill the two cores; a file's tests stay on one worker (module fixtures, --dist loadfile).
-# Files are handed out in collection order (pyproject's testpaths: the long integration files first),
-# not xdist's default of the files with the most tests first, which left the longest for the end.
+# Files go out as xdist orders them (most tests first: the long one- and two-test integration files
+# last). Handing them out in collection order instead (--no-loadscope-reorder: integration first) made
+# the run slower, 49:56 against 39:39: the full-scale main jobs of the restart test then ran beside
+# the CPU-heavy service tests (automl trials, scorer rebalances) and every one of them slowed down.
 # Each worker has its own broker, S3 server and prefixes. `make test TEST_WORKERS=0` runs in one process.
 TEST_WORKERS ?= 2
 test: install
 	$(PY) -m ruff check .
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 bench: install
 	for b in bench/[!_]*.py; do $(PY) $$b || exit 1; done

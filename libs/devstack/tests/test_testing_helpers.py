@@ -121,21 +121,3 @@ def test_the_wait_for_the_machine_is_not_counted_in_the_waiting_tests_timeout(py
     output, _ = inner.communicate(timeout=60)
     assert inner.returncode == 0 and "1 passed" in output, output
 
-
-def test_tests_that_want_the_machine_to_themselves_run_last(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_order="""
-        import pytest
-
-        @pytest.mark.machine_to_itself
-        def test_alone():
-            pass
-
-        def test_first():
-            pass
-
-        def test_second():
-            pass
-    """)
-    result = pytester.runpytest_subprocess("--collect-only", "-q")
-    assert [line.split("::")[1] for line in result.outlines if "::" in line] == ["test_first", "test_second",
-                                                                                "test_alone"]

@@ -7,8 +7,7 @@ data (the machine's Redis is shared, and ``make up`` may be running beside the t
 ``start_service`` runs platform services as real processes on top (see :mod:`.services`).
 
 A test marked ``machine_to_itself`` (one that measures latency against a bound, on two shared cores)
-runs with no other test of the run beside it: the other pytest-xdist workers wait between tests. Such
-tests run last.
+runs with no other test of the run beside it: the other pytest-xdist workers wait between tests.
 
 A skipped test fails: a skip proves nothing on CI, and everything a test needs is installed by
 ``make install``, so a test that cannot run here says why as a failure.
@@ -149,13 +148,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "machine_to_itself: no other test of the run runs beside this one "
                                        "(the other pytest-xdist workers wait between their tests)")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests marked ``machine_to_itself`` run last (in their order), the rest as collected: while one waits
-    for the test beside it, its worker idles and the others start nothing, and at the end of the run
-    the others have the least left to wait for."""
-    items.sort(key=lambda item: item.get_closest_marker("machine_to_itself") is not None)
 
 
 @contextlib.contextmanager
